@@ -1,0 +1,58 @@
+"""Default: 8 MLP members on MNIST-1D (generated offline), on whatever devices exist.
+
+  dist-ens --config=configs/default.py --workdir=/tmp/run
+  dist-ens --config=configs/default.py --workdir=/tmp/run --config.num_members=16
+
+Every field that any model, optimizer or schedule reads is present, so any of them
+can be overridden from the command line; each model reads only its own fields.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+  config.num_members = 8
+
+  # Devices as member x data; -1 fills the remaining devices. hosts_along: which
+  # axis runs across processes in a multi-host run.
+  config.mesh = ml_collections.ConfigDict(dict(member=-1, data=1, hosts_along='member'))
+
+  config.model = ml_collections.ConfigDict()
+  config.model.name = 'mlp'
+  config.model.widths = (256, 256)  # mlp hidden widths
+  config.model.channels = (25, 25, 25)  # cnn conv channels,
+  config.model.kernel_sizes = (5, 3, 3)  # kernel sizes
+  config.model.strides = (2, 2, 2)  # and strides, per layer
+  config.model.init_scale = 1.0  # multiplies the He-normal init std
+
+  config.data = ml_collections.ConfigDict()
+  config.data.name = 'mnist1d'
+  config.data.batch_size = 128  # each member's global batch, whatever the mesh
+
+  config.optim = ml_collections.ConfigDict()
+  config.optim.name = 'adam'  # 'adam' (AdamW when weight_decay > 0) or 'sgd'
+  config.optim.learning_rate = 1e-3  # peak learning rate
+  config.optim.weight_decay = 0.0
+  config.optim.b1 = 0.9
+  config.optim.b2 = 0.999
+  config.optim.eps = 1e-8
+  config.optim.momentum = 0.9  # sgd only; 0 for plain SGD
+  config.optim.nesterov = False
+  config.optim.grad_clip_norm = 0.0  # 0 = no clipping
+  config.optim.schedule = 'constant'  # 'constant', 'cosine' or 'linear' decay
+  config.optim.warmup_steps = 0
+
+  config.train = ml_collections.ConfigDict()
+  config.train.steps = 3000
+  config.train.label_smoothing = 0.0
+  config.train.log_every = 250
+  config.train.eval_every = 1000  # 0: evaluate only at the end
+  # Wait for the step every this many steps; 0 = automatic (8 on multi-device CPU,
+  # whose collectives deadlock when ~30 steps are queued; else at log steps only).
+  config.train.sync_every = 0
+
+  config.eval = ml_collections.ConfigDict()
+  config.eval.batch_size = 1000  # rounded up to a multiple of mesh.data; last batch masked
+  return config

@@ -1,0 +1,7 @@
+"""dist_ens: train ensembles of neural networks as one sharded, vmapped JAX program."""
+
+from dist_ens.ensemble import init_members, member_keys, num_members, stack, unstack
+from dist_ens.errors import ConfigError
+
+__all__ = ['ConfigError', 'init_members', 'member_keys', 'num_members', 'stack', 'unstack']
+__version__ = '0.1.0'

@@ -1,0 +1,93 @@
+"""Config files, validation and comparison.
+
+Configs are Python files whose get_config() returns an ml_collections.ConfigDict
+(see configs/). Everything here runs before any device work, so a bad config
+fails with one message that names the field, and nothing is compiled or written.
+"""
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+from dist_ens.errors import ConfigError
+
+
+def load_config_file(relative_to: str, filename: str, arg: str | None = None) -> ml_collections.ConfigDict:
+  """get_config() of the config file `filename` beside `relative_to` (a config's __file__).
+
+  Lets a variant config start from another one without needing configs/ on sys.path.
+  """
+  path = Path(relative_to).parent / filename
+  spec = importlib.util.spec_from_file_location(f'_dist_ens_config_{path.stem}', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg) if arg is not None else module.get_config()
+
+
+def _require(ok: bool, field: str, value: Any, what: str) -> None:
+  if not ok:
+    raise ConfigError(f'config.{field}={value!r} is invalid: {what}.')
+
+
+def _is_int(v: Any) -> bool:
+  return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Checks the fields every run reads; raises ConfigError naming the first bad one.
+
+  Names that live in registries (model, optimizer, dataset, schedule) are checked
+  where the registry is, with the list of valid names.
+  """
+  for field in ('seed', 'num_members', 'data.batch_size', 'train.steps', 'train.log_every',
+                'train.eval_every', 'train.sync_every', 'eval.batch_size', 'mesh.member',
+                'mesh.data', 'optim.warmup_steps'):
+    value = _get(config, field)
+    _require(_is_int(value), field, value, 'must be an int')
+  _require(config.num_members >= 1, 'num_members', config.num_members, 'must be >= 1')
+  _require(config.seed >= 0, 'seed', config.seed, 'must be >= 0')
+  for field in ('data.batch_size', 'train.steps', 'train.log_every', 'eval.batch_size'):
+    _require(_get(config, field) >= 1, field, _get(config, field), 'must be >= 1')
+  for field in ('train.eval_every', 'train.sync_every', 'optim.warmup_steps'):
+    _require(_get(config, field) >= 0, field, _get(config, field), 'must be >= 0')
+  for field in ('optim.learning_rate', 'optim.weight_decay', 'optim.grad_clip_norm',
+                'train.label_smoothing', 'model.init_scale'):
+    value = _get(config, field)
+    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+             and value >= 0, field, value, 'must be a finite number >= 0')
+  _require(config.optim.learning_rate > 0, 'optim.learning_rate', config.optim.learning_rate,
+           'must be > 0 (e.g. 1e-3)')
+  _require(config.train.label_smoothing < 1, 'train.label_smoothing',
+           config.train.label_smoothing, 'must be in [0, 1)')
+  _require(config.model.init_scale > 0, 'model.init_scale', config.model.init_scale, 'must be > 0')
+
+
+def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
+  node = config
+  for part in dotted.split('.'):
+    if part not in node:
+      raise ConfigError(f'config.{dotted} is missing; start from configs/default.py, which '
+                        'has every field.')
+    node = node[part]
+  return node
+
+
+def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The config as plain JSON-able data (tuples become lists)."""
+  return json.loads(config.to_json())
+
+
+def differences(old: dict[str, Any], new: dict[str, Any], prefix: str = '') -> list[str]:
+  """Dotted names of the fields that differ between two config dicts."""
+  out = []
+  for key in sorted(set(old) | set(new)):
+    a, b = old.get(key), new.get(key)
+    if isinstance(a, dict) and isinstance(b, dict):
+      out += differences(a, b, f'{prefix}{key}.')
+    elif a != b:
+      out.append(f'{prefix}{key}')
+  return out

@@ -1,0 +1,5 @@
+"""Error types that the entry point turns into one readable message and exit code."""
+
+
+class ConfigError(ValueError):
+  """An invalid config, mesh, dataset or workdir, found before anything compiles."""

@@ -1,0 +1,39 @@
+"""The single-member model interface and the initialisers the models share."""
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+Params = Any
+
+
+class InitFn(Protocol):
+
+  def __call__(self, rng: jax.Array, input_shape: tuple[int, ...]) -> Params:
+    ...
+
+
+class ApplyFn(Protocol):
+
+  def __call__(self, params: Params, x: jax.Array, train: bool = False,
+               rng: jax.Array | None = None) -> jax.Array:
+    ...
+
+
+class Model(NamedTuple):
+  """A pure model for ONE member.
+
+  init(rng, input_shape) -> params, where input_shape excludes the batch axis.
+  apply(params, x, train=False, rng=None) -> logits [batch, num_classes] for x of
+  shape [batch, *input_shape]; `rng` is only needed by stochastic layers in training.
+  """
+  init: InitFn
+  apply: ApplyFn
+
+
+def dense_init(rng: jax.Array, fan_in: int, fan_out: int, scale: float) -> dict[str, jax.Array]:
+  """He-normal weights (suits ReLU), times `scale`; zero bias."""
+  std = scale * jnp.sqrt(2.0 / fan_in)
+  return {'w': std * jax.random.normal(rng, (fan_in, fan_out), jnp.float32),
+          'b': jnp.zeros((fan_out,), jnp.float32)}

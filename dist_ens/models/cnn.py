@@ -1,0 +1,67 @@
+"""Convolutional net for 1-D signals [length, channels] and 2-D images [h, w, channels].
+
+Strided convolutions with ReLU, then flatten and one dense layer to logits: the
+MNIST-1D reference CNN (3 conv layers of 25 channels, kernels 5/3/3, stride 2),
+generalised to 2-D inputs. Inputs always carry a trailing channel axis (the data
+pipeline adds it), so the spatial rank is simply len(input_shape) - 1.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from dist_ens.errors import ConfigError
+from dist_ens.models.base import Model, dense_init
+
+# Spatial rank -> (input, kernel, output) layouts for lax.conv_general_dilated.
+_DIMENSION_NUMBERS = {1: ('NWC', 'WIO', 'NWC'), 2: ('NHWC', 'HWIO', 'NHWC')}
+
+
+def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
+  """CNN with `config.channels`, `config.kernel_sizes`, `config.strides` per layer."""
+  channels = tuple(int(c) for c in config.channels)
+  kernels = tuple(int(k) for k in config.kernel_sizes)
+  strides = tuple(int(s) for s in config.strides)
+  if not (len(channels) == len(kernels) == len(strides) > 0):
+    raise ConfigError(
+        'config.model.channels, kernel_sizes and strides need one entry per conv '
+        f'layer; got {len(channels)}, {len(kernels)} and {len(strides)}.')
+  init_scale = float(config.get('init_scale', 1.0))
+
+  def init(rng, input_shape):
+    rank = len(input_shape) - 1
+    if rank not in _DIMENSION_NUMBERS:
+      raise ConfigError(
+          f'cnn takes [length, channels] or [height, width, channels] inputs; got '
+          f'input shape {tuple(input_shape)}.')
+    keys = jax.random.split(rng, len(channels) + 1)
+    in_ch = input_shape[-1]
+    x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
+    convs = []
+    for key, out_ch, k in zip(keys[:-1], channels, kernels):
+      fan_in = in_ch * k**rank
+      std = init_scale * math.sqrt(2.0 / fan_in)
+      convs.append({'w': std * jax.random.normal(key, (k,) * rank + (in_ch, out_ch)),
+                    'b': jnp.zeros((out_ch,))})
+      in_ch = out_ch
+    features = jax.eval_shape(lambda p, x: _features(p, x, rank), convs, x)
+    head = dense_init(keys[-1], math.prod(features.shape[1:]), num_classes, init_scale)
+    return {'convs': convs, 'head': head}
+
+  def _features(convs, x, rank):
+    for layer, stride in zip(convs, strides):
+      x = jax.lax.conv_general_dilated(
+          x, layer['w'], window_strides=(stride,) * rank, padding='SAME',
+          dimension_numbers=_DIMENSION_NUMBERS[rank])
+      x = jax.nn.relu(x + layer['b'])
+    return x
+
+  def apply(params, x, train=False, rng=None):
+    del train, rng  # Deterministic model.
+    rank = params['convs'][0]['w'].ndim - 2
+    h = _features(params['convs'], x, rank)
+    return h.reshape(h.shape[0], -1) @ params['head']['w'] + params['head']['b']
+
+  return Model(init, apply)

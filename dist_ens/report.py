@@ -1,0 +1,78 @@
+"""What a run tells its user: log lines, metrics.jsonl, final_metrics.json, tables.
+
+Only process 0 writes files; every process may log. Files are written atomically
+(write, then rename) so an interrupted run never leaves a truncated one.
+"""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def is_writer() -> bool:
+  """Process 0 alone writes files, so hosts never race on a shared workdir."""
+  return jax.process_index() == 0
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+  """Writes `obj` as JSON to `path` atomically; no-op on processes other than 0."""
+  if not is_writer():
+    return
+  path = Path(path)
+  with tempfile.NamedTemporaryFile('w', dir=path.parent, suffix='.tmp', delete=False) as tmp:
+    json.dump(obj, tmp, indent=2)
+    tmp.flush()
+    os.fsync(tmp.fileno())
+  os.replace(tmp.name, path)
+
+
+class JsonlWriter:
+  """Appends one JSON object per line; each line is written whole with one write call."""
+
+  def __init__(self, path: str | os.PathLike):
+    self._file = open(path, 'a', encoding='utf-8') if is_writer() else None
+
+  def write(self, event: dict[str, Any]) -> None:
+    if self._file is not None:
+      self._file.write(json.dumps(event) + '\n')
+      self._file.flush()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+
+
+def _duration(seconds: float) -> str:
+  seconds = int(round(seconds))
+  return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
+
+
+def progress_line(step: int, total: int, loss: np.ndarray, accuracy: np.ndarray,
+                  examples_per_s: float, eta_s: float) -> str:
+  """One log line: step, member loss mean/min/max, train accuracy, throughput, ETA."""
+  return (f'step {step}/{total}  loss mean {loss.mean():.4f} min {loss.min():.4f} '
+          f'max {loss.max():.4f}  acc {accuracy.mean():.3f}  '
+          f'{examples_per_s:,.0f} member-examples/s  ETA {_duration(eta_s)}')
+
+
+def results_table(final: dict[str, Any]) -> str:
+  """Per-member and ensemble test metrics as a Markdown table."""
+  members, ens = final['members'], final['ensemble']
+  frozen = set(final.get('frozen_members', []))
+  lines = ['| member | accuracy | NLL | Brier | ECE |', '|---|---|---|---|---|']
+  for i in range(len(members['accuracy'])):
+    name = f'{i} (frozen)' if i in frozen else str(i)
+    lines.append(f'| {name} | {members["accuracy"][i]:.4f} | {members["nll"][i]:.4f} | '
+                 f'{members["brier"][i]:.4f} | {members["ece"][i]:.4f} |')
+  mean = {k: float(np.mean(v)) for k, v in members.items()}
+  lines.append(f'| member mean | {mean["accuracy"]:.4f} | {mean["nll"]:.4f} | '
+               f'{mean["brier"]:.4f} | {mean["ece"]:.4f} |')
+  lines.append(f'| **ensemble** | **{ens["accuracy"]:.4f}** | **{ens["nll"]:.4f}** | '
+               f'**{ens["brier"]:.4f}** | **{ens["ece"]:.4f}** |')
+  lines.append(f'\nensemble disagreement: {ens["disagreement"]:.4f}')
+  return '\n'.join(lines)

@@ -1,0 +1,113 @@
+"""The train step: per-member loss -> vmap over a device's members -> shard_map -> jit.
+
+Each device holds a block of members (the 'member' axis) and a slice of every
+member's batch (the 'data' axis). Inside `shard_map` the device computes its
+members' gradients on its slice, averages them over 'data' with `lax.pmean`, and
+applies each member's own optimizer update. No collective crosses the 'member'
+axis: members never talk to each other during training.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dist_ens.mesh import DATA, MEMBER
+from dist_ens.models import Model
+
+PyTree = Any
+
+
+class TrainState(NamedTuple):
+  """Stacked state of all members; every leaf has a leading member axis [M, ...]."""
+  params: PyTree
+  opt_state: PyTree
+  frozen: jax.Array  # [M] bool: member hit a non-finite loss/gradient and stopped updating.
+
+
+class StepMetrics(NamedTuple):
+  """Per-member metrics of one step on its train batch, each [M]."""
+  loss: jax.Array
+  accuracy: jax.Array
+  nonfinite: jax.Array  # [M] bool: this step's loss or gradient was not finite.
+
+
+def init_state(model: Model, tx: optax.GradientTransformation, seed: int, num_members: int,
+               input_shape: tuple[int, ...]) -> TrainState:
+  """All members' state; member i's parameters come from fold_in(key(seed), i) alone."""
+  keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(
+      jnp.arange(num_members, dtype=jnp.uint32))
+  params = jax.vmap(lambda k: model.init(k, input_shape))(keys)
+  return TrainState(params=params, opt_state=jax.vmap(tx.init)(params),
+                    frozen=jnp.zeros((num_members,), jnp.bool_))
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float) -> jax.Array:
+  """Mean softmax cross-entropy over the batch, with optional label smoothing."""
+  targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing) \
+      if label_smoothing else jax.nn.one_hot(labels, logits.shape[-1])
+  return optax.softmax_cross_entropy(logits, targets).mean()
+
+
+def _all_finite(tree: PyTree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+@dataclasses.dataclass
+class TrainStep:
+  """The compiled train step, callable as step(state, x, y) -> (state, StepMetrics).
+
+  `traces` counts how often Python traced the step: it must stay 1 for a run.
+  """
+  fn: Callable[..., tuple[TrainState, StepMetrics]] = dataclasses.field(repr=False)
+  traces: int = 0
+
+  def __call__(self, state: TrainState, x: jax.Array, y: jax.Array):
+    return self.fn(state, x, y)
+
+
+def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh,
+                    label_smoothing: float = 0.0) -> TrainStep:
+  """Builds the jitted, sharded step; the input state is donated."""
+  step = TrainStep(fn=None)
+
+  def member_update(params, opt_state, frozen, x, y):
+    def loss_fn(p):
+      logits = model.apply(p, x, train=True)
+      return cross_entropy(logits, y, label_smoothing), logits
+
+    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    # Every data shard holds an equal slice of the batch, so the mean of shard means
+    # is the mean over the member's whole batch.
+    grads, loss = jax.lax.pmean((grads, loss), DATA)
+    accuracy = jax.lax.pmean(jnp.mean(jnp.argmax(logits, -1) == y), DATA)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    # A member whose loss or gradient is not finite keeps its old state (frozen);
+    # the others are untouched because nothing mixes members.
+    nonfinite = ~(jnp.isfinite(loss) & _all_finite(grads))
+    keep = frozen | nonfinite
+    new_params, new_opt_state = jax.tree.map(
+        lambda new, old: jnp.where(keep, old, new), (new_params, new_opt_state),
+        (params, opt_state))
+    return new_params, new_opt_state, keep, StepMetrics(loss, accuracy, nonfinite)
+
+  def local_step(state, x, y):
+    params, opt_state, frozen, metrics = jax.vmap(
+        member_update, in_axes=(0, 0, 0, None, None))(
+            state.params, state.opt_state, state.frozen, x, y)
+    return TrainState(params, opt_state, frozen), metrics
+
+  def traced(state, x, y):
+    step.traces += 1
+    return jax.shard_map(
+        local_step, mesh=mesh,
+        in_specs=(P(MEMBER), P(DATA), P(DATA)),
+        out_specs=(P(MEMBER), P(MEMBER)))(state, x, y)
+
+  step.fn = jax.jit(traced, donate_argnums=0)
+  return step
