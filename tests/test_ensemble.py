@@ -1,0 +1,69 @@
+"""stack / unstack and per-member initialisation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dist_ens
+from dist_ens import ensemble
+
+
+def _member(seed):
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  return {'dense': [{'w': jax.random.normal(k1, (3, 2)), 'b': jnp.zeros(2)}],
+          'scale': jax.random.normal(k2, ())}
+
+
+def test_stack_adds_leading_member_axis_and_unstack_inverts():
+  members = [_member(s) for s in range(3)]
+  stacked = dist_ens.stack(members)
+  assert stacked['dense'][0]['w'].shape == (3, 3, 2)
+  assert stacked['scale'].shape == (3,)
+  for original, recovered in zip(members, dist_ens.unstack(stacked)):
+    jax.tree.map(np.testing.assert_array_equal, original, recovered)
+
+
+def test_stacked_tree_is_vmappable_where_a_list_is_not():
+  members = [_member(s) for s in range(4)]
+  x = jnp.ones((5, 3))
+  f = lambda p, x: (x @ p['dense'][0]['w']).sum() * p['scale']
+  expected = [f(p, x) for p in members]
+  np.testing.assert_allclose(jax.vmap(f, in_axes=(0, None))(dist_ens.stack(members), x),
+                             expected, rtol=1e-6)
+
+
+def test_stack_names_first_differing_shape():
+  a, b = _member(0), _member(1)
+  b['dense'][0]['w'] = jnp.zeros((4, 2))
+  with pytest.raises(ValueError, match=r"member 1 .*\['dense'\]\[0\]\['w'\].*\[4, 2\].*\[3, 2\]"):
+    dist_ens.stack([a, b])
+
+
+def test_stack_names_structure_difference():
+  a, b = _member(0), _member(1)
+  b['extra'] = jnp.zeros(1)
+  with pytest.raises(ValueError, match=r"different structure.*\['extra'\]"):
+    dist_ens.stack([a, b])
+
+
+def test_stack_rejects_dtype_difference_and_empty():
+  a, b = _member(0), _member(1)
+  b['scale'] = b['scale'].astype(jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"\['scale'\]"):
+    dist_ens.stack([a, b])
+  with pytest.raises(ValueError, match='at least one member'):
+    dist_ens.stack([])
+
+
+def test_unstack_rejects_inconsistent_leading_axis():
+  with pytest.raises(ValueError, match='leading member axis'):
+    dist_ens.unstack({'a': jnp.zeros((2, 3)), 'b': jnp.zeros((3,))})
+
+
+def test_member_init_does_not_depend_on_ensemble_size():
+  init = lambda key: {'w': jax.random.normal(key, (4,))}
+  eight = ensemble.init_members(init, seed=7, num=8)
+  three = ensemble.init_members(init, seed=7, num=3)
+  np.testing.assert_array_equal(eight['w'][:3], three['w'])
+  assert not np.allclose(eight['w'][0], eight['w'][1])
