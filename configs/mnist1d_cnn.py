@@ -8,7 +8,7 @@ from dist_ens.configuration import load_config_file
 def get_config() -> ml_collections.ConfigDict:
   config = load_config_file(__file__, 'default.py')
   config.model.name = 'cnn'
-  config.optim.learning_rate = 3e-3
-  config.optim.schedule = 'cosine'
-  config.train.steps = 6000
+  config.optim.learning_rate = 1e-2
+  config.optim.weight_decay = 0.1
+  config.train.steps = 3000
   return config
