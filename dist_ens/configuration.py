@@ -16,13 +16,16 @@ import ml_collections
 from dist_ens.errors import ConfigError
 
 
-def load_config_file(relative_to: str, filename: str, arg: str | None = None) -> ml_collections.ConfigDict:
-  """get_config() of the config file `filename` beside `relative_to` (a config's __file__).
+def load_config(path: str | Path, arg: str | None = None) -> ml_collections.ConfigDict:
+  """get_config() (or get_config(arg)) of the config file at `path`.
 
-  Lets a variant config start from another one without needing configs/ on sys.path.
+  Example, in a variant config that starts from the default one:
+    config = load_config(Path(__file__).with_name('default.py'))
   """
-  path = Path(relative_to).parent / filename
+  path = Path(path)
   spec = importlib.util.spec_from_file_location(f'_dist_ens_config_{path.stem}', path)
+  if spec is None or not path.is_file():
+    raise ConfigError(f'config file {path} does not exist.')
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(arg) if arg is not None else module.get_config()

@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 from dist_ens import train
-from dist_ens.configuration import load_config_file
+from dist_ens.configuration import load_config
 from dist_ens.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(**overrides):
-  config = load_config_file(str(ROOT / 'configs' / 'x.py'), 'default.py')
+  config = load_config(ROOT / 'configs' / 'default.py')
   config.train.steps = 20
   config.train.log_every = 10
   config.train.eval_every = 0
