@@ -14,7 +14,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import configuration, data, mesh as mesh_lib, models, optim, report
+from dist_ens import configuration, data, distributed, mesh as mesh_lib, models, optim, report
 from dist_ens.errors import ConfigError
 from dist_ens.evaluate import evaluate, make_eval_step, member_mask_from_frozen
 from dist_ens.step import TrainState, init_state, make_train_step
@@ -62,6 +62,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
       a different run.
   """
   configuration.validate(config)
+  distributed.check_same_config(configuration.to_dict(config))
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
   dataset = data.load_dataset(config.data.name)
