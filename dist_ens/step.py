@@ -2,8 +2,9 @@
 
 Each device holds a block of members (the 'member' axis) and a slice of every
 member's batch (the 'data' axis). Inside `shard_map` the device computes its
-members' gradients on its slice, averages them over 'data' with `lax.pmean`, and
-applies each member's own optimizer update. No collective crosses the 'member'
+members' gradients on its slice; because the parameters are replicated over
+'data', differentiating them sums those gradients over 'data' (one all-reduce),
+and each member then applies its own optimizer update. No collective crosses the 'member'
 axis: members never talk to each other during training.
 """
 
@@ -78,12 +79,14 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh,
   def member_update(params, opt_state, frozen, x, y):
     def loss_fn(p):
       logits = model.apply(p, x, train=True)
-      return cross_entropy(logits, y, label_smoothing), logits
+      # This shard's share of the mean over the member's whole batch (shards are equal
+      # in size). Parameters are replicated over 'data', so shard_map's autodiff sums
+      # their gradient over 'data': the result is the gradient of the full-batch mean.
+      share = cross_entropy(logits, y, label_smoothing) / jax.lax.axis_size(DATA)
+      return share, logits
 
-    (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    # Every data shard holds an equal slice of the batch, so the mean of shard means
-    # is the mean over the member's whole batch.
-    grads, loss = jax.lax.pmean((grads, loss), DATA)
+    (share, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    loss = jax.lax.psum(share, DATA)
     accuracy = jax.lax.pmean(jnp.mean(jnp.argmax(logits, -1) == y), DATA)
     updates, new_opt_state = tx.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
