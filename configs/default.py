@@ -52,6 +52,16 @@ def get_config() -> ml_collections.ConfigDict:
   # Wait for the step every this many steps; 0 = automatic (8 on multi-device CPU,
   # whose collectives deadlock when ~30 steps are queued; else at log steps only).
   config.train.sync_every = 0
+  # A member whose loss or gradient goes non-finite: 'freeze' it and train the
+  # others on, or 'stop' (save, then exit with an error).
+  config.train.on_nonfinite = 'freeze'
+
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.every = 500  # steps between (asynchronous) checkpoints; also at the end
+  config.checkpoint.keep = 2  # newest checkpoints kept
+  # Comma-separated fields (or prefixes, e.g. 'optim') allowed to differ from the
+  # workdir's saved config on resume. Steps, logging, eval and mesh always may.
+  config.checkpoint.restore_incompatible = ''
 
   config.eval = ml_collections.ConfigDict()
   config.eval.batch_size = 1000  # rounded up to a multiple of mesh.data; last batch masked

@@ -48,12 +48,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """
   for field in ('seed', 'num_members', 'data.batch_size', 'train.steps', 'train.log_every',
                 'train.eval_every', 'train.sync_every', 'eval.batch_size', 'mesh.member',
-                'mesh.data', 'optim.warmup_steps'):
+                'mesh.data', 'optim.warmup_steps', 'checkpoint.every', 'checkpoint.keep'):
     value = _get(config, field)
     _require(_is_int(value), field, value, 'must be an int')
   _require(config.num_members >= 1, 'num_members', config.num_members, 'must be >= 1')
   _require(config.seed >= 0, 'seed', config.seed, 'must be >= 0')
-  for field in ('data.batch_size', 'train.steps', 'train.log_every', 'eval.batch_size'):
+  for field in ('data.batch_size', 'train.steps', 'train.log_every', 'eval.batch_size',
+                'checkpoint.every', 'checkpoint.keep'):
     _require(_get(config, field) >= 1, field, _get(config, field), 'must be >= 1')
   for field in ('train.eval_every', 'train.sync_every', 'optim.warmup_steps'):
     _require(_get(config, field) >= 0, field, _get(config, field), 'must be >= 0')

@@ -3,3 +3,7 @@
 
 class ConfigError(ValueError):
   """An invalid config, mesh, dataset or workdir, found before anything compiles."""
+
+
+class TrainingError(RuntimeError):
+  """Training stopped on purpose (e.g. a non-finite member with on_nonfinite='stop')."""

@@ -21,21 +21,35 @@ def is_writer() -> bool:
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
   """Writes `obj` as JSON to `path` atomically; no-op on processes other than 0."""
-  if not is_writer():
-    return
-  path = Path(path)
-  with tempfile.NamedTemporaryFile('w', dir=path.parent, suffix='.tmp', delete=False) as tmp:
-    json.dump(obj, tmp, indent=2)
-    tmp.flush()
-    os.fsync(tmp.fileno())
-  os.replace(tmp.name, path)
+  if is_writer():
+    _write_text_atomic(Path(path), json.dumps(obj, indent=2))
 
 
 class JsonlWriter:
-  """Appends one JSON object per line; each line is written whole with one write call."""
+  """Appends one JSON object per line; each line is written whole with one write call.
 
-  def __init__(self, path: str | os.PathLike):
-    self._file = open(path, 'a', encoding='utf-8') if is_writer() else None
+  On resume from step N, events after N (written before an interruption, and about
+  to be replayed) and any torn last line are dropped first, atomically.
+  """
+
+  def __init__(self, path: str | os.PathLike, keep_through_step: int | None = None):
+    self._file = None
+    if not is_writer():
+      return
+    path = Path(path)
+    if keep_through_step is not None and path.exists():
+      kept = []
+      for line in path.read_text(encoding='utf-8').splitlines(keepends=True):
+        try:
+          event = json.loads(line)
+        except json.JSONDecodeError:
+          continue  # A line torn by a crash.
+        if line.endswith('\n') and event.get('step', 0) <= keep_through_step:
+          kept.append(line)
+      _write_text_atomic(path, ''.join(kept))
+    elif keep_through_step is None:
+      _write_text_atomic(path, '')
+    self._file = open(path, 'a', encoding='utf-8')
 
   def write(self, event: dict[str, Any]) -> None:
     if self._file is not None:
@@ -45,6 +59,15 @@ class JsonlWriter:
   def close(self) -> None:
     if self._file is not None:
       self._file.close()
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+  with tempfile.NamedTemporaryFile('w', dir=path.parent, suffix='.tmp', delete=False,
+                                   encoding='utf-8') as tmp:
+    tmp.write(text)
+    tmp.flush()
+    os.fsync(tmp.fileno())
+  os.replace(tmp.name, path)
 
 
 def _duration(seconds: float) -> str:

@@ -1,9 +1,10 @@
 """run(config, workdir): wires config -> mesh -> model/optimizer -> state -> loop.
 
 Everything that can be wrong with the input is checked before anything is
-compiled or written; the loop itself only steps, logs and evaluates.
+compiled or written; the loop itself only steps, logs, evaluates and checkpoints.
 """
 
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,53 +16,61 @@ import numpy as np
 from absl import logging
 
 from dist_ens import configuration, data, distributed, mesh as mesh_lib, models, optim, report
-from dist_ens.errors import ConfigError
+from dist_ens.checkpoint import Checkpointer, PreemptionWatcher, check_compatible
+from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.evaluate import evaluate, make_eval_step, member_mask_from_frozen
 from dist_ens.step import TrainState, init_state, make_train_step
 
 # Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
 # CPU backend); waiting every 8 steps keeps well clear of that.
 _CPU_SYNC_EVERY = 8
+ON_NONFINITE = ('freeze', 'stop')
 
 
-def _prepare_workdir(workdir: Path, config_dict: dict[str, Any]) -> None:
-  """Refuses a workdir that holds a different run; then creates it and saves the config."""
+def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
+  """Refuses a workdir whose run cannot be resumed with this config; saves the config."""
+  config_dict = configuration.to_dict(config)
   saved = workdir / 'config.json'
   if saved.exists():
-    import json  # pylint: disable=g-import-not-at-top
-    diff = configuration.differences(json.loads(saved.read_text()), config_dict)
-    if diff:
-      raise ConfigError(
-          f'workdir {workdir} holds a run with a different config (differing fields: '
-          f'{", ".join(diff)}); use a new --workdir.')
+    differing = configuration.differences(json.loads(saved.read_text()), config_dict)
+    check_compatible(differing, config.checkpoint.restore_incompatible)
   if report.is_writer():
     workdir.mkdir(parents=True, exist_ok=True)
     report.write_json(saved, config_dict)
 
 
-def _log(msg: str) -> None:
+def _log(msg: str, *args: Any) -> None:
   prefix = f'[process {jax.process_index()}] ' if jax.process_count() > 1 else ''
-  logging.info('%s%s', prefix, msg)
+  logging.info(prefix + msg, *args)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *,
         devices: Sequence[jax.Device] | None = None) -> dict[str, Any]:
   """Trains config.num_members members as one program and returns the final metrics.
 
+  The same command on the same workdir resumes from the newest checkpoint; the
+  result equals an uninterrupted run's bit for bit on the same topology.
+
   Args:
     config: a config like configs/default.py's.
-    workdir: where config.json, metrics.jsonl and final_metrics.json go.
+    workdir: where config.json, metrics.jsonl, checkpoints/ and final_metrics.json go.
     devices: the devices to build the mesh from (default: all of them).
 
   Returns:
-    The final_metrics.json content: per-member and ensemble test metrics.
+    The final_metrics.json content (per-member and ensemble test metrics), or
+    {'preempted': True, 'step': N} if SIGTERM stopped the run after saving.
 
   Raises:
     ConfigError: before anything is compiled or written, for an invalid config,
       a mesh that does not fit the devices, M or the batch, or a workdir that holds
-      a different run.
+      a run this config cannot resume.
+    TrainingError: a member went non-finite and config.train.on_nonfinite='stop'
+      (the state is saved first).
   """
   configuration.validate(config)
+  if config.train.on_nonfinite not in ON_NONFINITE:
+    raise ConfigError(f'config.train.on_nonfinite={config.train.on_nonfinite!r}; use one of '
+                      f'{ON_NONFINITE}.')
   distributed.check_same_config(configuration.to_dict(config))
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
@@ -72,78 +81,119 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   model = models.get_model(config.model, dataset.num_classes)
   tx = optim.make_optimizer(config.optim, config.train.steps)
   init = lambda: init_state(model, tx, config.seed, config.num_members, dataset.input_shape)
-  jax.eval_shape(init)  # Model/data mismatches surface here, before any file is written.
+  member_sharding = mesh_lib.member_sharding(mesh)
+  # Model/data mismatches surface here, before any file is written.
+  abstract_state = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=member_sharding),
+      jax.eval_shape(init))
 
   workdir = Path(workdir)
-  _prepare_workdir(workdir, configuration.to_dict(config))
-  _log(f'mesh {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} devices, '
-       f'{jax.process_count()} process(es); {config.num_members} x {config.model.name} on '
-       f'{dataset.name}')
+  _prepare_workdir(workdir, config)
+  _log('mesh %s over %d %s devices, %d process(es); %d x %s on %s', dict(mesh.shape), mesh.size,
+       mesh.devices.flat[0].platform, jax.process_count(), config.num_members,
+       config.model.name, dataset.name)
 
-  # Born sharded: each device materialises only its own members.
-  state: TrainState = jax.jit(init, out_shardings=mesh_lib.member_sharding(mesh))()
+  checkpointer = Checkpointer(workdir / 'checkpoints', config.checkpoint.every,
+                              config.checkpoint.keep)
+  restored = checkpointer.restore(abstract_state)
+  if restored is not None:
+    start_step, state, data_state = restored
+    _log('resuming from the checkpoint at step %d', start_step)
+  else:
+    start_step, data_state = 0, data.IteratorState()
+    # Born sharded: each device materialises only its own members.
+    state = jax.jit(init, out_shardings=member_sharding)()
+
   train_step = make_train_step(model, tx, mesh, config.train.label_smoothing)
   eval_step = make_eval_step(model, mesh)
   # Gathers small per-member results to every host before they are read.
   fetch = jax.jit(lambda tree: tree, out_shardings=mesh_lib.replicated(mesh))
 
-  batches = data.BatchIterator(dataset.train, config.data.batch_size, config.seed)
+  batches = data.BatchIterator(dataset.train, config.data.batch_size, config.seed, data_state)
   batch_sharding = mesh_lib.batch_sharding(mesh)
   steps, log_every = config.train.steps, config.train.log_every
   sync_every = config.train.sync_every or (
       _CPU_SYNC_EVERY if mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1 else 0)
   examples_per_step = config.num_members * config.data.batch_size
-  writer = report.JsonlWriter(workdir / 'metrics.jsonl')
+  writer = report.JsonlWriter(workdir / 'metrics.jsonl',
+                              keep_through_step=start_step if restored else None)
+  watcher = PreemptionWatcher()
 
   def evaluate_test(state):
     return evaluate(eval_step, state.params, dataset.test, config.eval.batch_size, mesh,
                     member_mask_from_frozen(state.frozen))
 
-  interval, interval_start, train_seconds, reported_frozen = [], time.perf_counter(), 0.0, set()
-  for step in range(1, steps + 1):
-    x, y = next(batches)
-    state, step_metrics = train_step(
-        state, data.to_global(x, batch_sharding), data.to_global(y, batch_sharding))
-    interval.append(step_metrics)
-    if sync_every and step % sync_every == 0:
-      jax.block_until_ready(step_metrics)
+  reported_frozen = set(np.flatnonzero(np.asarray(fetch(state.frozen))).tolist())
+  interval, interval_start, train_seconds = [], time.perf_counter(), 0.0
+  try:
+    for step in range(start_step + 1, steps + 1):
+      if watcher.should_stop(step - 1):
+        checkpointer.save(step - 1, state, batches.state, force=True)
+        checkpointer.wait()
+        _log('preempted (SIGTERM): saved the checkpoint at step %d and stopped; run the same '
+             'command again to resume.', step - 1)
+        return {'preempted': True, 'step': step - 1}
 
-    if step % log_every == 0 or step == steps:
-      fetched = jax.tree.map(np.asarray, fetch(interval))
-      elapsed = time.perf_counter() - interval_start
-      train_seconds += elapsed
-      loss = np.mean([m.loss for m in fetched], axis=0)
-      accuracy = np.mean([m.accuracy for m in fetched], axis=0)
-      rate = examples_per_step * len(interval) / elapsed
-      eta = train_seconds / step * (steps - step)
-      _log(report.progress_line(step, steps, loss, accuracy, rate, eta))
-      writer.write({'step': step, 'split': 'train',
-                    'members': {'loss': loss.tolist(), 'accuracy': accuracy.tolist()},
-                    'member_examples_per_s': rate})
-      for i in np.flatnonzero(np.any([m.nonfinite for m in fetched], axis=0)):
-        if i not in reported_frozen:
-          reported_frozen.add(int(i))
-          logging.warning('member %d hit a non-finite loss or gradient by step %d and is '
-                          'frozen; the other members train on.', i, step)
-      interval = []
-      interval_start = time.perf_counter()
+      x, y = next(batches)
+      state, step_metrics = train_step(
+          state, data.to_global(x, batch_sharding), data.to_global(y, batch_sharding))
+      interval.append(step_metrics)
+      checkpointer.save(step, state, batches.state)
+      if sync_every and step % sync_every == 0:
+        jax.block_until_ready(step_metrics)
 
-    eval_every = config.train.eval_every
-    if eval_every and step % eval_every == 0 and step != steps:
-      results = evaluate_test(state)
-      writer.write({'step': step, 'split': 'test', **results})
-      _log(f'step {step} test: ensemble accuracy {results["ensemble"]["accuracy"]:.4f} '
-           f'nll {results["ensemble"]["nll"]:.4f}; member mean accuracy '
-           f'{np.mean(results["members"]["accuracy"]):.4f}')
-      interval_start = time.perf_counter()  # Eval time is not train time.
+      if step % log_every == 0 or step == steps:
+        fetched = jax.tree.map(np.asarray, fetch(interval))
+        elapsed = time.perf_counter() - interval_start
+        train_seconds += elapsed
+        loss = np.mean([m.loss for m in fetched], axis=0)
+        accuracy = np.mean([m.accuracy for m in fetched], axis=0)
+        rate = examples_per_step * len(interval) / elapsed
+        eta = train_seconds / (step - start_step) * (steps - step)
+        _log('%s', report.progress_line(step, steps, loss, accuracy, rate, eta))
+        writer.write({'step': step, 'split': 'train',
+                      'members': {'loss': loss.tolist(), 'accuracy': accuracy.tolist()},
+                      'member_examples_per_s': rate})
+        newly_bad = sorted(set(np.flatnonzero(np.any([m.nonfinite for m in fetched], axis=0))
+                               .tolist()) - reported_frozen)
+        if newly_bad:
+          reported_frozen.update(newly_bad)
+          logging.warning('members %s hit a non-finite loss or gradient by step %d and are '
+                          'frozen at their last finite state.', newly_bad, step)
+          if config.train.on_nonfinite == 'stop':
+            checkpointer.save(step, state, batches.state, force=True)
+            checkpointer.wait()
+            raise TrainingError(
+                f'members {newly_bad} went non-finite by step {step} and '
+                "config.train.on_nonfinite='stop'; saved the checkpoint at step "
+                f'{step}. Set on_nonfinite=\'freeze\' to train the others on.')
+        interval = []
+        interval_start = time.perf_counter()
 
-  results = evaluate_test(state)
-  writer.write({'step': steps, 'split': 'test', **results})
-  writer.close()
+      eval_every = config.train.eval_every
+      if eval_every and step % eval_every == 0 and step != steps:
+        results = evaluate_test(state)
+        writer.write({'step': step, 'split': 'test', **results})
+        _log('step %d test: ensemble accuracy %.4f nll %.4f; member mean accuracy %.4f', step,
+             results['ensemble']['accuracy'], results['ensemble']['nll'],
+             np.mean(results['members']['accuracy']))
+        interval_start = time.perf_counter()  # Eval time is not train time.
+
+    checkpointer.save(steps, state, batches.state, force=True)
+    results = evaluate_test(state)
+    checkpointer.wait()
+    if restored is None or start_step < steps:
+      writer.write({'step': steps, 'split': 'test', **results})
+  finally:
+    writer.close()
+    watcher.close()
+    checkpointer.close()
+
   frozen = np.flatnonzero(np.asarray(fetch(state.frozen))).tolist()
   final = {'step': steps, 'num_members': config.num_members, **results,
            'frozen_members': frozen, 'train_step_traces': train_step.traces,
-           'train_seconds': train_seconds}
+           'train_seconds': train_seconds,
+           'checkpoint_blocking_seconds': checkpointer.blocking_seconds}
   report.write_json(workdir / 'final_metrics.json', final)
-  _log('final test metrics:\n' + report.results_table(final))
+  _log('final test metrics:\n%s', report.results_table(final))
   return final

@@ -1,0 +1,229 @@
+"""Checkpoints: exact resume after kill -9 and SIGTERM, corrupt checkpoints, config changes."""
+
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from dist_ens import checkpoint, train
+from dist_ens.configuration import load_config
+from dist_ens.errors import ConfigError, TrainingError
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 40
+# A short run that checkpoints often; mesh 4x2 so resume is checked with sharded data.
+FLAGS = [f'--config.train.steps={STEPS}', '--config.train.log_every=1',
+         '--config.train.eval_every=0', '--config.data.batch_size=32',
+         '--config.model.widths=(32,32)', '--config.checkpoint.every=5',
+         '--config.mesh.member=4', '--config.mesh.data=2']
+
+
+def _config(**overrides):
+  config = load_config(ROOT / 'configs' / 'default.py')
+  for flag in FLAGS:
+    dotted, value = flag[len('--config.'):].split('=')
+    _set(config, dotted, eval(value))  # pylint: disable=eval-used  # Test-only literals.
+  for dotted, value in overrides.items():
+    _set(config, dotted.replace('__', '.'), value)
+  return config
+
+
+def _set(config, dotted, value):
+  *parents, leaf = dotted.split('.')
+  for p in parents:
+    config = config[p]
+  config[leaf] = value
+
+
+def _final_state(workdir):
+  step_dir = max((Path(workdir) / 'checkpoints').iterdir(), key=lambda p: int(p.name))
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore')
+    return int(step_dir.name), jax.tree.map(np.asarray, ocp.PyTreeCheckpointer().restore(
+        str(step_dir / 'state')))
+
+
+def _assert_same_state(a, b):
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.fixture(scope='module')
+def uninterrupted(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('uninterrupted')
+  final = train.run(_config(), str(workdir))
+  return final, _final_state(workdir)[1]
+
+
+def _start(workdir):
+  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
+             JAX_PLATFORMS='cpu')
+  return subprocess.Popen(
+      [sys.executable, '-m', 'dist_ens.main', '--config=configs/default.py',
+       f'--workdir={workdir}', *FLAGS], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_step(workdir, step, proc, timeout=120):
+  """Waits until metrics.jsonl reports `step`; returns False if the run ended first."""
+  deadline = time.monotonic() + timeout
+  path = Path(workdir) / 'metrics.jsonl'
+  while time.monotonic() < deadline:
+    if proc.poll() is not None:
+      return False
+    if path.exists():
+      lines = [l for l in path.read_text().splitlines() if l.strip()]
+      if lines and json.loads(lines[-1])['step'] >= step:
+        return True
+    time.sleep(0.05)
+  proc.kill()
+  raise TimeoutError(f'run did not reach step {step} in {timeout}s')
+
+
+def _finish(workdir):
+  proc = _start(workdir)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out[-3000:]
+  return out
+
+
+def test_kill9_at_random_steps_then_resume_is_bit_exact(tmp_path, uninterrupted):
+  final, state = uninterrupted
+  rng = np.random.default_rng(int(time.time()))
+  kill_steps = sorted(rng.choice(np.arange(3, STEPS - 3), size=2, replace=False).tolist())
+  for kill_step in kill_steps:
+    proc = _start(tmp_path)
+    reached = _wait_for_step(tmp_path, kill_step, proc)
+    proc.kill()  # SIGKILL: no chance to save anything.
+    proc.communicate(timeout=60)
+    assert reached, f'the run ended before step {kill_step}'
+  _finish(tmp_path)
+  resumed = json.loads((tmp_path / 'final_metrics.json').read_text())
+  for key in ('members', 'ensemble'):
+    assert resumed[key] == final[key], f'killed at {kill_steps}'
+  _assert_same_state(_final_state(tmp_path)[1], state)
+  events = [json.loads(l) for l in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  train_steps = [e['step'] for e in events if e['split'] == 'train']
+  assert train_steps == list(range(1, STEPS + 1))  # No duplicated or torn lines.
+
+
+def test_sigterm_saves_at_next_step_and_exits_zero(tmp_path, uninterrupted):
+  proc = _start(tmp_path)
+  assert _wait_for_step(tmp_path, 12, proc)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, out[-3000:]
+  assert 'preempted (SIGTERM): saved the checkpoint at step' in out
+  saved_step = _final_state(tmp_path)[0]
+  assert 12 <= saved_step < STEPS
+  assert not (tmp_path / 'final_metrics.json').exists()
+  out = _finish(tmp_path)
+  assert f'resuming from the checkpoint at step {saved_step}' in out
+  _assert_same_state(_final_state(tmp_path)[1], uninterrupted[1])
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupted, caplog):
+  caplog.set_level(logging.INFO, logger='absl')
+  train.run(_config(train__steps=20, checkpoint__keep=3), str(tmp_path))
+  latest = tmp_path / 'checkpoints' / '20' / 'state'
+  for f in latest.rglob('*'):
+    if f.is_file() and f.stat().st_size > 0:
+      f.write_bytes(b'\0' * 7)  # Garbage of the wrong size.
+  final = train.run(_config(checkpoint__keep=3), str(tmp_path))
+  assert 'checkpoint at step 20 cannot be restored' in caplog.text
+  assert 'resuming from the checkpoint at step 15' in caplog.text
+  assert final['members'] == uninterrupted[0]['members']
+
+
+def test_incompatible_config_is_refused_and_nothing_overwritten(tmp_path):
+  train.run(_config(train__steps=10), str(tmp_path))
+  before = {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()}
+  with pytest.raises(ConfigError, match=r'differs in optim.learning_rate.*restore_incompatible='
+                                        r'optim.learning_rate'):
+    train.run(_config(train__steps=10, optim__learning_rate=0.1), str(tmp_path))
+  with pytest.raises(ConfigError, match=r'different ensemble \(differing fields: num_members'):
+    train.run(_config(train__steps=10, num_members=4,
+                      checkpoint__restore_incompatible='num_members'), str(tmp_path))
+  assert {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()} == before
+
+
+def test_allowed_changes_resume(tmp_path):
+  train.run(_config(train__steps=10), str(tmp_path))
+  final = train.run(_config(train__steps=15, optim__learning_rate=0.1,
+                            checkpoint__restore_incompatible='optim.learning_rate'), str(tmp_path))
+  assert final['step'] == 15
+  assert json.loads((tmp_path / 'config.json').read_text())['optim']['learning_rate'] == 0.1
+
+
+def _restore(workdir, member, data_axis):
+  from dist_ens import mesh as mesh_lib, models, optim, step  # pylint: disable=g-import-not-at-top
+  config = _config(mesh__member=member, mesh__data=data_axis)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  model = models.get_model(config.model, 10)
+  tx = optim.make_optimizer(config.optim, config.train.steps)
+  sharding = mesh_lib.member_sharding(mesh)
+  abstract = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+      jax.eval_shape(lambda: step.init_state(model, tx, 0, 8, (40, 1))))
+  restored = checkpoint.Checkpointer(Path(workdir) / 'checkpoints', 5, 2).restore(abstract)
+  assert jax.tree.leaves(restored.state)[0].sharding == sharding
+  return restored
+
+
+def test_restore_onto_another_mesh_gives_the_same_values(tmp_path, uninterrupted):
+  from dist_ens import data  # pylint: disable=g-import-not-at-top
+  train.run(_config(train__steps=20), str(tmp_path))
+  written = _restore(tmp_path, 4, 2)  # The mesh that wrote it.
+  assert written.step == 20 and written.data_state == data.IteratorState(epoch=0, index=20)
+  for member, data_axis in ((8, 1), (1, 8)):
+    restored = _restore(tmp_path, member, data_axis)
+    assert restored.step == 20 and restored.data_state == written.data_state
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+                 restored.state, written.state)
+  # Training on from there on a new mesh: the same run to float tolerance.
+  final = train.run(_config(mesh__member=8, mesh__data=1), str(tmp_path))
+  np.testing.assert_allclose(final['members']['nll'], uninterrupted[0]['members']['nll'],
+                             atol=1e-4)
+
+
+def _poison_member(monkeypatch, member):
+  original = train.init_state
+
+  def poisoned(*args, **kwargs):
+    state = original(*args, **kwargs)
+    return state._replace(params=jax.tree.map(lambda p: p.at[member].set(np.nan), state.params))
+
+  monkeypatch.setattr(train, 'init_state', poisoned)
+
+
+def test_nonfinite_member_is_frozen_reported_and_excluded(tmp_path, monkeypatch, uninterrupted):
+  _poison_member(monkeypatch, 3)
+  final = train.run(_config(), str(tmp_path))
+  assert final['frozen_members'] == [3]
+  others = [i for i in range(8) if i != 3]
+  for metric in ('accuracy', 'nll'):
+    got, clean = np.array(final['members'][metric]), np.array(uninterrupted[0]['members'][metric])
+    np.testing.assert_array_equal(got[others], clean[others])
+  assert np.isfinite(final['ensemble']['nll'])  # Member 3's NaNs are left out.
+  saved = json.loads((tmp_path / 'final_metrics.json').read_text())
+  assert saved['frozen_members'] == [3]
+
+
+def test_on_nonfinite_stop_saves_and_raises(tmp_path, monkeypatch):
+  _poison_member(monkeypatch, 5)
+  with pytest.raises(TrainingError, match=r"members \[5\] went non-finite by step 1 .*'stop'"):
+    train.run(_config(train__on_nonfinite='stop'), str(tmp_path))
+  assert _final_state(tmp_path)[0] == 1
+  with pytest.raises(ConfigError, match='on_nonfinite'):
+    train.run(_config(train__on_nonfinite='ignore'), str(tmp_path / 'other'))
