@@ -1,0 +1,79 @@
+"""How long a checkpoint save blocks the training loop, for two ensemble sizes.
+
+  python benchmarks/checkpoint_blocking.py [--repeats 5]
+
+Saves are asynchronous: the loop waits only for the device-to-host copy (the
+`save` call); writing to disk overlaps with training. Prints a table and writes
+benchmarks/results/checkpoint_blocking.json.
+"""
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+from dist_ens import data, mesh as mesh_lib, models, optim
+from dist_ens.checkpoint import Checkpointer
+from dist_ens.configuration import load_config
+from dist_ens.step import init_state
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (name, model overrides, input shape): the default run, and a CIFAR-10-shaped CNN
+# ensemble (32x32x3 inputs, 3 conv layers 64/128/256).
+CASES = [
+    ('default: 8 x MLP 40-256-256-10', dict(name='mlp'), (40, 1)),
+    ('CIFAR-sized: 8 x CNN 64-128-256 on 32x32x3',
+     dict(name='cnn', channels=(64, 128, 256), kernel_sizes=(3, 3, 3), strides=(2, 2, 2)),
+     (32, 32, 3)),
+]
+
+
+def measure(model_overrides, input_shape, repeats):
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.model.update(model_overrides)
+  mesh = mesh_lib.make_mesh(config.mesh)
+  model = models.get_model(config.model, 10)
+  tx = optim.make_optimizer(config.optim, 100)
+  state = jax.jit(lambda: init_state(model, tx, 0, config.num_members, input_shape),
+                  out_shardings=mesh_lib.member_sharding(mesh))()
+  num_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
+  blocking, total = [], []
+  with tempfile.TemporaryDirectory() as workdir:
+    ckpt = Checkpointer(Path(workdir), every=1, keep=2)
+    for step in range(1, repeats + 2):
+      jax.block_until_ready(state)
+      start = time.perf_counter()
+      ckpt.save(step, state, data.IteratorState(0, step))
+      call = time.perf_counter() - start
+      ckpt.wait()
+      if step > 1:  # The first save pays one-off setup.
+        blocking.append(call)
+        total.append(time.perf_counter() - start)
+    ckpt.close()
+  return num_bytes, statistics.median(blocking), statistics.median(total)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument('--repeats', type=int, default=5)
+  args = parser.parse_args()
+  rows = []
+  print(f'{"ensemble":45s} {"state MB":>9s} {"blocks loop ms":>15s} {"full save ms":>13s}')
+  for name, overrides, shape in CASES:
+    num_bytes, block, total = measure(overrides, shape, args.repeats)
+    rows.append(dict(ensemble=name, state_bytes=num_bytes, blocking_s=block, total_s=total))
+    print(f'{name:45s} {num_bytes / 1e6:9.1f} {block * 1e3:15.1f} {total * 1e3:13.1f}')
+  out = ROOT / 'benchmarks' / 'results' / 'checkpoint_blocking.json'
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(dict(devices=str(jax.devices()[0].platform), count=jax.device_count(),
+                                 repeats=args.repeats, rows=rows), indent=2))
+  print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+  main()
