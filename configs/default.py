@@ -5,9 +5,19 @@
 
 Every field that any model, optimizer or schedule reads is present, so any of them
 can be overridden from the command line; each model reads only its own fields.
+
+Fields marked "per member" take a number, a list of num_members numbers, or a sweep
+spec such as 'loguniform(1e-4,1e-2)' or 'grid(1e-3,1e-2)' (see dist_ens/hparams.py):
+  --config.optim.learning_rate='[0.001,0.002,0.003,0.004]'
 """
 
 import ml_collections
+from ml_collections import config_dict
+
+
+def per_member(value):
+  """A field that accepts a number, a list or a spec string (an untyped field)."""
+  return config_dict.FieldReference(value, field_type=object)
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -25,20 +35,23 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.channels = (25, 25, 25)  # cnn conv channels,
   config.model.kernel_sizes = (5, 3, 3)  # kernel sizes
   config.model.strides = (2, 2, 2)  # and strides, per layer
-  config.model.init_scale = 1.0  # multiplies the He-normal init std
+  config.model.init_scale = per_member(1.0)  # multiplies the He-normal init std
 
   config.data = ml_collections.ConfigDict()
   config.data.name = 'mnist1d'
   config.data.batch_size = 128  # each member's global batch, whatever the mesh
+  # Examples carved from the end of a fixed shuffle of train for validation (used by
+  # select.top_k); 0 = no validation split, train on all of it.
+  config.data.validation_size = 0
 
   config.optim = ml_collections.ConfigDict()
   config.optim.name = 'adam'  # 'adam' (AdamW when weight_decay > 0) or 'sgd'
-  config.optim.learning_rate = 1e-3  # peak learning rate
-  config.optim.weight_decay = 0.1  # decoupled (AdamW); curbs overfitting of 4,000 examples
-  config.optim.b1 = 0.9
+  config.optim.learning_rate = per_member(1e-3)  # peak learning rate
+  config.optim.weight_decay = per_member(0.1)  # decoupled (AdamW); curbs overfitting
+  config.optim.b1 = per_member(0.9)  # adam
   config.optim.b2 = 0.999
   config.optim.eps = 1e-8
-  config.optim.momentum = 0.9  # sgd only; 0 for plain SGD
+  config.optim.momentum = per_member(0.9)  # sgd only; 0 for plain SGD
   config.optim.nesterov = False
   config.optim.grad_clip_norm = 0.0  # 0 = no clipping
   config.optim.schedule = 'constant'  # 'constant', 'cosine' or 'linear' decay
@@ -46,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.train = ml_collections.ConfigDict()
   config.train.steps = 2000
-  config.train.label_smoothing = 0.0
+  config.train.label_smoothing = per_member(0.0)
   config.train.log_every = 250
   config.train.eval_every = 1000  # 0: evaluate only at the end
   # Wait for the step every this many steps; 0 = automatic (8 on multi-device CPU,
@@ -62,6 +75,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Comma-separated fields (or prefixes, e.g. 'optim') allowed to differ from the
   # workdir's saved config on resume. Steps, logging, eval and mesh always may.
   config.checkpoint.restore_incompatible = ''
+
+  # Members ranked by a validation metric ('nll', 'accuracy', 'brier' or 'ece'); top_k > 0
+  # also reports the ensemble of the k best (needs data.validation_size > 0).
+  config.select = ml_collections.ConfigDict()
+  config.select.metric = 'nll'
+  config.select.top_k = 0
 
   config.eval = ml_collections.ConfigDict()
   config.eval.batch_size = 1000  # rounded up to a multiple of mesh.data; last batch masked

@@ -13,7 +13,11 @@ from typing import Any
 
 import ml_collections
 
+from dist_ens import hparams
 from dist_ens.errors import ConfigError
+
+# Validation metrics members can be ranked by: name -> True if higher is better.
+SELECT_METRICS = {'nll': False, 'accuracy': True, 'brier': False, 'ece': False}
 
 
 def load_config(path: str | Path, arg: str | None = None) -> ml_collections.ConfigDict:
@@ -58,16 +62,19 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _require(_get(config, field) >= 1, field, _get(config, field), 'must be >= 1')
   for field in ('train.eval_every', 'train.sync_every', 'optim.warmup_steps'):
     _require(_get(config, field) >= 0, field, _get(config, field), 'must be >= 0')
-  for field in ('optim.learning_rate', 'optim.weight_decay', 'optim.grad_clip_norm',
-                'train.label_smoothing', 'model.init_scale'):
-    value = _get(config, field)
-    _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-             and value >= 0, field, value, 'must be a finite number >= 0')
-  _require(config.optim.learning_rate > 0, 'optim.learning_rate', config.optim.learning_rate,
-           'must be > 0 (e.g. 1e-3)')
-  _require(config.train.label_smoothing < 1, 'train.label_smoothing',
-           config.train.label_smoothing, 'must be in [0, 1)')
-  _require(config.model.init_scale > 0, 'model.init_scale', config.model.init_scale, 'must be > 0')
+  value = config.optim.grad_clip_norm
+  _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+           and value >= 0, 'optim.grad_clip_norm', value, 'must be a finite number >= 0')
+  value = _get(config, 'data.validation_size')
+  _require(_is_int(value) and value >= 0, 'data.validation_size', value, 'must be an int >= 0')
+  _require(_get(config, 'select.metric') in SELECT_METRICS, 'select.metric',
+           config.select.metric, f'use one of {list(SELECT_METRICS)}')
+  value = _get(config, 'select.top_k')
+  _require(_is_int(value) and 0 <= value <= config.num_members, 'select.top_k', value,
+           f'must be an int in [0, num_members={config.num_members}]')
+  _require(value == 0 or config.data.validation_size > 0, 'select.top_k', value,
+           'selects members on a validation split; set data.validation_size > 0 (e.g. 500)')
+  hparams.resolve(config)  # Per-member fields: numbers, lists of M numbers or specs.
 
 
 def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:

@@ -1,13 +1,15 @@
 """Optimizers from config, with the hyperparameters held in the optimizer state.
 
-`optax.inject_hyperparams` keeps learning_rate and weight_decay as arrays in each
-member's optimizer state instead of constants baked into the compiled step. The
+`optax.inject_hyperparams` keeps the learning rate, weight decay and b1 (Adam) or
+momentum (SGD) as arrays in each member's optimizer state instead of constants baked into the compiled step. The
 state is vmapped over members, so every member carries its own values: a sweep
 over them is data, not a recompile.
 """
 
 from collections.abc import Callable
+from typing import Any
 
+import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
@@ -18,25 +20,31 @@ SCHEDULES = ('constant', 'cosine', 'linear')
 
 
 def _adam(config: ml_collections.ConfigDict) -> Callable[..., optax.GradientTransformation]:
-  def factory(learning_rate, weight_decay):
+  def factory(learning_rate, weight_decay, b1):
     # Decoupled weight decay (AdamW); with weight_decay=0 this is Adam.
-    return optax.adamw(learning_rate, b1=config.b1, b2=config.b2, eps=config.eps,
+    return optax.adamw(learning_rate, b1=b1, b2=config.b2, eps=config.eps,
                        weight_decay=weight_decay)
   return factory
 
 
 def _sgd(config: ml_collections.ConfigDict) -> Callable[..., optax.GradientTransformation]:
-  def factory(learning_rate, weight_decay):
+  # A momentum of exactly 0 for every member is plain SGD; anything else (including
+  # per-member values) keeps a momentum trace whose decay is state.
+  plain = isinstance(config.momentum, (int, float)) and config.momentum == 0
+
+  def factory(learning_rate, weight_decay, momentum):
     return optax.chain(
         optax.add_decayed_weights(weight_decay),
-        optax.sgd(learning_rate, momentum=config.momentum or None, nesterov=config.nesterov))
+        optax.sgd(learning_rate, momentum=None if plain else momentum,
+                  nesterov=config.nesterov))
   return factory
 
 
-# name -> factory(optim_config) -> (learning_rate, weight_decay) -> GradientTransformation
-OPTIMIZERS: dict[str, Callable[[ml_collections.ConfigDict], Callable[..., optax.GradientTransformation]]] = {
-    'adam': _adam,
-    'sgd': _sgd,
+# name -> (factory(optim_config) -> (**hyperparameters) -> GradientTransformation,
+#          the config fields injected as per-member hyperparameters)
+OPTIMIZERS: dict[str, tuple[Callable[[ml_collections.ConfigDict], Callable[..., optax.GradientTransformation]], tuple[str, ...]]] = {
+    'adam': (_adam, ('learning_rate', 'weight_decay', 'b1')),
+    'sgd': (_sgd, ('learning_rate', 'weight_decay', 'momentum')),
 }
 
 
@@ -64,15 +72,20 @@ def make_optimizer(optim_config: ml_collections.ConfigDict,
                    total_steps: int) -> optax.GradientTransformation:
   """The optimizer for ONE member; vmap its init/update over members.
 
-  Chain: optional global-norm clipping -> the named optimizer (learning rate and
-  weight decay injected as state) -> the learning-rate schedule multiplier.
+  Chain: optional global-norm clipping -> the named optimizer (its per-member
+  hyperparameters injected as state) -> the learning-rate schedule multiplier.
+  The injected values start as the config's scalars; per-member values (lists,
+  sweeps) are put into the state by `set_hyperparams` after init.
   """
   if optim_config.name not in OPTIMIZERS:
     raise ConfigError(
         f'config.optim.name={optim_config.name!r}; use one of {sorted(OPTIMIZERS)}.')
-  base = optax.inject_hyperparams(OPTIMIZERS[optim_config.name](optim_config))(
-      learning_rate=jnp.float32(optim_config.learning_rate),
-      weight_decay=jnp.float32(optim_config.weight_decay))
+  factory, names = OPTIMIZERS[optim_config.name]
+  # Non-scalar fields get NaN until set_hyperparams fills them: forgetting to would
+  # freeze every member at step 1 instead of silently training with a wrong value.
+  initial = {n: jnp.float32(optim_config[n] if isinstance(optim_config[n], (int, float))
+                            else jnp.nan) for n in names}
+  base = optax.inject_hyperparams(factory(optim_config))(**initial)
   parts = []
   if optim_config.grad_clip_norm:
     parts.append(optax.clip_by_global_norm(optim_config.grad_clip_norm))
@@ -80,3 +93,22 @@ def make_optimizer(optim_config: ml_collections.ConfigDict,
   if optim_config.schedule != 'constant' or optim_config.warmup_steps:
     parts.append(optax.scale_by_schedule(schedule(optim_config, total_steps)))
   return optax.chain(*parts) if len(parts) > 1 else base
+
+
+def _is_inject_state(node: Any) -> bool:
+  return isinstance(node, optax.InjectStatefulHyperparamsState)
+
+
+def set_hyperparams(opt_state: Any, values: dict[str, jax.Array]) -> Any:
+  """Returns ONE member's optimizer state with its injected hyperparameters replaced.
+
+  `values` maps names (e.g. 'learning_rate') to this member's scalars; names the
+  optimizer does not inject are ignored. Use inside vmap over members.
+  """
+  def replace(node):
+    if not _is_inject_state(node):
+      return node
+    new = {k: jnp.asarray(values[k], v.dtype) if k in values else v
+           for k, v in node.hyperparams.items()}
+    return node._replace(hyperparams=new)
+  return jax.tree.map(replace, opt_state, is_leaf=_is_inject_state)

@@ -99,3 +99,49 @@ def results_table(final: dict[str, Any]) -> str:
                f'**{ens["brier"]:.4f}** | **{ens["ece"]:.4f}** |')
   lines.append(f'\nensemble disagreement: {ens["disagreement"]:.4f}')
   return '\n'.join(lines)
+
+
+def member_rows(final: dict[str, Any], member_hparams: dict[str, np.ndarray],
+                validation: dict[str, Any] | None, metric: str,
+                higher_is_better: bool) -> list[dict[str, Any]]:
+  """One row per member: index, hyperparameters, validation and test metrics, sorted
+  best first by `metric` (on validation when there is one, else on test)."""
+  rows = []
+  frozen = set(final.get('frozen_members', []))
+  for i in range(final['num_members']):
+    row: dict[str, Any] = {'member': i}
+    row.update({field: float(v[i]) for field, v in member_hparams.items()})
+    if validation is not None:
+      row.update({f'val_{k}': validation['members'][k][i] for k in ('accuracy', 'nll', 'ece')})
+    row.update({f'test_{k}': final['members'][k][i] for k in ('accuracy', 'nll', 'brier', 'ece')})
+    row['frozen'] = i in frozen
+    rows.append(row)
+  key = f'val_{metric}' if validation is not None and f'val_{metric}' in rows[0] else f'test_{metric}'
+  # Frozen members last; NaN metrics cannot rank.
+  sign = -1.0 if higher_is_better else 1.0
+  rows.sort(key=lambda r: (r['frozen'], not np.isfinite(r[key]), sign * np.nan_to_num(r[key])))
+  return rows
+
+
+def write_members_csv(path: str | os.PathLike, rows: list[dict[str, Any]]) -> None:
+  """members.csv, atomically; process 0 only."""
+  if not is_writer():
+    return
+  columns = list(rows[0])
+  lines = [','.join(columns)]
+  for row in rows:
+    lines.append(','.join(f'{row[c]:.6g}' if isinstance(row[c], float) else str(row[c])
+                          for c in columns))
+  _write_text_atomic(Path(path), '\n'.join(lines) + '\n')
+
+
+def members_table(rows: list[dict[str, Any]], fields: list[str]) -> str:
+  """The members with the hyperparameters that vary, as a Markdown table."""
+  metric_columns = [c for c in rows[0] if c.startswith(('val_', 'test_'))]
+  header = ['member'] + fields + metric_columns
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  for row in rows:
+    cells = [str(row['member']) + (' (frozen)' if row['frozen'] else '')]
+    cells += [f'{row[f]:.4g}' for f in fields] + [f'{row[c]:.4f}' for c in metric_columns]
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)

@@ -19,6 +19,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from dist_ens.mesh import DATA, MEMBER
 from dist_ens.models import Model
+from dist_ens.optim import set_hyperparams
 
 PyTree = Any
 
@@ -38,19 +39,34 @@ class StepMetrics(NamedTuple):
 
 
 def init_state(model: Model, tx: optax.GradientTransformation, seed: int, num_members: int,
-               input_shape: tuple[int, ...]) -> TrainState:
-  """All members' state; member i's parameters come from fold_in(key(seed), i) alone."""
+               input_shape: tuple[int, ...],
+               member_hparams: dict[str, Any] | None = None) -> TrainState:
+  """All members' state; member i's parameters come from fold_in(key(seed), i) alone.
+
+  Args:
+    member_hparams: per-member values [M] by field (see dist_ens.hparams.FIELDS):
+      'model.init_scale' scales the init and 'optim.*' go into each member's
+      optimizer state; None keeps the scalars the model and optimizer were built with.
+  """
+  member_hparams = member_hparams or {}
   keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(seed), i))(
       jnp.arange(num_members, dtype=jnp.uint32))
-  params = jax.vmap(lambda k: model.init(k, input_shape))(keys)
-  return TrainState(params=params, opt_state=jax.vmap(tx.init)(params),
+  scales = member_hparams.get('model.init_scale')
+  if scales is None:
+    params = jax.vmap(lambda k: model.init(k, input_shape))(keys)
+  else:
+    params = jax.vmap(lambda k, s: model.init(k, input_shape, init_scale=s))(keys, scales)
+  optim_values = {f.split('.', 1)[1]: v for f, v in member_hparams.items()
+                  if f.startswith('optim.')}
+  opt_state = jax.vmap(lambda p, hp: set_hyperparams(tx.init(p), hp))(params, optim_values)
+  return TrainState(params=params, opt_state=opt_state,
                     frozen=jnp.zeros((num_members,), jnp.bool_))
 
 
-def cross_entropy(logits: jax.Array, labels: jax.Array, label_smoothing: float) -> jax.Array:
-  """Mean softmax cross-entropy over the batch, with optional label smoothing."""
-  targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing) \
-      if label_smoothing else jax.nn.one_hot(labels, logits.shape[-1])
+def cross_entropy(logits: jax.Array, labels: jax.Array,
+                  label_smoothing: float | jax.Array = 0.0) -> jax.Array:
+  """Mean softmax cross-entropy over the batch, with (possibly traced) label smoothing."""
+  targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
   return optax.softmax_cross_entropy(logits, targets).mean()
 
 
@@ -60,23 +76,24 @@ def _all_finite(tree: PyTree) -> jax.Array:
 
 @dataclasses.dataclass
 class TrainStep:
-  """The compiled train step, callable as step(state, x, y) -> (state, StepMetrics).
+  """The compiled train step: step(state, x, y, label_smoothing=None) -> (state, metrics).
 
-  `traces` counts how often Python traced the step: it must stay 1 for a run.
+  `label_smoothing` is None (no smoothing) or a per-member [M] array sharded like
+  the state. `traces` counts how often Python traced the step: 1 for a run.
   """
   fn: Callable[..., tuple[TrainState, StepMetrics]] = dataclasses.field(repr=False)
   traces: int = 0
 
-  def __call__(self, state: TrainState, x: jax.Array, y: jax.Array):
-    return self.fn(state, x, y)
+  def __call__(self, state: TrainState, x: jax.Array, y: jax.Array,
+               label_smoothing: jax.Array | None = None):
+    return self.fn(state, x, y, label_smoothing)
 
 
-def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh,
-                    label_smoothing: float = 0.0) -> TrainStep:
+def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh) -> TrainStep:
   """Builds the jitted, sharded step; the input state is donated."""
   step = TrainStep(fn=None)
 
-  def member_update(params, opt_state, frozen, x, y):
+  def member_update(params, opt_state, frozen, label_smoothing, x, y):
     def loss_fn(p):
       logits = model.apply(p, x, train=True)
       # This shard's share of the mean over the member's whole batch (shards are equal
@@ -99,18 +116,20 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh,
         (params, opt_state))
     return new_params, new_opt_state, keep, StepMetrics(loss, accuracy, nonfinite)
 
-  def local_step(state, x, y):
+  def local_step(state, x, y, label_smoothing):
     params, opt_state, frozen, metrics = jax.vmap(
-        member_update, in_axes=(0, 0, 0, None, None))(
-            state.params, state.opt_state, state.frozen, x, y)
+        member_update, in_axes=(0, 0, 0, 0, None, None))(
+            state.params, state.opt_state, state.frozen, label_smoothing, x, y)
     return TrainState(params, opt_state, frozen), metrics
 
-  def traced(state, x, y):
+  def traced(state, x, y, label_smoothing):
     step.traces += 1
+    if label_smoothing is None:
+      label_smoothing = jnp.zeros(state.frozen.shape, jnp.float32)
     return jax.shard_map(
         local_step, mesh=mesh,
-        in_specs=(P(MEMBER), P(DATA), P(DATA)),
-        out_specs=(P(MEMBER), P(MEMBER)))(state, x, y)
+        in_specs=(P(MEMBER), P(DATA), P(DATA), P(MEMBER)),
+        out_specs=(P(MEMBER), P(MEMBER)))(state, x, y, label_smoothing)
 
   step.fn = jax.jit(traced, donate_argnums=0)
   return step

@@ -15,10 +15,12 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import configuration, data, distributed, mesh as mesh_lib, models, optim, report
+from dist_ens import (configuration, data, distributed, hparams, mesh as mesh_lib, models, optim,
+                      report)
 from dist_ens.checkpoint import Checkpointer, PreemptionWatcher, check_compatible
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.evaluate import evaluate, make_eval_step, member_mask_from_frozen
+from dist_ens.optim import set_hyperparams
 from dist_ens.step import TrainState, init_state, make_train_step
 
 # Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
@@ -74,13 +76,19 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   distributed.check_same_config(configuration.to_dict(config))
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
+  member_hparams = hparams.resolve(config)
   dataset = data.load_dataset(config.data.name)
+  validation = None
+  if config.data.validation_size:
+    train_split, validation = data.split_validation(dataset.train, config.data.validation_size)
+    dataset = dataset._replace(train=train_split)
   if config.data.batch_size > len(dataset.train.y):
     raise ConfigError(f'config.data.batch_size={config.data.batch_size} exceeds the '
                       f'{len(dataset.train.y)} training examples of {dataset.name}.')
   model = models.get_model(config.model, dataset.num_classes)
   tx = optim.make_optimizer(config.optim, config.train.steps)
-  init = lambda: init_state(model, tx, config.seed, config.num_members, dataset.input_shape)
+  init = lambda: init_state(model, tx, config.seed, config.num_members, dataset.input_shape,
+                            member_hparams)
   member_sharding = mesh_lib.member_sharding(mesh)
   # Model/data mismatches surface here, before any file is written.
   abstract_state = jax.tree.map(
@@ -96,15 +104,22 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   checkpointer = Checkpointer(workdir / 'checkpoints', config.checkpoint.every,
                               config.checkpoint.keep)
   restored = checkpointer.restore(abstract_state)
+  optim_hparams = {f.split('.', 1)[1]: v for f, v in member_hparams.items()
+                   if f.startswith('optim.')}
   if restored is not None:
     start_step, state, data_state = restored
+    # The config's hyperparameters win over the saved ones: identical on a plain
+    # resume, the new values where checkpoint.restore_incompatible allowed a change.
+    state = jax.jit(lambda s: s._replace(opt_state=jax.vmap(set_hyperparams)(
+        s.opt_state, optim_hparams)), donate_argnums=0)(state)
     _log('resuming from the checkpoint at step %d', start_step)
   else:
     start_step, data_state = 0, data.IteratorState()
     # Born sharded: each device materialises only its own members.
     state = jax.jit(init, out_shardings=member_sharding)()
 
-  train_step = make_train_step(model, tx, mesh, config.train.label_smoothing)
+  train_step = make_train_step(model, tx, mesh)
+  label_smoothing = jax.device_put(member_hparams['train.label_smoothing'], member_sharding)
   eval_step = make_eval_step(model, mesh)
   # Gathers small per-member results to every host before they are read.
   fetch = jax.jit(lambda tree: tree, out_shardings=mesh_lib.replicated(mesh))
@@ -119,9 +134,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
                               keep_through_step=start_step if restored else None)
   watcher = PreemptionWatcher()
 
-  def evaluate_test(state):
-    return evaluate(eval_step, state.params, dataset.test, config.eval.batch_size, mesh,
-                    member_mask_from_frozen(state.frozen))
+  def evaluate_test(state, split=dataset.test, member_mask=None):
+    if member_mask is None:
+      member_mask = member_mask_from_frozen(state.frozen)
+    return evaluate(eval_step, state.params, split, config.eval.batch_size, mesh, member_mask)
 
   reported_frozen = set(np.flatnonzero(np.asarray(fetch(state.frozen))).tolist())
   interval, interval_start, train_seconds = [], time.perf_counter(), 0.0
@@ -136,7 +152,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
 
       x, y = next(batches)
       state, step_metrics = train_step(
-          state, data.to_global(x, batch_sharding), data.to_global(y, batch_sharding))
+          state, data.to_global(x, batch_sharding), data.to_global(y, batch_sharding),
+          label_smoothing)
       interval.append(step_metrics)
       checkpointer.save(step, state, batches.state)
       if sync_every and step % sync_every == 0:
@@ -194,6 +211,31 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
            'frozen_members': frozen, 'train_step_traces': train_step.traces,
            'train_seconds': train_seconds,
            'checkpoint_blocking_seconds': checkpointer.blocking_seconds}
+  varying = hparams.varying(member_hparams)
+  if varying:
+    final['hyperparameters'] = {f: member_hparams[f].tolist() for f in varying}
+  val_results = evaluate_test(state, validation) if validation is not None else None
+  if val_results is not None:
+    final['validation'] = val_results
+  metric = config.select.metric
+  rows = report.member_rows(final, member_hparams, val_results, metric,
+                            configuration.SELECT_METRICS[metric])
+  if config.select.top_k:
+    chosen = sorted(r['member'] for r in rows[:config.select.top_k] if not r['frozen'])
+    mask = np.zeros(config.num_members, bool)
+    mask[chosen] = True
+    selected = evaluate_test(state, member_mask=jax.device_put(mask, member_sharding))
+    final['selected'] = {'top_k': config.select.top_k, 'by': f'validation {metric}',
+                         'members': chosen, 'ensemble': selected['ensemble']}
   report.write_json(workdir / 'final_metrics.json', final)
+  report.write_members_csv(workdir / 'members.csv', rows)
   _log('final test metrics:\n%s', report.results_table(final))
+  if varying or config.select.top_k:
+    _log('members, best first by %s %s:\n%s', 'validation' if validation else 'test', metric,
+         report.members_table(rows, varying))
+  if 'selected' in final:
+    ens = final['selected']['ensemble']
+    _log('ensemble of the %d best members %s by validation %s: test accuracy %.4f nll %.4f '
+         'ece %.4f', config.select.top_k, final['selected']['members'], metric,
+         ens['accuracy'], ens['nll'], ens['ece'])
   return final

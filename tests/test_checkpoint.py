@@ -164,6 +164,10 @@ def test_allowed_changes_resume(tmp_path):
                             checkpoint__restore_incompatible='optim.learning_rate'), str(tmp_path))
   assert final['step'] == 15
   assert json.loads((tmp_path / 'config.json').read_text())['optim']['learning_rate'] == 0.1
+  # The new value is what the members train with after the resume, not the saved one.
+  _, state = _final_state(tmp_path)
+  np.testing.assert_array_equal(state['opt_state']['hyperparams']['learning_rate'],
+                                np.full(8, 0.1, np.float32))
 
 
 def _restore(workdir, member, data_axis):

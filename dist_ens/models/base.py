@@ -10,7 +10,8 @@ Params = Any
 
 class InitFn(Protocol):
 
-  def __call__(self, rng: jax.Array, input_shape: tuple[int, ...]) -> Params:
+  def __call__(self, rng: jax.Array, input_shape: tuple[int, ...],
+               init_scale: float | jax.Array | None = None) -> Params:
     ...
 
 
@@ -24,7 +25,9 @@ class ApplyFn(Protocol):
 class Model(NamedTuple):
   """A pure model for ONE member.
 
-  init(rng, input_shape) -> params, where input_shape excludes the batch axis.
+  init(rng, input_shape, init_scale=None) -> params, where input_shape excludes the
+  batch axis; init_scale (a scalar, possibly traced: one per member under vmap)
+  overrides config.model.init_scale.
   apply(params, x, train=False, rng=None) -> logits [batch, num_classes] for x of
   shape [batch, *input_shape]; `rng` is only needed by stochastic layers in training.
   """
@@ -32,7 +35,8 @@ class Model(NamedTuple):
   apply: ApplyFn
 
 
-def dense_init(rng: jax.Array, fan_in: int, fan_out: int, scale: float) -> dict[str, jax.Array]:
+def dense_init(rng: jax.Array, fan_in: int, fan_out: int,
+               scale: float | jax.Array) -> dict[str, jax.Array]:
   """He-normal weights (suits ReLU), times `scale`; zero bias."""
   std = scale * jnp.sqrt(2.0 / fan_in)
   return {'w': std * jax.random.normal(rng, (fan_in, fan_out), jnp.float32),

@@ -28,9 +28,15 @@ def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
     raise ConfigError(
         'config.model.channels, kernel_sizes and strides need one entry per conv '
         f'layer; got {len(channels)}, {len(kernels)} and {len(strides)}.')
-  init_scale = float(config.get('init_scale', 1.0))
+  default_scale = config.get('init_scale', 1.0)
+  if not isinstance(default_scale, (int, float)):
+    default_scale = None  # Per-member values: the caller passes each member's scale.
 
-  def init(rng, input_shape):
+  def init(rng, input_shape, init_scale=None):
+    init_scale = default_scale if init_scale is None else init_scale
+    if init_scale is None:
+      raise ConfigError('config.model.init_scale holds per-member values; pass init_scale= '
+                        "to init (dist_ens's init_state does).")
     rank = len(input_shape) - 1
     if rank not in _DIMENSION_NUMBERS:
       raise ConfigError(

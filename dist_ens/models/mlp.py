@@ -17,9 +17,15 @@ def make_mlp(config: ml_collections.ConfigDict, num_classes: int) -> Model:
     raise ConfigError(
         f'config.model.widths={config.widths!r} must be a non-empty list of positive '
         'ints, e.g. (256, 256).')
-  init_scale = float(config.get('init_scale', 1.0))
+  default_scale = config.get('init_scale', 1.0)
+  if not isinstance(default_scale, (int, float)):
+    default_scale = None  # Per-member values: the caller passes each member's scale.
 
-  def init(rng, input_shape):
+  def init(rng, input_shape, init_scale=None):
+    init_scale = default_scale if init_scale is None else init_scale
+    if init_scale is None:
+      raise ConfigError('config.model.init_scale holds per-member values; pass init_scale= '
+                        "to init (dist_ens's init_state does).")
     sizes = (math.prod(input_shape),) + widths + (num_classes,)
     keys = jax.random.split(rng, len(sizes) - 1)
     return [dense_init(k, n_in, n_out, init_scale)

@@ -1,0 +1,153 @@
+"""Per-member hyperparameters: scalars, lists and sweep specs, resolved to [M] arrays.
+
+A hyperparameter field of the config may hold
+  * a number: every member gets it;
+  * a list of M numbers: member i gets the i-th;
+  * a spec string, expanded here for M = config.num_members:
+      'linspace(lo, hi)', 'logspace(lo, hi)'   evenly spaced (log-spaced) from lo to hi;
+      'uniform(lo, hi)', 'loguniform(lo, hi)'  random; member i's draw depends only on
+                                               (seed, field, i), never on M;
+      'grid(v1, v2, ...)'                      one axis of a grid: all fields given as
+                                               grid(...) form their cartesian product (the
+                                               field listed first in FIELDS varies slowest),
+                                               and M must equal its size.
+On the command line: --config.optim.learning_rate='[0.001,0.002]' or
+--config.optim.learning_rate='loguniform(1e-4,1e-2)'.
+"""
+
+import ast
+import itertools
+import math
+import re
+import zlib
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from dist_ens.errors import ConfigError
+
+# Fields that may vary per member, with the lowest value each accepts and whether
+# that bound is inclusive.
+FIELDS: dict[str, tuple[float, bool]] = {
+    'optim.learning_rate': (0.0, False),
+    'optim.weight_decay': (0.0, True),
+    'optim.b1': (0.0, True),
+    'optim.momentum': (0.0, True),
+    'train.label_smoothing': (0.0, True),
+    'model.init_scale': (0.0, False),
+}
+# Upper bounds (exclusive) where a field has one.
+_UPPER = {'optim.b1': 1.0, 'optim.momentum': 1.0, 'train.label_smoothing': 1.0}
+
+_SPEC = re.compile(r'^\s*(\w+)\s*\((.*)\)\s*$')
+_RANDOM = ('uniform', 'loguniform')
+_SPACED = ('linspace', 'logspace')
+
+
+def _get(config: ml_collections.ConfigDict, field: str) -> Any:
+  section, name = field.split('.')
+  return config[section][name]
+
+
+def _parse_spec(field: str, value: str) -> tuple[str, list[float]]:
+  match = _SPEC.match(value)
+  if not match:
+    raise ConfigError(
+        f'config.{field}={value!r} is not a number, a list of numbers or a sweep spec; use '
+        "e.g. 1e-3, '[1e-3,3e-3]', 'logspace(1e-4,1e-2)', 'loguniform(1e-4,1e-2)' or "
+        "'grid(1e-3,3e-3)'.")
+  name, args = match.group(1), match.group(2)
+  if name not in _RANDOM + _SPACED + ('grid',):
+    raise ConfigError(f'config.{field}={value!r}: unknown spec {name!r}; use one of '
+                      f'{list(_SPACED + _RANDOM + ("grid",))}.')
+  try:
+    parsed = ast.literal_eval(f'({args},)') if args.strip() else ()
+    numbers = [float(a) for a in parsed]
+  except (ValueError, SyntaxError, TypeError):
+    raise ConfigError(f'config.{field}={value!r}: the arguments of {name}(...) must be '
+                      'numbers.') from None
+  if name != 'grid' and len(numbers) != 2:
+    raise ConfigError(f'config.{field}={value!r}: {name} takes two numbers, (lo, hi).')
+  if name == 'grid' and not numbers:
+    raise ConfigError(f'config.{field}={value!r}: grid(...) needs at least one value.')
+  if name in ('logspace', 'loguniform') and min(numbers) <= 0:
+    raise ConfigError(f'config.{field}={value!r}: {name} needs lo and hi > 0.')
+  return name, numbers
+
+
+def _member_uniform(seed: int, field: str, num_members: int) -> np.ndarray:
+  """u in [0, 1) for each member, from (seed, field, member) only."""
+  field_id = zlib.crc32(field.encode())
+  return np.array([np.random.default_rng([seed, field_id, i]).random() for i in range(num_members)])
+
+
+def _check_range(field: str, values: np.ndarray, shown: Any) -> None:
+  low, inclusive = FIELDS[field]
+  ok = np.all(np.isfinite(values)) and (np.all(values >= low) if inclusive else np.all(values > low))
+  high = _UPPER.get(field)
+  if high is not None:
+    ok = ok and np.all(values < high)
+  if not ok:
+    bound = f'{">=" if inclusive else ">"} {low}' + (f' and < {high}' if high is not None else '')
+    raise ConfigError(f'config.{field}={shown!r}: every value must be finite and {bound}.')
+
+
+def resolve(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+  """Every per-member field as a float32 array [M], with specs expanded.
+
+  Raises:
+    ConfigError: naming the field, for a value that is not a number, a list of M
+      numbers or a known spec, for out-of-range values, or for a grid whose size
+      is not config.num_members.
+  """
+  m, seed = config.num_members, config.seed
+  values: dict[str, np.ndarray] = {}
+  grids: dict[str, list[float]] = {}
+  for field in FIELDS:
+    value = _get(config, field)
+    if isinstance(value, bool):
+      raise ConfigError(f'config.{field}={value!r} must be a number, not a bool.')
+    if isinstance(value, (int, float)):
+      values[field] = np.full(m, float(value))
+    elif isinstance(value, (list, tuple)):
+      if len(value) != m or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                    for v in value):
+        raise ConfigError(
+            f'config.{field} has {len(value)} values {list(value)!r}; a per-member list needs '
+            f'exactly num_members={m} numbers.')
+      values[field] = np.asarray(value, float)
+    elif isinstance(value, str):
+      name, args = _parse_spec(field, value)
+      if name == 'grid':
+        grids[field] = args
+        continue
+      lo, hi = args
+      if name == 'linspace':
+        values[field] = np.linspace(lo, hi, m)
+      elif name == 'logspace':
+        values[field] = np.geomspace(lo, hi, m)
+      elif name == 'uniform':
+        values[field] = lo + (hi - lo) * _member_uniform(seed, field, m)
+      else:
+        values[field] = np.exp(math.log(lo) + (math.log(hi) - math.log(lo))
+                               * _member_uniform(seed, field, m))
+    else:
+      raise ConfigError(f'config.{field}={value!r} ({type(value).__name__}) must be a number, '
+                        f'a list of num_members={m} numbers, or a sweep spec string.')
+    _check_range(field, values[field], value)
+  if grids:
+    size = math.prod(len(v) for v in grids.values())
+    if size != m:
+      shape = ' x '.join(f'{len(v)} ({f})' for f, v in grids.items())
+      raise ConfigError(f'the grid over {", ".join(grids)} has {shape} = {size} points but '
+                        f'config.num_members={m}; set num_members={size}.')
+    for field, column in zip(grids, zip(*itertools.product(*grids.values()))):
+      values[field] = np.asarray(column, float)
+      _check_range(field, values[field], _get(config, field))
+  return {f: values[f].astype(np.float32) for f in FIELDS}
+
+
+def varying(resolved: dict[str, np.ndarray]) -> list[str]:
+  """The fields whose value is not the same for every member."""
+  return [f for f, v in resolved.items() if np.unique(v).size > 1]
