@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import (configuration, data, distributed, hparams, mesh as mesh_lib, models, optim,
-                      report)
+                      writers)
 from dist_ens.checkpoint import Checkpointer, PreemptionWatcher, check_compatible
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.evaluate import evaluate, make_eval_step, member_mask_from_frozen
@@ -36,9 +36,9 @@ def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
   if saved.exists():
     differing = configuration.differences(json.loads(saved.read_text()), config_dict)
     check_compatible(differing, config.checkpoint.restore_incompatible)
-  if report.is_writer():
+  if writers.is_writer():
     workdir.mkdir(parents=True, exist_ok=True)
-    report.write_json(saved, config_dict)
+    writers.write_json(saved, config_dict)
 
 
 def _log(msg: str, *args: Any) -> None:
@@ -130,7 +130,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   sync_every = config.train.sync_every or (
       _CPU_SYNC_EVERY if mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1 else 0)
   examples_per_step = config.num_members * config.data.batch_size
-  writer = report.JsonlWriter(workdir / 'metrics.jsonl',
+  writer = writers.JsonlWriter(workdir / 'metrics.jsonl',
                               keep_through_step=start_step if restored else None)
   watcher = PreemptionWatcher()
 
@@ -167,7 +167,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
         accuracy = np.mean([m.accuracy for m in fetched], axis=0)
         rate = examples_per_step * len(interval) / elapsed
         eta = train_seconds / (step - start_step) * (steps - step)
-        _log('%s', report.progress_line(step, steps, loss, accuracy, rate, eta))
+        _log('%s', writers.progress_line(step, steps, loss, accuracy, rate, eta))
         writer.write({'step': step, 'split': 'train',
                       'members': {'loss': loss.tolist(), 'accuracy': accuracy.tolist()},
                       'member_examples_per_s': rate})
@@ -218,7 +218,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   if val_results is not None:
     final['validation'] = val_results
   metric = config.select.metric
-  rows = report.member_rows(final, member_hparams, val_results, metric,
+  rows = writers.member_rows(final, member_hparams, val_results, metric,
                             configuration.SELECT_METRICS[metric])
   if config.select.top_k:
     chosen = sorted(r['member'] for r in rows[:config.select.top_k] if not r['frozen'])
@@ -227,12 +227,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     selected = evaluate_test(state, member_mask=jax.device_put(mask, member_sharding))
     final['selected'] = {'top_k': config.select.top_k, 'by': f'validation {metric}',
                          'members': chosen, 'ensemble': selected['ensemble']}
-  report.write_json(workdir / 'final_metrics.json', final)
-  report.write_members_csv(workdir / 'members.csv', rows)
-  _log('final test metrics:\n%s', report.results_table(final))
+  writers.write_json(workdir / 'final_metrics.json', final)
+  writers.write_members_csv(workdir / 'members.csv', rows)
+  _log('final test metrics:\n%s', writers.results_table(final))
   if varying or config.select.top_k:
     _log('members, best first by %s %s:\n%s', 'validation' if validation else 'test', metric,
-         report.members_table(rows, varying))
+         writers.members_table(rows, varying))
   if 'selected' in final:
     ens = final['selected']['ensemble']
     _log('ensemble of the %d best members %s by validation %s: test accuracy %.4f nll %.4f '

@@ -1,4 +1,4 @@
-"""What a run tells its user: log lines, metrics.jsonl, final_metrics.json, tables.
+"""What a run writes and logs: metrics.jsonl, final_metrics.json, members.csv, tables.
 
 Only process 0 writes files; every process may log. Files are written atomically
 (write, then rename) so an interrupted run never leaves a truncated one.
