@@ -1,11 +1,270 @@
-"""Multi-process runs: jax.distributed start-up and cross-process config checks.
+"""Multi-process runs: starting jax.distributed, and checking all processes agree on the config.
 
-(Placeholder; the multi-host issue fills this in.)
+`initialize` runs in main.py before anything touches a device (jax.distributed
+must start before the backend does). It starts jax.distributed when asked
+(--distributed, or explicit --coordinator_address/--num_processes/--process_id)
+or when JAX's own cluster detection (SLURM, Cloud TPU pods, Open MPI, ...) finds
+a job of more than one process, so a real cluster job and a test that fakes one
+take the same code path.
+
+`check_same_config` runs in train.run right after the config is validated: every
+process must train the same ensemble, and a process launched with a different
+override would otherwise hang or silently diverge at the first collective.
 """
 
-from typing import Any
+import dataclasses
+import hashlib
+import json
+import logging as std_logging
+import os
+import sys
+from typing import Any, NoReturn
+
+import jax
+import numpy as np
+from absl import logging
+
+from dist_ens import configuration
+from dist_ens.errors import ConfigError
+
+# How long process 0's coordination service waits without a heartbeat before it
+# declares a process dead and tells the others to stop. JAX's default is 100 s;
+# 30 s stops a job with a dead host sooner while leaving slack for a busy host
+# (heartbeats come from a separate thread, not from the train loop).
+DEFAULT_HEARTBEAT_TIMEOUT_S = 30
+# How long a process waits for all the others to connect at start-up. Nodes of a
+# cluster job can start minutes apart, so this stays at JAX's default.
+DEFAULT_INIT_TIMEOUT_S = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+  """How this process joins a multi-process run (main.py's flags).
+
+  Attributes:
+    enabled: True to start jax.distributed, False never to, None to start it only
+      when explicit addresses are given or a multi-process cluster is detected.
+    coordinator_address: 'host:port' of process 0; None lets JAX detect it.
+    num_processes: number of processes; None lets JAX detect it.
+    process_id: this process's index in [0, num_processes); None lets JAX detect it.
+    init_timeout_s: seconds to wait for every process to connect.
+    heartbeat_timeout_s: seconds without a heartbeat after which a process is
+      declared dead and the others stop.
+  """
+  enabled: bool | None = None
+  coordinator_address: str | None = None
+  num_processes: int | None = None
+  process_id: int | None = None
+  init_timeout_s: int = DEFAULT_INIT_TIMEOUT_S
+  heartbeat_timeout_s: int = DEFAULT_HEARTBEAT_TIMEOUT_S
+
+  @property
+  def explicit(self) -> bool:
+    return any(v is not None for v in (self.coordinator_address, self.num_processes,
+                                        self.process_id))
+
+
+def detected_cluster() -> tuple[str, int] | None:
+  """(name, process count) of the cluster JAX's auto-detection would use, or None.
+
+  Uses the same ClusterEnv classes, in the same order, as
+  jax.distributed.initialize() with no arguments, so what is detected here is
+  what JAX will bootstrap from.
+  """
+  from jax._src import clusters  # pylint: disable=g-import-not-at-top  (no public API)
+  for env in clusters.ClusterEnv._cluster_types:  # pylint: disable=protected-access
+    if not env.opt_in_only_method and env.is_env_present():
+      return env.name, int(env.get_process_count())
+  return None
+
+
+def _check_launch(launch: Launch) -> None:
+  """Flag combinations that cannot work fail here, before any waiting."""
+  if launch.enabled is False and launch.explicit:
+    raise ConfigError('--nodistributed was given together with --coordinator_address/'
+                      '--num_processes/--process_id; drop --nodistributed to run as one of '
+                      'several processes, or drop the others to run alone.')
+  if launch.num_processes is not None and launch.num_processes < 1:
+    raise ConfigError(f'--num_processes={launch.num_processes} must be >= 1.')
+  if launch.process_id is not None and launch.process_id < 0:
+    raise ConfigError(f'--process_id={launch.process_id} must be >= 0.')
+  if (launch.num_processes is not None and launch.process_id is not None
+      and launch.process_id >= launch.num_processes):
+    raise ConfigError(f'--process_id={launch.process_id} must be below '
+                      f'--num_processes={launch.num_processes} (use 0..'
+                      f'{launch.num_processes - 1}).')
+  for name in ('init_timeout_s', 'heartbeat_timeout_s'):
+    if getattr(launch, name) < 1:
+      raise ConfigError(f'--{name}={getattr(launch, name)} must be >= 1 second.')
+
+
+def initialize(launch: Launch) -> bool:
+  """Starts jax.distributed if `launch` asks for it or a cluster job is detected.
+
+  Must run before any other JAX call that touches a device.
+
+  Args:
+    launch: the flags; see Launch.
+
+  Returns:
+    Whether jax.distributed was started.
+
+  Raises:
+    ConfigError: for contradictory flags, when the flags leave something that
+      cluster detection cannot fill in, or when a JAX backend already exists.
+  """
+  _check_launch(launch)
+  if launch.enabled is False:
+    return False
+  cluster = None
+  if not launch.explicit or None in (launch.coordinator_address, launch.num_processes,
+                                     launch.process_id):
+    cluster = detected_cluster()
+  if launch.enabled is None and not launch.explicit and (cluster is None or cluster[1] < 2):
+    return False  # Nothing asked for and no multi-process job found: a plain run.
+  if cluster is None:
+    missing = [f'--{name}' for name in ('coordinator_address', 'num_processes', 'process_id')
+               if getattr(launch, name) is None]
+    if missing:
+      raise ConfigError(
+          f'a multi-process run needs {", ".join(missing)}: no cluster (SLURM, Cloud TPU, '
+          'Open MPI) was detected to supply them. Pass all of --coordinator_address=HOST:PORT '
+          '--num_processes=N --process_id=I, or run under srun / on a TPU pod.')
+  from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top  (no public API)
+  if xla_bridge.backends_are_initialized():
+    raise ConfigError('jax.distributed must start before any JAX call that touches a '
+                      'device, but a backend already exists; call distributed.initialize '
+                      'first thing in the program.')
+  source = f'detected {cluster[0]} job' if cluster else 'explicit flags'
+  logging.info('starting jax.distributed (%s): coordinator %s, process %s of %s', source,
+               launch.coordinator_address or 'auto', 'auto' if launch.process_id is None
+               else launch.process_id, launch.num_processes or 'auto')
+  jax.distributed.initialize(
+      coordinator_address=launch.coordinator_address,
+      num_processes=launch.num_processes,
+      process_id=launch.process_id,
+      initialization_timeout=launch.init_timeout_s,
+      heartbeat_timeout_seconds=launch.heartbeat_timeout_s)
+  _prefix_log_lines(jax.process_index())
+  logging.info('jax.distributed started: process %d of %d, %d local / %d global devices',
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+  return True
+
+
+def exit_without_barrier(status: int | str) -> NoReturn:
+  """Ends this process at once, skipping jax.distributed's shutdown barrier.
+
+  A normal exit waits at a barrier until every process arrives or 300 s pass
+  (jax.distributed's shutdown timeout). After a failure in one process the others
+  never arrive: they wait in a collective for it, and it waits for them. Exiting
+  without the barrier closes this process's connections, so the others fail
+  promptly: at once where the collective notices (CPU), else when process 0's
+  coordination service misses this process's heartbeat (--heartbeat_timeout_s)
+  and stops every process.
+
+  Args:
+    status: exit code, or a message for stderr with exit code 1 (as sys.exit).
+  """
+  if isinstance(status, str):
+    print(status, file=sys.stderr)
+  for handler in std_logging.getLogger().handlers:
+    handler.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(status if isinstance(status, int) else 1)  # pylint: disable=protected-access
+
+
+class _ProcessPrefix(std_logging.Filter):
+  """Prefixes log messages with '[process i] ' unless they already carry it."""
+
+  def __init__(self, index: int):
+    super().__init__()
+    self._prefix = f'[process {index}] '
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if not str(record.msg).startswith('[process '):
+      record.msg = self._prefix + str(record.msg)
+    return True
+
+
+def _prefix_log_lines(index: int) -> None:
+  """Every log line through absl's handler (absl and std logging alike) names its process.
+
+  train.run's own lines already start with '[process i] '; this covers the rest
+  (warnings from other modules, JAX's Python logging).
+  """
+  handler = logging.get_absl_handler()
+  if not any(isinstance(f, _ProcessPrefix) for f in handler.filters):
+    handler.addFilter(_ProcessPrefix(index))
+
+
+def config_hash(config_dict: dict[str, Any]) -> bytes:
+  """SHA-256 of the config's canonical JSON: equal configs, equal hashes."""
+  return hashlib.sha256(_canonical(config_dict)).digest()
+
+
+def _canonical(config_dict: dict[str, Any]) -> bytes:
+  return json.dumps(config_dict, sort_keys=True, separators=(',', ':')).encode()
+
+
+def describe_differences(config_dicts: list[dict[str, Any]]) -> str:
+  """Names every field in which a process's config differs from process 0's.
+
+  Args:
+    config_dicts: the resolved config of each process, by process index.
+
+  Returns:
+    One line per differing process, e.g. "process 1: train.steps=30 (process 0:
+    20)", or '' if all are equal.
+  """
+  lines = []
+  for i, other in enumerate(config_dicts[1:], start=1):
+    fields = configuration.differences(config_dicts[0], other)
+    if fields:
+      shown = '; '.join(f'{f}={_lookup(other, f)!r} (process 0: {_lookup(config_dicts[0], f)!r})'
+                        for f in fields)
+      lines.append(f'process {i}: {shown}')
+  return '\n'.join(lines)
+
+
+def _lookup(config_dict: dict[str, Any], dotted: str) -> Any:
+  node = config_dict
+  for part in dotted.split('.'):
+    if not isinstance(node, dict) or part not in node:
+      return '<missing>'
+    node = node[part]
+  return node
 
 
 def check_same_config(config_dict: dict[str, Any]) -> None:
-  """Fails with a clear error if the processes resolved different configs (no-op for now)."""
-  del config_dict
+  """Fails on every process if the processes resolved different configs.
+
+  One process: returns at once, no collective. Several: all-gathers a 32-byte
+  hash of each config; only if they differ are the full configs gathered, so the
+  error can name the fields.
+
+  Args:
+    config_dict: this process's resolved config (configuration.to_dict).
+
+  Raises:
+    ConfigError: on every process, naming each differing field and its values.
+  """
+  if jax.process_count() == 1:
+    return
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  digest = np.frombuffer(config_hash(config_dict), np.uint8)
+  digests = multihost_utils.process_allgather(digest)
+  if (digests == digests[0]).all():
+    return
+  # Configs differ: gather them whole (padded to one length, as the collective needs).
+  encoded = _canonical(config_dict)
+  length = int(multihost_utils.process_allgather(np.int32(len(encoded))).max())
+  padded = np.zeros(length, np.uint8)
+  padded[:len(encoded)] = np.frombuffer(encoded, np.uint8)
+  gathered = multihost_utils.process_allgather(padded)
+  configs = [json.loads(bytes(row).rstrip(b'\0')) for row in gathered]
+  raise ConfigError(
+      f'the {len(configs)} processes resolved different configs; every process must get '
+      'the same --config file and overrides. Differing fields:\n'
+      + describe_differences(configs))
