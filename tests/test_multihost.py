@@ -1,0 +1,453 @@
+"""Real multi-process runs on localhost: jax.distributed over CPU processes with fake devices.
+
+Every process here is bounded twice: launch/local.sh's own --timeout (SIGTERM,
+then SIGKILL) where it is used, and a hard deadline in _wait that SIGKILLs every
+process of the test's session, so a hang fails the test instead of CI.
+
+This file is also the probe that the layout test runs in each process:
+`python tests/test_multihost.py probe OUT PORT NUM_PROCESSES PROCESS_ID WORKDIR`.
+"""
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from dist_ens import configuration, data, distributed, mesh as mesh_lib, train
+from dist_ens.configuration import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL_SH = ROOT / 'launch' / 'local.sh'
+# Short runs: 20 steps of 8 members on a 4 x 2 mesh take a few seconds per process.
+SMALL = ['--config.train.steps=20', '--config.train.log_every=10', '--config.train.eval_every=0',
+         '--config.data.batch_size=64', '--config.mesh.member=4', '--config.mesh.data=2']
+CONFIG = f'--config={ROOT / "configs" / "default.py"}'
+# Variables that would make a child process think it is part of some other job.
+_FOREIGN = re.compile(r'^(SLURM_|OMPI_|PMI_|KUBERNETES_|TPU_|MEGASCALE_|JAX_COORDINATOR|'
+                      r'JAX_LOCAL_DEVICE_IDS|XLA_FLAGS$|JAX_PLATFORMS$)')
+
+
+def _env(devices: int | None = 4, **extra: str) -> dict[str, str]:
+  env = {k: v for k, v in os.environ.items() if not _FOREIGN.match(k)}
+  env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
+  env['PYTHON'] = sys.executable
+  if devices is not None:
+    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+    env['JAX_PLATFORMS'] = 'cpu'
+  env.update(extra)
+  return env
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(('', 0))
+    return s.getsockname()[1]
+
+
+def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+  # A session of its own, so _kill_session can find every process it starts.
+  return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+  """SIGKILLs every process in `proc`'s session (GNU timeout moves to its own group)."""
+  for entry in Path('/proc').iterdir():
+    if entry.name.isdigit():
+      try:
+        if os.getsid(int(entry.name)) == proc.pid:
+          os.kill(int(entry.name), signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, str]]:
+  """(exit status, output) of each process; all are killed at the deadline, failing the test."""
+  deadline = time.monotonic() + timeout_s
+  results = []
+  try:
+    for proc in procs:
+      out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+      results.append((proc.returncode, out))
+  except subprocess.TimeoutExpired:
+    for proc in procs:
+      _kill_session(proc)
+    outputs = [p.communicate()[0] for p in procs]
+    pytest.fail(f'processes still running after {timeout_s} s (killed):\n'
+                + '\n'.join(o[-3000:] for o in outputs))
+  return results
+
+
+def _pair(args_of, timeout_s: float) -> list[tuple[int, str]]:
+  """Starts two dist_ens processes, with args_of(0) and args_of(1), and waits for both."""
+  procs = [_start([sys.executable, '-m', 'dist_ens.main', *args_of(i)], _env())
+           for i in range(2)]
+  return _wait(procs, timeout_s)
+
+
+def _explicit(port: int, i: int) -> list[str]:
+  return [f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}']
+
+
+def _local_sh(workdir: Path, *args: str, timeout_s: int = 60) -> subprocess.Popen:
+  """launch/local.sh with 2 processes x 4 devices; it sets the devices itself."""
+  return _start(['bash', str(LOCAL_SH), '--processes', '2', '--devices-per-process', '4',
+                 '--timeout', str(timeout_s), '--grace', '20', '--', CONFIG,
+                 f'--workdir={workdir}', *args], _env(devices=None))
+
+
+# ---------------------------------------------------------------------------------
+# Results do not depend on the process count.
+
+
+@pytest.fixture(scope='module')
+def one_process(tmp_path_factory):
+  """The reference: this pytest process, 1 process x 8 devices, on the same 4 x 2 mesh."""
+  return train.run(_small_config('member'), str(tmp_path_factory.mktemp('one') / 'w'))
+
+
+@pytest.mark.parametrize('hosts_along', ['member', 'data'])
+def test_two_processes_match_one(tmp_path, one_process, hosts_along):
+  layout = [*SMALL, f'--config.mesh.hosts_along={hosts_along}']
+  [(status, out)] = _wait([_local_sh(tmp_path / 'two', *layout)], 90)
+  assert status == 0, out[-5000:]
+  assert re.search(r'^\[1\] .*\[process 1\] step 20/20', out, re.M), out[-3000:]
+  two = json.loads((tmp_path / 'two' / 'final_metrics.json').read_text())
+  for metric in ('nll', 'accuracy', 'brier', 'ece'):
+    # The same mesh shape, and each mesh position computes the same shard, in
+    # either layout: only where the collectives run differs (across processes,
+    # over gloo). Measured identical; the tolerance allows another summation order.
+    np.testing.assert_allclose(two['members'][metric], one_process['members'][metric],
+                               atol=1e-6, err_msg=f'{metric} with hosts_along={hosts_along}')
+  assert abs(two['ensemble']['nll'] - one_process['ensemble']['nll']) < 1e-6
+
+
+def _small_config(hosts_along: str):
+  """SMALL as a config object, for runs inside a Python process."""
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.train.steps, config.train.log_every, config.train.eval_every = 20, 10, 0
+  config.data.batch_size = 64
+  config.mesh.member, config.mesh.data, config.mesh.hosts_along = 4, 2, hosts_along
+  return config
+
+
+# ---------------------------------------------------------------------------------
+# Layout: which axis crosses processes, which rows each host feeds, which
+# collectives the compiled train step runs.
+
+
+def test_mesh_rows_and_collectives_per_layout(tmp_path):
+  port = _free_port()
+  outs = [tmp_path / f'probe_{i}.json' for i in range(2)]
+  procs = [_start([sys.executable, __file__, 'probe', str(outs[i]), str(port), '2', str(i),
+                   str(tmp_path / 'work')], _env()) for i in range(2)]
+  for status, out in _wait(procs, 90):
+    assert status == 0, out[-5000:]
+  probes = [json.loads(p.read_text()) for p in outs]
+
+  member, data = (p['layouts']['member'] for p in probes), (p['layouts']['data'] for p in probes)
+  for layout in member:
+    # 'member' across hosts: each host holds whole members (rows of the mesh) and
+    # every data shard of them, so it feeds the whole batch.
+    assert layout['mesh_processes'] == [[0, 0], [0, 0], [1, 1], [1, 1]]
+    assert layout['host_rows'] == [0, 64]
+    assert layout['global_batch_ok']
+    assert layout['collective_groups'], 'expected the pmean over data'
+    assert not layout['groups_across_processes'], layout['collective_groups']
+  for i, layout in enumerate(data):
+    # 'data' across hosts: host i holds data shard i of every member: its half of the batch.
+    assert layout['mesh_processes'] == [[0, 1]] * 4
+    assert layout['host_rows'] == [[0, 32], [32, 64]][i]
+    assert layout['global_batch_ok']
+    # The control: the same check does see cross-process groups here.
+    assert layout['groups_across_processes'], layout['collective_groups']
+
+
+def _replica_groups(hlo_text: str) -> list[list[int]]:
+  """Device groups of every collective in compiled HLO text (explicit or iota form)."""
+  groups = []
+  collective = re.compile(r'\b(all-reduce|all-gather|reduce-scatter|all-to-all|'
+                          r'collective-broadcast|collective-permute)(-start)?\(')
+  for line in hlo_text.splitlines():
+    if not collective.search(line):
+      continue
+    if 'source_target_pairs=' in line:
+      pairs = line.split('source_target_pairs=', 1)[1]
+      groups += [[int(a), int(b)] for a, b in re.findall(r'\{(\d+),(\d+)\}', pairs)]
+    elif m := re.search(r'replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?', line):
+      shape, dims = [int(v) for v in m[1].split(',')], [int(v) for v in m[2].split(',')]
+      ids = np.arange(np.prod(dims)).reshape(dims)
+      if m[3]:
+        ids = ids.transpose([int(v) for v in m[3].split(',')])
+      groups += ids.reshape(shape).tolist()
+    elif m := re.search(r'replica_groups=(\{\}|\{\{[\d,{}]*\}\})', line):
+      if m[1] == '{}':
+        groups.append([-1])  # One group of all devices.
+      else:
+        groups += [[int(v) for v in g.split(',')] for g in re.findall(r'\{([\d,]+)\}', m[1])]
+  return groups
+
+
+def _probe(out: str, port: str, num_processes: str, process_id: str, workdir: str) -> None:
+  """Runs in each process of test_mesh_rows_and_collectives_per_layout; writes JSON to `out`."""
+  distributed.initialize(distributed.Launch(
+      coordinator_address=f'localhost:{port}', num_processes=int(num_processes),
+      process_id=int(process_id)))
+
+  class Captured(Exception):
+    """Ends train.run once its train step is compiled: the rest is not needed here."""
+
+  make_train_step = train.make_train_step
+
+  def capturing_make_train_step(*args, **kwargs):
+    # The train step exactly as train.run builds it, compiled for the arguments
+    # train.run first calls it with.
+    train_step = make_train_step(*args, **kwargs)
+    jitted = train_step.fn
+
+    def fn(*step_args):
+      raise Captured(jitted.lower(*step_args).compile())
+    train_step.fn = fn
+    return train_step
+
+  train.make_train_step = capturing_make_train_step
+  result = {'process_index': jax.process_index(), 'layouts': {}}
+  for hosts_along in ('member', 'data'):
+    config = _small_config(hosts_along)
+    config.train.steps, config.train.log_every = 2, 1
+    mesh = mesh_lib.make_mesh(config.mesh)
+    sharding = mesh_lib.batch_sharding(mesh)
+    rows = data.host_rows(sharding, (64,))
+    batch = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
+    global_batch = data.to_global(batch, sharding)
+    gathered = jax.jit(lambda a: a, out_shardings=mesh_lib.replicated(mesh))(global_batch)
+    shards_ok = all(np.array_equal(np.asarray(s.data), batch[s.index])
+                    for s in global_batch.addressable_shards)
+
+    try:
+      train.run(config, f'{workdir}/{hosts_along}')
+      raise AssertionError('train.run never called its train step')
+    except Captured as captured:
+      compiled = captured.args[0]
+    # Collectives name devices by their position in the program's device assignment.
+    assignment = jax.tree.leaves(compiled.input_shardings)[0].mesh.devices.flat
+    process_of = [d.process_index for d in assignment]
+    groups = _replica_groups(compiled.as_text())
+    across = [g for g in groups if g == [-1] or len({process_of[k] for k in g}) > 1]
+    result['layouts'][hosts_along] = {
+        'mesh_processes': [[d.process_index for d in row] for row in mesh.devices],
+        'host_rows': [rows.start, rows.stop],
+        'global_batch_ok': bool(shards_ok and np.array_equal(np.asarray(gathered), batch)),
+        'collective_groups': groups,
+        'groups_across_processes': across,
+    }
+  Path(out).write_text(json.dumps(result))
+
+
+def test_replica_group_parser():
+  text = '\n'.join([
+      '  %a = f32[2] all-reduce(f32[2] %x), channel_id=1, replica_groups={{0,1},{2,3}}, '
+      'use_global_device_ids=true, to_apply=%add',
+      '  %b = f32[2] all-reduce-start(f32[2] %x), channel_id=2, replica_groups=[2,4]<=[4,2]T(1,0), '
+      'use_global_device_ids=true, to_apply=%add',
+      '  %c = f32[2] all-gather(f32[2] %x), channel_id=3, replica_groups={}, dimensions={0}',
+      '  %d = f32[2] collective-permute(f32[2] %x), channel_id=4, source_target_pairs={{0,4},{4,0}}',
+      '  %e = f32[2] add(f32[2] %x, f32[2] %x)',
+  ])
+  assert _replica_groups(text) == [[0, 1], [2, 3], [0, 2, 4, 6], [1, 3, 5, 7], [-1], [0, 4], [4, 0]]
+
+
+# ---------------------------------------------------------------------------------
+# Failures: one process dies or errs, the others stop promptly with a clear error.
+
+
+def _python_pid_of(proc: subprocess.Popen, process_id: int) -> int | None:
+  """The pid of dist_ens process `process_id` among those `proc`'s session started."""
+  for entry in Path('/proc').iterdir():
+    try:
+      if not entry.name.isdigit() or os.getsid(int(entry.name)) != proc.pid:
+        continue
+      argv = (entry / 'cmdline').read_bytes().split(b'\0')
+    except (ProcessLookupError, PermissionError, FileNotFoundError):
+      continue
+    if argv[0] == sys.executable.encode() and f'--process_id={process_id}'.encode() in argv:
+      return int(entry.name)
+  return None
+
+
+def test_killed_process_stops_the_other(tmp_path):
+  # A run far longer than the test; kill -9 process 1 once both are training.
+  launcher = _local_sh(tmp_path / 'w', *SMALL, '--config.train.steps=100000', timeout_s=60)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+  reader.start()
+  deadline = time.monotonic() + 60
+  while not any('[process 1] step 10/' in line for line in list(lines)):
+    if time.monotonic() > deadline or launcher.poll() is not None:
+      _kill_session(launcher)
+      pytest.fail('never reached step 10:\n' + ''.join(lines[-50:]))
+    time.sleep(0.2)
+  victim = _python_pid_of(launcher, 1)
+  assert victim is not None, ''.join(lines[-50:])
+  os.kill(victim, signal.SIGKILL)
+  killed_at = time.monotonic()
+  try:
+    status = launcher.wait(timeout=45)
+  except subprocess.TimeoutExpired:
+    _kill_session(launcher)
+    pytest.fail('local.sh still running 45 s after the kill:\n' + ''.join(lines[-50:]))
+  took = time.monotonic() - killed_at
+  reader.join(timeout=10)
+  out = ''.join(lines)
+  assert status != 0
+  assert took < 30, f'took {took:.0f} s after the kill'
+  assert 'local.sh: process 1 failed with status 137' in out
+  assert 'local.sh: process 0 failed with status' in out, out[-3000:]
+  assert re.search(r'^\[0\] .*(another process probably failed|Terminating process because the '
+                   r'JAX distributed service detected fatal errors)', out, re.M), out[-3000:]
+
+
+def test_process_that_errs_stops_the_other(tmp_path):
+  # Process 1's workdir holds another ensemble's run: only it fails, with a
+  # ConfigError, after jax.distributed started; process 0 must not wait for it.
+  stale = tmp_path / 'stale'
+  stale.mkdir()
+  other = _small_config('member')
+  other.num_members = 3
+  (stale / 'config.json').write_text(json.dumps(configuration.to_dict(other)))
+  port = _free_port()
+  start = time.monotonic()
+  (status0, out0), (status1, out1) = _pair(
+      lambda i: [CONFIG, f'--workdir={tmp_path / "w" if i == 0 else stale}', *SMALL,
+                 '--config.train.steps=100000', *_explicit(port, i)], 60)
+  assert time.monotonic() - start < 45
+  assert status1 != 0 and 'dist_ens: error:' in out1 and 'num_members' in out1, out1[-3000:]
+  assert status0 != 0
+  assert 'another process probably failed' in out0 or 'Terminating process' in out0, out0[-3000:]
+
+
+def test_different_configs_fail_on_every_process_naming_fields(tmp_path):
+  port = _free_port()
+  results = _pair(lambda i: [CONFIG, f'--workdir={tmp_path / "w"}', *SMALL,
+                             *(['--config.seed=7'] if i == 1 else []), *_explicit(port, i)], 60)
+  for status, out in results:
+    assert status != 0, out[-3000:]
+    assert 'dist_ens: error: the 2 processes resolved different configs' in out, out[-3000:]
+    assert 'process 1: seed=7 (process 0: 0)' in out
+  assert not (tmp_path / 'w').exists()
+
+
+# ---------------------------------------------------------------------------------
+# Cluster detection: a SLURM job step, through launch/slurm.sbatch, on localhost.
+
+
+def _fake_srun(bin_dir: Path) -> None:
+  """An `srun` that starts SLURM_NTASKS local tasks with the variables real srun sets."""
+  bin_dir.mkdir()
+  (bin_dir / 'srun').write_text(r'''#!/usr/bin/env bash
+while [[ "$1" == -* ]]; do shift; done  # srun's own options
+echo "srun: $*" >&2
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do
+  SLURM_PROCID=$i SLURM_LOCALID=$i SLURM_STEP_NODELIST=localhost SLURM_STEP_NUM_NODES=1 \
+    SLURM_STEP_NUM_TASKS=$SLURM_NTASKS SLURM_NODEID=0 "$@" 2>&1 | sed "s/^/$i: /" &
+  pids+=($!)
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit $status
+''')
+  (bin_dir / 'srun').chmod(0o755)
+
+
+def _slurm_job_id() -> int:
+  """A job id whose coordinator port (61440 + id % 4096, as JAX derives it) is free now."""
+  for job_id in np.random.default_rng().permutation(4096):
+    try:
+      with socket.socket() as s:
+        s.bind(('', 61440 + int(job_id)))
+      return int(job_id) + 4096 * 7
+    except OSError:
+      continue
+  pytest.skip('no free port in 61440..65535')
+
+
+def test_slurm_job_found_by_jax_detection(tmp_path):
+  _fake_srun(tmp_path / 'bin')
+  env = _env(SLURM_JOB_ID=str(_slurm_job_id()), SLURM_NTASKS='2', SLURM_JOB_NUM_NODES='1',
+             SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost', SLURM_NTASKS_PER_NODE='2',
+             PATH=f'{tmp_path / "bin"}{os.pathsep}{os.environ["PATH"]}')
+  proc = _start(['bash', str(ROOT / 'launch' / 'slurm.sbatch'), CONFIG,
+                 f'--workdir={tmp_path / "w"}', *SMALL], env)
+  [(status, out)] = _wait([proc], 90)
+  assert status == 0, out[-5000:]
+  assert re.search(r'^srun: \S*python\S* -m dist_ens.main --distributed --config=', out, re.M)
+  for i in range(2):
+    assert re.search(rf'^{i}: .*starting jax.distributed \(detected slurm job\)', out, re.M), out
+    assert re.search(rf'^{i}: .*\[process {i}\] step 20/20', out, re.M), out[-3000:]
+  assert json.loads((tmp_path / 'w' / 'final_metrics.json').read_text())['step'] == 20
+
+
+def test_slurm_one_process_per_node_sees_every_gpu(tmp_path):
+  bin_dir = tmp_path / 'bin'
+  bin_dir.mkdir()
+  (bin_dir / 'srun').write_text('#!/bin/sh\necho "JAX_LOCAL_DEVICE_IDS=$JAX_LOCAL_DEVICE_IDS $*"\n')
+  (bin_dir / 'srun').chmod(0o755)
+  for tasks, expected in (('2', '0,1,2,3'), ('8', '')):
+    env = _env(SLURM_JOB_ID='5', SLURM_NTASKS=tasks, SLURM_JOB_NUM_NODES='2',
+               SLURM_GPUS_ON_NODE='4', PATH=f'{bin_dir}{os.pathsep}{os.environ["PATH"]}')
+    result = subprocess.run(['bash', str(ROOT / 'launch' / 'slurm.sbatch'), '--workdir=/w'],
+                            env=env, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f'JAX_LOCAL_DEVICE_IDS={expected} --label --kill-on-bad-exit=1 ')
+    assert result.stdout.rstrip().endswith('-m dist_ens.main --distributed --workdir=/w')
+
+
+# ---------------------------------------------------------------------------------
+# TPU pods: the gcloud commands.
+
+
+def test_tpu_pod_dry_run_prints_the_commands():
+  result = subprocess.run(
+      ['bash', str(ROOT / 'launch' / 'tpu_pod.sh'), '--name', 'pod', '--zone', 'us-central2-b',
+       '--project', 'proj', '--setup', '--dry-run', '--', '--config=configs/default.py',
+       '--workdir=gs://bucket/run', '--config.model.widths=(512, 512)'],
+      capture_output=True, text=True, timeout=30)
+  assert result.returncode == 0, result.stderr
+  lines = [shlex.split(line) for line in result.stdout.splitlines()]
+  where = ['--zone', 'us-central2-b', '--project', 'proj', '--worker=all']
+  assert lines[0] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', '--recurse', str(ROOT),
+                      'pod:dist_ens', *where]
+  assert lines[1] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod', *where,
+                      "--command=pip install -e dist_ens 'jax[tpu]>=0.10,<0.11'"]
+  assert lines[2][:-1] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod', *where]
+  command = lines[2][-1].removeprefix('--command=')
+  assert shlex.split(command) == [
+      'cd', 'dist_ens', '&&', 'python3', '-m', 'dist_ens.main', '--distributed',
+      '--config=configs/default.py', '--workdir=gs://bucket/run',
+      '--config.model.widths=(512, 512)']
+  assert len(lines) == 3
+
+
+def test_tpu_pod_requires_name_and_zone():
+  result = subprocess.run(['bash', str(ROOT / 'launch' / 'tpu_pod.sh'), '--dry-run', '--',
+                           '--workdir=x'], capture_output=True, text=True, timeout=30)
+  assert result.returncode == 2 and '--name and --zone are required' in result.stderr
+
+
+if __name__ == '__main__':
+  if sys.argv[1:2] == ['probe']:
+    _probe(*sys.argv[2:])
+  else:
+    sys.exit(f'usage: {sys.argv[0]} probe OUT PORT NUM_PROCESSES PROCESS_ID WORKDIR')
