@@ -38,7 +38,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.init_scale = per_member(1.0)  # multiplies the He-normal init std
 
   config.data = ml_collections.ConfigDict()
-  config.data.name = 'mnist1d'
+  config.data.name = 'mnist1d'  # embedded ('mnist1d', 'digits') or any prepared TFDS name
+  config.data.data_dir = ''  # TFDS data_dir; '' = TFDS's default (~/tensorflow_datasets)
+  # Inputs are float32 (uint8 images / 255), then standardised per channel if given.
+  config.data.mean = ()
+  config.data.std = ()
+  # 'shared' (every member the same batch), 'shuffled' (own order per member) or
+  # 'bootstrap' (own resample per member: bagging).
+  config.data.member_order = 'shared'
+  config.data.prefetch = 2  # batches prepared ahead on a background thread
   config.data.batch_size = 128  # each member's global batch, whatever the mesh
   # Examples carved from the end of a fixed shuffle of train for validation (used by
   # select.top_k); 0 = no validation split, train on all of it.

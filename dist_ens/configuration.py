@@ -14,6 +14,7 @@ from typing import Any
 import ml_collections
 
 from dist_ens import hparams
+from dist_ens.data.pipeline import MEMBER_ORDERS
 from dist_ens.errors import ConfigError
 
 # Validation metrics members can be ranked by: name -> True if higher is better.
@@ -52,7 +53,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """
   for field in ('seed', 'num_members', 'data.batch_size', 'train.steps', 'train.log_every',
                 'train.eval_every', 'train.sync_every', 'eval.batch_size', 'mesh.member',
-                'mesh.data', 'optim.warmup_steps', 'checkpoint.every', 'checkpoint.keep'):
+                'mesh.data', 'optim.warmup_steps', 'checkpoint.every', 'checkpoint.keep',
+                'data.prefetch'):
     value = _get(config, field)
     _require(_is_int(value), field, value, 'must be an int')
   _require(config.num_members >= 1, 'num_members', config.num_members, 'must be >= 1')
@@ -60,11 +62,19 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for field in ('data.batch_size', 'train.steps', 'train.log_every', 'eval.batch_size',
                 'checkpoint.every', 'checkpoint.keep'):
     _require(_get(config, field) >= 1, field, _get(config, field), 'must be >= 1')
-  for field in ('train.eval_every', 'train.sync_every', 'optim.warmup_steps'):
+  for field in ('train.eval_every', 'train.sync_every', 'optim.warmup_steps', 'data.prefetch'):
     _require(_get(config, field) >= 0, field, _get(config, field), 'must be >= 0')
   value = config.optim.grad_clip_norm
   _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
            and value >= 0, 'optim.grad_clip_norm', value, 'must be a finite number >= 0')
+  _require(_get(config, 'data.member_order') in MEMBER_ORDERS, 'data.member_order',
+           config.data.member_order, f'use one of {list(MEMBER_ORDERS)}')
+  for field in ('data.mean', 'data.std'):
+    value = _get(config, field)
+    _require(isinstance(value, (tuple, list)) and all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value), field, value,
+             'must be a tuple of numbers, one per input channel (or empty)')
+  _require(all(v > 0 for v in config.data.std), 'data.std', config.data.std, 'must be > 0')
   value = _get(config, 'data.validation_size')
   _require(_is_int(value) and value >= 0, 'data.validation_size', value, 'must be an int >= 0')
   _require(_get(config, 'select.metric') in SELECT_METRICS, 'select.metric',

@@ -89,8 +89,13 @@ class TrainStep:
     return self.fn(state, x, y, label_smoothing)
 
 
-def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh) -> TrainStep:
-  """Builds the jitted, sharded step; the input state is donated."""
+def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh,
+                    per_member_batches: bool = False) -> TrainStep:
+  """Builds the jitted, sharded step; the input state is donated.
+
+  With `per_member_batches`, x and y are [M, B, ...] (each member its own batch,
+  sharded over ('member', 'data')); otherwise [B, ...], shared by all members.
+  """
   step = TrainStep(fn=None)
 
   def member_update(params, opt_state, frozen, label_smoothing, x, y):
@@ -116,9 +121,12 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh) 
         (params, opt_state))
     return new_params, new_opt_state, keep, StepMetrics(loss, accuracy, nonfinite)
 
+  batch_axis = 0 if per_member_batches else None
+  batch_spec = P(MEMBER, DATA) if per_member_batches else P(DATA)
+
   def local_step(state, x, y, label_smoothing):
     params, opt_state, frozen, metrics = jax.vmap(
-        member_update, in_axes=(0, 0, 0, 0, None, None))(
+        member_update, in_axes=(0, 0, 0, 0, batch_axis, batch_axis))(
             state.params, state.opt_state, state.frozen, label_smoothing, x, y)
     return TrainState(params, opt_state, frozen), metrics
 
@@ -128,7 +136,7 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh) 
       label_smoothing = jnp.zeros(state.frozen.shape, jnp.float32)
     return jax.shard_map(
         local_step, mesh=mesh,
-        in_specs=(P(MEMBER), P(DATA), P(DATA), P(MEMBER)),
+        in_specs=(P(MEMBER), batch_spec, batch_spec, P(MEMBER)),
         out_specs=(P(MEMBER), P(MEMBER)))(state, x, y, label_smoothing)
 
   step.fn = jax.jit(traced, donate_argnums=0)

@@ -77,14 +77,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
   member_hparams = hparams.resolve(config)
-  dataset = data.load_dataset(config.data.name)
+  dataset = data.load_dataset(config.data.name, config.data)
   validation = None
   if config.data.validation_size:
-    train_split, validation = data.split_validation(dataset.train, config.data.validation_size)
-    dataset = dataset._replace(train=train_split)
-  if config.data.batch_size > len(dataset.train.y):
+    train_source, validation = data.split_validation(dataset.train, config.data.validation_size)
+    dataset = dataset._replace(train=train_source)
+  if config.data.batch_size > dataset.train.num_examples:
     raise ConfigError(f'config.data.batch_size={config.data.batch_size} exceeds the '
-                      f'{len(dataset.train.y)} training examples of {dataset.name}.')
+                      f'{dataset.train.num_examples} training examples of {dataset.name}.')
+  order = data.Order(config.data.member_order, dataset.train.num_examples,
+                     config.data.batch_size, config.seed)
   model = models.get_model(config.model, dataset.num_classes)
   tx = optim.make_optimizer(config.optim, config.train.steps)
   init = lambda: init_state(model, tx, config.seed, config.num_members, dataset.input_shape,
@@ -118,18 +120,20 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     # Born sharded: each device materialises only its own members.
     state = jax.jit(init, out_shardings=member_sharding)()
 
-  train_step = make_train_step(model, tx, mesh)
+  train_step = make_train_step(model, tx, mesh, per_member_batches=order.per_member)
   label_smoothing = jax.device_put(member_hparams['train.label_smoothing'], member_sharding)
   eval_step = make_eval_step(model, mesh)
   # Gathers small per-member results to every host before they are read.
   fetch = jax.jit(lambda tree: tree, out_shardings=mesh_lib.replicated(mesh))
 
-  batches = data.BatchIterator(dataset.train, config.data.batch_size, config.seed, data_state)
-  batch_sharding = mesh_lib.batch_sharding(mesh)
+  batches = data.Batches(dataset.train, order, mesh, config.num_members, data_state,
+                         prefetch=config.data.prefetch)
   steps, log_every = config.train.steps, config.train.log_every
   sync_every = config.train.sync_every or (
       _CPU_SYNC_EVERY if mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1 else 0)
   examples_per_step = config.num_members * config.data.batch_size
+  # Examples the input pipeline must deliver per step: one batch, or one per member.
+  inputs_per_step = examples_per_step if order.per_member else config.data.batch_size
   writer = writers.JsonlWriter(workdir / 'metrics.jsonl',
                               keep_through_step=start_step if restored else None)
   watcher = PreemptionWatcher()
@@ -137,10 +141,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   def evaluate_test(state, split=dataset.test, member_mask=None):
     if member_mask is None:
       member_mask = member_mask_from_frozen(state.frozen)
-    return evaluate(eval_step, state.params, split, config.eval.batch_size, mesh, member_mask)
+    # A small split is evaluated in one batch, not padded up to eval.batch_size.
+    batch_size = min(config.eval.batch_size, len(split.y))
+    return evaluate(eval_step, state.params, split, batch_size, mesh, member_mask)
 
   reported_frozen = set(np.flatnonzero(np.asarray(fetch(state.frozen))).tolist())
   interval, interval_start, train_seconds = [], time.perf_counter(), 0.0
+  pipeline_mark = batches.stats
   try:
     for step in range(start_step + 1, steps + 1):
       if watcher.should_stop(step - 1):
@@ -151,9 +158,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
         return {'preempted': True, 'step': step - 1}
 
       x, y = next(batches)
-      state, step_metrics = train_step(
-          state, data.to_global(x, batch_sharding), data.to_global(y, batch_sharding),
-          label_smoothing)
+      state, step_metrics = train_step(state, x, y, label_smoothing)
       interval.append(step_metrics)
       checkpointer.save(step, state, batches.state)
       if sync_every and step % sync_every == 0:
@@ -166,11 +171,17 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
         loss = np.mean([m.loss for m in fetched], axis=0)
         accuracy = np.mean([m.accuracy for m in fetched], axis=0)
         rate = examples_per_step * len(interval) / elapsed
+        demand = inputs_per_step * len(interval) / elapsed
+        stats = batches.stats
+        read, busy = stats.examples - pipeline_mark.examples, stats.busy_seconds - pipeline_mark.busy_seconds
+        supply = read / busy if busy > 0 else float('inf')
+        pipeline_mark = stats
         eta = train_seconds / (step - start_step) * (steps - step)
-        _log('%s', writers.progress_line(step, steps, loss, accuracy, rate, eta))
+        _log('%s', writers.progress_line(step, steps, loss, accuracy, rate, eta, demand, supply))
         writer.write({'step': step, 'split': 'train',
                       'members': {'loss': loss.tolist(), 'accuracy': accuracy.tolist()},
-                      'member_examples_per_s': rate})
+                      'member_examples_per_s': rate, 'input_examples_per_s': demand,
+                      'input_pipeline_capacity_per_s': supply})
         newly_bad = sorted(set(np.flatnonzero(np.any([m.nonfinite for m in fetched], axis=0))
                                .tolist()) - reported_frozen)
         if newly_bad:
@@ -202,6 +213,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     if restored is None or start_step < steps:
       writer.write({'step': steps, 'split': 'test', **results})
   finally:
+    batches.close()
     writer.close()
     watcher.close()
     checkpointer.close()

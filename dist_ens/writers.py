@@ -76,11 +76,20 @@ def _duration(seconds: float) -> str:
 
 
 def progress_line(step: int, total: int, loss: np.ndarray, accuracy: np.ndarray,
-                  examples_per_s: float, eta_s: float) -> str:
-  """One log line: step, member loss mean/min/max, train accuracy, throughput, ETA."""
-  return (f'step {step}/{total}  loss mean {loss.mean():.4f} min {loss.min():.4f} '
+                  examples_per_s: float, eta_s: float, input_demand_per_s: float | None = None,
+                  input_capacity_per_s: float | None = None) -> str:
+  """One log line: step, member loss mean/min/max, train accuracy, throughput, ETA.
+
+  With the input figures: the examples per second the step consumed and the rate
+  the input pipeline could deliver (its examples per second of busy time).
+  """
+  line = (f'step {step}/{total}  loss mean {loss.mean():.4f} min {loss.min():.4f} '
           f'max {loss.max():.4f}  acc {accuracy.mean():.3f}  '
           f'{examples_per_s:,.0f} member-examples/s  ETA {_duration(eta_s)}')
+  if input_demand_per_s is not None and input_capacity_per_s is not None:
+    line += (f'  input: step takes {input_demand_per_s:,.0f} ex/s, pipeline gives '
+             f'{input_capacity_per_s:,.0f} ex/s')
+  return line
 
 
 def results_table(final: dict[str, Any]) -> str:

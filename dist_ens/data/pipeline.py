@@ -1,17 +1,34 @@
 """Batches: a deterministic, resumable order and host-local slices of global arrays.
 
-The order of epoch e is a permutation drawn from (seed, e) alone, so it does not
-depend on the number of members, the mesh or the process count; the position
-(epoch, index) is all the state there is, and restoring it replays the same batches.
+Which examples a step sees depends only on (seed, member order, member, epoch,
+position), never on the number of members, the mesh or the process count. The
+position (epoch, index) is all the state there is: restoring it replays the same
+batches. Each process reads only the examples its own devices hold.
+
+Member orders (config.data.member_order):
+  'shared'     every member sees the same batch, a permutation of epoch e drawn
+               from (seed, e); the batch is [B, ...], sharded over 'data'.
+  'shuffled'   member i has its own permutation per epoch, from (seed, i, e).
+  'bootstrap'  member i trains on its own resample with replacement of the train
+               split, drawn once from (seed, i), visited in a fresh order per epoch.
+The last two give [M, B, ...] batches sharded over ('member', 'data').
 """
 
-from collections.abc import Iterator
+import queue
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 import jax
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dist_ens.data.sources import Split
+from dist_ens.data.sources import Source
+
+MEMBER_ORDERS = ('shared', 'shuffled', 'bootstrap')
+# Stream tags keep the orders' random streams apart.
+_SHUFFLED, _BOOTSTRAP_DRAW, _BOOTSTRAP_ORDER = 1, 2, 3
 
 
 class IteratorState(NamedTuple):
@@ -19,43 +36,203 @@ class IteratorState(NamedTuple):
   index: int = 0  # Batches already taken from this epoch.
 
 
+class Order:
+  """The example indices of every batch, for one member order."""
+
+  def __init__(self, kind: str, num_examples: int, batch_size: int, seed: int):
+    if kind not in MEMBER_ORDERS:
+      raise ValueError(f'config.data.member_order={kind!r}; use one of {MEMBER_ORDERS}.')
+    if batch_size > num_examples:
+      raise ValueError(f'batch_size={batch_size} exceeds the {num_examples} training examples.')
+    self.kind, self._n, self._batch_size, self._seed = kind, num_examples, batch_size, seed
+    self.batches_per_epoch = num_examples // batch_size  # The remainder is dropped.
+    self._cache: dict[tuple[int, int | None], np.ndarray] = {}
+
+  @property
+  def per_member(self) -> bool:
+    return self.kind != 'shared'
+
+  def _epoch_order(self, epoch: int, member: int | None) -> np.ndarray:
+    key = (epoch, member)
+    if key not in self._cache:
+      if len(self._cache) > 1024:  # Old epochs are never read again.
+        self._cache = {k: v for k, v in self._cache.items() if k[0] >= epoch}
+      if self.kind == 'shared':
+        order = np.random.default_rng([self._seed, epoch]).permutation(self._n)
+      elif self.kind == 'shuffled':
+        order = np.random.default_rng([self._seed, _SHUFFLED, member, epoch]).permutation(self._n)
+      else:
+        draw = np.random.default_rng([self._seed, _BOOTSTRAP_DRAW, member]).integers(
+            0, self._n, self._n)
+        order = draw[np.random.default_rng([self._seed, _BOOTSTRAP_ORDER, member, epoch])
+                     .permutation(self._n)]
+      self._cache[key] = order
+    return self._cache[key]
+
+  def indices(self, state: IteratorState, members: range | None = None) -> np.ndarray:
+    """Indices of the batch at `state`: [B] for 'shared', else [len(members), B]."""
+    rows = slice(state.index * self._batch_size, (state.index + 1) * self._batch_size)
+    if not self.per_member:
+      return self._epoch_order(state.epoch, None)[rows]
+    return np.stack([self._epoch_order(state.epoch, m)[rows] for m in members])
+
+  def advance(self, state: IteratorState) -> IteratorState:
+    """The position after taking the batch at `state` (rolling over to the next epoch)."""
+    if state.index + 1 == self.batches_per_epoch:
+      return IteratorState(state.epoch + 1, 0)
+    return IteratorState(state.epoch, state.index + 1)
+
+  def normalize(self, state: IteratorState) -> IteratorState:
+    # A position saved at the end of an epoch is the start of the next one.
+    return IteratorState(state.epoch + 1, 0) if state.index >= self.batches_per_epoch else state
+
+
 class BatchIterator(Iterator[tuple[np.ndarray, np.ndarray]]):
-  """Yields global batches (x, y) of `batch_size`, shuffled per epoch, the remainder dropped."""
+  """Whole shared batches (x, y) in host memory; for tests, tools and benchmarks."""
 
-  def __init__(self, split: Split, batch_size: int, seed: int,
+  def __init__(self, source: Source, batch_size: int, seed: int,
                state: IteratorState = IteratorState()):
-    if batch_size > len(split.y):
-      raise ValueError(f'batch_size={batch_size} exceeds the {len(split.y)} training examples.')
-    self._split, self._batch_size, self._seed = split, batch_size, seed
-    self.batches_per_epoch = len(split.y) // batch_size
-    self.state = state
-    self._order = self._permutation(state.epoch)
-
-  def _permutation(self, epoch: int) -> np.ndarray:
-    return np.random.default_rng([self._seed, epoch]).permutation(len(self._split.y))
+    self._source = source
+    self._order = Order('shared', source.num_examples, batch_size, seed)
+    self.batches_per_epoch = self._order.batches_per_epoch
+    self.state = self._order.normalize(state)
 
   def __next__(self) -> tuple[np.ndarray, np.ndarray]:
-    epoch, index = self.state
-    if index == self.batches_per_epoch:
-      epoch, index = epoch + 1, 0
-      self._order = self._permutation(epoch)
-    rows = self._order[index * self._batch_size:(index + 1) * self._batch_size]
-    self.state = IteratorState(epoch, index + 1)
-    return self._split.x[rows], self._split.y[rows]
+    batch = self._source.read(self._order.indices(self.state))
+    self.state = self._order.advance(self.state)
+    return batch
+
+
+def host_block(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...], axes: int,
+               devices: Sequence[jax.Device] | None = None) -> tuple[slice, ...]:
+  """The block of the first `axes` axes of a global array that a process holds.
+
+  Args:
+    devices: the process's devices; default: this process's (addressable) ones.
+
+  Raises:
+    ValueError: if the process's devices hold a set of rows that is not one block.
+  """
+  index_map = sharding.devices_indices_map(global_shape)
+  mine = set(sharding.addressable_devices if devices is None else devices)
+  indices = [index for device, index in index_map.items() if device in mine]
+  block = []
+  for axis in range(axes):
+    size = global_shape[axis]
+    ranges = sorted({(index[axis].start or 0, size if index[axis].stop is None else index[axis].stop)
+                     for index in indices})
+    for (_, stop), (start, _) in zip(ranges, ranges[1:]):
+      if start != stop:
+        raise ValueError(f'This process holds {ranges} of axis {axis} of the batch, which is '
+                         'not one contiguous block; lay the mesh out so each host holds one.')
+    block.append(slice(ranges[0][0], ranges[-1][1]))
+  return tuple(block)
+
+
+def local_indices(order: Order, state: IteratorState, block: tuple[slice, ...]) -> np.ndarray:
+  """The example indices of one process's block of the batch at `state`.
+
+  [rows] for a shared order (block = (rows,)), [members, rows] for a per-member
+  one (block = (members, rows)): only the process's own members are generated.
+  """
+  if not order.per_member:
+    return order.indices(state)[block[0]]
+  members = range(block[0].start, block[0].stop)
+  return order.indices(state, members)[:, block[1]]
 
 
 def host_rows(sharding: jax.sharding.Sharding, global_shape: tuple[int, ...]) -> slice:
   """The rows (leading axis) of a global array that this process's devices hold."""
-  ranges = sorted({(index[0].start or 0, global_shape[0] if index[0].stop is None else index[0].stop)
-                   for index in sharding.addressable_devices_indices_map(global_shape).values()})
-  for (_, stop), (start, _) in zip(ranges, ranges[1:]):
-    if start != stop:
-      raise ValueError(f'This process holds rows {ranges} of the batch, which are not one '
-                       'contiguous block; lay the mesh out so each host holds one block.')
-  return slice(ranges[0][0], ranges[-1][1])
+  return host_block(sharding, global_shape, 1)[0]
 
 
 def to_global(batch: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
   """A global array from a batch every host can compute, passing only this host's rows."""
   local = batch[host_rows(sharding, batch.shape)]
   return jax.make_array_from_process_local_data(sharding, local, batch.shape)
+
+
+class PipelineStats(NamedTuple):
+  examples: int  # Examples this process read.
+  busy_seconds: float  # Time spent reading, preprocessing and transferring them.
+
+
+class Batches:
+  """Global (x, y) batch arrays for the train step, prefetched in a background thread.
+
+  Each process reads only its block of every batch: its rows of the 'data' axis
+  and, for per-member orders, its members. `state` is the position after the last
+  batch handed out (what a checkpoint must save), however far prefetching has run.
+  """
+
+  def __init__(self, source: Source, order: Order, mesh: Mesh, num_members: int,
+               state: IteratorState = IteratorState(), prefetch: int = 2):
+    self._source, self._order = source, order
+    self.state = order.normalize(state)
+    batch = order._batch_size  # pylint: disable=protected-access
+    if order.per_member:
+      self.sharding = NamedSharding(mesh, P('member', 'data'))
+      probe = (num_members, batch)
+    else:
+      self.sharding = NamedSharding(mesh, P('data'))
+      probe = (batch,)
+    self._block = host_block(self.sharding, probe, len(probe))
+    self._global_lead = probe
+    self._examples, self._busy = 0, 0.0
+    self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
+    self._stop = threading.Event()
+    self._thread = None
+    if prefetch > 0:
+      self._thread = threading.Thread(target=self._produce, args=(self.state,), daemon=True)
+      self._thread.start()
+    else:
+      self._next_state = self.state
+
+  def _make(self, state: IteratorState) -> tuple[jax.Array, jax.Array]:
+    start = time.perf_counter()
+    local = local_indices(self._order, state, self._block)
+    x, y = self._source.read(local.reshape(-1))
+    x = x.reshape(*local.shape, *x.shape[1:])
+    y = y.reshape(local.shape)
+    arrays = tuple(jax.make_array_from_process_local_data(
+        self.sharding, a, self._global_lead + a.shape[local.ndim:]) for a in (x, y))
+    self._examples += local.size
+    self._busy += time.perf_counter() - start
+    return arrays
+
+  def _produce(self, state: IteratorState) -> None:
+    try:
+      while not self._stop.is_set():
+        item = (self._make(state), self._order.advance(state))
+        state = item[1]
+        while not self._stop.is_set():
+          try:
+            self._queue.put(item, timeout=0.1)
+            break
+          except queue.Full:
+            continue
+    except BaseException as e:  # pylint: disable=broad-except  # Re-raised in __next__.
+      self._queue.put(e)
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> tuple[jax.Array, jax.Array]:
+    if self._thread is None:
+      arrays, self._next_state = self._make(self._next_state), self._order.advance(self._next_state)
+      self.state = self._next_state
+      return arrays
+    item = self._queue.get()
+    if isinstance(item, BaseException):
+      raise item
+    arrays, self.state = item
+    return arrays
+
+  @property
+  def stats(self) -> PipelineStats:
+    return PipelineStats(self._examples, self._busy)
+
+  def close(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=10)

@@ -13,7 +13,7 @@ import random
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -22,20 +22,49 @@ _MNIST1D_SEED = 42
 _MNIST1D_SAMPLES = 5000
 
 
+class Source(Protocol):
+  """Random access to a split: what the batch pipeline reads from."""
+
+  @property
+  def num_examples(self) -> int:
+    ...
+
+  def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(x float32 [n, *input_shape], y int32 [n]) for the given example indices."""
+
+
 class Split(NamedTuple):
+  """A split held in memory; it is also a Source."""
   x: np.ndarray  # float32 [N, *input_shape]
   y: np.ndarray  # int32 [N]
+
+  @property
+  def num_examples(self) -> int:
+    return len(self.y)
+
+  def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return self.x[indices], self.y[indices]
+
+
+class Subset(NamedTuple):
+  """The examples `indices` of another source, renumbered 0..len(indices)-1."""
+  source: Source
+  indices: np.ndarray
+
+  @property
+  def num_examples(self) -> int:
+    return len(self.indices)
+
+  def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return self.source.read(self.indices[indices])
 
 
 class Dataset(NamedTuple):
   name: str
-  train: Split
-  test: Split
+  train: Source  # Read batch by batch.
+  test: Split  # Held in memory for evaluation.
   num_classes: int
-
-  @property
-  def input_shape(self) -> tuple[int, ...]:
-    return tuple(self.train.x.shape[1:])
+  input_shape: tuple[int, ...]
 
 
 def cache_dir() -> Path:
@@ -81,8 +110,9 @@ def load_mnist1d() -> Dataset:
       np.savez(tmp, **arrays)
     os.replace(tmp.name, path)
   as_split = lambda x, y: Split(x.astype(np.float32)[..., None], y.astype(np.int32))
-  return Dataset('mnist1d', as_split(arrays['x'], arrays['y']),
-                 as_split(arrays['x_test'], arrays['y_test']), num_classes=10)
+  train = as_split(arrays['x'], arrays['y'])
+  return Dataset('mnist1d', train, as_split(arrays['x_test'], arrays['y_test']), num_classes=10,
+                 input_shape=train.x.shape[1:])
 
 
 def load_digits() -> Dataset:
@@ -97,7 +127,8 @@ def load_digits() -> Dataset:
   order = np.random.default_rng(0).permutation(len(y))
   n_train = int(0.8 * len(y))
   train, test = order[:n_train], order[n_train:]
-  return Dataset('digits', Split(x[train], y[train]), Split(x[test], y[test]), num_classes=10)
+  return Dataset('digits', Split(x[train], y[train]), Split(x[test], y[test]), num_classes=10,
+                 input_shape=x.shape[1:])
 
 
 # data.name -> loader.

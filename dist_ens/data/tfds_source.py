@@ -1,0 +1,107 @@
+"""Any TFDS dataset prepared as ArrayRecord, read with random access and no TensorFlow.
+
+`tfds.data_source` reads ArrayRecord files directly (images are decoded with PIL),
+so reading needs tensorflow-datasets but not TensorFlow; only preparing a dataset
+once does (see `prepare_command`).
+"""
+
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from dist_ens.data.sources import Dataset, Split
+from dist_ens.errors import ConfigError
+
+
+def prepare_command(name: str, data_dir: str) -> str:
+  """The one-off command that prepares `name` for dist_ens (needs TensorFlow, once)."""
+  target = f' --data_dir={data_dir}' if data_dir else ''
+  return (f'pip install tensorflow tensorflow-datasets && tfds build {name} '
+          f'--file_format=array_record{target}')
+
+
+def preprocess(x: np.ndarray, data_config: ml_collections.ConfigDict) -> np.ndarray:
+  """Raw inputs as a dataset stores them -> float32 model inputs.
+
+  uint8 images are scaled to [0, 1]; then, if config.data.mean / std are set, each
+  channel is standardised; inputs without a channel axis get one. The same function
+  serves training, evaluation and inference.
+  """
+  scale = 1.0 / 255.0 if x.dtype == np.uint8 else 1.0
+  x = x.astype(np.float32) * np.float32(scale)
+  mean, std = tuple(data_config.get('mean', ())), tuple(data_config.get('std', ()))
+  if mean or std:
+    x = (x - np.asarray(mean or 0.0, np.float32)) / np.asarray(std or 1.0, np.float32)
+  return x
+
+
+class TfdsSource:
+  """Random access to one split of a prepared TFDS dataset, preprocessed."""
+
+  def __init__(self, data_source: Any, input_key: str, label_key: str,
+               data_config: ml_collections.ConfigDict, add_channel: bool):
+    self._source, self._input_key, self._label_key = data_source, input_key, label_key
+    self._config, self._add_channel = data_config, add_channel
+
+  @property
+  def num_examples(self) -> int:
+    return len(self._source)
+
+  def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # Sorted reads are sequential in the ArrayRecord files; put the order back after.
+    order = np.argsort(indices, kind='stable')
+    records = self._source.__getitems__(np.asarray(indices)[order].tolist())
+    x = np.empty((len(indices), *np.shape(records[0][self._input_key])),
+                 np.asarray(records[0][self._input_key]).dtype)
+    y = np.empty(len(indices), np.int32)
+    x[order] = np.stack([r[self._input_key] for r in records])
+    y[order] = [r[self._label_key] for r in records]
+    x = preprocess(x, self._config)
+    return (x[..., None] if self._add_channel else x), y
+
+
+def load_tfds(data_config: ml_collections.ConfigDict) -> Dataset:
+  """The dataset config.data.name from config.data.data_dir, or a ConfigError saying how
+  to prepare it."""
+  try:
+    import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise ConfigError(
+        f"config.data.name={data_config.name!r} is a TFDS dataset, which needs "
+        "tensorflow-datasets: pip install 'dist_ens[tfds]'.") from None
+  name, data_dir = data_config.name, data_config.data_dir or None
+  searched = data_dir or '~/tensorflow_datasets (TFDS_DATA_DIR)'
+  how = (f'prepare it once with: {prepare_command(name, data_config.data_dir)}, or pick an '
+         "embedded dataset ('mnist1d', 'digits').")
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+    prepared = builder.is_prepared()
+  except Exception as e:  # pylint: disable=broad-except  # DatasetNotFoundError and kin.
+    del e
+    prepared = False
+  if not prepared:
+    raise ConfigError(f'config.data.name={name!r}: no prepared dataset {name!r} in data_dir '
+                      f'{searched}; {how}')
+  file_format = str(builder.info.file_format).lower()
+  if 'array_record' not in file_format and 'parquet' not in file_format:
+    raise ConfigError(f'config.data.name={name!r} in {searched} is prepared as {file_format}, '
+                      f'which has no random access; {how}')
+  input_key, label_key = builder.info.supervised_keys or ('image', 'label')
+  features = builder.info.features
+  num_classes = features[label_key].num_classes
+  shape = tuple(features[input_key].shape)
+  add_channel = len(shape) in (1, 2) and data_config.get('add_channel', True)
+  input_shape = shape + (1,) if add_channel else shape
+
+  def source(split):
+    if split not in builder.info.splits:
+      raise ConfigError(f'config.data: {name!r} has no split {split!r}; it has '
+                        f'{sorted(builder.info.splits)}.')
+    return TfdsSource(tfds.data_source(name, split=split, data_dir=data_dir, download=False),
+                      input_key, label_key, data_config, add_channel)
+
+  train = source(data_config.get('train_split', 'train'))
+  test_source = source(data_config.get('test_split', 'test'))
+  test = Split(*test_source.read(np.arange(test_source.num_examples)))
+  return Dataset(name, train, test, num_classes, input_shape)
