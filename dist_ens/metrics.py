@@ -1,26 +1,50 @@
-"""Ensemble classification metrics computed as additive sums.
+"""Ensemble classification and uncertainty metrics: additive sums on device, ranks on host.
 
 Metrics are computed on device inside a jitted eval step, one batch at a time.
-Every metric is therefore expressed as a SUM over examples: `eval_sums` returns
+Most are means over examples, so they are expressed as SUMS: `eval_sums` returns
 the per-batch sums, `add_sums` accumulates them across batches, and `finalize`
 turns the totals into final values once, on the host. Because masked (padding)
 examples contribute exactly zero, a padded last batch gives exact results.
 
+Two kinds of metric are not sums: adaptive ECE (equal-mass bins need the sorted
+confidences of the whole split) and OOD AUROC/AUPR (ranks of the scores of both
+splits). For those the step also returns small per-example arrays (`ExampleStats`:
+a few floats per example and member); the caller drops the padding, concatenates
+the batches on the host and `finalize` / `ood_metrics` compute them in NumPy.
+That is exact (it equals scikit-learn's roc_auc_score / average_precision_score,
+ties included), where fixed fine histograms on device would only approximate
+ranks; the cost is O(M x N) host memory for an N-example split, which is small
+for evaluation sets (8 members x 10^5 examples x 3 floats is 10 MB).
+
 Ensemble prediction:
-  The ensemble's predictive distribution is the mean of the included members'
-  softmax probabilities. Its log-probabilities are computed stably as
-  `logsumexp_m(log_softmax(logits_m)) - log(num_included)`.
+  The ensemble's predictive distribution p_bar is the mean of the included
+  members' softmax probabilities. Its log-probabilities are computed stably as
+  `logsumexp_m(log_softmax(logits_m)) - log(K)`, K the number of included members.
 
-Calibration (ECE):
-  Confidence is the top-class probability `max_c p_c`. Examples are binned into
-  `NUM_ECE_BINS` equal-width bins over [0, 1] with
-  `bin = clip(floor(confidence * NUM_ECE_BINS), 0, NUM_ECE_BINS - 1)`, so
-  confidence 1.0 lands in the last bin. Confidences are float32, so a value
-  sitting exactly on a bin edge may fall on either side of it.
-  `ECE = sum_b |correct_b - conf_b| / count`, where `correct_b` and `conf_b`
-  are the summed correctness and confidence of the examples in bin b.
-
-Predictions use `jnp.argmax`, so ties go to the first (lowest) class index.
+Definitions (per example; the reported value is the mean over examples):
+  accuracy   [argmax p == y]; argmax ties go to the first (lowest) class index.
+  nll        -log p(y).
+  brier      sum_c (p_c - onehot(y)_c)^2.
+  entropy    H[p] = -sum_c p_c log p_c (nats), with 0 log 0 = 0. For the ensemble
+             this is the total predictive uncertainty H[p_bar].
+  expected_entropy   mean over included members of H[p_m] (the aleatoric part).
+  mutual_information H[p_bar] - expected_entropy (the epistemic part: the
+             information the label would give about which member is right).
+             Mathematically >= 0; float32 rounding can leave about -1e-7.
+  disagreement  mean over included members of [argmax p_m != argmax p_bar].
+  pairwise_kl   mean over ordered pairs m != n of included members of
+             KL(p_m || p_n) = sum_c p_m,c (log p_m,c - log p_n,c); 0 for one member.
+  ece        Confidence is `max_c p_c`. Examples are binned into NUM_ECE_BINS
+             equal-width bins over [0, 1] with
+             `bin = clip(floor(confidence * NUM_ECE_BINS), 0, NUM_ECE_BINS - 1)`,
+             so confidence 1.0 lands in the last bin (float32 confidences exactly
+             on an edge may fall on either side of it);
+             `ECE = sum_b |correct_b - conf_b| / count`, with correct_b and conf_b
+             the summed correctness and confidence of the examples in bin b.
+  adaptive_ece  The same with NUM_ECE_BINS equal-mass bins: examples sorted by
+             confidence (a stable sort, ties kept in example order) and split
+             into NUM_ECE_BINS contiguous groups whose sizes differ by at most one
+             (`np.array_split`); empty groups (fewer examples than bins) are skipped.
 
 Typical use:
 
@@ -31,13 +55,120 @@ Typical use:
   results = finalize(jax.device_get(sums))
 """
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 NUM_ECE_BINS = 15
+
+
+class ExampleStats(NamedTuple):
+  """Per-example values the rank-based metrics need; B examples, M members.
+
+  Padding rows hold arbitrary values: drop them with the batch mask on the host.
+  """
+  member_confidence: Any  # [M, B] max_c p_m,c
+  member_correct: Any  # [M, B] 1.0 where member m's argmax is the label
+  member_entropy: Any  # [M, B] H[p_m]
+  ensemble_confidence: Any  # [B]
+  ensemble_correct: Any  # [B]
+  entropy: Any  # [B] H[p_bar], the ensemble's predictive entropy
+  mutual_information: Any  # [B]
+
+
+class BatchEval(NamedTuple):
+  """What the eval step returns for one batch: additive sums and per-example stats."""
+  sums: dict[str, Any]
+  examples: ExampleStats
+
+
+def ensemble_log_probs(logits: jax.Array, member_mask: jax.Array | None = None) -> jax.Array:
+  """Log of the mean of the included members' softmax probabilities.
+
+  Example:
+    >>> logits = jnp.array([[[0., 0.]], [[0., jnp.log(3.)]]])  # [M=2, B=1, C=2]
+    >>> np.round(np.exp(ensemble_log_probs(logits)), 3).tolist()
+    [[0.375, 0.625]]
+
+  Args:
+    logits: [M, B, C] per-member logits (computed in float32).
+    member_mask: [M] bool, members in the ensemble (None = all).
+
+  Returns:
+    [B, C] ensemble log-probabilities.
+  """
+  member_log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+  return _ensemble_log_probs(member_log_probs, _member_included(member_log_probs, member_mask))
+
+
+def _member_included(member_log_probs: jax.Array, member_mask: jax.Array | None) -> jax.Array:
+  if member_mask is None:
+    return jnp.ones((member_log_probs.shape[0],), bool)
+  return jnp.asarray(member_mask, bool)
+
+
+def _ensemble_log_probs(member_log_probs: jax.Array, included: jax.Array) -> jax.Array:
+  # Excluded members are set to -inf (not weighted by zero inside logsumexp) so
+  # that they cannot dominate its max-shift and cost precision.
+  included_log_probs = jnp.where(included[:, None, None], member_log_probs, -jnp.inf)
+  return jax.nn.logsumexp(included_log_probs, axis=0) - jnp.log(
+      jnp.sum(included.astype(jnp.float32)))
+
+
+def _entropy(log_probs: jax.Array) -> jax.Array:
+  # 0 log 0 = 0: a class with probability 0 (log-prob -inf) adds nothing, not NaN;
+  # a NaN member stays NaN rather than look certain.
+  probs = jnp.exp(log_probs)
+  return -jnp.sum(jnp.where(probs == 0, 0.0, probs * log_probs), axis=-1)
+
+
+def member_uncertainty(logits: jax.Array, member_mask: jax.Array | None = None
+                       ) -> dict[str, jax.Array]:
+  """Per-example uncertainty of an ensemble's prediction (see the module docstring).
+
+  Example:
+    >>> same = jnp.zeros((3, 1, 4))  # three identical, uniform members
+    >>> u = member_uncertainty(same)
+    >>> float(u['entropy'][0]).__round__(4), float(u['mutual_information'][0]).__round__(4)
+    (1.3863, 0.0)
+
+  Args:
+    logits: [M, B, C] per-member logits.
+    member_mask: [M] bool, members in the ensemble (None = all).
+
+  Returns:
+    A dict of [B] arrays 'entropy' (H[p_bar]), 'expected_entropy',
+    'mutual_information', 'pairwise_kl', and 'member_entropy' [M, B].
+  """
+  member_log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), axis=-1)
+  included = _member_included(member_log_probs, member_mask)
+  return _uncertainty(member_log_probs, _ensemble_log_probs(member_log_probs, included),
+                      included)
+
+
+def _uncertainty(member_log_probs: jax.Array, ens_log_probs: jax.Array,
+                 included: jax.Array) -> dict[str, jax.Array]:
+  k = jnp.sum(included.astype(jnp.float32))
+  inc = included[:, None]  # [M, 1] against [M, B]
+  member_entropy = _entropy(member_log_probs)  # [M, B]
+  # Excluded members may be NaN (a frozen, poisoned member): select, never multiply.
+  expected_entropy = jnp.sum(jnp.where(inc, member_entropy, 0.0), axis=0) / k
+  entropy = _entropy(ens_log_probs)
+  # sum_{m,n} KL(p_m || p_n) = sum_m sum_c p_m,c (K log p_m,c - sum_n log p_n,c): one
+  # pass over members instead of M^2 pairs. The n = m terms are zero, so dividing by
+  # the K(K-1) ordered pairs gives the mean over distinct pairs. Rounding errors in
+  # the difference are weighted by p_m,c, so they stay at float32 precision.
+  member_probs = jnp.exp(member_log_probs)
+  log_prob_sum = jnp.sum(jnp.where(included[:, None, None], member_log_probs, 0.0), axis=0)
+  kl_terms = jnp.where(member_probs == 0, 0.0,
+                       member_probs * (k * member_log_probs - log_prob_sum[None]))
+  kl_sums = jnp.where(inc, jnp.sum(kl_terms, axis=-1), 0.0)
+  pairwise_kl = jnp.sum(kl_sums, axis=0) / (k * jnp.maximum(k - 1.0, 1.0))
+  return {'entropy': entropy, 'expected_entropy': expected_entropy,
+          'mutual_information': entropy - expected_entropy, 'pairwise_kl': pairwise_kl,
+          'member_entropy': member_entropy}
 
 
 def _bin_sums(
@@ -72,17 +203,24 @@ def _bin_sums(
   return bin_count, bin_conf, bin_correct
 
 
-def eval_sums(
+def eval_batch(
     logits: jax.Array,
     labels: jax.Array,
     mask: jax.Array,
     member_mask: jax.Array | None = None,
-) -> dict[str, jax.Array]:
-  """Computes additive metric sums for one batch of ensemble predictions.
+) -> BatchEval:
+  """Additive metric sums and per-example stats of one batch of ensemble predictions.
 
   Pure jnp and jit-able. Padded rows (mask False) may hold anything, including
-  NaN/inf logits and out-of-range labels: they are removed with `jnp.where`
-  rather than multiplied by zero, so they contribute exactly nothing.
+  NaN/inf logits and out-of-range labels: they are removed from the sums with
+  `jnp.where` rather than multiplied by zero, so they contribute exactly nothing;
+  in `examples` they hold arbitrary values for the caller to drop.
+
+  Example:
+    >>> logits = jnp.zeros((2, 3, 4))  # 2 members, 3 examples, 4 classes
+    >>> out = eval_batch(logits, jnp.array([0, 1, 2]), jnp.array([True, True, False]))
+    >>> float(out.sums['count']), out.examples.member_confidence.shape
+    (2.0, (2, 3))
 
   Args:
     logits: [M, B, C] per-member logits. Computation is done in float32.
@@ -90,32 +228,33 @@ def eval_sums(
     mask: [B] bool; False marks padding.
     member_mask: [M] bool; members included in the ensemble (None = all).
       Excluded members still get their own per-member sums but are left out of
-      the ensemble's mean probabilities and of disagreement. If it excludes
-      every member, the ensemble values and disagreement are undefined (NaN);
-      that is a caller bug and is not checked at runtime.
+      the ensemble's mean probabilities and of disagreement, expected entropy,
+      mutual information and pairwise KL. If it excludes every member, the
+      ensemble values are undefined (NaN); that is a caller bug and is not
+      checked at runtime.
 
   Returns:
-    A flat dict of float32 arrays:
+    BatchEval(sums, examples). `sums` is a flat dict of float32 arrays:
       'count': [] number of unmasked examples.
-      'member_nll', 'member_correct', 'member_brier': [M] sums over examples
-        of -log p_m(y), [argmax p_m == y] and sum_c (p_m,c - onehot_c)^2.
+      'member_nll', 'member_correct', 'member_brier', 'member_entropy': [M] sums
+        over examples of -log p_m(y), [argmax p_m == y], sum_c (p_m,c - onehot_c)^2
+        and H[p_m].
       'member_bin_count', 'member_bin_conf', 'member_bin_correct':
         [M, NUM_ECE_BINS] per-bin example count, confidence and correctness.
-      'ensemble_nll', 'ensemble_correct', 'ensemble_brier': [] the same for
-        the ensemble.
+      'ensemble_nll', 'ensemble_correct', 'ensemble_brier', 'ensemble_entropy': []
+        the same for the ensemble.
       'ensemble_bin_count', 'ensemble_bin_conf', 'ensemble_bin_correct':
         [NUM_ECE_BINS].
-      'disagreement': [] sum over examples of the mean over included members
-        of [argmax_m != argmax_ensemble].
+      'disagreement', 'expected_entropy', 'mutual_information', 'pairwise_kl': []
+        sums over examples of the per-example values defined in the module docstring.
+    `examples` is an ExampleStats of per-example arrays.
   """
   logits = jnp.asarray(logits, jnp.float32)
   num_members, _, num_classes = logits.shape
   mask = jnp.asarray(mask, bool)
   example_weight = mask.astype(jnp.float32)
-  if member_mask is None:
-    member_included = jnp.ones((num_members,), bool)
-  else:
-    member_included = jnp.asarray(member_mask, bool)
+  member_included = jnp.ones((num_members,), bool) if member_mask is None else jnp.asarray(
+      member_mask, bool)
   member_weight = member_included.astype(jnp.float32)
 
   # Padding labels may be out of range; pin them to a valid class so the
@@ -140,20 +279,12 @@ def eval_sums(
   member_conf = jnp.exp(jnp.max(member_log_probs, axis=-1))
   member_bins = _bin_sums(member_conf, member_correct, mask)
 
-  # Ensemble. Excluded members are set to -inf (not weighted by zero inside
-  # logsumexp) so that they cannot dominate its max-shift and cost precision.
-  included_log_probs = jnp.where(
-      member_included[:, None, None], member_log_probs, -jnp.inf
-  )
-  ens_log_probs = jax.nn.logsumexp(included_log_probs, axis=0) - jnp.log(
-      jnp.sum(member_weight)
-  )  # [B, C]
+  # Ensemble.
+  ens_log_probs = _ensemble_log_probs(member_log_probs, member_included)  # [B, C]
   ens_probs = jnp.exp(ens_log_probs)
   ens_pred = jnp.argmax(ens_log_probs, axis=-1)  # [B]
   ens_correct = (ens_pred == labels).astype(jnp.float32)
-  ens_nll = -jnp.take_along_axis(ens_log_probs, labels[:, None], axis=-1)[
-      :, 0
-  ]
+  ens_nll = -jnp.take_along_axis(ens_log_probs, labels[:, None], axis=-1)[:, 0]
   ens_brier = jnp.sum((ens_probs - onehot) ** 2, axis=-1)
   ens_conf = jnp.exp(jnp.max(ens_log_probs, axis=-1))
   ens_bins = _bin_sums(ens_conf, ens_correct, mask)
@@ -162,23 +293,51 @@ def eval_sums(
   disagreement = jnp.sum(
       member_weight[:, None] * member_disagrees, axis=0
   ) / jnp.sum(member_weight)
+  uncertainty = _uncertainty(member_log_probs, ens_log_probs, member_included)
 
-  return {
+  sums = {
       "count": jnp.sum(example_weight),
       "member_nll": masked_sum(member_nll),
       "member_correct": masked_sum(member_correct),
       "member_brier": masked_sum(member_brier),
+      "member_entropy": masked_sum(uncertainty["member_entropy"]),
       "member_bin_count": member_bins[0],
       "member_bin_conf": member_bins[1],
       "member_bin_correct": member_bins[2],
       "ensemble_nll": masked_sum(ens_nll),
       "ensemble_correct": masked_sum(ens_correct),
       "ensemble_brier": masked_sum(ens_brier),
+      "ensemble_entropy": masked_sum(uncertainty["entropy"]),
       "ensemble_bin_count": ens_bins[0],
       "ensemble_bin_conf": ens_bins[1],
       "ensemble_bin_correct": ens_bins[2],
       "disagreement": masked_sum(disagreement),
+      "expected_entropy": masked_sum(uncertainty["expected_entropy"]),
+      "mutual_information": masked_sum(uncertainty["mutual_information"]),
+      "pairwise_kl": masked_sum(uncertainty["pairwise_kl"]),
   }
+  examples = ExampleStats(
+      member_confidence=member_conf, member_correct=member_correct,
+      member_entropy=uncertainty["member_entropy"], ensemble_confidence=ens_conf,
+      ensemble_correct=ens_correct, entropy=uncertainty["entropy"],
+      mutual_information=uncertainty["mutual_information"])
+  return BatchEval(sums, examples)
+
+
+def eval_sums(
+    logits: jax.Array,
+    labels: jax.Array,
+    mask: jax.Array,
+    member_mask: jax.Array | None = None,
+) -> dict[str, jax.Array]:
+  """The additive sums of `eval_batch` alone (see there for arguments and keys).
+
+  Example:
+    >>> sums = eval_sums(jnp.zeros((2, 3, 4)), jnp.array([0, 1, 2]), jnp.ones(3, bool))
+    >>> float(sums['ensemble_correct']), float(sums['mutual_information'])
+    (1.0, 0.0)
+  """
+  return eval_batch(logits, labels, mask, member_mask).sums
 
 
 def add_sums(
@@ -202,15 +361,169 @@ def _ece(
   return np.sum(np.abs(bin_correct - bin_conf), axis=-1) / count
 
 
-def finalize(sums: dict[str, Any]) -> dict[str, dict[str, Any]]:
-  """Turns accumulated sums into final metric values, on the host.
+def adaptive_ece(confidence: np.ndarray, correct: np.ndarray,
+                 num_bins: int = NUM_ECE_BINS) -> np.ndarray:
+  """ECE over equal-mass confidence bins (see the module docstring), on the host.
+
+  Example:
+    >>> # Bins {0.6, 0.7} and {0.8, 0.9}: (|1 - 1.3| + |2 - 1.7|) / 4 examples.
+    >>> round(float(adaptive_ece(np.array([.9, .8, .6, .7]), np.array([1., 1., 0., 1.]),
+    ...                          num_bins=2)), 6)
+    0.15
+
+  Args:
+    confidence: [..., N] top-class probability of each example (no padding).
+    correct: [..., N] 1.0 where the prediction is right.
+    num_bins: number of equal-mass bins.
+
+  Returns:
+    [...] adaptive ECE along the last axis (float64).
+  """
+  confidence = np.asarray(confidence, np.float64)
+  correct = np.asarray(correct, np.float64)
+  n = confidence.shape[-1]
+  order = np.argsort(confidence, axis=-1, kind='stable')
+  confidence = np.take_along_axis(confidence, order, axis=-1)
+  correct = np.take_along_axis(correct, order, axis=-1)
+  total = np.zeros(confidence.shape[:-1])
+  for group in np.array_split(np.arange(n), num_bins):
+    if len(group):
+      total += np.abs(correct[..., group].sum(-1) - confidence[..., group].sum(-1))
+  return total / n
+
+
+def _ood_labels_and_scores(in_scores: np.ndarray, out_scores: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+  scores = np.concatenate([np.asarray(in_scores, np.float64),
+                           np.asarray(out_scores, np.float64)])
+  is_ood = np.concatenate([np.zeros(len(in_scores), bool), np.ones(len(out_scores), bool)])
+  return is_ood, scores
+
+
+def auroc(in_scores: np.ndarray, out_scores: np.ndarray) -> float:
+  """Area under the ROC curve of telling out- from in-distribution by a score.
+
+  Higher scores should mean "more likely OOD". Equals the probability that a random
+  OOD example scores above a random in-distribution one, ties counting one half
+  (the Mann-Whitney U statistic, with average ranks for ties).
+
+  Example:
+    >>> auroc(np.array([0.1, 0.4]), np.array([0.3, 0.9]))
+    0.75
+
+  Args:
+    in_scores: [N_in] scores of in-distribution examples.
+    out_scores: [N_out] scores of out-of-distribution examples.
+
+  Returns:
+    AUROC in [0, 1]; NaN if either set is empty.
+  """
+  n_in, n_out = len(in_scores), len(out_scores)
+  if not n_in or not n_out:
+    return float('nan')
+  is_ood, scores = _ood_labels_and_scores(in_scores, out_scores)
+  order = np.argsort(scores, kind='stable')
+  sorted_scores = scores[order]
+  ranks = np.empty(len(scores))
+  # Average 1-based rank within each run of tied scores.
+  starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
+  ends = np.r_[starts[1:], len(scores)]
+  for start, end in zip(starts, ends):
+    ranks[order[start:end]] = (start + end + 1) / 2.0
+  u = ranks[is_ood].sum() - n_out * (n_out + 1) / 2.0
+  return float(u / (n_in * n_out))
+
+
+def aupr(in_scores: np.ndarray, out_scores: np.ndarray) -> float:
+  """Area under the precision-recall curve with OOD as the positive class.
+
+  Computed as average precision, sum_k (R_k - R_{k-1}) P_k over the distinct score
+  thresholds from high to low (scikit-learn's average_precision_score).
+
+  Example:
+    >>> aupr(np.array([0.1, 0.4]), np.array([0.3, 0.9]))
+    0.8333333333333333
+
+  Args:
+    in_scores: [N_in] scores of in-distribution examples.
+    out_scores: [N_out] scores of out-of-distribution examples (higher = more OOD).
+
+  Returns:
+    AUPR in [0, 1]; NaN if either set is empty.
+  """
+  if not len(in_scores) or not len(out_scores):
+    return float('nan')
+  is_ood, scores = _ood_labels_and_scores(in_scores, out_scores)
+  order = np.argsort(-scores, kind='stable')
+  scores, is_ood = scores[order], is_ood[order]
+  # The last position of each run of tied scores: one threshold per distinct score.
+  last = np.r_[np.flatnonzero(scores[1:] != scores[:-1]), len(scores) - 1]
+  true_pos = np.cumsum(is_ood)[last]
+  precision = true_pos / (last + 1)
+  recall = true_pos / is_ood.sum()
+  return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+
+
+def ood_metrics(in_examples: ExampleStats, out_examples: ExampleStats) -> dict[str, Any]:
+  """AUROC/AUPR of separating OOD from in-distribution examples by uncertainty.
+
+  Example:
+    >>> a = ExampleStats(*([np.zeros((1, 2))] * 3 + [np.zeros(2)] * 2),
+    ...                  entropy=np.array([.1, .2]), mutual_information=np.array([0., .1]))
+    >>> b = a._replace(entropy=np.array([.9, .8]), mutual_information=np.array([.2, .3]))
+    >>> ood_metrics(a, b)['ensemble']['auroc_entropy']
+    1.0
+
+  Args:
+    in_examples: ExampleStats of the in-distribution split (padding removed).
+    out_examples: ExampleStats of the OOD split (padding removed).
+
+  Returns:
+    {'members': {'auroc_entropy', 'aupr_entropy'}: lists of M floats (each member's
+     own predictive entropy as the score),
+     'ensemble': {'auroc_entropy', 'aupr_entropy', 'auroc_mi', 'aupr_mi',
+     'entropy_in', 'entropy_out', 'mi_in', 'mi_out'}: floats}, OOD the positive class;
+    the *_in / *_out values are the mean scores of each split.
+  """
+  members_in = np.asarray(in_examples.member_entropy)
+  members_out = np.asarray(out_examples.member_entropy)
+  ent_in, ent_out = np.asarray(in_examples.entropy), np.asarray(out_examples.entropy)
+  mi_in = np.asarray(in_examples.mutual_information)
+  mi_out = np.asarray(out_examples.mutual_information)
+  return {
+      'members': {
+          'auroc_entropy': [auroc(a, b) for a, b in zip(members_in, members_out)],
+          'aupr_entropy': [aupr(a, b) for a, b in zip(members_in, members_out)],
+      },
+      'ensemble': {
+          'auroc_entropy': auroc(ent_in, ent_out), 'aupr_entropy': aupr(ent_in, ent_out),
+          'auroc_mi': auroc(mi_in, mi_out), 'aupr_mi': aupr(mi_in, mi_out),
+          'entropy_in': float(np.mean(ent_in)), 'entropy_out': float(np.mean(ent_out)),
+          'mi_in': float(np.mean(mi_in)), 'mi_out': float(np.mean(mi_out)),
+      },
+  }
+
+
+def finalize(sums: dict[str, Any], examples: ExampleStats | None = None
+             ) -> dict[str, dict[str, Any]]:
+  """Turns accumulated sums (and per-example stats) into final metric values, on the host.
+
+  Example:
+    >>> out = eval_batch(jnp.zeros((2, 3, 4)), jnp.array([0, 1, 2]), jnp.ones(3, bool))
+    >>> round(finalize(out.sums)['ensemble']['accuracy'], 4)
+    0.3333
 
   Args:
     sums: sums dict from `eval_sums` / `add_sums` (device or numpy arrays).
+    examples: the split's ExampleStats with padding removed; when given, the
+      result also holds 'adaptive_ece'.
 
   Returns:
-    {"members": {"accuracy", "nll", "brier", "ece"}: lists of M floats,
-     "ensemble": {"accuracy", "nll", "brier", "ece", "disagreement"}: floats}.
+    {"members": {"accuracy", "nll", "brier", "ece", "entropy"[, "adaptive_ece"]}:
+       lists of M floats,
+     "ensemble": {"accuracy", "nll", "brier", "ece", "disagreement", "entropy",
+       "expected_entropy", "mutual_information", "pairwise_kl"[, "adaptive_ece"]}:
+       floats}.
     Plain Python floats and lists, so the result is JSON-serialisable.
 
   Raises:
@@ -227,7 +540,7 @@ def finalize(sums: dict[str, Any]) -> dict[str, dict[str, Any]]:
   def as_list(x: np.ndarray) -> list[float]:
     return [float(v) for v in x]
 
-  return {
+  results = {
       "members": {
           "accuracy": as_list(s["member_correct"] / count),
           "nll": as_list(s["member_nll"] / count),
@@ -235,6 +548,7 @@ def finalize(sums: dict[str, Any]) -> dict[str, dict[str, Any]]:
           "ece": as_list(
               _ece(s["member_bin_correct"], s["member_bin_conf"], count)
           ),
+          "entropy": as_list(s["member_entropy"] / count),
       },
       "ensemble": {
           "accuracy": float(s["ensemble_correct"] / count),
@@ -244,5 +558,15 @@ def finalize(sums: dict[str, Any]) -> dict[str, dict[str, Any]]:
               _ece(s["ensemble_bin_correct"], s["ensemble_bin_conf"], count)
           ),
           "disagreement": float(s["disagreement"] / count),
+          "entropy": float(s["ensemble_entropy"] / count),
+          "expected_entropy": float(s["expected_entropy"] / count),
+          "mutual_information": float(s["mutual_information"] / count),
+          "pairwise_kl": float(s["pairwise_kl"] / count),
       },
   }
+  if examples is not None:
+    results["members"]["adaptive_ece"] = as_list(
+        adaptive_ece(examples.member_confidence, examples.member_correct))
+    results["ensemble"]["adaptive_ece"] = float(
+        adaptive_ece(examples.ensemble_confidence, examples.ensemble_correct))
+  return results

@@ -13,24 +13,34 @@ from dist_ens import metrics
 M, B, C = 4, 37, 10
 
 # Most tests go through jit: eager dispatch recompiles every op per new shape,
-# which is several times slower. test_jit_matches_eager covers eager mode.
-_eval_sums = jax.jit(metrics.eval_sums)
+# which is several times slower. test_jit_matches_eager covers eager mode. One
+# compiled eval_batch serves both (eval_sums is its .sums).
+_eval_batch = jax.jit(metrics.eval_batch)
+
+
+def _eval_sums(logits, labels, mask, member_mask=None):
+  return _eval_batch(logits, labels, mask, member_mask).sums
 
 SUM_SHAPES = {
     "count": (),
     "member_nll": (M,),
     "member_correct": (M,),
     "member_brier": (M,),
+    "member_entropy": (M,),
     "member_bin_count": (M, metrics.NUM_ECE_BINS),
     "member_bin_conf": (M, metrics.NUM_ECE_BINS),
     "member_bin_correct": (M, metrics.NUM_ECE_BINS),
     "ensemble_nll": (),
     "ensemble_correct": (),
     "ensemble_brier": (),
+    "ensemble_entropy": (),
     "ensemble_bin_count": (metrics.NUM_ECE_BINS,),
     "ensemble_bin_conf": (metrics.NUM_ECE_BINS,),
     "ensemble_bin_correct": (metrics.NUM_ECE_BINS,),
     "disagreement": (),
+    "expected_entropy": (),
+    "mutual_information": (),
+    "pairwise_kl": (),
 }
 
 
@@ -58,7 +68,10 @@ def _reference(logits, labels, mask, member_mask=None):
         "nll": 0.0,
         "correct": 0.0,
         "brier": 0.0,
+        "entropy": 0.0,
         "bins": [[0.0, 0.0, 0.0] for _ in range(nbins)],
+        "conf": [],
+        "hit": [],
     }
 
   def add(acc, p, y):
@@ -71,6 +84,9 @@ def _reference(logits, labels, mask, member_mask=None):
     acc["nll"] -= math.log(p[y])
     acc["correct"] += hit
     acc["brier"] += float(np.sum((p - np.eye(c)[y]) ** 2))
+    acc["entropy"] += _entropy64(p)
+    acc["conf"].append(conf)
+    acc["hit"].append(hit)
     k = min(int(math.floor(conf * nbins)), nbins - 1)
     acc["bins"][k][0] += 1
     acc["bins"][k][1] += conf
@@ -79,7 +95,7 @@ def _reference(logits, labels, mask, member_mask=None):
   members = [new_acc() for _ in range(m)]
   ensemble = new_acc()
   count = 0
-  disagreement = 0.0
+  disagreement = expected_entropy = mutual_information = pairwise_kl = 0.0
   for i in range(b):
     if not mask[i]:
       continue
@@ -94,6 +110,12 @@ def _reference(logits, labels, mask, member_mask=None):
     disagreement += np.mean(
         [float(np.argmax(probs[k]) != ens_pred) for k in included]
     )
+    aleatoric = np.mean([_entropy64(probs[k]) for k in included])
+    expected_entropy += aleatoric
+    mutual_information += _entropy64(ens_p) - aleatoric
+    pairs = [(j, k) for j in included for k in included if j != k]
+    if pairs:
+      pairwise_kl += np.mean([_kl64(probs[j], probs[k]) for j, k in pairs])
 
   def final(acc):
     ece = sum(abs(bc[2] - bc[1]) for bc in acc["bins"]) / count
@@ -102,16 +124,63 @@ def _reference(logits, labels, mask, member_mask=None):
         "nll": acc["nll"] / count,
         "brier": acc["brier"] / count,
         "ece": ece,
+        "entropy": acc["entropy"] / count,
+        "adaptive_ece": _adaptive_ece64(acc["conf"], acc["hit"], nbins),
     }
 
   member_final = [final(acc) for acc in members]
   return {
       "members": {
           key: [f[key] for f in member_final]
-          for key in ("accuracy", "nll", "brier", "ece")
+          for key in member_final[0]
       },
-      "ensemble": dict(final(ensemble), disagreement=disagreement / count),
+      "ensemble": dict(
+          final(ensemble),
+          disagreement=disagreement / count,
+          expected_entropy=expected_entropy / count,
+          mutual_information=mutual_information / count,
+          pairwise_kl=pairwise_kl / count,
+      ),
   }
+
+
+def _entropy64(p):
+  p = np.asarray(p, np.float64)
+  nz = p[p > 0]
+  return float(-np.sum(nz * np.log(nz)))
+
+
+def _kl64(p, q):
+  p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+  nz = p > 0
+  return float(np.sum(p[nz] * (np.log(p[nz]) - np.log(q[nz]))))
+
+
+def _adaptive_ece64(conf, hit, nbins):
+  """Equal-mass bins from the definition: sort, then cut into nbins runs whose
+  sizes differ by at most one, the larger ones first."""
+  n = len(conf)
+  order = sorted(range(n), key=lambda i: conf[i])  # Python's sort is stable.
+  sizes = [n // nbins + (1 if j < n % nbins else 0) for j in range(nbins)]
+  total, start = 0.0, 0
+  for size in sizes:
+    chosen = order[start:start + size]
+    start += size
+    total += abs(sum(hit[i] for i in chosen) - sum(conf[i] for i in chosen))
+  return total / n
+
+
+def _finalize_with_examples(logits, labels, mask, member_mask=None):
+  """finalize() given the per-example stats of the unmasked rows, as evaluate() does."""
+  out = _eval_batch(logits, labels, mask, member_mask)
+  keep = np.asarray(mask, bool)
+  examples = metrics.ExampleStats(*(np.asarray(a)[..., keep] for a in out.examples))
+  return metrics.finalize(out.sums, examples)
+
+
+def _without_adaptive(results):
+  return {group: {k: v for k, v in values.items() if k != "adaptive_ece"}
+          for group, values in results.items()}
 
 
 def _assert_results_close(actual, expected, atol=1e-5):
@@ -160,7 +229,10 @@ def test_matches_numpy_reference(mask_kind, member_mask):
   sums = _eval_sums(logits, labels, mask, mm)
   expected = _reference(logits, labels, mask, mm)
 
-  _assert_results_close(metrics.finalize(sums), expected)
+  _assert_results_close(metrics.finalize(sums), _without_adaptive(expected))
+  _assert_results_close(
+      _finalize_with_examples(logits, labels, mask, mm), expected
+  )
   assert float(sums["count"]) == mask.sum()
   # The random logits should exercise several bins and a non-trivial ECE,
   # otherwise the comparison above would be weak.
@@ -205,6 +277,13 @@ def test_perfect_confidence():
     np.testing.assert_allclose(group["brier"], 0.0, atol=1e-6)
     np.testing.assert_allclose(group["ece"], 0.0, atol=1e-6)
   assert result["ensemble"]["disagreement"] == 0.0
+  # Certain, identical members: no uncertainty of either kind, no diversity.
+  np.testing.assert_allclose(result["members"]["entropy"], 0.0, atol=1e-6)
+  for key in ("entropy", "expected_entropy", "mutual_information", "pairwise_kl"):
+    np.testing.assert_allclose(result["ensemble"][key], 0.0, atol=1e-6, err_msg=key)
+  with_examples = _finalize_with_examples(logits, labels, np.ones(B, bool))
+  np.testing.assert_allclose(with_examples["members"]["adaptive_ece"], 0.0, atol=1e-6)
+  np.testing.assert_allclose(with_examples["ensemble"]["adaptive_ece"], 0.0, atol=1e-6)
   # Confidence 1.0 must be clipped into the last bin, not dropped.
   last = metrics.NUM_ECE_BINS - 1
   np.testing.assert_array_equal(np.asarray(sums["member_bin_count"])[:, last], B)
@@ -232,6 +311,19 @@ def test_uniform_predictions():
         res["ece"], abs(accuracy - 1 / C), rtol=1e-5, err_msg=name
     )
   assert result["ensemble"]["disagreement"] == 0.0
+  # Uniform members: maximal entropy, all of it aleatoric.
+  np.testing.assert_allclose(result["members"]["entropy"], math.log(C), rtol=1e-6)
+  np.testing.assert_allclose(result["ensemble"]["entropy"], math.log(C), rtol=1e-6)
+  np.testing.assert_allclose(result["ensemble"]["expected_entropy"], math.log(C), rtol=1e-6)
+  np.testing.assert_allclose(result["ensemble"]["mutual_information"], 0.0, atol=1e-6)
+  np.testing.assert_allclose(result["ensemble"]["pairwise_kl"], 0.0, atol=1e-6)
+  # Every confidence ties at 1/C, so the equal-mass bins are runs of examples in
+  # their original order; splitting one bin's errors apart can only add to them.
+  adaptive = _finalize_with_examples(logits, labels, np.ones(B, bool))
+  hits = (labels == 0).astype(float)
+  by_order = sum(abs(g.sum() - len(g) / C) for g in np.array_split(hits, metrics.NUM_ECE_BINS))
+  np.testing.assert_allclose(adaptive["ensemble"]["adaptive_ece"], by_order / B, rtol=1e-5)
+  assert adaptive["ensemble"]["adaptive_ece"] > abs(accuracy - 1 / C) + 0.01
   member_counts = np.asarray(sums["member_bin_count"])
   np.testing.assert_array_equal(member_counts[:, expected_bin], B)
   assert member_counts.sum() == M * B
@@ -298,8 +390,8 @@ def test_padded_last_batch_and_add_sums_equal_whole():
 def test_identical_members():
   logits, labels = _random_inputs(seed=5)
   same = np.broadcast_to(logits[:1], (M, B, C))
-  result = metrics.finalize(_eval_sums(same, labels, np.ones(B, bool)))
-  for key in ("accuracy", "nll", "brier", "ece"):
+  result = _finalize_with_examples(same, labels, np.ones(B, bool))
+  for key in ("accuracy", "nll", "brier", "ece", "entropy", "adaptive_ece"):
     np.testing.assert_allclose(
         result["members"][key], result["members"][key][0], err_msg=key
     )
@@ -308,6 +400,13 @@ def test_identical_members():
         atol=1e-6, err_msg=key,
     )
   assert result["ensemble"]["disagreement"] == 0.0
+  np.testing.assert_allclose(result["ensemble"]["expected_entropy"],
+                             result["members"]["entropy"][0], rtol=1e-6)
+  # Identical members carry no epistemic uncertainty and no diversity.
+  assert abs(result["ensemble"]["mutual_information"]) < 1e-6
+  assert abs(result["ensemble"]["pairwise_kl"]) < 1e-6
+  # The random logits are far from uniform or certain, so this is not vacuous.
+  assert 0.3 < result["ensemble"]["entropy"] < math.log(C) - 0.3
 
 
 @pytest.mark.parametrize("excluded", [0, 2])
@@ -373,3 +472,113 @@ def test_finalize_zero_count_raises():
   assert float(sums["count"]) == 0.0
   with pytest.raises(ValueError, match="count|examples"):
     metrics.finalize(sums)
+
+
+def test_uncertainty_is_finite_when_an_excluded_member_is_nan():
+  logits, labels = _random_inputs(seed=10)
+  poisoned = logits.copy()
+  poisoned[1] = np.nan
+  member_mask = np.arange(M) != 1
+  got = metrics.finalize(_eval_sums(poisoned, labels, np.ones(B, bool), member_mask))
+  dropped = metrics.finalize(
+      _eval_sums(np.delete(logits, 1, axis=0), labels, np.ones(B, bool))
+  )
+  _assert_results_close({"ensemble": got["ensemble"]}, {"ensemble": dropped["ensemble"]})
+  assert np.isnan(got["members"]["entropy"][1])
+
+
+def test_single_member_has_no_pairs():
+  logits, labels = _random_inputs(seed=11, m=1)
+  result = metrics.finalize(jax.jit(metrics.eval_sums)(logits, labels, np.ones(B, bool)))
+  assert result["ensemble"]["pairwise_kl"] == 0.0
+  assert abs(result["ensemble"]["mutual_information"]) < 1e-6
+
+
+def test_member_uncertainty_matches_eval_batch():
+  logits, _ = _random_inputs(seed=12)
+  member_mask = np.array([True, True, False, True])
+  u = jax.jit(metrics.member_uncertainty)(logits, member_mask)
+  stats = _eval_batch(logits, np.zeros(B, np.int32), np.ones(B, bool), member_mask).examples
+  np.testing.assert_allclose(u["entropy"], stats.entropy, rtol=1e-6)
+  np.testing.assert_allclose(u["mutual_information"], stats.mutual_information, atol=1e-6)
+  for i in range(B):
+    probs = [_softmax64(logits[k, i]) for k in range(M) if member_mask[k]]
+    reference = np.mean([_kl64(p, q) for p in probs for q in probs if p is not q])
+    np.testing.assert_allclose(u["pairwise_kl"][i], reference, rtol=1e-4, atol=1e-6)
+  ens = np.exp(jax.jit(metrics.ensemble_log_probs)(logits, member_mask))
+  np.testing.assert_allclose(
+      ens, np.mean(np.asarray(jax.nn.softmax(logits[member_mask])), axis=0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 7, 15, 16, 100])
+def test_adaptive_ece_matches_definition(n):
+  rng = np.random.default_rng(n)
+  conf = rng.random((3, n))
+  hit = (rng.random((3, n)) < conf).astype(float)
+  got = metrics.adaptive_ece(conf, hit)
+  for row in range(3):
+    expected = _adaptive_ece64(list(conf[row]), list(hit[row]), metrics.NUM_ECE_BINS)
+    np.testing.assert_allclose(got[row], expected, rtol=1e-12)
+
+
+def test_adaptive_ece_differs_from_equal_width_ece():
+  # Everything in one equal-width bin but split apart by equal-mass bins:
+  # equal-width ECE averages the errors away, adaptive ECE does not.
+  conf = np.array([0.61, 0.62, 0.63, 0.64])
+  hit = np.array([0.0, 0.0, 1.0, 1.0])
+  assert metrics.adaptive_ece(conf, hit, num_bins=2) == pytest.approx(
+      (abs(0 - 1.23) + abs(2 - 1.27)) / 4)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_auroc_aupr_match_sklearn(ties):
+  sk = pytest.importorskip("sklearn.metrics")
+  rng = np.random.default_rng(13)
+  in_scores = rng.normal(0.0, 1.0, 300)
+  out_scores = rng.normal(0.8, 1.0, 200)
+  if ties:  # Coarse scores: many ties within and across the two sets.
+    in_scores, out_scores = np.round(in_scores, 1), np.round(out_scores, 1)
+  labels = np.r_[np.zeros(300), np.ones(200)]
+  scores = np.r_[in_scores, out_scores]
+  assert 0.6 < metrics.auroc(in_scores, out_scores) < 0.9
+  np.testing.assert_allclose(metrics.auroc(in_scores, out_scores),
+                             sk.roc_auc_score(labels, scores), rtol=1e-12)
+  np.testing.assert_allclose(metrics.aupr(in_scores, out_scores),
+                             sk.average_precision_score(labels, scores), rtol=1e-12)
+
+
+def test_auroc_aupr_edge_cases():
+  assert metrics.auroc(np.array([0.0, 0.1]), np.array([0.5, 0.9])) == 1.0
+  assert metrics.auroc(np.array([0.5, 0.9]), np.array([0.0, 0.1])) == 0.0
+  assert metrics.aupr(np.array([0.0, 0.1]), np.array([0.5, 0.9])) == 1.0
+  # Constant scores separate nothing: AUROC one half, AUPR the OOD fraction.
+  assert metrics.auroc(np.ones(3), np.ones(1)) == 0.5
+  assert metrics.aupr(np.ones(3), np.ones(1)) == 0.25
+  assert np.isnan(metrics.auroc(np.array([]), np.ones(2)))
+
+
+def test_ood_metrics_uses_entropy_and_mutual_information():
+  sk = pytest.importorskip("sklearn.metrics")
+  rng = np.random.default_rng(14)
+
+  def stats(n, shift):
+    return metrics.ExampleStats(
+        member_confidence=rng.random((M, n)), member_correct=np.zeros((M, n)),
+        member_entropy=rng.random((M, n)) + shift, ensemble_confidence=rng.random(n),
+        ensemble_correct=np.zeros(n), entropy=rng.random(n) + shift,
+        mutual_information=rng.random(n) + 2 * shift)
+
+  inside, outside = stats(50, 0.0), stats(40, 0.3)
+  got = metrics.ood_metrics(inside, outside)
+  labels = np.r_[np.zeros(50), np.ones(40)]
+  for key, field in (("entropy", "entropy"), ("mi", "mutual_information")):
+    scores = np.r_[getattr(inside, field), getattr(outside, field)]
+    np.testing.assert_allclose(got["ensemble"][f"auroc_{key}"],
+                               sk.roc_auc_score(labels, scores))
+    np.testing.assert_allclose(got["ensemble"][f"aupr_{key}"],
+                               sk.average_precision_score(labels, scores))
+  for m in range(M):
+    scores = np.r_[inside.member_entropy[m], outside.member_entropy[m]]
+    np.testing.assert_allclose(got["members"]["auroc_entropy"][m],
+                               sk.roc_auc_score(labels, scores))
+  json.dumps(got)
