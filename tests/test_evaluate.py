@@ -1,0 +1,145 @@
+"""The sharded eval step over a whole split, OOD evaluation and OOD sources."""
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from dist_ens import data, mesh as mesh_lib, metrics, models, ood
+from dist_ens.errors import ConfigError
+from dist_ens.evaluate import evaluate, evaluate_ood, evaluate_split, make_eval_step
+
+M, N, SHAPE, C = 8, 37, (40, 1), 10
+
+
+def _setup(member=4, data_axis=2):
+  model = models.get_model(ml_collections.ConfigDict(
+      dict(name='mlp', widths=(16,), init_scale=1.0)), num_classes=C)
+  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(
+      dict(member=member, data=data_axis, hosts_along='member')))
+  params = jax.jit(jax.vmap(lambda k: model.init(k, SHAPE)),
+                   out_shardings=mesh_lib.member_sharding(mesh))(
+                       jax.random.split(jax.random.key(0), M))
+  return model, mesh, params
+
+
+def _split(seed, n=N, scale=1.0):
+  rng = np.random.default_rng(seed)
+  return data.Split((scale * rng.standard_normal((n, *SHAPE))).astype(np.float32),
+                    rng.integers(0, C, n).astype(np.int32))
+
+
+def _logits(model, params, x):
+  """Each member on its own, on one device: the reference forward pass."""
+  host = jax.tree.map(np.asarray, params)
+  apply = jax.jit(model.apply)
+  return np.stack([np.asarray(apply(jax.tree.map(lambda a, i=i: a[i], host), x))
+                   for i in range(M)])
+
+
+@pytest.fixture(scope='module')
+def setup():
+  return _setup()
+
+
+def test_padded_sharded_batches_equal_one_whole_batch(setup):
+  model, mesh, params = setup
+  split = _split(0)
+  member_mask = jax.device_put(np.arange(M) != 5, mesh_lib.member_sharding(mesh))
+  step = make_eval_step(model, mesh)
+  # 37 examples in batches of 16: 16 + 16 + a last batch of 5 real and 11 padded rows.
+  got = evaluate(step, params, split, 16, mesh, member_mask)
+  assert step._cache_size() == 1  # Padding keeps one shape: one compile for the split.
+
+  logits = _logits(model, params, split.x)
+  whole = jax.jit(metrics.eval_batch)(logits, split.y, np.ones(N, bool), np.arange(M) != 5)
+  expected = metrics.finalize(whole.sums, jax.tree.map(np.asarray, whole.examples))
+  assert got.keys() == expected.keys()
+  for group in expected:
+    assert got[group].keys() == expected[group].keys()
+    for key in expected[group]:
+      np.testing.assert_allclose(got[group][key], expected[group][key], rtol=1e-5, atol=1e-6,
+                                 err_msg=f'{group}/{key}')
+  # Every example counted once: per-member accuracy is a multiple of 1/37.
+  correct = np.asarray(got['members']['accuracy']) * N
+  np.testing.assert_allclose(correct, np.round(correct), atol=1e-4)
+
+
+def test_split_examples_drop_padding_in_order(setup):
+  model, mesh, params = setup
+  split = _split(1, n=21)
+  out = evaluate_split(make_eval_step(model, mesh), params, split, 8, mesh,
+                       jax.device_put(np.ones(M, bool), mesh_lib.member_sharding(mesh)))
+  probs = np.asarray(jax.nn.softmax(_logits(model, params, split.x)))
+  assert out.examples.member_confidence.shape == (M, 21)
+  np.testing.assert_allclose(out.examples.member_confidence, probs.max(-1), rtol=1e-5)
+  np.testing.assert_allclose(out.examples.ensemble_confidence, probs.mean(0).max(-1), rtol=1e-5)
+  np.testing.assert_array_equal(out.examples.ensemble_correct,
+                                probs.mean(0).argmax(-1) == split.y)
+  assert float(out.sums['count']) == 21
+
+
+def test_evaluate_ood_matches_sklearn(setup):
+  sk = pytest.importorskip('sklearn.metrics')
+  model, mesh, params = setup
+  inside, outside = _split(2), _split(3, n=29, scale=4.0)
+  member_mask = jax.device_put(np.ones(M, bool), mesh_lib.member_sharding(mesh))
+  got = evaluate_ood(make_eval_step(model, mesh), params, inside, outside, 16, mesh, member_mask)
+
+  def uncertainty(x):
+    p = np.asarray(jax.nn.softmax(_logits(model, params, x).astype(np.float64)))
+    entropy = lambda q: -np.sum(q * np.log(q), -1)
+    return entropy(p.mean(0)), entropy(p.mean(0)) - entropy(p).mean(0), entropy(p)
+
+  (ent_in, mi_in, members_in), (ent_out, mi_out, members_out) = (uncertainty(inside.x),
+                                                                 uncertainty(outside.x))
+  labels = np.r_[np.zeros(N), np.ones(29)]
+  ens = got['ensemble']
+  np.testing.assert_allclose(ens['auroc_entropy'], sk.roc_auc_score(labels, np.r_[ent_in, ent_out]),
+                             atol=1e-6)
+  np.testing.assert_allclose(ens['aupr_mi'],
+                             sk.average_precision_score(labels, np.r_[mi_in, mi_out]), atol=1e-6)
+  np.testing.assert_allclose(
+      got['members']['auroc_entropy'][3],
+      sk.roc_auc_score(labels, np.r_[members_in[3], members_out[3]]), atol=1e-6)
+  np.testing.assert_allclose(ens['mi_out'], mi_out.mean(), rtol=1e-4)
+
+
+def test_evaluate_ood_refuses_another_input_shape(setup):
+  model, mesh, params = setup
+  other = data.Split(np.zeros((4, 8, 8, 1), np.float32), np.zeros(4, np.int32))
+  with pytest.raises(ValueError, match='shape'):
+    evaluate_ood(make_eval_step(model, mesh), params, _split(0), other, 16, mesh,
+                 jax.device_put(np.ones(M, bool), mesh_lib.member_sharding(mesh)))
+
+
+def test_ood_sources_have_mnist1d_shape_and_differ_from_it():
+  mnist = data.load_dataset('mnist1d')
+  for name in ood.OOD_SOURCES:
+    split = ood.load_ood_split(name, mnist)
+    assert split.x.shape == mnist.test.x.shape and split.x.dtype == np.float32
+    assert not np.allclose(split.x, mnist.test.x)
+  shuffled = ood.load_ood_split('mnist1d_shuffled', mnist)
+  # A permutation of each signal: the same values, in another order.
+  np.testing.assert_array_equal(np.sort(shuffled.x, axis=1), np.sort(mnist.test.x, axis=1))
+
+
+def test_ood_split_gets_the_training_preprocessing():
+  data_config = ml_collections.ConfigDict(dict(name='mnist1d', data_dir='', mean=(0.5,),
+                                               std=(2.0,)))
+  mnist = data.load_dataset('mnist1d', data_config)
+  raw = ood.mnist1d_noise().x
+  np.testing.assert_allclose(ood.load_ood_split('mnist1d_noise', mnist, data_config).x,
+                             (raw - 0.5) / 2.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize('name,message', [
+    ('no/such', 'not a known dataset'),
+    ('mnist1d', 'is the training dataset'),
+    ('digits', r'has inputs of shape \(8, 8, 1\)'),
+])
+def test_bad_ood_dataset_names_the_field(name, message):
+  if name == 'digits':
+    pytest.importorskip('sklearn')
+  with pytest.raises(ConfigError, match=r'config\.eval\.ood_dataset=.*' + message):
+    ood.load_ood_split(name, data.load_dataset('mnist1d'))
