@@ -1,17 +1,25 @@
-"""What a run writes and logs: metrics.jsonl, final_metrics.json, members.csv, tables.
+"""What a run writes and logs: metrics.jsonl, TensorBoard events, final_metrics.json,
+members.csv, tables and progress.
 
-Only process 0 writes files; every process may log. Files are written atomically
-(write, then rename) so an interrupted run never leaves a truncated one.
+Only process 0 writes files; every process may log. Whole files are written
+atomically (write, then rename) so an interrupted run never leaves a truncated one.
+
+Event writers share one interface, `write(event)` / `close()`, where an event is
+{'step': int, 'split': str, 'members': {name: [M floats]}, 'ensemble': {name: float},
+...other numbers}; `MultiWriter` sends each event to several of them.
 """
 
 import json
 import os
+import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Protocol
 
 import jax
 import numpy as np
+from absl import logging
 
 
 def is_writer() -> bool:
@@ -61,6 +69,183 @@ class JsonlWriter:
       self._file.close()
 
 
+class EventWriter(Protocol):
+  """What train.py writes events to (see the module docstring for the event format)."""
+
+  def write(self, event: dict[str, Any]) -> None:
+    ...
+
+  def close(self) -> None:
+    ...
+
+
+class TensorBoardWriter:
+  """Writes events as TensorBoard scalars and histograms (tensorboardX; no TensorFlow).
+
+  Tags, for an event of split S at step N:
+    member_{i}/S/{name}   each member's value of every 'members' metric,
+    ensemble/S/{name}     every 'ensemble' metric,
+    members/S/{name}      a histogram of the M member values (non-finite ones left out),
+    S/{name}              any other top-level number (e.g. member_examples_per_s).
+
+  On resume from step N (keep_through_step=N), TensorBoard is told to drop what
+  the interrupted run wrote after N (a purge event, as TensorFlow writes on
+  restart), mirroring JsonlWriter; a fresh run (None) drops everything before it.
+
+  Example:
+    writer = TensorBoardWriter('/tmp/run/tensorboard')
+    writer.write({'step': 10, 'split': 'test', 'members': {'nll': [0.9, 1.1]},
+                  'ensemble': {'nll': 0.8}})
+    writer.close()  # then: tensorboard --logdir /tmp/run/tensorboard
+  """
+
+  def __init__(self, logdir: str | os.PathLike, keep_through_step: int | None = None):
+    self._writer = None
+    if not is_writer():
+      return
+    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    purge_step = 0 if keep_through_step is None else keep_through_step + 1
+    # tensorboardX names files by the second; a resume within the same second would
+    # overwrite the previous file without a finer suffix.
+    self._writer = SummaryWriter(str(logdir), purge_step=purge_step,
+                                 filename_suffix=f'.{time.time_ns()}')
+
+  def write(self, event: dict[str, Any]) -> None:
+    if self._writer is None:
+      return
+    step, split = int(event['step']), event.get('split', 'train')
+    for name, values in event.get('members', {}).items():
+      values = np.asarray(values, np.float64)
+      if values.ndim != 1:
+        continue
+      for i, value in enumerate(values):
+        self._writer.add_scalar(f'member_{i}/{split}/{name}', value, step)
+      finite = values[np.isfinite(values)]
+      if finite.size:
+        self._writer.add_histogram(f'members/{split}/{name}', finite, step)
+    for name, value in event.get('ensemble', {}).items():
+      if _is_number(value):
+        self._writer.add_scalar(f'ensemble/{split}/{name}', value, step)
+    for name, value in event.items():
+      if name not in ('step', 'split', 'members', 'ensemble') and _is_number(value):
+        self._writer.add_scalar(f'{split}/{name}', value, step)
+    # Events come every log_every steps; flushing each keeps TensorBoard live.
+    self._writer.flush()
+
+  def close(self) -> None:
+    if self._writer is not None:
+      self._writer.close()
+
+
+def _is_number(value: Any) -> bool:
+  return isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+
+
+class MultiWriter:
+  """Sends every event to each of `writers`, e.g. JSONL and TensorBoard.
+
+  Example:
+    writer = MultiWriter(JsonlWriter(workdir / 'metrics.jsonl'),
+                         TensorBoardWriter(workdir / 'tensorboard'))
+    writer.write({'step': 1, 'split': 'train', 'members': {'loss': [2.3, 2.4]}})
+    writer.close()
+  """
+
+  def __init__(self, *writers: EventWriter):
+    self._writers = writers
+
+  def write(self, event: dict[str, Any]) -> None:
+    for writer in self._writers:
+      writer.write(event)
+
+  def close(self) -> None:
+    for writer in self._writers:
+      writer.close()
+
+
+class _BarSafeStream:
+  """A stream whose writes clear and redraw the progress bars on the same terminal."""
+
+  def __init__(self, stream: IO[str]):
+    self._stream = stream
+
+  def write(self, text: str) -> None:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    tqdm.write(text, file=self._stream, end='')
+
+  def flush(self) -> None:
+    self._stream.flush()
+
+  # absl compares its handler's stream with sys.stderr to avoid echoing a record
+  # there twice; the wrapper must still count as the stream it wraps.
+  def __eq__(self, other: object) -> bool:
+    return other is self or other is self._stream
+
+  def __hash__(self) -> int:
+    return hash(self._stream)
+
+
+class Progress:
+  """A progress bar on an interactive terminal; plain log lines otherwise.
+
+  `update(step, line)` moves the bar to `step` (cheap: call it every step) and, when
+  `line` is given, logs it; on a terminal the bar stays below the log lines (absl's
+  log stream is routed around it while the bar lives). Off a terminal, on processes
+  other than 0, or with enabled=False there is no bar, only the log lines.
+
+  Example:
+    progress = Progress(total_steps=2000, start_step=0)
+    for step in range(1, 2001):
+      ...
+      progress.update(step, line=f'step {step} loss ...' if step % 250 == 0 else None)
+    progress.close()
+  """
+
+  def __init__(self, total_steps: int, start_step: int = 0, stream: IO[str] | None = None,
+               enabled: bool | None = None):
+    stream = sys.stderr if stream is None else stream
+    if enabled is None:
+      enabled = is_writer() and hasattr(stream, 'isatty') and stream.isatty()
+    self._bar = None
+    self._handler, self._handler_stream = None, None
+    if not enabled:
+      return
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    # tqdm hides its bar on a terminal that reports a size of 0 x 0 (a pty nobody
+    # sized, as under `script` or some IDE consoles): give such a one a fixed size.
+    size = {}
+    try:
+      if os.get_terminal_size(stream.fileno()).columns == 0:
+        size = {'ncols': 100, 'nrows': 40}
+    except (AttributeError, OSError, ValueError):
+      pass
+    self._bar = tqdm(total=total_steps, initial=start_step, file=stream, unit='step',
+                     dynamic_ncols=not size, leave=True, **size)
+    handler = getattr(logging.get_absl_handler(), 'python_handler', None)
+    if handler is not None and getattr(handler, 'stream', None) is stream:
+      self._handler, self._handler_stream = handler, stream
+      handler.stream = _BarSafeStream(stream)
+
+  @property
+  def has_bar(self) -> bool:
+    return self._bar is not None
+
+  def update(self, step: int, line: str | None = None) -> None:
+    if self._bar is not None and step > self._bar.n:
+      self._bar.update(step - self._bar.n)
+    if line is not None:
+      prefix = f'[process {jax.process_index()}] ' if jax.process_count() > 1 else ''
+      logging.info('%s%s', prefix, line)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+      self._bar = None
+    if self._handler is not None:
+      self._handler.stream = self._handler_stream
+      self._handler = None
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
   with tempfile.NamedTemporaryFile('w', dir=path.parent, suffix='.tmp', delete=False,
                                    encoding='utf-8') as tmp:
@@ -93,20 +278,34 @@ def progress_line(step: int, total: int, loss: np.ndarray, accuracy: np.ndarray,
 
 
 def results_table(final: dict[str, Any]) -> str:
-  """Per-member and ensemble test metrics as a Markdown table."""
+  """Per-member and ensemble test metrics as a Markdown table.
+
+  Columns for adaptive ECE and entropy appear when `final` has them; the ensemble's
+  uncertainty decomposition and diversity follow the table.
+
+  Example:
+    print(results_table(json.load(open('/tmp/run/final_metrics.json'))))
+  """
   members, ens = final['members'], final['ensemble']
   frozen = set(final.get('frozen_members', []))
-  lines = ['| member | accuracy | NLL | Brier | ECE |', '|---|---|---|---|---|']
+  columns = [(k, name) for k, name in (('accuracy', 'accuracy'), ('nll', 'NLL'),
+                                       ('brier', 'Brier'), ('ece', 'ECE'),
+                                       ('adaptive_ece', 'adaptive ECE'), ('entropy', 'entropy'))
+             if k in members]
+  lines = ['| member | ' + ' | '.join(name for _, name in columns) + ' |',
+           '|---|' + '---|' * len(columns)]
   for i in range(len(members['accuracy'])):
     name = f'{i} (frozen)' if i in frozen else str(i)
-    lines.append(f'| {name} | {members["accuracy"][i]:.4f} | {members["nll"][i]:.4f} | '
-                 f'{members["brier"][i]:.4f} | {members["ece"][i]:.4f} |')
-  mean = {k: float(np.mean(v)) for k, v in members.items()}
-  lines.append(f'| member mean | {mean["accuracy"]:.4f} | {mean["nll"]:.4f} | '
-               f'{mean["brier"]:.4f} | {mean["ece"]:.4f} |')
-  lines.append(f'| **ensemble** | **{ens["accuracy"]:.4f}** | **{ens["nll"]:.4f}** | '
-               f'**{ens["brier"]:.4f}** | **{ens["ece"]:.4f}** |')
+    lines.append(f'| {name} | ' + ' | '.join(f'{members[k][i]:.4f}' for k, _ in columns) + ' |')
+  lines.append('| member mean | ' + ' | '.join(f'{float(np.mean(members[k])):.4f}'
+                                               for k, _ in columns) + ' |')
+  lines.append('| **ensemble** | ' + ' | '.join(f'**{ens[k]:.4f}**' if k in ens else ''
+                                                for k, _ in columns) + ' |')
   lines.append(f'\nensemble disagreement: {ens["disagreement"]:.4f}')
+  if 'mutual_information' in ens:
+    lines.append(f'predictive entropy {ens["entropy"]:.4f} = expected entropy (aleatoric) '
+                 f'{ens["expected_entropy"]:.4f} + mutual information (epistemic) '
+                 f'{ens["mutual_information"]:.4f}; mean pairwise KL {ens["pairwise_kl"]:.4f}')
   return '\n'.join(lines)
 
 
