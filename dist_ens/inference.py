@@ -1,0 +1,334 @@
+"""Using a trained ensemble: load a workdir's final checkpoint, predict, export members.
+
+  ens = Ensemble.load('/tmp/run')             # onto whatever devices are present
+  out = ens.predict(x)                        # raw inputs, any batch size
+  out.probs, out.member_probs, out.entropy, out.mutual_information
+  params_3 = ens.member(3)                    # member 3's own parameter pytree
+  ens.export('/tmp/members')                  # member_i.npz, loadable with numpy alone
+
+The abstract train state is built from the workdir's config.json exactly as
+train.run builds it (config -> model -> optimizer -> init_state), so the orbax
+checkpoint restores straight into this machine's shardings, whatever mesh wrote it.
+"""
+
+import json
+import math
+import os
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import logging
+
+from dist_ens import data, hparams, mesh as mesh_lib, metrics, models, optim
+from dist_ens.checkpoint import Checkpointer
+from dist_ens.step import init_state
+
+PyTree = Any
+Preprocess = Callable[[np.ndarray], np.ndarray]
+
+
+class Prediction(NamedTuple):
+  """The ensemble's prediction for N inputs (numpy arrays on the host)."""
+  probs: np.ndarray  # [N, C] mean of the (non-frozen) members' probabilities
+  member_probs: np.ndarray  # [M, N, C] every member's probabilities
+  entropy: np.ndarray  # [N] predictive entropy H[probs], nats
+  mutual_information: np.ndarray  # [N] H[probs] - mean_m H[member_probs[m]]
+
+
+def preprocess_for(config: ml_collections.ConfigDict,
+                   input_shape: tuple[int, ...]) -> Preprocess:
+  """The preprocessing a run's raw inputs get between the dataset and the model.
+
+  The data pipeline's own `data.preprocess` (uint8 images / 255, then
+  config.data.mean / std per channel; a float32 cast), then the trailing channel
+  axis the pipeline adds to single-channel data, so raw MNIST-1D [N, 40] signals or
+  [N, 28, 28] uint8 images are accepted as well as [N, ..., 1].
+
+  Example:
+    >>> prep = preprocess_for(ml_collections.ConfigDict({'data': {'name': 'mnist1d'}}), (40, 1))
+    >>> prep(np.zeros((3, 40))).shape
+    (3, 40, 1)
+
+  Args:
+    config: the run's config (config.data holds the preprocessing fields).
+    input_shape: the model's input shape, without the batch axis.
+
+  Returns:
+    A function from a batch of raw inputs to the model's inputs.
+  """
+  data_config = config.data
+  input_shape = tuple(input_shape)
+
+  def preprocess(x: np.ndarray) -> np.ndarray:
+    x = data.preprocess(np.asarray(x), data_config)
+    if x.shape[1:] == input_shape:
+      return x
+    if input_shape[-1] == 1 and x.shape[1:] == input_shape[:-1]:
+      return x[..., None]
+    raise ValueError(f'predict() takes a batch of inputs of shape [N, *{input_shape}] (or '
+                     f'[N, *{input_shape[:-1]}] for one channel); got {x.shape}.')
+
+  return preprocess
+
+
+def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
+  # As many devices on 'member' as divide both M and the device count; the rest
+  # split each batch over 'data'.
+  member = math.gcd(num_members, len(devices))
+  return mesh_lib.make_mesh(ml_collections.ConfigDict(
+      dict(member=member, data=len(devices) // member, hosts_along='member')), devices)
+
+
+class Ensemble:
+  """A trained ensemble on the present devices: predict, inspect and export members.
+
+  Build it with `Ensemble.load(workdir)`. Members are sharded over the mesh's
+  'member' axis and each batch over 'data', as in training.
+
+  Attributes:
+    config: the run's config (from config.json).
+    model: the single-member Model (init/apply pair).
+    params: the stacked parameters, every leaf [M, ...], sharded over 'member'.
+    frozen: [M] bool numpy; frozen members are left out of the ensemble's mean.
+    step: the training step of the restored checkpoint.
+    input_shape, num_classes: the model's input shape and number of classes.
+    mesh: the ('member', 'data') mesh the parameters live on.
+  """
+
+  def __init__(self, config: ml_collections.ConfigDict, model: models.Model, params: PyTree,
+               frozen: np.ndarray, step: int, input_shape: tuple[int, ...], num_classes: int,
+               mesh: jax.sharding.Mesh, preprocess: Preprocess | None = None):
+    self.config, self.model, self.params = config, model, params
+    self.frozen, self.step, self.mesh = np.asarray(frozen, bool), step, mesh
+    self.input_shape, self.num_classes = tuple(input_shape), num_classes
+    self.preprocess = preprocess or preprocess_for(config, input_shape)
+    if self.frozen.all():
+      logging.warning('every member of this ensemble is frozen (non-finite); its mean '
+                      'prediction is undefined (NaN).')
+    members = mesh_lib.member_sharding(mesh)
+    self._member_mask = jax.device_put(~self.frozen, members)
+
+    def forward(params, x, member_mask):
+      logits = jax.vmap(lambda p: model.apply(p, x, train=False))(params)
+      uncertainty = metrics.member_uncertainty(logits, member_mask)
+      return (jnp.exp(metrics.ensemble_log_probs(logits, member_mask)),
+              jax.nn.softmax(logits.astype(jnp.float32), axis=-1),
+              uncertainty['entropy'], uncertainty['mutual_information'])
+
+    # Replicated outputs: every process can read the whole prediction.
+    self._forward = jax.jit(forward, in_shardings=(members, mesh_lib.batch_sharding(mesh), members),
+                            out_shardings=mesh_lib.replicated(mesh))
+    self._take = jax.jit(lambda tree, i: jax.tree.map(lambda a: a[i], tree),
+                         out_shardings=mesh_lib.replicated(mesh))
+
+  @classmethod
+  def load(cls, workdir: str | os.PathLike, *, devices: Sequence[jax.Device] | None = None,
+           preprocess: Preprocess | None = None) -> 'Ensemble':
+    """Restores the newest checkpoint of a dist_ens workdir onto `devices`.
+
+    Example:
+      ens = Ensemble.load('/tmp/run')                          # all devices
+      ens1 = Ensemble.load('/tmp/run', devices=jax.devices()[:1])
+
+    Args:
+      workdir: a directory train.run wrote (config.json and checkpoints/).
+      devices: the devices to place members on (default: all). The mesh puts
+        gcd(num_members, len(devices)) devices on 'member' and the rest on 'data'.
+      preprocess: replaces preprocess_for(config, input_shape) on predict's raw inputs.
+
+    Returns:
+      The Ensemble; its `step` is the checkpoint's step (a warning is logged when
+      that is not config.train.steps, i.e. the run has not finished).
+
+    Raises:
+      FileNotFoundError: `workdir` holds no config.json or no restorable checkpoint.
+    """
+    workdir = Path(workdir)
+    config_path, checkpoints = workdir / 'config.json', workdir / 'checkpoints'
+    if not config_path.is_file():
+      raise FileNotFoundError(f'{config_path} does not exist: {workdir} is not a dist_ens '
+                              'workdir; train one with dist-ens --config=... --workdir=...')
+    if not checkpoints.is_dir():
+      raise FileNotFoundError(f'{checkpoints} does not exist: the run in {workdir} saved no '
+                              'checkpoint yet; run the same training command to finish it.')
+    config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
+    # The dataset fixes the input shape and class count the parameters were built for.
+    dataset = data.load_dataset(config.data.name, config.data)
+    model = models.get_model(config.model, dataset.num_classes)
+    tx = optim.make_optimizer(config.optim, config.train.steps)
+    mesh = _mesh_for(config.num_members, list(jax.devices() if devices is None else devices))
+    sharding = mesh_lib.member_sharding(mesh)
+    member_hparams = hparams.resolve(config)
+    abstract = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+        jax.eval_shape(lambda: init_state(model, tx, config.seed, config.num_members,
+                                          dataset.input_shape, member_hparams)))
+    checkpointer = Checkpointer(checkpoints, every=1, keep=1 << 30)
+    try:
+      restored = checkpointer.restore(abstract)
+    finally:
+      checkpointer.close()
+    if restored is None:
+      raise FileNotFoundError(f'no checkpoint in {checkpoints} could be restored.')
+    if restored.step != config.train.steps:
+      logging.warning('the newest checkpoint in %s is at step %d of %d: the run has not '
+                      'finished.', checkpoints, restored.step, config.train.steps)
+    frozen = np.asarray(jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))(
+        restored.state.frozen))
+    return cls(config, model, restored.state.params, frozen, restored.step,
+               dataset.input_shape, dataset.num_classes, mesh, preprocess)
+
+  @property
+  def num_members(self) -> int:
+    return int(self.config.num_members)
+
+  def _chunk_size(self, n: int, batch_size: int) -> int:
+    # Padded shapes come from a few sizes (powers of two up to batch_size), so
+    # predict compiles a handful of times however many batch sizes it sees.
+    d = self.mesh.shape[mesh_lib.DATA]
+    size = batch_size if n >= batch_size else 1 << max(n - 1, 0).bit_length()
+    return -(-size // d) * d
+
+  def predict(self, x: np.ndarray, batch_size: int | None = None, *,
+              preprocessed: bool = False) -> Prediction:
+    """The ensemble's and every member's probabilities for a batch of any size.
+
+    Example:
+      out = Ensemble.load('/tmp/run').predict(raw_x[:13])
+      out.probs.argmax(-1), out.mutual_information
+
+    Args:
+      x: [N, ...] raw inputs, as the dataset stores them (e.g. uint8 images);
+        `self.preprocess` turns them into model inputs.
+      batch_size: examples per device step (default config.eval.batch_size); the
+        last chunk is padded, so any N works.
+      preprocessed: x is already model inputs, e.g. a split from
+        dist_ens.data.load_dataset(name, config.data), which preprocesses itself.
+
+    Returns:
+      Prediction of numpy arrays; frozen members are left out of `probs`, `entropy`
+      and `mutual_information` but keep their `member_probs`.
+    """
+    x = np.asarray(x, np.float32) if preprocessed else self.preprocess(x)
+    if x.shape[1:] != self.input_shape:
+      raise ValueError(f'predict() needs model inputs of shape [N, *{self.input_shape}]; got '
+                       f'{x.shape}.')
+    n = len(x)
+    if n == 0:
+      raise ValueError('predict() got an empty batch; pass at least one input.')
+    batch_size = int(batch_size or self.config.eval.batch_size)
+    sharding = mesh_lib.batch_sharding(self.mesh)
+    outputs = []
+    for start in range(0, n, batch_size):
+      chunk = x[start:start + batch_size]
+      size = self._chunk_size(len(chunk), batch_size)
+      padded = np.concatenate([chunk, np.zeros((size - len(chunk), *chunk.shape[1:]),
+                                               np.float32)])
+      outputs.append((len(chunk), self._forward(self.params, data.to_global(padded, sharding),
+                                                self._member_mask)))
+    parts = [(np.asarray(p)[:k], np.asarray(mp)[:, :k], np.asarray(e)[:k], np.asarray(mi)[:k])
+             for k, (p, mp, e, mi) in outputs]
+    probs, member_probs, entropy, mi = zip(*parts)
+    return Prediction(np.concatenate(probs), np.concatenate(member_probs, axis=1),
+                      np.concatenate(entropy), np.concatenate(mi))
+
+  def member(self, i: int) -> PyTree:
+    """Member i's parameters as a plain pytree of numpy arrays (no member axis).
+
+    Example:
+      params = ens.member(0)
+      logits = ens.model.apply(params, x)  # one member, as trained
+    """
+    if not 0 <= i < self.num_members:
+      raise IndexError(f'member({i}): this ensemble has members 0..{self.num_members - 1}.')
+    return jax.tree.map(np.asarray, self._take(self.params, np.int32(i)))
+
+  def export(self, directory: str | os.PathLike) -> list[Path]:
+    """Writes each member as its own .npz file, usable without dist_ens or JAX.
+
+    Files: `member_{i}.npz` holding the member's leaves under '/'-joined pytree
+    paths (e.g. '0/w', 'convs/1/b', 'head/w'; integer parts are list indices), and
+    `ensemble.json` with the model config, input shape, class count, step and the
+    frozen members. Read one back with numpy alone (`np.load(path)`) or as the
+    original pytree with `load_member(path)`. Only process 0 writes.
+
+    Example:
+      paths = ens.export('/tmp/members')
+      params = load_member(paths[0])        # == ens.member(0)
+
+    Args:
+      directory: created if missing; existing member files are replaced.
+
+    Returns:
+      The member files' paths, in member order.
+    """
+    directory = Path(directory)
+    paths = [directory / f'member_{i}.npz' for i in range(self.num_members)]
+    members = [self.member(i) for i in range(self.num_members)]  # Every process takes part.
+    if jax.process_index() != 0:
+      return paths
+    directory.mkdir(parents=True, exist_ok=True)
+    for path, params in zip(paths, members):
+      flat = {_path_key(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+      with tempfile.NamedTemporaryFile(dir=directory, suffix='.npz', delete=False) as tmp:
+        np.savez(tmp, **flat)
+      os.replace(tmp.name, path)
+    meta = {'format': 'dist_ens member .npz: leaves under "/"-joined pytree paths; integer '
+                      'parts are list indices',
+            'num_members': self.num_members, 'step': self.step,
+            'frozen_members': np.flatnonzero(self.frozen).tolist(),
+            'input_shape': list(self.input_shape), 'num_classes': self.num_classes,
+            'data': self.config.data.name, 'model': self.config.model.to_dict()}
+    (directory / 'ensemble.json').write_text(json.dumps(meta, indent=2, default=list))
+    return paths
+
+
+def _path_key(path: tuple[Any, ...]) -> str:
+  parts = []
+  for entry in path:
+    if isinstance(entry, jax.tree_util.SequenceKey):
+      parts.append(str(entry.idx))
+    elif isinstance(entry, jax.tree_util.DictKey):
+      parts.append(str(entry.key))
+    elif isinstance(entry, jax.tree_util.GetAttrKey):
+      parts.append(entry.name)
+    else:
+      parts.append(str(entry))
+  return '/'.join(parts)
+
+
+def load_member(path: str | os.PathLike) -> PyTree:
+  """One exported member's parameters as the pytree it was trained as (numpy only).
+
+  Nested dicts are rebuilt from the '/'-joined keys; a level whose keys are all
+  integers becomes a list.
+
+  Example:
+    params = load_member('/tmp/members/member_0.npz')
+    params[0]['w'].shape  # MLP: first layer's weights
+  """
+  with np.load(path) as f:
+    flat = {key: f[key] for key in f.files}
+  tree: dict[str, Any] = {}
+  for key, value in flat.items():
+    node = tree
+    *parents, leaf = key.split('/')
+    for part in parents:
+      node = node.setdefault(part, {})
+    node[leaf] = value
+
+  def listify(node: Any) -> Any:
+    if not isinstance(node, dict):
+      return node
+    node = {k: listify(v) for k, v in node.items()}
+    if node and all(k.isdigit() for k in node):
+      return [node[str(i)] for i in range(len(node))]
+    return node
+
+  return listify(tree)
