@@ -183,8 +183,9 @@ class _ProcessPrefix(std_logging.Filter):
     self._prefix = f'[process {index}] '
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    if not str(record.msg).startswith('[process '):
-      record.msg = self._prefix + str(record.msg)
+    message = record.getMessage()
+    if not message.startswith('[process '):
+      record.msg, record.args = self._prefix + message, None
     return True
 
 

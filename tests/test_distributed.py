@@ -181,6 +181,10 @@ def test_log_lines_name_their_process():
   assert record.getMessage() == '[process 3] step 5'
   prefix.filter(record)  # Already prefixed (e.g. by train.run): unchanged.
   assert record.getMessage() == '[process 3] step 5'
+  record = std_logging.LogRecord('x', std_logging.INFO, __file__, 1, '%s%s',
+                                 ('[process 3] ', 'step 6'), None)
+  prefix.filter(record)  # Prefixed through an argument.
+  assert record.getMessage() == '[process 3] step 6'
 
 
 def test_main_rejects_contradictory_flags(tmp_path):
