@@ -20,6 +20,8 @@
 #
 # Every output line is prefixed with its process index ("[1] ..."). The exit status
 # is 0 only if every process exited 0; a process past --timeout counts as 124.
+# SIGINT/SIGTERM to local.sh are passed on to every process (SIGTERM makes dist_ens
+# save a checkpoint and stop), and local.sh exits 130/143 once they have stopped.
 # Environment: PYTHON (default: python) runs dist_ens.main.
 set -euo pipefail
 
@@ -67,7 +69,11 @@ kill_all() {
     [[ -e "$f" ]] && kill -TERM "$(cat "$f")" 2>/dev/null || true
   done
 }
-trap 'kill_all; exit 130' INT TERM
+# Ctrl-C or a scheduler's SIGTERM: pass it on (dist_ens saves a checkpoint and
+# stops on SIGTERM), wait for the processes, then exit 128 + the signal.
+interrupted=''
+trap 'interrupted=130; kill_all' INT
+trap 'interrupted=143; kill_all' TERM
 trap 'rm -rf "$state"' EXIT
 
 echo "local.sh: ${processes} processes x ${devices} CPU devices, coordinator localhost:${port}," \
@@ -104,7 +110,7 @@ while :; do
     fi
   done
   [[ $done_count -eq $processes ]] && break
-  if [[ -n "$failed_at" && $((SECONDS - failed_at)) -ge $grace ]]; then
+  if [[ -n "$failed_at" && -z "$interrupted" && $((SECONDS - failed_at)) -ge $grace ]]; then
     echo "local.sh: processes still running ${grace} s after a failure; stopping them" >&2
     kill_all
     failed_at=$((SECONDS + kill_after + 5 - grace))  # Check again after the KILL fallback.
@@ -126,4 +132,8 @@ for ((i = 0; i < processes; i++)); do
     [[ $status == 0 ]] && status="$rc"
   fi
 done
+if [[ -n "$interrupted" ]]; then
+  echo "local.sh: interrupted; the processes were stopped" >&2
+  exit "$interrupted"
+fi
 exit "$status"

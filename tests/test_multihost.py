@@ -287,7 +287,23 @@ def _python_pid_of(proc: subprocess.Popen, process_id: int) -> int | None:
 
 
 def test_killed_process_stops_the_other(tmp_path):
-  # A run far longer than the test; kill -9 process 1 once both are training.
+  launcher, lines, reader = _launch_and_wait_for_step_10(tmp_path)
+  victim = _python_pid_of(launcher, 1)
+  assert victim is not None, ''.join(lines[-50:])
+  os.kill(victim, signal.SIGKILL)
+  killed_at = time.monotonic()
+  status, out = _wait_launcher(launcher, lines, reader, 45)
+  took = time.monotonic() - killed_at
+  assert status != 0
+  assert took < 30, f'took {took:.0f} s after the kill'
+  assert 'local.sh: process 1 failed with status 137' in out
+  assert 'local.sh: process 0 failed with status' in out, out[-3000:]
+  assert re.search(r'^\[0\] .*(another process probably failed|Terminating process because the '
+                   r'JAX distributed service detected fatal errors)', out, re.M), out[-3000:]
+
+
+def _launch_and_wait_for_step_10(tmp_path):
+  """local.sh on a run far longer than any test; returns once process 1 is at step 10."""
   launcher = _local_sh(tmp_path / 'w', *SMALL, '--config.train.steps=100000', timeout_s=60)
   lines = []
   reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
@@ -298,24 +314,32 @@ def test_killed_process_stops_the_other(tmp_path):
       _kill_session(launcher)
       pytest.fail('never reached step 10:\n' + ''.join(lines[-50:]))
     time.sleep(0.2)
-  victim = _python_pid_of(launcher, 1)
-  assert victim is not None, ''.join(lines[-50:])
-  os.kill(victim, signal.SIGKILL)
-  killed_at = time.monotonic()
+  return launcher, lines, reader
+
+
+def _wait_launcher(launcher, lines, reader, timeout_s) -> tuple[int, str]:
   try:
-    status = launcher.wait(timeout=45)
+    status = launcher.wait(timeout=timeout_s)
   except subprocess.TimeoutExpired:
     _kill_session(launcher)
-    pytest.fail('local.sh still running 45 s after the kill:\n' + ''.join(lines[-50:]))
-  took = time.monotonic() - killed_at
+    pytest.fail(f'local.sh still running after {timeout_s} s:\n' + ''.join(lines[-50:]))
   reader.join(timeout=10)
-  out = ''.join(lines)
-  assert status != 0
-  assert took < 30, f'took {took:.0f} s after the kill'
-  assert 'local.sh: process 1 failed with status 137' in out
-  assert 'local.sh: process 0 failed with status' in out, out[-3000:]
-  assert re.search(r'^\[0\] .*(another process probably failed|Terminating process because the '
-                   r'JAX distributed service detected fatal errors)', out, re.M), out[-3000:]
+  return status, ''.join(lines)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "checkpoint.PreemptionWatcher installs a Python SIGTERM handler, which replaces "
+    "JAX's preemption notifier, so multihost_utils.reached_preemption_sync_point never "
+    'fires; install it only when jax.process_count() == 1, then drop this marker.'))
+def test_sigterm_stops_every_process_at_the_same_step(tmp_path):
+  # As a scheduler preempting the job: SIGTERM to the launcher, which passes it on.
+  launcher, lines, reader = _launch_and_wait_for_step_10(tmp_path)
+  launcher.send_signal(signal.SIGTERM)
+  status, out = _wait_launcher(launcher, lines, reader, 45)
+  assert status == 143, out[-3000:]
+  saved = re.findall(r'^\[(\d)\] .*preempted \(SIGTERM\): saved the checkpoint at step (\d+)',
+                     out, re.M)
+  assert len(saved) == 2 and saved[0][1] == saved[1][1], out[-3000:]
 
 
 def test_process_that_errs_stops_the_other(tmp_path):
