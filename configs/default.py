@@ -92,4 +92,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.eval = ml_collections.ConfigDict()
   config.eval.batch_size = 1000  # rounded up to a multiple of mesh.data; last batch masked
+  # Out-of-distribution inputs scored at the end by the ensemble's uncertainty (AUROC/AUPR
+  # by predictive entropy and by mutual information, under 'ood' in final_metrics.json):
+  # '' = none; 'mnist1d_noise' or 'mnist1d_shuffled' (dist_ens/ood.py), or any dataset
+  # name with the model's input shape (its test split, e.g. 'mnist' for fashion_mnist).
+  config.eval.ood_dataset = ''
   return config

@@ -2,6 +2,8 @@
 
 from dist_ens.ensemble import init_members, member_keys, num_members, stack, unstack
 from dist_ens.errors import ConfigError
+from dist_ens.inference import Ensemble
 
-__all__ = ['ConfigError', 'init_members', 'member_keys', 'num_members', 'stack', 'unstack']
+__all__ = ['ConfigError', 'Ensemble', 'init_members', 'member_keys', 'num_members', 'stack',
+           'unstack']
 __version__ = '0.1.0'

@@ -18,7 +18,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from dist_ens import distributed, train
-from dist_ens.errors import ConfigError
+from dist_ens.errors import ConfigError, TrainingError
 
 _CONFIG = config_flags.DEFINE_config_file(
     'config', None, 'Config file (a .py whose get_config() returns a ConfigDict); '
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> None:
         num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
         init_timeout_s=_INIT_TIMEOUT.value, heartbeat_timeout_s=_HEARTBEAT_TIMEOUT.value))
     train.run(_CONFIG.value, _WORKDIR.value)
-  except ConfigError as e:
+  except (ConfigError, TrainingError) as e:  # Expected failures: one clear line.
     logging.error('%s', e)
     if launched:
       distributed.exit_without_barrier(f'dist_ens: error: {e}')
@@ -70,7 +70,11 @@ def main(argv: list[str]) -> None:
 
 
 def entry() -> None:
-  """Console-script entry point (`dist-ens`)."""
+  """Console-script entry point: `dist-ens --config=... --workdir=...` trains;
+  `dist-ens report --workdir DIR` writes DIR/report/ (see dist_ens/report.py)."""
+  if len(sys.argv) > 1 and sys.argv[1] == 'report':
+    from dist_ens import report  # pylint: disable=g-import-not-at-top
+    sys.exit(report.main(sys.argv[2:]))
   app.run(main)
 
 

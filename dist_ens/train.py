@@ -15,11 +15,11 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import (configuration, data, distributed, hparams, mesh as mesh_lib, models, optim,
-                      writers)
+from dist_ens import (configuration, data, distributed, hparams, mesh as mesh_lib, models, ood,
+                      optim, writers)
 from dist_ens.checkpoint import Checkpointer, PreemptionWatcher, check_compatible
 from dist_ens.errors import ConfigError, TrainingError
-from dist_ens.evaluate import evaluate, make_eval_step, member_mask_from_frozen
+from dist_ens.evaluate import evaluate, evaluate_ood, make_eval_step, member_mask_from_frozen
 from dist_ens.optim import set_hyperparams
 from dist_ens.step import TrainState, init_state, make_train_step
 
@@ -85,6 +85,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   if config.data.batch_size > dataset.train.num_examples:
     raise ConfigError(f'config.data.batch_size={config.data.batch_size} exceeds the '
                       f'{dataset.train.num_examples} training examples of {dataset.name}.')
+  ood_name = config.eval.get('ood_dataset', '')
+  ood_split = ood.load_ood_split(ood_name, dataset, config.data) if ood_name else None
   order = data.Order(config.data.member_order, dataset.train.num_examples,
                      config.data.batch_size, config.seed)
   model = models.get_model(config.model, dataset.num_classes)
@@ -134,8 +136,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   examples_per_step = config.num_members * config.data.batch_size
   # Examples the input pipeline must deliver per step: one batch, or one per member.
   inputs_per_step = examples_per_step if order.per_member else config.data.batch_size
-  writer = writers.JsonlWriter(workdir / 'metrics.jsonl',
-                              keep_through_step=start_step if restored else None)
+  keep_through_step = start_step if restored else None
+  writer = writers.MultiWriter(
+      writers.JsonlWriter(workdir / 'metrics.jsonl', keep_through_step=keep_through_step),
+      writers.TensorBoardWriter(workdir / 'tensorboard', keep_through_step=keep_through_step))
+  progress = writers.Progress(steps, start_step)
   watcher = PreemptionWatcher()
 
   def evaluate_test(state, split=dataset.test, member_mask=None):
@@ -160,6 +165,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
       x, y = next(batches)
       state, step_metrics = train_step(state, x, y, label_smoothing)
       interval.append(step_metrics)
+      progress.update(step)
       checkpointer.save(step, state, batches.state)
       if sync_every and step % sync_every == 0:
         jax.block_until_ready(step_metrics)
@@ -177,7 +183,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
         supply = read / busy if busy > 0 else float('inf')
         pipeline_mark = stats
         eta = train_seconds / (step - start_step) * (steps - step)
-        _log('%s', writers.progress_line(step, steps, loss, accuracy, rate, eta, demand, supply))
+        progress.update(step, writers.progress_line(step, steps, loss, accuracy, rate, eta,
+                                                    demand, supply))
         writer.write({'step': step, 'split': 'train',
                       'members': {'loss': loss.tolist(), 'accuracy': accuracy.tolist()},
                       'member_examples_per_s': rate, 'input_examples_per_s': demand,
@@ -209,10 +216,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
 
     checkpointer.save(steps, state, batches.state, force=True)
     results = evaluate_test(state)
+    ood_results = None
+    if ood_split is not None:
+      ood_results = evaluate_ood(eval_step, state.params, dataset.test, ood_split,
+                                 config.eval.batch_size, mesh,
+                                 member_mask_from_frozen(state.frozen))
     checkpointer.wait()
     if restored is None or start_step < steps:
       writer.write({'step': steps, 'split': 'test', **results})
+      if ood_results is not None:
+        writer.write({'step': steps, 'split': 'ood', **ood_results})
   finally:
+    progress.close()
     batches.close()
     writer.close()
     watcher.close()
@@ -223,6 +238,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
            'frozen_members': frozen, 'train_step_traces': train_step.traces,
            'train_seconds': train_seconds,
            'checkpoint_blocking_seconds': checkpointer.blocking_seconds}
+  if ood_results is not None:
+    final['ood'] = {'dataset': ood_name, **ood_results}
+    _log('OOD %s by ensemble entropy: AUROC %.4f AUPR %.4f; by mutual information: AUROC %.4f '
+         'AUPR %.4f', ood_name, ood_results['ensemble']['auroc_entropy'],
+         ood_results['ensemble']['aupr_entropy'], ood_results['ensemble']['auroc_mi'],
+         ood_results['ensemble']['aupr_mi'])
   varying = hparams.varying(member_hparams)
   if varying:
     final['hyperparameters'] = {f: member_hparams[f].tolist() for f in varying}
