@@ -196,3 +196,15 @@ def test_main_rejects_contradictory_flags(tmp_path):
   assert result.returncode != 0
   assert 'dist_ens: error: --nodistributed was given together with' in result.stderr
   assert not (tmp_path / 'w').exists()
+
+
+def test_importing_the_entry_point_touches_no_device():
+  # jax.distributed.initialize must come before the backend starts; main imports
+  # train (and so every module) before it can call it.
+  code = ('import dist_ens.main, dist_ens.train\n'
+          'from jax._src import xla_bridge\n'
+          'assert not xla_bridge.backends_are_initialized(), "a module touched a device"\n')
+  env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}
+  result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env=env)
+  assert result.returncode == 0, result.stderr
