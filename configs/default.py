@@ -37,6 +37,13 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.strides = (2, 2, 2)  # and strides, per layer
   config.model.init_scale = per_member(1.0)  # multiplies the He-normal init std
 
+  # How each device runs its block of members: 'vmap' (batched into wide ops), 'map'
+  # (lax.map, one member after another inside the compiled step; map_batch_size > 1
+  # vmaps chunks of members), or 'auto' (picked per model, see dist_ens/parallelism.py).
+  config.ensemble = ml_collections.ConfigDict()
+  config.ensemble.member_parallelism = 'auto'
+  config.ensemble.map_batch_size = 0
+
   config.data = ml_collections.ConfigDict()
   config.data.name = 'mnist1d'  # embedded ('mnist1d', 'digits') or any prepared TFDS name
   config.data.data_dir = ''  # TFDS data_dir; '' = TFDS's default (~/tensorflow_datasets)

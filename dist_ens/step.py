@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from dist_ens.ensemble import over_members
 from dist_ens.mesh import DATA, MEMBER
 from dist_ens.models import Model
 from dist_ens.optim import set_hyperparams
@@ -90,11 +91,14 @@ class TrainStep:
 
 
 def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh,
-                    per_member_batches: bool = False) -> TrainStep:
+                    per_member_batches: bool = False, member_parallelism: str = 'vmap',
+                    map_batch_size: int | None = None) -> TrainStep:
   """Builds the jitted, sharded step; the input state is donated.
 
   With `per_member_batches`, x and y are [M, B, ...] (each member its own batch,
   sharded over ('member', 'data')); otherwise [B, ...], shared by all members.
+  `member_parallelism` ('vmap' or 'map') is how each device runs its members (see
+  ensemble.over_members).
   """
   step = TrainStep(fn=None)
 
@@ -125,8 +129,9 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh,
   batch_spec = P(MEMBER, DATA) if per_member_batches else P(DATA)
 
   def local_step(state, x, y, label_smoothing):
-    params, opt_state, frozen, metrics = jax.vmap(
-        member_update, in_axes=(0, 0, 0, 0, batch_axis, batch_axis))(
+    params, opt_state, frozen, metrics = over_members(
+        member_update, member_parallelism, in_axes=(0, 0, 0, 0, batch_axis, batch_axis),
+        map_batch_size=map_batch_size)(
             state.params, state.opt_state, state.frozen, label_smoothing, x, y)
     return TrainState(params, opt_state, frozen), metrics
 

@@ -16,7 +16,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import (configuration, data, distributed, hparams, mesh as mesh_lib, models, ood,
-                      optim, writers)
+                      optim, parallelism as parallelism_lib, writers)
 from dist_ens.checkpoint import Checkpointer, PreemptionWatcher, check_compatible
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.evaluate import evaluate, evaluate_ood, make_eval_step, member_mask_from_frozen
@@ -90,6 +90,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   order = data.Order(config.data.member_order, dataset.train.num_examples,
                      config.data.batch_size, config.seed)
   model = models.get_model(config.model, dataset.num_classes)
+  parallelism, map_batch_size = parallelism_lib.resolve(
+      config.ensemble, config.model.name, mesh.devices.flat[0].platform)
   tx = optim.make_optimizer(config.optim, config.train.steps)
   init = lambda: init_state(model, tx, config.seed, config.num_members, dataset.input_shape,
                             member_hparams)
@@ -122,7 +124,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
     # Born sharded: each device materialises only its own members.
     state = jax.jit(init, out_shardings=member_sharding)()
 
-  train_step = make_train_step(model, tx, mesh, per_member_batches=order.per_member)
+  _log('each device runs its members with %s%s', parallelism,
+       f' (chunks of {map_batch_size})' if map_batch_size else '')
+  train_step = make_train_step(model, tx, mesh, per_member_batches=order.per_member,
+                               member_parallelism=parallelism, map_batch_size=map_batch_size)
   label_smoothing = jax.device_put(member_hparams['train.label_smoothing'], member_sharding)
   eval_step = make_eval_step(model, mesh)
   # Gathers small per-member results to every host before they are read.

@@ -67,3 +67,19 @@ def test_member_init_does_not_depend_on_ensemble_size():
   three = ensemble.init_members(init, seed=7, num=3)
   np.testing.assert_array_equal(eight['w'][:3], three['w'])
   assert not np.allclose(eight['w'][0], eight['w'][1])
+
+
+@pytest.mark.parametrize('parallelism,chunk', [('vmap', None), ('map', None), ('map', 2)])
+def test_over_members_matches_a_loop(parallelism, chunk):
+  members = [_member(s) for s in range(4)]
+  x = jnp.arange(6.0).reshape(2, 3)
+  f = lambda p, x, scale: (x @ p['dense'][0]['w']).sum() * p['scale'] * scale
+  scales = jnp.array([1.0, 2.0, 3.0, 4.0])
+  got = ensemble.over_members(f, parallelism, in_axes=(0, None, 0), map_batch_size=chunk)(
+      dist_ens.stack(members), x, scales)
+  np.testing.assert_allclose(got, [f(p, x, s) for p, s in zip(members, scales)], rtol=1e-6)
+
+
+def test_over_members_rejects_unknown_parallelism():
+  with pytest.raises(ValueError, match="'pmap'"):
+    ensemble.over_members(lambda x: x, 'pmap')

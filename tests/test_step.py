@@ -122,3 +122,22 @@ def test_nonfinite_member_is_frozen_and_others_unaffected(mnist1d):
   for i in (0, 1, 2, 4, 5, 6, 7):  # Everyone else: bit for bit the clean run.
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[i], np.asarray(b)[i]),
                  state.params, clean.params)
+
+
+@pytest.mark.parametrize('parallelism,chunk', [('map', None), ('map', 4)])
+def test_lax_map_over_members_matches_vmap(mnist1d, parallelism, chunk):
+  model, tx, mesh = _setup(2, 4)
+  batches = _batches(mnist1d, 5)
+  init = jax.jit(lambda: step_lib.init_state(model, tx, 0, NUM_MEMBERS, mnist1d.input_shape),
+                 out_shardings=mesh_lib.member_sharding(mesh))
+  sharding = mesh_lib.batch_sharding(mesh)
+  results = []
+  for how, size in (('vmap', None), (parallelism, chunk)):
+    state = init()
+    step = step_lib.make_train_step(model, tx, mesh, member_parallelism=how, map_batch_size=size)
+    for x, y in batches:
+      state, m = step(state, data.to_global(x, sharding), data.to_global(y, sharding))
+      jax.block_until_ready(m)
+    assert step.traces == 1
+    results.append(jax.tree.map(np.asarray, state.params))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), *results)

@@ -94,6 +94,8 @@ def test_workdir_files(tmp_path):
     (dict(train__steps=0), 'config.train.steps'),
     (dict(num_members=0), 'config.num_members'),
     (dict(data__batch_size=10**6), 'config.data.batch_size'),
+    (dict(ensemble__member_parallelism='pmap'), 'config.ensemble.member_parallelism'),
+    (dict(ensemble__map_batch_size=-1), 'config.ensemble.map_batch_size'),
 ])
 def test_bad_config_fails_before_touching_workdir(tmp_path, overrides, message):
   workdir = tmp_path / 'w'
