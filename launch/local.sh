@@ -10,8 +10,10 @@
 #   --processes N              processes to start (default 2)
 #   --devices-per-process K    fake CPU devices per process (default 4)
 #   --timeout S                wall-clock bound per process, in seconds (default 1800);
-#                              a process past it gets SIGTERM, then SIGKILL 10 s later
-#                              (JAX catches SIGTERM, so the KILL is what ends it)
+#                              a process past it gets SIGTERM (dist_ens saves a checkpoint
+#                              and stops), then SIGKILL --kill-after seconds later
+#   --kill-after S             seconds from SIGTERM to SIGKILL (default 10): JAX catches
+#                              SIGTERM, so the KILL is what ends a process that hangs
 #   --grace S                  once one process has failed, how long the others get to
 #                              stop on their own (JAX stops them once process 0's
 #                              coordination service sees the failure) before they are
@@ -42,6 +44,7 @@ while [[ $# -gt 0 ]]; do
     --devices-per-process) devices="$2"; shift 2 ;;
     --timeout) limit="$2"; shift 2 ;;
     --grace) grace="$2"; shift 2 ;;
+    --kill-after) kill_after="$2"; shift 2 ;;
     --log-dir) log_dir="$2"; shift 2 ;;
     --) shift; break ;;
     -h|--help) usage ;;
@@ -49,9 +52,11 @@ while [[ $# -gt 0 ]]; do
        usage ;;
   esac
 done
-for name in processes devices limit grace; do
+for pair in processes:processes devices:devices-per-process limit:timeout grace:grace \
+            kill_after:kill-after; do
+  name="${pair%%:*}"
   if [[ ! "${!name}" =~ ^[1-9][0-9]*$ ]]; then
-    echo "local.sh: ${name}=${!name} must be a positive integer" >&2
+    echo "local.sh: --${pair#*:} ${!name} must be a positive integer" >&2
     exit 2
   fi
 done

@@ -103,7 +103,7 @@ def _explicit(port: int, i: int) -> list[str]:
 def _local_sh(workdir: Path, *args: str, timeout_s: int = 60) -> subprocess.Popen:
   """launch/local.sh with 2 processes x 4 devices; it sets the devices itself."""
   return _start(['bash', str(LOCAL_SH), '--processes', '2', '--devices-per-process', '4',
-                 '--timeout', str(timeout_s), '--grace', '20', '--', CONFIG,
+                 '--timeout', str(timeout_s), '--grace', '20', '--kill-after', '5', '--', CONFIG,
                  f'--workdir={workdir}', *args], _env(devices=None))
 
 
