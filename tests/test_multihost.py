@@ -156,8 +156,7 @@ def test_mesh_rows_and_collectives_per_layout(tmp_path):
     assert status == 0, out[-5000:]
   probes = [json.loads(p.read_text()) for p in outs]
 
-  member, data = (p['layouts']['member'] for p in probes), (p['layouts']['data'] for p in probes)
-  for layout in member:
+  for layout in (p['layouts']['member'] for p in probes):
     # 'member' across hosts: each host holds whole members (rows of the mesh) and
     # every data shard of them, so it feeds the whole batch.
     assert layout['mesh_processes'] == [[0, 0], [0, 0], [1, 1], [1, 1]]
@@ -165,7 +164,7 @@ def test_mesh_rows_and_collectives_per_layout(tmp_path):
     assert layout['global_batch_ok']
     assert layout['collective_groups'], 'expected the pmean over data'
     assert not layout['groups_across_processes'], layout['collective_groups']
-  for i, layout in enumerate(data):
+  for i, layout in enumerate(p['layouts']['data'] for p in probes):
     # 'data' across hosts: host i holds data shard i of every member: its half of the batch.
     assert layout['mesh_processes'] == [[0, 1]] * 4
     assert layout['host_rows'] == [[0, 32], [32, 64]][i]
