@@ -127,7 +127,9 @@ class PreemptionWatcher:
   def __init__(self):
     self._flag = threading.Event()
     self._previous = None
-    if threading.current_thread() is threading.main_thread():
+    # Several processes: JAX's preemption notifier owns SIGTERM; a Python handler
+    # would replace it and the sync point in should_stop would never fire.
+    if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
       self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
 
   def should_stop(self, step: int) -> bool:

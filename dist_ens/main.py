@@ -1,7 +1,7 @@
 """Command line: dist-ens --config=configs/default.py --workdir=DIR [--config.a.b=value ...]
 
 Parses flags, starts jax.distributed when this is one process of several, and
-hands over to train.run. Multi-process flags (see docs/multihost.md):
+hands over to train.run. Multi-process flags (see "Running on many hosts" in README.md):
 
   --distributed               start jax.distributed; JAX detects SLURM, TPU pods, Open MPI
   --coordinator_address=H:P   \

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import jax
 import ml_collections
+from absl import logging
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -68,6 +69,13 @@ def make_mesh(mesh_config: ml_collections.ConfigDict,
     grid = ordered.reshape(member, data)
   else:
     grid = ordered.reshape(data, member).T
+  processes = len({d.process_index for d in devices})
+  across = member if hosts_along == 'member' else data
+  if processes > 1 and across % processes:
+    logging.warning('config.mesh.hosts_along=%r but mesh.%s=%d is not a multiple of the %d '
+                    'processes, so the train step communicates across hosts; use mesh.%s a '
+                    'multiple of %d.', hosts_along, hosts_along, across, processes,
+                    hosts_along, processes)
   return Mesh(grid, AXES)
 
 

@@ -326,10 +326,6 @@ def _wait_launcher(launcher, lines, reader, timeout_s) -> tuple[int, str]:
   return status, ''.join(lines)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "checkpoint.PreemptionWatcher installs a Python SIGTERM handler, which replaces "
-    "JAX's preemption notifier, so multihost_utils.reached_preemption_sync_point never "
-    'fires; install it only when jax.process_count() == 1, then drop this marker.'))
 def test_sigterm_stops_every_process_at_the_same_step(tmp_path):
   # As a scheduler preempting the job: SIGTERM to the launcher, which passes it on.
   launcher, lines, reader = _launch_and_wait_for_step_10(tmp_path)
