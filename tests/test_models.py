@@ -60,3 +60,12 @@ def test_unknown_model_and_bad_fields():
     models.get_model(_cfg(name='cnn', kernel_sizes=(3,)), 10)
   with pytest.raises(ConfigError, match='input shape'):
     models.get_model(_cfg(name='cnn'), 10).init(jax.random.key(0), (40,))
+
+
+def test_per_member_init_scale_must_be_passed_to_init():
+  model = models.get_model(_cfg(init_scale=[1.0, 2.0]), 10)
+  with pytest.raises(ConfigError, match='init_scale holds per-member values'):
+    model.init(jax.random.key(0), (40, 1))
+  unit = models.get_model(_cfg(), 10).init(jax.random.key(0), (40, 1))
+  doubled = model.init(jax.random.key(0), (40, 1), init_scale=2.0)
+  np.testing.assert_allclose(doubled[0]['w'], 2.0 * unit[0]['w'], rtol=1e-6)

@@ -1,9 +1,12 @@
 """The single-member model interface and the initialisers the models share."""
 
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+
+from dist_ens.errors import ConfigError
 
 Params = Any
 
@@ -41,3 +44,23 @@ def dense_init(rng: jax.Array, fan_in: int, fan_out: int,
   std = scale * jnp.sqrt(2.0 / fan_in)
   return {'w': std * jax.random.normal(rng, (fan_in, fan_out), jnp.float32),
           'b': jnp.zeros((fan_out,), jnp.float32)}
+
+
+def init_scale_picker(config: Any) -> Callable[[float | jax.Array | None], float | jax.Array]:
+  """The init scale to use: the one passed to init, else config.model.init_scale.
+
+  When the config holds per-member values (a list or a spec), init must be given
+  each member's scale (dist_ens.step.init_state does).
+  """
+  default = config.get('init_scale', 1.0)
+  if not isinstance(default, (int, float)) or isinstance(default, bool):
+    default = None
+
+  def pick(override):
+    scale = default if override is None else override
+    if scale is None:
+      raise ConfigError('config.model.init_scale holds per-member values; pass init_scale= '
+                        "to init (dist_ens's init_state does).")
+    return scale
+
+  return pick

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from dist_ens.errors import ConfigError
-from dist_ens.models.base import Model, dense_init
+from dist_ens.models.base import Model, dense_init, init_scale_picker
 
 # Spatial rank -> (input, kernel, output) layouts for lax.conv_general_dilated.
 _DIMENSION_NUMBERS = {1: ('NWC', 'WIO', 'NWC'), 2: ('NHWC', 'HWIO', 'NHWC')}
@@ -28,15 +28,10 @@ def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
     raise ConfigError(
         'config.model.channels, kernel_sizes and strides need one entry per conv '
         f'layer; got {len(channels)}, {len(kernels)} and {len(strides)}.')
-  default_scale = config.get('init_scale', 1.0)
-  if not isinstance(default_scale, (int, float)):
-    default_scale = None  # Per-member values: the caller passes each member's scale.
+  pick_scale = init_scale_picker(config)
 
   def init(rng, input_shape, init_scale=None):
-    init_scale = default_scale if init_scale is None else init_scale
-    if init_scale is None:
-      raise ConfigError('config.model.init_scale holds per-member values; pass init_scale= '
-                        "to init (dist_ens's init_state does).")
+    init_scale = pick_scale(init_scale)
     rank = len(input_shape) - 1
     if rank not in _DIMENSION_NUMBERS:
       raise ConfigError(

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from dist_ens.errors import ConfigError
-from dist_ens.models.base import Model, dense_init
+from dist_ens.models.base import Model, dense_init, init_scale_picker
 
 
 def make_mlp(config: ml_collections.ConfigDict, num_classes: int) -> Model:
@@ -17,15 +17,10 @@ def make_mlp(config: ml_collections.ConfigDict, num_classes: int) -> Model:
     raise ConfigError(
         f'config.model.widths={config.widths!r} must be a non-empty list of positive '
         'ints, e.g. (256, 256).')
-  default_scale = config.get('init_scale', 1.0)
-  if not isinstance(default_scale, (int, float)):
-    default_scale = None  # Per-member values: the caller passes each member's scale.
+  pick_scale = init_scale_picker(config)
 
   def init(rng, input_shape, init_scale=None):
-    init_scale = default_scale if init_scale is None else init_scale
-    if init_scale is None:
-      raise ConfigError('config.model.init_scale holds per-member values; pass init_scale= '
-                        "to init (dist_ens's init_state does).")
+    init_scale = pick_scale(init_scale)
     sizes = (math.prod(input_shape),) + widths + (num_classes,)
     keys = jax.random.split(rng, len(sizes) - 1)
     return [dense_init(k, n_in, n_out, init_scale)
