@@ -1,11 +1,12 @@
-"""The train step: per-member loss -> vmap over a device's members -> shard_map -> jit.
+"""The train step: per-member loss -> vmap (or lax.map) over a device's members ->
+shard_map -> jit.
 
 Each device holds a block of members (the 'member' axis) and a slice of every
 member's batch (the 'data' axis). Inside `shard_map` the device computes its
 members' gradients on its slice; because the parameters are replicated over
 'data', differentiating them sums those gradients over 'data' (one all-reduce),
-and each member then applies its own optimizer update. No collective crosses the 'member'
-axis: members never talk to each other during training.
+and each member then applies its own optimizer update. No collective crosses the
+'member' axis: members never talk to each other during training.
 """
 
 import dataclasses
