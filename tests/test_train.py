@@ -45,13 +45,13 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize('member,data', [(8, 1), (4, 2), (2, 4), (1, 8)])
 def test_topology_does_not_change_results(tmp_path, reference, member, data):
   result = _run(tmp_path, 'w', mesh__member=member, mesh__data=data)
+  # Splitting members is (near) bit-exact; splitting the batch reorders the gradient
+  # sum, a rounding difference (measured <= 2.4e-7 in NLL after 20 steps).
+  tol = 1e-6 if data == 1 else 2e-6
   for metric in ('nll', 'accuracy', 'brier'):
-    # Splitting members is (near) bit-exact; splitting the batch reorders the gradient
-    # sum, a rounding difference of ~1e-5 after 20 steps.
-    tol = 1e-6 if data == 1 else 1e-4
     np.testing.assert_allclose(result['members'][metric], reference['members'][metric],
                                atol=tol, err_msg=f'{metric} on mesh {member}x{data}')
-  assert abs(result['ensemble']['nll'] - reference['ensemble']['nll']) < (1e-6 if data == 1 else 1e-4)
+  assert abs(result['ensemble']['nll'] - reference['ensemble']['nll']) < tol
   assert result['train_step_traces'] == 1
 
 
