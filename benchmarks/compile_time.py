@@ -1,0 +1,116 @@
+"""Time to the first train step, M=1 against M=64: does compile time grow with M?
+
+  python benchmarks/compile_time.py [--members 1,64] [--repeats 3] [--quick]
+
+For each model of benchmarks/throughput.py and each member parallelism, builds a
+fresh step (a new jax.jit, so it traces and compiles again) and times, on one
+device: trace + lower, XLA compile, and the first step's run; their sum is the
+time to the first step. Cells alternate in a rotating order and each is
+repeated; medians are reported with the ratio of the largest M to the smallest,
+for the whole time to the first step and for trace + lower + compile alone (the
+first run itself does M times the work, so it grows with M whatever the compiler
+does).
+Prints a table and writes benchmarks/results/compile_time.json.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # noqa: E402  # pylint: disable=g-import-not-at-top
+
+ROOT = throughput.ROOT
+
+
+def time_first_step(spec: throughput.ModelSpec, members: int, form: str,
+                    step_module) -> dict[str, float]:
+  """Seconds to trace+lower, compile and run the first step of a fresh step function."""
+  import jax
+  from dist_ens import mesh as mesh_lib
+  _, model, tx, mesh = throughput._jax_setup(spec)  # pylint: disable=protected-access
+  state = jax.jit(lambda: step_module.init_state(model, tx, 0, members, spec.input_shape),
+                  out_shardings=mesh_lib.member_sharding(mesh))()
+  x, y = (jax.device_put(a, mesh_lib.batch_sharding(mesh))
+          for a in throughput._batch(spec))  # pylint: disable=protected-access
+  jax.block_until_ready((state, x, y))
+  start = time.perf_counter()
+  step = step_module.make_train_step(model, tx, mesh, member_parallelism=form)
+  lowered = step.fn.lower(state, x, y, None)
+  traced = time.perf_counter()
+  compiled = lowered.compile()
+  built = time.perf_counter()
+  _, metrics = compiled(state, x, y, None)
+  jax.block_until_ready(metrics)
+  done = time.perf_counter()
+  return dict(trace_lower=traced - start, compile=built - traced, first_run=done - built,
+              total=done - start)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--models', default=','.join(throughput.MODELS))
+  parser.add_argument('--members', default='1,64')
+  parser.add_argument('--forms', default='vmap,map')
+  parser.add_argument('--repeats', type=int, default=3)
+  parser.add_argument('--quick', action='store_true', help='mlp_small and cnn1d, 2 repeats')
+  parser.add_argument('--candidate', default='',
+                      help='NAME=PATH of a candidate dist_ens change (see throughput.py); its '
+                      'forms are timed as FORM@NAME')
+  parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'compile_time.json'))
+  args = parser.parse_args(argv)
+  models = ['mlp_small', 'cnn1d'] if args.quick else args.models.split(',')
+  repeats = 2 if args.quick else args.repeats
+  member_counts = [int(m) for m in args.members.split(',')]
+  from dist_ens import step as step_lib
+  forms = [(f, f, step_lib) for f in args.forms.split(',')]
+  if args.candidate:
+    name, path = args.candidate.split('=', 1)
+    module = throughput.load_candidate(path)
+    forms += [(f'{f}@{name}', f, module) for f in module.candidate_forms]
+
+  import jax
+  cells = [(m, members, label, form, module) for m in models for members in member_counts
+           for label, form, module in forms]
+  times = {(m, members, label): [] for m, members, label, _, _ in cells}
+  for r in range(repeats):
+    order = cells[r % len(cells):] + cells[:r % len(cells)]
+    for m, members, label, form, module in order:
+      times[(m, members, label)].append(
+          time_first_step(throughput.MODELS[m], members, form, module))
+      print(f'{m} M={members} {label}: {times[(m, members, label)][-1]["total"]:.2f} s',
+            flush=True)
+
+  rows = []
+  lo, hi = min(member_counts), max(member_counts)
+  print(f'\ntime to the first step, 1 {jax.devices()[0].platform} device, median of {repeats}'
+        f' (trace+lower / compile / first run)')
+  print(f'{"model":10s} {"form":12s} ' + ' '.join(f'{"M=" + str(n):>26s}' for n in member_counts)
+        + f' {"M=" + str(hi) + " / M=" + str(lo):>12s} {"compile only":>14s}')
+  for m in models:
+    for label, _, _ in forms:
+      med = {n: {k: statistics.median(t[k] for t in times[(m, n, label)])
+                 for k in ('trace_lower', 'compile', 'first_run', 'total')}
+             for n in member_counts}
+      ratio = med[hi]['total'] / med[lo]['total']
+      build = {n: d['trace_lower'] + d['compile'] for n, d in med.items()}
+      compile_ratio = build[hi] / build[lo]
+      rows.append(dict(model=m, form=label, seconds=med, ratio=ratio,
+                       compile_ratio=compile_ratio,
+                       all={n: times[(m, n, label)] for n in member_counts}))
+      cols = ' '.join(f'{d["total"]:6.2f} ({d["trace_lower"]:.2f}/{d["compile"]:.2f}/'
+                      f'{d["first_run"]:.2f})'.rjust(26) for d in med.values())
+      print(f'{m:10s} {label:12s} {cols} {ratio:12.2f} {compile_ratio:14.2f}')
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(dict(jax=jax.__version__, device=f'1 {jax.devices()[0].platform} '
+                                 'device', repeats=repeats, rows=rows), indent=1))
+  print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])

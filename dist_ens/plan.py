@@ -1,0 +1,259 @@
+"""dist-ens plan: the memory a run will need, per member, before it runs.
+
+  dist-ens plan --config=configs/default.py [--config.num_members=64] [--memory_gb=16]
+  python -m dist_ens.plan --config=...   (the same)
+
+Builds the model, optimizer and train step of the config exactly as training
+would, but abstractly (jax.eval_shape: no parameters are materialised, nothing
+is trained), compiles the step for the config's mesh on the present devices, and
+prints what XLA's memory analysis of the compiled step says: parameters and
+state bytes per member, the step's argument / output / temporary bytes per
+device, the bytes each member adds, and the largest M that fits a device memory.
+
+The step is compiled twice, for the config's members per device and for twice
+that, because a device's memory is (fixed part) + (members on it) x (bytes per
+member): the batch and XLA's fixed scratch do not grow with M, the state and
+(with vmap) the activations do. The largest M is the largest multiple of
+mesh.member whose per-device bytes fit the memory.
+"""
+
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from absl import flags
+from ml_collections import config_flags
+
+from dist_ens import configuration, data, hparams, mesh as mesh_lib, models, optim
+from dist_ens import parallelism as parallelism_lib
+from dist_ens.errors import ConfigError
+from dist_ens.step import init_state, make_train_step
+
+GB = 1e9
+
+# Input shape and classes of TFDS datasets this project ships configs for, so that
+# planning a run needs neither tensorflow-datasets nor the prepared data.
+KNOWN_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
+    'mnist': ((28, 28, 1), 10),
+    'fashion_mnist': ((28, 28, 1), 10),
+    'kmnist': ((28, 28, 1), 10),
+    'cifar10': ((32, 32, 3), 10),
+    'cifar100': ((32, 32, 3), 100),
+    'svhn_cropped': ((32, 32, 3), 10),
+}
+
+
+class StepMemory(NamedTuple):
+  """XLA's memory analysis of one compiled train step, bytes per device."""
+  members_per_device: int
+  argument: int
+  output: int
+  alias: int  # Outputs that reuse donated argument buffers (the state).
+  temp: int
+
+  @property
+  def peak(self) -> int:
+    """Bytes live during the step: arguments, new outputs and temporaries."""
+    return self.argument + self.output - self.alias + self.temp
+
+
+class Plan(NamedTuple):
+  """What `dist-ens plan` prints; every byte count is for one device unless named so."""
+  num_members: int
+  mesh_shape: dict[str, int]
+  platform: str
+  parallelism: str
+  map_batch_size: int | None
+  params_per_member: int
+  state_bytes_per_member: int
+  step: StepMemory  # At the config's members per device.
+  step_doubled: StepMemory  # At twice as many members per device.
+  bytes_per_member: float  # What one more member on a device adds to its peak.
+  fixed_bytes: float  # Peak bytes that do not grow with members.
+  memory_bytes: float | None  # The device memory planned for (None: unknown).
+  max_members: int | None  # Largest M (a multiple of mesh.member) that fits memory_bytes.
+
+
+def data_shape(config: ml_collections.ConfigDict) -> tuple[tuple[int, ...], int]:
+  """(input shape without the batch axis, number of classes) of config.data.name."""
+  name = config.data.name
+  if name in data.SOURCES:
+    dataset = data.load_dataset(name, config.data)
+    return tuple(dataset.input_shape), dataset.num_classes
+  if name in KNOWN_SHAPES:
+    return KNOWN_SHAPES[name]
+  dataset = data.load_dataset(name, config.data)
+  return tuple(dataset.input_shape), dataset.num_classes
+
+
+def device_memory_bytes(device: jax.Device) -> float | None:
+  """The memory a device reports (accelerators do; a CPU reports none)."""
+  try:
+    stats = device.memory_stats()
+  except Exception:  # pylint: disable=broad-except  # Not implemented on some backends.
+    stats = None
+  return float(stats['bytes_limit']) if stats and stats.get('bytes_limit') else None
+
+
+def _compile_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model, tx,
+                  input_shape: tuple[int, ...], member_hparams: dict[str, np.ndarray],
+                  parallelism: str, map_batch_size: int | None):
+  """(abstract state, compiled step) for as many members as member_hparams has values."""
+  num_members = len(member_hparams['optim.learning_rate'])
+  member_sharding = mesh_lib.member_sharding(mesh)
+  state = jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=member_sharding),
+      jax.eval_shape(lambda: init_state(model, tx, config.seed, num_members, input_shape,
+                                        member_hparams)))
+  per_member = config.data.member_order != 'shared'
+  batch = config.data.batch_size
+  if per_member:
+    x_shape, y_shape = (num_members, batch, *input_shape), (num_members, batch)
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        mesh_lib.MEMBER, mesh_lib.DATA))
+  else:
+    x_shape, y_shape = (batch, *input_shape), (batch,)
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+  x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=batch_sharding)
+  y = jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding)
+  smoothing = jax.ShapeDtypeStruct((num_members,), jnp.float32, sharding=member_sharding)
+  step = make_train_step(model, tx, mesh, per_member_batches=per_member,
+                         member_parallelism=parallelism, map_batch_size=map_batch_size)
+  return state, step.fn.lower(state, x, y, smoothing).compile()
+
+
+def _memory(compiled, members_per_device: int) -> StepMemory:
+  stats = compiled.memory_analysis()
+  if stats is None:
+    raise ConfigError('this backend gives no memory analysis of a compiled program; '
+                      'dist-ens plan cannot measure the step here.')
+  return StepMemory(members_per_device, int(stats.argument_size_in_bytes),
+                    int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes),
+                    int(stats.temp_size_in_bytes))
+
+
+def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
+              memory_bytes: float | None = None) -> Plan:
+  """Compiles the config's train step abstractly and measures its memory.
+
+  Args:
+    config: a config like configs/default.py's.
+    devices: the devices of the mesh (default: all).
+    memory_bytes: the memory of one device to plan for; None uses what the
+      device reports, if it reports anything.
+
+  Raises:
+    ConfigError: for an invalid config or a mesh that does not fit the devices.
+  """
+  configuration.validate(config)
+  mesh = mesh_lib.make_mesh(config.mesh, devices)
+  mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
+  platform = mesh.devices.flat[0].platform
+  input_shape, num_classes = data_shape(config)
+  model = models.get_model(config.model, num_classes)
+  tx = optim.make_optimizer(config.optim, config.train.steps)
+  shards = mesh.shape[mesh_lib.MEMBER]
+  per_device = config.num_members // shards
+  parallelism, map_batch_size = parallelism_lib.resolve(
+      config.ensemble, config.model.name, platform, members_per_device=per_device)
+
+  member_hparams = hparams.resolve(config)
+  state, compiled = _compile_step(config, mesh, model, tx, input_shape, member_hparams,
+                                  parallelism, map_batch_size)
+  # The same form at twice the members ('auto' held fixed, so that the two compiles
+  # differ only in M); the values of per-member hyperparameters do not change sizes.
+  doubled_hparams = {k: np.tile(v, 2) for k, v in member_hparams.items()}
+  _, doubled = _compile_step(config, mesh, model, tx, input_shape, doubled_hparams,
+                             parallelism, map_batch_size)
+  step, step_doubled = _memory(compiled, per_device), _memory(doubled, 2 * per_device)
+  bytes_per_member = (step_doubled.peak - step.peak) / per_device
+  fixed = step.peak - bytes_per_member * per_device
+
+  m = config.num_members
+  params_per_member = sum(math.prod(leaf.shape[1:]) for leaf in jax.tree.leaves(state.params))
+  state_bytes_per_member = sum(leaf.size * leaf.dtype.itemsize
+                               for leaf in jax.tree.leaves(state)) // m
+  if memory_bytes is None:
+    memory_bytes = device_memory_bytes(mesh.devices.flat[0])
+  max_members = None
+  if memory_bytes is not None and bytes_per_member > 0:
+    max_members = max(0, math.floor((memory_bytes - fixed) / bytes_per_member)) * shards
+  return Plan(
+      num_members=m, mesh_shape=dict(mesh.shape), platform=platform, parallelism=parallelism,
+      map_batch_size=map_batch_size, params_per_member=params_per_member,
+      state_bytes_per_member=state_bytes_per_member, step=step, step_doubled=step_doubled,
+      bytes_per_member=bytes_per_member, fixed_bytes=fixed, memory_bytes=memory_bytes,
+      max_members=max_members)
+
+
+def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
+  """The plan as the lines `dist-ens plan` prints."""
+  s = plan.step
+  form = plan.parallelism + (f' (chunks of {plan.map_batch_size})' if plan.map_batch_size else '')
+  devices = math.prod(plan.mesh_shape.values())
+  lines = [
+      f'{plan.num_members} x {config.model.name} on {config.data.name}, batch '
+      f'{config.data.batch_size} per member, optimizer {config.optim.name}',
+      f'mesh {plan.mesh_shape} over {devices} {plan.platform} device(s): '
+      f'{s.members_per_device} member(s) per device, run with {form}',
+      f'parameters per member          {plan.params_per_member:>16,}',
+      f'state bytes per member         {plan.state_bytes_per_member:>16,}  '
+      '(parameters, optimizer state, frozen flag)',
+      f'compiled train step, bytes per device ({s.members_per_device} member(s)):',
+      f'  arguments                    {s.argument:>16,}  (state and batch)',
+      f'  outputs                      {s.output:>16,}',
+      f'  aliased (donated state)      {s.alias:>16,}',
+      f'  temporaries                  {s.temp:>16,}',
+      f'  peak                         {s.peak:>16,}  (arguments + outputs - aliased + '
+      'temporaries)',
+      f'bytes per member               {plan.bytes_per_member:>16,.0f}  (peak growth per added '
+      f'member; fixed part {plan.fixed_bytes:,.0f})',
+  ]
+  if plan.memory_bytes is None:
+    lines.append(f'largest M: this {plan.platform} device reports no memory size; pass '
+                 '--memory_gb=G (the memory of ONE device) to get it.')
+  else:
+    lines.append(f'largest M that fits {plan.memory_bytes / GB:,.2f} GB per device x '
+                 f'{plan.mesh_shape[mesh_lib.MEMBER]} member shard(s): {plan.max_members:,}'
+                 ' (state and step only; leave room for evaluation and the framework)')
+  return '\n'.join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Command line: `dist-ens plan --config=FILE [--config.x=y ...] [--memory_gb=G]`."""
+  sys_argv = ['dist-ens plan', *(sys.argv[1:] if argv is None else argv)]
+  flag_values = flags.FlagValues()
+  config_holder = config_flags.DEFINE_config_file(
+      'config', None, 'Config file, as for training; override fields with --config.x=y.',
+      flag_values=flag_values, sys_argv=sys_argv, lock_config=True)
+  memory_gb = flags.DEFINE_float(
+      'memory_gb', None, 'Memory of one device in GB (1e9 bytes); default: what the device '
+      'reports (accelerators), else none.', flag_values=flag_values)
+  try:
+    flag_values(sys_argv)
+    if config_holder.value is None:
+      raise flags.Error('--config=FILE is required.')
+  except (flags.Error, ConfigError) as e:
+    print(f'dist-ens plan: error: {e}\nusage: dist-ens plan --config=FILE '
+          '[--config.field=value ...] [--memory_gb=G]', file=sys.stderr)
+    return 2
+  if memory_gb.value is not None and not memory_gb.value > 0:
+    print(f'dist-ens plan: error: --memory_gb={memory_gb.value} must be > 0.', file=sys.stderr)
+    return 2
+  config = config_holder.value
+  try:
+    plan = make_plan(config, memory_bytes=memory_gb.value * GB if memory_gb.value else None)
+  except ConfigError as e:
+    print(f'dist-ens plan: error: {e}', file=sys.stderr)
+    return 1
+  print(format_plan(plan, config))
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())

@@ -1,0 +1,81 @@
+"""config.ensemble.member_parallelism: explicit choices, 'auto' by the rule table, bad values."""
+
+import jax.numpy as jnp
+import ml_collections
+import pytest
+
+from dist_ens import parallelism
+from dist_ens.ensemble import MEMBER_PARALLELISM, over_members
+from dist_ens.errors import ConfigError
+
+
+def _ensemble(member_parallelism='auto', map_batch_size=0):
+  return ml_collections.ConfigDict(dict(member_parallelism=member_parallelism,
+                                        map_batch_size=map_batch_size))
+
+
+@pytest.mark.parametrize('choice,chunk,expected', [
+    ('vmap', 0, ('vmap', None)),
+    ('map', 0, ('map', None)),
+    ('map', 4, ('map', 4)),
+])
+def test_an_explicit_choice_is_taken_as_given(choice, chunk, expected):
+  for platform in ('cpu', 'gpu', 'tpu'):
+    assert parallelism.resolve(_ensemble(choice, chunk), 'mlp', platform, 16) == expected
+
+
+@pytest.mark.parametrize('key', sorted(parallelism.AUTO_RULES))
+@pytest.mark.parametrize('members', [1, 4, 16, 64, None])
+def test_auto_follows_the_table(key, members):
+  platform, model = key
+  # The table read by hand: the first bucket whose bound covers the members (a
+  # bound of None covers any count, and is the only one an unknown count takes).
+  expected = parallelism.DEFAULT_FORM
+  for bound, form in parallelism.AUTO_RULES[key]:
+    if bound is None or (members is not None and members <= bound):
+      expected = form
+      break
+  assert parallelism.resolve(_ensemble('auto'), model, platform, members) == expected
+
+
+def test_auto_picks_the_bucket_of_the_members_per_device(monkeypatch):
+  monkeypatch.setattr(parallelism, 'AUTO_RULES', {
+      ('cpu', 'mlp'): ((8, ('vmap', None)), (32, ('map', 4)), (None, ('map', None)))})
+  resolve = lambda m: parallelism.resolve(_ensemble('auto'), 'mlp', 'cpu', m)
+  assert [resolve(m) for m in (1, 8, 9, 32, 33)] == [
+      ('vmap', None), ('vmap', None), ('map', 4), ('map', 4), ('map', None)]
+  assert resolve(None) == ('map', None)  # Unknown count: the rule for the most members.
+
+
+def test_auto_without_a_rule_is_vmap():
+  assert parallelism.resolve(_ensemble('auto'), 'mlp', 'some_new_backend', 8) == ('vmap', None)
+  assert parallelism.resolve(_ensemble('auto'), 'transformer', 'cpu', 8) == ('vmap', None)
+
+
+def test_auto_ignores_map_batch_size():
+  assert parallelism.resolve(_ensemble('auto', 7), 'cnn', 'cpu', 8) == parallelism.auto_form(
+      'cnn', 'cpu', 8)
+
+
+def test_every_form_in_the_table_runs():
+  for rules in parallelism.AUTO_RULES.values():
+    for bound, (form, chunk) in rules:
+      assert bound is None or (isinstance(bound, int) and bound >= 1)
+      assert form in MEMBER_PARALLELISM
+      assert chunk is None or (isinstance(chunk, int) and chunk > 1)
+      f = over_members(lambda w, x: w * x, form, in_axes=(0, None), map_batch_size=chunk)
+      assert f(jnp.arange(4.0), 2.0).tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+@pytest.mark.parametrize('value', ['pmap', 'VMAP', '', None, 3])
+def test_a_bad_parallelism_is_rejected_naming_the_field(value):
+  with pytest.raises(ConfigError, match=r'config\.ensemble\.member_parallelism') as e:
+    parallelism.resolve(_ensemble(value), 'mlp', 'cpu', 8)
+  assert "'auto'" in str(e.value)  # And says what would work.
+
+
+@pytest.mark.parametrize('value', [-1, 1.5, '4', True, None])
+def test_a_bad_map_batch_size_is_rejected_naming_the_field(value):
+  for choice in ('map', 'vmap', 'auto'):
+    with pytest.raises(ConfigError, match=r'config\.ensemble\.map_batch_size'):
+      parallelism.resolve(_ensemble(choice, value), 'mlp', 'cpu', 8)

@@ -1,0 +1,105 @@
+"""dist-ens plan: its numbers against counts made by hand, and memory that grows with M."""
+
+import re
+from pathlib import Path
+
+import jax
+import pytest
+
+from dist_ens import plan as plan_lib
+from dist_ens.configuration import load_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
+DEFAULT = CONFIGS / 'default.py'
+
+# MLP 40-256-256-10 (configs/default.py): weights and biases of each dense layer.
+MLP_PARAMS = (40 * 256 + 256) + (256 * 256 + 256) + (256 * 10 + 10)
+# The mnist1d CNN: 3 convs (kernel 5/3/3, 25 channels, stride 2 over 40 -> 20 -> 10 -> 5),
+# then a dense layer from 5 x 25 features to 10 classes.
+CNN_PARAMS = (5 * 1 * 25 + 25) + (3 * 25 * 25 + 25) + (3 * 25 * 25 + 25) + (5 * 25 * 10 + 10)
+
+
+def _config(**overrides):
+  config = load_config(DEFAULT)
+  config.mesh.member, config.mesh.data = 1, 1
+  for dotted, value in overrides.items():
+    section, _, field = dotted.rpartition('__')
+    (config[section] if section else config)[field] = value
+  return config
+
+
+@pytest.fixture(scope='module')
+def one_device():
+  return jax.devices()[:1]
+
+
+def test_parameter_and_state_counts_match_the_model_by_hand(one_device):
+  for overrides, params in (({}, MLP_PARAMS), ({'model__name': 'cnn'}, CNN_PARAMS)):
+    plan = plan_lib.make_plan(_config(num_members=4, **overrides), one_device)
+    assert plan.params_per_member == params
+    # Adam keeps two moments: parameters + mu + nu in float32 = 12 bytes each, plus a
+    # few scalars (step counts, the injected hyperparameters, the frozen flag).
+    assert 0 < plan.state_bytes_per_member - 12 * params <= 64
+
+
+def test_more_members_take_proportionally_more_memory(one_device):
+  plans = {m: plan_lib.make_plan(_config(num_members=m), one_device) for m in (4, 16)}
+  small, big = plans[4], plans[16]
+  assert small.params_per_member == big.params_per_member
+  assert small.state_bytes_per_member == big.state_bytes_per_member
+  # The arguments are the state (and per-member label smoothing) plus one shared batch:
+  # 12 more members add exactly 12 members' state.
+  assert big.step.argument - small.step.argument == 12 * (small.state_bytes_per_member + 4)
+  # Each plan measures the slope on its own pair of compiles (M, 2M); they agree, and
+  # the line through (4, 8) predicts the peak at 16 members.
+  assert big.bytes_per_member == pytest.approx(small.bytes_per_member, rel=0.05)
+  assert big.step.peak == pytest.approx(small.fixed_bytes + 16 * small.bytes_per_member,
+                                        rel=0.05)
+  # A member costs at least its state, and the batch is paid once.
+  assert small.bytes_per_member >= small.state_bytes_per_member
+  assert small.fixed_bytes > 0
+
+
+def test_largest_m_is_the_last_that_fits(one_device):
+  memory = 50e6
+  plan = plan_lib.make_plan(_config(num_members=4), one_device, memory_bytes=memory)
+  per_device = plan.max_members
+  assert per_device > 4
+  assert plan.fixed_bytes + per_device * plan.bytes_per_member <= memory
+  assert plan.fixed_bytes + (per_device + 1) * plan.bytes_per_member > memory
+
+
+def test_members_split_over_devices_are_counted_per_device(devices):
+  plan = plan_lib.make_plan(_config(num_members=8, mesh__member=4, mesh__data=2), devices,
+                            memory_bytes=50e6)
+  assert plan.step.members_per_device == 2
+  # Each device holds its 2 members' state; the batch is split over 'data'.
+  assert plan.step.argument >= 2 * plan.state_bytes_per_member
+  assert plan.step.argument < 3 * plan.state_bytes_per_member
+  assert plan.max_members % 4 == 0  # Whole members on each of the 4 member shards.
+
+
+def test_command_line_prints_the_plan(capsys):
+  code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8',
+                        '--config.mesh.member=4', '--config.mesh.data=2', '--memory_gb=0.5'])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert re.search(rf'parameters per member +{MLP_PARAMS:,}\n', out)
+  assert '2 member(s) per device' in out
+  assert 'largest M that fits 0.50 GB per device x 4 member shard(s):' in out
+
+
+def test_command_line_on_a_cpu_without_memory_asks_for_it(capsys):
+  code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8'])
+  assert code == 0
+  assert 'pass --memory_gb=G' in capsys.readouterr().out
+
+
+def test_command_line_errors_name_what_is_wrong(capsys):
+  assert plan_lib.main([f'--config={DEFAULT}', '--config.num_members=6']) == 1
+  assert 'config.num_members=6' in capsys.readouterr().err
+  assert plan_lib.main([f'--config={DEFAULT}', '--no_such_flag=1']) == 2
+  assert 'no_such_flag' in capsys.readouterr().err
+  assert plan_lib.main([]) == 2
+  assert '--config=FILE is required' in capsys.readouterr().err
+  assert plan_lib.main([f'--config={DEFAULT}', '--memory_gb=0']) == 2
