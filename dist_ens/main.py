@@ -71,10 +71,14 @@ def main(argv: list[str]) -> None:
 
 def entry() -> None:
   """Console-script entry point: `dist-ens --config=... --workdir=...` trains;
-  `dist-ens report --workdir DIR` writes DIR/report/ (see dist_ens/report.py)."""
+  `dist-ens report --workdir DIR` writes DIR/report/ (see dist_ens/report.py);
+  `dist-ens plan --config=FILE [--memory_gb=G]` prints the memory a run needs (plan.py)."""
   if len(sys.argv) > 1 and sys.argv[1] == 'report':
     from dist_ens import report  # pylint: disable=g-import-not-at-top
     sys.exit(report.main(sys.argv[2:]))
+  if len(sys.argv) > 1 and sys.argv[1] == 'plan':
+    from dist_ens import plan  # pylint: disable=g-import-not-at-top
+    sys.exit(plan.main(sys.argv[2:]))
   app.run(main)
 
 
