@@ -18,6 +18,8 @@ from dist_ens.data.pipeline import MEMBER_ORDERS
 from dist_ens.errors import ConfigError
 
 # Validation metrics members can be ranked by: name -> True if higher is better.
+# What to do when a member goes non-finite (see train.py).
+ON_NONFINITE = ('freeze', 'stop')
 SELECT_METRICS = {'nll': False, 'accuracy': True, 'brier': False, 'ece': False}
 
 
@@ -84,6 +86,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
            f'must be an int in [0, num_members={config.num_members}]')
   _require(value == 0 or config.data.validation_size > 0, 'select.top_k', value,
            'selects members on a validation split; set data.validation_size > 0 (e.g. 500)')
+  _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
+           config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
   hparams.resolve(config)  # Per-member fields: numbers, lists of M numbers or specs.
 
 

@@ -26,7 +26,6 @@ from dist_ens.step import TrainState, init_state, make_train_step
 # Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
 # CPU backend); waiting every 8 steps keeps well clear of that.
 _CPU_SYNC_EVERY = 8
-ON_NONFINITE = ('freeze', 'stop')
 
 
 def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
@@ -42,8 +41,8 @@ def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
 
 
 def _log(msg: str, *args: Any) -> None:
-  prefix = f'[process {jax.process_index()}] ' if jax.process_count() > 1 else ''
-  logging.info(prefix + msg, *args)
+  # With several processes, distributed.py's log filter adds '[process i]' to every line.
+  logging.info(msg, *args)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *,
@@ -70,9 +69,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
       (the state is saved first).
   """
   configuration.validate(config)
-  if config.train.on_nonfinite not in ON_NONFINITE:
-    raise ConfigError(f'config.train.on_nonfinite={config.train.on_nonfinite!r}; use one of '
-                      f'{ON_NONFINITE}.')
   distributed.check_same_config(configuration.to_dict(config))
   mesh = mesh_lib.make_mesh(config.mesh, devices)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
