@@ -80,6 +80,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Wait for the step every this many steps; 0 = automatic (8 on multi-device CPU,
   # whose collectives deadlock when ~30 steps are queued; else at log steps only).
   config.train.sync_every = 0
+  # Steps run per call of the compiled step (a lax.scan on the device). Small models
+  # on a GPU/TPU are limited by the host's per-step dispatch, not the device: 10-100
+  # there. steps, log_every, eval_every and checkpoint.every must be multiples.
+  config.train.steps_per_call = 1
   # A member whose loss or gradient goes non-finite: 'freeze' it and train the
   # others on, or 'stop' (save, then exit with an error).
   config.train.on_nonfinite = 'freeze'

@@ -25,7 +25,7 @@ from dist_ens.errors import ConfigError
 # they change how long or how verbosely a run goes, or the topology (restores
 # reshard), not what is being trained.
 ALWAYS_COMPATIBLE = ('train.steps', 'train.log_every', 'train.eval_every', 'train.sync_every',
-                     'checkpoint', 'eval', 'mesh')
+                     'train.steps_per_call', 'checkpoint', 'eval', 'mesh')
 # Fields that define what the checkpoint holds: never restorable across a change.
 NEVER_COMPATIBLE = ('num_members', 'model', 'data.name')
 

@@ -93,14 +93,22 @@ class TrainStep:
 
 def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh,
                     per_member_batches: bool = False, member_parallelism: str = 'vmap',
-                    map_batch_size: int | None = None) -> TrainStep:
+                    map_batch_size: int | None = None, steps_per_call: int = 1) -> TrainStep:
   """Builds the jitted, sharded step; the input state is donated.
 
   With `per_member_batches`, x and y are [M, B, ...] (each member its own batch,
   sharded over ('member', 'data')); otherwise [B, ...], shared by all members.
   `member_parallelism` ('vmap' or 'map') is how each device runs its members (see
   ensemble.over_members).
+
+  With `steps_per_call` = K > 1, one call runs K steps in a `lax.scan` on the
+  device: x and y get a leading axis of K batches ([K, B, ...] or [K, M, B, ...])
+  and every metric one of K steps ([K, M]). The result is that of K calls of the
+  one-step function; the host dispatches (and the input pipeline hands over) once
+  per K steps, which is what small models on an accelerator are limited by.
   """
+  if not isinstance(steps_per_call, int) or steps_per_call < 1:
+    raise ValueError(f'steps_per_call={steps_per_call!r} must be an int >= 1.')
   step = TrainStep(fn=None)
 
   def member_update(params, opt_state, frozen, label_smoothing, x, y):
@@ -128,22 +136,31 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh,
 
   batch_axis = 0 if per_member_batches else None
   batch_spec = P(MEMBER, DATA) if per_member_batches else P(DATA)
+  if steps_per_call > 1:
+    batch_spec = P(None, *batch_spec)
+  members_update = over_members(
+      member_update, member_parallelism, in_axes=(0, 0, 0, 0, batch_axis, batch_axis),
+      map_batch_size=map_batch_size)
 
   def local_step(state, x, y, label_smoothing):
-    params, opt_state, frozen, metrics = over_members(
-        member_update, member_parallelism, in_axes=(0, 0, 0, 0, batch_axis, batch_axis),
-        map_batch_size=map_batch_size)(
-            state.params, state.opt_state, state.frozen, label_smoothing, x, y)
-    return TrainState(params, opt_state, frozen), metrics
+    def one_step(state, batch):
+      params, opt_state, frozen, metrics = members_update(
+          state.params, state.opt_state, state.frozen, label_smoothing, *batch)
+      return TrainState(params, opt_state, frozen), metrics
+
+    if steps_per_call == 1:
+      return one_step(state, (x, y))
+    return jax.lax.scan(one_step, state, (x, y))
 
   def traced(state, x, y, label_smoothing):
     step.traces += 1
     if label_smoothing is None:
       label_smoothing = jnp.zeros(state.frozen.shape, jnp.float32)
+    metrics_spec = P(MEMBER) if steps_per_call == 1 else P(None, MEMBER)
     return jax.shard_map(
         local_step, mesh=mesh,
         in_specs=(P(MEMBER), batch_spec, batch_spec, P(MEMBER)),
-        out_specs=(P(MEMBER), P(MEMBER)))(state, x, y, label_smoothing)
+        out_specs=(P(MEMBER), metrics_spec))(state, x, y, label_smoothing)
 
   step.fn = jax.jit(traced, donate_argnums=0)
   return step

@@ -21,7 +21,7 @@ from dist_ens.checkpoint import Checkpointer, PreemptionWatcher, check_compatibl
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.evaluate import evaluate, evaluate_ood, make_eval_step, member_mask_from_frozen
 from dist_ens.optim import set_hyperparams
-from dist_ens.step import TrainState, init_state, make_train_step
+from dist_ens.step import StepMetrics, TrainState, init_state, make_train_step
 
 # Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
 # CPU backend); waiting every 8 steps keeps well clear of that.
@@ -122,18 +122,28 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
 
   _log('each device runs its members with %s%s', parallelism,
        f' (chunks of {map_batch_size})' if map_batch_size else '')
+  steps_per_call = config.train.steps_per_call
+  if start_step % steps_per_call:
+    raise ConfigError(
+        f'config.train.steps_per_call={steps_per_call} does not divide the checkpoint\'s step '
+        f'{start_step}; resume with a steps_per_call that divides it (e.g. 1).')
+  if steps_per_call > 1:
+    _log('%d steps per call of the compiled step', steps_per_call)
   train_step = make_train_step(model, tx, mesh, per_member_batches=order.per_member,
-                               member_parallelism=parallelism, map_batch_size=map_batch_size)
+                               member_parallelism=parallelism, map_batch_size=map_batch_size,
+                               steps_per_call=steps_per_call)
   label_smoothing = jax.device_put(member_hparams['train.label_smoothing'], member_sharding)
   eval_step = make_eval_step(model, mesh)
   # Gathers small per-member results to every host before they are read.
   fetch = jax.jit(lambda tree: tree, out_shardings=mesh_lib.replicated(mesh))
 
   batches = data.Batches(dataset.train, order, mesh, config.num_members, data_state,
-                         prefetch=config.data.prefetch)
+                         prefetch=config.data.prefetch, steps_per_call=steps_per_call)
   steps, log_every = config.train.steps, config.train.log_every
   sync_every = config.train.sync_every or (
       _CPU_SYNC_EVERY if mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1 else 0)
+  # Calls between waits; a call of K steps queues one program, not K.
+  sync_calls = max(1, sync_every // steps_per_call) if sync_every else 0
   examples_per_step = config.num_members * config.data.batch_size
   # Examples the input pipeline must deliver per step: one batch, or one per member.
   inputs_per_step = examples_per_step if order.per_member else config.data.batch_size
@@ -155,30 +165,35 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   interval, interval_start, train_seconds = [], time.perf_counter(), 0.0
   pipeline_mark = batches.stats
   try:
-    for step in range(start_step + 1, steps + 1):
-      if watcher.should_stop(step - 1):
-        checkpointer.save(step - 1, state, batches.state, force=True)
+    # `step` is the last step a call ran: calls run steps_per_call steps each.
+    for step in range(start_step + steps_per_call, steps + 1, steps_per_call):
+      done = step - steps_per_call
+      if watcher.should_stop(done):
+        checkpointer.save(done, state, batches.state, force=True)
         checkpointer.wait()
         _log('preempted (SIGTERM): saved the checkpoint at step %d and stopped; run the same '
-             'command again to resume.', step - 1)
-        return {'preempted': True, 'step': step - 1}
+             'command again to resume.', done)
+        return {'preempted': True, 'step': done}
 
       x, y = next(batches)
       state, step_metrics = train_step(state, x, y, label_smoothing)
       interval.append(step_metrics)
       progress.update(step)
       checkpointer.save(step, state, batches.state)
-      if sync_every and step % sync_every == 0:
+      if sync_calls and (step // steps_per_call) % sync_calls == 0:
         jax.block_until_ready(step_metrics)
 
       if step % log_every == 0 or step == steps:
-        fetched = jax.tree.map(np.asarray, fetch(interval))
+        # Every step's metrics since the last log, [steps, M] (a call gives [K, M]).
+        fetched = StepMetrics(*(np.concatenate([np.reshape(f, (-1, config.num_members))
+                                                for f in field])
+                                for field in zip(*jax.tree.map(np.asarray, fetch(interval)))))
         elapsed = time.perf_counter() - interval_start
         train_seconds += elapsed
-        loss = np.mean([m.loss for m in fetched], axis=0)
-        accuracy = np.mean([m.accuracy for m in fetched], axis=0)
-        rate = examples_per_step * len(interval) / elapsed
-        demand = inputs_per_step * len(interval) / elapsed
+        loss, accuracy = fetched.loss.mean(axis=0), fetched.accuracy.mean(axis=0)
+        interval_steps = len(fetched.loss)
+        rate = examples_per_step * interval_steps / elapsed
+        demand = inputs_per_step * interval_steps / elapsed
         stats = batches.stats
         read, busy = stats.examples - pipeline_mark.examples, stats.busy_seconds - pipeline_mark.busy_seconds
         supply = read / busy if busy > 0 else float('inf')
@@ -190,8 +205,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
                       'members': {'loss': loss.tolist(), 'accuracy': accuracy.tolist()},
                       'member_examples_per_s': rate, 'input_examples_per_s': demand,
                       'input_pipeline_capacity_per_s': supply})
-        newly_bad = sorted(set(np.flatnonzero(np.any([m.nonfinite for m in fetched], axis=0))
-                               .tolist()) - reported_frozen)
+        newly_bad = sorted(set(np.flatnonzero(np.any(fetched.nonfinite, axis=0)).tolist())
+                           - reported_frozen)
         if newly_bad:
           reported_frozen.update(newly_bad)
           logging.warning('members %s hit a non-finite loss or gradient by step %d and are '

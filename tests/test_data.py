@@ -221,3 +221,23 @@ def test_to_global_holds_the_batch(shape):
   np.testing.assert_array_equal(np.asarray(arr), batch)
   assert arr.sharding == sharding
   assert data.host_rows(sharding, batch.shape) == slice(0, 32)  # One process holds every row.
+
+
+@pytest.mark.parametrize('kind,shape', [('shared', (4, 2)), ('shuffled', (2, 4))])
+def test_batches_for_several_steps_per_call_stack_consecutive_batches(mnist1d, kind, shape):
+  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(
+      dict(member=shape[0], data=shape[1], hosts_along='member')))
+  order = data.Order(kind, mnist1d.train.num_examples, 32, seed=1)
+  single = data.Batches(mnist1d.train, order, mesh, 8, prefetch=0)
+  expected = [next(single) for _ in range(6)]
+  stacked = data.Batches(mnist1d.train, order, mesh, 8, prefetch=2, steps_per_call=3)
+  got = [next(stacked) for _ in range(2)]
+  assert stacked.state == single.state == data.IteratorState(0, 6)
+  stacked.close()
+  x, y = got[0]
+  assert x.shape == (3,) + expected[0][0].shape and y.shape == (3,) + expected[0][1].shape
+  assert x.sharding.spec[0] is None and tuple(x.sharding.spec[1:]) == tuple(
+      expected[0][0].sharding.spec)
+  for i, (xe, ye) in enumerate(expected):
+    np.testing.assert_array_equal(np.asarray(got[i // 3][0])[i % 3], np.asarray(xe))
+    np.testing.assert_array_equal(np.asarray(got[i // 3][1])[i % 3], np.asarray(ye))

@@ -141,3 +141,45 @@ def test_lax_map_over_members_matches_vmap(mnist1d, parallelism, chunk):
     assert step.traces == 1
     results.append(jax.tree.map(np.asarray, state.params))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), *results)
+
+
+@pytest.mark.parametrize('per_member', [False, True])
+def test_steps_per_call_equals_that_many_calls(mnist1d, per_member):
+  """One call of K scanned steps == K calls of the one-step function, on a 4x2 mesh."""
+  model, tx, mesh = _setup(4, 2)
+  k, calls = 3, 2
+  rng = np.random.default_rng(0)
+  lead = (k * calls, NUM_MEMBERS, BATCH) if per_member else (k * calls, BATCH)
+  xs = mnist1d.train.x[rng.integers(0, 1000, lead)]
+  ys = mnist1d.train.y[rng.integers(0, 1000, lead)]
+  init = jax.jit(lambda: step_lib.init_state(model, tx, 0, NUM_MEMBERS, mnist1d.input_shape),
+                 out_shardings=mesh_lib.member_sharding(mesh))
+  spec = ('member', 'data') if per_member else ('data',)
+  one_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+  many_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec))
+
+  single = step_lib.make_train_step(model, tx, mesh, per_member_batches=per_member)
+  state, losses = init(), []
+  for x, y in zip(xs, ys):
+    state, m = single(state, jax.device_put(x, one_sharding), jax.device_put(y, one_sharding))
+    losses.append(np.asarray(m.loss))
+  scanned = step_lib.make_train_step(model, tx, mesh, per_member_batches=per_member,
+                                     steps_per_call=k)
+  state_k, losses_k = init(), []
+  for c in range(calls):
+    block = slice(c * k, (c + 1) * k)
+    state_k, m = scanned(state_k, jax.device_put(xs[block], many_sharding),
+                         jax.device_put(ys[block], many_sharding))
+    assert m.loss.shape == (k, NUM_MEMBERS)
+    losses_k.append(np.asarray(m.loss))
+  assert scanned.traces == 1
+  np.testing.assert_allclose(np.concatenate(losses_k), np.stack(losses), rtol=1e-6, atol=1e-7)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                                                       atol=1e-7), state_k, state)
+  assert jax.tree.leaves(state_k.params)[0].sharding.spec[0] == 'member'
+
+
+def test_steps_per_call_must_be_positive(mnist1d):
+  model, tx, mesh = _setup(8, 1)
+  with pytest.raises(ValueError, match='steps_per_call=0'):
+    step_lib.make_train_step(model, tx, mesh, steps_per_call=0)

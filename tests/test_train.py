@@ -55,6 +55,21 @@ def test_topology_does_not_change_results(tmp_path, reference, member, data):
   assert result['train_step_traces'] == 1
 
 
+def test_steps_per_call_and_resume_across_it_keep_results(tmp_path, reference):
+  # 5 steps per call on a 4x2 mesh: the first 10 steps, then resumed with 2 per call.
+  first = _run(tmp_path, 'w', mesh__member=4, mesh__data=2, train__steps=10,
+               train__steps_per_call=5)
+  assert first['step'] == 10 and first['train_step_traces'] == 1
+  result = _run(tmp_path, 'w', mesh__member=4, mesh__data=2, train__steps_per_call=2)
+  np.testing.assert_allclose(result['members']['nll'], reference['members']['nll'], atol=2e-6)
+  events = [json.loads(line) for line in (tmp_path / 'w' / 'metrics.jsonl').read_text().splitlines()]
+  assert [e['step'] for e in events if e['split'] == 'train'] == [10, 20]
+  # A checkpoint at step 20 cannot be resumed with calls of 3 steps: the error says so.
+  with pytest.raises(ConfigError, match='steps_per_call=3 does not divide'):
+    _run(tmp_path, 'w', train__steps=30, train__log_every=30, checkpoint__every=30,
+         train__steps_per_call=3)
+
+
 def test_member_does_not_depend_on_ensemble_size(tmp_path, reference):
   three = _run(tmp_path, 'three', devices=jax.devices()[:1], num_members=3)
   for metric in ('nll', 'accuracy', 'ece'):
@@ -96,6 +111,9 @@ def test_workdir_files(tmp_path):
     (dict(data__batch_size=10**6), 'config.data.batch_size'),
     (dict(ensemble__member_parallelism='pmap'), 'config.ensemble.member_parallelism'),
     (dict(ensemble__map_batch_size=-1), 'config.ensemble.map_batch_size'),
+    (dict(train__steps_per_call=0), 'config.train.steps_per_call'),
+    (dict(train__steps_per_call=3), 'config.train.steps=20'),
+    (dict(train__steps_per_call=4), 'config.train.log_every=10'),
 ])
 def test_bad_config_fails_before_touching_workdir(tmp_path, overrides, message):
   workdir = tmp_path / 'w'

@@ -163,20 +163,25 @@ class Batches:
   Each process reads only its block of every batch: its rows of the 'data' axis
   and, for per-member orders, its members. `state` is the position after the last
   batch handed out (what a checkpoint must save), however far prefetching has run.
+  With `steps_per_call` = K > 1 each item holds K consecutive batches stacked on a
+  new leading axis ([K, B, ...] or [K, M, B, ...]), for a step that runs K steps.
   """
 
   def __init__(self, source: Source, order: Order, mesh: Mesh, num_members: int,
-               state: IteratorState = IteratorState(), prefetch: int = 2):
+               state: IteratorState = IteratorState(), prefetch: int = 2,
+               steps_per_call: int = 1):
     self._source, self._order = source, order
     self.state = order.normalize(state)
+    self._steps = steps_per_call
     batch = order._batch_size  # pylint: disable=protected-access
     if order.per_member:
-      self.sharding = NamedSharding(mesh, P('member', 'data'))
-      probe = (num_members, batch)
+      spec, probe = P('member', 'data'), (num_members, batch)
     else:
-      self.sharding = NamedSharding(mesh, P('data'))
-      probe = (batch,)
-    self._block = host_block(self.sharding, probe, len(probe))
+      spec, probe = P('data'), (batch,)
+    self._block = host_block(NamedSharding(mesh, spec), probe, len(probe))
+    if steps_per_call > 1:
+      spec, probe = P(None, *spec), (steps_per_call, *probe)
+    self.sharding = NamedSharding(mesh, spec)
     self._global_lead = probe
     self._examples, self._busy = 0, 0.0
     self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
@@ -191,6 +196,12 @@ class Batches:
   def _make(self, state: IteratorState) -> tuple[jax.Array, jax.Array]:
     start = time.perf_counter()
     local = local_indices(self._order, state, self._block)
+    if self._steps > 1:  # K consecutive batches, stacked: one read, one transfer.
+      blocks = [local]
+      for _ in range(self._steps - 1):
+        state = self._order.advance(state)
+        blocks.append(local_indices(self._order, state, self._block))
+      local = np.stack(blocks)
     x, y = self._source.read(local.reshape(-1))
     x = x.reshape(*local.shape, *x.shape[1:])
     y = y.reshape(local.shape)
@@ -203,7 +214,7 @@ class Batches:
   def _produce(self, state: IteratorState) -> None:
     try:
       while not self._stop.is_set():
-        item = (self._make(state), self._order.advance(state))
+        item = (self._make(state), self._advance(state))
         state = item[1]
         while not self._stop.is_set():
           try:
@@ -214,12 +225,17 @@ class Batches:
     except BaseException as e:  # pylint: disable=broad-except  # Re-raised in __next__.
       self._queue.put(e)
 
+  def _advance(self, state: IteratorState) -> IteratorState:
+    for _ in range(self._steps):
+      state = self._order.advance(state)
+    return state
+
   def __iter__(self):
     return self
 
   def __next__(self) -> tuple[jax.Array, jax.Array]:
     if self._thread is None:
-      arrays, self._next_state = self._make(self._next_state), self._order.advance(self._next_state)
+      arrays, self._next_state = self._make(self._next_state), self._advance(self._next_state)
       self.state = self._next_state
       return arrays
     item = self._queue.get()
