@@ -61,7 +61,10 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCH = 128
 NUM_CLASSES = 10
 LEARNING_RATE = 1e-3
-PEAK_N = 2048  # Matmul size for the peak: big enough to saturate, small enough to repeat.
+# Matmul size for the peak: big enough to saturate, small enough to repeat (a GPU
+# needs a bigger one; see peak_size).
+PEAK_N = 2048
+PEAK_N_ACCELERATOR = 8192
 # A variant whose single step takes longer than this (lax.map of CNNs) is timed in
 # the first SLOW_REPEATS rounds only: it is far off the best either way.
 SLOW_SECONDS, SLOW_REPEATS = 1.0, 3
@@ -306,17 +309,18 @@ def _torch_module(spec: ModelSpec):
   return nn.Sequential(*layers)
 
 
-def build_torch(spec: ModelSpec, members: int, threads: int) -> Callable[[], Any]:
+def build_torch(spec: ModelSpec, members: int, threads: int,
+                device: str = 'cpu') -> Callable[[], Any]:
   """torch.func ensembling with Adam on the stacked parameters (per-member Adam).
 
   `threads` is set before every step, so variants with different thread counts
-  can alternate in one process.
+  can alternate in one process. `device` is 'cpu' or 'cuda'.
   """
   import copy
   import torch
   from torch.func import functional_call, stack_module_state
   torch.manual_seed(0)
-  nets = [_torch_module(spec) for _ in range(members)]
+  nets = [_torch_module(spec).to(device) for _ in range(members)]
   params, buffers = stack_module_state(nets)
   base = copy.deepcopy(nets[0]).to('meta')
 
@@ -328,8 +332,8 @@ def build_torch(spec: ModelSpec, members: int, threads: int) -> Callable[[], Any
   # torch convolutions take channels first.
   x = torch.from_numpy(x if spec.model['name'] == 'mlp' else x.transpose(0, x.ndim - 1,
                                                                           *range(1, x.ndim - 1)))
-  x = x.contiguous()
-  y_all = torch.from_numpy(y).long().repeat(members)
+  x = x.contiguous().to(device)
+  y_all = torch.from_numpy(y).long().repeat(members).to(device)
 
   def run():
     torch.set_num_threads(threads)
@@ -350,20 +354,32 @@ def build_torch(spec: ModelSpec, members: int, threads: int) -> Callable[[], Any
 
 def _block(value):
   import jax
-  if hasattr(value, 'detach'):  # torch: eager, already done.
+  if hasattr(value, 'detach'):  # torch: eager on a CPU; a GPU's queue needs a sync.
+    if value.is_cuda:
+      import torch
+      torch.cuda.synchronize()
     return value
   return jax.block_until_ready(value)
 
 
-def build_peaks(with_torch: bool) -> dict[str, Callable[[], Any]]:
+def peak_size() -> int:
   import jax
-  import jax.numpy as jnp
-  a = jax.device_put(jnp.ones((PEAK_N, PEAK_N), jnp.float32), jax.devices()[0])
-  dot = jax.jit(jnp.dot)
+  return PEAK_N if jax.devices()[0].platform == 'cpu' else PEAK_N_ACCELERATOR
+
+
+def build_peaks(with_torch: bool, torch_device: str = 'cpu') -> dict[str, Callable[[], Any]]:
+  """A large float32 matmul in each framework, at its default precision."""
+  import jax
+  import numpy as np
+  n = peak_size()
+  # Random operands: zeros or ones can run faster than real data on some hardware.
+  host = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
+  a = jax.device_put(host, jax.devices()[0])
+  dot = jax.jit(lambda u, v: u @ v)
   peaks = {'jax': lambda: dot(a, a)}
   if with_torch:
     import torch
-    t = torch.ones(PEAK_N, PEAK_N)
+    t = torch.from_numpy(host).to(torch_device)
     peaks['torch'] = lambda: t @ t
   return peaks
 
@@ -438,7 +454,8 @@ def variants_for(spec: ModelSpec, members: int, chunks: tuple[int, ...],
                  with_torch: bool, with_wide: bool,
                  candidates: dict[str, Any],
                  torch_threads: int,
-                 max_unroll: int = 16) -> dict[str, Callable[[], Callable[[], Any]]]:
+                 max_unroll: int = 16,
+                 torch_device: str = 'cpu') -> dict[str, Callable[[], Callable[[], Any]]]:
   builders = {
       'loop': lambda: build_loop(spec, members),
       'vmap': lambda: build_dist_ens(spec, members, 'vmap', None),
@@ -463,8 +480,9 @@ def variants_for(spec: ModelSpec, members: int, chunks: tuple[int, ...],
   if with_wide and spec.model['name'] == 'mlp':
     builders['wide1'] = lambda: build_wide_first_layer(spec, members)
   if with_torch:
-    builders['torch'] = lambda: build_torch(spec, members, torch_threads)
-    builders['torch/1t'] = lambda: build_torch(spec, members, 1)
+    builders['torch'] = lambda: build_torch(spec, members, torch_threads, torch_device)
+    if torch_device == 'cpu':  # Threads only matter for CPU kernels.
+      builders['torch/1t'] = lambda: build_torch(spec, members, 1)
   return builders
 
 
@@ -477,6 +495,7 @@ def torch_available() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
+  global BATCH
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--quick', action='store_true', help='fewer cells and repeats (< 5 min)')
@@ -495,9 +514,11 @@ def main(argv: list[str] | None = None) -> None:
                       'map/K@NAME and any other form its ensemble.py adds (A/B of a patch)')
   parser.add_argument('--threads', type=int, default=os.cpu_count(),
                       help='torch intra-op threads (default: all cores, as XLA uses)')
+  parser.add_argument('--batch', type=int, default=BATCH, help='examples per member per step')
   parser.add_argument('--out', default=None, help='default benchmarks/results/throughput.json '
                       '(throughput_quick.json with --quick)')
   args = parser.parse_args(argv)
+  BATCH = args.batch
 
   grid = dict(QUICK_GRID if args.quick else FULL_GRID)
   if args.models:
@@ -518,10 +539,17 @@ def main(argv: list[str] | None = None) -> None:
 
   import jax
   device = jax.devices()[0]
-  print(f'jax {jax.__version__} on 1 {device.platform} device ({os.cpu_count()} cores), '
-        f'torch {torch_version or "not installed (column skipped)"}'
-        + (f' with {args.threads} threads' if torch_version else ''), flush=True)
-  peaks = build_peaks(bool(torch_version))
+  # torch runs where JAX runs: on the GPU when JAX has one (and torch sees it).
+  torch_device = 'cpu'
+  if torch_version and device.platform == 'gpu':
+    if not torch.cuda.is_available():
+      raise SystemExit('JAX runs on a GPU but torch sees none: pass --no_torch.')
+    torch_device = 'cuda'
+  print(f'jax {jax.__version__} on 1 {device.platform} device ({device.device_kind}, '
+        f'{os.cpu_count()} cores), torch {torch_version or "not installed (column skipped)"}'
+        + (f' on {torch_device}' + (f' with {args.threads} threads' if torch_device == 'cpu'
+                                    else '') if torch_version else ''), flush=True)
+  peaks = build_peaks(bool(torch_version), torch_device)
   peak_times = {name: [] for name in peaks}
   cells = []
   for model_name, member_counts in grid.items():
@@ -530,7 +558,7 @@ def main(argv: list[str] | None = None) -> None:
     for members in member_counts:
       builders = variants_for(spec, members, chunks, bool(torch_version),
                               with_wide=True, candidates=candidates,
-                              torch_threads=args.threads)
+                              torch_threads=args.threads, torch_device=torch_device)
       if only:
         builders = {k: v for k, v in builders.items() if k in only}
       else:  # A candidate's lax.map forms only when asked for by name.
@@ -553,7 +581,8 @@ def main(argv: list[str] | None = None) -> None:
             + f'  (best {best[0]}; {cell["seconds"]:.0f} s)', flush=True)
       del runs
 
-  peak = {name: 2 * PEAK_N**3 / statistics.median(t) for name, t in peak_times.items()}
+  n = peak_size()
+  peak = {name: 2 * n**3 / statistics.median(t) for name, t in peak_times.items()}
   for cell in cells:
     spec = MODELS[cell['model']]
     conv_flops, executed = train_flops(spec)
@@ -566,12 +595,14 @@ def main(argv: list[str] | None = None) -> None:
     summarize(cell)
   result = dict(
       jax=jax.__version__, torch=torch_version, torch_threads=args.threads if torch_version
-      else None, device=f'1 {device.platform} device', cores=os.cpu_count(),
+      else None, torch_device=torch_device if torch_version else None,
+      device=f'1 {device.platform} device ({device.device_kind})', cores=os.cpu_count(),
       machine=platform.processor() or platform.machine(), xla_flags=os.environ.get('XLA_FLAGS',
                                                                                    ''),
       candidates=dict(c.split('=', 1) for c in args.candidate),
       batch_per_member=BATCH, repeats=repeats, min_time=min_time, quick=args.quick,
-      peak_flops=peak, peak_flops_all={k: [2 * PEAK_N**3 / t for t in v]
+      peak_matmul_size=n,
+      peak_flops=peak, peak_flops_all={k: [2 * n**3 / t for t in v]
                                        for k, v in peak_times.items()},
       models={name: dict(title=MODELS[name].title, train_flops_per_example=train_flops(
           MODELS[name])[0], executed_flops_per_example=train_flops(MODELS[name])[1])
@@ -606,7 +637,8 @@ def summarize(cell: dict[str, Any]) -> None:
 
 def print_table(result: dict[str, Any]) -> None:
   peak = result['peak_flops']
-  print(f'\nmatmul peak ({PEAK_N}^3 f32, median): jax {peak["jax"] / 1e9:.0f} GFLOP/s'
+  n = result['peak_matmul_size']
+  print(f'\nmatmul peak ({n}^3 f32, median): jax {peak["jax"] / 1e9:.0f} GFLOP/s'
         + (f', torch {peak["torch"] / 1e9:.0f} GFLOP/s' if 'torch' in peak else ''))
   print('member-examples/s (% of matmul peak; torch against its own peak)')
   names = []
