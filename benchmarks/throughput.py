@@ -68,6 +68,8 @@ PEAK_N_ACCELERATOR = 8192
 # A variant whose single step takes longer than this (lax.map of CNNs) is timed in
 # the first SLOW_REPEATS rounds only: it is far off the best either way.
 SLOW_SECONDS, SLOW_REPEATS = 1.0, 3
+# --conv_impl: config.model.conv_impl for every JAX variant ('' keeps the config's 'auto').
+CONV_IMPL = ''
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +133,8 @@ def _jax_setup(spec: ModelSpec):
   from dist_ens.configuration import load_config
   config = load_config(ROOT / 'configs' / 'default.py')
   config.model.update(spec.model)
+  if CONV_IMPL:
+    config.model.conv_impl = CONV_IMPL
   config.optim.learning_rate = LEARNING_RATE
   config.optim.weight_decay = 0.0  # Plain Adam, as torch.optim.Adam.
   model = models.get_model(config.model, NUM_CLASSES)
@@ -495,7 +499,7 @@ def torch_available() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-  global BATCH
+  global BATCH, CONV_IMPL
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--quick', action='store_true', help='fewer cells and repeats (< 5 min)')
@@ -515,10 +519,13 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--threads', type=int, default=os.cpu_count(),
                       help='torch intra-op threads (default: all cores, as XLA uses)')
   parser.add_argument('--batch', type=int, default=BATCH, help='examples per member per step')
+  parser.add_argument('--conv_impl', default='', help="config.model.conv_impl for the CNNs "
+                      "('xla', 'patches'; default: the config's 'auto')")
   parser.add_argument('--out', default=None, help='default benchmarks/results/throughput.json '
                       '(throughput_quick.json with --quick)')
   args = parser.parse_args(argv)
   BATCH = args.batch
+  CONV_IMPL = args.conv_impl
 
   grid = dict(QUICK_GRID if args.quick else FULL_GRID)
   if args.models:
@@ -600,7 +607,8 @@ def main(argv: list[str] | None = None) -> None:
       machine=platform.processor() or platform.machine(), xla_flags=os.environ.get('XLA_FLAGS',
                                                                                    ''),
       candidates=dict(c.split('=', 1) for c in args.candidate),
-      batch_per_member=BATCH, repeats=repeats, min_time=min_time, quick=args.quick,
+      batch_per_member=BATCH, conv_impl=CONV_IMPL or 'auto', repeats=repeats,
+      min_time=min_time, quick=args.quick,
       peak_matmul_size=n,
       peak_flops=peak, peak_flops_all={k: [2 * n**3 / t for t in v]
                                        for k, v in peak_times.items()},

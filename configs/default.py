@@ -35,6 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.channels = (25, 25, 25)  # cnn conv channels,
   config.model.kernel_sizes = (5, 3, 3)  # kernel sizes
   config.model.strides = (2, 2, 2)  # and strides, per layer
+  # cnn convolutions: 'xla' (lax.conv), 'patches' (slices + one matmul, which vmap
+  # keeps a batched matmul instead of a grouped convolution) or 'auto' (= patches).
+  config.model.conv_impl = 'auto'
   config.model.init_scale = per_member(1.0)  # multiplies the He-normal init std
 
   # How each device runs its block of members: 'vmap' (batched into wide ops), 'map'

@@ -18,11 +18,18 @@ Form = tuple[str, int | None]
 
 # (backend platform, model name) -> ((up to this many members per device, form), ...):
 # the first entry whose bound is >= the members per device applies; None means any
-# number. Measured on a 2-core CPU, one device, batch 128 per member, Adam
-# (BENCHMARKS.md): vmap beat lax.map, chunked or not, for every model at M = 1..64.
+# number. Measured with benchmarks/throughput.py, one device, batch 128 per member,
+# Adam (BENCHMARKS.md):
+# - 2-core CPU: vmap beat lax.map, chunked or not, for the MLPs at M = 1..64. CNNs
+#   (with model.conv_impl='auto', i.e. 'patches' on a CPU) are fastest vmapped up
+#   to 4 members, and as lax.map over chunks of 4 vmapped members beyond: the patches
+#   of many members at once fall out of the caches.
+# - H100 GPU: vmap was the fastest form for every model and M (1.0-27x lax.map).
 AUTO_RULES: dict[tuple[str, str], tuple[tuple[int | None, Form], ...]] = {
     ('cpu', 'mlp'): ((None, ('vmap', None)),),
-    ('cpu', 'cnn'): ((None, ('vmap', None)),),
+    ('cpu', 'cnn'): ((4, ('vmap', None)), (None, ('map', 4))),
+    ('gpu', 'mlp'): ((None, ('vmap', None)),),
+    ('gpu', 'cnn'): ((None, ('vmap', None)),),
 }
 DEFAULT_FORM: Form = ('vmap', None)
 

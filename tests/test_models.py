@@ -69,3 +69,37 @@ def test_per_member_init_scale_must_be_passed_to_init():
   unit = models.get_model(_cfg(), 10).init(jax.random.key(0), (40, 1))
   doubled = model.init(jax.random.key(0), (40, 1), init_scale=2.0)
   np.testing.assert_allclose(doubled[0]['w'], 2.0 * unit[0]['w'], rtol=1e-6)
+
+
+@pytest.mark.parametrize('input_shape,kernels,strides', [
+    ((40, 1), (5, 3), (2, 2)), ((37, 3), (3, 5), (1, 2)),
+    ((28, 28, 1), (3, 3), (2, 2)), ((9, 10, 2), (5, 3), (1, 2))])
+def test_conv_impls_compute_the_same_function(input_shape, kernels, strides):
+  """'patches' == lax conv in logits and in every gradient, vmapped over members."""
+  make = lambda impl: models.get_model(_cfg(name='cnn', kernel_sizes=kernels, strides=strides,
+                                            conv_impl=impl), 10)
+  xla, patches = make('xla'), make('patches')
+  keys = jax.random.split(jax.random.key(1), 3)
+  params = jax.vmap(lambda k: xla.init(k, input_shape))(keys)
+  x = jax.random.normal(jax.random.key(2), (5, *input_shape))
+  y = jnp.arange(5) % 10
+
+  def loss_and_grads(model):
+    def loss(p, x):
+      return -jnp.mean(jax.nn.log_softmax(model.apply(p, x))[jnp.arange(5), y])
+    return jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)), in_axes=(0, None))(params, x)
+
+  for got, want in zip(jax.tree.leaves(loss_and_grads(patches)),
+                       jax.tree.leaves(loss_and_grads(xla))):
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(got, want, atol=1e-5 * scale, rtol=0)
+
+
+def test_conv_impl_is_checked_and_auto_resolves():
+  with pytest.raises(ConfigError, match=r"config.model.conv_impl='fft'.*'patches'"):
+    models.get_model(_cfg(name='cnn', conv_impl='fft'), 10)
+  params = models.get_model(_cfg(name='cnn', conv_impl='xla'), 10).init(jax.random.key(0), (40, 1))
+  x = jnp.ones((2, 40, 1))
+  auto = models.get_model(_cfg(name='cnn', conv_impl='auto'), 10).apply(params, x)
+  want = models.get_model(_cfg(name='cnn', conv_impl='patches'), 10).apply(params, x)
+  np.testing.assert_array_equal(auto, want)  # 'auto' is 'patches': the same program.
