@@ -135,7 +135,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
                                steps_per_call=steps_per_call)
   label_smoothing = jax.device_put(member_hparams['train.label_smoothing'], member_sharding)
   eval_step = make_eval_step(model, mesh)
-  # Gathers small per-member results to every host before they are read.
+  # Gathers small per-member results to every host before they are read. Called on
+  # one step's metrics at a time: the same shapes every call, so it compiles once (a
+  # whole interval as one pytree compiled a program with an input per array, seconds
+  # for a few thousand steps).
   fetch = jax.jit(lambda tree: tree, out_shardings=mesh_lib.replicated(mesh))
 
   batches = data.Batches(dataset.train, order, mesh, config.num_members, data_state,
@@ -188,7 +191,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
         # Every step's metrics since the last log, [steps, M] (a call gives [K, M]).
         fetched = StepMetrics(*(np.concatenate([np.reshape(f, (-1, config.num_members))
                                                 for f in field])
-                                for field in zip(*jax.tree.map(np.asarray, fetch(interval)))))
+                                for field in zip(*(jax.tree.map(np.asarray, fetch(m))
+                                                   for m in interval))))
         elapsed = time.perf_counter() - interval_start
         train_seconds += elapsed
         loss, accuracy = fetched.loss.mean(axis=0), fetched.accuracy.mean(axis=0)

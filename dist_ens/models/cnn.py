@@ -10,7 +10,7 @@ result (to float32 rounding) from the same parameters, so checkpoints are shared
   'xla'      lax.conv_general_dilated. Under dist_ens's vmap over members the
              kernels are batched, which turns every convolution into a grouped one
              (feature_group_count=M), 2-3x slower than 'patches' on a 2-core CPU and
-             2.7-6x on an H100 for the CNNs of BENCHMARKS.md.
+             2.7-7.6x on an H100 for the CNNs of BENCHMARKS.md.
   'patches'  im2col by strided slicing: the k^rank shifted, strided views of the
              padded input concatenated along channels, times the kernel reshaped to
              [k^rank * in_ch, out_ch]: one dot, which vmap turns into a batched
