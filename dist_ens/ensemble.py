@@ -110,7 +110,8 @@ def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
   them one after another with `lax.map` (a loop in the compiled program, never a
   Python loop, so compile time does not grow with M): better where all members at
   once fall out of the caches or the vmapped form is a poor kernel.
-  `map_batch_size` > 1 vmaps chunks of that many members inside the loop. Arguments whose in_axes entry is None are shared by all members.
+  `map_batch_size` > 1 vmaps chunks of that many members inside the loop.
+  Arguments whose in_axes entry is None are shared by all members.
 
   Example:
     >>> f = over_members(lambda w, x: w * x, 'map', in_axes=(0, None))

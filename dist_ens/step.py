@@ -123,15 +123,19 @@ def make_train_step(model: Model, tx: optax.GradientTransformation, mesh: Mesh,
     (share, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     loss = jax.lax.psum(share, DATA)
     accuracy = jax.lax.pmean(jnp.mean(jnp.argmax(logits, -1) == y), DATA)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    new_params = optax.apply_updates(params, updates)
-    # A member whose loss or gradient is not finite keeps its old state (frozen);
-    # the others are untouched because nothing mixes members.
+    # A member whose loss or gradient is not finite is frozen: from then on its
+    # optimizer sees zero gradients (its state stays finite) and its parameters get
+    # zero updates (they keep their last finite values). Masking the gradients and
+    # updates, rather than selecting old-vs-new state afterwards, lets XLA update the
+    # optimizer moments in place: the select kept the old moments alive past the
+    # update and made XLA copy them every step (12-34% of a dense model's CPU step).
+    # Nothing mixes members, so the others are untouched.
     nonfinite = ~(jnp.isfinite(loss) & _all_finite(grads))
     keep = frozen | nonfinite
-    new_params, new_opt_state = jax.tree.map(
-        lambda new, old: jnp.where(keep, old, new), (new_params, new_opt_state),
-        (params, opt_state))
+    grads = jax.tree.map(lambda g: jnp.where(keep, jnp.zeros_like(g), g), grads)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    updates = jax.tree.map(lambda u: jnp.where(keep, jnp.zeros_like(u), u), updates)
+    new_params = optax.apply_updates(params, updates)
     return new_params, new_opt_state, keep, StepMetrics(loss, accuracy, nonfinite)
 
   batch_axis = 0 if per_member_batches else None

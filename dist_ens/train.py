@@ -215,7 +215,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
         if newly_bad:
           reported_frozen.update(newly_bad)
           logging.warning('members %s hit a non-finite loss or gradient by step %d and are '
-                          'frozen at their last finite state.', newly_bad, step)
+                          'frozen at their last finite parameters.', newly_bad, step)
           if config.train.on_nonfinite == 'stop':
             checkpointer.save(step, state, batches.state, force=True)
             checkpointer.wait()
