@@ -133,6 +133,21 @@ def test_two_processes_match_one(tmp_path, one_process, hosts_along):
   assert abs(two['ensemble']['nll'] - one_process['ensemble']['nll']) < 1e-6
 
 
+@pytest.mark.parametrize('hosts_along', ['member', 'data'])
+def test_two_processes_with_several_steps_per_call_match_one(tmp_path, hosts_along):
+  """Each host feeds its block of K stacked per-member batches; results as one process."""
+  config = _small_config(hosts_along)
+  config.data.member_order = 'shuffled'
+  reference = train.run(config, str(tmp_path / 'one'))  # 1 process, 1 step per call.
+  layout = [*SMALL, f'--config.mesh.hosts_along={hosts_along}',
+            '--config.data.member_order=shuffled', '--config.train.steps_per_call=5']
+  [(status, out)] = _wait([_local_sh(tmp_path / 'two', *layout)], 90)
+  assert status == 0, out[-5000:]
+  two = json.loads((tmp_path / 'two' / 'final_metrics.json').read_text())
+  np.testing.assert_allclose(two['members']['nll'], reference['members']['nll'], atol=1e-6)
+  assert abs(two['ensemble']['nll'] - reference['ensemble']['nll']) < 1e-6
+
+
 def _small_config(hosts_along: str):
   """SMALL as a config object, for runs inside a Python process."""
   config = load_config(ROOT / 'configs' / 'default.py')
