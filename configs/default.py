@@ -84,9 +84,11 @@ def get_config() -> ml_collections.ConfigDict:
   # whose collectives deadlock when ~30 steps are queued; else at log steps only).
   config.train.sync_every = 0
   # Steps run per call of the compiled step (a lax.scan on the device). Small models
-  # on a GPU/TPU are limited by the host's per-step dispatch, not the device: 10-100
-  # there. steps, log_every, eval_every and checkpoint.every must be multiples.
-  config.train.steps_per_call = 1
+  # on a GPU/TPU are limited by the host's per-step dispatch, not the device. 0 = auto:
+  # 1 on a CPU; elsewhere the largest divisor of steps, log_every, eval_every and
+  # checkpoint.every up to 100 (dist_ens/parallelism.py). A value K > 0 needs those
+  # to be multiples of K.
+  config.train.steps_per_call = 0
   # A member whose loss or gradient goes non-finite: 'freeze' it and train the
   # others on, or 'stop' (save, then exit with an error).
   config.train.on_nonfinite = 'freeze'

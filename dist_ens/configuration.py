@@ -62,12 +62,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _require(_is_int(value), field, value, 'must be an int')
   _require(config.num_members >= 1, 'num_members', config.num_members, 'must be >= 1')
   _require(config.seed >= 0, 'seed', config.seed, 'must be >= 0')
-  for field in ('data.batch_size', 'train.steps', 'train.log_every', 'train.steps_per_call',
-                'eval.batch_size', 'checkpoint.every', 'checkpoint.keep'):
+  for field in ('data.batch_size', 'train.steps', 'train.log_every', 'eval.batch_size',
+                'checkpoint.every', 'checkpoint.keep'):
     _require(_get(config, field) >= 1, field, _get(config, field), 'must be >= 1')
   calls = config.train.steps_per_call
+  _require(calls >= 0, 'train.steps_per_call', calls, 'must be >= 1, or 0 for automatic')
   for field in ('train.steps', 'train.log_every', 'train.eval_every', 'checkpoint.every'):
-    _require(_get(config, field) % calls == 0, field, _get(config, field),
+    _require(calls == 0 or _get(config, field) % calls == 0, field, _get(config, field),
              f'must be a multiple of train.steps_per_call={calls} (a call runs that many '
              'steps; logs, evaluations and checkpoints happen between calls)')
   for field in ('train.eval_every', 'train.sync_every', 'optim.warmup_steps', 'data.prefetch'):

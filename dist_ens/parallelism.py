@@ -1,10 +1,13 @@
-"""Choosing how each device runs its members: vmap or lax.map ('auto').
+"""Choosing how each device runs its members (vmap or lax.map) and how many steps
+one call of the compiled step runs, where the config says 'auto'.
 
 The rule is data: for a backend and a model family, which form was fastest at
 how many members per device, measured by benchmarks/throughput.py (the table and
 its evidence are in BENCHMARKS.md). Anything not listed gets 'vmap', the form
 that is never far off for matmul-bound models.
 """
+
+import math
 
 import ml_collections
 
@@ -66,3 +69,32 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
   if choice == 'auto':
     return auto_form(model_name, platform, members_per_device)
   return choice, (chunk or None)
+
+
+# train.steps_per_call = 0 ('auto'): on an accelerator, the most steps per call up to
+# this many (benchmarks/steps_per_call.py on an H100: 3.2x at 10 and 4.9x at 100 for
+# the default run, most of the gain by 50), while K batches of input stay under
+# AUTO_INPUT_BYTES; on a CPU the step dominates and 1 is kept.
+AUTO_MAX_STEPS_PER_CALL = 100
+AUTO_INPUT_BYTES = 64 * 2**20
+
+
+def steps_per_call(config: ml_collections.ConfigDict, platform: str, start_step: int = 0,
+                   input_bytes_per_step: int = 0) -> int:
+  """config.train.steps_per_call, with 0 ('auto') resolved.
+
+  'auto' is 1 on a CPU. Elsewhere it is the largest K <= AUTO_MAX_STEPS_PER_CALL that
+  divides every cadence the loop stops at (train.steps, log_every, eval_every,
+  checkpoint.every, and the step a run resumes from), and whose K batches of input
+  (input_bytes_per_step each) stay under AUTO_INPUT_BYTES.
+  """
+  chosen = config.train.steps_per_call
+  if chosen or platform == 'cpu':
+    return chosen or 1
+  cadence = 0
+  for every in (config.train.steps, config.train.log_every, config.train.eval_every,
+                config.checkpoint.every, start_step):
+    cadence = math.gcd(cadence, every)  # gcd(x, 0) = x: an eval_every of 0 adds nothing.
+  bound = min(AUTO_MAX_STEPS_PER_CALL,
+              max(1, AUTO_INPUT_BYTES // max(input_bytes_per_step, 1)))
+  return max(k for k in range(1, bound + 1) if cadence % k == 0)

@@ -123,11 +123,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
 
   _log('each device runs its members with %s%s', parallelism,
        f' (chunks of {map_batch_size})' if map_batch_size else '')
-  steps_per_call = config.train.steps_per_call
+  examples_per_step = config.num_members * config.data.batch_size
+  # Examples the input pipeline must deliver per step: one batch, or one per member.
+  inputs_per_step = examples_per_step if order.per_member else config.data.batch_size
+  input_bytes_per_step = inputs_per_step * int(np.prod(dataset.input_shape)) * 4  # float32
+  steps_per_call = parallelism_lib.steps_per_call(
+      config, mesh.devices.flat[0].platform, start_step, input_bytes_per_step)
   if start_step % steps_per_call:
     raise ConfigError(
         f'config.train.steps_per_call={steps_per_call} does not divide the checkpoint\'s step '
-        f'{start_step}; resume with a steps_per_call that divides it (e.g. 1).')
+        f'{start_step}; resume with a steps_per_call that divides it (e.g. 1), or 0 (auto).')
   if steps_per_call > 1:
     _log('%d steps per call of the compiled step', steps_per_call)
   train_step = make_train_step(model, tx, mesh, per_member_batches=order.per_member,
@@ -148,9 +153,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
       _CPU_SYNC_EVERY if mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1 else 0)
   # Calls between waits; a call of K steps queues one program, not K.
   sync_calls = max(1, sync_every // steps_per_call) if sync_every else 0
-  examples_per_step = config.num_members * config.data.batch_size
-  # Examples the input pipeline must deliver per step: one batch, or one per member.
-  inputs_per_step = examples_per_step if order.per_member else config.data.batch_size
   keep_through_step = start_step if restored else None
   writer = writers.MultiWriter(
       writers.JsonlWriter(workdir / 'metrics.jsonl', keep_through_step=keep_through_step),

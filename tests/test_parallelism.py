@@ -79,3 +79,31 @@ def test_a_bad_map_batch_size_is_rejected_naming_the_field(value):
   for choice in ('map', 'vmap', 'auto'):
     with pytest.raises(ConfigError, match=r'config\.ensemble\.map_batch_size'):
       parallelism.resolve(_ensemble(choice, value), 'mlp', 'cpu', 8)
+
+
+def _train_config(**train):
+  from pathlib import Path
+  from dist_ens.configuration import load_config
+  config = load_config(Path(__file__).resolve().parents[1] / 'configs' / 'default.py')
+  config.train.update(train)
+  return config
+
+
+def test_auto_steps_per_call_divides_every_cadence():
+  # default.py: steps 2000, log_every 250, eval_every 1000, checkpoint.every 500: the
+  # largest divisor of their gcd (250) up to 100 is 50.
+  config = _train_config(steps_per_call=0)
+  assert parallelism.steps_per_call(config, 'gpu') == 50
+  assert parallelism.steps_per_call(config, 'cpu') == 1  # The step dominates on a CPU.
+  # Resuming from step 30: calls must land on it too.
+  assert parallelism.steps_per_call(config, 'tpu', start_step=30) == 10
+  # An eval_every of 0 adds no cadence; a log_every of 7 leaves only 1.
+  assert parallelism.steps_per_call(_train_config(steps_per_call=0, eval_every=0,
+                                                  log_every=200), 'gpu') == 100
+  assert parallelism.steps_per_call(_train_config(steps_per_call=0, log_every=7), 'gpu') == 1
+  # K batches of input must stay under AUTO_INPUT_BYTES: 16 MiB a step allows 4, and
+  # the largest divisor of 250 up to 4 is 2.
+  assert parallelism.steps_per_call(config, 'gpu', input_bytes_per_step=16 * 2**20) == 2
+  # An explicit value is taken as given, on any platform.
+  assert parallelism.steps_per_call(_train_config(steps_per_call=5), 'gpu') == 5
+  assert parallelism.steps_per_call(_train_config(steps_per_call=5), 'cpu') == 5

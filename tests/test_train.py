@@ -111,7 +111,7 @@ def test_workdir_files(tmp_path):
     (dict(data__batch_size=10**6), 'config.data.batch_size'),
     (dict(ensemble__member_parallelism='pmap'), 'config.ensemble.member_parallelism'),
     (dict(ensemble__map_batch_size=-1), 'config.ensemble.map_batch_size'),
-    (dict(train__steps_per_call=0), 'config.train.steps_per_call'),
+    (dict(train__steps_per_call=-1), 'config.train.steps_per_call'),
     (dict(train__steps_per_call=3), 'config.train.steps=20'),
     (dict(train__steps_per_call=4), 'config.train.log_every=10'),
 ])
