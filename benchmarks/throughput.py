@@ -181,10 +181,11 @@ def build_auto(spec: ModelSpec, members: int) -> Callable[[], Any]:
   """The step that config.ensemble.member_parallelism='auto' gives this cell."""
   import jax
   from dist_ens import parallelism
-  config, _, _, _ = _jax_setup(spec)
+  config, model, _, _ = _jax_setup(spec)
   config.num_members = members
-  form, chunk = parallelism.resolve(config.ensemble, config.model.name,
-                                    jax.devices()[0].platform, members_per_device=members)
+  form, chunk = parallelism.resolve(
+      config.ensemble, config.model.name, jax.devices()[0].platform, members_per_device=members,
+      activation_bytes_per_member=parallelism.activation_bytes(model, spec.input_shape, BATCH))
   return build_dist_ens(spec, members, form, chunk)
 
 

@@ -8,8 +8,12 @@ that is never far off for matmul-bound models.
 """
 
 import math
+from collections.abc import Sequence
 
+import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 
 from dist_ens.ensemble import MEMBER_PARALLELISM
 from dist_ens.errors import ConfigError
@@ -24,9 +28,9 @@ Form = tuple[str, int | None]
 # number. Measured with benchmarks/throughput.py, one device, batch 128 per member,
 # Adam (BENCHMARKS.md):
 # - 2-core CPU: vmap beat lax.map, chunked or not, for the MLPs at M = 1..64. CNNs
-#   (with model.conv_impl='auto', i.e. 'patches' on a CPU) are fastest vmapped up
-#   to 4 members, and as lax.map over chunks of 4 vmapped members beyond: the patches
-#   of many members at once fall out of the caches.
+#   (convolutions as patches) are fastest vmapped while all members' activations are
+#   small, and as lax.map over chunks of vmapped members beyond: see CHUNK_BUDGET; the
+#   buckets here are the fallback when the activation size is not known.
 # - H100 GPU: vmap was the fastest form for every model and M (1.0-27x lax.map).
 AUTO_RULES: dict[tuple[str, str], tuple[tuple[int | None, Form], ...]] = {
     ('cpu', 'mlp'): ((None, ('vmap', None)),),
@@ -36,9 +40,40 @@ AUTO_RULES: dict[tuple[str, str], tuple[tuple[int | None, Form], ...]] = {
 }
 DEFAULT_FORM: Form = ('vmap', None)
 
+# (platform, model name) -> bytes of forward activations (activation_bytes) that a
+# chunk of vmapped members may hold: members run vmapped in chunks of the largest
+# power of two that fits, all at once if they all fit. Measured on the 2-core CPU
+# (BENCHMARKS.md, "The 'auto' rule"): the 1-D CNN (3.0 MiB a member at batch 128) was
+# fastest with 16 members vmapped (48 MiB) and in chunks of 8-16 at M=64 (chunks of
+# 32, 95 MiB: 0.74x); the 2-D CNN (25.5 MiB a member) in chunks of 2 (51 MiB; 4:
+# 0.85x, 8: 0.73x). An empirical constant of this machine, not a cache size.
+CHUNK_BUDGET: dict[tuple[str, str], int] = {('cpu', 'cnn'): 80 * 2**20}
 
-def auto_form(model_name: str, platform: str, members_per_device: int | None = None) -> Form:
-  """The form AUTO_RULES picks; with members_per_device unknown, the rule for the most."""
+
+def activation_bytes(model, input_shape: Sequence[int], batch: int) -> int:
+  """Bytes of every intermediate of one member's forward pass on `batch` examples.
+
+  Counted from the traced program (no compile, nothing run): a proxy for how much a
+  member's step touches, by which 'auto' sizes chunks of members.
+  """
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), tuple(input_shape)))
+  x = jax.ShapeDtypeStruct((batch, *input_shape), jnp.float32)
+  jaxpr = jax.make_jaxpr(lambda p, x: model.apply(p, x, train=True))(params, x)
+  return sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
+             for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars)
+
+
+def auto_form(model_name: str, platform: str, members_per_device: int | None = None,
+              activation_bytes_per_member: int | None = None) -> Form:
+  """The form 'auto' picks: by CHUNK_BUDGET where it has the sizes, else AUTO_RULES
+  (with members_per_device unknown, the rule for the most members)."""
+  budget = CHUNK_BUDGET.get((platform, model_name))
+  if budget and members_per_device and activation_bytes_per_member:
+    fit = budget // activation_bytes_per_member
+    if fit >= members_per_device:
+      return 'vmap', None
+    chunk = 2 ** int(math.log2(fit)) if fit >= 1 else 1
+    return 'map', (chunk if chunk > 1 else None)
   for bound, form in AUTO_RULES.get((platform, model_name), ()):
     if bound is None or (members_per_device is not None and members_per_device <= bound):
       return form
@@ -46,7 +81,8 @@ def auto_form(model_name: str, platform: str, members_per_device: int | None = N
 
 
 def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platform: str,
-            members_per_device: int | None = None) -> Form:
+            members_per_device: int | None = None,
+            activation_bytes_per_member: int | None = None) -> Form:
   """(parallelism, map_batch_size) for the step, resolving 'auto' by AUTO_RULES.
 
   Args:
@@ -55,6 +91,8 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
     platform: the devices' platform ('cpu', 'gpu', 'tpu').
     members_per_device: config.num_members // mesh.member, where the rule depends
       on it; None takes the rule for the largest count.
+    activation_bytes_per_member: activation_bytes() of one member's share of a
+      device's batch, for the families CHUNK_BUDGET sizes chunks for.
 
   Raises:
     ConfigError: naming config.ensemble.member_parallelism or map_batch_size.
@@ -67,7 +105,7 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
     raise ConfigError(f'config.ensemble.map_batch_size={chunk!r} must be an int >= 0 (0: one '
                       'member at a time).')
   if choice == 'auto':
-    return auto_form(model_name, platform, members_per_device)
+    return auto_form(model_name, platform, members_per_device, activation_bytes_per_member)
   return choice, (chunk or None)
 
 

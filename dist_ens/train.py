@@ -88,7 +88,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   model = models.get_model(config.model, dataset.num_classes)
   parallelism, map_batch_size = parallelism_lib.resolve(
       config.ensemble, config.model.name, mesh.devices.flat[0].platform,
-      members_per_device=config.num_members // mesh.shape[mesh_lib.MEMBER])
+      members_per_device=config.num_members // mesh.shape[mesh_lib.MEMBER],
+      activation_bytes_per_member=parallelism_lib.activation_bytes(
+          model, dataset.input_shape, config.data.batch_size // mesh.shape[mesh_lib.DATA]))
   tx = optim.make_optimizer(config.optim, config.train.steps)
   init = lambda: init_state(model, tx, config.seed, config.num_members, dataset.input_shape,
                             member_hparams)

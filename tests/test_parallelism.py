@@ -107,3 +107,29 @@ def test_auto_steps_per_call_divides_every_cadence():
   # An explicit value is taken as given, on any platform.
   assert parallelism.steps_per_call(_train_config(steps_per_call=5), 'gpu') == 5
   assert parallelism.steps_per_call(_train_config(steps_per_call=5), 'cpu') == 5
+
+
+def test_chunks_of_members_are_sized_by_activation_bytes():
+  mib = 2**20
+  budget = parallelism.CHUNK_BUDGET[('cpu', 'cnn')]
+  form = lambda members, per_member, platform='cpu': parallelism.auto_form(
+      'cnn', platform, members, per_member)
+  assert form(16, budget // 16) == ('vmap', None)  # All 16 fit: one vmap.
+  assert form(64, budget // 16) == ('map', 16)  # 16 fit: chunks of 16.
+  assert form(16, budget // 3) == ('map', 2)  # 3 fit: chunks of the power of two below.
+  assert form(4, budget * 2) == ('map', None)  # Not even one fits: one member at a time.
+  assert form(64, 1 * mib, 'gpu') == ('vmap', None)  # No budget there: the table.
+  assert form(64, None) == ('map', 4)  # Size unknown: the table's fallback.
+
+
+def test_activation_bytes_count_the_forward_pass():
+  from dist_ens import models
+  cnn = models.get_model(ml_collections.ConfigDict(dict(
+      name='cnn', channels=(4,), kernel_sizes=(3,), strides=(1,), init_scale=1.0,
+      conv_impl='xla')), 10)
+  # One conv layer on [B, 10, 1] with lax.conv, float32: conv out [B,10,4], the bias
+  # broadcast [1,1,4], + bias, relu, flatten [B,40], head dot [B,10], its bias
+  # broadcast [1,10], + bias.
+  for batch in (8, 16):
+    floats = batch * 40 + 4 + batch * 40 + batch * 40 + batch * 40 + batch * 10 + 10 + batch * 10
+    assert parallelism.activation_bytes(cnn, (10, 1), batch) == 4 * floats
