@@ -56,7 +56,9 @@ def activation_bytes(model, input_shape: Sequence[int], batch: int) -> int:
   Counted from the traced program (no compile, nothing run): a proxy for how much a
   member's step touches, by which 'auto' sizes chunks of members.
   """
-  params = jax.eval_shape(lambda: model.init(jax.random.key(0), tuple(input_shape)))
+  # Shapes only: any init_scale will do (a per-member one must be passed explicitly).
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), tuple(input_shape),
+                                             init_scale=1.0))
   x = jax.ShapeDtypeStruct((batch, *input_shape), jnp.float32)
   jaxpr = jax.make_jaxpr(lambda p, x: model.apply(p, x, train=True))(params, x)
   return sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
