@@ -74,7 +74,7 @@ def auto_form(model_name: str, platform: str, members_per_device: int | None = N
     fit = budget // activation_bytes_per_member
     if fit >= members_per_device:
       return 'vmap', None
-    chunk = 2 ** int(math.log2(fit)) if fit >= 1 else 1
+    chunk = 1 << (fit.bit_length() - 1) if fit >= 1 else 1  # Largest power of 2 <= fit.
     return 'map', (chunk if chunk > 1 else None)
   for bound, form in AUTO_RULES.get((platform, model_name), ()):
     if bound is None or (members_per_device is not None and members_per_device <= bound):
@@ -85,7 +85,7 @@ def auto_form(model_name: str, platform: str, members_per_device: int | None = N
 def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platform: str,
             members_per_device: int | None = None,
             activation_bytes_per_member: int | None = None) -> Form:
-  """(parallelism, map_batch_size) for the step, resolving 'auto' by AUTO_RULES.
+  """(parallelism, map_batch_size) for the step, resolving 'auto' by auto_form.
 
   Args:
     ensemble_config: config.ensemble (member_parallelism, map_batch_size).
