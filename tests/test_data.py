@@ -195,7 +195,7 @@ def test_batches_are_global_arrays_and_resume_exactly(mnist1d, kind, shape):
     xb, yb = next(resumed)
     np.testing.assert_array_equal(np.asarray(xa), np.asarray(xb))
     np.testing.assert_array_equal(np.asarray(ya), np.asarray(yb))
-  assert resumed.stats.examples == 3 * int(np.prod(lead)) and resumed.stats.busy_seconds > 0
+  assert resumed.stats.examples == 3 * int(np.prod(lead))  # Its speed: benchmarks/input_pipeline.py.
 
 
 def test_pipeline_errors_surface_in_the_consumer(mnist1d):
