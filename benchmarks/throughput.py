@@ -185,7 +185,8 @@ def build_auto(spec: ModelSpec, members: int) -> Callable[[], Any]:
   config.num_members = members
   form, chunk = parallelism.resolve(
       config.ensemble, config.model.name, jax.devices()[0].platform, members_per_device=members,
-      activation_bytes_per_member=parallelism.activation_bytes(model, spec.input_shape, BATCH))
+      member_activation_bytes=lambda: parallelism.activation_bytes(model, spec.input_shape,
+                                                                   BATCH))
   return build_dist_ens(spec, members, form, chunk)
 
 

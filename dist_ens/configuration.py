@@ -55,9 +55,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   """
   for field in ('seed', 'num_members', 'data.batch_size', 'train.steps', 'train.log_every',
                 'train.eval_every', 'train.sync_every', 'train.steps_per_call', 'eval.batch_size',
-                'mesh.member',
-                'mesh.data', 'optim.warmup_steps', 'checkpoint.every', 'checkpoint.keep',
-                'data.prefetch'):
+                'mesh.member', 'mesh.data', 'optim.warmup_steps', 'checkpoint.every',
+                'checkpoint.keep', 'data.prefetch'):
     value = _get(config, field)
     _require(_is_int(value), field, value, 'must be an int')
   _require(config.num_members >= 1, 'num_members', config.num_members, 'must be >= 1')

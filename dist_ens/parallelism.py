@@ -8,7 +8,7 @@ that is never far off for matmul-bound models.
 """
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -66,12 +66,16 @@ def activation_bytes(model, input_shape: Sequence[int], batch: int) -> int:
 
 
 def auto_form(model_name: str, platform: str, members_per_device: int | None = None,
-              activation_bytes_per_member: int | None = None) -> Form:
+              member_activation_bytes: Callable[[], int] | None = None) -> Form:
   """The form 'auto' picks: by CHUNK_BUDGET where it has the sizes, else AUTO_RULES
-  (with members_per_device unknown, the rule for the most members)."""
+  (with members_per_device unknown, the rule for the most members).
+
+  `member_activation_bytes` returns activation_bytes() of one member's share of a
+  device's batch; it is called only where a CHUNK_BUDGET applies.
+  """
   budget = CHUNK_BUDGET.get((platform, model_name))
-  if budget and members_per_device and activation_bytes_per_member:
-    fit = budget // activation_bytes_per_member
+  if budget and members_per_device and member_activation_bytes:
+    fit = budget // member_activation_bytes()
     if fit >= members_per_device:
       return 'vmap', None
     chunk = 1 << (fit.bit_length() - 1) if fit >= 1 else 1  # Largest power of 2 <= fit.
@@ -84,7 +88,7 @@ def auto_form(model_name: str, platform: str, members_per_device: int | None = N
 
 def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platform: str,
             members_per_device: int | None = None,
-            activation_bytes_per_member: int | None = None) -> Form:
+            member_activation_bytes: Callable[[], int] | None = None) -> Form:
   """(parallelism, map_batch_size) for the step, resolving 'auto' by auto_form.
 
   Args:
@@ -93,8 +97,8 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
     platform: the devices' platform ('cpu', 'gpu', 'tpu').
     members_per_device: config.num_members // mesh.member, where the rule depends
       on it; None takes the rule for the largest count.
-    activation_bytes_per_member: activation_bytes() of one member's share of a
-      device's batch, for the families CHUNK_BUDGET sizes chunks for.
+    member_activation_bytes: returns activation_bytes() of one member's share of a
+      device's batch; called only for the families CHUNK_BUDGET sizes chunks for.
 
   Raises:
     ConfigError: naming config.ensemble.member_parallelism or map_batch_size.
@@ -107,7 +111,7 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
     raise ConfigError(f'config.ensemble.map_batch_size={chunk!r} must be an int >= 0 (0: one '
                       'member at a time).')
   if choice == 'auto':
-    return auto_form(model_name, platform, members_per_device, activation_bytes_per_member)
+    return auto_form(model_name, platform, members_per_device, member_activation_bytes)
   return choice, (chunk or None)
 
 

@@ -161,7 +161,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   per_device = config.num_members // shards
   parallelism, map_batch_size = parallelism_lib.resolve(
       config.ensemble, config.model.name, platform, members_per_device=per_device,
-      activation_bytes_per_member=parallelism_lib.activation_bytes(
+      member_activation_bytes=lambda: parallelism_lib.activation_bytes(
           model, input_shape, config.data.batch_size // mesh.shape[mesh_lib.DATA]))
 
   member_hparams = hparams.resolve(config)

@@ -21,7 +21,7 @@ from dist_ens.checkpoint import Checkpointer, PreemptionWatcher, check_compatibl
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.evaluate import evaluate, evaluate_ood, make_eval_step, member_mask_from_frozen
 from dist_ens.optim import set_hyperparams
-from dist_ens.step import StepMetrics, TrainState, init_state, make_train_step
+from dist_ens.step import TrainState, init_state, make_train_step
 
 # Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
 # CPU backend); waiting every 8 steps keeps well clear of that.
@@ -89,7 +89,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   parallelism, map_batch_size = parallelism_lib.resolve(
       config.ensemble, config.model.name, mesh.devices.flat[0].platform,
       members_per_device=config.num_members // mesh.shape[mesh_lib.MEMBER],
-      activation_bytes_per_member=parallelism_lib.activation_bytes(
+      member_activation_bytes=lambda: parallelism_lib.activation_bytes(
           model, dataset.input_shape, config.data.batch_size // mesh.shape[mesh_lib.DATA]))
   tx = optim.make_optimizer(config.optim, config.train.steps)
   init = lambda: init_state(model, tx, config.seed, config.num_members, dataset.input_shape,
@@ -193,10 +193,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
 
       if step % log_every == 0 or step == steps:
         # Every step's metrics since the last log, [steps, M] (a call gives [K, M]).
-        fetched = StepMetrics(*(np.concatenate([np.reshape(f, (-1, config.num_members))
-                                                for f in field])
-                                for field in zip(*(jax.tree.map(np.asarray, fetch(m))
-                                                   for m in interval))))
+        fetched = jax.tree.map(
+            lambda *calls: np.concatenate([np.reshape(c, (-1, config.num_members))
+                                           for c in calls]),
+            *[jax.tree.map(np.asarray, fetch(m)) for m in interval])
         elapsed = time.perf_counter() - interval_start
         train_seconds += elapsed
         loss, accuracy = fetched.loss.mean(axis=0), fetched.accuracy.mean(axis=0)

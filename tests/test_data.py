@@ -17,6 +17,13 @@ def mnist1d():
   return data.load_dataset('mnist1d')
 
 
+def _mesh_and_order(dataset, kind, shape):
+  """A member x data mesh of `shape` and a 32-example order of `kind` over `dataset`."""
+  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(
+      dict(member=shape[0], data=shape[1], hosts_along='member')))
+  return mesh, data.Order(kind, dataset.train.num_examples, 32, seed=1)
+
+
 def test_mnist1d_split_and_shapes(mnist1d):
   assert mnist1d.train.x.shape == (4000, 40, 1) and mnist1d.test.x.shape == (1000, 40, 1)
   assert mnist1d.train.x.dtype == np.float32 and mnist1d.train.y.dtype == np.int32
@@ -174,9 +181,7 @@ def test_host_slices_of_per_member_batches(hosts_along):
 @pytest.mark.parametrize('kind,shape', [('shared', (4, 2)), ('shuffled', (2, 4)),
                                         ('bootstrap', (8, 1))])
 def test_batches_are_global_arrays_and_resume_exactly(mnist1d, kind, shape):
-  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(
-      dict(member=shape[0], data=shape[1], hosts_along='member')))
-  order = data.Order(kind, mnist1d.train.num_examples, 32, seed=1)
+  mesh, order = _mesh_and_order(mnist1d, kind, shape)
   batches = data.Batches(mnist1d.train, order, mesh, 8, prefetch=2)
   got = [next(batches) for _ in range(5)]
   saved = batches.state
@@ -225,9 +230,7 @@ def test_to_global_holds_the_batch(shape):
 
 @pytest.mark.parametrize('kind,shape', [('shared', (4, 2)), ('shuffled', (2, 4))])
 def test_batches_for_several_steps_per_call_stack_consecutive_batches(mnist1d, kind, shape):
-  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(
-      dict(member=shape[0], data=shape[1], hosts_along='member')))
-  order = data.Order(kind, mnist1d.train.num_examples, 32, seed=1)
+  mesh, order = _mesh_and_order(mnist1d, kind, shape)
   single = data.Batches(mnist1d.train, order, mesh, 8, prefetch=0)
   expected = [next(single) for _ in range(6)]
   stacked = data.Batches(mnist1d.train, order, mesh, 8, prefetch=2, steps_per_call=3)

@@ -113,7 +113,7 @@ def test_chunks_of_members_are_sized_by_activation_bytes():
   mib = 2**20
   budget = parallelism.CHUNK_BUDGET[('cpu', 'cnn')]
   form = lambda members, per_member, platform='cpu': parallelism.auto_form(
-      'cnn', platform, members, per_member)
+      'cnn', platform, members, None if per_member is None else lambda: per_member)
   assert form(16, budget // 16) == ('vmap', None)  # All 16 fit: one vmap.
   assert form(64, budget // 16) == ('map', 16)  # 16 fit: chunks of 16.
   assert form(16, budget // 3) == ('map', 2)  # 3 fit: chunks of the power of two below.

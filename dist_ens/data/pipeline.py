@@ -193,15 +193,14 @@ class Batches:
     else:
       self._next_state = self.state
 
-  def _make(self, state: IteratorState) -> tuple[jax.Array, jax.Array]:
+  def _make(self, state: IteratorState) -> tuple[tuple[jax.Array, jax.Array], IteratorState]:
+    """The item at `state` (K batches stacked when K > 1) and the state after it."""
     start = time.perf_counter()
-    local = local_indices(self._order, state, self._block)
-    if self._steps > 1:  # K consecutive batches, stacked: one read, one transfer.
-      blocks = [local]
-      for _ in range(self._steps - 1):
-        state = self._order.advance(state)
-        blocks.append(local_indices(self._order, state, self._block))
-      local = np.stack(blocks)
+    blocks = []
+    for _ in range(self._steps):  # K consecutive batches: one read, one transfer.
+      blocks.append(local_indices(self._order, state, self._block))
+      state = self._order.advance(state)
+    local = np.stack(blocks) if self._steps > 1 else blocks[0]
     x, y = self._source.read(local.reshape(-1))
     x = x.reshape(*local.shape, *x.shape[1:])
     y = y.reshape(local.shape)
@@ -209,12 +208,12 @@ class Batches:
         self.sharding, a, self._global_lead + a.shape[local.ndim:]) for a in (x, y))
     self._examples += local.size
     self._busy += time.perf_counter() - start
-    return arrays
+    return arrays, state
 
   def _produce(self, state: IteratorState) -> None:
     try:
       while not self._stop.is_set():
-        item = (self._make(state), self._advance(state))
+        item = self._make(state)
         state = item[1]
         while not self._stop.is_set():
           try:
@@ -225,17 +224,12 @@ class Batches:
     except BaseException as e:  # pylint: disable=broad-except  # Re-raised in __next__.
       self._queue.put(e)
 
-  def _advance(self, state: IteratorState) -> IteratorState:
-    for _ in range(self._steps):
-      state = self._order.advance(state)
-    return state
-
   def __iter__(self):
     return self
 
   def __next__(self) -> tuple[jax.Array, jax.Array]:
     if self._thread is None:
-      arrays, self._next_state = self._make(self._next_state), self._advance(self._next_state)
+      arrays, self._next_state = self._make(self._next_state)
       self.state = self._next_state
       return arrays
     item = self._queue.get()

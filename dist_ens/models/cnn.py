@@ -9,8 +9,8 @@ pipeline adds it), so the spatial rank is simply len(input_shape) - 1.
 result (to float32 rounding) from the same parameters, so checkpoints are shared:
   'xla'      lax.conv_general_dilated. Under dist_ens's vmap over members the
              kernels are batched, which turns every convolution into a grouped one
-             (feature_group_count=M), 2-3x slower than 'patches' on a 2-core CPU and
-             2.7-7.6x on an H100 for the CNNs of BENCHMARKS.md.
+             (feature_group_count=M), 1.5-3.2x slower than 'patches' on a 2-core CPU
+             and 2.7-7.6x on an H100 for the CNNs of BENCHMARKS.md.
   'patches'  im2col by strided slicing: the k^rank shifted, strided views of the
              padded input concatenated along channels, times the kernel reshaped to
              [k^rank * in_ch, out_ch]: one dot, which vmap turns into a batched
@@ -96,20 +96,18 @@ def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
       convs.append({'w': std * jax.random.normal(key, (k,) * rank + (in_ch, out_ch)),
                     'b': jnp.zeros((out_ch,))})
       in_ch = out_ch
-    features = jax.eval_shape(lambda p, x: _features(p, x, rank), convs, x)
+    features = jax.eval_shape(_features, convs, x)
     head = dense_init(keys[-1], math.prod(features.shape[1:]), num_classes, init_scale)
     return {'convs': convs, 'head': head}
 
-  def _features(convs, x, rank):
-    del rank  # Each conv reads it from its kernel.
+  def _features(convs, x):
     for layer, stride in zip(convs, strides):
       x = jax.nn.relu(conv(x, layer['w'], stride) + layer['b'])
     return x
 
   def apply(params, x, train=False, rng=None):
     del train, rng  # Deterministic model.
-    rank = params['convs'][0]['w'].ndim - 2
-    h = _features(params['convs'], x, rank)
+    h = _features(params['convs'], x)
     return h.reshape(h.shape[0], -1) @ params['head']['w'] + params['head']['b']
 
   return Model(init, apply)
