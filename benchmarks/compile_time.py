@@ -30,7 +30,7 @@ def time_first_step(spec: throughput.ModelSpec, members: int, form: str,
                     step_module) -> dict[str, float]:
   """Seconds to trace+lower, compile and run the first step of a fresh step function."""
   import jax
-  from dist_ens import mesh as mesh_lib
+  from dist_ens.parallel import mesh as mesh_lib
   _, model, tx, mesh = throughput._jax_setup(spec)  # pylint: disable=protected-access
   state = jax.jit(lambda: step_module.init_state(model, tx, 0, members, spec.input_shape),
                   out_shardings=mesh_lib.member_sharding(mesh))()
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
   models = ['mlp_small', 'cnn1d'] if args.quick else args.models.split(',')
   repeats = 2 if args.quick else args.repeats
   member_counts = [int(m) for m in args.members.split(',')]
-  from dist_ens import step as step_lib
+  from dist_ens.training import step as step_lib
   forms = [(f, f, step_lib) for f in args.forms.split(',')]
   if args.candidate:
     name, path = args.candidate.split('=', 1)

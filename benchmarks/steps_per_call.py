@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 from absl import logging
 
-from dist_ens import train
+from dist_ens.training import run as train
 from dist_ens.configuration import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,9 +16,12 @@ from pathlib import Path
 
 import jax
 
-from dist_ens import data, hparams, mesh as mesh_lib, models, optim
+from dist_ens import data, models
+from dist_ens.core import hparams
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.core import optim
 from dist_ens.configuration import load_config
-from dist_ens.step import init_state, make_train_step
+from dist_ens.training.step import init_state, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -129,7 +129,9 @@ def train_flops(spec: ModelSpec) -> tuple[int, int]:
 
 def _jax_setup(spec: ModelSpec):
   import jax
-  from dist_ens import mesh as mesh_lib, models, optim
+  from dist_ens import models
+  from dist_ens.parallel import mesh as mesh_lib
+  from dist_ens.core import optim
   from dist_ens.configuration import load_config
   config = load_config(ROOT / 'configs' / 'default.py')
   config.model.update(spec.model)
@@ -159,8 +161,8 @@ def build_dist_ens(spec: ModelSpec, members: int, parallelism: str,
   change of dist_ens/step.py, see --candidate); default dist_ens.step.
   """
   import jax
-  from dist_ens import mesh as mesh_lib
-  from dist_ens import step as default_step
+  from dist_ens.parallel import mesh as mesh_lib
+  from dist_ens.training import step as default_step
   step_module = step_module or default_step
   init_state, make_train_step = step_module.init_state, step_module.make_train_step
   _, model, tx, mesh = _jax_setup(spec)
@@ -180,7 +182,7 @@ def build_dist_ens(spec: ModelSpec, members: int, parallelism: str,
 def build_auto(spec: ModelSpec, members: int) -> Callable[[], Any]:
   """The step that config.ensemble.member_parallelism='auto' gives this cell."""
   import jax
-  from dist_ens import parallelism
+  from dist_ens.parallel import strategy as parallelism
   config, model, _, _ = _jax_setup(spec)
   config.num_members = members
   form, chunk = parallelism.resolve(
@@ -194,8 +196,8 @@ def build_loop(spec: ModelSpec, members: int) -> Callable[[], Any]:
   """M separate states, each stepped by a jitted optax update: a Python loop over models."""
   import jax
   import optax
-  from dist_ens.ensemble import unstack
-  from dist_ens.step import cross_entropy, init_state
+  from dist_ens.ensembles.stacking import unstack
+  from dist_ens.training.step import cross_entropy, init_state
   _, model, tx, _ = _jax_setup(spec)
   stacked = jax.jit(lambda: init_state(model, tx, 0, members, spec.input_shape))()
   states = [jax.device_put(s) for s in zip(unstack(stacked.params), unstack(stacked.opt_state))]
@@ -226,7 +228,7 @@ def build_bare_vmap(spec: ModelSpec, members: int) -> Callable[[], Any]:
   """
   import jax
   import optax
-  from dist_ens.step import cross_entropy, init_state
+  from dist_ens.training.step import cross_entropy, init_state
   _, model, tx, _ = _jax_setup(spec)
   state = jax.jit(lambda: init_state(model, tx, 0, members, spec.input_shape))()
 
@@ -255,7 +257,7 @@ def build_wide_first_layer(spec: ModelSpec, members: int) -> Callable[[], Any]:
   import jax
   import jax.numpy as jnp
   import optax
-  from dist_ens.step import cross_entropy, init_state
+  from dist_ens.training.step import cross_entropy, init_state
   _, model, tx, _ = _jax_setup(spec)
   state = jax.jit(lambda: init_state(model, tx, 0, members, spec.input_shape))()
 

@@ -7,7 +7,7 @@ Every field that any model, optimizer or schedule reads is present, so any of th
 can be overridden from the command line; each model reads only its own fields.
 
 Fields marked "per member" take a number, a list of num_members numbers, or a sweep
-spec such as 'loguniform(1e-4,1e-2)' or 'grid(1e-3,1e-2)' (see dist_ens/hparams.py):
+spec such as 'loguniform(1e-4,1e-2)' or 'grid(1e-3,1e-2)' (see dist_ens/core/hparams.py):
   --config.optim.learning_rate='[0.001,0.002,0.003,0.004]'
 """
 
@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # How each device runs its block of members: 'vmap' (batched into wide ops), 'map'
   # (lax.map, one member after another inside the compiled step; map_batch_size > 1
-  # vmaps chunks of members), or 'auto' (picked per model, see dist_ens/parallelism.py).
+  # vmaps chunks of members), or 'auto' (picked per model, see dist_ens/parallel/strategy.py).
   config.ensemble = ml_collections.ConfigDict()
   config.ensemble.member_parallelism = 'auto'
   config.ensemble.map_batch_size = 0
@@ -86,7 +86,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Steps run per call of the compiled step (a lax.scan on the device). Small models
   # on a GPU/TPU are limited by the host's per-step dispatch, not the device. 0 = auto:
   # 1 on a CPU; elsewhere the largest divisor of steps, log_every, eval_every and
-  # checkpoint.every up to 100 (dist_ens/parallelism.py). A value K > 0 needs those
+  # checkpoint.every up to 100 (dist_ens/parallel/strategy.py). A value K > 0 needs those
   # to be multiples of K.
   config.train.steps_per_call = 0
   # A member whose loss or gradient goes non-finite: 'freeze' it and train the

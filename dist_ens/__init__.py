@@ -1,6 +1,6 @@
 """dist_ens: train ensembles of neural networks as one sharded, vmapped JAX program."""
 
-from dist_ens.ensemble import init_members, member_keys, num_members, stack, unstack
+from dist_ens.ensembles.stacking import init_members, member_keys, num_members, stack, unstack
 from dist_ens.errors import ConfigError
 from dist_ens.inference import Ensemble
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import ml_collections
 
-from dist_ens import hparams
+from dist_ens.core import hparams
 from dist_ens.data.pipeline import MEMBER_ORDERS
 from dist_ens.errors import ConfigError
 

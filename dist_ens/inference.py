@@ -25,9 +25,13 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import data, hparams, mesh as mesh_lib, metrics, models, optim
+from dist_ens import data, models
+from dist_ens.core import hparams
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.eval import metrics
+from dist_ens.core import optim
 from dist_ens.checkpoint import Checkpointer
-from dist_ens.step import init_state
+from dist_ens.training.step import init_state
 
 PyTree = Any
 Preprocess = Callable[[np.ndarray], np.ndarray]

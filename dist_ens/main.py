@@ -17,7 +17,8 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from dist_ens import distributed, train
+from dist_ens.parallel import distributed
+from dist_ens.training import run as train
 from dist_ens.errors import ConfigError, TrainingError
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -71,10 +72,10 @@ def main(argv: list[str]) -> None:
 
 def entry() -> None:
   """Console-script entry point: `dist-ens --config=... --workdir=...` trains;
-  `dist-ens report --workdir DIR` writes DIR/report/ (see dist_ens/report.py);
+  `dist-ens report --workdir DIR` writes DIR/report/ (see dist_ens/io/report.py);
   `dist-ens plan --config=FILE [--memory_gb=G]` prints the memory a run needs (plan.py)."""
   if len(sys.argv) > 1 and sys.argv[1] == 'report':
-    from dist_ens import report  # pylint: disable=g-import-not-at-top
+    from dist_ens.io import report  # pylint: disable=g-import-not-at-top
     sys.exit(report.main(sys.argv[2:]))
   if len(sys.argv) > 1 and sys.argv[1] == 'plan':
     from dist_ens import plan  # pylint: disable=g-import-not-at-top

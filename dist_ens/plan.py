@@ -29,10 +29,13 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import configuration, data, hparams, mesh as mesh_lib, models, optim
-from dist_ens import parallelism as parallelism_lib
+from dist_ens import configuration, data, models
+from dist_ens.core import hparams
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.core import optim
+from dist_ens.parallel import strategy as parallelism_lib
 from dist_ens.errors import ConfigError
-from dist_ens.step import init_state, make_train_step
+from dist_ens.training.step import init_state, make_train_step
 
 GB = 1e9
 

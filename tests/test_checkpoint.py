@@ -17,7 +17,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from dist_ens import checkpoint, train
+from dist_ens import checkpoint
+from dist_ens.training import run as train
 from dist_ens.configuration import load_config
 from dist_ens.errors import ConfigError, TrainingError
 
@@ -171,7 +172,10 @@ def test_allowed_changes_resume(tmp_path):
 
 
 def _restore(workdir, member, data_axis):
-  from dist_ens import mesh as mesh_lib, models, optim, step  # pylint: disable=g-import-not-at-top
+  from dist_ens import models
+  from dist_ens.parallel import mesh as mesh_lib
+  from dist_ens.core import optim
+  from dist_ens.training import step  # pylint: disable=g-import-not-at-top
   config = _config(mesh__member=member, mesh__data=data_axis)
   mesh = mesh_lib.make_mesh(config.mesh)
   model = models.get_model(config.model, 10)

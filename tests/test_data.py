@@ -7,7 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from dist_ens import data, mesh as mesh_lib
+from dist_ens import data
+from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.data import sources
 from dist_ens.errors import ConfigError
 

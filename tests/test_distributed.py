@@ -1,4 +1,4 @@
-"""dist_ens.distributed in one process: config comparison, launch flags, cluster detection.
+"""dist_ens.parallel.distributed in one process: config comparison, launch flags, cluster detection.
 
 The multi-process behaviour (real jax.distributed runs) is in test_multihost.py.
 """
@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from jax.experimental import multihost_utils
 
-from dist_ens import configuration, distributed
+from dist_ens import configuration
+from dist_ens.parallel import distributed
 from dist_ens.configuration import load_config
 from dist_ens.errors import ConfigError
 
@@ -201,7 +202,7 @@ def test_main_rejects_contradictory_flags(tmp_path):
 def test_importing_the_entry_point_touches_no_device():
   # jax.distributed.initialize must come before the backend starts; main imports
   # train (and so every module) before it can call it.
-  code = ('import dist_ens.main, dist_ens.train\n'
+  code = ('import dist_ens.main, dist_ens.training.run\n'
           'from jax._src import xla_bridge\n'
           'assert not xla_bridge.backends_are_initialized(), "a module touched a device"\n')
   env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}

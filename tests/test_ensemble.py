@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import ensemble
+from dist_ens.ensembles import stacking as ensemble
 
 
 def _member(seed):

@@ -5,9 +5,12 @@ import ml_collections
 import numpy as np
 import pytest
 
-from dist_ens import data, mesh as mesh_lib, metrics, models, ood
+from dist_ens import data, models
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.eval import metrics
+from dist_ens.eval import ood
 from dist_ens.errors import ConfigError
-from dist_ens.evaluate import evaluate, evaluate_ood, evaluate_split, make_eval_step
+from dist_ens.eval.evaluate import evaluate, evaluate_ood, evaluate_split, make_eval_step
 
 M, N, SHAPE, C = 8, 37, (40, 1), 10
 

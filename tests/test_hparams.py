@@ -9,7 +9,9 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import data, hparams, train
+from dist_ens import data
+from dist_ens.core import hparams
+from dist_ens.training import run as train
 from dist_ens.configuration import load_config
 from dist_ens.errors import ConfigError
 

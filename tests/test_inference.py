@@ -8,9 +8,11 @@ import ml_collections
 import numpy as np
 import pytest
 
-from dist_ens import data, mesh as mesh_lib, train
+from dist_ens import data
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.training import run as train
 from dist_ens.configuration import load_config
-from dist_ens.evaluate import evaluate_split, make_eval_step
+from dist_ens.eval.evaluate import evaluate_split, make_eval_step
 from dist_ens.inference import Ensemble, load_member
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -5,7 +5,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from dist_ens import mesh as mesh_lib
+from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.errors import ConfigError
 
 

@@ -1,4 +1,4 @@
-"""Tests for dist_ens.metrics against an independent float64 NumPy reference."""
+"""Tests for dist_ens.eval.metrics against an independent float64 NumPy reference."""
 
 import json
 import math
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dist_ens import metrics
+from dist_ens.eval import metrics
 
 M, B, C = 4, 37, 10
 

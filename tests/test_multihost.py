@@ -24,7 +24,10 @@ import jax
 import numpy as np
 import pytest
 
-from dist_ens import configuration, data, distributed, mesh as mesh_lib, train
+from dist_ens import configuration, data
+from dist_ens.parallel import distributed
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.training import run as train
 from dist_ens.configuration import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from dist_ens import optim
+from dist_ens.core import optim
 from dist_ens.errors import ConfigError
 
 

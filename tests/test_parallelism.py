@@ -4,8 +4,8 @@ import jax.numpy as jnp
 import ml_collections
 import pytest
 
-from dist_ens import parallelism
-from dist_ens.ensemble import MEMBER_PARALLELISM, over_members
+from dist_ens.parallel import strategy as parallelism
+from dist_ens.ensembles.stacking import MEMBER_PARALLELISM, over_members
 from dist_ens.errors import ConfigError
 
 

@@ -6,7 +6,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dist_ens import data, report, train
+from dist_ens import data
+from dist_ens.io import report
+from dist_ens.training import run as train
 from dist_ens.configuration import load_config
 from dist_ens.inference import Ensemble
 

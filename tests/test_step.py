@@ -8,7 +8,10 @@ import optax
 import pytest
 
 import dist_ens
-from dist_ens import data, mesh as mesh_lib, models, optim, step as step_lib
+from dist_ens import data, models
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.core import optim
+from dist_ens.training import step as step_lib
 
 NUM_MEMBERS, STEPS, BATCH = 8, 20, 32
 

@@ -13,7 +13,8 @@ import pytest
 import tensorflow_datasets as tfds  # In the test extra: these tests must run, not skip.
 from PIL import Image  # pylint: disable=g-import-not-at-top
 
-from dist_ens import data, train  # pylint: disable=g-import-not-at-top
+from dist_ens import data
+from dist_ens.training import run as train  # pylint: disable=g-import-not-at-top
 from dist_ens.configuration import load_config  # pylint: disable=g-import-not-at-top
 from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
 

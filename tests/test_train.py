@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from dist_ens import train
+from dist_ens.training import run as train
 from dist_ens.configuration import load_config
 from dist_ens.errors import ConfigError
 

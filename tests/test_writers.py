@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from absl import flags, logging
 
-from dist_ens import writers
+from dist_ens.io import writers
 
 EVENTS = [
     {'step': 10, 'split': 'train', 'members': {'loss': [2.0, 2.5, 3.0], 'accuracy': [.1, .2, .3]},

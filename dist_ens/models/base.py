@@ -50,7 +50,7 @@ def init_scale_picker(config: Any) -> Callable[[float | jax.Array | None], float
   """The init scale to use: the one passed to init, else config.model.init_scale.
 
   When the config holds per-member values (a list or a spec), init must be given
-  each member's scale (dist_ens.step.init_state does).
+  each member's scale (dist_ens.core.state.init_state does).
   """
   default = config.get('init_scale', 1.0)
   if not isinstance(default, (int, float)) or isinstance(default, bool):

@@ -2,7 +2,7 @@
 
 One jitted step computes, for a batch and every member at once (members sharded
 over 'member', examples over 'data'), the additive metric sums and the few
-per-example values that rank-based metrics need (see dist_ens.metrics). The last
+per-example values that rank-based metrics need (see dist_ens.eval.metrics). The last
 partial batch is padded and masked, so every example counts exactly once: padded
 rows add nothing to the sums and are cut from the per-example values on the host.
 """
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from dist_ens import metrics
+from dist_ens.eval import metrics
 from dist_ens.data import Split, to_global
-from dist_ens.mesh import DATA, batch_sharding, member_sharding, replicated
+from dist_ens.parallel.mesh import DATA, batch_sharding, member_sharding, replicated
 from dist_ens.models import Model
 
 EvalStep = Callable[..., metrics.BatchEval]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from dist_ens.ensemble import MEMBER_PARALLELISM
+from dist_ens.ensembles.stacking import MEMBER_PARALLELISM
 from dist_ens.errors import ConfigError
 
 CHOICES = MEMBER_PARALLELISM + ('auto',)

@@ -1,6 +1,6 @@
 """`dist-ens report --workdir DIR`: plots and a Markdown report of a finished run.
 
-  python -m dist_ens.report --workdir /tmp/run     # the same as `dist-ens report ...`
+  python -m dist_ens.io.report --workdir /tmp/run     # the same as `dist-ens report ...`
 
 Writes DIR/report/:
   reliability.png          reliability diagrams: the ensemble, its best and worst member
@@ -25,9 +25,10 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from dist_ens import data, writers
+from dist_ens import data
+from dist_ens.io import writers
 from dist_ens.inference import Ensemble
-from dist_ens.metrics import NUM_ECE_BINS
+from dist_ens.eval.metrics import NUM_ECE_BINS
 
 FIGURES = ('reliability.png', 'members_vs_ensemble.png', 'learning_curves.png',
            'ensemble_size.png')
@@ -44,7 +45,7 @@ class Reliability(NamedTuple):
 
 def reliability(probs: np.ndarray, labels: np.ndarray,
                 num_bins: int = NUM_ECE_BINS) -> Reliability:
-  """Binned accuracy and confidence, with bins and ECE as in dist_ens.metrics.
+  """Binned accuracy and confidence, with bins and ECE as in dist_ens.eval.metrics.
 
   Example:
     >>> r = reliability(np.array([[0.9, 0.1], [0.2, 0.8]]), np.array([0, 0]), num_bins=2)
@@ -288,7 +289,7 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Command line: `dist-ens report --workdir DIR` or `python -m dist_ens.report --workdir DIR`."""
+  """Command line: `dist-ens report --workdir DIR` or `python -m dist_ens.io.report --workdir DIR`."""
   parser = argparse.ArgumentParser(
       prog='dist-ens report',
       description='Write WORKDIR/report/: reliability diagrams, member-vs-ensemble bars, '

@@ -18,10 +18,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from dist_ens.ensemble import over_members
-from dist_ens.mesh import DATA, MEMBER
+from dist_ens.ensembles.stacking import over_members
+from dist_ens.parallel.mesh import DATA, MEMBER
 from dist_ens.models import Model
-from dist_ens.optim import set_hyperparams
+from dist_ens.core.optim import set_hyperparams
 
 PyTree = Any
 
@@ -46,7 +46,7 @@ def init_state(model: Model, tx: optax.GradientTransformation, seed: int, num_me
   """All members' state; member i's parameters come from fold_in(key(seed), i) alone.
 
   Args:
-    member_hparams: per-member values [M] by field (see dist_ens.hparams.FIELDS):
+    member_hparams: per-member values [M] by field (see dist_ens.core.hparams.FIELDS):
       'model.init_scale' scales the init and 'optim.*' go into each member's
       optimizer state; None keeps the scalars the model and optimizer were built with.
   """

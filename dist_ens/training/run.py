@@ -15,13 +15,19 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import (configuration, data, distributed, hparams, mesh as mesh_lib, models, ood,
-                      optim, parallelism as parallelism_lib, writers)
+from dist_ens import configuration, data, models
+from dist_ens.parallel import distributed
+from dist_ens.core import hparams
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.eval import ood
+from dist_ens.core import optim
+from dist_ens.parallel import strategy as parallelism_lib
+from dist_ens.io import writers
 from dist_ens.checkpoint import Checkpointer, PreemptionWatcher, check_compatible
 from dist_ens.errors import ConfigError, TrainingError
-from dist_ens.evaluate import evaluate, evaluate_ood, make_eval_step, member_mask_from_frozen
-from dist_ens.optim import set_hyperparams
-from dist_ens.step import TrainState, init_state, make_train_step
+from dist_ens.eval.evaluate import evaluate, evaluate_ood, make_eval_step, member_mask_from_frozen
+from dist_ens.core.optim import set_hyperparams
+from dist_ens.training.step import TrainState, init_state, make_train_step
 
 # Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
 # CPU backend); waiting every 8 steps keeps well clear of that.
