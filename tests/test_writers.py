@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from absl import flags, logging
 
-from dist_ens.io import writers
+from dist_ens.io import progress as progress_lib, tables, writers
 
 EVENTS = [
     {'step': 10, 'split': 'train', 'members': {'loss': [2.0, 2.5, 3.0], 'accuracy': [.1, .2, .3]},
@@ -111,7 +111,7 @@ def absl_records():
 
 def test_progress_off_a_terminal_only_logs(absl_records):
   stream = io.StringIO()
-  progress = writers.Progress(20, start_step=0, stream=stream)
+  progress = progress_lib.Progress(20, start_step=0, stream=stream)
   assert not progress.has_bar
   for step in range(1, 21):
     progress.update(step, f'line at {step}' if step % 10 == 0 else None)
@@ -132,7 +132,7 @@ def test_progress_on_a_terminal_draws_a_bar_and_still_logs(absl_records):
   logging_std.getLogger().addHandler(absl_handler)
   handler.stream = stream
   try:
-    progress = writers.Progress(20, start_step=5, stream=stream)
+    progress = progress_lib.Progress(20, start_step=5, stream=stream)
     assert progress.has_bar
     for step in range(6, 21):
       progress.update(step, 'half way' if step == 10 else None)
@@ -156,13 +156,13 @@ def test_results_table_shows_new_metrics_and_still_reads_old_results():
                      'ece': [.1, .05]},
          'ensemble': {'accuracy': .75, 'nll': .7, 'brier': .35, 'ece': .04,
                       'disagreement': .2}}
-  table = writers.results_table(old)
+  table = tables.results_table(old)
   assert '| member mean | 0.6000 | 0.9000 | 0.5000 | 0.0750 |' in table
   new = {'members': dict(old['members'], adaptive_ece=[.12, .06], entropy=[1.1, .9]),
          'ensemble': dict(old['ensemble'], adaptive_ece=.05, entropy=1.3,
                           expected_entropy=1.0, mutual_information=.3, pairwise_kl=.4),
          'frozen_members': [1]}
-  table = writers.results_table(new)
+  table = tables.results_table(new)
   assert 'adaptive ECE' in table and '| 1 (frozen) |' in table
   assert '**0.0500** | **1.3000** |' in table
   assert 'mutual information (epistemic) 0.3000' in table

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from dist_ens import data
-from dist_ens.io import writers
+from dist_ens.io import tables, writers
 from dist_ens.inference import Ensemble
 from dist_ens.eval.metrics import NUM_ECE_BINS
 
@@ -269,7 +269,7 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
       f'{ensemble.step} of {config.train.steps}, test split of {len(test.y)} examples'
       + (f'; frozen members {sorted(frozen)} are left out of the ensemble' if frozen else '')
       + '.', '',
-      '## Test metrics', '', writers.results_table(final), '']
+      '## Test metrics', '', tables.results_table(final), '']
   if 'ood' in final:
     lines += ['## Out-of-distribution detection', '', _ood_table(final['ood']), '']
   lines += [

@@ -22,8 +22,9 @@ from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.eval import ood
 from dist_ens.core import optim
 from dist_ens.parallel import strategy as parallelism_lib
-from dist_ens.io import writers
-from dist_ens.checkpoint import Checkpointer, PreemptionWatcher, check_compatible
+from dist_ens.io import progress as progress_lib, tables, writers
+from dist_ens.checkpoint import Checkpointer, check_compatible
+from dist_ens.training.preemption import PreemptionWatcher
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.eval.evaluate import evaluate, evaluate_ood, make_eval_step, member_mask_from_frozen
 from dist_ens.core.optim import set_hyperparams
@@ -165,7 +166,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   writer = writers.MultiWriter(
       writers.JsonlWriter(workdir / 'metrics.jsonl', keep_through_step=keep_through_step),
       writers.TensorBoardWriter(workdir / 'tensorboard', keep_through_step=keep_through_step))
-  progress = writers.Progress(steps, start_step)
+  progress = progress_lib.Progress(steps, start_step)
   watcher = PreemptionWatcher()
 
   def evaluate_test(state, split=dataset.test, member_mask=None):
@@ -214,7 +215,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
         supply = read / busy if busy > 0 else float('inf')
         pipeline_mark = stats
         eta = train_seconds / (step - start_step) * (steps - step)
-        progress.update(step, writers.progress_line(step, steps, loss, accuracy, rate, eta,
+        progress.update(step, progress_lib.progress_line(step, steps, loss, accuracy, rate, eta,
                                                     demand, supply))
         writer.write({'step': step, 'split': 'train',
                       'members': {'loss': loss.tolist(), 'accuracy': accuracy.tolist()},
@@ -282,7 +283,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
   if val_results is not None:
     final['validation'] = val_results
   metric = config.select.metric
-  rows = writers.member_rows(final, member_hparams, val_results, metric,
+  rows = tables.member_rows(final, member_hparams, val_results, metric,
                             configuration.SELECT_METRICS[metric])
   if config.select.top_k:
     chosen = sorted(r['member'] for r in rows[:config.select.top_k] if not r['frozen'])
@@ -293,10 +294,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *,
                          'members': chosen, 'ensemble': selected['ensemble']}
   writers.write_json(workdir / 'final_metrics.json', final)
   writers.write_members_csv(workdir / 'members.csv', rows)
-  _log('final test metrics:\n%s', writers.results_table(final))
+  _log('final test metrics:\n%s', tables.results_table(final))
   if varying or config.select.top_k:
     _log('members, best first by %s %s:\n%s', 'validation' if validation else 'test', metric,
-         writers.members_table(rows, varying))
+         tables.members_table(rows, varying))
   if 'selected' in final:
     ens = final['selected']['ensemble']
     _log('ensemble of the %d best members %s by validation %s: test accuracy %.4f nll %.4f '

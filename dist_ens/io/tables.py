@@ -1,0 +1,71 @@
+"""Results as Markdown tables and member rows (what the log, members.csv and report show)."""
+
+from typing import Any
+
+import numpy as np
+
+
+def results_table(final: dict[str, Any]) -> str:
+  """Per-member and ensemble test metrics as a Markdown table.
+
+  Columns for adaptive ECE and entropy appear when `final` has them; the ensemble's
+  uncertainty decomposition and diversity follow the table.
+
+  Example:
+    print(results_table(json.load(open('/tmp/run/final_metrics.json'))))
+  """
+  members, ens = final['members'], final['ensemble']
+  frozen = set(final.get('frozen_members', []))
+  columns = [(k, name) for k, name in (('accuracy', 'accuracy'), ('nll', 'NLL'),
+                                       ('brier', 'Brier'), ('ece', 'ECE'),
+                                       ('adaptive_ece', 'adaptive ECE'), ('entropy', 'entropy'))
+             if k in members]
+  lines = ['| member | ' + ' | '.join(name for _, name in columns) + ' |',
+           '|---|' + '---|' * len(columns)]
+  for i in range(len(members['accuracy'])):
+    name = f'{i} (frozen)' if i in frozen else str(i)
+    lines.append(f'| {name} | ' + ' | '.join(f'{members[k][i]:.4f}' for k, _ in columns) + ' |')
+  lines.append('| member mean | ' + ' | '.join(f'{float(np.mean(members[k])):.4f}'
+                                               for k, _ in columns) + ' |')
+  lines.append('| **ensemble** | ' + ' | '.join(f'**{ens[k]:.4f}**' if k in ens else ''
+                                                for k, _ in columns) + ' |')
+  lines.append(f'\nensemble disagreement: {ens["disagreement"]:.4f}')
+  if 'mutual_information' in ens:
+    lines.append(f'predictive entropy {ens["entropy"]:.4f} = expected entropy (aleatoric) '
+                 f'{ens["expected_entropy"]:.4f} + mutual information (epistemic) '
+                 f'{ens["mutual_information"]:.4f}; mean pairwise KL {ens["pairwise_kl"]:.4f}')
+  return '\n'.join(lines)
+
+
+def member_rows(final: dict[str, Any], member_hparams: dict[str, np.ndarray],
+                validation: dict[str, Any] | None, metric: str,
+                higher_is_better: bool) -> list[dict[str, Any]]:
+  """One row per member: index, hyperparameters, validation and test metrics, sorted
+  best first by `metric` (on validation when there is one, else on test)."""
+  rows = []
+  frozen = set(final.get('frozen_members', []))
+  for i in range(final['num_members']):
+    row: dict[str, Any] = {'member': i}
+    row.update({field: float(v[i]) for field, v in member_hparams.items()})
+    if validation is not None:
+      row.update({f'val_{k}': validation['members'][k][i] for k in ('accuracy', 'nll', 'ece')})
+    row.update({f'test_{k}': final['members'][k][i] for k in ('accuracy', 'nll', 'brier', 'ece')})
+    row['frozen'] = i in frozen
+    rows.append(row)
+  key = f'val_{metric}' if validation is not None and f'val_{metric}' in rows[0] else f'test_{metric}'
+  # Frozen members last; NaN metrics cannot rank.
+  sign = -1.0 if higher_is_better else 1.0
+  rows.sort(key=lambda r: (r['frozen'], not np.isfinite(r[key]), sign * np.nan_to_num(r[key])))
+  return rows
+
+
+def members_table(rows: list[dict[str, Any]], fields: list[str]) -> str:
+  """The members with the hyperparameters that vary, as a Markdown table."""
+  metric_columns = [c for c in rows[0] if c.startswith(('val_', 'test_'))]
+  header = ['member'] + fields + metric_columns
+  lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  for row in rows:
+    cells = [str(row['member']) + (' (frozen)' if row['frozen'] else '')]
+    cells += [f'{row[f]:.4g}' for f in fields] + [f'{row[c]:.4f}' for c in metric_columns]
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
