@@ -1,13 +1,22 @@
-"""Event writers (JSONL, TensorBoard, both), the progress display and the results table."""
+"""Event writers (JSONL, CSV, TensorBoard, W&B, users' own, by name), JSON files, the progress
+display and the results table."""
 
+import glob
 import io
 import json
 import logging as logging_std
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
 from absl import flags, logging
 
+from dist_ens.errors import ConfigError
 from dist_ens.io import progress as progress_lib, tables, writers
 
 EVENTS = [
@@ -85,6 +94,156 @@ def test_multi_writer_feeds_jsonl_and_tensorboard_and_keeps_resume_truncation(tm
   # JsonlWriter's resume behaviour is unchanged: events after the checkpoint go.
   writers.JsonlWriter(path, keep_through_step=10).close()
   assert [json.loads(line)['step'] for line in path.read_text().splitlines()] == [10, 10]
+
+
+def _strict_loads(text):
+  def reject(token):
+    raise ValueError(f'not JSON: {token}')
+  return json.loads(text, parse_constant=reject)
+
+
+def test_json_files_write_null_for_non_finite_floats(tmp_path):
+  obj = {'nll': [1.5, float('nan'), np.float32('inf')], 'ece': np.float64('-inf'),
+         'auroc': np.array([0.5, np.nan]), 'count': np.int64(3), 'ok': 0.25}
+  writers.write_json(tmp_path / 'final.json', obj)
+  assert _strict_loads((tmp_path / 'final.json').read_text()) == {
+      'nll': [1.5, None, None], 'ece': None, 'auroc': [0.5, None], 'count': 3, 'ok': 0.25}
+  writer = writers.JsonlWriter(tmp_path / 'metrics.jsonl')
+  writer.write(EVENTS[1])  # A member's NaN test nll.
+  writer.close()
+  line, = (tmp_path / 'metrics.jsonl').read_text().splitlines()
+  assert _strict_loads(line)['members']['nll'] == [1.5, None, 1.7]
+
+
+def test_atomically_written_files_follow_the_umask(tmp_path):
+  # The umask is read once at import, so each umask gets a fresh interpreter.
+  script = textwrap.dedent(f"""
+      import os, sys
+      os.umask(int(sys.argv[1], 8))
+      from dist_ens.io import writers
+      writers.write_json({str(tmp_path)!r} + '/final.json', {{'a': 1}})
+      writers.write_members_csv({str(tmp_path)!r} + '/members.csv', [{{'member': 0}}])
+      writers.JsonlWriter({str(tmp_path)!r} + '/metrics.jsonl').close()
+      """)
+  env = dict(os.environ, JAX_PLATFORMS='cpu')
+  root = Path(__file__).resolve().parents[1]
+  for umask, mode in (('022', 0o644), ('077', 0o600)):
+    subprocess.run([sys.executable, '-c', script, umask], check=True, cwd=root, env=env)
+    for name in ('final.json', 'members.csv', 'metrics.jsonl'):
+      assert oct((tmp_path / name).stat().st_mode & 0o777) == oct(mode), (umask, name)
+
+
+def _read_csv(path):
+  header, *rows = path.read_text().splitlines()
+  return header.split(','), [row.split(',') for row in rows]
+
+
+def test_csv_writer_one_file_per_split_widening_and_resume(tmp_path):
+  writer = writers.make_writer(['csv'], tmp_path)
+  for event in EVENTS:
+    writer.write(event)
+  # A later event brings a column the header lacks: the file gains it.
+  writer.write({'step': 30, 'split': 'train', 'members': {'loss': [.5, .6, .7]},
+                'lr': 0.01})
+  writer.close()
+  header, rows = _read_csv(tmp_path / 'csv' / 'train.csv')
+  assert header == ['step', 'members/loss/0', 'members/loss/1', 'members/loss/2',
+                    'members/accuracy/0', 'members/accuracy/1', 'members/accuracy/2',
+                    'member_examples_per_s', 'lr']
+  assert rows[0] == ['10', '2.0', '2.5', '3.0', '0.1', '0.2', '0.3', '1234.5', '']
+  assert rows[2] == ['30', '0.5', '0.6', '0.7', '', '', '', '', '0.01']
+  header, rows = _read_csv(tmp_path / 'csv' / 'test.csv')
+  assert header == ['step', 'members/nll/0', 'members/nll/1', 'members/nll/2', 'ensemble/nll',
+                    'ensemble/mutual_information']
+  assert rows == [['10', '1.5', 'nan', '1.7', '1.2', '0.05']]
+  # A crash tore the last row; resumed from the checkpoint at step 10, steps 20 and
+  # 30 are replayed.
+  with open(tmp_path / 'csv' / 'train.csv', 'a') as f:
+    f.write('40,0.1,0.')
+  resumed = writers.make_writer(['csv'], tmp_path, keep_through_step=10)
+  resumed.write({'step': 20, 'split': 'train', 'members': {'loss': [9., 9., 9.]}})
+  resumed.close()
+  header, rows = _read_csv(tmp_path / 'csv' / 'train.csv')
+  assert [(r[0], r[1]) for r in rows] == [('10', '2.0'), ('20', '9.0')]
+  assert len(header) == 9 and all(len(r) == 9 for r in rows)
+  assert len(_read_csv(tmp_path / 'csv' / 'test.csv')[1]) == 1
+  # A fresh run starts the files over.
+  writers.make_writer('csv', tmp_path).close()
+  assert not list((tmp_path / 'csv').glob('*.csv'))
+
+
+_USER_WRITER = """
+class Recorder:
+  made = []
+
+  def __init__(self, workdir, keep_through_step):
+    self.init = (workdir, keep_through_step)
+    self.events, self.closed = [], False
+    Recorder.made.append(self)
+
+  def write(self, event):
+    self.events.append(event)
+
+  def close(self):
+    self.closed = True
+"""
+
+
+def test_user_writer_by_import_path_receives_every_event(tmp_path, monkeypatch):
+  (tmp_path / 'my_sinks.py').write_text(_USER_WRITER)
+  monkeypatch.syspath_prepend(str(tmp_path))
+  writer = writers.make_writer('jsonl, my_sinks:Recorder', tmp_path / 'run', keep_through_step=5)
+  for event in EVENTS:
+    writer.write(event)
+  writer.close()
+  import my_sinks  # pylint: disable=import-outside-toplevel
+  recorder, = my_sinks.Recorder.made
+  assert recorder.init == (tmp_path / 'run', 5)
+  assert recorder.events == EVENTS and recorder.closed
+  assert len((tmp_path / 'run' / 'metrics.jsonl').read_text().splitlines()) == 3
+
+
+@pytest.mark.parametrize('name, message', [
+    ('jsonl,tensorbord', "unknown writer 'tensorbord'; valid names are 'jsonl', 'csv', "
+                         "'tensorboard', 'wandb'"),
+    ('no_such_pkg.mod:Writer', "cannot load writer 'no_such_pkg.mod:Writer'"),
+    ('json:NoSuchClass', "cannot load writer 'json:NoSuchClass'"),
+])
+def test_bad_writer_name_is_a_config_error_naming_the_field(tmp_path, name, message):
+  with pytest.raises(ConfigError, match='config.writers') as error:
+    writers.make_writer(name, tmp_path)
+  assert message in str(error.value) and '\n' not in str(error.value)
+  assert not list(tmp_path.iterdir())  # Nothing written before the error.
+
+
+def test_wandb_missing_is_one_line_with_the_pip_command(tmp_path, monkeypatch):
+  monkeypatch.setattr(writers, '_wandb_installed', lambda: False)
+  with pytest.raises(ConfigError, match=r"config.writers names 'wandb'.*: pip install wandb$"):
+    writers.make_writer(['jsonl', 'wandb'], tmp_path)
+
+
+def test_wandb_offline_writes_the_run_under_the_workdir(tmp_path, monkeypatch):
+  pytest.importorskip('wandb')
+  for var, sub in (('WANDB_CONFIG_DIR', 'config'), ('WANDB_CACHE_DIR', 'cache'),
+                   ('WANDB_DATA_DIR', 'data')):
+    monkeypatch.setenv(var, str(tmp_path / 'home' / sub))
+  monkeypatch.setenv('WANDB_MODE', 'offline')
+  monkeypatch.setenv('WANDB_SILENT', 'true')
+  workdir = tmp_path / 'run'
+  writer = writers.make_writer(['wandb'], workdir)
+  for event in EVENTS:
+    writer.write(event)
+  writer.close()
+  run_file, = glob.glob(str(workdir / 'wandb' / 'offline-run-*' / 'run-*.wandb'))
+  run_id = (workdir / 'wandb' / 'run_id').read_text().strip()
+  assert run_file.endswith(f'run-{run_id}.wandb')
+  # Offline runs are protobuf records; their metric names are stored verbatim.
+  logged = Path(run_file).read_bytes()
+  for key in ('train/members/loss/1', 'test/ensemble/nll', 'train/member_examples_per_s'):
+    assert key.encode() in logged
+  # A resumed run continues the same W&B run.
+  writers.make_writer(['wandb'], workdir, keep_through_step=10).close()
+  assert (workdir / 'wandb' / 'run_id').read_text().strip() == run_id
 
 
 class _Terminal(io.StringIO):
