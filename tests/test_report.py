@@ -1,14 +1,19 @@
-"""`dist-ens report`: the figures and report.md of a short run."""
+"""`dist-ens report`: the figures (PNG and SVG), report.md and report.html of short runs."""
 
+import itertools
 import json
+import re
+import struct
+from html.parser import HTMLParser
 from pathlib import Path
+from xml.etree import ElementTree
 
 import numpy as np
 import pytest
 
 from dist_ens import data
 from dist_ens.io import report
-from dist_ens.training import run as train
+from dist_ens.training import train
 from dist_ens.configuration import load_config
 from dist_ens.inference import Ensemble
 
@@ -16,43 +21,216 @@ ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
 
-@pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
+def _config(**overrides):
   config = load_config(ROOT / 'configs' / 'default.py')
   config.num_members, config.mesh.member, config.mesh.data = 4, 4, 2
   config.train.steps, config.train.log_every, config.train.eval_every = 20, 10, 10
   config.model.widths = (32, 32)
   config.data.batch_size = 64
   config.optim.learning_rate = 3e-3
+  for field, value in overrides.items():
+    section, name = field.split('__')
+    config[section][name] = value
+  return config
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
   path = tmp_path_factory.mktemp('report')
-  train.run(config, str(path))
+  train(_config(), str(path))
   assert report.main(['--workdir', str(path)]) == 0
   return path
 
 
-def test_report_writes_every_figure_as_a_real_image(workdir):
+@pytest.fixture(scope='module')
+def sweep(tmp_path_factory):
+  """A learning-rate sweep (over 10x among the finite members) with top-k selection, an OOD
+  set, and member 3 diverging at once (init x 1e30): frozen, with NaN metrics."""
+  path = tmp_path_factory.mktemp('sweep')
+  train(_config(optim__learning_rate=[1e-3, 4e-3, 2e-2, 3e-2],
+                    model__init_scale=[1.0, 1.0, 1.0, 1e30], data__validation_size=200,
+                    select__top_k=2, eval__ood_dataset='mnist1d_noise'), str(path))
+  assert report.make_report(path) == path / 'report'
+  return path
+
+
+def _png_dpi(path: Path) -> float:
+  """The resolution the PNG's pHYs chunk records (pixels per metre -> per inch)."""
+  blob = path.read_bytes()
+  assert blob[:8] == PNG_SIGNATURE, path
+  offset = 8
+  while offset < len(blob):
+    (length,), kind = struct.unpack('>I', blob[offset:offset + 4]), blob[offset + 4:offset + 8]
+    if kind == b'pHYs':
+      x, y, unit = struct.unpack('>IIB', blob[offset + 8:offset + 17])
+      assert unit == 1 and x == y, path  # Metres, square pixels.
+      return x * 0.0254
+    offset += 12 + length
+  raise AssertionError(f'{path} has no pHYs chunk')
+
+
+class _Tables(HTMLParser):
+  """The text of every table cell, as tables -> rows -> cells; and every <img>'s src."""
+
+  def __init__(self):
+    super().__init__()
+    self.tables, self.images, self._cell = [], [], None
+
+  def handle_starttag(self, tag, attrs):
+    if tag == 'table':
+      self.tables.append([])
+    elif tag == 'tr':
+      self.tables[-1].append([])
+    elif tag in ('td', 'th'):
+      self._cell = ''
+    elif tag == 'img':
+      self.images.append(dict(attrs)['src'])
+
+  def handle_data(self, text):
+    if self._cell is not None:
+      self._cell += text
+
+  def handle_endtag(self, tag):
+    if tag in ('td', 'th'):
+      self.tables[-1][-1].append(self._cell.strip())
+      self._cell = None
+
+
+def _parse_html(path: Path) -> _Tables:
+  parser = _Tables()
+  parser.feed(path.read_text(encoding='utf-8'))
+  return parser
+
+
+def test_every_figure_is_a_150_dpi_png_and_an_svg(workdir):
   image = pytest.importorskip('matplotlib.image')
   sizes = {}
   for name in report.FIGURES:
     path = workdir / 'report' / name
-    assert path.read_bytes()[:8] == PNG_SIGNATURE, name
+    assert _png_dpi(path) >= 150, name
     pixels = image.imread(path)
     sizes[name] = pixels.shape[:2]
-    assert pixels.shape[0] >= 300 and pixels.shape[1] >= 600, name
+    assert pixels.shape[0] >= 450 and pixels.shape[1] >= 900, name
     assert pixels[..., :3].std() > 0.05, f'{name} is blank'
-  # Three reliability panels side by side: ensemble, best and worst member.
+    svg = ElementTree.parse(path.with_suffix('.svg')).getroot()
+    assert svg.tag == '{http://www.w3.org/2000/svg}svg', name
+    assert len(list(svg.iter())) > 100, f'{name}: an empty SVG'
+  # Three reliability panels side by side (ensemble, best and worst member), each with
+  # its bin-count histogram below.
   height, width = sizes['reliability.png']
-  assert width >= 2.5 * height
+  assert width >= 2 * height
 
 
 def test_report_md_embeds_the_figures_and_the_final_table(workdir):
   text = (workdir / 'report' / 'report.md').read_text()
   final = json.loads((workdir / 'final_metrics.json').read_text())
   for name in report.FIGURES:
-    assert f']({name})' in text
+    assert f']({name})' in text and f'({name[:-4]}.svg)' in text
   assert f'**{final["ensemble"]["accuracy"]:.4f}**' in text
   assert '| 3 |' in text and 'adaptive ECE' in text and 'mutual information' in text
   assert 'step 20 of 20' in text  # Which checkpoint the figures describe.
+  assert '(report.html)' in text
+
+
+def test_report_html_is_self_contained_with_every_member_and_figure(workdir):
+  path = workdir / 'report' / 'report.html'
+  text = path.read_text(encoding='utf-8')
+  # Opens from disk: nothing fetched from a server (no remote src/href, stylesheet, script).
+  assert not re.search(r'''(src|href)\s*=\s*["']?\s*(https?:)?//''', text, re.I)
+  assert '<link' not in text and '<script' not in text and '@import' not in text
+  parsed = _parse_html(path)
+  assert len(parsed.images) == len(report.FIGURES)
+  assert all(src.startswith('data:image/') for src in parsed.images)
+  metrics = parsed.tables[0]
+  first_cells = [row[0] for row in metrics]
+  assert first_cells[:5] == ['member', '0', '1', '2', '3'] and 'ensemble' in first_cells
+  final = json.loads((workdir / 'final_metrics.json').read_text())
+  ensemble_row = metrics[first_cells.index('ensemble')]
+  assert ensemble_row[1] == f'{final["ensemble"]["accuracy"]:.4f}'
+  assert metrics[2][2] == f'{final["members"]["nll"][1]:.4f}'  # Member 1's NLL.
+
+
+def test_sweep_report_draws_the_scatter_and_survives_a_frozen_member(sweep):
+  out = sweep / 'report'
+  final = json.loads((sweep / 'final_metrics.json').read_text())
+  nll = final['members']['nll'][3]
+  assert final['frozen_members'] == [3] and (nll is None or np.isnan(nll))  # null: strict JSON
+  assert _png_dpi(out / report.SWEEP_FIGURE) >= 150
+  svg = (out / 'sweep_scatter.svg').read_text()
+  ElementTree.fromstring(svg)
+  # The finite members' learning rates span 20x: a log colour scale (matplotlib keeps
+  # each text as a comment beside its glyph paths).
+  assert '<!-- optim.learning_rate (log scale) -->' in svg
+  parsed = _parse_html(out / 'report.html')
+  assert len(parsed.images) == len(report.FIGURES) + 1
+  tables = {tuple(table[0][:2]): table for table in parsed.tables}
+  hparams = tables['member', 'optim.learning_rate']
+  assert hparams[0][2] == 'model.init_scale'
+  assert [row[0] for row in hparams[1:]] == ['0', '1', '2', '3 (frozen)']
+  assert hparams[4][hparams[0].index('test NLL')] == 'NaN'
+  assert hparams[2][1] == '0.004'
+  assert ('score', 'AUROC') in tables  # OOD
+  selected = tables['ensemble', 'members']
+  assert selected[2][1] == ', '.join(map(str, final['selected']['members']))
+  metrics = tables['member', 'accuracy']
+  assert [row[0] for row in metrics[-2:]] == ['ensemble', 'top-2 ensemble']
+  assert '](sweep_scatter.png)' in (out / 'report.md').read_text()
+
+
+def test_colour_scale_is_log_only_when_values_span_over_10x():
+  assert report._color_norm(np.array([1e-3, 4e-3, 2e-2]))[1] == 'log'
+  assert report._color_norm(np.array([1e-3, 5e-3, 1e-2]))[1] == 'linear'
+  assert report._color_norm(np.array([0.0, 0.01, 0.3]))[1] == 'symlog'
+  assert report._color_norm(np.array([np.nan]))[1] == 'linear'
+
+
+def _acc_nll(probs, labels):
+  return (np.mean(probs.argmax(-1) == labels),
+          -np.mean(np.log(probs[np.arange(len(labels)), labels])))
+
+
+def test_size_spread_on_a_hand_made_ensemble():
+  rng = np.random.default_rng(1)
+  member_probs = rng.dirichlet(np.ones(3), size=(5, 40))  # [M=5, N=40, C=3]
+  labels = rng.integers(0, 3, 40)
+  spread = report.ensemble_size_spread(member_probs, labels, range(5), num_subsets=20)
+  np.testing.assert_array_equal(spread.size, [1, 2, 3, 4, 5])
+  np.testing.assert_array_equal(spread.num_subsets, [5, 10, 10, 5, 1])  # All of them.
+  # k = M: the one full ensemble, computed directly.
+  acc, nll = _acc_nll(member_probs.mean(0), labels)
+  for name in ('mean', 'min', 'max', 'q25', 'q75'):
+    np.testing.assert_allclose(spread.stat('accuracy', name)[-1], acc)
+    np.testing.assert_allclose(spread.stat('nll', name)[-1], nll, rtol=1e-12)
+  # k = 1: the members themselves.
+  alone = np.array([_acc_nll(p, labels) for p in member_probs])
+  np.testing.assert_allclose(spread.stat('accuracy', 'min')[0], alone[:, 0].min())
+  np.testing.assert_allclose(spread.stat('accuracy', 'max')[0], alone[:, 0].max())
+  np.testing.assert_allclose(spread.stat('nll', 'min')[0], alone[:, 1].min())
+  np.testing.assert_allclose(spread.stat('nll', 'max')[0], alone[:, 1].max())
+  # k = 2: the mean over every pair.
+  pairs = [_acc_nll(member_probs[list(p)].mean(0), labels)
+           for p in itertools.combinations(range(5), 2)]
+  np.testing.assert_allclose(spread.stat('nll', 'mean')[1], np.mean(pairs, 0)[1])
+  # A subset of members (e.g. the non-frozen ones) draws only from them.
+  some = report.ensemble_size_spread(member_probs, labels, [4, 1])
+  np.testing.assert_allclose(some.stat('nll', 'mean')[-1],
+                             _acc_nll(member_probs[[1, 4]].mean(0), labels)[1])
+
+
+def test_size_spread_draws_distinct_random_subsets_reproducibly():
+  rng = np.random.default_rng(2)
+  member_probs = rng.dirichlet(np.ones(4), size=(9, 30))
+  labels = rng.integers(0, 4, 30)
+  a = report.ensemble_size_spread(member_probs, labels, range(9), num_subsets=6, seed=3)
+  b = report.ensemble_size_spread(member_probs, labels, range(9), num_subsets=6, seed=3)
+  np.testing.assert_array_equal(a.nll, b.nll)
+  np.testing.assert_array_equal(a.num_subsets, [6] * 8 + [1])  # C(9, 8) = 9 > 6.
+  assert np.isnan(a.nll[-1, 1:]).all() and np.isfinite(a.nll[:-1]).all()
+  picked = report._subsets(9, 4, 6, np.random.default_rng(0))
+  assert len(set(picked)) == 6 and all(len(set(s)) == 4 for s in picked)
+  # Large ensembles: log-spaced sizes, 1 and M included.
+  sizes = report._spread_sizes(256, 24)
+  assert sizes[0] == 1 and sizes[-1] == 256 and len(sizes) <= 24
 
 
 def test_ensemble_size_curve_ends_at_the_ensemble_and_starts_at_member_0(workdir):
@@ -65,10 +243,29 @@ def test_ensemble_size_curve_ends_at_the_ensemble_and_starts_at_member_0(workdir
   np.testing.assert_allclose(curve['nll'][0], final['members']['nll'][0], rtol=1e-5)
   np.testing.assert_allclose(curve['accuracy'][-1], final['ensemble']['accuracy'])
   np.testing.assert_allclose(curve['nll'][-1], final['ensemble']['nll'], rtol=1e-5)
+  # The spread over subsets agrees at both ends.
+  spread = report.ensemble_size_spread(out.member_probs, test.y, range(4))
+  np.testing.assert_allclose(spread.stat('accuracy', 'max')[0],
+                             max(final['members']['accuracy']))
+  np.testing.assert_allclose(spread.stat('nll', 'mean')[-1], final['ensemble']['nll'],
+                             rtol=1e-5)
   # The diagrams' bins are those of the metric: the same ECE as training reported.
   rel = report.reliability(out.probs, test.y)
   np.testing.assert_allclose(rel.ece, final['ensemble']['ece'], atol=1e-5)
   assert rel.count.sum() == len(test.y)
+
+
+def test_non_finite_predictions_do_not_break_the_numbers():
+  probs = np.array([[0.9, 0.1], [np.nan, np.nan], [0.2, 0.8]])
+  rel = report.reliability(probs, np.array([0, 0, 1]), num_bins=2)
+  assert rel.count.sum() == 2 and np.isnan(rel.ece)
+  member_probs = np.stack([probs, np.array([[0.6, 0.4]] * 3)])
+  spread = report.ensemble_size_spread(member_probs, np.array([0, 0, 1]), range(2))
+  assert np.isnan(spread.stat('nll', 'mean')[-1])
+  assert spread.stat('nll', 'min')[0] == pytest.approx(-np.mean(np.log([0.6, 0.6, 0.4])))
+  assert report._limits([np.nan, np.inf], 0.0, 1.0) == (0.0, 1.0)
+  low, high = report._limits([0.91, 0.93, np.nan], 0.0, 1.0)
+  assert 0.85 < low < 0.91 and 0.93 < high < 0.99  # Not from 0: the differences show.
 
 
 def test_report_of_an_unfinished_run_fails_with_a_message(tmp_path, capsys):
