@@ -1,50 +1,109 @@
-"""Command line: dist-ens --config=configs/default.py --workdir=DIR [--config.a.b=value ...]
+"""Command line: dist-ens [train|plan|report] [flags]; `dist-ens COMMAND --help` lists the flags.
 
-Parses flags, starts jax.distributed when this is one process of several, and
-hands over to train.run. Multi-process flags (see "Running on many hosts" in README.md):
+  dist-ens --config=configs/default.py --workdir=DIR [--config.a.b=value ...]   (train)
+  dist-ens train ...                     the same
+  dist-ens plan --config=FILE [--memory_gb=G] [--json]   the memory a run needs (plan.py)
+  dist-ens report --workdir=DIR          writes DIR/report/ (dist_ens/io/report.py)
+  python -m dist_ens.main ...            the same as dist-ens
+
+Training parses flags, starts jax.distributed when this is one process of several,
+and hands over to training.train. Multi-process flags (see "Running on many hosts"
+in README.md):
 
   --distributed               start jax.distributed; JAX detects SLURM, TPU pods, Open MPI
-  --coordinator_address=H:P   \
+  --coordinator_address=H:P   \\
   --num_processes=N            > for any other launcher (e.g. launch/local.sh)
   --process_id=I              /
 
 With none of them, jax.distributed starts only if a multi-process cluster job is
 detected; --nodistributed never starts it.
+
+A mistyped flag or config field, a value of the wrong type, or an invalid config
+ends in one line on stderr ("dist-ens: error: ...") and a non-zero status.
 """
 
+import difflib
+import json
+import logging as std_logging
+import os
+import re
+import signal
 import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from absl import app, flags, logging
+import ml_collections
 from ml_collections import config_flags
 
-from dist_ens.parallel import distributed
-from dist_ens.training import run as train
 from dist_ens.errors import ConfigError, TrainingError
+from dist_ens.parallel import distributed
 
-_CONFIG = config_flags.DEFINE_config_file(
-    'config', None, 'Config file (a .py whose get_config() returns a ConfigDict); '
-    'override fields with --config.field=value.', lock_config=True)
-_WORKDIR = flags.DEFINE_string('workdir', None, 'Directory for config, metrics and results.')
-flags.mark_flags_as_required(['config', 'workdir'])
+FLAGS = flags.FLAGS
+GB = 1e9  # --memory_gb is in units of 1e9 bytes, as plan.py prints.
 
-# None (neither --distributed nor --nodistributed) means: start it if a cluster is detected.
-_DISTRIBUTED = flags.DEFINE_bool(
-    'distributed', None, 'Start jax.distributed, letting JAX detect the cluster (SLURM, '
-    'Cloud TPU, Open MPI) for what the flags below leave out. Default: only when '
-    'explicit addresses are given or a multi-process cluster job is detected.')
-_COORDINATOR = flags.DEFINE_string(
-    'coordinator_address', None, 'host:port of process 0, reachable from every process.')
-_NUM_PROCESSES = flags.DEFINE_integer('num_processes', None, 'Number of processes in the run.')
-_PROCESS_ID = flags.DEFINE_integer('process_id', None, 'This process, in 0..num_processes-1.')
-_INIT_TIMEOUT = flags.DEFINE_integer(
-    'init_timeout_s', distributed.DEFAULT_INIT_TIMEOUT_S,
-    'Seconds to wait for every process to connect before giving up.')
-_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
-    'heartbeat_timeout_s', distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
-    'Seconds without a heartbeat after which a process counts as dead and the run stops.')
+# Libraries' INFO chatter that a normal run should not print (e.g. "Unable to
+# initialize backend 'tpu'" on every CPU run); their warnings still show.
+_QUIET_LOGGERS = ('jax._src.xla_bridge', 'jax._src.distributed', 'jax._src.clusters',
+                  'asyncio', 'matplotlib', 'matplotlib.font_manager', 'PIL')
+_HELP_ARGS = ('-h', '--help', '-?', '--helpshort', '--helpfull')
 
 
-def main(argv: list[str]) -> None:
+class Command(NamedTuple):
+  """A subcommand: what it does, its flags, and its main (absl's main(argv))."""
+  usage: str
+  define_flags: Callable[[flags.FlagValues], None]
+  main: Callable[[list[str]], None]
+
+
+def _define_config_flag(fv: flags.FlagValues, sys_argv: Sequence[str] | None = None) -> None:
+  config_flags.DEFINE_config_file(
+      'config', None, 'Config file (a .py whose get_config() returns a ConfigDict, e.g. '
+      'configs/default.py); override fields with --config.field=value.',
+      flag_values=fv, lock_config=True, sys_argv=sys_argv)
+
+
+def _define_train_flags(fv: flags.FlagValues) -> None:
+  _define_config_flag(fv)
+  flags.DEFINE_string('workdir', None, 'Directory for config, metrics, checkpoints and '
+                      'results; rerunning with the same one resumes.', flag_values=fv)
+  # None (neither --distributed nor --nodistributed): start it if a cluster is detected.
+  flags.DEFINE_bool(
+      'distributed', None, 'Start jax.distributed, letting JAX detect the cluster (SLURM, '
+      'Cloud TPU, Open MPI) for what the flags below leave out. Default: only when '
+      'explicit addresses are given or a multi-process cluster job is detected.',
+      flag_values=fv)
+  flags.DEFINE_string('coordinator_address', None,
+                      'host:port of process 0, reachable from every process.', flag_values=fv)
+  flags.DEFINE_integer('num_processes', None, 'Number of processes in the run.', flag_values=fv)
+  flags.DEFINE_integer('process_id', None, 'This process, in 0..num_processes-1.',
+                       flag_values=fv)
+  flags.DEFINE_integer('init_timeout_s', distributed.DEFAULT_INIT_TIMEOUT_S,
+                       'Seconds to wait for every process to connect before giving up.',
+                       flag_values=fv)
+  flags.DEFINE_integer(
+      'heartbeat_timeout_s', distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
+      'Seconds without a heartbeat after which a process counts as dead and the run stops.',
+      flag_values=fv)
+  flags.mark_flags_as_required(['config', 'workdir'], flag_values=fv)
+
+
+def _define_plan_flags(fv: flags.FlagValues) -> None:
+  _define_config_flag(fv)
+  flags.DEFINE_float('memory_gb', None, 'Memory of ONE device in GB (1e9 bytes); default: '
+                     'what the device reports (accelerators), else none.', flag_values=fv)
+  flags.DEFINE_bool('json', False, 'Print the plan as one JSON object instead of a table.',
+                    flag_values=fv)
+  flags.mark_flag_as_required('config', flag_values=fv)
+
+
+def _define_report_flags(fv: flags.FlagValues) -> None:
+  flags.DEFINE_string('workdir', None, 'The workdir of a finished run.', flag_values=fv)
+  flags.mark_flag_as_required('workdir', flag_values=fv)
+
+
+def _train_main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   logging.set_verbosity(logging.INFO)
@@ -52,13 +111,14 @@ def main(argv: list[str]) -> None:
   try:
     # Before anything else touches JAX: jax.distributed must precede the backend.
     launched = distributed.initialize(distributed.Launch(
-        enabled=_DISTRIBUTED.value, coordinator_address=_COORDINATOR.value,
-        num_processes=_NUM_PROCESSES.value, process_id=_PROCESS_ID.value,
-        init_timeout_s=_INIT_TIMEOUT.value, heartbeat_timeout_s=_HEARTBEAT_TIMEOUT.value))
-    train.run(_CONFIG.value, _WORKDIR.value)
+        enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
+        num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
+        init_timeout_s=FLAGS.init_timeout_s, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s))
+    from dist_ens import training  # pylint: disable=g-import-not-at-top
+    training.train(FLAGS.config, FLAGS.workdir)
   except (ConfigError, TrainingError) as e:  # Expected failures: one clear line.
-    logging.error('%s', e)
     if launched:
+      logging.error('%s', e)  # In the log too, with this process's index.
       distributed.exit_without_barrier(f'dist_ens: error: {e}')
     sys.exit(f'dist_ens: error: {e}')
   except Exception:  # pylint: disable=broad-except
@@ -70,17 +130,274 @@ def main(argv: list[str]) -> None:
     distributed.exit_without_barrier(1)
 
 
-def entry() -> None:
-  """Console-script entry point: `dist-ens --config=... --workdir=...` trains;
-  `dist-ens report --workdir DIR` writes DIR/report/ (see dist_ens/io/report.py);
-  `dist-ens plan --config=FILE [--memory_gb=G]` prints the memory a run needs (plan.py)."""
-  if len(sys.argv) > 1 and sys.argv[1] == 'report':
-    from dist_ens.io import report  # pylint: disable=g-import-not-at-top
-    sys.exit(report.main(sys.argv[2:]))
-  if len(sys.argv) > 1 and sys.argv[1] == 'plan':
-    from dist_ens import plan  # pylint: disable=g-import-not-at-top
-    sys.exit(plan.main(sys.argv[2:]))
-  app.run(main)
+def _plan_dict(plan) -> dict:
+  """The plan as JSON-able values: NamedTuples become dicts, with their peak bytes."""
+  fields = plan._asdict() if hasattr(plan, '_asdict') else dict(vars(plan))
+  out = {}
+  for name, value in fields.items():
+    if hasattr(value, '_asdict'):
+      value = {**value._asdict(), **({'peak': value.peak} if hasattr(value, 'peak') else {})}
+    out[name] = value
+  if hasattr(plan, 'flops_per_example'):  # A property on some versions of Plan.
+    out['flops_per_example'] = plan.flops_per_example
+  return out
+
+
+def _plan_main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  memory_gb = FLAGS.memory_gb
+  if memory_gb is not None and not memory_gb > 0:
+    sys.exit(f'dist-ens plan: error: --memory_gb={memory_gb} must be > 0.')
+  from dist_ens import plan  # pylint: disable=g-import-not-at-top
+  try:
+    p = plan.make_plan(FLAGS.config, memory_bytes=memory_gb * GB if memory_gb else None)
+  except ConfigError as e:
+    sys.exit(f'dist-ens plan: error: {e}')
+  if FLAGS.json:
+    print(json.dumps(_plan_dict(p), indent=2, default=str))
+  else:
+    print(plan.format_plan(p, FLAGS.config))
+
+
+def _report_main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  from dist_ens.io import report  # pylint: disable=g-import-not-at-top
+  try:
+    out = report.make_report(FLAGS.workdir)
+  except (FileNotFoundError, ImportError, ConfigError) as e:
+    sys.exit(f'dist-ens report: error: {e}')
+  print(f'wrote {out / "report.md"} and its figures')
+
+
+# The first argument picks one; anything else (a flag) means train.
+COMMANDS: dict[str, Command] = {
+    'train': Command('dist-ens [train] --config=FILE --workdir=DIR [--config.field=value ...]\n'
+                     '  Trains the config\'s ensemble in DIR, resuming from its last checkpoint.',
+                     _define_train_flags, _train_main),
+    'plan': Command('dist-ens plan --config=FILE [--config.field=value ...] [--memory_gb=G] '
+                    '[--json]\n  Prints the memory the config\'s run needs per device and '
+                    'the most members that fit, without training.',
+                    _define_plan_flags, _plan_main),
+    'report': Command('dist-ens report --workdir=DIR\n  Writes DIR/report/: reliability '
+                      'diagrams, member-vs-ensemble bars, learning curves, report.md.',
+                      _define_report_flags, _report_main),
+}
+
+
+def _config_fields(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
+  """Every dotted field name of `config`, nested ConfigDicts and their fields alike."""
+  names = []
+  for key, value in config.items():
+    names.append(prefix + key)
+    if isinstance(value, ml_collections.ConfigDict):
+      names.extend(_config_fields(value, f'{prefix}{key}.'))
+  return names
+
+
+def _load_config(argv: Sequence[str]) -> ml_collections.ConfigDict | None:
+  """The config file of --config in argv, without overrides (None: none given or loadable)."""
+  path = None
+  for i, arg in enumerate(argv):
+    if arg.startswith(('--config=', '-config=')):
+      path = arg.split('=', 1)[1]
+    elif arg in ('--config', '-config') and i + 1 < len(argv):
+      path = argv[i + 1]
+  if path is None:
+    return None
+  fv = flags.FlagValues()
+  _define_config_flag(fv, sys_argv=['dist-ens', f'--config={path}'])
+  try:
+    fv(['dist-ens', f'--config={path}'])
+  except flags.Error:
+    return None
+  return fv.config
+
+
+def unknown_field_message(argv: Sequence[str]) -> str | None:
+  """For the first --config.X in argv that names no field: the error, with the closest names.
+
+  Example:
+    unknown_field_message(['dist-ens', '--config=configs/default.py',
+                           '--config.optim.learnin_rate=0.1'])
+    # -> '--config.optim.learnin_rate: the config has no field optim.learnin_rate; did you
+    #     mean config.optim.learning_rate?'
+  """
+  config = _load_config(argv)
+  if config is None:
+    return None
+  fields = _config_fields(config)
+  for arg in argv:
+    match = re.match(r'^--?(?:no)?config\.([^=]+)', arg)
+    if not match or match.group(1) in fields:
+      continue
+    path = match.group(1)
+    scored = sorted(((difflib.SequenceMatcher(None, path, f).ratio(), f) for f in fields),
+                    reverse=True)
+    # The best match, and any as good; a poor match misleads more than none.
+    close = [f for score, f in scored[:3] if score >= max(0.75, scored[0][0] - 0.02)]
+    if close:
+      hint = 'did you mean ' + ' or '.join(f'config.{c}' for c in close) + '?'
+    else:  # Name what the deepest existing part of the path holds.
+      parts = path.split('.')
+      known = next(('.'.join(parts[:k]) for k in range(len(parts) - 1, 0, -1)
+                    if '.'.join(parts[:k]) in fields), '')
+      siblings = [f.rpartition('.')[2] for f in fields if f.rpartition('.')[0] == known]
+      hint = f'config{"." if known else ""}{known} has {", ".join(siblings)}'
+    return f'--config.{path}: the config has no field {path}; {hint}'
+  return None
+
+
+def _is_kind(value, kind: type) -> bool:
+  """isinstance, except that a bool is no number and an int may stand for a float."""
+  if isinstance(value, bool) and kind is not bool:
+    return False
+  return isinstance(value, (int, float) if kind is float else kind)
+
+
+def wrong_type_message(argv: Sequence[str], config: ml_collections.ConfigDict) -> str | None:
+  """For an override that turned a tuple of numbers (or strings) into something else: the error.
+
+  ml_collections parses any text as a tuple ('abc' -> ('abc',)), so a mistyped
+  --config.model.widths would surface only deep inside training.
+  """
+  matches = [re.match(r'^--?config\.([^=]+)=.*', arg) for arg in argv]
+  overrides = [(m.group(0), m.group(1)) for m in matches if m]
+  default = _load_config(argv) if overrides else None
+  if default is None:
+    return None
+  fields = _config_fields(default)
+  for arg, path in overrides:
+    if path not in fields:
+      continue
+    old = default
+    for part in path.split('.'):
+      old = old[part]
+    if not isinstance(old, tuple) or not old or len({type(x) for x in old}) != 1:
+      continue
+    new = config
+    for part in path.split('.'):
+      new = new[part]
+    kind = type(old[0])
+    if not isinstance(new, tuple) or not all(_is_kind(x, kind) for x in new):
+      return (f'{arg}: config.{path} holds {kind.__name__}s, e.g. {old}; got {new!r} '
+              f"(write a tuple as --config.{path}='{old}')")
+  return None
+
+
+def _parse_flags(argv: list[str], prog: str) -> list[str]:
+  """absl's flag parsing, with every error as one line and a non-zero exit."""
+  try:
+    rest = FLAGS(argv)
+  except flags.Error as e:
+    message = unknown_field_message(argv) or str(e)
+  except (KeyError, AttributeError, TypeError, ValueError):
+    # ml_collections raises these for an override of a field that does not exist.
+    message = unknown_field_message(argv)
+    if message is None:
+      raise
+  else:
+    message = _config_problem(argv)
+    if message is None:
+      return rest
+  message = ' '.join(message.split())  # absl joins several errors with newlines.
+  sys.exit(f'{prog}: error: {message} (see {prog} --help)')
+
+
+def _config_problem(argv: Sequence[str]) -> str | None:
+  """After a successful parse: a config file that did not load, or a mistyped override."""
+  if 'config' not in FLAGS:
+    return None
+  config = FLAGS.config
+  if not isinstance(config, ml_collections.ConfigDict):
+    # config_flags defers a load failure to the first use of the config.
+    try:
+      config.keys()
+    except Exception as e:  # pylint: disable=broad-except
+      reason = str(e).strip().splitlines()[-1].strip()  # The most specific line.
+      return f'--config={config_flags.get_config_filename(FLAGS["config"])}: {reason}'
+  return wrong_type_message(argv, config)
+
+
+def _print_help(name: str, full: bool) -> None:
+  fv = flags.FlagValues()
+  COMMANDS[name].define_flags(fv)
+  print(f'usage: {COMMANDS[name].usage}\n')
+  print('flags:')
+  for flag in sorted(fv.flags_by_module_dict().popitem()[1], key=lambda f: f.name):
+    spelt = f'--[no]{flag.name}' if flag.boolean else f'--{flag.name}'
+    default = f' (default: {flag.default_as_str})' if flag.default is not None else ''
+    print(textwrap.fill(f'{spelt}: {" ".join(flag.help.split())}{default}', width=88,
+                        initial_indent='  ', subsequent_indent='      '))
+  if full:
+    print('\nabsl flags (logging, debugging):')
+    print(FLAGS.get_help(prefix='  ', include_special_flags=False))
+  else:
+    others = ', '.join(n for n in COMMANDS if n != name)
+    print(f'\nOther commands: {others} (dist-ens COMMAND --help); --helpfull adds absl\'s '
+          'logging flags.')
+
+
+def _quiet_other_loggers() -> None:
+  for name in _QUIET_LOGGERS:
+    std_logging.getLogger(name).setLevel(std_logging.WARNING)
+
+
+class Interrupted(KeyboardInterrupt):
+  """SIGTERM or SIGINT outside the training loop (whose watcher saves and stops instead)."""
+
+  def __init__(self, signum: int):
+    super().__init__(signal.Signals(signum).name)
+    self.signum = signum
+
+
+def _raise_interrupted(signum: int, frame) -> None:
+  del frame
+  raise Interrupted(signum)
+
+
+def _exit_interrupted(prog: str, error: KeyboardInterrupt) -> None:
+  """One line and the conventional 128 + signal status, at once.
+
+  os._exit: a stop outside the loop's save-and-stop (during start-up, or a second
+  Ctrl-C) must not wait for background threads (input prefetch, checkpoint writes)
+  or jax.distributed's shutdown barrier; the last complete checkpoint is kept.
+  """
+  signum = getattr(error, 'signum', signal.SIGINT)
+  what = str(error) or signal.Signals(signum).name
+  print(f'{prog}: stopped ({what}) without saving; rerunning the same command resumes from '
+        'the last checkpoint, if any.', file=sys.stderr)
+  for handler in std_logging.getLogger().handlers:
+    handler.flush()
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(128 + signum)  # pylint: disable=protected-access
+
+
+def entry(argv: Sequence[str] | None = None) -> None:
+  """Console-script entry point: `dist-ens [train|plan|report] [flags]` (see the module doc)."""
+  argv = list(sys.argv if argv is None else argv)
+  rest = argv[1:]
+  name = rest.pop(0) if rest and rest[0] in COMMANDS else 'train'
+  prog = 'dist-ens' if name == 'train' else f'dist-ens {name}'
+  options = rest[:rest.index('--')] if '--' in rest else rest
+  if any(a in _HELP_ARGS for a in options):
+    _print_help(name, full='--helpfull' in options)
+    sys.exit(0)
+  # Before JAX starts a backend, which logs as it does.
+  _quiet_other_loggers()
+  # Until the training loop's watcher takes over (save, then stop): stop with one line.
+  for signum in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signum, _raise_interrupted)
+  COMMANDS[name].define_flags(FLAGS)
+  # config_flags reads the --config.x overrides from sys.argv, without the command.
+  sys.argv = [argv[0], *rest]
+  try:
+    app.run(COMMANDS[name].main, argv=sys.argv,
+            flags_parser=lambda args: _parse_flags(args, prog))
+  except KeyboardInterrupt as e:
+    _exit_interrupted(prog, e)
 
 
 if __name__ == '__main__':

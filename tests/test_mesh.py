@@ -1,5 +1,7 @@
 """Mesh resolution from config and its validation."""
 
+from unittest import mock
+
 import jax
 import ml_collections
 import numpy as np
@@ -59,3 +61,52 @@ def test_hosts_along_chooses_the_slow_axis():
 def test_explicit_device_subset():
   mesh = mesh_lib.make_mesh(_cfg(-1, 1), devices=jax.devices()[:1])
   assert mesh.size == 1
+
+
+@pytest.mark.parametrize('num_devices,expected', [(3, (2, 1)), (6, (4, 1)), (8, (8, 1))])
+def test_fill_fits_members_to_the_devices(num_devices, expected):
+  # The default mesh (member=-1, data=1) with 8 members: the most devices such
+  # that mesh.member divides 8; the rest stay idle.
+  devices = jax.devices()[:num_devices]
+  mesh = mesh_lib.make_mesh(_cfg(-1, 1), devices, num_members=8, batch_size=128)
+  assert (mesh.shape['member'], mesh.shape['data']) == expected
+  assert set(mesh.devices.flat) <= set(devices)
+  assert [d.id for d in mesh.devices.flat] == [d.id for d in devices[:mesh.size]]
+
+
+@pytest.mark.parametrize('num_devices,num_members,expected', [
+    (6, 6, (6, 1)), (8, 6, (2, 4)), (3, 8, (2, 1)), (6, 8, (4, 1)), (8, 8, (8, 1))])
+def test_both_fill_uses_most_devices_preferring_member(num_devices, num_members, expected):
+  mesh = mesh_lib.make_mesh(_cfg(-1, -1), jax.devices()[:num_devices],
+                            num_members=num_members, batch_size=128)
+  assert (mesh.shape['member'], mesh.shape['data']) == expected
+
+
+def test_fill_keeps_the_fixed_axis():
+  mesh = mesh_lib.make_mesh(_cfg(-1, 2), jax.devices()[:6], num_members=8, batch_size=128)
+  assert (mesh.shape['member'], mesh.shape['data']) == (2, 2)
+  mesh = mesh_lib.make_mesh(_cfg(2, -1), jax.devices()[:6], num_members=8, batch_size=96)
+  assert (mesh.shape['member'], mesh.shape['data']) == (2, 3)
+
+
+def test_fill_logs_the_chosen_mesh():
+  with mock.patch.object(mesh_lib.logging, 'info') as info:
+    mesh_lib.make_mesh(_cfg(-1, 1), jax.devices()[:3], num_members=8, batch_size=128)
+  assert info.call_count == 1
+  line = info.call_args[0][0] % info.call_args[0][1:]
+  assert 'member=2 x data=1' in line and '2 of 3 devices' in line
+
+
+def test_fill_without_any_mesh_names_what_would_work():
+  with pytest.raises(ConfigError, match=r'config.mesh.data=3.*batch_size=128.*\[1, 2, 4, 8\]'):
+    mesh_lib.make_mesh(_cfg(-1, 3), num_members=8, batch_size=128)
+  with pytest.raises(ConfigError, match=r'config.mesh.member=3.*num_members=8.*\[1, 2\]'):
+    mesh_lib.make_mesh(_cfg(3, -1), jax.devices()[:3], num_members=8, batch_size=128)
+
+
+def test_explicit_shapes_are_not_fitted():
+  # No -1: exactly as given, with the same errors as without num_members.
+  with pytest.raises(ConfigError, match=r'3 x 2 = 6 but 8 devices'):
+    mesh_lib.make_mesh(_cfg(3, 2), num_members=6, batch_size=128)
+  mesh = mesh_lib.make_mesh(_cfg(4, 2), num_members=6, batch_size=128)
+  assert (mesh.shape['member'], mesh.shape['data']) == (4, 2)

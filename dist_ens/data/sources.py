@@ -17,6 +17,8 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from dist_ens.errors import ConfigError
+
 # The published MNIST-1D split: 5,000 generated examples, 4,000 train / 1,000 test.
 _MNIST1D_SEED = 42
 _MNIST1D_SAMPLES = 5000
@@ -116,11 +118,16 @@ def load_mnist1d() -> Dataset:
 
 
 def load_digits() -> Dataset:
-  """scikit-learn's bundled 8x8 digits (1,797 images): a fixed 80/20 split, pixels / 16."""
+  """scikit-learn's bundled 8x8 digits (1,797 images): a fixed 80/20 split, pixels / 16.
+
+  Raises:
+    ConfigError: scikit-learn is not installed (an optional dependency).
+  """
   try:
     from sklearn.datasets import load_digits as sk_digits  # pylint: disable=g-import-not-at-top
   except ImportError:
-    raise ImportError("data.name='digits' needs scikit-learn: pip install 'dist_ens[digits]'") from None
+    raise ConfigError("config.data.name='digits' needs scikit-learn, which is not installed: "
+                      "pip install 'dist_ens[digits]'") from None
   bunch = sk_digits()
   x = (bunch.images / 16.0).astype(np.float32)[..., None]
   y = bunch.target.astype(np.int32)

@@ -50,21 +50,105 @@ def resolve_shape(member: int, data: int, num_devices: int) -> tuple[int, int]:
   return member, data
 
 
+def _usable_counts(devices: Sequence[jax.Device]) -> list[int]:
+  """Device counts a mesh may use, largest first: the same number from every process.
+
+  A process left without a device in the mesh could not feed or read its part
+  of the run, so a mesh over n < all devices takes n / processes from each.
+  """
+  per_process = {}
+  for d in devices:
+    per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+  processes, local = len(per_process), min(per_process.values())
+  return [k * processes for k in range(local, 0, -1)]
+
+
+def fit_shape(member: int, data: int, devices: Sequence[jax.Device], num_members: int,
+              batch_size: int) -> tuple[int, int]:
+  """The mesh shape for a config with a -1 (fill) axis, fitted to M, the batch and the devices.
+
+  The rule: an axis given as a number stays that number; a -1 axis takes the
+  size that uses the most devices such that mesh.member divides num_members and
+  mesh.data divides batch_size. With both -1, ties go to the larger 'member'
+  (whole members per device need no collective in the step). All devices are
+  used when any such shape can use them all; otherwise some stay idle (8
+  members on 3 devices: member=2 on 2 of them), which the log line reports.
+
+  Raises:
+    ConfigError: when no shape works (a fixed axis that does not divide its
+      quantity or exceeds the devices), naming the values that would.
+  """
+  for name, size in (('member', member), ('data', data)):
+    if size != -1 and size < 1:
+      raise ConfigError(f'config.mesh.{name}={size} must be a positive int or -1 (fill).')
+  counts = _usable_counts(devices)
+  choices = lambda size, total: _divisors(total) if size == -1 else [size]
+  best = None
+  for n in counts:
+    for m in choices(member, num_members):
+      for d in choices(data, batch_size):
+        if m * d == n and num_members % m == 0 and batch_size % d == 0:
+          best = max(best or (0, 0), (m, d))  # Same n: the larger member wins.
+    if best:
+      return best
+  fixed, name, total, what = ((member, 'member', num_members, 'config.num_members')
+                              if member != -1 else
+                              (data, 'data', batch_size, 'config.data.batch_size'))
+  fits = [x for x in _divisors(total) if any(c % x == 0 for c in counts)]
+  raise ConfigError(
+      f'no mesh fits config.mesh.{name}={fixed}: mesh.{name} must divide {what}={total} '
+      f'and fit the {counts[0]} devices; use mesh.{name} in {fits}, or -1 to fit it.')
+
+
 def make_mesh(mesh_config: ml_collections.ConfigDict,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+              devices: Sequence[jax.Device] | None = None, num_members: int | None = None,
+              batch_size: int | None = None) -> Mesh:
   """Builds the ('member', 'data') mesh that `mesh_config` describes.
+
+  Given `num_members` and `batch_size`, a -1 axis is fitted to them and to the
+  devices (see `fit_shape`: the mesh that uses the most devices with member
+  dividing M and data dividing the batch; possibly fewer than all), and one
+  INFO line says which mesh was chosen. Without them, or with no -1, the
+  shape must use every device exactly (`resolve_shape`).
 
   Devices are ordered by (process, id) and laid out so that the axis named by
   `mesh_config.hosts_along` varies slowest, i.e. runs across processes: with
   'member', each host holds whole members and the train step needs no
   cross-host collective.
+
+  Example:
+    make_mesh(config.mesh, jax.devices()[:3], num_members=8, batch_size=128)
+    # member=-1, data=1 -> Mesh {'member': 2, 'data': 1} on 2 of the 3 devices.
   """
-  devices = list(jax.devices() if devices is None else devices)
-  member, data = resolve_shape(int(mesh_config.member), int(mesh_config.data), len(devices))
-  hosts_along = mesh_config.get('hosts_along', 'member')
+  devices = sorted(jax.devices() if devices is None else devices,
+                   key=lambda d: (d.process_index, d.id))
+  member, data = int(mesh_config.member), int(mesh_config.data)
+  if -1 in (member, data) and num_members is not None and batch_size is not None:
+    member, data = fit_shape(member, data, devices, num_members, batch_size)
+    idle = len(devices) - member * data
+    logging.info('mesh member=%d x data=%d (config.mesh.member=%s, data=%s fitted to %d '
+                 'members, batch %d) on %d of %d devices%s', member, data, mesh_config.member,
+                 mesh_config.data, num_members, batch_size, member * data, len(devices),
+                 f'; {idle} idle: no mesh over all of them divides the members and the batch'
+                 if idle else '')
+    devices = _take_evenly(devices, member * data)
+  else:
+    member, data = resolve_shape(member, data, len(devices))
+  return _layout(devices, member, data, mesh_config.get('hosts_along', 'member'))
+
+
+def _take_evenly(devices: list[jax.Device], n: int) -> list[jax.Device]:
+  """The first n / processes devices of every process (devices sorted by process)."""
+  processes = sorted({d.process_index for d in devices})
+  per = n // len(processes)
+  return [d for p in processes for d in [x for x in devices if x.process_index == p][:per]]
+
+
+def _layout(devices: list[jax.Device], member: int, data: int, hosts_along: str) -> Mesh:
+  """The devices (sorted by process, id) as a member x data grid; hosts_along varies slowest."""
   if hosts_along not in HOSTS_ALONG:
     raise ConfigError(f'config.mesh.hosts_along={hosts_along!r}; use one of {HOSTS_ALONG}.')
-  ordered = np.array(sorted(devices, key=lambda d: (d.process_index, d.id)), dtype=object)
+  ordered = np.array(devices, dtype=object)
   if hosts_along == 'member':
     grid = ordered.reshape(member, data)
   else:

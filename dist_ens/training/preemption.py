@@ -1,26 +1,44 @@
-"""Stopping cleanly when the run is asked to: SIGTERM (a scheduler's preemption notice)."""
+"""Stopping cleanly when asked to: SIGTERM (a scheduler's preemption notice) or Ctrl-C (SIGINT)."""
 
 import signal
 import threading
 
 import jax
 
+# Signals that ask a single-process run to save and stop at the next step boundary.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
 
 class PreemptionWatcher:
-  """Turns SIGTERM into a request to save and stop at the next step boundary.
+  """Turns SIGTERM or SIGINT (Ctrl-C) into a request to save and stop at the next step boundary.
+
+  A second such signal does not wait for the step boundary: it raises
+  KeyboardInterrupt at once (the previous handlers are back by then, so a third
+  one acts as it would without the watcher).
 
   On several processes the decision must be the same everywhere, so JAX's
   preemption sync point (the distributed runtime's notice, as on TPU) decides
-  there; a single process uses its own SIGTERM flag.
+  there and no handler is installed; a single process uses its own flag.
   """
 
   def __init__(self):
     self._flag = threading.Event()
-    self._previous = None
+    self._previous = {}
+    self.signal_name = None  # 'SIGTERM' or 'SIGINT' once one has arrived.
     # Several processes: JAX's preemption notifier owns SIGTERM; a Python handler
     # would replace it and the sync point in should_stop would never fire.
     if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-      self._previous = signal.signal(signal.SIGTERM, lambda *_: self._flag.set())
+      for signum in STOP_SIGNALS:
+        self._previous[signum] = signal.signal(signum, self._handle)
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if not self._flag.is_set():
+      self.signal_name = signal.Signals(signum).name
+      self._flag.set()
+      return
+    self.close()  # Asked twice: stop now, without waiting for the step.
+    raise KeyboardInterrupt(f'{signal.Signals(signum).name} received twice')
 
   def should_stop(self, step: int) -> bool:
     if jax.process_count() > 1:
@@ -32,5 +50,7 @@ class PreemptionWatcher:
     return self._flag.is_set()
 
   def close(self) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    """Puts back the handlers that were there before; safe to call twice."""
+    previous, self._previous = self._previous, {}
+    for signum, handler in previous.items():
+      signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
