@@ -1,0 +1,205 @@
+"""Residual networks for 1-D signals [B, L, C] and 2-D images [B, H, W, C].
+
+  make_resnet        CIFAR ResNet (He et al. 2016, section 4.2): depth 6n+2 (20,
+                     32, 56, ...), a 3x3 stem of 16 channels, 3 stages of n basic
+                     blocks with 16/32/64 channels, the first block of stages 2-3
+                     striding by 2. ResNet-20: 0.27M parameters.
+  make_resnet18      the CIFAR ResNet-18 (as in kuangliu/pytorch-cifar): a 3x3 stem
+                     of 64 channels and no max-pool, 4 stages of 2 basic blocks with
+                     64/128/256/512 channels. 11.17M parameters.
+  make_wide_resnet   WRN-d-k (Zagoruyko & Komodakis 2016): pre-activation blocks,
+                     depth 6n+4, widths 16k/32k/64k, optional dropout between the two
+                     convs of a block. WRN-28-10: 36.5M parameters.
+
+Where a block changes the shape, its shortcut is a 1x1 conv (+ BatchNorm in the
+post-activation nets; WRN's projection takes the already normalised input, as
+in the authors' code) instead of the paper's zero-padding option A for CIFAR, so
+ResNet-20 has 272,474 parameters rather than option A's 269,722 (both "0.27M").
+The spatial rank follows the input, so the same code gives 1-D ResNets (kernels
+3 and 1) for MNIST-1D.
+
+Convs have no bias (each feeds a BatchNorm); BatchNorm running statistics are the
+model's state. In make_resnet and make_resnet18, config.dropout applies to the
+pooled features before the classifier.
+"""
+
+from typing import NamedTuple
+
+import jax
+import ml_collections
+
+from dist_ens.core.model import Model
+from dist_ens.errors import ConfigError
+from dist_ens.models import layers
+
+
+class _Block(NamedTuple):
+  """The static shape of one residual block."""
+  in_ch: int
+  out_ch: int
+  stride: int
+
+
+def _plan(in_ch: int, widths: tuple[int, ...], blocks_per_stage: int) -> tuple[_Block, ...]:
+  """Blocks stage by stage; every stage after the first halves the resolution."""
+  plan = []
+  for stage, width in enumerate(widths):
+    for i in range(blocks_per_stage):
+      plan.append(_Block(in_ch, width, 2 if stage > 0 and i == 0 else 1))
+      in_ch = width
+  return tuple(plan)
+
+
+def _blocks_per_stage(config: ml_collections.ConfigDict, default: int, offset: int,
+                      family: str) -> int:
+  """n from config.depth = 6n + offset, or a ConfigError listing valid depths."""
+  depth = config.get('depth', default)
+  if (not isinstance(depth, int) or isinstance(depth, bool) or depth < 6 + offset
+      or (depth - offset) % 6):
+    valid = [6 * n + offset for n in (1, 2, 3, 4, 5, 6, 9, 18)]
+    hint = ' (ResNet-18 is its own model, make_resnet18)' if offset == 2 else ''
+    raise ConfigError(f'config.model.depth={depth!r} is not 6n+{offset} with n >= 1, as '
+                      f'{family} needs{hint}; use one of {valid}.')
+  return (depth - offset) // 6
+
+
+def _norm(params, state, new_state, name, x, train):
+  """BatchNorm `name`, recording its new running statistics in new_state."""
+  y, new_state[name] = layers.batch_norm(params[name], state[name], x, train=train)
+  return y
+
+
+def _basic_init(rank, block):
+  """A post-activation basic block: conv-BN-ReLU-conv-BN (+ shortcut), ReLU."""
+  params = {'conv1': layers.conv_kernel(3, rank, block.in_ch, block.out_ch),
+            'conv2': layers.conv_kernel(3, rank, block.out_ch, block.out_ch)}
+  names = ['bn1', 'bn2']
+  if block.stride != 1 or block.in_ch != block.out_ch:
+    params['proj'] = layers.conv_kernel(1, rank, block.in_ch, block.out_ch)
+    names.append('proj_bn')
+  state = {}
+  for name in names:
+    params[name], state[name] = layers.batch_norm_init(block.out_ch)
+  return params, state
+
+
+def _basic_apply(conv, params, state, x, stride, train):
+  new_state = {}
+  h = conv(x, params['conv1'], stride)
+  h = jax.nn.relu(_norm(params, state, new_state, 'bn1', h, train))
+  h = _norm(params, state, new_state, 'bn2', conv(h, params['conv2'], 1), train)
+  shortcut = x
+  if 'proj' in params:
+    shortcut = _norm(params, state, new_state, 'proj_bn', conv(x, params['proj'], stride), train)
+  return jax.nn.relu(h + shortcut), new_state
+
+
+def _resnet_v1(config: ml_collections.ConfigDict, num_classes: int, stem_width: int,
+               widths: tuple[int, ...], blocks_per_stage: int) -> Model:
+  """Stem conv-BN-ReLU, basic blocks, global average pool, dropout, dense."""
+  conv = layers.conv_for(config)
+  rate = layers.dropout_rate_for(config)
+  plan = _plan(stem_width, widths, blocks_per_stage)
+
+  def init(rng, sample_x):
+    rank = layers.spatial_rank(sample_x, 'resnet')
+    params = {'stem': layers.conv_kernel(3, rank, sample_x.shape[-1], stem_width)}
+    state = {}
+    params['stem_bn'], state['stem_bn'] = layers.batch_norm_init(stem_width)
+    blocks = [_basic_init(rank, block) for block in plan]
+    params['blocks'] = [p for p, _ in blocks]
+    state['blocks'] = [s for _, s in blocks]
+    params['head'] = layers.dense_params(widths[-1], num_classes)
+    return layers.he_normal_init(rng, params), state
+
+  def apply(params, state, x, *, train, rng=None):
+    layers.check_dropout_rng(rate, train, rng)
+    new_state = {'blocks': []}
+    h = conv(x, params['stem'], 1)
+    h = jax.nn.relu(_norm(params, state, new_state, 'stem_bn', h, train))
+    for block, p, s in zip(plan, params['blocks'], state['blocks']):
+      h, s = _basic_apply(conv, p, s, h, block.stride, train)
+      new_state['blocks'].append(s)
+    h = layers.dropout(rng, layers.global_avg_pool(h), rate, train=train)
+    return layers.dense(params['head'], h), new_state if train else state
+
+  return Model(init, apply)
+
+
+def make_resnet(config: ml_collections.ConfigDict, num_classes: int) -> Model:
+  """CIFAR ResNet of depth config.depth (6n+2, default 20).
+
+  Reads config.depth (20), config.dropout (0.0) and config.conv_impl ('auto').
+
+  Example:
+    >>> model = make_resnet(ml_collections.ConfigDict({'depth': 20}), num_classes=10)
+    >>> params, state = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
+    >>> logits, state = model.apply(params, state, jnp.zeros((8, 32, 32, 3)), train=True)
+  """
+  n = _blocks_per_stage(config, default=20, offset=2, family='a CIFAR ResNet')
+  return _resnet_v1(config, num_classes, 16, (16, 32, 64), n)
+
+
+def make_resnet18(config: ml_collections.ConfigDict, num_classes: int) -> Model:
+  """The CIFAR ResNet-18; reads config.dropout (0.0) and config.conv_impl ('auto')."""
+  return _resnet_v1(config, num_classes, 64, (64, 128, 256, 512), 2)
+
+
+def _wide_init(rank, block):
+  """A pre-activation block: BN-ReLU-conv-BN-ReLU-dropout-conv (+ shortcut)."""
+  params, state = {}, {}
+  params['bn1'], state['bn1'] = layers.batch_norm_init(block.in_ch)
+  params['conv1'] = layers.conv_kernel(3, rank, block.in_ch, block.out_ch)
+  params['bn2'], state['bn2'] = layers.batch_norm_init(block.out_ch)
+  params['conv2'] = layers.conv_kernel(3, rank, block.out_ch, block.out_ch)
+  if block.stride != 1 or block.in_ch != block.out_ch:
+    params['proj'] = layers.conv_kernel(1, rank, block.in_ch, block.out_ch)
+  return params, state
+
+
+def _wide_apply(conv, params, state, x, stride, train, rate, rng):
+  new_state = {}
+  a = jax.nn.relu(_norm(params, state, new_state, 'bn1', x, train))
+  # A projection sees the normalised input, as in the WRN authors' code.
+  shortcut = conv(a, params['proj'], stride) if 'proj' in params else x
+  h = jax.nn.relu(_norm(params, state, new_state, 'bn2', conv(a, params['conv1'], stride), train))
+  h = layers.dropout(rng, h, rate, train=train)
+  return conv(h, params['conv2'], 1) + shortcut, new_state
+
+
+def make_wide_resnet(config: ml_collections.ConfigDict, num_classes: int) -> Model:
+  """WRN-d-k: d = config.depth (6n+4, default 28), k = config.widen_factor (default 10).
+
+  Reads config.depth (28), config.widen_factor (10), config.dropout (0.0, between
+  the two convs of every block) and config.conv_impl ('auto').
+  """
+  n = _blocks_per_stage(config, default=28, offset=4, family='a wide ResNet')
+  k = config.get('widen_factor', 10)
+  if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+    raise ConfigError(f'config.model.widen_factor={k!r} must be a positive integer, e.g. 10.')
+  conv = layers.conv_for(config)
+  rate = layers.dropout_rate_for(config)
+  plan = _plan(16, (16 * k, 32 * k, 64 * k), n)
+
+  def init(rng, sample_x):
+    rank = layers.spatial_rank(sample_x, 'wide_resnet')
+    params = {'stem': layers.conv_kernel(3, rank, sample_x.shape[-1], 16)}
+    blocks = [_wide_init(rank, block) for block in plan]
+    params['blocks'] = [p for p, _ in blocks]
+    state = {'blocks': [s for _, s in blocks]}
+    params['final_bn'], state['final_bn'] = layers.batch_norm_init(plan[-1].out_ch)
+    params['head'] = layers.dense_params(plan[-1].out_ch, num_classes)
+    return layers.he_normal_init(rng, params), state
+
+  def apply(params, state, x, *, train, rng=None):
+    layers.check_dropout_rng(rate, train, rng)
+    new_state = {'blocks': []}
+    h = conv(x, params['stem'], 1)
+    for i, (block, p, s) in enumerate(zip(plan, params['blocks'], state['blocks'])):
+      block_rng = None if rng is None else jax.random.fold_in(rng, i)
+      h, s = _wide_apply(conv, p, s, h, block.stride, train, rate, block_rng)
+      new_state['blocks'].append(s)
+    h = jax.nn.relu(_norm(params, state, new_state, 'final_bn', h, train))
+    return layers.dense(params['head'], layers.global_avg_pool(h)), new_state if train else state
+
+  return Model(init, apply)

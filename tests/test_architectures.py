@@ -1,0 +1,382 @@
+"""LeNet-5, ResNets and their layers on the (params, state) model contract.
+
+Big nets are only traced (jax.eval_shape); anything compiled is tiny.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from dist_ens.core.model import Model
+from dist_ens.errors import ConfigError
+from dist_ens.models import layers
+from dist_ens.models.lenet import make_lenet5
+from dist_ens.models.resnet import make_resnet, make_resnet18, make_wide_resnet
+
+MAKERS = {'lenet5': make_lenet5, 'resnet': make_resnet, 'resnet18': make_resnet18,
+          'wide_resnet': make_wide_resnet}
+
+
+def _model(name, num_classes=10, **fields):
+  return MAKERS[name](ml_collections.ConfigDict(fields), num_classes)
+
+
+def _spec(shape):
+  return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _abstract(model, input_shape, batch=2):
+  """(params, state, logits, train_state) as shapes only: nothing is computed."""
+  params, state = jax.eval_shape(model.init, jax.random.key(0), _spec((1, *input_shape)))
+  apply = lambda p, s, x: model.apply(p, s, x, train=True, rng=jax.random.key(1))
+  logits, new_state = jax.eval_shape(apply, params, state, _spec((batch, *input_shape)))
+  return params, state, logits, new_state
+
+
+def _count(tree):
+  return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+
+
+# ----------------------------------------------------------------- parameter counts
+
+@pytest.mark.parametrize('name,fields,exact,published', [
+    ('resnet', {}, 272_474, 0.272e6),  # ResNet-20 with 1x1-conv projections.
+    ('resnet', {'depth': 56}, 855_770, 0.85e6),
+    ('resnet18', {}, 11_173_962, 11.17e6),
+    ('wide_resnet', {}, 36_479_194, 36.5e6),  # WRN-28-10.
+])
+def test_parameter_counts_match_published(name, fields, exact, published):
+  params, state, _, _ = _abstract(_model(name, **fields), (32, 32, 3))
+  assert _count(params) == exact
+  assert abs(_count(params) / published - 1) < 0.01
+  assert _count(state) > 0  # BatchNorm running statistics are state, not params.
+
+
+def test_resnet20_count_by_hand():
+  conv = lambda k, i, o: k * k * i * o
+  bn = lambda c: 2 * c
+  stem = conv(3, 3, 16) + bn(16)
+  stage1 = 3 * 2 * (conv(3, 16, 16) + bn(16))
+  stage2 = conv(3, 16, 32) + 5 * conv(3, 32, 32) + 6 * bn(32) + conv(1, 16, 32) + bn(32)
+  stage3 = conv(3, 32, 64) + 5 * conv(3, 64, 64) + 6 * bn(64) + conv(1, 32, 64) + bn(64)
+  head = 64 * 10 + 10
+  params, _, _, _ = _abstract(_model('resnet', depth=20), (32, 32, 3))
+  assert _count(params) == stem + stage1 + stage2 + stage3 + head
+
+
+@pytest.mark.parametrize('input_shape,expected', [
+    # conv1 6*(5*5*1)+6, conv2 16*(5*5*6)+16, 400*120+120, 120*84+84, 84*10+10.
+    ((32, 32, 1), 156 + 2_416 + 48_120 + 10_164 + 850),
+    ((28, 28, 1), 61_706),  # Padded to 32x32, as LeCun et al. padded MNIST.
+    ((8, 8, 1), 61_706),
+    ((32, 32, 3), 456 + 2_416 + 48_120 + 10_164 + 850),
+    ((40, 1), 6 * 5 + 6 + 16 * 5 * 6 + 16 + 7 * 16 * 120 + 120 + 10_164 + 850),  # 40-36-18-14-7.
+])
+def test_lenet5_count_by_hand(input_shape, expected):
+  params, state, _, _ = _abstract(_model('lenet5'), input_shape)
+  assert _count(params) == expected
+  assert state == {}
+
+
+def test_resnets_have_no_bias_before_batch_norm():
+  for name, fields in [('resnet', {'depth': 8}), ('resnet18', {}),
+                       ('wide_resnet', {'depth': 10, 'widen_factor': 1})]:
+    params, _, _, _ = _abstract(_model(name, **fields), (8, 8, 1))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    assert [p for p in paths if p.endswith("['b']")] == ["['head']['b']"], name
+
+
+# ------------------------------------------------------------------- shapes, errors
+
+@pytest.mark.parametrize('name,fields', [
+    ('lenet5', {}), ('resnet', {'depth': 8}), ('resnet18', {}),
+    ('wide_resnet', {'depth': 10, 'widen_factor': 2, 'dropout': 0.3})])
+@pytest.mark.parametrize('input_shape', [(32, 32, 3), (28, 28, 1), (8, 8, 1), (40, 1)])
+def test_logits_and_state_shapes(name, fields, input_shape):
+  params, state, logits, new_state = _abstract(_model(name, 7, **fields), input_shape, batch=5)
+  assert logits.shape == (5, 7)
+  # train=True returns running statistics of the same structure and shapes.
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+  assert jax.tree.map(lambda a: a.shape, new_state) == jax.tree.map(lambda a: a.shape, state)
+
+
+@pytest.mark.parametrize('name,depth,match', [
+    ('resnet', 18, r'config.model.depth=18 is not 6n\+2.*make_resnet18.*\[8, 14, 20, 26'),
+    ('resnet', 21, r'config.model.depth=21 .*\[8, 14, 20'),
+    ('resnet', 2, r'depth=2 '),
+    ('wide_resnet', 20, r'config.model.depth=20 is not 6n\+4.*\[10, 16, 22, 28'),
+    ('wide_resnet', 28.0, r'depth=28.0'),
+])
+def test_wrong_depth_names_field_and_valid_values(name, depth, match):
+  with pytest.raises(ConfigError, match=match):
+    _model(name, depth=depth)
+
+
+def test_bad_fields_and_inputs():
+  with pytest.raises(ConfigError, match='config.model.widen_factor=0'):
+    _model('wide_resnet', widen_factor=0)
+  with pytest.raises(ConfigError, match='config.model.dropout=1.5'):
+    _model('resnet', dropout=1.5)
+  with pytest.raises(ConfigError, match='config.model.conv_impl'):
+    _model('lenet5', conv_impl='cudnn')
+  with pytest.raises(ConfigError, match=r'\(1, 784\)'):
+    _model('resnet').init(jax.random.key(0), jnp.zeros((1, 784)))
+
+
+# ---------------------------------------------------------------------------- layers
+
+def test_batch_norm_train_normalises_and_moves_running_stats():
+  x = 3.0 + 2.0 * jax.random.normal(jax.random.key(0), (16, 5, 5, 4))
+  x = x * jnp.arange(1.0, 5.0)  # A different scale per channel.
+  params, state = layers.batch_norm_init(4)
+  y, new = layers.batch_norm(params, state, x, train=True)
+  np.testing.assert_allclose(y.mean((0, 1, 2)), 0.0, atol=1e-5)
+  np.testing.assert_allclose(y.var((0, 1, 2)), 1.0, atol=1e-3)
+  batch_mean, batch_var = x.mean((0, 1, 2)), x.var((0, 1, 2))
+  np.testing.assert_allclose(new['mean'], 0.1 * batch_mean, rtol=1e-5)
+  np.testing.assert_allclose(new['var'], 0.9 + 0.1 * batch_var, rtol=1e-5)
+  # Threaded through steps, the running statistics converge to the batch's.
+  step = jax.jit(lambda s: layers.batch_norm(params, s, x, train=True)[1])
+  for _ in range(60):
+    new = step(new)
+  np.testing.assert_allclose(new['mean'], batch_mean, rtol=1e-2)
+  np.testing.assert_allclose(new['var'], batch_var, rtol=1e-2)
+
+
+def test_batch_norm_eval_uses_running_stats_and_keeps_state():
+  x = jax.random.normal(jax.random.key(0), (8, 6, 3))
+  params = {'scale': jnp.array([1.0, 2.0, 0.5]), 'bias': jnp.array([0.0, 1.0, -1.0])}
+  state = {'mean': jnp.array([0.5, -1.0, 2.0]), 'var': jnp.array([4.0, 1.0, 0.25])}
+  y, new = layers.batch_norm(params, state, x, train=False)
+  assert new is state
+  expected = (x - state['mean']) / jnp.sqrt(state['var'] + 1e-5) * params['scale'] + params['bias']
+  np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_norm_matches_flax():
+  x = 1.0 + jax.random.normal(jax.random.key(3), (10, 7, 5))
+  bn = nn.BatchNorm(momentum=0.9, epsilon=1e-5)
+  variables = bn.init(jax.random.key(0), x, use_running_average=False)
+  ref, updates = bn.apply(variables, x, use_running_average=False, mutable=['batch_stats'])
+  y, new = layers.batch_norm(variables['params'], variables['batch_stats'], x, train=True)
+  np.testing.assert_allclose(y, ref, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               new, dict(updates['batch_stats']))
+
+
+def test_batch_norm_gradient_ignores_running_stats():
+  x = jax.random.normal(jax.random.key(0), (8, 3))
+  params, state = layers.batch_norm_init(3)
+  grads = jax.grad(lambda s: sum(jnp.sum(v) for v in layers.batch_norm(
+      params, s, x, train=True)[1].values()))(state)
+  # Only the old running stats carry a gradient (0.9); the batch statistics are stopped.
+  np.testing.assert_allclose(grads['mean'], 0.9)
+  running_mean = lambda x: jnp.sum(layers.batch_norm(params, state, x, train=True)[1]['mean'])
+  grad_x = jax.grad(running_mean)(x)
+  np.testing.assert_array_equal(grad_x, 0.0)
+
+
+def test_dropout():
+  x = jnp.ones((200, 50))
+  a = layers.dropout(jax.random.key(0), x, 0.3, train=True)
+  b = layers.dropout(jax.random.key(1), x, 0.3, train=True)
+  assert not np.array_equal(a, b)
+  np.testing.assert_allclose(np.unique(a), [0.0, 1 / 0.7], rtol=1e-6)
+  assert abs(float((a == 0).mean()) - 0.3) < 0.02
+  assert layers.dropout(None, x, 0.3, train=False) is x
+  assert layers.dropout(None, x, 0.0, train=True) is x
+  with pytest.raises(ValueError, match='needs a PRNG key'):
+    layers.dropout(None, x, 0.3, train=True)
+
+
+def test_he_normal_init_fills_kernels_only():
+  tree = {'conv': layers.conv_kernel(3, 2, 64, 128), 'dense': layers.dense_params(512, 256),
+          'bn': layers.batch_norm_init(4)[0]}
+  filled = layers.he_normal_init(jax.random.key(0), tree)
+  assert filled['conv'].shape == (3, 3, 64, 128) and filled['dense']['w'].shape == (512, 256)
+  for w, fan_in in [(filled['conv'], 9 * 64), (filled['dense']['w'], 512)]:
+    assert abs(float(w.std()) / math.sqrt(2 / fan_in) - 1) < 0.02
+    assert abs(float(w.mean())) < 0.05 * math.sqrt(2 / fan_in)
+  assert filled['bn']['scale'] is tree['bn']['scale'] and filled['dense']['b'] is tree['dense']['b']
+  # Kernels of one shape are distinct pieces of the draw, and keys give distinct draws.
+  two = layers.he_normal_init(jax.random.key(0), [layers.kernel(4, 4), layers.kernel(4, 4)])
+  assert not np.allclose(two[0], two[1])
+  other = layers.he_normal_init(jax.random.key(1), [layers.kernel(4, 4), layers.kernel(4, 4)])
+  assert not np.allclose(two[0], other[0])
+
+
+@pytest.mark.parametrize('shape', [(2, 9, 7, 3), (2, 11, 4)])
+def test_pools(shape):
+  x = jax.random.normal(jax.random.key(0), shape)
+  rank = len(shape) - 2
+  window = (1,) + (2,) * rank + (1,)
+  expected = jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, window, window, 'VALID')
+  np.testing.assert_array_equal(layers.max_pool(x), expected)
+  np.testing.assert_allclose(layers.global_avg_pool(x), x.mean(tuple(range(1, rank + 1))),
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize('shape,ksize,stride,padding', [
+    # LeNet's 'VALID' 5x5, an odd-sized strided 'SAME', a 1-D strided 'VALID'; the 1x1
+    # strided projections are checked in test_conv_impls_share_parameters.
+    ((2, 9, 9, 3), 5, 1, 'VALID'), ((2, 10, 7, 2), 3, 2, 'SAME'), ((2, 13, 3), 3, 2, 'VALID')])
+def test_patches_conv_matches_xla(shape, ksize, stride, padding):
+  x = jax.random.normal(jax.random.key(0), shape)
+  w = jax.random.normal(jax.random.key(1), (ksize,) * (len(shape) - 2) + (shape[-1], 6))
+  conv = lambda impl: jax.jit(impl, static_argnums=(2, 3))(x, w, stride, padding)
+  np.testing.assert_allclose(conv(layers._conv_patches), conv(layers._conv_xla),
+                             rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------- models in action
+# Few, small compiled programs: on a busy 2-core CPU each compile costs seconds.
+
+class _Net(NamedTuple):
+  model: Model
+  x: jax.Array
+  params: Any
+  state: Any
+  apply: Callable[..., Any]  # jitted model.apply, train static.
+
+
+def _x(shape, batch=8, seed=0):
+  return jax.random.normal(jax.random.key(seed), (batch, *shape))
+
+
+def _net(name, input_shape, num_classes=3, **fields):
+  model = _model(name, num_classes, **fields)
+  x = _x(input_shape)
+  params, state = jax.jit(model.init)(jax.random.key(0), x[:1])
+  return _Net(model, x, params, state, jax.jit(model.apply, static_argnames='train'))
+
+
+@pytest.fixture(scope='module')
+def resnet8():
+  """A 1-D ResNet-8 (the cheapest to compile), shared by the tests below."""
+  return _net('resnet', (12, 1), depth=8)
+
+
+@pytest.fixture(scope='module')
+def wrn10():
+  """A 1-D WRN-10-1 with dropout."""
+  return _net('wide_resnet', (12, 1), depth=10, widen_factor=1, dropout=0.2)
+
+
+def test_train_mode_normalises_by_the_batch(resnet8):
+  net = resnet8
+  logits, new_state = net.apply(net.params, net.state, net.x, train=True)
+  # Scaling the stem kernel cannot change train-mode output: its BN divides it out.
+  scaled = dict(net.params, stem=3.0 * net.params['stem'])
+  np.testing.assert_allclose(net.apply(scaled, net.state, net.x, train=True)[0], logits,
+                             rtol=1e-3, atol=1e-4)
+  # The stem's running mean moved a tenth of the way to its pre-BN batch mean.
+  stem_out = layers.conv_for(ml_collections.ConfigDict())(net.x, net.params['stem'], 1)
+  np.testing.assert_allclose(new_state['stem_bn']['mean'], 0.1 * stem_out.mean((0, 1)),
+                             rtol=1e-4, atol=1e-6)
+  # Evaluation: running statistics, the state returned as given, deterministic.
+  eval_logits, eval_state = net.apply(net.params, new_state, net.x, train=False)
+  assert jax.tree.all(jax.tree.map(np.array_equal, eval_state, new_state))
+  np.testing.assert_array_equal(net.apply(net.params, new_state, net.x, train=False)[0],
+                                eval_logits)
+  assert not np.allclose(eval_logits, logits, atol=1e-3)
+
+
+@pytest.mark.parametrize('name', ['lenet5', 'resnet', 'wide_resnet'])
+def test_eval_returns_the_state_it_was_given(name):
+  model = _model(name, depth=8 if name == 'resnet' else 10, widen_factor=1)
+  x = _spec((2, 40, 1))
+  params, state = jax.eval_shape(model.init, jax.random.key(0), x)
+
+  def check(params, state, x):
+    logits, same = model.apply(params, state, x, train=False)
+    assert same is state  # Checked while tracing: no copy, no update.
+    return logits
+
+  jax.eval_shape(check, params, state, x)
+
+
+def test_dropout_in_models(wrn10):
+  net = wrn10
+  train = lambda rng: net.apply(net.params, net.state, net.x, train=True, rng=rng)[0]
+  a, b = train(jax.random.key(1)), train(jax.random.key(2))
+  assert not np.allclose(a, b)
+  np.testing.assert_array_equal(train(jax.random.key(1)), a)
+  # Evaluation draws no random bits, whatever rng it is given.
+  program = lambda train: str(jax.make_jaxpr(lambda rng: net.model.apply(
+      net.params, net.state, net.x, train=train, rng=rng))(jax.random.key(1)))
+  assert 'random_bits' in program(True) and 'random_bits' not in program(False)
+  for name in ('lenet5', 'resnet', 'wide_resnet'):
+    model = _model(name, depth=8 if name == 'resnet' else 10, dropout=0.3)
+    params, state = jax.eval_shape(model.init, jax.random.key(0), _spec((1, 40, 1)))
+    with pytest.raises(ValueError, match=r'config.model.dropout=0.3 needs a PRNG key'):
+      jax.eval_shape(lambda p, s: model.apply(p, s, net.x, train=True), params, state)
+
+
+def test_vmap_over_members_matches_each_member(resnet8):
+  net = resnet8
+  keys = jax.random.split(jax.random.key(0), 3)
+  params, state = jax.jit(jax.vmap(net.model.init, in_axes=(0, None)))(keys, net.x[:1])
+  assert params['stem'].shape == (3, 3, 1, 16)
+  assert not np.allclose(params['stem'][0], params['stem'][1])
+  apply = lambda p, s: net.model.apply(p, s, net.x, train=True)
+  logits, new_state = jax.jit(jax.vmap(apply))(params, state)
+  assert logits.shape == (3, 8, 3)
+  assert not np.allclose(logits[0], logits[1])
+  one = jax.tree.map(lambda a: a[2], (params, state))
+  ref_logits, ref_state = net.apply(*one, net.x, train=True)  # Compiled already.
+  np.testing.assert_allclose(logits[2], ref_logits, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(new_state['blocks'][-1]['bn2']['var'][2],
+                             ref_state['blocks'][-1]['bn2']['var'], rtol=1e-4)
+
+
+def test_conv_impls_share_parameters(resnet8):
+  net = resnet8
+  xla = _model('resnet', 3, depth=8, conv_impl='xla')
+  a, state_a = net.apply(net.params, net.state, net.x, train=True)
+  b, state_b = jax.jit(lambda p, s: xla.apply(p, s, net.x, train=True))(net.params, net.state)
+  np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)
+  jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-3, atol=1e-5),
+               state_a, state_b)
+
+
+def _train(net, optimizer, steps=15):
+  """Losses of `steps` full-batch steps on random labels; asserts finite gradients."""
+  y = jnp.arange(net.x.shape[0]) % 3
+
+  def loss_fn(params, state, rng):
+    logits, new_state = net.model.apply(params, state, net.x, train=True, rng=rng)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), new_state
+
+  @jax.jit
+  def step(params, state, opt_state, rng):
+    (loss, state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, state, rng)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    finite = jax.tree.reduce(jnp.logical_and, jax.tree.map(lambda g: jnp.isfinite(g).all(), grads))
+    return optax.apply_updates(params, updates), state, opt_state, loss, finite
+
+  params, state, opt_state, losses = net.params, net.state, optimizer.init(net.params), []
+  for i in range(steps):
+    params, state, opt_state, loss, finite = step(params, state, opt_state, jax.random.key(i))
+    assert finite
+    losses.append(float(loss))
+  return losses
+
+
+def test_lenet5_trains():
+  net = _net('lenet5', (8, 8, 1), dropout=0.1)
+  losses = _train(net, optax.sgd(0.05, momentum=0.9))
+  assert losses[-1] < 0.7 * losses[0], losses
+
+
+@pytest.mark.parametrize('name', ['resnet8', 'wrn10'])
+def test_resnets_train(name, request):
+  losses = _train(request.getfixturevalue(name), optax.adam(3e-3))
+  assert losses[-1] < 0.7 * losses[0], losses
