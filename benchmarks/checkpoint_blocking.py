@@ -1,10 +1,12 @@
 """How long a checkpoint save blocks the training loop, for two ensemble sizes.
 
-  python benchmarks/checkpoint_blocking.py [--repeats 5]
+  python benchmarks/checkpoint_blocking.py [--repeats 5] [--out PATH]
 
 Saves are asynchronous: the loop waits only for the device-to-host copy (the
-`save` call); writing to disk overlaps with training. Prints a table and writes
-benchmarks/results/checkpoint_blocking.json.
+`save` call); writing to disk overlaps with training. The state is the one training
+builds (dist_ens.assemble.init_sharded on the mesh of all devices) and is saved with
+the meta a run saves beside it. Prints a table and writes
+benchmarks/results/checkpoint_blocking.json (or --out).
 """
 
 import argparse
@@ -16,12 +18,9 @@ from pathlib import Path
 
 import jax
 
-from dist_ens import data, models
-from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.core import optim
+from dist_ens import assemble, data
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.configuration import load_config
-from dist_ens.training.step import init_state
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,11 +37,12 @@ CASES = [
 def measure(model_overrides, input_shape, repeats):
   config = load_config(ROOT / 'configs' / 'default.py')
   config.model.update(model_overrides)
-  mesh = mesh_lib.make_mesh(config.mesh)
-  model = models.get_model(config.model, 10)
-  tx = optim.make_optimizer(config.optim, 100)
-  state = jax.jit(lambda: init_state(model, tx, 0, config.num_members, input_shape),
-                  out_shardings=mesh_lib.member_sharding(mesh))()
+  mesh = assemble.build_mesh(config)
+  parts = assemble.build_parts(config, mesh, input_shape, 10)
+  state = assemble.init_sharded(parts)
+  # What a run saves beside the state (training.loop.Context.checkpoint_meta).
+  meta = {'train_seconds': 0.0, 'input_shape': list(parts.input_shape),
+          'num_classes': parts.num_classes}
   num_bytes = sum(x.nbytes for x in jax.tree.leaves(state))
   blocking, total = [], []
   with tempfile.TemporaryDirectory() as workdir:
@@ -50,7 +50,7 @@ def measure(model_overrides, input_shape, repeats):
     for step in range(1, repeats + 2):
       jax.block_until_ready(state)
       start = time.perf_counter()
-      ckpt.save(step, state, data.IteratorState(0, step))
+      ckpt.save(step, state, data.IteratorState(0, step), meta=meta)
       call = time.perf_counter() - start
       ckpt.wait()
       if step > 1:  # The first save pays one-off setup.
@@ -63,6 +63,8 @@ def measure(model_overrides, input_shape, repeats):
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument('--repeats', type=int, default=5)
+  parser.add_argument('--out',
+                      default=str(ROOT / 'benchmarks' / 'results' / 'checkpoint_blocking.json'))
   args = parser.parse_args()
   rows = []
   print(f'{"ensemble":45s} {"state MB":>9s} {"blocks loop ms":>15s} {"full save ms":>13s}')
@@ -70,7 +72,7 @@ def main():
     num_bytes, block, total = measure(overrides, shape, args.repeats)
     rows.append(dict(ensemble=name, state_bytes=num_bytes, blocking_s=block, total_s=total))
     print(f'{name:45s} {num_bytes / 1e6:9.1f} {block * 1e3:15.1f} {total * 1e3:13.1f}')
-  out = ROOT / 'benchmarks' / 'results' / 'checkpoint_blocking.json'
+  out = Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(dict(devices=str(jax.devices()[0].platform), count=jax.device_count(),
                                  repeats=args.repeats, rows=rows), indent=2))

@@ -28,22 +28,27 @@ ROOT = throughput.ROOT
 
 def time_first_step(spec: throughput.ModelSpec, members: int, form: str,
                     step_module) -> dict[str, float]:
-  """Seconds to trace+lower, compile and run the first step of a fresh step function."""
+  """Seconds to trace+lower, compile and run the first step of a fresh step function.
+
+  The step is built as training builds it (dist_ens.assemble), with `step_module`'s
+  make_train_step for a candidate (None: the installed dist_ens.core.step).
+  """
   import jax
+  from dist_ens import assemble
   from dist_ens.parallel import mesh as mesh_lib
-  _, model, tx, mesh = throughput._jax_setup(spec)  # pylint: disable=protected-access
-  state = jax.jit(lambda: step_module.init_state(model, tx, 0, members, spec.input_shape),
-                  out_shardings=mesh_lib.member_sharding(mesh))()
-  x, y = (jax.device_put(a, mesh_lib.batch_sharding(mesh))
+  _, parts = throughput._jax_setup(spec, members)  # pylint: disable=protected-access
+  state = assemble.init_sharded(parts)
+  hparams = parts.device_hparams()
+  x, y = (jax.device_put(a, mesh_lib.batch_sharding(parts.mesh))
           for a in throughput._batch(spec))  # pylint: disable=protected-access
-  jax.block_until_ready((state, x, y))
+  jax.block_until_ready((state, hparams, x, y))
   start = time.perf_counter()
-  step = step_module.make_train_step(model, tx, mesh, member_parallelism=form)
-  lowered = step.fn.lower(state, x, y, None)
+  step = throughput.make_step(parts, (form, None), step_module)
+  lowered = step.fn.lower(state, hparams, x, y)
   traced = time.perf_counter()
   compiled = lowered.compile()
   built = time.perf_counter()
-  _, metrics = compiled(state, x, y, None)
+  _, metrics = compiled(state, hparams, x, y)
   jax.block_until_ready(metrics)
   done = time.perf_counter()
   return dict(trace_lower=traced - start, compile=built - traced, first_run=done - built,
@@ -66,8 +71,7 @@ def main(argv: list[str] | None = None) -> None:
   models = ['mlp_small', 'cnn1d'] if args.quick else args.models.split(',')
   repeats = 2 if args.quick else args.repeats
   member_counts = [int(m) for m in args.members.split(',')]
-  from dist_ens.training import step as step_lib
-  forms = [(f, f, step_lib) for f in args.forms.split(',')]
+  forms = [(f, f, None) for f in args.forms.split(',')]  # None: the installed step.
   if args.candidate:
     name, path = args.candidate.split('=', 1)
     module = throughput.load_candidate(path)

@@ -1,6 +1,7 @@
 """Input pipeline throughput against what the train step consumes.
 
-  python benchmarks/input_pipeline.py [--steps 30]
+  python benchmarks/input_pipeline.py [--steps 30] [--step_repeats 3] [--examples 2048]
+      [--out PATH]
 
 For the default run (MNIST-1D in memory) and CIFAR-10-shaped data (32x32x3 PNG
 images in an ArrayRecord TFDS dataset written to a temp dir, read with
@@ -10,7 +11,9 @@ tfds.data_source as a real 'cifar10' would be), measures on one device:
   * step: examples/s the train step consumes (one batch per step for 'shared',
     one per member for 'shuffled').
 A ratio above 1 means the pipeline keeps up (with prefetching, the step never
-waits). Prints a table and writes benchmarks/results/input_pipeline.json.
+waits). The step is built as training builds it (dist_ens.assemble, with
+config.ensemble's 'auto' resolved). Prints a table and writes
+benchmarks/results/input_pipeline.json (or --out).
 """
 
 import argparse
@@ -23,12 +26,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from dist_ens import data, models
-from dist_ens.core import hparams
-from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.core import optim
+from dist_ens import assemble, data
 from dist_ens.configuration import load_config
-from dist_ens.training.step import init_state, make_train_step
+from dist_ens.parallel import mesh as mesh_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,23 +72,26 @@ def pipeline_rate(dataset, order_kind, batch, members, mesh, steps):
 
 
 def step_rate(config, dataset, mesh, per_member, steps):
-  """Examples/s the step consumes from the pipeline."""
-  model = models.get_model(config.model, dataset.num_classes)
-  tx = optim.make_optimizer(config.optim, 1000)
-  values = hparams.resolve(config)
-  sharding = mesh_lib.member_sharding(mesh)
-  state = jax.jit(lambda: init_state(model, tx, 0, config.num_members, dataset.input_shape,
-                                     values), out_shardings=sharding)()
-  step = make_train_step(model, tx, mesh, per_member_batches=per_member)
+  """Examples/s the step consumes from the pipeline.
+
+  The step is the one training builds (dist_ens.assemble), with config.ensemble's
+  member parallelism resolved as a run resolves it, one step per call.
+  """
+  parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
+  step = assemble.build_step(parts, per_member_batches=per_member,
+                             form=assemble.member_form(parts, config.data.batch_size))
+  state = assemble.init_sharded(parts)
+  hparams = parts.device_hparams()
   order = data.Order('shuffled' if per_member else 'shared', dataset.train.num_examples,
                      config.data.batch_size, 0)
-  x, y = next(data.Batches(dataset.train, order, mesh, config.num_members, prefetch=0))
-  smoothing = jax.device_put(values['train.label_smoothing'], sharding)
-  state, m = step(state, x, y, smoothing)
+  batches = data.Batches(dataset.train, order, mesh, config.num_members, prefetch=0)
+  x, y = next(batches)
+  batches.close()
+  state, m = step(state, hparams, x, y)
   jax.block_until_ready(m)
   start = time.perf_counter()
   for _ in range(steps):
-    state, m = step(state, x, y, smoothing)
+    state, m = step(state, hparams, x, y)
   jax.block_until_ready(m)
   per_step = (time.perf_counter() - start) / steps
   consumed = config.data.batch_size * (config.num_members if per_member else 1)
@@ -99,11 +102,14 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument('--steps', type=int, default=30, help='batches read per case')
   parser.add_argument('--step_repeats', type=int, default=3, help='train steps timed per case')
+  parser.add_argument('--examples', type=int, default=2048,
+                      help='CIFAR-10-shaped PNGs written for the second case')
+  parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'input_pipeline.json'))
   args = parser.parse_args()
   mesh = mesh_lib.make_mesh(load_config(ROOT / 'configs' / 'default.py').mesh, jax.devices()[:1])
   rows = []
   with tempfile.TemporaryDirectory() as data_dir:
-    write_cifar_shaped(data_dir, 2048)
+    write_cifar_shaped(data_dir, args.examples)
     cases = []
     default = load_config(ROOT / 'configs' / 'default.py')
     cases.append(('MNIST-1D, default MLP', default, data.load_dataset('mnist1d')))
@@ -122,7 +128,8 @@ def main():
                          step_examples_per_s=demand, ratio=supply / demand))
         print(f'{name:38s} {kind:9s} pipeline {supply:12,.0f} ex/s   step consumes '
               f'{demand:10,.0f} ex/s   ratio {supply / demand:7.1f}', flush=True)
-  out = ROOT / 'benchmarks' / 'results' / 'input_pipeline.json'
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(dict(device=jax.devices()[0].platform, rows=rows), indent=2))
   print(f'wrote {out}')
 

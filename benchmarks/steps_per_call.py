@@ -1,4 +1,4 @@
-"""Whole training runs (train.run, input pipeline and logging included) for several
+"""Whole training runs (dist_ens.train, input pipeline and logging included) for several
 config.train.steps_per_call values, side by side.
 
   python benchmarks/steps_per_call.py [--values 1,10,100] [--members 8] [--steps 2000]
@@ -8,8 +8,9 @@ The compiled step is not the only cost of a step: the host hands over a batch,
 dispatches the step and does the loop's bookkeeping every call. For a small model
 on an accelerator that host work is most of a step; steps_per_call=K runs K steps
 per call (a lax.scan on the device). Each repeat runs every value once, in a
-rotating order, on the first device, and reads the run's own train time (no
-compile, no evaluation) from final_metrics.json; the medians and their ratio to
+rotating order, on the first device, and reads the run's own train time
+(train_seconds: evaluation excluded, the first call's compile included) from
+final_metrics.json; the medians and their ratio to
 steps_per_call=1 are printed and written to
 benchmarks/results/steps_per_call_<platform>.json.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 import jax
 from absl import logging
 
-from dist_ens.training import run as train
+import dist_ens
 from dist_ens.configuration import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,7 +57,7 @@ def main():
       config.train.steps_per_call = k
       workdir = tempfile.mkdtemp(prefix='dist_ens_spc_')
       try:
-        final = train.run(config, workdir, devices=[device])
+        final = dist_ens.train(config, workdir, devices=[device])
       finally:
         shutil.rmtree(workdir, ignore_errors=True)
       seconds[k].append(final['train_seconds'])

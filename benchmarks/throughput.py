@@ -23,7 +23,11 @@ it times one training step of all M members done as
             with --threads intra-op threads (default: all cores, as XLA uses them);
   torch/1t  the same with 1 thread: 2 OpenMP threads lose badly on tiny kernels and
             on a loaded machine, and the peer gets its better setting;
-  FORM@NAME a form of a candidate change of dist_ens given by --candidate NAME=PATH.
+  FORM@NAME a form of a candidate change of dist_ens given by --candidate NAME=PATH
+            (a changed copy of dist_ens/core/step.py, or a folder with changed copies
+            of core/step.py and/or parallel/strategy.py; see load_candidate).
+Every dist_ens variant is built as training builds it: dist_ens.assemble.build_parts,
+init_sharded and build_step, called as step(state, parts.device_hparams(), x, y).
 Everything runs on ONE device (jax.devices()[:1]): on a CPU, fake devices split the
 same cores, so they add overhead, not compute.
 
@@ -127,22 +131,21 @@ def train_flops(spec: ModelSpec) -> tuple[int, int]:
 # M members and returns something to block on.
 
 
-def _jax_setup(spec: ModelSpec):
+def _jax_setup(spec: ModelSpec, members: int = 1):
+  """(config, parts) of this cell, built as training builds them (dist_ens.assemble)."""
   import jax
-  from dist_ens import models
-  from dist_ens.parallel import mesh as mesh_lib
-  from dist_ens.core import optim
+  from dist_ens import assemble
   from dist_ens.configuration import load_config
   config = load_config(ROOT / 'configs' / 'default.py')
+  config.num_members = members
+  config.data.batch_size = BATCH
   config.model.update(spec.model)
   if CONV_IMPL:
     config.model.conv_impl = CONV_IMPL
   config.optim.learning_rate = LEARNING_RATE
   config.optim.weight_decay = 0.0  # Plain Adam, as torch.optim.Adam.
-  model = models.get_model(config.model, NUM_CLASSES)
-  tx = optim.make_optimizer(config.optim, 1000)
-  mesh = mesh_lib.make_mesh(config.mesh, jax.devices()[:1])
-  return config, model, tx, mesh
+  mesh = assemble.build_mesh(config, jax.devices()[:1])
+  return config, assemble.build_parts(config, mesh, spec.input_shape, NUM_CLASSES)
 
 
 def _batch(spec: ModelSpec, seed: int = 0):
@@ -153,43 +156,58 @@ def _batch(spec: ModelSpec, seed: int = 0):
   return x, y
 
 
+def make_step(parts: Any, form: tuple[str, int | None], step_module: Any = None) -> Any:
+  """assemble.build_step for a shared batch, with `step_module`'s make_train_step if given.
+
+  `step_module`: a candidate copy of dist_ens/core/step.py (see --candidate); its
+  make_train_step stands in for the installed one while assemble wires the step, so a
+  candidate is built exactly as training builds the installed step.
+  """
+  from unittest import mock
+  from dist_ens import assemble
+  if step_module is None:
+    return assemble.build_step(parts, per_member_batches=False, form=form)
+  with mock.patch.object(assemble, 'make_train_step', step_module.make_train_step):
+    return assemble.build_step(parts, per_member_batches=False, form=form)
+
+
 def build_dist_ens(spec: ModelSpec, members: int, parallelism: str,
                    map_batch_size: int | None, step_module: Any = None) -> Callable[[], Any]:
-  """dist_ens's own step (make_train_step) on a 1-device mesh.
+  """dist_ens's own step (assemble.build_step) on a 1-device mesh.
 
-  `step_module`: a module with the same make_train_step/init_state (a candidate
-  change of dist_ens/step.py, see --candidate); default dist_ens.step.
+  `step_module`: a module with the same make_train_step (a candidate change of
+  dist_ens/core/step.py, see --candidate); default the installed dist_ens.core.step.
   """
   import jax
+  from dist_ens import assemble
   from dist_ens.parallel import mesh as mesh_lib
-  from dist_ens.training import step as default_step
-  step_module = step_module or default_step
-  init_state, make_train_step = step_module.init_state, step_module.make_train_step
-  _, model, tx, mesh = _jax_setup(spec)
-  step = make_train_step(model, tx, mesh, member_parallelism=parallelism,
-                         map_batch_size=map_batch_size)
-  state = jax.jit(lambda: init_state(model, tx, 0, members, spec.input_shape),
-                  out_shardings=mesh_lib.member_sharding(mesh))()
-  x, y = (jax.device_put(a, mesh_lib.batch_sharding(mesh)) for a in _batch(spec))
+  _, parts = _jax_setup(spec, members)
+  step = make_step(parts, (parallelism, map_batch_size), step_module)
+  state = assemble.init_sharded(parts)
+  hparams = parts.device_hparams()
+  x, y = (jax.device_put(a, mesh_lib.batch_sharding(parts.mesh)) for a in _batch(spec))
   holder = [state]
 
   def run():
-    holder[0], metrics = step(holder[0], x, y)
+    holder[0], metrics = step(holder[0], hparams, x, y)
     return metrics.loss
   return run
 
 
 def build_auto(spec: ModelSpec, members: int) -> Callable[[], Any]:
   """The step that config.ensemble.member_parallelism='auto' gives this cell."""
-  import jax
-  from dist_ens.parallel import strategy as parallelism
-  config, model, _, _ = _jax_setup(spec)
-  config.num_members = members
-  form, chunk = parallelism.resolve(
-      config.ensemble, config.model.name, jax.devices()[0].platform, members_per_device=members,
-      member_activation_bytes=lambda: parallelism.activation_bytes(model, spec.input_shape,
-                                                                   BATCH))
+  from dist_ens import assemble
+  config, parts = _jax_setup(spec, members)
+  form, chunk = assemble.member_form(parts, config.data.batch_size)
   return build_dist_ens(spec, members, form, chunk)
+
+
+def _plain_state(spec: ModelSpec, members: int):
+  """(model, one member's optax transformation, the stacked initial state, unsharded)."""
+  import jax
+  _, parts = _jax_setup(spec, members)
+  # Every member has the config's scalars (no sweep): optimizer(None) reads them.
+  return parts.model, parts.optimizer(None), jax.jit(parts.init)()
 
 
 def build_loop(spec: ModelSpec, members: int) -> Callable[[], Any]:
@@ -197,25 +215,30 @@ def build_loop(spec: ModelSpec, members: int) -> Callable[[], Any]:
   import jax
   import optax
   from dist_ens.ensembles.stacking import unstack
-  from dist_ens.training.step import cross_entropy, init_state
-  _, model, tx, _ = _jax_setup(spec)
-  stacked = jax.jit(lambda: init_state(model, tx, 0, members, spec.input_shape))()
-  states = [jax.device_put(s) for s in zip(unstack(stacked.params), unstack(stacked.opt_state))]
+  from dist_ens.core.losses import cross_entropy
+  model, tx, stacked = _plain_state(spec, members)
 
-  def update(params, opt_state, x, y):
+  def per_member(tree):  # unstack(), or M copies of a leafless tree (a model without state).
+    return unstack(tree) if jax.tree.leaves(tree) else [tree] * members
+  states = [jax.device_put(s) for s in zip(per_member(stacked.params),
+                                           per_member(stacked.model_state),
+                                           per_member(stacked.opt_state))]
+
+  def update(params, model_state, opt_state, x, y):
     def loss_fn(p):
-      return cross_entropy(model.apply(p, x, train=True), y)
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+      logits, new_state = model.apply(p, model_state, x, train=True)
+      return cross_entropy(logits, y), new_state
+    (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  update = jax.jit(update, donate_argnums=(0, 1))
+    return optax.apply_updates(params, updates), model_state, opt_state, loss
+  update = jax.jit(update, donate_argnums=(0, 1, 2))
   x, y = (jax.device_put(a, jax.devices()[0]) for a in _batch(spec))
 
   def run():
     loss = None
-    for i, (params, opt_state) in enumerate(states):
-      params, opt_state, loss = update(params, opt_state, x, y)
-      states[i] = (params, opt_state)
+    for i, member_state in enumerate(states):
+      *member_state, loss = update(*member_state, x, y)
+      states[i] = tuple(member_state)
     return loss
   return run
 
@@ -228,22 +251,24 @@ def build_bare_vmap(spec: ModelSpec, members: int) -> Callable[[], Any]:
   """
   import jax
   import optax
-  from dist_ens.training.step import cross_entropy, init_state
-  _, model, tx, _ = _jax_setup(spec)
-  state = jax.jit(lambda: init_state(model, tx, 0, members, spec.input_shape))()
+  from dist_ens.core.losses import cross_entropy
+  model, tx, state = _plain_state(spec, members)
 
-  def member_update(params, opt_state, x, y):
-    loss, grads = jax.value_and_grad(
-        lambda p: cross_entropy(model.apply(p, x, train=True), y))(params)
+  def member_update(params, model_state, opt_state, x, y):
+    def loss_fn(p):
+      logits, new_state = model.apply(p, model_state, x, train=True)
+      return cross_entropy(logits, y), new_state
+    (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-  update = jax.jit(jax.vmap(member_update, in_axes=(0, 0, None, None)), donate_argnums=(0, 1))
+    return optax.apply_updates(params, updates), model_state, opt_state, loss
+  update = jax.jit(jax.vmap(member_update, in_axes=(0, 0, 0, None, None)),
+                   donate_argnums=(0, 1, 2))
   x, y = (jax.device_put(a, jax.devices()[0]) for a in _batch(spec))
-  holder = [(state.params, state.opt_state)]
+  holder = [(state.params, state.model_state, state.opt_state)]
 
   def run():
-    params, opt_state, loss = update(*holder[0], x, y)
-    holder[0] = (params, opt_state)
+    *member_state, loss = update(*holder[0], x, y)
+    holder[0] = tuple(member_state)
     return loss
   return run
 
@@ -257,9 +282,8 @@ def build_wide_first_layer(spec: ModelSpec, members: int) -> Callable[[], Any]:
   import jax
   import jax.numpy as jnp
   import optax
-  from dist_ens.training.step import cross_entropy, init_state
-  _, model, tx, _ = _jax_setup(spec)
-  state = jax.jit(lambda: init_state(model, tx, 0, members, spec.input_shape))()
+  from dist_ens.core.losses import cross_entropy
+  _, tx, state = _plain_state(spec, members)
 
   def logits_all(params, x):
     w1, b1 = params[0]['w'], params[0]['b']  # [M, in, h], [M, h]
@@ -424,37 +448,60 @@ def time_side_by_side(runs: dict[str, Callable[[], Any]], repeats: int,
   return times, first
 
 
+# A candidate's files, in load order: a changed strategy.py is loaded first so that the
+# candidate step.py (which imports over_members from it) picks it up.
+CANDIDATE_MODULES = (('dist_ens.parallel.strategy', ('parallel/strategy.py', 'strategy.py')),
+                     ('dist_ens.core.step', ('core/step.py', 'step.py')))
+
+
 def load_candidate(path: str) -> Any:
   """A candidate change of dist_ens, for an A/B run against the installed one.
 
-  `path` is a copy of dist_ens/step.py, or a folder holding changed copies of
-  dist_ens/ensemble.py and/or step.py (step.py then imports the changed ensemble.py).
-  Returns the candidate step module.
+  `path` is a copy of dist_ens/core/step.py, or a folder holding changed copies of
+  dist_ens/parallel/strategy.py and/or dist_ens/core/step.py (as strategy.py and
+  step.py, or under parallel/ and core/ as in the package). The candidate step.py
+  then imports the candidate strategy.py (its over_members); with only a strategy.py,
+  the installed step.py is loaded again against it. Everything else is the installed
+  package, and the installed modules stay in place for the other variants.
+  Returns the candidate step module; its `candidate_forms` are the member
+  parallelisms of its strategy (MEMBER_PARALLELISM).
   """
   import importlib.util
-  import dist_ens  # noqa: F401  # The real package first, so candidates import only leaves.
-  folder = Path(path) if Path(path).is_dir() else None
-  files = ([('ensemble', folder / 'ensemble.py'), ('step', folder / 'step.py')] if folder
-           else [('step', Path(path))])
-  saved = {name: sys.modules.get(f'dist_ens.{name}') for name, _ in files}
+  import dist_ens.core.step as installed_step  # The real package first: candidates import
+  import dist_ens.parallel.strategy as installed_strategy  # only its leaves.
+  root = Path(path)
+  if root.is_dir():
+    files = {}
+    for name, candidates in CANDIDATE_MODULES:
+      found = [root / c for c in candidates if (root / c).exists()]
+      if found:
+        files[name] = found[0]
+    if not files:
+      raise ValueError(f'--candidate {path}: no step.py or strategy.py there (copy '
+                       'dist_ens/core/step.py and/or dist_ens/parallel/strategy.py).')
+    files.setdefault('dist_ens.core.step', Path(installed_step.__file__))
+  elif root.exists():
+    files = {'dist_ens.core.step': root}
+  else:
+    raise ValueError(f'--candidate {path}: no such file or folder.')
+  saved = {name: sys.modules.get(name) for name, _ in CANDIDATE_MODULES}
   loaded = {}
   try:
-    for name, file in files:
-      if not file.exists():
+    for name, _ in CANDIDATE_MODULES:  # strategy first, then step.
+      if name not in files:
         continue
-      spec = importlib.util.spec_from_file_location(f'dist_ens.{name}', file)
+      spec = importlib.util.spec_from_file_location(name, files[name])
       module = importlib.util.module_from_spec(spec)
-      sys.modules[f'dist_ens.{name}'] = module  # Seen by the next file's imports.
+      sys.modules[name] = module  # Seen by the next file's imports.
       spec.loader.exec_module(module)
       loaded[name] = module
   finally:
     for name, module in saved.items():
       if module is not None:
-        sys.modules[f'dist_ens.{name}'] = module
-  step = loaded.get('step')
-  if step is None:
-    raise ValueError(f'--candidate {path}: no step.py there (copy dist_ens/step.py too).')
-  step.candidate_forms = getattr(loaded.get('ensemble'), 'MEMBER_PARALLELISM', ('vmap', 'map'))
+        sys.modules[name] = module
+  step = loaded['dist_ens.core.step']
+  strategy = loaded.get('dist_ens.parallel.strategy', installed_strategy)
+  step.candidate_forms = tuple(strategy.MEMBER_PARALLELISM)
   return step
 
 
@@ -517,9 +564,11 @@ def main(argv: list[str] | None = None) -> None:
                       help='only these variants (e.g. vmap,loop); default: all')
   parser.add_argument('--no_torch', action='store_true')
   parser.add_argument('--candidate', action='append', default=[],
-                      help='NAME=PATH: also time a candidate change of dist_ens (a step.py, or a '
-                      'folder with step.py and ensemble.py) as vmap@NAME, map@NAME, '
-                      'map/K@NAME and any other form its ensemble.py adds (A/B of a patch)')
+                      help='NAME=PATH: also time a candidate change of dist_ens (a copy of '
+                      'dist_ens/core/step.py, or a folder with step.py and/or strategy.py, '
+                      'copies of dist_ens/core/step.py and dist_ens/parallel/strategy.py) as '
+                      'vmap@NAME, map@NAME, map/K@NAME and any other form its strategy.py '
+                      'adds to MEMBER_PARALLELISM (A/B of a patch)')
   parser.add_argument('--threads', type=int, default=os.cpu_count(),
                       help='torch intra-op threads (default: all cores, as XLA uses)')
   parser.add_argument('--batch', type=int, default=BATCH, help='examples per member per step')
