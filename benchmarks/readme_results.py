@@ -1,0 +1,97 @@
+"""The README's results table: train the default config and configs/mnist1d_cnn.py as they
+are, with the current code, and print one Markdown table.
+
+  python benchmarks/readme_results.py                 # both configs, a few minutes on 2 CPU cores
+  python benchmarks/readme_results.py --configs default --steps 200   # a quick look
+
+Each config is trained by `dist_ens.train` into a fresh /tmp workdir on whatever devices
+exist (seed 0, nothing overridden unless --steps is given). Per config the table has the
+mean over members and the ensemble (mean of the members' probabilities) of test accuracy,
+NLL and ECE, and the training time (`train_seconds`: wall time of the loop, evaluation left
+out, compilation included). Writes benchmarks/results/readme_results.json.
+"""
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault('MPLBACKEND', 'Agg')
+
+import jax  # pylint: disable=g-import-not-at-top
+import numpy as np
+
+import dist_ens
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = {'default': ROOT / 'configs' / 'default.py',
+           'mnist1d_cnn': ROOT / 'configs' / 'mnist1d_cnn.py'}
+METRICS = ('accuracy', 'nll', 'ece')
+
+
+def _member_mean(final: dict, metric: str) -> float:
+  frozen = set(final.get('frozen_members', []))
+  values = [v for i, v in enumerate(final['members'][metric]) if i not in frozen and v is not None]
+  return float(np.mean(values))
+
+
+def run(name: str, steps: int | None) -> dict:
+  config = dist_ens.load_config(CONFIGS[name])
+  if steps:
+    config.train.steps = steps
+    config.train.eval_every = 0
+    config.train.log_every = min(config.train.log_every, steps)
+    config.checkpoint.every = steps
+  workdir = tempfile.mkdtemp(prefix=f'readme_results_{name}_')
+  start = time.perf_counter()
+  final = dist_ens.train(config, workdir)
+  wall = time.perf_counter() - start
+  row = {'config': f'configs/{CONFIGS[name].name}', 'workdir': workdir,
+         'num_members': config.num_members, 'model': config.model.name,
+         'steps': config.train.steps, 'train_seconds': final['train_seconds'],
+         'wall_seconds': wall, 'frozen_members': final['frozen_members']}
+  for metric in METRICS:
+    row[f'member_mean_{metric}'] = _member_mean(final, metric)
+    row[f'ensemble_{metric}'] = float(final['ensemble'][metric])
+  return row
+
+
+def table(rows: list[dict]) -> str:
+  lines = ['| config | members | steps | accuracy: member mean / ensemble | NLL: member mean / '
+           'ensemble | ECE: member mean / ensemble | training time |',
+           '|---|---|---|---|---|---|---|']
+  for r in rows:
+    cells = [f'`{r["config"]}` ({r["model"]})', str(r['num_members']), f'{r["steps"]:,}']
+    for metric in METRICS:
+      cells.append(f'{r[f"member_mean_{metric}"]:.3f} / {r[f"ensemble_{metric}"]:.3f}')
+    cells.append(f'{r["train_seconds"]:.0f} s')
+    lines.append('| ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--configs', default='default,mnist1d_cnn',
+                      help=f'comma-separated, from {sorted(CONFIGS)}')
+  parser.add_argument('--steps', type=int, default=0, help='override train.steps (0: the config\'s)')
+  parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'readme_results.json'))
+  args = parser.parse_args()
+  rows = [run(name, args.steps) for name in args.configs.split(',')]
+  devices = jax.devices()
+  out = {'rows': rows, 'markdown': table(rows),
+         'devices': f'{len(devices)} x {devices[0].platform} ({devices[0].device_kind})',
+         'cpu_count': os.cpu_count(), 'machine': platform.machine(), 'python': sys.version.split()[0],
+         'jax': jax.__version__, 'dist_ens': dist_ens.__version__,
+         'date': time.strftime('%Y-%m-%d')}
+  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+  Path(args.out).write_text(json.dumps(out, indent=2) + '\n')
+  print(out['markdown'])
+  print(f'\n{out["devices"]}, {out["cpu_count"]} CPU cores; wrote {args.out}')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,197 @@
+"""Writes docs/config.md, the configuration reference, from configs/default.py.
+
+  python tools/gen_config_doc.py            # regenerate docs/config.md
+  python tools/gen_config_doc.py --check    # exit 1 if docs/config.md is stale
+
+Every field that get_config() assigns becomes a row: its dotted name, its default (the
+value get_config() returns) and its comment (the comment lines right above the
+assignment, then the one beside it). A comment above a section's assignment
+(`config.mesh = ...`) introduces the section. Fields built with `per_member(...)`
+are marked "per member". tests/test_config_doc.py fails when the committed file
+differs from what this prints, so the reference cannot go stale: edit the comments in
+configs/default.py and rerun this script.
+
+Only the standard library and ml_collections are needed: the config file is loaded
+as a module, never through dist_ens.
+"""
+
+import argparse
+import ast
+import importlib.util
+import io
+import sys
+import tokenize
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / 'configs' / 'default.py'
+OUT = ROOT / 'docs' / 'config.md'
+
+
+# What a field means where configs/default.py gives it no comment of its own (a
+# comment there always wins; add one there rather than here).
+_UNCOMMENTED = {
+    'seed': 'Everything random (init, data order, dropout, random sweep values) derives from '
+            'it and the member index.',
+    'num_members': 'M, the ensemble size; must be divisible by mesh.member.',
+    'mesh.member': 'Devices along the member axis: members are split over them.',
+    'mesh.data': "Devices along the data axis: each member's batch is split over them.",
+    'mesh.hosts_along': "'member' or 'data': the axis laid out across processes (docs/multihost.md).",
+    'model.kwargs': 'Keyword arguments for model.factory.',
+    'ensemble.member_parallelism': "'auto', 'vmap' or 'map'.",
+    'ensemble.map_batch_size': "Members vmapped together per lax.map step with 'map' (0: one at a time).",
+    'data.std': 'Per-channel standard deviations (with data.mean).',
+    'optim.decay_mask': "Which leaves weight_decay applies to: 'kernels' or 'all' (see weight_decay).",
+    'optim.b2': "Adam's second-moment decay.",
+    'optim.eps': "Adam's epsilon.",
+    'optim.nesterov': 'Nesterov momentum for sgd.',
+    'optim.warmup_steps': 'Linear warmup from 0 to the peak learning rate before the schedule.',
+    'train.steps': 'Training steps (each member sees data.batch_size examples per step).',
+    'train.label_smoothing': 'Label smoothing of the cross-entropy.',
+    'train.log_every': 'Steps between train log lines and metrics events.',
+    'select.metric': 'Validation metric members are ranked by.',
+    'select.top_k': 'Size of the selected ensemble; 0 = no selection.',
+}
+
+
+def _load_config(path: Path) -> ml_collections.ConfigDict:
+  spec = importlib.util.spec_from_file_location('_dist_ens_default_config', path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
+def _comments(source: str) -> dict[int, tuple[str, bool]]:
+  """line -> (comment text, whether the line holds only the comment)."""
+  out = {}
+  lines = source.splitlines()
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type == tokenize.COMMENT:
+      row, col = tok.start
+      alone = not lines[row - 1][:col].strip()
+      out[row] = (tok.string.lstrip('#').strip(), alone)
+  return out
+
+
+def _dotted(node: ast.expr) -> str | None:
+  """'model.name' for `config.model.name`; None for anything else."""
+  parts = []
+  while isinstance(node, ast.Attribute):
+    parts.append(node.attr)
+    node = node.value
+  if isinstance(node, ast.Name) and node.id == 'config' and parts:
+    return '.'.join(reversed(parts))
+  return None
+
+
+def _comment_for(stmt: ast.stmt, comments: dict[int, tuple[str, bool]]) -> str:
+  above = []
+  row = stmt.lineno - 1
+  while row in comments and comments[row][1]:
+    above.insert(0, comments[row][0])
+    row -= 1
+  beside = [comments[r][0] for r in range(stmt.lineno, stmt.end_lineno + 1)
+            if r in comments and not comments[r][1]]
+  return ' '.join(above + beside).strip()
+
+
+def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
+  value = config
+  for part in dotted.split('.'):
+    value = value[part]
+  return value
+
+
+def _leaves(value: Any, prefix: str) -> list[tuple[str, Any]]:
+  if isinstance(value, ml_collections.ConfigDict) and len(value):
+    out = []
+    for key in value.keys():
+      out += _leaves(value[key], f'{prefix}.{key}')
+    return out
+  return [(prefix, value)]
+
+
+def _format(value: Any) -> str:
+  if isinstance(value, ml_collections.ConfigDict):
+    return '`{}`'
+  return f'`{value!r}`'
+
+
+def _cell(text: str) -> str:
+  return text.replace('|', '\\|')
+
+
+def generate(config_path: Path = CONFIG) -> str:
+  """The Markdown of docs/config.md for the config file at `config_path`."""
+  source = config_path.read_text()
+  tree = ast.parse(source)
+  comments = _comments(source)
+  config = _load_config(config_path)
+  get_config = next(n for n in tree.body
+                    if isinstance(n, ast.FunctionDef) and n.name == 'get_config')
+  sections: dict[str, dict[str, Any]] = {'': {'intro': '', 'rows': []}}
+  for stmt in get_config.body:
+    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
+      continue
+    name = _dotted(stmt.targets[0])
+    if name is None:
+      continue
+    comment = _comment_for(stmt, comments) or _UNCOMMENTED.get(name, '')
+    per_member = 'per_member(' in ast.get_source_segment(source, stmt.value)
+    value = _get(config, name)
+    if '.' not in name and isinstance(value, ml_collections.ConfigDict):
+      section = sections.setdefault(name, {'intro': '', 'rows': []})
+      section['intro'] = comment
+      for leaf, leaf_value in _leaves(value, name):
+        # Fields given inline (config.mesh = ConfigDict(dict(...))) have no own line.
+        if isinstance(stmt.value, ast.Call) and stmt.value.args:
+          section['rows'].append((leaf, leaf_value, _UNCOMMENTED.get(leaf, ''), False))
+      continue
+    section = name.split('.')[0] if '.' in name else ''
+    sections.setdefault(section, {'intro': '', 'rows': []})['rows'].append(
+        (name, value, comment, per_member))
+
+  doc = ast.get_docstring(tree) or ''
+  out = ['# Configuration reference', '',
+         '<!-- Generated by tools/gen_config_doc.py from configs/default.py: do not edit by hand. '
+         'Edit the comments there and rerun the script (tests/test_config_doc.py checks). -->', '',
+         'Every field of `configs/default.py`, its default and what it means. Override any of '
+         'them on the command line (`--config.optim.learning_rate=3e-3`) or in Python '
+         '(`config.optim.learning_rate = 3e-3`). Fields marked **per member** take a number, a '
+         'list of `num_members` numbers or a sweep spec (see [sweeps.md](sweeps.md)).', '']
+  if doc:
+    out += ['From the file\'s docstring:', '', '```', doc, '```', '']
+  for key, section in sections.items():
+    if not section['rows']:
+      continue
+    out += [f'## `{key}`' if key else '## Top level', '']
+    if section['intro']:
+      out += [section['intro'], '']
+    out += ['| field | default | meaning |', '|---|---|---|']
+    for name, value, comment, per_member in section['rows']:
+      meaning = ('**per member.** ' if per_member else '') + comment
+      out.append(f'| `{name}` | {_cell(_format(value))} | {_cell(meaning)} |')
+    out.append('')
+  return '\n'.join(out)
+
+
+def main() -> int:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--check', action='store_true', help='exit 1 if docs/config.md is stale')
+  args = parser.parse_args()
+  text = generate()
+  if args.check:
+    if not OUT.exists() or OUT.read_text() != text:
+      print(f'{OUT} is stale: run python tools/gen_config_doc.py', file=sys.stderr)
+      return 1
+    return 0
+  OUT.write_text(text)
+  print(f'wrote {OUT}')
+  return 0
+
+
+if __name__ == '__main__':
+  sys.exit(main())
