@@ -1,16 +1,21 @@
-"""Model registry: config.model.name -> a constructor of a pure single-member model.
+"""Models: the built-in registry (config.model.name) or a user's factory (config.model.factory).
 
 Every model is a `Model(init, apply)` pair of pure functions over one member's
 parameters; dist_ens vmaps them over the member axis itself, so a model never
-knows it is part of an ensemble.
+knows it is part of an ensemble. A user's own model is named by import path,
+config.model.factory = 'my_pkg.nets:make_net', called with config.model.kwargs and
+adapted by dist_ens.core.adapters (Flax linen / NNX, Equinox, Haiku or plain JAX).
 """
 
+import importlib
 from collections.abc import Callable
+from typing import Any
 
 import ml_collections
 
+from dist_ens.core import adapters
+from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
-from dist_ens.models.base import Model
 from dist_ens.models.cnn import make_cnn
 from dist_ens.models.mlp import make_mlp
 
@@ -21,8 +26,56 @@ MODELS: dict[str, Callable[[ml_collections.ConfigDict, int], Model]] = {
 }
 
 
+def import_factory(path: str) -> Callable[..., Any]:
+  """The callable that an import path 'package.module:attribute' names.
+
+  Example:
+    >>> import_factory('examples.plain_jax:make_model').__name__
+    'make_model'
+
+  Raises:
+    ConfigError: the path is malformed, its module does not import or lacks the
+      attribute; the message names config.model.factory and the cause in one line.
+  """
+  module_name, sep, attribute = path.partition(':')
+  if not sep or not module_name or not attribute:
+    raise ConfigError(f"config.model.factory={path!r} must be an import path "
+                      "'package.module:factory', e.g. 'my_pkg.nets:make_net'.")
+  try:
+    obj = importlib.import_module(module_name)
+  except ImportError as e:
+    raise ConfigError(f'config.model.factory={path!r} cannot be imported: '
+                      f'{type(e).__name__}: {e}') from None
+  for part in attribute.split('.'):
+    if not hasattr(obj, part):
+      raise ConfigError(f'config.model.factory={path!r}: {module_name} has no attribute '
+                        f'{attribute!r}.')
+    obj = getattr(obj, part)
+  if not callable(obj):
+    raise ConfigError(f'config.model.factory={path!r} is a {type(obj).__name__}, not callable.')
+  return obj
+
+
+def _factory_model(model_config: ml_collections.ConfigDict, num_classes: int) -> Model:
+  """The Model of config.model.factory called with config.model.kwargs."""
+  factory = import_factory(model_config.factory)
+  kwargs = model_config.get('kwargs') or {}
+  kwargs = kwargs.to_dict() if isinstance(kwargs, ml_collections.ConfigDict) else dict(kwargs)
+  try:
+    return adapters.to_model(factory, num_classes, kwargs=kwargs)
+  except TypeError as e:
+    raise ConfigError(f'config.model.factory={model_config.factory!r} with config.model.kwargs='
+                      f'{kwargs!r} does not make a model: {e}') from e
+
+
 def get_model(model_config: ml_collections.ConfigDict, num_classes: int) -> Model:
-  """Builds the model that `model_config.name` names."""
+  """The model config.model.factory names (if set), else the built-in config.model.name.
+
+  A factory gets num_classes as a keyword when its signature has a `num_classes`
+  parameter and config.model.kwargs does not set it (dist_ens.core.adapters).
+  """
+  if model_config.get('factory'):
+    return _factory_model(model_config, num_classes)
   try:
     constructor = MODELS[model_config.name]
   except KeyError:
@@ -32,4 +85,4 @@ def get_model(model_config: ml_collections.ConfigDict, num_classes: int) -> Mode
   return constructor(model_config, num_classes)
 
 
-__all__ = ['MODELS', 'Model', 'get_model', 'make_cnn', 'make_mlp']
+__all__ = ['MODELS', 'Model', 'get_model', 'import_factory', 'make_cnn', 'make_mlp']
