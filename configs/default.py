@@ -30,7 +30,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh = ml_collections.ConfigDict(dict(member=-1, data=1, hosts_along='member'))
 
   config.model = ml_collections.ConfigDict()
-  config.model.name = 'mlp'
+  config.model.name = 'mlp'  # a built-in model (dist_ens/models), used when factory is ''
+  # Your own model by import path, 'my_pkg.nets:make_net', called with model.kwargs
+  # (see "Your own model, data and optimizer" in README.md); '' = model.name.
+  config.model.factory = ''
+  config.model.kwargs = ml_collections.ConfigDict()
   config.model.widths = (256, 256)  # mlp hidden widths
   config.model.channels = (25, 25, 25)  # cnn conv channels,
   config.model.kernel_sizes = (5, 3, 3)  # kernel sizes
@@ -65,7 +69,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim = ml_collections.ConfigDict()
   config.optim.name = 'adam'  # 'adam' (AdamW when weight_decay > 0) or 'sgd'
   config.optim.learning_rate = per_member(1e-3)  # peak learning rate
-  config.optim.weight_decay = per_member(0.1)  # decoupled (AdamW); curbs overfitting
+  # Decoupled weight decay for every optimizer: each step subtracts lr * weight_decay * w
+  # (AdamW; SGDW for sgd) from the leaves decay_mask names: 'kernels' (weight matrices
+  # and conv kernels; no biases or normalisation scales) or 'all'.
+  config.optim.weight_decay = per_member(0.1)
+  config.optim.decay_mask = 'kernels'
   config.optim.b1 = per_member(0.9)  # adam
   config.optim.b2 = 0.999
   config.optim.eps = 1e-8
@@ -77,6 +85,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.train = ml_collections.ConfigDict()
   config.train.steps = 2000
+  # 'cross_entropy' (softmax, with label_smoothing), or your own by import path,
+  # 'my_pkg.losses:fn' with fn(logits, labels, hparams) -> mean loss (dist_ens/core/losses.py).
+  config.train.loss = 'cross_entropy'
   config.train.label_smoothing = per_member(0.0)
   config.train.log_every = 250
   config.train.eval_every = 1000  # 0: evaluate only at the end
@@ -92,6 +103,14 @@ def get_config() -> ml_collections.ConfigDict:
   # A member whose loss or gradient goes non-finite: 'freeze' it and train the
   # others on, or 'stop' (save, then exit with an error).
   config.train.on_nonfinite = 'freeze'
+  # Trace this many steps with jax.profiler after the first log_every steps, to
+  # workdir/profile (open with TensorBoard's profile plugin); 0 = off.
+  config.train.profile_steps = 0
+
+  # Where events go: 'jsonl' (metrics.jsonl), 'csv' (csv/<split>.csv), 'tensorboard',
+  # 'wandb' (pip install wandb; WANDB_MODE=offline keeps it local) or your own writer
+  # class by import path, 'my_pkg.sinks:MyWriter' (dist_ens/io/writers.py).
+  config.writers = ('jsonl', 'tensorboard')
 
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every = 500  # steps between (asynchronous) checkpoints; also at the end

@@ -1,9 +1,17 @@
-"""dist_ens: train ensembles of neural networks as one sharded, vmapped JAX program."""
+"""dist_ens: train ensembles of neural networks as one sharded, vmapped JAX program.
 
-from dist_ens.ensembles.stacking import init_members, member_keys, num_members, stack, unstack
-from dist_ens.errors import ConfigError
+  config = dist_ens.load_config('configs/default.py')
+  results = dist_ens.train(config, '/tmp/run')
+  ensemble = dist_ens.Ensemble.load('/tmp/run')
+"""
+
+from dist_ens.configuration import load_config
+from dist_ens.core.model import Model
+from dist_ens.ensembles.stacking import num_members, stack, unstack
+from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.inference import Ensemble
+from dist_ens.training import Action, Context, PeriodicAction, every, train
 
-__all__ = ['ConfigError', 'Ensemble', 'init_members', 'member_keys', 'num_members', 'stack',
-           'unstack']
-__version__ = '0.1.0'
+__all__ = ['Action', 'ConfigError', 'Context', 'Ensemble', 'Model', 'PeriodicAction',
+           'TrainingError', 'every', 'load_config', 'num_members', 'stack', 'train', 'unstack']
+__version__ = '0.2.0'

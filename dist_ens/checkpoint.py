@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -22,41 +23,63 @@ from dist_ens.errors import ConfigError
 # they change how long or how verbosely a run goes, or the topology (restores
 # reshard), not what is being trained.
 ALWAYS_COMPATIBLE = ('train.steps', 'train.log_every', 'train.eval_every', 'train.sync_every',
-                     'train.steps_per_call', 'checkpoint', 'eval', 'mesh')
+                     'train.steps_per_call', 'train.profile_steps', 'checkpoint', 'eval', 'mesh',
+                     'writers')
 # Fields that define what the checkpoint holds: never restorable across a change.
 NEVER_COMPATIBLE = ('num_members', 'model', 'data.name')
+
+
+# Version of what a checkpoint holds. 2: TrainState(params, model_state, opt_state,
+# frozen, step) with per-member hyperparameters outside the optimizer state.
+# Checkpoints without a version (dist_ens 0.1) hold the old layout.
+FORMAT = 2
 
 
 class Restored(NamedTuple):
   step: int
   state: Any
   data_state: IteratorState
+  meta: dict[str, Any]  # What save() was given as `meta`, plus 'step', 'data', 'format'.
 
 
 def _matches(field: str, patterns: tuple[str, ...]) -> bool:
   return any(field == p or field.startswith(p + '.') for p in patterns)
 
 
-def check_compatible(differing: list[str], restore_incompatible: str) -> None:
+def check_compatible(differing: list[str], restore_incompatible: str,
+                     steps_shape_schedule: bool = False) -> None:
   """Refuses a resume whose config differs in fields that were not explicitly allowed.
 
   Args:
     differing: dotted names of the fields in which the saved and new configs differ.
     restore_incompatible: config.checkpoint.restore_incompatible, a comma-separated
       list of fields (or prefixes such as 'optim') the user allows to differ.
+    steps_shape_schedule: the learning-rate schedule depends on train.steps (decay or
+      warmup): changing it would rewrite the decay of the steps already taken, so it
+      must be allowed explicitly.
   """
   allowed = tuple(p.strip() for p in restore_incompatible.split(',') if p.strip())
+  always = tuple(f for f in ALWAYS_COMPATIBLE if not (steps_shape_schedule and f == 'train.steps'))
   never = [f for f in differing if _matches(f, NEVER_COMPATIBLE)]
   if never:
     raise ConfigError(
         f'the workdir holds a checkpoint of a different ensemble (differing fields: '
         f'{", ".join(never)}); these cannot change on resume; use a new --workdir.')
-  refused = [f for f in differing if not _matches(f, ALWAYS_COMPATIBLE + allowed)]
+  refused = [f for f in differing if not _matches(f, always + allowed)]
   if refused:
+    why = (' (train.steps shapes the learning-rate schedule: the steps already taken would '
+           'have decayed differently)' if 'train.steps' in refused else '')
     raise ConfigError(
-        f'the workdir holds a run whose config differs in {", ".join(refused)}; to resume '
+        f'the workdir holds a run whose config differs in {", ".join(refused)}{why}; to resume '
         f'with the new values anyway pass --config.checkpoint.restore_incompatible='
         f'{",".join(refused)}, or use a new --workdir.')
+
+
+def _split(state: Any) -> tuple[dict[str, Any], Any]:
+  """(what a model needs, the optimizer state): saved as two items, so that loading an
+  ensemble for inference never needs to rebuild the optimizer."""
+  return ({'params': state.params, 'model_state': state.model_state, 'frozen': state.frozen,
+           'step': state.step}, state.opt_state)
 
 
 class Checkpointer:
@@ -64,44 +87,95 @@ class Checkpointer:
 
   def __init__(self, directory: Path, every: int, keep: int):
     self._every = every
+    self._directory = directory
     self._manager = ocp.CheckpointManager(
         directory.absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                              create=True))
+    self._unreadable: set[int] = set()  # Steps restore() found corrupt: save() replaces them.
     self.blocking_seconds = 0.0  # Time the loop spent waiting on saves.
 
-  def latest(self) -> int | None:
-    return self._manager.latest_step()
+  def save(self, step: int, state: Any, data_state: IteratorState, force: bool = False,
+           meta: dict[str, Any] | None = None) -> bool:
+    """Starts an asynchronous save if `step` is due (or `force`); returns whether it did.
 
-  def save(self, step: int, state: Any, data_state: IteratorState, force: bool = False) -> bool:
-    """Starts an asynchronous save if `step` is due (or `force`); returns whether it did."""
+    `meta` (JSON-able, e.g. the training time so far) is saved beside the state.
+    """
     if not force and step % self._every:
       return False
-    if step in self._manager.all_steps():
+    if step in self._unreadable:
+      self._manager.delete(step)
+      self._unreadable.discard(step)
+    elif step in self._manager.all_steps():
       return False
     start = time.perf_counter()
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state),
-        meta=ocp.args.JsonSave({'step': step, 'data': data_state._asdict()})), force=True)
+    meta = {**(meta or {}), 'step': step, 'data': data_state._asdict(), 'format': FORMAT}
+    model, opt_state = _split(state)
+    items = {'model': ocp.args.StandardSave(model), 'meta': ocp.args.JsonSave(meta)}
+    if jax.tree.leaves(opt_state):  # Plain SGD keeps no state: nothing to write.
+      items['optimizer'] = ocp.args.StandardSave(opt_state)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     self.blocking_seconds += time.perf_counter() - start
     return True
 
-  def restore(self, abstract_state: Any) -> Restored | None:
+  def restore(self, abstract_state: Any, with_optimizer: bool = True) -> Restored | None:
     """The newest checkpoint that restores cleanly, into `abstract_state`'s shardings.
 
     A checkpoint that fails to restore (corrupt or truncated files) is skipped with a
-    warning and the one before it is tried.
+    warning and the one before it is tried; a later save of its step replaces it.
+    Without the optimizer (inference), the state's opt_state is None.
+
+    Raises:
+      ConfigError: the newest checkpoint is of another FORMAT (an older dist_ens), or
+        there are checkpoints but none can be restored (nothing is deleted).
     """
-    for step in sorted(self._manager.all_steps(), reverse=True):
+    steps = sorted(self._manager.all_steps(), reverse=True)
+    for step in steps:
+      self._check_format(step)
+      model, opt_state = _split(abstract_state)
+      items = {'model': ocp.args.StandardRestore(model), 'meta': ocp.args.JsonRestore()}
+      with_optimizer_item = with_optimizer and bool(jax.tree.leaves(opt_state))
+      if with_optimizer_item:
+        items['optimizer'] = ocp.args.StandardRestore(opt_state)
       try:
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()))
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
       except Exception as e:  # pylint: disable=broad-except  # Any failure means "unusable".
         logging.warning('checkpoint at step %d cannot be restored (%s: %s); trying the one '
                         'before it.', step, type(e).__name__, str(e).splitlines()[0][:300])
+        self._unreadable.add(step)
         continue
-      return Restored(step, restored.state, IteratorState(**restored.meta['data']))
+      opt_state = restored.optimizer if with_optimizer_item else (
+          opt_state if with_optimizer else None)  # An empty state is its own value.
+      state = abstract_state._replace(**restored.model, opt_state=opt_state)
+      return Restored(step, state, IteratorState(**restored.meta['data']), dict(restored.meta))
+    if steps:
+      raise ConfigError(
+          f'none of the checkpoints {sorted(steps)} in {self._directory} can be restored (see '
+          'the warnings above); move them away to start over, or fix what changed (e.g. the '
+          "model's code).")
     return None
+
+  def newest_meta(self) -> dict[str, Any] | None:
+    """What the newest readable checkpoint saved beside the state (no arrays read)."""
+    for step in sorted(self._manager.all_steps(), reverse=True):
+      try:
+        return dict(self._manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore())).meta)
+      except Exception:  # pylint: disable=broad-except  # Unreadable: try the one before.
+        continue
+    return None
+
+  def _check_format(self, step: int) -> None:
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      found = meta.meta.get('format', 1)
+    except Exception:  # pylint: disable=broad-except  # Unreadable: restore() decides.
+      return
+    if found != FORMAT:
+      raise ConfigError(
+          f'the checkpoint at step {step} in {self._directory} is of format {found}, written by '
+          f'an older dist_ens; this version reads format {FORMAT}. Use a new --workdir (or '
+          'retrain); docs/migration.md explains what changed.')
 
   def wait(self) -> None:
     start = time.perf_counter()

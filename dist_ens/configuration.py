@@ -14,13 +14,16 @@ from typing import Any
 import ml_collections
 
 from dist_ens.core import hparams
+from dist_ens.eval import metrics
 from dist_ens.data.pipeline import MEMBER_ORDERS
 from dist_ens.errors import ConfigError
 
-# Validation metrics members can be ranked by: name -> True if higher is better.
 # What to do when a member goes non-finite (see train.py).
 ON_NONFINITE = ('freeze', 'stop')
-SELECT_METRICS = {'nll': False, 'accuracy': True, 'brier': False, 'ece': False}
+# Metrics members can be ranked by (config.select.metric): the per-member quality
+# metrics of dist_ens.eval.metrics, each with whether higher is better.
+SELECT_METRICS = {m.name: bool(m.higher_is_better) for m in metrics.METRICS
+                  if 'members' in m.scopes and m.higher_is_better is not None}
 
 
 def load_config(path: str | Path, arg: str | None = None) -> ml_collections.ConfigDict:
@@ -41,6 +44,10 @@ def load_config(path: str | Path, arg: str | None = None) -> ml_collections.Conf
 def _require(ok: bool, field: str, value: Any, what: str) -> None:
   if not ok:
     raise ConfigError(f'config.{field}={value!r} is invalid: {what}.')
+
+
+def _is_number(v: Any) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _is_int(v: Any) -> bool:
@@ -83,6 +90,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
         isinstance(v, (int, float)) and not isinstance(v, bool) for v in value), field, value,
              'must be a tuple of numbers, one per input channel (or empty)')
   _require(all(v > 0 for v in config.data.std), 'data.std', config.data.std, 'must be > 0')
+  for field in ('data.mean', 'data.std'):
+    _require(hparams.float32_normal(_get(config, field)), field, _get(config, field),
+             'must be 0 or of float32 size (between 1.2e-38 and 3.4e38), as inputs are float32')
+  eps, b2 = config.optim.eps, config.optim.b2
+  _require(_is_number(eps) and eps > 0 and hparams.float32_normal(eps), 'optim.eps', eps,
+           'must be a number > 0 of float32 size, e.g. 1e-8')
+  _require(_is_number(b2) and 0 <= b2 < 1, 'optim.b2', b2, 'must be a number in [0, 1), '
+           'e.g. 0.999')
   value = _get(config, 'data.validation_size')
   _require(_is_int(value) and value >= 0, 'data.validation_size', value, 'must be an int >= 0')
   _require(_get(config, 'select.metric') in SELECT_METRICS, 'select.metric',

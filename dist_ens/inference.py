@@ -6,9 +6,10 @@
   params_3 = ens.member(3)                    # member 3's own parameter pytree
   ens.export('/tmp/members')                  # member_i.npz, loadable with numpy alone
 
-The abstract train state is built from the workdir's config.json exactly as
-train.run builds it (config -> model -> optimizer -> init_state), so the orbax
-checkpoint restores straight into this machine's shardings, whatever mesh wrote it.
+The abstract train state is built from the workdir's config.json by the same chain
+training uses (dist_ens.assemble), so the orbax checkpoint restores straight into
+this machine's shardings, whatever mesh wrote it. The input shape and class count
+come from the checkpoint itself, so no dataset is needed.
 """
 
 import json
@@ -25,13 +26,12 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import data, models
-from dist_ens.core import hparams
-from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.eval import metrics
-from dist_ens.core import optim
+from dist_ens import assemble, data
 from dist_ens.checkpoint import Checkpointer
-from dist_ens.training.step import init_state
+from dist_ens.core.model import Model
+from dist_ens.eval import metrics
+from dist_ens.eval.evaluate import member_logits
+from dist_ens.parallel import mesh as mesh_lib
 
 PyTree = Any
 Preprocess = Callable[[np.ndarray], np.ndarray]
@@ -81,6 +81,16 @@ def preprocess_for(config: ml_collections.ConfigDict,
   return preprocess
 
 
+def _data_shape(config: ml_collections.ConfigDict,
+                meta: dict[str, Any] | None) -> tuple[tuple[int, ...], int]:
+  """(input shape, classes) the parameters were built for: from the checkpoint, or
+  (older checkpoints) from the dataset."""
+  if meta and 'input_shape' in meta:
+    return tuple(meta['input_shape']), int(meta['num_classes'])
+  dataset = data.load_dataset(config.data.name, config.data)
+  return dataset.input_shape, dataset.num_classes
+
+
 def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
   # As many devices on 'member' as divide both M and the device count; the rest
   # split each batch over 'data'.
@@ -97,18 +107,21 @@ class Ensemble:
 
   Attributes:
     config: the run's config (from config.json).
-    model: the single-member Model (init/apply pair).
+    model: the single-member Model (init/apply pair, see dist_ens.core.model).
     params: the stacked parameters, every leaf [M, ...], sharded over 'member'.
+    model_state: the stacked model state (e.g. BatchNorm running statistics), or {}.
     frozen: [M] bool numpy; frozen members are left out of the ensemble's mean.
     step: the training step of the restored checkpoint.
     input_shape, num_classes: the model's input shape and number of classes.
     mesh: the ('member', 'data') mesh the parameters live on.
   """
 
-  def __init__(self, config: ml_collections.ConfigDict, model: models.Model, params: PyTree,
+  def __init__(self, config: ml_collections.ConfigDict, model: Model, params: PyTree,
                frozen: np.ndarray, step: int, input_shape: tuple[int, ...], num_classes: int,
-               mesh: jax.sharding.Mesh, preprocess: Preprocess | None = None):
+               mesh: jax.sharding.Mesh, preprocess: Preprocess | None = None,
+               model_state: PyTree = None):
     self.config, self.model, self.params = config, model, params
+    self.model_state = {} if model_state is None else model_state
     self.frozen, self.step, self.mesh = np.asarray(frozen, bool), step, mesh
     self.input_shape, self.num_classes = tuple(input_shape), num_classes
     self.preprocess = preprocess or preprocess_for(config, input_shape)
@@ -118,8 +131,8 @@ class Ensemble:
     members = mesh_lib.member_sharding(mesh)
     self._member_mask = jax.device_put(~self.frozen, members)
 
-    def forward(params, x, member_mask):
-      logits = jax.vmap(lambda p: model.apply(p, x, train=False))(params)
+    def forward(variables, x, member_mask):
+      logits = member_logits(model, variables, x)
       uncertainty = metrics.member_uncertainty(logits, member_mask)
       return (jnp.exp(metrics.ensemble_log_probs(logits, member_mask)),
               jax.nn.softmax(logits.astype(jnp.float32), axis=-1),
@@ -155,27 +168,24 @@ class Ensemble:
     """
     workdir = Path(workdir)
     config_path, checkpoints = workdir / 'config.json', workdir / 'checkpoints'
-    if not config_path.is_file():
-      raise FileNotFoundError(f'{config_path} does not exist: {workdir} is not a dist_ens '
-                              'workdir; train one with dist-ens --config=... --workdir=...')
     if not checkpoints.is_dir():
-      raise FileNotFoundError(f'{checkpoints} does not exist: the run in {workdir} saved no '
-                              'checkpoint yet; run the same training command to finish it.')
-    config = ml_collections.ConfigDict(json.loads(config_path.read_text()))
-    # The dataset fixes the input shape and class count the parameters were built for.
-    dataset = data.load_dataset(config.data.name, config.data)
-    model = models.get_model(config.model, dataset.num_classes)
-    tx = optim.make_optimizer(config.optim, config.train.steps)
-    mesh = _mesh_for(config.num_members, list(jax.devices() if devices is None else devices))
-    sharding = mesh_lib.member_sharding(mesh)
-    member_hparams = hparams.resolve(config)
-    abstract = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-        jax.eval_shape(lambda: init_state(model, tx, config.seed, config.num_members,
-                                          dataset.input_shape, member_hparams)))
+      raise FileNotFoundError(f'{checkpoints} does not exist: {workdir} is not a dist_ens '
+                              'workdir, or its run saved no checkpoint yet; train one with '
+                              'dist-ens --config=... --workdir=...')
     checkpointer = Checkpointer(checkpoints, every=1, keep=1 << 30)
     try:
-      restored = checkpointer.restore(abstract)
+      meta = checkpointer.newest_meta() or {}
+      # The checkpoint carries its config; config.json is the fallback (older ones).
+      config_dict = meta.get('config') or (
+          json.loads(config_path.read_text()) if config_path.is_file() else None)
+      if config_dict is None:
+        raise FileNotFoundError(f'{checkpoints} holds no readable checkpoint with a config, '
+                                f'and {config_path} does not exist.')
+      config = ml_collections.ConfigDict(config_dict)
+      mesh = _mesh_for(config.num_members, list(jax.devices() if devices is None else devices))
+      input_shape, num_classes = _data_shape(config, meta)
+      parts = assemble.build_parts(config, mesh, input_shape, num_classes)
+      restored = checkpointer.restore(parts.abstract_state, with_optimizer=False)
     finally:
       checkpointer.close()
     if restored is None:
@@ -185,8 +195,9 @@ class Ensemble:
                       'finished.', checkpoints, restored.step, config.train.steps)
     frozen = np.asarray(jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))(
         restored.state.frozen))
-    return cls(config, model, restored.state.params, frozen, restored.step,
-               dataset.input_shape, dataset.num_classes, mesh, preprocess)
+    return cls(config, parts.model, restored.state.params, frozen, restored.step,
+               parts.input_shape, num_classes, mesh, preprocess,
+               model_state=restored.state.model_state)
 
   @property
   def num_members(self) -> int:
@@ -234,7 +245,8 @@ class Ensemble:
       size = self._chunk_size(len(chunk), batch_size)
       padded = np.concatenate([chunk, np.zeros((size - len(chunk), *chunk.shape[1:]),
                                                np.float32)])
-      outputs.append((len(chunk), self._forward(self.params, data.to_global(padded, sharding),
+      outputs.append((len(chunk), self._forward((self.params, self.model_state),
+                                                data.to_global(padded, sharding),
                                                 self._member_mask)))
     parts = [(np.asarray(p)[:k], np.asarray(mp)[:, :k], np.asarray(e)[:k], np.asarray(mi)[:k])
              for k, (p, mp, e, mi) in outputs]

@@ -27,6 +27,7 @@ import json
 import logging as std_logging
 import os
 import re
+import functools
 import signal
 import sys
 import textwrap
@@ -352,9 +353,12 @@ class Interrupted(KeyboardInterrupt):
     self.signum = signum
 
 
-def _raise_interrupted(signum: int, frame) -> None:
+def _stop_at_once(prog: str, signum: int, frame) -> None:
+  # Exits from the handler itself rather than raising: an exception raised where the
+  # signal lands (e.g. inside a garbage-collection callback) would print a traceback
+  # and be ignored.
   del frame
-  raise Interrupted(signum)
+  _exit_interrupted(prog, Interrupted(signum))
 
 
 def _exit_interrupted(prog: str, error: KeyboardInterrupt) -> None:
@@ -389,7 +393,7 @@ def entry(argv: Sequence[str] | None = None) -> None:
   _quiet_other_loggers()
   # Until the training loop's watcher takes over (save, then stop): stop with one line.
   for signum in (signal.SIGTERM, signal.SIGINT):
-    signal.signal(signum, _raise_interrupted)
+    signal.signal(signum, functools.partial(_stop_at_once, prog))
   COMMANDS[name].define_flags(FLAGS)
   # config_flags reads the --config.x overrides from sys.argv, without the command.
   sys.argv = [argv[0], *rest]

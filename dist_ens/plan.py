@@ -20,22 +20,17 @@ mesh.member whose per-device bytes fit the memory.
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import configuration, data, models
-from dist_ens.core import hparams
+from dist_ens import assemble, configuration, data
 from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.core import optim
-from dist_ens.parallel import strategy as parallelism_lib
 from dist_ens.errors import ConfigError
-from dist_ens.training.step import init_state, make_train_step
 
 GB = 1e9
 
@@ -103,31 +98,26 @@ def device_memory_bytes(device: jax.Device) -> float | None:
   return float(stats['bytes_limit']) if stats and stats.get('bytes_limit') else None
 
 
-def _compile_step(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, model, tx,
-                  input_shape: tuple[int, ...], member_hparams: dict[str, np.ndarray],
-                  parallelism: str, map_batch_size: int | None):
-  """(abstract state, compiled step) for as many members as member_hparams has values."""
-  num_members = len(member_hparams['optim.learning_rate'])
-  member_sharding = mesh_lib.member_sharding(mesh)
-  state = jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=member_sharding),
-      jax.eval_shape(lambda: init_state(model, tx, config.seed, num_members, input_shape,
-                                        member_hparams)))
+def _compile_step(parts, config: ml_collections.ConfigDict, form):
+  """The train step for `parts`, compiled abstractly (nothing is materialised)."""
+  mesh, state = parts.mesh, parts.abstract_state
+  num_members = state.frozen.shape[0]
   per_member = config.data.member_order != 'shared'
   batch = config.data.batch_size
   if per_member:
-    x_shape, y_shape = (num_members, batch, *input_shape), (num_members, batch)
+    x_shape, y_shape = (num_members, batch, *parts.input_shape), (num_members, batch)
     batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
         mesh_lib.MEMBER, mesh_lib.DATA))
   else:
-    x_shape, y_shape = (batch, *input_shape), (batch,)
+    x_shape, y_shape = (batch, *parts.input_shape), (batch,)
     batch_sharding = mesh_lib.batch_sharding(mesh)
   x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=batch_sharding)
   y = jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding)
-  smoothing = jax.ShapeDtypeStruct((num_members,), jnp.float32, sharding=member_sharding)
-  step = make_train_step(model, tx, mesh, per_member_batches=per_member,
-                         member_parallelism=parallelism, map_batch_size=map_batch_size)
-  return state, step.fn.lower(state, x, y, smoothing).compile()
+  member_sharding = mesh_lib.member_sharding(mesh)
+  hparams = {k: jax.ShapeDtypeStruct((num_members,), jnp.float32, sharding=member_sharding)
+             for k in parts.hparams}
+  step = assemble.build_step(parts, per_member_batches=per_member, form=form)
+  return step.fn.lower(state, hparams, x, y).compile()
 
 
 def _memory(compiled, members_per_device: int) -> StepMemory:
@@ -154,35 +144,29 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
     ConfigError: for an invalid config or a mesh that does not fit the devices.
   """
   configuration.validate(config)
-  mesh = mesh_lib.make_mesh(config.mesh, devices)
-  mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
+  mesh = assemble.build_mesh(config, devices)
   platform = mesh.devices.flat[0].platform
   input_shape, num_classes = data_shape(config)
-  model = models.get_model(config.model, num_classes)
-  tx = optim.make_optimizer(config.optim, config.train.steps)
   shards = mesh.shape[mesh_lib.MEMBER]
   per_device = config.num_members // shards
-  parallelism, map_batch_size = parallelism_lib.resolve(
-      config.ensemble, config.model.name, platform, members_per_device=per_device,
-      member_activation_bytes=lambda: parallelism_lib.activation_bytes(
-          model, input_shape, config.data.batch_size // mesh.shape[mesh_lib.DATA]))
-
-  member_hparams = hparams.resolve(config)
-  state, compiled = _compile_step(config, mesh, model, tx, input_shape, member_hparams,
-                                  parallelism, map_batch_size)
+  parts = assemble.build_parts(config, mesh, input_shape, num_classes)
   # The same form at twice the members ('auto' held fixed, so that the two compiles
   # differ only in M); the values of per-member hyperparameters do not change sizes.
-  doubled_hparams = {k: np.tile(v, 2) for k, v in member_hparams.items()}
-  _, doubled = _compile_step(config, mesh, model, tx, input_shape, doubled_hparams,
-                             parallelism, map_batch_size)
-  step, step_doubled = _memory(compiled, per_device), _memory(doubled, 2 * per_device)
+  form = assemble.member_form(parts, config.data.batch_size)
+  parallelism, map_batch_size = form
+  doubled = assemble.build_parts(config, mesh, input_shape, num_classes,
+                                 num_members=2 * config.num_members)
+  step = _memory(_compile_step(parts, config, form), per_device)
+  step_doubled = _memory(_compile_step(doubled, config, form), 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
   fixed = step.peak - bytes_per_member * per_device
+  state = parts.abstract_state
 
   m = config.num_members
   params_per_member = sum(math.prod(leaf.shape[1:]) for leaf in jax.tree.leaves(state.params))
+  # Stacked leaves only: the replicated step counter belongs to no member.
   state_bytes_per_member = sum(leaf.size * leaf.dtype.itemsize
-                               for leaf in jax.tree.leaves(state)) // m
+                               for leaf in jax.tree.leaves(state) if leaf.ndim) // m
   if memory_bytes is None:
     memory_bytes = device_memory_bytes(mesh.devices.flat[0])
   max_members = None

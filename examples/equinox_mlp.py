@@ -82,10 +82,6 @@ def main(workdir: str) -> None:
   config = dist_ens.load_config(Path(__file__).parents[1] / 'configs' / 'default.py')
   config.model.factory = 'examples.equinox_mlp:make_model'
   config.model.kwargs.widths = (64, 64)
-  # eqx.nn.BatchNorm's lax.pmean over the vmapped 'batch' axis fails inside dist_ens's
-  # shard_map step under jax 0.10.2's varying-axes checks (core/step.py would need
-  # check_vma=False); until then train the stateless variant.
-  config.model.kwargs.batch_norm = False
   config.num_members = 4
   config.train.steps = 200
   config.train.log_every = 50

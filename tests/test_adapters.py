@@ -184,9 +184,6 @@ def test_trains_end_to_end(kind, kwargs, tmp_path, mnist1d):
 
 
 @_needs('equinox_mlp')
-@pytest.mark.xfail(raises=AssertionError, strict=True, reason=(
-    "jax 0.10.2: lax.pmean over a vmap axis_name inside a check_vma shard_map trips an internal "
-    "assertion (core.pvary); dist_ens.core.step's shard_map needs check_vma=False"))
 def test_equinox_batchnorm_trains_end_to_end(tmp_path, mnist1d):
   results = dist_ens.train(_train_config('equinox_mlp'), str(tmp_path))
   _check_trained(results, tmp_path, mnist1d.test)

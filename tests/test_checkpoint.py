@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from dist_ens import checkpoint
-from dist_ens.training import run as train
+import dist_ens
 from dist_ens.configuration import load_config
 from dist_ens.errors import ConfigError, TrainingError
 
@@ -52,8 +52,9 @@ def _final_state(workdir):
   step_dir = max((Path(workdir) / 'checkpoints').iterdir(), key=lambda p: int(p.name))
   with warnings.catch_warnings():
     warnings.simplefilter('ignore')
-    return int(step_dir.name), jax.tree.map(np.asarray, ocp.PyTreeCheckpointer().restore(
-        str(step_dir / 'state')))
+    state = {item: ocp.PyTreeCheckpointer().restore(str(step_dir / item))
+             for item in ('model', 'optimizer') if (step_dir / item).exists()}
+    return int(step_dir.name), jax.tree.map(np.asarray, {**state.pop('model'), **state})
 
 
 def _assert_same_state(a, b):
@@ -63,7 +64,7 @@ def _assert_same_state(a, b):
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('uninterrupted')
-  final = train.run(_config(), str(workdir))
+  final = dist_ens.train(_config(), str(workdir))
   return final, _final_state(workdir)[1]
 
 
@@ -136,62 +137,62 @@ def test_sigterm_saves_at_next_step_and_exits_zero(tmp_path, uninterrupted):
 
 def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupted, caplog):
   caplog.set_level(logging.INFO, logger='absl')
-  train.run(_config(train__steps=20, checkpoint__keep=3), str(tmp_path))
-  latest = tmp_path / 'checkpoints' / '20' / 'state'
+  dist_ens.train(_config(train__steps=20, checkpoint__keep=3), str(tmp_path))
+  clean = _final_state(tmp_path)
+  latest = tmp_path / 'checkpoints' / '20' / 'model'
   for f in latest.rglob('*'):
     if f.is_file() and f.stat().st_size > 0:
       f.write_bytes(b'\0' * 7)  # Garbage of the wrong size.
-  final = train.run(_config(checkpoint__keep=3), str(tmp_path))
+  # The same finished run again: it falls back to 15, redoes 16-20 and replaces 20.
+  dist_ens.train(_config(train__steps=20, checkpoint__keep=3), str(tmp_path))
   assert 'checkpoint at step 20 cannot be restored' in caplog.text
   assert 'resuming from the checkpoint at step 15' in caplog.text
+  assert _final_state(tmp_path)[0] == 20
+  _assert_same_state(_final_state(tmp_path)[1], clean[1])
+  final = dist_ens.train(_config(checkpoint__keep=3), str(tmp_path))
   assert final['members'] == uninterrupted[0]['members']
 
 
 def test_incompatible_config_is_refused_and_nothing_overwritten(tmp_path):
-  train.run(_config(train__steps=10), str(tmp_path))
+  dist_ens.train(_config(train__steps=10), str(tmp_path))
   before = {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()}
   with pytest.raises(ConfigError, match=r'differs in optim.learning_rate.*restore_incompatible='
                                         r'optim.learning_rate'):
-    train.run(_config(train__steps=10, optim__learning_rate=0.1), str(tmp_path))
+    dist_ens.train(_config(train__steps=10, optim__learning_rate=0.1), str(tmp_path))
   with pytest.raises(ConfigError, match=r'different ensemble \(differing fields: num_members'):
-    train.run(_config(train__steps=10, num_members=4,
+    dist_ens.train(_config(train__steps=10, num_members=4,
                       checkpoint__restore_incompatible='num_members'), str(tmp_path))
   assert {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()} == before
 
 
 def test_allowed_changes_resume(tmp_path):
-  train.run(_config(train__steps=10), str(tmp_path))
-  final = train.run(_config(train__steps=15, optim__learning_rate=0.1,
+  dist_ens.train(_config(train__steps=10), str(tmp_path))
+  final = dist_ens.train(_config(train__steps=15, optim__learning_rate=0.1,
                             checkpoint__restore_incompatible='optim.learning_rate'), str(tmp_path))
   assert final['step'] == 15
   assert json.loads((tmp_path / 'config.json').read_text())['optim']['learning_rate'] == 0.1
-  # The new value is what the members train with after the resume, not the saved one.
-  _, state = _final_state(tmp_path)
-  np.testing.assert_array_equal(state['opt_state']['hyperparams']['learning_rate'],
-                                np.full(8, 0.1, np.float32))
+  # The new value is what the members train with after the resume, not the saved one:
+  # the same resume with the old value ends elsewhere.
+  dist_ens.train(_config(train__steps=10), str(tmp_path / 'same'))
+  dist_ens.train(_config(train__steps=15), str(tmp_path / 'same'))
+  changed, same = _final_state(tmp_path)[1], _final_state(tmp_path / 'same')[1]
+  assert not np.allclose(jax.tree.leaves(changed['params'])[0], jax.tree.leaves(same['params'])[0])
 
 
 def _restore(workdir, member, data_axis):
-  from dist_ens import models
-  from dist_ens.parallel import mesh as mesh_lib
-  from dist_ens.core import optim
-  from dist_ens.training import step  # pylint: disable=g-import-not-at-top
+  from dist_ens import assemble  # pylint: disable=g-import-not-at-top
+  from dist_ens.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   config = _config(mesh__member=member, mesh__data=data_axis)
-  mesh = mesh_lib.make_mesh(config.mesh)
-  model = models.get_model(config.model, 10)
-  tx = optim.make_optimizer(config.optim, config.train.steps)
-  sharding = mesh_lib.member_sharding(mesh)
-  abstract = jax.tree.map(
-      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
-      jax.eval_shape(lambda: step.init_state(model, tx, 0, 8, (40, 1))))
+  mesh = assemble.build_mesh(config)
+  abstract = assemble.build_parts(config, mesh, (40, 1), 10).abstract_state
   restored = checkpoint.Checkpointer(Path(workdir) / 'checkpoints', 5, 2).restore(abstract)
-  assert jax.tree.leaves(restored.state)[0].sharding == sharding
+  assert jax.tree.leaves(restored.state.params)[0].sharding == mesh_lib.member_sharding(mesh)
   return restored
 
 
 def test_restore_onto_another_mesh_gives_the_same_values(tmp_path, uninterrupted):
   from dist_ens import data  # pylint: disable=g-import-not-at-top
-  train.run(_config(train__steps=20), str(tmp_path))
+  dist_ens.train(_config(train__steps=20), str(tmp_path))
   written = _restore(tmp_path, 4, 2)  # The mesh that wrote it.
   assert written.step == 20 and written.data_state == data.IteratorState(epoch=0, index=20)
   for member, data_axis in ((8, 1), (1, 8)):
@@ -200,24 +201,25 @@ def test_restore_onto_another_mesh_gives_the_same_values(tmp_path, uninterrupted
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  restored.state, written.state)
   # Training on from there on a new mesh: the same run to float tolerance.
-  final = train.run(_config(mesh__member=8, mesh__data=1), str(tmp_path))
+  final = dist_ens.train(_config(mesh__member=8, mesh__data=1), str(tmp_path))
   np.testing.assert_allclose(final['members']['nll'], uninterrupted[0]['members']['nll'],
                              atol=1e-4)
 
 
 def _poison_member(monkeypatch, member):
-  original = train.init_state
+  from dist_ens import assemble  # pylint: disable=g-import-not-at-top
+  original = assemble.init_state
 
   def poisoned(*args, **kwargs):
     state = original(*args, **kwargs)
     return state._replace(params=jax.tree.map(lambda p: p.at[member].set(np.nan), state.params))
 
-  monkeypatch.setattr(train, 'init_state', poisoned)
+  monkeypatch.setattr(assemble, 'init_state', poisoned)
 
 
 def test_nonfinite_member_is_frozen_reported_and_excluded(tmp_path, monkeypatch, uninterrupted):
   _poison_member(monkeypatch, 3)
-  final = train.run(_config(), str(tmp_path))
+  final = dist_ens.train(_config(), str(tmp_path))
   assert final['frozen_members'] == [3]
   others = [i for i in range(8) if i != 3]
   for metric in ('accuracy', 'nll'):
@@ -231,7 +233,7 @@ def test_nonfinite_member_is_frozen_reported_and_excluded(tmp_path, monkeypatch,
 def test_on_nonfinite_stop_saves_and_raises(tmp_path, monkeypatch):
   _poison_member(monkeypatch, 5)
   with pytest.raises(TrainingError, match=r"members \[5\] went non-finite by step 1 .*'stop'"):
-    train.run(_config(train__on_nonfinite='stop'), str(tmp_path))
+    dist_ens.train(_config(train__on_nonfinite='stop'), str(tmp_path))
   assert _final_state(tmp_path)[0] == 1
   with pytest.raises(ConfigError, match='on_nonfinite'):
-    train.run(_config(train__on_nonfinite='ignore'), str(tmp_path / 'other'))
+    dist_ens.train(_config(train__on_nonfinite='ignore'), str(tmp_path / 'other'))

@@ -202,7 +202,7 @@ def test_main_rejects_contradictory_flags(tmp_path):
 def test_importing_the_entry_point_touches_no_device():
   # jax.distributed.initialize must come before the backend starts; main imports
   # train (and so every module) before it can call it.
-  code = ('import dist_ens.main, dist_ens.training.run\n'
+  code = ('import dist_ens.main, dist_ens.training.trainer\n'
           'from jax._src import xla_bridge\n'
           'assert not xla_bridge.backends_are_initialized(), "a module touched a device"\n')
   env = {k: v for k, v in os.environ.items() if k not in CLUSTER_VARS}

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens.ensembles import stacking as ensemble
+from dist_ens.core import rng
+from dist_ens.parallel import strategy
 
 
 def _member(seed):
@@ -63,8 +64,8 @@ def test_unstack_rejects_inconsistent_leading_axis():
 
 def test_member_init_does_not_depend_on_ensemble_size():
   init = lambda key: {'w': jax.random.normal(key, (4,))}
-  eight = ensemble.init_members(init, seed=7, num=8)
-  three = ensemble.init_members(init, seed=7, num=3)
+  eight = jax.vmap(init)(rng.member_keys(7, range(8)))
+  three = jax.vmap(init)(rng.member_keys(7, range(3)))
   np.testing.assert_array_equal(eight['w'][:3], three['w'])
   assert not np.allclose(eight['w'][0], eight['w'][1])
 
@@ -75,11 +76,11 @@ def test_over_members_matches_a_loop(parallelism, chunk):
   x = jnp.arange(6.0).reshape(2, 3)
   f = lambda p, x, scale: (x @ p['dense'][0]['w']).sum() * p['scale'] * scale
   scales = jnp.array([1.0, 2.0, 3.0, 4.0])
-  got = ensemble.over_members(f, parallelism, in_axes=(0, None, 0), map_batch_size=chunk)(
+  got = strategy.over_members(f, parallelism, in_axes=(0, None, 0), map_batch_size=chunk)(
       dist_ens.stack(members), x, scales)
   np.testing.assert_allclose(got, [f(p, x, s) for p, s in zip(members, scales)], rtol=1e-6)
 
 
 def test_over_members_rejects_unknown_parallelism():
   with pytest.raises(ValueError, match="'pmap'"):
-    ensemble.over_members(lambda x: x, 'pmap')
+    strategy.over_members(lambda x: x, 'pmap')

@@ -20,10 +20,10 @@ def _setup(member=4, data_axis=2):
       dict(name='mlp', widths=(16,), init_scale=1.0)), num_classes=C)
   mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(
       dict(member=member, data=data_axis, hosts_along='member')))
-  params = jax.jit(jax.vmap(lambda k: model.init(k, SHAPE)),
+  params = jax.jit(jax.vmap(lambda k: model.init(k, np.zeros((1, *SHAPE), np.float32))[0]),
                    out_shardings=mesh_lib.member_sharding(mesh))(
                        jax.random.split(jax.random.key(0), M))
-  return model, mesh, params
+  return model, mesh, (params, {})  # (params, model_state): what the eval step takes.
 
 
 def _split(seed, n=N, scale=1.0):
@@ -34,8 +34,8 @@ def _split(seed, n=N, scale=1.0):
 
 def _logits(model, params, x):
   """Each member on its own, on one device: the reference forward pass."""
-  host = jax.tree.map(np.asarray, params)
-  apply = jax.jit(model.apply)
+  host = jax.tree.map(np.asarray, params[0])
+  apply = jax.jit(lambda p, x: model.apply(p, {}, x, train=False)[0])
   return np.stack([np.asarray(apply(jax.tree.map(lambda a, i=i: a[i], host), x))
                    for i in range(M)])
 

@@ -11,7 +11,7 @@ from ml_collections import config_flags
 
 from dist_ens import data
 from dist_ens.core import hparams
-from dist_ens.training import run as train
+import dist_ens
 from dist_ens.configuration import load_config
 from dist_ens.errors import ConfigError
 
@@ -120,26 +120,26 @@ def _member_metrics(final, i):
     ('sgd', dict(optim__learning_rate=[0.1, 0.03, 0.3, 0.05], optim__momentum=[0.9, 0.0, 0.5, 0.99])),
 ])
 def test_sweep_member_equals_a_run_where_every_member_has_its_values(tmp_path, optimizer, fields):
-  sweep = train.run(_config(optim__name=optimizer, **fields), str(tmp_path / 'sweep'))
+  sweep = dist_ens.train(_config(optim__name=optimizer, **fields), str(tmp_path / 'sweep'))
   assert sweep['train_step_traces'] == 1
   assert set(sweep['hyperparameters']) == {k.replace('__', '.') for k in fields}
   for i in range(4):
     scalars = {k: v[i] for k, v in fields.items()}
-    single = train.run(_config(optim__name=optimizer, **scalars), str(tmp_path / f'single{i}'))
+    single = dist_ens.train(_config(optim__name=optimizer, **scalars), str(tmp_path / f'single{i}'))
     assert _member_metrics(sweep, i) == _member_metrics(single, i), f'member {i}'
 
 
 def test_changing_one_members_value_changes_only_that_member(tmp_path):
   lrs = [1e-3, 3e-3, 1e-2, 2e-3]
-  base = train.run(_config(optim__learning_rate=lrs), str(tmp_path / 'a'))
-  changed = train.run(_config(optim__learning_rate=lrs[:2] + [5e-2] + lrs[3:]), str(tmp_path / 'b'))
+  base = dist_ens.train(_config(optim__learning_rate=lrs), str(tmp_path / 'a'))
+  changed = dist_ens.train(_config(optim__learning_rate=lrs[:2] + [5e-2] + lrs[3:]), str(tmp_path / 'b'))
   for i in (0, 1, 3):
     assert _member_metrics(changed, i) == _member_metrics(base, i)
   assert _member_metrics(changed, 2) != _member_metrics(base, 2)
 
 
 def _selection_run(tmp_path, name):
-  return train.run(_config(num_members=8, mesh__member=8, mesh__data=1, data__validation_size=400,
+  return dist_ens.train(_config(num_members=8, mesh__member=8, mesh__data=1, data__validation_size=400,
                            optim__learning_rate='logspace(1e-4, 3e-2)', select__top_k=3),
                    str(tmp_path / name))
 
@@ -182,4 +182,4 @@ def test_validation_split_is_disjoint_and_fixed():
 
 def test_top_k_needs_a_validation_split(tmp_path):
   with pytest.raises(ConfigError, match='config.select.top_k=2.*data.validation_size > 0'):
-    train.run(_config(select__top_k=2), str(tmp_path))
+    dist_ens.train(_config(select__top_k=2), str(tmp_path))

@@ -10,7 +10,7 @@ import pytest
 
 from dist_ens import data
 from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.training import run as train
+import dist_ens
 from dist_ens.configuration import load_config
 from dist_ens.eval.evaluate import evaluate_split, make_eval_step
 from dist_ens.inference import Ensemble, load_member
@@ -28,7 +28,7 @@ def run(tmp_path_factory):
   config.data.batch_size = 64
   config.mesh.member, config.mesh.data = 4, 2
   workdir = tmp_path_factory.mktemp('inference')
-  return workdir, train.run(config, str(workdir))
+  return workdir, dist_ens.train(config, str(workdir))
 
 
 @pytest.fixture(scope='module')
@@ -79,7 +79,7 @@ def test_13_examples_on_8_devices_and_on_1_match_the_eval_step(run, ensemble, te
   # Training's eval step on the same params and examples (padded to 16 over 'data').
   mesh = ensemble.mesh
   step = make_eval_step(ensemble.model, mesh)
-  stats = evaluate_split(step, ensemble.params, data.Split(x, y), 16, mesh,
+  stats = evaluate_split(step, (ensemble.params, ensemble.model_state), data.Split(x, y), 16, mesh,
                          jax.device_put(~ensemble.frozen, mesh_lib.member_sharding(mesh))).examples
   np.testing.assert_allclose(eight.probs.max(-1), stats.ensemble_confidence, rtol=1e-6)
   np.testing.assert_allclose(eight.member_probs.max(-1), stats.member_confidence, rtol=1e-6)
@@ -111,7 +111,7 @@ def test_member_is_the_unstacked_params_and_applies_alone(ensemble, test_split):
   member = ensemble.member(3)
   assert isinstance(member, list) and member[0]['w'].shape == (40, 32)
   np.testing.assert_array_equal(member[1]['b'], np.asarray(ensemble.params[1]['b'])[3])
-  probs = jax.nn.softmax(ensemble.model.apply(member, x))
+  probs = jax.nn.softmax(ensemble.model.apply(member, {}, x, train=False)[0])
   np.testing.assert_allclose(probs, ensemble.predict(x).member_probs[3], rtol=1e-5, atol=1e-7)
   with pytest.raises(IndexError, match='0..7'):
     ensemble.member(8)

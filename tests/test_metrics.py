@@ -447,8 +447,8 @@ def test_jit_matches_eager():
   member_mask = np.array([True, False, True, True])
   # Eager dispatch is slow, so only the member_mask path (the one with more
   # logic) is compared op-by-op.
-  eager = metrics.eval_sums(logits, labels, mask, member_mask)
-  jitted = jax.jit(metrics.eval_sums)(logits, labels, mask, member_mask)
+  eager = metrics.eval_batch(logits, labels, mask, member_mask).sums
+  jitted = jax.jit(lambda *a: metrics.eval_batch(*a).sums)(logits, labels, mask, member_mask)
   assert jitted.keys() == eager.keys() == SUM_SHAPES.keys()
   _assert_sums_close(jitted, eager)
 
@@ -489,7 +489,8 @@ def test_uncertainty_is_finite_when_an_excluded_member_is_nan():
 
 def test_single_member_has_no_pairs():
   logits, labels = _random_inputs(seed=11, m=1)
-  result = metrics.finalize(jax.jit(metrics.eval_sums)(logits, labels, np.ones(B, bool)))
+  result = metrics.finalize(jax.jit(lambda *a: metrics.eval_batch(*a).sums)(
+      logits, labels, np.ones(B, bool)))
   assert result["ensemble"]["pairwise_kl"] == 0.0
   assert abs(result["ensemble"]["mutual_information"]) < 1e-6
 

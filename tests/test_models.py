@@ -10,6 +10,19 @@ from dist_ens import models
 from dist_ens.errors import ConfigError
 
 
+def _init(model, shape, key=0):
+  """One member's params (the built-in models keep no model state)."""
+  params, state = model.init(jax.random.key(key), jnp.zeros((1, *shape)))
+  assert state == {}
+  return params
+
+
+def _apply(model, params, x):
+  logits, state = model.apply(params, {}, x, train=False)
+  assert state == {}
+  return logits
+
+
 def _cfg(**kw):
   base = dict(name='mlp', widths=(16, 8), channels=(4, 6), kernel_sizes=(5, 3),
               strides=(2, 2), init_scale=1.0)
@@ -21,54 +34,49 @@ def _cfg(**kw):
     ('mlp', (40, 1)), ('mlp', (8, 8, 1)), ('cnn', (40, 1)), ('cnn', (8, 8, 1)), ('cnn', (28, 28, 3))])
 def test_logits_shape(name, input_shape):
   model = models.get_model(_cfg(name=name), num_classes=7)
-  params = model.init(jax.random.key(0), input_shape)
-  logits = model.apply(params, jnp.ones((5, *input_shape)))
+  params = _init(model, input_shape)
+  logits = _apply(model, params, jnp.ones((5, *input_shape)))
   assert logits.shape == (5, 7)
   assert np.all(np.isfinite(logits))
 
 
 def test_mlp_layer_sizes_follow_widths():
-  params = models.get_model(_cfg(widths=(16, 8)), 10).init(jax.random.key(0), (40, 1))
+  params = _init(models.get_model(_cfg(widths=(16, 8)), 10), (40, 1))
   assert [p['w'].shape for p in params] == [(40, 16), (16, 8), (8, 10)]
 
 
 def test_cnn_uses_2d_kernels_for_images():
-  params = models.get_model(_cfg(name='cnn'), 10).init(jax.random.key(0), (8, 8, 1))
+  params = _init(models.get_model(_cfg(name='cnn'), 10), (8, 8, 1))
   assert params['convs'][0]['w'].shape == (5, 5, 1, 4)
 
 
-def test_init_scale_scales_weights():
-  p1 = models.get_model(_cfg(init_scale=1.0), 10).init(jax.random.key(0), (40, 1))
-  p2 = models.get_model(_cfg(init_scale=0.5), 10).init(jax.random.key(0), (40, 1))
-  np.testing.assert_allclose(p2[0]['w'], 0.5 * p1[0]['w'], rtol=1e-6)
+def test_init_scale_scales_weight_matrices_not_biases():
+  from dist_ens.core.state import scale_init  # pylint: disable=g-import-not-at-top
+  params = _init(models.get_model(_cfg(), 10), (40, 1))
+  params = jax.tree.map(lambda p: p + 1.0, params)  # Non-zero biases, to see them kept.
+  halved = scale_init(params, 0.5)
+  np.testing.assert_array_equal(halved[0]['w'], 0.5 * params[0]['w'])
+  np.testing.assert_array_equal(halved[0]['b'], params[0]['b'])
 
 
 def test_mlp_matches_hand_computation():
   model = models.get_model(_cfg(widths=(3,)), 2)
-  params = model.init(jax.random.key(1), (4,))
+  params = _init(model, (4,), key=1)
   x = np.arange(8, dtype=np.float32).reshape(2, 4)
   h = np.maximum(x @ np.asarray(params[0]['w']) + np.asarray(params[0]['b']), 0)
-  np.testing.assert_allclose(model.apply(params, x), h @ params[1]['w'] + params[1]['b'], rtol=1e-5)
+  np.testing.assert_allclose(_apply(model, params, x), h @ params[1]['w'] + params[1]['b'],
+                             rtol=1e-5)
 
 
 def test_unknown_model_and_bad_fields():
-  with pytest.raises(ConfigError, match=r"config.model.name='resnet'.*\['cnn', 'mlp'\]"):
-    models.get_model(_cfg(name='resnet'), 10)
+  with pytest.raises(ConfigError, match=r"config.model.name='vgg'.*\['cnn', 'lenet5', 'mlp'"):
+    models.get_model(_cfg(name='vgg'), 10)
   with pytest.raises(ConfigError, match='config.model.widths'):
     models.get_model(_cfg(widths=()), 10)
   with pytest.raises(ConfigError, match='kernel_sizes'):
     models.get_model(_cfg(name='cnn', kernel_sizes=(3,)), 10)
   with pytest.raises(ConfigError, match='input shape'):
-    models.get_model(_cfg(name='cnn'), 10).init(jax.random.key(0), (40,))
-
-
-def test_per_member_init_scale_must_be_passed_to_init():
-  model = models.get_model(_cfg(init_scale=[1.0, 2.0]), 10)
-  with pytest.raises(ConfigError, match='init_scale holds per-member values'):
-    model.init(jax.random.key(0), (40, 1))
-  unit = models.get_model(_cfg(), 10).init(jax.random.key(0), (40, 1))
-  doubled = model.init(jax.random.key(0), (40, 1), init_scale=2.0)
-  np.testing.assert_allclose(doubled[0]['w'], 2.0 * unit[0]['w'], rtol=1e-6)
+    _init(models.get_model(_cfg(name='cnn'), 10), (40,))
 
 
 @pytest.mark.parametrize('input_shape,kernels,strides', [
@@ -80,13 +88,13 @@ def test_conv_impls_compute_the_same_function(input_shape, kernels, strides):
                                             conv_impl=impl), 10)
   xla, patches = make('xla'), make('patches')
   keys = jax.random.split(jax.random.key(1), 3)
-  params = jax.vmap(lambda k: xla.init(k, input_shape))(keys)
+  params = jax.vmap(lambda k: xla.init(k, jnp.zeros((1, *input_shape)))[0])(keys)
   x = jax.random.normal(jax.random.key(2), (5, *input_shape))
   y = jnp.arange(5) % 10
 
   def loss_and_grads(model):
     def loss(p, x):
-      return -jnp.mean(jax.nn.log_softmax(model.apply(p, x))[jnp.arange(5), y])
+      return -jnp.mean(jax.nn.log_softmax(model.apply(p, {}, x, train=True)[0])[jnp.arange(5), y])
     return jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)), in_axes=(0, None))(params, x)
 
   for got, want in zip(jax.tree.leaves(loss_and_grads(patches)),
@@ -98,8 +106,8 @@ def test_conv_impls_compute_the_same_function(input_shape, kernels, strides):
 def test_conv_impl_is_checked_and_auto_resolves():
   with pytest.raises(ConfigError, match=r"config.model.conv_impl='fft'.*'patches'"):
     models.get_model(_cfg(name='cnn', conv_impl='fft'), 10)
-  params = models.get_model(_cfg(name='cnn', conv_impl='xla'), 10).init(jax.random.key(0), (40, 1))
+  params = _init(models.get_model(_cfg(name='cnn', conv_impl='xla'), 10), (40, 1))
   x = jnp.ones((2, 40, 1))
-  auto = models.get_model(_cfg(name='cnn', conv_impl='auto'), 10).apply(params, x)
-  want = models.get_model(_cfg(name='cnn', conv_impl='patches'), 10).apply(params, x)
+  auto = _apply(models.get_model(_cfg(name='cnn', conv_impl='auto'), 10), params, x)
+  want = _apply(models.get_model(_cfg(name='cnn', conv_impl='patches'), 10), params, x)
   np.testing.assert_array_equal(auto, want)  # 'auto' is 'patches': the same program.

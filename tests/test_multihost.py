@@ -27,7 +27,7 @@ import pytest
 from dist_ens import configuration, data
 from dist_ens.parallel import distributed
 from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.training import run as train
+import dist_ens
 from dist_ens.configuration import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def _local_sh(workdir: Path, *args: str, timeout_s: int = 60) -> subprocess.Pope
 @pytest.fixture(scope='module')
 def one_process(tmp_path_factory):
   """The reference: this pytest process, 1 process x 8 devices, on the same 4 x 2 mesh."""
-  return train.run(_small_config('member'), str(tmp_path_factory.mktemp('one') / 'w'))
+  return dist_ens.train(_small_config('member'), str(tmp_path_factory.mktemp('one') / 'w'))
 
 
 @pytest.mark.parametrize('hosts_along', ['member', 'data'])
@@ -141,7 +141,7 @@ def test_two_processes_with_several_steps_per_call_match_one(tmp_path, hosts_alo
   """Each host feeds its block of K stacked per-member batches; results as one process."""
   config = _small_config(hosts_along)
   config.data.member_order = 'shuffled'
-  reference = train.run(config, str(tmp_path / 'one'))  # 1 process, 1 step per call.
+  reference = dist_ens.train(config, str(tmp_path / 'one'))  # 1 process, 1 step per call.
   layout = [*SMALL, f'--config.mesh.hosts_along={hosts_along}',
             '--config.data.member_order=shuffled', '--config.train.steps_per_call=5']
   [(status, out)] = _wait([_local_sh(tmp_path / 'two', *layout)], 90)
@@ -223,13 +223,14 @@ def _probe(out: str, port: str, num_processes: str, process_id: str, workdir: st
       process_id=int(process_id)))
 
   class Captured(Exception):
-    """Ends train.run once its train step is compiled: the rest is not needed here."""
+    """Ends dist_ens.train once its train step is compiled: the rest is not needed here."""
 
-  make_train_step = train.make_train_step
+  from dist_ens import assemble  # pylint: disable=g-import-not-at-top
+  make_train_step = assemble.make_train_step
 
   def capturing_make_train_step(*args, **kwargs):
-    # The train step exactly as train.run builds it, compiled for the arguments
-    # train.run first calls it with.
+    # The train step exactly as dist_ens.train builds it, compiled for the arguments
+    # dist_ens.train first calls it with.
     train_step = make_train_step(*args, **kwargs)
     jitted = train_step.fn
 
@@ -238,7 +239,7 @@ def _probe(out: str, port: str, num_processes: str, process_id: str, workdir: st
     train_step.fn = fn
     return train_step
 
-  train.make_train_step = capturing_make_train_step
+  assemble.make_train_step = capturing_make_train_step
   result = {'process_index': jax.process_index(), 'layouts': {}}
   for hosts_along in ('member', 'data'):
     config = _small_config(hosts_along)
@@ -253,8 +254,8 @@ def _probe(out: str, port: str, num_processes: str, process_id: str, workdir: st
                     for s in global_batch.addressable_shards)
 
     try:
-      train.run(config, f'{workdir}/{hosts_along}')
-      raise AssertionError('train.run never called its train step')
+      dist_ens.train(config, f'{workdir}/{hosts_along}')
+      raise AssertionError('dist_ens.train never called its train step')
     except Captured as captured:
       compiled = captured.args[0]
     # Collectives name devices by their position in the program's device assignment.

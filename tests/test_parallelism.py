@@ -5,7 +5,7 @@ import ml_collections
 import pytest
 
 from dist_ens.parallel import strategy as parallelism
-from dist_ens.ensembles.stacking import MEMBER_PARALLELISM, over_members
+from dist_ens.parallel.strategy import MEMBER_PARALLELISM, over_members
 from dist_ens.errors import ConfigError
 
 

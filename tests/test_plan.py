@@ -38,7 +38,7 @@ def test_parameter_and_state_counts_match_the_model_by_hand(one_device):
     plan = plan_lib.make_plan(_config(num_members=4, **overrides), one_device)
     assert plan.params_per_member == params
     # Adam keeps two moments: parameters + mu + nu in float32 = 12 bytes each, plus a
-    # few scalars (step counts, the injected hyperparameters, the frozen flag).
+    # few scalars (step counts, the frozen flag).
     assert 0 < plan.state_bytes_per_member - 12 * params <= 64
 
 
@@ -47,9 +47,10 @@ def test_more_members_take_proportionally_more_memory(one_device):
   small, big = plans[4], plans[16]
   assert small.params_per_member == big.params_per_member
   assert small.state_bytes_per_member == big.state_bytes_per_member
-  # The arguments are the state (and per-member label smoothing) plus one shared batch:
-  # 12 more members add exactly 12 members' state.
-  assert big.step.argument - small.step.argument == 12 * (small.state_bytes_per_member + 4)
+  # The arguments are the state, the per-member hyperparameters the step reads (Adam's
+  # learning rate, weight decay and b1, and label smoothing: 4 float32; jit drops the
+  # unused ones) and one shared batch: 12 more members add exactly 12 members' worth.
+  assert big.step.argument - small.step.argument == 12 * (small.state_bytes_per_member + 16)
   # Each plan measures the slope on its own pair of compiles (M, 2M); they agree, and
   # the line through (4, 8) predicts the peak at 16 members.
   assert big.bytes_per_member == pytest.approx(small.bytes_per_member, rel=0.05)
@@ -96,7 +97,8 @@ def test_command_line_on_a_cpu_without_memory_asks_for_it(capsys):
 
 
 def test_command_line_errors_name_what_is_wrong(capsys):
-  assert plan_lib.main([f'--config={DEFAULT}', '--config.num_members=6']) == 1
+  assert plan_lib.main([f'--config={DEFAULT}', '--config.num_members=6',
+                        '--config.mesh.member=8']) == 1
   assert 'config.num_members=6' in capsys.readouterr().err
   assert plan_lib.main([f'--config={DEFAULT}', '--no_such_flag=1']) == 2
   assert 'no_such_flag' in capsys.readouterr().err

@@ -1,5 +1,7 @@
 """The sharded, vmapped train step against the seed article's Python loop over members."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -8,24 +10,33 @@ import optax
 import pytest
 
 import dist_ens
-from dist_ens import data, models
+from dist_ens import assemble, data
+from dist_ens.core.losses import cross_entropy
 from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.core import optim
-from dist_ens.training import step as step_lib
 
 NUM_MEMBERS, STEPS, BATCH = 8, 20, 32
+DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
 
 
 def _setup(member, data_axis, optimizer='adam'):
-  model = models.get_model(ml_collections.ConfigDict(
-      dict(name='mlp', widths=(64, 64), init_scale=1.0)), num_classes=10)
-  tx = optim.make_optimizer(ml_collections.ConfigDict(dict(
-      name=optimizer, learning_rate=3e-3 if optimizer == 'adam' else 0.1, weight_decay=1e-4,
-      b1=0.9, b2=0.999, eps=1e-8, momentum=0.9, nesterov=False, grad_clip_norm=0.0,
-      schedule='cosine', warmup_steps=5)), STEPS)
-  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(
-      dict(member=member, data=data_axis, hosts_along='member')))
-  return model, tx, mesh
+  """The parts of an 8-member MLP run on a member x data mesh (dist_ens.assemble)."""
+  config = dist_ens.load_config(DEFAULT)
+  config.num_members = NUM_MEMBERS
+  config.model.widths = (64, 64)
+  config.optim.name = optimizer
+  config.optim.learning_rate = 3e-3 if optimizer == 'adam' else 0.1
+  config.optim.weight_decay = 1e-4
+  config.optim.schedule, config.optim.warmup_steps = 'cosine', 5
+  config.train.steps = STEPS
+  config.mesh.member, config.mesh.data = member, data_axis
+  config.data.batch_size = BATCH
+  mesh = assemble.build_mesh(config)
+  return assemble.build_parts(config, mesh, (40, 1), 10)
+
+
+def _step(parts, **kw):
+  return assemble.build_step(parts, per_member_batches=kw.pop('per_member_batches', False),
+                             form=kw.pop('form', ('vmap', None)), **kw)
 
 
 def _batches(dataset, n=STEPS):
@@ -38,34 +49,34 @@ def mnist1d():
   return data.load_dataset('mnist1d')
 
 
-def _train_sharded(model, tx, mesh, dataset, batches, state=None):
-  state = state or jax.jit(
-      lambda: step_lib.init_state(model, tx, 0, NUM_MEMBERS, dataset.input_shape),
-      out_shardings=mesh_lib.member_sharding(mesh))()
-  train_step = step_lib.make_train_step(model, tx, mesh)
-  sharding = mesh_lib.batch_sharding(mesh)
+def _train_sharded(parts, batches, state=None, **step_kw):
+  state = state or assemble.init_sharded(parts)
+  train_step = _step(parts, **step_kw)
+  sharding = mesh_lib.batch_sharding(parts.mesh)
+  hparams = parts.device_hparams()
   losses = []
   for x, y in batches:
-    state, m = train_step(state, data.to_global(x, sharding), data.to_global(y, sharding))
+    state, m = train_step(state, hparams, data.to_global(x, sharding), data.to_global(y, sharding))
     losses.append(np.asarray(m.loss))
-    jax.block_until_ready(m)  # CPU collectives must not queue up (see train.py).
+    jax.block_until_ready(m)  # CPU collectives must not queue up (see training/trainer.py).
   return state, np.stack(losses), train_step
 
 
 @pytest.mark.parametrize('member,data_axis,optimizer', [
     (4, 2, 'adam'), (2, 4, 'sgd'), (1, 8, 'adam')])
 def test_matches_python_loop_over_members(mnist1d, member, data_axis, optimizer):
-  model, tx, mesh = _setup(member, data_axis, optimizer)
+  parts = _setup(member, data_axis, optimizer)
   batches = _batches(mnist1d)
-  state, losses, _ = _train_sharded(model, tx, mesh, mnist1d, batches)
+  state, losses, _ = _train_sharded(parts, batches)
 
   # The seed article's baseline: each member alone, its own jitted step, one device.
-  init = step_lib.init_state(model, tx, 0, NUM_MEMBERS, mnist1d.input_shape)
+  model, tx = parts.model, parts.optimizer(None)
+  init = parts.init()
 
   @jax.jit
   def single_step(params, opt_state, x, y):
     loss, grads = jax.value_and_grad(
-        lambda p: step_lib.cross_entropy(model.apply(p, x), y, 0.0))(params)
+        lambda p: cross_entropy(model.apply(p, {}, x, train=True)[0], y, 0.0))(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
@@ -87,8 +98,7 @@ def test_matches_python_loop_over_members(mnist1d, member, data_axis, optimizer)
 
 
 def test_members_keep_their_own_optimizer_state(mnist1d):
-  model, tx, mesh = _setup(4, 2)
-  state, _, _ = _train_sharded(model, tx, mesh, mnist1d, _batches(mnist1d, 3))
+  state, _, _ = _train_sharded(_setup(4, 2), _batches(mnist1d, 3))
   mus = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
          if 'mu' in jax.tree_util.keystr(path)]  # Adam's first moments.
   assert mus
@@ -98,25 +108,24 @@ def test_members_keep_their_own_optimizer_state(mnist1d):
 
 
 def test_step_traces_once_and_state_stays_sharded(mnist1d):
-  model, tx, mesh = _setup(2, 4)
-  state, _, train_step = _train_sharded(model, tx, mesh, mnist1d, _batches(mnist1d, 12))
+  state, _, train_step = _train_sharded(_setup(2, 4), _batches(mnist1d, 12))
   assert train_step.traces == 1
-  for leaf in jax.tree.leaves(state):
+  for leaf in jax.tree.leaves(state._replace(step=None)):
     assert leaf.sharding.spec[0] == 'member'
+  # The step counter is one replicated scalar (the default per-leaf rule).
+  assert state.step.sharding.spec == jax.sharding.PartitionSpec() and int(state.step) == 12
 
 
 def test_nonfinite_member_is_frozen_and_others_unaffected(mnist1d):
-  model, tx, mesh = _setup(4, 2)
+  parts = _setup(4, 2)
   batches = _batches(mnist1d, 6)
-  init = jax.jit(lambda: step_lib.init_state(model, tx, 0, NUM_MEMBERS, mnist1d.input_shape),
-                 out_shardings=mesh_lib.member_sharding(mesh))
-  clean, _, _ = _train_sharded(model, tx, mesh, mnist1d, batches, state=init())
-  poisoned = init()
+  clean, _, _ = _train_sharded(parts, batches)
+  poisoned = assemble.init_sharded(parts)
   # Member 3's weights become NaN: its loss and gradients are non-finite from step 1.
   bad_params = jax.tree.map(lambda p: p.at[3].set(jnp.nan), poisoned.params)
-  poisoned = jax.device_put(poisoned._replace(params=bad_params), mesh_lib.member_sharding(mesh))
+  poisoned = jax.device_put(poisoned._replace(params=bad_params), parts.state_shardings)
   before = jax.tree.map(np.asarray, poisoned)
-  state, losses, _ = _train_sharded(model, tx, mesh, mnist1d, batches, state=poisoned)
+  state, losses, _ = _train_sharded(parts, batches, state=poisoned)
   assert np.asarray(state.frozen).tolist() == [i == 3 for i in range(NUM_MEMBERS)]
   assert not np.isfinite(losses[:, 3]).any()
   # The frozen member's parameters did not move; its optimizer saw only zero
@@ -132,18 +141,11 @@ def test_nonfinite_member_is_frozen_and_others_unaffected(mnist1d):
 
 @pytest.mark.parametrize('parallelism,chunk', [('map', None), ('map', 4)])
 def test_lax_map_over_members_matches_vmap(mnist1d, parallelism, chunk):
-  model, tx, mesh = _setup(2, 4)
+  parts = _setup(2, 4)
   batches = _batches(mnist1d, 5)
-  init = jax.jit(lambda: step_lib.init_state(model, tx, 0, NUM_MEMBERS, mnist1d.input_shape),
-                 out_shardings=mesh_lib.member_sharding(mesh))
-  sharding = mesh_lib.batch_sharding(mesh)
   results = []
   for how, size in (('vmap', None), (parallelism, chunk)):
-    state = init()
-    step = step_lib.make_train_step(model, tx, mesh, member_parallelism=how, map_batch_size=size)
-    for x, y in batches:
-      state, m = step(state, data.to_global(x, sharding), data.to_global(y, sharding))
-      jax.block_until_ready(m)
+    state, _, step = _train_sharded(parts, batches, form=(how, size))
     assert step.traces == 1
     results.append(jax.tree.map(np.asarray, state.params))
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4), *results)
@@ -152,29 +154,29 @@ def test_lax_map_over_members_matches_vmap(mnist1d, parallelism, chunk):
 @pytest.mark.parametrize('per_member', [False, True])
 def test_steps_per_call_equals_that_many_calls(mnist1d, per_member):
   """One call of K scanned steps == K calls of the one-step function, on a 4x2 mesh."""
-  model, tx, mesh = _setup(4, 2)
+  parts = _setup(4, 2)
+  mesh, hparams = parts.mesh, parts.device_hparams()
   k, calls = 3, 2
   rng = np.random.default_rng(0)
   lead = (k * calls, NUM_MEMBERS, BATCH) if per_member else (k * calls, BATCH)
   xs = mnist1d.train.x[rng.integers(0, 1000, lead)]
   ys = mnist1d.train.y[rng.integers(0, 1000, lead)]
-  init = jax.jit(lambda: step_lib.init_state(model, tx, 0, NUM_MEMBERS, mnist1d.input_shape),
-                 out_shardings=mesh_lib.member_sharding(mesh))
+  init = lambda: assemble.init_sharded(parts)
   spec = ('member', 'data') if per_member else ('data',)
   one_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
   many_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec))
 
-  single = step_lib.make_train_step(model, tx, mesh, per_member_batches=per_member)
+  single = _step(parts, per_member_batches=per_member)
   state, losses = init(), []
   for x, y in zip(xs, ys):
-    state, m = single(state, jax.device_put(x, one_sharding), jax.device_put(y, one_sharding))
+    state, m = single(state, hparams, jax.device_put(x, one_sharding),
+                      jax.device_put(y, one_sharding))
     losses.append(np.asarray(m.loss))
-  scanned = step_lib.make_train_step(model, tx, mesh, per_member_batches=per_member,
-                                     steps_per_call=k)
+  scanned = _step(parts, per_member_batches=per_member, steps_per_call=k)
   state_k, losses_k = init(), []
   for c in range(calls):
     block = slice(c * k, (c + 1) * k)
-    state_k, m = scanned(state_k, jax.device_put(xs[block], many_sharding),
+    state_k, m = scanned(state_k, hparams, jax.device_put(xs[block], many_sharding),
                          jax.device_put(ys[block], many_sharding))
     assert m.loss.shape == (k, NUM_MEMBERS)
     losses_k.append(np.asarray(m.loss))
@@ -183,9 +185,9 @@ def test_steps_per_call_equals_that_many_calls(mnist1d, per_member):
   jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
                                                        atol=1e-7), state_k, state)
   assert jax.tree.leaves(state_k.params)[0].sharding.spec[0] == 'member'
+  assert int(state_k.step) == k * calls
 
 
 def test_steps_per_call_must_be_positive(mnist1d):
-  model, tx, mesh = _setup(8, 1)
   with pytest.raises(ValueError, match='steps_per_call=0'):
-    step_lib.make_train_step(model, tx, mesh, steps_per_call=0)
+    _step(_setup(8, 1), steps_per_call=0)

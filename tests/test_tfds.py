@@ -14,7 +14,7 @@ import tensorflow_datasets as tfds  # In the test extra: these tests must run, n
 from PIL import Image  # pylint: disable=g-import-not-at-top
 
 from dist_ens import data
-from dist_ens.training import run as train  # pylint: disable=g-import-not-at-top
+import dist_ens  # pylint: disable=g-import-not-at-top
 from dist_ens.configuration import load_config  # pylint: disable=g-import-not-at-top
 from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
@@ -116,7 +116,7 @@ def test_trains_on_a_tfds_dataset(tmp_path, data_dir, model, order, mesh):
   config.model.channels, config.model.kernel_sizes, config.model.strides = (8, 8), (3, 3), (2, 2)
   config.mesh.member, config.mesh.data = mesh
   config.train.steps, config.train.log_every, config.train.eval_every = 6, 3, 0
-  final = train.run(config, str(tmp_path))
+  final = dist_ens.train(config, str(tmp_path))
   assert len(final['members']['accuracy']) == 8 and final['train_step_traces'] == 1
   assert np.isfinite(final['ensemble']['nll'])
 
@@ -126,7 +126,7 @@ def test_missing_dataset_is_one_clear_error(tmp_path):
   with pytest.raises(ConfigError, match=r"config.data.name='cifar10': no prepared dataset "
                                         r"'cifar10' in data_dir .*empty.*tfds build cifar10 "
                                         r"--file_format=array_record"):
-    train.run(config, str(tmp_path / 'workdir'))
+    dist_ens.train(config, str(tmp_path / 'workdir'))
   assert not (tmp_path / 'workdir').exists()
 
 
@@ -157,5 +157,5 @@ def test_real_configs_run_on_same_shaped_data(tmp_path, data_dir, config_file, s
   # Narrow layers keep the test fast; shapes, preprocessing and M are the config's.
   config.model.channels = tuple(8 for _ in config.model.channels)
   config.model.widths = tuple(32 for _ in config.model.widths)
-  final = train.run(config, str(tmp_path))
+  final = dist_ens.train(config, str(tmp_path))
   assert final['num_members'] == config.num_members and final['train_step_traces'] == 1

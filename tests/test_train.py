@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from dist_ens.training import run as train
+import dist_ens
 from dist_ens.configuration import load_config
 from dist_ens.errors import ConfigError
 
@@ -33,7 +33,7 @@ def _config(**overrides):
 
 
 def _run(tmp_path, name, devices=None, **overrides):
-  return train.run(_config(**overrides), str(tmp_path / name), devices=devices)
+  return dist_ens.train(_config(**overrides), str(tmp_path / name), devices=devices)
 
 
 @pytest.fixture(scope='module')
@@ -102,7 +102,7 @@ def test_workdir_files(tmp_path):
     (dict(num_members=6, mesh__member=4, mesh__data=2), 'config.num_members=6'),
     (dict(mesh__member=4, mesh__data=2, data__batch_size=63), 'config.data.batch_size=63'),
     (dict(mesh__member=3, mesh__data=2), 'config.mesh.member x config.mesh.data'),
-    (dict(model__name='resnet'), 'config.model.name'),
+    (dict(model__name='resnet9000'), 'config.model.name'),
     (dict(data__name='imagenet'), 'config.data.name'),
     (dict(optim__name='lion'), 'config.optim.name'),
     (dict(optim__learning_rate=-1.0), 'config.optim.learning_rate'),
@@ -118,7 +118,7 @@ def test_workdir_files(tmp_path):
 def test_bad_config_fails_before_touching_workdir(tmp_path, overrides, message):
   workdir = tmp_path / 'w'
   with pytest.raises(ConfigError, match=message.replace('.', r'\.')):
-    train.run(_config(**overrides), str(workdir))
+    dist_ens.train(_config(**overrides), str(workdir))
   assert not workdir.exists()
 
 
@@ -142,8 +142,9 @@ def test_cli_bad_config_exits_nonzero_with_field_and_keeps_workdir(tmp_path):
   workdir = tmp_path / 'w'
   workdir.mkdir()
   (workdir / 'keep.txt').write_text('precious')
+  # An explicit mesh is kept as given (a -1 axis would be fitted to M instead).
   proc = _cli('--config=configs/default.py', f'--workdir={workdir}', '--config.num_members=6',
-              timeout=120)
+              '--config.mesh.member=8', timeout=120)
   assert proc.returncode != 0
   assert 'config.num_members=6 is not divisible by mesh.member=8' in proc.stderr
   assert [p.name for p in workdir.iterdir()] == ['keep.txt']

@@ -13,6 +13,13 @@ A hyperparameter field of the config may hold
                                                and M must equal its size.
 On the command line: --config.optim.learning_rate='[0.001,0.002]' or
 --config.optim.learning_rate='loguniform(1e-4,1e-2)'.
+
+The resolved values are ONE pytree, {field: [M] float32}, sharded over 'member' like
+the state and handed to the train step; inside its vmap every consumer reads its
+member's scalar from the same dict: the optimizer (optim.*, core/optim.py), the loss
+(train.label_smoothing, core/losses.py) and init (model.init_scale, core/state.py).
+Adding a per-member hyperparameter is one entry in FIELDS (plus its config field)
+and a read of hparams['section.name'] where it is used.
 """
 
 import ast
@@ -82,8 +89,20 @@ def _member_uniform(seed: int, field: str, num_members: int) -> np.ndarray:
   return np.array([np.random.default_rng([seed, field_id, i]).random() for i in range(num_members)])
 
 
+def float32_normal(values: Any) -> bool:
+  """Whether every value survives float32: finite, and 0 or of normal size (a 1e-300
+  learning rate would silently become 0, a 1e300 one infinity)."""
+  values = np.abs(np.asarray(values, np.float64))
+  tiny, big = np.finfo(np.float32).tiny, np.finfo(np.float32).max
+  return bool(np.all(np.isfinite(values) & ((values == 0) | ((values >= tiny) & (values <= big)))))
+
+
 def _check_range(field: str, values: np.ndarray, shown: Any) -> None:
   low, inclusive = FIELDS[field]
+  if not float32_normal(values):
+    raise ConfigError(f'config.{field}={shown!r}: every value must be 0 or between '
+                      f'{np.finfo(np.float32).tiny:.2g} and {np.finfo(np.float32).max:.2g} in '
+                      'size (members train in float32).')
   ok = np.all(np.isfinite(values)) and (np.all(values >= low) if inclusive else np.all(values > low))
   high = _UPPER.get(field)
   if high is not None:

@@ -35,3 +35,10 @@ class Model(NamedTuple):
   """A pure model for ONE member: init(rng, sample_x) and apply(params, state, x, *, train, rng)."""
   init: Callable[[jax.Array, jax.Array], tuple[Params, State]]
   apply: Callable[..., tuple[jax.Array, State]]
+
+
+def is_kernel(leaf: Any) -> bool:
+  """Whether a parameter is a weight matrix or convolution kernel: at least two axes
+  longer than one. Biases and normalisation scales are not, whatever their layout
+  ([C], or Haiku's [1, C]). model.init_scale and weight decay act on kernels."""
+  return sum(d > 1 for d in leaf.shape) >= 2

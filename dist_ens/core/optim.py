@@ -1,48 +1,66 @@
-"""Optimizers from config, with the hyperparameters held in the optimizer state.
+"""Optimizers from config, built per member from that member's hyperparameters.
 
-`optax.inject_hyperparams` keeps the learning rate, weight decay and b1 (Adam) or
-momentum (SGD) as arrays in each member's optimizer state instead of constants baked into the compiled step. The
-state is vmapped over members, so every member carries its own values: a sweep
-over them is data, not a recompile.
+`make_optimizer(config.optim, steps)` returns `optimizer(hparams) -> GradientTransformation`
+for ONE member. The train step calls it inside its vmap over members with each
+member's own (traced) learning rate, weight decay, b1 or momentum, taken from the
+per-member hyperparameters (dist_ens.core.hparams): a sweep over them is data in
+one compiled program, not a recompile, and the optimizer state holds only what
+the optimizer itself keeps (moments, counts).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import optax
 
+from dist_ens import importing
+from dist_ens.core.model import is_kernel
 from dist_ens.errors import ConfigError
 
 SCHEDULES = ('constant', 'cosine', 'linear')
+Hparams = Mapping[str, Any]
+Optimizer = Callable[[Hparams | None], optax.GradientTransformation]
 
 
-def _adam(config: ml_collections.ConfigDict) -> Callable[..., optax.GradientTransformation]:
-  def factory(learning_rate, weight_decay, b1):
-    # Decoupled weight decay (AdamW); with weight_decay=0 this is Adam.
-    return optax.adamw(learning_rate, b1=b1, b2=config.b2, eps=config.eps,
-                       weight_decay=weight_decay)
-  return factory
+# Weight decay is decoupled for every optimizer (Loshchilov & Hutter): each step
+# subtracts learning_rate * weight_decay * w from every decayed weight, outside
+# momentum and Adam's scaling (AdamW; for SGD, SGDW). Which leaves decay is
+# config.optim.decay_mask: 'kernels' (the default: weight matrices and convolution
+# kernels, core.model.is_kernel; no biases, no normalisation scales) or 'all'.
+DECAY_MASKS = {
+    'kernels': lambda params: jax.tree.map(is_kernel, params),
+    'all': lambda params: jax.tree.map(lambda p: True, params),
+}
 
 
-def _sgd(config: ml_collections.ConfigDict) -> Callable[..., optax.GradientTransformation]:
+def _adam(config: ml_collections.ConfigDict, hp: dict[str, Any]) -> optax.GradientTransformation:
+  # With weight_decay=0 this is Adam.
+  return optax.adamw(hp['learning_rate'], b1=hp['b1'], b2=config.b2, eps=config.eps,
+                     weight_decay=hp['weight_decay'], mask=_decay_mask(config))
+
+
+def _sgd(config: ml_collections.ConfigDict, hp: dict[str, Any]) -> optax.GradientTransformation:
   # A momentum of exactly 0 for every member is plain SGD; anything else (including
-  # per-member values) keeps a momentum trace whose decay is state.
+  # per-member values) keeps a momentum trace.
   plain = isinstance(config.momentum, (int, float)) and config.momentum == 0
-
-  def factory(learning_rate, weight_decay, momentum):
-    return optax.chain(
-        optax.add_decayed_weights(weight_decay),
-        optax.sgd(learning_rate, momentum=None if plain else momentum,
-                  nesterov=config.nesterov))
-  return factory
+  parts = [] if plain else [optax.trace(hp['momentum'], nesterov=config.nesterov)]
+  return optax.chain(*parts, optax.add_decayed_weights(hp['weight_decay'], _decay_mask(config)),
+                     optax.scale_by_learning_rate(hp['learning_rate']))
 
 
-# name -> (factory(optim_config) -> (**hyperparameters) -> GradientTransformation,
-#          the config fields injected as per-member hyperparameters)
-OPTIMIZERS: dict[str, tuple[Callable[[ml_collections.ConfigDict], Callable[..., optax.GradientTransformation]], tuple[str, ...]]] = {
+def _decay_mask(config: ml_collections.ConfigDict):
+  name = config.get('decay_mask', 'kernels')
+  if name not in DECAY_MASKS:
+    raise ConfigError(f'config.optim.decay_mask={name!r}; use one of {sorted(DECAY_MASKS)}.')
+  return DECAY_MASKS[name]
+
+
+# name -> (builder(optim_config, values) -> GradientTransformation, the fields it
+#          takes per member, read from the hyperparameters as 'optim.<field>').
+OPTIMIZERS: dict[str, tuple[Callable[[ml_collections.ConfigDict, dict[str, Any]],
+                                     optax.GradientTransformation], tuple[str, ...]]] = {
     'adam': (_adam, ('learning_rate', 'weight_decay', 'b1')),
     'sgd': (_sgd, ('learning_rate', 'weight_decay', 'momentum')),
 }
@@ -50,65 +68,91 @@ OPTIMIZERS: dict[str, tuple[Callable[[ml_collections.ConfigDict], Callable[..., 
 
 def schedule(optim_config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
   """Multiplier of the learning rate over steps: linear warmup, then the decay named by
-  `optim_config.schedule`. It multiplies the member's own (peak) learning rate."""
+  `optim_config.schedule` (or your own, 'my_pkg.sched:fn' with fn(step) -> multiplier).
+  It multiplies the member's own (peak) learning rate."""
   warmup = int(optim_config.warmup_steps)
   name = optim_config.schedule
-  if name not in SCHEDULES:
+  if importing.is_import_path(name):
+    decay = importing.load_object(name, 'config.optim.schedule')
+  elif name not in SCHEDULES:
     raise ConfigError(f'config.optim.schedule={name!r}; use one of {SCHEDULES}.')
   if not 0 <= warmup <= total_steps:
     raise ConfigError(f'config.optim.warmup_steps={warmup} must be in [0, train.steps={total_steps}].')
   decay_steps = max(total_steps - warmup, 1)
-  decay = {
-      'constant': optax.constant_schedule(1.0),
-      'cosine': optax.cosine_decay_schedule(1.0, decay_steps),
-      'linear': optax.linear_schedule(1.0, 0.0, decay_steps),
-  }[name]
+  if name in SCHEDULES:
+    decay = {
+        'constant': optax.constant_schedule(1.0),
+        'cosine': optax.cosine_decay_schedule(1.0, decay_steps),
+        'linear': optax.linear_schedule(1.0, 0.0, decay_steps),
+    }[name]
   if warmup == 0:
     return decay
   return optax.join_schedules([optax.linear_schedule(0.0, 1.0, warmup), decay], [warmup])
 
 
-def make_optimizer(optim_config: ml_collections.ConfigDict,
-                   total_steps: int) -> optax.GradientTransformation:
-  """The optimizer for ONE member; vmap its init/update over members.
+def _member_values(optim_config: ml_collections.ConfigDict, fields: tuple[str, ...],
+                   hp: Hparams | None) -> dict[str, Any]:
+  """Each field's value for this member: from `hp` ('optim.<field>'), else the config's scalar."""
+  values = {}
+  for field in fields:
+    key = f'optim.{field}'
+    if hp is not None and key in hp:
+      values[field] = hp[key]
+    elif isinstance(optim_config[field], (int, float)):
+      values[field] = optim_config[field]
+    else:
+      raise ValueError(f'config.optim.{field} holds per-member values; pass this member\'s '
+                       f'hyperparameters (with {key!r}) to the optimizer.')
+  return values
 
-  Chain: optional global-norm clipping -> the named optimizer (its per-member
-  hyperparameters injected as state) -> the learning-rate schedule multiplier.
-  The injected values start as the config's scalars; per-member values (lists,
-  sweeps) are put into the state by `set_hyperparams` after init.
+
+def _builder(name: str):
+  """(builder(optim_config, values) -> GradientTransformation, per-member fields) of a
+  built-in optimizer, or of yours: 'my_pkg.opt:make' with make(values) ->
+  GradientTransformation, values this member's {learning_rate, weight_decay, b1,
+  momentum}."""
+  if importing.is_import_path(name):
+    make = importing.load_object(name, 'config.optim.name')
+    return (lambda config, values: make(values)), ('learning_rate', 'weight_decay', 'b1',
+                                                   'momentum')
+  if name not in OPTIMIZERS:
+    raise ConfigError(f'config.optim.name={name!r}; use one of {sorted(OPTIMIZERS)}, or your '
+                      "own by import path, 'my_pkg.opt:make_optimizer'.")
+  return OPTIMIZERS[name]
+
+
+def make_optimizer(optim_config: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
+  """`optimizer(hparams) -> GradientTransformation` for ONE member; vmap its use over members.
+
+  Chain: optional global-norm clipping -> the named optimizer, with this member's
+  per-member fields from `hparams` -> the learning-rate schedule multiplier. The
+  structure of the optimizer state never depends on the values, so one member's
+  state layout is every member's.
+
+  Example:
+    >>> optimizer = make_optimizer(ml_collections.ConfigDict(dict(
+    ...     name='sgd', learning_rate=0.1, weight_decay=0.0, momentum=0.0, nesterov=False,
+    ...     grad_clip_norm=0.0, schedule='constant', warmup_steps=0)), total_steps=10)
+    >>> tx = optimizer({'optim.learning_rate': 0.5})  # this member's learning rate
+
+  Raises:
+    ConfigError: naming config.optim.name or schedule for an unknown one.
   """
-  if optim_config.name not in OPTIMIZERS:
-    raise ConfigError(
-        f'config.optim.name={optim_config.name!r}; use one of {sorted(OPTIMIZERS)}.')
-  factory, names = OPTIMIZERS[optim_config.name]
-  # Non-scalar fields get NaN until set_hyperparams fills them: forgetting to would
-  # freeze every member at step 1 instead of silently training with a wrong value.
-  initial = {n: jnp.float32(optim_config[n] if isinstance(optim_config[n], (int, float))
-                            else jnp.nan) for n in names}
-  base = optax.inject_hyperparams(factory(optim_config))(**initial)
-  parts = []
-  if optim_config.grad_clip_norm:
-    parts.append(optax.clip_by_global_norm(optim_config.grad_clip_norm))
-  parts.append(base)
+  build, fields = _builder(optim_config.name)
+  _decay_mask(optim_config)  # Validates the field before anything is built.
+  multiplier = None
   if optim_config.schedule != 'constant' or optim_config.warmup_steps:
-    parts.append(optax.scale_by_schedule(schedule(optim_config, total_steps)))
-  return optax.chain(*parts) if len(parts) > 1 else base
+    multiplier = schedule(optim_config, total_steps)
+  else:
+    schedule(optim_config, total_steps)  # Validates the fields either way.
 
+  def optimizer(hp: Hparams | None = None) -> optax.GradientTransformation:
+    parts = []
+    if optim_config.grad_clip_norm:
+      parts.append(optax.clip_by_global_norm(optim_config.grad_clip_norm))
+    parts.append(build(optim_config, _member_values(optim_config, fields, hp)))
+    if multiplier is not None:
+      parts.append(optax.scale_by_schedule(multiplier))
+    return optax.chain(*parts) if len(parts) > 1 else parts[0]
 
-def _is_inject_state(node: Any) -> bool:
-  return isinstance(node, optax.InjectStatefulHyperparamsState)
-
-
-def set_hyperparams(opt_state: Any, values: dict[str, jax.Array]) -> Any:
-  """Returns ONE member's optimizer state with its injected hyperparameters replaced.
-
-  `values` maps names (e.g. 'learning_rate') to this member's scalars; names the
-  optimizer does not inject are ignored. Use inside vmap over members.
-  """
-  def replace(node):
-    if not _is_inject_state(node):
-      return node
-    new = {k: jnp.asarray(values[k], v.dtype) if k in values else v
-           for k, v in node.hyperparams.items()}
-    return node._replace(hyperparams=new)
-  return jax.tree.map(replace, opt_state, is_leaf=_is_inject_state)
+  return optimizer

@@ -8,15 +8,76 @@ from dist_ens.data.pipeline import (MEMBER_ORDERS, Batches, BatchIterator, Itera
                                     to_global)
 from dist_ens.data.sources import SOURCES, Dataset, Source, Split, Subset
 from dist_ens.data.tfds_source import load_tfds, prepare_command, preprocess
+from dist_ens import importing
 from dist_ens.errors import ConfigError
 
 
+def from_arrays(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
+                y_test: np.ndarray, *, name: str = 'arrays',
+                num_classes: int | None = None) -> Dataset:
+  """A Dataset held in memory, e.g. for `dist_ens.train(..., dataset=...)` or returned by
+  the function config.data.name names ('my_pkg.data:load').
+
+  Inputs keep their shape [N, ...] (add a trailing channel axis yourself for the
+  built-in CNNs); labels are integer classes in [0, num_classes).
+
+  Example:
+    >>> ds = from_arrays(np.zeros((8, 3)), np.arange(8) % 2, np.zeros((4, 3)), np.arange(4) % 2)
+    >>> ds.num_classes, ds.input_shape
+    (2, (3,))
+
+  Raises:
+    ConfigError: for shapes that do not match or labels outside [0, num_classes).
+  """
+  x_train, x_test = np.asarray(x_train, np.float32), np.asarray(x_test, np.float32)
+  y_train, y_test = np.asarray(y_train), np.asarray(y_test)
+  if x_train.shape[1:] != x_test.shape[1:] or len(x_train) != len(y_train) or len(
+      x_test) != len(y_test):
+    raise ConfigError(f'dataset {name!r}: x_train {x_train.shape}, y_train {y_train.shape}, '
+                      f'x_test {x_test.shape}, y_test {y_test.shape} do not fit together '
+                      '(same input shape, one label per example).')
+  if num_classes is None:
+    num_classes = int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1
+  train, test = Split(x_train, y_train.astype(np.int32)), Split(x_test, y_test.astype(np.int32))
+  for split_name, split in (('train', train), ('test', test)):
+    check_labels(split, num_classes, f'dataset {name!r} ({split_name})')
+  return Dataset(name, train, test, num_classes, tuple(x_train.shape[1:]))
+
+
+def check_labels(split: Split, num_classes: int, what: str) -> None:
+  """Raises ConfigError if a label of `split` is not an integer in [0, num_classes)."""
+  y = np.asarray(split.y)
+  if not np.issubdtype(y.dtype, np.integer):
+    raise ConfigError(f'{what}: labels must be integer classes, got dtype {y.dtype}.')
+  bad = (y < 0) | (y >= num_classes)
+  if bad.any():
+    raise ConfigError(f'{what}: {int(bad.sum())} labels lie outside [0, {num_classes}) '
+                      f'(e.g. {int(y[bad][0])}); labels must be class indices 0..{num_classes - 1}.')
+
+
+def _load_user_dataset(name: str, data_config: ml_collections.ConfigDict) -> Dataset:
+  """The dataset the function at import path `name` returns: a Dataset, or the four
+  arrays (x_train, y_train, x_test, y_test)."""
+  load = importing.load_object(name, 'config.data.name')
+  try:
+    out = load(data_config)
+  except TypeError:
+    out = load()
+  if isinstance(out, Dataset):
+    return out
+  if isinstance(out, (tuple, list)) and len(out) == 4:
+    return from_arrays(*out, name=name)
+  raise ConfigError(f'config.data.name={name!r} returned a {type(out).__name__}; return a '
+                    'dist_ens.data.Dataset or (x_train, y_train, x_test, y_test).')
+
+
 def load_dataset(name: str, data_config: ml_collections.ConfigDict | None = None) -> Dataset:
-  """The dataset `name`: an embedded one (see SOURCES) or else a TFDS dataset read from
-  data_config.data_dir. Preprocessing (data_config.mean / std) applies to both."""
+  """The dataset `name`: an embedded one (see SOURCES), your own by import path
+  ('my_pkg.data:load', see from_arrays), or else a TFDS dataset read from
+  data_config.data_dir. Preprocessing (data_config.mean / std) applies to all."""
   data_config = data_config or ml_collections.ConfigDict({'name': name, 'data_dir': ''})
-  if name in SOURCES:
-    dataset = SOURCES[name]()
+  if name in SOURCES or importing.is_import_path(name):
+    dataset = SOURCES[name]() if name in SOURCES else _load_user_dataset(name, data_config)
     if data_config.get('mean') or data_config.get('std'):
       norm = lambda s: Split(preprocess(s.x, data_config), s.y)
       dataset = dataset._replace(train=norm(dataset.train), test=norm(dataset.test))
@@ -43,6 +104,6 @@ def split_validation(source: Source, size: int) -> tuple[Source, Split]:
   return Subset(source, train), Split(*source.read(val))
 
 
-__all__ = ['Batches', 'BatchIterator', 'Dataset', 'IteratorState', 'MEMBER_ORDERS', 'Order',
+__all__ = ['Batches', 'BatchIterator', 'Dataset', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
            'PipelineStats', 'SOURCES', 'Source', 'Split', 'Subset', 'host_block', 'host_rows',
            'load_dataset', 'local_indices', 'prepare_command', 'preprocess', 'split_validation', 'to_global']

@@ -6,7 +6,7 @@ Stacking turns it into a struct of arrays, where every leaf has shape [M, ...] a
 `jax.vmap(f)(stacked)` runs `f` once per member in one program.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -73,17 +73,6 @@ def num_members(tree: PyTree) -> int:
   return jax.tree.leaves(tree)[0].shape[0]
 
 
-def member_keys(seed: int, member_indices: Sequence[int] | jax.Array) -> jax.Array:
-  """Per-member PRNG keys: member i's key is fold_in(key(seed), i), whatever M is."""
-  base = jax.random.key(seed)
-  return jax.vmap(lambda i: jax.random.fold_in(base, i))(jnp.asarray(member_indices, jnp.uint32))
-
-
-def init_members(init_fn: Callable[[jax.Array], PyTree], seed: int, num: int) -> PyTree:
-  """Initialises `num` members with vmap over their keys: member i never depends on `num`."""
-  return jax.vmap(init_fn)(member_keys(seed, np.arange(num)))
-
-
 def _first_structure_difference(a: PyTree, b: PyTree) -> str:
   """Describes where two pytree structures first diverge, for error messages."""
   pa = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]]
@@ -95,42 +84,3 @@ def _first_structure_difference(a: PyTree, b: PyTree) -> str:
     longer, name = (pa, 'member 0') if len(pa) > len(pb) else (pb, 'this member')
     return f'(path {longer[min(len(pa), len(pb))]} exists only in {name})'
   return '(same leaf paths, different node types)'
-
-
-# How a device runs a function over its block of members.
-MEMBER_PARALLELISM = ('vmap', 'map')
-
-
-def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
-                 in_axes: Sequence[int | None] | int = 0,
-                 map_batch_size: int | None = None) -> Callable[..., Any]:
-  """`fn` applied to every member of stacked arguments, in one traced program.
-
-  'vmap' batches the members into wider operations (fast for matmuls); 'map' runs
-  them one after another with `lax.map` (a loop in the compiled program, never a
-  Python loop, so compile time does not grow with M): better where all members at
-  once fall out of the caches or the vmapped form is a poor kernel.
-  `map_batch_size` > 1 vmaps chunks of that many members inside the loop.
-  Arguments whose in_axes entry is None are shared by all members.
-
-  Example:
-    >>> f = over_members(lambda w, x: w * x, 'map', in_axes=(0, None))
-    >>> f(jnp.arange(3.0), 2.0).tolist()
-    [0.0, 2.0, 4.0]
-  """
-  if parallelism not in MEMBER_PARALLELISM:
-    raise ValueError(f'member parallelism {parallelism!r}; use one of {MEMBER_PARALLELISM}.')
-  if parallelism == 'vmap':
-    return jax.vmap(fn, in_axes=in_axes)
-
-  def mapped(*args):
-    axes = (in_axes,) * len(args) if isinstance(in_axes, int) else tuple(in_axes)
-    per_member = tuple(a for a, axis in zip(args, axes) if axis is not None)
-
-    def one(members_args):
-      it = iter(members_args)
-      return fn(*(next(it) if axis is not None else a for a, axis in zip(args, axes)))
-
-    return jax.lax.map(one, per_member, batch_size=map_batch_size)
-
-  return mapped

@@ -29,35 +29,45 @@ class SplitEval(NamedTuple):
   examples: metrics.ExampleStats
 
 
+def member_logits(model: Model, variables: Any, x: jax.Array) -> jax.Array:
+  """[M, B, C] logits of every member in evaluation mode (running statistics, no dropout).
+
+  `variables` is (params, model_state), both stacked [M, ...].
+  """
+  params, model_state = variables
+  return jax.vmap(lambda p, s: model.apply(p, s, x, train=False)[0])(params, model_state)
+
+
 def make_eval_step(model: Model, mesh: Mesh) -> EvalStep:
-  """(params, x, y, mask, member_mask) -> metrics.BatchEval of the batch, replicated.
+  """(variables, x, y, mask, member_mask) -> metrics.BatchEval of the batch, replicated.
+
+  `variables` is (params, model_state) of all members, sharded over 'member'.
 
   Example:
     step = make_eval_step(model, mesh)
-    out = step(params, x, y, mask, member_mask)  # sharded inputs, see evaluate()
+    out = step((state.params, state.model_state), x, y, mask, member_mask)
     out.sums['ensemble_correct'], out.examples.entropy.shape
   """
 
-  def eval_step(params, x, y, mask, member_mask):
-    logits = jax.vmap(lambda p: model.apply(p, x, train=False))(params)
-    return metrics.eval_batch(logits, y, mask, member_mask)
+  def eval_step(variables, x, y, mask, member_mask):
+    return metrics.eval_batch(member_logits(model, variables, x), y, mask, member_mask)
 
   data, members = batch_sharding(mesh), member_sharding(mesh)
   return jax.jit(eval_step, in_shardings=(members, data, data, data, members),
                  out_shardings=replicated(mesh))
 
 
-def evaluate_split(eval_step: EvalStep, params: Any, split: Split, batch_size: int,
+def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size: int,
                    mesh: Mesh, member_mask: jax.Array) -> SplitEval:
   """Runs `eval_step` over `split` in batches; the last one is padded and masked.
 
   Example:
-    out = evaluate_split(step, state.params, dataset.test, 1000, mesh, mask)
+    out = evaluate_split(step, (state.params, state.model_state), dataset.test, 1000, mesh, mask)
     metrics.finalize(out.sums, out.examples)['ensemble']['nll']
 
   Args:
     eval_step: from make_eval_step.
-    params: the stacked member parameters, sharded over 'member'.
+    variables: (params, model_state) of all members, sharded over 'member'.
     split: the examples (any labels will do where only uncertainty is used).
     batch_size: rounded up to a multiple of the mesh's 'data' axis.
     mesh: the ('member', 'data') mesh `eval_step` was built for.
@@ -82,7 +92,7 @@ def evaluate_split(eval_step: EvalStep, params: Any, split: Split, batch_size: i
       x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
       y = np.concatenate([y, np.zeros(pad, y.dtype)])
       mask = np.concatenate([mask, np.zeros(pad, bool)])
-    out = eval_step(params, to_global(x, sharding), to_global(y, sharding),
+    out = eval_step(variables, to_global(x, sharding), to_global(y, sharding),
                     to_global(mask, sharding), member_mask)
     total = out.sums if total is None else metrics.add_sums(total, out.sums)
     examples.append(out.examples)
@@ -96,19 +106,19 @@ def evaluate_split(eval_step: EvalStep, params: Any, split: Split, batch_size: i
   return SplitEval(jax.tree.map(np.asarray, total), stacked)
 
 
-def evaluate(eval_step: EvalStep, params: Any, split: Split, batch_size: int, mesh: Mesh,
+def evaluate(eval_step: EvalStep, variables: Any, split: Split, batch_size: int, mesh: Mesh,
              member_mask: jax.Array) -> dict[str, Any]:
   """Final metrics (see metrics.finalize) of every member and the ensemble on `split`.
 
   Example:
-    results = evaluate(step, state.params, dataset.test, 1000, mesh, mask)
+    results = evaluate(step, (state.params, state.model_state), dataset.test, 1000, mesh, mask)
     results['ensemble']['adaptive_ece'], results['members']['accuracy'][0]
   """
-  out = evaluate_split(eval_step, params, split, batch_size, mesh, member_mask)
+  out = evaluate_split(eval_step, variables, split, batch_size, mesh, member_mask)
   return metrics.finalize(out.sums, out.examples)
 
 
-def evaluate_ood(eval_step: EvalStep, params: Any, in_split: Split, ood_split: Split,
+def evaluate_ood(eval_step: EvalStep, variables: Any, in_split: Split, ood_split: Split,
                  batch_size: int, mesh: Mesh, member_mask: jax.Array) -> dict[str, Any]:
   """How well the ensemble's uncertainty tells `ood_split` from `in_split`.
 
@@ -116,11 +126,11 @@ def evaluate_ood(eval_step: EvalStep, params: Any, in_split: Split, ood_split: S
   likely OOD"; see metrics.ood_metrics for the keys.
 
   Example:
-    ood = evaluate_ood(step, state.params, dataset.test, noise, 1000, mesh, mask)
+    ood = evaluate_ood(step, (state.params, state.model_state), dataset.test, noise, 1000, mesh, mask)
     ood['ensemble']['auroc_mi'], ood['members']['auroc_entropy'][0]
 
   Args:
-    eval_step, params, batch_size, mesh, member_mask: as for evaluate().
+    eval_step, variables, batch_size, mesh, member_mask: as for evaluate().
     in_split: in-distribution examples (the test split).
     ood_split: out-of-distribution examples of the same input shape; labels unused.
 
@@ -130,11 +140,38 @@ def evaluate_ood(eval_step: EvalStep, params: Any, in_split: Split, ood_split: S
   if in_split.x.shape[1:] != ood_split.x.shape[1:]:
     raise ValueError(f'evaluate_ood(): OOD inputs have shape {ood_split.x.shape[1:]} but '
                      f'in-distribution inputs {in_split.x.shape[1:]}; they must match.')
-  inside = evaluate_split(eval_step, params, in_split, batch_size, mesh, member_mask)
-  outside = evaluate_split(eval_step, params, ood_split, batch_size, mesh, member_mask)
+  inside = evaluate_split(eval_step, variables, in_split, batch_size, mesh, member_mask)
+  outside = evaluate_split(eval_step, variables, ood_split, batch_size, mesh, member_mask)
   return metrics.ood_metrics(inside.examples, outside.examples)
 
 
 def member_mask_from_frozen(frozen: jax.Array) -> jax.Array:
   """Members in the ensemble: all that are not frozen."""
   return jnp.logical_not(frozen)
+
+
+class Evaluator:
+  """Evaluates a train state on whole splits (see evaluate / evaluate_ood).
+
+  Example:
+    evaluator = Evaluator(make_eval_step(model, mesh), mesh, batch_size=1000)
+    evaluator.evaluate(state, dataset.test)['ensemble']['nll']
+  """
+
+  def __init__(self, eval_step: EvalStep, mesh: Mesh, batch_size: int):
+    self.eval_step, self.mesh, self.batch_size = eval_step, mesh, batch_size
+
+  def evaluate(self, state: Any, split: Split, member_mask: jax.Array | None = None
+               ) -> dict[str, Any]:
+    """Metrics of every member and the ensemble of the non-frozen (or masked-in) members."""
+    if member_mask is None:
+      member_mask = member_mask_from_frozen(state.frozen)
+    # A small split is evaluated in one batch, not padded up to the batch size.
+    batch_size = min(self.batch_size, len(split.y))
+    return evaluate(self.eval_step, (state.params, state.model_state), split, batch_size,
+                    self.mesh, member_mask)
+
+  def ood(self, state: Any, in_split: Split, ood_split: Split) -> dict[str, Any]:
+    """AUROC/AUPR of telling `ood_split` from `in_split` by the ensemble's uncertainty."""
+    return evaluate_ood(self.eval_step, (state.params, state.model_state), in_split, ood_split,
+                        self.batch_size, self.mesh, member_mask_from_frozen(state.frozen))

@@ -1,7 +1,7 @@
 """Ensemble classification and uncertainty metrics: additive sums on device, ranks on host.
 
 Metrics are computed on device inside a jitted eval step, one batch at a time.
-Most are means over examples, so they are expressed as SUMS: `eval_sums` returns
+Most are means over examples, so they are expressed as SUMS: `eval_batch(...).sums` holds
 the per-batch sums, `add_sums` accumulates them across batches, and `finalize`
 turns the totals into final values once, on the host. Because masked (padding)
 examples contribute exactly zero, a padded last batch gives exact results.
@@ -50,7 +50,7 @@ Typical use:
 
   sums = None
   for batch in eval_batches:
-    batch_sums = jitted_eval_step(params, batch)  # calls eval_sums
+    batch_sums = jitted_eval_step(params, batch).sums  # calls eval_batch
     sums = batch_sums if sums is None else add_sums(sums, batch_sums)
   results = finalize(jax.device_get(sums))
 """
@@ -61,21 +61,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-NUM_ECE_BINS = 15
+from dist_ens.eval.ranks import NUM_ECE_BINS, ExampleStats, adaptive_ece
+from dist_ens.eval.ranks import aupr, auroc, ood_metrics  # noqa: F401  (the metrics API)
 
-
-class ExampleStats(NamedTuple):
-  """Per-example values the rank-based metrics need; B examples, M members.
-
-  Padding rows hold arbitrary values: drop them with the batch mask on the host.
-  """
-  member_confidence: Any  # [M, B] max_c p_m,c
-  member_correct: Any  # [M, B] 1.0 where member m's argmax is the label
-  member_entropy: Any  # [M, B] H[p_m]
-  ensemble_confidence: Any  # [B]
-  ensemble_correct: Any  # [B]
-  entropy: Any  # [B] H[p_bar], the ensemble's predictive entropy
-  mutual_information: Any  # [B]
 
 
 class BatchEval(NamedTuple):
@@ -203,6 +191,26 @@ def _bin_sums(
   return bin_count, bin_conf, bin_correct
 
 
+def _prediction_terms(log_probs: jax.Array, scores: jax.Array, labels: jax.Array,
+                      onehot: jax.Array, mask: jax.Array) -> dict[str, Any]:
+  """Per-example terms of a predictor ([M, B, C] members or [B, C] the ensemble): the
+  prediction (argmax of `scores`), correctness, confidence, and the masked sums of
+  nll, correct and brier and the ECE bins."""
+  pred = jnp.argmax(scores, axis=-1)
+  correct = (pred == labels).astype(jnp.float32)
+  # Gather rather than multiply by the one-hot: a -inf log-prob on another class
+  # (from -inf logits) would otherwise turn into NaN.
+  index = jnp.broadcast_to(labels[:, None], log_probs.shape[:-1] + (1,))
+  nll = -jnp.take_along_axis(log_probs, index, axis=-1)[..., 0]
+  brier = jnp.sum((jnp.exp(log_probs) - onehot) ** 2, axis=-1)
+  conf = jnp.exp(jnp.max(log_probs, axis=-1))
+  bin_count, bin_conf, bin_correct = _bin_sums(conf, correct, mask)
+  masked = lambda x: jnp.sum(jnp.where(mask, x, 0.0), axis=-1)
+  return {'pred': pred, 'correct': correct, 'conf': conf,
+          'sums': {'nll': masked(nll), 'correct': masked(correct), 'brier': masked(brier),
+                   'bin_count': bin_count, 'bin_conf': bin_conf, 'bin_correct': bin_correct}}
+
+
 def eval_batch(
     logits: jax.Array,
     labels: jax.Array,
@@ -265,29 +273,12 @@ def eval_batch(
   def masked_sum(per_example: jax.Array) -> jax.Array:
     return jnp.sum(jnp.where(mask, per_example, 0.0), axis=-1)
 
-  # Members.
   member_log_probs = jax.nn.log_softmax(logits, axis=-1)  # [M, B, C]
-  member_probs = jnp.exp(member_log_probs)
-  member_pred = jnp.argmax(logits, axis=-1)  # [M, B]
-  member_correct = (member_pred == labels).astype(jnp.float32)
-  # Gather rather than multiply by the one-hot: a -inf log-prob on another
-  # class (from -inf logits) would otherwise turn into NaN.
-  member_nll = -jnp.take_along_axis(
-      member_log_probs, labels[None, :, None], axis=-1
-  )[..., 0]
-  member_brier = jnp.sum((member_probs - onehot) ** 2, axis=-1)
-  member_conf = jnp.exp(jnp.max(member_log_probs, axis=-1))
-  member_bins = _bin_sums(member_conf, member_correct, mask)
-
-  # Ensemble.
+  member = _prediction_terms(member_log_probs, logits, labels, onehot, mask)
   ens_log_probs = _ensemble_log_probs(member_log_probs, member_included)  # [B, C]
-  ens_probs = jnp.exp(ens_log_probs)
-  ens_pred = jnp.argmax(ens_log_probs, axis=-1)  # [B]
-  ens_correct = (ens_pred == labels).astype(jnp.float32)
-  ens_nll = -jnp.take_along_axis(ens_log_probs, labels[:, None], axis=-1)[:, 0]
-  ens_brier = jnp.sum((ens_probs - onehot) ** 2, axis=-1)
-  ens_conf = jnp.exp(jnp.max(ens_log_probs, axis=-1))
-  ens_bins = _bin_sums(ens_conf, ens_correct, mask)
+  ens = _prediction_terms(ens_log_probs, ens_log_probs, labels, onehot, mask)
+  member_pred, member_correct, member_conf = member['pred'], member['correct'], member['conf']
+  ens_pred, ens_correct, ens_conf = ens['pred'], ens['correct'], ens['conf']
 
   member_disagrees = (member_pred != ens_pred).astype(jnp.float32)  # [M, B]
   disagreement = jnp.sum(
@@ -297,20 +288,10 @@ def eval_batch(
 
   sums = {
       "count": jnp.sum(example_weight),
-      "member_nll": masked_sum(member_nll),
-      "member_correct": masked_sum(member_correct),
-      "member_brier": masked_sum(member_brier),
+      **{f"member_{k}": v for k, v in member['sums'].items()},
       "member_entropy": masked_sum(uncertainty["member_entropy"]),
-      "member_bin_count": member_bins[0],
-      "member_bin_conf": member_bins[1],
-      "member_bin_correct": member_bins[2],
-      "ensemble_nll": masked_sum(ens_nll),
-      "ensemble_correct": masked_sum(ens_correct),
-      "ensemble_brier": masked_sum(ens_brier),
+      **{f"ensemble_{k}": v for k, v in ens['sums'].items()},
       "ensemble_entropy": masked_sum(uncertainty["entropy"]),
-      "ensemble_bin_count": ens_bins[0],
-      "ensemble_bin_conf": ens_bins[1],
-      "ensemble_bin_correct": ens_bins[2],
       "disagreement": masked_sum(disagreement),
       "expected_entropy": masked_sum(uncertainty["expected_entropy"]),
       "mutual_information": masked_sum(uncertainty["mutual_information"]),
@@ -324,29 +305,13 @@ def eval_batch(
   return BatchEval(sums, examples)
 
 
-def eval_sums(
-    logits: jax.Array,
-    labels: jax.Array,
-    mask: jax.Array,
-    member_mask: jax.Array | None = None,
-) -> dict[str, jax.Array]:
-  """The additive sums of `eval_batch` alone (see there for arguments and keys).
-
-  Example:
-    >>> sums = eval_sums(jnp.zeros((2, 3, 4)), jnp.array([0, 1, 2]), jnp.ones(3, bool))
-    >>> float(sums['ensemble_correct']), float(sums['mutual_information'])
-    (1.0, 0.0)
-  """
-  return eval_batch(logits, labels, mask, member_mask).sums
-
-
 def add_sums(
     a: dict[str, jax.Array], b: dict[str, jax.Array]
 ) -> dict[str, jax.Array]:
   """Adds two sums dicts elementwise (e.g. to accumulate across batches).
 
   Args:
-    a: sums dict as returned by `eval_sums`.
+    a: sums dict as returned by `eval_batch(...).sums`.
     b: sums dict with the same keys and shapes.
 
   Returns:
@@ -361,147 +326,58 @@ def _ece(
   return np.sum(np.abs(bin_correct - bin_conf), axis=-1) / count
 
 
-def adaptive_ece(confidence: np.ndarray, correct: np.ndarray,
-                 num_bins: int = NUM_ECE_BINS) -> np.ndarray:
-  """ECE over equal-mass confidence bins (see the module docstring), on the host.
+class Metric(NamedTuple):
+  """One metric, defined once: its name in results and events, how tables label and
+  print it, which way is better, and how its final value comes from the split's sums.
 
-  Example:
-    >>> # Bins {0.6, 0.7} and {0.8, 0.9}: (|1 - 1.3| + |2 - 1.7|) / 4 examples.
-    >>> round(float(adaptive_ece(np.array([.9, .8, .6, .7]), np.array([1., 1., 0., 1.]),
-    ...                          num_bins=2)), 6)
-    0.15
-
-  Args:
-    confidence: [..., N] top-class probability of each example (no padding).
-    correct: [..., N] 1.0 where the prediction is right.
-    num_bins: number of equal-mass bins.
-
-  Returns:
-    [...] adaptive ECE along the last axis (float64).
+  value(sums, prefix, count) -> the value for prefix 'member' ([M]) or 'ensemble' ([]);
+  a metric with `from_examples` is computed from the per-example stats instead.
   """
-  confidence = np.asarray(confidence, np.float64)
-  correct = np.asarray(correct, np.float64)
-  n = confidence.shape[-1]
-  order = np.argsort(confidence, axis=-1, kind='stable')
-  confidence = np.take_along_axis(confidence, order, axis=-1)
-  correct = np.take_along_axis(correct, order, axis=-1)
-  total = np.zeros(confidence.shape[:-1])
-  for group in np.array_split(np.arange(n), num_bins):
-    if len(group):
-      total += np.abs(correct[..., group].sum(-1) - confidence[..., group].sum(-1))
-  return total / n
+  name: str
+  label: str
+  higher_is_better: bool | None  # None: a description (entropy), not a quality to rank by.
+  scopes: tuple[str, ...]  # 'members' and/or 'ensemble'
+  value: Any = None
+  from_examples: Any = None  # (ExampleStats, prefix) -> value
+  fmt: str = '.4f'
 
 
-def _ood_labels_and_scores(in_scores: np.ndarray, out_scores: np.ndarray
-                           ) -> tuple[np.ndarray, np.ndarray]:
-  scores = np.concatenate([np.asarray(in_scores, np.float64),
-                           np.asarray(out_scores, np.float64)])
-  is_ood = np.concatenate([np.zeros(len(in_scores), bool), np.ones(len(out_scores), bool)])
-  return is_ood, scores
+def _ratio(key: str):
+  return lambda s, prefix, count: s[f'{prefix}_{key}'] / count
 
 
-def auroc(in_scores: np.ndarray, out_scores: np.ndarray) -> float:
-  """Area under the ROC curve of telling out- from in-distribution by a score.
-
-  Higher scores should mean "more likely OOD". Equals the probability that a random
-  OOD example scores above a random in-distribution one, ties counting one half
-  (the Mann-Whitney U statistic, with average ranks for ties).
-
-  Example:
-    >>> auroc(np.array([0.1, 0.4]), np.array([0.3, 0.9]))
-    0.75
-
-  Args:
-    in_scores: [N_in] scores of in-distribution examples.
-    out_scores: [N_out] scores of out-of-distribution examples.
-
-  Returns:
-    AUROC in [0, 1]; NaN if either set is empty.
-  """
-  n_in, n_out = len(in_scores), len(out_scores)
-  if not n_in or not n_out:
-    return float('nan')
-  is_ood, scores = _ood_labels_and_scores(in_scores, out_scores)
-  order = np.argsort(scores, kind='stable')
-  sorted_scores = scores[order]
-  ranks = np.empty(len(scores))
-  # Average 1-based rank within each run of tied scores.
-  starts = np.flatnonzero(np.r_[True, sorted_scores[1:] != sorted_scores[:-1]])
-  ends = np.r_[starts[1:], len(scores)]
-  for start, end in zip(starts, ends):
-    ranks[order[start:end]] = (start + end + 1) / 2.0
-  u = ranks[is_ood].sum() - n_out * (n_out + 1) / 2.0
-  return float(u / (n_in * n_out))
+def _summed(key: str):
+  return lambda s, prefix, count: s[key] / count
 
 
-def aupr(in_scores: np.ndarray, out_scores: np.ndarray) -> float:
-  """Area under the precision-recall curve with OOD as the positive class.
-
-  Computed as average precision, sum_k (R_k - R_{k-1}) P_k over the distinct score
-  thresholds from high to low (scikit-learn's average_precision_score).
-
-  Example:
-    >>> aupr(np.array([0.1, 0.4]), np.array([0.3, 0.9]))
-    0.8333333333333333
-
-  Args:
-    in_scores: [N_in] scores of in-distribution examples.
-    out_scores: [N_out] scores of out-of-distribution examples (higher = more OOD).
-
-  Returns:
-    AUPR in [0, 1]; NaN if either set is empty.
-  """
-  if not len(in_scores) or not len(out_scores):
-    return float('nan')
-  is_ood, scores = _ood_labels_and_scores(in_scores, out_scores)
-  order = np.argsort(-scores, kind='stable')
-  scores, is_ood = scores[order], is_ood[order]
-  # The last position of each run of tied scores: one threshold per distinct score.
-  last = np.r_[np.flatnonzero(scores[1:] != scores[:-1]), len(scores) - 1]
-  true_pos = np.cumsum(is_ood)[last]
-  precision = true_pos / (last + 1)
-  recall = true_pos / is_ood.sum()
-  return float(np.sum(np.diff(np.r_[0.0, recall]) * precision))
+def _examples_adaptive_ece(examples: ExampleStats, prefix: str):
+  if prefix == 'member':
+    return adaptive_ece(examples.member_confidence, examples.member_correct)
+  return adaptive_ece(examples.ensemble_confidence, examples.ensemble_correct)
 
 
-def ood_metrics(in_examples: ExampleStats, out_examples: ExampleStats) -> dict[str, Any]:
-  """AUROC/AUPR of separating OOD from in-distribution examples by uncertainty.
+_BOTH, _ENSEMBLE = ('members', 'ensemble'), ('ensemble',)
+# Every evaluation metric, in the order results and tables list them.
+METRICS: tuple[Metric, ...] = (
+    Metric('accuracy', 'accuracy', True, _BOTH, _ratio('correct')),
+    Metric('nll', 'NLL', False, _BOTH, _ratio('nll')),
+    Metric('brier', 'Brier', False, _BOTH, _ratio('brier')),
+    Metric('ece', 'ECE', False, _BOTH, lambda s, prefix, count: _ece(
+        s[f'{prefix}_bin_correct'], s[f'{prefix}_bin_conf'], count)),
+    Metric('adaptive_ece', 'adaptive ECE', False, _BOTH, from_examples=_examples_adaptive_ece),
+    Metric('disagreement', 'disagreement', None, _ENSEMBLE, _summed('disagreement')),
+    Metric('entropy', 'entropy', None, _BOTH, _ratio('entropy')),
+    Metric('expected_entropy', 'expected entropy', None, _ENSEMBLE, _summed('expected_entropy')),
+    Metric('mutual_information', 'mutual information', None, _ENSEMBLE,
+           _summed('mutual_information')),
+    Metric('pairwise_kl', 'pairwise KL', None, _ENSEMBLE, _summed('pairwise_kl')),
+)
+METRICS_BY_NAME = {metric.name: metric for metric in METRICS}
 
-  Example:
-    >>> a = ExampleStats(*([np.zeros((1, 2))] * 3 + [np.zeros(2)] * 2),
-    ...                  entropy=np.array([.1, .2]), mutual_information=np.array([0., .1]))
-    >>> b = a._replace(entropy=np.array([.9, .8]), mutual_information=np.array([.2, .3]))
-    >>> ood_metrics(a, b)['ensemble']['auroc_entropy']
-    1.0
 
-  Args:
-    in_examples: ExampleStats of the in-distribution split (padding removed).
-    out_examples: ExampleStats of the OOD split (padding removed).
-
-  Returns:
-    {'members': {'auroc_entropy', 'aupr_entropy'}: lists of M floats (each member's
-     own predictive entropy as the score),
-     'ensemble': {'auroc_entropy', 'aupr_entropy', 'auroc_mi', 'aupr_mi',
-     'entropy_in', 'entropy_out', 'mi_in', 'mi_out'}: floats}, OOD the positive class;
-    the *_in / *_out values are the mean scores of each split.
-  """
-  members_in = np.asarray(in_examples.member_entropy)
-  members_out = np.asarray(out_examples.member_entropy)
-  ent_in, ent_out = np.asarray(in_examples.entropy), np.asarray(out_examples.entropy)
-  mi_in = np.asarray(in_examples.mutual_information)
-  mi_out = np.asarray(out_examples.mutual_information)
-  return {
-      'members': {
-          'auroc_entropy': [auroc(a, b) for a, b in zip(members_in, members_out)],
-          'aupr_entropy': [aupr(a, b) for a, b in zip(members_in, members_out)],
-      },
-      'ensemble': {
-          'auroc_entropy': auroc(ent_in, ent_out), 'aupr_entropy': aupr(ent_in, ent_out),
-          'auroc_mi': auroc(mi_in, mi_out), 'aupr_mi': aupr(mi_in, mi_out),
-          'entropy_in': float(np.mean(ent_in)), 'entropy_out': float(np.mean(ent_out)),
-          'mi_in': float(np.mean(mi_in)), 'mi_out': float(np.mean(mi_out)),
-      },
-  }
+def higher_is_better(name: str) -> bool:
+  """Whether a larger value of metric `name` is better (for ranking members)."""
+  return bool(METRICS_BY_NAME[name].higher_is_better)
 
 
 def finalize(sums: dict[str, Any], examples: ExampleStats | None = None
@@ -514,7 +390,7 @@ def finalize(sums: dict[str, Any], examples: ExampleStats | None = None
     0.3333
 
   Args:
-    sums: sums dict from `eval_sums` / `add_sums` (device or numpy arrays).
+    sums: sums dict from `eval_batch(...).sums` / `add_sums` (device or numpy arrays).
     examples: the split's ExampleStats with padding removed; when given, the
       result also holds 'adaptive_ece'.
 
@@ -537,36 +413,16 @@ def finalize(sums: dict[str, Any], examples: ExampleStats | None = None
         "evaluate at least one example with mask=True."
     )
 
-  def as_list(x: np.ndarray) -> list[float]:
-    return [float(v) for v in x]
-
-  results = {
-      "members": {
-          "accuracy": as_list(s["member_correct"] / count),
-          "nll": as_list(s["member_nll"] / count),
-          "brier": as_list(s["member_brier"] / count),
-          "ece": as_list(
-              _ece(s["member_bin_correct"], s["member_bin_conf"], count)
-          ),
-          "entropy": as_list(s["member_entropy"] / count),
-      },
-      "ensemble": {
-          "accuracy": float(s["ensemble_correct"] / count),
-          "nll": float(s["ensemble_nll"] / count),
-          "brier": float(s["ensemble_brier"] / count),
-          "ece": float(
-              _ece(s["ensemble_bin_correct"], s["ensemble_bin_conf"], count)
-          ),
-          "disagreement": float(s["disagreement"] / count),
-          "entropy": float(s["ensemble_entropy"] / count),
-          "expected_entropy": float(s["expected_entropy"] / count),
-          "mutual_information": float(s["mutual_information"] / count),
-          "pairwise_kl": float(s["pairwise_kl"] / count),
-      },
-  }
-  if examples is not None:
-    results["members"]["adaptive_ece"] = as_list(
-        adaptive_ece(examples.member_confidence, examples.member_correct))
-    results["ensemble"]["adaptive_ece"] = float(
-        adaptive_ece(examples.ensemble_confidence, examples.ensemble_correct))
+  results: dict[str, dict[str, Any]] = {'members': {}, 'ensemble': {}}
+  for metric in METRICS:
+    for scope in metric.scopes:
+      prefix = 'member' if scope == 'members' else 'ensemble'
+      if metric.from_examples is not None:
+        if examples is None:
+          continue
+        value = metric.from_examples(examples, prefix)
+      else:
+        value = metric.value(s, prefix, count)
+      results[scope][metric.name] = ([float(v) for v in value] if scope == 'members'
+                                     else float(value))
   return results

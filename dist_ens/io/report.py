@@ -39,7 +39,7 @@ import numpy as np
 from dist_ens import data
 from dist_ens.io import tables
 from dist_ens.inference import Ensemble
-from dist_ens.eval.metrics import NUM_ECE_BINS
+from dist_ens.eval.metrics import METRICS, NUM_ECE_BINS
 
 FIGURES = ('reliability.png', 'members_vs_ensemble.png', 'learning_curves.png',
            'ensemble_size.png')
@@ -491,8 +491,10 @@ def _finite_mean(values: Sequence[Any], members: Sequence[int]) -> float:
   return float(np.mean(kept)) if kept else np.nan
 
 
-_METRIC_COLUMNS = (('accuracy', 'accuracy'), ('nll', 'NLL'), ('brier', 'Brier'), ('ece', 'ECE'),
-                   ('adaptive_ece', 'adaptive ECE'), ('entropy', 'entropy'))
+# (name, label) of every per-member metric, from the one registry (eval.metrics.METRICS):
+# the rankable ones first (accuracy, NLL, Brier, ECE, ...), then the descriptions.
+_METRIC_COLUMNS = tuple((m.name, m.label) for m in sorted(
+    (m for m in METRICS if 'members' in m.scopes), key=lambda m: m.higher_is_better is None))
 
 
 class _Figure(NamedTuple):

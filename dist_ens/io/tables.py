@@ -4,22 +4,27 @@ from typing import Any
 
 import numpy as np
 
+from dist_ens.eval.metrics import METRICS
+
+
+def _member_metrics(results: dict[str, Any], ranking_only: bool = False) -> list[Any]:
+  """The per-member metrics `results['members']` holds, in the registry's order."""
+  return [m for m in METRICS if 'members' in m.scopes and m.name in results['members']
+          and not (ranking_only and m.higher_is_better is None)]
+
 
 def results_table(final: dict[str, Any]) -> str:
   """Per-member and ensemble test metrics as a Markdown table.
 
-  Columns for adaptive ECE and entropy appear when `final` has them; the ensemble's
-  uncertainty decomposition and diversity follow the table.
+  One column per member metric `final` holds (dist_ens.eval.metrics.METRICS); the
+  ensemble's uncertainty decomposition and diversity follow the table.
 
   Example:
     print(results_table(json.load(open('/tmp/run/final_metrics.json'))))
   """
   members, ens = final['members'], final['ensemble']
   frozen = set(final.get('frozen_members', []))
-  columns = [(k, name) for k, name in (('accuracy', 'accuracy'), ('nll', 'NLL'),
-                                       ('brier', 'Brier'), ('ece', 'ECE'),
-                                       ('adaptive_ece', 'adaptive ECE'), ('entropy', 'entropy'))
-             if k in members]
+  columns = [(m.name, m.label) for m in _member_metrics(final)]
   lines = ['| member | ' + ' | '.join(name for _, name in columns) + ' |',
            '|---|' + '---|' * len(columns)]
   for i in range(len(members['accuracy'])):
@@ -41,15 +46,18 @@ def member_rows(final: dict[str, Any], member_hparams: dict[str, np.ndarray],
                 validation: dict[str, Any] | None, metric: str,
                 higher_is_better: bool) -> list[dict[str, Any]]:
   """One row per member: index, hyperparameters, validation and test metrics, sorted
-  best first by `metric` (on validation when there is one, else on test)."""
+  best first by `metric` (on validation when there is one, else on test). The metric
+  columns are every rankable member metric (val_* and test_*)."""
   rows = []
   frozen = set(final.get('frozen_members', []))
   for i in range(final['num_members']):
     row: dict[str, Any] = {'member': i}
     row.update({field: float(v[i]) for field, v in member_hparams.items()})
     if validation is not None:
-      row.update({f'val_{k}': validation['members'][k][i] for k in ('accuracy', 'nll', 'ece')})
-    row.update({f'test_{k}': final['members'][k][i] for k in ('accuracy', 'nll', 'brier', 'ece')})
+      row.update({f'val_{m.name}': validation['members'][m.name][i]
+                  for m in _member_metrics(validation, ranking_only=True)})
+    row.update({f'test_{m.name}': final['members'][m.name][i]
+                for m in _member_metrics(final, ranking_only=True)})
     row['frozen'] = i in frozen
     rows.append(row)
   key = f'val_{metric}' if validation is not None and f'val_{metric}' in rows[0] else f'test_{metric}'

@@ -19,7 +19,6 @@ in `WRITERS`, or a user's class named by import path (see `make_writer`).
 """
 
 import csv
-import functools
 import importlib
 import importlib.util
 import io
@@ -460,9 +459,7 @@ def make_writer(names: Sequence[str] | str, workdir: str | os.PathLike,
     ConfigError: naming config.writers, for an unknown name, an import path that does
       not import, or 'wandb' when wandb is not installed (checked on every process).
   """
-  if isinstance(names, str):
-    names = names.split(',')
-  names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
+  names = check_writer_names(names)
   factories = [_writer_factory(name) for name in names]
   if not is_writer():
     return MultiWriter()
@@ -475,6 +472,20 @@ def make_writer(names: Sequence[str] | str, workdir: str | os.PathLike,
                         'write(event) or close().')
     made.append(writer)
   return MultiWriter(*made)
+
+
+def check_writer_names(names: Sequence[str] | str) -> list[str]:
+  """The distinct writer names (config.writers), each checked to stand for a writer.
+
+  Raises:
+    ConfigError: as make_writer does; nothing is created or written.
+  """
+  if isinstance(names, str):
+    names = names.split(',')
+  names = list(dict.fromkeys(n.strip() for n in names if n.strip()))
+  for name in names:
+    _writer_factory(name)
+  return names
 
 
 def _writer_factory(name: str) -> WriterFactory:

@@ -7,22 +7,28 @@ config.model.factory = 'my_pkg.nets:make_net', called with config.model.kwargs a
 adapted by dist_ens.core.adapters (Flax linen / NNX, Equinox, Haiku or plain JAX).
 """
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 import ml_collections
 
+from dist_ens import importing
 from dist_ens.core import adapters
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
 from dist_ens.models.cnn import make_cnn
+from dist_ens.models.lenet import make_lenet5
 from dist_ens.models.mlp import make_mlp
+from dist_ens.models.resnet import make_resnet, make_resnet18, make_wide_resnet
 
 # name -> constructor(model_config, num_classes) -> Model
 MODELS: dict[str, Callable[[ml_collections.ConfigDict, int], Model]] = {
     'mlp': make_mlp,
     'cnn': make_cnn,
+    'lenet5': make_lenet5,
+    'resnet': make_resnet,  # CIFAR ResNet, depth 6n+2 (config.model.depth: 20, 32, 56, ...)
+    'resnet18': make_resnet18,
+    'wide_resnet': make_wide_resnet,  # WRN-depth-widen_factor (default 28-10)
 }
 
 
@@ -37,20 +43,10 @@ def import_factory(path: str) -> Callable[..., Any]:
     ConfigError: the path is malformed, its module does not import or lacks the
       attribute; the message names config.model.factory and the cause in one line.
   """
-  module_name, sep, attribute = path.partition(':')
-  if not sep or not module_name or not attribute:
+  if not importing.is_import_path(path):
     raise ConfigError(f"config.model.factory={path!r} must be an import path "
                       "'package.module:factory', e.g. 'my_pkg.nets:make_net'.")
-  try:
-    obj = importlib.import_module(module_name)
-  except ImportError as e:
-    raise ConfigError(f'config.model.factory={path!r} cannot be imported: '
-                      f'{type(e).__name__}: {e}') from None
-  for part in attribute.split('.'):
-    if not hasattr(obj, part):
-      raise ConfigError(f'config.model.factory={path!r}: {module_name} has no attribute '
-                        f'{attribute!r}.')
-    obj = getattr(obj, part)
+  obj = importing.load_object(path, 'config.model.factory')
   if not callable(obj):
     raise ConfigError(f'config.model.factory={path!r} is a {type(obj).__name__}, not callable.')
   return obj

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import ml_collections
 
 from dist_ens.errors import ConfigError
-from dist_ens.models.base import Model, dense_init, init_scale_picker
+from dist_ens.core.model import Model
+from dist_ens.models.base import dense_init
 from dist_ens.models.layers import DIMENSION_NUMBERS, conv_for
 
 def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
@@ -28,10 +29,9 @@ def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
         'config.model.channels, kernel_sizes and strides need one entry per conv '
         f'layer; got {len(channels)}, {len(kernels)} and {len(strides)}.')
   conv = conv_for(config)
-  pick_scale = init_scale_picker(config)
 
-  def init(rng, input_shape, init_scale=None):
-    init_scale = pick_scale(init_scale)
+  def init(rng, sample_x):
+    input_shape = sample_x.shape[1:]
     rank = len(input_shape) - 1
     if rank not in DIMENSION_NUMBERS:
       raise ConfigError(
@@ -43,22 +43,22 @@ def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
     convs = []
     for key, out_ch, k in zip(keys[:-1], channels, kernels):
       fan_in = in_ch * k**rank
-      std = init_scale * math.sqrt(2.0 / fan_in)
+      std = math.sqrt(2.0 / fan_in)
       convs.append({'w': std * jax.random.normal(key, (k,) * rank + (in_ch, out_ch)),
                     'b': jnp.zeros((out_ch,))})
       in_ch = out_ch
     features = jax.eval_shape(_features, convs, x)
-    head = dense_init(keys[-1], math.prod(features.shape[1:]), num_classes, init_scale)
-    return {'convs': convs, 'head': head}
+    head = dense_init(keys[-1], math.prod(features.shape[1:]), num_classes)
+    return {'convs': convs, 'head': head}, {}
 
   def _features(convs, x):
     for layer, stride in zip(convs, strides):
       x = jax.nn.relu(conv(x, layer['w'], stride) + layer['b'])
     return x
 
-  def apply(params, x, train=False, rng=None):
+  def apply(params, state, x, *, train=False, rng=None):
     del train, rng  # Deterministic model.
     h = _features(params['convs'], x)
-    return h.reshape(h.shape[0], -1) @ params['head']['w'] + params['head']['b']
+    return h.reshape(h.shape[0], -1) @ params['head']['w'] + params['head']['b'], state
 
   return Model(init, apply)

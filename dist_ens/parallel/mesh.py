@@ -126,7 +126,8 @@ def make_mesh(mesh_config: ml_collections.ConfigDict,
   if -1 in (member, data) and num_members is not None and batch_size is not None:
     member, data = fit_shape(member, data, devices, num_members, batch_size)
     idle = len(devices) - member * data
-    logging.info('mesh member=%d x data=%d (config.mesh.member=%s, data=%s fitted to %d '
+    # Debug here: the trainer logs the mesh once the config has passed every check.
+    logging.debug('mesh member=%d x data=%d (config.mesh.member=%s, data=%s fitted to %d '
                  'members, batch %d) on %d of %d devices%s', member, data, mesh_config.member,
                  mesh_config.data, num_members, batch_size, member * data, len(devices),
                  f'; {idle} idle: no mesh over all of them divides the members and the batch'

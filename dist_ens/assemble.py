@@ -1,0 +1,166 @@
+"""config (+ devices) -> everything a run needs: the one chain train, plan and Ensemble.load share.
+
+  mesh      = build_mesh(config, devices)
+  run_data  = build_data(config)                      # training only
+  parts     = build_parts(config, mesh, input_shape, num_classes)
+  step      = build_step(parts, config, ...)
+
+Data flows one way: config -> mesh, model, optimizer, per-member hyperparameters
+-> the abstract (sharded) state -> the compiled step. Only this module knows how
+the parts are wired; nothing here trains, writes files or reads checkpoints.
+"""
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from dist_ens import data, models
+from dist_ens.core import hparams as hparams_lib
+from dist_ens.core.losses import Loss, loss_for
+from dist_ens.core.model import Model
+from dist_ens.core.optim import Optimizer, make_optimizer
+from dist_ens.core.state import TrainState, init_state
+from dist_ens.ensembles.sharding import state_shardings, with_shardings
+from dist_ens.errors import ConfigError
+from dist_ens.eval import ood
+from dist_ens.parallel import mesh as mesh_lib, strategy
+from dist_ens.core.step import TrainStep, make_train_step
+
+
+class RunData(NamedTuple):
+  """The data of a training run."""
+  dataset: data.Dataset  # train (possibly without its validation examples) and test
+  validation: data.Split | None  # config.data.validation_size examples, or None
+  ood: data.Split | None  # config.eval.ood_dataset's split, or None
+  order: data.Order  # which examples each step's batch holds
+
+
+class Parts(NamedTuple):
+  """A run's parts, before any state exists (all shapes, no arrays)."""
+  config: ml_collections.ConfigDict
+  mesh: Mesh
+  model: Model
+  optimizer: Optimizer
+  hparams: dict[str, np.ndarray]  # per-member hyperparameters, each [M] (core.hparams)
+  input_shape: tuple[int, ...]
+  num_classes: int
+  abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
+  init: Callable[[], TrainState]  # jit this (out_shardings) to get the state born sharded
+
+  @property
+  def state_shardings(self) -> Any:
+    return jax.tree.map(lambda s: s.sharding, self.abstract_state)
+
+  def device_hparams(self) -> dict[str, jax.Array]:
+    """The per-member hyperparameters on the mesh, sharded over 'member' like the state."""
+    return jax.device_put({k: np.asarray(v) for k, v in self.hparams.items()},
+                          mesh_lib.member_sharding(self.mesh))
+
+
+def build_mesh(config: ml_collections.ConfigDict,
+               devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """The ('member', 'data') mesh for the config, checked against M and the batch.
+
+  An axis left at -1 is fitted to the devices (parallel.mesh.make_mesh)."""
+  mesh = mesh_lib.make_mesh(config.mesh, devices, num_members=config.num_members,
+                            batch_size=config.data.batch_size)
+  mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
+  return mesh
+
+
+def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None = None) -> RunData:
+  """Loads the dataset (unless given), carves validation, loads the OOD split and fixes
+  the batch order.
+
+  Raises:
+    ConfigError: a dataset that cannot load, labels outside [0, num_classes) in the
+      splits held in memory, or a batch larger than the training split.
+  """
+  if dataset is None:
+    dataset = data.load_dataset(config.data.name, config.data)
+  for name, split in (('train', dataset.train), ('test', dataset.test)):
+    if isinstance(split, data.Split):
+      data.check_labels(split, dataset.num_classes, f'dataset {dataset.name!r} ({name} split)')
+  validation = None
+  if config.data.validation_size:
+    train_source, validation = data.split_validation(dataset.train, config.data.validation_size)
+    dataset = dataset._replace(train=train_source)
+  if config.data.batch_size > dataset.train.num_examples:
+    raise ConfigError(f'config.data.batch_size={config.data.batch_size} exceeds the '
+                      f'{dataset.train.num_examples} training examples of {dataset.name}.')
+  ood_name = config.eval.get('ood_dataset', '')
+  ood_split = ood.load_ood_split(ood_name, dataset, config.data) if ood_name else None
+  order = data.Order(config.data.member_order, dataset.train.num_examples,
+                     config.data.batch_size, config.seed)
+  return RunData(dataset, validation, ood_split, order)
+
+
+def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],
+                num_classes: int, num_members: int | None = None,
+                optimizer: Optimizer | optax.GradientTransformation | None = None) -> Parts:
+  """Model, optimizer, per-member hyperparameters and the abstract sharded state.
+
+  Model/data mismatches surface here (the state is traced with jax.eval_shape),
+  before anything is compiled or written.
+
+  Args:
+    num_members: overrides config.num_members (plan compiles the step for 2M).
+    optimizer: replaces the config's: optimizer(member_hparams) -> GradientTransformation,
+      or one GradientTransformation for every member.
+  """
+  model = models.get_model(config.model, num_classes)
+  if optimizer is None:
+    optimizer = make_optimizer(config.optim, config.train.steps)
+  elif isinstance(optimizer, optax.GradientTransformation):
+    optimizer = functools.partial(lambda tx, hp=None: tx, optimizer)
+  member_hparams = hparams_lib.resolve(config)
+  m = config.num_members
+  if num_members is not None and num_members != m:
+    member_hparams = {k: np.resize(v, num_members) for k, v in member_hparams.items()}
+    m = num_members
+  input_shape = tuple(int(d) for d in input_shape)
+  sample_x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
+
+  def init():
+    hp = {k: jnp.asarray(v) for k, v in member_hparams.items()}
+    return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp)
+
+  shapes = jax.eval_shape(init)
+  abstract = with_shardings(shapes, state_shardings(shapes, mesh))
+  return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_classes,
+               abstract, init)
+
+
+def init_sharded(parts: Parts) -> TrainState:
+  """The initial state, born sharded: each device materialises only its own members."""
+  return jax.jit(parts.init, out_shardings=parts.state_shardings)()
+
+
+def member_form(parts: Parts, batch_size: int) -> strategy.Form:
+  """(member parallelism, map chunk) for this mesh, with config.ensemble's 'auto' resolved."""
+  config, mesh = parts.config, parts.mesh
+  return strategy.resolve(
+      config.ensemble, config.model.name, mesh.devices.flat[0].platform,
+      members_per_device=parts.abstract_state.frozen.shape[0] // mesh.shape[mesh_lib.MEMBER],
+      member_activation_bytes=lambda: strategy.activation_bytes(
+          parts.model, parts.input_shape, batch_size // mesh.shape[mesh_lib.DATA]))
+
+
+def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
+               steps_per_call: int = 1, loss: Loss | None = None) -> TrainStep:
+  """The compiled train step for these parts (traced at its first call); `loss`
+  replaces config.train.loss."""
+  parallelism, map_batch_size = form
+  loss = loss or loss_for(parts.config.train.get('loss', 'cross_entropy'))
+  return make_train_step(parts.model, parts.optimizer, parts.mesh, parts.abstract_state,
+                         seed=parts.config.seed, loss=loss,
+                         per_member_batches=per_member_batches,
+                         member_parallelism=parallelism, map_batch_size=map_batch_size,
+                         steps_per_call=steps_per_call)

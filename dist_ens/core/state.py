@@ -1,0 +1,63 @@
+"""The stacked train state of all members, and how it is born.
+
+Every leaf of params, model_state and opt_state has a leading member axis [M, ...];
+`step` is one replicated counter. How each leaf is laid out on the mesh is a
+per-leaf rule (dist_ens.ensembles.sharding), not a property of this type.
+"""
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dist_ens.core import rng
+from dist_ens.core.model import Model, is_kernel
+from dist_ens.core.optim import Optimizer
+
+PyTree = Any
+
+
+class TrainState(NamedTuple):
+  """What training carries from step to step, for all members at once."""
+  params: PyTree  # [M, ...] trained by the optimizer.
+  model_state: PyTree  # [M, ...] e.g. BatchNorm running statistics; {} if the model has none.
+  opt_state: PyTree  # [M, ...] the optimizer's own state (moments, counts).
+  frozen: jax.Array  # [M] bool: the member hit a non-finite loss/gradient and stopped.
+  step: jax.Array  # [] int32: steps taken; with (seed, member) it keys all training randomness.
+
+
+def scale_init(params: PyTree, init_scale: float | jax.Array | None) -> PyTree:
+  """Multiplies every weight matrix / kernel (core.model.is_kernel) by `init_scale`.
+
+  Biases and normalisation parameters (1-D) keep their initial values, so the
+  per-member hyperparameter model.init_scale means the same for any model: a
+  multiplier of the initial weights' scale (for He-normal, of their std).
+  """
+  if init_scale is None:
+    return params
+  return jax.tree.map(lambda p: p * init_scale if is_kernel(p) else p, params)
+
+
+def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
+               sample_x: jax.Array, hparams: Mapping[str, jax.Array]) -> TrainState:
+  """All members' initial state; member i's depends only on (seed, i) and its hyperparameters.
+
+  Args:
+    model: the single-member model.
+    optimizer: optimizer(member_hparams) -> GradientTransformation.
+    seed: config.seed.
+    num_members: M.
+    sample_x: a batch of inputs [B, *input_shape] (shapes only; e.g. zeros).
+    hparams: per-member hyperparameters, each [M] (dist_ens.core.hparams.resolve).
+  """
+  keys = rng.member_keys(seed, jnp.arange(num_members, dtype=jnp.uint32))
+
+  def one(key, hp):
+    params, model_state = model.init(key, sample_x)
+    params = scale_init(params, hp.get('model.init_scale'))
+    return params, model_state, optimizer(hp).init(params)
+
+  params, model_state, opt_state = jax.vmap(one)(keys, dict(hparams))
+  return TrainState(params=params, model_state=model_state, opt_state=opt_state,
+                    frozen=jnp.zeros((num_members,), jnp.bool_), step=jnp.zeros((), jnp.int32))

@@ -1,0 +1,240 @@
+"""The built-in actions the loop calls (see dist_ens.training.loop for the interface).
+
+  Sync           waits for the device every N calls (multi-device CPU collectives
+                 deadlock when ~30 steps are queued)
+  Checkpoint     saves every checkpoint.every steps and after the last
+  TrainLog       train metrics every log_every steps: event, log line, progress bar,
+                 and non-finite members (freeze or stop)
+  Evaluate       test metrics every eval_every steps and after the last
+  ScoreOod       OOD AUROC/AUPR after the last step
+  Validate       validation metrics after the last step
+  SelectTopK     the ensemble of the k best members by a validation metric
+  Profile        a jax.profiler trace of a few steps
+"""
+
+import time
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from dist_ens.checkpoint import Checkpointer
+from dist_ens.errors import TrainingError
+from dist_ens.eval import metrics
+from dist_ens.io import progress as progress_lib, tables
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.training.loop import Context, PeriodicAction
+
+
+class Sync(PeriodicAction):
+  """Blocks until the step's results exist every `every` steps."""
+
+  def run(self, ctx: Context) -> None:
+    jax.block_until_ready(ctx.metrics)
+
+  def on_end(self, ctx: Context) -> None:
+    pass
+
+
+class Checkpoint(PeriodicAction):
+  """Saves the state, the data position and the training time so far."""
+
+  def __init__(self, checkpointer: Checkpointer, every: int):
+    super().__init__(every, at_end=True)
+    self.checkpointer = checkpointer
+
+  def save(self, ctx: Context, force: bool = True) -> None:
+    self.checkpointer.save(ctx.step, ctx.state, ctx.batches.state, force=force,
+                           meta=ctx.checkpoint_meta())
+
+  def run(self, ctx: Context) -> None:
+    self.save(ctx)
+
+
+class TrainLog(PeriodicAction):
+  """Every `every` steps (and at the last): the interval's train metrics as an event and
+  a log line, and members newly non-finite reported (and, with on_nonfinite='stop',
+  the run saved and stopped)."""
+
+  def __init__(self, ctx: Context, checkpoint: Checkpoint):
+    super().__init__(ctx.config.train.log_every)
+    self._checkpoint = checkpoint
+    self._interval: list[Any] = []
+    self._mark = ctx.train_clock()
+    self._progress = progress_lib.Progress(ctx.total_steps, ctx.start_step)
+    self._reported = set(np.flatnonzero(ctx.fetch(ctx.state.frozen)).tolist())
+    if self._reported and ctx.config.train.on_nonfinite == 'stop':
+      # A resumed run whose members froze before: 'stop' holds every time, not only once.
+      raise TrainingError(
+          f'members {sorted(self._reported)} went non-finite before step {ctx.step} and '
+          "config.train.on_nonfinite='stop'; set on_nonfinite='freeze' to train the others on.")
+    self._pipeline_mark = ctx.batches.stats
+
+  def on_step(self, ctx: Context) -> None:
+    self._interval.append(ctx.metrics)
+    self._progress.update(ctx.step)
+    if self.due(ctx.step) or ctx.step == ctx.total_steps:
+      self._flush(ctx)
+
+  def on_end(self, ctx: Context) -> None:
+    pass
+
+  def _flush(self, ctx: Context) -> None:
+    m = ctx.config.num_members
+    # Every step's metrics since the last log, [steps, M] (a call gives [K, M]).
+    fetched = jax.tree.map(lambda *calls: np.concatenate([c.reshape(-1, m) for c in calls]),
+                           *[ctx.fetch(metrics_) for metrics_ in self._interval])
+    now = ctx.train_clock()
+    elapsed, self._mark, self._interval = now - self._mark, now, []
+    steps = len(fetched.loss)
+    loss, accuracy = fetched.loss.mean(axis=0), fetched.accuracy.mean(axis=0)
+    rate = m * ctx.config.data.batch_size * steps / elapsed
+    # Examples the input pipeline delivered per step (one batch, or one per member) and
+    # could deliver (per second of its busy time).
+    demand = (m if ctx.run_data.order.per_member else 1) * ctx.config.data.batch_size * steps / elapsed
+    stats, mark = ctx.batches.stats, self._pipeline_mark
+    busy = stats.busy_seconds - mark.busy_seconds
+    supply = (stats.examples - mark.examples) / busy if busy > 0 else float('inf')
+    self._pipeline_mark = stats
+    eta = (ctx.train_seconds() - ctx.saved_meta.get('train_seconds', 0.0)) / max(
+        ctx.step - ctx.start_step, 1) * (ctx.total_steps - ctx.step)
+    ctx.write({'step': ctx.step, 'split': 'train', 'steps_averaged': steps,
+               'members': {'loss': loss.tolist(), 'accuracy': accuracy.tolist()},
+               'member_examples_per_s': rate, 'input_examples_per_s': demand,
+               'input_pipeline_capacity_per_s': supply})
+    self._progress.update(ctx.step, progress_lib.progress_line(
+        ctx.step, ctx.total_steps, loss, accuracy, rate, eta, demand, supply))
+    self._check_nonfinite(ctx, fetched.nonfinite)
+
+  def _check_nonfinite(self, ctx: Context, nonfinite: np.ndarray) -> None:
+    newly_bad = sorted(set(np.flatnonzero(np.any(nonfinite, axis=0)).tolist()) - self._reported)
+    if not newly_bad:
+      return
+    self._reported.update(newly_bad)
+    logging.warning('members %s hit a non-finite loss or gradient by step %d and are frozen at '
+                    'their last finite parameters.', newly_bad, ctx.step)
+    if ctx.config.train.on_nonfinite == 'stop':
+      self._checkpoint.save(ctx)
+      self._checkpoint.checkpointer.wait()
+      raise TrainingError(
+          f'members {newly_bad} went non-finite by step {ctx.step} and '
+          "config.train.on_nonfinite='stop'; saved the checkpoint at step "
+          f"{ctx.step}. Set on_nonfinite='freeze' to train the others on.")
+
+  def close(self) -> None:
+    self._progress.close()
+
+
+def _writes_final_events(ctx: Context) -> bool:
+  # A rerun of a finished run steps nowhere: its final events are already written.
+  return not ctx.restored or ctx.start_step < ctx.total_steps
+
+
+class Evaluate(PeriodicAction):
+  """Test metrics every `every` steps (an event and a log line) and after the last step
+  (also the run's results: 'members' and 'ensemble')."""
+
+  def __init__(self, every: int):
+    super().__init__(every, at_end=True)
+
+  def run(self, ctx: Context) -> None:
+    with ctx.off_clock():
+      results = ctx.evaluator.evaluate(ctx.state, ctx.run_data.dataset.test)
+    final = ctx.step == ctx.total_steps
+    if final:
+      ctx.results.update(results)
+    if not final or _writes_final_events(ctx):
+      ctx.write({'step': ctx.step, 'split': 'test', **results})
+    if not final:
+      logging.info('step %d test: ensemble accuracy %.4f nll %.4f; member mean accuracy %.4f',
+                   ctx.step, results['ensemble']['accuracy'], results['ensemble']['nll'],
+                   np.mean(results['members']['accuracy']))
+
+
+class ScoreOod(PeriodicAction):
+  """After the last step: how well the ensemble's uncertainty flags config.eval.ood_dataset."""
+
+  def __init__(self):
+    super().__init__(0, at_end=True)
+
+  def run(self, ctx: Context) -> None:
+    results = ctx.evaluator.ood(ctx.state, ctx.run_data.dataset.test, ctx.run_data.ood)
+    if _writes_final_events(ctx):
+      ctx.write({'step': ctx.step, 'split': 'ood', **results})
+    name = ctx.config.eval.ood_dataset
+    ctx.results['ood'] = {'dataset': name, **results}
+    ens = results['ensemble']
+    logging.info('OOD %s by ensemble entropy: AUROC %.4f AUPR %.4f; by mutual information: '
+                 'AUROC %.4f AUPR %.4f', name, ens['auroc_entropy'], ens['aupr_entropy'],
+                 ens['auroc_mi'], ens['aupr_mi'])
+
+
+class Validate(PeriodicAction):
+  """After the last step: every member's and the ensemble's validation metrics."""
+
+  def __init__(self):
+    super().__init__(0, at_end=True)
+
+  def run(self, ctx: Context) -> None:
+    ctx.results['validation'] = ctx.evaluator.evaluate(ctx.state, ctx.run_data.validation)
+
+
+class SelectTopK(PeriodicAction):
+  """After the last step: the test metrics of the ensemble of the k best members, ranked
+  by config.select.metric on validation (needs Validate to run first)."""
+
+  def __init__(self):
+    super().__init__(0, at_end=True)
+
+  def run(self, ctx: Context) -> None:
+    k, metric = ctx.config.select.top_k, ctx.config.select.metric
+    frozen = set(np.flatnonzero(ctx.fetch(ctx.state.frozen)).tolist())
+    rows = tables.member_rows({**ctx.results, 'frozen_members': sorted(frozen),
+                               'num_members': ctx.config.num_members}, ctx.parts.hparams,
+                              ctx.results.get('validation'), metric,
+                              metrics.higher_is_better(metric))
+    chosen = sorted(r['member'] for r in rows[:k] if not r['frozen'])
+    mask = np.zeros(ctx.config.num_members, bool)
+    mask[chosen] = True
+    selected = ctx.evaluator.evaluate(
+        ctx.state, ctx.run_data.dataset.test,
+        member_mask=jax.device_put(mask, mesh_lib.member_sharding(ctx.parts.mesh)))
+    ctx.results['selected'] = {'top_k': k, 'by': f'validation {metric}', 'members': chosen,
+                               'ensemble': selected['ensemble']}
+    ens = selected['ensemble']
+    logging.info('ensemble of the %d best members %s by validation %s: test accuracy %.4f '
+                 'nll %.4f ece %.4f', k, chosen, metric, ens['accuracy'], ens['nll'], ens['ece'])
+
+
+class Profile(PeriodicAction):
+  """A jax.profiler trace (TensorBoard's profile plugin) of `steps` steps after `start`,
+  written to workdir/profile."""
+
+  def __init__(self, start: int, steps: int):
+    super().__init__(0)
+    self._start, self._stop, self._active = start, start + steps, False
+
+  def on_step(self, ctx: Context) -> None:
+    if not self._active and self._start <= ctx.step < self._stop:
+      jax.block_until_ready(ctx.metrics)
+      jax.profiler.start_trace(str(ctx.workdir / 'profile'))
+      self._active, self._began = True, time.perf_counter()
+    elif self._active and ctx.step >= self._stop:
+      self._end(ctx)
+
+  def on_end(self, ctx: Context) -> None:
+    if self._active:
+      self._end(ctx)
+
+  def _end(self, ctx: Context) -> None:
+    jax.block_until_ready(ctx.metrics)
+    jax.profiler.stop_trace()
+    self._active = False
+    logging.info('profiled steps up to %d in %.1f s: %s', ctx.step,
+                 time.perf_counter() - self._began, ctx.workdir / 'profile')
+
+  def close(self) -> None:
+    if self._active:
+      jax.profiler.stop_trace()
+      self._active = False

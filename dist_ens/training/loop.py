@@ -1,0 +1,207 @@
+"""The training loop, which only steps, and the interface of what it calls: actions.
+
+After every call of the compiled step the loop hands a `Context` to each action
+in turn; an action decides itself whether it is due (every N steps, at the end)
+and may read the state, evaluate, write events or put results in
+`context.results`. Logging, evaluation, OOD scoring, checkpoints, top-k
+selection and profiling are all actions (dist_ens.training.actions); a user adds
+their own from Python without editing the package:
+
+  def log_norm(ctx):
+    norms = jax.vmap(optax.global_norm)(ctx.state.params)
+    ctx.write({'step': ctx.step, 'split': 'train', 'members': {'param_norm': norms.tolist()}})
+
+  dist_ens.train(config, workdir, actions=[dist_ens.every(100, log_norm)])
+"""
+
+import contextlib
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax
+import ml_collections
+import numpy as np
+
+from dist_ens.core.state import TrainState
+from dist_ens.eval.evaluate import Evaluator
+from dist_ens.io.writers import EventWriter
+from dist_ens.core.step import StepMetrics, TrainStep
+
+if TYPE_CHECKING:  # assemble builds the step, so it imports this package.
+  from dist_ens.assemble import Parts, RunData
+
+
+@dataclasses.dataclass
+class Context:
+  """Where a run stands, and the parts an action may use.
+
+  Attributes:
+    config, parts, run_data, workdir: the run (see dist_ens.assemble).
+    state: the current train state (device arrays, sharded); do not keep a
+      reference across steps: the next step donates it.
+    step: the last step run (calls run steps_per_call steps each).
+    metrics: this call's StepMetrics (device arrays; [M], or [K, M] for K steps a call).
+    start_step, total_steps: where this run (re)started and where it ends.
+    hparams: the per-member hyperparameters on the mesh.
+    evaluator: evaluates the state on a split (see Evaluator).
+    results: what the run returns and writes to final_metrics.json; actions add to it.
+    saved_meta: what the restored checkpoint carried beside the state ({} on a fresh run).
+    batches: the input pipeline (dist_ens.data.Batches): its .state is the data position
+      a checkpoint must save, its .stats what it has read.
+  """
+  config: ml_collections.ConfigDict
+  parts: 'Parts'
+  run_data: 'RunData'
+  workdir: Path
+  state: TrainState
+  step: int
+  start_step: int
+  total_steps: int
+  steps_per_call: int
+  hparams: dict[str, jax.Array]
+  evaluator: Evaluator
+  writer: EventWriter
+  metrics: StepMetrics | None = None
+  results: dict[str, Any] = dataclasses.field(default_factory=dict)
+  saved_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+  batches: Any = None  # the input pipeline (data.Batches): .state is the data position
+  _off_clock: float = 0.0
+  _clock_start: float = dataclasses.field(default_factory=time.perf_counter)
+
+  @property
+  def restored(self) -> bool:
+    return bool(self.saved_meta)
+
+  def write(self, event: dict[str, Any]) -> None:
+    """Sends one event ({'step', 'split', 'members': {...}, 'ensemble': {...}}) to the writers."""
+    self.writer.write(event)
+
+  def fetch(self, tree: Any) -> Any:
+    """Small device results as numpy on every process (gathered across hosts)."""
+    return jax.tree.map(np.asarray, _replicate(self.parts.mesh)(tree))
+
+  def checkpoint_meta(self) -> dict[str, Any]:
+    """What a checkpoint saves beside the state: enough to rebuild the model without
+    the dataset or config.json (the config, input shape, classes), and the training
+    time so far."""
+    return {'train_seconds': self.train_seconds(), 'input_shape': list(self.parts.input_shape),
+            'num_classes': self.parts.num_classes,
+            'config': json.loads(self.config.to_json())}
+
+  def train_seconds(self) -> float:
+    """Training time of the whole run, resumes included (evaluation left out)."""
+    return self.saved_meta.get('train_seconds', 0.0) + self.train_clock() - self._clock_start
+
+  def train_clock(self) -> float:
+    """Seconds of training so far in this process: wall time minus `off_clock` time."""
+    return time.perf_counter() - self._off_clock
+
+  @contextlib.contextmanager
+  def off_clock(self) -> Iterator[None]:
+    """Time spent inside (e.g. evaluation) does not count as training time."""
+    start = time.perf_counter()
+    try:
+      yield
+    finally:
+      self._off_clock += time.perf_counter() - start
+
+
+_REPLICATORS: dict[Any, Callable[[Any], Any]] = {}
+
+
+def _replicate(mesh: jax.sharding.Mesh) -> Callable[[Any], Any]:
+  # One jitted identity per mesh, with replicated outputs. Called on one step's
+  # metrics at a time: the same shapes every call, so it compiles once.
+  if mesh not in _REPLICATORS:
+    _REPLICATORS[mesh] = jax.jit(lambda tree: tree, out_shardings=jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec()))
+  return _REPLICATORS[mesh]
+
+
+class Action(Protocol):
+  """What the loop calls. Subclass PeriodicAction, or wrap a function with `every`."""
+
+  def on_step(self, ctx: Context) -> None:
+    """After every call of the step (ctx.step advanced by steps_per_call)."""
+
+  def on_end(self, ctx: Context) -> None:
+    """Once, after the last step (not when the run stops early)."""
+
+  def close(self) -> None:
+    """Always, last: release files and threads."""
+
+
+class PeriodicAction:
+  """An action that runs `run(ctx)` every `every` steps (0: never) and, if
+  `at_end`, once after the last step. Override `run`."""
+
+  def __init__(self, every: int = 0, at_end: bool = False):
+    self.every, self.at_end = every, at_end
+
+  def due(self, step: int) -> bool:
+    return bool(self.every) and step % self.every == 0
+
+  def on_step(self, ctx: Context) -> None:
+    # The last step belongs to on_end, so nothing runs twice there.
+    if self.due(ctx.step) and ctx.step != ctx.total_steps:
+      self.run(ctx)
+
+  def on_end(self, ctx: Context) -> None:
+    if self.at_end or self.due(ctx.total_steps):
+      self.run(ctx)
+
+  def run(self, ctx: Context) -> None:
+    raise NotImplementedError
+
+  def close(self) -> None:
+    pass
+
+
+class _Callback(PeriodicAction):
+
+  def __init__(self, every: int, fn: Callable[[Context], None], at_end: bool):
+    super().__init__(every, at_end)
+    self._fn = fn
+
+  def run(self, ctx: Context) -> None:
+    self._fn(ctx)
+
+
+def every(steps: int, fn: Callable[[Context], None], *, at_end: bool = True) -> Action:
+  """An action that calls fn(ctx) every `steps` steps and after the last step.
+
+  `steps` must be a multiple of the run's steps_per_call (1 on a CPU), since the
+  loop sees only the steps between calls.
+
+  Example:
+    >>> act = every(100, lambda ctx: print(ctx.step))
+  """
+  if not isinstance(steps, int) or steps < 0:
+    raise ValueError(f'every(steps={steps!r}): steps must be an int >= 0.')
+  return _Callback(steps, fn, at_end)
+
+
+def run_loop(ctx: Context, train_step: TrainStep, batches: Iterator[tuple[jax.Array, jax.Array]],
+             actions: Sequence[Action], should_stop: Callable[[int], bool]) -> bool:
+  """Steps from ctx.start_step to ctx.total_steps, calling the actions after each call.
+
+  Returns:
+    True if the run finished (every action's on_end ran), False if `should_stop`
+    asked it to stop first (the caller saves the state).
+  """
+  k = ctx.steps_per_call
+  for step in range(ctx.start_step + k, ctx.total_steps + 1, k):
+    if should_stop(step - k):
+      return False
+    x, y = next(batches)
+    ctx.state, ctx.metrics = train_step(ctx.state, ctx.hparams, x, y)
+    ctx.step = step
+    for action in actions:
+      action.on_step(ctx)
+  for action in actions:
+    action.on_end(ctx)
+  return True

@@ -1,0 +1,309 @@
+"""train(config, workdir): assemble the run, restore or init its state, loop with actions,
+write the results.
+
+Everything that can be wrong with the input is checked before anything is
+compiled or written (dist_ens.assemble traces the state abstractly first).
+"""
+
+import contextlib
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+from dist_ens import assemble, configuration, data
+from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
+from dist_ens.core import hparams as hparams_lib
+from dist_ens.core.losses import Loss, loss_for
+from dist_ens.eval import metrics
+from dist_ens.eval.evaluate import Evaluator, make_eval_step
+from dist_ens.io import tables, writers
+from dist_ens.parallel import distributed, strategy
+from dist_ens.training import actions as actions_lib
+from dist_ens.training.loop import Action, Context, run_loop
+from dist_ens.training.preemption import PreemptionWatcher
+
+# Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
+# CPU backend); waiting every 8 steps keeps well clear of that.
+_CPU_SYNC_EVERY = 8
+
+
+def _saved_run(workdir: Path) -> tuple[dict[str, Any] | None, int | None]:
+  """(the config the workdir's run was started with, the step of its newest checkpoint).
+
+  The config is config.json's or, if that is missing, the one the newest checkpoint
+  carries. (None, None) for a workdir without checkpoints: a run that failed before its
+  first one left nothing to resume, so it does not bind the next run.
+  """
+  meta = None
+  if (workdir / 'checkpoints').is_dir():
+    checkpointer = Checkpointer(workdir / 'checkpoints', 1, 1)
+    try:
+      meta = checkpointer.newest_meta()
+    finally:
+      checkpointer.close()
+  if meta is None:
+    return None, None
+  path = workdir / 'config.json'
+  if not path.exists():
+    return meta.get('config'), meta['step']
+  try:
+    return json.loads(path.read_text()), meta['step']
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise configuration.ConfigError(
+        f'{path} is not valid JSON ({e}); delete it (the run then reads the config saved in '
+        'its newest checkpoint), or use a new --workdir.') from None
+
+
+def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
+  """Refuses a workdir whose run cannot be resumed with this config; saves the config."""
+  config_dict = configuration.to_dict(config)
+  saved, step = _saved_run(workdir)
+  if saved is not None:
+    differing = configuration.differences(saved, config_dict)
+    if step > config.train.steps:
+      raise configuration.ConfigError(
+          f'config.train.steps={config.train.steps} but the workdir holds a checkpoint at step '
+          f'{step}; train.steps cannot go back (use a new --workdir, or train.steps >= {step}).')
+    check_compatible(differing, config.checkpoint.restore_incompatible,
+                     steps_shape_schedule=config.optim.schedule != 'constant')
+  if writers.is_writer():
+    workdir.mkdir(parents=True, exist_ok=True)
+    writers.write_json(workdir / 'config.json', config_dict)
+
+
+def _restore_or_init(parts: assemble.Parts, checkpointer: Checkpointer) -> Restored:
+  restored = checkpointer.restore(parts.abstract_state)
+  if restored is not None:
+    logging.info('resuming from the checkpoint at step %d', restored.step)
+    return restored
+  return Restored(0, assemble.init_sharded(parts), data.IteratorState(), {})
+
+
+def _steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
+                    run_data: assemble.RunData, start_step: int) -> int:
+  # Examples the input pipeline delivers per step: one batch, or one per member.
+  inputs = config.data.batch_size * (config.num_members if run_data.order.per_member else 1)
+  k = strategy.steps_per_call(config, parts.mesh.devices.flat[0].platform, start_step,
+                              inputs * int(np.prod(parts.input_shape)) * 4)  # float32
+  if start_step % k:
+    raise configuration.ConfigError(
+        f'config.train.steps_per_call={k} does not divide the checkpoint\'s step '
+        f'{start_step}; resume with a steps_per_call that divides it (e.g. 1), or 0 (auto).')
+  return k
+
+
+# On a multi-device CPU mesh more queued steps than this deadlock XLA's collectives
+# (measured: an abort after 64 s with sync_every=64 on 4x2); 16 leaves a margin.
+_CPU_MAX_SYNC_EVERY = 16
+
+
+def _check_sync_every(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
+  if (mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
+      and config.train.sync_every > _CPU_MAX_SYNC_EVERY):
+    raise configuration.ConfigError(
+        f'config.train.sync_every={config.train.sync_every} on a {mesh.size}-device CPU mesh: '
+        f"XLA's CPU collectives deadlock when ~30 steps are queued; use at most "
+        f'{_CPU_MAX_SYNC_EVERY}, or 0 (automatic: {_CPU_SYNC_EVERY}).')
+
+
+def default_actions(ctx: Context, checkpointer: Checkpointer) -> list[Action]:
+  """The actions every run has, from the config, in the order they run."""
+  config = ctx.config
+  sync_every = config.train.sync_every
+  if not sync_every and ctx.parts.mesh.devices.flat[0].platform == 'cpu' and ctx.parts.mesh.size > 1:
+    sync_every = _CPU_SYNC_EVERY
+  k = ctx.steps_per_call
+  checkpoint = actions_lib.Checkpoint(checkpointer, config.checkpoint.every)
+  out: list[Action] = []
+  if sync_every:  # In calls of the step: a call of K steps queues one program, not K.
+    out.append(actions_lib.Sync(max(1, sync_every // k) * k))
+  out += [checkpoint, actions_lib.TrainLog(ctx, checkpoint), actions_lib.Evaluate(
+      config.train.eval_every)]
+  if ctx.run_data.ood is not None:
+    out.append(actions_lib.ScoreOod())
+  if ctx.run_data.validation is not None:
+    out.append(actions_lib.Validate())
+  if config.select.top_k:
+    out.append(actions_lib.SelectTopK())
+  if config.train.get('profile_steps', 0):
+    out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))
+  return out
+
+
+def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
+                     devices: Sequence[jax.Device] | None,
+                     dataset: data.Dataset | None, optimizer: Any, loss: Loss | None
+                     ) -> tuple[assemble.RunData, assemble.Parts, Any]:
+  """Everything that can be wrong with the input, found before anything is written."""
+  configuration.validate(config)
+  if not str(workdir).strip():
+    raise configuration.ConfigError("--workdir is empty; name a directory for the run's files "
+                                    '(e.g. --workdir=/tmp/run).')
+  distributed.check_same_config(configuration.to_dict(config))
+  mesh = assemble.build_mesh(config, devices)
+  run_data = assemble.build_data(config, dataset)
+  dataset = run_data.dataset
+  parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes,
+                               optimizer=optimizer)
+  form = assemble.member_form(parts, config.data.batch_size)
+  _check_sync_every(config, parts.mesh)
+  writers.check_writer_names(config.writers)
+  if loss is None:
+    loss_for(config.train.loss)
+  return run_data, parts, form
+
+
+def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.RunData,
+           parts: assemble.Parts, form: Any, loss: Loss | None,
+           extra_writers: Sequence[writers.EventWriter]) -> tuple[Context, Any, Checkpointer]:
+  """Claims the workdir, restores or inits the state, and builds the step, the input
+  pipeline and the writers: the loop's Context."""
+  mesh, dataset = parts.mesh, run_data.dataset
+  _prepare_workdir(workdir, config)
+  logging.info('mesh %s over %d of %d %s devices, %d process(es); %d x %s on %s',
+               dict(mesh.shape), mesh.size, jax.device_count(), mesh.devices.flat[0].platform,
+               jax.process_count(), config.num_members, config.model.factory or config.model.name,
+               dataset.name)
+  checkpointer = Checkpointer(workdir / 'checkpoints', config.checkpoint.every,
+                              config.checkpoint.keep)
+  restored = _restore_or_init(parts, checkpointer)
+  logging.info('each device runs its members with %s%s', form[0],
+               f' (chunks of {form[1]})' if form[1] else '')
+  k = _steps_per_call(config, parts, run_data, restored.step)
+  if k > 1:
+    logging.info('%d steps per call of the compiled step', k)
+  train_step = assemble.build_step(parts, per_member_batches=run_data.order.per_member,
+                                   form=form, steps_per_call=k, loss=loss)
+  batches = data.Batches(dataset.train, run_data.order, mesh, config.num_members,
+                         restored.data_state, prefetch=config.data.prefetch, steps_per_call=k)
+  writer = writers.MultiWriter(
+      writers.make_writer(config.writers, workdir, restored.step if restored.meta else None),
+      *extra_writers)
+  ctx = Context(config=config, parts=parts, run_data=run_data, workdir=workdir,
+                state=restored.state, step=restored.step, start_step=restored.step,
+                total_steps=config.train.steps, steps_per_call=k,
+                hparams=parts.device_hparams(),
+                evaluator=Evaluator(make_eval_step(parts.model, mesh), mesh,
+                                    config.eval.batch_size),
+                writer=writer, saved_meta=restored.meta, batches=batches)
+  return ctx, train_step, checkpointer
+
+
+def train(config: ml_collections.ConfigDict, workdir: str, *,
+          devices: Sequence[jax.Device] | None = None,
+          actions: Sequence[Action] = (),
+          extra_writers: Sequence[writers.EventWriter] = (),
+          dataset: data.Dataset | None = None,
+          optimizer: Any = None,
+          loss: Loss | None = None) -> dict[str, Any]:
+  """Trains config.num_members members as one program and returns the final metrics.
+
+  The same call on the same workdir resumes from the newest checkpoint; the result
+  equals an uninterrupted run's bit for bit on the same topology.
+
+  Example:
+    config = dist_ens.load_config('configs/default.py')
+    results = dist_ens.train(config, '/tmp/run')
+    results['ensemble']['accuracy']
+
+  Args:
+    config: a config like configs/default.py's.
+    workdir: where config.json, metrics.jsonl, checkpoints/ and final_metrics.json go.
+    devices: the devices to build the mesh from (default: all of them).
+    actions: more actions for the loop (see dist_ens.training.loop), run after the
+      built-in ones at every step.
+    extra_writers: event writers (write(event), close()) besides config.writers'.
+    dataset: replaces config.data.name's: e.g. dist_ens.data.from_arrays(...). The
+      checkpoints still load with Ensemble.load (they carry the input shape);
+      `dist-ens report` needs config.data.name to name a loadable dataset.
+    optimizer: replaces config.optim's: an optax GradientTransformation (the same for
+      every member) or optimizer(member_hparams) -> GradientTransformation.
+    loss: replaces config.train.loss: loss(logits, labels, member_hparams) -> mean loss.
+
+  Returns:
+    The final_metrics.json content (per-member and ensemble test metrics), or
+    {'preempted': True, 'step': N} if a signal stopped the run after saving.
+
+  Raises:
+    ConfigError: before anything is compiled or written, for an invalid config,
+      a mesh that does not fit the devices, M or the batch, or a workdir that holds
+      a run this config cannot resume.
+    TrainingError: a member went non-finite and config.train.on_nonfinite='stop'
+      (the state is saved first).
+  """
+  with _info_logs():
+    return _train(config, workdir, devices, actions, extra_writers, dataset, optimizer, loss)
+
+
+@contextlib.contextmanager
+def _info_logs() -> Iterator[None]:
+  """Our log lines (progress, evaluations) show when train is called from Python too:
+  outside absl's app.run, absl's verbosity hides INFO."""
+  before = logging.get_verbosity()
+  if before < logging.INFO:
+    logging.set_verbosity(logging.INFO)
+  try:
+    yield
+  finally:
+    logging.set_verbosity(before)
+
+
+def _train(config, workdir, devices, actions, extra_writers, dataset, optimizer, loss):
+  run_data, parts, form = _check_and_build(config, workdir, devices, dataset, optimizer, loss)
+  ctx, train_step, checkpointer = _start(config, Path(workdir), run_data, parts, form, loss,
+                                         extra_writers)
+  all_actions: list[Action] = []
+  watcher = PreemptionWatcher()
+  try:
+    all_actions = [*default_actions(ctx, checkpointer), *actions]
+    finished = run_loop(ctx, train_step, ctx.batches, all_actions, watcher.should_stop)
+    if not finished:
+      return _stop_early(ctx, checkpointer, watcher.signal_name)
+    checkpointer.wait()
+  finally:
+    for closer in (ctx.batches.close, ctx.writer.close, watcher.close,
+                   *(action.close for action in all_actions), checkpointer.close):
+      closer()
+  return _finish(ctx, train_step.traces, checkpointer.blocking_seconds)
+
+
+def _stop_early(ctx: Context, checkpointer: Checkpointer, signal_name: str) -> dict[str, Any]:
+  done = ctx.step
+  checkpointer.save(done, ctx.state, ctx.batches.state, force=True,
+                    meta=ctx.checkpoint_meta())
+  checkpointer.wait()
+  logging.info('preempted (%s): saved the checkpoint at step %d and stopped; run the same '
+               'command again to resume.', signal_name or 'SIGTERM', done)
+  return {'preempted': True, 'step': done}
+
+
+def _finish(ctx: Context, traces: int, checkpoint_seconds: float) -> dict[str, Any]:
+  """Writes final_metrics.json and members.csv, logs the tables, returns the results."""
+  config = ctx.config
+  frozen = np.flatnonzero(ctx.fetch(ctx.state.frozen)).tolist()
+  results = dict(ctx.results)
+  final = {'step': config.train.steps, 'num_members': config.num_members,
+           'members': results.pop('members'), 'ensemble': results.pop('ensemble'),
+           'frozen_members': frozen, 'train_step_traces': traces,
+           'train_seconds': ctx.train_seconds(), 'checkpoint_blocking_seconds': checkpoint_seconds}
+  varying = hparams_lib.varying(ctx.parts.hparams)
+  if varying:
+    final['hyperparameters'] = {f: ctx.parts.hparams[f].tolist() for f in varying}
+  final.update(results)  # ood, validation, selected, and what user actions added.
+  metric = config.select.metric
+  rows = tables.member_rows(final, ctx.parts.hparams, final.get('validation'), metric,
+                            metrics.higher_is_better(metric))
+  writers.write_json(ctx.workdir / 'final_metrics.json', final)
+  writers.write_members_csv(ctx.workdir / 'members.csv', rows)
+  logging.info('final test metrics:\n%s', tables.results_table(final))
+  if varying or config.select.top_k:
+    logging.info('members, best first by %s %s:\n%s',
+                 'validation' if 'validation' in final else 'test', metric,
+                 tables.members_table(rows, varying))
+  return final

@@ -1,0 +1,30 @@
+"""Users' code that tests name by import path (config.data.name, optim.name, train.loss)."""
+
+import numpy as np
+import optax
+
+from dist_ens import data
+from dist_ens.core.losses import cross_entropy
+
+
+def blobs(data_config=None):
+  """Two Gaussian blobs in 6 dimensions: (x_train, y_train, x_test, y_test)."""
+  del data_config
+  rng = np.random.default_rng(0)
+  y = rng.integers(0, 2, 600)
+  x = rng.standard_normal((600, 6)).astype(np.float32) + 1.5 * y[:, None]
+  return x[:500], y[:500], x[500:], y[500:]
+
+
+def bad_labels():
+  x_train, y_train, x_test, y_test = blobs()
+  return data.Dataset('bad', data.Split(x_train, y_train.astype(np.int32) + 1),
+                      data.Split(x_test, y_test.astype(np.int32)), 2, (6,))
+
+
+def plain_sgd(values):
+  return optax.sgd(values['learning_rate'])
+
+
+def doubled_cross_entropy(logits, labels, hparams):
+  return 2.0 * cross_entropy(logits, labels, hparams.get('train.label_smoothing', 0.0))

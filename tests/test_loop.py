@@ -1,0 +1,136 @@
+"""The loop and its actions: user actions, the per-leaf sharding rule, resume bookkeeping."""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import dist_ens
+from dist_ens import assemble
+from dist_ens.ensembles import sharding
+from dist_ens.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(**overrides):
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.num_members = 4
+  config.model.widths = (16,)
+  config.train.steps, config.train.log_every, config.train.eval_every = 12, 4, 0
+  config.checkpoint.every = 4
+  config.data.batch_size = 32
+  for dotted, value in overrides.items():
+    node = config
+    *parents, leaf = dotted.split('__')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+def _events(workdir):
+  return [json.loads(line) for line in (Path(workdir) / 'metrics.jsonl').read_text().splitlines()]
+
+
+def test_user_actions_run_when_due_and_add_results_and_events(tmp_path):
+  seen = []
+
+  def norm(ctx):
+    seen.append(ctx.step)
+    norms = ctx.fetch(jax.vmap(lambda p: jax.numpy.sqrt(sum(
+        jax.numpy.sum(x ** 2) for x in jax.tree.leaves(p))))(ctx.state.params))
+    ctx.write({'step': ctx.step, 'split': 'train', 'members': {'param_norm': norms.tolist()}})
+    ctx.results['param_norm'] = norms.tolist()
+
+  class CountSteps(dist_ens.PeriodicAction):
+    calls = 0
+
+    def on_step(self, ctx):
+      CountSteps.calls += 1
+
+  final = dist_ens.train(_config(), str(tmp_path), actions=[dist_ens.every(6, norm),
+                                                            CountSteps()])
+  assert seen == [6, 12]  # Every 6 steps; the last step once (at the end), not twice.
+  assert CountSteps.calls == 12
+  assert len(final['param_norm']) == 4 and all(n > 0 for n in final['param_norm'])
+  saved = json.loads((tmp_path / 'final_metrics.json').read_text())
+  assert saved['param_norm'] == final['param_norm']
+  norms = [e for e in _events(tmp_path) if 'param_norm' in e.get('members', {})]
+  assert [e['step'] for e in norms] == [6, 12]
+
+
+def test_every_rejects_a_negative_interval():
+  with pytest.raises(ValueError, match='steps=-1'):
+    dist_ens.every(-1, lambda ctx: None)
+
+
+def test_sharding_rule_decides_each_leaf(devices):
+  config = _config()
+  mesh = assemble.build_mesh(config, devices)
+  parts = assemble.build_parts(config, mesh, (40, 1), 10)
+  specs = sharding.state_specs(parts.abstract_state)
+  assert specs.step == P() and specs.frozen == P('member')
+  # A rule that shares the first layer's weight between members: replicated, not stacked.
+  shared = lambda path, leaf: (P() if jax.tree_util.keystr(path).startswith('.params[0]')
+                               else sharding.stacked(path, leaf))
+  custom = sharding.state_shardings(parts.abstract_state, mesh, shared)
+  assert custom.params[0]['w'].spec == P() and custom.params[1]['w'].spec == P('member')
+
+
+def test_resume_keeps_training_time_and_labels_its_averages(tmp_path):
+  first = dist_ens.train(_config(train__steps=6, train__log_every=6, checkpoint__every=6),
+                         str(tmp_path))
+  final = dist_ens.train(_config(train__log_every=4), str(tmp_path))
+  assert final['train_seconds'] > first['train_seconds']
+  train_events = [e for e in _events(tmp_path) if e['split'] == 'train']
+  # Resumed at 6 with log_every=4: the event at 8 averages steps 7-8 and says so.
+  assert [(e['step'], e['steps_averaged']) for e in train_events] == [(6, 6), (8, 2), (12, 4)]
+
+
+def test_missing_config_json_is_checked_against_the_checkpoint(tmp_path):
+  dist_ens.train(_config(train__steps=4), str(tmp_path))
+  (tmp_path / 'config.json').unlink()
+  with pytest.raises(ConfigError, match='differs in optim.learning_rate'):
+    dist_ens.train(_config(optim__learning_rate=0.5), str(tmp_path))
+  (tmp_path / 'config.json').write_text('{"num_members": 4,')  # Torn file.
+  with pytest.raises(ConfigError, match='config.json is not valid JSON'):
+    dist_ens.train(_config(), str(tmp_path))
+
+
+def test_checkpoint_of_another_format_is_refused(tmp_path):
+  dist_ens.train(_config(train__steps=4), str(tmp_path))
+  meta = next((tmp_path / 'checkpoints').glob('*/meta/metadata'))
+  saved = json.loads(meta.read_text())
+  saved['format'] = 1
+  meta.write_text(json.dumps(saved))
+  with pytest.raises(ConfigError, match='format 1'):
+    dist_ens.train(_config(), str(tmp_path))
+
+
+def test_loading_needs_neither_the_dataset_nor_config_json(tmp_path, monkeypatch):
+  dist_ens.train(_config(train__steps=4), str(tmp_path))
+  (tmp_path / 'config.json').unlink()
+  from dist_ens import data  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(data, 'load_dataset', lambda *a, **k: pytest.fail('dataset loaded'))
+  ensemble = dist_ens.Ensemble.load(tmp_path)
+  out = ensemble.predict(np.zeros((3, 40, 1), np.float32), preprocessed=True)
+  assert out.member_probs.shape == (4, 3, 10)
+
+
+def test_train_from_python_shows_progress_without_absl_settings(tmp_path):
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+  code = ('import dist_ens\n'
+          f"c = dist_ens.load_config({str(ROOT / 'configs' / 'default.py')!r})\n"
+          'c.num_members, c.model.widths, c.train.steps = 2, (8,), 20\n'
+          'c.train.log_every, c.train.eval_every, c.checkpoint.every = 10, 0, 20\n'
+          f'dist_ens.train(c, {str(tmp_path)!r})\n')
+  result = subprocess.run(['timeout', '-k', '5', '300', sys.executable, '-c', code],
+                          capture_output=True, text=True, timeout=330, cwd=ROOT)
+  assert result.returncode == 0, result.stderr
+  assert 'step 10/20' in result.stderr and 'step 20/20' in result.stderr
+  assert 'final test metrics' in result.stderr

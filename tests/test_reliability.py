@@ -1,0 +1,88 @@
+"""Bad input and unsafe resumes stop with one clear error naming the field; nothing is lost."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import dist_ens
+from dist_ens.errors import ConfigError, TrainingError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _config(**overrides):
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.num_members = 4
+  config.model.widths = (8,)
+  config.train.steps, config.train.log_every, config.train.eval_every = 8, 4, 0
+  config.checkpoint.every = 4
+  config.data.batch_size = 32
+  for dotted, value in overrides.items():
+    node = config
+    *parents, leaf = dotted.split('__')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+@pytest.mark.parametrize('overrides,message', [
+    (dict(optim__learning_rate=1e-300), 'config.optim.learning_rate'),
+    (dict(optim__learning_rate=[1e-3, 1e39, 1e-3, 1e-3]), 'config.optim.learning_rate'),
+    (dict(data__std=(1e-300,)), 'config.data.std'),
+    (dict(data__mean=(1e300,)), 'config.data.mean'),
+    (dict(optim__eps=0.0), 'config.optim.eps'),
+    (dict(optim__b2=1.0), 'config.optim.b2'),
+    (dict(train__sync_every=64, mesh__member=4, mesh__data=2), 'config.train.sync_every=64'),
+])
+def test_values_that_do_not_survive_float32_or_deadlock_are_refused(tmp_path, overrides, message):
+  with pytest.raises(ConfigError, match=message.replace('.', r'\.')):
+    dist_ens.train(_config(**overrides), str(tmp_path / 'w'))
+  assert not (tmp_path / 'w').exists()
+
+
+def test_empty_workdir_is_refused(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ConfigError, match='--workdir is empty'):
+    dist_ens.train(_config(), '')
+  assert not list(tmp_path.iterdir())
+
+
+def test_lowering_steps_below_the_checkpoint_is_refused(tmp_path):
+  dist_ens.train(_config(), str(tmp_path))
+  with pytest.raises(ConfigError, match='checkpoint at step 8; train.steps cannot go back'):
+    dist_ens.train(_config(train__steps=4), str(tmp_path))
+
+
+def test_extending_a_decaying_schedule_must_be_allowed_explicitly(tmp_path):
+  dist_ens.train(_config(optim__schedule='cosine'), str(tmp_path))
+  with pytest.raises(ConfigError, match='train.steps shapes the learning-rate schedule'):
+    dist_ens.train(_config(optim__schedule='cosine', train__steps=12), str(tmp_path))
+  final = dist_ens.train(_config(optim__schedule='cosine', train__steps=12,
+                                 checkpoint__restore_incompatible='train.steps'), str(tmp_path))
+  assert final['step'] == 12
+  # A constant schedule does not depend on train.steps: extending it needs no permission.
+  dist_ens.train(_config(), str(tmp_path / 'constant'))
+  assert dist_ens.train(_config(train__steps=12), str(tmp_path / 'constant'))['step'] == 12
+
+
+def test_a_run_that_failed_before_its_first_checkpoint_binds_nothing(tmp_path):
+  # What a crash before the first checkpoint leaves: config.json and no checkpoint.
+  (tmp_path / 'config.json').write_text('{"num_members": 3}')
+  final = dist_ens.train(_config(), str(tmp_path))
+  assert final['num_members'] == 4
+
+
+def test_on_nonfinite_stop_holds_on_every_rerun(tmp_path):
+  bad = _config(optim__learning_rate=[1e-3, 1e-3, 1e-3, 1e30], train__on_nonfinite='stop')
+  with pytest.raises(TrainingError, match=r'members \[3\] went non-finite'):
+    dist_ens.train(bad, str(tmp_path))
+  with pytest.raises(TrainingError, match=r"members \[3\] went non-finite before step"):
+    dist_ens.train(bad, str(tmp_path))
+  # Switching to 'freeze' (allowed) trains the others on.
+  final = dist_ens.train(_config(optim__learning_rate=[1e-3, 1e-3, 1e-3, 1e30],
+                                 train__on_nonfinite='freeze',
+                                 checkpoint__restore_incompatible='train.on_nonfinite'),
+                         str(tmp_path))
+  assert final['frozen_members'] == [3] and np.isfinite(final['ensemble']['nll'])
