@@ -294,7 +294,8 @@ def test_progress_on_a_terminal_draws_a_bar_and_still_logs(absl_records):
     progress = progress_lib.Progress(20, start_step=5, stream=stream)
     assert progress.has_bar
     for step in range(6, 21):
-      progress.update(step, 'half way' if step == 10 else None)
+      progress.update(step, 'half way' if step == 10 else None,
+                      postfix='loss 0.1234 acc 0.900 5,000 member-ex/s' if step == 10 else None)
     progress.close()
     assert handler.stream is stream  # Logging is routed back once the bar is gone.
   finally:
@@ -304,6 +305,7 @@ def test_progress_on_a_terminal_draws_a_bar_and_still_logs(absl_records):
       flags.FLAGS.unparse_flags()
   shown = stream.getvalue()
   assert '5/20' in shown and '20/20' in shown
+  assert 'loss 0.1234 acc 0.900 5,000 member-ex/s' in shown  # The bar shows the last figures.
   assert 'half way' in absl_records
   # The log line reached the terminal on a line of its own, not glued to the bar.
   assert any(line.rstrip().endswith('half way') and '/20' not in line

@@ -78,9 +78,13 @@ class Progress:
   def has_bar(self) -> bool:
     return self._bar is not None
 
-  def update(self, step: int, line: str | None = None) -> None:
+  def update(self, step: int, line: str | None = None, postfix: str | None = None) -> None:
+    """Moves the bar to `step`; logs `line`; shows `postfix` (e.g. the last loss, accuracy
+    and member-examples/s) at the bar's end."""
     if self._bar is not None and step > self._bar.n:
       self._bar.update(step - self._bar.n)
+    if self._bar is not None and postfix is not None:
+      self._bar.set_postfix_str(postfix, refresh=False)
     if line is not None:
       prefix = f'[process {jax.process_index()}] ' if jax.process_count() > 1 else ''
       logging.info('%s%s', prefix, line)

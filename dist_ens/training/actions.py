@@ -103,8 +103,10 @@ class TrainLog(PeriodicAction):
                'members': {'loss': loss.tolist(), 'accuracy': accuracy.tolist()},
                'member_examples_per_s': rate, 'input_examples_per_s': demand,
                'input_pipeline_capacity_per_s': supply})
-    self._progress.update(ctx.step, progress_lib.progress_line(
-        ctx.step, ctx.total_steps, loss, accuracy, rate, eta, demand, supply))
+    self._progress.update(
+        ctx.step, progress_lib.progress_line(ctx.step, ctx.total_steps, loss, accuracy, rate,
+                                             eta, demand, supply),
+        postfix=f'loss {loss.mean():.4f} acc {accuracy.mean():.3f} {rate:,.0f} member-ex/s')
     self._check_nonfinite(ctx, fetched.nonfinite)
 
   def _check_nonfinite(self, ctx: Context, nonfinite: np.ndarray) -> None:
