@@ -48,9 +48,7 @@ def test_batchnorm_and_dropout_members_do_not_depend_on_m_or_the_mesh(tmp_path):
   stats = jax.tree.leaves(reference[1])
   assert stats and not np.allclose(stats[0][0], stats[0][1])  # Per-member running stats.
   _assert_members_match(_run(tmp_path, 'three', 3, 1, 1), reference, slice(0, 3))
-  for member, data in ((4, 1), (2, 2)):
-    _assert_members_match(_run(tmp_path, f'{member}x{data}', 4, member, data), reference,
-                          slice(None))
+  _assert_members_match(_run(tmp_path, '2x2', 4, 2, 2), reference, slice(None))
   # Dropout is on in training: without it the members end elsewhere.
   plain = _run(tmp_path, 'nodrop', 4, 1, 1, dropout=0.0)
   assert not np.allclose(plain[0]['members']['nll'], reference[0]['members']['nll'], atol=1e-3)
