@@ -362,6 +362,10 @@ def test_process_that_errs_stops_the_other(tmp_path):
   other = _small_config('member')
   other.num_members = 3
   (stale / 'config.json').write_text(json.dumps(configuration.to_dict(other)))
+  # A checkpoint's metadata, so the stale run binds the workdir (one without checkpoints
+  # binds nothing: there is nothing to resume).
+  (stale / 'checkpoints' / '5' / 'meta').mkdir(parents=True)
+  (stale / 'checkpoints' / '5' / 'meta' / 'metadata').write_text('{"step": 5}')
   port = _free_port()
   (status0, out0), (status1, out1) = _pair(
       lambda i: [CONFIG, f'--workdir={tmp_path / "w" if i == 0 else stale}', *SMALL,

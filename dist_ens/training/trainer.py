@@ -33,6 +33,21 @@ from dist_ens.training.preemption import PreemptionWatcher
 _CPU_SYNC_EVERY = 8
 
 
+def _newest_meta(directory: Path) -> dict[str, Any] | None:
+  """The meta item of the newest committed checkpoint, read as a plain file.
+
+  No orbax manager here: opening one is a collective across processes, and whether
+  the directory exists yet depends on which process got here first.
+  """
+  steps = sorted((int(d.name) for d in directory.glob('*') if d.name.isdigit()), reverse=True)
+  for step in steps:
+    try:
+      return json.loads((directory / str(step) / 'meta' / 'metadata').read_text())
+    except (OSError, json.JSONDecodeError):
+      continue
+  return None
+
+
 def _saved_run(workdir: Path) -> tuple[dict[str, Any] | None, int | None]:
   """(the config the workdir's run was started with, the step of its newest checkpoint).
 
@@ -40,13 +55,7 @@ def _saved_run(workdir: Path) -> tuple[dict[str, Any] | None, int | None]:
   carries. (None, None) for a workdir without checkpoints: a run that failed before its
   first one left nothing to resume, so it does not bind the next run.
   """
-  meta = None
-  if (workdir / 'checkpoints').is_dir():
-    checkpointer = Checkpointer(workdir / 'checkpoints', 1, 1)
-    try:
-      meta = checkpointer.newest_meta()
-    finally:
-      checkpointer.close()
+  meta = _newest_meta(workdir / 'checkpoints')
   if meta is None:
     return None, None
   path = workdir / 'config.json'
