@@ -24,6 +24,13 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.num_members = 8
+  # 'float32', or 'bfloat16': the model computes in bf16 while parameters, optimizer
+  # state, BatchNorm statistics, the loss and metrics (and checkpoints) stay float32.
+  config.precision = 'float32'
+  # True: member i's whole trajectory is bit-identical whatever M, the mesh, the data
+  # split (a divisor of train.micro_batches) and the process count, at some speed cost
+  # (docs/reproducibility.md). False: fast; such changes drift by rounding.
+  config.reproducible = False
 
   # Devices as member x data; -1 fills the remaining devices. hosts_along: which
   # axis runs across processes in a multi-host run.
@@ -60,6 +67,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 'shared' (every member the same batch), 'shuffled' (own order per member) or
   # 'bootstrap' (own resample per member: bagging).
   config.data.member_order = 'shared'
+  # On-device augmentation, drawn per member and per example from (seed, member, step,
+  # example index): 'none', 'crop_flip' (pad 4, random crop; mirror for images) or
+  # your own fn(key, x_example) -> x_example by import path, 'my_pkg.aug:fn'.
+  config.data.augment = 'none'
   config.data.prefetch = 2  # batches prepared ahead on a background thread
   config.data.batch_size = 128  # each member's global batch, whatever the mesh
   # Examples carved from the end of a fixed shuffle of train for validation (used by
@@ -89,6 +100,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 'my_pkg.losses:fn' with fn(logits, labels, hparams) -> mean loss (dist_ens/core/losses.py).
   config.train.loss = 'cross_entropy'
   config.train.label_smoothing = per_member(0.0)
+  # Each member's batch is cut into this many micro-batches whose gradients are summed
+  # (in a fixed order when config.reproducible): activations take 1/micro_batches of
+  # the memory. BatchNorm normalises each micro-batch by its own statistics.
+  config.train.micro_batches = 1
   config.train.log_every = 250
   config.train.eval_every = 1000  # 0: evaluate only at the end
   # Wait for the step every this many steps; 0 = automatic (8 on multi-device CPU,

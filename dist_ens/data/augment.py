@@ -95,7 +95,7 @@ AUGMENTATIONS: dict[str, Augmentation] = {
 
 
 def get_augmentation(spec: str | Augmentation,
-                     field: str = 'config.data.augmentation') -> Augmentation:
+                     field: str = 'config.data.augment') -> Augmentation:
   """The augmentation a config names: a key of AUGMENTATIONS or a callable fn(key, x) -> x.
 
   `field` names the config field in the error for an unknown name.
