@@ -67,6 +67,38 @@ def test_schedule_matches_optax_schedule():
                              _run(optax.adam(sched), 6), rtol=1e-5)
 
 
+def test_step_decay_multiplies_at_each_boundary_fraction():
+  cfg = _cfg(schedule='step', decay_boundaries=(0.3, 0.6, 0.8), decay_factor=0.2)
+  multiplier = optim.schedule(cfg, 200)  # Epochs 60/120/160 of 200, one step an epoch.
+  got = [float(multiplier(s)) for s in (0, 59, 60, 119, 120, 159, 160, 199)]
+  np.testing.assert_allclose(got, [1, 1, 0.2, 0.2, 0.04, 0.04, 0.008, 0.008], rtol=1e-6)
+  # Warm-up ramps to the peak, and the boundaries stay steps of the whole run.
+  warm = optim.schedule(_cfg(schedule='step', decay_boundaries=(0.5,), decay_factor=0.1,
+                             warmup_steps=4), 20)
+  np.testing.assert_allclose([float(warm(s)) for s in (0, 2, 4, 9, 10, 19)],
+                             [0, 0.5, 1, 1, 0.1, 0.1], rtol=1e-6)
+
+
+def test_step_decay_trains_like_optax_sgd_nesterov():
+  cfg = _cfg(name='sgd', momentum=0.9, nesterov=True, schedule='step', decay_boundaries=(0.5,),
+             decay_factor=0.2, learning_rate=0.1)
+  reference = optax.sgd(optax.piecewise_constant_schedule(0.1, {3: 0.2}), momentum=0.9,
+                        nesterov=True)
+  np.testing.assert_allclose(_run(optim.make_optimizer(cfg, 6)(), 6), _run(reference, 6),
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize('field,value', [('decay_boundaries', (0.6, 0.3)),
+                                         ('decay_boundaries', (0.3, 1.0)),
+                                         ('decay_boundaries', (60, 120)),
+                                         ('decay_factor', 0.0), ('decay_factor', 2.0)])
+def test_step_decay_bad_fields_name_the_field(field, value):
+  cfg = _cfg(schedule='step', decay_boundaries=(0.5,), decay_factor=0.2)
+  cfg[field] = value
+  with pytest.raises(ConfigError, match=f'config.optim.{field}='):
+    optim.make_optimizer(cfg, 10)
+
+
 def test_each_member_gets_its_own_values_under_vmap():
   optimizer = optim.make_optimizer(_cfg(learning_rate=[0.1, 0.2, 0.3]), 10)
   hp = {'optim.learning_rate': jnp.array([0.1, 0.2, 0.3])}
@@ -87,6 +119,6 @@ def test_bad_names():
   with pytest.raises(ConfigError, match=r"config.optim.name='lion'.*\['adam', 'sgd'\]"):
     optim.make_optimizer(_cfg(name='lion'), 10)
   with pytest.raises(ConfigError, match='config.optim.schedule'):
-    optim.make_optimizer(_cfg(schedule='step'), 10)
+    optim.make_optimizer(_cfg(schedule='steps'), 10)
   with pytest.raises(ConfigError, match='warmup_steps'):
     optim.make_optimizer(_cfg(warmup_steps=20), 10)

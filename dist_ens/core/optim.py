@@ -19,7 +19,7 @@ from dist_ens import importing
 from dist_ens.core.model import is_kernel
 from dist_ens.errors import ConfigError
 
-SCHEDULES = ('constant', 'cosine', 'linear')
+SCHEDULES = ('constant', 'cosine', 'linear', 'step')
 Hparams = Mapping[str, Any]
 Optimizer = Callable[[Hparams | None], optax.GradientTransformation]
 
@@ -66,10 +66,44 @@ OPTIMIZERS: dict[str, tuple[Callable[[ml_collections.ConfigDict, dict[str, Any]]
 }
 
 
+def _step_decay(optim_config: ml_collections.ConfigDict, total_steps: int,
+                warmup: int) -> optax.Schedule:
+  """Piecewise constant: x decay_factor at each of decay_boundaries, fractions of
+  train.steps (0.3, 0.6, 0.8 = epochs 60/120/160 of 200). Fractions, not steps or
+  epochs, so that one recipe holds whether the run's length is given in steps or
+  epochs, and a shorter run keeps the shape."""
+  boundaries = tuple(optim_config.get('decay_boundaries', ()))
+  factor = optim_config.get('decay_factor', 0.1)
+  if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < 1
+             for b in boundaries) or list(boundaries) != sorted(set(boundaries)):
+    raise ConfigError(f'config.optim.decay_boundaries={boundaries!r}; use increasing fractions '
+                      'of train.steps in (0, 1), e.g. (0.3, 0.6, 0.8) for epochs 60/120/160 of 200.')
+  if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+    raise ConfigError(f'config.optim.decay_factor={factor!r}; use a number in (0, 1], e.g. 0.2.')
+  # The decay part of a schedule counts its steps from the end of warm-up; a boundary
+  # is a step of the whole run, so shift it (one inside warm-up acts at its end).
+  steps = [max(round(b * total_steps) - warmup, 0) for b in boundaries]
+  scales: dict[int, float] = {}
+  for step in steps:
+    scales[step] = scales.get(step, 1.0) * factor
+  return optax.piecewise_constant_schedule(1.0, scales)
+
+
 def schedule(optim_config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
   """Multiplier of the learning rate over steps: linear warmup, then the decay named by
   `optim_config.schedule` (or your own, 'my_pkg.sched:fn' with fn(step) -> multiplier).
-  It multiplies the member's own (peak) learning rate."""
+  It multiplies the member's own (peak) learning rate.
+
+  'step' multiplies by optim_config.decay_factor at each of optim_config.decay_boundaries
+  (fractions of total_steps); 'cosine' with warmup_steps > 0 is warm-up then cosine.
+
+  Example:
+    >>> multiplier = schedule(ml_collections.ConfigDict(dict(
+    ...     schedule='step', warmup_steps=0, decay_boundaries=(0.3, 0.6, 0.8),
+    ...     decay_factor=0.2)), total_steps=200)
+    >>> round(float(multiplier(130)), 6)  # past the 2nd boundary (step 120): 0.2 ** 2
+    0.04
+  """
   warmup = int(optim_config.warmup_steps)
   name = optim_config.schedule
   if importing.is_import_path(name):
@@ -79,7 +113,9 @@ def schedule(optim_config: ml_collections.ConfigDict, total_steps: int) -> optax
   if not 0 <= warmup <= total_steps:
     raise ConfigError(f'config.optim.warmup_steps={warmup} must be in [0, train.steps={total_steps}].')
   decay_steps = max(total_steps - warmup, 1)
-  if name in SCHEDULES:
+  if name == 'step':
+    decay = _step_decay(optim_config, total_steps, warmup)
+  elif name in SCHEDULES:
     decay = {
         'constant': optax.constant_schedule(1.0),
         'cosine': optax.cosine_decay_schedule(1.0, decay_steps),
