@@ -91,11 +91,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.momentum = per_member(0.9)  # sgd only; 0 for plain SGD
   config.optim.nesterov = False
   config.optim.grad_clip_norm = 0.0  # 0 = no clipping
-  config.optim.schedule = 'constant'  # 'constant', 'cosine' or 'linear' decay
+  # Learning-rate multiplier after warmup_steps of linear warm-up: 'constant', 'cosine'
+  # or 'linear' decay to 0, or 'step': x decay_factor at each of decay_boundaries,
+  # fractions of train.steps (0.3, 0.6, 0.8 = epochs 60/120/160 of 200).
+  config.optim.schedule = 'constant'
   config.optim.warmup_steps = 0
+  config.optim.decay_boundaries = (0.3, 0.6, 0.8)  # schedule='step' only
+  config.optim.decay_factor = 0.2  # schedule='step' only
 
   config.train = ml_collections.ConfigDict()
   config.train.steps = 2000
+  # > 0: train this many epochs instead, steps = epochs * (train examples // batch_size)
+  # (the last partial batch of an epoch is dropped), set once the data set's size is
+  # known; train.steps is then ignored. 0: train.steps counts.
+  config.train.epochs = 0
   # 'cross_entropy' (softmax, with label_smoothing), or your own by import path,
   # 'my_pkg.losses:fn' with fn(logits, labels, hparams) -> mean loss (dist_ens/core/losses.py).
   config.train.loss = 'cross_entropy'

@@ -5,6 +5,7 @@ Configs are Python files whose get_config() returns an ml_collections.ConfigDict
 fails with one message that names the field, and nothing is compiled or written.
 """
 
+import copy
 import importlib.util
 import json
 import math
@@ -13,13 +14,17 @@ from typing import Any
 
 import ml_collections
 
+from dist_ens import importing
 from dist_ens.core import hparams
 from dist_ens.eval import metrics
+from dist_ens.data.augment import AUGMENTATIONS
 from dist_ens.data.pipeline import MEMBER_ORDERS
 from dist_ens.errors import ConfigError
 
 # What to do when a member goes non-finite (see train.py).
 ON_NONFINITE = ('freeze', 'stop')
+# config.precision: what the model computes in (parameters stay float32 either way).
+PRECISIONS = ('float32', 'bfloat16')
 # Metrics members can be ranked by (config.select.metric): the per-member quality
 # metrics of dist_ens.eval.metrics, each with whether higher is better.
 SELECT_METRICS = {m.name: bool(m.higher_is_better) for m in metrics.METRICS
@@ -73,7 +78,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _require(_get(config, field) >= 1, field, _get(config, field), 'must be >= 1')
   calls = config.train.steps_per_call
   _require(calls >= 0, 'train.steps_per_call', calls, 'must be >= 1, or 0 for automatic')
-  for field in ('train.steps', 'train.log_every', 'train.eval_every', 'checkpoint.every'):
+  # With train.epochs, train.steps is set (and this checked again) by resolve_epochs.
+  by_epochs = _validate_run_fields(config)
+  for field in ('train.log_every', 'train.eval_every', 'checkpoint.every',
+                *(() if by_epochs else ('train.steps',))):
     _require(calls == 0 or _get(config, field) % calls == 0, field, _get(config, field),
              f'must be a multiple of train.steps_per_call={calls} (a call runs that many '
              'steps; logs, evaluations and checkpoints happen between calls)')
@@ -110,6 +118,67 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
            config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
   hparams.resolve(config)  # Per-member fields: numbers, lists of M numbers or specs.
+
+
+def _validate_run_fields(config: ml_collections.ConfigDict) -> bool:
+  """Checks precision, reproducible, data.augment, train.micro_batches and
+  train.epochs; returns whether the run's length is given in epochs."""
+  value = _get(config, 'precision')
+  _require(value in PRECISIONS, 'precision', value, f'use one of {list(PRECISIONS)}')
+  value = _get(config, 'reproducible')
+  _require(isinstance(value, bool), 'reproducible', value, 'must be True or False')
+  value = _get(config, 'data.augment')
+  _require(value in AUGMENTATIONS or importing.is_import_path(value), 'data.augment', value,
+           f"use one of {sorted(AUGMENTATIONS)}, or your own fn(key, x_example) -> x_example "
+           "by import path, 'my_pkg.aug:fn'")
+  value, batch = _get(config, 'train.micro_batches'), config.data.batch_size
+  _require(_is_int(value) and value >= 1, 'train.micro_batches', value, 'must be an int >= 1')
+  _require(batch % value == 0, 'train.micro_batches', value,
+           f'must divide data.batch_size={batch}, e.g. '
+           f'{max(d for d in range(1, min(value, batch) + 1) if batch % d == 0)}')
+  value = _get(config, 'train.epochs')
+  _require(_is_int(value) and value >= 0, 'train.epochs', value,
+           'must be an int >= 0 (0: train.steps counts instead)')
+  return value > 0
+
+
+def steps_per_epoch(config: ml_collections.ConfigDict, num_train_examples: int) -> int:
+  """Batches in one pass over the training examples (the last partial batch dropped)."""
+  return num_train_examples // config.data.batch_size
+
+
+def resolve_epochs(config: ml_collections.ConfigDict,
+                   num_train_examples: int) -> ml_collections.ConfigDict:
+  """The config with train.steps = train.epochs * steps_per_epoch when train.epochs > 0
+  (a copy; the config itself if it counts steps).
+
+  Call it once the training split's size is known (after any validation examples are
+  carved off) and before the optimizer is built, so that the trainer, the schedule and
+  the plan all see one number of steps. The copy records the steps it trains for, so
+  a resumed run compares them like any other.
+
+  Example:
+    >>> config.train.epochs, config.data.batch_size = 200, 512
+    >>> resolve_epochs(config, 50_000).train.steps  # 200 * (50000 // 512)
+    19400
+
+  Raises:
+    ConfigError: naming train.epochs if it gives no step, or the field that the
+      resulting train.steps does not suit (e.g. a multiple of train.steps_per_call).
+  """
+  epochs = config.train.get('epochs', 0)
+  if not epochs:
+    return config
+  per_epoch = steps_per_epoch(config, num_train_examples)
+  _require(per_epoch >= 1, 'data.batch_size', config.data.batch_size,
+           f'exceeds the {num_train_examples} training examples')
+  resolved = copy.deepcopy(config)  # Keeps the lock and the per-member fields' types.
+  resolved.train.steps = epochs * per_epoch
+  calls = resolved.train.steps_per_call
+  _require(calls == 0 or resolved.train.steps % calls == 0, 'train.epochs', epochs,
+           f'gives train.steps={resolved.train.steps} ({per_epoch} steps an epoch), not a '
+           f'multiple of train.steps_per_call={calls}; use train.steps_per_call=0 (automatic)')
+  return resolved
 
 
 def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
