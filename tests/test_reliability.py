@@ -1,12 +1,19 @@
 """Bad input and unsafe resumes stop with one clear error naming the field; nothing is lost."""
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 
 import dist_ens
 from dist_ens.errors import ConfigError, TrainingError
+from dist_ens.training import workdir as workdir_lib
+from dist_ens.training.workdir import WorkdirInUse, WorkdirLock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,3 +93,42 @@ def test_on_nonfinite_stop_holds_on_every_rerun(tmp_path):
                                  checkpoint__restore_incompatible='train.on_nonfinite'),
                          str(tmp_path))
   assert final['frozen_members'] == [3] and np.isfinite(final['ensemble']['nll'])
+
+
+def test_a_second_run_on_a_live_workdir_stops_naming_the_other_pid_and_writes_nothing(tmp_path):
+  workdir = tmp_path / 'w'
+  dist_ens.train(_config(), str(workdir))
+  files = lambda: {p: p.read_bytes() for p in workdir.rglob('*') if p.is_file()}
+  with WorkdirLock(workdir):  # Another live run: an flock on workdir/.lock.
+    held, before = (workdir / '.lock').read_text(), files()
+    with pytest.raises(WorkdirInUse, match=rf'{workdir} is in use by another run \(pid '
+                                           rf'{os.getpid()} on host '):
+      dist_ens.train(_config(train__steps=12), str(workdir))
+    assert files() == before and held
+  assert (workdir / '.lock').read_text() == ''  # Released: the next run needs no takeover.
+  assert dist_ens.train(_config(train__steps=12), str(workdir))['step'] == 12
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path):
+  workdir = tmp_path / 'w'
+  # A run that took the lock and was killed -9: the kernel drops its flock, the file stays.
+  holder = subprocess.run(
+      [sys.executable, '-c', 'import os, sys; from dist_ens.training.workdir import WorkdirLock;'
+       'WorkdirLock(sys.argv[1]).acquire(); os._exit(9)', str(workdir)],
+      cwd=ROOT, capture_output=True, text=True, check=False)
+  dead_pid = json.loads((workdir / '.lock').read_text())['pid']
+  assert holder.returncode == 9, holder.stderr
+  with mock.patch.object(workdir_lib.logging, 'warning') as warning:
+    with WorkdirLock(workdir):
+      assert json.loads((workdir / '.lock').read_text())['pid'] == os.getpid()
+  (message, *args), _ = warning.call_args
+  assert 'taking over the lock' in message and f'pid {dead_pid} ' in message % tuple(args)
+
+
+def test_the_lock_is_released_when_training_raises(tmp_path):
+  bad = _config(optim__learning_rate=[1e-3, 1e-3, 1e-3, 1e30], train__on_nonfinite='stop')
+  with pytest.raises(TrainingError):
+    dist_ens.train(bad, str(tmp_path))
+  assert (tmp_path / '.lock').read_text() == ''
+  with WorkdirLock(tmp_path):  # Free: taking it does not raise.
+    pass

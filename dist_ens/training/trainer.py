@@ -24,7 +24,7 @@ from dist_ens.eval import metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.io import tables, writers
 from dist_ens.parallel import distributed, strategy
-from dist_ens.training import actions as actions_lib
+from dist_ens.training import actions as actions_lib, workdir as workdir_lib
 from dist_ens.training.loop import Action, Context, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 
@@ -265,7 +265,13 @@ def _info_logs() -> Iterator[None]:
 
 def _train(config, workdir, devices, actions, extra_writers, dataset, optimizer, loss):
   run_data, parts, form = _check_and_build(config, workdir, devices, dataset, optimizer, loss)
-  ctx, train_step, checkpointer = _start(config, Path(workdir), run_data, parts, form, loss,
+  with workdir_lib.lock_workdir(workdir):
+    return _train_locked(config, Path(workdir), run_data, parts, form, actions, extra_writers,
+                         loss)
+
+
+def _train_locked(config, workdir, run_data, parts, form, actions, extra_writers, loss):
+  ctx, train_step, checkpointer = _start(config, workdir, run_data, parts, form, loss,
                                          extra_writers)
   all_actions: list[Action] = []
   watcher = PreemptionWatcher()

@@ -1,0 +1,142 @@
+"""One run at a time per workdir: a lock that a second run on the same workdir finds.
+
+workdir/.lock is held with flock(2) for as long as the run lives, and holds who
+holds it ({"host", "pid", "started"}) for the message a second run prints. The
+kernel drops an flock when its process ends, however it ends (kill -9 included),
+so a lock is stale exactly when nobody holds the flock: a pid check could not
+tell a dead process from a new one that reused its pid, nor see processes on
+other hosts of a shared filesystem (NFSv4 and Lustre with -o flock pass flocks
+between hosts). A stale lock is taken over with a warning naming who left it.
+On release the file is emptied, not deleted: deleting would let a run that opened
+the old file before the deletion lock it while another locks the new one.
+
+In a multi-process run process 0 alone takes the lock, for the whole run (all
+processes write into the one workdir, so the run is the unit that must be alone),
+and every process learns the outcome, so all of a refused run stop with one line.
+"""
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from dist_ens.errors import ConfigError
+
+LOCK_NAME = '.lock'
+
+
+class WorkdirInUse(ConfigError):
+  """Another live run holds the workdir's lock."""
+
+
+def _read_holder(fd: int) -> dict[str, Any] | None:
+  text = os.pread(fd, 4096, 0).decode('utf-8', errors='replace')
+  if not text.strip():
+    return None
+  try:
+    holder = json.loads(text)
+  except json.JSONDecodeError:
+    return {'host': '?', 'pid': '?', 'started': '?'}
+  return holder if isinstance(holder, dict) else None
+
+
+def _describe(holder: dict[str, Any] | None) -> str:
+  if holder is None:
+    return 'pid unknown'
+  return (f"pid {holder.get('pid', '?')} on host {holder.get('host', '?')}, started "
+          f"{holder.get('started', '?')}")
+
+
+class WorkdirLock:
+  """workdir/.lock, held while the run lives. Use as a context manager, or
+  acquire() / release() (release is safe to call twice, and without acquire)."""
+
+  def __init__(self, workdir: str | os.PathLike):
+    self.workdir = Path(workdir)
+    self.path = self.workdir / LOCK_NAME
+    self._fd: int | None = None
+
+  def acquire(self) -> None:
+    """Takes the lock, creating the workdir if needed.
+
+    Raises:
+      WorkdirInUse: another live run holds it (nothing is written then).
+    """
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # The umask decides the mode.
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _read_holder(fd)
+      os.close(fd)
+      raise WorkdirInUse(
+          f'{self.workdir} is in use by another run ({_describe(holder)}); wait for it to end '
+          'or stop it, or use a new --workdir.') from None
+    except OSError as e:  # A filesystem without flocks (e.g. NFS mounted with -o nolock).
+      os.close(fd)
+      logging.warning('cannot lock %s (%s); nothing stops a second run on this workdir.',
+                      self.path, e)
+      return
+    stale = _read_holder(fd)
+    if stale is not None:
+      logging.warning('taking over the lock of %s left by %s: that run is no longer running.',
+                      self.workdir, _describe(stale))
+    me = {'host': socket.gethostname(), 'pid': os.getpid(),
+          'started': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, (json.dumps(me) + '\n').encode(), 0)
+    self._fd = fd
+
+  def release(self) -> None:
+    fd, self._fd = self._fd, None
+    if fd is None:
+      return
+    try:
+      os.ftruncate(fd, 0)  # Empty: nobody holds it, and no run is reported as stale.
+    except OSError:  # A full disk cannot stop a truncate, but be safe: the flock still goes.
+      pass
+    os.close(fd)  # Drops the flock.
+
+  def __enter__(self) -> 'WorkdirLock':
+    self.acquire()
+    return self
+
+  def __exit__(self, *exc: Any) -> None:
+    self.release()
+
+
+@contextlib.contextmanager
+def lock_workdir(workdir: str | os.PathLike) -> Iterator[None]:
+  """Holds the workdir's lock inside the block: process 0 takes it for the whole run
+  (see the module doc); it is released however the block ends.
+
+  Raises:
+    WorkdirInUse: on every process, if another run holds it.
+  """
+  lock = WorkdirLock(workdir)
+  refusal = ''
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except WorkdirInUse as e:
+      refusal = str(e)
+  try:
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      refused = multihost_utils.process_allgather(np.int32(bool(refusal)))
+      if refused.any() and not refusal:
+        refusal = f'{Path(workdir)} is in use by another run (process 0 found its lock).'
+    if refusal:
+      raise WorkdirInUse(refusal)
+    yield
+  finally:
+    lock.release()
