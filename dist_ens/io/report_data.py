@@ -1,0 +1,59 @@
+"""What a report reads from a finished run's workdir, with JSON nulls read back as NaN.
+
+Strict JSON writers (dist_ens.io.run_files) store a non-finite metric (a member frozen
+when it diverged) as null; the report turns each back into NaN, so numpy can compute
+with it and the tables print it as 'NaN'.
+"""
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def read_final_metrics(workdir: Path) -> dict[str, Any]:
+  """WORKDIR/final_metrics.json, nulls as NaN.
+
+  Raises:
+    FileNotFoundError: the run has not finished, so there is no final_metrics.json.
+  """
+  path = workdir / 'final_metrics.json'
+  if not path.is_file():
+    raise FileNotFoundError(f'{path} does not exist: the run in {workdir} has not '
+                            'finished; run (or resume) its training command first.')
+  return nan_for_null(json.loads(path.read_text()))
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+  """The events of metrics.jsonl at `path`, nulls as NaN ([] when it does not exist)."""
+  if not path.exists():
+    return []
+  events = []
+  for line in path.read_text(encoding='utf-8').splitlines():
+    try:
+      events.append(nan_for_null(json.loads(line)))
+    except json.JSONDecodeError:
+      continue  # A line torn by a crash.
+  return events
+
+
+def nan_for_null(obj: Any) -> Any:
+  """`obj` with JSON nulls as NaN: strict JSON writers store a non-finite metric as null."""
+  if isinstance(obj, dict):
+    return {k: nan_for_null(v) for k, v in obj.items()}
+  if isinstance(obj, list):
+    return [nan_for_null(v) for v in obj]
+  return np.nan if obj is None else obj
+
+
+def floats(values: Sequence[Any]) -> np.ndarray:
+  """A float64 array from JSON numbers, None (a missing value) as NaN."""
+  return np.array([np.nan if v is None else v for v in values], np.float64)
+
+
+def finite_mean(values: Sequence[Any], members: Sequence[int]) -> float:
+  """The mean of values[members] that are finite (NaN when none is)."""
+  kept = [v for v in floats(values)[list(members)] if np.isfinite(v)]
+  return float(np.mean(kept)) if kept else np.nan
