@@ -12,7 +12,7 @@ import pytest
 
 import dist_ens
 from dist_ens.errors import ConfigError, TrainingError
-from dist_ens.training import workdir as workdir_lib
+from dist_ens.training import trainer, workdir as workdir_lib
 from dist_ens.training.workdir import WorkdirInUse, WorkdirLock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,3 +132,53 @@ def test_the_lock_is_released_when_training_raises(tmp_path):
   assert (tmp_path / '.lock').read_text() == ''
   with WorkdirLock(tmp_path):  # Free: taking it does not raise.
     pass
+
+
+def _events(workdir):
+  lines = (workdir / 'metrics.jsonl').read_text().splitlines()
+  return sorted((e['step'], e['split']) for e in map(json.loads, lines))
+
+
+SCHEDULED = [(4, 'test'), (4, 'train'), (8, 'test'), (8, 'train')]
+
+
+class Killed(BaseException):
+  """Stands for a kill -9 (BaseException: nothing in train catches it)."""
+
+
+@pytest.mark.parametrize('kill_at', [4, 8])
+def test_a_kill_during_an_evaluation_loses_no_event(tmp_path, monkeypatch, kill_at):
+  # Dying in the evaluation of step 4 (a checkpoint step) or of the last step; train's
+  # cleanup lets the checkpoint saves already started finish, as a kill lets orbax's.
+  evaluate = dist_ens.training.actions.Evaluate.run
+
+  def dies_once(self, ctx):
+    if ctx.step == kill_at and not (tmp_path / 'died').exists():
+      (tmp_path / 'died').touch()
+      raise Killed
+    evaluate(self, ctx)
+
+  monkeypatch.setattr(dist_ens.training.actions.Evaluate, 'run', dies_once)
+  with pytest.raises(Killed):
+    dist_ens.train(_config(train__eval_every=4), str(tmp_path))
+  final = dist_ens.train(_config(train__eval_every=4), str(tmp_path))
+  assert _events(tmp_path) == SCHEDULED
+  assert final['step'] == 8
+
+
+def test_a_kill_before_final_metrics_reruns_without_training(tmp_path, monkeypatch):
+  finish = trainer._finish
+
+  def dies_once(ctx, *args):
+    if not (tmp_path / 'died').exists():
+      (tmp_path / 'died').touch()
+      raise Killed
+    return finish(ctx, *args)
+
+  monkeypatch.setattr(trainer, '_finish', dies_once)
+  with pytest.raises(Killed):
+    dist_ens.train(_config(train__eval_every=4), str(tmp_path))
+  assert not (tmp_path / 'final_metrics.json').exists()
+  final = dist_ens.train(_config(train__eval_every=4), str(tmp_path))
+  assert _events(tmp_path) == SCHEDULED  # No step was run again: no second train event.
+  assert json.loads((tmp_path / 'final_metrics.json').read_text())['members'] == final['members']

@@ -2,7 +2,8 @@
 
   Sync           waits for the device every N calls (multi-device CPU collectives
                  deadlock when ~30 steps are queued)
-  Checkpoint     saves every checkpoint.every steps and after the last
+  Checkpoint     saves every checkpoint.every steps and after the last; runs after
+                 every other action, so a checkpoint never precedes its step's events
   TrainLog       train metrics every log_every steps: event, log line, progress bar,
                  and non-finite members (freeze or stop)
   Evaluate       test metrics every eval_every steps and after the last
@@ -38,15 +39,31 @@ class Sync(PeriodicAction):
 
 
 class Checkpoint(PeriodicAction):
-  """Saves the state, the data position and the training time so far."""
+  """Saves the state, the data position and the training time so far.
+
+  Runs after every other action (see trainer.default_actions), so a checkpoint at a
+  step exists only once all of that step's events are written. An action that must
+  stop the run after this step's save calls `stop_after_save(error)`.
+  """
 
   def __init__(self, checkpointer: Checkpointer, every: int):
     super().__init__(every, at_end=True)
     self.checkpointer = checkpointer
+    self._stop: Exception | None = None
 
   def save(self, ctx: Context, force: bool = True) -> None:
     self.checkpointer.save(ctx.step, ctx.state, ctx.batches.state, force=force,
                            meta=ctx.checkpoint_meta())
+
+  def stop_after_save(self, error: Exception) -> None:
+    self._stop = error
+
+  def on_step(self, ctx: Context) -> None:
+    if self._stop is not None:
+      self.save(ctx)
+      self.checkpointer.wait()
+      raise self._stop
+    super().on_step(ctx)
 
   def run(self, ctx: Context) -> None:
     self.save(ctx)
@@ -116,20 +133,20 @@ class TrainLog(PeriodicAction):
     self._reported.update(newly_bad)
     logging.warning('members %s hit a non-finite loss or gradient by step %d and are frozen at '
                     'their last finite parameters.', newly_bad, ctx.step)
-    if ctx.config.train.on_nonfinite == 'stop':
-      self._checkpoint.save(ctx)
-      self._checkpoint.checkpointer.wait()
-      raise TrainingError(
+    if ctx.config.train.on_nonfinite == 'stop':  # Once this step's events are written.
+      self._checkpoint.stop_after_save(TrainingError(
           f'members {newly_bad} went non-finite by step {ctx.step} and '
           "config.train.on_nonfinite='stop'; saved the checkpoint at step "
-          f"{ctx.step}. Set on_nonfinite='freeze' to train the others on.")
+          f"{ctx.step}. Set on_nonfinite='freeze' to train the others on."))
 
   def close(self) -> None:
     self._progress.close()
 
 
 def _writes_final_events(ctx: Context) -> bool:
-  # A rerun of a finished run steps nowhere: its final events are already written.
+  # A rerun of a finished run steps nowhere: its final events are already written (the
+  # checkpoint at the last step is saved only after them). The results are computed
+  # again, for final_metrics.json, which a kill may have prevented.
   return not ctx.restored or ctx.start_step < ctx.total_steps
 
 

@@ -121,8 +121,15 @@ def _check_sync_every(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh
         f'{_CPU_MAX_SYNC_EVERY}, or 0 (automatic: {_CPU_SYNC_EVERY}).')
 
 
-def default_actions(ctx: Context, checkpointer: Checkpointer) -> list[Action]:
-  """The actions every run has, from the config, in the order they run."""
+def default_actions(ctx: Context, checkpointer: Checkpointer,
+                    extra: Sequence[Action] = ()) -> list[Action]:
+  """The actions every run has, from the config, with `extra` (a user's) before the
+  checkpoint, in the order they run.
+
+  The checkpoint comes last: a checkpoint at step N then exists only once every event
+  of step N is written, so a run killed mid-evaluation resumes from the checkpoint
+  before and redoes that evaluation, and no resume can skip an event.
+  """
   config = ctx.config
   sync_every = config.train.sync_every
   if not sync_every and ctx.parts.mesh.devices.flat[0].platform == 'cpu' and ctx.parts.mesh.size > 1:
@@ -132,8 +139,7 @@ def default_actions(ctx: Context, checkpointer: Checkpointer) -> list[Action]:
   out: list[Action] = []
   if sync_every:  # In calls of the step: a call of K steps queues one program, not K.
     out.append(actions_lib.Sync(max(1, sync_every // k) * k))
-  out += [checkpoint, actions_lib.TrainLog(ctx, checkpoint), actions_lib.Evaluate(
-      config.train.eval_every)]
+  out += [actions_lib.TrainLog(ctx, checkpoint), actions_lib.Evaluate(config.train.eval_every)]
   if ctx.run_data.ood is not None:
     out.append(actions_lib.ScoreOod())
   if ctx.run_data.validation is not None:
@@ -142,7 +148,7 @@ def default_actions(ctx: Context, checkpointer: Checkpointer) -> list[Action]:
     out.append(actions_lib.SelectTopK())
   if config.train.get('profile_steps', 0):
     out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))
-  return out
+  return [*out, *extra, checkpoint]
 
 
 def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
@@ -190,7 +196,8 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
   train_step = assemble.build_step(parts, per_member_batches=run_data.order.per_member,
                                    form=form, steps_per_call=k, loss=loss)
   batches = data.Batches(dataset.train, run_data.order, mesh, config.num_members,
-                         restored.data_state, prefetch=config.data.prefetch, steps_per_call=k)
+                         restored.data_state, prefetch=config.data.prefetch, steps_per_call=k,
+                         with_index=train_step.uses_index)
   writer = writers.MultiWriter(
       writers.make_writer(config.writers, workdir, restored.step if restored.meta else None),
       *extra_writers)
@@ -276,7 +283,7 @@ def _train_locked(config, workdir, run_data, parts, form, actions, extra_writers
   all_actions: list[Action] = []
   watcher = PreemptionWatcher()
   try:
-    all_actions = [*default_actions(ctx, checkpointer), *actions]
+    all_actions = default_actions(ctx, checkpointer, actions)
     finished = run_loop(ctx, train_step, ctx.batches, all_actions, watcher.should_stop)
     if not finished:
       return _stop_early(ctx, checkpointer, watcher.signal_name)
