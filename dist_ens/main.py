@@ -131,19 +131,6 @@ def _train_main(argv: list[str]) -> None:
     distributed.exit_without_barrier(1)
 
 
-def _plan_dict(plan) -> dict:
-  """The plan as JSON-able values: NamedTuples become dicts, with their peak bytes."""
-  fields = plan._asdict() if hasattr(plan, '_asdict') else dict(vars(plan))
-  out = {}
-  for name, value in fields.items():
-    if hasattr(value, '_asdict'):
-      value = {**value._asdict(), **({'peak': value.peak} if hasattr(value, 'peak') else {})}
-    out[name] = value
-  if hasattr(plan, 'flops_per_example'):  # A property on some versions of Plan.
-    out['flops_per_example'] = plan.flops_per_example
-  return out
-
-
 def _plan_main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
@@ -156,7 +143,7 @@ def _plan_main(argv: list[str]) -> None:
   except ConfigError as e:
     sys.exit(f'dist-ens plan: error: {e}')
   if FLAGS.json:
-    print(json.dumps(_plan_dict(p), indent=2, default=str))
+    print(json.dumps(p.to_dict(), indent=2))
   else:
     print(plan.format_plan(p, FLAGS.config))
 

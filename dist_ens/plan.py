@@ -9,6 +9,10 @@ is trained), compiles the step for the config's mesh on the present devices, and
 prints what XLA's memory analysis of the compiled step says: parameters and
 state bytes per member, the step's argument / output / temporary bytes per
 device, the bytes each member adds, and the largest M that fits a device memory.
+It also prints the training FLOPs per example: XLA's cost analysis of the same
+compiled train step (forward, backward and optimizer update) divided by the
+member-examples one device processes in it. A data set this project ships configs
+for needs no files on disk (KNOWN_SHAPES, KNOWN_TRAIN_EXAMPLES).
 
 The step is compiled twice, for the config's members per device and for twice
 that, because a device's memory is (fixed part) + (members on it) x (bytes per
@@ -17,6 +21,7 @@ member): the batch and XLA's fixed scratch do not grow with M, the state and
 mesh.member whose per-device bytes fit the memory.
 """
 
+import json
 import math
 import sys
 from collections.abc import Sequence
@@ -44,6 +49,14 @@ KNOWN_SHAPES: dict[str, tuple[tuple[int, ...], int]] = {
     'cifar100': ((32, 32, 3), 100),
     'svhn_cropped': ((32, 32, 3), 10),
 }
+# Their training split sizes, for train.epochs (TFDS's split info).
+KNOWN_TRAIN_EXAMPLES: dict[str, int] = {
+    'mnist': 60_000, 'fashion_mnist': 60_000, 'kmnist': 60_000, 'cifar10': 50_000,
+    'cifar100': 50_000, 'svhn_cropped': 73_257,
+}
+# What flops_per_example counts, as printed and in --json.
+FLOPS_MEASURED = ('XLA cost analysis of the compiled train step (forward + backward + '
+                  'update) / member-examples per device')
 
 
 class StepMemory(NamedTuple):
@@ -75,6 +88,20 @@ class Plan(NamedTuple):
   fixed_bytes: float  # Peak bytes that do not grow with members.
   memory_bytes: float | None  # The device memory planned for (None: unknown).
   max_members: int | None  # Largest M (a multiple of mesh.member) that fits memory_bytes.
+  # Training FLOPs of one member on one example (FLOPS_MEASURED); None if the
+  # backend gives no cost analysis.
+  flops_per_example: float | None
+  train_steps: int  # train.steps, or train.epochs resolved against the data set's size
+  steps_per_epoch: int | None  # None: the training split's size is not known here
+
+  def to_dict(self) -> dict:
+    """The plan as JSON-able values (`dist-ens plan --json`): the step analyses
+    become dicts with their peak bytes, and flops_measured says what the FLOPs count."""
+    out = self._asdict()
+    for name in ('step', 'step_doubled'):
+      out[name] = {**out[name]._asdict(), 'peak': out[name].peak}
+    out['flops_measured'] = FLOPS_MEASURED
+    return out
 
 
 def data_shape(config: ml_collections.ConfigDict) -> tuple[tuple[int, ...], int]:
@@ -87,6 +114,33 @@ def data_shape(config: ml_collections.ConfigDict) -> tuple[tuple[int, ...], int]
     return KNOWN_SHAPES[name]
   dataset = data.load_dataset(name, config.data)
   return tuple(dataset.input_shape), dataset.num_classes
+
+
+def train_examples(config: ml_collections.ConfigDict) -> int | None:
+  """Training examples of config.data.name after the validation split, if known without
+  reading a TFDS data set (an embedded data set is loaded: it is small)."""
+  name = config.data.name
+  if name in data.SOURCES:
+    total = data.load_dataset(name, config.data).train.num_examples
+  elif name in KNOWN_TRAIN_EXAMPLES:
+    total = KNOWN_TRAIN_EXAMPLES[name]
+  else:
+    return None
+  return total - config.data.validation_size
+
+
+def _resolve_steps(config: ml_collections.ConfigDict
+                   ) -> tuple[ml_collections.ConfigDict, int | None]:
+  """(the config with train.epochs resolved, steps per epoch or None)."""
+  examples = train_examples(config)
+  if examples is None:
+    if config.train.epochs:
+      raise ConfigError(f'config.train.epochs={config.train.epochs} needs the size of '
+                        f'{config.data.name!r}, which dist-ens plan does not know; plan with '
+                        'train.epochs=0 (steps do not change memory or FLOPs).')
+    return config, None
+  return (configuration.resolve_epochs(config, examples),
+          configuration.steps_per_epoch(config, examples))
 
 
 def device_memory_bytes(device: jax.Device) -> float | None:
@@ -120,6 +174,21 @@ def _compile_step(parts, config: ml_collections.ConfigDict, form):
   return step.fn.lower(state, hparams, x, y).compile()
 
 
+def _flops_per_example(compiled, config: ml_collections.ConfigDict, mesh,
+                       members_per_device: int) -> float | None:
+  """FLOPs of the compiled (per-device) step / the member-examples one device runs."""
+  try:
+    cost = compiled.cost_analysis()
+  except Exception:  # pylint: disable=broad-except  # Not implemented on some backends.
+    return None
+  if isinstance(cost, (list, tuple)):  # Older jax: one dict per program.
+    cost = cost[0] if cost else None
+  if not cost or cost.get('flops', -1) <= 0:
+    return None
+  examples = config.data.batch_size // mesh.shape[mesh_lib.DATA]
+  return float(cost['flops']) / (members_per_device * examples)
+
+
 def _memory(compiled, members_per_device: int) -> StepMemory:
   stats = compiled.memory_analysis()
   if stats is None:
@@ -144,6 +213,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
     ConfigError: for an invalid config or a mesh that does not fit the devices.
   """
   configuration.validate(config)
+  config, per_epoch = _resolve_steps(config)
   mesh = assemble.build_mesh(config, devices)
   platform = mesh.devices.flat[0].platform
   input_shape, num_classes = data_shape(config)
@@ -156,7 +226,8 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   parallelism, map_batch_size = form
   doubled = assemble.build_parts(config, mesh, input_shape, num_classes,
                                  num_members=2 * config.num_members)
-  step = _memory(_compile_step(parts, config, form), per_device)
+  compiled = _compile_step(parts, config, form)
+  step = _memory(compiled, per_device)
   step_doubled = _memory(_compile_step(doubled, config, form), 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
   fixed = step.peak - bytes_per_member * per_device
@@ -177,7 +248,9 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       map_batch_size=map_batch_size, params_per_member=params_per_member,
       state_bytes_per_member=state_bytes_per_member, step=step, step_doubled=step_doubled,
       bytes_per_member=bytes_per_member, fixed_bytes=fixed, memory_bytes=memory_bytes,
-      max_members=max_members)
+      max_members=max_members,
+      flops_per_example=_flops_per_example(compiled, config, mesh, per_device),
+      train_steps=config.train.steps, steps_per_epoch=per_epoch)
 
 
 def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
@@ -191,6 +264,11 @@ def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
       f'mesh {plan.mesh_shape} over {devices} {plan.platform} device(s): '
       f'{s.members_per_device} member(s) per device, run with {form}',
       f'parameters per member          {plan.params_per_member:>16,}',
+      (f'train FLOPs per example        {plan.flops_per_example:>16,.0f}  (per member: '
+       f'{FLOPS_MEASURED})' if plan.flops_per_example is not None else
+       'train FLOPs per example        this backend gives no cost analysis'),
+      f'train steps                    {plan.train_steps:>16,}' + (
+          f'  ({plan.steps_per_epoch:,} per epoch)' if plan.steps_per_epoch else ''),
       f'state bytes per member         {plan.state_bytes_per_member:>16,}  '
       '(parameters, optimizer state, frozen flag)',
       f'compiled train step, bytes per device ({s.members_per_device} member(s)):',
@@ -223,6 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   memory_gb = flags.DEFINE_float(
       'memory_gb', None, 'Memory of one device in GB (1e9 bytes); default: what the device '
       'reports (accelerators), else none.', flag_values=flag_values)
+  as_json = flags.DEFINE_bool('json', False, 'Print the plan as one JSON object.',
+                              flag_values=flag_values)
   try:
     flag_values(sys_argv)
     if config_holder.value is None:
@@ -240,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ConfigError as e:
     print(f'dist-ens plan: error: {e}', file=sys.stderr)
     return 1
-  print(format_plan(plan, config))
+  print(json.dumps(plan.to_dict(), indent=2) if as_json.value else format_plan(plan, config))
   return 0
 
 

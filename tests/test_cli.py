@@ -96,6 +96,8 @@ def test_plan_json_reports_the_plan():
   plan = json.loads(result.stdout)
   assert plan['num_members'] == 8 and plan['params_per_member'] == 40 * 8 + 8 + 8 * 10 + 10
   assert plan['step']['peak'] > 0
+  assert plan['flops_per_example'] > 0 and 'XLA cost analysis' in plan['flops_measured']
+  assert plan['train_steps'] > 0
 
 
 def _start_training(workdir: Path, steps: int) -> subprocess.Popen:

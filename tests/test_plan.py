@@ -80,12 +80,26 @@ def test_members_split_over_devices_are_counted_per_device(devices):
   assert plan.max_members % 4 == 0  # Whole members on each of the 4 member shards.
 
 
+def test_flops_per_example_count_a_training_step_whatever_the_mesh(one_device, devices):
+  small = plan_lib.make_plan(_config(num_members=4), one_device)
+  # Training an MLP costs about 6 FLOPs per weight and example: 2 forward, 4 backward
+  # (a little less without the input's gradient, a little more for biases and the loss).
+  assert 5.5 * MLP_PARAMS < small.flops_per_example < 6.5 * MLP_PARAMS
+  split = plan_lib.make_plan(_config(num_members=8, mesh__member=4, mesh__data=2), devices)
+  # Per member and example: neither M nor the mesh changes it (the optimizer update,
+  # paid once per member and step, is ~2% of it here, and is spread over half the
+  # examples per device when the batch is split in two).
+  assert split.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
+
+
 def test_command_line_prints_the_plan(capsys):
   code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8',
                         '--config.mesh.member=4', '--config.mesh.data=2', '--memory_gb=0.5'])
   out = capsys.readouterr().out
   assert code == 0, out
   assert re.search(rf'parameters per member +{MLP_PARAMS:,}\n', out)
+  assert re.search(r'train FLOPs per example +[0-9,]+  \(per member: XLA cost analysis', out)
+  assert re.search(r'train steps +2,000  \(31 per epoch\)', out)  # 4000 // 128 an epoch.
   assert '2 member(s) per device' in out
   assert 'largest M that fits 0.50 GB per device x 4 member shard(s):' in out
 
