@@ -5,6 +5,21 @@ over 'member', examples over 'data'), the additive metric sums and the few
 per-example values that rank-based metrics need (see dist_ens.eval.metrics). The last
 partial batch is padded and masked, so every example counts exactly once: padded
 rows add nothing to the sums and are cut from the per-example values on the host.
+
+Post-hoc methods (temperature scaling, greedy selection, MC dropout; see
+dist_ens.training.posthoc) work on every member's log-probabilities of a whole
+split, gathered to the host by `split_log_probs` ([M, N, C] float32: small for
+evaluation splits, 8 members x 10^4 examples x 10 classes is 3 MB), and score
+them with `metrics_from_log_probs`, which runs the same `metrics.eval_batch`.
+
+MC dropout (config.eval.mc_samples = K > 0) calls the model in evaluation mode WITH
+an rng: apply(params, state, x, train=False, rng=key). By the model contract
+(dist_ens.core.model) that samples the stochastic layers (dropout) while BatchNorm
+keeps its running statistics. Each example gets its own key,
+fold_in(fold_in(mc_key(seed, member), sample), global example index), and the model
+is vmapped over single examples, so a draw never depends on the batch it sits in:
+the samples are the same on any mesh and for any eval batch size. Member m's
+prediction is the mean of its K sampled softmax distributions.
 """
 
 from collections.abc import Callable
@@ -15,12 +30,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from dist_ens.core import rng as rng_lib
 from dist_ens.eval import metrics
 from dist_ens.data import Split, to_global
 from dist_ens.parallel.mesh import DATA, batch_sharding, member_sharding, replicated
 from dist_ens.models import Model
 
 EvalStep = Callable[..., metrics.BatchEval]
+LogProbsStep = Callable[..., jax.Array]
+
+# Stream tag of MC dropout draws: apart from init (member_keys) and training (tag 1,
+# dist_ens.core.rng), so evaluation never reuses a training mask.
+_MC_STREAM = 2
 
 
 class SplitEval(NamedTuple):
@@ -36,6 +57,49 @@ def member_logits(model: Model, variables: Any, x: jax.Array) -> jax.Array:
   """
   params, model_state = variables
   return jax.vmap(lambda p, s: model.apply(p, s, x, train=False)[0])(params, model_state)
+
+
+def mc_key(seed: int, member: jax.Array) -> jax.Array:
+  """The key of member `member`'s MC dropout samples; depends only on (seed, member)."""
+  return jax.random.fold_in(rng_lib.member_keys(seed, jnp.asarray(member)[None])[0], _MC_STREAM)
+
+
+def mc_sample_logits(model: Model, params: Any, model_state: Any, x: jax.Array, key: jax.Array,
+                     offset: jax.Array, num_samples: int) -> jax.Array:
+  """[K, B, C] logits of ONE member under K dropout samples (evaluation mode otherwise).
+
+  Example x[i] is the split's example offset + i; its mask in sample k is drawn from
+  fold_in(fold_in(key, k), offset + i), whatever the batch holds besides it.
+  """
+  index = jnp.asarray(offset, jnp.uint32) + jnp.arange(x.shape[0], dtype=jnp.uint32)
+
+  def one_example(xi, example_key):
+    return model.apply(params, model_state, xi[None], train=False, rng=example_key)[0][0]
+
+  def one_sample(k):
+    sample_key = jax.random.fold_in(key, k)
+    keys = jax.vmap(lambda i: jax.random.fold_in(sample_key, i))(index)
+    return jax.vmap(one_example)(x, keys)
+
+  # One sample at a time: memory of one forward pass, not K.
+  return jax.lax.map(one_sample, jnp.arange(num_samples, dtype=jnp.uint32))
+
+
+def member_log_probs(model: Model, variables: Any, x: jax.Array, *, mc_samples: int = 0,
+                     seed: int = 0, offset: jax.Array | int = 0) -> jax.Array:
+  """[M, B, C] float32 log-probabilities of every member: plain evaluation, or with
+  mc_samples = K > 0 the log of the mean of K MC dropout softmax samples."""
+  if not mc_samples:
+    return jax.nn.log_softmax(member_logits(model, variables, x).astype(jnp.float32), axis=-1)
+  params, model_state = variables
+  members = jnp.arange(jax.tree.leaves(params)[0].shape[0])
+
+  def one_member(p, s, member):
+    logits = mc_sample_logits(model, p, s, x, mc_key(seed, member), offset, mc_samples)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(mc_samples))
+
+  return jax.vmap(one_member)(params, model_state, members)
 
 
 def make_eval_step(model: Model, mesh: Mesh) -> EvalStep:
@@ -148,6 +212,86 @@ def evaluate_ood(eval_step: EvalStep, variables: Any, in_split: Split, ood_split
 def member_mask_from_frozen(frozen: jax.Array) -> jax.Array:
   """Members in the ensemble: all that are not frozen."""
   return jnp.logical_not(frozen)
+
+
+def make_log_probs_step(model: Model, mesh: Mesh, *, mc_samples: int = 0,
+                        seed: int = 0) -> LogProbsStep:
+  """(variables, x, offset) -> [M, B, C] log-probabilities (see member_log_probs), replicated.
+
+  `offset` is the split index of x[0] (MC dropout keys its draws by it).
+
+  Example:
+    step = make_log_probs_step(model, mesh, mc_samples=8, seed=config.seed)
+    log_probs = split_log_probs(step, (state.params, state.model_state), dataset.test, 1000, mesh)
+  """
+
+  def log_probs_step(variables, x, offset):
+    return member_log_probs(model, variables, x, mc_samples=mc_samples, seed=seed, offset=offset)
+
+  return jax.jit(log_probs_step, in_shardings=(member_sharding(mesh), batch_sharding(mesh),
+                                               replicated(mesh)),
+                 out_shardings=replicated(mesh))
+
+
+def split_log_probs(step: LogProbsStep, variables: Any, split: Split, batch_size: int,
+                    mesh: Mesh) -> np.ndarray:
+  """[M, N, C] float32 numpy log-probabilities of every member on the whole split.
+
+  Batches as evaluate_split (the last one padded, its padding cut); every process
+  gets the whole array.
+  """
+  if not len(split.y):
+    raise ValueError('split_log_probs() got an empty split; it needs at least one example.')
+  d = mesh.shape[DATA]
+  # The same batch shape for every split (a small one is padded): one compile.
+  batch_size = -(-batch_size // d) * d
+  sharding, outs = batch_sharding(mesh), []
+  for start in range(0, len(split.y), batch_size):
+    x = split.x[start:start + batch_size]
+    valid = len(x)
+    if valid < batch_size:
+      x = np.concatenate([x, np.zeros((batch_size - valid, *x.shape[1:]), x.dtype)])
+    outs.append((step(variables, to_global(x, sharding), np.uint32(start)), valid))
+  return np.concatenate([np.asarray(out)[:, :valid] for out, valid in outs], axis=1)
+
+
+def metrics_from_log_probs(log_probs: np.ndarray, labels: np.ndarray,
+                           member_mask: np.ndarray | None = None,
+                           chunk: int = 1024) -> dict[str, Any]:
+  """metrics.finalize of [M, N, C] member log-probabilities (or logits) against labels.
+
+  The ensemble is the mean of the included members' probabilities; a member listed
+  twice counts twice (a weighted ensemble, as greedy selection makes). Runs
+  metrics.eval_batch on the default device, `chunk` examples at a time, with members
+  padded to a multiple of 8 and examples to a multiple of `chunk` (masked out), so
+  the many post-hoc evaluations of a run share one compiled program.
+
+  Example:
+    >>> lp = np.log(np.full((2, 3, 4), 0.25, np.float32))
+    >>> metrics_from_log_probs(lp, np.array([0, 1, 2]))['ensemble']['nll'].__round__(4)
+    1.3863
+  """
+  num_members, n, num_classes = log_probs.shape
+  mask = np.ones(num_members, bool) if member_mask is None else np.asarray(member_mask, bool)
+  width = -(-num_members // _MEMBER_PAD) * _MEMBER_PAD
+  padded = np.zeros((width, -(-n // chunk) * chunk, num_classes), np.float32)
+  padded[:num_members, :n] = log_probs
+  labels = np.pad(np.asarray(labels, np.int32), (0, padded.shape[1] - n))
+  mask = np.pad(mask, (0, width - num_members))
+  total, examples = None, []
+  for start in range(0, n, chunk):
+    valid = np.arange(start, start + chunk) < n
+    out = _eval_chunk(padded[:, start:start + chunk], labels[start:start + chunk], valid, mask)
+    total = out.sums if total is None else metrics.add_sums(total, out.sums)
+    examples.append([np.asarray(a)[..., :min(chunk, n - start)] for a in out.examples])
+  stacked = metrics.ExampleStats(*(np.concatenate(parts, axis=-1) for parts in zip(*examples)))
+  results = metrics.finalize(jax.tree.map(np.asarray, total), stacked)
+  results['members'] = {k: v[:num_members] for k, v in results['members'].items()}
+  return results
+
+
+_MEMBER_PAD = 8
+_eval_chunk = jax.jit(metrics.eval_batch)
 
 
 class Evaluator:
