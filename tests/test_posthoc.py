@@ -1,0 +1,238 @@
+"""Post-hoc evaluation: temperature scaling, greedy selection, MC dropout, and their actions."""
+
+import json
+import types
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from dist_ens import data
+from dist_ens.configuration import load_config
+from dist_ens.core.model import Model
+from dist_ens.errors import ConfigError
+from dist_ens.ensembles.selection import greedy_select
+from dist_ens.eval import calibration, evaluate
+from dist_ens.models import layers
+from dist_ens.models.base import dense_init
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.training import posthoc
+from dist_ens.training.trainer import train
+
+ROOT = Path(__file__).resolve().parents[1]
+C = 5
+
+
+def _logits(seed, n=400, members=None, sharpness=3.0):
+  """Random labels and logits that favour them: [n] labels, [(members,) n, C] logits."""
+  rng = np.random.default_rng(seed)
+  labels = rng.integers(0, C, n)
+  shape = (n, C) if members is None else (members, n, C)
+  logits = sharpness * (rng.standard_normal(shape) + 1.2 * np.eye(C)[labels])
+  return labels, logits.astype(np.float32)
+
+
+def _nll64(logits, labels, temperature):
+  """NLL at each of the temperatures in float64."""
+  t = np.asarray(temperature, np.float64)[..., None, None]
+  z = logits.astype(np.float64) / t
+  z = z - np.logaddexp.reduce(z, axis=-1, keepdims=True)
+  return -z[..., np.arange(len(labels)), labels].mean(-1)
+
+
+@pytest.mark.parametrize('sharpness', [0.3, 3.0])  # under- and over-confident
+def test_fitted_temperature_minimises_nll(sharpness):
+  labels, logits = _logits(0, sharpness=sharpness)
+  t = float(calibration.fit_temperature(logits, labels))
+  assert (t < 1) if sharpness < 1 else (t > 1)
+  for eps in (1e-2, 1e-3):
+    assert _nll64(logits, labels, t) <= min(_nll64(logits, labels, t * (1 + eps)),
+                                            _nll64(logits, labels, t * (1 - eps))) + 1e-7
+  # Brute force: a coarse grid over the whole range, then a fine one around its best.
+  coarse = np.exp(np.linspace(np.log(calibration.T_MIN), np.log(calibration.T_MAX), 1001))
+  best = coarse[np.argmin(_nll64(logits, labels, coarse))]
+  fine = best * np.exp(np.linspace(-0.01, 0.01, 2001))
+  nlls = _nll64(logits, labels, fine)
+  np.testing.assert_allclose(t, fine[np.argmin(nlls)], rtol=1e-4)
+  np.testing.assert_allclose(_nll64(logits, labels, t), nlls.min(), atol=1e-7)
+  # Logits or their log-softmax: the same temperature; and the same again, bit for bit.
+  log_probs = np.asarray(jax.nn.log_softmax(logits))
+  np.testing.assert_allclose(float(calibration.fit_temperature(log_probs, labels)), t, rtol=1e-5)
+  assert float(calibration.fit_temperature(logits, labels)) == t
+
+
+def test_member_and_ensemble_temperatures():
+  labels, logits = _logits(1, members=4)
+  log_probs = np.array(jax.nn.log_softmax(logits * np.array([0.2, 1, 2, 4])[:, None, None]))
+  log_probs[2] = np.nan  # a frozen member
+  included = np.array([True, True, False, True])
+  test_y, test = _logits(2, members=4)
+  test = np.asarray(jax.nn.log_softmax(test))
+  out = posthoc.temperature_scaling(log_probs, labels, test, test_y, included)
+  temps = out['member_temperatures']
+  for m in (0, 1, 3):
+    assert temps[m] == pytest.approx(float(calibration.fit_temperature(log_probs[m], labels)),
+                                     rel=1e-6)
+  assert np.isnan(temps[2]) and temps[0] < temps[1] < temps[3]
+  pooled = calibration.pooled_log_probs(log_probs, included)
+  assert out['ensemble_temperature'] == float(calibration.fit_temperature(pooled, labels))
+  val = out['validation_nll']
+  assert val['ensemble_after'] <= val['ensemble_before']
+  assert all(a <= b + 1e-6 for a, b in zip(np.array(val['members_after'])[included],
+                                           np.array(val['members_before'])[included]))
+  # Temperature never changes the argmax.
+  assert out['after']['ensemble']['accuracy'] == out['before']['ensemble']['accuracy']
+  json.dumps(out)
+
+
+def _caruana_reference(log_probs, labels, size, candidates):
+  """Caruana's greedy selection, written out: full probability vectors, a loop per candidate."""
+  probs = np.exp(log_probs.astype(np.float64))
+  probs /= probs.sum(-1, keepdims=True)
+  chosen, path = [], []
+  for _ in range(size):
+    best, best_nll = None, np.inf
+    for m in range(len(probs)):
+      if not candidates[m]:
+        continue
+      mean = np.mean([probs[i] for i in chosen + [m]], axis=0)
+      nll = -np.mean(np.log(mean[np.arange(len(labels)), labels]))
+      if nll < best_nll:
+        best, best_nll = m, nll
+    chosen.append(best)
+    path.append(best_nll)
+  keep = int(np.argmin(path)) + 1
+  return chosen[:keep], path
+
+
+@pytest.mark.parametrize('seed', [0, 1])
+def test_greedy_selection_equals_caruana(seed):
+  labels, logits = _logits(seed, n=300, members=7, sharpness=2.0)
+  logits *= np.linspace(0.3, 3.0, 7)[:, None, None]  # members from under- to over-confident
+  logits[5] = np.nan  # a frozen member is never picked
+  candidates = np.arange(7) != 5
+  got = greedy_select(logits, labels, size=10, candidates=candidates)
+  picks, path = _caruana_reference(logits, labels, 10, candidates)
+  assert got.picks == picks and 5 not in got.picks
+  np.testing.assert_allclose(got.nll_by_size, path, rtol=1e-10)
+  assert got.counts.sum() == len(got.picks) and np.array_equal(
+      got.counts, np.bincount(picks, minlength=7))
+  single = [_nll64(logits[m], labels, 1.0) for m in range(7) if candidates[m]]
+  assert got.nll <= min(single) and got.nll == pytest.approx(min(path), rel=1e-12)
+  # With replacement: the greedy ensemble repeats a member here.
+  assert len(set(got.picks)) < len(got.picks)
+
+
+# --- MC dropout -----------------------------------------------------------------------
+
+
+def dropout_model(num_classes, rate=0.5, width=16):
+  """dense -> BatchNorm -> ReLU -> dropout -> dense, on the MC dropout contract:
+  dropout draws whenever apply gets an rng; BatchNorm follows `train`."""
+
+  def init(rng, sample_x):
+    k1, k2, k3 = jax.random.split(rng, 3)
+    d = int(np.prod(sample_x.shape[1:]))
+    bn_params, _ = layers.batch_norm_init(width)
+    # Non-trivial running statistics, so batch statistics would show.
+    state = {'mean': 0.3 * jax.random.normal(k3, (width,)),
+             'var': 1.0 + jax.random.uniform(k3, (width,))}
+    return ({'hidden': dense_init(k1, d, width), 'bn': bn_params,
+             'out': dense_init(k2, width, num_classes)}, {'bn': state})
+
+  def apply(params, state, x, *, train, rng=None):
+    h = layers.dense(params['hidden'], x.reshape(x.shape[0], -1))
+    h, bn = layers.batch_norm(params['bn'], state['bn'], h, train=train)
+    h = layers.dropout(rng, jax.nn.relu(h), rate, train=rng is not None)
+    return layers.dense(params['out'], h), {'bn': bn}
+
+  return Model(init, apply)
+
+
+M, SHAPE = 8, (6,)
+
+
+def _variables(model, mesh):
+  keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(M))
+  params, state = jax.vmap(lambda k: model.init(k, jnp.zeros((1, *SHAPE))))(keys)
+  return jax.device_put((params, state), mesh_lib.member_sharding(mesh))
+
+
+def _mesh(devices, member, data_axis):
+  return Mesh(np.array(devices[:member * data_axis]).reshape(member, data_axis),
+              mesh_lib.AXES)
+
+
+def _split(n=23):
+  rng = np.random.default_rng(4)
+  return data.Split(rng.standard_normal((n, *SHAPE)).astype(np.float32),
+                    rng.integers(0, C, n).astype(np.int32))
+
+
+def test_mc_dropout_with_rate_zero_is_plain_evaluation():
+  model, split = dropout_model(C, rate=0.0), _split()
+  params, state = model.init(jax.random.key(0), split.x[:1])
+  plain = model.apply(params, state, split.x, train=False)[0]
+  samples = jax.jit(lambda p, s, x: evaluate.mc_sample_logits(
+      model, p, s, x, evaluate.mc_key(0, 0), 0, 2))(params, state, split.x)
+  # BatchNorm kept its running statistics (one example's own statistics would not match).
+  for sample in samples:
+    np.testing.assert_allclose(sample, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_mc_dropout_samples_differ_reproducibly_on_any_mesh(devices):
+  model, split = dropout_model(C, rate=0.5), _split()
+  mesh = _mesh(devices, 4, 2)
+  step = evaluate.make_log_probs_step(model, mesh, mc_samples=4, seed=7)
+  # 23 examples over 2 data shards in padded batches of 8.
+  sharded = evaluate.split_log_probs(step, _variables(model, mesh), split, 8, mesh)
+  params, state = jax.tree.map(lambda a: np.asarray(a)[2], _variables(model, mesh))
+  sample = jax.jit(lambda seed: evaluate.mc_sample_logits(
+      model, params, state, split.x, evaluate.mc_key(seed, 2), 0, 4))
+  samples = np.asarray(sample(7))  # member 2 alone, the whole split in one batch
+  assert samples.shape == (4, len(split.y), C)
+  assert all(not np.allclose(samples[i], samples[j]) for i in range(4) for j in range(i))
+  # Member 2's MC prediction is the mean of exactly these samples, on any mesh and batch.
+  mean = jax.nn.logsumexp(jax.nn.log_softmax(samples), axis=0) - np.log(4)
+  np.testing.assert_allclose(sharded[2], mean, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(sample(7)), samples)
+  assert not np.allclose(np.asarray(sample(8)), samples)
+
+
+def test_posthoc_actions_in_a_training_run(tmp_path, devices):
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.num_members, config.writers = 4, ('jsonl',)
+  config.train.steps, config.train.log_every, config.train.eval_every = 30, 30, 0
+  config.data.batch_size, config.data.validation_size = 64, 300
+  config.model.factory = 'test_posthoc:dropout_model'
+  config.model.kwargs = ml_collections.ConfigDict(dict(rate=0.3))
+  config.mesh.member, config.mesh.data = 2, 2
+  with config.unlocked():
+    config.eval.mc_samples, config.eval.temperature_scaling = 2, True
+    config.select.method, config.select.greedy_size = 'greedy', 6
+  train(config, str(tmp_path), devices=devices[:4], actions=posthoc.posthoc_actions(config))
+  final = json.loads((tmp_path / 'final_metrics.json').read_text())
+  ts, greedy, mc = final['temperature_scaling'], final['greedy'], final['mc_dropout']
+  assert ts['validation_nll']['ensemble_after'] <= ts['validation_nll']['ensemble_before']
+  assert ts['before']['ensemble']['nll'] == pytest.approx(final['ensemble']['nll'], rel=1e-4)
+  assert greedy['validation_nll'] <= min(final['validation']['members']['nll']) + 1e-6
+  assert sum(greedy['counts']) == len(greedy['picks']) <= 6
+  assert mc['samples'] == 2 and mc['ensemble']['nll'] != pytest.approx(final['ensemble']['nll'])
+  splits = {json.loads(line)['split'] for line in (tmp_path / 'metrics.jsonl').open()}
+  assert {'test_mc_dropout', 'test_temperature_scaled', 'test_greedy'} <= splits
+
+
+def test_posthoc_fits_need_a_validation_split():
+  # Checked at the first step, not after training.
+  ctx = types.SimpleNamespace(run_data=types.SimpleNamespace(validation=None))
+  for action in (posthoc.TemperatureScale(), posthoc.GreedySelect(4)):
+    with pytest.raises(ConfigError, match=r'config\.data\.validation_size=0'):
+      action.on_step(ctx)
+  posthoc.McDropout(2).on_step(ctx)  # MC dropout needs no validation split.
+  with pytest.raises(ConfigError, match='config.select.method'):
+    posthoc.posthoc_actions(ml_collections.ConfigDict(
+        dict(eval=dict(), select=dict(method='best'))))
