@@ -8,6 +8,8 @@ shardings of the current mesh, whatever mesh wrote them.
 """
 
 import logging as logging_std
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -88,6 +90,7 @@ class Checkpointer:
   def __init__(self, directory: Path, every: int, keep: int):
     self._every = every
     self._directory = directory
+    _quiet_closed_loop_callbacks()
     self._manager = ocp.CheckpointManager(
         directory.absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
@@ -183,15 +186,62 @@ class Checkpointer:
     self.blocking_seconds += time.perf_counter() - start
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self._manager.wait_until_finished()  # Raises what a background save ran into.
+    finally:
+      self._manager.close()
+
+
+# How a full disk reads in errors that are not OSErrors (tensorstore's, under orbax).
+FULL_DISK_TEXTS = ('No space left on device', 'Disk quota exceeded', 'File too large')
 
 
 class _QuietOrbax(logging_std.Filter):
-  """Drops orbax's per-save INFO chatter from absl's log; its warnings still show."""
+  """Drops orbax's per-save INFO chatter from absl's log; its warnings still show.
+
+  Its errors come from background save threads, and the same error reaches the loop
+  (the next save or wait raises it), which reports it: they show as one line without
+  the traceback, and not at all for a full disk, which the run reports in one line
+  (it gave 45 tracebacks before).
+  """
 
   def filter(self, record: logging_std.LogRecord) -> bool:
-    return record.levelno >= logging_std.WARNING or '/orbax/' not in record.pathname
+    if '/orbax/' not in record.pathname:
+      return True
+    if record.levelno >= logging_std.ERROR:
+      message = record.getMessage()
+      if any(text in message for text in FULL_DISK_TEXTS):
+        return False
+      record.msg, record.args = message.splitlines()[0][:400], ()
+      record.exc_info = record.exc_text = None
+    return record.levelno >= logging_std.WARNING
 
 
 logging_std.getLogger('absl').addFilter(_QuietOrbax())
+
+
+def _closed_loop_callback(unraisable: Any) -> bool:
+  """A tensorstore write finishing after orbax closed the asyncio loop that awaited it
+  (it does when another write of the save failed): its completion callback finds the
+  loop closed. The failure itself is the save's error."""
+  error, tb = unraisable.exc_value, unraisable.exc_traceback
+  while tb is not None and tb.tb_next is not None:
+    tb = tb.tb_next
+  return (isinstance(error, RuntimeError) and str(error) == 'Event loop is closed'
+          and tb is not None and tb.tb_frame.f_code.co_filename.endswith(
+              os.path.join('asyncio', 'base_events.py')))
+
+
+def _quiet_closed_loop_callbacks() -> None:
+  """Keeps those callbacks' 'Event loop is closed' tracebacks off stderr (any other
+  unraisable error goes to the hook that was there before)."""
+  previous = sys.unraisablehook
+  if getattr(previous, 'dist_ens_closed_loops', False):
+    return
+
+  def hook(unraisable: Any) -> None:
+    if not _closed_loop_callback(unraisable):
+      previous(unraisable)
+
+  hook.dist_ens_closed_loops = True
+  sys.unraisablehook = hook

@@ -182,3 +182,34 @@ def test_a_kill_before_final_metrics_reruns_without_training(tmp_path, monkeypat
   final = dist_ens.train(_config(train__eval_every=4), str(tmp_path))
   assert _events(tmp_path) == SCHEDULED  # No step was run again: no second train event.
   assert json.loads((tmp_path / 'final_metrics.json').read_text())['members'] == final['members']
+
+
+# The CLI with any write that would grow a file past 8 KiB failing with EFBIG, as writes
+# on a full disk fail with ENOSPC: the same OSError path through every writer, orbax's
+# included (the optimizer's checkpoint file is ~13 KiB). SIGXFSZ ignored: an error, not a kill.
+_CLI_WITH_SMALL_FILES = (
+    'import resource, runpy, signal, sys;'
+    'resource.setrlimit(resource.RLIMIT_FSIZE, (8192, resource.RLIM_INFINITY));'
+    'signal.signal(signal.SIGXFSZ, signal.SIG_IGN);'
+    'sys.argv[0] = "dist-ens"; runpy.run_module("dist_ens.main", run_name="__main__")')
+
+
+def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_path):
+  dist_ens.train(_config(train__steps=4), str(tmp_path))
+  kept = {p: p.read_bytes() for p in (tmp_path / 'checkpoints' / '4').rglob('*') if p.is_file()}
+  tiny = ['--config.num_members=4', '--config.model.widths=(8,)', '--config.train.steps=8',
+          '--config.train.log_every=4', '--config.train.eval_every=0',
+          '--config.checkpoint.every=4', '--config.data.batch_size=32']
+  proc = subprocess.run(
+      [sys.executable, '-c', _CLI_WITH_SMALL_FILES, '--config=configs/default.py',
+       f'--workdir={tmp_path}', *tiny], cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONDONTWRITEBYTECODE='1',
+               XLA_FLAGS='--xla_force_host_platform_device_count=8'))
+  assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.splitlines()[-1] == (
+      f'dist_ens: error: writing into {tmp_path} failed: File too large (the disk, a quota or '
+      'a file-size limit is full); the checkpoint at step 4 is intact: free some space and '
+      'run the same command again to resume.')
+  assert kept == {p: p.read_bytes() for p in kept}
+  assert dist_ens.train(_config(), str(tmp_path))['step'] == 8  # Space again: resumes.
+  assert _events(tmp_path) == SCHEDULED  # (4, 'test'): the 4-step run's final evaluation.

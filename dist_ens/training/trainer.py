@@ -272,9 +272,15 @@ def _info_logs() -> Iterator[None]:
 
 def _train(config, workdir, devices, actions, extra_writers, dataset, optimizer, loss):
   run_data, parts, form = _check_and_build(config, workdir, devices, dataset, optimizer, loss)
-  with workdir_lib.lock_workdir(workdir):
-    return _train_locked(config, Path(workdir), run_data, parts, form, actions, extra_writers,
-                         loss)
+  try:
+    with workdir_lib.lock_workdir(workdir):
+      return _train_locked(config, Path(workdir), run_data, parts, form, actions,
+                           extra_writers, loss)
+  except Exception as e:  # pylint: disable=broad-except  # Only a full disk is translated.
+    full = workdir_lib.disk_full(e, workdir)
+    if full is None:
+      raise
+    raise full from None
 
 
 def _train_locked(config, workdir, run_data, parts, form, actions, extra_writers, loss):
@@ -282,17 +288,39 @@ def _train_locked(config, workdir, run_data, parts, form, actions, extra_writers
                                          extra_writers)
   all_actions: list[Action] = []
   watcher = PreemptionWatcher()
+  failed = True
   try:
     all_actions = default_actions(ctx, checkpointer, actions)
     finished = run_loop(ctx, train_step, ctx.batches, all_actions, watcher.should_stop)
     if not finished:
-      return _stop_early(ctx, checkpointer, watcher.signal_name)
-    checkpointer.wait()
+      result = _stop_early(ctx, checkpointer, watcher.signal_name)
+    else:
+      checkpointer.wait()
+    failed = False
   finally:
-    for closer in (ctx.batches.close, ctx.writer.close, watcher.close,
-                   *(action.close for action in all_actions), checkpointer.close):
-      closer()
+    _close_all([ctx.batches.close, ctx.writer.close, watcher.close,
+                *(action.close for action in all_actions), checkpointer.close],
+               raise_first=not failed)
+  if not finished:
+    return result
   return _finish(ctx, train_step.traces, checkpointer.blocking_seconds)
+
+
+def _close_all(closers: Sequence[Any], raise_first: bool) -> None:
+  """Calls every closer. The first error is raised if `raise_first`; otherwise (the run is
+  already failing, e.g. on a full disk whose writers fail to flush again) only logged,
+  so it does not hide the error that stopped the run."""
+  error = None
+  for closer in closers:
+    try:
+      closer()
+    except Exception as e:  # pylint: disable=broad-except
+      error = error or e
+  if error is not None and raise_first:
+    raise error
+  if error is not None:
+    logging.warning('while stopping: %s: %s', type(error).__name__,
+                    str(error).splitlines()[0][:300] if str(error) else '')
 
 
 def _stop_early(ctx: Context, checkpointer: Checkpointer, signal_name: str) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""One run at a time per workdir: a lock that a second run on the same workdir finds.
+"""The workdir's safety: one run at a time (a lock that a second run finds), and a full
+disk reported in one line.
 
 workdir/.lock is held with flock(2) for as long as the run lives, and holds who
 holds it ({"host", "pid", "started"}) for the message a second run prints. The
@@ -17,6 +18,7 @@ and every process learns the outcome, so all of a refused run stop with one line
 
 import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import os
@@ -29,7 +31,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from dist_ens.errors import ConfigError
+from dist_ens.checkpoint import FULL_DISK_TEXTS
+from dist_ens.errors import ConfigError, TrainingError
 
 LOCK_NAME = '.lock'
 
@@ -140,3 +143,45 @@ def lock_workdir(workdir: str | os.PathLike) -> Iterator[None]:
     yield
   finally:
     lock.release()
+
+
+class DiskFull(TrainingError):
+  """A write into the workdir failed for lack of space (disk, quota or file-size limit)."""
+
+
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _out_of_space(error: BaseException) -> str | None:
+  """The line that says a write ran out of space, from `error` or what it came from."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in _FULL_ERRNOS:
+      return os.strerror(error.errno)
+    text = str(error)
+    for full in FULL_DISK_TEXTS:
+      if full in text:
+        return full
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _newest_checkpoint(workdir: Path) -> int | None:
+  steps = [int(d.name) for d in (workdir / 'checkpoints').glob('*') if d.name.isdigit()]
+  return max(steps, default=None)
+
+
+def disk_full(error: BaseException, workdir: str | os.PathLike) -> DiskFull | None:
+  """A one-line DiskFull for `error` if it (or what it came from) is a lack of space,
+  naming the checkpoint a rerun resumes from; None for any other error."""
+  reason = _out_of_space(error)
+  if reason is None:
+    return None
+  workdir = Path(workdir)
+  step = _newest_checkpoint(workdir)
+  kept = (f'the checkpoint at step {step} is intact' if step is not None else
+          'no checkpoint was saved yet')
+  return DiskFull(f'writing into {workdir} failed: {reason} (the disk, a quota or a file-size '
+                  f'limit is full); {kept}: free some space and run the same command again to '
+                  f'{"resume" if step is not None else "start"}.')
