@@ -18,9 +18,11 @@ reference run:
               fault exits by that signal or cleanly, and never hangs (every child is
               bounded by `timeout -k 5`).
 
-Cases: sigkill, sigterm, sigint (the signal at a random time), kill_final_eval
-(SIGKILL once the last train event is written, i.e. in the final evaluation),
-concurrent (two runs at once on one workdir), corrupt_checkpoint (garbage over the
+Cases: sigkill, sigterm, sigint (the signal at a random time), kill_mid_eval and
+kill_final_eval (SIGKILL once the train event of step EVAL_EVERY, or of the last
+step, is written, i.e. in that step's evaluation),
+concurrent (two runs at once on one workdir: one may refuse with one line, the
+workdir being locked), corrupt_checkpoint (garbage over the
 newest checkpoint's largest file after a kill), corrupt_config / missing_config
 (config.json damaged or deleted after a kill; a clear one-line refusal also holds),
 disk_full (the workdir on a small tmpfs, which needs root to mount: skipped, and
@@ -265,18 +267,21 @@ def case_signal(ctx: Context, workdir: Path, signum: int) -> list[str]:
   return problems + check_survivors(ctx, workdir, rerun)
 
 
-def case_kill_final_eval(ctx: Context, workdir: Path) -> list[str]:
-  """SIGKILL as soon as the last train event is in metrics.jsonl: in the final evaluation."""
-  last_train = f'"step": {STEPS}, "split": "train"'
+def case_kill_in_eval(ctx: Context, workdir: Path, step: int) -> list[str]:
+  """SIGKILL as soon as step `step`'s train event is in metrics.jsonl: in its evaluation
+  (a checkpoint step too: the final one, or EVAL_EVERY)."""
+  train_event = f'"step": {step}, "split": "train"'
   metrics = workdir / 'metrics.jsonl'
 
-  def in_final_eval(_: float) -> bool:
-    return metrics.exists() and last_train in metrics.read_text(errors='replace')
+  def in_eval(_: float) -> bool:
+    return metrics.exists() and train_event in metrics.read_text(errors='replace')
 
-  fault = run_cli(ctx, workdir, 'fault', signal.SIGKILL, in_final_eval)
-  landed = fault.signalled_at is not None and not (workdir / 'final_metrics.json').exists()
+  fault = run_cli(ctx, workdir, 'fault', signal.SIGKILL, in_eval)
+  test_event = f'"step": {step}, "split": "test"'
+  landed = fault.signalled_at is not None and test_event not in metrics.read_text(
+      errors='replace')
   ctx.details.update(fault_rc=fault.rc, signalled_at_s=fault.signalled_at,
-                     killed_before_final_metrics=landed)
+                     killed_before_its_test_event=landed)
   rerun = run_cli(ctx, workdir, 'rerun')
   ctx.details['rerun_rc'] = rerun.rc
   return check_survivors(ctx, workdir, rerun)
@@ -293,6 +298,8 @@ def case_concurrent(ctx: Context, workdir: Path) -> list[str]:
     problems += check_exit(outcome, f'concurrent run {i}')
   if all(o.rc == 0 for o in outcomes):
     ctx.details['note'] = 'both concurrent runs exited 0 (no lock)'
+  elif any(refused_clearly(o, 'is in use by another run') for o in outcomes):
+    ctx.details['note'] = 'one run refused: the workdir is in use by the other'
   problems += check_params(ctx, workdir) + check_events(workdir / 'metrics.jsonl',
                                                         scheduled_events())
   rerun = run_cli(ctx, workdir, 'rerun')
@@ -378,7 +385,8 @@ CASES: dict[str, Callable[[Context, Path], list[str] | None]] = {
     'sigkill': lambda ctx, w: case_signal(ctx, w, signal.SIGKILL),
     'sigterm': lambda ctx, w: case_signal(ctx, w, signal.SIGTERM),
     'sigint': lambda ctx, w: case_signal(ctx, w, signal.SIGINT),
-    'kill_final_eval': case_kill_final_eval,
+    'kill_mid_eval': lambda ctx, w: case_kill_in_eval(ctx, w, EVAL_EVERY),
+    'kill_final_eval': lambda ctx, w: case_kill_in_eval(ctx, w, STEPS),
     'concurrent': case_concurrent,
     'corrupt_checkpoint': case_corrupt_checkpoint,
     'corrupt_config': lambda ctx, w: case_config(ctx, w, 'corrupt'),
