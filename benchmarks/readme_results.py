@@ -1,14 +1,17 @@
-"""The README's results table: train the default config and configs/mnist1d_cnn.py as they
-are, with the current code, and print one Markdown table.
+"""The README's results tables: train the configs that run here (the default config,
+configs/mnist1d_cnn.py, and the ResNet recipes configs/digits_resnet20.py and
+configs/mnist1d_resnet.py) as they are, with the current code, and print one Markdown table.
 
-  python benchmarks/readme_results.py                 # both configs, a few minutes on 2 CPU cores
+  python benchmarks/readme_results.py                 # every config, ~30 min on 2 CPU cores
+  python benchmarks/readme_results.py --configs digits_resnet20,mnist1d_resnet   # the ResNets
   python benchmarks/readme_results.py --configs default --steps 200   # a quick look
 
 Each config is trained by `dist_ens.train` into a fresh /tmp workdir on whatever devices
 exist (seed 0, nothing overridden unless --steps is given). Per config the table has the
 mean over members and the ensemble (mean of the members' probabilities) of test accuracy,
 NLL and ECE, and the training time (`train_seconds`: wall time of the loop, evaluation left
-out, compilation included). Writes benchmarks/results/readme_results.json.
+out, compilation included). Updates benchmarks/results/readme_results.json: the rows of the
+configs run replace theirs, the others' rows stay, and the table is remade from all of them.
 """
 
 import argparse
@@ -28,8 +31,8 @@ import numpy as np
 import dist_ens
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = {'default': ROOT / 'configs' / 'default.py',
-           'mnist1d_cnn': ROOT / 'configs' / 'mnist1d_cnn.py'}
+CONFIGS = {name: ROOT / 'configs' / f'{name}.py'
+           for name in ('default', 'mnist1d_cnn', 'digits_resnet20', 'mnist1d_resnet')}
 METRICS = ('accuracy', 'nll', 'ece')
 
 
@@ -60,6 +63,23 @@ def run(name: str, steps: int | None) -> dict:
   return row
 
 
+def _saved_rows(path: Path) -> list[dict]:
+  """The rows a previous run wrote to `path` (none if it is missing or unreadable)."""
+  try:
+    return json.loads(path.read_text())['rows']
+  except (OSError, ValueError, KeyError):
+    return []
+
+
+def _merge(saved: list[dict], new: list[dict]) -> list[dict]:
+  """`saved` with each config's row replaced by its `new` one, in CONFIGS order."""
+  by_config = {r['config']: r for r in saved}
+  by_config.update({r['config']: r for r in new})
+  order = [f'configs/{path.name}' for path in CONFIGS.values()]
+  return sorted(by_config.values(),
+                key=lambda r: order.index(r['config']) if r['config'] in order else len(order))
+
+
 def table(rows: list[dict]) -> str:
   lines = ['| config | members | steps | accuracy: member mean / ensemble | NLL: member mean / '
            'ensemble | ECE: member mean / ensemble | training time |',
@@ -75,12 +95,13 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--configs', default='default,mnist1d_cnn',
+  parser.add_argument('--configs', default=','.join(CONFIGS),
                       help=f'comma-separated, from {sorted(CONFIGS)}')
   parser.add_argument('--steps', type=int, default=0, help='override train.steps (0: the config\'s)')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'readme_results.json'))
   args = parser.parse_args()
-  rows = [run(name, args.steps) for name in args.configs.split(',')]
+  rows = _merge(_saved_rows(Path(args.out)), [run(name, args.steps)
+                                             for name in args.configs.split(',')])
   devices = jax.devices()
   out = {'rows': rows, 'markdown': table(rows),
          'devices': f'{len(devices)} x {devices[0].platform} ({devices[0].device_kind})',
