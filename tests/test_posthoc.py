@@ -211,6 +211,7 @@ def test_posthoc_actions_in_a_training_run(tmp_path, devices):
   config.model.factory = 'test_posthoc:dropout_model'
   config.model.kwargs = ml_collections.ConfigDict(dict(rate=0.3))
   config.mesh.member, config.mesh.data = 2, 2
+  config.eval.ood_dataset = 'mnist1d_noise'
   with config.unlocked():
     config.eval.mc_samples, config.eval.temperature_scaling = 2, True
     config.select.method, config.select.greedy_size = 'greedy', 6
@@ -222,6 +223,7 @@ def test_posthoc_actions_in_a_training_run(tmp_path, devices):
   assert greedy['validation_nll'] <= min(final['validation']['members']['nll']) + 1e-6
   assert sum(greedy['counts']) == len(greedy['picks']) <= 6
   assert mc['samples'] == 2 and mc['ensemble']['nll'] != pytest.approx(final['ensemble']['nll'])
+  assert 0 <= mc['ood']['ensemble']['auroc_mi'] <= 1 and len(mc['ood']['members']['auroc_entropy']) == 4
   splits = {json.loads(line)['split'] for line in (tmp_path / 'metrics.jsonl').open()}
   assert {'test_mc_dropout', 'test_temperature_scaled', 'test_greedy'} <= splits
 

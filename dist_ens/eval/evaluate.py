@@ -261,15 +261,34 @@ def metrics_from_log_probs(log_probs: np.ndarray, labels: np.ndarray,
   """metrics.finalize of [M, N, C] member log-probabilities (or logits) against labels.
 
   The ensemble is the mean of the included members' probabilities; a member listed
-  twice counts twice (a weighted ensemble, as greedy selection makes). Runs
-  metrics.eval_batch on the default device, `chunk` examples at a time, with members
-  padded to a multiple of 8 and examples to a multiple of `chunk` (masked out), so
-  the many post-hoc evaluations of a run share one compiled program.
+  twice counts twice (a weighted ensemble, as greedy selection makes).
 
   Example:
     >>> lp = np.log(np.full((2, 3, 4), 0.25, np.float32))
     >>> metrics_from_log_probs(lp, np.array([0, 1, 2]))['ensemble']['nll'].__round__(4)
     1.3863
+  """
+  out = split_eval_from_log_probs(log_probs, labels, member_mask, chunk)
+  return metrics.finalize(out.sums, out.examples)
+
+
+def ood_from_log_probs(in_log_probs: np.ndarray, out_log_probs: np.ndarray,
+                       member_mask: np.ndarray | None = None) -> dict[str, Any]:
+  """metrics.ood_metrics of two splits' [M, N, C] member log-probabilities (as evaluate_ood)."""
+  inside, outside = (split_eval_from_log_probs(lp, np.zeros(lp.shape[1], np.int32), member_mask)
+                     for lp in (in_log_probs, out_log_probs))
+  return metrics.ood_metrics(inside.examples, outside.examples)
+
+
+def split_eval_from_log_probs(log_probs: np.ndarray, labels: np.ndarray,
+                              member_mask: np.ndarray | None = None,
+                              chunk: int = 1024) -> SplitEval:
+  """The SplitEval (sums, per-example stats) of [M, N, C] member log-probabilities.
+
+  Runs metrics.eval_batch on the default device, `chunk` examples at a time, with
+  members padded to a multiple of 8 and examples to a multiple of `chunk` (masked
+  out, and cut from the result), so the many post-hoc evaluations of a run share one
+  compiled program.
   """
   num_members, n, num_classes = log_probs.shape
   mask = np.ones(num_members, bool) if member_mask is None else np.asarray(member_mask, bool)
@@ -284,10 +303,13 @@ def metrics_from_log_probs(log_probs: np.ndarray, labels: np.ndarray,
     out = _eval_chunk(padded[:, start:start + chunk], labels[start:start + chunk], valid, mask)
     total = out.sums if total is None else metrics.add_sums(total, out.sums)
     examples.append([np.asarray(a)[..., :min(chunk, n - start)] for a in out.examples])
-  stacked = metrics.ExampleStats(*(np.concatenate(parts, axis=-1) for parts in zip(*examples)))
-  results = metrics.finalize(jax.tree.map(np.asarray, total), stacked)
-  results['members'] = {k: v[:num_members] for k, v in results['members'].items()}
-  return results
+  stats = metrics.ExampleStats(*(np.concatenate(parts, axis=-1) for parts in zip(*examples)))
+  # The padding members' rows go: per-member sums and stats hold the real M only.
+  stats = stats._replace(**{f: getattr(stats, f)[:num_members] for f in stats._fields
+                            if f.startswith('member_')})
+  sums = {k: np.asarray(v)[:num_members] if k.startswith('member_') else np.asarray(v)
+          for k, v in total.items()}
+  return SplitEval(sums, stats)
 
 
 _MEMBER_PAD = 8

@@ -44,7 +44,7 @@ class SplitLogProbs:
     self._cache: dict[tuple[str, int, int], np.ndarray] = {}
 
   def get(self, ctx: Context, split: str, mc_samples: int = 0) -> np.ndarray:
-    """split: 'validation' or 'test'."""
+    """split: 'validation', 'test' or 'ood'."""
     key = (split, mc_samples, ctx.step)
     if key not in self._cache:
       if mc_samples not in self._steps:
@@ -60,6 +60,8 @@ class SplitLogProbs:
 def _split(ctx: Context, name: str):
   if name == 'test':
     return ctx.run_data.dataset.test
+  if name == 'ood':
+    return ctx.run_data.ood
   if ctx.run_data.validation is None:
     raise ConfigError('post-hoc calibration and greedy selection fit on the validation split, '
                       'but config.data.validation_size=0; set it > 0 (e.g. 1000).')
@@ -97,7 +99,8 @@ class _Posthoc(PeriodicAction):
 
 
 class McDropout(_Posthoc):
-  """Test metrics with `samples` MC dropout samples per member, under 'mc_dropout'.
+  """Test metrics with `samples` MC dropout samples per member, under 'mc_dropout'
+  (and, with config.eval.ood_dataset, OOD AUROC/AUPR under 'mc_dropout.ood').
 
   The model must sample its dropout when called with train=False and an rng
   (dist_ens.core.model); one that ignores the rng gives the plain metrics, and a
@@ -121,6 +124,11 @@ class McDropout(_Posthoc):
                       'dropout, or ignores rng when train=False (see docs/ensemble_methods.md).',
                       self.samples)
     ctx.results['mc_dropout'] = {'samples': self.samples, **results}
+    if ctx.run_data.ood is not None:  # OOD AUROC/AUPR by the MC predictions' uncertainty.
+      ctx.results['mc_dropout']['ood'] = {
+          'dataset': ctx.config.eval.ood_dataset,
+          **evaluate.ood_from_log_probs(log_probs, self.cache.get(ctx, 'ood', self.samples),
+                                        _included(ctx))}
     if _final_events(ctx):
       ctx.write({'step': ctx.step, 'split': 'test_mc_dropout', **results})
     logging.info('MC dropout (%d samples per member) test metrics:\n%s', self.samples,
