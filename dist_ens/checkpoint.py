@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 
@@ -84,6 +85,41 @@ def _split(state: Any) -> tuple[dict[str, Any], Any]:
            'step': state.step}, state.opt_state)
 
 
+def _words(leaf: jax.Array) -> jax.Array:
+  """The leaf's bits as a flat vector of uint32 words."""
+  if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+    leaf = jax.random.key_data(leaf)
+  size = leaf.dtype.itemsize
+  if leaf.dtype == jnp.bool_ or size == 1:
+    return leaf.astype(jnp.uint32).ravel()
+  if size == 2:
+    return jax.lax.bitcast_convert_type(leaf, jnp.uint16).astype(jnp.uint32).ravel()
+  return jax.lax.bitcast_convert_type(leaf, jnp.uint32).ravel()  # 8 bytes: [..., 2] words.
+
+
+@jax.jit
+def _checksums(leaves: list[jax.Array]) -> list[jax.Array]:
+  # Each word times an odd, position-dependent factor (invertible mod 2**32), summed with
+  # wrap-around: any changed word changes the sum, and so does a moved one.
+  sums = []
+  for leaf in leaves:
+    words = _words(leaf)
+    factors = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2654435761) | jnp.uint32(1)
+    sums.append(jnp.sum(words * factors, dtype=jnp.uint32))
+  return sums
+
+
+def checksums(tree: Any) -> list[int]:
+  """One uint32 per leaf of `tree` (device arrays, any sharding): saved beside a
+  checkpoint and compared on restore, since a checkpoint's data files carry no
+  checksum and orbax reads corrupted bytes back as values without an error."""
+  return [int(c) for c in jax.device_get(_checksums(jax.tree.leaves(tree)))]
+
+
+class CorruptCheckpoint(Exception):
+  """A checkpoint restored, but not to the values that were saved."""
+
+
 class Checkpointer:
   """Saves every `every` steps (and when forced), keeps the newest `keep`."""
 
@@ -112,8 +148,9 @@ class Checkpointer:
     elif step in self._manager.all_steps():
       return False
     start = time.perf_counter()
-    meta = {**(meta or {}), 'step': step, 'data': data_state._asdict(), 'format': FORMAT}
     model, opt_state = _split(state)
+    meta = {**(meta or {}), 'step': step, 'data': data_state._asdict(), 'format': FORMAT,
+            'checksums': {'model': checksums(model), 'optimizer': checksums(opt_state)}}
     items = {'model': ocp.args.StandardSave(model), 'meta': ocp.args.JsonSave(meta)}
     if jax.tree.leaves(opt_state):  # Plain SGD keeps no state: nothing to write.
       items['optimizer'] = ocp.args.StandardSave(opt_state)
@@ -142,6 +179,7 @@ class Checkpointer:
         items['optimizer'] = ocp.args.StandardRestore(opt_state)
       try:
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        _verify(restored, with_optimizer_item)
       except Exception as e:  # pylint: disable=broad-except  # Any failure means "unusable".
         logging.warning('checkpoint at step %d cannot be restored (%s: %s); trying the one '
                         'before it.', step, type(e).__name__, str(e).splitlines()[0][:300])
@@ -190,6 +228,19 @@ class Checkpointer:
       self._manager.wait_until_finished()  # Raises what a background save ran into.
     finally:
       self._manager.close()
+
+
+def _verify(restored: Any, with_optimizer: bool) -> None:
+  """Raises CorruptCheckpoint if the restored arrays are not the ones saved (checkpoints
+  written before checksums were saved are taken as they are)."""
+  saved = restored.meta.get('checksums')
+  if saved is None:
+    return
+  items = [('model', restored.model)] + ([('optimizer', restored.optimizer)]
+                                         if with_optimizer else [])
+  for name, tree in items:
+    if checksums(tree) != saved[name]:
+      raise CorruptCheckpoint(f'its {name} arrays do not match the checksums saved with them')
 
 
 # How a full disk reads in errors that are not OSErrors (tensorstore's, under orbax).
