@@ -214,17 +214,3 @@ def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_pa
   assert kept == {p: p.read_bytes() for p in kept}
   assert dist_ens.train(_config(), str(tmp_path))['step'] == 8  # Space again: resumes.
   assert _events(tmp_path) == SCHEDULED  # (4, 'test'): the 4-step run's final evaluation.
-
-
-def test_every_process_of_a_run_refused_by_the_lock_stops(tmp_path, monkeypatch):
-  # Process 1 of a two-process run, whose process 0 found the workdir locked: process 1
-  # takes no lock itself and stops too, on the gathered refusal.
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  monkeypatch.setattr(jax, 'process_count', lambda: 2)
-  monkeypatch.setattr(jax, 'process_index', lambda: 1)
-  monkeypatch.setattr(multihost_utils, 'process_allgather',
-                      lambda mine: np.array([1, np.asarray(mine)], np.int32))
-  with pytest.raises(WorkdirInUse, match='in use by another run .process 0 found its lock'):
-    with workdir_lib.lock_workdir(tmp_path):
-      pass
-  assert not (tmp_path / '.lock').exists()

@@ -12,8 +12,7 @@ On release the file is emptied, not deleted: deleting would let a run that opene
 the old file before the deletion lock it while another locks the new one.
 
 In a multi-process run process 0 alone takes the lock, for the whole run (all
-processes write into the one workdir, so the run is the unit that must be alone),
-and every process learns the outcome, so all of a refused run stop with one line.
+processes write into the one workdir, so the run is the unit that must be alone).
 """
 
 import contextlib
@@ -28,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
 
 from dist_ens.checkpoint import FULL_DISK_TEXTS
@@ -122,24 +120,17 @@ def lock_workdir(workdir: str | os.PathLike) -> Iterator[None]:
   """Holds the workdir's lock inside the block: process 0 takes it for the whole run
   (see the module doc); it is released however the block ends.
 
+  No collective shares the outcome: one gathered at start-up made two-process runs hang
+  when later stopped by SIGTERM (JAX's preemption sync). A refused process 0 fails like
+  any failing process of a run, which stops the others (main.py exits without barrier).
+
   Raises:
-    WorkdirInUse: on every process, if another run holds it.
+    WorkdirInUse: on process 0, if another run holds it.
   """
   lock = WorkdirLock(workdir)
-  refusal = ''
   if jax.process_index() == 0:
-    try:
-      lock.acquire()
-    except WorkdirInUse as e:
-      refusal = str(e)
+    lock.acquire()
   try:
-    if jax.process_count() > 1:
-      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      refused = multihost_utils.process_allgather(np.int32(bool(refusal)))
-      if refused.any() and not refusal:
-        refusal = f'{Path(workdir)} is in use by another run (process 0 found its lock).'
-    if refusal:
-      raise WorkdirInUse(refusal)
     yield
   finally:
     lock.release()
