@@ -171,7 +171,9 @@ def _compile_step(parts, config: ml_collections.ConfigDict, form):
   hparams = {k: jax.ShapeDtypeStruct((num_members,), jnp.float32, sharding=member_sharding)
              for k in parts.hparams}
   step = assemble.build_step(parts, per_member_batches=per_member, form=form)
-  return step.fn.lower(state, hparams, x, y).compile()
+  # With augmentation the step also takes the examples' indices (int32, shaped like y).
+  index = (jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding),)
+  return step.fn.lower(state, hparams, x, y, *(index if step.uses_index else ())).compile()
 
 
 def _flops_per_example(compiled, config: ml_collections.ConfigDict, mesh,

@@ -92,6 +92,13 @@ def test_flops_per_example_count_a_training_step_whatever_the_mesh(one_device, d
   assert split.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
 
 
+def test_plans_a_step_that_augments(one_device):
+  # Augmentation makes the step take the examples' indices too (their keys' source).
+  plan = plan_lib.make_plan(_config(num_members=2, data__augment='crop_flip'), one_device)
+  assert plan.params_per_member == MLP_PARAMS
+  assert plan.step.argument > 2 * plan.state_bytes_per_member
+
+
 def test_command_line_prints_the_plan(capsys):
   code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8',
                         '--config.mesh.member=4', '--config.mesh.data=2', '--memory_gb=0.5'])
