@@ -31,7 +31,9 @@ from dist_ens.ensembles.sharding import state_shardings, with_shardings
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood
 from dist_ens.parallel import mesh as mesh_lib, strategy
-from dist_ens.core.step import TrainStep, make_train_step
+from dist_ens.core.step import StepOptions, TrainStep, make_train_step
+from dist_ens.data import augment as augment_lib
+from dist_ens.importing import is_import_path, load_object
 
 
 class RunData(NamedTuple):
@@ -153,6 +155,18 @@ def member_form(parts: Parts, batch_size: int) -> strategy.Form:
           parts.model, parts.input_shape, batch_size // mesh.shape[mesh_lib.DATA]))
 
 
+def step_options(config: ml_collections.ConfigDict) -> StepOptions:
+  """Augmentation, precision, micro-batches and reproducible mode, as the config says."""
+  augment = config.data.get('augment', 'none')
+  if is_import_path(augment):
+    augment = load_object(augment, 'config.data.augment')
+  augment = augment_lib.get_augmentation(augment, 'config.data.augment')
+  return StepOptions(augment=None if augment is augment_lib.identity else augment,
+                     precision=config.get('precision', 'float32'),
+                     micro_batches=config.train.get('micro_batches', 1),
+                     reproducible=config.get('reproducible', False))
+
+
 def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
                steps_per_call: int = 1, loss: Loss | None = None) -> TrainStep:
   """The compiled train step for these parts (traced at its first call); `loss`
@@ -163,4 +177,4 @@ def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
                          seed=parts.config.seed, loss=loss,
                          per_member_batches=per_member_batches,
                          member_parallelism=parallelism, map_batch_size=map_batch_size,
-                         steps_per_call=steps_per_call)
+                         steps_per_call=steps_per_call, options=step_options(parts.config))

@@ -20,11 +20,13 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from dist_ens.core import rng as rng_lib
+from dist_ens.core import gradients, precision, rng as rng_lib
 from dist_ens.core.losses import Loss, smoothed_cross_entropy
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer
 from dist_ens.core.state import TrainState
+from dist_ens.data import augment as augment_lib
+from dist_ens.data.augment import Augmentation
 from dist_ens.ensembles.sharding import state_specs
 from dist_ens.parallel.mesh import DATA, MEMBER
 from dist_ens.parallel.strategy import over_members
@@ -50,55 +52,131 @@ def _zero_where(keep: jax.Array, tree: PyTree) -> PyTree:
 
 @dataclasses.dataclass
 class TrainStep:
-  """The compiled train step: step(state, hparams, x, y) -> (state, metrics).
+  """The compiled train step: step(state, hparams, x, y[, index]) -> (state, metrics).
 
   `hparams` are the per-member hyperparameters ({field: [M]}, sharded like the
-  state). `traces` counts how often Python traced the step: 1 for a run.
+  state). `index` (the examples' indices in the training split, shaped like y) is
+  passed when `uses_index` (augmentation draws from it). `traces` counts how often
+  Python traced the step: 1 for a run.
   """
   fn: Callable[..., tuple[TrainState, StepMetrics]] = dataclasses.field(repr=False)
+  uses_index: bool = False
   traces: int = 0
 
-  def __call__(self, state: TrainState, hparams: Hparams, x: jax.Array, y: jax.Array):
-    return self.fn(state, hparams, x, y)
+  def __call__(self, state: TrainState, hparams: Hparams, x: jax.Array, y: jax.Array,
+               index: jax.Array | None = None):
+    if self.uses_index and index is None:
+      raise ValueError('This step augments its inputs: pass the examples\' indices '
+                       '(data.Batches(..., with_index=True) yields them).')
+    batch = (x, y, index) if self.uses_index else (x, y)
+    return self.fn(state, hparams, *batch)
+
+
+class StepOptions(NamedTuple):
+  """How one member's update treats its batch (config fields in brackets)."""
+  augment: Augmentation | None = None  # per-example fn(key, x) -> x  [data.augment]
+  precision: str = 'float32'  # what the model computes in  [precision]
+  micro_batches: int = 1  # the batch is cut into this many  [train.micro_batches]
+  reproducible: bool = False  # bit-identical on any mesh and M  [reproducible]
+
+
+def member_results_fn(model: Model, seed: int, loss: Loss = smoothed_cross_entropy,
+                      options: StepOptions = StepOptions(),
+                      data_size: int = 1) -> Callable[..., gradients.BatchResult]:
+  """results(params, model_state, hp, member, step, x, y, index) for ONE member: its loss,
+  accuracy, gradients and new model state on its batch (core.gradients.BatchResult).
+
+  `index` holds the examples' indices in the training split (used by augmentation
+  only; None without it).
+  """
+  one_batch = gradients.batch_fn(precision.with_precision(model, options.precision), loss)
+  if options.reproducible:
+    batch_results = gradients.canonical(one_batch, options.micro_batches, DATA, data_size)
+  else:
+    batch_results = gradients.accumulate(one_batch, options.micro_batches)
+
+  def results(params, model_state, hp, member, step, x, y, index=None):
+    if options.augment is not None:
+      keys = augment_lib.example_keys(seed, member, step, index)
+      x = augment_lib.augment_batch(x, keys, options.augment)
+    return batch_results(params, model_state, x, y, rng_lib.train_key(seed, member, step), hp)
+
+  return results
+
+
+def member_apply_fn(optimizer: Optimizer) -> Callable[..., Any]:
+  """apply(params, model_state, opt_state, frozen, hp, result) for ONE member.
+
+  Returns (params, model_state, opt_state, frozen, StepMetrics) after the optimizer
+  step on `result` (member_results_fn's). A member whose loss or gradient is not
+  finite is frozen: from then on its optimizer sees zero gradients (its state stays
+  finite), its parameters zero updates and its model state is kept. Masking
+  gradients and updates, rather than selecting old-vs-new state afterwards, lets XLA
+  update the optimizer moments in place (the select made it copy them every step:
+  12-34% of a dense model's CPU step).
+  """
+
+  def apply(params, model_state, opt_state, frozen, hp, result):
+    nonfinite = ~(jnp.isfinite(result.loss) & _all_finite(result.grads))
+    keep = frozen | nonfinite
+    updates, new_opt_state = optimizer(hp).update(_zero_where(keep, result.grads), opt_state,
+                                                  params)
+    new_params = optax.apply_updates(params, _zero_where(keep, updates))
+    new_model_state = jax.tree.map(lambda old, new: jnp.where(keep, old, new), model_state,
+                                   result.model_state)
+    return (new_params, new_model_state, new_opt_state, keep,
+            StepMetrics(result.loss, result.accuracy, nonfinite))
+
+  return apply
 
 
 def member_update_fn(model: Model, optimizer: Optimizer, seed: int,
-                     loss: Loss = smoothed_cross_entropy) -> Callable[..., Any]:
-  """update(params, model_state, opt_state, frozen, hp, member, step, x, y) for ONE member.
+                     loss: Loss = smoothed_cross_entropy,
+                     options: StepOptions = StepOptions(), data_size: int = 1) -> Callable[..., Any]:
+  """update(params, model_state, opt_state, frozen, hp, member, step, x, y, index) for ONE
+  member: member_results_fn then member_apply_fn."""
+  results, apply = member_results_fn(model, seed, loss, options, data_size), member_apply_fn(
+      optimizer)
 
-  Returns (params, model_state, opt_state, frozen, StepMetrics) after one step on
-  the member's batch (x, y). A member whose loss or gradient is not finite is
-  frozen: from then on its optimizer sees zero gradients (its state stays finite),
-  its parameters zero updates and its model state is kept. Masking gradients and
-  updates, rather than selecting old-vs-new state afterwards, lets XLA update the
-  optimizer moments in place (the select made it copy them every step: 12-34% of a
-  dense model's CPU step).
-  """
-
-  def update(params, model_state, opt_state, frozen, hp, member, step, x, y):
-    key = rng_lib.train_key(seed, member, step)
-
-    def loss_fn(p):
-      logits, new_model_state = model.apply(p, model_state, x, train=True, rng=key)
-      return loss(logits, y, hp), (logits, new_model_state)
-
-    (value, (logits, new_model_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
-    nonfinite = ~(jnp.isfinite(value) & _all_finite(grads))
-    keep = frozen | nonfinite
-    updates, new_opt_state = optimizer(hp).update(_zero_where(keep, grads), opt_state, params)
-    new_params = optax.apply_updates(params, _zero_where(keep, updates))
-    new_model_state = jax.tree.map(lambda old, new: jnp.where(keep, old, new), model_state,
-                                   new_model_state)
-    return new_params, new_model_state, new_opt_state, keep, StepMetrics(value, accuracy, nonfinite)
+  def update(params, model_state, opt_state, frozen, hp, member, step, x, y, index=None):
+    result = results(params, model_state, hp, member, step, x, y, index)
+    return apply(params, model_state, opt_state, frozen, hp, result)
 
   return update
 
 
-def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call: int):
-  """How shard_map's 'member' axis splits the state, the batch and the metrics."""
-  batch_spec = P(MEMBER) if per_member_batches else P()
-  metrics_spec = P(MEMBER)
+def _members_update(model, optimizer, seed, loss, options, data_size, parallelism,
+                    map_batch_size, batch_axis):
+  """update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over a
+  device's block of members.
+
+  Reproducible mode runs the members' forward and backward passes one at a time
+  (lax.map: one fixed shape whatever the block's size) and the optimizer step, which
+  is elementwise, vmapped over the block.
+  """
+  batch_axes = (batch_axis,) * 3
+  if not options.reproducible:
+    return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size),
+                        parallelism, in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes,
+                        map_batch_size=map_batch_size)
+  results = over_members(member_results_fn(model, seed, loss, options, data_size), 'map',
+                         in_axes=(0, 0, 0, 0, None) + batch_axes)
+  apply = jax.vmap(member_apply_fn(optimizer))
+
+  def update(params, model_state, opt_state, frozen, hp, members, step, x, y, index=None):
+    result = results(params, model_state, hp, members, step, x, y, index)
+    return apply(params, model_state, opt_state, frozen, hp, result)
+
+  return update
+
+
+def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call: int,
+           manual_data: bool):
+  """How shard_map's manual axes split the state, the batch and the metrics."""
+  batch_axes = (MEMBER,) if per_member_batches else ()
+  if manual_data:
+    batch_axes += (DATA,)
+  batch_spec, metrics_spec = P(*batch_axes), P(MEMBER)
   if steps_per_call > 1:
     batch_spec, metrics_spec = P(None, *batch_spec), P(None, MEMBER)
   return state_specs(abstract_state), batch_spec, metrics_spec
@@ -107,7 +185,8 @@ def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call:
 def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_state: TrainState,
                     *, seed: int = 0, loss: Loss = smoothed_cross_entropy,
                     per_member_batches: bool = False, member_parallelism: str = 'vmap',
-                    map_batch_size: int | None = None, steps_per_call: int = 1) -> TrainStep:
+                    map_batch_size: int | None = None, steps_per_call: int = 1,
+                    options: StepOptions = StepOptions()) -> TrainStep:
   """Builds the jitted, sharded step; the input state is donated.
 
   Args:
@@ -121,45 +200,50 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
     steps_per_call: K > 1 runs K steps per call in a lax.scan: x and y get a
       leading axis of K batches and every metric one of K steps ([K, M]). The host
       then dispatches once per K steps, which small models on accelerators need.
+    options: augmentation, precision, micro-batches and reproducible mode. With
+      augmentation the step takes a third batch array, the examples' indices
+      (shaped like y). Reproducible mode runs each member and each micro-batch at
+      one fixed shape (lax.map over members, manual over 'data'; core.gradients).
   """
   if not isinstance(steps_per_call, int) or steps_per_call < 1:
     raise ValueError(f'steps_per_call={steps_per_call!r} must be an int >= 1.')
-  batch_axis = 0 if per_member_batches else None
-  members_update = over_members(
-      member_update_fn(model, optimizer, seed, loss), member_parallelism,
-      in_axes=(0, 0, 0, 0, 0, 0, None, batch_axis, batch_axis), map_batch_size=map_batch_size)
+  members_update = _members_update(model, optimizer, seed, loss, options, mesh.shape[DATA],
+                                   member_parallelism, map_batch_size,
+                                   0 if per_member_batches else None)
 
-  def local_step(state, hparams, x, y):
+  def local_step(state, hparams, *batch):
     local_members = state.frozen.shape[0]
     members = jax.lax.axis_index(MEMBER) * local_members + jnp.arange(local_members)
 
     def one_step(state, batch):
+      x, y, *index = batch
       params, model_state, opt_state, frozen, metrics = members_update(
           state.params, state.model_state, state.opt_state, state.frozen, hparams, members,
-          state.step, *batch)
+          state.step, x, y, index[0] if index else None)
       return TrainState(params, model_state, opt_state, frozen, state.step + 1), metrics
 
     if steps_per_call == 1:
-      return one_step(state, (x, y))
-    return jax.lax.scan(one_step, state, (x, y))
-
-  specs, batch_spec, metrics_spec = _specs(abstract_state, per_member_batches, steps_per_call)
+      return one_step(state, batch)
+    return jax.lax.scan(one_step, state, batch)
 
   # Manual over 'member' only; 'data' stays global-view inside (see the module doc).
   # With one device on 'data' both views are the same computation; the all-manual
-  # form then compiles to the program dist_ens 0.1 ran, bit for bit.
-  manual = {MEMBER} if mesh.shape[DATA] > 1 else set(mesh.axis_names)
+  # form then compiles to the program dist_ens 0.1 ran, bit for bit. Reproducible
+  # mode is manual over 'data' too: it orders the cross-device sums itself.
+  manual_data = options.reproducible and mesh.shape[DATA] > 1
+  manual = set(mesh.axis_names) if mesh.shape[DATA] == 1 or manual_data else {MEMBER}
+  specs, batch_spec, metrics_spec = _specs(abstract_state, per_member_batches, steps_per_call,
+                                           manual_data)
+  step = TrainStep(fn=None, uses_index=options.augment is not None)
 
-  step = TrainStep(fn=None)
-
-  def traced(state, hparams, x, y):
+  def traced(state, hparams, *batch):
     step.traces += 1
     # check_vma=False: a model's own collective over a vmapped axis (Equinox's
     # BatchNorm, axis_name='batch') trips jax 0.10's varying-axes check.
     return jax.shard_map(
         local_step, mesh=mesh, axis_names=manual, check_vma=False,
-        in_specs=(specs, P(MEMBER), batch_spec, batch_spec),
-        out_specs=(specs, metrics_spec))(state, hparams, x, y)
+        in_specs=(specs, P(MEMBER)) + (batch_spec,) * len(batch),
+        out_specs=(specs, metrics_spec))(state, hparams, *batch)
 
   step.fn = jax.jit(traced, donate_argnums=0)
   return step

@@ -165,12 +165,14 @@ class Batches:
   batch handed out (what a checkpoint must save), however far prefetching has run.
   With `steps_per_call` = K > 1 each item holds K consecutive batches stacked on a
   new leading axis ([K, B, ...] or [K, M, B, ...]), for a step that runs K steps.
+  With `with_index` each item is (x, y, index): index (int32, shaped like y) holds
+  the examples' indices in the source, from which augmentation draws.
   """
 
   def __init__(self, source: Source, order: Order, mesh: Mesh, num_members: int,
                state: IteratorState = IteratorState(), prefetch: int = 2,
-               steps_per_call: int = 1):
-    self._source, self._order = source, order
+               steps_per_call: int = 1, with_index: bool = False):
+    self._source, self._order, self._with_index = source, order, with_index
     self.state = order.normalize(state)
     self._steps = steps_per_call
     batch = order._batch_size  # pylint: disable=protected-access
@@ -193,7 +195,7 @@ class Batches:
     else:
       self._next_state = self.state
 
-  def _make(self, state: IteratorState) -> tuple[tuple[jax.Array, jax.Array], IteratorState]:
+  def _make(self, state: IteratorState) -> tuple[tuple[jax.Array, ...], IteratorState]:
     """The item at `state` (K batches stacked when K > 1) and the state after it."""
     start = time.perf_counter()
     blocks = []
@@ -204,8 +206,9 @@ class Batches:
     x, y = self._source.read(local.reshape(-1))
     x = x.reshape(*local.shape, *x.shape[1:])
     y = y.reshape(local.shape)
+    batch = (x, y, local.astype(np.int32)) if self._with_index else (x, y)
     arrays = tuple(jax.make_array_from_process_local_data(
-        self.sharding, a, self._global_lead + a.shape[local.ndim:]) for a in (x, y))
+        self.sharding, a, self._global_lead + a.shape[local.ndim:]) for a in batch)
     self._examples += local.size
     self._busy += time.perf_counter() - start
     return arrays, state
@@ -227,7 +230,7 @@ class Batches:
   def __iter__(self):
     return self
 
-  def __next__(self) -> tuple[jax.Array, jax.Array]:
+  def __next__(self) -> tuple[jax.Array, ...]:
     if self._thread is None:
       arrays, self._next_state = self._make(self._next_state)
       self.state = self._next_state

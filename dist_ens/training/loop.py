@@ -185,7 +185,7 @@ def every(steps: int, fn: Callable[[Context], None], *, at_end: bool = True) -> 
   return _Callback(steps, fn, at_end)
 
 
-def run_loop(ctx: Context, train_step: TrainStep, batches: Iterator[tuple[jax.Array, jax.Array]],
+def run_loop(ctx: Context, train_step: TrainStep, batches: Iterator[tuple[jax.Array, ...]],
              actions: Sequence[Action], should_stop: Callable[[int], bool]) -> bool:
   """Steps from ctx.start_step to ctx.total_steps, calling the actions after each call.
 
@@ -197,8 +197,7 @@ def run_loop(ctx: Context, train_step: TrainStep, batches: Iterator[tuple[jax.Ar
   for step in range(ctx.start_step + k, ctx.total_steps + 1, k):
     if should_stop(step - k):
       return False
-    x, y = next(batches)
-    ctx.state, ctx.metrics = train_step(ctx.state, ctx.hparams, x, y)
+    ctx.state, ctx.metrics = train_step(ctx.state, ctx.hparams, *next(batches))
     ctx.step = step
     for action in actions:
       action.on_step(ctx)

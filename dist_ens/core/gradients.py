@@ -1,0 +1,135 @@
+"""One member's loss, accuracy, gradients and new model state on its batch: whole, or
+cut into micro-batches (config.train.micro_batches = K).
+
+With K micro-batches every result is the mean of the K micro-batches' results: the
+loss (each micro-batch's mean loss, so the mean over the batch), the accuracy, the
+gradients and the model state (each micro-batch starts from the same state, so
+BatchNorm's running statistics move by the mean of the micro-batches' statistics).
+Micro-batch k's stochastic layers draw from fold_in(key, k).
+
+Two ways to sum them:
+  accumulate  (default) a lax.scan over the micro-batches, summed in order: the
+              activations of one micro-batch are live at a time. Micro-batch k
+              holds examples k, k + K, k + 2K, ... of the batch, so under the
+              global view over 'data' each one stays spread over the data devices.
+  canonical   (config.reproducible) inside a step that is manual over 'data':
+              micro-batch k holds the k-th contiguous block of B/K examples; each
+              device computes its own micro-batches one at a time (lax.map) and
+              the K results are summed as one balanced binary tree over k, which
+              is the same tree however many data devices hold the micro-batches
+              (K a power of two, the data axis dividing it). The sum is therefore
+              bit-identical on every mesh.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from dist_ens.core.losses import Loss
+from dist_ens.core.model import Model
+
+PyTree = Any
+
+
+class BatchResult(NamedTuple):
+  """One member's results on one (micro-)batch."""
+  loss: jax.Array  # [] the mean loss
+  accuracy: jax.Array  # [] the fraction of argmax predictions that are right
+  grads: PyTree  # the loss's gradient with respect to the params
+  model_state: PyTree  # the model state after this batch
+
+
+# fn(params, model_state, x, y, key, hparams) -> BatchResult
+BatchFn = Callable[..., BatchResult]
+
+
+def batch_fn(model: Model, loss: Loss) -> BatchFn:
+  """The results of one forward and backward pass over the whole batch (x, y)."""
+
+  def run(params, model_state, x, y, key, hp):
+    def loss_fn(p):
+      logits, new_state = model.apply(p, model_state, x, train=True, rng=key)
+      return loss(logits, y, hp), (logits, new_state)
+
+    (value, (logits, new_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return BatchResult(value, jnp.mean(jnp.argmax(logits, -1) == y), grads, new_state)
+
+  return run
+
+
+def _mean(total: BatchResult, k: int) -> BatchResult:
+  """A sum of k results -> their mean (integer state leaves, e.g. counters, floor-divided)."""
+
+  def div(a):
+    return a // k if jnp.issubdtype(a.dtype, jnp.integer) else a / k
+
+  return jax.tree.map(div, total)
+
+
+def _strided(a: jax.Array, k: int) -> jax.Array:
+  """[B, ...] -> [k, B/k, ...] with row j of micro-batch i being example j * k + i."""
+  return jnp.swapaxes(a.reshape(a.shape[0] // k, k, *a.shape[1:]), 0, 1)
+
+
+def accumulate(fn: BatchFn, k: int) -> BatchFn:
+  """`fn` over k strided micro-batches in a lax.scan; the mean of their results."""
+  if k == 1:
+    return fn
+
+  def run(params, model_state, x, y, key, hp):
+    def body(total, chunk):
+      i, xi, yi = chunk
+      result = fn(params, model_state, xi, yi, jax.random.fold_in(key, i), hp)
+      return jax.tree.map(jnp.add, total, result), None
+
+    shapes = jax.eval_shape(fn, params, model_state, x[:x.shape[0] // k], y[:y.shape[0] // k],
+                            key, hp)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    total, _ = jax.lax.scan(body, zeros, (jnp.arange(k), _strided(x, k), _strided(y, k)))
+    return _mean(total, k)
+
+  return run
+
+
+def tree_sum(tree: PyTree) -> PyTree:
+  """Sums every leaf over its leading axis (a power of two) as a balanced binary tree:
+  neighbours first ((a0 + a1) + (a2 + a3)), a fixed order whatever the layout."""
+
+  def pairwise(a):
+    n = a.shape[0]
+    if n & (n - 1):
+      raise ValueError(f'tree_sum needs a power-of-two leading axis, got {n}.')
+    while a.shape[0] > 1:
+      a = a[0::2] + a[1::2]
+    return a[0]
+
+  return jax.tree.map(pairwise, tree)
+
+
+def canonical(fn: BatchFn, k: int, data_axis: str, data_size: int) -> BatchFn:
+  """`fn` over k contiguous micro-batches, summed in one fixed tree on any data split.
+
+  Runs inside a shard_map that is manual over `data_axis` (of `data_size` devices):
+  x and y are this device's block of the member's batch, k / data_size micro-batches.
+  """
+  if k & (k - 1) or k % data_size:
+    raise ValueError(f'config.train.micro_batches={k} must be a power of two that the '
+                     f"mesh's data axis ({data_size}) divides, in reproducible mode.")
+  local = k // data_size
+
+  def run(params, model_state, x, y, key, hp):
+    first = jax.lax.axis_index(data_axis) * local
+
+    def one(chunk):
+      i, xi, yi = chunk
+      chunk_key = key if k == 1 else jax.random.fold_in(key, first + i)
+      return fn(params, model_state, xi, yi, chunk_key, hp)
+
+    chunks = (jnp.arange(local), x.reshape(local, -1, *x.shape[1:]),
+              y.reshape(local, -1, *y.shape[1:]))
+    partial = tree_sum(jax.lax.map(one, chunks))
+    return _mean(tree_sum(jax.lax.all_gather(partial, data_axis)), k)
+
+  return run
