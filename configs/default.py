@@ -148,6 +148,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.select = ml_collections.ConfigDict()
   config.select.metric = 'nll'
   config.select.top_k = 0
+  # 'top_k' (the top_k best by select.metric, each once; results 'selected') or 'greedy'
+  # (Caruana: add, with replacement, the member that most lowers the validation NLL of the
+  # averaged probabilities, greedy_size picks, best prefix kept; results 'greedy').
+  # Both need data.validation_size > 0 (docs/ensemble_methods.md).
+  config.select.method = 'top_k'
+  config.select.greedy_size = 0  # picks for 'greedy'; 0 = num_members
 
   config.eval = ml_collections.ConfigDict()
   config.eval.batch_size = 1000  # rounded up to a multiple of mesh.data; last batch masked
@@ -156,4 +162,11 @@ def get_config() -> ml_collections.ConfigDict:
   # '' = none; 'mnist1d_noise' or 'mnist1d_shuffled' (dist_ens/ood.py), or any dataset
   # name with the model's input shape (its test split, e.g. 'mnist' for fashion_mnist).
   config.eval.ood_dataset = ''
+  # MC dropout: K > 0 also reports test (and OOD) metrics with K dropout samples per member
+  # (models whose apply samples dropout when given an rng with train=False), under
+  # 'mc_dropout'; 0 = off.
+  config.eval.mc_samples = 0
+  # Fit a temperature per member and one for the ensemble on the validation split (needs
+  # data.validation_size > 0); test metrics before and after under 'temperature_scaling'.
+  config.eval.temperature_scaling = False
   return config

@@ -25,7 +25,7 @@ from dist_ens.errors import ConfigError
 # Fields that may change between a run and its resume without being asked for:
 # they change how long or how verbosely a run goes, or the topology (restores
 # reshard), not what is being trained.
-ALWAYS_COMPATIBLE = ('train.steps', 'train.log_every', 'train.eval_every', 'train.sync_every',
+ALWAYS_COMPATIBLE = ('train.steps', 'train.epochs', 'train.log_every', 'train.eval_every', 'train.sync_every',
                      'train.steps_per_call', 'train.profile_steps', 'checkpoint', 'eval', 'mesh',
                      'writers')
 # Fields that define what the checkpoint holds: never restorable across a change.
@@ -62,7 +62,7 @@ def check_compatible(differing: list[str], restore_incompatible: str,
       must be allowed explicitly.
   """
   allowed = tuple(p.strip() for p in restore_incompatible.split(',') if p.strip())
-  always = tuple(f for f in ALWAYS_COMPATIBLE if not (steps_shape_schedule and f == 'train.steps'))
+  always = tuple(f for f in ALWAYS_COMPATIBLE if not (steps_shape_schedule and f in ('train.steps', 'train.epochs')))
   never = [f for f in differing if _matches(f, NEVER_COMPATIBLE)]
   if never:
     raise ConfigError(

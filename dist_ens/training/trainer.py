@@ -24,7 +24,7 @@ from dist_ens.eval import metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.io import tables, writers
 from dist_ens.parallel import distributed, strategy
-from dist_ens.training import actions as actions_lib, workdir as workdir_lib
+from dist_ens.training import actions as actions_lib, posthoc, workdir as workdir_lib
 from dist_ens.training.loop import Action, Context, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 
@@ -144,8 +144,9 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
     out.append(actions_lib.ScoreOod())
   if ctx.run_data.validation is not None:
     out.append(actions_lib.Validate())
-  if config.select.top_k:
+  if config.select.top_k and config.select.get('method', 'top_k') == 'top_k':
     out.append(actions_lib.SelectTopK())
+  out += posthoc.posthoc_actions(config)
   if config.train.get('profile_steps', 0):
     out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))
   return [*out, *extra, checkpoint]
@@ -164,6 +165,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   mesh = assemble.build_mesh(config, devices)
   run_data = assemble.build_data(config, dataset)
   dataset = run_data.dataset
+  config = configuration.resolve_epochs(config, dataset.train.num_examples)
   parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes,
                                optimizer=optimizer)
   form = assemble.member_form(parts, config.data.batch_size)
@@ -284,7 +286,7 @@ def _train(config, workdir, devices, actions, extra_writers, dataset, optimizer,
 
 
 def _train_locked(config, workdir, run_data, parts, form, actions, extra_writers, loss):
-  ctx, train_step, checkpointer = _start(config, workdir, run_data, parts, form, loss,
+  ctx, train_step, checkpointer = _start(parts.config, workdir, run_data, parts, form, loss,
                                          extra_writers)
   all_actions: list[Action] = []
   watcher = PreemptionWatcher()
