@@ -112,7 +112,7 @@ def test_workdir_files(tmp_path):
     (dict(ensemble__member_parallelism='pmap'), 'config.ensemble.member_parallelism'),
     (dict(ensemble__map_batch_size=-1), 'config.ensemble.map_batch_size'),
     (dict(train__steps_per_call=-1), 'config.train.steps_per_call'),
-    (dict(train__steps_per_call=3), 'config.train.steps=20'),
+    (dict(train__steps_per_call=3), 'config.train.(steps=20|log_every=10)'),
     (dict(train__steps_per_call=4), 'config.train.log_every=10'),
 ])
 def test_bad_config_fails_before_touching_workdir(tmp_path, overrides, message):
