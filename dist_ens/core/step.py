@@ -182,6 +182,20 @@ def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call:
   return state_specs(abstract_state), batch_spec, metrics_spec
 
 
+def _layout(mesh: Mesh, abstract_state: TrainState, per_member_batches: bool,
+            steps_per_call: int, reproducible: bool):
+  """(shard_map's manual axes, (state, batch, metrics specs)).
+
+  Manual over 'member' only; 'data' stays global-view inside (see the module doc).
+  With one device on 'data' both views are the same computation; the all-manual
+  form then compiles to the program dist_ens 0.1 ran, bit for bit. Reproducible
+  mode is manual over 'data' too: it orders the cross-device sums itself.
+  """
+  manual_data = reproducible and mesh.shape[DATA] > 1
+  manual = set(mesh.axis_names) if mesh.shape[DATA] == 1 or manual_data else {MEMBER}
+  return manual, _specs(abstract_state, per_member_batches, steps_per_call, manual_data)
+
+
 def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_state: TrainState,
                     *, seed: int = 0, loss: Loss = smoothed_cross_entropy,
                     per_member_batches: bool = False, member_parallelism: str = 'vmap',
@@ -226,14 +240,8 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
       return one_step(state, batch)
     return jax.lax.scan(one_step, state, batch)
 
-  # Manual over 'member' only; 'data' stays global-view inside (see the module doc).
-  # With one device on 'data' both views are the same computation; the all-manual
-  # form then compiles to the program dist_ens 0.1 ran, bit for bit. Reproducible
-  # mode is manual over 'data' too: it orders the cross-device sums itself.
-  manual_data = options.reproducible and mesh.shape[DATA] > 1
-  manual = set(mesh.axis_names) if mesh.shape[DATA] == 1 or manual_data else {MEMBER}
-  specs, batch_spec, metrics_spec = _specs(abstract_state, per_member_batches, steps_per_call,
-                                           manual_data)
+  manual, (specs, batch_spec, metrics_spec) = _layout(mesh, abstract_state, per_member_batches,
+                                                      steps_per_call, options.reproducible)
   step = TrainStep(fn=None, uses_index=options.augment is not None)
 
   def traced(state, hparams, *batch):
