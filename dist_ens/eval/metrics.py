@@ -211,6 +211,28 @@ def _prediction_terms(log_probs: jax.Array, scores: jax.Array, labels: jax.Array
                    'bin_count': bin_count, 'bin_conf': bin_conf, 'bin_correct': bin_correct}}
 
 
+def _batch_sums(member, ens, uncertainty, member_weight, example_weight, mask):
+  """eval_batch's `sums` from the members' and the ensemble's prediction terms."""
+
+  def masked_sum(per_example: jax.Array) -> jax.Array:
+    return jnp.sum(jnp.where(mask, per_example, 0.0), axis=-1)
+
+  member_disagrees = (member['pred'] != ens['pred']).astype(jnp.float32)  # [M, B]
+  disagreement = jnp.sum(member_weight[:, None] * member_disagrees, axis=0) / jnp.sum(
+      member_weight)
+  return {
+      "count": jnp.sum(example_weight),
+      **{f"member_{k}": v for k, v in member['sums'].items()},
+      "member_entropy": masked_sum(uncertainty["member_entropy"]),
+      **{f"ensemble_{k}": v for k, v in ens['sums'].items()},
+      "ensemble_entropy": masked_sum(uncertainty["entropy"]),
+      "disagreement": masked_sum(disagreement),
+      "expected_entropy": masked_sum(uncertainty["expected_entropy"]),
+      "mutual_information": masked_sum(uncertainty["mutual_information"]),
+      "pairwise_kl": masked_sum(uncertainty["pairwise_kl"]),
+  }
+
+
 def eval_batch(
     logits: jax.Array,
     labels: jax.Array,
@@ -270,37 +292,16 @@ def eval_batch(
   labels = jnp.where(mask, labels, 0)
   onehot = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)  # [B, C]
 
-  def masked_sum(per_example: jax.Array) -> jax.Array:
-    return jnp.sum(jnp.where(mask, per_example, 0.0), axis=-1)
-
   member_log_probs = jax.nn.log_softmax(logits, axis=-1)  # [M, B, C]
   member = _prediction_terms(member_log_probs, logits, labels, onehot, mask)
   ens_log_probs = _ensemble_log_probs(member_log_probs, member_included)  # [B, C]
   ens = _prediction_terms(ens_log_probs, ens_log_probs, labels, onehot, mask)
-  member_pred, member_correct, member_conf = member['pred'], member['correct'], member['conf']
-  ens_pred, ens_correct, ens_conf = ens['pred'], ens['correct'], ens['conf']
-
-  member_disagrees = (member_pred != ens_pred).astype(jnp.float32)  # [M, B]
-  disagreement = jnp.sum(
-      member_weight[:, None] * member_disagrees, axis=0
-  ) / jnp.sum(member_weight)
   uncertainty = _uncertainty(member_log_probs, ens_log_probs, member_included)
-
-  sums = {
-      "count": jnp.sum(example_weight),
-      **{f"member_{k}": v for k, v in member['sums'].items()},
-      "member_entropy": masked_sum(uncertainty["member_entropy"]),
-      **{f"ensemble_{k}": v for k, v in ens['sums'].items()},
-      "ensemble_entropy": masked_sum(uncertainty["entropy"]),
-      "disagreement": masked_sum(disagreement),
-      "expected_entropy": masked_sum(uncertainty["expected_entropy"]),
-      "mutual_information": masked_sum(uncertainty["mutual_information"]),
-      "pairwise_kl": masked_sum(uncertainty["pairwise_kl"]),
-  }
+  sums = _batch_sums(member, ens, uncertainty, member_weight, example_weight, mask)
   examples = ExampleStats(
-      member_confidence=member_conf, member_correct=member_correct,
-      member_entropy=uncertainty["member_entropy"], ensemble_confidence=ens_conf,
-      ensemble_correct=ens_correct, entropy=uncertainty["entropy"],
+      member_confidence=member['conf'], member_correct=member['correct'],
+      member_entropy=uncertainty["member_entropy"], ensemble_confidence=ens['conf'],
+      ensemble_correct=ens['correct'], entropy=uncertainty["entropy"],
       mutual_information=uncertainty["mutual_information"])
   return BatchEval(sums, examples)
 
