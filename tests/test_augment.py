@@ -151,7 +151,7 @@ def test_registry_and_user_transforms():
   assert augment.get_augmentation('none') is augment.identity
   np.testing.assert_array_equal(augment.augment_batch(x, keys, augment.get_augmentation('none')), x)
   assert augment.get_augmentation('crop_flip') is augment.crop_flip
-  unknown = r"config.data.augmentation='mixup'.*\['crop_flip', 'none'\]"
+  unknown = r"config.data.augment='mixup'.*\['crop_flip', 'none'\]"
   with pytest.raises(ConfigError, match=unknown):
     augment.get_augmentation('mixup')
 
