@@ -39,7 +39,7 @@ import ml_collections
 from ml_collections import config_flags
 
 from dist_ens.errors import ConfigError, TrainingError
-from dist_ens.parallel import distributed
+from dist_ens.parallel import distributed, xla_flags
 
 FLAGS = flags.FLAGS
 GB = 1e9  # --memory_gb is in units of 1e9 bytes, as plan.py prints.
@@ -110,6 +110,8 @@ def _train_main(argv: list[str]) -> None:
   logging.set_verbosity(logging.INFO)
   launched = False
   try:
+    if _wants_reproducible():
+      xla_flags.set_flags()  # XLA reads them when the backend starts, just below.
     # Before anything else touches JAX: jax.distributed must precede the backend.
     launched = distributed.initialize(distributed.Launch(
         enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
@@ -129,6 +131,15 @@ def _train_main(argv: list[str]) -> None:
     logging.exception('this process failed (where a collective failed, another process '
                       'probably failed first: see its log); stopping so the others stop too')
     distributed.exit_without_barrier(1)
+
+
+def _wants_reproducible() -> bool:
+  """config.reproducible, or False where the config does not load (the error then
+  comes from training, which reports it with the rest)."""
+  try:
+    return bool(FLAGS.config.get('reproducible', False))
+  except Exception:  # pylint: disable=broad-except
+    return False
 
 
 def _plan_main(argv: list[str]) -> None:

@@ -23,7 +23,7 @@ from dist_ens.core.losses import Loss, loss_for
 from dist_ens.eval import metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.io import tables, writers
-from dist_ens.parallel import distributed, strategy
+from dist_ens.parallel import distributed, strategy, xla_flags
 from dist_ens.training import actions as actions_lib, posthoc, workdir as workdir_lib
 from dist_ens.training.loop import Action, Context, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
@@ -190,8 +190,13 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
   checkpointer = Checkpointer(workdir / 'checkpoints', config.checkpoint.every,
                               config.checkpoint.keep)
   restored = _restore_or_init(parts, checkpointer)
-  logging.info('each device runs its members with %s%s', form[0],
-               f' (chunks of {form[1]})' if form[1] else '')
+  if config.get('reproducible', False):
+    logging.info('reproducible mode: each device runs its members one at a time')
+    if (message := xla_flags.warning(mesh.devices.flat[0].platform)) is not None:
+      logging.warning('%s', message)
+  else:
+    logging.info('each device runs its members with %s%s', form[0],
+                 f' (chunks of {form[1]})' if form[1] else '')
   k = _steps_per_call(config, parts, run_data, restored.step)
   if k > 1:
     logging.info('%d steps per call of the compiled step', k)

@@ -1,0 +1,142 @@
+"""Reproducible mode (config.reproducible): member i's whole run is bit-identical whatever M,
+the mesh, the data split and the process count, over 500-step runs.
+
+The runs happen in child processes, because reproducible mode needs XLA flags set
+before JAX starts (dist_ens/parallel/xla_flags.py), which this pytest process is past:
+one worker process for every single-process run (this file, `python
+tests/test_reproducible.py worker SPEC OUT`) and launch/local.sh with two processes for
+the multi-process run (the dist-ens command sets the flags itself there).
+
+What is compared, bit for bit: every parameter of member i at step 500, and member i's
+training loss and accuracy at every logged step (the trajectory).
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'tests'))
+from test_multihost import _env, _local_sh, _wait  # noqa: E402  pylint: disable=g-import-not-at-top
+
+STEPS = 500
+MLP = {'model.widths': (32, 32), 'data.batch_size': 32, 'train.micro_batches': 4,
+       'data.member_order': 'shuffled'}
+# BatchNorm, dropout and augmentation: a 1-D ResNet-8 on MNIST-1D, shift-crop augmented.
+RESNET = {'model.name': 'resnet', 'model.depth': 8, 'model.dropout': 0.1,
+          'data.augment': 'crop_flip', 'data.batch_size': 16, 'train.micro_batches': 2,
+          'data.member_order': 'shuffled', 'optim.name': 'sgd', 'optim.learning_rate': 0.05}
+# name: (overrides, members, member axis, data axis); the devices are member x data.
+RUNS = {
+    'mlp_8x1_m8': (MLP, 8, 8, 1),
+    'mlp_1x1_m3': (MLP, 3, 1, 1),
+    'mlp_2x4_m8': (MLP, 8, 2, 4),
+    'shared_4x2_m4': ({**MLP, 'data.member_order': 'shared'}, 4, 4, 2),
+    'shared_1x1_m2': ({**MLP, 'data.member_order': 'shared'}, 2, 1, 1),
+    'bootstrap_2x2_m4': ({**MLP, 'data.member_order': 'bootstrap'}, 4, 2, 2),
+    'bootstrap_1x4_m2': ({**MLP, 'data.member_order': 'bootstrap'}, 2, 1, 4),
+    'resnet_4x2_m4': (RESNET, 4, 4, 2),
+    'resnet_1x1_m2': (RESNET, 2, 1, 1),
+}
+
+
+def _config(overrides, members, member, data):
+  from dist_ens.configuration import load_config  # pylint: disable=g-import-not-at-top
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.reproducible = True
+  config.num_members = members
+  config.mesh.member, config.mesh.data = member, data
+  config.train.steps, config.train.log_every, config.train.eval_every = STEPS, 100, 0
+  config.checkpoint.every = STEPS
+  config.writers = ('jsonl',)
+  for key, value in overrides.items():
+    section, field = key.split('.')
+    config[section][field] = value
+  return config
+
+
+def _worker(names: list[str], out: str) -> None:
+  from dist_ens.parallel import xla_flags  # pylint: disable=g-import-not-at-top
+  xla_flags.set_flags()
+  import jax  # pylint: disable=g-import-not-at-top
+  import dist_ens  # pylint: disable=g-import-not-at-top
+  for name in names:
+    overrides, members, member, data = RUNS[name]
+    dist_ens.train(_config(overrides, members, member, data), str(Path(out) / name),
+                   devices=jax.devices()[:member * data])
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """Every RUNS entry trained in one worker process with 8 fake CPU devices."""
+  out = tmp_path_factory.mktemp('reproducible')
+  proc = subprocess.Popen(
+      [sys.executable, __file__, 'worker', ','.join(RUNS), str(out)], env=_env(devices=8),
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  [(status, log)] = _wait([proc], 900)
+  assert status == 0, log[-5000:]
+  assert 'members are reproducible on this mesh but may differ' not in log  # flags were set
+  return out
+
+
+def _members(workdir: Path, count: int) -> tuple[list[np.ndarray], list[dict]]:
+  """The first `count` members' parameter leaves and their logged training metrics."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import dist_ens  # pylint: disable=g-import-not-at-top
+  params = dist_ens.Ensemble.load(workdir, devices=jax.devices()[:1]).params
+  leaves = [np.asarray(leaf)[:count] for leaf in jax.tree.leaves(params)]
+  lines = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
+  train = [{k: v[:count] for k, v in l['members'].items()} | {'step': l['step']}
+           for l in lines if l.get('split') == 'train']
+  return leaves, train
+
+
+def _assert_same_members(a: Path, b: Path, count: int) -> None:
+  (leaves_a, log_a), (leaves_b, log_b) = _members(a, count), _members(b, count)
+  assert len(log_a) == STEPS // 100 and log_a == log_b, (log_a, log_b)
+  for x, y in zip(leaves_a, leaves_b, strict=True):
+    np.testing.assert_array_equal(x, y, err_msg=f'{a.name} vs {b.name}')
+
+
+@pytest.mark.parametrize('a, b, count', [
+    ('mlp_8x1_m8', 'mlp_1x1_m3', 3),  # M = 8 vs 3; 8 devices vs 1
+    ('mlp_8x1_m8', 'mlp_2x4_m8', 8),  # member split vs data split
+    ('shared_4x2_m4', 'shared_1x1_m2', 2),
+    ('bootstrap_2x2_m4', 'bootstrap_1x4_m2', 2),
+    ('resnet_4x2_m4', 'resnet_1x1_m2', 2),  # BatchNorm, dropout, augmentation
+])
+def test_members_are_bit_identical_across_layouts(runs, a, b, count):
+  _assert_same_members(runs / a, runs / b, count)
+
+
+def test_runs_differ_where_they_should(runs):
+  """The comparison can fail: other members, and another order, give other numbers."""
+  leaves, _ = _members(runs / 'mlp_8x1_m8', 8)
+  assert not np.array_equal(leaves[0][0], leaves[0][1])
+  shared, _ = _members(runs / 'shared_1x1_m2', 2)
+  shuffled, _ = _members(runs / 'mlp_1x1_m3', 2)
+  assert not np.array_equal(shared[-1], shuffled[-1])
+
+
+def test_two_processes_match_one(runs, tmp_path):
+  """2 processes x 4 devices (dist-ens through launch/local.sh) vs 1 process x 8 devices."""
+  overrides, members, member, data = RUNS['mlp_2x4_m8']
+  args = [f'--config.{k}={v!r}' if isinstance(v, tuple) else f'--config.{k}={v}'
+          for k, v in overrides.items()]
+  args += ['--config.reproducible=True', f'--config.num_members={members}',
+           f'--config.mesh.member={member}', f'--config.mesh.data={data}',
+           f'--config.train.steps={STEPS}', '--config.train.log_every=100',
+           '--config.train.eval_every=0', f'--config.checkpoint.every={STEPS}',
+           "--config.writers=('jsonl',)"]
+  [(status, log)] = _wait([_local_sh(tmp_path / 'two', *args, timeout_s=300)], 360)
+  assert status == 0, log[-5000:]
+  assert 'members are reproducible on this mesh but may differ' not in log
+  _assert_same_members(runs / 'mlp_2x4_m8', tmp_path / 'two', members)
+
+
+if __name__ == '__main__' and sys.argv[1] == 'worker':
+  _worker(sys.argv[2].split(','), sys.argv[3])
