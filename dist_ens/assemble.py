@@ -22,7 +22,7 @@ import optax
 from jax.sharding import Mesh
 
 from dist_ens import data, models
-from dist_ens.core import hparams as hparams_lib
+from dist_ens.core import gradients, hparams as hparams_lib
 from dist_ens.core.losses import Loss, loss_for
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
@@ -74,6 +74,8 @@ def build_mesh(config: ml_collections.ConfigDict,
   mesh = mesh_lib.make_mesh(config.mesh, devices, num_members=config.num_members,
                             batch_size=config.data.batch_size)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
+  if config.get('reproducible', False):
+    gradients.check_canonical(config.train.get('micro_batches', 1), mesh.shape[mesh_lib.DATA])
   return mesh
 
 

@@ -103,7 +103,7 @@ def _explicit(port: int, i: int) -> list[str]:
   return [f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}']
 
 
-def _local_sh(workdir: Path, *args: str, timeout_s: int = 60) -> subprocess.Popen:
+def _local_sh(workdir: Path, *args: str, timeout_s: int = 180) -> subprocess.Popen:
   """launch/local.sh with 2 processes x 4 devices; it sets the devices itself."""
   return _start(['bash', str(LOCAL_SH), '--processes', '2', '--devices-per-process', '4',
                  '--timeout', str(timeout_s), '--grace', '20', '--kill-after', '5', '--', CONFIG,
@@ -123,7 +123,7 @@ def one_process(tmp_path_factory):
 @pytest.mark.parametrize('hosts_along', ['member', 'data'])
 def test_two_processes_match_one(tmp_path, one_process, hosts_along):
   layout = [*SMALL, f'--config.mesh.hosts_along={hosts_along}']
-  [(status, out)] = _wait([_local_sh(tmp_path / 'two', *layout)], 90)
+  [(status, out)] = _wait([_local_sh(tmp_path / 'two', *layout)], 240)
   assert status == 0, out[-5000:]
   assert re.search(r'^\[1\] .*\[process 1\] step 20/20', out, re.M), out[-3000:]
   two = json.loads((tmp_path / 'two' / 'final_metrics.json').read_text())
@@ -144,7 +144,7 @@ def test_two_processes_with_several_steps_per_call_match_one(tmp_path, hosts_alo
   reference = dist_ens.train(config, str(tmp_path / 'one'))  # 1 process, 1 step per call.
   layout = [*SMALL, f'--config.mesh.hosts_along={hosts_along}',
             '--config.data.member_order=shuffled', '--config.train.steps_per_call=5']
-  [(status, out)] = _wait([_local_sh(tmp_path / 'two', *layout)], 90)
+  [(status, out)] = _wait([_local_sh(tmp_path / 'two', *layout)], 240)
   assert status == 0, out[-5000:]
   two = json.loads((tmp_path / 'two' / 'final_metrics.json').read_text())
   np.testing.assert_allclose(two['members']['nll'], reference['members']['nll'], atol=1e-6)
@@ -309,8 +309,8 @@ def test_killed_process_stops_the_other(tmp_path):
   victim = _python_pid_of(launcher, 1)
   assert victim is not None, ''.join(lines[-50:])
   os.kill(victim, signal.SIGKILL)
-  # Bounded: _wait_launcher fails the test if the launcher is still running after 45 s.
-  status, out = _wait_launcher(launcher, lines, reader, 45)
+  # Bounded: _wait_launcher fails the test if the launcher is still running after 90 s.
+  status, out = _wait_launcher(launcher, lines, reader, 90)
   assert status != 0
   assert 'local.sh: process 1 failed with status 137' in out
   assert 'local.sh: process 0 failed with status' in out, out[-3000:]
@@ -320,11 +320,11 @@ def test_killed_process_stops_the_other(tmp_path):
 
 def _launch_and_wait_for_step_10(tmp_path):
   """local.sh on a run far longer than any test; returns once process 1 is at step 10."""
-  launcher = _local_sh(tmp_path / 'w', *SMALL, '--config.train.steps=100000', timeout_s=60)
+  launcher = _local_sh(tmp_path / 'w', *SMALL, '--config.train.steps=100000', timeout_s=180)
   lines = []
   reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
   reader.start()
-  deadline = time.monotonic() + 60
+  deadline = time.monotonic() + 150
   while not any('[process 1] step 10/' in line for line in list(lines)):
     if time.monotonic() > deadline or launcher.poll() is not None:
       _kill_session(launcher)
@@ -347,7 +347,7 @@ def test_sigterm_stops_every_process_at_the_same_step(tmp_path):
   # As a scheduler preempting the job: SIGTERM to the launcher, which passes it on.
   launcher, lines, reader = _launch_and_wait_for_step_10(tmp_path)
   launcher.send_signal(signal.SIGTERM)
-  status, out = _wait_launcher(launcher, lines, reader, 45)
+  status, out = _wait_launcher(launcher, lines, reader, 90)
   assert status == 143, out[-3000:]
   saved = re.findall(r'^\[(\d)\] .*preempted \(SIGTERM\): saved the checkpoint at step (\d+)',
                      out, re.M)
@@ -428,7 +428,7 @@ def test_slurm_job_found_by_jax_detection(tmp_path):
              PATH=f'{tmp_path / "bin"}{os.pathsep}{os.environ["PATH"]}')
   proc = _start(['bash', str(ROOT / 'launch' / 'slurm.sbatch'), CONFIG,
                  f'--workdir={tmp_path / "w"}', *SMALL], env)
-  [(status, out)] = _wait([proc], 90)
+  [(status, out)] = _wait([proc], 240)
   assert status == 0, out[-5000:]
   assert re.search(r'^srun: \S*python\S* -m dist_ens.main --distributed --config=', out, re.M)
   for i in range(2):

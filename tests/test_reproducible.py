@@ -138,5 +138,60 @@ def test_two_processes_match_one(runs, tmp_path):
   _assert_same_members(runs / 'mlp_2x4_m8', tmp_path / 'two', members)
 
 
+@pytest.mark.parametrize('data, micro_batches, message', [
+    (2, 1, r'config.train.micro_batches=1 must be a power of two .* data axis \(2\) divides'),
+    (2, 3, r'config.train.micro_batches=3 must be a power of two .* e.g. 2 or 4'),
+])
+def test_micro_batches_the_data_axis_cannot_sum_canonically_are_refused(tmp_path, data,
+                                                                         micro_batches, message):
+  import dist_ens  # pylint: disable=g-import-not-at-top
+  from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  config = _config({**MLP, 'data.batch_size': 48}, 2, 1, data)
+  config.train.micro_batches = micro_batches
+  with pytest.raises(ConfigError, match=message):
+    dist_ens.train(config, str(tmp_path / 'w'), devices=jax.devices()[:data])
+  assert not (tmp_path / 'w').exists()  # refused before anything was written
+
+
+def test_a_data_axis_that_is_not_a_power_of_two_is_refused():
+  from dist_ens.core import gradients  # pylint: disable=g-import-not-at-top
+  from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ConfigError, match=r'config.mesh.data=3: .* power of two'):
+    gradients.check_canonical(6, 3)
+
+
+def test_flags_are_added_once_and_only_where_missing(monkeypatch):
+  from dist_ens.parallel import xla_flags  # pylint: disable=g-import-not-at-top
+  assert xla_flags.flags_for('x86_64') == ('--xla_cpu_max_isa=AVX',
+                                           '--xla_gpu_deterministic_ops=true')
+  assert xla_flags.flags_for('aarch64') == ('--xla_gpu_deterministic_ops=true',)
+  # A user's own value of a flag is kept, not overridden.
+  assert xla_flags.missing('--xla_cpu_max_isa=SSE4_2 --foo', 'x86_64') == [
+      '--xla_gpu_deterministic_ops=true']
+  monkeypatch.setenv('XLA_FLAGS', '--xla_force_host_platform_device_count=8')
+  added = xla_flags.set_flags()
+  assert set(added) == set(xla_flags.flags_for())
+  assert xla_flags.set_flags() == []
+  import os  # pylint: disable=g-import-not-at-top
+  assert os.environ['XLA_FLAGS'].split() == ['--xla_force_host_platform_device_count=8', *added]
+
+
+def test_a_python_run_without_the_flags_warns(tmp_path, caplog):
+  """This pytest process started JAX without them: the run says what to set."""
+  import platform  # pylint: disable=g-import-not-at-top
+  import dist_ens  # pylint: disable=g-import-not-at-top
+  config = _config(MLP, 2, 1, 1)
+  config.train.steps, config.train.log_every, config.checkpoint.every = 2, 2, 2
+  import jax  # pylint: disable=g-import-not-at-top
+  dist_ens.train(config, str(tmp_path / 'w'), devices=jax.devices()[:1])
+  warned = [r.getMessage() for r in caplog.records if 'config.reproducible=True on cpu' in
+            r.getMessage()]
+  if platform.machine().lower() in ('x86_64', 'amd64'):
+    assert len(warned) == 1 and '--xla_cpu_max_isa=AVX' in warned[0], warned
+  else:
+    assert not warned
+
+
 if __name__ == '__main__' and sys.argv[1] == 'worker':
   _worker(sys.argv[2].split(','), sys.argv[3])

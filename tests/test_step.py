@@ -191,3 +191,42 @@ def test_steps_per_call_equals_that_many_calls(mnist1d, per_member):
 def test_steps_per_call_must_be_positive(mnist1d):
   with pytest.raises(ValueError, match='steps_per_call=0'):
     _step(_setup(8, 1), steps_per_call=0)
+
+
+def _with(parts, **fields):
+  """The same parts with config.train / top-level fields changed (the step reads them)."""
+  config = parts.config.copy_and_resolve_references()
+  for key, value in fields.items():
+    section, _, field = key.rpartition('.')
+    (config[section] if section else config)[field] = value
+  return parts._replace(config=config)
+
+
+@pytest.mark.parametrize('reproducible', [False, True])
+def test_micro_batches_give_the_full_batch_update(mnist1d, reproducible):
+  """K micro-batches of B/K examples average to the gradient of the whole batch (an MLP:
+  no BatchNorm, whose statistics would be per micro-batch)."""
+  parts = _setup(2, 4, 'sgd')
+  batches = _batches(mnist1d, 3)
+  whole, whole_losses, _ = _train_sharded(_with(parts, reproducible=reproducible,
+                                                **{'train.micro_batches': 1 + 3 * reproducible}),
+                                          batches)
+  cut, cut_losses, _ = _train_sharded(_with(parts, reproducible=reproducible,
+                                            **{'train.micro_batches': 8}), batches)
+  np.testing.assert_allclose(cut_losses, whole_losses, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), cut.params, whole.params)
+  moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
+                       cut.params, assemble.init_sharded(parts).params)
+  assert max(jax.tree.leaves(moved)) > 1e-3  # the steps did train
+
+
+def test_bfloat16_computes_in_bf16_and_keeps_float32_state(mnist1d):
+  parts = _setup(4, 2, 'adam')
+  batches = _batches(mnist1d, 5)
+  f32, f32_losses, _ = _train_sharded(parts, batches)
+  bf16, bf16_losses, _ = _train_sharded(_with(parts, precision='bfloat16'), batches)
+  assert {leaf.dtype for leaf in jax.tree.leaves((bf16.params, bf16.opt_state))
+          if jnp.issubdtype(leaf.dtype, jnp.floating)} == {jnp.dtype('float32')}
+  # bf16 keeps ~3 significant digits: the losses follow float32's, and are not float32's.
+  np.testing.assert_allclose(bf16_losses, f32_losses, rtol=2e-2)
+  assert not np.array_equal(bf16_losses, f32_losses)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from dist_ens.core.losses import Loss
 from dist_ens.core.model import Model
+from dist_ens.errors import ConfigError
 
 PyTree = Any
 
@@ -108,15 +109,24 @@ def tree_sum(tree: PyTree) -> PyTree:
   return jax.tree.map(pairwise, tree)
 
 
+def check_canonical(k: int, data_size: int) -> None:
+  """ConfigError unless k micro-batches can be summed canonically over `data_size` devices."""
+  if data_size & (data_size - 1):
+    raise ConfigError(f"config.mesh.data={data_size}: reproducible mode needs a data axis that "
+                      'is a power of two (1, 2, 4, ...), as train.micro_batches is one.')
+  if k & (k - 1) or k % data_size:
+    raise ConfigError(f'config.train.micro_batches={k} must be a power of two that the '
+                      f"mesh's data axis ({data_size}) divides, in reproducible mode: e.g. "
+                      f'{data_size} or {2 * data_size}.')
+
+
 def canonical(fn: BatchFn, k: int, data_axis: str, data_size: int) -> BatchFn:
   """`fn` over k contiguous micro-batches, summed in one fixed tree on any data split.
 
   Runs inside a shard_map that is manual over `data_axis` (of `data_size` devices):
   x and y are this device's block of the member's batch, k / data_size micro-batches.
   """
-  if k & (k - 1) or k % data_size:
-    raise ValueError(f'config.train.micro_batches={k} must be a power of two that the '
-                     f"mesh's data axis ({data_size}) divides, in reproducible mode.")
+  check_canonical(k, data_size)
   local = k // data_size
 
   def run(params, model_state, x, y, key, hp):
