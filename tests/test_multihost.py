@@ -106,7 +106,7 @@ def _explicit(port: int, i: int) -> list[str]:
 def _local_sh(workdir: Path, *args: str, timeout_s: int = 180) -> subprocess.Popen:
   """launch/local.sh with 2 processes x 4 devices; it sets the devices itself."""
   return _start(['bash', str(LOCAL_SH), '--processes', '2', '--devices-per-process', '4',
-                 '--timeout', str(timeout_s), '--grace', '20', '--kill-after', '5', '--', CONFIG,
+                 '--timeout', str(timeout_s), '--grace', '60', '--kill-after', '5', '--', CONFIG,
                  f'--workdir={workdir}', *args], _env(devices=None))
 
 
@@ -136,7 +136,7 @@ def test_two_processes_match_one(tmp_path, one_process, hosts_along):
   assert abs(two['ensemble']['nll'] - one_process['ensemble']['nll']) < 1e-6
 
 
-@pytest.mark.parametrize('hosts_along', ['member', 'data'])
+@pytest.mark.parametrize('hosts_along', ['data'])  # the harder layout: hosts split batches
 def test_two_processes_with_several_steps_per_call_match_one(tmp_path, hosts_along):
   """Each host feeds its block of K stacked per-member batches; results as one process."""
   config = _small_config(hosts_along)

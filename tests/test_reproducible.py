@@ -29,7 +29,7 @@ MLP = {'model.widths': (32, 32), 'data.batch_size': 32, 'train.micro_batches': 4
 # BatchNorm, dropout and augmentation: a 1-D ResNet-8 on MNIST-1D, shift-crop augmented.
 RESNET = {'model.name': 'resnet', 'model.depth': 8, 'model.dropout': 0.1,
           'data.augment': 'crop_flip', 'data.batch_size': 16, 'train.micro_batches': 2,
-          'data.member_order': 'shuffled', 'optim.name': 'sgd', 'optim.learning_rate': 0.05}
+          'data.member_order': 'bootstrap', 'optim.name': 'sgd', 'optim.learning_rate': 0.05}
 # name: (overrides, members, member axis, data axis); the devices are member x data.
 RUNS = {
     'mlp_8x1_m8': (MLP, 8, 8, 1),
@@ -37,8 +37,6 @@ RUNS = {
     'mlp_2x4_m8': (MLP, 8, 2, 4),
     'shared_4x2_m4': ({**MLP, 'data.member_order': 'shared'}, 4, 4, 2),
     'shared_1x1_m2': ({**MLP, 'data.member_order': 'shared'}, 2, 1, 1),
-    'bootstrap_2x2_m4': ({**MLP, 'data.member_order': 'bootstrap'}, 4, 2, 2),
-    'bootstrap_1x4_m2': ({**MLP, 'data.member_order': 'bootstrap'}, 2, 1, 4),
     'resnet_4x2_m4': (RESNET, 4, 4, 2),
     'resnet_1x1_m2': (RESNET, 2, 1, 1),
 }
@@ -106,8 +104,7 @@ def _assert_same_members(a: Path, b: Path, count: int) -> None:
     ('mlp_8x1_m8', 'mlp_1x1_m3', 3),  # M = 8 vs 3; 8 devices vs 1
     ('mlp_8x1_m8', 'mlp_2x4_m8', 8),  # member split vs data split
     ('shared_4x2_m4', 'shared_1x1_m2', 2),
-    ('bootstrap_2x2_m4', 'bootstrap_1x4_m2', 2),
-    ('resnet_4x2_m4', 'resnet_1x1_m2', 2),  # BatchNorm, dropout, augmentation
+    ('resnet_4x2_m4', 'resnet_1x1_m2', 2),  # BatchNorm, dropout, augmentation; bootstrap
 ])
 def test_members_are_bit_identical_across_layouts(runs, a, b, count):
   _assert_same_members(runs / a, runs / b, count)
