@@ -271,6 +271,19 @@ class _QuietOrbax(logging_std.Filter):
 logging_std.getLogger('absl').addFilter(_QuietOrbax())
 
 
+class _QuietOrbaxTasks(logging_std.Filter):
+  """Drops asyncio's 'Task exception was never retrieved' for orbax's write tasks that
+  failed on a full disk: the save's own error reaches the loop, which reports it in one
+  line (the tasks' tracebacks went to stderr, one per array, through asyncio's logger)."""
+
+  def filter(self, record: logging_std.LogRecord) -> bool:
+    message = record.getMessage()
+    return not ('orbax' in message and any(text in message for text in FULL_DISK_TEXTS))
+
+
+logging_std.getLogger('asyncio').addFilter(_QuietOrbaxTasks())
+
+
 def _closed_loop_callback(unraisable: Any) -> bool:
   """A tensorstore write finishing after orbax closed the asyncio loop that awaited it
   (it does when another write of the save failed): its completion callback finds the

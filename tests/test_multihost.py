@@ -106,7 +106,7 @@ def _explicit(port: int, i: int) -> list[str]:
 def _local_sh(workdir: Path, *args: str, timeout_s: int = 180) -> subprocess.Popen:
   """launch/local.sh with 2 processes x 4 devices; it sets the devices itself."""
   return _start(['bash', str(LOCAL_SH), '--processes', '2', '--devices-per-process', '4',
-                 '--timeout', str(timeout_s), '--grace', '60', '--kill-after', '5', '--', CONFIG,
+                 '--timeout', str(timeout_s), '--grace', '60', '--kill-after', '30', '--', CONFIG,
                  f'--workdir={workdir}', *args], _env(devices=None))
 
 
