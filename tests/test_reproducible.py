@@ -4,7 +4,7 @@ the mesh, the data split and the process count, over 500-step runs.
 The runs happen in child processes, because reproducible mode needs XLA flags set
 before JAX starts (dist_ens/parallel/xla_flags.py), which this pytest process is past:
 one worker process for every single-process run (this file, `python
-tests/test_reproducible.py worker SPEC OUT`) and launch/local.sh with two processes for
+tests/test_reproducible.py worker NAME,... OUT`) and launch/local.sh with two processes for
 the multi-process run (the dist-ens command sets the flags itself there).
 
 What is compared, bit for bit: every parameter of member i at step 500, and member i's
