@@ -22,12 +22,13 @@ A mistyped flag or config field, a value of the wrong type, or an invalid config
 ends in one line on stderr ("dist-ens: error: ...") and a non-zero status.
 """
 
+import contextlib
 import difflib
+import functools
 import json
 import logging as std_logging
 import os
 import re
-import functools
 import signal
 import sys
 import textwrap
@@ -110,8 +111,9 @@ def _train_main(argv: list[str]) -> None:
   logging.set_verbosity(logging.INFO)
   launched = False
   try:
-    if _wants_reproducible():
-      xla_flags.set_flags()  # XLA reads them when the backend starts, just below.
+    with contextlib.suppress(Exception):  # (a config that fails to load: training says so)
+      if FLAGS.config.get('reproducible', False):
+        xla_flags.set_flags()  # read by XLA when the backend starts, just below
     # Before anything else touches JAX: jax.distributed must precede the backend.
     launched = distributed.initialize(distributed.Launch(
         enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
@@ -131,15 +133,6 @@ def _train_main(argv: list[str]) -> None:
     logging.exception('this process failed (where a collective failed, another process '
                       'probably failed first: see its log); stopping so the others stop too')
     distributed.exit_without_barrier(1)
-
-
-def _wants_reproducible() -> bool:
-  """config.reproducible, or False where the config does not load (the error then
-  comes from training, which reports it with the rest)."""
-  try:
-    return bool(FLAGS.config.get('reproducible', False))
-  except Exception:  # pylint: disable=broad-except
-    return False
 
 
 def _plan_main(argv: list[str]) -> None:

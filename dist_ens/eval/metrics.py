@@ -63,6 +63,8 @@ import numpy as np
 
 from dist_ens.eval.ranks import NUM_ECE_BINS, ExampleStats, adaptive_ece
 from dist_ens.eval.ranks import aupr, auroc, ood_metrics  # noqa: F401  (the metrics API)
+from dist_ens.eval.registry import (  # noqa: F401  (the metrics API)
+    METRICS, METRICS_BY_NAME, Metric, finalize, higher_is_better)
 
 
 
@@ -256,39 +258,28 @@ def eval_batch(
     logits: [M, B, C] per-member logits. Computation is done in float32.
     labels: [B] integer class labels.
     mask: [B] bool; False marks padding.
-    member_mask: [M] bool; members included in the ensemble (None = all).
-      Excluded members still get their own per-member sums but are left out of
-      the ensemble's mean probabilities and of disagreement, expected entropy,
-      mutual information and pairwise KL. If it excludes every member, the
-      ensemble values are undefined (NaN); that is a caller bug and is not
-      checked at runtime.
+    member_mask: [M] bool; members in the ensemble (None = all). Excluded members keep
+      their own sums but leave the ensemble's mean and the ensemble-only metrics
+      (all excluded: NaN, a caller bug not checked at runtime).
 
   Returns:
-    BatchEval(sums, examples). `sums` is a flat dict of float32 arrays:
-      'count': [] number of unmasked examples.
-      'member_nll', 'member_correct', 'member_brier', 'member_entropy': [M] sums
-        over examples of -log p_m(y), [argmax p_m == y], sum_c (p_m,c - onehot_c)^2
-        and H[p_m].
-      'member_bin_count', 'member_bin_conf', 'member_bin_correct':
-        [M, NUM_ECE_BINS] per-bin example count, confidence and correctness.
-      'ensemble_nll', 'ensemble_correct', 'ensemble_brier', 'ensemble_entropy': []
-        the same for the ensemble.
-      'ensemble_bin_count', 'ensemble_bin_conf', 'ensemble_bin_correct':
-        [NUM_ECE_BINS].
-      'disagreement', 'expected_entropy', 'mutual_information', 'pairwise_kl': []
-        sums over examples of the per-example values defined in the module docstring.
+    BatchEval(sums, examples). `sums` is a flat dict of float32 arrays: 'count' [];
+      'member_{nll,correct,brier,entropy}' [M] and 'ensemble_{...}' [] (sums over
+      examples of -log p(y), [argmax p == y], sum_c (p_c - onehot_c)^2, H[p]);
+      '{member,ensemble}_bin_{count,conf,correct}' [M, NUM_ECE_BINS] / [NUM_ECE_BINS];
+      'disagreement', 'expected_entropy', 'mutual_information', 'pairwise_kl' [] (the
+      module docstring defines them).
     `examples` is an ExampleStats of per-example arrays.
   """
   logits = jnp.asarray(logits, jnp.float32)
   num_members, _, num_classes = logits.shape
   mask = jnp.asarray(mask, bool)
   example_weight = mask.astype(jnp.float32)
-  member_included = jnp.ones((num_members,), bool) if member_mask is None else jnp.asarray(
-      member_mask, bool)
+  member_included = jnp.asarray(True if member_mask is None else member_mask, bool)
+  member_included = jnp.broadcast_to(member_included, (num_members,))
   member_weight = member_included.astype(jnp.float32)
 
-  # Padding labels may be out of range; pin them to a valid class so the
-  # gathers below never rely on out-of-bounds semantics.
+  # Padding labels may be out of range: pin them to a class (no out-of-bounds gathers).
   labels = jnp.where(mask, labels, 0)
   onehot = jax.nn.one_hot(labels, num_classes, dtype=jnp.float32)  # [B, C]
 
@@ -319,111 +310,3 @@ def add_sums(
     The elementwise sum, with the same structure.
   """
   return jax.tree.map(jnp.add, a, b)
-
-
-def _ece(
-    bin_correct: np.ndarray, bin_conf: np.ndarray, count: float
-) -> np.ndarray:
-  return np.sum(np.abs(bin_correct - bin_conf), axis=-1) / count
-
-
-class Metric(NamedTuple):
-  """One metric, defined once: its name in results and events, how tables label and
-  print it, which way is better, and how its final value comes from the split's sums.
-
-  value(sums, prefix, count) -> the value for prefix 'member' ([M]) or 'ensemble' ([]);
-  a metric with `from_examples` is computed from the per-example stats instead.
-  """
-  name: str
-  label: str
-  higher_is_better: bool | None  # None: a description (entropy), not a quality to rank by.
-  scopes: tuple[str, ...]  # 'members' and/or 'ensemble'
-  value: Any = None
-  from_examples: Any = None  # (ExampleStats, prefix) -> value
-  fmt: str = '.4f'
-
-
-def _ratio(key: str):
-  return lambda s, prefix, count: s[f'{prefix}_{key}'] / count
-
-
-def _summed(key: str):
-  return lambda s, prefix, count: s[key] / count
-
-
-def _examples_adaptive_ece(examples: ExampleStats, prefix: str):
-  if prefix == 'member':
-    return adaptive_ece(examples.member_confidence, examples.member_correct)
-  return adaptive_ece(examples.ensemble_confidence, examples.ensemble_correct)
-
-
-_BOTH, _ENSEMBLE = ('members', 'ensemble'), ('ensemble',)
-# Every evaluation metric, in the order results and tables list them.
-METRICS: tuple[Metric, ...] = (
-    Metric('accuracy', 'accuracy', True, _BOTH, _ratio('correct')),
-    Metric('nll', 'NLL', False, _BOTH, _ratio('nll')),
-    Metric('brier', 'Brier', False, _BOTH, _ratio('brier')),
-    Metric('ece', 'ECE', False, _BOTH, lambda s, prefix, count: _ece(
-        s[f'{prefix}_bin_correct'], s[f'{prefix}_bin_conf'], count)),
-    Metric('adaptive_ece', 'adaptive ECE', False, _BOTH, from_examples=_examples_adaptive_ece),
-    Metric('disagreement', 'disagreement', None, _ENSEMBLE, _summed('disagreement')),
-    Metric('entropy', 'entropy', None, _BOTH, _ratio('entropy')),
-    Metric('expected_entropy', 'expected entropy', None, _ENSEMBLE, _summed('expected_entropy')),
-    Metric('mutual_information', 'mutual information', None, _ENSEMBLE,
-           _summed('mutual_information')),
-    Metric('pairwise_kl', 'pairwise KL', None, _ENSEMBLE, _summed('pairwise_kl')),
-)
-METRICS_BY_NAME = {metric.name: metric for metric in METRICS}
-
-
-def higher_is_better(name: str) -> bool:
-  """Whether a larger value of metric `name` is better (for ranking members)."""
-  return bool(METRICS_BY_NAME[name].higher_is_better)
-
-
-def finalize(sums: dict[str, Any], examples: ExampleStats | None = None
-             ) -> dict[str, dict[str, Any]]:
-  """Turns accumulated sums (and per-example stats) into final metric values, on the host.
-
-  Example:
-    >>> out = eval_batch(jnp.zeros((2, 3, 4)), jnp.array([0, 1, 2]), jnp.ones(3, bool))
-    >>> round(finalize(out.sums)['ensemble']['accuracy'], 4)
-    0.3333
-
-  Args:
-    sums: sums dict from `eval_batch(...).sums` / `add_sums` (device or numpy arrays).
-    examples: the split's ExampleStats with padding removed; when given, the
-      result also holds 'adaptive_ece'.
-
-  Returns:
-    {"members": {"accuracy", "nll", "brier", "ece", "entropy"[, "adaptive_ece"]}:
-       lists of M floats,
-     "ensemble": {"accuracy", "nll", "brier", "ece", "disagreement", "entropy",
-       "expected_entropy", "mutual_information", "pairwise_kl"[, "adaptive_ece"]}:
-       floats}.
-    Plain Python floats and lists, so the result is JSON-serialisable.
-
-  Raises:
-    ValueError: if the sums cover no examples (count is 0).
-  """
-  s = {k: np.asarray(v, dtype=np.float64) for k, v in sums.items()}
-  count = float(s["count"])
-  if not count > 0:
-    raise ValueError(
-        f"Cannot finalize metrics: sums cover {count} unmasked examples; "
-        "evaluate at least one example with mask=True."
-    )
-
-  results: dict[str, dict[str, Any]] = {'members': {}, 'ensemble': {}}
-  for metric in METRICS:
-    for scope in metric.scopes:
-      prefix = 'member' if scope == 'members' else 'ensemble'
-      if metric.from_examples is not None:
-        if examples is None:
-          continue
-        value = metric.from_examples(examples, prefix)
-      else:
-        value = metric.value(s, prefix, count)
-      results[scope][metric.name] = ([float(v) for v in value] if scope == 'members'
-                                     else float(value))
-  return results
