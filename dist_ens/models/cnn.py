@@ -17,10 +17,13 @@ import ml_collections
 from dist_ens.errors import ConfigError
 from dist_ens.core.model import Model
 from dist_ens.models.base import dense_init
+from dist_ens.models import layers
 from dist_ens.models.layers import DIMENSION_NUMBERS, conv_for
 
+
 def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
-  """CNN with `config.channels`, `config.kernel_sizes`, `config.strides` per layer."""
+  """CNN with `config.channels`, `config.kernel_sizes`, `config.strides` per layer, and
+  config.dropout (0.0) on the features before the dense layer."""
   channels = tuple(int(c) for c in config.channels)
   kernels = tuple(int(k) for k in config.kernel_sizes)
   strides = tuple(int(s) for s in config.strides)
@@ -56,9 +59,12 @@ def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
       x = jax.nn.relu(conv(x, layer['w'], stride) + layer['b'])
     return x
 
+  rate = layers.dropout_rate_for(config)
+
   def apply(params, state, x, *, train=False, rng=None):
-    del train, rng  # Deterministic model.
+    layers.check_dropout_rng(rate, train, rng)
     h = _features(params['convs'], x)
-    return h.reshape(h.shape[0], -1) @ params['head']['w'] + params['head']['b'], state
+    h = layers.dropout(rng, h.reshape(h.shape[0], -1), rate, train=train)
+    return h @ params['head']['w'] + params['head']['b'], state
 
   return Model(init, apply)

@@ -193,9 +193,11 @@ def batch_norm(params: dict[str, jax.Array], state: dict[str, jax.Array], x: jax
 def dropout(rng: jax.Array | None, x: jax.Array, rate: float, *, train: bool) -> jax.Array:
   """Zeroes each entry with probability `rate` and scales the rest by 1 / (1 - rate).
 
-  The identity in evaluation or when rate == 0; training with rate > 0 needs rng.
+  Samples in training (which needs rng) and, as the model contract's MC dropout, in
+  evaluation when given an rng (dist_ens.core.model); the identity in evaluation
+  without one, or when rate == 0.
   """
-  if not train or rate == 0.0:
+  if rate == 0.0 or (not train and rng is None):
     return x
   if rng is None:
     raise ValueError(f'dropout with rate {rate} needs a PRNG key in training: call '

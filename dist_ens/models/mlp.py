@@ -8,11 +8,13 @@ import ml_collections
 
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
+from dist_ens.models import layers
 from dist_ens.models.base import dense_init
 
 
 def make_mlp(config: ml_collections.ConfigDict, num_classes: int) -> Model:
-  """MLP with hidden widths `config.widths` and He-normal init; no model state."""
+  """MLP with hidden widths `config.widths`, He-normal init and config.dropout (0.0)
+  after every hidden layer; no model state."""
   widths = tuple(int(w) for w in config.widths)
   if not widths or any(w <= 0 for w in widths):
     raise ConfigError(
@@ -24,11 +26,14 @@ def make_mlp(config: ml_collections.ConfigDict, num_classes: int) -> Model:
     keys = jax.random.split(rng, len(sizes) - 1)
     return [dense_init(k, n_in, n_out) for k, n_in, n_out in zip(keys, sizes[:-1], sizes[1:])], {}
 
+  rate = layers.dropout_rate_for(config)
+
   def apply(params, state, x, *, train=False, rng=None):
-    del train, rng  # Deterministic model.
+    layers.check_dropout_rng(rate, train, rng)
+    keys = [None] * len(widths) if rng is None or not rate else jax.random.split(rng, len(widths))
     h = x.reshape(x.shape[0], -1)
-    for layer in params[:-1]:
-      h = jax.nn.relu(h @ layer['w'] + layer['b'])
+    for layer, key in zip(params[:-1], keys):
+      h = layers.dropout(key, jax.nn.relu(h @ layer['w'] + layer['b']), rate, train=train)
     return h @ params[-1]['w'] + params[-1]['b'], state
 
   return Model(init, apply)
