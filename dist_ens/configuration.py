@@ -136,6 +136,12 @@ def _validate_run_fields(config: ml_collections.ConfigDict) -> bool:
   _require(batch % value == 0, 'train.micro_batches', value,
            f'must divide data.batch_size={batch}, e.g. '
            f'{max(d for d in range(1, min(value, batch) + 1) if batch % d == 0)}')
+  warmup_epochs = config.optim.get('warmup_epochs', 0)
+  _require(_is_number(warmup_epochs) and warmup_epochs >= 0, 'optim.warmup_epochs', warmup_epochs,
+           'must be a number >= 0 (0: optim.warmup_steps counts instead)')
+  _require(not (warmup_epochs and config.optim.warmup_steps), 'optim.warmup_epochs',
+           warmup_epochs, f'and optim.warmup_steps={config.optim.warmup_steps} are both set; '
+           'give the warm-up in one of them and set the other to 0')
   value = _get(config, 'train.epochs')
   _require(_is_int(value) and value >= 0, 'train.epochs', value,
            'must be an int >= 0 (0: train.steps counts instead)')
@@ -150,7 +156,8 @@ def steps_per_epoch(config: ml_collections.ConfigDict, num_train_examples: int) 
 def resolve_epochs(config: ml_collections.ConfigDict,
                    num_train_examples: int) -> ml_collections.ConfigDict:
   """The config with train.steps = train.epochs * steps_per_epoch when train.epochs > 0
-  (a copy; the config itself if it counts steps).
+  and optim.warmup_steps = round(optim.warmup_epochs * steps_per_epoch) when
+  optim.warmup_epochs > 0 (a copy; the config itself if it counts steps).
 
   Call it once the training split's size is known (after any validation examples are
   carved off) and before the optimizer is built, so that the trainer, the schedule and
@@ -166,13 +173,17 @@ def resolve_epochs(config: ml_collections.ConfigDict,
     ConfigError: naming train.epochs if it gives no step, or the field that the
       resulting train.steps does not suit (e.g. a multiple of train.steps_per_call).
   """
-  epochs = config.train.get('epochs', 0)
-  if not epochs:
+  epochs, warmup_epochs = config.train.get('epochs', 0), config.optim.get('warmup_epochs', 0)
+  if not epochs and not warmup_epochs:
     return config
   per_epoch = steps_per_epoch(config, num_train_examples)
   _require(per_epoch >= 1, 'data.batch_size', config.data.batch_size,
            f'exceeds the {num_train_examples} training examples')
   resolved = copy.deepcopy(config)  # Keeps the lock and the per-member fields' types.
+  if warmup_epochs:
+    resolved.optim.warmup_steps = round(warmup_epochs * per_epoch)
+  if not epochs:
+    return resolved
   resolved.train.steps = epochs * per_epoch
   calls = resolved.train.steps_per_call
   _require(calls == 0 or resolved.train.steps % calls == 0, 'train.epochs', epochs,

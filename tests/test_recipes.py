@@ -192,3 +192,18 @@ def test_epochs_set_steps_once_the_data_size_is_known():
                                         r'train.steps=96 \(32 steps an epoch\), not a multiple '
                                         r'of train.steps_per_call=10'):
     configuration.resolve_epochs(config, 4000 + 127)
+
+
+def test_warmup_in_epochs_sets_warmup_steps_in_step_and_epoch_runs():
+  config = configuration.load_config(CONFIGS / 'default.py')
+  config.optim.schedule, config.optim.warmup_epochs = 'cosine', 2.5
+  configuration.validate(config)
+  # 4000 examples at batch 128: 31 steps an epoch, so 2.5 epochs are 78 steps.
+  assert configuration.resolve_epochs(config, 4000).optim.warmup_steps == 78
+  config.train.epochs = 10
+  resolved = configuration.resolve_epochs(config, 4000)
+  assert (resolved.train.steps, resolved.optim.warmup_steps) == (310, 78)
+  config.optim.warmup_steps = 5
+  with pytest.raises(ConfigError, match=r'optim.warmup_epochs=2.5 is invalid: and '
+                                        r'optim.warmup_steps=5 are both set'):
+    configuration.validate(config)
