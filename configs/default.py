@@ -50,6 +50,9 @@ def get_config() -> ml_collections.ConfigDict:
   # keeps a batched matmul instead of a grouped convolution) or 'auto' (= patches).
   config.model.conv_impl = 'auto'
   config.model.init_scale = per_member(1.0)  # multiplies the He-normal init std
+  # Dropout rate (mlp: after every hidden layer; cnn: before the dense layer; resnet:
+  # see docs/models.md); with eval.mc_samples > 0 it also samples at evaluation.
+  config.model.dropout = 0.0
 
   # How each device runs its block of members: 'vmap' (batched into wide ops), 'map'
   # (lax.map, one member after another inside the compiled step; map_batch_size > 1
@@ -57,6 +60,17 @@ def get_config() -> ml_collections.ConfigDict:
   config.ensemble = ml_collections.ConfigDict()
   config.ensemble.member_parallelism = 'auto'
   config.ensemble.map_batch_size = 0
+  # What the members are (docs/ensemble_methods.md): 'deep' (independent members),
+  # 'snapshot' (each member's schedule restarts snapshot.cycles times; every cycle's end
+  # predicts) or 'multiswag' (SWAG per member: swag.samples weight samples predict).
+  config.ensemble.method = 'deep'
+  config.ensemble.snapshot = ml_collections.ConfigDict()
+  config.ensemble.snapshot.cycles = 4  # must divide train.steps
+  config.ensemble.swag = ml_collections.ConfigDict()
+  config.ensemble.swag.start = 0.75  # collect from this fraction of train.steps on,
+  config.ensemble.swag.every = 10  # every this many steps
+  config.ensemble.swag.rank = 10  # deviations kept for the low-rank covariance (0: diagonal)
+  config.ensemble.swag.samples = 8  # weight samples per member at evaluation
 
   config.data = ml_collections.ConfigDict()
   config.data.name = 'mnist1d'  # embedded ('mnist1d', 'digits') or any prepared TFDS name
@@ -96,6 +110,7 @@ def get_config() -> ml_collections.ConfigDict:
   # fractions of train.steps (0.3, 0.6, 0.8 = epochs 60/120/160 of 200).
   config.optim.schedule = 'constant'
   config.optim.warmup_steps = 0
+  config.optim.warmup_epochs = 0.0  # the warm-up in epochs instead (sets warmup_steps)
   config.optim.decay_boundaries = (0.3, 0.6, 0.8)  # schedule='step' only
   config.optim.decay_factor = 0.2  # schedule='step' only
 

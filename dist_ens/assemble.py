@@ -27,6 +27,7 @@ from dist_ens.core.losses import Loss, loss_for
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import TrainState, init_state
+from dist_ens.ensembles import methods
 from dist_ens.ensembles.sharding import state_shardings, with_shardings
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood
@@ -55,6 +56,7 @@ class Parts(NamedTuple):
   num_classes: int
   abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
   init: Callable[[], TrainState]  # jit this (out_shardings) to get the state born sharded
+  method: methods.Method  # config.ensemble.method: what members collect and predict with
 
   @property
   def state_shardings(self) -> Any:
@@ -120,8 +122,9 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
       or one GradientTransformation for every member.
   """
   model = models.get_model(config.model, num_classes)
+  method = methods.from_config(config)
   if optimizer is None:
-    optimizer = make_optimizer(config.optim, config.train.steps)
+    optimizer = make_optimizer(config.optim, config.train.steps, cycles=method.cycles)
   elif isinstance(optimizer, optax.GradientTransformation):
     optimizer = functools.partial(lambda tx, hp=None: tx, optimizer)
   member_hparams = hparams_lib.resolve(config)
@@ -134,12 +137,12 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
 
   def init():
     hp = {k: jnp.asarray(v) for k, v in member_hparams.items()}
-    return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp)
+    return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp, method)
 
   shapes = jax.eval_shape(init)
   abstract = with_shardings(shapes, state_shardings(shapes, mesh))
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_classes,
-               abstract, init)
+               abstract, init, method)
 
 
 def init_sharded(parts: Parts) -> TrainState:
@@ -179,4 +182,5 @@ def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
                          seed=parts.config.seed, loss=loss,
                          per_member_batches=per_member_batches,
                          member_parallelism=parallelism, map_batch_size=map_batch_size,
-                         steps_per_call=steps_per_call, options=step_options(parts.config))
+                         steps_per_call=steps_per_call, options=step_options(parts.config),
+                         method=parts.method)

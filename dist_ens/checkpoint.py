@@ -29,7 +29,8 @@ ALWAYS_COMPATIBLE = ('train.steps', 'train.epochs', 'train.log_every', 'train.ev
                      'train.steps_per_call', 'train.profile_steps', 'checkpoint', 'eval', 'mesh',
                      'writers')
 # Fields that define what the checkpoint holds: never restorable across a change.
-NEVER_COMPATIBLE = ('num_members', 'model', 'data.name')
+NEVER_COMPATIBLE = ('num_members', 'model', 'data.name', 'ensemble.method',
+                    'ensemble.snapshot.cycles', 'ensemble.swag.rank')
 
 
 # Version of what a checkpoint holds. 2: TrainState(params, model_state, opt_state,
@@ -81,8 +82,11 @@ def check_compatible(differing: list[str], restore_incompatible: str,
 def _split(state: Any) -> tuple[dict[str, Any], Any]:
   """(what a model needs, the optimizer state): saved as two items, so that loading an
   ensemble for inference never needs to rebuild the optimizer."""
-  return ({'params': state.params, 'model_state': state.model_state, 'frozen': state.frozen,
-           'step': state.step}, state.opt_state)
+  model = {'params': state.params, 'model_state': state.model_state, 'frozen': state.frozen,
+           'step': state.step}
+  if jax.tree.leaves(state.method_state):  # Snapshots, SWAG moments: members predict from them.
+    model['method_state'] = state.method_state
+  return model, state.opt_state
 
 
 def _words(leaf: jax.Array) -> jax.Array:

@@ -29,6 +29,7 @@ from absl import logging
 from dist_ens import assemble, data
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.core.model import Model
+from dist_ens.ensembles import methods
 from dist_ens.eval import metrics
 from dist_ens.eval.evaluate import member_logits
 from dist_ens.parallel import mesh as mesh_lib
@@ -193,15 +194,19 @@ class Ensemble:
     if restored.step != config.train.steps:
       logging.warning('the newest checkpoint in %s is at step %d of %d: the run has not '
                       'finished.', checkpoints, restored.step, config.train.steps)
+    # Snapshots or SWAG samples predict where the run used such a method.
+    members = methods.predictive_members(parts.method, restored.state, config.seed, mesh)
     frozen = np.asarray(jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))(
-        restored.state.frozen))
-    return cls(config, parts.model, restored.state.params, frozen, restored.step,
+        members.frozen))
+    return cls(config, parts.model, members.params, frozen, restored.step,
                parts.input_shape, num_classes, mesh, preprocess,
-               model_state=restored.state.model_state)
+               model_state=members.model_state)
 
   @property
   def num_members(self) -> int:
-    return int(self.config.num_members)
+    """Members that predict: config.num_members, times the snapshots or SWAG samples
+    per member where config.ensemble.method keeps them (member m's are rows m*K..m*K+K-1)."""
+    return len(self.frozen)
 
   def _chunk_size(self, n: int, batch_size: int) -> int:
     # Padded shapes come from a few sizes (powers of two up to batch_size), so

@@ -8,6 +8,7 @@ one compiled program, not a recompile, and the optimizer state holds only what
 the optimizer itself keeps (moments, counts).
 """
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -157,11 +158,14 @@ def _builder(name: str):
   return OPTIMIZERS[name]
 
 
-def make_optimizer(optim_config: ml_collections.ConfigDict, total_steps: int) -> Optimizer:
+def make_optimizer(optim_config: ml_collections.ConfigDict, total_steps: int,
+                   cycles: int = 1) -> Optimizer:
   """`optimizer(hparams) -> GradientTransformation` for ONE member; vmap its use over members.
 
   Chain: optional global-norm clipping -> the named optimizer, with this member's
-  per-member fields from `hparams` -> the learning-rate schedule multiplier. The
+  per-member fields from `hparams` -> the learning-rate schedule multiplier (with
+  `cycles` > 1 the schedule restarts every total_steps / cycles steps, as snapshot
+  ensembles train; dist_ens.ensembles.methods). The
   structure of the optimizer state never depends on the values, so one member's
   state layout is every member's.
 
@@ -177,10 +181,13 @@ def make_optimizer(optim_config: ml_collections.ConfigDict, total_steps: int) ->
   build, fields = _builder(optim_config.name)
   _decay_mask(optim_config)  # Validates the field before anything is built.
   multiplier = None
+  cycle = total_steps // cycles
   if optim_config.schedule != 'constant' or optim_config.warmup_steps:
-    multiplier = schedule(optim_config, total_steps)
+    multiplier = schedule(optim_config, cycle)
+    if cycles > 1:
+      multiplier = functools.partial(lambda one, count: one(count % cycle), multiplier)
   else:
-    schedule(optim_config, total_steps)  # Validates the fields either way.
+    schedule(optim_config, cycle)  # Validates the fields either way.
 
   def optimizer(hp: Hparams | None = None) -> optax.GradientTransformation:
     parts = []

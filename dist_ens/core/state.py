@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from dist_ens.core import rng
 from dist_ens.core.model import Model, is_kernel
 from dist_ens.core.optim import Optimizer
+from dist_ens.ensembles.methods import Method
 
 PyTree = Any
 
@@ -25,6 +26,9 @@ class TrainState(NamedTuple):
   opt_state: PyTree  # [M, ...] the optimizer's own state (moments, counts).
   frozen: jax.Array  # [M] bool: the member hit a non-finite loss/gradient and stopped.
   step: jax.Array  # [] int32: steps taken; with (seed, member) it keys all training randomness.
+  # [M, ...] what the ensemble method collects while training (snapshots, SWAG moments;
+  # dist_ens.ensembles.methods); () for independent members.
+  method_state: PyTree = ()
 
 
 def scale_init(params: PyTree, init_scale: float | jax.Array | None) -> PyTree:
@@ -40,7 +44,8 @@ def scale_init(params: PyTree, init_scale: float | jax.Array | None) -> PyTree:
 
 
 def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
-               sample_x: jax.Array, hparams: Mapping[str, jax.Array]) -> TrainState:
+               sample_x: jax.Array, hparams: Mapping[str, jax.Array],
+               method: Method | None = None) -> TrainState:
   """All members' initial state; member i's depends only on (seed, i) and its hyperparameters.
 
   Args:
@@ -50,14 +55,17 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
     num_members: M.
     sample_x: a batch of inputs [B, *input_shape] (shapes only; e.g. zeros).
     hparams: per-member hyperparameters, each [M] (dist_ens.core.hparams.resolve).
+    method: the ensemble method (dist_ens.ensembles.methods); None: independent members.
   """
   keys = rng.member_keys(seed, jnp.arange(num_members, dtype=jnp.uint32))
 
   def one(key, hp):
     params, model_state = model.init(key, sample_x)
     params = scale_init(params, hp.get('model.init_scale'))
-    return params, model_state, optimizer(hp).init(params)
+    collected = method.init(params, model_state) if method is not None else ()
+    return params, model_state, optimizer(hp).init(params), collected
 
-  params, model_state, opt_state = jax.vmap(one)(keys, dict(hparams))
+  params, model_state, opt_state, collected = jax.vmap(one)(keys, dict(hparams))
   return TrainState(params=params, model_state=model_state, opt_state=opt_state,
-                    frozen=jnp.zeros((num_members,), jnp.bool_), step=jnp.zeros((), jnp.int32))
+                    frozen=jnp.zeros((num_members,), jnp.bool_), step=jnp.zeros((), jnp.int32),
+                    method_state=collected)

@@ -27,6 +27,7 @@ from dist_ens.core.optim import Optimizer
 from dist_ens.core.state import TrainState
 from dist_ens.data import augment as augment_lib
 from dist_ens.data.augment import Augmentation
+from dist_ens.ensembles.methods import Method
 from dist_ens.ensembles.sharding import state_specs
 from dist_ens.parallel.mesh import DATA, MEMBER
 from dist_ens.parallel.strategy import over_members
@@ -195,7 +196,7 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
                     *, seed: int = 0, loss: Loss = smoothed_cross_entropy,
                     per_member_batches: bool = False, member_parallelism: str = 'vmap',
                     map_batch_size: int | None = None, steps_per_call: int = 1,
-                    options: StepOptions = StepOptions()) -> TrainStep:
+                    options: StepOptions = StepOptions(), method: Method | None = None) -> TrainStep:
   """Builds the jitted, sharded step; the input state is donated.
 
   Args:
@@ -213,12 +214,18 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
       augmentation the step takes a third batch array, the examples' indices
       (shaped like y). Reproducible mode runs each member and each micro-batch at
       one fixed shape (lax.map over members, manual over 'data'; core.gradients).
+    method: the ensemble method whose collect() runs after every member's update
+      (dist_ens.ensembles.methods); None: independent members, nothing collected.
   """
   if not isinstance(steps_per_call, int) or steps_per_call < 1:
     raise ValueError(f'steps_per_call={steps_per_call!r} must be an int >= 1.')
   members_update = _members_update(model, optimizer, seed, loss, options, mesh.shape[DATA],
                                    member_parallelism, map_batch_size,
                                    0 if per_member_batches else None)
+  collect = None
+  if method is not None and method.name != 'deep':
+    collect = over_members(method.collect, 'map' if options.reproducible else 'vmap',
+                           in_axes=(0, 0, 0, None))
 
   def local_step(state, hparams, *batch):
     local_members = state.frozen.shape[0]
@@ -229,7 +236,10 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
       params, model_state, opt_state, frozen, metrics = members_update(
           state.params, state.model_state, state.opt_state, state.frozen, hparams, members,
           state.step, x, y, index[0] if index else None)
-      return TrainState(params, model_state, opt_state, frozen, state.step + 1), metrics
+      step = state.step + 1
+      collected = state.method_state if collect is None else collect(
+          state.method_state, params, model_state, step)
+      return TrainState(params, model_state, opt_state, frozen, step, collected), metrics
 
     if steps_per_call == 1:
       return one_step(state, batch)

@@ -5,6 +5,8 @@
   TemperatureScale   a temperature per member and one for the ensemble, fitted on
                      the validation split; test metrics before and after
                      (config.eval.temperature_scaling; dist_ens.eval.calibration)
+  MethodEnsemble     test metrics of the members config.ensemble.method predicts
+                     with (snapshots, SWAG samples; dist_ens.ensembles.methods)
   GreedySelect       Caruana's greedy ensemble selection with replacement by
                      validation NLL, beside SelectTopK (config.select.method='greedy';
                      dist_ens.ensembles.selection)
@@ -26,7 +28,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens.ensembles import selection
+from dist_ens.ensembles import methods, selection
 from dist_ens.errors import ConfigError
 from dist_ens.eval import calibration, evaluate
 from dist_ens.training.loop import Context, PeriodicAction
@@ -135,6 +137,38 @@ class McDropout(_Posthoc):
                  before_after_table(evaluate.metrics_from_log_probs(
                      plain, ctx.run_data.dataset.test.y, _included(ctx)), results,
                      ('plain', f'MC dropout x{self.samples}')))
+
+
+class MethodEnsemble(_Posthoc):
+  """Test metrics (and OOD AUROC/AUPR) of the members config.ensemble.method predicts
+  with (snapshots, SWAG samples; dist_ens.ensembles.methods), under the method's name,
+  beside the trained members' own."""
+  needs_validation = False
+
+  def run(self, ctx: Context) -> None:
+    method = ctx.parts.method
+    members = methods.predictive_members(method, ctx.state, ctx.config.seed, ctx.parts.mesh)
+    step = evaluate.make_log_probs_step(ctx.parts.model, ctx.parts.mesh)
+    variables, included = (members.params, members.model_state), ~np.asarray(
+        ctx.fetch(members.frozen), bool)
+    with ctx.off_clock():
+      log_probs = {name: evaluate.split_log_probs(step, variables, _split(ctx, name),
+                                                  ctx.config.eval.batch_size, ctx.parts.mesh)
+                   for name in ('test', 'ood') if name == 'test' or ctx.run_data.ood}
+    results = evaluate.metrics_from_log_probs(log_probs['test'], ctx.run_data.dataset.test.y,
+                                              included)
+    ctx.results[method.name] = {'members_per_member': method.per_member,
+                                'predicting_members': int(included.sum()), **results}
+    if 'ood' in log_probs:
+      ctx.results[method.name]['ood'] = {
+          'dataset': ctx.config.eval.ood_dataset,
+          **evaluate.ood_from_log_probs(log_probs['test'], log_probs['ood'], included)}
+    if _final_events(ctx):
+      ctx.write({'step': ctx.step, 'split': f'test_{method.name}', **results})
+    logging.info('%s: %d predicting members (%d per trained member), test metrics:\n%s',
+                 method.name, included.sum(), method.per_member,
+                 ensembles_table({'trained members': {'ensemble': ctx.results['ensemble']},
+                                  method.name: results}))
 
 
 def before_after_table(before: dict[str, Any], after: dict[str, Any],
@@ -262,6 +296,8 @@ def posthoc_actions(config: ml_collections.ConfigDict) -> list[PeriodicAction]:
   config.eval.temperature_scaling, config.select.method='greedy'), sharing their
   split log-probabilities. Fields a config lacks count as off."""
   cache, out = SplitLogProbs(), []
+  if config.get('ensemble', {}).get('method', 'deep') != 'deep':
+    out.append(MethodEnsemble(cache))
   method = config.select.get('method', 'top_k')
   if method not in SELECT_METHODS:
     raise ConfigError(f'config.select.method={method!r}; use one of {SELECT_METHODS}.')

@@ -79,8 +79,10 @@ def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
       raise configuration.ConfigError(
           f'config.train.steps={config.train.steps} but the workdir holds a checkpoint at step '
           f'{step}; train.steps cannot go back (use a new --workdir, or train.steps >= {step}).')
+    # A schedule's decay, snapshot cycles and SWAG's start all scale with train.steps.
+    shaped = config.optim.schedule != 'constant' or config.ensemble.get('method', 'deep') != 'deep'
     check_compatible(differing, config.checkpoint.restore_incompatible,
-                     steps_shape_schedule=config.optim.schedule != 'constant')
+                     steps_shape_schedule=shaped)
   if writers.is_writer():
     workdir.mkdir(parents=True, exist_ok=True)
     writers.write_json(workdir / 'config.json', config_dict)

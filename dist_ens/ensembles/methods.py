@@ -1,0 +1,220 @@
+"""Ensemble methods beyond independent members (config.ensemble.method).
+
+  'deep'       independent members (the default): each trained member predicts.
+  'snapshot'   snapshot ensembles (Huang et al. 2017): each member's training is
+               ensemble.snapshot.cycles restarts of config.optim.schedule, and the
+               member's parameters and model state at the end of every cycle are kept;
+               M x cycles snapshots predict.
+  'multiswag'  SWAG per member (Maddox et al. 2019; MultiSWAG, Wilson & Izmailov 2020):
+               from ensemble.swag.start of training on, every ensemble.swag.every steps,
+               a member's running mean and mean square of its weights and its last
+               ensemble.swag.rank deviations from the mean are kept; ensemble.swag.samples
+               weight samples per member predict.
+
+A method is what each member collects while it trains and the members it adds to the
+ensemble's prediction, as per-member functions that the train step vmaps like the
+update (so they work on any mesh, and their state is checkpointed with the rest):
+
+  init(params, model_state) -> collected
+  collect(collected, params, model_state, step) -> collected   # after `step` steps
+  members(collected, params, model_state, step, key) -> (params [K, ...], model_state
+                                                         [K, ...], valid [K] bool)
+
+`predictive_members` turns the stacked train state into the K*M members that predict.
+"""
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import Mesh
+
+from dist_ens.core import rng
+from dist_ens.errors import ConfigError
+from dist_ens.parallel import mesh as mesh_lib
+
+PyTree = Any
+METHODS = ('deep', 'snapshot', 'multiswag')
+# Stream tag of SWAG's weight samples (training is 1, MC dropout 2).
+_SWAG_STREAM = 3
+
+
+class Method(NamedTuple):
+  """An ensemble method's per-member functions (see the module doc)."""
+  name: str
+  init: Callable[[PyTree, PyTree], PyTree]
+  collect: Callable[[PyTree, PyTree, PyTree, jax.Array], PyTree]
+  members: Callable[..., tuple[PyTree, PyTree, jax.Array]]
+  per_member: int  # K: predicting members per trained member
+  cycles: int = 1  # learning-rate restarts (snapshot)
+
+
+def _deep() -> Method:
+  return Method('deep', init=lambda params, state: (),
+                collect=lambda collected, params, state, step: collected,
+                members=lambda collected, params, state, step, key: (
+                    *jax.tree.map(lambda a: a[None], (params, state)), jnp.ones((1,), bool)),
+                per_member=1)
+
+
+def _snapshot(cycles: int, total_steps: int) -> Method:
+  """Snapshots at steps L, 2L, ..., cycles*L = total_steps (L = total_steps / cycles)."""
+  length = total_steps // cycles
+
+  def init(params, state):
+    return jax.tree.map(lambda a: jnp.zeros((cycles, *a.shape), a.dtype), (params, state))
+
+  def collect(collected, params, state, step):
+    slot = step // length - 1
+
+    def keep(buffers):
+      return jax.tree.map(lambda buf, a: buf.at[slot].set(a), buffers, (params, state))
+
+    # `step` is the same for every member (unbatched under vmap): a real branch.
+    return jax.lax.cond(step % length == 0, keep, lambda b: b, collected)
+
+  def members(collected, params, state, step, key):
+    del params, state, key
+    filled = (jnp.arange(cycles) + 1) * length <= step
+    return (*collected, filled)
+
+  return Method('snapshot', init, collect, members, per_member=cycles, cycles=cycles)
+
+
+def swag_steps(start: int, every: int, total_steps: int) -> list[int]:
+  """The steps (counted after the update) at which SWAG collects the weights."""
+  return [s for s in range(max(start, 1), total_steps + 1) if (s - start) % every == 0]
+
+
+def _swag(start: int, every: int, rank: int, samples: int) -> Method:
+  """First and second moments and the last `rank` deviations, from step `start` on."""
+
+  def init(params, state):
+    zeros = lambda tree: jax.tree.map(jnp.zeros_like, tree)
+    return {'n': jnp.zeros((), jnp.int32), 'mean': zeros(params), 'sq_mean': zeros(params),
+            'deviations': jax.tree.map(lambda a: jnp.zeros((rank, *a.shape), a.dtype), params),
+            'state_mean': zeros(state)}
+
+  def collect(collected, params, state, step):
+    def add(c):
+      n = c['n'] + 1
+      mix = lambda old, new: old + (new - old) / n.astype(old.dtype)
+      mean = jax.tree.map(mix, c['mean'], params)
+      out = {'n': n, 'mean': mean,
+             'sq_mean': jax.tree.map(lambda old, p: mix(old, p * p), c['sq_mean'], params),
+             'state_mean': jax.tree.map(mix, c['state_mean'], state), 'deviations':
+                 c['deviations']}
+      if rank:
+        out['deviations'] = jax.tree.map(lambda d, p, m: d.at[(n - 1) % rank].set(p - m),
+                                         c['deviations'], params, mean)
+      return out
+
+    due = (step >= max(start, 1)) & ((step - start) % every == 0)
+    return jax.lax.cond(due, add, lambda c: c, collected)
+
+  def members(collected, params, state, step, key):
+    del params, state, step
+    sampled = jax.vmap(lambda k: swag_sample(collected, rank, jax.random.fold_in(key, k)))(
+        jnp.arange(samples, dtype=jnp.uint32))
+    model_state = jax.tree.map(lambda a: jnp.broadcast_to(a, (samples, *a.shape)),
+                               collected['state_mean'])
+    return sampled, model_state, jnp.broadcast_to(collected['n'] > 0, (samples,))
+
+  return Method('multiswag', init, collect, members, per_member=samples)
+
+
+def swag_sample(collected: PyTree, rank: int, key: jax.Array) -> PyTree:
+  """One weight sample: mean + diag(var)^(1/2) z1 / sqrt(2) + D z2 / sqrt(2 (R - 1)),
+  R the deviations kept so far (Maddox et al. 2019, eq. 1; no low-rank term for R < 2)."""
+  leaves, treedef = jax.tree.flatten(collected['mean'])
+  keys = jax.random.split(jax.random.fold_in(key, 0), len(leaves))
+  mean_sq = jax.tree.leaves(collected['sq_mean'])
+  diag = [m + jnp.sqrt(jnp.maximum(s - m * m, 0.0) / 2) * jax.random.normal(k, m.shape, m.dtype)
+          for m, s, k in zip(leaves, mean_sq, keys)]
+  kept = jnp.minimum(collected['n'], rank)
+  if rank < 2:
+    return treedef.unflatten(diag)
+  z = jax.random.normal(jax.random.fold_in(key, 1), (rank,)) * (jnp.arange(rank) < kept)
+  scale = jnp.where(kept >= 2, 1.0 / jnp.sqrt(2.0 * jnp.maximum(kept - 1, 1)), 0.0)
+  low_rank = [jnp.tensordot(z, d, axes=1) * scale
+              for d in jax.tree.leaves(collected['deviations'])]
+  return treedef.unflatten([a + b.astype(a.dtype) for a, b in zip(diag, low_rank)])
+
+
+def _int_field(config: ml_collections.ConfigDict, field: str, low: int) -> int:
+  value = config.get(field.split('.')[0], ml_collections.ConfigDict()).get(field.split('.')[1])
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ConfigError(f'config.ensemble.{field}={value!r} must be an int >= {low}.')
+  return value
+
+
+def from_config(config: ml_collections.ConfigDict) -> Method:
+  """The method config.ensemble.method names, its fields checked against train.steps.
+
+  Raises:
+    ConfigError: naming the field and what would work.
+  """
+  ensemble = config.get('ensemble', ml_collections.ConfigDict())
+  name, steps = ensemble.get('method', 'deep'), config.train.steps
+  if name not in METHODS:
+    raise ConfigError(f'config.ensemble.method={name!r}; use one of {METHODS}.')
+  if name == 'deep':
+    return _deep()
+  if name == 'snapshot':
+    cycles = _int_field(ensemble, 'snapshot.cycles', 1)
+    if steps % cycles:
+      raise ConfigError(f'config.ensemble.snapshot.cycles={cycles} must divide train.steps='
+                        f'{steps} (every cycle is as long); e.g. train.steps='
+                        f'{math.ceil(steps / cycles) * cycles}.')
+    if config.optim.schedule == 'constant' and not config.optim.warmup_steps:
+      raise ConfigError("config.ensemble.method='snapshot' restarts config.optim.schedule every "
+                        "cycle, and 'constant' has nothing to restart: use schedule='cosine' "
+                        '(as Huang et al. 2017).')
+    return _snapshot(cycles, steps)
+  swag = ensemble.get('swag', ml_collections.ConfigDict())
+  start_fraction = swag.get('start', 0.75)
+  if isinstance(start_fraction, bool) or not isinstance(start_fraction, (int, float)) or not (
+      0 <= start_fraction < 1):
+    raise ConfigError(f'config.ensemble.swag.start={start_fraction!r} must be a fraction of '
+                      'train.steps in [0, 1), e.g. 0.75.')
+  every, rank = _int_field(ensemble, 'swag.every', 1), _int_field(ensemble, 'swag.rank', 0)
+  samples = _int_field(ensemble, 'swag.samples', 1)
+  start = round(start_fraction * steps)
+  if len(swag_steps(start, every, steps)) < 2:
+    raise ConfigError(f'config.ensemble.swag: start={start_fraction} and every={every} collect '
+                      f'fewer than 2 weight iterates in train.steps={steps}; lower swag.every '
+                      'or swag.start.')
+  return _swag(start, every, rank, samples)
+
+
+class Members(NamedTuple):
+  """The members that predict, stacked [M * K, ...] over 'member' (evaluation reads
+  .params, .model_state and .frozen, as of a TrainState)."""
+  params: PyTree
+  model_state: PyTree
+  frozen: jax.Array  # [M * K] bool: a frozen member's, or not collected yet
+
+
+def predictive_members(method: Method, state: Any, seed: int, mesh: Mesh) -> Members:
+  """The K predicting members of every trained member, member m's at rows m*K..m*K+K-1.
+
+  Random draws (SWAG's weight samples) come from (seed, member, k): the same on any mesh.
+  """
+  if method.name == 'deep':
+    return Members(state.params, state.model_state, state.frozen)
+  num_members = state.frozen.shape[0]
+
+  def expand(collected, params, model_state, frozen, step):
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, _SWAG_STREAM))(
+        rng.member_keys(seed, jnp.arange(num_members, dtype=jnp.uint32)))
+    p, s, valid = jax.vmap(method.members, in_axes=(0, 0, 0, None, 0))(
+        collected, params, model_state, step, keys)
+    flat = lambda tree: jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), tree)
+    return Members(flat(p), flat(s), jnp.repeat(frozen, method.per_member) | ~flat(valid))
+
+  sharding = mesh_lib.member_sharding(mesh)
+  return jax.jit(expand, out_shardings=sharding)(
+      state.method_state, state.params, state.model_state, state.frozen, state.step)
