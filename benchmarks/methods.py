@@ -1,0 +1,163 @@
+"""Ensemble methods compared at equal training compute on the embedded MNIST-1D data.
+
+  python benchmarks/methods.py               # budget 4 x 1000 member-steps, ~10 min on 2 cores
+  python benchmarks/methods.py --steps 200   # a quick look
+
+Every run is configs/default.py (MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0) on ONE
+device, with config.eval.ood_dataset='mnist1d_noise'. The budget is B = 4 x T member-steps
+(a member-step is one update of one member on its batch of 128), so each method trains for
+the same number of forward/backward passes:
+
+  single      1 member, T steps (a quarter of the budget: the baseline)
+  deep        4 independent members, T steps
+  snapshot    1 member, 4T steps, 4 cosine cycles -> 4 snapshots predict
+  swag        1 member, 4T steps, SWAG over the last quarter (every 10 steps, rank 10)
+              -> 16 weight samples predict
+  multiswag   4 members, T steps, SWAG each -> 4 x 4 samples predict
+  mc_dropout  1 member with dropout 0.2, 4T steps -> 16 MC dropout samples
+  deep_dropout  4 members with dropout 0.2, T steps, evaluated without MC
+
+Reported per method: test accuracy, NLL, Brier, ECE of the predicting ensemble, OOD AUROC
+by predictive entropy (mnist1d_noise vs test), parameters trained and parameters that
+predict, train time (`train_seconds`: the loop, compilation included, evaluation left
+out) and inference time (the predicting members' log-probabilities on the 1,000 test
+examples, median of 5 after a warm-up; MC dropout's K samples included). Writes
+benchmarks/results/methods.json and prints a Markdown table.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault('MPLBACKEND', 'Agg')
+
+import jax  # pylint: disable=g-import-not-at-top
+import numpy as np
+
+import dist_ens
+from dist_ens import Ensemble, data
+from dist_ens.eval import evaluate
+
+ROOT = Path(__file__).resolve().parents[1]
+MEMBERS = 4
+MC_SAMPLES = 16
+
+
+def methods(steps: int) -> dict[str, dict]:
+  """name -> config overrides; every method trains MEMBERS * steps member-steps but 'single'."""
+  long = MEMBERS * steps
+  swag = {'ensemble.swag.start': 0.75, 'ensemble.swag.every': 10, 'ensemble.swag.rank': 10}
+  return {
+      'single': {'num_members': 1, 'train.steps': steps},
+      'deep': {'num_members': MEMBERS, 'train.steps': steps},
+      'snapshot': {'num_members': 1, 'train.steps': long, 'ensemble.method': 'snapshot',
+                   'ensemble.snapshot.cycles': MEMBERS, 'optim.schedule': 'cosine'},
+      'swag': {'num_members': 1, 'train.steps': long, 'ensemble.method': 'multiswag',
+               'ensemble.swag.samples': 16, **swag},
+      'multiswag': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'multiswag',
+                    'ensemble.swag.samples': 4, **swag},
+      'mc_dropout': {'num_members': 1, 'train.steps': long, 'model.dropout': 0.2,
+                     'eval.mc_samples': MC_SAMPLES},
+      'deep_dropout': {'num_members': MEMBERS, 'train.steps': steps, 'model.dropout': 0.2},
+  }
+
+
+def _config(overrides: dict):
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.eval.ood_dataset = 'mnist1d_noise'
+  config.mesh.member, config.mesh.data = 1, 1
+  for key, value in overrides.items():
+    *path, leaf = key.split('.')
+    node = config
+    for part in path:
+      node = node[part]
+    node[leaf] = value
+  steps = config.train.steps
+  config.train.log_every = min(config.train.log_every, steps)
+  config.train.eval_every, config.checkpoint.every = 0, steps
+  return config
+
+
+def _scores(name: str, results: dict) -> tuple[dict, float]:
+  """(test metrics of the predicting ensemble, its OOD AUROC by entropy)."""
+  key = {'snapshot': 'snapshot', 'swag': 'multiswag', 'multiswag': 'multiswag',
+         'mc_dropout': 'mc_dropout'}.get(name)
+  block = results[key] if key else results
+  return block['ensemble'], block['ood']['ensemble']['auroc_entropy']
+
+
+def _inference_seconds(ens: Ensemble, mc_samples: int) -> float:
+  """Median wall time of the predicting members' log-probabilities on the test split."""
+  test = data.load_dataset('mnist1d', ens.config.data).test
+  step = evaluate.make_log_probs_step(ens.model, ens.mesh, mc_samples=mc_samples,
+                                      seed=ens.config.seed)
+  variables = (ens.params, ens.model_state)
+  times = []
+  for _ in range(6):  # The first call compiles.
+    start = time.perf_counter()
+    evaluate.split_log_probs(step, variables, test, 1000, ens.mesh)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times[1:])
+
+
+def run(name: str, overrides: dict) -> dict:
+  config = _config(overrides)
+  workdir = tempfile.mkdtemp(prefix=f'methods_{name}_')
+  results = dist_ens.train(config, workdir, devices=jax.devices()[:1])
+  ensemble, auroc = _scores(name, results)
+  ens = Ensemble.load(workdir, devices=jax.devices()[:1])
+  per_member = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(ens.params))
+  mc = config.eval.get('mc_samples', 0)
+  return {
+      'method': name, 'overrides': overrides, 'member_steps': config.num_members * config.train.steps,
+      'accuracy': ensemble['accuracy'], 'nll': ensemble['nll'], 'brier': ensemble['brier'],
+      'ece': ensemble['ece'], 'ood_auroc': auroc,
+      'trained_parameters': per_member * config.num_members,
+      'predicting_members': ens.num_members * max(mc, 1),
+      'predicting_parameters': per_member * ens.num_members,
+      'train_seconds': results['train_seconds'],
+      'inference_seconds': _inference_seconds(ens, mc)}
+
+
+def table(rows: list[dict]) -> str:
+  head = ('| method | member-steps | predicting members | accuracy | NLL | Brier | ECE | OOD AUROC '
+          '| parameters trained / predicting | train s | inference ms |')
+  lines = [head, '|---' * 11 + '|']
+  for r in rows:
+    lines.append(
+        f"| {r['method']} | {r['member_steps']:,} | {r['predicting_members']} | "
+        f"{r['accuracy']:.3f} | {r['nll']:.3f} | {r['brier']:.3f} | {r['ece']:.3f} | "
+        f"{r['ood_auroc']:.3f} | {r['trained_parameters']:,} / {r['predicting_parameters']:,} | "
+        f"{r['train_seconds']:.1f} | {1000 * r['inference_seconds']:.0f} |")
+  return '\n'.join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--steps', type=int, default=1000, help='T: steps of a 4-member run')
+  parser.add_argument('--methods', default='', help='comma-separated subset')
+  parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'methods.json'))
+  args = parser.parse_args(argv)
+  chosen = methods(args.steps)
+  names = [n for n in args.methods.split(',') if n] or list(chosen)
+  unknown = sorted(set(names) - set(chosen))
+  if unknown:
+    parser.error(f'unknown methods {unknown}; use some of {list(chosen)}')
+  rows = [run(name, chosen[name]) for name in names]
+  print(table(rows))
+  out = {'rows': rows, 'markdown': table(rows), 'steps': args.steps, 'members': MEMBERS,
+         'machine': platform.machine(), 'cpu_count': os.cpu_count(), 'python': sys.version.split()[0],
+         'jax': jax.__version__, 'date': time.strftime('%Y-%m-%d')}
+  Path(args.out).write_text(json.dumps(out, indent=1))
+  print(f'wrote {args.out}')
+
+
+if __name__ == '__main__':
+  main()
