@@ -166,6 +166,27 @@ def _members_update(model, optimizer, seed, loss, options, data_size, parallelis
                       in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes)
 
 
+def _state_update(members_update, method: Method | None, reproducible: bool):
+  """update(state, hparams, members, x, y, index) -> (state, metrics) for a device's
+  block of members: every member's update (_members_update), then what the ensemble
+  method collects from the new parameters (nothing for independent members)."""
+  collect = None
+  if method is not None and method.name != 'deep':
+    collect = over_members(method.collect, 'map' if reproducible else 'vmap',
+                           in_axes=(0, 0, 0, None))
+
+  def update(state, hparams, members, x, y, index):
+    params, model_state, opt_state, frozen, metrics = members_update(
+        state.params, state.model_state, state.opt_state, state.frozen, hparams, members,
+        state.step, x, y, index)
+    step = state.step + 1
+    collected = state.method_state if collect is None else collect(
+        state.method_state, params, model_state, step)
+    return TrainState(params, model_state, opt_state, frozen, step, collected), metrics
+
+  return update
+
+
 def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call: int,
            manual_data: bool):
   """How shard_map's manual axes split the state, the batch and the metrics."""
@@ -219,13 +240,10 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
   """
   if not isinstance(steps_per_call, int) or steps_per_call < 1:
     raise ValueError(f'steps_per_call={steps_per_call!r} must be an int >= 1.')
-  members_update = _members_update(model, optimizer, seed, loss, options, mesh.shape[DATA],
-                                   member_parallelism, map_batch_size,
-                                   0 if per_member_batches else None)
-  collect = None
-  if method is not None and method.name != 'deep':
-    collect = over_members(method.collect, 'map' if options.reproducible else 'vmap',
-                           in_axes=(0, 0, 0, None))
+  update = _state_update(
+      _members_update(model, optimizer, seed, loss, options, mesh.shape[DATA],
+                      member_parallelism, map_batch_size, 0 if per_member_batches else None),
+      method, options.reproducible)
 
   def local_step(state, hparams, *batch):
     local_members = state.frozen.shape[0]
@@ -233,13 +251,7 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
 
     def one_step(state, batch):
       x, y, *index = batch
-      params, model_state, opt_state, frozen, metrics = members_update(
-          state.params, state.model_state, state.opt_state, state.frozen, hparams, members,
-          state.step, x, y, index[0] if index else None)
-      step = state.step + 1
-      collected = state.method_state if collect is None else collect(
-          state.method_state, params, model_state, step)
-      return TrainState(params, model_state, opt_state, frozen, step, collected), metrics
+      return update(state, hparams, members, x, y, index[0] if index else None)
 
     if steps_per_call == 1:
       return one_step(state, batch)

@@ -143,13 +143,6 @@ class TrainLog(PeriodicAction):
     self._progress.close()
 
 
-def _writes_final_events(ctx: Context) -> bool:
-  # A rerun of a finished run steps nowhere: its final events are already written (the
-  # checkpoint at the last step is saved only after them). The results are computed
-  # again, for final_metrics.json, which a kill may have prevented.
-  return not ctx.restored or ctx.start_step < ctx.total_steps
-
-
 class Evaluate(PeriodicAction):
   """Test metrics every `every` steps (an event and a log line) and after the last step
   (also the run's results: 'members' and 'ensemble')."""
@@ -163,7 +156,7 @@ class Evaluate(PeriodicAction):
     final = ctx.step == ctx.total_steps
     if final:
       ctx.results.update(results)
-    if not final or _writes_final_events(ctx):
+    if not final or ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': 'test', **results})
     if not final:
       logging.info('step %d test: ensemble accuracy %.4f nll %.4f; member mean accuracy %.4f',
@@ -179,7 +172,7 @@ class ScoreOod(PeriodicAction):
 
   def run(self, ctx: Context) -> None:
     results = ctx.evaluator.ood(ctx.state, ctx.run_data.dataset.test, ctx.run_data.ood)
-    if _writes_final_events(ctx):
+    if ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': 'ood', **results})
     name = ctx.config.eval.ood_dataset
     ctx.results['ood'] = {'dataset': name, **results}

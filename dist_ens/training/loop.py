@@ -76,6 +76,14 @@ class Context:
   def restored(self) -> bool:
     return bool(self.saved_meta)
 
+  @property
+  def writes_final_events(self) -> bool:
+    """Whether after-the-last-step actions write their events: not on a rerun of a
+    finished run, which steps nowhere and whose final events are already written (the
+    checkpoint at the last step is saved only after them). Results are still computed
+    again, for final_metrics.json, which a kill may have prevented."""
+    return not self.restored or self.start_step < self.total_steps
+
   def write(self, event: dict[str, Any]) -> None:
     """Sends one event ({'step', 'split', 'members': {...}, 'ensemble': {...}}) to the writers."""
     self.writer.write(event)

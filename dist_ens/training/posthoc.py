@@ -79,11 +79,6 @@ def _prediction(results: dict[str, Any]) -> dict[str, float]:
   return {k: results['ensemble'][k] for k in _PREDICTION_METRICS if k in results['ensemble']}
 
 
-def _final_events(ctx: Context) -> bool:
-  # A rerun of a finished run steps nowhere: its final events are already written.
-  return not ctx.restored or ctx.start_step < ctx.total_steps
-
-
 class _Posthoc(PeriodicAction):
   """An action that runs once after the last step on shared split log-probabilities."""
   needs_validation = True
@@ -131,7 +126,7 @@ class McDropout(_Posthoc):
           'dataset': ctx.config.eval.ood_dataset,
           **evaluate.ood_from_log_probs(log_probs, self.cache.get(ctx, 'ood', self.samples),
                                         _included(ctx))}
-    if _final_events(ctx):
+    if ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': 'test_mc_dropout', **results})
     logging.info('MC dropout (%d samples per member) test metrics:\n%s', self.samples,
                  before_after_table(evaluate.metrics_from_log_probs(
@@ -163,7 +158,7 @@ class MethodEnsemble(_Posthoc):
       ctx.results[method.name]['ood'] = {
           'dataset': ctx.config.eval.ood_dataset,
           **evaluate.ood_from_log_probs(log_probs['test'], log_probs['ood'], included)}
-    if _final_events(ctx):
+    if ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': f'test_{method.name}', **results})
     logging.info('%s: %d predicting members (%d per trained member), test metrics:\n%s',
                  method.name, included.sum(), method.per_member,
@@ -236,7 +231,7 @@ class TemperatureScale(_Posthoc):
     out = temperature_scaling(self.cache.get(ctx, 'validation'), val_y,
                               self.cache.get(ctx, 'test'), test_y, _included(ctx))
     ctx.results['temperature_scaling'] = out
-    if _final_events(ctx):
+    if ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': 'test_temperature_scaled', **out['after']})
     logging.info('temperature scaling fitted on validation: ensemble T %.3f, member T %s; '
                  'test metrics:\n%s', out['ensemble_temperature'],
@@ -269,7 +264,7 @@ class GreedySelect(_Posthoc):
         'validation_nll_all_members': float(_nll(calibration.pooled_log_probs(val, included),
                                                  val_y)),
         'ensemble': _prediction(greedy)}
-    if _final_events(ctx):
+    if ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': 'test_greedy', 'ensemble': _prediction(greedy)})
     rows = {'all members': every, 'greedy': greedy}
     if 'selected' in ctx.results:
