@@ -123,10 +123,10 @@ def test_sweep_member_equals_a_run_where_every_member_has_its_values(tmp_path, o
   sweep = dist_ens.train(_config(optim__name=optimizer, **fields), str(tmp_path / 'sweep'))
   assert sweep['train_step_traces'] == 1
   assert set(sweep['hyperparameters']) == {k.replace('__', '.') for k in fields}
-  for i in (0, 2):  # two of the four: each single run costs a compile
-    scalars = {k: v[i] for k, v in fields.items()}
-    single = dist_ens.train(_config(optim__name=optimizer, **scalars), str(tmp_path / f'single{i}'))
-    assert _member_metrics(sweep, i) == _member_metrics(single, i), f'member {i}'
+  i = 2  # One member that is not the first (each single run costs a compile).
+  scalars = {k: v[i] for k, v in fields.items()}
+  single = dist_ens.train(_config(optim__name=optimizer, **scalars), str(tmp_path / f'single{i}'))
+  assert _member_metrics(sweep, i) == _member_metrics(single, i), f'member {i}'
 
 
 def test_changing_one_members_value_changes_only_that_member(tmp_path):
