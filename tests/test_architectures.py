@@ -309,10 +309,14 @@ def test_dropout_in_models(wrn10):
   a, b = train(jax.random.key(1)), train(jax.random.key(2))
   assert not np.allclose(a, b)
   np.testing.assert_array_equal(train(jax.random.key(1)), a)
-  # Evaluation draws no random bits, whatever rng it is given.
+  # Evaluation draws no random bits without an rng; given one, it samples its dropout
+  # (MC dropout, the model contract of dist_ens.core.model).
   program = lambda train: str(jax.make_jaxpr(lambda rng: net.model.apply(
       net.params, net.state, net.x, train=train, rng=rng))(jax.random.key(1)))
-  assert 'random_bits' in program(True) and 'random_bits' not in program(False)
+  plain = str(jax.make_jaxpr(lambda x: net.model.apply(net.params, net.state, x,
+                                                       train=False)[0])(net.x))
+  assert 'random_bits' in program(True) and 'random_bits' in program(False)
+  assert 'random_bits' not in plain
   for name in ('lenet5', 'resnet', 'wide_resnet'):
     model = _model(name, depth=8 if name == 'resnet' else 10, dropout=0.3)
     params, state = jax.eval_shape(model.init, jax.random.key(0), _spec((1, 40, 1)))
