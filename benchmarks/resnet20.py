@@ -185,33 +185,8 @@ def build_dist_ens(members: int, parallelism: str, conv_impl: str) -> Built:
 
 def build_loop(members: int, conv_impl: str) -> Built:
   """M separate states, each stepped by one jitted optax update (throughput.build_loop)."""
-  import jax
-  import optax
-  from dist_ens.core.losses import cross_entropy
-  from dist_ens.ensembles.stacking import unstack
-  spec = spec_for(conv_impl)
-  model, tx, stacked = tp._plain_state(spec, members)
-  states = [jax.device_put(s) for s in zip(unstack(stacked.params),
-                                           unstack(stacked.model_state),
-                                           unstack(stacked.opt_state))]
-
-  def update(params, model_state, opt_state, x, y):
-    def loss_fn(p):
-      logits, new_state = model.apply(p, model_state, x, train=True)
-      return cross_entropy(logits, y), new_state
-    (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), model_state, opt_state, loss
-  update = jax.jit(update, donate_argnums=(0, 1, 2))
-  x, y = (jax.device_put(a, jax.devices()[0]) for a in tp._batch(spec))
-
-  def run():
-    loss = None
-    for i, member_state in enumerate(states):
-      *member_state, loss = update(*member_state, x, y)
-      states[i] = tuple(member_state)
-    return loss
-  return Built(run, lambda: update.lower(*states[0], x, y))
+  run = tp.build_loop(spec_for(conv_impl), members)
+  return Built(run, run.lower)
 
 
 def conv_lowering(members: int, parallelism: str = 'vmap') -> dict[str, Any]:

@@ -240,6 +240,7 @@ def build_loop(spec: ModelSpec, members: int) -> Callable[[], Any]:
       *member_state, loss = update(*member_state, x, y)
       states[i] = tuple(member_state)
     return loss
+  run.lower = lambda: update.lower(*states[0], x, y)  # one member's update, for its memory
   return run
 
 
