@@ -61,6 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.ensemble.member_parallelism = 'auto'
   config.ensemble.map_batch_size = 0
   # What the members are (docs/ensemble_methods.md): 'deep' (independent members),
+  # 'batchensemble' (one shared weight per layer, rank-1 factors per member),
   # 'snapshot' (each member's schedule restarts snapshot.cycles times; every cycle's end
   # predicts) or 'multiswag' (SWAG per member: swag.samples weight samples predict).
   config.ensemble.method = 'deep'

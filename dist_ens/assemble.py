@@ -128,6 +128,8 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   elif isinstance(optimizer, optax.GradientTransformation):
     optimizer = functools.partial(lambda tx, hp=None: tx, optimizer)
   member_hparams = hparams_lib.resolve(config)
+  if method.shares:
+    _check_shared_optimizer(member_hparams)
   m = config.num_members
   if num_members is not None and num_members != m:
     member_hparams = {k: np.resize(v, num_members) for k, v in member_hparams.items()}
@@ -140,9 +142,18 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp, method)
 
   shapes = jax.eval_shape(init)
-  abstract = with_shardings(shapes, state_shardings(shapes, mesh))
+  abstract = with_shardings(shapes, state_shardings(shapes, mesh, methods.sharding_rule(method)))
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_classes,
                abstract, init, method)
+
+
+def _check_shared_optimizer(member_hparams: dict[str, np.ndarray]) -> None:
+  """BatchEnsemble's shared weights take one optimizer: its hyperparameters cannot vary."""
+  varying = [k for k in hparams_lib.varying(member_hparams) if k.startswith('optim.')]
+  if varying:
+    raise ConfigError(f"config.ensemble.method='batchensemble' trains shared weights with one "
+                      f'optimizer, but config.hparams varies {varying} over members; sweep '
+                      "them with method='deep', or fix them.")
 
 
 def init_sharded(parts: Parts) -> TrainState:

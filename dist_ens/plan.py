@@ -236,8 +236,9 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   state = parts.abstract_state
 
   m = config.num_members
-  params_per_member = sum(math.prod(leaf.shape[1:]) for leaf in jax.tree.leaves(state.params))
-  # Stacked leaves only: the replicated step counter belongs to no member.
+  # All trained parameters over M: a shared (BatchEnsemble) weight counts 1/M per member.
+  params_per_member = round(sum(leaf.size for leaf in jax.tree.leaves(state.params)) / m)
+  # Leaves with axes only: the replicated step counter belongs to no member.
   state_bytes_per_member = sum(leaf.size * leaf.dtype.itemsize
                                for leaf in jax.tree.leaves(state) if leaf.ndim) // m
   if memory_bytes is None:

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from dist_ens.core import rng
 from dist_ens.core.model import Model, is_kernel
 from dist_ens.core.optim import Optimizer
+from dist_ens.ensembles import batchensemble
 from dist_ens.ensembles.methods import Method
 
 PyTree = Any
@@ -58,14 +59,20 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
     method: the ensemble method (dist_ens.ensembles.methods); None: independent members.
   """
   keys = rng.member_keys(seed, jnp.arange(num_members, dtype=jnp.uint32))
+  hparams = dict(hparams)
 
   def one(key, hp):
     params, model_state = model.init(key, sample_x)
-    params = scale_init(params, hp.get('model.init_scale'))
-    collected = method.init(params, model_state) if method is not None else ()
-    return params, model_state, optimizer(hp).init(params), collected
+    return scale_init(params, hp.get('model.init_scale')), model_state
 
-  params, model_state, opt_state, collected = jax.vmap(one)(keys, dict(hparams))
+  params, model_state = jax.vmap(one)(keys, hparams)
+  if method is not None and method.shares:
+    params = batchensemble.from_members(params, keys)
+    opt_state = batchensemble.init_opt_state(optimizer, params, hparams)
+  else:
+    opt_state = jax.vmap(lambda hp, p: optimizer(hp).init(p))(hparams, params)
+  collected = (jax.vmap(method.init)(params, model_state) if method is not None and method.collects
+               else ())
   return TrainState(params=params, model_state=model_state, opt_state=opt_state,
                     frozen=jnp.zeros((num_members,), jnp.bool_), step=jnp.zeros((), jnp.int32),
                     method_state=collected)

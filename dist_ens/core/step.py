@@ -27,7 +27,8 @@ from dist_ens.core.optim import Optimizer
 from dist_ens.core.state import TrainState
 from dist_ens.data import augment as augment_lib
 from dist_ens.data.augment import Augmentation
-from dist_ens.ensembles.methods import Method
+from dist_ens.ensembles import batchensemble
+from dist_ens.ensembles.methods import Method, sharding_rule
 from dist_ens.ensembles.sharding import state_specs
 from dist_ens.parallel.mesh import DATA, MEMBER
 from dist_ens.parallel.strategy import over_members
@@ -147,7 +148,7 @@ def member_update_fn(model: Model, optimizer: Optimizer, seed: int,
 
 
 def _members_update(model, optimizer, seed, loss, options, data_size, parallelism,
-                    map_batch_size, batch_axis):
+                    map_batch_size, batch_axis, method):
   """update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over a
   device's block of members.
 
@@ -158,6 +159,10 @@ def _members_update(model, optimizer, seed, loss, options, data_size, parallelis
   one Adam step), whereas a member-shaped body compiles alike everywhere.
   """
   batch_axes = (batch_axis,) * 3
+  if method is not None and method.shares:  # BatchEnsemble (reproducible mode refused).
+    return batchensemble.members_update(
+        member_results_fn(model, seed, loss, options, data_size), member_apply_fn(optimizer),
+        optimizer, parallelism, batch_axis, map_batch_size)
   if not options.reproducible:
     return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size),
                         parallelism, in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes,
@@ -171,7 +176,7 @@ def _state_update(members_update, method: Method | None, reproducible: bool):
   block of members: every member's update (_members_update), then what the ensemble
   method collects from the new parameters (nothing for independent members)."""
   collect = None
-  if method is not None and method.name != 'deep':
+  if method is not None and method.collects:
     collect = over_members(method.collect, 'map' if reproducible else 'vmap',
                            in_axes=(0, 0, 0, None))
 
@@ -188,7 +193,7 @@ def _state_update(members_update, method: Method | None, reproducible: bool):
 
 
 def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call: int,
-           manual_data: bool):
+           manual_data: bool, method: Method | None):
   """How shard_map's manual axes split the state, the batch and the metrics."""
   batch_axes = (MEMBER,) if per_member_batches else ()
   if manual_data:
@@ -196,11 +201,11 @@ def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call:
   batch_spec, metrics_spec = P(*batch_axes), P(MEMBER)
   if steps_per_call > 1:
     batch_spec, metrics_spec = P(None, *batch_spec), P(None, MEMBER)
-  return state_specs(abstract_state), batch_spec, metrics_spec
+  return state_specs(abstract_state, sharding_rule(method)), batch_spec, metrics_spec
 
 
 def _layout(mesh: Mesh, abstract_state: TrainState, per_member_batches: bool,
-            steps_per_call: int, reproducible: bool):
+            steps_per_call: int, reproducible: bool, method: Method | None):
   """(shard_map's manual axes, (state, batch, metrics specs)).
 
   Manual over 'member' only; 'data' stays global-view inside (see the module doc).
@@ -210,7 +215,7 @@ def _layout(mesh: Mesh, abstract_state: TrainState, per_member_batches: bool,
   """
   manual_data = reproducible and mesh.shape[DATA] > 1
   manual = set(mesh.axis_names) if mesh.shape[DATA] == 1 or manual_data else {MEMBER}
-  return manual, _specs(abstract_state, per_member_batches, steps_per_call, manual_data)
+  return manual, _specs(abstract_state, per_member_batches, steps_per_call, manual_data, method)
 
 
 def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_state: TrainState,
@@ -242,7 +247,8 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
     raise ValueError(f'steps_per_call={steps_per_call!r} must be an int >= 1.')
   update = _state_update(
       _members_update(model, optimizer, seed, loss, options, mesh.shape[DATA],
-                      member_parallelism, map_batch_size, 0 if per_member_batches else None),
+                      member_parallelism, map_batch_size, 0 if per_member_batches else None,
+                      method),
       method, options.reproducible)
 
   def local_step(state, hparams, *batch):
@@ -258,7 +264,8 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
     return jax.lax.scan(one_step, state, batch)
 
   manual, (specs, batch_spec, metrics_spec) = _layout(mesh, abstract_state, per_member_batches,
-                                                      steps_per_call, options.reproducible)
+                                                      steps_per_call, options.reproducible,
+                                                      method)
   step = TrainStep(fn=None, uses_index=options.augment is not None)
 
   def traced(state, hparams, *batch):

@@ -5,6 +5,9 @@
                ensemble.snapshot.cycles restarts of config.optim.schedule, and the
                member's parameters and model state at the end of every cycle are kept;
                M x cycles snapshots predict.
+  'batchensemble'  BatchEnsemble (Wen et al. 2020; dist_ens.ensembles.batchensemble): one
+               shared weight per layer and rank-1 factors per member, members trained in
+               one pass; its shared leaves are replicated over the mesh, not stacked.
   'multiswag'  SWAG per member (Maddox et al. 2019; MultiSWAG, Wilson & Izmailov 2020):
                from ensemble.swag.start of training on, every ensemble.swag.every steps,
                a member's running mean and mean square of its weights and its last
@@ -33,11 +36,14 @@ import ml_collections
 from jax.sharding import Mesh
 
 from dist_ens.core import rng
+from dist_ens.ensembles import batchensemble, sharding
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
 PyTree = Any
-METHODS = ('deep', 'snapshot', 'multiswag')
+METHODS = ('deep', 'batchensemble', 'snapshot', 'multiswag')
+# Methods whose members collect (snapshots, SWAG moments) and predict from it.
+COLLECTING = ('snapshot', 'multiswag')
 # Stream tag of SWAG's weight samples (training is 1, MC dropout 2).
 _SWAG_STREAM = 3
 
@@ -50,6 +56,12 @@ class Method(NamedTuple):
   members: Callable[..., tuple[PyTree, PyTree, jax.Array]]
   per_member: int  # K: predicting members per trained member
   cycles: int = 1  # learning-rate restarts (snapshot)
+  shares: bool = False  # params have leaves shared by all members (batchensemble)
+
+  @property
+  def collects(self) -> bool:
+    """Whether members collect anything while training (the step runs `collect`)."""
+    return self.name in COLLECTING
 
 
 def _deep() -> Method:
@@ -58,6 +70,15 @@ def _deep() -> Method:
                 members=lambda collected, params, state, step, key: (
                     *jax.tree.map(lambda a: a[None], (params, state)), jnp.ones((1,), bool)),
                 per_member=1)
+
+
+def _batchensemble() -> Method:
+  return _deep()._replace(name='batchensemble', shares=True)
+
+
+def sharding_rule(method: Method | None) -> sharding.ShardingRule:
+  """How the method's train state is laid out (ensembles.sharding)."""
+  return batchensemble.rule if method is not None and method.shares else sharding.stacked
 
 
 def _snapshot(cycles: int, total_steps: int) -> Method:
@@ -163,6 +184,12 @@ def from_config(config: ml_collections.ConfigDict) -> Method:
     raise ConfigError(f'config.ensemble.method={name!r}; use one of {METHODS}.')
   if name == 'deep':
     return _deep()
+  if name == 'batchensemble':
+    if config.get('reproducible', False):
+      raise ConfigError("config.reproducible=True with config.ensemble.method='batchensemble': "
+                        "the shared weights' gradient is a sum over devices, whose order "
+                        'depends on the mesh; use reproducible=False.')
+    return _batchensemble()
   if name == 'snapshot':
     cycles = _int_field(ensemble, 'snapshot.cycles', 1)
     if steps % cycles:
@@ -198,13 +225,27 @@ class Members(NamedTuple):
   frozen: jax.Array  # [M * K] bool: a frozen member's, or not collected yet
 
 
+def trained_members(method: Method | None, state: Any, mesh: Mesh) -> Members:
+  """The members as they are now, each its own model params (BatchEnsemble's formed
+  from the shared weights and its factors)."""
+  if method is None or not method.shares:
+    return Members(state.params, state.model_state, state.frozen)
+
+  def form(params):
+    shared, own = batchensemble.split(params)
+    return jax.vmap(lambda o: batchensemble.member_params(batchensemble.merge(shared, o)))(own)
+
+  params = jax.jit(form, out_shardings=mesh_lib.member_sharding(mesh))(state.params)
+  return Members(params, state.model_state, state.frozen)
+
+
 def predictive_members(method: Method, state: Any, seed: int, mesh: Mesh) -> Members:
   """The K predicting members of every trained member, member m's at rows m*K..m*K+K-1.
 
   Random draws (SWAG's weight samples) come from (seed, member, k): the same on any mesh.
   """
-  if method.name == 'deep':
-    return Members(state.params, state.model_state, state.frozen)
+  if method.per_member == 1 and not method.collects:
+    return trained_members(method, state, mesh)
   num_members = state.frozen.shape[0]
 
   def expand(collected, params, model_state, frozen, step):

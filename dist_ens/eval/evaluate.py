@@ -324,12 +324,16 @@ class Evaluator:
     evaluator.evaluate(state, dataset.test)['ensemble']['nll']
   """
 
-  def __init__(self, eval_step: EvalStep, mesh: Mesh, batch_size: int):
-    self.eval_step, self.mesh, self.batch_size = eval_step, mesh, batch_size
+  def __init__(self, eval_step: EvalStep, mesh: Mesh, batch_size: int,
+               view: Callable[[Any], Any] = lambda state: state):
+    """`view(state)` is the members as they predict (.params, .model_state, .frozen):
+    the state itself, or ensembles.methods.trained_members for BatchEnsemble."""
+    self.eval_step, self.mesh, self.batch_size, self.view = eval_step, mesh, batch_size, view
 
   def evaluate(self, state: Any, split: Split, member_mask: jax.Array | None = None
                ) -> dict[str, Any]:
     """Metrics of every member and the ensemble of the non-frozen (or masked-in) members."""
+    state = self.view(state)
     if member_mask is None:
       member_mask = member_mask_from_frozen(state.frozen)
     # A small split is evaluated in one batch, not padded up to the batch size.
@@ -339,5 +343,6 @@ class Evaluator:
 
   def ood(self, state: Any, in_split: Split, ood_split: Split) -> dict[str, Any]:
     """AUROC/AUPR of telling `ood_split` from `in_split` by the ensemble's uncertainty."""
+    state = self.view(state)
     return evaluate_ood(self.eval_step, (state.params, state.model_state), in_split, ood_split,
                         self.batch_size, self.mesh, member_mask_from_frozen(state.frozen))

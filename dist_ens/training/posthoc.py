@@ -52,9 +52,10 @@ class SplitLogProbs:
       if mc_samples not in self._steps:
         self._steps[mc_samples] = evaluate.make_log_probs_step(
             ctx.parts.model, ctx.parts.mesh, mc_samples=mc_samples, seed=ctx.config.seed)
+      members = ctx.evaluator.view(ctx.state)
       with ctx.off_clock():
         self._cache[key] = evaluate.split_log_probs(
-            self._steps[mc_samples], (ctx.state.params, ctx.state.model_state),
+            self._steps[mc_samples], (members.params, members.model_state),
             _split(ctx, split), ctx.config.eval.batch_size, ctx.parts.mesh)
     return self._cache[key]
 
@@ -149,7 +150,7 @@ class MethodEnsemble(_Posthoc):
     with ctx.off_clock():
       log_probs = {name: evaluate.split_log_probs(step, variables, _split(ctx, name),
                                                   ctx.config.eval.batch_size, ctx.parts.mesh)
-                   for name in ('test', 'ood') if name == 'test' or ctx.run_data.ood}
+                   for name in ('test', 'ood') if name == 'test' or ctx.run_data.ood is not None}
     results = evaluate.metrics_from_log_probs(log_probs['test'], ctx.run_data.dataset.test.y,
                                               included)
     ctx.results[method.name] = {'members_per_member': method.per_member,
@@ -291,7 +292,9 @@ def posthoc_actions(config: ml_collections.ConfigDict) -> list[PeriodicAction]:
   config.eval.temperature_scaling, config.select.method='greedy'), sharing their
   split log-probabilities. Fields a config lacks count as off."""
   cache, out = SplitLogProbs(), []
-  if config.get('ensemble', {}).get('method', 'deep') != 'deep':
+  # Snapshots and SWAG samples predict beside the trained members; a BatchEnsemble's
+  # members are the trained members (evaluated as such).
+  if config.get('ensemble', {}).get('method', 'deep') in methods.COLLECTING:
     out.append(MethodEnsemble(cache))
   method = config.select.get('method', 'top_k')
   if method not in SELECT_METHODS:

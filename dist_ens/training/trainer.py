@@ -6,6 +6,7 @@ compiled or written (dist_ens.assemble traces the state abstractly first).
 """
 
 import contextlib
+import functools
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -20,6 +21,7 @@ from dist_ens import assemble, configuration, data
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.core.losses import Loss, loss_for
+from dist_ens.ensembles import methods
 from dist_ens.eval import metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.io import tables, writers
@@ -215,7 +217,8 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
                 total_steps=config.train.steps, steps_per_call=k,
                 hparams=parts.device_hparams(),
                 evaluator=Evaluator(make_eval_step(parts.model, mesh), mesh,
-                                    config.eval.batch_size),
+                                    config.eval.batch_size, view=functools.partial(
+                                        methods.trained_members, parts.method, mesh=mesh)),
                 writer=writer, saved_meta=restored.meta, batches=batches)
   return ctx, train_step, checkpointer
 

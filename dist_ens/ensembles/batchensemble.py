@@ -1,0 +1,147 @@
+"""BatchEnsemble (Wen et al. 2020): one shared weight per layer, rank-1 factors per member.
+
+Member m's weight matrix or kernel (core.model.is_kernel) is W * outer(r_m, s_m):
+one W for all members, and per member r_m over the kernel's input axis (-2) and s_m
+over its output axis (-1), the channels-last layout of the built-in models, Flax
+and Haiku. Every other parameter (biases, normalisation scales) is each member's
+own, as in the paper. The trained params are the member's params tree with every
+leaf replaced by a small dict:
+
+  kernel      {'shared': W, 'r': r [M, in], 's': s [M, out]}
+  otherwise   {'own': p [M, ...]}
+
+so the shared W is ONE array, replicated over the mesh (`rule`), and the rest is
+stacked over 'member' like any member's state. Members train in one pass: each
+member's loss and gradients are a deep member's (its own batch, dropout and
+BatchNorm); W's gradient is the mean over the members' (of those not frozen, over
+every device) and W takes one optimizer step. The rank-1 form is applied to the
+parameters, so any model (Flax, Equinox, Haiku, plain JAX) works unchanged; a
+member's kernel is formed each step, so a step costs a deep ensemble's compute
+while the state holds one W instead of M.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from dist_ens.core.model import is_kernel
+from dist_ens.parallel.mesh import MEMBER
+from dist_ens.parallel.strategy import over_members
+
+PyTree = Any
+SHARED = 'shared'
+
+
+def _is_entry(x: Any) -> bool:
+  return isinstance(x, dict) and set(x) in ({SHARED, 'r', 's'}, {'own'})
+
+
+def is_shared(path: tuple[Any, ...]) -> bool:
+  """Whether a leaf of the train state (params or optimizer state) is a shared W."""
+  return any(getattr(k, 'key', None) == SHARED for k in path)
+
+
+def rule(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> P:
+  """The sharding rule: shared leaves (and scalars) replicated, the rest over 'member'."""
+  return P() if leaf.ndim == 0 or is_shared(path) else P(MEMBER)
+
+
+def _random_sign(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
+  return jnp.where(jax.random.bernoulli(key, 0.5, shape), 1, -1).astype(dtype)
+
+
+def from_members(params: PyTree, keys: jax.Array) -> PyTree:
+  """BatchEnsemble params from M members' initial params (stacked [M, ...]).
+
+  W is member 0's initial kernel (a function of the seed only); r_m and s_m are
+  random signs from member m's key, as Wen et al. initialise the fast weights.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  entries = []
+  for i, p in enumerate(leaves):
+    if not is_kernel(p[0]):
+      entries.append({'own': p})
+      continue
+    k = jax.vmap(lambda key: jax.random.split(jax.random.fold_in(key, i)))(keys)
+    entries.append({SHARED: p[0],
+                    'r': jax.vmap(lambda kk: _random_sign(kk, p.shape[-2:-1], p.dtype))(k[:, 0]),
+                    's': jax.vmap(lambda kk: _random_sign(kk, p.shape[-1:], p.dtype))(k[:, 1])})
+  return treedef.unflatten(entries)
+
+
+def member_params(params: PyTree) -> PyTree:
+  """ONE member's model params from its view of the BatchEnsemble params (W shared,
+  its own r, s and other leaves)."""
+  def form(entry):
+    if 'own' in entry:
+      return entry['own']
+    return entry[SHARED] * (entry['r'][:, None] * entry['s'][None, :])
+
+  return jax.tree.map(form, params, is_leaf=_is_entry)
+
+
+def split(params: PyTree) -> tuple[PyTree, PyTree]:
+  """(shared, per-member) parts of the params; merge() puts them back."""
+  shared = jax.tree.map(lambda e: {k: v for k, v in e.items() if k == SHARED}, params,
+                        is_leaf=_is_entry)
+  own = jax.tree.map(lambda e: {k: v for k, v in e.items() if k != SHARED}, params,
+                     is_leaf=_is_entry)
+  return shared, own
+
+
+def merge(shared: PyTree, own: PyTree) -> PyTree:
+  return jax.tree.map(lambda s, o: {**s, **o}, shared, own,
+                      is_leaf=lambda x: isinstance(x, dict) and (not x or _is_entry(x) or
+                                                                 set(x) <= {SHARED, 'r', 's'}))
+
+
+def init_opt_state(optimizer, params: PyTree, hparams: dict[str, jax.Array]) -> PyTree:
+  """{'shared': one optimizer state for the W's, 'members': each member's for the rest}."""
+  shared, own = split(params)
+  first = {k: v[0] for k, v in hparams.items()}
+  return {SHARED: optimizer(first).init(shared),
+          'members': jax.vmap(lambda hp, p: optimizer(hp).init(p))(hparams, own)}
+
+
+def members_update(results: Callable[..., Any], apply: Callable[..., Any], optimizer,
+                   parallelism: str, batch_axis: int | None,
+                   map_batch_size: int | None = None) -> Callable[..., Any]:
+  """update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over
+  a device's block of members (step.member_results_fn's `results`, member_apply_fn's
+  `apply`): each member's own leaves step as a deep member's; W by the mean gradient."""
+
+  def one(shared, own, model_state, hp, member, step, x, y, index):
+    params, vjp = jax.vjp(lambda s, o: member_params(merge(s, o)), shared, own)
+    result = results(params, model_state, hp, member, step, x, y, index)
+    grad_shared, grad_own = vjp(result.grads)
+    return result._replace(grads=grad_own), grad_shared
+
+  batch = (batch_axis,) * 3
+  member_results = over_members(one, parallelism, in_axes=(None, 0, 0, 0, 0, None) + batch,
+                                map_batch_size=map_batch_size)
+  member_apply = over_members(apply, parallelism, map_batch_size=map_batch_size)
+
+  def update(params, model_state, opt_state, frozen, hp, members, step, x, y, index):
+    shared, own = split(params)
+    result, grad_shared = member_results(shared, own, model_state, hp, members, step, x, y,
+                                         index)
+    own, model_state, own_opt, frozen, metrics = member_apply(
+        own, model_state, opt_state['members'], frozen, hp, result)
+    # The mean over members still training, on every device: frozen members' (maybe
+    # non-finite) gradients are left out with a select, not multiplied by zero.
+    count = jax.lax.psum(jnp.sum(~frozen), MEMBER)
+    grad = jax.tree.map(
+        lambda g: jax.lax.psum(jnp.sum(jnp.where(
+            frozen.reshape((-1,) + (1,) * (g.ndim - 1)), 0, g), axis=0), MEMBER) /
+        jnp.maximum(count, 1).astype(g.dtype), grad_shared)
+    first = jax.tree.map(lambda a: a[0], hp)
+    updates, shared_opt = optimizer(first).update(grad, opt_state[SHARED], shared)
+    shared = optax.apply_updates(shared, updates)
+    return (merge(shared, own), model_state, {SHARED: shared_opt, 'members': own_opt}, frozen,
+            metrics)
+
+  return update
