@@ -62,11 +62,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.ensemble.map_batch_size = 0
   # What the members are (docs/ensemble_methods.md): 'deep' (independent members),
   # 'batchensemble' (one shared weight per layer, rank-1 factors per member),
+  # 'mimo' (each member one network of mimo.heads input slots and output heads),
   # 'snapshot' (each member's schedule restarts snapshot.cycles times; every cycle's end
   # predicts) or 'multiswag' (SWAG per member: swag.samples weight samples predict).
   config.ensemble.method = 'deep'
   config.ensemble.snapshot = ml_collections.ConfigDict()
   config.ensemble.snapshot.cycles = 4  # must divide train.steps
+  config.ensemble.mimo = ml_collections.ConfigDict()
+  config.ensemble.mimo.heads = 3  # slots/heads per member network (Havasi et al. use 3)
   config.ensemble.swag = ml_collections.ConfigDict()
   config.ensemble.swag.start = 0.75  # collect from this fraction of train.steps on,
   config.ensemble.swag.every = 10  # every this many steps

@@ -27,7 +27,7 @@ from dist_ens.core.losses import Loss, loss_for
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import TrainState, init_state
-from dist_ens.ensembles import methods
+from dist_ens.ensembles import methods, mimo
 from dist_ens.ensembles.sharding import state_shardings, with_shardings
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood
@@ -121,8 +121,10 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     optimizer: replaces the config's: optimizer(member_hparams) -> GradientTransformation,
       or one GradientTransformation for every member.
   """
-  model = models.get_model(config.model, num_classes)
   method = methods.from_config(config)
+  model = models.get_model(config.model, num_classes * max(method.heads, 1))
+  if method.heads:  # MIMO: one network, `heads` input slots and output heads.
+    model = mimo.wrap(model, method.heads)
   if optimizer is None:
     optimizer = make_optimizer(config.optim, config.train.steps, cycles=method.cycles)
   elif isinstance(optimizer, optax.GradientTransformation):
@@ -189,6 +191,8 @@ def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
   replaces config.train.loss."""
   parallelism, map_batch_size = form
   loss = loss or loss_for(parts.config.train.get('loss', 'cross_entropy'))
+  if parts.method.heads:
+    loss = mimo.head_loss(loss)
   return make_train_step(parts.model, parts.optimizer, parts.mesh, parts.abstract_state,
                          seed=parts.config.seed, loss=loss,
                          per_member_batches=per_member_batches,

@@ -30,7 +30,7 @@ ALWAYS_COMPATIBLE = ('train.steps', 'train.epochs', 'train.log_every', 'train.ev
                      'writers')
 # Fields that define what the checkpoint holds: never restorable across a change.
 NEVER_COMPATIBLE = ('num_members', 'model', 'data.name', 'ensemble.method',
-                    'ensemble.snapshot.cycles', 'ensemble.swag.rank')
+                    'ensemble.snapshot.cycles', 'ensemble.swag.rank', 'ensemble.mimo.heads')
 
 
 # Version of what a checkpoint holds. 2: TrainState(params, model_state, opt_state,

@@ -55,7 +55,9 @@ def batch_fn(model: Model, loss: Loss) -> BatchFn:
       return loss(logits, y, hp), (logits, new_state)
 
     (value, (logits, new_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return BatchResult(value, jnp.mean(jnp.argmax(logits, -1) == y), grads, new_state)
+    # Logits may carry head axes ([B, H, C]: MIMO): every head is scored against y.
+    labels = y.reshape(y.shape + (1,) * (logits.ndim - 2))
+    return BatchResult(value, jnp.mean(jnp.argmax(logits, -1) == labels), grads, new_state)
 
   return run
 

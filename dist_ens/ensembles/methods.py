@@ -8,6 +8,10 @@
   'batchensemble'  BatchEnsemble (Wen et al. 2020; dist_ens.ensembles.batchensemble): one
                shared weight per layer and rank-1 factors per member, members trained in
                one pass; its shared leaves are replicated over the mesh, not stacked.
+  'mimo'       MIMO (Havasi et al. 2021; dist_ens.ensembles.mimo): each member is one
+               network with ensemble.mimo.heads input slots and output heads, each head
+               trained on its own shuffling of the batch; a member predicts as its heads'
+               mean.
   'multiswag'  SWAG per member (Maddox et al. 2019; MultiSWAG, Wilson & Izmailov 2020):
                from ensemble.swag.start of training on, every ensemble.swag.every steps,
                a member's running mean and mean square of its weights and its last
@@ -41,7 +45,7 @@ from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
 PyTree = Any
-METHODS = ('deep', 'batchensemble', 'snapshot', 'multiswag')
+METHODS = ('deep', 'batchensemble', 'mimo', 'snapshot', 'multiswag')
 # Methods whose members collect (snapshots, SWAG moments) and predict from it.
 COLLECTING = ('snapshot', 'multiswag')
 # Stream tag of SWAG's weight samples (training is 1, MC dropout 2).
@@ -57,6 +61,7 @@ class Method(NamedTuple):
   per_member: int  # K: predicting members per trained member
   cycles: int = 1  # learning-rate restarts (snapshot)
   shares: bool = False  # params have leaves shared by all members (batchensemble)
+  heads: int = 0  # input slots and output heads of each member's network (mimo)
 
   @property
   def collects(self) -> bool:
@@ -184,12 +189,16 @@ def from_config(config: ml_collections.ConfigDict) -> Method:
     raise ConfigError(f'config.ensemble.method={name!r}; use one of {METHODS}.')
   if name == 'deep':
     return _deep()
+  if name in ('batchensemble', 'mimo') and config.get('reproducible', False):
+    why = {'batchensemble': "the shared weights' gradient is a sum over devices, whose order "
+                            'depends on the mesh',
+           'mimo': "the heads' shuffles of a batch split over 'data' depend on the mesh"}[name]
+    raise ConfigError(f"config.reproducible=True with config.ensemble.method={name!r}: {why}; "
+                      'use reproducible=False.')
   if name == 'batchensemble':
-    if config.get('reproducible', False):
-      raise ConfigError("config.reproducible=True with config.ensemble.method='batchensemble': "
-                        "the shared weights' gradient is a sum over devices, whose order "
-                        'depends on the mesh; use reproducible=False.')
     return _batchensemble()
+  if name == 'mimo':
+    return _deep()._replace(name='mimo', heads=_int_field(ensemble, 'mimo.heads', 2))
   if name == 'snapshot':
     cycles = _int_field(ensemble, 'snapshot.cycles', 1)
     if steps % cycles:
