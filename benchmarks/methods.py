@@ -10,6 +10,8 @@ the same number of forward/backward passes:
 
   single      1 member, T steps (a quarter of the budget: the baseline)
   deep        4 independent members, T steps
+  batchensemble  4 members sharing each weight (rank-1 factors), T steps
+  mimo        1 network of 3 input slots and heads, 4T steps -> 3 heads predict
   snapshot    1 member, 4T steps, 4 cosine cycles -> 4 snapshots predict
   swag        1 member, 4T steps, SWAG over the last quarter (every 10 steps, rank 10)
               -> 16 weight samples predict
@@ -41,7 +43,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 import dist_ens
-from dist_ens import Ensemble, data
+from dist_ens import Ensemble, assemble, data
 from dist_ens.eval import evaluate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +58,10 @@ def methods(steps: int) -> dict[str, dict]:
   return {
       'single': {'num_members': 1, 'train.steps': steps},
       'deep': {'num_members': MEMBERS, 'train.steps': steps},
+      'batchensemble': {'num_members': MEMBERS, 'train.steps': steps,
+                        'ensemble.method': 'batchensemble'},
+      'mimo': {'num_members': 1, 'train.steps': long, 'ensemble.method': 'mimo',
+               'ensemble.mimo.heads': 3},
       'snapshot': {'num_members': 1, 'train.steps': long, 'ensemble.method': 'snapshot',
                    'ensemble.snapshot.cycles': MEMBERS, 'optim.schedule': 'cosine'},
       'swag': {'num_members': 1, 'train.steps': long, 'ensemble.method': 'multiswag',
@@ -106,6 +112,13 @@ def _inference_seconds(ens: Ensemble, mc_samples: int) -> float:
   return statistics.median(times[1:])
 
 
+def _trained_parameters(config) -> int:
+  """All parameters the optimizer trains (a BatchEnsemble's shared weights once)."""
+  parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]), (40, 1),
+                               10)
+  return sum(leaf.size for leaf in jax.tree.leaves(parts.abstract_state.params))
+
+
 def run(name: str, overrides: dict) -> dict:
   config = _config(overrides)
   workdir = tempfile.mkdtemp(prefix=f'methods_{name}_')
@@ -114,12 +127,13 @@ def run(name: str, overrides: dict) -> dict:
   ens = Ensemble.load(workdir, devices=jax.devices()[:1])
   per_member = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(ens.params))
   mc = config.eval.get('mc_samples', 0)
+  heads = config.ensemble.mimo.heads if config.ensemble.method == 'mimo' else 1
   return {
       'method': name, 'overrides': overrides, 'member_steps': config.num_members * config.train.steps,
       'accuracy': ensemble['accuracy'], 'nll': ensemble['nll'], 'brier': ensemble['brier'],
       'ece': ensemble['ece'], 'ood_auroc': auroc,
-      'trained_parameters': per_member * config.num_members,
-      'predicting_members': ens.num_members * max(mc, 1),
+      'trained_parameters': _trained_parameters(config),
+      'predicting_members': ens.num_members * max(mc, 1) * heads,
       'predicting_parameters': per_member * ens.num_members,
       'train_seconds': results['train_seconds'],
       'inference_seconds': _inference_seconds(ens, mc)}

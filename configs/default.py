@@ -67,7 +67,11 @@ def get_config() -> ml_collections.ConfigDict:
   # predicts) or 'multiswag' (SWAG per member: swag.samples weight samples predict).
   config.ensemble.method = 'deep'
   config.ensemble.snapshot = ml_collections.ConfigDict()
-  config.ensemble.snapshot.cycles = 4  # must divide train.steps
+  config.ensemble.snapshot.cycles = 4  # must divide the steps from snapshot.start on
+  # > 0: fast geometric ensembling, short cycles over the last (1 - start) of training
+  # (e.g. start=0.8, cycle_rate=0.05), after optim.schedule ran over the first part
+  config.ensemble.snapshot.start = 0.0
+  config.ensemble.snapshot.cycle_rate = 1.0  # the cycles' peak rate / optim.learning_rate
   config.ensemble.mimo = ml_collections.ConfigDict()
   config.ensemble.mimo.heads = 3  # slots/heads per member network (Havasi et al. use 3)
   config.ensemble.swag = ml_collections.ConfigDict()

@@ -126,7 +126,8 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
     model = mimo.wrap(model, method.heads)
   if optimizer is None:
-    optimizer = make_optimizer(config.optim, config.train.steps, cycles=method.cycles)
+    optimizer = make_optimizer(config.optim, config.train.steps, cycles=method.cycles,
+                               cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
   elif isinstance(optimizer, optax.GradientTransformation):
     optimizer = functools.partial(lambda tx, hp=None: tx, optimizer)
   member_hparams = hparams_lib.resolve(config)

@@ -107,6 +107,29 @@ def test_snapshots_are_the_iterates_at_the_ends_of_the_cycles_and_the_rate_resta
   assert moves[7] == moves[15] < 0.05 and moves[3] == moves[11]
 
 
+def test_fast_geometric_cycles_begin_at_snapshot_start_at_the_cycle_rate():
+  config = _config('snapshot', **{'ensemble.snapshot.start': 0.5,
+                                  'ensemble.snapshot.cycle_rate': 0.05})
+  method = methods.from_config(config)  # 24 steps: 12 of the schedule, then 3 cycles of 4.
+  collected = method.init({'w': jnp.zeros(())}, {})
+  for step in range(1, STEPS + 1):  # The "weights" after each step are the step's number.
+    collected = method.collect(collected, {'w': jnp.float32(step)}, {}, jnp.int32(step))
+  np.testing.assert_array_equal(collected[0]['w'], [16, 20, 24])
+  _, _, filled = method.members(collected, None, None, jnp.int32(20), None)
+  np.testing.assert_array_equal(filled, [True, True, False])
+  sgd = ml_collections.ConfigDict(dict(
+      name='sgd', learning_rate=1.0, weight_decay=0.0, momentum=0.0, nesterov=False,
+      grad_clip_norm=0.0, schedule='cosine', warmup_steps=0))
+  tx = optim.make_optimizer(sgd, STEPS, cycles=3, cycles_from=12, cycle_rate=0.05)()
+  opt_state, moves = tx.init(jnp.zeros(())), []
+  for _ in range(STEPS):
+    update, opt_state = tx.update(jnp.ones(()), opt_state, jnp.zeros(()))
+    moves.append(-float(update))
+  assert moves[0] == 1.0 and moves[11] < 0.02  # One cosine decay over the first half,
+  assert moves[12] == moves[16] == moves[20] == pytest.approx(0.05)  # then restarts at 0.05,
+  assert moves[15] == moves[19] == moves[23] < 0.05 * 0.2  # each annealed to near zero.
+
+
 def _run(config, workdir, actions=()):
   config.train.log_every, config.train.eval_every, config.checkpoint.every = 8, 0, 8
   return dist_ens.train(config, str(workdir), devices=jax.devices()[:2], actions=actions)
@@ -165,6 +188,8 @@ def test_swag_samples_have_the_swag_mean_and_covariance():
 @pytest.mark.parametrize('fields, match', [
     (dict(method='bagging'), "ensemble.method='bagging'"),
     (dict(method='snapshot', **{'snapshot.cycles': 5}), 'snapshot.cycles=5 must divide'),
+    (dict(method='snapshot', **{'snapshot.start': 0.6}), r'must divide the 10 steps from'),
+    (dict(method='snapshot', **{'snapshot.cycle_rate': 0}), r'snapshot.cycle_rate=0.0 must be a number > 0'),
     (dict(method='swag_like', ), 'use one of'),
     (dict(method='multiswag', **{'swag.every': 20}), 'fewer than 2 weight iterates'),
     (dict(method='multiswag', **{'swag.start': 1.0}), r'swag.start=1.0 must be a fraction'),

@@ -8,11 +8,11 @@ one compiled program, not a recompile, and the optimizer state holds only what
 the optimizer itself keeps (moments, counts).
 """
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -158,16 +158,29 @@ def _builder(name: str):
   return OPTIMIZERS[name]
 
 
+def _cyclic(one_cycle, before, cycle: int, cycles_from: int, cycle_rate: float):
+  """`before` for the first `cycles_from` steps, then `one_cycle` restarting every
+  `cycle` steps, scaled by `cycle_rate`."""
+
+  def multiplier(count):
+    cyclic = cycle_rate * one_cycle(jnp.maximum(count - cycles_from, 0) % cycle)
+    return jnp.where(count < cycles_from, before(count), cyclic) if cycles_from else cyclic
+
+  return multiplier
+
+
 def make_optimizer(optim_config: ml_collections.ConfigDict, total_steps: int,
-                   cycles: int = 1) -> Optimizer:
+                   cycles: int = 1, cycles_from: int = 0,
+                   cycle_rate: float = 1.0) -> Optimizer:
   """`optimizer(hparams) -> GradientTransformation` for ONE member; vmap its use over members.
 
   Chain: optional global-norm clipping -> the named optimizer, with this member's
-  per-member fields from `hparams` -> the learning-rate schedule multiplier (with
-  `cycles` > 1 the schedule restarts every total_steps / cycles steps, as snapshot
-  ensembles train; dist_ens.ensembles.methods). The
-  structure of the optimizer state never depends on the values, so one member's
-  state layout is every member's.
+  per-member fields from `hparams` -> the learning-rate schedule multiplier. With
+  `cycles` > 1 (snapshot ensembles; dist_ens.ensembles.methods) the schedule runs
+  over the first `cycles_from` steps, then restarts `cycles` times over the rest,
+  each cycle's peak `cycle_rate` times the configured one (fast geometric
+  ensembling's short, low-rate cycles). The structure of the optimizer state never
+  depends on the values, so one member's state layout is every member's.
 
   Example:
     >>> optimizer = make_optimizer(ml_collections.ConfigDict(dict(
@@ -181,11 +194,12 @@ def make_optimizer(optim_config: ml_collections.ConfigDict, total_steps: int,
   build, fields = _builder(optim_config.name)
   _decay_mask(optim_config)  # Validates the field before anything is built.
   multiplier = None
-  cycle = total_steps // cycles
+  cycle = (total_steps - cycles_from) // cycles
   if optim_config.schedule != 'constant' or optim_config.warmup_steps:
     multiplier = schedule(optim_config, cycle)
     if cycles > 1:
-      multiplier = functools.partial(lambda one, count: one(count % cycle), multiplier)
+      multiplier = _cyclic(multiplier, schedule(optim_config, max(cycles_from, 1)), cycle,
+                           cycles_from, cycle_rate)
   else:
     schedule(optim_config, cycle)  # Validates the fields either way.
 

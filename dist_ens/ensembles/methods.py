@@ -60,6 +60,8 @@ class Method(NamedTuple):
   members: Callable[..., tuple[PyTree, PyTree, jax.Array]]
   per_member: int  # K: predicting members per trained member
   cycles: int = 1  # learning-rate restarts (snapshot)
+  cycles_from: int = 0  # the step the restarts begin at (snapshot.start: fast geometric)
+  cycle_rate: float = 1.0  # each cycle's peak rate over optim.learning_rate's
   shares: bool = False  # params have leaves shared by all members (batchensemble)
   heads: int = 0  # input slots and output heads of each member's network (mimo)
 
@@ -86,28 +88,31 @@ def sharding_rule(method: Method | None) -> sharding.ShardingRule:
   return batchensemble.rule if method is not None and method.shares else sharding.stacked
 
 
-def _snapshot(cycles: int, total_steps: int) -> Method:
-  """Snapshots at steps L, 2L, ..., cycles*L = total_steps (L = total_steps / cycles)."""
-  length = total_steps // cycles
+def _snapshot(cycles: int, total_steps: int, start: int = 0, rate: float = 1.0) -> Method:
+  """Snapshots at steps S + L, S + 2L, ..., S + cycles*L = total_steps, where the
+  cycles begin at step S = `start` and L = (total_steps - S) / cycles."""
+  length = (total_steps - start) // cycles
 
   def init(params, state):
     return jax.tree.map(lambda a: jnp.zeros((cycles, *a.shape), a.dtype), (params, state))
 
   def collect(collected, params, state, step):
-    slot = step // length - 1
+    slot = (step - start) // length - 1
 
     def keep(buffers):
       return jax.tree.map(lambda buf, a: buf.at[slot].set(a), buffers, (params, state))
 
     # `step` is the same for every member (unbatched under vmap): a real branch.
-    return jax.lax.cond(step % length == 0, keep, lambda b: b, collected)
+    due = (step > start) & ((step - start) % length == 0)
+    return jax.lax.cond(due, keep, lambda b: b, collected)
 
   def members(collected, params, state, step, key):
     del params, state, key
-    filled = (jnp.arange(cycles) + 1) * length <= step
+    filled = start + (jnp.arange(cycles) + 1) * length <= step
     return (*collected, filled)
 
-  return Method('snapshot', init, collect, members, per_member=cycles, cycles=cycles)
+  return Method('snapshot', init, collect, members, per_member=cycles, cycles=cycles,
+                cycles_from=start, cycle_rate=rate)
 
 
 def swag_steps(start: int, every: int, total_steps: int) -> list[int]:
@@ -177,6 +182,33 @@ def _int_field(config: ml_collections.ConfigDict, field: str, low: int) -> int:
   return value
 
 
+def _fraction(value: Any, field: str, example: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+    raise ConfigError(f'config.ensemble.{field}={value!r} must be a fraction of train.steps in '
+                      f'[0, 1), e.g. {example}.')
+  return value
+
+
+def _snapshot_from_config(config: ml_collections.ConfigDict,
+                          snapshot: ml_collections.ConfigDict) -> Method:
+  """Snapshot ensembles; with snapshot.start > 0, fast geometric ensembling."""
+  cycles, steps = _int_field(config.ensemble, 'snapshot.cycles', 1), config.train.steps
+  start = round(_fraction(snapshot.get('start', 0.0), 'snapshot.start', '0.8') * steps)
+  rate = snapshot.get('cycle_rate', 1.0)
+  if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
+    raise ConfigError(f'config.ensemble.snapshot.cycle_rate={rate!r} must be a number > 0, the '
+                      "cycles' peak learning rate over optim.learning_rate (e.g. 0.05).")
+  if (steps - start) % cycles:
+    raise ConfigError(f'config.ensemble.snapshot.cycles={cycles} must divide the '
+                      f'{steps - start} steps from snapshot.start on (train.steps={steps}; '
+                      'every cycle is as long); change train.steps, snapshot.start or cycles.')
+  if config.optim.schedule == 'constant' and not config.optim.warmup_steps:
+    raise ConfigError("config.ensemble.method='snapshot' restarts config.optim.schedule every "
+                      "cycle, and 'constant' has nothing to restart: use schedule='cosine' "
+                      '(as Huang et al. 2017).')
+  return _snapshot(cycles, steps, start, float(rate))
+
+
 def from_config(config: ml_collections.ConfigDict) -> Method:
   """The method config.ensemble.method names, its fields checked against train.steps.
 
@@ -200,22 +232,9 @@ def from_config(config: ml_collections.ConfigDict) -> Method:
   if name == 'mimo':
     return _deep()._replace(name='mimo', heads=_int_field(ensemble, 'mimo.heads', 2))
   if name == 'snapshot':
-    cycles = _int_field(ensemble, 'snapshot.cycles', 1)
-    if steps % cycles:
-      raise ConfigError(f'config.ensemble.snapshot.cycles={cycles} must divide train.steps='
-                        f'{steps} (every cycle is as long); e.g. train.steps='
-                        f'{math.ceil(steps / cycles) * cycles}.')
-    if config.optim.schedule == 'constant' and not config.optim.warmup_steps:
-      raise ConfigError("config.ensemble.method='snapshot' restarts config.optim.schedule every "
-                        "cycle, and 'constant' has nothing to restart: use schedule='cosine' "
-                        '(as Huang et al. 2017).')
-    return _snapshot(cycles, steps)
+    return _snapshot_from_config(config, ensemble.get('snapshot', ml_collections.ConfigDict()))
   swag = ensemble.get('swag', ml_collections.ConfigDict())
-  start_fraction = swag.get('start', 0.75)
-  if isinstance(start_fraction, bool) or not isinstance(start_fraction, (int, float)) or not (
-      0 <= start_fraction < 1):
-    raise ConfigError(f'config.ensemble.swag.start={start_fraction!r} must be a fraction of '
-                      'train.steps in [0, 1), e.g. 0.75.')
+  start_fraction = _fraction(swag.get('start', 0.75), 'swag.start', '0.75')
   every, rank = _int_field(ensemble, 'swag.every', 1), _int_field(ensemble, 'swag.rank', 0)
   samples = _int_field(ensemble, 'swag.samples', 1)
   start = round(start_fraction * steps)
