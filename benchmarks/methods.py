@@ -24,7 +24,8 @@ by predictive entropy (mnist1d_noise vs test), parameters trained and parameters
 predict, train time (`train_seconds`: the loop, compilation included, evaluation left
 out) and inference time (the predicting members' log-probabilities on the 1,000 test
 examples, median of 5 after a warm-up; MC dropout's K samples included). Writes
-benchmarks/results/methods.json and prints a Markdown table.
+benchmarks/results/methods.json, prints a Markdown table and draws accuracy, NLL and
+ECE per method (benchmarks/results/methods.png and .svg, as a run's report draws them).
 """
 
 import argparse
@@ -45,6 +46,7 @@ import numpy as np
 import dist_ens
 from dist_ens import Ensemble, assemble, data
 from dist_ens.eval import evaluate
+from dist_ens.io import report_plots
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMBERS = 4
@@ -170,7 +172,9 @@ def main(argv: list[str] | None = None) -> None:
          'machine': platform.machine(), 'cpu_count': os.cpu_count(), 'python': sys.version.split()[0],
          'jax': jax.__version__, 'date': time.strftime('%Y-%m-%d')}
   Path(args.out).write_text(json.dumps(out, indent=1))
-  print(f'wrote {args.out}')
+  # The same bars as a run's report (dist_ens.io.report_plots), the single model first.
+  report_plots.plot_methods(Path(args.out).parent, {r['method']: r for r in rows})
+  print(f'wrote {args.out} and methods.png / methods.svg beside it')
 
 
 if __name__ == '__main__':

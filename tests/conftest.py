@@ -1,11 +1,23 @@
 """Test setup: fake 8 CPU devices before anything imports jax."""
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent compilation cache for the run, shared by the xdist workers and the
+# subprocesses they start: most tests train small runs whose steps compile to the same
+# programs, and a fresh jit of a known program is then a cache read instead of a compile.
+_OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), "dist_ens_test_jax_cache_" + os.environ.get(
+        "PYTEST_XDIST_TESTRUNUID", str(os.getpid()))))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
+import shutil  # noqa: E402
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
@@ -16,3 +28,9 @@ assert jax.device_count() == 8, "XLA_FLAGS was set too late: jax saw %d devices"
 @pytest.fixture(scope="session")
 def devices():
   return jax.devices()
+
+
+def pytest_sessionfinish(session):
+  """The run's compilation cache goes with it (the controller removes it, not a worker)."""
+  if _OWN_CACHE and not hasattr(session.config, "workerinput"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)

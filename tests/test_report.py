@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dist_ens import data
-from dist_ens.io import report
+from dist_ens.io import report, report_data
 from dist_ens.training import train
 from dist_ens.configuration import load_config
 from dist_ens.inference import Ensemble
@@ -162,7 +162,7 @@ def test_sweep_report_draws_the_scatter_and_survives_a_frozen_member(sweep):
   # each text as a comment beside its glyph paths).
   assert '<!-- optim.learning_rate (log scale) -->' in svg
   parsed = _parse_html(out / 'report.html')
-  assert len(parsed.images) == len(report.FIGURES) + 1
+  assert len(parsed.images) == len(report.FIGURES) + 2  # + sweep_scatter and methods
   tables = {tuple(table[0][:2]): table for table in parsed.tables}
   hparams = tables['member', 'optim.learning_rate']
   assert hparams[0][2] == 'model.init_scale'
@@ -175,6 +175,24 @@ def test_sweep_report_draws_the_scatter_and_survives_a_frozen_member(sweep):
   metrics = tables['member', 'accuracy']
   assert [row[0] for row in metrics[-2:]] == ['ensemble', 'top-2 ensemble']
   assert '](sweep_scatter.png)' in (out / 'report.md').read_text()
+  # Selection is one more way the run predicts: beside the trained members, table and plot.
+  methods = tables['ensemble', 'accuracy']
+  assert [row[0] for row in methods[1:]] == ['trained members', 'top-2']
+  assert methods[2][1] == f"{final['selected']['ensemble']['accuracy']:.4f}"
+  assert _png_dpi(out / 'methods.png') >= 150
+  assert '| top-2 | ' in (out / 'report.md').read_text()
+
+
+def test_method_rows_list_every_way_a_run_predicted():
+  m = lambda acc: {'accuracy': acc, 'nll': 1.0, 'brier': 0.5, 'ece': 0.1}
+  final = {'ensemble': m(0.5), 'multiswag': {'members_per_member': 8, 'ensemble': m(0.6)},
+           'mc_dropout': {'samples': 16, 'ensemble': m(0.7)},
+           'temperature_scaling': {'after': {'ensemble': m(0.8)}, 'before': {'ensemble': m(0)}},
+           'greedy': {'ensemble': m(0.9)}}
+  rows = report_data.method_rows(final)
+  assert {k: v['accuracy'] for k, v in rows.items()} == {
+      'trained members': 0.5, 'multiswag (8 per member)': 0.6, 'MC dropout x16': 0.7,
+      'temperature scaled': 0.8, 'greedy selection': 0.9}
 
 
 def test_colour_scale_is_log_only_when_values_span_over_10x():

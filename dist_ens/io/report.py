@@ -11,6 +11,9 @@ Writes DIR/report/ (every figure as NAME.png at 150 dpi and NAME.svg):
                            random subsets of k members
   sweep_scatter            (runs whose members differ in hyperparameters) test accuracy vs NLL
                            per member, coloured by the first varying hyperparameter
+  methods                  (runs with an ensemble method's members, MC dropout, temperature
+                           scaling or selection) test accuracy, NLL and ECE of each way the
+                           run predicted, beside the trained members' ensemble
   report.md                the final metrics table with the figures linked
   report.html              every table and figure in one file (figures inline), no server needed
 
@@ -35,7 +38,7 @@ import numpy as np
 from dist_ens import data
 from dist_ens.inference import Ensemble, Prediction
 from dist_ens.io import report_plots as plots
-from dist_ens.io.report_data import finite_mean, read_events, read_final_metrics
+from dist_ens.io.report_data import finite_mean, method_rows, read_events, read_final_metrics
 from dist_ens.io.report_pages import Run, html_page, markdown, report_figures
 from dist_ens.io.report_stats import SizeSpread, ensemble_size_spread
 # Importable from here, as before the report had modules of its own (tests/test_report.py
@@ -102,6 +105,9 @@ def _draw_figures(out: Path, workdir: Path, final: dict[str, Any], prediction: P
                                          for k in ('accuracy', 'nll')})
   if final.get('hyperparameters'):
     plots.plot_sweep(out, final)
+  rows = method_rows(final)
+  if len(rows) > 1:
+    plots.plot_methods(out, rows)
   return spread
 
 

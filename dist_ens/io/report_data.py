@@ -57,3 +57,23 @@ def finite_mean(values: Sequence[Any], members: Sequence[int]) -> float:
   """The mean of values[members] that are finite (NaN when none is)."""
   kept = [v for v in floats(values)[list(members)] if np.isfinite(v)]
   return float(np.mean(kept)) if kept else np.nan
+
+
+def method_rows(final: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  """label -> ensemble test metrics of every way the run predicted: the trained members,
+  and what the ensemble method, selection and post-hoc actions added (snapshots, SWAG
+  samples, MC dropout, temperature scaling, top-k, greedy), in that order."""
+  rows = {'trained members': final['ensemble']}
+  for key in ('snapshot', 'multiswag'):
+    if key in final:
+      rows[f'{key} ({final[key].get("members_per_member", "?")} per member)'] = (
+          final[key]['ensemble'])
+  if 'mc_dropout' in final:
+    rows[f'MC dropout x{final["mc_dropout"]["samples"]}'] = final['mc_dropout']['ensemble']
+  if 'temperature_scaling' in final:
+    rows['temperature scaled'] = final['temperature_scaling']['after']['ensemble']
+  if 'selected' in final:
+    rows[f'top-{final["selected"]["top_k"]}'] = final['selected']['ensemble']
+  if 'greedy' in final:
+    rows['greedy selection'] = final['greedy']['ensemble']
+  return rows

@@ -14,7 +14,7 @@ import numpy as np
 
 from dist_ens.eval.metrics import METRICS, NUM_ECE_BINS
 from dist_ens.io import tables
-from dist_ens.io.report_data import finite_mean, floats
+from dist_ens.io.report_data import finite_mean, floats, method_rows
 from dist_ens.io.report_stats import SizeSpread
 
 # Above this an SVG is embedded in report.html as its PNG instead (e.g. learning curves of
@@ -69,6 +69,13 @@ def report_figures(final: dict[str, Any], spread: SizeSpread,
       Figure('learning_curves', 'Learning curves',
              'Train loss and test metrics of every member over steps, the ensemble in orange.'),
       Figure('ensemble_size', 'Ensemble size', _ensemble_size_caption(final, spread, active))]
+  if len(method_rows(final)) > 1:
+    figures.append(Figure(
+        'methods', 'Ensemble methods, selection and calibration',
+        'Test accuracy, NLL and ECE of the trained members\' ensemble (orange) and of every '
+        'other way this run predicted: the ensemble method\'s members (snapshots, SWAG '
+        'samples), MC dropout, temperature scaling fitted on validation, top-k and greedy '
+        'selection.'))
   if final.get('hyperparameters'):
     field = next(iter(final['hyperparameters']))
     figures.append(Figure(
@@ -123,6 +130,12 @@ def markdown(run: Run) -> str:
     lines += [f'Ensemble of the {sel["top_k"]} best members {sel["members"]} by {sel["by"]}: '
               + ', '.join(f'{name} {_fmt(sel["ensemble"].get(k))}' for k, name in
                           _HEADLINE_COLUMNS) + '.', '']
+  if len(method_rows(final)) > 1:
+    lines += ['## Ensemble methods, selection and calibration', '',
+              '| ensemble | ' + ' | '.join(name for _, name in _HEADLINE_COLUMNS) + ' |',
+              '|---' * (1 + len(_HEADLINE_COLUMNS)) + '|',
+              *(f'| {label} | ' + ' | '.join(_fmt(m.get(k)) for k, _ in _HEADLINE_COLUMNS) +
+                ' |' for label, m in method_rows(final).items()), '']
   if 'ood' in final:
     lines += ['## Out-of-distribution detection', '', _ood_table(final['ood'], run.active), '']
   for figure in run.figures:
@@ -249,6 +262,11 @@ def html_page(run: Run, out: Path) -> str:
                      '</p>\n' + _html_table(['score', 'AUROC', 'AUPR', 'mean in-dist.',
                                              'mean OOD'],
                                             [(r, 'member') for r in _ood_rows(ood, run.active)])))
+  if len(method_rows(final)) > 1:
+    sections.append(('methods', 'Ensemble methods, selection and calibration', _html_table(
+        ['ensemble'] + [name for _, name in _HEADLINE_COLUMNS],
+        [([label] + [_fmt(m.get(k)) for k, _ in _HEADLINE_COLUMNS], 'member')
+         for label, m in method_rows(final).items()])))
   if final.get('hyperparameters'):
     sections.append(('hyperparameters', 'Hyperparameters per member',
                      _hparams_html(final, run.active)))
