@@ -41,8 +41,11 @@ def _is_entry(x: Any) -> bool:
 
 
 def is_shared(path: tuple[Any, ...]) -> bool:
-  """Whether a leaf of the train state (params or optimizer state) is a shared W."""
-  return any(getattr(k, 'key', None) == SHARED for k in path)
+  """Whether a leaf of the train state is a shared W or the optimizer's moments of one.
+
+  Every parameter is wrapped in an entry, so a path's last key is always 'shared',
+  'r', 's' or 'own', whatever the model names its layers."""
+  return bool(path) and getattr(path[-1], 'key', None) == SHARED
 
 
 def rule(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> P:

@@ -70,10 +70,14 @@ Form = tuple[str, int | None]
 #   (convolutions as patches) are fastest vmapped while all members' activations are
 #   small, and as lax.map over chunks of vmapped members beyond: see CHUNK_BUDGET; the
 #   buckets here are the fallback when the activation size is not known.
+# - 2-core CPU, ResNet-20 at batch 32 per member (benchmarks/resnet20.py): lax.map one
+#   member at a time was 1.23x / 1.24x vmap at M = 4 / 8 and held 13 MB more per member
+#   instead of 243 MB; at M = 1 the two were within noise.
 # - H100 GPU: vmap was the fastest form for every model and M (1.0-27x lax.map).
 AUTO_RULES: dict[tuple[str, str], tuple[tuple[int | None, Form], ...]] = {
     ('cpu', 'mlp'): ((None, ('vmap', None)),),
     ('cpu', 'cnn'): ((4, ('vmap', None)), (None, ('map', 4))),
+    ('cpu', 'resnet'): ((1, ('vmap', None)), (None, ('map', None))),
     ('gpu', 'mlp'): ((None, ('vmap', None)),),
     ('gpu', 'cnn'): ((None, ('vmap', None)),),
 }
