@@ -1,5 +1,5 @@
 """Reproducible mode (config.reproducible): member i's whole run is bit-identical whatever M,
-the mesh, the data split and the process count, over 200-step runs.
+the mesh, the data split and the process count, over 100-step runs.
 
 The runs happen in child processes, because reproducible mode needs XLA flags set
 before JAX starts (dist_ens/parallel/xla_flags.py), which this pytest process is past:
@@ -7,7 +7,7 @@ one worker process for every single-process run (this file, `python
 tests/test_reproducible.py worker NAME,... OUT`) and launch/local.sh with two processes for
 the multi-process run (the dist-ens command sets the flags itself there).
 
-What is compared, bit for bit: every parameter of member i at step 200, and member i's
+What is compared, bit for bit: every parameter of member i at step 100, and member i's
 training loss and accuracy at every logged step (the trajectory).
 """
 
@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'tests'))
 from test_multihost import _env, _local_sh, _wait  # noqa: E402  pylint: disable=g-import-not-at-top
 
-STEPS = 200  # Without the mode, parameters differ from the first steps on.
+STEPS = 100  # Without the mode, parameters differ from the first steps on.
+LOG_EVERY = 25
 MLP = {'model.widths': (32, 32), 'data.batch_size': 32, 'train.micro_batches': 4,
        'data.member_order': 'shuffled'}
 # BatchNorm, dropout and augmentation: a 1-D ResNet-8 on MNIST-1D, shift-crop augmented.
@@ -48,7 +49,7 @@ def _config(overrides, members, member, data):
   config.reproducible = True
   config.num_members = members
   config.mesh.member, config.mesh.data = member, data
-  config.train.steps, config.train.log_every, config.train.eval_every = STEPS, 50, 0
+  config.train.steps, config.train.log_every, config.train.eval_every = STEPS, LOG_EVERY, 0
   config.checkpoint.every = STEPS
   config.writers = ('jsonl',)
   for key, value in overrides.items():
@@ -95,7 +96,7 @@ def _members(workdir: Path, count: int) -> tuple[list[np.ndarray], list[dict]]:
 
 def _assert_same_members(a: Path, b: Path, count: int) -> None:
   (leaves_a, log_a), (leaves_b, log_b) = _members(a, count), _members(b, count)
-  assert len(log_a) == STEPS // 50 and log_a == log_b, (log_a, log_b)
+  assert len(log_a) == STEPS // LOG_EVERY and log_a == log_b, (log_a, log_b)
   for x, y in zip(leaves_a, leaves_b, strict=True):
     np.testing.assert_array_equal(x, y, err_msg=f'{a.name} vs {b.name}')
 
@@ -126,7 +127,7 @@ def test_two_processes_match_one(runs, tmp_path):
           for k, v in overrides.items()]
   args += ['--config.reproducible=True', f'--config.num_members={members}',
            f'--config.mesh.member={member}', f'--config.mesh.data={data}',
-           f'--config.train.steps={STEPS}', '--config.train.log_every=50',
+           f'--config.train.steps={STEPS}', f'--config.train.log_every={LOG_EVERY}',
            '--config.train.eval_every=0', f'--config.checkpoint.every={STEPS}',
            "--config.writers=('jsonl',)"]
   [(status, log)] = _wait([_local_sh(tmp_path / 'two', *args, timeout_s=300)], 360)
