@@ -2,9 +2,11 @@
 
   python benchmarks/methods.py               # budget 4 x 1000 member-steps, ~10 min on 2 cores
   python benchmarks/methods.py --steps 200   # a quick look
+  python benchmarks/methods.py --config configs/digits_resnet20.py   # ResNet-20 on digits,
+      # T = the config's train.steps (110), OOD set digits_noise; writes methods_digits_resnet20.json
 
-Every run is configs/default.py (MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0) on ONE
-device, with config.eval.ood_dataset='mnist1d_noise'. The budget is B = 4 x T member-steps
+Every run is --config (configs/default.py: MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0)
+on ONE device, with config.eval.ood_dataset='<data.name>_noise'. The budget is B = 4 x T member-steps
 (a member-step is one update of one member on its batch of 128), so each method trains for
 the same number of forward/backward passes:
 
@@ -13,6 +15,8 @@ the same number of forward/backward passes:
   batchensemble  4 members sharing each weight (rank-1 factors), T steps
   mimo        1 network of 3 input slots and heads, 4T steps -> 3 heads predict
   snapshot    1 member, 4T steps, 4 cosine cycles -> 4 snapshots predict
+  fge         fast geometric ensembling: 1 member, 4T steps, the cosine schedule over the
+              first half, then 4 cosine cycles at 0.2x the rate -> 4 snapshots predict
   swag        1 member, 4T steps, SWAG over the last quarter (every 10 steps, rank 10)
               -> 16 weight samples predict
   multiswag   4 members, T steps, SWAG each -> 4 x 4 samples predict
@@ -66,6 +70,9 @@ def methods(steps: int) -> dict[str, dict]:
                'ensemble.mimo.heads': 3},
       'snapshot': {'num_members': 1, 'train.steps': long, 'ensemble.method': 'snapshot',
                    'ensemble.snapshot.cycles': MEMBERS, 'optim.schedule': 'cosine'},
+      'fge': {'num_members': 1, 'train.steps': long, 'ensemble.method': 'snapshot',
+              'ensemble.snapshot.cycles': MEMBERS, 'ensemble.snapshot.start': 0.5,
+              'ensemble.snapshot.cycle_rate': 0.2, 'optim.schedule': 'cosine'},
       'swag': {'num_members': 1, 'train.steps': long, 'ensemble.method': 'multiswag',
                'ensemble.swag.samples': 16, **swag},
       'multiswag': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'multiswag',
@@ -76,9 +83,9 @@ def methods(steps: int) -> dict[str, dict]:
   }
 
 
-def _config(overrides: dict):
-  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
-  config.eval.ood_dataset = 'mnist1d_noise'
+def _config(base: Path, overrides: dict):
+  config = dist_ens.load_config(base)
+  config.eval.ood_dataset = f'{config.data.name}_noise'
   config.mesh.member, config.mesh.data = 1, 1
   for key, value in overrides.items():
     *path, leaf = key.split('.')
@@ -94,15 +101,15 @@ def _config(overrides: dict):
 
 def _scores(name: str, results: dict) -> tuple[dict, float]:
   """(test metrics of the predicting ensemble, its OOD AUROC by entropy)."""
-  key = {'snapshot': 'snapshot', 'swag': 'multiswag', 'multiswag': 'multiswag',
-         'mc_dropout': 'mc_dropout'}.get(name)
+  key = {'snapshot': 'snapshot', 'fge': 'snapshot', 'swag': 'multiswag',
+         'multiswag': 'multiswag', 'mc_dropout': 'mc_dropout'}.get(name)
   block = results[key] if key else results
   return block['ensemble'], block['ood']['ensemble']['auroc_entropy']
 
 
 def _inference_seconds(ens: Ensemble, mc_samples: int) -> float:
   """Median wall time of the predicting members' log-probabilities on the test split."""
-  test = data.load_dataset('mnist1d', ens.config.data).test
+  test = data.load_dataset(ens.config.data.name, ens.config.data).test
   step = evaluate.make_log_probs_step(ens.model, ens.mesh, mc_samples=mc_samples,
                                       seed=ens.config.seed)
   variables = (ens.params, ens.model_state)
@@ -116,13 +123,14 @@ def _inference_seconds(ens: Ensemble, mc_samples: int) -> float:
 
 def _trained_parameters(config) -> int:
   """All parameters the optimizer trains (a BatchEnsemble's shared weights once)."""
-  parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]), (40, 1),
-                               10)
+  dataset = data.load_dataset(config.data.name, config.data)
+  parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]),
+                               dataset.input_shape, dataset.num_classes)
   return sum(leaf.size for leaf in jax.tree.leaves(parts.abstract_state.params))
 
 
-def run(name: str, overrides: dict) -> dict:
-  config = _config(overrides)
+def run(base: Path, name: str, overrides: dict) -> dict:
+  config = _config(base, overrides)
   workdir = tempfile.mkdtemp(prefix=f'methods_{name}_')
   results = dist_ens.train(config, workdir, devices=jax.devices()[:1])
   ensemble, auroc = _scores(name, results)
@@ -157,24 +165,33 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--steps', type=int, default=1000, help='T: steps of a 4-member run')
+  parser.add_argument('--config', default=str(ROOT / 'configs' / 'default.py'))
+  parser.add_argument('--steps', type=int, default=0,
+                      help="T: steps of a 4-member run (0: 1000 for default.py, else the config's "
+                           'train.steps)')
   parser.add_argument('--methods', default='', help='comma-separated subset')
-  parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'methods.json'))
+  parser.add_argument('--out', default='', help='default: benchmarks/results/methods[_CONFIG].json')
   args = parser.parse_args(argv)
-  chosen = methods(args.steps)
+  base = Path(args.config)
+  suffix = '' if base.stem == 'default' else f'_{base.stem}'
+  args.out = args.out or str(ROOT / 'benchmarks' / 'results' / f'methods{suffix}.json')
+  steps = args.steps or (1000 if base.stem == 'default' else dist_ens.load_config(base).train.steps)
+  chosen = methods(steps)
   names = [n for n in args.methods.split(',') if n] or list(chosen)
   unknown = sorted(set(names) - set(chosen))
   if unknown:
     parser.error(f'unknown methods {unknown}; use some of {list(chosen)}')
-  rows = [run(name, chosen[name]) for name in names]
+  rows = [run(base, name, chosen[name]) for name in names]
   print(table(rows))
-  out = {'rows': rows, 'markdown': table(rows), 'steps': args.steps, 'members': MEMBERS,
+  out = {'config': base.name, 'rows': rows, 'markdown': table(rows), 'steps': steps,
+         'members': MEMBERS,
          'machine': platform.machine(), 'cpu_count': os.cpu_count(), 'python': sys.version.split()[0],
          'jax': jax.__version__, 'date': time.strftime('%Y-%m-%d')}
   Path(args.out).write_text(json.dumps(out, indent=1))
   # The same bars as a run's report (dist_ens.io.report_plots), the single model first.
-  report_plots.plot_methods(Path(args.out).parent, {r['method']: r for r in rows})
-  print(f'wrote {args.out} and methods.png / methods.svg beside it')
+  report_plots.plot_methods(Path(args.out).parent, {r['method']: r for r in rows},
+                            name=Path(args.out).stem)
+  print(f'wrote {args.out} and its .png / .svg figure beside it')
 
 
 if __name__ == '__main__':

@@ -4,7 +4,7 @@ An OOD split must have the model's input shape, and the embedded datasets do not
 share one (MNIST-1D is [40, 1], digits [8, 8, 1]). So besides any dataset that
 dist_ens.data.load_dataset knows (embedded or TFDS; its test split is used, e.g.
 mnist as OOD for fashion_mnist), this module has OOD-only sources derived from
-MNIST-1D's test split. They live here rather than in data.SOURCES because nobody
+the embedded test splits (noise and shuffles). They live here rather than in data.SOURCES because nobody
 should train on them (config.data.name must not offer them). Every OOD split gets
 the training data's preprocessing (config.data.mean / std).
 """
@@ -22,6 +22,14 @@ from dist_ens.errors import ConfigError
 _OOD_SEED = 0
 
 
+def _noise_like(name: str) -> Split:
+  """Gaussian noise with the per-position mean and std of dataset `name`'s test inputs."""
+  x = data.load_dataset(name).test.x
+  rng = np.random.default_rng(_OOD_SEED)
+  noise = x.mean(0) + x.std(0) * rng.standard_normal(x.shape)
+  return Split(noise.astype(np.float32), np.zeros(len(x), np.int32))
+
+
 def mnist1d_noise() -> Split:
   """Gaussian noise with MNIST-1D test inputs' per-position mean and std (1,000 x [40, 1]).
 
@@ -29,10 +37,18 @@ def mnist1d_noise() -> Split:
     >>> mnist1d_noise().x.shape
     (1000, 40, 1)
   """
-  x = data.load_dataset('mnist1d').test.x
-  rng = np.random.default_rng(_OOD_SEED)
-  noise = x.mean(0) + x.std(0) * rng.standard_normal(x.shape)
-  return Split(noise.astype(np.float32), np.zeros(len(x), np.int32))
+  return _noise_like('mnist1d')
+
+
+def digits_noise() -> Split:
+  """Gaussian noise with the 8x8 digits' test inputs' per-pixel mean and std (360 x
+  [8, 8, 1]), for runs on config.data.name='digits'.
+
+  Example:
+    >>> digits_noise().x.shape
+    (360, 8, 8, 1)
+  """
+  return _noise_like('digits')
 
 
 def mnist1d_shuffled() -> Split:
@@ -56,6 +72,7 @@ def mnist1d_shuffled() -> Split:
 OOD_SOURCES: dict[str, Callable[[], Split]] = {
     'mnist1d_noise': mnist1d_noise,
     'mnist1d_shuffled': mnist1d_shuffled,
+    'digits_noise': digits_noise,
 }
 
 

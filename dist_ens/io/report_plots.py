@@ -271,7 +271,7 @@ def _star(ax: Any, metrics: dict[str, Any], color: str, label: str) -> tuple[flo
   return metrics['nll'], metrics['accuracy']
 
 
-def plot_methods(out: Path, rows: dict[str, dict[str, Any]]) -> None:
+def plot_methods(out: Path, rows: dict[str, dict[str, Any]], name: str = 'methods') -> None:
   """Accuracy, NLL and ECE of every way the run predicted (report_data.method_rows), one
   horizontal bar each, the trained members' ensemble first."""
   labels = list(rows)
@@ -288,4 +288,4 @@ def plot_methods(out: Path, rows: dict[str, dict[str, Any]]) -> None:
     for i, v in enumerate(values):
       ax.annotate(f'{v:.4f}', (v, i), xytext=(3, 0), textcoords='offset points', va='center',
                   fontsize=8)
-  _save(fig, out, 'methods')
+  _save(fig, out, name)
