@@ -34,3 +34,18 @@ def pytest_sessionfinish(session):
   """The run's compilation cache goes with it (the controller removes it, not a worker)."""
   if _OWN_CACHE and not hasattr(session.config, "workerinput"):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+# Test files by their measured time on 2 cores (pytest --durations=0), the longest first.
+# `--dist loadfile` hands files to the workers in collection order, so the long ones start
+# early instead of leaving one worker busy at the end. Unlisted files keep their order.
+_LONGEST_FIRST = (
+    "test_reproducible.py", "test_checkpoint.py", "test_adapters.py", "test_multihost.py",
+    "test_step.py", "test_train.py", "test_reliability.py", "test_methods.py",
+    "test_models.py", "test_hparams.py", "test_tfds.py", "test_posthoc.py", "test_cli.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

@@ -79,9 +79,10 @@ def test_unknown_model_and_bad_fields():
     _init(models.get_model(_cfg(name='cnn'), 10), (40,))
 
 
+# 1-D and 2-D, odd sizes, several channels, both strides (a 28 x 28 image adds compile
+# time, not cases: the patches are cut the same way).
 @pytest.mark.parametrize('input_shape,kernels,strides', [
-    ((40, 1), (5, 3), (2, 2)), ((37, 3), (3, 5), (1, 2)),
-    ((28, 28, 1), (3, 3), (2, 2)), ((9, 10, 2), (5, 3), (1, 2))])
+    ((40, 1), (5, 3), (2, 2)), ((37, 3), (3, 5), (1, 2)), ((9, 10, 2), (5, 3), (1, 2))])
 def test_conv_impls_compute_the_same_function(input_shape, kernels, strides):
   """'patches' == lax conv in logits and in every gradient, vmapped over members."""
   make = lambda impl: models.get_model(_cfg(name='cnn', kernel_sizes=kernels, strides=strides,

@@ -42,7 +42,8 @@ def reference(tmp_path_factory):
   return _run(tmp_path_factory.mktemp('ref'), 'r', devices=jax.devices()[:1])
 
 
-@pytest.mark.parametrize('member,data', [(8, 1), (4, 2), (2, 4), (1, 8)])
+# The 4 x 2 mesh is compared with the reference in the steps_per_call test below.
+@pytest.mark.parametrize('member,data', [(8, 1), (2, 4), (1, 8)])
 def test_topology_does_not_change_results(tmp_path, reference, member, data):
   result = _run(tmp_path, 'w', mesh__member=member, mesh__data=data)
   # Splitting members is (near) bit-exact; splitting the batch reorders the gradient
