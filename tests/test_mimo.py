@@ -62,7 +62,7 @@ def test_evaluation_predicts_the_heads_mean_probability():
 
 
 def test_a_mimo_ensemble_learns_and_ensemble_load_predicts(tmp_path):
-  config = _config('mimo', member=2, data_axis=1)
+  config = _config('mimo', member=1, data_axis=2)  # Each batch split over 'data'.
   config.num_members, config.train.steps = 2, 96  # Three heads learn slower than one.
   result = _run(config, tmp_path)
   ens = Ensemble.load(tmp_path, devices=jax.devices()[:1])

@@ -276,7 +276,7 @@ def plot_methods(out: Path, rows: dict[str, dict[str, Any]], name: str = 'method
   horizontal bar each, the trained members' ensemble first."""
   labels = list(rows)
   fig, axes = _figure(12, 1.2 + 0.4 * len(labels), 3)
-  for ax, (key, name) in zip(axes, (('accuracy', 'accuracy'), ('nll', 'NLL'), ('ece', 'ECE'))):
+  for ax, (key, title) in zip(axes, (('accuracy', 'accuracy'), ('nll', 'NLL'), ('ece', 'ECE'))):
     values = floats([rows[label].get(key) for label in labels])
     colors = [_ENSEMBLE_COLOR] + [_MEMBER_COLOR] * (len(labels) - 1)
     ax.barh(np.arange(len(labels)), np.nan_to_num(values), color=colors)
@@ -284,7 +284,7 @@ def plot_methods(out: Path, rows: dict[str, dict[str, Any]], name: str = 'method
     ax.invert_yaxis()
     # Bars start at 0 (their length is the value); room on the right for the labels.
     ax.set_xlim(0, 1.25 * _limits(values, floor=0.0)[1])
-    ax.set_title(f'test {name}')
+    ax.set_title(f'test {title}')
     for i, v in enumerate(values):
       ax.annotate(f'{v:.4f}', (v, i), xytext=(3, 0), textcoords='offset points', va='center',
                   fontsize=8)
