@@ -31,7 +31,7 @@ from dist_ens.ensembles import methods, mimo
 from dist_ens.ensembles.sharding import state_shardings, with_shardings
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood
-from dist_ens.parallel import mesh as mesh_lib, strategy
+from dist_ens.parallel import calibration, mesh as mesh_lib, strategy
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
 from dist_ens.data import augment as augment_lib
 from dist_ens.importing import is_import_path, load_object
@@ -165,8 +165,15 @@ def init_sharded(parts: Parts) -> TrainState:
 
 
 def member_form(parts: Parts, batch_size: int) -> strategy.Form:
-  """(member parallelism, map chunk) for this mesh, with config.ensemble's 'auto' resolved."""
+  """(member parallelism, map chunk) for this mesh, with config.ensemble's 'auto' resolved:
+  by `dist-ens plan --calibrate`'s measurement when it has one for this run's shape
+  (parallel/calibration.py), else by the rules of parallel/strategy.py."""
   config, mesh = parts.config, parts.mesh
+  # Only a single process trusts its cache: every process must compile the same program.
+  if config.ensemble.member_parallelism == 'auto' and jax.process_count() == 1:
+    calibrated = calibration.lookup(calibration.run_key(parts, batch_size))
+    if calibrated is not None:
+      return calibrated
   return strategy.resolve(
       config.ensemble, config.model.name, mesh.devices.flat[0].platform,
       members_per_device=parts.abstract_state.frozen.shape[0] // mesh.shape[mesh_lib.MEMBER],

@@ -2,7 +2,9 @@
 
   dist-ens --config=configs/default.py --workdir=DIR [--config.a.b=value ...]   (train)
   dist-ens train ...                     the same
-  dist-ens plan --config=FILE [--memory_gb=G] [--json]   the memory a run needs (plan.py)
+  dist-ens plan --config=FILE [--memory_gb=G] [--json] [--calibrate]
+                                         the memory a run needs (plan.py); --calibrate
+                                         first times the member forms, caching the fastest
   dist-ens report --workdir=DIR          writes DIR/report/ (dist_ens/io/report.py)
   python -m dist_ens.main ...            the same as dist-ens
 
@@ -97,6 +99,8 @@ def _define_plan_flags(fv: flags.FlagValues) -> None:
                      'what the device reports (accelerators), else none.', flag_values=fv)
   flags.DEFINE_bool('json', False, 'Print the plan as one JSON object instead of a table.',
                     flag_values=fv)
+  flags.DEFINE_bool('calibrate', False, "First time every member form on these devices and "
+                    "cache the fastest for member_parallelism='auto'.", flag_values=fv)
   flags.mark_flag_as_required('config', flag_values=fv)
 
 
@@ -143,6 +147,8 @@ def _plan_main(argv: list[str]) -> None:
     sys.exit(f'dist-ens plan: error: --memory_gb={memory_gb} must be > 0.')
   from dist_ens import plan  # pylint: disable=g-import-not-at-top
   try:
+    if FLAGS.calibrate:
+      print(plan.calibrate(FLAGS.config))
     p = plan.make_plan(FLAGS.config, memory_bytes=memory_gb * GB if memory_gb else None)
   except ConfigError as e:
     sys.exit(f'dist-ens plan: error: {e}')

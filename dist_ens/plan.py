@@ -1,6 +1,7 @@
 """dist-ens plan: the memory a run will need, per member, before it runs.
 
   dist-ens plan --config=configs/default.py [--config.num_members=64] [--memory_gb=16]
+  dist-ens plan --config=... --calibrate   # first time the member forms here, cache the fastest
   python -m dist_ens.plan --config=...   (the same)
 
 Builds the model, optimizer and train step of the config exactly as training
@@ -34,7 +35,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from dist_ens import assemble, configuration, data
-from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.parallel import calibration, mesh as mesh_lib
 from dist_ens.errors import ConfigError
 
 GB = 1e9
@@ -256,6 +257,25 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       train_steps=config.train.steps, steps_per_epoch=per_epoch)
 
 
+def calibrate(config: ml_collections.ConfigDict,
+              devices: Sequence[jax.Device] | None = None) -> str:
+  """Times every member form of the config's step on these devices, caches the fastest
+  for 'auto' (dist_ens.parallel.calibration) and returns the table it measured."""
+  configuration.validate(config)
+  config, _ = _resolve_steps(config)
+  mesh = assemble.build_mesh(config, devices)
+  parts = assemble.build_parts(config, mesh, *data_shape(config))
+  best, seconds = calibration.calibrate(parts, config.data.batch_size)
+  fastest = min(seconds.values())
+  lines = [f'calibrated on {mesh.devices.flat[0].device_kind}, '
+           f'{calibration.members_per_device(parts)} member(s) per device (seconds per step, '
+           'median of 3 rounds of 5):']
+  lines += [f'  {calibration.label(form):<24} {s:10.5f}  {s / fastest:5.2f}x'
+            + ('  <- cached for member_parallelism=auto' if form == best else '')
+            for form, s in seconds.items()]
+  return '\n'.join(lines + [f'cache: {calibration.cache_path()}'])
+
+
 def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
   """The plan as the lines `dist-ens plan` prints."""
   s = plan.step
@@ -306,6 +326,9 @@ def main(argv: Sequence[str] | None = None) -> int:
       'reports (accelerators), else none.', flag_values=flag_values)
   as_json = flags.DEFINE_bool('json', False, 'Print the plan as one JSON object.',
                               flag_values=flag_values)
+  calibrate_flag = flags.DEFINE_bool(
+      'calibrate', False, "First time every member form on these devices and cache the "
+      "fastest for member_parallelism='auto'.", flag_values=flag_values)
   try:
     flag_values(sys_argv)
     if config_holder.value is None:
@@ -319,6 +342,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
   config = config_holder.value
   try:
+    if calibrate_flag.value:
+      print(calibrate(config))
     plan = make_plan(config, memory_bytes=memory_gb.value * GB if memory_gb.value else None)
   except ConfigError as e:
     print(f'dist-ens plan: error: {e}', file=sys.stderr)

@@ -16,6 +16,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
         "PYTEST_XDIST_TESTRUNUID", str(os.getpid()))))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# A developer's `dist-ens plan --calibrate` cache must not change the forms tests run.
+os.environ["DIST_ENS_CALIBRATION"] = os.path.join(
+    os.environ["JAX_COMPILATION_CACHE_DIR"], "no_calibration.json")
 
 import shutil  # noqa: E402
 

@@ -263,9 +263,8 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
       return one_step(state, batch)
     return jax.lax.scan(one_step, state, batch)
 
-  manual, (specs, batch_spec, metrics_spec) = _layout(mesh, abstract_state, per_member_batches,
-                                                      steps_per_call, options.reproducible,
-                                                      method)
+  manual, (specs, batch_spec, metrics_spec) = _layout(
+      mesh, abstract_state, per_member_batches, steps_per_call, options.reproducible, method)
   step = TrainStep(fn=None, uses_index=options.augment is not None)
 
   def traced(state, hparams, *batch):

@@ -1,0 +1,165 @@
+"""Calibration: which member form is fastest for THIS device and model, measured.
+
+`member_parallelism='auto'` falls back on rules measured on the machines the
+project was benchmarked on (parallel/strategy.py). `dist-ens plan --calibrate`
+replaces them for one run's shape: it times one train step of every candidate
+form (vmap; lax.map one member at a time; lax.map over chunks of 2, 4, ... vmapped
+members) side by side on the present device, and caches the fastest under a key
+of what the timing depends on: the platform and device kind, the model config,
+precision, optimizer, members per device and each device's batch. Every later
+'auto' run with the same key uses the cached form; an explicit 'vmap' or 'map'
+is never overridden.
+
+The cache is one JSON file: $DIST_ENS_CALIBRATION, else
+~/.cache/dist_ens/calibration.json.
+"""
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from dist_ens.parallel.mesh import DATA, MEMBER
+from dist_ens.parallel.strategy import Form
+
+CACHE_ENV = 'DIST_ENS_CALIBRATION'
+
+
+def cache_path() -> Path:
+  return Path(os.environ.get(CACHE_ENV) or Path.home() / '.cache' / 'dist_ens' /
+              'calibration.json')
+
+
+def key(config: ml_collections.ConfigDict, device: jax.Device, members_per_device: int,
+        batch_per_device: int) -> str:
+  """What a step's speed depends on, as a short stable hash (and the fields it hashes)."""
+  fields = {'platform': device.platform, 'device_kind': device.device_kind,
+            'model': config.model.to_dict(), 'data': config.data.name,
+            'precision': config.get('precision', 'float32'), 'optim': config.optim.name,
+            'method': config.get('ensemble', {}).get('method', 'deep'),
+            'per_member_batches': config.data.member_order != 'shared',
+            'members_per_device': members_per_device, 'batch_per_device': batch_per_device,
+            'jax': jax.__version__}
+  text = json.dumps(fields, sort_keys=True, default=str)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _read() -> dict[str, Any]:
+  try:
+    return json.loads(cache_path().read_text())
+  except (FileNotFoundError, json.JSONDecodeError):
+    return {}
+
+
+def lookup(cache_key: str) -> Form | None:
+  """The calibrated form for this key, or None."""
+  entry = _read().get(cache_key)
+  return (entry['form'][0], entry['form'][1]) if entry else None
+
+
+def store(cache_key: str, form: Form, seconds: dict[str, float], about: str) -> None:
+  entries = _read()
+  entries[cache_key] = {'form': list(form), 'seconds_per_step': seconds, 'about': about,
+                        'date': time.strftime('%Y-%m-%d')}
+  path = cache_path()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = path.with_suffix('.tmp')
+  tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
+  tmp.replace(path)
+
+
+def candidates(members_per_device: int) -> list[Form]:
+  """vmap, lax.map one at a time, and lax.map over chunks of 2, 4, ... (< members)."""
+  forms: list[Form] = [('vmap', None)]
+  if members_per_device > 1:
+    forms.append(('map', None))
+    chunk = 2
+    while chunk < members_per_device:
+      forms.append(('map', chunk))
+      chunk *= 2
+  return forms
+
+
+def label(form: Form) -> str:
+  return form[0] if form[1] is None else f'{form[0]} (chunks of {form[1]})'
+
+
+def time_forms(run_step: Callable[[Form], Callable[[], Any]], forms: list[Form],
+               steps: int = 5, rounds: int = 3,
+               clock: Callable[[], float] = time.perf_counter) -> dict[Form, float]:
+  """Median seconds per step of every form, timed in rotating rounds (side by side).
+
+  `run_step(form)` compiles that form's step and returns a function that runs one
+  step and waits for it; the first call of each (compilation) is not timed.
+  """
+  runners = {form: run_step(form) for form in forms}
+  for run in runners.values():
+    run()
+  times: dict[Form, list[float]] = {form: [] for form in forms}
+  for _ in range(rounds):
+    for form, run in runners.items():
+      start = clock()
+      for _ in range(steps):
+        run()
+      times[form].append((clock() - start) / steps)
+  return {form: statistics.median(t) for form, t in times.items()}
+
+
+def step_runner(parts: Any, batch_size: int, per_member_batches: bool
+                ) -> Callable[[Form], Callable[[], Any]]:
+  """run_step(form) for time_forms: the run's own step on zero batches."""
+  from dist_ens import assemble, data  # pylint: disable=g-import-not-at-top
+  mesh, m = parts.mesh, parts.abstract_state.frozen.shape[0]
+  lead = (m, batch_size) if per_member_batches else (batch_size,)
+  sharding = NamedSharding(mesh, P(MEMBER, DATA) if per_member_batches else P(DATA))
+  x = data.to_global(np.zeros((*lead, *parts.input_shape), np.float32), sharding)
+  y = data.to_global(np.zeros(lead, np.int32), sharding)
+  hparams = parts.device_hparams()
+
+  def run_step(form: Form) -> Callable[[], Any]:
+    step = assemble.build_step(parts, per_member_batches=per_member_batches, form=form)
+    state = [assemble.init_sharded(parts)]
+    index = (data.to_global(np.zeros(lead, np.int32), sharding),) if step.uses_index else ()
+
+    def run():
+      state[0], metrics = step(state[0], hparams, x, y, *index)
+      jax.block_until_ready(metrics)
+
+    return run
+
+  return run_step
+
+
+def members_per_device(parts: Any) -> int:
+  return parts.abstract_state.frozen.shape[0] // parts.mesh.shape[MEMBER]
+
+
+def run_key(parts: Any, batch_size: int) -> str:
+  """The cache key of a run built as `parts` with this global batch per member."""
+  return key(parts.config, parts.mesh.devices.flat[0], members_per_device(parts),
+             batch_size // parts.mesh.shape[DATA])
+
+
+def calibrate(parts: Any, batch_size: int, steps: int = 5, rounds: int = 3,
+              clock: Callable[[], float] = time.perf_counter
+              ) -> tuple[Form, dict[Form, float]]:
+  """Times every candidate form of this run's step and caches the fastest (see the
+  module doc). Returns (the fastest form, seconds per step of each)."""
+  per_member = parts.config.data.member_order != 'shared'
+  seconds = time_forms(step_runner(parts, batch_size, per_member),
+                       candidates(members_per_device(parts)), steps, rounds, clock)
+  best = min(seconds, key=seconds.get)
+  device = parts.mesh.devices.flat[0]
+  store(run_key(parts, batch_size), best, {label(f): s for f, s in seconds.items()},
+        about=f'{parts.config.model.name} on {device.device_kind}, '
+              f'{members_per_device(parts)} members per device')
+  return best, seconds

@@ -1,0 +1,74 @@
+"""`dist-ens plan --calibrate` (dist_ens.parallel.calibration): times every member form
+side by side, caches the fastest, and member_parallelism='auto' then uses it for runs of
+the same shape only; an explicit form is never overridden."""
+
+from pathlib import Path
+
+import jax
+import pytest
+
+import dist_ens
+from dist_ens import assemble
+from dist_ens.parallel import calibration
+
+DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+  path = tmp_path / 'calibration.json'
+  monkeypatch.setenv(calibration.CACHE_ENV, str(path))
+  return path
+
+
+def _parts(members=4, parallelism='auto', batch=32):
+  config = dist_ens.load_config(DEFAULT)
+  config.num_members, config.model.widths, config.data.batch_size = members, (16,), batch
+  config.mesh.member, config.mesh.data = 1, 1
+  config.ensemble.member_parallelism = parallelism
+  return assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]), (40, 1),
+                              10)
+
+
+def test_time_forms_rotates_the_forms_and_leaves_compilation_out():
+  now, calls = [0.0], []
+  cost = {('vmap', None): 3.0, ('map', None): 2.0, ('map', 2): 1.0}
+
+  def run_step(form):
+    first = [True]
+
+    def run():
+      calls.append(form)
+      now[0] += 100.0 if first[0] else cost[form]  # The first call compiles.
+      first[0] = False
+
+    return run
+
+  seconds = calibration.time_forms(run_step, list(cost), steps=2, rounds=3,
+                                   clock=lambda: now[0])
+  assert seconds == cost
+  timed = calls[len(cost):]  # After one compiling call each: rounds of every form in turn.
+  assert timed == [f for _ in range(3) for f in cost for _ in range(2)]
+
+
+def test_the_cached_form_drives_auto_for_the_same_shape_only(cache, monkeypatch):
+  measured = {('vmap', None): 3.0, ('map', None): 2.0, ('map', 2): 1.0}
+  monkeypatch.setattr(calibration, 'time_forms', lambda *a, **k: measured)
+  parts = _parts()
+  assert assemble.member_form(parts, 32) == ('vmap', None)  # The CPU rule for an MLP.
+  best, _ = calibration.calibrate(parts, 32)
+  assert best == ('map', 2) and cache.exists()
+  assert assemble.member_form(parts, 32) == ('map', 2)
+  assert assemble.member_form(_parts(), 32) == ('map', 2)  # A new build of the same run.
+  assert assemble.member_form(_parts(batch=64), 64) == ('vmap', None)  # Another batch.
+  assert assemble.member_form(_parts(members=8), 32) == ('vmap', None)  # Another M.
+  assert assemble.member_form(_parts(parallelism='vmap'), 32) == ('vmap', None)  # Explicit.
+
+
+def test_calibrating_a_real_step_times_every_candidate(cache):
+  parts = _parts()
+  best, seconds = calibration.calibrate(parts, 32, steps=1, rounds=1)
+  assert list(seconds) == calibration.candidates(4) == [('vmap', None), ('map', None),
+                                                       ('map', 2)]
+  assert all(s > 0 for s in seconds.values()) and best == min(seconds, key=seconds.get)
+  assert calibration.lookup(calibration.run_key(parts, 32)) == best
