@@ -124,3 +124,16 @@ def test_member_params_form_w_times_the_outer_product():
   shared, own = batchensemble.split(params)
   assert jax.tree.leaves(shared) == [w]
   assert batchensemble.merge(shared, own).keys() == params.keys()
+
+
+def test_a_model_with_layers_named_shared_or_own_is_wrapped_correctly():
+  entry = {'shared': jnp.ones((2, 3)), 'r': jnp.array([1.0, -1.0]), 's': jnp.ones(3)}
+  params = {'shared': {'kernel': entry}, 'own': {'bias': {'own': jnp.zeros(3)}}}
+  shared, own = batchensemble.split(params)
+  assert len(jax.tree.leaves(shared)) == 1 and len(jax.tree.leaves(own)) == 3
+  assert jax.tree.structure(batchensemble.merge(shared, own)) == jax.tree.structure(params)
+  formed = batchensemble.member_params(params)
+  np.testing.assert_array_equal(formed['shared']['kernel'], [[1.0] * 3, [-1.0] * 3])
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  specs = [batchensemble.rule(p, jax.ShapeDtypeStruct((1,), jnp.float32)) for p in paths]
+  assert specs.count(P()) == 1  # Only the kernel's W is replicated.

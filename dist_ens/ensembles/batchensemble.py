@@ -36,8 +36,11 @@ PyTree = Any
 SHARED = 'shared'
 
 
-def _is_entry(x: Any) -> bool:
-  return isinstance(x, dict) and set(x) in ({SHARED, 'r', 's'}, {'own'})
+def _is_entry(x: Any, keys: tuple[set[str], ...] = ({SHARED, 'r', 's'}, {'own'})) -> bool:
+  """Whether `x` is an entry (or, with `keys`, a part of one): a dict of arrays with
+  exactly those keys. A model's own dicts hold dicts or have other keys."""
+  return (isinstance(x, dict) and set(x) in keys and
+          not any(isinstance(v, dict) for v in x.values()))
 
 
 def is_shared(path: tuple[Any, ...]) -> bool:
@@ -97,9 +100,9 @@ def split(params: PyTree) -> tuple[PyTree, PyTree]:
 
 
 def merge(shared: PyTree, own: PyTree) -> PyTree:
+  """The params that split() cut into (shared, own)."""
   return jax.tree.map(lambda s, o: {**s, **o}, shared, own,
-                      is_leaf=lambda x: isinstance(x, dict) and (not x or _is_entry(x) or
-                                                                 set(x) <= {SHARED, 'r', 's'}))
+                      is_leaf=lambda x: _is_entry(x, ({SHARED}, set())))
 
 
 def init_opt_state(optimizer, params: PyTree, hparams: dict[str, jax.Array]) -> PyTree:
