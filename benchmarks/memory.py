@@ -1,0 +1,429 @@
+"""`dist-ens plan`'s predicted peak memory per device against the measured peak, on this CPU.
+
+  python benchmarks/memory.py            # 3 models x 2-3 M, about 10 min on a shared 2-core CPU
+  python benchmarks/memory.py --no_cold  # without the compile-in-process column (~6 min)
+  python benchmarks/memory.py --models mlp --members 4,16
+
+Three configs as shipped, on ONE CPU device (jax.devices()[:1]), each at a few
+ensemble sizes M (config.num_members; member_parallelism 'auto' as the config says):
+  mlp        configs/default.py          (MLP 256-256 on MNIST-1D, Adam)
+  cnn        configs/mnist1d_cnn.py      (1-D CNN on MNIST-1D, Adam)
+  resnet20   configs/digits_resnet20.py  (ResNet-20 on 8x8 digits, SGD + Nesterov)
+all with their batch of 128 (one batch shared by all members).
+
+Predicted: dist_ens.plan.make_plan (what `dist-ens plan` prints): XLA's memory analysis of
+the compiled train step at M and 2M, peak = arguments + outputs - aliased (donated) +
+temporaries bytes per device, and bytes_per_member, the peak's growth per added member.
+
+Measured: every (model, M) runs in a fresh process of this script (`timeout -k`
+bounded). After importing jax and dist_ens, creating the CPU device, loading the data set
+and building the (abstract) parts and the step function, it reads its RSS (the
+baseline) and resets /proc/self/status's VmHWM to it (5 > /proc/self/clear_refs). It
+then puts one batch and the hyperparameters on the device, compiles the step (the same
+lowering as plan's: step.fn.lower(...).compile()), creates the sharded state
+(assemble.init_sharded) and runs --steps train steps through the compiled step, each
+waited for. The measured peak is VmHWM - baseline: the JAX runtime, the interpreter and
+the data set are not in it. It does hold, besides the step's buffers that plan counts:
+  - the compiled code of the step and of the init program (XLA:CPU reports no
+    generated_code_size, so plan cannot count it); its RSS growth is reported ('exec');
+  - the init program's own temporaries (it runs once, before the first step);
+  - the host copies of the batch and the allocator's slack: freed blocks glibc keeps
+    resident, per-thread arenas and stacks of XLA's thread pool;
+  - and, in the 'cold' column only, the XLA compiler's working memory.
+It holds less where a buffer XLA assigned is never written: RSS counts touched pages.
+No evaluation step runs. The compiled programs come from a persistent compilation cache
+that the prediction filled in the parent process (the same program: hits and misses are
+counted and reported), so the 'warm' peak is what training holds, not what compiling
+took. With --cold (the default) every cell also runs once more with an empty cache,
+which compiles in the process, as a first `dist-ens` run does: that peak is reported too.
+
+Prints the table (model, M, parallelism, predicted peak MB, measured MB, measured /
+predicted, within 20%), the measured growth per member between consecutive M against
+plan's bytes_per_member, and writes benchmarks/results/memory.json (every reading, the
+plan of every cell, the machine, jax's version and the date). MB = 1e6 bytes.
+"""
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+# benchmarks/resnet20.py: VmRSS/VmHWM from /proc, the VmHWM reset and the compilation cache.
+from resnet20 import _reset_peak, _status_bytes, enable_cache  # noqa: E402
+
+MODELS = {'mlp': 'configs/default.py', 'cnn': 'configs/mnist1d_cnn.py',
+          'resnet20': 'configs/digits_resnet20.py'}
+MEMBERS = {'mlp': (4, 16, 64), 'cnn': (4, 16, 64), 'resnet20': (4, 16)}
+TOLERANCE = 0.20
+MB = 1e6
+# glibc malloc with a fixed mmap threshold: every block >= 128 KiB is its own mmap, unmapped
+# when freed, so RSS follows the live buffers (by default the threshold rises to the
+# largest block freed, up to 32 MiB, and freed blocks stay resident in per-thread arenas).
+# Seconds to wait after a program's outputs are ready before RSS is read: XLA:CPU frees
+# the program's temporaries on its own thread just after.
+SETTLE = 0.2
+MMAP_ENV = {'MALLOC_MMAP_THRESHOLD_': str(128 * 1024)}
+
+
+def load(model: str, members: int) -> Any:
+  """The shipped config of `model` with num_members = members."""
+  from dist_ens.configuration import load_config
+  config = load_config(ROOT / MODELS[model])
+  config.num_members = members
+  return config
+
+
+# ---------------------------------------------------------------------------------------------
+# Prediction (parent process)
+
+
+def predict(model: str, members: int) -> dict[str, Any]:
+  """dist_ens.plan's plan of the config at M on one device; also compiles (and so caches)
+  the init program, which the measuring process runs before the step."""
+  import jax
+  from dist_ens import assemble, plan
+  config = load(model, members)
+  start = time.perf_counter()
+  p = plan.make_plan(config, jax.devices()[:1])
+  mesh = assemble.build_mesh(config, jax.devices()[:1])
+  parts = assemble.build_parts(config, mesh, *plan.data_shape(config))
+  init = jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile()
+  stats = init.memory_analysis()
+  d = p.to_dict()
+  return dict(peak=p.step.peak, init_peak=stats.output_size_in_bytes + stats.temp_size_in_bytes,
+              init=dict(output=stats.output_size_in_bytes, temp=stats.temp_size_in_bytes), step=d['step'], step_doubled=d['step_doubled'],
+              bytes_per_member=p.bytes_per_member, fixed_bytes=p.fixed_bytes,
+              parallelism=p.parallelism, map_batch_size=p.map_batch_size,
+              params_per_member=p.params_per_member,
+              state_bytes_per_member=p.state_bytes_per_member,
+              seconds=time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------------------------------------
+# Measurement (a fresh process per cell)
+
+
+def _setup(model: str, members: int) -> tuple[Any, Any, Any, Any]:
+  """(run data, parts, form, step) as training builds them; nothing on the device yet."""
+  import jax
+  from dist_ens import assemble
+  config = load(model, members)
+  run_data = assemble.build_data(config)
+  mesh = assemble.build_mesh(config, jax.devices()[:1])
+  parts = assemble.build_parts(config, mesh, run_data.dataset.input_shape,
+                               run_data.dataset.num_classes)
+  form = assemble.member_form(parts, config.data.batch_size)
+  step = assemble.build_step(parts, per_member_batches=run_data.order.per_member, form=form)
+  return run_data, parts, form, step
+
+
+def _reading() -> dict[str, int]:
+  """RSS now, its peak since the last reset, and the anonymous / file-backed parts."""
+  return {k.lower(): _status_bytes(k) for k in ('VmRSS', 'VmHWM', 'RssAnon', 'RssFile')}
+
+
+def _malloc_trim() -> bool:
+  """Returns glibc's free heap pages to the system (malloc_trim(0)); False if unavailable."""
+  try:
+    return bool(ctypes.CDLL('libc.so.6').malloc_trim(0) or True)
+  except (OSError, AttributeError):
+    return False
+
+
+def _baseline() -> tuple[int, int]:
+  """(RSS growth of XLA:CPU's one-time set-up, the baseline RSS), VmHWM reset to it.
+
+  The set-up (compiler or code loader, thread pool) is the runtime's, not the step's:
+  a tiny program is compiled and run before the baseline is read."""
+  import jax
+  gc.collect()
+  before = _status_bytes('VmRSS')
+  jax.block_until_ready(jax.jit(lambda v: v + 1)(jax.numpy.zeros(8)))
+  gc.collect()
+  base = _status_bytes('VmRSS')
+  if not _reset_peak():
+    raise OSError('cannot reset VmHWM (/proc/self/clear_refs); the peak would be wrong')
+  return base - before, base
+
+
+def _train(step: Any, state: Any, hparams: Any, batches: Any, steps: int
+           ) -> tuple[list[dict[str, int]], bool, int]:
+  """`steps` steps of the step as training calls it, each waited for: (the reading after
+  each, whether the state's buffers were donated, bytes of the live jax arrays)."""
+  import jax
+  readings, donated = [], True
+  for _ in range(steps):
+    old = jax.tree.leaves(state)[0]
+    state, metrics = step(state, hparams, *next(batches))
+    jax.block_until_ready(metrics.loss)
+    time.sleep(SETTLE)
+    donated = donated and old.is_deleted()
+    readings.append(_reading())
+  return readings, donated, sum(a.nbytes for a in jax.live_arrays())
+
+
+def _load_programs(parts: Any, step: Any, hparams: Any, batch: Any) -> Any:
+  """The step compiled as plan compiles it (step.fn.lower(...).compile()), and the init
+  program as init_sharded jits it (its later call reuses this one): from the cache, or
+  compiled here. Returns the step's compiled program."""
+  import jax
+  compiled = step.fn.lower(parts.abstract_state, hparams, *batch).compile()
+  jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile()
+  gc.collect()
+  return compiled
+
+
+def worker(model: str, members: int, steps: int, cache_dir: str, trim: bool) -> dict[str, Any]:
+  """Runs in its own process: the RSS growth of loading (or compiling) the programs,
+  initialising the state and stepping one cell, over a baseline taken after imports,
+  device, data and the abstract parts. VmHWM is reset after each phase, so each phase's
+  peak is read apart. `trim`: malloc_trim(0) after loading the programs, so that the
+  buffers are measured from the RSS the programs keep live."""
+  import jax
+  from dist_ens import assemble, data
+  cache = enable_cache(cache_dir) if cache_dir else {}
+  jax.devices()
+  run_data, parts, form, step = _setup(model, members)
+  runtime_setup, base = _baseline()
+  cache_before = dict(cache)
+  batches = data.Batches(run_data.dataset.train, run_data.order, parts.mesh, members,
+                         prefetch=0, with_index=step.uses_index)
+  hparams = parts.device_hparams()
+  compiled = _load_programs(parts, step, hparams, next(batches))
+  programs = _reading()
+  trimmed = _reading() if trim and _malloc_trim() else programs
+  _reset_peak()
+  state = jax.block_until_ready(assemble.init_sharded(parts))
+  time.sleep(SETTLE)
+  initialised = _reading()
+  _reset_peak()
+  per_step, donated, live = _train(step, state, hparams, batches, steps)
+  hwm = max(programs['vmhwm'], initialised['vmhwm'], per_step[-1]['vmhwm'])
+  buffers = max(initialised['vmhwm'], per_step[-1]['vmhwm']) - trimmed['vmrss']
+  stats = compiled.memory_analysis()
+  return dict(model=model, members=members, steps=steps, base_rss=base,
+              runtime_setup=runtime_setup, programs=programs, trimmed=trimmed,
+              initialised=initialised, per_step=per_step, peak=hwm - base,
+              programs_bytes=programs['vmrss'] - base,
+              programs_live=trimmed['vmrss'] - base, buffers=buffers,
+              init_peak=initialised['vmhwm'] - trimmed['vmrss'],
+              steps_peak=per_step[-1]['vmhwm'] - trimmed['vmrss'], live_array_bytes=live,
+              donated=donated, parallelism=form[0], map_batch_size=form[1],
+              xla_peak_memory=int(getattr(stats, 'peak_memory_in_bytes', 0) or 0),
+              malloc_env={k: v for k, v in os.environ.items() if k.startswith('MALLOC_')},
+              trim=trim, compilation_cache={k: v - cache_before.get(k, 0)
+                                            for k, v in cache.items()})
+
+
+def measure(model: str, members: int, args: argparse.Namespace, cache_dir: str,
+            clean: bool = False) -> dict[str, Any]:
+  """worker() in a fresh process of this interpreter, bounded by `timeout -k`; `clean`:
+  with MMAP_ENV and malloc_trim after loading the programs."""
+  command = ['timeout', '-k', '10', str(args.timeout), sys.executable, __file__,
+             '--_worker', model, '--members', str(members), '--steps', str(args.steps),
+             '--_cache_dir', cache_dir] + (['--_trim'] if clean else [])
+  start = time.perf_counter()
+  done = subprocess.run(command, capture_output=True, text=True, check=False,
+                        env={k: v for k, v in os.environ.items() if not k.startswith('MALLOC_')}
+                        | (MMAP_ENV if clean else {}))
+  lines = [l for l in done.stdout.splitlines() if l.startswith('{')]
+  if done.returncode or not lines:
+    return dict(error=f'rc {done.returncode}' + (' (timed out)' if done.returncode in (124, 137)
+                                                 else '') + ': ' + done.stderr.strip()[-400:])
+  result = json.loads(lines[-1])
+  result['seconds'] = time.perf_counter() - start
+  return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def run_cell(model: str, members: int, args: argparse.Namespace, cache_dir: str) -> dict:
+  """One (model, M): plan's prediction, then the measured peaks: programs from the cache
+  with glibc's default malloc and with MMAP_ENV, and compiled in the process (cold)."""
+  pred = predict(model, members)
+  row = dict(model=model, config=MODELS[model], members=members, predicted=pred,
+             measured=measure(model, members, args, cache_dir),
+             measured_clean=measure(model, members, args, cache_dir, clean=True),
+             measured_cold=measure(model, members, args, '') if args.cold else None)
+  for key in ('measured', 'measured_clean'):
+    if 'error' not in row[key]:
+      r = row[key]
+      r.update(ratio=r['peak'] / pred['peak'], buffers_ratio=r['buffers'] / pred['peak'],
+               same_form=[r['parallelism'], r['map_batch_size']] ==
+               [pred['parallelism'], pred['map_batch_size']])
+  w = row['measured']
+  if 'error' not in w:
+    row.update(ratio=w['ratio'], within=abs(w['ratio'] - 1) <= TOLERANCE)
+  print(f'{model} M={members}: predicted {pred["peak"] / MB:.1f} MB ({pred["seconds"]:.0f} s); '
+        + ', '.join(f'{k} ' + (row[k]['error'] if 'error' in row[k] else
+                               f'{row[k]["peak"] / MB:.1f} MB ({row[k]["seconds"]:.0f} s)')
+                    for k in ('measured', 'measured_clean', 'measured_cold') if row[k]),
+        flush=True)
+  return row
+
+
+def _slope(lo: dict, hi: dict, key: str, field: str) -> float | None:
+  if not lo.get(key) or not hi.get(key) or 'error' in lo[key] or 'error' in hi[key]:
+    return None
+  return (hi[key][field] - lo[key][field]) / (hi['members'] - lo['members'])
+
+
+def growth(rows: list[dict]) -> list[dict]:
+  """Per model, between consecutive M: the growth per added member of the measured peaks
+  and of the predicted peaks, and plan's bytes_per_member (fitted on M -> 2M) at both M."""
+  out = []
+  for lo, hi in zip(rows, rows[1:]):
+    if lo['model'] != hi['model']:
+      continue
+    g = dict(model=lo['model'], members=[lo['members'], hi['members']],
+             predicted=(hi['predicted']['peak'] - lo['predicted']['peak'])
+             / (hi['members'] - lo['members']),
+             plan_bytes_per_member=[lo['predicted']['bytes_per_member'],
+                                    hi['predicted']['bytes_per_member']],
+             measured=_slope(lo, hi, 'measured', 'peak'),
+             measured_buffers=_slope(lo, hi, 'measured', 'buffers'),
+             measured_clean_buffers=_slope(lo, hi, 'measured_clean', 'buffers'),
+             measured_cold=_slope(lo, hi, 'measured_cold', 'peak'))
+    if g['measured'] is not None:
+      g['ratio'] = g['measured'] / g['plan_bytes_per_member'][0]
+    out.append(g)
+  return out
+
+
+def _form(pred: dict) -> str:
+  return pred['parallelism'] + (f'/{pred["map_batch_size"]}' if pred['map_batch_size'] else '')
+
+
+def _mb(cell: dict | None, field: str, ratio: str = '') -> str:
+  if not cell or 'error' in cell:
+    return cell['error'][:30] if cell else '-'
+  return f'{cell[field] / MB:.1f}' + (f' ({cell[ratio]:.2f})' if ratio else '')
+
+
+def print_tables(result: dict) -> None:
+  print(f'\npeak bytes per device, MB (1e6 bytes), over init and {result["steps"]} steps. '
+        'predicted: dist-ens plan\'s step peak; measured: VmHWM - baseline (programs from '
+        'the cache); programs: RSS growth from lowering and loading the step and init '
+        'programs (live: what stays after malloc_trim); buffers: peak RSS over init and the '
+        'steps - RSS with the programs loaded (x predicted), with glibc\'s default malloc, '
+        'and clean: MALLOC_MMAP_THRESHOLD_=131072 and malloc_trim after loading; init: the '
+        'init program\'s output + temp (XLA); cold: measured, compiling in the process')
+  print('| model | M | form | predicted | measured | measured / predicted | within 20% | '
+        'programs | programs live | buffers | buffers, clean | init (XLA) | cold |')
+  print('|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|')
+  for r in result['rows']:
+    w, c, p = r['measured'], r['measured_clean'], r['predicted']
+    within = '-' if 'within' not in r else ('yes' if r['within'] else 'no')
+    ratio = f'{r["ratio"]:.2f}' if 'ratio' in r else '-'
+    print(f'| {r["model"]} | {r["members"]} | {_form(p)} | {p["peak"] / MB:.1f} | '
+          f'{_mb(w, "peak")} | {ratio} | {within} | {_mb(w, "programs_bytes")} | '
+          f'{_mb(c, "programs_live")} | {_mb(w, "buffers", "buffers_ratio")} | '
+          f'{_mb(c, "buffers", "buffers_ratio")} | {p["init_peak"] / MB:.1f} | '
+          f'{_mb(r["measured_cold"], "peak")} |')
+  print('\ngrowth per added member, MB: (value at M2 - value at M1) / (M2 - M1); plan\'s '
+        'bytes_per_member is fitted on M -> 2M at M1 and at M2')
+  print('| model | M1 -> M2 | plan bytes_per_member | predicted peaks | measured | '
+        'measured / plan | buffers | buffers, clean | cold |')
+  print('|---|---|---:|---:|---:|---:|---:|---:|---:|')
+  f = lambda v: '-' if v is None else f'{v / MB:.3f}'
+  for g in result['growth']:
+    bpm = ' / '.join(f'{v / MB:.3f}' for v in g['plan_bytes_per_member'])
+    ratio = f'{g["ratio"]:.2f}' if 'ratio' in g else '-'
+    print(f'| {g["model"]} | {g["members"][0]} -> {g["members"][1]} | {bpm} | '
+          f'{f(g["predicted"])} | {f(g["measured"])} | {ratio} | {f(g["measured_buffers"])} | '
+          f'{f(g["measured_clean_buffers"])} | {f(g["measured_cold"])} |')
+
+
+def machine_info() -> dict[str, Any]:
+  import jax
+  device = jax.devices()[0]
+  commit = subprocess.run(['git', '-C', str(ROOT), 'rev-parse', 'HEAD'], capture_output=True,
+                          text=True, check=False).stdout.strip() or None
+  return dict(date=datetime.datetime.now().isoformat(timespec='seconds'), jax=jax.__version__,
+              device=f'1 {device.platform} device ({device.device_kind})',
+              machine=platform.machine(), processor=platform.processor(),
+              cores=os.cpu_count(), python=platform.python_version(),
+              xla_flags=os.environ.get('XLA_FLAGS', ''), commit=commit)
+
+
+NOTES = dict(
+    predicted='dist_ens.plan.make_plan on 1 CPU device: arguments + outputs - aliased + temp '
+    'bytes of the compiled train step (XLA memory_analysis)',
+    measured='VmHWM - VmRSS at the baseline (after jax import, device init, data load and the '
+    'abstract parts), in a fresh process: one batch + hyperparameters on the device, the '
+    'step compiled or loaded from the cache, the state initialised, `steps` steps each waited '
+    'for; no evaluation',
+    measured_also_holds='compiled code of the step and the init program (exec = RSS growth '
+    'of loading the step), the init program\'s temporaries, host copies of the batch, glibc '
+    'arena slack and thread stacks; cold: also the XLA compiler\'s working memory',
+    exec='RSS growth from the baseline to the step compiled/loaded (batch, hparams, code)',
+    state='RSS growth from initialising the sharded state (init program loaded and run)')
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--models', default=','.join(MODELS), help='comma-separated, of '
+                      + ', '.join(MODELS))
+  parser.add_argument('--members', default='', help='comma-separated M for every model '
+                      '(default: ' + '; '.join(f'{k} {v}' for k, v in MEMBERS.items()) + ')')
+  parser.add_argument('--steps', type=int, default=20, help='train steps per measurement')
+  parser.add_argument('--no_cold', dest='cold', action='store_false',
+                      help='skip the measurement that compiles in the process')
+  parser.add_argument('--timeout', type=int, default=300, help='seconds per measuring process')
+  parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'memory.json'))
+  parser.add_argument('--_worker', default='', help=argparse.SUPPRESS)
+  parser.add_argument('--_cache_dir', default='', help=argparse.SUPPRESS)
+  parser.add_argument('--_trim', action='store_true', help=argparse.SUPPRESS)
+  args = parser.parse_args(argv)
+  args.models = [m for m in args.models.split(',') if m]
+  args.members = tuple(int(m) for m in args.members.split(',') if m)
+  return args
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = parse_args(argv)
+  if args._worker:
+    print(json.dumps(worker(args._worker, args.members[0], args.steps, args._cache_dir,
+                            args._trim)))
+    return
+  start = time.perf_counter()
+  cache_dir = tempfile.mkdtemp(prefix='memory_xla_cache_')
+  try:
+    enable_cache(cache_dir)
+    import jax
+    print(f'jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; '
+          f'{args.steps} steps per measurement', flush=True)
+    rows = [run_cell(model, m, args, cache_dir) for model in args.models
+            for m in args.members or MEMBERS[model]]
+  finally:
+    shutil.rmtree(cache_dir, ignore_errors=True)
+  result = dict(machine_info(), steps=args.steps, tolerance=TOLERANCE, notes=NOTES, rows=rows,
+                growth=growth(rows), seconds=time.perf_counter() - start)
+  print_tables(result)
+  misses = [f'{r["model"]}@{r["members"]}' for r in rows for k in ('measured', 'measured_clean')
+            if r[k].get('compilation_cache', {}).get('cache_misses')]
+  print(f'\nwarm runs with a compilation-cache miss (their peak includes a compile): '
+        f'{", ".join(misses) or "none"}; {result["seconds"]:.0f} s in all')
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(result, indent=1))
+  print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+  main(sys.argv[1:])
