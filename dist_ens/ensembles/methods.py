@@ -30,6 +30,7 @@ update (so they work on any mesh, and their state is checkpointed with the rest)
 `predictive_members` turns the stacked train state into the K*M members that predict.
 """
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -258,13 +259,18 @@ def trained_members(method: Method | None, state: Any, mesh: Mesh) -> Members:
   from the shared weights and its factors)."""
   if method is None or not method.shares:
     return Members(state.params, state.model_state, state.frozen)
+  return Members(_former(mesh)(state.params), state.model_state, state.frozen)
 
-  def form(params):
-    shared, own = batchensemble.split(params)
-    return jax.vmap(lambda o: batchensemble.member_params(batchensemble.merge(shared, o)))(own)
 
-  params = jax.jit(form, out_shardings=mesh_lib.member_sharding(mesh))(state.params)
-  return Members(params, state.model_state, state.frozen)
+def _form_members(params: PyTree) -> PyTree:
+  shared, own = batchensemble.split(params)
+  return jax.vmap(lambda o: batchensemble.member_params(batchensemble.merge(shared, o)))(own)
+
+
+@functools.lru_cache(maxsize=8)
+def _former(mesh: Mesh) -> Callable[[PyTree], PyTree]:
+  """_form_members, jitted once per mesh (evaluation calls it every eval_every steps)."""
+  return jax.jit(_form_members, out_shardings=mesh_lib.member_sharding(mesh))
 
 
 def predictive_members(method: Method, state: Any, seed: int, mesh: Mesh) -> Members:
