@@ -139,7 +139,8 @@ def run(base: Path, name: str, overrides: dict) -> dict:
   mc = config.eval.get('mc_samples', 0)
   heads = config.ensemble.mimo.heads if config.ensemble.method == 'mimo' else 1
   return {
-      'method': name, 'overrides': overrides, 'member_steps': config.num_members * config.train.steps,
+      'method': name, 'overrides': overrides,
+      'member_steps': config.num_members * config.train.steps,
       'accuracy': ensemble['accuracy'], 'nll': ensemble['nll'], 'brier': ensemble['brier'],
       'ece': ensemble['ece'], 'ood_auroc': auroc,
       'trained_parameters': _trained_parameters(config),
@@ -185,7 +186,8 @@ def main(argv: list[str] | None = None) -> None:
   print(table(rows))
   out = {'config': base.name, 'rows': rows, 'markdown': table(rows), 'steps': steps,
          'members': MEMBERS,
-         'machine': platform.machine(), 'cpu_count': os.cpu_count(), 'python': sys.version.split()[0],
+         'machine': platform.machine(), 'cpu_count': os.cpu_count(),
+         'python': sys.version.split()[0],
          'jax': jax.__version__, 'date': time.strftime('%Y-%m-%d')}
   Path(args.out).write_text(json.dumps(out, indent=1))
   # The same bars as a run's report (dist_ens.io.report_plots), the single model first.

@@ -2,9 +2,7 @@
 
   dist-ens --config=configs/default.py --workdir=DIR [--config.a.b=value ...]   (train)
   dist-ens train ...                     the same
-  dist-ens plan --config=FILE [--memory_gb=G] [--json] [--calibrate]
-                                         the memory a run needs (plan.py); --calibrate
-                                         first times the member forms, caching the fastest
+  dist-ens plan --config=FILE [--memory_gb=G] [--json] [--calibrate]   needs and speed (plan.py)
   dist-ens report --workdir=DIR          writes DIR/report/ (dist_ens/io/report.py)
   python -m dist_ens.main ...            the same as dist-ens
 
@@ -152,10 +150,7 @@ def _plan_main(argv: list[str]) -> None:
     p = plan.make_plan(FLAGS.config, memory_bytes=memory_gb * GB if memory_gb else None)
   except ConfigError as e:
     sys.exit(f'dist-ens plan: error: {e}')
-  if FLAGS.json:
-    print(json.dumps(p.to_dict(), indent=2))
-  else:
-    print(plan.format_plan(p, FLAGS.config))
+  print(json.dumps(p.to_dict(), indent=2) if FLAGS.json else plan.format_plan(p, FLAGS.config))
 
 
 def _report_main(argv: list[str]) -> None:
@@ -175,8 +170,8 @@ COMMANDS: dict[str, Command] = {
                      '  Trains the config\'s ensemble in DIR, resuming from its last checkpoint.',
                      _define_train_flags, _train_main),
     'plan': Command('dist-ens plan --config=FILE [--config.field=value ...] [--memory_gb=G] '
-                    '[--json]\n  Prints the memory the config\'s run needs per device and '
-                    'the most members that fit, without training.',
+                    '[--json] [--calibrate]\n  Prints the memory the config\'s run needs per '
+                    'device and the most members that fit, without training.',
                     _define_plan_flags, _plan_main),
     'report': Command('dist-ens report --workdir=DIR\n  Writes DIR/report/: reliability '
                       'diagrams, member-vs-ensemble bars, learning curves, report.md.',
