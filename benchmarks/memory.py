@@ -1,46 +1,59 @@
 """`dist-ens plan`'s predicted peak memory per device against the measured peak, on this CPU.
 
-  python benchmarks/memory.py            # 3 models x 2-3 M, about 10 min on a shared 2-core CPU
-  python benchmarks/memory.py --no_cold  # without the compile-in-process column (~6 min)
-  python benchmarks/memory.py --models mlp --members 4,16
+  python benchmarks/memory.py --cold       # 3 models x 2-3 M, 4 processes a cell: 16 min on
+                                           # a shared 2-core CPU (results/memory.json)
+  python benchmarks/memory.py              # without the compile-in-process one (~13 min)
+  python benchmarks/memory.py --no_ynn_check --models mlp --members 4,16 --out /tmp/m.json
 
 Three configs as shipped, on ONE CPU device (jax.devices()[:1]), each at a few
-ensemble sizes M (config.num_members; member_parallelism 'auto' as the config says):
-  mlp        configs/default.py          (MLP 256-256 on MNIST-1D, Adam)
-  cnn        configs/mnist1d_cnn.py      (1-D CNN on MNIST-1D, Adam)
-  resnet20   configs/digits_resnet20.py  (ResNet-20 on 8x8 digits, SGD + Nesterov)
-all with their batch of 128 (one batch shared by all members).
+ensemble sizes M (config.num_members; member_parallelism 'auto', as the configs say):
+  mlp        configs/default.py          (MLP 256-256 on MNIST-1D, Adam)       M = 4, 16, 64
+  cnn        configs/mnist1d_cnn.py      (1-D CNN on MNIST-1D, Adam)           M = 4, 16, 64
+  resnet20   configs/digits_resnet20.py  (ResNet-20 on 8x8 digits, SGD)        M = 4, 16
+all with their batch of 128, one batch shared by all members.
 
-Predicted: dist_ens.plan.make_plan (what `dist-ens plan` prints): XLA's memory analysis of
-the compiled train step at M and 2M, peak = arguments + outputs - aliased (donated) +
-temporaries bytes per device, and bytes_per_member, the peak's growth per added member.
+Predicted: dist_ens.plan.make_plan, what `dist-ens plan` prints: XLA's memory analysis of
+the compiled train step, peak = arguments + outputs - aliased (donated) + temporaries
+bytes per device; bytes_per_member (the peak's growth per member, from M and 2M) and the
+largest M that fits --memory_gb. The init program's output + temp bytes (XLA) are shown
+too: it runs once, before the first step.
 
-Measured: every (model, M) runs in a fresh process of this script (`timeout -k`
-bounded). After importing jax and dist_ens, creating the CPU device, loading the data set
-and building the (abstract) parts and the step function, it reads its RSS (the
-baseline) and resets /proc/self/status's VmHWM to it (5 > /proc/self/clear_refs). It
-then puts one batch and the hyperparameters on the device, compiles the step (the same
-lowering as plan's: step.fn.lower(...).compile()), creates the sharded state
-(assemble.init_sharded) and runs --steps train steps through the compiled step, each
-waited for. The measured peak is VmHWM - baseline: the JAX runtime, the interpreter and
-the data set are not in it. It does hold, besides the step's buffers that plan counts:
-  - the compiled code of the step and of the init program (XLA:CPU reports no
-    generated_code_size, so plan cannot count it); its RSS growth is reported ('exec');
-  - the init program's own temporaries (it runs once, before the first step);
-  - the host copies of the batch and the allocator's slack: freed blocks glibc keeps
-    resident, per-thread arenas and stacks of XLA's thread pool;
-  - and, in the 'cold' column only, the XLA compiler's working memory.
-It holds less where a buffer XLA assigned is never written: RSS counts touched pages.
-No evaluation step runs. The compiled programs come from a persistent compilation cache
-that the prediction filled in the parent process (the same program: hits and misses are
-counted and reported), so the 'warm' peak is what training holds, not what compiling
-took. With --cold (the default) every cell also runs once more with an empty cache,
-which compiles in the process, as a first `dist-ens` run does: that peak is reported too.
+Measured: every (model, M) runs in a fresh process of this script (`timeout -k` bounded,
+same interpreter). After importing jax and dist_ens, creating the CPU device, loading the
+data set, building the abstract parts and the step function, and running a tiny jitted
+program (XLA:CPU's one-time set-up), it reads its RSS, the baseline, and resets VmHWM to
+it (5 > /proc/self/clear_refs; ru_maxrss is inherited across fork and useless here). It
+then puts a batch and the hyperparameters on the device, lowers and compiles the step as
+plan does (step.fn.lower(...).compile()) and the init program as assemble.init_sharded
+jits it, creates the state (init_sharded, which reuses it) and runs --steps train steps
+(TrainStep, as training calls it, each waited for; no evaluation step). VmHWM is reset
+after each phase, so each phase's peak is read apart:
+  measured   max VmHWM - baseline: everything the run added, which besides the buffers
+             plan counts holds the 'programs' (the lowered module, and the step and
+             init executables: loading a cached XLA:CPU program links its object
+             files in the process, and that working memory stays in glibc's heap)
+             and what the first execution of the step leaves allocated (~7-13 MB);
+  programs   RSS growth from loading the programs ('live': what stays after
+             malloc_trim(0) hands glibc's free pages back);
+  buffers    the peak over init and the steps - RSS with the programs loaded: the
+             state, batch and step buffers plan predicts, and the first-execution part.
+Each cell runs in up to four processes: with glibc's default malloc (freed blocks stay
+resident and are reused, so its peak creeps up over the first steps); 'clean', with
+MALLOC_MMAP_THRESHOLD_=131072 (every block >= 128 KiB is mmapped and unmapped when freed,
+so RSS follows the live buffers) and malloc_trim after loading the programs; 'no YNN',
+clean and with XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= (XLA:CPU's YNNPACK dot
+fusions allocate outside XLA's buffer assignment); with --cold also 'cold', with no
+compilation cache, compiling in the process as a first `dist-ens` run does. The others
+take their programs from a persistent compilation cache the prediction filled (hits and
+misses are counted). RSS counts touched pages only: a buffer XLA assigned but never
+wrote is not seen.
 
-Prints the table (model, M, parallelism, predicted peak MB, measured MB, measured /
-predicted, within 20%), the measured growth per member between consecutive M against
-plan's bytes_per_member, and writes benchmarks/results/memory.json (every reading, the
-plan of every cell, the machine, jax's version and the date). MB = 1e6 bytes.
+Prints the table (model, M, form, predicted MB, measured MB, measured / predicted,
+within 20%, and the parts above), the growth per added member between consecutive M (the
+fixed parts cancel) against plan's bytes_per_member, with the largest M that fits
+--memory_gb by plan and by the line through the measured peaks, and writes
+benchmarks/results/memory.json: every reading, each cell's plan, the machine
+(platform.machine(), os.cpu_count()), jax's version and the date. MB = 1e6 bytes.
 """
 
 import argparse
@@ -68,13 +81,16 @@ MODELS = {'mlp': 'configs/default.py', 'cnn': 'configs/mnist1d_cnn.py',
 MEMBERS = {'mlp': (4, 16, 64), 'cnn': (4, 16, 64), 'resnet20': (4, 16)}
 TOLERANCE = 0.20
 MB = 1e6
-# glibc malloc with a fixed mmap threshold: every block >= 128 KiB is its own mmap, unmapped
-# when freed, so RSS follows the live buffers (by default the threshold rises to the
-# largest block freed, up to 32 MiB, and freed blocks stay resident in per-thread arenas).
 # Seconds to wait after a program's outputs are ready before RSS is read: XLA:CPU frees
 # the program's temporaries on its own thread just after.
 SETTLE = 0.2
+# glibc malloc with a fixed mmap threshold: every block >= 128 KiB is its own mmap, unmapped
+# when freed, so RSS follows the live buffers (by default the threshold rises to the
+# largest block freed, up to 32 MiB, and freed blocks stay resident in the arenas).
 MMAP_ENV = {'MALLOC_MMAP_THRESHOLD_': str(128 * 1024)}
+# XLA:CPU without its YNNPACK fusions (the dots they run allocate outside XLA's buffer
+# assignment, so memory_analysis does not see it).
+NO_YNN_FLAG = '--xla_cpu_experimental_ynn_fusion_type='
 
 
 def load(model: str, members: int) -> Any:
@@ -89,22 +105,25 @@ def load(model: str, members: int) -> Any:
 # Prediction (parent process)
 
 
-def predict(model: str, members: int) -> dict[str, Any]:
-  """dist_ens.plan's plan of the config at M on one device; also compiles (and so caches)
-  the init program, which the measuring process runs before the step."""
+def predict(model: str, members: int, memory_bytes: float) -> dict[str, Any]:
+  """dist_ens.plan's plan of the config at M on one device (largest M for memory_bytes);
+  also compiles (and so caches) the init program, which the measuring process runs first,
+  and returns XLA's analysis of it too."""
   import jax
   from dist_ens import assemble, plan
   config = load(model, members)
   start = time.perf_counter()
-  p = plan.make_plan(config, jax.devices()[:1])
+  p = plan.make_plan(config, jax.devices()[:1], memory_bytes=memory_bytes)
   mesh = assemble.build_mesh(config, jax.devices()[:1])
   parts = assemble.build_parts(config, mesh, *plan.data_shape(config))
   init = jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile()
   stats = init.memory_analysis()
   d = p.to_dict()
-  return dict(peak=p.step.peak, init_peak=stats.output_size_in_bytes + stats.temp_size_in_bytes,
-              init=dict(output=stats.output_size_in_bytes, temp=stats.temp_size_in_bytes), step=d['step'], step_doubled=d['step_doubled'],
+  return dict(peak=p.step.peak, step=d['step'], step_doubled=d['step_doubled'],
+              init_peak=stats.output_size_in_bytes + stats.temp_size_in_bytes,
+              init=dict(output=stats.output_size_in_bytes, temp=stats.temp_size_in_bytes),
               bytes_per_member=p.bytes_per_member, fixed_bytes=p.fixed_bytes,
+              max_members=p.max_members, memory_bytes=p.memory_bytes,
               parallelism=p.parallelism, map_batch_size=p.map_batch_size,
               params_per_member=p.params_per_member,
               state_bytes_per_member=p.state_bytes_per_member,
@@ -228,16 +247,21 @@ def worker(model: str, members: int, steps: int, cache_dir: str, trim: bool) -> 
 
 
 def measure(model: str, members: int, args: argparse.Namespace, cache_dir: str,
-            clean: bool = False) -> dict[str, Any]:
-  """worker() in a fresh process of this interpreter, bounded by `timeout -k`; `clean`:
-  with MMAP_ENV and malloc_trim after loading the programs."""
+            variant: str = 'default') -> dict[str, Any]:
+  """worker() in a fresh process of this interpreter, bounded by `timeout -k`. variant:
+  'default' (programs from the cache), 'clean' (MMAP_ENV, malloc_trim after loading),
+  'clean_no_ynn' (clean, and NO_YNN_FLAG: compiled in the process) or 'cold' (no cache)."""
   command = ['timeout', '-k', '10', str(args.timeout), sys.executable, __file__,
              '--_worker', model, '--members', str(members), '--steps', str(args.steps),
-             '--_cache_dir', cache_dir] + (['--_trim'] if clean else [])
+             '--_cache_dir', '' if variant == 'cold' else cache_dir]
+  env = {k: v for k, v in os.environ.items() if not k.startswith('MALLOC_')}
+  if variant.startswith('clean'):
+    command.append('--_trim')
+    env.update(MMAP_ENV)
+  if variant == 'clean_no_ynn':
+    env['XLA_FLAGS'] = f'{env.get("XLA_FLAGS", "")} {NO_YNN_FLAG}'.strip()
   start = time.perf_counter()
-  done = subprocess.run(command, capture_output=True, text=True, check=False,
-                        env={k: v for k, v in os.environ.items() if not k.startswith('MALLOC_')}
-                        | (MMAP_ENV if clean else {}))
+  done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
   lines = [l for l in done.stdout.splitlines() if l.startswith('{')]
   if done.returncode or not lines:
     return dict(error=f'rc {done.returncode}' + (' (timed out)' if done.returncode in (124, 137)
@@ -251,28 +275,28 @@ def measure(model: str, members: int, args: argparse.Namespace, cache_dir: str,
 # The run
 
 
+VARIANTS = ('measured', 'measured_clean', 'measured_clean_no_ynn', 'measured_cold')
+
+
 def run_cell(model: str, members: int, args: argparse.Namespace, cache_dir: str) -> dict:
-  """One (model, M): plan's prediction, then the measured peaks: programs from the cache
-  with glibc's default malloc and with MMAP_ENV, and compiled in the process (cold)."""
-  pred = predict(model, members)
-  row = dict(model=model, config=MODELS[model], members=members, predicted=pred,
-             measured=measure(model, members, args, cache_dir),
-             measured_clean=measure(model, members, args, cache_dir, clean=True),
-             measured_cold=measure(model, members, args, '') if args.cold else None)
-  for key in ('measured', 'measured_clean'):
-    if 'error' not in row[key]:
-      r = row[key]
+  """One (model, M): plan's prediction, then the measured peaks (see measure's variants)."""
+  pred = predict(model, members, args.memory_gb * 1e9)
+  row = dict(model=model, config=MODELS[model], members=members, predicted=pred)
+  for key in VARIANTS:
+    variant = key.replace('measured_', '') if key != 'measured' else 'default'
+    skip = (variant == 'cold' and not args.cold) or (variant == 'clean_no_ynn' and not args.ynn)
+    r = row[key] = None if skip else measure(model, members, args, cache_dir, variant)
+    if r and 'error' not in r:
       r.update(ratio=r['peak'] / pred['peak'], buffers_ratio=r['buffers'] / pred['peak'],
                same_form=[r['parallelism'], r['map_batch_size']] ==
                [pred['parallelism'], pred['map_batch_size']])
-  w = row['measured']
-  if 'error' not in w:
-    row.update(ratio=w['ratio'], within=abs(w['ratio'] - 1) <= TOLERANCE)
+  if 'error' not in row['measured']:
+    row.update(ratio=row['measured']['ratio'], within=abs(row['measured']['ratio'] - 1)
+               <= TOLERANCE)
   print(f'{model} M={members}: predicted {pred["peak"] / MB:.1f} MB ({pred["seconds"]:.0f} s); '
         + ', '.join(f'{k} ' + (row[k]['error'] if 'error' in row[k] else
                                f'{row[k]["peak"] / MB:.1f} MB ({row[k]["seconds"]:.0f} s)')
-                    for k in ('measured', 'measured_clean', 'measured_cold') if row[k]),
-        flush=True)
+                    for k in VARIANTS if row[k]), flush=True)
   return row
 
 
@@ -282,24 +306,30 @@ def _slope(lo: dict, hi: dict, key: str, field: str) -> float | None:
   return (hi[key][field] - lo[key][field]) / (hi['members'] - lo['members'])
 
 
-def growth(rows: list[dict]) -> list[dict]:
-  """Per model, between consecutive M: the growth per added member of the measured peaks
-  and of the predicted peaks, and plan's bytes_per_member (fitted on M -> 2M) at both M."""
+def growth(rows: list[dict], memory_bytes: float) -> list[dict]:
+  """Per model, between consecutive M: the growth per added member of the measured and of
+  the predicted peaks, plan's bytes_per_member (fitted on M -> 2M) at both M, and where
+  both M run the same form, the largest M that fits memory_bytes by plan and by the line
+  through the two measured peaks."""
   out = []
   for lo, hi in zip(rows, rows[1:]):
     if lo['model'] != hi['model']:
       continue
     g = dict(model=lo['model'], members=[lo['members'], hi['members']],
+             same_form=_form(lo['predicted']) == _form(hi['predicted']),
              predicted=(hi['predicted']['peak'] - lo['predicted']['peak'])
              / (hi['members'] - lo['members']),
              plan_bytes_per_member=[lo['predicted']['bytes_per_member'],
                                     hi['predicted']['bytes_per_member']],
-             measured=_slope(lo, hi, 'measured', 'peak'),
-             measured_buffers=_slope(lo, hi, 'measured', 'buffers'),
-             measured_clean_buffers=_slope(lo, hi, 'measured_clean', 'buffers'),
-             measured_cold=_slope(lo, hi, 'measured_cold', 'peak'))
+             **{key: _slope(lo, hi, key, 'peak') for key in VARIANTS},
+             **{f'{key}_buffers': _slope(lo, hi, key, 'buffers') for key in VARIANTS})
     if g['measured'] is not None:
-      g['ratio'] = g['measured'] / g['plan_bytes_per_member'][0]
+      g['ratio'] = g['measured'] / g['predicted']
+      if g['same_form'] and g['measured'] > 0:
+        fixed = lo['measured']['peak'] - g['measured'] * lo['members']
+        g['max_members'] = dict(memory_bytes=memory_bytes,
+                                plan=hi['predicted']['max_members'],
+                                measured=int((memory_bytes - fixed) // g['measured']))
     out.append(g)
   return out
 
@@ -319,12 +349,14 @@ def print_tables(result: dict) -> None:
         'predicted: dist-ens plan\'s step peak; measured: VmHWM - baseline (programs from '
         'the cache); programs: RSS growth from lowering and loading the step and init '
         'programs (live: what stays after malloc_trim); buffers: peak RSS over init and the '
-        'steps - RSS with the programs loaded (x predicted), with glibc\'s default malloc, '
-        'and clean: MALLOC_MMAP_THRESHOLD_=131072 and malloc_trim after loading; init: the '
-        'init program\'s output + temp (XLA); cold: measured, compiling in the process')
+        'steps - RSS with the programs loaded (x predicted): with glibc\'s default malloc; '
+        f'clean: {MMAP_ENV} and malloc_trim after loading; no YNN: clean, XLA_FLAGS='
+        f'{NO_YNN_FLAG}; init: the init program\'s output + temp (XLA); cold: measured, '
+        'compiling in the process')
   print('| model | M | form | predicted | measured | measured / predicted | within 20% | '
-        'programs | programs live | buffers | buffers, clean | init (XLA) | cold |')
-  print('|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|')
+        'programs | programs live | buffers | buffers, clean | buffers, no YNN | init (XLA) '
+        '| cold |')
+  print('|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|')
   for r in result['rows']:
     w, c, p = r['measured'], r['measured_clean'], r['predicted']
     within = '-' if 'within' not in r else ('yes' if r['within'] else 'no')
@@ -332,20 +364,31 @@ def print_tables(result: dict) -> None:
     print(f'| {r["model"]} | {r["members"]} | {_form(p)} | {p["peak"] / MB:.1f} | '
           f'{_mb(w, "peak")} | {ratio} | {within} | {_mb(w, "programs_bytes")} | '
           f'{_mb(c, "programs_live")} | {_mb(w, "buffers", "buffers_ratio")} | '
-          f'{_mb(c, "buffers", "buffers_ratio")} | {p["init_peak"] / MB:.1f} | '
-          f'{_mb(r["measured_cold"], "peak")} |')
+          f'{_mb(c, "buffers", "buffers_ratio")} | '
+          f'{_mb(r["measured_clean_no_ynn"], "buffers", "buffers_ratio")} | '
+          f'{p["init_peak"] / MB:.1f} | {_mb(r["measured_cold"], "peak")} |')
+  print_growth(result)
+
+
+def print_growth(result: dict) -> None:
+  gb = result['memory_gb']
   print('\ngrowth per added member, MB: (value at M2 - value at M1) / (M2 - M1); plan\'s '
-        'bytes_per_member is fitted on M -> 2M at M1 and at M2')
+        'bytes_per_member is fitted on M -> 2M at M1 and at M2; largest M in '
+        f'{gb:g} GB: plan at M2 / the line through the two measured peaks (same form only)')
   print('| model | M1 -> M2 | plan bytes_per_member | predicted peaks | measured | '
-        'measured / plan | buffers | buffers, clean | cold |')
-  print('|---|---|---:|---:|---:|---:|---:|---:|---:|')
+        'measured / predicted | buffers | buffers, clean | buffers, no YNN | cold | '
+        f'largest M in {gb:g} GB |')
+  print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
   f = lambda v: '-' if v is None else f'{v / MB:.3f}'
   for g in result['growth']:
     bpm = ' / '.join(f'{v / MB:.3f}' for v in g['plan_bytes_per_member'])
     ratio = f'{g["ratio"]:.2f}' if 'ratio' in g else '-'
+    fit = g.get('max_members')
+    fit = f'{fit["plan"]:,} / {fit["measured"]:,}' if fit else '- (form changes)'
     print(f'| {g["model"]} | {g["members"][0]} -> {g["members"][1]} | {bpm} | '
-          f'{f(g["predicted"])} | {f(g["measured"])} | {ratio} | {f(g["measured_buffers"])} | '
-          f'{f(g["measured_clean_buffers"])} | {f(g["measured_cold"])} |')
+          f'{f(g["predicted"])} | {f(g["measured"])} | {ratio} | '
+          f'{f(g["measured_buffers"])} | {f(g["measured_clean_buffers"])} | '
+          f'{f(g["measured_clean_no_ynn_buffers"])} | {f(g["measured_cold"])} | {fit} |')
 
 
 def machine_info() -> dict[str, Any]:
@@ -362,16 +405,20 @@ def machine_info() -> dict[str, Any]:
 
 NOTES = dict(
     predicted='dist_ens.plan.make_plan on 1 CPU device: arguments + outputs - aliased + temp '
-    'bytes of the compiled train step (XLA memory_analysis)',
-    measured='VmHWM - VmRSS at the baseline (after jax import, device init, data load and the '
-    'abstract parts), in a fresh process: one batch + hyperparameters on the device, the '
-    'step compiled or loaded from the cache, the state initialised, `steps` steps each waited '
-    'for; no evaluation',
-    measured_also_holds='compiled code of the step and the init program (exec = RSS growth '
-    'of loading the step), the init program\'s temporaries, host copies of the batch, glibc '
-    'arena slack and thread stacks; cold: also the XLA compiler\'s working memory',
-    exec='RSS growth from the baseline to the step compiled/loaded (batch, hparams, code)',
-    state='RSS growth from initialising the sharded state (init program loaded and run)')
+    'bytes of the compiled train step (XLA memory_analysis); init_peak: output + temp of '
+    'the init program',
+    measured='max VmHWM - VmRSS at the baseline (after jax import, device init, data load, '
+    'the abstract parts and a tiny jitted program), in a fresh process: batch and '
+    'hyperparameters on the device, step and init programs loaded from the cache, the state '
+    'initialised, `steps` steps each waited for; no evaluation',
+    programs_bytes='RSS growth from lowering and loading the step and init programs '
+    '(programs_live: after malloc_trim(0), clean runs only)',
+    buffers='peak RSS over init and the steps - RSS with the programs loaded: state, batch, '
+    'step temporaries, plus what the first execution leaves allocated',
+    variants='measured: default glibc malloc; measured_clean: MALLOC_MMAP_THRESHOLD_=131072 '
+    'and malloc_trim after loading; measured_clean_no_ynn: clean and XLA_FLAGS='
+    '--xla_cpu_experimental_ynn_fusion_type= (compiled in the process); measured_cold: no '
+    'compilation cache, default malloc')
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -382,8 +429,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument('--members', default='', help='comma-separated M for every model '
                       '(default: ' + '; '.join(f'{k} {v}' for k, v in MEMBERS.items()) + ')')
   parser.add_argument('--steps', type=int, default=20, help='train steps per measurement')
-  parser.add_argument('--no_cold', dest='cold', action='store_false',
-                      help='skip the measurement that compiles in the process')
+  parser.add_argument('--cold', action='store_true',
+                      help='also measure each cell compiling in the process (no cache)')
+  parser.add_argument('--no_ynn_check', dest='ynn', action='store_false',
+                      help=f'skip the clean measurement with XLA_FLAGS={NO_YNN_FLAG}')
+  parser.add_argument('--memory_gb', type=float, default=1.0,
+                      help='device memory for the largest-M comparison (GB, 1e9 bytes)')
   parser.add_argument('--timeout', type=int, default=300, help='seconds per measuring process')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'memory.json'))
   parser.add_argument('--_worker', default='', help=argparse.SUPPRESS)
@@ -396,6 +447,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+  argv = sys.argv[1:] if argv is None else argv
   args = parse_args(argv)
   if args._worker:
     print(json.dumps(worker(args._worker, args.members[0], args.steps, args._cache_dir,
@@ -412,8 +464,10 @@ def main(argv: list[str] | None = None) -> None:
             for m in args.members or MEMBERS[model]]
   finally:
     shutil.rmtree(cache_dir, ignore_errors=True)
-  result = dict(machine_info(), steps=args.steps, tolerance=TOLERANCE, notes=NOTES, rows=rows,
-                growth=growth(rows), seconds=time.perf_counter() - start)
+  result = dict(machine_info(), command=' '.join(['python benchmarks/memory.py', *argv]),
+                steps=args.steps, tolerance=TOLERANCE, notes=NOTES, rows=rows,
+                memory_gb=args.memory_gb, growth=growth(rows, args.memory_gb * 1e9),
+                seconds=time.perf_counter() - start)
   print_tables(result)
   misses = [f'{r["model"]}@{r["members"]}' for r in rows for k in ('measured', 'measured_clean')
             if r[k].get('compilation_cache', {}).get('cache_misses')]
