@@ -76,6 +76,11 @@ OOD_SOURCES: dict[str, Callable[[], Split]] = {
 }
 
 
+def _sources_like(name: str) -> list[str]:
+  """The OOD sources derived from dataset `name` (all of them if none is)."""
+  return [n for n in sorted(OOD_SOURCES) if n.startswith(f'{name}_')] or sorted(OOD_SOURCES)
+
+
 def load_ood_split(name: str, dataset: Dataset,
                    data_config: ml_collections.ConfigDict | None = None) -> Split:
   """The OOD split that config.eval.ood_dataset names, checked against `dataset`.
@@ -119,5 +124,5 @@ def load_ood_split(name: str, dataset: Dataset,
     raise ConfigError(
         f'config.eval.ood_dataset={name!r} has inputs of shape {tuple(split.x.shape[1:])} but '
         f'the model takes {dataset.input_shape} (config.data.name={dataset.name!r}); use an '
-        f'OOD set of that shape, e.g. {sorted(OOD_SOURCES)} for mnist1d.')
+        f'OOD set of that shape, e.g. one of {_sources_like(dataset.name)}.')
   return split
