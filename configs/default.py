@@ -141,11 +141,11 @@ def get_config() -> ml_collections.ConfigDict:
   # Wait for the step every this many steps; 0 = automatic (8 on multi-device CPU,
   # whose collectives deadlock when ~30 steps are queued; else at log steps only).
   config.train.sync_every = 0
-  # Steps run per call of the compiled step (a lax.scan on the device). Small models
-  # on a GPU/TPU are limited by the host's per-step dispatch, not the device. 0 = auto:
-  # 1 on a CPU; elsewhere the largest divisor of steps, log_every, eval_every and
-  # checkpoint.every up to 100 (dist_ens/parallel/strategy.py). A value K > 0 needs those
-  # to be multiples of K.
+  # Steps run per call of the compiled step (a lax.scan on the device): small steps are
+  # limited by the host's per-call work (a batch transfer, a dispatch). 0 = auto: the
+  # largest divisor of steps, log_every, eval_every and checkpoint.every up to 100, on a
+  # CPU also holding at most 1e10 training FLOPs per device a call
+  # (dist_ens/parallel/strategy.py). A value K > 0 needs those to be multiples of K.
   config.train.steps_per_call = 0
   # A member whose loss or gradient goes non-finite: 'freeze' it and train the
   # others on, or 'stop' (save, then exit with an error).

@@ -47,15 +47,19 @@ def test_user_actions_run_when_due_and_add_results_and_events(tmp_path):
     ctx.results['param_norm'] = norms.tolist()
 
   class CountSteps(dist_ens.PeriodicAction):
-    calls = 0
+    calls, steps_per_call = 0, None
 
     def on_step(self, ctx):
       CountSteps.calls += 1
+      CountSteps.steps_per_call = ctx.steps_per_call
 
   final = dist_ens.train(_config(), str(tmp_path), actions=[dist_ens.every(6, norm),
                                                             CountSteps()])
   assert seen == [6, 12]  # Every 6 steps; the last step once (at the end), not twice.
-  assert CountSteps.calls == 12
+  # steps_per_call 'auto' divides the user's period too: gcd(12 steps, log and checkpoint
+  # every 4, every(6)) = 2 (without the 6 it would be 4, and step 6 never seen).
+  assert CountSteps.steps_per_call == 2
+  assert CountSteps.calls == 12 // 2  # on_step once per call
   assert len(final['param_norm']) == 4 and all(n > 0 for n in final['param_norm'])
   saved = json.loads((tmp_path / 'final_metrics.json').read_text())
   assert saved['param_norm'] == final['param_norm']

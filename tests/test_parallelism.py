@@ -94,7 +94,14 @@ def test_auto_steps_per_call_divides_every_cadence():
   # largest divisor of their gcd (250) up to 100 is 50.
   config = _train_config(steps_per_call=0)
   assert parallelism.steps_per_call(config, 'gpu') == 50
-  assert parallelism.steps_per_call(config, 'cpu') == 1  # The step dominates on a CPU.
+  # On a CPU, K steps must hold at most AUTO_CPU_CALL_FLOPS: unknown FLOPs give 1, a
+  # step of 1/20 of the budget the largest divisor of 250 up to 20, a bigger step 1.
+  budget = parallelism.AUTO_CPU_CALL_FLOPS
+  assert parallelism.steps_per_call(config, 'cpu') == 1
+  assert parallelism.steps_per_call(config, 'cpu', step_flops=budget / 20) == 10
+  assert parallelism.steps_per_call(config, 'cpu', step_flops=budget * 0.6) == 1
+  # A user's periodic action joins the cadences: gcd(250, 30) = 10.
+  assert parallelism.steps_per_call(config, 'gpu', cadences=(30,)) == 10
   # Resuming from step 30: calls must land on it too.
   assert parallelism.steps_per_call(config, 'tpu', start_step=30) == 10
   # An eval_every of 0 adds no cadence; a log_every of 7 leaves only 1.
@@ -133,3 +140,13 @@ def test_activation_bytes_count_the_forward_pass():
   for batch in (8, 16):
     floats = batch * 40 + 4 + batch * 40 + batch * 40 + batch * 40 + batch * 10 + 10 + batch * 10
     assert parallelism.activation_bytes(cnn, (10, 1), batch) == 4 * floats
+
+
+def test_forward_flops_count_the_matmuls():
+  from dist_ens import models
+  mlp = models.get_model(ml_collections.ConfigDict(dict(
+      name='mlp', widths=(16,), init_scale=1.0)), 10)
+  for batch in (8, 32):
+    matmuls = 2 * batch * (40 * 16 + 16 * 10)  # [B, 40] @ [40, 16], [B, 16] @ [16, 10]
+    # XLA also counts the bias adds and the relu: a few percent more.
+    assert 1.0 <= parallelism.forward_flops(mlp, (40, 1), batch) / matmuls < 1.1

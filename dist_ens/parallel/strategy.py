@@ -93,19 +93,36 @@ DEFAULT_FORM: Form = ('vmap', None)
 CHUNK_BUDGET: dict[tuple[str, str], int] = {('cpu', 'cnn'): 80 * 2**20}
 
 
+def _abstract_forward(model, input_shape: Sequence[int], batch: int):
+  """One member's training-mode forward pass on `batch` examples, and abstract arguments."""
+  x = jax.ShapeDtypeStruct((batch, *input_shape), jnp.float32)
+  params, state = jax.eval_shape(model.init, jax.random.key(0), x)
+  return (lambda p, s, x, k: model.apply(p, s, x, train=True, rng=k),
+          (params, state, x, jax.random.key(0)))
+
+
 def activation_bytes(model, input_shape: Sequence[int], batch: int) -> int:
   """Bytes of every intermediate of one member's forward pass on `batch` examples.
 
   Counted from the traced program (no compile, nothing run): a proxy for how much a
   member's step touches, by which 'auto' sizes chunks of members.
   """
-  x = jax.ShapeDtypeStruct((batch, *input_shape), jnp.float32)
-  params, state = jax.eval_shape(model.init, jax.random.key(0), x)
-  # The key is an input, so making it adds no equations to the count.
-  jaxpr = jax.make_jaxpr(lambda p, s, x, k: model.apply(p, s, x, train=True, rng=k))(
-      params, state, x, jax.random.key(0))
+  fn, args = _abstract_forward(model, input_shape, batch)
+  jaxpr = jax.make_jaxpr(fn)(*args)  # The key is an input: making it adds no equations.
   return sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
              for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars)
+
+
+def forward_flops(model, input_shape: Sequence[int], batch: int) -> float | None:
+  """FLOPs of one member's forward pass on `batch` examples: XLA's cost analysis of the
+  lowered program (traced and lowered, not compiled). None where the backend has none."""
+  fn, args = _abstract_forward(model, input_shape, batch)
+  try:
+    cost = jax.jit(fn).lower(*args).cost_analysis()
+  except Exception:  # pylint: disable=broad-except  # A backend without cost analysis.
+    return None
+  flops = (cost or {}).get('flops') if isinstance(cost, dict) else None
+  return float(flops) if flops and flops > 0 else None
 
 
 def auto_form(model_name: str, platform: str, members_per_device: int | None = None,
@@ -164,24 +181,35 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
 # AUTO_INPUT_BYTES; on a CPU the step dominates and 1 is kept.
 AUTO_MAX_STEPS_PER_CALL = 100
 AUTO_INPUT_BYTES = 64 * 2**20
+# On a CPU, the training FLOPs a call of K steps may hold per device. The host's work per
+# call (a batch transfer, a dispatch, the loop's bookkeeping: ~0.5-1 ms) cost the default
+# run 5-14% of the bare step's speed at K=1 (BENCHMARKS.md, "End-to-end overhead"); a call
+# of 1e10 FLOPs takes ~0.04-0.15 s on the 2-core CPUs measured (270 and 70 GFLOP/s matmul
+# peaks), where that work is <= 2.5%, and a signal or a log line waits at most that long.
+AUTO_CPU_CALL_FLOPS = 1e10
 
 
 def steps_per_call(config: ml_collections.ConfigDict, platform: str, start_step: int = 0,
-                   input_bytes_per_step: int = 0) -> int:
+                   input_bytes_per_step: int = 0, step_flops: float | None = None,
+                   cadences: Sequence[int] = ()) -> int:
   """config.train.steps_per_call, with 0 ('auto') resolved.
 
-  'auto' is 1 on a CPU. Elsewhere it is the largest K <= AUTO_MAX_STEPS_PER_CALL that
-  divides every cadence the loop stops at (train.steps, log_every, eval_every,
-  checkpoint.every, and the step a run resumes from), and whose K batches of input
-  (input_bytes_per_step each) stay under AUTO_INPUT_BYTES.
+  'auto' is the largest K <= AUTO_MAX_STEPS_PER_CALL that divides every cadence the
+  loop stops at (train.steps, log_every, eval_every, checkpoint.every, the step a run
+  resumes from, and `cadences`: a user's periodic actions), and whose K batches of
+  input (input_bytes_per_step each) stay under AUTO_INPUT_BYTES. On a CPU, where a
+  step can take seconds, K steps must also hold at most AUTO_CPU_CALL_FLOPS
+  (`step_flops`: a step's training FLOPs per device; unknown: K = 1).
   """
   chosen = config.train.steps_per_call
-  if chosen or platform == 'cpu':
-    return chosen or 1
+  if chosen:
+    return chosen
   cadence = 0
   for every in (config.train.steps, config.train.log_every, config.train.eval_every,
-                config.checkpoint.every, start_step):
+                config.checkpoint.every, start_step, *cadences):
     cadence = math.gcd(cadence, every)  # gcd(x, 0) = x: an eval_every of 0 adds nothing.
   bound = min(AUTO_MAX_STEPS_PER_CALL,
               max(1, AUTO_INPUT_BYTES // max(input_bytes_per_step, 1)))
-  return max(k for k in range(1, bound + 1) if cadence % k == 0)
+  if platform == 'cpu':
+    bound = min(bound, int(AUTO_CPU_CALL_FLOPS // step_flops) if step_flops else 1)
+  return max(k for k in range(1, max(bound, 1) + 1) if cadence % k == 0)

@@ -182,8 +182,9 @@ class _Callback(PeriodicAction):
 def every(steps: int, fn: Callable[[Context], None], *, at_end: bool = True) -> Action:
   """An action that calls fn(ctx) every `steps` steps and after the last step.
 
-  `steps` must be a multiple of the run's steps_per_call (1 on a CPU), since the
-  loop sees only the steps between calls.
+  The loop sees only the steps between calls of the compiled step: with
+  train.steps_per_call=0 (auto) the run picks a K that divides `steps` of every action
+  passed to train; an explicit train.steps_per_call must divide `steps` itself.
 
   Example:
     >>> act = every(100, lambda ctx: print(ctx.step))

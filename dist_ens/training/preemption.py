@@ -1,5 +1,6 @@
 """Stopping cleanly when asked to: SIGTERM (a scheduler's preemption notice) or Ctrl-C (SIGINT)."""
 
+import itertools
 import signal
 import threading
 
@@ -21,6 +22,11 @@ class PreemptionWatcher:
   there and no handler is installed; a single process uses its own flag.
   """
 
+  # JAX's sync point agrees on a counter value one past the highest any process has
+  # reached, so it must grow by one each check: steps, which grow by steps_per_call,
+  # would skip it. Shared by every watcher, as the processes run the same sequence of runs.
+  _checks = itertools.count(1)
+
   def __init__(self):
     self._flag = threading.Event()
     self._previous = {}
@@ -41,10 +47,12 @@ class PreemptionWatcher:
     raise KeyboardInterrupt(f'{signal.Signals(signum).name} received twice')
 
   def should_stop(self, step: int) -> bool:
+    """Whether to save and stop before the call that starts at `step`."""
+    del step  # Every check is one call of the step, whatever steps it runs.
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
       try:
-        return bool(multihost_utils.reached_preemption_sync_point(step))
+        return bool(multihost_utils.reached_preemption_sync_point(next(self._checks)))
       except RuntimeError:  # No preemption service in this distributed runtime.
         return False
     return self._flag.is_set()

@@ -25,9 +25,9 @@ from dist_ens.ensembles import methods
 from dist_ens.eval import metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.io import tables, writers
-from dist_ens.parallel import distributed, strategy, xla_flags
+from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import actions as actions_lib, posthoc, workdir as workdir_lib
-from dist_ens.training.loop import Action, Context, run_loop
+from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 
 # Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
@@ -99,16 +99,32 @@ def _restore_or_init(parts: assemble.Parts, checkpointer: Checkpointer) -> Resto
 
 
 def _steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
-                    run_data: assemble.RunData, start_step: int) -> int:
+                    run_data: assemble.RunData, start_step: int,
+                    actions: Sequence[Action]) -> int:
   # Examples the input pipeline delivers per step: one batch, or one per member.
   inputs = config.data.batch_size * (config.num_members if run_data.order.per_member else 1)
-  k = strategy.steps_per_call(config, parts.mesh.devices.flat[0].platform, start_step,
-                              inputs * int(np.prod(parts.input_shape)) * 4)  # float32
+  platform = parts.mesh.devices.flat[0].platform
+  k = strategy.steps_per_call(
+      config, platform, start_step, inputs * int(np.prod(parts.input_shape)) * 4,  # float32
+      step_flops=_step_flops(config, parts) if platform == 'cpu' else None,
+      cadences=[a.every for a in actions if isinstance(a, PeriodicAction)])
   if start_step % k:
     raise configuration.ConfigError(
         f'config.train.steps_per_call={k} does not divide the checkpoint\'s step '
         f'{start_step}; resume with a steps_per_call that divides it (e.g. 1), or 0 (auto).')
   return k
+
+
+def _step_flops(config: ml_collections.ConfigDict, parts: assemble.Parts) -> float | None:
+  """Training FLOPs of one step per device (3x the forward: the backward pass costs two
+  forwards), for steps_per_call 'auto' on a CPU; None when not needed or not known."""
+  if config.train.steps_per_call:
+    return None
+  mesh = parts.mesh
+  members = parts.abstract_state.frozen.shape[0] // mesh.shape[mesh_lib.MEMBER]
+  forward = strategy.forward_flops(parts.model, parts.input_shape,
+                                   config.data.batch_size // mesh.shape[mesh_lib.DATA])
+  return None if forward is None else 3 * forward * members
 
 
 # On a multi-device CPU mesh more queued steps than this deadlock XLA's collectives
@@ -182,7 +198,8 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
 
 def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.RunData,
            parts: assemble.Parts, form: Any, loss: Loss | None,
-           extra_writers: Sequence[writers.EventWriter]) -> tuple[Context, Any, Checkpointer]:
+           extra_writers: Sequence[writers.EventWriter],
+           actions: Sequence[Action]) -> tuple[Context, Any, Checkpointer]:
   """Claims the workdir, restores or inits the state, and builds the step, the input
   pipeline and the writers: the loop's Context."""
   mesh, dataset = parts.mesh, run_data.dataset
@@ -201,7 +218,7 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
   else:
     logging.info('each device runs its members with %s%s', form[0],
                  f' (chunks of {form[1]})' if form[1] else '')
-  k = _steps_per_call(config, parts, run_data, restored.step)
+  k = _steps_per_call(config, parts, run_data, restored.step, actions)
   if k > 1:
     logging.info('%d steps per call of the compiled step', k)
   train_step = assemble.build_step(parts, per_member_batches=run_data.order.per_member,
@@ -297,7 +314,7 @@ def _train(config, workdir, devices, actions, extra_writers, dataset, optimizer,
 
 def _train_locked(config, workdir, run_data, parts, form, actions, extra_writers, loss):
   ctx, train_step, checkpointer = _start(parts.config, workdir, run_data, parts, form, loss,
-                                         extra_writers)
+                                         extra_writers, actions)
   all_actions: list[Action] = []
   watcher = PreemptionWatcher()
   failed = True
