@@ -1,0 +1,436 @@
+"""End-to-end overhead: a whole dist_ens.train run's member-examples/s against its bare step's.
+
+  python benchmarks/overhead.py                       # M=16, 5 rounds, default run
+  python benchmarks/overhead.py --members 16,4 --rounds 5 --steps 800
+  python benchmarks/overhead.py --variants 'default;train.sync_every=1;data.prefetch=0'
+  python benchmarks/overhead.py --profile 'default'   # cProfile of one whole run's loop
+
+For configs/default.py (MLP 40-256-256-10 on MNIST-1D, batch 128, Adam) on ONE device
+(jax.devices()[:1]), in one process, it times side by side:
+  bare   dist_ens's own compiled train step of ONE step a call (assemble.build_parts,
+         init_sharded, member_form, build_step, as a run builds them) called in a Python
+         loop on device-resident batches made beforehand (the run's own
+         data.Batches, prefetch off), blocking only at the end of each timed block;
+  run    a whole dist_ens.train of --steps steps (eval_every=0, a checkpoint at the
+         end only, logging, writers and train.steps_per_call as configured: 'auto'
+         runs K steps a call where that holds little work), timed by an action that
+         blocks on the step's results at the first call at or past step --warmup and
+         at the last step and reads time.perf_counter() there: compile, the first
+         steps, the final checkpoint and the final evaluation are left out.
+Both are member-examples/s (M x batch x steps / seconds). Each round times the bare
+step (as many steps as the run's timed part) and one run of every variant, in a
+rotating order; the ratio run/bare of every round and its median are printed.
+
+--variants: ';'-separated runs, each 'default' or '+'-separated config overrides
+(key=value, the value parsed as a Python literal), e.g. 'train.steps_per_call=1' or
+"data.prefetch=0+writers=('jsonl',)". A variant with data.member_order other than 'shared' gets its own bare step (per-member
+batches). The run action also records the host's time between calls of the loop and
+the input pipeline's busy time, for the diagnosis.
+
+Writes benchmarks/results/overhead.json (--out to change): machine, jax version, date
+and one row per (M, variant) with every round's figures.
+"""
+
+import argparse
+import ast
+import cProfile
+import datetime
+import json
+import os
+import platform
+import pstats
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+import dist_ens
+from dist_ens import assemble, data
+from dist_ens.configuration import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+BARE_BATCHES = 64  # distinct device-resident batches the bare step cycles through
+# A round counts as clean when other processes kept fewer cores than this busy during
+# both its bare and its run measurement.
+CLEAN_CORES = 0.1
+
+
+def make_config(members: int, steps: int, overrides: dict[str, Any]) -> Any:
+  """configs/default.py for M members and `steps` steps: no evaluation before the end, one
+  checkpoint at the end, then `overrides` (dotted keys)."""
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.num_members = members
+  config.train.steps = steps
+  config.train.eval_every = 0
+  config.checkpoint.every = steps
+  for key, value in overrides.items():
+    node = config
+    *path, leaf = key.split('.')
+    for part in path:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
+def parse_variants(text: str) -> dict[str, dict[str, Any]]:
+  """'default;a.b=1+c.d=x' -> {'default': {}, 'a.b=1+c.d=x': {'a.b': 1, 'c.d': 'x'}}."""
+  variants = {}
+  for spec in filter(None, (s.strip() for s in text.split(';'))):
+    overrides = {}
+    if spec != 'default':
+      for item in spec.split('+'):
+        key, value = item.split('=', 1)
+        try:
+          overrides[key.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+          overrides[key.strip()] = value.strip()
+    variants[spec] = overrides
+  return variants
+
+
+def thread_cpu() -> dict[str, float]:
+  """CPU seconds (user + system) of this process's threads so far, by group: Python
+  threads by name (the main thread, the input pipeline's, ...), XLA's compute pool
+  ('tf_XLAEigen'), and 'native' for the runtime's other threads. From /proc (Linux);
+  {} elsewhere. Resolution: a clock tick (10 ms)."""
+  names = {t.native_id: t.name for t in threading.enumerate()}
+  tick = os.sysconf('SC_CLK_TCK')
+  groups: dict[str, float] = {}
+  try:
+    tids = os.listdir('/proc/self/task')
+  except OSError:
+    return groups
+  for tid in tids:
+    try:
+      with open(f'/proc/self/task/{tid}/comm') as f:
+        comm = f.read().strip()
+      with open(f'/proc/self/task/{tid}/stat') as f:
+        fields = f.read().rsplit(')', 1)[1].split()
+    except OSError:  # the thread ended meanwhile
+      continue
+    name = names.get(int(tid)) or (comm if comm != 'python' else 'native')
+    name = 'pipeline' if name.startswith('Thread-') and '_produce' in name else name
+    groups[name] = groups.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+  return groups
+
+
+def cpu_per_step(before: dict[str, float], after: dict[str, float], steps: int
+                 ) -> dict[str, float]:
+  """Milliseconds of CPU per step of each thread group between two thread_cpu() calls."""
+  return {k: round(1e3 * (after[k] - before.get(k, 0.0)) / steps, 3) for k in after
+          if after[k] - before.get(k, 0.0) > 0 and not k.startswith('_')}
+
+
+def machine_busy() -> tuple[float, float, float]:
+  """(wall, CPU seconds every process on the machine used, this process's), for
+  `foreign_cores`. The first is /proc/stat's busy time (user, nice, system, irq, softirq,
+  steal); 0 where there is no /proc/stat."""
+  busy = 0.0
+  try:
+    with open('/proc/stat') as f:
+      fields = [int(v) for v in f.readline().split()[1:]]
+    busy = sum(fields[i] for i in (0, 1, 2, 5, 6, 7)) / os.sysconf('SC_CLK_TCK')
+  except (OSError, ValueError, IndexError):
+    pass
+  mine = os.times()
+  return time.perf_counter(), busy, mine.user + mine.system
+
+
+def foreign_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+  """Cores other processes kept busy on average between two machine_busy() calls: a round
+  measured while something else ran on the machine shows here."""
+  wall = after[0] - before[0]
+  return round(((after[1] - before[1]) - (after[2] - before[2])) / wall, 3) if wall > 0 else 0.0
+
+
+class Bare:
+  """dist_ens's compiled step as a run builds it, on batches already on the device."""
+
+  def __init__(self, config: Any):
+    device = jax.devices()[:1]
+    mesh = assemble.build_mesh(config, device)
+    run_data = assemble.build_data(config)
+    dataset = run_data.dataset
+    parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
+    form = assemble.member_form(parts, config.data.batch_size)
+    self.step = assemble.build_step(parts, per_member_batches=run_data.order.per_member,
+                                    form=form)
+    self.state = assemble.init_sharded(parts)
+    self.hparams = parts.device_hparams()
+    self._pipeline_args = (dataset.train, run_data.order, mesh, config.num_members)
+    source = data.Batches(*self._pipeline_args, prefetch=0)
+    self.batches = [next(source) for _ in range(BARE_BATCHES)]
+    source.close()
+    jax.block_until_ready(self.batches)
+    self.examples_per_step = config.num_members * config.data.batch_size
+    self.members = config.num_members
+    self.form = form
+    self.time(2)  # compile
+
+  def time(self, steps: int) -> dict[str, Any]:
+    """Member-examples/s over `steps` calls, blocking once at the end, and the CPU per
+    step of each thread group."""
+    state, batches, n = self.state, self.batches, len(self.batches)
+    jax.block_until_ready(state)
+    cpu, busy, start = thread_cpu(), machine_busy(), time.perf_counter()
+    for i in range(steps):
+      state, metrics = self.step(state, self.hparams, *batches[i % n])
+    jax.block_until_ready((state, metrics))
+    seconds = time.perf_counter() - start
+    self.state = state
+    return dict(rate=self.examples_per_step * steps / seconds,
+                cpu_ms_per_step=cpu_per_step(cpu, thread_cpu(), steps),
+                foreign_cores=foreign_cores(busy, machine_busy()))
+
+  def time_host_arrays(self, steps: int) -> dict[str, Any]:
+    """The same, on numpy batches read in the loop (the data.Batches order, no prefetch)
+    and handed to the jitted step as they are: the jit's own C++ path transfers them,
+    with no jax.make_array_from_process_local_data per array."""
+    source, order = self._pipeline_args[0], self._pipeline_args[1]
+    position = data.IteratorState()
+
+    def next_batch():
+      nonlocal position
+      batch = source.read(order.indices(position, range(self.members)))
+      position = order.advance(position)
+      return batch
+
+    state = self.state
+    for _ in range(4):
+      state, metrics = self.step(state, self.hparams, *next_batch())
+    jax.block_until_ready((state, metrics))
+    cpu, busy, start = thread_cpu(), machine_busy(), time.perf_counter()
+    for _ in range(steps):
+      state, metrics = self.step(state, self.hparams, *next_batch())
+    jax.block_until_ready((state, metrics))
+    seconds = time.perf_counter() - start
+    self.state = state
+    return dict(rate=self.examples_per_step * steps / seconds,
+                cpu_ms_per_step=cpu_per_step(cpu, thread_cpu(), steps),
+                foreign_cores=foreign_cores(busy, machine_busy()))
+
+  def time_pipeline(self, steps: int, prefetch: int) -> dict[str, Any]:
+    """The same, on batches from a live input pipeline (data.Batches, `prefetch` ahead),
+    as the run takes them."""
+    source = data.Batches(*self._pipeline_args, prefetch=prefetch)
+    state = self.state
+    try:
+      for _ in range(4):  # the prefetch queue fills, as after a run's first steps
+        state, metrics = self.step(state, self.hparams, *next(source))
+      jax.block_until_ready((state, metrics))
+      cpu, busy, start = thread_cpu(), machine_busy(), time.perf_counter()
+      for _ in range(steps):
+        state, metrics = self.step(state, self.hparams, *next(source))
+      jax.block_until_ready((state, metrics))
+      seconds = time.perf_counter() - start
+      cpu, busy = cpu_per_step(cpu, thread_cpu(), steps), foreign_cores(busy, machine_busy())
+    finally:
+      source.close()
+    self.state = state
+    return dict(rate=self.examples_per_step * steps / seconds, cpu_ms_per_step=cpu,
+                foreign_cores=busy)
+
+
+class Timer:
+  """An action (see dist_ens.training.loop) timing a run from its first call at or past
+  step `warmup` to its last step.
+
+  It blocks on the step's results at those two calls only. Between them it records
+  the host's wall time between successive calls of the loop (each runs the run's
+  steps_per_call steps) and
+  the input pipeline's busy time (data.Batches.stats)."""
+
+  def __init__(self, warmup: int):
+    self.warmup = warmup
+    self.start = self.end = None
+    self.gaps: list[float] = []
+    self._last = None
+    self._stats = None
+
+  def on_step(self, ctx: dist_ens.Context) -> None:
+    now = time.perf_counter()
+    if self.start is not None and self.end is None:
+      self.gaps.append(now - self._last)
+    self._last = now
+    starts = self.start is None and ctx.step >= self.warmup  # The first call past warmup.
+    if starts or ctx.step == ctx.total_steps:
+      jax.block_until_ready((ctx.state, ctx.metrics))
+      now = self._last = time.perf_counter()
+      if starts:
+        self.start, self.first, self._stats = now, ctx.step, ctx.batches.stats
+        self._cpu, self._busy = thread_cpu(), machine_busy()
+      else:
+        self.end, self.steps_per_call = now, ctx.steps_per_call
+        self.cpu = cpu_per_step(self._cpu, thread_cpu(), ctx.step - self.first)
+        self.foreign = foreign_cores(self._busy, machine_busy())
+        stats = ctx.batches.stats
+        self.pipeline = (stats.examples - self._stats.examples,
+                         stats.busy_seconds - self._stats.busy_seconds)
+
+  def on_end(self, ctx: dist_ens.Context) -> None:
+    pass
+
+  def close(self) -> None:
+    pass
+
+
+def time_run(config: Any, warmup: int) -> dict[str, float]:
+  """One dist_ens.train: member-examples/s over steps (warmup, last], and what the Timer saw."""
+  timer = Timer(warmup)
+  workdir = tempfile.mkdtemp(prefix='dist_ens_overhead_')
+  try:
+    final = dist_ens.train(config, workdir, devices=jax.devices()[:1], actions=[timer])
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
+  steps = config.train.steps - timer.first
+  seconds = timer.end - timer.start
+  examples, busy = timer.pipeline
+  gaps = np.asarray(timer.gaps)
+  return dict(rate=config.num_members * config.data.batch_size * steps / seconds,
+              seconds=seconds, host_gap_median_ms=1e3 * float(np.median(gaps)),
+              host_gap_mean_ms=1e3 * float(gaps.mean()), host_gap_max_ms=1e3 * float(gaps.max()),
+              pipeline_busy_share=busy / seconds, pipeline_ms_per_step=1e3 * busy / steps,
+              train_seconds=final['train_seconds'], cpu_ms_per_step=timer.cpu,
+              steps_per_call=timer.steps_per_call,
+              foreign_cores=timer.foreign)
+
+
+def bare_key(overrides: dict[str, Any]) -> str:
+  return overrides.get('data.member_order', 'shared')
+
+
+def measure(members: int, variants: dict[str, dict[str, Any]], args: Any) -> list[dict]:
+  """Rotating rounds of the bare step(s), the optional bare-step-on-a-live-pipeline jobs
+  and every variant's run, for M members. Ratios are to the bare step of the same order."""
+  bares = {}
+  for overrides in variants.values():
+    key = bare_key(overrides)
+    if key not in bares:
+      bares[key] = Bare(make_config(members, args.steps, {'data.member_order': key}))
+  timed = args.steps - args.warmup
+  jobs, base = {}, {}
+  for key, bare in bares.items():
+    jobs[f'bare[{key}]'] = lambda bare=bare: bare.time(timed)
+  for prefetch in args.pipeline:
+    name = f'bare on a live pipeline[shared, prefetch={prefetch}]'
+    jobs[name] = lambda p=prefetch: bares['shared'].time_pipeline(timed, p)
+    base[name] = 'shared'
+  if args.host_arrays:
+    name = 'bare on numpy batches read in the loop[shared]'
+    jobs[name] = lambda: bares['shared'].time_host_arrays(timed)
+    base[name] = 'shared'
+  for name, overrides in variants.items():
+    jobs[name] = lambda o=overrides: time_run(make_config(members, args.steps, o), args.warmup)
+    base[name] = bare_key(overrides)
+  results = {name: [] for name in jobs}
+  names = list(jobs)
+  for r in range(args.rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      results[name].append(jobs[name]())
+      got = results[name][-1]
+      print(f'M={members} round {r} {name}: {got["rate"]:,.0f} member-ex/s; other processes '
+            f'{got["foreign_cores"]:.2f} cores; CPU ms/step {got["cpu_ms_per_step"]}', flush=True)
+  rows = []
+  for name, key in base.items():
+    bare = [x['rate'] for x in results[f'bare[{key}]']]
+    run = [x['rate'] for x in results[name]]
+    ratios = [b / a for a, b in zip(bare, run)]
+    foreign = [max(a['foreign_cores'], b['foreign_cores'])
+               for a, b in zip(results[f'bare[{key}]'], results[name])]
+    clean = [q for q, f in zip(ratios, foreign) if f < CLEAN_CORES]
+    rows.append(dict(members=members, variant=name, overrides=variants.get(name, {}),
+                     foreign_cores=foreign, clean_rounds=len(clean),
+                     ratio_median_clean=statistics.median(clean) if clean else None,
+                     form=list(bares[key].form), steps=args.steps, timed_steps=timed,
+                     bare=bare, run=run, ratio=ratios, bare_median=statistics.median(bare),
+                     run_median=statistics.median(run), ratio_median=statistics.median(ratios),
+                     run_details=results[name]))
+  return rows
+
+
+def print_rows(rows: list[dict]) -> None:
+  for row in rows:
+    print(f'\nM={row["members"]} variant {row["variant"]!r} ({row["timed_steps"]} timed steps '
+          f'of {row["steps"]}; member-examples/s)')
+    print(f'{"round":>6s} {"(a) bare":>12s} {"(b) run":>12s} {"(b)/(a)":>8s} '
+          f'{"others, cores":>14s}')
+    for r, (a, b, q, f) in enumerate(zip(row['bare'], row['run'], row['ratio'],
+                                         row['foreign_cores'])):
+      print(f'{r:6d} {a:12,.0f} {b:12,.0f} {q:8.3f} {f:14.2f}')
+    print(f'{"median":>6s} {row["bare_median"]:12,.0f} {row["run_median"]:12,.0f} '
+          f'{row["ratio_median"]:8.3f}')
+    clean = row['ratio_median_clean']
+    print(f'median of the {row["clean_rounds"]} clean rounds (others < {CLEAN_CORES} cores): '
+          + ('-' if clean is None else f'{clean:.3f}'))
+
+
+def profile_run(members: int, overrides: dict[str, Any], args: Any) -> None:
+  """cProfile of one whole run (the main thread: the loop, its actions, the step's dispatch)."""
+  config = make_config(members, args.steps, overrides)
+  time_run(config, args.warmup)  # warm caches (dataset, jit of helpers)
+  profiler = cProfile.Profile()
+  profiler.enable()
+  result = time_run(config, args.warmup)
+  profiler.disable()
+  print(f'profiled run: {result["rate"]:,.0f} member-ex/s (slowed by the profiler)')
+  stats = pstats.Stats(profiler).strip_dirs()
+  stats.sort_stats('tottime').print_stats(25)
+  stats.sort_stats('cumulative').print_stats(40)
+
+
+def machine() -> dict[str, Any]:
+  device = jax.devices()[0]
+  cpu = ''
+  try:
+    cpu = next(line.split(':', 1)[1].strip() for line in open('/proc/cpuinfo')
+               if line.startswith('model name'))
+  except (OSError, StopIteration):
+    pass
+  return dict(node=platform.node(), cpu=cpu, cores=os.cpu_count(),
+              device=f'1 {device.platform} device ({device.device_kind})',
+              python=platform.python_version(), jax=jax.__version__)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--members', default='16')
+  parser.add_argument('--steps', type=int, default=800)
+  parser.add_argument('--warmup', type=int, default=100)
+  parser.add_argument('--rounds', type=int, default=5)
+  parser.add_argument('--variants', default='default')
+  parser.add_argument('--pipeline', default='',
+                      help="prefetch values (e.g. '2,0'): also time the bare step on a live "
+                      'data.Batches with each')
+  parser.add_argument('--host_arrays', action='store_true',
+                      help='also time the bare step on numpy batches passed to the jit as they are')
+  parser.add_argument('--profile', default='', help='a variant to cProfile instead of timing')
+  parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'overhead.json'))
+  args = parser.parse_args()
+  members = [int(m) for m in args.members.split(',')]
+  args.pipeline = [int(p) for p in args.pipeline.split(',') if p]
+  if args.profile:
+    profile_run(members[0], parse_variants(args.profile)[args.profile], args)
+    return
+  logging.set_verbosity(logging.INFO)  # the run's own log lines, as a default run shows them
+  variants = parse_variants(args.variants)
+  rows = [row for m in members for row in measure(m, variants, args)]
+  print_rows(rows)
+  out = Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(dict(
+      machine=machine(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+      config='configs/default.py', steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+      rows=rows), indent=1))
+  print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+  main()
