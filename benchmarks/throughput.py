@@ -23,6 +23,8 @@ it times one training step of all M members done as
             with --threads intra-op threads (default: all cores, as XLA uses them);
   torch/1t  the same with 1 thread: 2 OpenMP threads lose badly on tiny kernels and
             on a loaded machine, and the peer gets its better setting;
+  torch/compile  torch with the loss (forward and backward) and Adam's step compiled
+            by torch.compile (inductor; CUDA graphs on a GPU), --threads threads;
   FORM@NAME a form of a candidate change of dist_ens given by --candidate NAME=PATH
             (a changed copy of dist_ens/core/step.py, or a folder with changed copies
             of core/step.py and/or parallel/strategy.py; see load_candidate).
@@ -343,11 +345,13 @@ def _torch_module(spec: ModelSpec):
 
 
 def build_torch(spec: ModelSpec, members: int, threads: int,
-                device: str = 'cpu') -> Callable[[], Any]:
+                device: str = 'cpu', compiled: bool = False) -> Callable[[], Any]:
   """torch.func ensembling with Adam on the stacked parameters (per-member Adam).
 
   `threads` is set before every step, so variants with different thread counts
-  can alternate in one process. `device` is 'cpu' or 'cuda'.
+  can alternate in one process. `device` is 'cpu' or 'cuda'. `compiled`: the forward
+  and loss (with its backward, by AOTAutograd) and Adam's step each go through
+  torch.compile (inductor; on 'cuda' mode='reduce-overhead', i.e. CUDA graphs).
   """
   import copy
   import torch
@@ -368,15 +372,24 @@ def build_torch(spec: ModelSpec, members: int, threads: int,
   x = x.contiguous().to(device)
   y_all = torch.from_numpy(y).long().repeat(members).to(device)
 
+  def loss_of(params):
+    logits = forward(params, buffers, x)  # [M, B, C]
+    # Sum over members of each member's mean loss: member m's gradient is its own.
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, NUM_CLASSES), y_all,
+                                             reduction='sum') / BATCH
+
+  update = opt.step
+  if compiled:
+    mode = 'reduce-overhead' if device == 'cuda' else 'default'
+    loss_of = torch.compile(loss_of, mode=mode)
+    update = torch.compile(opt.step, mode=mode)
+
   def run():
     torch.set_num_threads(threads)
     opt.zero_grad(set_to_none=True)
-    logits = forward(params, buffers, x)  # [M, B, C]
-    # Sum over members of each member's mean loss: member m's gradient is its own.
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, NUM_CLASSES), y_all,
-                                             reduction='sum') / BATCH
+    loss = loss_of(params)
     loss.backward()
-    opt.step()
+    update()
     return loss
   return run
 
@@ -539,6 +552,8 @@ def variants_for(spec: ModelSpec, members: int, chunks: tuple[int, ...],
     builders['torch'] = lambda: build_torch(spec, members, torch_threads, torch_device)
     if torch_device == 'cpu':  # Threads only matter for CPU kernels.
       builders['torch/1t'] = lambda: build_torch(spec, members, 1)
+    builders['torch/compile'] = lambda: build_torch(spec, members, torch_threads, torch_device,
+                                                    compiled=True)
   return builders
 
 
@@ -648,7 +663,7 @@ def main(argv: list[str] | None = None) -> None:
     spec = MODELS[cell['model']]
     conv_flops, executed = train_flops(spec)
     cell['fraction_of_peak'] = {
-        k: v * conv_flops / peak['torch' if k == 'torch' else 'jax']
+        k: v * conv_flops / peak['torch' if k.startswith('torch') else 'jax']
         for k, v in cell['member_examples_per_s'].items()}
     cell['fraction_of_jax_peak'] = {
         k: v * conv_flops / peak['jax'] for k, v in cell['member_examples_per_s'].items()}
