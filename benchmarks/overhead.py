@@ -23,9 +23,10 @@ rotating order; the ratio run/bare of every round and its median are printed.
 
 --variants: ';'-separated runs, each 'default' or '+'-separated config overrides
 (key=value, the value parsed as a Python literal), e.g. 'train.steps_per_call=1' or
-"data.prefetch=0+writers=('jsonl',)". A variant with data.member_order other than 'shared' gets its own bare step (per-member
-batches). The run action also records the host's time between calls of the loop and
-the input pipeline's busy time, for the diagnosis.
+"data.prefetch=0+writers=('jsonl',)". A variant with data.member_order other than
+'shared' gets its own bare step (per-member batches). The run action also records the
+host's time between calls of the loop and the input pipeline's busy time, for the
+diagnosis.
 
 Writes benchmarks/results/overhead.json (--out to change): machine, jax version, date
 and one row per (M, variant) with every round's figures.
@@ -35,6 +36,7 @@ import argparse
 import ast
 import cProfile
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -174,38 +176,13 @@ class Bare:
     self.form = form
     self.time(2)  # compile
 
-  def time(self, steps: int) -> dict[str, Any]:
-    """Member-examples/s over `steps` calls, blocking once at the end, and the CPU per
-    step of each thread group."""
-    state, batches, n = self.state, self.batches, len(self.batches)
-    jax.block_until_ready(state)
-    cpu, busy, start = thread_cpu(), machine_busy(), time.perf_counter()
-    for i in range(steps):
-      state, metrics = self.step(state, self.hparams, *batches[i % n])
-    jax.block_until_ready((state, metrics))
-    seconds = time.perf_counter() - start
-    self.state = state
-    return dict(rate=self.examples_per_step * steps / seconds,
-                cpu_ms_per_step=cpu_per_step(cpu, thread_cpu(), steps),
-                foreign_cores=foreign_cores(busy, machine_busy()))
-
-  def time_host_arrays(self, steps: int) -> dict[str, Any]:
-    """The same, on numpy batches read in the loop (the data.Batches order, no prefetch)
-    and handed to the jitted step as they are: the jit's own C++ path transfers them,
-    with no jax.make_array_from_process_local_data per array."""
-    source, order = self._pipeline_args[0], self._pipeline_args[1]
-    position = data.IteratorState()
-
-    def next_batch():
-      nonlocal position
-      batch = source.read(order.indices(position, range(self.members)))
-      position = order.advance(position)
-      return batch
-
+  def _timed(self, next_batch, steps: int, warm: int = 0) -> dict[str, Any]:
+    """Member-examples/s over `steps` calls on next_batch()'s batches (after `warm`
+    untimed ones), blocking once at the end, and the CPU per step of each thread group."""
     state = self.state
-    for _ in range(4):
+    for _ in range(warm):
       state, metrics = self.step(state, self.hparams, *next_batch())
-    jax.block_until_ready((state, metrics))
+    jax.block_until_ready(state)
     cpu, busy, start = thread_cpu(), machine_busy(), time.perf_counter()
     for _ in range(steps):
       state, metrics = self.step(state, self.hparams, *next_batch())
@@ -216,26 +193,34 @@ class Bare:
                 cpu_ms_per_step=cpu_per_step(cpu, thread_cpu(), steps),
                 foreign_cores=foreign_cores(busy, machine_busy()))
 
+  def time(self, steps: int) -> dict[str, Any]:
+    """On the device-resident batches made beforehand."""
+    batches = itertools.cycle(self.batches)
+    return self._timed(lambda: next(batches), steps)
+
+  def time_host_arrays(self, steps: int) -> dict[str, Any]:
+    """On numpy batches read in the loop (the data.Batches order, no prefetch) and
+    handed to the jitted step as they are: the jit's own C++ path transfers them, with
+    no jax.make_array_from_process_local_data per array."""
+    source, order = self._pipeline_args[0], self._pipeline_args[1]
+    position = data.IteratorState()
+
+    def next_batch():
+      nonlocal position
+      batch = source.read(order.indices(position, range(self.members)))
+      position = order.advance(position)
+      return batch
+
+    return self._timed(next_batch, steps, warm=4)
+
   def time_pipeline(self, steps: int, prefetch: int) -> dict[str, Any]:
-    """The same, on batches from a live input pipeline (data.Batches, `prefetch` ahead),
-    as the run takes them."""
+    """On batches from a live input pipeline (data.Batches, `prefetch` ahead), as the
+    run takes them; 4 untimed calls first fill the prefetch queue."""
     source = data.Batches(*self._pipeline_args, prefetch=prefetch)
-    state = self.state
     try:
-      for _ in range(4):  # the prefetch queue fills, as after a run's first steps
-        state, metrics = self.step(state, self.hparams, *next(source))
-      jax.block_until_ready((state, metrics))
-      cpu, busy, start = thread_cpu(), machine_busy(), time.perf_counter()
-      for _ in range(steps):
-        state, metrics = self.step(state, self.hparams, *next(source))
-      jax.block_until_ready((state, metrics))
-      seconds = time.perf_counter() - start
-      cpu, busy = cpu_per_step(cpu, thread_cpu(), steps), foreign_cores(busy, machine_busy())
+      return self._timed(lambda: next(source), steps, warm=4)
     finally:
       source.close()
-    self.state = state
-    return dict(rate=self.examples_per_step * steps / seconds, cpu_ms_per_step=cpu,
-                foreign_cores=busy)
 
 
 class Timer:

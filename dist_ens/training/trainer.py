@@ -152,7 +152,8 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   """
   config = ctx.config
   sync_every = config.train.sync_every
-  if not sync_every and ctx.parts.mesh.devices.flat[0].platform == 'cpu' and ctx.parts.mesh.size > 1:
+  mesh = ctx.parts.mesh
+  if not sync_every and mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1:
     sync_every = _CPU_SYNC_EVERY
   k = ctx.steps_per_call
   checkpoint = actions_lib.Checkpoint(checkpointer, config.checkpoint.every)
