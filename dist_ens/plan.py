@@ -311,6 +311,9 @@ def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
     lines.append(f'largest M that fits {plan.memory_bytes / GB:,.2f} GB per device x '
                  f'{plan.mesh_shape[mesh_lib.MEMBER]} member shard(s): {plan.max_members:,}'
                  ' (state and step only; leave room for evaluation and the framework)')
+  if plan.platform == 'cpu':
+    lines.append('on a CPU the process also holds the compiled programs, which XLA does not '
+                 'report (25-420 MB for the shipped configs: BENCHMARKS.md, "Memory")')
   return '\n'.join(lines)
 
 
