@@ -115,11 +115,12 @@ def activation_bytes(model, input_shape: Sequence[int], batch: int) -> int:
 
 def forward_flops(model, input_shape: Sequence[int], batch: int) -> float | None:
   """FLOPs of one member's forward pass on `batch` examples: XLA's cost analysis of the
-  lowered program (traced and lowered, not compiled). None where the backend has none."""
-  fn, args = _abstract_forward(model, input_shape, batch)
+  lowered program (traced and lowered, not compiled). None where the backend has none,
+  or the model cannot be traced abstractly: a heuristic's input, never an error."""
   try:
+    fn, args = _abstract_forward(model, input_shape, batch)
     cost = jax.jit(fn).lower(*args).cost_analysis()
-  except Exception:  # pylint: disable=broad-except  # A backend without cost analysis.
+  except Exception:  # pylint: disable=broad-except
     return None
   flops = (cost or {}).get('flops') if isinstance(cost, dict) else None
   return float(flops) if flops and flops > 0 else None
