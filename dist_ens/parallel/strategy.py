@@ -176,10 +176,10 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
   return choice, (chunk or None)
 
 
-# train.steps_per_call = 0 ('auto'): on an accelerator, the most steps per call up to
-# this many (benchmarks/steps_per_call.py on an H100: 3.2x at 10 and 4.9x at 100 for
-# the default run, most of the gain by 50), while K batches of input stay under
-# AUTO_INPUT_BYTES; on a CPU the step dominates and 1 is kept.
+# train.steps_per_call = 0 ('auto'): the most steps per call up to this many
+# (benchmarks/steps_per_call.py on an H100: 3.2x at 10 and 4.9x at 100 for the default
+# run, most of the gain by 50), while K batches of input stay under AUTO_INPUT_BYTES
+# and, on a CPU, K steps' work under AUTO_CPU_CALL_FLOPS.
 AUTO_MAX_STEPS_PER_CALL = 100
 AUTO_INPUT_BYTES = 64 * 2**20
 # On a CPU, the training FLOPs a call of K steps may hold per device. The host's work per
