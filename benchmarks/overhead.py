@@ -72,12 +72,7 @@ def make_config(members: int, steps: int, overrides: dict[str, Any]) -> Any:
   config.train.steps = steps
   config.train.eval_every = 0
   config.checkpoint.every = steps
-  for key, value in overrides.items():
-    node = config
-    *path, leaf = key.split('.')
-    for part in path:
-      node = node[part]
-    node[leaf] = value
+  config.update_from_flattened_dict(overrides)
   return config
 
 

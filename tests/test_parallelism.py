@@ -98,8 +98,8 @@ def test_auto_steps_per_call_divides_every_cadence():
   # step of 1/20 of the budget the largest divisor of 250 up to 20, a bigger step 1.
   budget = parallelism.AUTO_CPU_CALL_FLOPS
   assert parallelism.steps_per_call(config, 'cpu') == 1
-  assert parallelism.steps_per_call(config, 'cpu', step_flops=budget / 20) == 10
-  assert parallelism.steps_per_call(config, 'cpu', step_flops=budget * 0.6) == 1
+  assert parallelism.steps_per_call(config, 'cpu', step_flops=lambda: budget / 20) == 10
+  assert parallelism.steps_per_call(config, 'cpu', step_flops=lambda: budget * 0.6) == 1
   # A user's periodic action joins the cadences: gcd(250, 30) = 10.
   assert parallelism.steps_per_call(config, 'gpu', cadences=(30,)) == 10
   # Resuming from step 30: calls must land on it too.

@@ -183,15 +183,18 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
 AUTO_MAX_STEPS_PER_CALL = 100
 AUTO_INPUT_BYTES = 64 * 2**20
 # On a CPU, the training FLOPs a call of K steps may hold per device. The host's work per
-# call (a batch transfer, a dispatch, the loop's bookkeeping: ~0.5-1 ms) cost the default
-# run 5-14% of the bare step's speed at K=1 (BENCHMARKS.md, "End-to-end overhead"); a call
-# of 1e10 FLOPs takes ~0.04-0.15 s on the 2-core CPUs measured (270 and 70 GFLOP/s matmul
-# peaks), where that work is <= 2.5%, and a signal or a log line waits at most that long.
+# call (a batch transfer, a dispatch, the loop's bookkeeping: ~1.6 ms measured) cost the
+# default run 2-10% of the bare step's speed at K=1 (BENCHMARKS.md, "End-to-end overhead").
+# 1e10 FLOPs are 0.04-0.15 s at the matmul peaks of the 2-core CPUs measured (270 and 68
+# GFLOP/s); the default run's step ran at ~38 GFLOP/s (0.97 GFLOP in 25 ms at M=16), so a
+# full call lasts ~0.25 s there: the host's share is < 1%, and a signal or a log line
+# waits at most that long.
 AUTO_CPU_CALL_FLOPS = 1e10
 
 
 def steps_per_call(config: ml_collections.ConfigDict, platform: str, start_step: int = 0,
-                   input_bytes_per_step: int = 0, step_flops: float | None = None,
+                   input_bytes_per_step: int = 0,
+                   step_flops: Callable[[], float | None] | None = None,
                    cadences: Sequence[int] = ()) -> int:
   """config.train.steps_per_call, with 0 ('auto') resolved.
 
@@ -200,7 +203,8 @@ def steps_per_call(config: ml_collections.ConfigDict, platform: str, start_step:
   resumes from, and `cadences`: a user's periodic actions), and whose K batches of
   input (input_bytes_per_step each) stay under AUTO_INPUT_BYTES. On a CPU, where a
   step can take seconds, K steps must also hold at most AUTO_CPU_CALL_FLOPS
-  (`step_flops`: a step's training FLOPs per device; unknown: K = 1).
+  (`step_flops()`: a step's training FLOPs per device, asked only when the cadence
+  allows K > 1; unknown: K = 1).
   """
   chosen = config.train.steps_per_call
   if chosen:
@@ -211,6 +215,9 @@ def steps_per_call(config: ml_collections.ConfigDict, platform: str, start_step:
     cadence = math.gcd(cadence, every)  # gcd(x, 0) = x: an eval_every of 0 adds nothing.
   bound = min(AUTO_MAX_STEPS_PER_CALL,
               max(1, AUTO_INPUT_BYTES // max(input_bytes_per_step, 1)))
-  if platform == 'cpu':
-    bound = min(bound, int(AUTO_CPU_CALL_FLOPS // step_flops) if step_flops else 1)
-  return max(k for k in range(1, max(bound, 1) + 1) if cadence % k == 0)
+  k = max(k for k in range(1, bound + 1) if cadence % k == 0)
+  if platform == 'cpu' and k > 1:
+    flops = step_flops() if step_flops else None
+    bound = min(bound, int(AUTO_CPU_CALL_FLOPS // flops) if flops else 1)
+    k = max(k for k in range(1, max(bound, 1) + 1) if cadence % k == 0)
+  return k

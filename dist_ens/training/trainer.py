@@ -25,7 +25,7 @@ from dist_ens.ensembles import methods
 from dist_ens.eval import metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.io import tables, writers
-from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
+from dist_ens.parallel import calibration, distributed, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import actions as actions_lib, posthoc, workdir as workdir_lib
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
@@ -106,7 +106,7 @@ def _steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
   platform = parts.mesh.devices.flat[0].platform
   k = strategy.steps_per_call(
       config, platform, start_step, inputs * int(np.prod(parts.input_shape)) * 4,  # float32
-      step_flops=_step_flops(config, parts) if platform == 'cpu' else None,
+      step_flops=lambda: _step_flops(config, parts),
       cadences=[a.every for a in actions if isinstance(a, PeriodicAction)])
   if start_step % k:
     raise configuration.ConfigError(
@@ -117,14 +117,10 @@ def _steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
 
 def _step_flops(config: ml_collections.ConfigDict, parts: assemble.Parts) -> float | None:
   """Training FLOPs of one step per device (3x the forward: the backward pass costs two
-  forwards), for steps_per_call 'auto' on a CPU; None when not needed or not known."""
-  if config.train.steps_per_call:
-    return None
-  mesh = parts.mesh
-  members = parts.abstract_state.frozen.shape[0] // mesh.shape[mesh_lib.MEMBER]
+  forwards), for steps_per_call 'auto' on a CPU; None when not known."""
   forward = strategy.forward_flops(parts.model, parts.input_shape,
-                                   config.data.batch_size // mesh.shape[mesh_lib.DATA])
-  return None if forward is None else 3 * forward * members
+                                   config.data.batch_size // parts.mesh.shape[mesh_lib.DATA])
+  return None if forward is None else 3 * forward * calibration.members_per_device(parts)
 
 
 # On a multi-device CPU mesh more queued steps than this deadlock XLA's collectives
