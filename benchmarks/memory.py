@@ -1,9 +1,9 @@
 """`dist-ens plan`'s predicted peak memory per device against the measured peak, on this CPU.
 
-  python benchmarks/memory.py --cold       # 3 models x 2-3 M, 4 processes a cell: 16 min on
-                                           # a shared 2-core CPU (results/memory.json)
-  python benchmarks/memory.py              # without the compile-in-process one (~13 min)
-  python benchmarks/memory.py --no_ynn_check --models mlp --members 4,16 --out /tmp/m.json
+  python benchmarks/memory.py              # 3 models x 2-3 M, 2 processes a cell (~8 min on
+                                           # a shared 2-core CPU; results/memory.json)
+  python benchmarks/memory.py --warm       # also with the programs from a cache (~20 min)
+  python benchmarks/memory.py --models mlp --members 4,16 --out /tmp/m.json
 
 Three configs as shipped, on ONE CPU device (jax.devices()[:1]), each at a few
 ensemble sizes M (config.num_members; member_parallelism 'auto', as the configs say):
@@ -12,11 +12,13 @@ ensemble sizes M (config.num_members; member_parallelism 'auto', as the configs 
   resnet20   configs/digits_resnet20.py  (ResNet-20 on 8x8 digits, SGD)        M = 4, 16
 all with their batch of 128, one batch shared by all members.
 
-Predicted: dist_ens.plan.make_plan, what `dist-ens plan` prints: XLA's memory analysis of
-the compiled train step, peak = arguments + outputs - aliased (donated) + temporaries
-bytes per device; bytes_per_member (the peak's growth per member, from M and 2M) and the
-largest M that fits --memory_gb. The init program's output + temp bytes (XLA) are shown
-too: it runs once, before the first step.
+Predicted: dist_ens.plan.make_plan, what `dist-ens plan` prints, run in a fresh process of
+this script as the command runs: its peak_bytes, XLA's memory analysis of the compiled
+train step (arguments + outputs - aliased (donated) + temporaries bytes per device) plus
+program_bytes, the RSS that compiling the step and init programs added to plan's process
+(XLA:CPU reports no size for its programs); bytes_per_member (the step peak's growth per
+member, from M and 2M) and the largest M that fits --memory_gb. The init program's output
++ temp bytes (XLA) are shown too: it runs once, before the first step.
 
 Measured: every (model, M) runs in a fresh process of this script (`timeout -k` bounded,
 same interpreter). After importing jax and dist_ens, creating the CPU device, loading the
@@ -28,25 +30,23 @@ plan does (step.fn.lower(...).compile()) and the init program as assemble.init_s
 jits it, creates the state (init_sharded, which reuses it) and runs --steps train steps
 (TrainStep, as training calls it, each waited for; no evaluation step). VmHWM is reset
 after each phase, so each phase's peak is read apart:
-  measured   max VmHWM - baseline: everything the run added, which besides the buffers
-             plan counts holds the 'programs' (the lowered module, and the step and
-             init executables: loading a cached XLA:CPU program links its object
-             files in the process, and that working memory stays in glibc's heap)
-             and what the first execution of the step leaves allocated (~7-13 MB);
-  programs   RSS growth from loading the programs ('live': what stays after
-             malloc_trim(0) hands glibc's free pages back);
+  measured   max VmHWM - baseline: everything the run added: the buffers plan's step
+             peak counts, the 'programs' (compiling keeps the lowered module, the
+             executables and the compiler's freed working memory in glibc's heap), and
+             what the first execution of the step leaves allocated (~7-13 MB);
+  programs   RSS growth from compiling (or loading) the programs ('live': what stays
+             after malloc_trim(0) hands glibc's free pages back);
   buffers    the peak over init and the steps - RSS with the programs loaded: the
-             state, batch and step buffers plan predicts, and the first-execution part.
-Each cell runs in up to four processes: with glibc's default malloc (freed blocks stay
-resident and are reused, so its peak creeps up over the first steps); 'clean', with
+             state, batch and step buffers, and the first-execution part.
+The headline measurement, 'cold', compiles in the process with glibc's default malloc, as
+a dist-ens run does (no persistent compilation cache by default). --warm adds three
+processes a cell whose programs come from a persistent compilation cache (filled by one
+more process; hits and misses are counted): 'default' malloc; 'clean', with
 MALLOC_MMAP_THRESHOLD_=131072 (every block >= 128 KiB is mmapped and unmapped when freed,
 so RSS follows the live buffers) and malloc_trim after loading the programs; 'no YNN',
 clean and with XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= (XLA:CPU's YNNPACK dot
-fusions allocate outside XLA's buffer assignment); with --cold also 'cold', with no
-compilation cache, compiling in the process as a first `dist-ens` run does. The others
-take their programs from a persistent compilation cache the prediction filled (hits and
-misses are counted). RSS counts touched pages only: a buffer XLA assigned but never
-wrote is not seen.
+fusions allocate outside XLA's buffer assignment). RSS counts touched pages only: a buffer
+XLA assigned but never wrote is not seen.
 
 Prints the table (model, M, form, predicted MB, measured MB, measured / predicted,
 within 20%, and the parts above), the growth per added member between consecutive M (the
@@ -105,29 +105,52 @@ def load(model: str, members: int) -> Any:
 # Prediction (parent process)
 
 
-def predict(model: str, members: int, memory_bytes: float) -> dict[str, Any]:
-  """dist_ens.plan's plan of the config at M on one device (largest M for memory_bytes);
-  also compiles (and so caches) the init program, which the measuring process runs first,
-  and returns XLA's analysis of it too."""
+def predict_worker(model: str, members: int, memory_bytes: float) -> dict[str, Any]:
+  """Runs in its own fresh process, as `dist-ens plan` does: dist_ens.plan's plan of the
+  config at M on one device (largest M for memory_bytes). peak is plan's peak_bytes: the
+  step's XLA peak plus the compiled programs plan measured in this process. Also
+  returns XLA's analysis of the init program."""
   import jax
   from dist_ens import assemble, plan
   config = load(model, members)
   start = time.perf_counter()
   p = plan.make_plan(config, jax.devices()[:1], memory_bytes=memory_bytes)
+  seconds = time.perf_counter() - start
   mesh = assemble.build_mesh(config, jax.devices()[:1])
   parts = assemble.build_parts(config, mesh, *plan.data_shape(config))
   init = jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile()
   stats = init.memory_analysis()
   d = p.to_dict()
-  return dict(peak=p.step.peak, step=d['step'], step_doubled=d['step_doubled'],
+  return dict(peak=p.peak_bytes, step_peak=p.step.peak, program_bytes=p.program_bytes,
+              step=d['step'], step_doubled=d['step_doubled'],
               init_peak=stats.output_size_in_bytes + stats.temp_size_in_bytes,
               init=dict(output=stats.output_size_in_bytes, temp=stats.temp_size_in_bytes),
               bytes_per_member=p.bytes_per_member, fixed_bytes=p.fixed_bytes,
               max_members=p.max_members, memory_bytes=p.memory_bytes,
               parallelism=p.parallelism, map_batch_size=p.map_batch_size,
               params_per_member=p.params_per_member,
-              state_bytes_per_member=p.state_bytes_per_member,
-              seconds=time.perf_counter() - start)
+              state_bytes_per_member=p.state_bytes_per_member, seconds=seconds)
+
+
+def predict(model: str, members: int, args: argparse.Namespace) -> dict[str, Any]:
+  """predict_worker() in a fresh process (plan's program_bytes is what compiling adds to a
+  fresh process), bounded by `timeout -k`, with no compilation cache."""
+  return _subprocess(['--_predict', model, '--members', str(members),
+                      '--memory_gb', str(args.memory_gb)], args.timeout, dict(os.environ))
+
+
+def _subprocess(flags: list[str], timeout: int, env: dict[str, str]) -> dict[str, Any]:
+  """This script in a fresh process with `flags`: the JSON line it prints, or an error."""
+  command = ['timeout', '-k', '10', str(timeout), sys.executable, __file__, *flags]
+  start = time.perf_counter()
+  done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+  lines = [l for l in done.stdout.splitlines() if l.startswith('{')]
+  if done.returncode or not lines:
+    return dict(error=f'rc {done.returncode}' + (' (timed out)' if done.returncode in (124, 137)
+                                                 else '') + ': ' + done.stderr.strip()[-400:])
+  result = json.loads(lines[-1])
+  result['process_seconds'] = time.perf_counter() - start
+  return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,27 +270,22 @@ def worker(model: str, members: int, steps: int, cache_dir: str, trim: bool) -> 
 
 
 def measure(model: str, members: int, args: argparse.Namespace, cache_dir: str,
-            variant: str = 'default') -> dict[str, Any]:
+            variant: str = 'cold', steps: int | None = None) -> dict[str, Any]:
   """worker() in a fresh process of this interpreter, bounded by `timeout -k`. variant:
-  'default' (programs from the cache), 'clean' (MMAP_ENV, malloc_trim after loading),
-  'clean_no_ynn' (clean, and NO_YNN_FLAG: compiled in the process) or 'cold' (no cache)."""
-  command = ['timeout', '-k', '10', str(args.timeout), sys.executable, __file__,
-             '--_worker', model, '--members', str(members), '--steps', str(args.steps),
-             '--_cache_dir', '' if variant == 'cold' else cache_dir]
+  'cold' (no cache: compiles in the process, as a dist-ens run does), 'default' (programs
+  from the cache), 'clean' (MMAP_ENV, malloc_trim after loading) or 'clean_no_ynn'
+  (clean, and NO_YNN_FLAG: compiled in the process)."""
+  flags = ['--_worker', model, '--members', str(members), '--steps',
+           str(steps or args.steps), '--_cache_dir', '' if variant == 'cold' else cache_dir]
   env = {k: v for k, v in os.environ.items() if not k.startswith('MALLOC_')}
   if variant.startswith('clean'):
-    command.append('--_trim')
+    flags.append('--_trim')
     env.update(MMAP_ENV)
   if variant == 'clean_no_ynn':
     env['XLA_FLAGS'] = f'{env.get("XLA_FLAGS", "")} {NO_YNN_FLAG}'.strip()
-  start = time.perf_counter()
-  done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
-  lines = [l for l in done.stdout.splitlines() if l.startswith('{')]
-  if done.returncode or not lines:
-    return dict(error=f'rc {done.returncode}' + (' (timed out)' if done.returncode in (124, 137)
-                                                 else '') + ': ' + done.stderr.strip()[-400:])
-  result = json.loads(lines[-1])
-  result['seconds'] = time.perf_counter() - start
+  result = _subprocess(flags, args.timeout, env)
+  if 'process_seconds' in result:
+    result['seconds'] = result.pop('process_seconds')
   return result
 
 
@@ -275,24 +293,32 @@ def measure(model: str, members: int, args: argparse.Namespace, cache_dir: str,
 # The run
 
 
-VARIANTS = ('measured', 'measured_clean', 'measured_clean_no_ynn', 'measured_cold')
+# measured_cold is the headline: a dist-ens run compiles its programs in its process (no
+# persistent cache by default). The others take the programs from a cache (--warm).
+VARIANTS = ('measured_cold', 'measured', 'measured_clean', 'measured_clean_no_ynn')
+HEADLINE = 'measured_cold'
 
 
 def run_cell(model: str, members: int, args: argparse.Namespace, cache_dir: str) -> dict:
   """One (model, M): plan's prediction, then the measured peaks (see measure's variants)."""
-  pred = predict(model, members, args.memory_gb * 1e9)
+  pred = predict(model, members, args)
+  if 'error' in pred:
+    raise RuntimeError(f'plan of {model} at M={members} failed: {pred["error"]}')
   row = dict(model=model, config=MODELS[model], members=members, predicted=pred)
+  if args.warm:  # Fills the cache the warm variants load from (one step; not reported).
+    measure(model, members, args, cache_dir, 'default', steps=1)
   for key in VARIANTS:
     variant = key.replace('measured_', '') if key != 'measured' else 'default'
-    skip = (variant == 'cold' and not args.cold) or (variant == 'clean_no_ynn' and not args.ynn)
+    skip = key != HEADLINE and not args.warm or (variant == 'clean_no_ynn' and not args.ynn)
     r = row[key] = None if skip else measure(model, members, args, cache_dir, variant)
     if r and 'error' not in r:
-      r.update(ratio=r['peak'] / pred['peak'], buffers_ratio=r['buffers'] / pred['peak'],
+      r.update(ratio=r['peak'] / pred['peak'],
+               buffers_ratio=r['buffers'] / pred['step_peak'],
                same_form=[r['parallelism'], r['map_batch_size']] ==
                [pred['parallelism'], pred['map_batch_size']])
-  if 'error' not in row['measured']:
-    row.update(ratio=row['measured']['ratio'], within=abs(row['measured']['ratio'] - 1)
-               <= TOLERANCE)
+  if 'error' not in row[HEADLINE]:
+    ratio = row[HEADLINE]['ratio']
+    row.update(ratio=ratio, within=abs(ratio - 1) <= TOLERANCE)
   print(f'{model} M={members}: predicted {pred["peak"] / MB:.1f} MB ({pred["seconds"]:.0f} s); '
         + ', '.join(f'{k} ' + (row[k]['error'] if 'error' in row[k] else
                                f'{row[k]["peak"] / MB:.1f} MB ({row[k]["seconds"]:.0f} s)')
@@ -323,13 +349,14 @@ def growth(rows: list[dict], memory_bytes: float) -> list[dict]:
                                     hi['predicted']['bytes_per_member']],
              **{key: _slope(lo, hi, key, 'peak') for key in VARIANTS},
              **{f'{key}_buffers': _slope(lo, hi, key, 'buffers') for key in VARIANTS})
-    if g['measured'] is not None:
-      g['ratio'] = g['measured'] / g['predicted']
-      if g['same_form'] and g['measured'] > 0:
-        fixed = lo['measured']['peak'] - g['measured'] * lo['members']
+    slope = g[HEADLINE]
+    if slope is not None:
+      g['ratio'] = slope / g['predicted']
+      if g['same_form'] and slope > 0:
+        fixed = lo[HEADLINE]['peak'] - slope * lo['members']
         g['max_members'] = dict(memory_bytes=memory_bytes,
                                 plan=hi['predicted']['max_members'],
-                                measured=int((memory_bytes - fixed) // g['measured']))
+                                measured=int((memory_bytes - fixed) // slope))
     out.append(g)
   return out
 
@@ -346,27 +373,29 @@ def _mb(cell: dict | None, field: str, ratio: str = '') -> str:
 
 def print_tables(result: dict) -> None:
   print(f'\npeak bytes per device, MB (1e6 bytes), over init and {result["steps"]} steps. '
-        'predicted: dist-ens plan\'s step peak; measured: VmHWM - baseline (programs from '
-        'the cache); programs: RSS growth from lowering and loading the step and init '
-        'programs (live: what stays after malloc_trim); buffers: peak RSS over init and the '
-        'steps - RSS with the programs loaded (x predicted): with glibc\'s default malloc; '
-        f'clean: {MMAP_ENV} and malloc_trim after loading; no YNN: clean, XLA_FLAGS='
-        f'{NO_YNN_FLAG}; init: the init program\'s output + temp (XLA); cold: measured, '
-        'compiling in the process')
+        'predicted: dist-ens plan\'s peak (the step\'s XLA peak + the compiled programs plan '
+        'measured in its own fresh process); measured: VmHWM - baseline in a fresh process '
+        'that compiles its programs, as a dist-ens run does; programs: RSS growth from '
+        'compiling the step and init programs (plan\'s / the run\'s); buffers: peak RSS over '
+        'init and the steps - RSS with the programs loaded (x plan\'s step peak). With '
+        f'--warm, from a compilation cache: default malloc; clean: {MMAP_ENV} and '
+        f'malloc_trim after loading; no YNN: clean, XLA_FLAGS={NO_YNN_FLAG}')
   print('| model | M | form | predicted | measured | measured / predicted | within 20% | '
-        'programs | programs live | buffers | buffers, clean | buffers, no YNN | init (XLA) '
-        '| cold |')
-  print('|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|')
+        'programs, plan / run | step peak (XLA) | buffers | init (XLA) | warm: peak | '
+        'programs | programs live | buffers, clean | buffers, no YNN |')
+  print('|---|---:|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
   for r in result['rows']:
-    w, c, p = r['measured'], r['measured_clean'], r['predicted']
+    cold, w, c, p = r[HEADLINE], r['measured'], r['measured_clean'], r['predicted']
     within = '-' if 'within' not in r else ('yes' if r['within'] else 'no')
     ratio = f'{r["ratio"]:.2f}' if 'ratio' in r else '-'
+    plan_programs = '-' if p['program_bytes'] is None else f'{p["program_bytes"] / MB:.1f}'
     print(f'| {r["model"]} | {r["members"]} | {_form(p)} | {p["peak"] / MB:.1f} | '
-          f'{_mb(w, "peak")} | {ratio} | {within} | {_mb(w, "programs_bytes")} | '
-          f'{_mb(c, "programs_live")} | {_mb(w, "buffers", "buffers_ratio")} | '
+          f'{_mb(cold, "peak")} | {ratio} | {within} | {plan_programs} / '
+          f'{_mb(cold, "programs_bytes")} | {p["step_peak"] / MB:.1f} | '
+          f'{_mb(cold, "buffers", "buffers_ratio")} | {p["init_peak"] / MB:.1f} | '
+          f'{_mb(w, "peak")} | {_mb(w, "programs_bytes")} | {_mb(c, "programs_live")} | '
           f'{_mb(c, "buffers", "buffers_ratio")} | '
-          f'{_mb(r["measured_clean_no_ynn"], "buffers", "buffers_ratio")} | '
-          f'{p["init_peak"] / MB:.1f} | {_mb(r["measured_cold"], "peak")} |')
+          f'{_mb(r["measured_clean_no_ynn"], "buffers", "buffers_ratio")} |')
   print_growth(result)
 
 
@@ -376,7 +405,7 @@ def print_growth(result: dict) -> None:
         'bytes_per_member is fitted on M -> 2M at M1 and at M2; largest M in '
         f'{gb:g} GB: plan at M2 / the line through the two measured peaks (same form only)')
   print('| model | M1 -> M2 | plan bytes_per_member | predicted peaks | measured | '
-        'measured / predicted | buffers | buffers, clean | buffers, no YNN | cold | '
+        'measured / predicted | buffers | warm | buffers, clean | buffers, no YNN | '
         f'largest M in {gb:g} GB |')
   print('|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|')
   f = lambda v: '-' if v is None else f'{v / MB:.3f}'
@@ -386,9 +415,10 @@ def print_growth(result: dict) -> None:
     fit = g.get('max_members')
     fit = f'{fit["plan"]:,} / {fit["measured"]:,}' if fit else '- (form changes)'
     print(f'| {g["model"]} | {g["members"][0]} -> {g["members"][1]} | {bpm} | '
-          f'{f(g["predicted"])} | {f(g["measured"])} | {ratio} | '
-          f'{f(g["measured_buffers"])} | {f(g["measured_clean_buffers"])} | '
-          f'{f(g["measured_clean_no_ynn_buffers"])} | {f(g["measured_cold"])} | {fit} |')
+          f'{f(g["predicted"])} | {f(g[HEADLINE])} | {ratio} | '
+          f'{f(g[HEADLINE + "_buffers"])} | {f(g["measured"])} | '
+          f'{f(g["measured_clean_buffers"])} | {f(g["measured_clean_no_ynn_buffers"])} | '
+          f'{fit} |')
 
 
 def machine_info() -> dict[str, Any]:
@@ -404,21 +434,24 @@ def machine_info() -> dict[str, Any]:
 
 
 NOTES = dict(
-    predicted='dist_ens.plan.make_plan on 1 CPU device: arguments + outputs - aliased + temp '
-    'bytes of the compiled train step (XLA memory_analysis); init_peak: output + temp of '
-    'the init program',
+    predicted='dist_ens.plan.make_plan on 1 CPU device in a fresh process (no compilation '
+    'cache): peak_bytes = arguments + outputs - aliased + temp bytes of the compiled train '
+    'step (XLA memory_analysis) + program_bytes (the RSS compiling the step and init programs '
+    'added to that process); step_peak: the XLA part alone; init_peak: output + temp of the '
+    'init program',
     measured='max VmHWM - VmRSS at the baseline (after jax import, device init, data load, '
     'the abstract parts and a tiny jitted program), in a fresh process: batch and '
-    'hyperparameters on the device, step and init programs loaded from the cache, the state '
-    'initialised, `steps` steps each waited for; no evaluation',
-    programs_bytes='RSS growth from lowering and loading the step and init programs '
+    'hyperparameters on the device, step and init programs compiled (measured_cold) or '
+    'loaded from a cache (the others), the state initialised, `steps` steps each waited '
+    'for; no evaluation',
+    programs_bytes='RSS growth from compiling (or loading) the step and init programs '
     '(programs_live: after malloc_trim(0), clean runs only)',
     buffers='peak RSS over init and the steps - RSS with the programs loaded: state, batch, '
     'step temporaries, plus what the first execution leaves allocated',
-    variants='measured: default glibc malloc; measured_clean: MALLOC_MMAP_THRESHOLD_=131072 '
-    'and malloc_trim after loading; measured_clean_no_ynn: clean and XLA_FLAGS='
-    '--xla_cpu_experimental_ynn_fusion_type= (compiled in the process); measured_cold: no '
-    'compilation cache, default malloc')
+    variants='measured_cold: no compilation cache, default malloc, as a dist-ens run; with '
+    '--warm, programs from a cache: measured: default glibc malloc; measured_clean: '
+    'MALLOC_MMAP_THRESHOLD_=131072 and malloc_trim after loading; measured_clean_no_ynn: '
+    'clean and XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type= (compiled in the process)')
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -429,15 +462,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument('--members', default='', help='comma-separated M for every model '
                       '(default: ' + '; '.join(f'{k} {v}' for k, v in MEMBERS.items()) + ')')
   parser.add_argument('--steps', type=int, default=20, help='train steps per measurement')
-  parser.add_argument('--cold', action='store_true',
-                      help='also measure each cell compiling in the process (no cache)')
+  parser.add_argument('--warm', action='store_true',
+                      help='also measure each cell with its programs from a compilation '
+                      'cache (three more processes a cell)')
   parser.add_argument('--no_ynn_check', dest='ynn', action='store_false',
-                      help=f'skip the clean measurement with XLA_FLAGS={NO_YNN_FLAG}')
+                      help=f'with --warm, skip the clean measurement with XLA_FLAGS={NO_YNN_FLAG}')
   parser.add_argument('--memory_gb', type=float, default=1.0,
                       help='device memory for the largest-M comparison (GB, 1e9 bytes)')
   parser.add_argument('--timeout', type=int, default=300, help='seconds per measuring process')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'memory.json'))
   parser.add_argument('--_worker', default='', help=argparse.SUPPRESS)
+  parser.add_argument('--_predict', default='', help=argparse.SUPPRESS)
   parser.add_argument('--_cache_dir', default='', help=argparse.SUPPRESS)
   parser.add_argument('--_trim', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -453,10 +488,12 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(worker(args._worker, args.members[0], args.steps, args._cache_dir,
                             args._trim)))
     return
+  if args._predict:
+    print(json.dumps(predict_worker(args._predict, args.members[0], args.memory_gb * 1e9)))
+    return
   start = time.perf_counter()
   cache_dir = tempfile.mkdtemp(prefix='memory_xla_cache_')
   try:
-    enable_cache(cache_dir)
     import jax
     print(f'jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; '
           f'{args.steps} steps per measurement', flush=True)
@@ -470,7 +507,7 @@ def main(argv: list[str] | None = None) -> None:
                 seconds=time.perf_counter() - start)
   print_tables(result)
   misses = [f'{r["model"]}@{r["members"]}' for r in rows for k in ('measured', 'measured_clean')
-            if r[k].get('compilation_cache', {}).get('cache_misses')]
+            if (r[k] or {}).get('compilation_cache', {}).get('cache_misses')]
   print(f'\nwarm runs with a compilation-cache miss (their peak includes a compile): '
         f'{", ".join(misses) or "none"}; {result["seconds"]:.0f} s in all')
   out = Path(args.out)

@@ -330,21 +330,17 @@ def builders(members: int, with_torch: bool, threads: int) -> dict[str, Callable
 
 def _status_bytes(field: str) -> int:
   """VmRSS (resident now) or VmHWM (peak resident) of this process, from /proc."""
-  with open('/proc/self/status') as f:
-    for line in f:
-      if line.startswith(field + ':'):
-        return int(line.split()[1]) * 1024
-  raise KeyError(field)
+  from dist_ens import host_memory  # Imports jax: only once the flags are set.
+  value = host_memory.status_bytes(field)
+  if value is None:
+    raise OSError('/proc/self/status is not there: memory is measured on Linux only')
+  return value
 
 
 def _reset_peak() -> bool:
   """Resets VmHWM to the present RSS (Linux >= 4.0); False where that is refused."""
-  try:
-    with open('/proc/self/clear_refs', 'w') as f:
-      f.write('5')
-    return True
-  except OSError:
-    return False
+  from dist_ens import host_memory
+  return host_memory.reset_peak()
 
 
 def enable_cache(path: str) -> dict[str, int]:

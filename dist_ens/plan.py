@@ -34,7 +34,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import assemble, configuration, data
+from dist_ens import assemble, configuration, data, host_memory
 from dist_ens.parallel import calibration, mesh as mesh_lib
 from dist_ens.errors import ConfigError
 
@@ -94,6 +94,11 @@ class Plan(NamedTuple):
   flops_per_example: float | None
   train_steps: int  # train.steps, or train.epochs resolved against the data set's size
   steps_per_epoch: int | None  # None: the training split's size is not known here
+  # CPU only: the resident memory this process gained compiling the step and init
+  # programs (XLA:CPU loads them into the host memory its buffers use and reports no
+  # size for them); None on other platforms or where RSS cannot be read.
+  program_bytes: int | None
+  peak_bytes: float  # Predicted per device: the step's peak + its share of program_bytes.
 
   def to_dict(self) -> dict:
     """The plan as JSON-able values (`dist-ens plan --json`): the step analyses
@@ -177,6 +182,23 @@ def _compile_step(parts, config: ml_collections.ConfigDict, form):
   return step.fn.lower(state, hparams, x, y, *(index if step.uses_index else ())).compile()
 
 
+def _compile_programs(parts, config: ml_collections.ConfigDict, form):
+  """(the train step compiled as _compile_step does, program_bytes): on a CPU, the RSS
+  that compiling the step and the init program added to this process, measured as a
+  run's first compiles (a fresh process; XLA:CPU's one-time set-up is left out), else
+  None."""
+  if parts.mesh.devices.flat[0].platform != 'cpu':
+    return _compile_step(parts, config, form), None
+  jax.block_until_ready(jax.jit(lambda v: v + 1)(jnp.zeros(8)))  # The one-time set-up.
+
+  def compile_both():
+    init = jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile()
+    return _compile_step(parts, config, form), init
+
+  (compiled, _), program_bytes = host_memory.growth(compile_both)
+  return compiled, program_bytes
+
+
 def _flops_per_example(compiled, config: ml_collections.ConfigDict, mesh,
                        members_per_device: int) -> float | None:
   """FLOPs of the compiled (per-device) step / the member-examples one device runs."""
@@ -229,7 +251,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   parallelism, map_batch_size = form
   doubled = assemble.build_parts(config, mesh, input_shape, num_classes,
                                  num_members=2 * config.num_members)
-  compiled = _compile_step(parts, config, form)
+  compiled, program_bytes = _compile_programs(parts, config, form)
   step = _memory(compiled, per_device)
   step_doubled = _memory(_compile_step(doubled, config, form), 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
@@ -244,9 +266,13 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
                                for leaf in jax.tree.leaves(state) if leaf.ndim) // m
   if memory_bytes is None:
     memory_bytes = device_memory_bytes(mesh.devices.flat[0])
+  # The devices of this process share its programs (one CPU device: all of them).
+  local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+  programs_share = (program_bytes or 0) / local
   max_members = None
   if memory_bytes is not None and bytes_per_member > 0:
-    max_members = max(0, math.floor((memory_bytes - fixed) / bytes_per_member)) * shards
+    max_members = max(0, math.floor((memory_bytes - fixed - programs_share)
+                                    / bytes_per_member)) * shards
   return Plan(
       num_members=m, mesh_shape=dict(mesh.shape), platform=platform, parallelism=parallelism,
       map_batch_size=map_batch_size, params_per_member=params_per_member,
@@ -254,7 +280,8 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       bytes_per_member=bytes_per_member, fixed_bytes=fixed, memory_bytes=memory_bytes,
       max_members=max_members,
       flops_per_example=_flops_per_example(compiled, config, mesh, per_device),
-      train_steps=config.train.steps, steps_per_epoch=per_epoch)
+      train_steps=config.train.steps, steps_per_epoch=per_epoch, program_bytes=program_bytes,
+      peak_bytes=step.peak + programs_share)
 
 
 def calibrate(config: ml_collections.ConfigDict,
@@ -304,17 +331,29 @@ def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
       f'bytes per member               {plan.bytes_per_member:>16,.0f}  (peak growth per added '
       f'member; fixed part {plan.fixed_bytes:,.0f})',
   ]
+  lines += _program_lines(plan)
+  counted = 'state, step and programs' if plan.program_bytes else 'state and step'
   if plan.memory_bytes is None:
     lines.append(f'largest M: this {plan.platform} device reports no memory size; pass '
                  '--memory_gb=G (the memory of ONE device) to get it.')
   else:
     lines.append(f'largest M that fits {plan.memory_bytes / GB:,.2f} GB per device x '
                  f'{plan.mesh_shape[mesh_lib.MEMBER]} member shard(s): {plan.max_members:,}'
-                 ' (state and step only; leave room for evaluation and the framework)')
-  if plan.platform == 'cpu':
-    lines.append('on a CPU the process also holds the compiled programs, which XLA does not '
-                 'report (25-420 MB for the shipped configs: BENCHMARKS.md, "Memory")')
+                 f' ({counted}; leave room for evaluation and the framework)')
   return '\n'.join(lines)
+
+
+def _program_lines(plan: Plan) -> list[str]:
+  """On a CPU, the compiled programs' memory and the peak with them."""
+  if plan.platform != 'cpu':
+    return []
+  if plan.program_bytes is None:
+    return ['compiled programs              not measured here (no /proc/self/status); on a '
+            'CPU the process holds them on top of the peak above']
+  return [f'compiled programs              {plan.program_bytes:>16,}  (CPU: resident memory '
+          'compiling the step and init programs added to this process, as a run\'s do)',
+          f'predicted peak per device      {plan.peak_bytes:>16,.0f}  (step peak + the '
+          'programs\' share)']
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -4,6 +4,7 @@ import re
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from dist_ens import plan as plan_lib
@@ -61,13 +62,48 @@ def test_more_members_take_proportionally_more_memory(one_device):
   assert small.fixed_bytes > 0
 
 
-def test_largest_m_is_the_last_that_fits(one_device):
-  memory = 50e6
+def _programs_of(monkeypatch, program_bytes):
+  """Makes plan's measurement of the compiled programs say `program_bytes`."""
+  monkeypatch.setattr(plan_lib.host_memory, 'growth', lambda fn: (fn(), program_bytes))
+
+
+def test_largest_m_is_the_last_that_fits(one_device, monkeypatch):
+  memory, programs = 80e6, 30_000_000
+  _programs_of(monkeypatch, programs)
   plan = plan_lib.make_plan(_config(num_members=4), one_device, memory_bytes=memory)
   per_device = plan.max_members
   assert per_device > 4
-  assert plan.fixed_bytes + per_device * plan.bytes_per_member <= memory
-  assert plan.fixed_bytes + (per_device + 1) * plan.bytes_per_member > memory
+  # On a CPU the programs take their part of the memory first.
+  assert plan.fixed_bytes + programs + per_device * plan.bytes_per_member <= memory
+  assert plan.fixed_bytes + programs + (per_device + 1) * plan.bytes_per_member > memory
+
+
+def test_a_cpu_plan_adds_the_compiled_programs_once_per_process(one_device, devices,
+                                                                monkeypatch):
+  programs = 40_000_000
+  _programs_of(monkeypatch, programs)
+  one = plan_lib.make_plan(_config(num_members=8), one_device)
+  assert one.program_bytes == programs
+  assert one.peak_bytes == one.step.peak + programs
+  # Eight CPU devices of one process share its programs: each carries an eighth.
+  eight = plan_lib.make_plan(_config(num_members=8, mesh__member=8), devices)
+  assert eight.peak_bytes == pytest.approx(eight.step.peak + programs / 8)
+  text = plan_lib.format_plan(one, _config(num_members=8))
+  assert re.search(r'compiled programs +40,000,000 ', text)
+  assert re.search(rf'predicted peak per device +{one.peak_bytes:,.0f} ', text)
+  _programs_of(monkeypatch, None)  # No /proc: said so, and the peak is the step's.
+  unknown = plan_lib.make_plan(_config(num_members=8), one_device)
+  assert unknown.peak_bytes == unknown.step.peak
+  assert 'compiled programs              not measured here' in plan_lib.format_plan(
+      unknown, _config(num_members=8))
+
+
+def test_resident_growth_sees_memory_written_and_kept():
+  kept = []
+  _, grown = plan_lib.host_memory.growth(lambda: kept.append(np.ones(50_000_000 // 8)))
+  assert 45e6 <= grown <= 60e6
+  _, grown = plan_lib.host_memory.growth(lambda: np.ones(50_000_000 // 8).sum())
+  assert grown < 10e6  # Freed before the second reading.
 
 
 def test_members_split_over_devices_are_counted_per_device(devices):
