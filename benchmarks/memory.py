@@ -27,7 +27,7 @@ program (XLA:CPU's one-time set-up), it reads its RSS, the baseline, and resets 
 it (5 > /proc/self/clear_refs; ru_maxrss is inherited across fork and useless here). It
 then puts a batch and the hyperparameters on the device, lowers and compiles the step as
 plan does (step.fn.lower(...).compile()) and the init program as assemble.init_sharded
-jits it, creates the state (init_sharded, which reuses it) and runs --steps train steps
+compiles it, creates the state with that program and runs --steps train steps
 (TrainStep, as training calls it, each waited for; no evaluation step). VmHWM is reset
 after each phase, so each phase's peak is read apart:
   measured   max VmHWM - baseline: everything the run added: the buffers plan's step
@@ -118,7 +118,7 @@ def predict_worker(model: str, members: int, memory_bytes: float) -> dict[str, A
   seconds = time.perf_counter() - start
   mesh = assemble.build_mesh(config, jax.devices()[:1])
   parts = assemble.build_parts(config, mesh, *plan.data_shape(config))
-  init = jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile()
+  init = assemble.compile_init(parts)
   stats = init.memory_analysis()
   d = p.to_dict()
   return dict(peak=p.peak_bytes, step_peak=p.step.peak, program_bytes=p.program_bytes,
@@ -216,15 +216,15 @@ def _train(step: Any, state: Any, hparams: Any, batches: Any, steps: int
   return readings, donated, sum(a.nbytes for a in jax.live_arrays())
 
 
-def _load_programs(parts: Any, step: Any, hparams: Any, batch: Any) -> Any:
-  """The step compiled as plan compiles it (step.fn.lower(...).compile()), and the init
-  program as init_sharded jits it (its later call reuses this one): from the cache, or
-  compiled here. Returns the step's compiled program."""
-  import jax
+def _load_programs(parts: Any, step: Any, hparams: Any, batch: Any) -> tuple[Any, Any]:
+  """(the step compiled as plan compiles it (step.fn.lower(...).compile()), the init
+  program as init_sharded compiles it (assemble.compile_init)): from the cache, or
+  compiled here."""
+  from dist_ens import assemble
   compiled = step.fn.lower(parts.abstract_state, hparams, *batch).compile()
-  jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile()
+  init = assemble.compile_init(parts)
   gc.collect()
-  return compiled
+  return compiled, init
 
 
 def worker(model: str, members: int, steps: int, cache_dir: str, trim: bool) -> dict[str, Any]:
@@ -243,11 +243,11 @@ def worker(model: str, members: int, steps: int, cache_dir: str, trim: bool) -> 
   batches = data.Batches(run_data.dataset.train, run_data.order, parts.mesh, members,
                          prefetch=0, with_index=step.uses_index)
   hparams = parts.device_hparams()
-  compiled = _load_programs(parts, step, hparams, next(batches))
+  compiled, init = _load_programs(parts, step, hparams, next(batches))
   programs = _reading()
   trimmed = _reading() if trim and _malloc_trim() else programs
   _reset_peak()
-  state = jax.block_until_ready(assemble.init_sharded(parts))
+  state = jax.block_until_ready(init())  # What assemble.init_sharded(parts) runs.
   time.sleep(SETTLE)
   initialised = _reading()
   _reset_peak()

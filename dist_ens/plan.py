@@ -192,7 +192,7 @@ def _compile_programs(parts, config: ml_collections.ConfigDict, form):
   jax.block_until_ready(jax.jit(lambda v: v + 1)(jnp.zeros(8)))  # The one-time set-up.
 
   def compile_both():
-    init = jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile()
+    init = assemble.compile_init(parts)
     return _compile_step(parts, config, form), init
 
   (compiled, _), program_bytes = host_memory.growth(compile_both)
