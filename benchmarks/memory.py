@@ -234,7 +234,7 @@ def worker(model: str, members: int, steps: int, cache_dir: str, trim: bool) -> 
   peak is read apart. `trim`: malloc_trim(0) after loading the programs, so that the
   buffers are measured from the RSS the programs keep live."""
   import jax
-  from dist_ens import assemble, data
+  from dist_ens import data
   cache = enable_cache(cache_dir) if cache_dir else {}
   jax.devices()
   run_data, parts, form, step = _setup(model, members)
