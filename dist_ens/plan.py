@@ -15,6 +15,11 @@ compiled train step (forward, backward and optimizer update) divided by the
 member-examples one device processes in it. A data set this project ships configs
 for needs no files on disk (KNOWN_SHAPES, KNOWN_TRAIN_EXAMPLES).
 
+On a CPU the process also holds the compiled programs, which XLA:CPU gives no size
+for: plan measures the resident memory that compiling the step and init programs adds
+to its own process (program_bytes; run it in a fresh process, as the command does) and
+adds it to the predicted peak (peak_bytes) and the largest M.
+
 The step is compiled twice, for the config's members per device and for twice
 that, because a device's memory is (fixed part) + (members on it) x (bytes per
 member): the batch and XLA's fixed scratch do not grow with M, the state and
@@ -225,7 +230,7 @@ def _memory(compiled, members_per_device: int) -> StepMemory:
 
 
 def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
-              memory_bytes: float | None = None) -> Plan:
+              memory_bytes: float | None = None, measure_programs: bool = True) -> Plan:
   """Compiles the config's train step abstractly and measures its memory.
 
   Args:
@@ -233,6 +238,8 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
     devices: the devices of the mesh (default: all).
     memory_bytes: the memory of one device to plan for; None uses what the
       device reports, if it reports anything.
+    measure_programs: on a CPU, measure the compiled programs' memory in this
+      process (meaningful in a fresh one: reused heap makes a later measurement low).
 
   Raises:
     ConfigError: for an invalid config or a mesh that does not fit the devices.
@@ -251,7 +258,8 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   parallelism, map_batch_size = form
   doubled = assemble.build_parts(config, mesh, input_shape, num_classes,
                                  num_members=2 * config.num_members)
-  compiled, program_bytes = _compile_programs(parts, config, form)
+  compiled, program_bytes = (_compile_programs(parts, config, form) if measure_programs
+                             else (_compile_step(parts, config, form), None))
   step = _memory(compiled, per_device)
   step_doubled = _memory(_compile_step(doubled, config, form), 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
@@ -348,8 +356,8 @@ def _program_lines(plan: Plan) -> list[str]:
   if plan.platform != 'cpu':
     return []
   if plan.program_bytes is None:
-    return ['compiled programs              not measured here (no /proc/self/status); on a '
-            'CPU the process holds them on top of the peak above']
+    return ['compiled programs              not measured (no /proc/self/status, or after '
+            '--calibrate: run plan alone); on a CPU a run holds them on top of the peak above']
   return [f'compiled programs              {plan.program_bytes:>16,}  (CPU: resident memory '
           'compiling the step and init programs added to this process, as a run\'s do)',
           f'predicted peak per device      {plan.peak_bytes:>16,.0f}  (step peak + the '
@@ -386,7 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     if calibrate_flag.value:
       print(calibrate(config))
-    plan = make_plan(config, memory_bytes=memory_gb.value * GB if memory_gb.value else None)
+    plan = make_plan(config, memory_bytes=memory_gb.value * GB if memory_gb.value else None,
+                     measure_programs=not calibrate_flag.value)
   except ConfigError as e:
     print(f'dist-ens plan: error: {e}', file=sys.stderr)
     return 1

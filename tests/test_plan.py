@@ -94,7 +94,7 @@ def test_a_cpu_plan_adds_the_compiled_programs_once_per_process(one_device, devi
   _programs_of(monkeypatch, None)  # No /proc: said so, and the peak is the step's.
   unknown = plan_lib.make_plan(_config(num_members=8), one_device)
   assert unknown.peak_bytes == unknown.step.peak
-  assert 'compiled programs              not measured here' in plan_lib.format_plan(
+  assert 'compiled programs              not measured' in plan_lib.format_plan(
       unknown, _config(num_members=8))
 
 
