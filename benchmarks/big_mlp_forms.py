@@ -15,6 +15,9 @@ batch, Adam 1e-3), written here in plain JAX so that only the way members run di
               donated state could be updated where it lies;
   unroll2     lax.map over pairs of members, the two written out side by side in the
               body (independent work XLA could overlap), not vmapped;
+  vmap_bcast  vmap with a copy of the batch for every member (behind an optimization
+              barrier, so that XLA keeps it): batched first-layer matmuls instead of
+              the shared batch's wide one, and no transposed copy of the stacked kernel;
   vmap_w1t    vmap with the first layer's stacked kernel, and its Adam moments, stored
               in the [784, M, 512] layout the shared-batch matmul reads (jax Format /
               Layout on the jit's arguments and results).
@@ -96,6 +99,14 @@ def _unroll2(params, opt_state, x, y):
   return jax.tree.map(lambda a: a.reshape(members, *a.shape[2:]), out)
 
 
+def _vmap_bcast(params, opt_state, x, y):
+  members = jax.tree.leaves(params)[0].shape[0]
+  # Every member gets its own copy of the batch (the barrier keeps XLA from folding the
+  # broadcast back into the shared-batch matmul): batched matmuls, no weight transposes.
+  copies = jax.lax.optimization_barrier(jnp.broadcast_to(x, (members, *x.shape)))
+  return jax.vmap(update, in_axes=(0, 0, 0, None))(params, opt_state, copies, y)
+
+
 def programs(params, opt_state):
   """name -> (jitted step over stacked members, the formats to place the state in or None)."""
   vmapped = jax.vmap(update, in_axes=(0, 0, None, None))
@@ -112,6 +123,7 @@ def programs(params, opt_state):
                       donate_argnums=(0, 1)), None),
       'in_place': (jax.jit(_in_place, donate_argnums=(0, 1)), None),
       'unroll2': (jax.jit(_unroll2, donate_argnums=(0, 1)), None),
+      'vmap_bcast': (jax.jit(_vmap_bcast, donate_argnums=(0, 1)), None),
       'vmap_w1t': (jax.jit(vmapped, in_shardings=(*formats, device, device),
                            out_shardings=(*formats, device), donate_argnums=(0, 1)), formats),
   }
