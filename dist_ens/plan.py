@@ -15,10 +15,8 @@ compiled train step (forward, backward and optimizer update) divided by the
 member-examples one device processes in it. A data set this project ships configs
 for needs no files on disk (KNOWN_SHAPES, KNOWN_TRAIN_EXAMPLES).
 
-On a CPU the process also holds the compiled programs, which XLA:CPU gives no size
-for: plan measures the resident memory that compiling the step and init programs adds
-to its own process (program_bytes; run it in a fresh process, as the command does) and
-adds it to the predicted peak (peak_bytes) and the largest M.
+On a CPU, plan also measures the memory that compiling the step and init programs adds
+to its own fresh process (XLA:CPU gives no size for them) and counts it (program_bytes).
 
 The step is compiled twice, for the config's members per device and for twice
 that, because a device's memory is (fixed part) + (members on it) x (bytes per
@@ -99,9 +97,8 @@ class Plan(NamedTuple):
   flops_per_example: float | None
   train_steps: int  # train.steps, or train.epochs resolved against the data set's size
   steps_per_epoch: int | None  # None: the training split's size is not known here
-  # CPU only: the resident memory this process gained compiling the step and init
-  # programs (XLA:CPU loads them into the host memory its buffers use and reports no
-  # size for them); None on other platforms or where RSS cannot be read.
+  # CPU only: the RSS this process gained compiling the step and init programs (XLA:CPU
+  # reports no size for them); None on other platforms or where RSS cannot be read.
   program_bytes: int | None
   peak_bytes: float  # Predicted per device: the step's peak + its share of program_bytes.
 
@@ -187,12 +184,10 @@ def _compile_step(parts, config: ml_collections.ConfigDict, form):
   return step.fn.lower(state, hparams, x, y, *(index if step.uses_index else ())).compile()
 
 
-def _compile_programs(parts, config: ml_collections.ConfigDict, form):
-  """(the train step compiled as _compile_step does, program_bytes): on a CPU, the RSS
-  that compiling the step and the init program added to this process, measured as a
-  run's first compiles (a fresh process; XLA:CPU's one-time set-up is left out), else
-  None."""
-  if parts.mesh.devices.flat[0].platform != 'cpu':
+def _compile_programs(parts, config: ml_collections.ConfigDict, form, measure: bool):
+  """(the step as _compile_step compiles it, program_bytes: if `measure`, on a CPU, the RSS
+  that compiling the step and init added to this process (XLA's set-up left out), else None)."""
+  if not measure or parts.mesh.devices.flat[0].platform != 'cpu':
     return _compile_step(parts, config, form), None
   jax.block_until_ready(jax.jit(lambda v: v + 1)(jnp.zeros(8)))  # The one-time set-up.
 
@@ -258,8 +253,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   parallelism, map_batch_size = form
   doubled = assemble.build_parts(config, mesh, input_shape, num_classes,
                                  num_members=2 * config.num_members)
-  compiled, program_bytes = (_compile_programs(parts, config, form) if measure_programs
-                             else (_compile_step(parts, config, form), None))
+  compiled, program_bytes = _compile_programs(parts, config, form, measure_programs)
   step = _memory(compiled, per_device)
   step_doubled = _memory(_compile_step(doubled, config, form), 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
@@ -275,8 +269,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   if memory_bytes is None:
     memory_bytes = device_memory_bytes(mesh.devices.flat[0])
   # The devices of this process share its programs (one CPU device: all of them).
-  local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-  programs_share = (program_bytes or 0) / local
+  programs_share = (program_bytes or 0) / len(mesh.local_devices)
   max_members = None
   if memory_bytes is not None and bytes_per_member > 0:
     max_members = max(0, math.floor((memory_bytes - fixed - programs_share)
