@@ -159,9 +159,10 @@ def _check_shared_optimizer(member_hparams: dict[str, np.ndarray]) -> None:
                       "them with method='deep', or fix them.")
 
 
-# The init program runs once per run. On a CPU, LLVM at -O1 compiles it 1.1-5.8x faster
-# than XLA's default -O2 (its random draws are large unrolled integer kernels) and gave
-# the same bits for every shipped config (tests/test_step.py checks two).
+# The init program runs once per run. On a CPU, LLVM at -O1 compiles it 1.0-7.9x faster
+# than XLA's default -O2 (its random draws are large unrolled integer kernels), with the
+# same bits for all 11 shipped configs (benchmarks/init_compile.py; tests/test_step.py
+# checks two).
 INIT_COMPILER_OPTIONS = {'xla_backend_optimization_level': 1}
 
 
