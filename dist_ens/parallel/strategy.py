@@ -213,11 +213,9 @@ def steps_per_call(config: ml_collections.ConfigDict, platform: str, start_step:
   for every in (config.train.steps, config.train.log_every, config.train.eval_every,
                 config.checkpoint.every, start_step, *cadences):
     cadence = math.gcd(cadence, every)  # gcd(x, 0) = x: an eval_every of 0 adds nothing.
-  bound = min(AUTO_MAX_STEPS_PER_CALL,
-              max(1, AUTO_INPUT_BYTES // max(input_bytes_per_step, 1)))
-  k = max(k for k in range(1, bound + 1) if cadence % k == 0)
+  largest = lambda bound: max(k for k in range(1, max(bound, 1) + 1) if cadence % k == 0)
+  k = largest(min(AUTO_MAX_STEPS_PER_CALL, AUTO_INPUT_BYTES // max(input_bytes_per_step, 1)))
   if platform == 'cpu' and k > 1:
     flops = step_flops() if step_flops else None
-    bound = min(bound, int(AUTO_CPU_CALL_FLOPS // flops) if flops else 1)
-    k = max(k for k in range(1, max(bound, 1) + 1) if cadence % k == 0)
+    k = largest(min(k, int(AUTO_CPU_CALL_FLOPS // flops) if flops else 1))
   return k
