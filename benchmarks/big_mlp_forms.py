@@ -9,10 +9,14 @@ batch, Adam 1e-3), written here in plain JAX so that only the way members run di
   loop        a Python loop over members, each with its own jitted update (the baseline);
   vmap        jax.vmap of the update over the stacked members;
   map         lax.map over the members (a scan: member slices in, stacked results out);
-  in_place    lax.fori_loop over the members with the stacked state as the loop carry,
+  fori        lax.fori_loop over the members with the stacked state as the loop carry,
               each member read with a dynamic slice and written back with a dynamic
-              update (optimization barriers around the member's update), so that the
-              donated state could be updated where it lies;
+              update (optimization barriers around the member's update, which XLA:CPU
+              drops), so that the donated state could be updated where it lies;
+  in_place    dist_ens's 'map' (parallel.strategy.over_members with in_place=2): the
+              same loop, each member's update inside a lax.cond that reads the
+              member's slices itself, so that XLA computes the new state whole before
+              writing it back (no whole-stack copies);
   unroll2     lax.map over pairs of members, the two written out side by side in the
               body (independent work XLA could overlap), not vmapped;
   vmap_bcast  vmap with a copy of the batch for every member (behind an optimization
@@ -43,6 +47,8 @@ import optax
 from jax.experimental.layout import Format, Layout
 from jax.sharding import SingleDeviceSharding
 
+from dist_ens.parallel.strategy import over_members
+
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (784, 512, 512, 10)
 BATCH = 128
@@ -71,7 +77,7 @@ def update(params, opt_state, x, y):
   return optax.apply_updates(params, updates), opt_state, value
 
 
-def _in_place(params, opt_state, x, y):
+def _fori(params, opt_state, x, y):
   members = jax.tree.leaves(params)[0].shape[0]
 
   def body(i, carry):
@@ -121,7 +127,9 @@ def programs(params, opt_state):
       'vmap': (jax.jit(vmapped, donate_argnums=(0, 1)), None),
       'map': (jax.jit(lambda p, o, x, y: jax.lax.map(lambda m: update(*m, x, y), (p, o)),
                       donate_argnums=(0, 1)), None),
-      'in_place': (jax.jit(_in_place, donate_argnums=(0, 1)), None),
+      'fori': (jax.jit(_fori, donate_argnums=(0, 1)), None),
+      'in_place': (jax.jit(over_members(update, 'map', in_axes=(0, 0, None, None), in_place=2),
+                           donate_argnums=(0, 1)), None),
       'unroll2': (jax.jit(_unroll2, donate_argnums=(0, 1)), None),
       'vmap_bcast': (jax.jit(_vmap_bcast, donate_argnums=(0, 1)), None),
       'vmap_w1t': (jax.jit(vmapped, in_shardings=(*formats, device, device),

@@ -70,7 +70,8 @@ def test_member_init_does_not_depend_on_ensemble_size():
   assert not np.allclose(eight['w'][0], eight['w'][1])
 
 
-@pytest.mark.parametrize('parallelism,chunk', [('vmap', None), ('map', None), ('map', 2)])
+@pytest.mark.parametrize('parallelism,chunk', [('vmap', None), ('map', None), ('map', 2),
+                                               ('map', 3)])  # 3: a smaller last chunk.
 def test_over_members_matches_a_loop(parallelism, chunk):
   members = [_member(s) for s in range(4)]
   x = jnp.arange(6.0).reshape(2, 3)
@@ -79,6 +80,25 @@ def test_over_members_matches_a_loop(parallelism, chunk):
   got = strategy.over_members(f, parallelism, in_axes=(0, None, 0), map_batch_size=chunk)(
       dist_ens.stack(members), x, scales)
   np.testing.assert_allclose(got, [f(p, x, s) for p, s in zip(members, scales)], rtol=1e-6)
+
+
+@pytest.mark.parametrize('chunk', [None, 3])
+def test_map_in_place_replaces_the_arguments_it_names(chunk):
+  # Results 0 and 1 replace arguments 0 and 1 (a member's new state); result 2 is new.
+  step = lambda w, count, x: (w - 0.1 * x * w, count + 1, (w * x).sum())
+  w = jax.random.normal(jax.random.key(0), (5, 3))
+  count = jnp.arange(5)
+  got = jax.jit(strategy.over_members(step, 'map', in_axes=(0, 0, None), map_batch_size=chunk,
+                                      in_place=2), donate_argnums=(0, 1))(w.copy(), count.copy(), 2.0)
+  want = jax.vmap(step, in_axes=(0, 0, None))(w, count, 2.0)
+  for g, v in zip(got, want):
+    np.testing.assert_allclose(g, v, rtol=1e-6)
+    assert g.dtype == v.dtype
+
+
+def test_map_in_place_rejects_a_result_unlike_its_argument():
+  with pytest.raises(ValueError, match='in_place: result 0'):
+    strategy.over_members(lambda w: (w.sum(),), 'map', in_place=1)(jnp.zeros((4, 3)))
 
 
 def test_over_members_rejects_unknown_parallelism():

@@ -1,4 +1,4 @@
-"""The train step: one member's update -> vmap (or lax.map) over a device's members ->
+"""The train step: one member's update -> vmap (or a loop) over a device's members ->
 shard_map over 'member' -> jit.
 
 The step is manual over 'member' only: each device (group) runs its own block of
@@ -153,7 +153,7 @@ def _members_update(model, optimizer, seed, loss, options, data_size, parallelis
   device's block of members.
 
   Reproducible mode runs each member's whole update (forward, backward, optimizer)
-  one member at a time (lax.map): one fixed per-member program whatever the block's
+  one member at a time ('map'): one fixed per-member program whatever the block's
   size. Vmapping even the elementwise optimizer step is not enough: XLA simplifies
   `m / broadcast(1 - b1**t)` differently at member widths 1 and M (measured: 3e-8 after
   one Adam step), whereas a member-shaped body compiles alike everywhere.
@@ -166,9 +166,9 @@ def _members_update(model, optimizer, seed, loss, options, data_size, parallelis
   if not options.reproducible:
     return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size),
                         parallelism, in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes,
-                        map_batch_size=map_batch_size)
+                        map_batch_size=map_batch_size, in_place=4)
   return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size), 'map',
-                      in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes)
+                      in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes, in_place=4)
 
 
 def _state_update(members_update, method: Method | None, reproducible: bool):
@@ -239,7 +239,7 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
     options: augmentation, precision, micro-batches and reproducible mode. With
       augmentation the step takes a third batch array, the examples' indices
       (shaped like y). Reproducible mode runs each member and each micro-batch at
-      one fixed shape (lax.map over members, manual over 'data'; core.gradients).
+      one fixed shape ('map' over members, manual over 'data'; core.gradients).
     method: the ensemble method whose collect() runs after every member's update
       (dist_ens.ensembles.methods); None: independent members, nothing collected.
   """

@@ -3,7 +3,7 @@
 `member_parallelism='auto'` falls back on rules measured on the machines the
 project was benchmarked on (parallel/strategy.py). `dist-ens plan --calibrate`
 replaces them for one run's shape: it times one train step of every candidate
-form (vmap; lax.map one member at a time; lax.map over chunks of 2, 4, ... vmapped
+form (vmap; 'map', one member at a time; 'map' over chunks of 2, 4, ... vmapped
 members) side by side on the present device, and caches the fastest under a key
 of what the timing depends on: the platform and device kind, the model config,
 precision, optimizer, members per device and each device's batch. Every later
@@ -78,7 +78,7 @@ def store(cache_key: str, form: Form, seconds: dict[str, float], about: str) -> 
 
 
 def candidates(members_per_device: int) -> list[Form]:
-  """vmap, lax.map one at a time, and lax.map over chunks of 2, 4, ... (< members)."""
+  """vmap, 'map' one at a time, and 'map' over chunks of 2, 4, ... (< members)."""
   forms: list[Form] = [('vmap', None)]
   if members_per_device > 1:
     forms.append(('map', None))

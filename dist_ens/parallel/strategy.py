@@ -1,4 +1,4 @@
-"""Choosing how each device runs its members (vmap or lax.map) and how many steps
+"""Choosing how each device runs its members (vmap or a loop) and how many steps
 one call of the compiled step runs, where the config says 'auto'.
 
 The rule is data: for a backend and a model family, which form was fastest at
@@ -24,15 +24,20 @@ MEMBER_PARALLELISM = ('vmap', 'map')
 
 def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
                  in_axes: Sequence[int | None] | int = 0,
-                 map_batch_size: int | None = None) -> Callable[..., Any]:
+                 map_batch_size: int | None = None, in_place: int = 0) -> Callable[..., Any]:
   """`fn` applied to every member of stacked arguments, in one traced program.
 
   'vmap' batches the members into wider operations (fast for matmuls); 'map' runs
-  them one after another with `lax.map` (a loop in the compiled program, never a
-  Python loop, so compile time does not grow with M): better where all members at
-  once fall out of the caches or the vmapped form is a poor kernel.
-  `map_batch_size` > 1 vmaps chunks of that many members inside the loop.
-  Arguments whose in_axes entry is None are shared by all members.
+  them one after another in a loop of the compiled program (never a Python loop, so
+  compile time does not grow with M): better where all members at once fall out of
+  the caches or the vmapped form is a poor kernel. `map_batch_size` > 1 vmaps chunks
+  of that many members inside the loop. Arguments whose in_axes entry is None are
+  shared by all members; the others are stacked on their leading axis.
+
+  `in_place` = n says that fn's first n results have the structure of its first n
+  arguments and replace them (a member's new state): 'map' then writes each member's
+  results into those arguments' buffers, which a donated step updates where they lie,
+  instead of filling new arrays (see _member_loop). 'vmap' ignores it.
 
   Example:
     >>> f = over_members(lambda w, x: w * x, 'map', in_axes=(0, None))
@@ -46,15 +51,74 @@ def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
 
   def mapped(*args):
     axes = (in_axes,) * len(args) if isinstance(in_axes, int) else tuple(in_axes)
-    per_member = tuple(a for a, axis in zip(args, axes) if axis is not None)
-
-    def one(members_args):
-      it = iter(members_args)
-      return fn(*(next(it) if axis is not None else a for a, axis in zip(args, axes)))
-
-    return jax.lax.map(one, per_member, batch_size=map_batch_size)
+    if any(axis not in (0, None) for axis in axes) or any(axis is None for axis in axes[:in_place]):
+      raise ValueError(f'map runs over leading axes; in_axes={in_axes}, in_place={in_place}.')
+    return _member_loop(fn, axes, map_batch_size or 1, in_place, args)
 
   return mapped
+
+
+def _member_loop(fn, axes, chunk, in_place, args):
+  """fn over the members of `args`, `chunk` at a time, in a fori_loop whose carry is the
+  stacked results: each chunk's results are written into it with a dynamic update.
+
+  Results that replace arguments (`in_place`) start from those arguments, so that the
+  loop updates the state's own buffers; the rest start as zeros. Each chunk's work runs
+  inside a lax.cond, whose branch reads the chunk's slices itself: XLA does not fuse
+  across the conditional, so the chunk's new state is computed whole before it is
+  written back. Without it XLA:CPU fused the optimizer's arithmetic into the writes,
+  which then read moments already overwritten, and it copied the whole stacked state
+  every iteration (measured: the big MLP at 0.18x a Python loop over members; with the
+  cond, benchmarks/big_mlp_forms.py 'in_place'). The cond's other branch, taken only
+  for a negative start that never occurs, keeps the chunk as it is. Only a CPU gets the
+  cond: it was measured there, and a GPU would copy the predicate to the host.
+  """
+  members = next(a for a, axis in zip(args, axes) if axis is not None)
+  members = jax.tree.leaves(members)[0].shape[0]
+  chunk = max(1, min(chunk, members))
+  body_fn = fn if chunk == 1 else jax.vmap(fn, in_axes=axes)
+
+  def take(tree, start, size):
+    cut = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size)
+    return jax.tree.map((lambda a: cut(a)[0]) if chunk == 1 else cut, tree)
+
+  def write(outs, start, size, operands):
+    def run(ops):
+      return body_fn(*(a if axis is None else take(a, start, size) for a, axis in zip(ops, axes)))
+
+    def keep(ops):
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, ops))
+      return (*(take(a, start, size) for a in ops[:in_place]), *zeros[in_place:]) if in_place else zeros
+
+    on_cpu = lambda ops: jax.lax.cond(start >= 0, run, keep, ops)
+    new = jax.lax.platform_dependent(operands, cpu=on_cpu, default=run)
+    widen = (lambda v: v[None]) if chunk == 1 else (lambda v: v)
+    return jax.tree.map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, widen(v), start, 0),
+                        outs, new)
+
+  operands = lambda outs: (*outs[:in_place], *args[in_place:]) if in_place else args
+  shapes = jax.eval_shape(lambda *a: body_fn(*(x if axis is None else take(x, 0, chunk)
+                                                 for x, axis in zip(a, axes))), *args)
+  outs = _initial_results(shapes, args[:in_place], members, chunk)
+  outs = jax.lax.fori_loop(0, members // chunk,
+                           lambda i, outs: write(outs, i * chunk, chunk, operands(outs)), outs)
+  if members % chunk:  # The last, smaller chunk.
+    rest = members % chunk
+    outs = write(outs, members - rest, rest, operands(outs))
+  return outs
+
+
+def _initial_results(shapes, replaced: Sequence[Any], members: int, chunk: int):
+  """The loop's carry before the first member: the arguments that results replace, and
+  zeros for the other results (shapes: one chunk's results)."""
+  widen = (lambda s: (members, *s.shape)) if chunk == 1 else (lambda s: (members, *s.shape[1:]))
+  zeros = jax.tree.map(lambda s: jnp.zeros(widen(s), s.dtype), shapes)
+  for k, arg in enumerate(replaced):
+    want = jax.tree.map(lambda z: (z.shape, z.dtype), zeros[k])
+    have = jax.tree.map(lambda a: (a.shape, a.dtype), arg)
+    if want != have:
+      raise ValueError(f'in_place: result {k} is {want}, not like argument {k}: {have}.')
+  return (*replaced, *zeros[len(replaced):]) if replaced else zeros
 
 
 CHOICES = MEMBER_PARALLELISM + ('auto',)
