@@ -143,17 +143,26 @@ def test_auto_steps_per_call_divides_every_cadence():
   assert parallelism.steps_per_call(_train_config(steps_per_call=5), 'cpu') == 5
 
 
-def test_chunks_of_members_are_sized_by_activation_bytes():
-  mib = 2**20
-  budget = parallelism.CHUNK_BUDGET[('cpu', 'cnn')]
+def test_members_are_vmapped_or_chunked_by_the_bytes_they_touch():
+  vmap_budget, chunk_budget = parallelism.MEMBER_BUDGETS[('cpu', 'cnn')]
   form = lambda members, per_member, platform='cpu': parallelism.auto_form(
       'cnn', platform, members, None if per_member is None else lambda: per_member)
-  assert form(16, budget // 16) == ('vmap', None)  # All 16 fit: one vmap.
-  assert form(64, budget // 16) == ('map', 16)  # 16 fit: chunks of 16.
-  assert form(16, budget // 3) == ('map', 2)  # 3 fit: chunks of the power of two below.
-  assert form(4, budget * 2) == ('map', None)  # Not even one fits: one member at a time.
-  assert form(64, 1 * mib, 'gpu') == ('vmap', None)  # No budget there: the table.
-  assert form(64, None) == ('map', 4)  # Size unknown: the table's fallback.
+  assert form(16, vmap_budget // 16) == ('vmap', None)  # All 16 fit the vmap budget.
+  assert form(17, vmap_budget // 16)[0] == 'map'  # One more does not.
+  assert form(64, chunk_budget // 8) == ('map', 8)  # 8 fit a chunk: chunks of 8.
+  assert form(64, chunk_budget // 3) == ('map', 2)  # 3 fit: chunks of the power of two below.
+  assert form(64, chunk_budget * 2) == ('map', None)  # Not even one fits: one at a time.
+  assert form(64, 2**20, 'gpu') == ('vmap', None)  # No budgets there: the table.
+  assert form(64, None) == ('map', None)  # Size unknown: the table's fallback.
+
+
+def test_member_bytes_count_activations_and_four_copies_of_the_parameters():
+  from dist_ens import models
+  mlp = models.get_model(ml_collections.ConfigDict(dict(
+      name='mlp', widths=(16,), init_scale=1.0)), 10)
+  params = (8 * 16 + 16) + (16 * 10 + 10)  # Two dense layers' kernels and biases.
+  assert parallelism.member_bytes(mlp, (8,), 32) == (
+      parallelism.activation_bytes(mlp, (8,), 32) + 4 * 4 * params)
 
 
 def test_activation_bytes_count_the_forward_pass():

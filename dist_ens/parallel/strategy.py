@@ -35,9 +35,10 @@ def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
   shared by all members; the others are stacked on their leading axis.
 
   `in_place` = n says that fn's first n results have the structure of its first n
-  arguments and replace them (a member's new state): 'map' then writes each member's
-  results into those arguments' buffers, which a donated step updates where they lie,
-  instead of filling new arrays (see _member_loop). 'vmap' ignores it.
+  arguments and replace them (a member's new state): 'map' on a CPU then writes each
+  member's results into those arguments' buffers, which a donated step updates where they
+  lie, instead of filling new arrays (see _member_loop). 'vmap' ignores it, and so does
+  'map' on other platforms (lax.map there).
 
   Example:
     >>> f = over_members(lambda w, x: w * x, 'map', in_axes=(0, None))
@@ -47,15 +48,49 @@ def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
   if parallelism not in MEMBER_PARALLELISM:
     raise ValueError(f'member parallelism {parallelism!r}; use one of {MEMBER_PARALLELISM}.')
   if parallelism == 'vmap':
-    return jax.vmap(fn, in_axes=in_axes)
+    return _vmap_or_one(fn, in_axes)
 
   def mapped(*args):
     axes = (in_axes,) * len(args) if isinstance(in_axes, int) else tuple(in_axes)
     if any(axis not in (0, None) for axis in axes) or any(axis is None for axis in axes[:in_place]):
       raise ValueError(f'map runs over leading axes; in_axes={in_axes}, in_place={in_place}.')
-    return _member_loop(fn, axes, map_batch_size or 1, in_place, args)
+    # On a CPU the in-place loop (measured there); elsewhere lax.map, as measured on a GPU
+    # (where the loop's cond would copy its predicate to the host every member).
+    return jax.lax.platform_dependent(
+        *args, cpu=lambda *a: _member_loop(fn, axes, map_batch_size or 1, in_place, a),
+        default=lambda *a: _lax_map(fn, axes, map_batch_size, a))
 
   return mapped
+
+
+def _vmap_or_one(fn, in_axes):
+  """jax.vmap(fn), but with one member fn itself, on the member's slices: a device holding
+  one member then runs no batched operations (the MLPs 1.2-1.4x vmap's speed on a CPU at
+  M=1, the 2-D CNN 1.08x, the 1-D CNN 0.95x: BENCHMARKS.md, "Today's figures")."""
+  vmapped = jax.vmap(fn, in_axes=in_axes)
+
+  def run(*args):
+    axes = (in_axes,) * len(args) if isinstance(in_axes, int) else tuple(in_axes)
+    sizes = {np.shape(leaf)[axis] for a, axis in zip(args, axes) if axis is not None
+             for leaf in jax.tree.leaves(a)}
+    if sizes != {1}:
+      return vmapped(*args)
+    one = fn(*(a if axis is None else jax.tree.map(lambda v, ax=axis: jnp.squeeze(v, ax), a)
+               for a, axis in zip(args, axes)))
+    return jax.tree.map(lambda v: jnp.expand_dims(v, 0), one)
+
+  return run
+
+
+def _lax_map(fn, axes, chunk, args):
+  """fn over the members of `args` with lax.map (chunks of `chunk` vmapped members)."""
+  per_member = tuple(a for a, axis in zip(args, axes) if axis is not None)
+
+  def one(members_args):
+    it = iter(members_args)
+    return fn(*(next(it) if axis is not None else a for a, axis in zip(args, axes)))
+
+  return jax.lax.map(one, per_member, batch_size=chunk)
 
 
 def _member_loop(fn, axes, chunk, in_place, args):
@@ -68,10 +103,9 @@ def _member_loop(fn, axes, chunk, in_place, args):
   across the conditional, so the chunk's new state is computed whole before it is
   written back. Without it XLA:CPU fused the optimizer's arithmetic into the writes,
   which then read moments already overwritten, and it copied the whole stacked state
-  every iteration (measured: the big MLP at 0.18x a Python loop over members; with the
-  cond, benchmarks/big_mlp_forms.py 'in_place'). The cond's other branch, taken only
-  for a negative start that never occurs, keeps the chunk as it is. Only a CPU gets the
-  cond: it was measured there, and a GPU would copy the predicate to the host.
+  every iteration (benchmarks/big_mlp_forms.py, the big MLP at M=16: 'fori' 0.14x a
+  Python loop over members; 'in_place', this loop, 0.84x). The cond's other branch, taken
+  only for a negative start that never occurs, keeps the chunk as it is.
   """
   members = next(a for a, axis in zip(args, axes) if axis is not None)
   members = jax.tree.leaves(members)[0].shape[0]
@@ -90,8 +124,7 @@ def _member_loop(fn, axes, chunk, in_place, args):
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, ops))
       return (*(take(a, start, size) for a in ops[:in_place]), *zeros[in_place:]) if in_place else zeros
 
-    on_cpu = lambda ops: jax.lax.cond(start >= 0, run, keep, ops)
-    new = jax.lax.platform_dependent(operands, cpu=on_cpu, default=run)
+    new = jax.lax.cond(start >= 0, run, keep, operands)
     widen = (lambda v: v[None]) if chunk == 1 else (lambda v: v)
     return jax.tree.map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, widen(v), start, 0),
                         outs, new)
@@ -128,33 +161,38 @@ Form = tuple[str, int | None]
 
 # (backend platform, model name) -> ((up to this many members per device, form), ...):
 # the first entry whose bound is >= the members per device applies; None means any
-# number. Measured with benchmarks/throughput.py, one device, batch 128 per member,
+# number. For the families MEMBER_BUDGETS covers, the fallback when the sizes are not
+# known. Measured with benchmarks/throughput.py, one device, batch 128 per member,
 # Adam (BENCHMARKS.md):
-# - 2-core CPU: vmap beat lax.map, chunked or not, for the MLPs at M = 1..64. CNNs
-#   (convolutions as patches) are fastest vmapped while all members' activations are
-#   small, and as lax.map over chunks of vmapped members beyond: see CHUNK_BUDGET; the
-#   buckets here are the fallback when the activation size is not known.
 # - 2-core CPU, ResNet-20 at batch 32 per member (benchmarks/resnet20.py): lax.map one
 #   member at a time was 1.23x / 1.24x vmap at M = 4 / 8 and held 13 MB more per member
 #   instead of 243 MB; at M = 1 the two were within noise.
 # - H100 GPU: vmap was the fastest form for every model and M (1.0-27x lax.map).
 AUTO_RULES: dict[tuple[str, str], tuple[tuple[int | None, Form], ...]] = {
-    ('cpu', 'mlp'): ((None, ('vmap', None)),),
-    ('cpu', 'cnn'): ((4, ('vmap', None)), (None, ('map', 4))),
+    ('cpu', 'mlp'): ((4, ('vmap', None)), (None, ('map', None))),
+    ('cpu', 'cnn'): ((4, ('vmap', None)), (None, ('map', None))),
     ('cpu', 'resnet'): ((1, ('vmap', None)), (None, ('map', None))),
     ('gpu', 'mlp'): ((None, ('vmap', None)),),
     ('gpu', 'cnn'): ((None, ('vmap', None)),),
 }
 DEFAULT_FORM: Form = ('vmap', None)
 
-# (platform, model name) -> bytes of forward activations (activation_bytes) that a
-# chunk of vmapped members may hold: members run vmapped in chunks of the largest
-# power of two that fits, all at once if they all fit. Measured on the 2-core CPU
-# (BENCHMARKS.md, "The 'auto' rule"): the 1-D CNN (3.0 MiB a member at batch 128) was
-# fastest with 16 members vmapped (48 MiB) and in chunks of 8-16 at M=64 (chunks of
-# 32, 95 MiB: 0.74x); the 2-D CNN (25.5 MiB a member) in chunks of 2 (51 MiB; 4:
-# 0.85x, 8: 0.73x). An empirical constant of this machine, not a cache size.
-CHUNK_BUDGET: dict[tuple[str, str], int] = {('cpu', 'cnn'): 80 * 2**20}
+# (platform, model name) -> (vmap budget, chunk budget), in bytes of member_bytes(), what
+# one member's step touches: all of a device's members run vmapped while together they
+# touch at most the vmap budget; beyond, 'map' runs chunks of the largest power of two
+# members that touch at most the chunk budget (one at a time where one member is more).
+# Measured on a 2-core CPU, batch 128 (BENCHMARKS.md, "The 'auto' rule"): vmap was the
+# fastest form or within 5% up to 48-49 MiB a device (big MLP x 4, 1-D CNN x 16) and
+# 0.55-0.75x the loop from 104 MiB (2-D CNN x 4, big MLP x 16); at M=64 'map' was fastest
+# in chunks of 4-16 MiB (small MLP 2 MiB a member: chunks of 2-8 within 3%, 16 0.86x;
+# 1-D CNN 3 MiB: 4-8, 16 0.83x; big MLP 12 MiB: 1, 2 0.88x), the 2-D CNN (26 MiB) one
+# at a time at M=4-16.
+# Empirical constants of that machine, not cache sizes: `dist-ens plan --calibrate`
+# measures the user's own.
+MEMBER_BUDGETS: dict[tuple[str, str], tuple[int, int]] = {
+    ('cpu', 'mlp'): (64 * 2**20, 16 * 2**20),
+    ('cpu', 'cnn'): (64 * 2**20, 16 * 2**20),
+}
 
 
 def _abstract_forward(model, input_shape: Sequence[int], batch: int):
@@ -168,13 +206,21 @@ def _abstract_forward(model, input_shape: Sequence[int], batch: int):
 def activation_bytes(model, input_shape: Sequence[int], batch: int) -> int:
   """Bytes of every intermediate of one member's forward pass on `batch` examples.
 
-  Counted from the traced program (no compile, nothing run): a proxy for how much a
-  member's step touches, by which 'auto' sizes chunks of members.
+  Counted from the traced program (no compile, nothing run).
   """
   fn, args = _abstract_forward(model, input_shape, batch)
   jaxpr = jax.make_jaxpr(fn)(*args)  # The key is an input: making it adds no equations.
   return sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
              for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars)
+
+
+def member_bytes(model, input_shape: Sequence[int], batch: int) -> int:
+  """What one member's training step touches, as 'auto' sizes it: its forward activations
+  on `batch` examples (activation_bytes) and 4x its parameters' bytes (the parameters,
+  their gradients and an optimizer's two moments, as Adam keeps)."""
+  _, (params, _, _, _) = _abstract_forward(model, input_shape, batch)
+  params = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(params))
+  return activation_bytes(model, input_shape, batch) + 4 * params
 
 
 def forward_flops(model, input_shape: Sequence[int], batch: int) -> float | None:
@@ -191,18 +237,19 @@ def forward_flops(model, input_shape: Sequence[int], batch: int) -> float | None
 
 
 def auto_form(model_name: str, platform: str, members_per_device: int | None = None,
-              member_activation_bytes: Callable[[], int] | None = None) -> Form:
-  """The form 'auto' picks: by CHUNK_BUDGET where it has the sizes, else AUTO_RULES
+              member_size: Callable[[], int] | None = None) -> Form:
+  """The form 'auto' picks: by MEMBER_BUDGETS where it has the sizes, else AUTO_RULES
   (with members_per_device unknown, the rule for the most members).
 
-  `member_activation_bytes` returns activation_bytes() of one member's share of a
-  device's batch; it is called only where a CHUNK_BUDGET applies.
+  `member_size` returns member_bytes() of one member's share of a device's batch; it is
+  called only where MEMBER_BUDGETS applies.
   """
-  budget = CHUNK_BUDGET.get((platform, model_name))
-  if budget and members_per_device and member_activation_bytes:
-    fit = budget // member_activation_bytes()
-    if fit >= members_per_device:
+  budgets = MEMBER_BUDGETS.get((platform, model_name))
+  if budgets and members_per_device and member_size:
+    size = max(1, member_size())
+    if members_per_device * size <= budgets[0]:
       return 'vmap', None
+    fit = budgets[1] // size
     chunk = 1 << (fit.bit_length() - 1) if fit >= 1 else 1  # Largest power of 2 <= fit.
     return 'map', (chunk if chunk > 1 else None)
   for bound, form in AUTO_RULES.get((platform, model_name), ()):
@@ -213,7 +260,7 @@ def auto_form(model_name: str, platform: str, members_per_device: int | None = N
 
 def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platform: str,
             members_per_device: int | None = None,
-            member_activation_bytes: Callable[[], int] | None = None) -> Form:
+            member_size: Callable[[], int] | None = None) -> Form:
   """(parallelism, map_batch_size) for the step, resolving 'auto' by auto_form.
 
   Args:
@@ -222,8 +269,8 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
     platform: the devices' platform ('cpu', 'gpu', 'tpu').
     members_per_device: config.num_members // mesh.member, where the rule depends
       on it; None takes the rule for the largest count.
-    member_activation_bytes: returns activation_bytes() of one member's share of a
-      device's batch; called only for the families CHUNK_BUDGET sizes chunks for.
+    member_size: returns member_bytes() of one member's share of a device's batch;
+      called only for the families MEMBER_BUDGETS sizes.
 
   Raises:
     ConfigError: naming config.ensemble.member_parallelism or map_batch_size.
@@ -236,7 +283,7 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
     raise ConfigError(f'config.ensemble.map_batch_size={chunk!r} must be an int >= 0 (0: one '
                       'member at a time).')
   if choice == 'auto':
-    return auto_form(model_name, platform, members_per_device, member_activation_bytes)
+    return auto_form(model_name, platform, members_per_device, member_size)
   return choice, (chunk or None)
 
 
