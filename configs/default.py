@@ -55,8 +55,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.dropout = 0.0
 
   # How each device runs its block of members: 'vmap' (batched into wide ops), 'map'
-  # (lax.map, one member after another inside the compiled step; map_batch_size > 1
-  # vmaps chunks of members), or 'auto' (picked per model, see dist_ens/parallel/strategy.py).
+  # (one member after another in a loop inside the compiled step, each member's new state
+  # written back into the donated state's buffers; map_batch_size > 1 vmaps chunks of
+  # members), or 'auto' (picked per model, see dist_ens/parallel/strategy.py).
   config.ensemble = ml_collections.ConfigDict()
   config.ensemble.member_parallelism = 'auto'
   config.ensemble.map_batch_size = 0

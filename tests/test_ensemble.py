@@ -88,8 +88,9 @@ def test_map_in_place_replaces_the_arguments_it_names(chunk):
   step = lambda w, count, x: (w - 0.1 * x * w, count + 1, (w * x).sum())
   w = jax.random.normal(jax.random.key(0), (5, 3))
   count = jnp.arange(5)
-  got = jax.jit(strategy.over_members(step, 'map', in_axes=(0, 0, None), map_batch_size=chunk,
-                                      in_place=2), donate_argnums=(0, 1))(w.copy(), count.copy(), 2.0)
+  mapped = strategy.over_members(step, 'map', in_axes=(0, 0, None), map_batch_size=chunk,
+                                 in_place=2)
+  got = jax.jit(mapped, donate_argnums=(0, 1))(w.copy(), count.copy(), 2.0)
   want = jax.vmap(step, in_axes=(0, 0, None))(w, count, 2.0)
   for g, v in zip(got, want):
     np.testing.assert_allclose(g, v, rtol=1e-6)

@@ -42,7 +42,7 @@ _UNCOMMENTED = {
     'mesh.hosts_along': "'member' or 'data': the axis laid out across processes (docs/multihost.md).",
     'model.kwargs': 'Keyword arguments for model.factory.',
     'ensemble.member_parallelism': "'auto', 'vmap' or 'map'.",
-    'ensemble.map_batch_size': "Members vmapped together per lax.map step with 'map' (0: one at a time).",
+    'ensemble.map_batch_size': "Members vmapped together per iteration of 'map''s loop (0: one at a time).",
     'ensemble.method': "'deep' (independent members), 'snapshot' or 'multiswag' (docs/ensemble_methods.md).",
     'ensemble.snapshot.cycles': "snapshot: restarts of optim.schedule; every cycle's last parameters predict (must divide train.steps).",
     'ensemble.swag.start': 'multiswag: fraction of train.steps from which the weights are collected.',

@@ -122,7 +122,9 @@ def _member_loop(fn, axes, chunk, in_place, args):
 
     def keep(ops):
       zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, ops))
-      return (*(take(a, start, size) for a in ops[:in_place]), *zeros[in_place:]) if in_place else zeros
+      if not in_place:
+        return zeros
+      return (*(take(a, start, size) for a in ops[:in_place]), *zeros[in_place:])
 
     new = jax.lax.cond(start >= 0, run, keep, operands)
     widen = (lambda v: v[None]) if chunk == 1 else (lambda v: v)
