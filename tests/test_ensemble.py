@@ -102,6 +102,21 @@ def test_map_in_place_rejects_a_result_unlike_its_argument():
     strategy.over_members(lambda w: (w.sum(),), 'map', in_place=1)(jnp.zeros((4, 3)))
 
 
+def test_vmap_of_one_member_is_that_members_own_function():
+  # One member per device: fn runs on the member's own arrays, not under a vmap of one
+  # (called eagerly, it sees concrete arrays where vmap would hand it batch tracers).
+  seen = []
+  f = lambda p, x: seen.append(isinstance(p['scale'], jax.core.Tracer)) or (
+      (x @ p['dense'][0]['w']) * p['scale'])
+  member = _member(0)
+  x = jnp.arange(6.0).reshape(2, 3)
+  got = strategy.over_members(f, 'vmap', in_axes=(0, None))(dist_ens.stack([member]), x)
+  assert seen == [False]
+  strategy.over_members(f, 'vmap', in_axes=(0, None))(dist_ens.stack([member] * 2), x)
+  assert seen == [False, True]  # Two members: vmapped.
+  np.testing.assert_allclose(got, f(member, x)[None], rtol=1e-6)
+
+
 def test_over_members_rejects_unknown_parallelism():
   with pytest.raises(ValueError, match="'pmap'"):
     strategy.over_members(lambda x: x, 'pmap')
