@@ -147,13 +147,16 @@ def _initial_results(shapes, replaced: Sequence[Any], members: int, chunk: int):
   """The loop's carry before the first member: the arguments that results replace, and
   zeros for the other results (shapes: one chunk's results)."""
   widen = (lambda s: (members, *s.shape)) if chunk == 1 else (lambda s: (members, *s.shape[1:]))
-  zeros = jax.tree.map(lambda s: jnp.zeros(widen(s), s.dtype), shapes)
+  stacked = jax.tree.map(lambda s: jax.ShapeDtypeStruct(widen(s), s.dtype), shapes)
   for k, arg in enumerate(replaced):
-    want = jax.tree.map(lambda z: (z.shape, z.dtype), zeros[k])
+    want = jax.tree.map(lambda z: (z.shape, z.dtype), stacked[k])
     have = jax.tree.map(lambda a: (a.shape, a.dtype), arg)
     if want != have:
       raise ValueError(f'in_place: result {k} is {want}, not like argument {k}: {have}.')
-  return (*replaced, *zeros[len(replaced):]) if replaced else zeros
+  zeros = lambda tree: jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), tree)
+  if not replaced:
+    return zeros(stacked)
+  return (*replaced, *(zeros(t) for t in stacked[len(replaced):]))
 
 
 CHOICES = MEMBER_PARALLELISM + ('auto',)
