@@ -147,6 +147,11 @@ def member_update_fn(model: Model, optimizer: Optimizer, seed: int,
   return update
 
 
+# member_update_fn's first results (params, model state, optimizer state, frozen) replace its
+# first arguments: 'map' writes them back into the donated state (over_members' in_place).
+_STATE_RESULTS = 4
+
+
 def _members_update(model, optimizer, seed, loss, options, data_size, parallelism,
                     map_batch_size, batch_axis, method):
   """update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over a
@@ -166,9 +171,9 @@ def _members_update(model, optimizer, seed, loss, options, data_size, parallelis
   if not options.reproducible:
     return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size),
                         parallelism, in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes,
-                        map_batch_size=map_batch_size, in_place=4)
+                        map_batch_size=map_batch_size, in_place=_STATE_RESULTS)
   return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size), 'map',
-                      in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes, in_place=4)
+                      in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes, in_place=_STATE_RESULTS)
 
 
 def _state_update(members_update, method: Method | None, reproducible: bool):

@@ -22,6 +22,10 @@ from dist_ens.errors import ConfigError
 MEMBER_PARALLELISM = ('vmap', 'map')
 
 
+def _axes_of(in_axes, count: int) -> tuple[int | None, ...]:
+  return (in_axes,) * count if isinstance(in_axes, int) else tuple(in_axes)
+
+
 def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
                  in_axes: Sequence[int | None] | int = 0,
                  map_batch_size: int | None = None, in_place: int = 0) -> Callable[..., Any]:
@@ -51,7 +55,7 @@ def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
     return _vmap_or_one(fn, in_axes)
 
   def mapped(*args):
-    axes = (in_axes,) * len(args) if isinstance(in_axes, int) else tuple(in_axes)
+    axes = _axes_of(in_axes, len(args))
     if any(axis not in (0, None) for axis in axes) or any(axis is None for axis in axes[:in_place]):
       raise ValueError(f'map runs over leading axes; in_axes={in_axes}, in_place={in_place}.')
     # On a CPU the in-place loop (measured there); elsewhere lax.map, as measured on a GPU
@@ -70,7 +74,7 @@ def _vmap_or_one(fn, in_axes):
   vmapped = jax.vmap(fn, in_axes=in_axes)
 
   def run(*args):
-    axes = (in_axes,) * len(args) if isinstance(in_axes, int) else tuple(in_axes)
+    axes = _axes_of(in_axes, len(args))
     sizes = {np.shape(leaf)[axis] for a, axis in zip(args, axes) if axis is not None
              for leaf in jax.tree.leaves(a)}
     if sizes != {1}:
@@ -116,24 +120,25 @@ def _member_loop(fn, axes, chunk, in_place, args):
     cut = lambda a: jax.lax.dynamic_slice_in_dim(a, start, size)
     return jax.tree.map((lambda a: cut(a)[0]) if chunk == 1 else cut, tree)
 
-  def write(outs, start, size, operands):
-    def run(ops):
-      return body_fn(*(a if axis is None else take(a, start, size) for a, axis in zip(ops, axes)))
+  def apply(ops, start, size):
+    return body_fn(*(a if axis is None else take(a, start, size) for a, axis in zip(ops, axes)))
 
+  shapes = jax.eval_shape(lambda *a: apply(a, 0, chunk), *args)  # One chunk's results.
+
+  def write(outs, start, size, operands):
     def keep(ops):
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(run, ops))
+      resize = (lambda s: s.shape) if chunk == 1 else (lambda s: (size, *s.shape[1:]))
+      zeros = jax.tree.map(lambda s: jnp.zeros(resize(s), s.dtype), shapes)
       if not in_place:
         return zeros
       return (*(take(a, start, size) for a in ops[:in_place]), *zeros[in_place:])
 
-    new = jax.lax.cond(start >= 0, run, keep, operands)
+    new = jax.lax.cond(start >= 0, lambda ops: apply(ops, start, size), keep, operands)
     widen = (lambda v: v[None]) if chunk == 1 else (lambda v: v)
     return jax.tree.map(lambda o, v: jax.lax.dynamic_update_slice_in_dim(o, widen(v), start, 0),
                         outs, new)
 
   operands = lambda outs: (*outs[:in_place], *args[in_place:]) if in_place else args
-  shapes = jax.eval_shape(lambda *a: body_fn(*(x if axis is None else take(x, 0, chunk)
-                                                 for x, axis in zip(a, axes))), *args)
   outs = _initial_results(shapes, args[:in_place], members, chunk)
   outs = jax.lax.fori_loop(0, members // chunk,
                            lambda i, outs: write(outs, i * chunk, chunk, operands(outs)), outs)
@@ -208,24 +213,29 @@ def _abstract_forward(model, input_shape: Sequence[int], batch: int):
           (params, state, x, jax.random.key(0)))
 
 
+def _nbytes(avals) -> int:
+  return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in avals)
+
+
+def _forward_activation_bytes(fn, args) -> int:
+  jaxpr = jax.make_jaxpr(fn)(*args)  # The key is an input: making it adds no equations.
+  return _nbytes(v.aval for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars)
+
+
 def activation_bytes(model, input_shape: Sequence[int], batch: int) -> int:
   """Bytes of every intermediate of one member's forward pass on `batch` examples.
 
   Counted from the traced program (no compile, nothing run).
   """
-  fn, args = _abstract_forward(model, input_shape, batch)
-  jaxpr = jax.make_jaxpr(fn)(*args)  # The key is an input: making it adds no equations.
-  return sum(int(np.prod(v.aval.shape)) * v.aval.dtype.itemsize
-             for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars)
+  return _forward_activation_bytes(*_abstract_forward(model, input_shape, batch))
 
 
 def member_bytes(model, input_shape: Sequence[int], batch: int) -> int:
   """What one member's training step touches, as 'auto' sizes it: its forward activations
   on `batch` examples (activation_bytes) and 4x its parameters' bytes (the parameters,
   their gradients and an optimizer's two moments, as Adam keeps)."""
-  _, (params, _, _, _) = _abstract_forward(model, input_shape, batch)
-  params = sum(int(np.prod(p.shape)) * p.dtype.itemsize for p in jax.tree.leaves(params))
-  return activation_bytes(model, input_shape, batch) + 4 * params
+  fn, args = _abstract_forward(model, input_shape, batch)
+  return _forward_activation_bytes(fn, args) + 4 * _nbytes(jax.tree.leaves(args[0]))
 
 
 def forward_flops(model, input_shape: Sequence[int], batch: int) -> float | None:
