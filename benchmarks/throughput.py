@@ -8,6 +8,8 @@ For each model and member count M (batch 128 per member, Adam, one shared batch)
 it times one training step of all M members done as
   loop      a Python loop over members, each with its own jitted optax update
             (the usual baseline: a list of models);
+  loop+guard  the loop, each update also skipping a step whose loss or gradient is
+            not finite, as dist_ens's step does (prices that guard apart from the form);
   vmap      dist_ens's step, members vmapped on the device;
   map       dist_ens's step, members one after another with lax.map;
   map/K     the same with map_batch_size=K: lax.map over chunks of K vmapped members;
@@ -212,12 +214,19 @@ def _plain_state(spec: ModelSpec, members: int):
   return parts.model, parts.optimizer(None), jax.jit(parts.init)()
 
 
-def build_loop(spec: ModelSpec, members: int) -> Callable[[], Any]:
-  """M separate states, each stepped by a jitted optax update: a Python loop over models."""
+def build_loop(spec: ModelSpec, members: int, guard: bool = False) -> Callable[[], Any]:
+  """M separate states, each stepped by a jitted optax update: a Python loop over models.
+
+  `guard`: each update also skips a step whose loss or gradient is not finite, as
+  dist_ens's does (the gradient check and masks of dist_ens.core.step), to price that
+  guard apart from how the members run.
+  """
   import jax
+  import jax.numpy as jnp
   import optax
   from dist_ens.ensembles.stacking import unstack
   from dist_ens.core.losses import cross_entropy
+  from dist_ens.core.step import _all_finite, _zero_where
   model, tx, stacked = _plain_state(spec, members)
 
   def per_member(tree):  # unstack(), or M copies of a leafless tree (a model without state).
@@ -231,6 +240,10 @@ def build_loop(spec: ModelSpec, members: int) -> Callable[[], Any]:
       logits, new_state = model.apply(p, model_state, x, train=True)
       return cross_entropy(logits, y), new_state
     (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    if guard:
+      skip = ~(jnp.isfinite(loss) & _all_finite(grads))
+      updates, opt_state = tx.update(_zero_where(skip, grads), opt_state, params)
+      return optax.apply_updates(params, _zero_where(skip, updates)), model_state, opt_state, loss
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), model_state, opt_state, loss
   update = jax.jit(update, donate_argnums=(0, 1, 2))
@@ -527,6 +540,7 @@ def variants_for(spec: ModelSpec, members: int, chunks: tuple[int, ...],
                  torch_device: str = 'cpu') -> dict[str, Callable[[], Callable[[], Any]]]:
   builders = {
       'loop': lambda: build_loop(spec, members),
+      'loop+guard': lambda: build_loop(spec, members, guard=True),
       'vmap': lambda: build_dist_ens(spec, members, 'vmap', None),
       'map': lambda: build_dist_ens(spec, members, 'map', None),
   }

@@ -45,7 +45,17 @@ class StepMetrics(NamedTuple):
 
 
 def _all_finite(tree: PyTree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+  """Whether every element of `tree` is finite, read as the finiteness of each leaf's sum.
+
+  A NaN or an infinity anywhere makes the sum NaN or infinite, so nothing non-finite
+  passes; a finite leaf fails only if its elements sum beyond the dtype's range (float32:
+  3.4e38), where their squares, Adam's second moments, overflow anyway. On a CPU, XLA
+  lowers a float sum to a vectorised, threaded reduction and an `all` of booleans to a
+  plain loop: the big MLP's 'map' step is ~3% faster for it (BENCHMARKS.md, "The price
+  of the non-finite guard").
+  """
+  wide = lambda x: jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
+  return jnp.all(jnp.stack([jnp.isfinite(wide(x)) for x in jax.tree.leaves(tree)]))
 
 
 def _zero_where(keep: jax.Array, tree: PyTree) -> PyTree:
@@ -169,11 +179,40 @@ def _members_update(model, optimizer, seed, loss, options, data_size, parallelis
         member_results_fn(model, seed, loss, options, data_size), member_apply_fn(optimizer),
         optimizer, parallelism, batch_axis, map_batch_size)
   if not options.reproducible:
-    return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size),
+    many = over_members(member_update_fn(model, optimizer, seed, loss, options, data_size),
                         parallelism, in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes,
                         map_batch_size=map_batch_size, in_place=_STATE_RESULTS)
+    if parallelism != 'vmap':
+      return many
+    return _one_member_or(many, member_results_fn(model, seed, loss, options, data_size),
+                          member_apply_fn(optimizer), batch_axis)
   return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size), 'map',
                       in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes, in_place=_STATE_RESULTS)
+
+
+def _one_member_or(many, results, apply, batch_axis):
+  """`many` (the vmapped update), but a device holding one member runs that member's forward
+  and backward pass on its own slices (no batched operations) and the optimizer step on
+  the state as it is stored, with its member axis of 1.
+
+  Squeezing the state too, as over_members('vmap') does for one member, made XLA:CPU
+  fuse the new optimizer moments into both their own outputs and the parameters'
+  update, recomputing them there from the old moments, which it then copied every step:
+  the big MLP's step 0.87x a plain per-member update's speed, against 1.0x this way
+  (BENCHMARKS.md, "One member per device").
+  """
+
+  def update(params, model_state, opt_state, frozen, hp, members, step, x, y, index=None):
+    if members.shape[0] != 1:
+      return many(params, model_state, opt_state, frozen, hp, members, step, x, y, index)
+    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
+    batch = first if batch_axis == 0 else (lambda a: a)
+    result = results(first(params), first(model_state), first(hp), members[0], step, batch(x),
+                     batch(y), None if index is None else batch(index))
+    return jax.vmap(apply)(params, model_state, opt_state, frozen, hp,
+                           jax.tree.map(lambda a: a[None], result))
+
+  return update
 
 
 def _state_update(members_update, method: Method | None, reproducible: bool):
