@@ -192,7 +192,7 @@ def member_form(parts: Parts, batch_size: int) -> strategy.Form:
   return strategy.resolve(
       config.ensemble, config.model.name, mesh.devices.flat[0].platform,
       members_per_device=calibration.members_per_device(parts),
-      member_size=lambda: strategy.member_bytes(
+      sizes=lambda: strategy.member_size(
           parts.model, parts.input_shape, batch_size // mesh.shape[mesh_lib.DATA]))
 
 

@@ -102,18 +102,20 @@ def test_map_in_place_rejects_a_result_unlike_its_argument():
     strategy.over_members(lambda w: (w.sum(),), 'map', in_place=1)(jnp.zeros((4, 3)))
 
 
-def test_vmap_of_one_member_is_that_members_own_function():
-  # One member per device: fn runs on the member's own arrays, not under a vmap of one
-  # (called eagerly, it sees concrete arrays where vmap would hand it batch tracers).
+@pytest.mark.parametrize('parallelism', ['vmap', 'map'])
+def test_one_member_runs_as_that_members_own_function(parallelism):
+  # One member per device: fn runs on the member's own arrays, not under a vmap or a loop
+  # of one (called eagerly, it sees concrete arrays where they would hand it tracers).
   seen = []
   f = lambda p, x: seen.append(isinstance(p['scale'], jax.core.Tracer)) or (
       (x @ p['dense'][0]['w']) * p['scale'])
   member = _member(0)
   x = jnp.arange(6.0).reshape(2, 3)
-  got = strategy.over_members(f, 'vmap', in_axes=(0, None))(dist_ens.stack([member]), x)
+  over = strategy.over_members(f, parallelism, in_axes=(0, None))
+  got = over(dist_ens.stack([member]), x)
   assert seen == [False]
-  strategy.over_members(f, 'vmap', in_axes=(0, None))(dist_ens.stack([member] * 2), x)
-  assert seen == [False, True]  # Two members: vmapped.
+  over(dist_ens.stack([member] * 2), x)
+  assert seen[1:] and all(seen[1:])  # Two members: vmapped, or traced for the loop.
   np.testing.assert_allclose(got, f(member, x)[None], rtol=1e-6)
 
 

@@ -144,9 +144,10 @@ def test_auto_steps_per_call_divides_every_cadence():
 
 
 def test_members_are_vmapped_or_chunked_by_the_bytes_they_touch():
-  vmap_budget, chunk_budget = parallelism.MEMBER_BUDGETS[('cpu', 'cnn')]
+  vmap_budget, chunk_budget, _ = parallelism.MEMBER_BUDGETS[('cpu', 'cnn')]
   form = lambda members, per_member, platform='cpu': parallelism.auto_form(
-      'cnn', platform, members, None if per_member is None else lambda: per_member)
+      'cnn', platform, members,
+      None if per_member is None else lambda: parallelism.MemberSize(per_member, 0))
   assert form(16, vmap_budget // 16) == ('vmap', None)  # All 16 fit the vmap budget.
   assert form(17, vmap_budget // 16)[0] == 'map'  # One more does not.
   assert form(64, chunk_budget // 8) == ('map', 8)  # 8 fit a chunk: chunks of 8.
@@ -154,6 +155,26 @@ def test_members_are_vmapped_or_chunked_by_the_bytes_they_touch():
   assert form(64, chunk_budget * 2) == ('map', None)  # Not even one fits: one at a time.
   assert form(64, 2**20, 'gpu') == ('vmap', None)  # No budgets there: the table.
   assert form(64, None) == ('map', None)  # Size unknown: the table's fallback.
+
+
+def test_one_member_per_device_is_vmapped_from_its_parameter_bytes():
+  budget = parallelism.MEMBER_BUDGETS[('cpu', 'mlp')].one_member
+  form = lambda params: parallelism.auto_form(
+      'mlp', 'cpu', 1, lambda: parallelism.MemberSize(step=10**9, params=params))
+  # Touching more than the vmap budget does not matter with one member; its parameters do.
+  assert form(budget) == ('vmap', None)
+  assert form(budget - 1) == ('map', None)
+
+
+def test_member_size_counts_the_parameters_once_and_the_step_four_times():
+  from dist_ens import models
+  mlp = models.get_model(ml_collections.ConfigDict(dict(
+      name='mlp', widths=(16,), init_scale=1.0)), 10)
+  params = 4 * ((8 * 16 + 16) + (16 * 10 + 10))
+  size = parallelism.member_size(mlp, (8,), 32)
+  assert size.params == params
+  assert size.step == parallelism.member_bytes(mlp, (8,), 32) == (
+      parallelism.activation_bytes(mlp, (8,), 32) + 4 * params)
 
 
 def test_member_bytes_count_activations_and_four_copies_of_the_parameters():

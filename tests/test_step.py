@@ -1,5 +1,6 @@
 """The sharded, vmapped train step against the seed article's Python loop over members."""
 
+import re
 from pathlib import Path
 
 import jax
@@ -137,6 +138,24 @@ def test_nonfinite_member_is_frozen_and_others_unaffected(mnist1d):
   for i in (0, 1, 2, 4, 5, 6, 7):  # Everyone else: bit for bit the clean run.
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a)[i], np.asarray(b)[i]),
                  state.params, clean.params)
+
+
+def test_one_member_per_device_updates_its_optimizer_state_where_it_lies():
+  # 8 members on 8 devices, vmapped: each device's member runs its forward and backward
+  # pass on its own slices, and its optimizer on the stored [1, ...] state. Squeezing the
+  # state too made XLA:CPU recompute Adam's moments inside the parameter update and copy
+  # the moments (and the new parameters) every step.
+  parts = _setup(8, 1)
+  step = _step(parts)
+  state = assemble.init_sharded(parts)
+  sharding = mesh_lib.batch_sharding(parts.mesh)
+  x = jax.device_put(np.zeros((BATCH, 40, 1), np.float32), sharding)
+  y = jax.device_put(np.zeros(BATCH, np.int32), sharding)
+  hlo = step.fn.lower(state, parts.device_hparams(), x, y).compile().as_text()
+  kernels = {leaf.shape[1:] for leaf in jax.tree.leaves(state.params) if leaf.ndim == 3}
+  assert kernels  # The MLP's [in, out] kernels, [1, in, out] on each device.
+  shapes = '|'.join(rf'f32\[1,{a},{b}\]' for a, b in kernels)
+  assert not re.findall(rf'(?:{shapes})\{{[^}}]*\}} copy\(', hlo)
 
 
 @pytest.mark.parametrize('parallelism,chunk', [('map', None), ('map', 4)])

@@ -128,8 +128,19 @@ def member_apply_fn(optimizer: Optimizer) -> Callable[..., Any]:
   12-34% of a dense model's CPU step).
   """
 
-  def apply(params, model_state, opt_state, frozen, hp, result):
-    nonfinite = ~(jnp.isfinite(result.loss) & _all_finite(result.grads))
+  unless = _apply_unless(optimizer)
+  return lambda params, model_state, opt_state, frozen, hp, result: unless(
+      params, model_state, opt_state, frozen, hp, result, _nonfinite(result))
+
+
+def _nonfinite(result: gradients.BatchResult) -> jax.Array:
+  return ~(jnp.isfinite(result.loss) & _all_finite(result.grads))
+
+
+def _apply_unless(optimizer: Optimizer) -> Callable[..., Any]:
+  """member_apply_fn's apply with the member's `nonfinite` flag given (_nonfinite(result))."""
+
+  def apply(params, model_state, opt_state, frozen, hp, result, nonfinite):
     keep = frozen | nonfinite
     updates, new_opt_state = optimizer(hp).update(_zero_where(keep, result.grads), opt_state,
                                                   params)
@@ -185,7 +196,7 @@ def _members_update(model, optimizer, seed, loss, options, data_size, parallelis
     if parallelism != 'vmap':
       return many
     return _one_member_or(many, member_results_fn(model, seed, loss, options, data_size),
-                          member_apply_fn(optimizer), batch_axis)
+                          _apply_unless(optimizer), batch_axis)
   return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size), 'map',
                       in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes, in_place=_STATE_RESULTS)
 
@@ -209,8 +220,9 @@ def _one_member_or(many, results, apply, batch_axis):
     batch = first if batch_axis == 0 else (lambda a: a)
     result = results(first(params), first(model_state), first(hp), members[0], step, batch(x),
                      batch(y), None if index is None else batch(index))
-    return jax.vmap(apply)(params, model_state, opt_state, frozen, hp,
-                           jax.tree.map(lambda a: a[None], result))
+    widen = lambda tree: jax.tree.map(lambda a: a[None], tree)
+    return jax.vmap(apply)(params, model_state, opt_state, frozen, hp, widen(result),
+                           widen(_nonfinite(result)))
 
   return update
 

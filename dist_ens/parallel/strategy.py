@@ -9,7 +9,7 @@ that is never far off for matmul-bound models.
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,8 @@ def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
     axes = _axes_of(in_axes, len(args))
     if any(axis not in (0, None) for axis in axes) or any(axis is None for axis in axes[:in_place]):
       raise ValueError(f'map runs over leading axes; in_axes={in_axes}, in_place={in_place}.')
+    if _members(args, axes) == {1}:
+      return _one(fn, axes, args)
     # On a CPU the in-place loop (measured there); elsewhere lax.map, as measured on a GPU
     # (where the loop's cond would copy its predicate to the host every member).
     return jax.lax.platform_dependent(
@@ -69,21 +71,28 @@ def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
 
 def _vmap_or_one(fn, in_axes):
   """jax.vmap(fn), but with one member fn itself, on the member's slices: a device holding
-  one member then runs no batched operations (the MLPs 1.2-1.4x vmap's speed on a CPU at
-  M=1, the 2-D CNN 1.08x, the 1-D CNN 0.95x: BENCHMARKS.md, "Today's figures")."""
+  one member then runs no batched operations. (The train step's own one-member path is
+  core.step._one_member_or, which keeps the optimizer on the stored state.)"""
   vmapped = jax.vmap(fn, in_axes=in_axes)
 
   def run(*args):
     axes = _axes_of(in_axes, len(args))
-    sizes = {np.shape(leaf)[axis] for a, axis in zip(args, axes) if axis is not None
-             for leaf in jax.tree.leaves(a)}
-    if sizes != {1}:
-      return vmapped(*args)
-    one = fn(*(a if axis is None else jax.tree.map(lambda v, ax=axis: jnp.squeeze(v, ax), a)
-               for a, axis in zip(args, axes)))
-    return jax.tree.map(lambda v: jnp.expand_dims(v, 0), one)
+    return _one(fn, axes, args) if _members(args, axes) == {1} else vmapped(*args)
 
   return run
+
+
+def _members(args, axes) -> set[int]:
+  """The sizes of the member axes of `args` ({1}: one member)."""
+  return {np.shape(leaf)[axis] for a, axis in zip(args, axes) if axis is not None
+          for leaf in jax.tree.leaves(a)}
+
+
+def _one(fn, axes, args):
+  """fn on the one member's slices of `args`, its results given a member axis of 1."""
+  one = fn(*(a if axis is None else jax.tree.map(lambda v, ax=axis: jnp.squeeze(v, ax), a)
+             for a, axis in zip(args, axes)))
+  return jax.tree.map(lambda v: jnp.expand_dims(v, 0), one)
 
 
 def _lax_map(fn, axes, chunk, args):
@@ -187,10 +196,22 @@ AUTO_RULES: dict[tuple[str, str], tuple[tuple[int | None, Form], ...]] = {
 }
 DEFAULT_FORM: Form = ('vmap', None)
 
-# (platform, model name) -> (vmap budget, chunk budget), in bytes of member_bytes(), what
-# one member's step touches: all of a device's members run vmapped while together they
-# touch at most the vmap budget; beyond, 'map' runs chunks of the largest power of two
-# members that touch at most the chunk budget (one at a time where one member is more).
+class Budgets(NamedTuple):
+  """Sizes, in bytes, at which 'auto' changes form on a platform (MEMBER_BUDGETS)."""
+  vmap: int  # the most member_bytes() a device's members may touch together, vmapped
+  chunk: int  # the most a chunk of vmapped members may touch inside 'map'
+  one_member: int  # a device's only member: 'vmap' from this many parameter bytes, else 'map'
+
+
+# (platform, model name) -> Budgets, in bytes of member_bytes(), what one member's step
+# touches: all of a device's members run vmapped while together they touch at most the
+# vmap budget; beyond, 'map' runs chunks of the largest power of two members that touch
+# at most the chunk budget (one at a time where one member is more). A device holding one
+# member runs it as 'vmap' (forward and backward on its slices, the optimizer on the stored
+# state: no copies of that state) once its parameters reach `one_member` bytes, and as
+# 'map' (the whole step on its slices) below. Measured on the AVX-512 CPU, M=1 (BENCHMARKS.md,
+# "One member per device"): the big MLP (2.7 MB of parameters) 1.27x faster as 'vmap', the
+# small MLP (0.3 MB), the 2-D CNN and the 1-D CNN 1.05-1.16x faster as 'map'.
 # Measured on a 2-core CPU, batch 128 (BENCHMARKS.md, "The 'auto' rule"): vmap was the
 # fastest form or within 5% up to 48-49 MiB a device (big MLP x 4, 1-D CNN x 16) and
 # 0.55-0.75x the loop from 104 MiB (2-D CNN x 4, big MLP x 16); at M=64 'map' was fastest
@@ -199,10 +220,16 @@ DEFAULT_FORM: Form = ('vmap', None)
 # at a time at M=4-16.
 # Empirical constants of that machine, not cache sizes: `dist-ens plan --calibrate`
 # measures the user's own.
-MEMBER_BUDGETS: dict[tuple[str, str], tuple[int, int]] = {
-    ('cpu', 'mlp'): (64 * 2**20, 16 * 2**20),
-    ('cpu', 'cnn'): (64 * 2**20, 16 * 2**20),
+MEMBER_BUDGETS: dict[tuple[str, str], Budgets] = {
+    ('cpu', 'mlp'): Budgets(vmap=64 * 2**20, chunk=16 * 2**20, one_member=2**20),
+    ('cpu', 'cnn'): Budgets(vmap=64 * 2**20, chunk=16 * 2**20, one_member=2**20),
 }
+
+
+class MemberSize(NamedTuple):
+  """One member's sizes in bytes, as 'auto' reads them (member_size)."""
+  step: int  # what its training step touches (member_bytes)
+  params: int  # its parameters
 
 
 def _abstract_forward(model, input_shape: Sequence[int], batch: int):
@@ -234,8 +261,14 @@ def member_bytes(model, input_shape: Sequence[int], batch: int) -> int:
   """What one member's training step touches, as 'auto' sizes it: its forward activations
   on `batch` examples (activation_bytes) and 4x its parameters' bytes (the parameters,
   their gradients and an optimizer's two moments, as Adam keeps)."""
+  return member_size(model, input_shape, batch).step
+
+
+def member_size(model, input_shape: Sequence[int], batch: int) -> MemberSize:
+  """member_bytes() and the parameters' bytes of one member, from one abstract trace."""
   fn, args = _abstract_forward(model, input_shape, batch)
-  return _forward_activation_bytes(fn, args) + 4 * _nbytes(jax.tree.leaves(args[0]))
+  params = _nbytes(jax.tree.leaves(args[0]))
+  return MemberSize(_forward_activation_bytes(fn, args) + 4 * params, params)
 
 
 def forward_flops(model, input_shape: Sequence[int], batch: int) -> float | None:
@@ -252,19 +285,22 @@ def forward_flops(model, input_shape: Sequence[int], batch: int) -> float | None
 
 
 def auto_form(model_name: str, platform: str, members_per_device: int | None = None,
-              member_size: Callable[[], int] | None = None) -> Form:
+              sizes: Callable[[], MemberSize] | None = None) -> Form:
   """The form 'auto' picks: by MEMBER_BUDGETS where it has the sizes, else AUTO_RULES
   (with members_per_device unknown, the rule for the most members).
 
-  `member_size` returns member_bytes() of one member's share of a device's batch; it is
-  called only where MEMBER_BUDGETS applies.
+  `sizes` returns member_size() of one member's share of a device's batch; it is called
+  only where MEMBER_BUDGETS applies.
   """
   budgets = MEMBER_BUDGETS.get((platform, model_name))
-  if budgets and members_per_device and member_size:
-    size = max(1, member_size())
-    if members_per_device * size <= budgets[0]:
+  if budgets and members_per_device and sizes:
+    measured = sizes()
+    if members_per_device == 1:
+      return ('vmap' if measured.params >= budgets.one_member else 'map'), None
+    size = max(1, measured.step)
+    if members_per_device * size <= budgets.vmap:
       return 'vmap', None
-    fit = budgets[1] // size
+    fit = budgets.chunk // size
     chunk = 1 << (fit.bit_length() - 1) if fit >= 1 else 1  # Largest power of 2 <= fit.
     return 'map', (chunk if chunk > 1 else None)
   for bound, form in AUTO_RULES.get((platform, model_name), ()):
@@ -275,7 +311,7 @@ def auto_form(model_name: str, platform: str, members_per_device: int | None = N
 
 def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platform: str,
             members_per_device: int | None = None,
-            member_size: Callable[[], int] | None = None) -> Form:
+            sizes: Callable[[], MemberSize] | None = None) -> Form:
   """(parallelism, map_batch_size) for the step, resolving 'auto' by auto_form.
 
   Args:
@@ -284,8 +320,8 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
     platform: the devices' platform ('cpu', 'gpu', 'tpu').
     members_per_device: config.num_members // mesh.member, where the rule depends
       on it; None takes the rule for the largest count.
-    member_size: returns member_bytes() of one member's share of a device's batch;
-      called only for the families MEMBER_BUDGETS sizes.
+    sizes: returns member_size() of one member's share of a device's batch; called
+      only for the families MEMBER_BUDGETS sizes.
 
   Raises:
     ConfigError: naming config.ensemble.member_parallelism or map_batch_size.
@@ -298,7 +334,7 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
     raise ConfigError(f'config.ensemble.map_batch_size={chunk!r} must be an int >= 0 (0: one '
                       'member at a time).')
   if choice == 'auto':
-    return auto_form(model_name, platform, members_per_device, member_size)
+    return auto_form(model_name, platform, members_per_device, sizes)
   return choice, (chunk or None)
 
 
