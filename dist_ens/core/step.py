@@ -49,10 +49,8 @@ def _all_finite(tree: PyTree) -> jax.Array:
 
   A NaN or an infinity anywhere makes the sum NaN or infinite, so nothing non-finite
   passes; a finite leaf fails only if its elements sum beyond the dtype's range (float32:
-  3.4e38), where their squares, Adam's second moments, overflow anyway. On a CPU, XLA
-  lowers a float sum to a vectorised, threaded reduction and an `all` of booleans to a
-  plain loop: the big MLP's 'map' step is ~3% faster for it (BENCHMARKS.md, "The price
-  of the non-finite guard").
+  3.4e38), where their squares, Adam's second moments, overflow anyway. XLA:CPU lowers a
+  float sum to its vectorised reduction kernels, and an `all` of booleans to a plain loop.
   """
   wide = lambda x: jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
   return jnp.all(jnp.stack([jnp.isfinite(wide(x)) for x in jax.tree.leaves(tree)]))
@@ -209,8 +207,8 @@ def _one_member_or(many, results, apply, batch_axis):
   Squeezing the state too, as over_members('vmap') does for one member, made XLA:CPU
   fuse the new optimizer moments into both their own outputs and the parameters'
   update, recomputing them there from the old moments, which it then copied every step:
-  the big MLP's step 0.87x a plain per-member update's speed, against 1.0x this way
-  (BENCHMARKS.md, "One member per device").
+  the big MLP's step at M=1 ran at 0.87x a Python loop of plain per-member updates, and
+  runs at 1.32x this way (BENCHMARKS.md, "Today's figures").
   """
 
   def update(params, model_state, opt_state, frozen, hp, members, step, x, y, index=None):
