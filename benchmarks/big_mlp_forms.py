@@ -17,6 +17,9 @@ batch, Adam 1e-3), written here in plain JAX so that only the way members run di
               same loop, each member's update inside a lax.cond that reads the
               member's slices itself, so that XLA computes the new state whole before
               writing it back (no whole-stack copies);
+  cond_write  the same loop with the writes inside the cond too: its branch takes the
+              whole stacked state and returns it with the member's new state written
+              in (no separate write-back, if XLA updates the stack in place);
   unroll2     lax.map over pairs of members, the two written out side by side in the
               body (independent work XLA could overlap), not vmapped;
   vmap_bcast  vmap with a copy of the batch for every member (behind an optimization
@@ -35,6 +38,7 @@ runs once per iteration).
 import argparse
 import datetime
 import json
+import os
 import re
 import statistics
 import time
@@ -91,6 +95,21 @@ def _fori(params, opt_state, x, y):
   return jax.lax.fori_loop(0, members, body, (params, opt_state, jnp.zeros((members,))))
 
 
+def _cond_write(params, opt_state, x, y):
+  members = jax.tree.leaves(params)[0].shape[0]
+
+  def body(i, carry):
+    def write(carry):
+      p, o, values = carry
+      take = lambda a: jax.lax.dynamic_index_in_dim(a, i, keepdims=False)
+      put = lambda a, v: jax.lax.dynamic_update_index_in_dim(a, v, i, 0)
+      new_p, new_o, value = update(jax.tree.map(take, p), jax.tree.map(take, o), x, y)
+      return jax.tree.map(put, p, new_p), jax.tree.map(put, o, new_o), put(values, value)
+    return jax.lax.cond(i >= 0, write, lambda carry: carry, carry)
+
+  return jax.lax.fori_loop(0, members, body, (params, opt_state, jnp.zeros((members,))))
+
+
 def _unroll2(params, opt_state, x, y):
   members = jax.tree.leaves(params)[0].shape[0]
   pairs = lambda a: a.reshape(members // 2, 2, *a.shape[1:])
@@ -130,6 +149,7 @@ def programs(params, opt_state):
       'fori': (jax.jit(_fori, donate_argnums=(0, 1)), None),
       'in_place': (jax.jit(over_members(update, 'map', in_axes=(0, 0, None, None), in_place=2),
                            donate_argnums=(0, 1)), None),
+      'cond_write': (jax.jit(_cond_write, donate_argnums=(0, 1)), None),
       'unroll2': (jax.jit(_unroll2, donate_argnums=(0, 1)), None),
       'vmap_bcast': (jax.jit(_vmap_bcast, donate_argnums=(0, 1)), None),
       'vmap_w1t': (jax.jit(vmapped, in_shardings=(*formats, device, device),
@@ -200,7 +220,8 @@ def main():
   Path(args.out).write_text(json.dumps(dict(
       date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
       device=str(jax.devices()[0].device_kind), members=args.members, rounds=args.rounds,
-      steps=args.steps, rates=rates, medians=medians, whole_stack_copies=copies), indent=1))
+      steps=args.steps, xla_flags=os.environ.get('XLA_FLAGS', ''), rates=rates,
+      medians=medians, whole_stack_copies=copies), indent=1))
   print(f'wrote {args.out}')
 
 

@@ -1,0 +1,202 @@
+"""Where a step's time goes on a CPU: dist_ens's step against the Python loop, by kind of work.
+
+  python benchmarks/profile_step.py                       # big MLP, M=16, 'map' (~1 min)
+  python benchmarks/profile_step.py --model cnn2d --members 4 --form map
+
+Runs --steps steps of dist_ens's step (built as training builds it, in the given form)
+and of the loop (benchmarks/throughput.py's: one jitted optax update per member) under
+jax.profiler, and sums the device time of XLA:CPU's thunks by what they do, read from
+the compiled programs:
+  matmul       dots (XLA's own, or its YNN fusions that hold a dot);
+  reduction    YNN fusions without a dot (sums);
+  elementwise  other loop fusions: activations, the loss, the optimizer's arithmetic;
+  write-back   fusions that write a member's results into the stacked state
+               (dynamic-update-slice);
+  slice-out    fusions that only copy a member's arrays out of the stacked state
+               (dynamic-slice, no arithmetic);
+  copy         whole-array copies;
+  control      the conditional and while-loop thunks' own events, which span part of
+               their bodies' work (whose thunks are counted in the rows above): not a
+               cost of their own (a lax.cond around a member's work in a fori_loop ran
+               as fast as the same loop without it, in a probe), so the comparison
+               below leaves it out.
+Thunk times overlap where XLA runs thunks concurrently, and the profiler adds its own
+cost, so the rows are shares of the summed thunk time, not of the wall time; the wall
+time per step is also timed, without the profiler, and summed thunk time / wall time
+says how much the program's thunks overlapped.
+Prints a table and writes benchmarks/results/profile_step.json.
+"""
+
+import argparse
+import collections
+import datetime
+import glob
+import gzip
+import json
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import throughput  # noqa: E402  # pylint: disable=g-import-not-at-top
+
+ROOT = throughput.ROOT
+KINDS = ('matmul', 'reduction', 'elementwise', 'write-back', 'slice-out', 'copy', 'control')
+
+
+def _computations(hlo: str) -> dict[str, str]:
+  """Computation name -> its body, from a compiled module's text."""
+  bodies, name, lines = {}, None, []
+  for line in hlo.splitlines():
+    start = re.match(r'^(?:ENTRY )?%?([\w.-]+) .*\{$', line)
+    if start:
+      name, lines = start.group(1), []
+    elif line.startswith('}') and name:
+      bodies[name] = '\n'.join(lines)
+      name = None
+    elif name:
+      lines.append(line)
+  return bodies
+
+
+def instruction_kinds(hlo: str) -> dict[str, str]:
+  """Instruction name -> KINDS entry, for every instruction a thunk can be named after."""
+  bodies, kinds = _computations(hlo), {}
+  for body in bodies.values():
+    for line in body.splitlines():
+      control = re.match(r'\s*(?:ROOT )?%([\w.-]+) = .*? (?:conditional|while)\(', line)
+      if control:
+        kinds[control.group(1)] = 'control'
+        continue
+      m = re.match(r'\s*(?:ROOT )?%([\w.-]+) = \S+ (?:\S+ )?([\w-]+)\(', line)
+      if not m:
+        continue
+      name, op = m.groups()
+      called = re.search(r'calls=%([\w.-]+)', line)
+      inner = bodies.get(called.group(1), '') if called else ''
+      arithmetic = re.search(r'= f32\[[^\]]*\]\S* (?!bitcast|dynamic|parameter|constant|'
+                             r'broadcast|reshape|copy|transpose)[\w-]+\(', inner)
+      if op == 'dot' or (op == 'fusion' and ' dot(' in inner):
+        kinds[name] = 'matmul'
+      elif op == 'fusion' and 'dynamic-update-slice(' in inner:
+        kinds[name] = 'write-back'
+      elif op == 'fusion' and 'dynamic-slice(' in inner and not arithmetic:
+        kinds[name] = 'slice-out'
+      elif op == 'fusion' and '__ynn_fusion' in line:
+        kinds[name] = 'reduction'
+      elif op in ('fusion', 'reduce', 'select', 'add', 'multiply'):
+        kinds[name] = 'elementwise'
+      elif op == 'copy':
+        kinds[name] = 'copy'
+  return kinds
+
+
+def profile(run, steps: int) -> collections.Counter:
+  """Thunk name -> summed microseconds over `steps` calls of run(), under jax.profiler."""
+  import jax
+  with tempfile.TemporaryDirectory() as folder:
+    jax.profiler.start_trace(folder, create_perfetto_trace=True)
+    for _ in range(steps):
+      out = run()
+    jax.block_until_ready(out)
+    jax.profiler.stop_trace()
+    trace = json.load(gzip.open(glob.glob(f'{folder}/**/*.json.gz', recursive=True)[0]))
+  times = collections.Counter()
+  for event in trace['traceEvents'] if isinstance(trace, dict) else trace:
+    if event.get('ph') == 'X' and 'dur' in event:
+      times[event['name']] += event['dur']
+  return times
+
+
+def wall_ms(run, steps: int, rounds: int = 5) -> float:
+  """Median milliseconds per step of run(), over `rounds` timings of `steps` steps."""
+  import jax
+  times = []
+  for _ in range(rounds):
+    start = time.perf_counter()
+    for _ in range(steps):
+      out = run()
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) * 1e3 / steps)
+  return statistics.median(times)
+
+
+def by_kind(times: collections.Counter, kinds: dict[str, str], steps: int) -> dict[str, float]:
+  """Milliseconds per step of each kind of work (thunks named after no instruction of
+  the program, the runtime's own events, are left out)."""
+  totals = dict.fromkeys(KINDS, 0.0)
+  for name, micros in times.items():
+    if name in kinds:
+      totals[kinds[name]] += micros / 1e3 / steps
+  return totals
+
+
+def _dist_ens_run(spec, members: int, form: tuple[str, int | None]):
+  """(run, compiled HLO text) of dist_ens's step, built as training builds it."""
+  import jax
+  from dist_ens import assemble
+  from dist_ens.parallel import mesh as mesh_lib
+  _, parts = throughput._jax_setup(spec, members)  # pylint: disable=protected-access
+  step = throughput.make_step(parts, form)
+  holder = [assemble.init_sharded(parts)]
+  hparams = parts.device_hparams()
+  x, y = (jax.device_put(a, mesh_lib.batch_sharding(parts.mesh))
+          for a in throughput._batch(spec))  # pylint: disable=protected-access
+  hlo = step.fn.lower(holder[0], hparams, x, y).compile().as_text()
+
+  def run():
+    holder[0], metrics = step(holder[0], hparams, x, y)
+    return metrics.loss
+  return run, hlo
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument('--model', default='mlp_big', choices=list(throughput.MODELS))
+  parser.add_argument('--members', type=int, default=16)
+  parser.add_argument('--form', default='map', help="'vmap', 'map' or 'map/K'")
+  parser.add_argument('--steps', type=int, default=20)
+  parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'profile_step.json'))
+  args = parser.parse_args(argv)
+  import jax
+  spec = throughput.MODELS[args.model]
+  name, _, chunk = args.form.partition('/')
+  dist_ens_run, hlo = _dist_ens_run(spec, args.members, (name, int(chunk) if chunk else None))
+  loop_run = throughput.build_loop(spec, args.members)
+  programs = {'dist_ens': (dist_ens_run, instruction_kinds(hlo)),
+              'loop': (loop_run, instruction_kinds(loop_run.lower().compile().as_text()))}
+  rows, wall = {}, {}
+  for label, (run, kinds) in programs.items():
+    for _ in range(3):
+      jax.block_until_ready(run())  # Compiled and warm before the trace.
+    wall[label] = wall_ms(run, args.steps)
+    rows[label] = by_kind(profile(run, args.steps), kinds, args.steps)
+  print(f'{args.model}, M={args.members}, dist_ens {args.form} against the loop, '
+        f'{args.steps} steps: ms of thunk time per step (share)')
+  print(f'{"kind":12s} {"dist_ens":>16s} {"loop":>16s}')
+  totals = {label: sum(row.values()) for label, row in rows.items()}
+  for kind in KINDS:
+    cells = [f'{rows[k][kind]:8.2f} ({rows[k][kind] / totals[k]:4.0%})' for k in rows]
+    print(f'{kind:12s} ' + ' '.join(f'{c:>16s}' for c in cells))
+  print(f'{"total":12s} ' + ' '.join(f'{totals[k]:8.2f}       ' for k in rows))
+  work = {k: totals[k] - rows[k]['control'] for k in rows}
+  print(f'thunk time without control: dist_ens {work["dist_ens"]:.2f} ms, loop '
+        f'{work["loop"]:.2f} ms; loop / dist_ens {work["loop"] / work["dist_ens"]:.2f}')
+  print(f'wall time without the profiler: dist_ens {wall["dist_ens"]:.2f} ms, loop '
+        f'{wall["loop"]:.2f} ms; thunk time (without control) / wall time: dist_ens '
+        f'{work["dist_ens"] / wall["dist_ens"]:.2f}, loop {work["loop"] / wall["loop"]:.2f}')
+  Path(args.out).write_text(json.dumps(dict(
+      date=datetime.datetime.now().isoformat(timespec='seconds'), jax=jax.__version__,
+      device=str(jax.devices()[0].device_kind), model=args.model, members=args.members,
+      form=args.form, steps=args.steps, ms_per_step=rows, wall_ms_per_step=wall,
+      kinds=list(KINDS),
+      command='python benchmarks/profile_step.py ' + ' '.join(argv or sys.argv[1:])), indent=1))
+  print(f'wrote {args.out}')
+
+
+if __name__ == '__main__':
+  main()
