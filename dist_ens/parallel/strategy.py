@@ -196,6 +196,7 @@ AUTO_RULES: dict[tuple[str, str], tuple[tuple[int | None, Form], ...]] = {
 }
 DEFAULT_FORM: Form = ('vmap', None)
 
+
 class Budgets(NamedTuple):
   """Sizes, in bytes, at which 'auto' changes form on a platform (MEMBER_BUDGETS)."""
   vmap: int  # the most member_bytes() a device's members may touch together, vmapped
