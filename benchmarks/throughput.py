@@ -27,6 +27,9 @@ it times one training step of all M members done as
             on a loaded machine, and the peer gets its better setting;
   torch/compile  torch with the loss (forward and backward) and Adam's step compiled
             by torch.compile (inductor; CUDA graphs on a GPU), --threads threads;
+  torch/amp torch/compile with the forward in bfloat16 under torch.autocast (AMP;
+            parameters and Adam in float32) and a 2-D CNN's input channels_last;
+  auto/bf16 (with torch) 'auto' with config.precision='bfloat16', torch/amp's peer;
   FORM@NAME a form of a candidate change of dist_ens given by --candidate NAME=PATH
             (a changed copy of dist_ens/core/step.py, or a folder with changed copies
             of core/step.py and/or parallel/strategy.py; see load_candidate).
@@ -135,13 +138,14 @@ def train_flops(spec: ModelSpec) -> tuple[int, int]:
 # M members and returns something to block on.
 
 
-def _jax_setup(spec: ModelSpec, members: int = 1):
+def _jax_setup(spec: ModelSpec, members: int = 1, precision: str = 'float32'):
   """(config, parts) of this cell, built as training builds them (dist_ens.assemble)."""
   import jax
   from dist_ens import assemble
   from dist_ens.configuration import load_config
   config = load_config(ROOT / 'configs' / 'default.py')
   config.num_members = members
+  config.precision = precision
   config.data.batch_size = BATCH
   config.model.update(spec.model)
   if CONV_IMPL:
@@ -176,16 +180,18 @@ def make_step(parts: Any, form: tuple[str, int | None], step_module: Any = None)
 
 
 def build_dist_ens(spec: ModelSpec, members: int, parallelism: str,
-                   map_batch_size: int | None, step_module: Any = None) -> Callable[[], Any]:
+                   map_batch_size: int | None, step_module: Any = None,
+                   precision: str = 'float32') -> Callable[[], Any]:
   """dist_ens's own step (assemble.build_step) on a 1-device mesh.
 
   `step_module`: a module with the same make_train_step (a candidate change of
   dist_ens/core/step.py, see --candidate); default the installed dist_ens.core.step.
+  `precision`: config.precision.
   """
   import jax
   from dist_ens import assemble
   from dist_ens.parallel import mesh as mesh_lib
-  _, parts = _jax_setup(spec, members)
+  _, parts = _jax_setup(spec, members, precision)
   step = make_step(parts, (parallelism, map_batch_size), step_module)
   state = assemble.init_sharded(parts)
   hparams = parts.device_hparams()
@@ -198,12 +204,12 @@ def build_dist_ens(spec: ModelSpec, members: int, parallelism: str,
   return run
 
 
-def build_auto(spec: ModelSpec, members: int) -> Callable[[], Any]:
+def build_auto(spec: ModelSpec, members: int, precision: str = 'float32') -> Callable[[], Any]:
   """The step that config.ensemble.member_parallelism='auto' gives this cell."""
   from dist_ens import assemble
-  config, parts = _jax_setup(spec, members)
+  config, parts = _jax_setup(spec, members, precision)
   form, chunk = assemble.member_form(parts, config.data.batch_size)
-  return build_dist_ens(spec, members, form, chunk)
+  return build_dist_ens(spec, members, form, chunk, precision=precision)
 
 
 def _plain_state(spec: ModelSpec, members: int):
@@ -358,13 +364,17 @@ def _torch_module(spec: ModelSpec):
 
 
 def build_torch(spec: ModelSpec, members: int, threads: int,
-                device: str = 'cpu', compiled: bool = False) -> Callable[[], Any]:
+                device: str = 'cpu', compiled: bool = False,
+                amp: bool = False) -> Callable[[], Any]:
   """torch.func ensembling with Adam on the stacked parameters (per-member Adam).
 
   `threads` is set before every step, so variants with different thread counts
   can alternate in one process. `device` is 'cpu' or 'cuda'. `compiled`: the forward
   and loss (with its backward, by AOTAutograd) and Adam's step each go through
   torch.compile (inductor; on 'cuda' mode='reduce-overhead', i.e. CUDA graphs).
+  `amp`: the forward runs under torch.autocast in bfloat16 (parameters, gradients
+  and Adam stay float32), and a 2-D CNN's input is channels_last, the layout its
+  convolutions prefer on GPUs.
   """
   import copy
   import torch
@@ -383,10 +393,13 @@ def build_torch(spec: ModelSpec, members: int, threads: int,
   x = torch.from_numpy(x if spec.model['name'] == 'mlp' else x.transpose(0, x.ndim - 1,
                                                                           *range(1, x.ndim - 1)))
   x = x.contiguous().to(device)
+  if amp and x.ndim == 4:
+    x = x.to(memory_format=torch.channels_last)
   y_all = torch.from_numpy(y).long().repeat(members).to(device)
 
   def loss_of(params):
-    logits = forward(params, buffers, x)  # [M, B, C]
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=amp):
+      logits = forward(params, buffers, x).float()  # [M, B, C]
     # Sum over members of each member's mean loss: member m's gradient is its own.
     return torch.nn.functional.cross_entropy(logits.reshape(-1, NUM_CLASSES), y_all,
                                              reduction='sum') / BATCH
@@ -568,6 +581,10 @@ def variants_for(spec: ModelSpec, members: int, chunks: tuple[int, ...],
       builders['torch/1t'] = lambda: build_torch(spec, members, 1)
     builders['torch/compile'] = lambda: build_torch(spec, members, torch_threads, torch_device,
                                                     compiled=True)
+    builders['torch/amp'] = lambda: build_torch(spec, members, torch_threads, torch_device,
+                                                compiled=True, amp=True)
+    # dist_ens in bfloat16 too, so that torch/amp has a peer in its own precision.
+    builders['auto/bf16'] = lambda: build_auto(spec, members, 'bfloat16')
   return builders
 
 
@@ -712,10 +729,11 @@ def summarize(cell: dict[str, Any]) -> None:
   rate = cell['member_examples_per_s']
   baselines = {k: v for k, v in rate.items() if k == 'loop' or (k.split('/')[0] in ('vmap', 'map')
                                                                 and '@' not in k)}
-  best = max(baselines, key=baselines.get)
-  cell['best_baseline'] = best
-  if 'auto' in rate:
-    cell['auto_over_best'] = rate['auto'] / rate[best]
+  if baselines:
+    best = max(baselines, key=baselines.get)
+    cell['best_baseline'] = best
+    if 'auto' in rate:
+      cell['auto_over_best'] = rate['auto'] / rate[best]
   torches = {k: v for k, v in rate.items() if k.startswith('torch')}
   if torches:
     cell['best_torch'] = max(torches, key=torches.get)
@@ -724,6 +742,11 @@ def summarize(cell: dict[str, Any]) -> None:
     cell['dist_ens_over_torch'] = best_dist_ens / torches[cell['best_torch']]
     if 'auto' in rate:
       cell['auto_over_torch'] = rate['auto'] / torches[cell['best_torch']]
+      same_precision = [v for k, v in torches.items() if k != 'torch/amp']
+      if same_precision:  # float32 against float32
+        cell['auto_over_torch_f32'] = rate['auto'] / max(same_precision)
+    if 'auto/bf16' in rate and 'torch/amp' in rate:  # bfloat16 against bfloat16
+      cell['bf16_over_amp'] = rate['auto/bf16'] / rate['torch/amp']
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -744,12 +767,15 @@ def print_table(result: dict[str, Any]) -> None:
       else:
         row.append(f'{"-":>15s}')
     print(f'{cell["model"]:10s} {cell["members"]:3d} ' + ' '.join(f'{r:>15s}' for r in row))
-  print('\nauto against the best of loop / vmap / map(/K), and against torch.func (best threads)')
-  print(f'{"model":10s} {"M":>3s} {"best":>8s} {"auto/best":>10s} {"auto/torch":>11s}')
+  print('\nauto against the best of loop / vmap / map(/K), and against torch.func (its best '
+        'variant; f32: its best float32 one; bf16: auto/bf16 against torch/amp)')
+  print(f'{"model":10s} {"M":>3s} {"best":>8s} {"auto/best":>10s} {"auto/torch":>11s} '
+        f'{"f32":>6s} {"bf16":>6s}')
+  nan = float('nan')
   for cell in result['cells']:
     print(f'{cell["model"]:10s} {cell["members"]:3d} {cell.get("best_baseline", "-"):>8s} '
-          f'{cell.get("auto_over_best", float("nan")):10.2f} '
-          f'{cell.get("auto_over_torch", float("nan")):11.2f}')
+          f'{cell.get("auto_over_best", nan):10.2f} {cell.get("auto_over_torch", nan):11.2f} '
+          f'{cell.get("auto_over_torch_f32", nan):6.2f} {cell.get("bf16_over_amp", nan):6.2f}')
 
 
 if __name__ == '__main__':
