@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# What to run when a session is lent a GPU (the `device` tool): the checks of the
+# performance issue that need one, one stage per call, each well inside a call's 10 minutes.
+#
+# Once, here (the machine has no network; its image has jax, optax, absl, orbax, torch,
+# flax and equinox, not ml_collections, mnist1d or tensorboardX):
+#   echo /.wheels/ >> .git/info/exclude    # (already in .gitignore)
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+#     -d .wheels ml-collections mnist1d tensorboardX dm-haiku
+# Then each call: run(command='bash benchmarks/gpu_session.sh STAGE', carry=['.wheels']),
+# its files back from $OUT. Stages:
+#   check       jax, torch and the GPU they see (seconds)
+#   tests       the test suite on the machine's (newer) jax, on its CPU as CI runs it
+#   throughput  the throughput grid on the GPU with every torch variant (torch/compile:
+#               CUDA graphs; torch/amp: bfloat16 autocast and channels_last) and auto/bf16
+#   resnet      the ResNet-20 cells on the GPU (JAX forms only)
+set -euo pipefail
+stage=${1:?usage: gpu_session.sh check|tests|throughput|resnet}
+out=${OUT:-/tmp/gpu_session}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if compgen -G ".wheels/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .wheels/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+
+case $stage in
+  check)
+    python3 -c 'import jax, torch; print("jax", jax.__version__, jax.devices());
+print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/check.log"
+    ;;
+  tests)
+    # CI's command on the newer jax; conftest fakes 8 CPU devices (JAX_PLATFORMS=cpu).
+    set -o pipefail
+    timeout -k 10 560 python3 -m pytest -q -x -n 8 -p no:cacheprovider tests/ 2>&1 \
+      | tee "$out/tests.log"
+    ;;
+  throughput)
+    timeout -k 10 560 python3 benchmarks/throughput.py --models mlp_small,mlp_big,cnn1d,cnn2d \
+      --members 1,16,64 --variants loop,vmap,map,auto,auto/bf16,torch,torch/compile,torch/amp \
+      --repeats 5 --out "$out/throughput_gpu_today.json" 2>&1 | tee "$out/throughput.log"
+    ;;
+  resnet)
+    # resnet20.py's torch twin runs on a CPU only, and its memory column reads host RSS.
+    timeout -k 10 560 python3 benchmarks/resnet20.py --members 1,4,16 --no_torch --no_memory \
+      --out "$out/resnet20_gpu.json" 2>&1 | tee "$out/resnet.log"
+    ;;
+  *)
+    echo "unknown stage $stage: check, tests, throughput or resnet" >&2
+    exit 2
+    ;;
+esac
