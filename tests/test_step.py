@@ -64,7 +64,7 @@ def _train_sharded(parts, batches, state=None, **step_kw):
 
 
 @pytest.mark.parametrize('member,data_axis,optimizer', [
-    (4, 2, 'adam'), (2, 4, 'sgd'), (1, 8, 'adam')])
+    (4, 2, 'adam'), (2, 4, 'sgd'), (1, 8, 'adam'), (8, 1, 'adam')])  # (8, 1): one per device
 def test_matches_python_loop_over_members(mnist1d, member, data_axis, optimizer):
   parts = _setup(member, data_axis, optimizer)
   batches = _batches(mnist1d)
