@@ -210,10 +210,10 @@ class Budgets(NamedTuple):
 # at most the chunk budget (one at a time where one member is more). A device holding one
 # member runs it as 'vmap' (forward and backward on its slices, the optimizer on the stored
 # state: no copies of that state) once its parameters reach `one_member` bytes, and as
-# 'map' (the whole step on its slices) below. Measured on the AVX-512 CPU at M=1
-# (BENCHMARKS.md, "Today's figures"): the big MLP (2.6 MiB of parameters) 1.27-1.31x faster
-# as 'vmap'; the 1-D and 2-D CNNs (0.02 and 0.13 MiB) 1.14-1.16x and 1.03-1.08x faster as
-# 'map', the small MLP (0.3 MiB) 0.92-1.06x (noise).
+# 'map' (the whole step on its slices) below. Measured on the AVX-512 CPU at M=1, three
+# runs (BENCHMARKS.md, "Today's figures"): the big MLP (2.6 MiB of parameters) 1.27-1.31x
+# and the small one (0.30 MiB) 1.01-1.09x faster as 'vmap'; the 2-D and 1-D CNNs (0.13 and
+# 0.02 MiB) 1.03-1.08x and 1.14-1.16x faster as 'map'.
 # Measured on a 2-core CPU, batch 128 (BENCHMARKS.md, "The 'auto' rule"): vmap was the
 # fastest form or within 5% up to 48-49 MiB a device (big MLP x 4, 1-D CNN x 16) and
 # 0.55-0.75x the loop from 104 MiB (2-D CNN x 4, big MLP x 16); at M=64 'map' was fastest
@@ -223,8 +223,8 @@ class Budgets(NamedTuple):
 # Empirical constants of that machine, not cache sizes: `dist-ens plan --calibrate`
 # measures the user's own.
 MEMBER_BUDGETS: dict[tuple[str, str], Budgets] = {
-    ('cpu', 'mlp'): Budgets(vmap=64 * 2**20, chunk=16 * 2**20, one_member=2**20),
-    ('cpu', 'cnn'): Budgets(vmap=64 * 2**20, chunk=16 * 2**20, one_member=2**20),
+    ('cpu', 'mlp'): Budgets(vmap=64 * 2**20, chunk=16 * 2**20, one_member=2**18),
+    ('cpu', 'cnn'): Budgets(vmap=64 * 2**20, chunk=16 * 2**20, one_member=2**18),
 }
 
 
