@@ -596,8 +596,7 @@ def torch_available() -> str | None:
   return torch.__version__
 
 
-def main(argv: list[str] | None = None) -> None:
-  global BATCH, CONV_IMPL
+def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--quick', action='store_true', help='fewer cells and repeats (< 5 min)')
@@ -623,15 +622,71 @@ def main(argv: list[str] | None = None) -> None:
                       "('xla', 'patches'; default: the config's 'auto')")
   parser.add_argument('--out', default=None, help='default benchmarks/results/throughput.json '
                       '(throughput_quick.json with --quick)')
-  args = parser.parse_args(argv)
-  BATCH = args.batch
-  CONV_IMPL = args.conv_impl
+  return parser.parse_args(argv)
 
+
+def _grid(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
+  """Model name -> the member counts to time, from --quick, --models and --members."""
   grid = dict(QUICK_GRID if args.quick else FULL_GRID)
   if args.models:
     grid = {m: grid.get(m, FULL_GRID[m]) for m in args.models.split(',')}
   if args.members:
     grid = {m: tuple(int(v) for v in args.members.split(',')) for m in grid}
+  return grid
+
+
+def _torch_device(torch_version: str | None, threads: int) -> str:
+  """Where torch runs: on the GPU when JAX has one (and torch sees it), else the CPU."""
+  import jax
+  if not torch_version:
+    return 'cpu'
+  import torch
+  torch.set_num_threads(threads)
+  if jax.devices()[0].platform != 'gpu':
+    return 'cpu'
+  if not torch.cuda.is_available():
+    raise SystemExit('JAX runs on a GPU but torch sees none: pass --no_torch.')
+  return 'cuda'
+
+
+def _time_cell(model_name: str, members: int, builders, repeats: int, min_time: float,
+               peaks, peak_times) -> dict[str, Any]:
+  """One (model, M) cell: every variant timed side by side, the matmul peaks after it."""
+  runs = {name: build() for name, build in builders.items()}
+  start = time.perf_counter()
+  times, first = time_side_by_side(runs, repeats, min_time)
+  ptimes, _ = time_side_by_side(peaks, 3, 0.2)
+  for name, t in ptimes.items():
+    peak_times[name] += t
+  med = {name: statistics.median(t) for name, t in times.items()}
+  cell = dict(model=model_name, members=members, step_seconds=med,
+              step_seconds_all=times, first_call_seconds=first,
+              member_examples_per_s={k: members * BATCH / t for k, t in med.items()},
+              seconds=time.perf_counter() - start)
+  best = max(cell['member_examples_per_s'].items(), key=lambda kv: kv[1])
+  print(f'{model_name} M={members}: ' + ', '.join(
+      f'{k} {v:,.0f}' for k, v in cell['member_examples_per_s'].items())
+        + f'  (best {best[0]}; {cell["seconds"]:.0f} s)', flush=True)
+  return cell
+
+
+def _add_fractions(cells, peak) -> None:
+  """Each cell's fraction of the matmul peak (torch's own for torch), and of JAX's."""
+  for cell in cells:
+    conv_flops, _ = train_flops(MODELS[cell['model']])
+    cell['fraction_of_peak'] = {
+        k: v * conv_flops / peak['torch' if k.startswith('torch') else 'jax']
+        for k, v in cell['member_examples_per_s'].items()}
+    cell['fraction_of_jax_peak'] = {
+        k: v * conv_flops / peak['jax'] for k, v in cell['member_examples_per_s'].items()}
+    summarize(cell)
+
+
+def main(argv: list[str] | None = None) -> None:
+  global BATCH, CONV_IMPL
+  args = _parse(argv)
+  BATCH, CONV_IMPL = args.batch, args.conv_impl
+  grid = _grid(args)
   # Many short measurements rather than a few long ones: on a shared machine the
   # medians then sample more moments, and interference hits every variant alike.
   repeats = args.repeats or (5 if args.quick else 11)
@@ -640,18 +695,10 @@ def main(argv: list[str] | None = None) -> None:
   only = set(filter(None, args.variants.split(',')))
   candidates = {c.split('=', 1)[0]: load_candidate(c.split('=', 1)[1]) for c in args.candidate}
   torch_version = None if args.no_torch else torch_available()
-  if torch_version:
-    import torch
-    torch.set_num_threads(args.threads)
+  torch_device = _torch_device(torch_version, args.threads)
 
   import jax
   device = jax.devices()[0]
-  # torch runs where JAX runs: on the GPU when JAX has one (and torch sees it).
-  torch_device = 'cpu'
-  if torch_version and device.platform == 'gpu':
-    if not torch.cuda.is_available():
-      raise SystemExit('JAX runs on a GPU but torch sees none: pass --no_torch.')
-    torch_device = 'cuda'
   print(f'jax {jax.__version__} on 1 {device.platform} device ({device.device_kind}, '
         f'{os.cpu_count()} cores), torch {torch_version or "not installed (column skipped)"}'
         + (f' on {torch_device}' + (f' with {args.threads} threads' if torch_device == 'cpu'
@@ -660,58 +707,30 @@ def main(argv: list[str] | None = None) -> None:
   peak_times = {name: [] for name in peaks}
   cells = []
   for model_name, member_counts in grid.items():
-    spec = MODELS[model_name]
-    conv_flops, executed = train_flops(spec)
     for members in member_counts:
-      builders = variants_for(spec, members, chunks, bool(torch_version),
+      builders = variants_for(MODELS[model_name], members, chunks, bool(torch_version),
                               with_wide=True, candidates=candidates,
                               torch_threads=args.threads, torch_device=torch_device)
       if only:
         builders = {k: v for k, v in builders.items() if k in only}
       else:  # A candidate's lax.map forms only when asked for by name.
         builders = {k: v for k, v in builders.items() if not (k.startswith('map') and '@' in k)}
-      runs = {name: build() for name, build in builders.items()}
-      start = time.perf_counter()
-      times, first = time_side_by_side(runs, repeats, min_time)
-      ptimes, _ = time_side_by_side(peaks, 3, 0.2)
-      for name, t in ptimes.items():
-        peak_times[name] += t
-      med = {name: statistics.median(t) for name, t in times.items()}
-      cell = dict(model=model_name, members=members, step_seconds=med,
-                  step_seconds_all=times, first_call_seconds=first,
-                  member_examples_per_s={k: members * BATCH / t for k, t in med.items()},
-                  seconds=time.perf_counter() - start)
-      cells.append(cell)
-      best = max(cell['member_examples_per_s'].items(), key=lambda kv: kv[1])
-      print(f'{model_name} M={members}: ' + ', '.join(
-          f'{k} {v:,.0f}' for k, v in cell['member_examples_per_s'].items())
-            + f'  (best {best[0]}; {cell["seconds"]:.0f} s)', flush=True)
-      del runs
+      cells.append(_time_cell(model_name, members, builders, repeats, min_time, peaks,
+                              peak_times))
 
   n = peak_size()
   peak = {name: 2 * n**3 / statistics.median(t) for name, t in peak_times.items()}
-  for cell in cells:
-    spec = MODELS[cell['model']]
-    conv_flops, executed = train_flops(spec)
-    cell['fraction_of_peak'] = {
-        k: v * conv_flops / peak['torch' if k.startswith('torch') else 'jax']
-        for k, v in cell['member_examples_per_s'].items()}
-    cell['fraction_of_jax_peak'] = {
-        k: v * conv_flops / peak['jax'] for k, v in cell['member_examples_per_s'].items()}
-  for cell in cells:
-    summarize(cell)
+  _add_fractions(cells, peak)
   result = dict(
       jax=jax.__version__, torch=torch_version, torch_threads=args.threads if torch_version
       else None, torch_device=torch_device if torch_version else None,
       device=f'1 {device.platform} device ({device.device_kind})', cores=os.cpu_count(),
-      machine=platform.processor() or platform.machine(), xla_flags=os.environ.get('XLA_FLAGS',
-                                                                                   ''),
+      machine=platform.processor() or platform.machine(),
+      xla_flags=os.environ.get('XLA_FLAGS', ''),
       candidates=dict(c.split('=', 1) for c in args.candidate),
       batch_per_member=BATCH, conv_impl=CONV_IMPL or 'auto', repeats=repeats,
-      min_time=min_time, quick=args.quick,
-      peak_matmul_size=n,
-      peak_flops=peak, peak_flops_all={k: [2 * n**3 / t for t in v]
-                                       for k, v in peak_times.items()},
+      min_time=min_time, quick=args.quick, peak_matmul_size=n, peak_flops=peak,
+      peak_flops_all={k: [2 * n**3 / t for t in v] for k, v in peak_times.items()},
       models={name: dict(title=MODELS[name].title, train_flops_per_example=train_flops(
           MODELS[name])[0], executed_flops_per_example=train_flops(MODELS[name])[1])
               for name in grid},
