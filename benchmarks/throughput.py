@@ -223,17 +223,19 @@ def _plain_state(spec: ModelSpec, members: int):
 def build_loop(spec: ModelSpec, members: int, guard: bool = False) -> Callable[[], Any]:
   """M separate states, each stepped by a jitted optax update: a Python loop over models.
 
-  `guard`: each update also skips a step whose loss or gradient is not finite, as
-  dist_ens's does (the gradient check and masks of dist_ens.core.step), to price that
-  guard apart from how the members run.
+  `guard`: each update applies its gradients with dist_ens's own member_apply_fn, which
+  skips a step whose loss or gradient is not finite, to price that guard apart from how
+  the members run.
   """
   import jax
   import jax.numpy as jnp
   import optax
   from dist_ens.ensembles.stacking import unstack
+  from dist_ens.core.gradients import BatchResult
   from dist_ens.core.losses import cross_entropy
-  from dist_ens.core.step import _all_finite, _zero_where
+  from dist_ens.core.step import member_apply_fn
   model, tx, stacked = _plain_state(spec, members)
+  guarded = member_apply_fn(lambda hp: tx)
 
   def per_member(tree):  # unstack(), or M copies of a leafless tree (a model without state).
     return unstack(tree) if jax.tree.leaves(tree) else [tree] * members
@@ -245,13 +247,14 @@ def build_loop(spec: ModelSpec, members: int, guard: bool = False) -> Callable[[
     def loss_fn(p):
       logits, new_state = model.apply(p, model_state, x, train=True)
       return cross_entropy(logits, y), new_state
-    (loss, model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     if guard:
-      skip = ~(jnp.isfinite(loss) & _all_finite(grads))
-      updates, opt_state = tx.update(_zero_where(skip, grads), opt_state, params)
-      return optax.apply_updates(params, _zero_where(skip, updates)), model_state, opt_state, loss
+      params, new_state, opt_state, _, _ = guarded(
+          params, model_state, opt_state, jnp.bool_(False), None,
+          BatchResult(loss, jnp.float32(0), grads, new_state))
+      return params, new_state, opt_state, loss
     updates, opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), model_state, opt_state, loss
+    return optax.apply_updates(params, updates), new_state, opt_state, loss
   update = jax.jit(update, donate_argnums=(0, 1, 2))
   x, y = (jax.device_put(a, jax.devices()[0]) for a in _batch(spec))
 
@@ -635,8 +638,9 @@ def _grid(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
   return grid
 
 
-def _torch_device(torch_version: str | None, threads: int) -> str:
-  """Where torch runs: on the GPU when JAX has one (and torch sees it), else the CPU."""
+def _torch_setup(torch_version: str | None, threads: int) -> str:
+  """Sets torch's threads and returns where torch runs: on the GPU when JAX has one (and
+  torch sees it), else the CPU."""
   import jax
   if not torch_version:
     return 'cpu'
@@ -695,7 +699,7 @@ def main(argv: list[str] | None = None) -> None:
   only = set(filter(None, args.variants.split(',')))
   candidates = {c.split('=', 1)[0]: load_candidate(c.split('=', 1)[1]) for c in args.candidate}
   torch_version = None if args.no_torch else torch_available()
-  torch_device = _torch_device(torch_version, args.threads)
+  torch_device = _torch_setup(torch_version, args.threads)
 
   import jax
   device = jax.devices()[0]

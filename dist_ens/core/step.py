@@ -187,40 +187,38 @@ def _members_update(model, optimizer, seed, loss, options, data_size, parallelis
     return batchensemble.members_update(
         member_results_fn(model, seed, loss, options, data_size), member_apply_fn(optimizer),
         optimizer, parallelism, batch_axis, map_batch_size)
-  if not options.reproducible:
-    many = over_members(member_update_fn(model, optimizer, seed, loss, options, data_size),
-                        parallelism, in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes,
-                        map_batch_size=map_batch_size, in_place=_STATE_RESULTS)
-    if parallelism != 'vmap':
-      return many
-    return _one_member_or(many, member_results_fn(model, seed, loss, options, data_size),
-                          _apply_unless(optimizer), batch_axis)
-  return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size), 'map',
-                      in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes, in_place=_STATE_RESULTS)
+  if options.reproducible or parallelism != 'vmap':
+    return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size),
+                        'map' if options.reproducible else parallelism,
+                        in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes,
+                        map_batch_size=None if options.reproducible else map_batch_size,
+                        in_place=_STATE_RESULTS)
+  return _vmapped_update(member_results_fn(model, seed, loss, options, data_size),
+                         _apply_unless(optimizer), batch_axes)
 
 
-def _one_member_or(many, results, apply, batch_axis):
-  """`many` (the vmapped update), but a device holding one member runs that member's forward
-  and backward pass on its own slices (no batched operations) and the optimizer step on
-  the state as it is stored, with its member axis of 1.
+def _vmapped_update(results, apply, batch_axes):
+  """The 'vmap' form: every member's forward and backward pass (and its non-finite flag)
+  vmapped by over_members, then the optimizer step vmapped over the state as it is
+  stored. Both are one vmap of the whole update where a device holds several members;
+  where it holds one, over_members runs the member's own forward and backward pass on its
+  slices (no batched operations) while the optimizer still steps the stored [1, ...] state.
 
-  Squeezing the state too, as over_members('vmap') does for one member, made XLA:CPU
-  fuse the new optimizer moments into both their own outputs and the parameters'
-  update, recomputing them there from the old moments, which it then copied every step:
-  the big MLP's step at M=1 ran at 0.87x a Python loop of plain per-member updates, and
-  runs at 1.32x this way (BENCHMARKS.md, "Today's figures").
+  Squeezing the state too made XLA:CPU fuse the new optimizer moments into both their own
+  outputs and the parameters' update, recomputing them there from the old moments, which
+  it then copied every step: the big MLP's step at M=1 ran at 0.87x a Python loop of plain
+  per-member updates, and runs at 1.32x this way (BENCHMARKS.md, "Today's figures").
   """
 
+  def checked(*args):
+    result = results(*args)
+    return result, _nonfinite(result)
+
+  member_results = over_members(checked, 'vmap', in_axes=(0, 0, 0, 0, None) + batch_axes)
+
   def update(params, model_state, opt_state, frozen, hp, members, step, x, y, index=None):
-    if members.shape[0] != 1:
-      return many(params, model_state, opt_state, frozen, hp, members, step, x, y, index)
-    first = lambda tree: jax.tree.map(lambda a: a[0], tree)
-    batch = first if batch_axis == 0 else (lambda a: a)
-    result = results(first(params), first(model_state), first(hp), members[0], step, batch(x),
-                     batch(y), None if index is None else batch(index))
-    widen = lambda tree: jax.tree.map(lambda a: a[None], tree)
-    return jax.vmap(apply)(params, model_state, opt_state, frozen, hp, widen(result),
-                           widen(_nonfinite(result)))
+    result, nonfinite = member_results(params, model_state, hp, members, step, x, y, index)
+    return jax.vmap(apply)(params, model_state, opt_state, frozen, hp, result, nonfinite)
 
   return update
 

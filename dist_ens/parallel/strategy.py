@@ -71,8 +71,8 @@ def over_members(fn: Callable[..., Any], parallelism: str = 'vmap',
 
 def _vmap_or_one(fn, in_axes):
   """jax.vmap(fn), but with one member fn itself, on the member's slices: a device holding
-  one member then runs no batched operations. (The train step's own one-member path is
-  core.step._one_member_or, which keeps the optimizer on the stored state.)"""
+  one member then runs no batched operations. (The train step vmaps its optimizer step
+  apart, over the stored state: core.step._vmapped_update.)"""
   vmapped = jax.vmap(fn, in_axes=in_axes)
 
   def run(*args):
@@ -120,8 +120,7 @@ def _member_loop(fn, axes, chunk, in_place, args):
   Python loop over members; 'in_place', this loop, 0.84x). The cond's other branch, taken
   only for a negative start that never occurs, keeps the chunk as it is.
   """
-  members = next(a for a, axis in zip(args, axes) if axis is not None)
-  members = jax.tree.leaves(members)[0].shape[0]
+  (members,) = _members(args, axes)
   chunk = max(1, min(chunk, members))
   body_fn = fn if chunk == 1 else jax.vmap(fn, in_axes=axes)
 
