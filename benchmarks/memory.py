@@ -13,11 +13,12 @@ ensemble sizes M (config.num_members; member_parallelism 'auto', as the configs 
 all with their batch of 128, one batch shared by all members.
 
 Predicted: dist_ens.plan.make_plan, what `dist-ens plan` prints, run in a fresh process of
-this script as the command runs: its peak_bytes, XLA's memory analysis of the compiled
-train step (arguments + outputs - aliased (donated) + temporaries bytes per device) plus
-program_bytes, the RSS that compiling the step and init programs added to plan's process
-(XLA:CPU reports no size for its programs); bytes_per_member (the step peak's growth per
-member, from M and 2M) and the largest M that fits --memory_gb. The init program's output
+this script as the command runs: its peak_bytes, on a CPU the peak RSS over its baseline
+that plan's dry run reached (dist_ens/dry_run.py: compile the step and init programs,
+initialise the state, two steps on zeros), with program_bytes (what compiling added) and
+XLA's memory analysis of the compiled train step (arguments + outputs - aliased
+(donated) + temporaries bytes per device) beside it; bytes_per_member (the step peak's
+growth per member, from M and 2M) and the largest M that fits --memory_gb. The init program's output
 + temp bytes (XLA) are shown too: it runs once, before the first step.
 
 Measured: every (model, M) runs in a fresh process of this script (`timeout -k` bounded,
@@ -108,7 +109,7 @@ def load(model: str, members: int) -> Any:
 def predict_worker(model: str, members: int, memory_bytes: float) -> dict[str, Any]:
   """Runs in its own fresh process, as `dist-ens plan` does: dist_ens.plan's plan of the
   config at M on one device (largest M for memory_bytes). peak is plan's peak_bytes: the
-  step's XLA peak plus the compiled programs plan measured in this process. Also
+  peak of its dry run in this process (compile, init, two steps on zeros). Also
   returns XLA's analysis of the init program."""
   import jax
   from dist_ens import assemble, plan
@@ -122,6 +123,7 @@ def predict_worker(model: str, members: int, memory_bytes: float) -> dict[str, A
   stats = init.memory_analysis()
   d = p.to_dict()
   return dict(peak=p.peak_bytes, step_peak=p.step.peak, program_bytes=p.program_bytes,
+              dry_run_peak=p.dry_run_peak_bytes,
               step=d['step'], step_doubled=d['step_doubled'],
               init_peak=stats.output_size_in_bytes + stats.temp_size_in_bytes,
               init=dict(output=stats.output_size_in_bytes, temp=stats.temp_size_in_bytes),
@@ -373,8 +375,8 @@ def _mb(cell: dict | None, field: str, ratio: str = '') -> str:
 
 def print_tables(result: dict) -> None:
   print(f'\npeak bytes per device, MB (1e6 bytes), over init and {result["steps"]} steps. '
-        'predicted: dist-ens plan\'s peak (the step\'s XLA peak + the compiled programs plan '
-        'measured in its own fresh process); measured: VmHWM - baseline in a fresh process '
+        'predicted: dist-ens plan\'s peak (its dry run\'s peak RSS in its own fresh process: '
+        'compile, init, two steps on zeros); measured: VmHWM - baseline in a fresh process '
         'that compiles its programs, as a dist-ens run does; programs: RSS growth from '
         'compiling the step and init programs (plan\'s / the run\'s); buffers: peak RSS over '
         'init and the steps - RSS with the programs loaded (x plan\'s step peak). With '
@@ -435,10 +437,11 @@ def machine_info() -> dict[str, Any]:
 
 NOTES = dict(
     predicted='dist_ens.plan.make_plan on 1 CPU device in a fresh process (no compilation '
-    'cache): peak_bytes = arguments + outputs - aliased + temp bytes of the compiled train '
-    'step (XLA memory_analysis) + program_bytes (the RSS compiling the step and init programs '
-    'added to that process); step_peak: the XLA part alone; init_peak: output + temp of the '
-    'init program',
+    'cache): peak_bytes = dry_run_peak: the peak RSS over that process\'s baseline through '
+    'compiling the step and init programs, initialising the state and two steps on zeros '
+    '(dist_ens/dry_run.py); program_bytes: the RSS compiling added; step_peak: arguments + '
+    'outputs - aliased + temp bytes of the compiled train step (XLA memory_analysis); '
+    'init_peak: output + temp of the init program',
     measured='max VmHWM - VmRSS at the baseline (after jax import, device init, data load, '
     'the abstract parts and a tiny jitted program), in a fresh process: batch and '
     'hyperparameters on the device, step and init programs compiled (measured_cold) or '

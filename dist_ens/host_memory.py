@@ -2,10 +2,9 @@
 
 A CPU device's buffers live in the host's memory, beside the compiled programs XLA:CPU
 loads into the process (which its memory analysis does not count): `dist-ens plan`
-measures those programs with these readings on a CPU.
+measures those programs and a dry run of the step with these readings on a CPU
+(dist_ens/dry_run.py).
 """
-
-import gc
 
 STATUS = '/proc/self/status'
 
@@ -33,12 +32,14 @@ def reset_peak() -> bool:
     return False
 
 
-def growth(fn):
-  """(fn(), the RSS it added to this process that is still resident after it returns, or
-  None where RSS cannot be read). Garbage is collected before both readings."""
-  gc.collect()
-  before = status_bytes()
-  out = fn()
-  gc.collect()
-  after = status_bytes()
-  return out, (None if before is None or after is None else max(0, after - before))
+def available_bytes() -> int | None:
+  """The memory the host can still give processes (MemAvailable), in bytes; None where
+  /proc/meminfo is not there."""
+  try:
+    with open('/proc/meminfo') as f:
+      for line in f:
+        if line.startswith('MemAvailable:'):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    return None
+  return None

@@ -15,8 +15,11 @@ compiled train step (forward, backward and optimizer update) divided by the
 member-examples one device processes in it. A data set this project ships configs
 for needs no files on disk (KNOWN_SHAPES, KNOWN_TRAIN_EXAMPLES).
 
-On a CPU, plan also measures the memory that compiling the step and init programs adds
-to its own fresh process (XLA:CPU gives no size for them) and counts it (program_bytes).
+On a CPU, where the device's memory is the host's, XLA's analysis leaves out the compiled
+programs and what the step's first execution allocates outside it, so plan measures
+them in its own fresh process (dist_ens/dry_run.py): it compiles the step and init
+programs (program_bytes), initialises the state and runs two steps on zeros, and
+predicts the peak it reached (dry_run_peak_bytes) for the run.
 
 The step is compiled twice, for the config's members per device and for twice
 that, because a device's memory is (fixed part) + (members on it) x (bytes per
@@ -37,7 +40,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import assemble, configuration, data, host_memory
+from dist_ens import assemble, configuration, data, dry_run
 from dist_ens.parallel import calibration, mesh as mesh_lib
 from dist_ens.errors import ConfigError
 
@@ -97,10 +100,15 @@ class Plan(NamedTuple):
   flops_per_example: float | None
   train_steps: int  # train.steps, or train.epochs resolved against the data set's size
   steps_per_epoch: int | None  # None: the training split's size is not known here
-  # CPU only: the RSS this process gained compiling the step and init programs (XLA:CPU
-  # reports no size for them); None on other platforms or where RSS cannot be read.
+  # CPU only (dist_ens/dry_run.py; None on other platforms or where RSS cannot be read):
+  # the RSS this process gained compiling the step and init programs, which XLA:CPU gives
+  # no size for, and the peak RSS over the process's baseline that a dry run reached
+  # (compile, init, two steps on zeros; None where it would not fit the host).
   program_bytes: int | None
-  peak_bytes: float  # Predicted per device: the step's peak + its share of program_bytes.
+  dry_run_peak_bytes: int | None
+  # Predicted per device: the dry run's peak where there is one, else the step's peak +
+  # its share of program_bytes (the devices of one process share its programs).
+  peak_bytes: float
 
   def to_dict(self) -> dict:
     """The plan as JSON-able values (`dist-ens plan --json`): the step analyses
@@ -160,48 +168,17 @@ def device_memory_bytes(device: jax.Device) -> float | None:
   return float(stats['bytes_limit']) if stats and stats.get('bytes_limit') else None
 
 
-def _compile_step(parts, config: ml_collections.ConfigDict, form):
-  """The train step for `parts`, compiled abstractly (nothing is materialised)."""
-  mesh, state = parts.mesh, parts.abstract_state
-  num_members = state.frozen.shape[0]
-  per_member = config.data.member_order != 'shared'
-  batch = config.data.batch_size
-  if per_member:
-    x_shape, y_shape = (num_members, batch, *parts.input_shape), (num_members, batch)
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-        mesh_lib.MEMBER, mesh_lib.DATA))
-  else:
-    x_shape, y_shape = (batch, *parts.input_shape), (batch,)
-    batch_sharding = mesh_lib.batch_sharding(mesh)
-  x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=batch_sharding)
-  y = jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding)
-  member_sharding = mesh_lib.member_sharding(mesh)
-  hparams = {k: jax.ShapeDtypeStruct((num_members,), jnp.float32, sharding=member_sharding)
-             for k in parts.hparams}
-  step = assemble.build_step(parts, per_member_batches=per_member, form=form)
-  # With augmentation the step also takes the examples' indices (int32, shaped like y).
-  index = (jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding),)
-  return step.fn.lower(state, hparams, x, y, *(index if step.uses_index else ())).compile()
-
-
-def _compile_programs(parts, config: ml_collections.ConfigDict, form, measure: bool):
-  """(the step as _compile_step compiles it, program_bytes: if `measure`, on a CPU, the RSS
-  that compiling the step and init added to this process (XLA's set-up left out), else None)."""
-  if not measure or parts.mesh.devices.flat[0].platform != 'cpu':
-    return _compile_step(parts, config, form), None
-  jax.block_until_ready(jax.jit(lambda v: v + 1)(jnp.zeros(8)))  # The one-time set-up.
-
-  def compile_both():
-    init = assemble.compile_init(parts)
-    return _compile_step(parts, config, form), init
-
-  (compiled, _), program_bytes = host_memory.growth(compile_both)
-  return compiled, program_bytes
-
-
-def _flops_per_example(compiled, config: ml_collections.ConfigDict, mesh,
-                       members_per_device: int) -> float | None:
-  """FLOPs of the compiled (per-device) step / the member-examples one device runs."""
+def _flops_per_example(compiled, parts, config: ml_collections.ConfigDict,
+                       form) -> float | None:
+  """FLOPs of the compiled (per-device) step / the member-examples one device runs. XLA's
+  cost analysis counts a loop's body once, so a step whose members run in a loop ('map')
+  is counted on a vmapped step of one member per device instead."""
+  mesh = parts.mesh
+  members_per_device = parts.abstract_state.frozen.shape[0] // mesh.shape[mesh_lib.MEMBER]
+  if form[0] != 'vmap':
+    one = assemble.build_parts(config, mesh, parts.input_shape, parts.num_classes,
+                               num_members=mesh.shape[mesh_lib.MEMBER])
+    compiled, members_per_device = dry_run.compile_step(one, config, ('vmap', None))[0], 1
   try:
     cost = compiled.cost_analysis()
   except Exception:  # pylint: disable=broad-except  # Not implemented on some backends.
@@ -233,8 +210,9 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
     devices: the devices of the mesh (default: all).
     memory_bytes: the memory of one device to plan for; None uses what the
       device reports, if it reports anything.
-    measure_programs: on a CPU, measure the compiled programs' memory in this
-      process (meaningful in a fresh one: reused heap makes a later measurement low).
+    measure_programs: on a CPU (one process), measure the compiled programs and a dry
+      run of the step in this process (dist_ens/dry_run.py; meaningful in a fresh
+      process: a reused heap makes a later measurement low).
 
   Raises:
     ConfigError: for an invalid config or a mesh that does not fit the devices.
@@ -253,9 +231,13 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   parallelism, map_batch_size = form
   doubled = assemble.build_parts(config, mesh, input_shape, num_classes,
                                  num_members=2 * config.num_members)
-  compiled, program_bytes = _compile_programs(parts, config, form, measure_programs)
+  host = None
+  if measure_programs and platform == 'cpu' and jax.process_count() == 1:
+    compiled, host = dry_run.dry_run(parts, config, form)
+  else:
+    compiled, _ = dry_run.compile_step(parts, config, form)
   step = _memory(compiled, per_device)
-  step_doubled = _memory(_compile_step(doubled, config, form), 2 * per_device)
+  step_doubled = _memory(dry_run.compile_step(doubled, config, form)[0], 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
   fixed = step.peak - bytes_per_member * per_device
   state = parts.abstract_state
@@ -268,11 +250,10 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
                                for leaf in jax.tree.leaves(state) if leaf.ndim) // m
   if memory_bytes is None:
     memory_bytes = device_memory_bytes(mesh.devices.flat[0])
-  # The devices of this process share its programs (one CPU device: all of them).
-  programs_share = (program_bytes or 0) / len(mesh.local_devices)
+  peak = _peak(step, host, len(mesh.local_devices))
   max_members = None
-  if memory_bytes is not None and bytes_per_member > 0:
-    max_members = max(0, math.floor((memory_bytes - fixed - programs_share)
+  if memory_bytes is not None and bytes_per_member > 0:  # The peak's line through M.
+    max_members = max(0, math.floor((memory_bytes - peak + bytes_per_member * per_device)
                                     / bytes_per_member)) * shards
   return Plan(
       num_members=m, mesh_shape=dict(mesh.shape), platform=platform, parallelism=parallelism,
@@ -280,9 +261,19 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       state_bytes_per_member=state_bytes_per_member, step=step, step_doubled=step_doubled,
       bytes_per_member=bytes_per_member, fixed_bytes=fixed, memory_bytes=memory_bytes,
       max_members=max_members,
-      flops_per_example=_flops_per_example(compiled, config, mesh, per_device),
-      train_steps=config.train.steps, steps_per_epoch=per_epoch, program_bytes=program_bytes,
-      peak_bytes=step.peak + programs_share)
+      flops_per_example=_flops_per_example(compiled, parts, config, form),
+      train_steps=config.train.steps, steps_per_epoch=per_epoch,
+      program_bytes=host and host.programs, dry_run_peak_bytes=host and host.peak,
+      peak_bytes=peak)
+
+
+def _peak(step: StepMemory, host: dry_run.HostMemory | None, devices: int) -> float:
+  """Predicted peak bytes per device of this process's `devices`."""
+  if host is None:
+    return step.peak
+  if host.peak is None:
+    return step.peak + host.programs / devices
+  return host.peak / devices
 
 
 def calibrate(config: ml_collections.ConfigDict,
@@ -351,10 +342,15 @@ def _program_lines(plan: Plan) -> list[str]:
   if plan.program_bytes is None:
     return ['compiled programs              not measured (no /proc/self/status, or after '
             '--calibrate: run plan alone); on a CPU a run holds them on top of the peak above']
-  return [f'compiled programs              {plan.program_bytes:>16,}  (CPU: resident memory '
-          'compiling the step and init programs added to this process, as a run\'s do)',
-          f'predicted peak per device      {plan.peak_bytes:>16,.0f}  (step peak + the '
-          'programs\' share)']
+  lines = [f'compiled programs              {plan.program_bytes:>16,}  (CPU: resident memory '
+           'compiling the step and init programs added to this process, as a run\'s do)']
+  if plan.dry_run_peak_bytes is None:
+    return lines + [f'predicted peak per device      {plan.peak_bytes:>16,.0f}  (step peak + '
+                    'the programs\' share; no dry run: it would take over half the host\'s '
+                    'available memory)']
+  return lines + [f'predicted peak per device      {plan.peak_bytes:>16,.0f}  (a dry run\'s '
+                  'peak over this process\'s baseline / its devices: compile, init and two '
+                  'steps on zeros)']
 
 
 def main(argv: Sequence[str] | None = None) -> int:

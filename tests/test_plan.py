@@ -1,6 +1,10 @@
 """dist-ens plan: its numbers against counts made by hand, and memory that grows with M."""
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -62,48 +66,84 @@ def test_more_members_take_proportionally_more_memory(one_device):
   assert small.fixed_bytes > 0
 
 
-def _programs_of(monkeypatch, program_bytes):
-  """Makes plan's measurement of the compiled programs say `program_bytes`."""
-  monkeypatch.setattr(plan_lib.host_memory, 'growth', lambda fn: (fn(), program_bytes))
+def _dry_run_of(monkeypatch, host):
+  """Makes plan's dry run on a CPU say `host` (a dry_run.HostMemory, or None: no /proc)."""
+  dry_run = plan_lib.dry_run
+  monkeypatch.setattr(dry_run, 'dry_run', lambda parts, config, form: (
+      dry_run.compile_step(parts, config, form)[0], host))
 
 
 def test_largest_m_is_the_last_that_fits(one_device, monkeypatch):
-  memory, programs = 80e6, 30_000_000
-  _programs_of(monkeypatch, programs)
+  memory, peak = 80e6, 45_000_000
+  _dry_run_of(monkeypatch, plan_lib.dry_run.HostMemory(programs=30_000_000, peak=peak))
   plan = plan_lib.make_plan(_config(num_members=4), one_device, memory_bytes=memory)
-  per_device = plan.max_members
-  assert per_device > 4
-  # On a CPU the programs take their part of the memory first.
-  assert plan.fixed_bytes + programs + per_device * plan.bytes_per_member <= memory
-  assert plan.fixed_bytes + programs + (per_device + 1) * plan.bytes_per_member > memory
+  assert plan.peak_bytes == peak
+  # The line through the dry run's peak at M=4 with the step's bytes per member.
+  at = lambda m: peak + (m - 4) * plan.bytes_per_member
+  assert plan.max_members > 4
+  assert at(plan.max_members) <= memory < at(plan.max_members + 1)
 
 
-def test_a_cpu_plan_adds_the_compiled_programs_once_per_process(one_device, devices,
-                                                                monkeypatch):
-  programs = 40_000_000
-  _programs_of(monkeypatch, programs)
+def test_a_cpu_plan_predicts_the_dry_runs_peak_shared_by_the_processs_devices(
+    one_device, devices, monkeypatch):
+  host = plan_lib.dry_run.HostMemory(programs=40_000_000, peak=64_000_000)
+  _dry_run_of(monkeypatch, host)
   one = plan_lib.make_plan(_config(num_members=8), one_device)
-  assert one.program_bytes == programs
-  assert one.peak_bytes == one.step.peak + programs
-  # Eight CPU devices of one process share its programs: each carries an eighth.
+  assert (one.program_bytes, one.dry_run_peak_bytes, one.peak_bytes) == (40e6, 64e6, 64e6)
+  # Eight CPU devices of one process share its programs and its host memory.
   eight = plan_lib.make_plan(_config(num_members=8, mesh__member=8), devices)
-  assert eight.peak_bytes == pytest.approx(eight.step.peak + programs / 8)
+  assert eight.peak_bytes == pytest.approx(64e6 / 8)
   text = plan_lib.format_plan(one, _config(num_members=8))
   assert re.search(r'compiled programs +40,000,000 ', text)
-  assert re.search(rf'predicted peak per device +{one.peak_bytes:,.0f} ', text)
-  _programs_of(monkeypatch, None)  # No /proc: said so, and the peak is the step's.
+  assert re.search(r"predicted peak per device +64,000,000  \(a dry run's peak", text)
+  # Too big for a dry run: the step's peak + the programs, and said so.
+  _dry_run_of(monkeypatch, host._replace(peak=None))
+  big = plan_lib.make_plan(_config(num_members=8), one_device)
+  assert big.peak_bytes == big.step.peak + 40e6
+  assert 'no dry run' in plan_lib.format_plan(big, _config(num_members=8))
+  _dry_run_of(monkeypatch, None)  # No /proc: said so, and the peak is the step's.
   unknown = plan_lib.make_plan(_config(num_members=8), one_device)
   assert unknown.peak_bytes == unknown.step.peak
   assert 'compiled programs              not measured' in plan_lib.format_plan(
       unknown, _config(num_members=8))
 
 
-def test_resident_growth_sees_memory_written_and_kept():
-  kept = []
-  _, grown = plan_lib.host_memory.growth(lambda: kept.append(np.ones(50_000_000 // 8)))
-  assert 45e6 <= grown <= 60e6
-  _, grown = plan_lib.host_memory.growth(lambda: np.ones(50_000_000 // 8).sum())
-  assert grown < 10e6  # Freed before the second reading.
+def test_the_dry_run_frees_everything(one_device):
+  before = len(jax.live_arrays())
+  plan = plan_lib.make_plan(_config(num_members=16), one_device)
+  assert len(jax.live_arrays()) == before
+  assert plan.dry_run_peak_bytes is not None and plan.peak_bytes == plan.dry_run_peak_bytes
+
+
+def test_in_a_fresh_process_the_dry_run_sees_the_state_beside_the_programs():
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=1'}
+  result = subprocess.run(
+      [sys.executable, '-m', 'dist_ens.plan', f'--config={DEFAULT}', '--config.num_members=16',
+       '--config.mesh.member=1', '--config.mesh.data=1', '--json'],
+      env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr
+  plan = json.loads(result.stdout)
+  # The 16 members' state was written (RSS counts written pages) beside the programs.
+  state = 16 * plan['state_bytes_per_member']
+  assert plan['dry_run_peak_bytes'] >= plan['program_bytes'] + state
+  assert plan['peak_bytes'] == plan['dry_run_peak_bytes'] > plan['step']['peak']
+
+
+def test_no_dry_run_where_it_would_not_fit_the_host(one_device, monkeypatch):
+  monkeypatch.setattr(plan_lib.dry_run.host_memory, 'available_bytes', lambda: 1_000_000)
+  plan = plan_lib.make_plan(_config(num_members=4), one_device)
+  assert plan.program_bytes > 0 and plan.dry_run_peak_bytes is None
+  assert plan.peak_bytes == plan.step.peak + plan.program_bytes
+
+
+def test_resident_memory_readings_see_memory_written_and_its_peak():
+  status = plan_lib.dry_run.host_memory.status_bytes
+  assert plan_lib.dry_run.host_memory.reset_peak()
+  before = status()
+  kept = np.ones(50_000_000 // 8)
+  assert 45e6 <= status() - before <= 60e6
+  del kept
+  assert status('VmHWM') - before >= 45e6  # The peak stays after the memory is freed.
 
 
 def test_members_split_over_devices_are_counted_per_device(devices):
@@ -126,6 +166,13 @@ def test_flops_per_example_count_a_training_step_whatever_the_mesh(one_device, d
   # paid once per member and step, is ~2% of it here, and is spread over half the
   # examples per device when the batch is split in two).
   assert split.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
+  # Members one chunk at a time: XLA's cost analysis counts a loop's body once, and the
+  # plan still counts every member.
+  for chunk in (0, 2):
+    mapped = plan_lib.make_plan(_config(num_members=8, ensemble__member_parallelism='map',
+                                        ensemble__map_batch_size=chunk), one_device)
+    assert mapped.parallelism == 'map'
+    assert mapped.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
 
 
 def test_plans_a_step_that_augments(one_device):

@@ -1,0 +1,107 @@
+"""The train step as `dist-ens plan` compiles it and, on a CPU, a dry run of it.
+
+XLA's memory analysis counts a step's arguments, outputs and temporaries. On a CPU the
+device's memory is the host's, and a run also holds what that analysis leaves out: the
+compiled programs (XLA:CPU gives no size for them) and what the first execution
+allocates outside XLA's buffer assignment (its YNNPACK dot fusions). Nothing predicts
+those from the program, so plan measures them: `dry_run` compiles the step and init
+programs, initialises the state and runs two steps on zeros, as a run does, and reads
+the peak resident memory this process reached over its baseline.
+"""
+
+import gc
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from dist_ens import assemble, host_memory
+from dist_ens.parallel import mesh as mesh_lib
+
+# A dry run only where its predicted peak (XLA's step peak + the programs) takes at most
+# this share of the host's available memory, so that planning a run too big for the host
+# reports it instead of running out of memory.
+HOST_SHARE = 0.5
+STEPS = 2  # The first execution allocates beyond XLA's peak; the second shows it is kept.
+
+
+class HostMemory(NamedTuple):
+  """What a dry run measured on a CPU, bytes of this process (all its devices)."""
+  programs: int  # Resident memory that compiling the step and init programs added.
+  peak: int | None  # Peak resident memory over the baseline through compile, init and
+  # STEPS steps; None where the dry run was not run (it would not fit HOST_SHARE).
+
+
+def step_arguments(parts: assemble.Parts, config: ml_collections.ConfigDict,
+                   uses_index: bool) -> tuple:
+  """The step's abstract arguments (state, hparams, x, y[, index]), sharded as in a run."""
+  mesh, state = parts.mesh, parts.abstract_state
+  num_members = state.frozen.shape[0]
+  batch = config.data.batch_size
+  if config.data.member_order != 'shared':
+    x_shape, y_shape = (num_members, batch, *parts.input_shape), (num_members, batch)
+    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+        mesh_lib.MEMBER, mesh_lib.DATA))
+  else:
+    x_shape, y_shape = (batch, *parts.input_shape), (batch,)
+    batch_sharding = mesh_lib.batch_sharding(mesh)
+  x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=batch_sharding)
+  y = jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding)
+  member_sharding = mesh_lib.member_sharding(mesh)
+  hparams = {k: jax.ShapeDtypeStruct((num_members,), jnp.float32, sharding=member_sharding)
+             for k in parts.hparams}
+  # With augmentation the step also takes the examples' indices (int32, shaped like y).
+  index = (jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding),)
+  return (state, hparams, x, y, *(index if uses_index else ()))
+
+
+def compile_step(parts: assemble.Parts, config: ml_collections.ConfigDict,
+                 form) -> tuple[jax.stages.Compiled, tuple]:
+  """(the train step for `parts`, compiled abstractly (nothing is materialised), its
+  abstract arguments)."""
+  step = assemble.build_step(parts, per_member_batches=config.data.member_order != 'shared',
+                             form=form)
+  args = step_arguments(parts, config, step.uses_index)
+  return step.fn.lower(*args).compile(), args
+
+
+def dry_run(parts: assemble.Parts, config: ml_collections.ConfigDict,
+            form) -> tuple[jax.stages.Compiled, HostMemory | None]:
+  """(the compiled step, what running it took on this CPU host; None where resident
+  memory cannot be read). Meaningful in a fresh process: a heap that earlier work left
+  free is reused, and the growth then reads low."""
+  jax.block_until_ready(jax.jit(lambda v: v + 1)(jnp.zeros(8)))  # XLA's one-time set-up.
+  gc.collect()
+  base = host_memory.status_bytes()
+  if base is None or not host_memory.reset_peak():
+    return compile_step(parts, config, form)[0], None
+  compiled, args = compile_step(parts, config, form)
+  init = assemble.compile_init(parts)
+  gc.collect()
+  programs = max(0, host_memory.status_bytes() - base)
+  if not _fits(compiled, programs, len(parts.mesh.local_devices)):
+    return compiled, HostMemory(programs, None)
+  _run(compiled, init, parts, args[2:])
+  return compiled, HostMemory(programs, max(0, host_memory.status_bytes('VmHWM') - base))
+
+
+def _fits(compiled, programs: int, devices: int) -> bool:
+  stats = compiled.memory_analysis()
+  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  available = host_memory.available_bytes()
+  return available is not None and programs + devices * peak <= HOST_SHARE * available
+
+
+def _run(compiled, init, parts: assemble.Parts, batch_shapes) -> None:
+  """STEPS steps of `compiled` from the initial state on zeros; every buffer is freed."""
+  state = init()
+  hparams = parts.device_hparams()
+  batch = [jax.device_put(np.zeros(s.shape, s.dtype), s.sharding) for s in batch_shapes]
+  for _ in range(STEPS):
+    state, metrics = compiled(state, hparams, *batch)
+    jax.block_until_ready(metrics)
+  del state, metrics, batch
+  gc.collect()
