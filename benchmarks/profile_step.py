@@ -134,13 +134,14 @@ def by_kind(times: collections.Counter, kinds: dict[str, str], steps: int) -> di
   return totals
 
 
-def _dist_ens_run(spec, members: int, form: tuple[str, int | None]):
-  """(run, compiled HLO text) of dist_ens's step, built as training builds it."""
+def _dist_ens_run(spec, members: int, form: tuple[str, int | None], step_module=None):
+  """(run, compiled HLO text) of dist_ens's step, built as training builds it (with
+  `step_module`'s make_train_step: a candidate, see throughput.load_candidate)."""
   import jax
   from dist_ens import assemble
   from dist_ens.parallel import mesh as mesh_lib
   _, parts = throughput._jax_setup(spec, members)  # pylint: disable=protected-access
-  step = throughput.make_step(parts, form)
+  step = throughput.make_step(parts, form, step_module)
   holder = [assemble.init_sharded(parts)]
   hparams = parts.device_hparams()
   x, y = (jax.device_put(a, mesh_lib.batch_sharding(parts.mesh))
@@ -160,12 +161,16 @@ def main(argv=None):
   parser.add_argument('--members', type=int, default=16)
   parser.add_argument('--form', default='map', help="'vmap', 'map' or 'map/K'")
   parser.add_argument('--steps', type=int, default=20)
+  parser.add_argument('--candidate', default='', help='profile a candidate change of dist_ens '
+                      'instead (a changed copy of core/step.py, or a folder; see throughput.py)')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'profile_step.json'))
   args = parser.parse_args(argv)
   import jax
   spec = throughput.MODELS[args.model]
   name, _, chunk = args.form.partition('/')
-  dist_ens_run, hlo = _dist_ens_run(spec, args.members, (name, int(chunk) if chunk else None))
+  candidate = throughput.load_candidate(args.candidate) if args.candidate else None
+  dist_ens_run, hlo = _dist_ens_run(spec, args.members, (name, int(chunk) if chunk else None),
+                                    candidate)
   loop_run = throughput.build_loop(spec, args.members)
   programs = {'dist_ens': (dist_ens_run, instruction_kinds(hlo)),
               'loop': (loop_run, instruction_kinds(loop_run.lower().compile().as_text()))}
@@ -192,7 +197,7 @@ def main(argv=None):
   Path(args.out).write_text(json.dumps(dict(
       date=datetime.datetime.now().isoformat(timespec='seconds'), jax=jax.__version__,
       device=str(jax.devices()[0].device_kind), model=args.model, members=args.members,
-      form=args.form, steps=args.steps, ms_per_step=rows, wall_ms_per_step=wall,
+      form=args.form, candidate=args.candidate or None, steps=args.steps, ms_per_step=rows, wall_ms_per_step=wall,
       kinds=list(KINDS),
       command='python benchmarks/profile_step.py ' + ' '.join(argv or sys.argv[1:])), indent=1))
   print(f'wrote {args.out}')
