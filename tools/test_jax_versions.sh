@@ -2,7 +2,7 @@
 # The test suite on several jax releases, each in a fresh venv; the summary goes to
 # benchmarks/results/jax_versions.json and is printed.
 #
-#   bash tools/test_jax_versions.sh                      # the default matrix (~30 min, 2 cores)
+#   bash tools/test_jax_versions.sh                      # the default matrix (~25 min, 2 cores)
 #   bash tools/test_jax_versions.sh 3.12:0.11.2 ...      # PYTHON_VERSION:JAX_VERSION pairs
 #
 # A python X.Y is found as pythonX.Y on PATH or under pyenv's versions. jax 0.10.2 is the
@@ -10,16 +10,17 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 pairs=("$@")
-[ ${#pairs[@]} -gt 0 ] || pairs=(3.11:0.10.0 3.11:0.10.2 3.12:0.11.2 3.12:0.12.0.1)
+[ ${#pairs[@]} -gt 0 ] || pairs=(3.11:0.10.2 3.12:0.11.2 3.12:0.12.0.1 3.13:0.12.0.1)
 out=benchmarks/results/jax_versions.json
 work=$(mktemp -d "${TMPDIR:-/tmp}/dist_ens_jax_XXXX")
 trap 'rm -rf "$work"' EXIT
 
-find_python() {
-  command -v "python$1" 2>/dev/null && return
-  local found
-  found=$(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$1".*/bin/python 2>/dev/null | tail -1)
-  [ -n "$found" ] && echo "$found"
+find_python() {  # A pythonX.Y that runs (pyenv's shims are on PATH but may not).
+  local cand
+  for cand in "$(command -v "python$1")" \
+              $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$1".*/bin/python 2>/dev/null); do
+    [ -n "$cand" ] && "$cand" -c '' 2>/dev/null && { echo "$cand"; return; }
+  done
 }
 
 rows=()
@@ -30,13 +31,15 @@ for pair in "${pairs[@]}"; do
     echo "python $py: not found, skipped"; rows+=("{\"python\": \"$py\", \"jax\": \"$jax\", \"result\": \"no python $py\"}"); continue
   fi
   venv="$work/py$py-jax$jax"
-  "$python" -m venv "$venv"
+  "$python" -m venv "$venv" || { rows+=("{\"python\": \"$py\", \"jax\": \"$jax\", \"result\": \"no venv\"}"); continue; }
   # shellcheck disable=SC1091
   source "$venv/bin/activate"
   pip install -q --upgrade pip >/dev/null
   start=$(date +%s)
   if pip install -q -e '.[test]' "jax==$jax" "jaxlib==$jax" >"$venv.install" 2>&1; then
-    summary=$(pytest -q -p no:cacheprovider 2>&1 | tail -1)
+    pytest -q -rf -p no:cacheprovider >"$venv.pytest" 2>&1
+    grep "^FAILED" "$venv.pytest"
+    summary=$(tail -1 "$venv.pytest")
     installed=$(python -c 'import jax, sys; print(jax.__version__, sys.version.split()[0])')
   else
     summary="install failed: $(tail -1 "$venv.install")" installed="-"
