@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The test suite on several jax releases, each in a fresh venv; the summary goes to
-# benchmarks/results/jax_versions.json and is printed.
+# The test suite on several jax releases, each in a fresh venv; each pair's summary is
+# printed and replaces its row in benchmarks/results/jax_versions.json.
 #
-#   bash tools/test_jax_versions.sh                      # the default matrix (~25 min, 2 cores)
+#   bash tools/test_jax_versions.sh                      # the default matrix (~32 min, 2 cores)
 #   bash tools/test_jax_versions.sh 3.12:0.11.2 ...      # PYTHON_VERSION:JAX_VERSION pairs
 #
 # A python X.Y is found as pythonX.Y on PATH or under pyenv's versions. jax 0.10.2 is the
@@ -10,7 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 pairs=("$@")
-[ ${#pairs[@]} -gt 0 ] || pairs=(3.11:0.10.2 3.12:0.11.2 3.12:0.12.0.1 3.13:0.12.0.1)
+[ ${#pairs[@]} -gt 0 ] || pairs=(3.10:0.10.2 3.11:0.10.2 3.12:0.11.2 3.12:0.12.0.1 3.13:0.12.0.1)
 out=benchmarks/results/jax_versions.json
 work=$(mktemp -d "${TMPDIR:-/tmp}/dist_ens_jax_XXXX")
 trap 'rm -rf "$work"' EXIT
@@ -47,12 +47,20 @@ for pair in "${pairs[@]}"; do
   deactivate
   seconds=$(( $(date +%s) - start ))
   echo "python $py, jax $jax ($installed): $summary (${seconds} s)"
-  rows+=("{\"python\": \"$py\", \"jax\": \"$jax\", \"installed\": \"$installed\", \"result\": \"${summary//\"/\'}\", \"seconds\": $seconds}")
+  rows+=("{\"python\": \"$py\", \"jax\": \"$jax\", \"installed\": \"$installed\", \"result\": \"${summary//\"/\'}\", \"seconds\": $seconds, \"date\": \"$(date -Iseconds)\", \"commit\": \"$(git rev-parse --short HEAD)\"}")
 done
-{
-  echo "{\"date\": \"$(date -Iseconds)\", \"commit\": \"$(git rev-parse --short HEAD)\", \"command\": \"bash tools/test_jax_versions.sh $*\","
-  echo " \"rows\": ["
-  (IFS=$'\n'; echo "${rows[*]}" | sed '$!s/$/,/')
-  echo " ]}"
-} >"$out"
+# Each pair's row replaces the one of the same (python, jax) in $out; the others stay.
+printf '%s\n' "${rows[@]}" | python3 -c '
+import json, sys
+out, rows = sys.argv[1], [json.loads(line) for line in sys.stdin if line.strip()]
+try:
+  kept = json.load(open(out))["rows"]
+except (OSError, ValueError, KeyError):
+  kept = []
+new = {(r["python"], r["jax"]) for r in rows}
+merged = [r for r in kept if (r["python"], r["jax"]) not in new] + rows
+merged.sort(key=lambda r: (tuple(map(int, r["python"].split("."))), r["jax"]))
+json.dump({"command": "bash tools/test_jax_versions.sh [PYTHON:JAX ...]", "rows": merged},
+          open(out, "w"), indent=1)
+' "$out"
 echo "wrote $out"
