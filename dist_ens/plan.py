@@ -263,7 +263,8 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       max_members=max_members,
       flops_per_example=_flops_per_example(compiled, parts, config, form),
       train_steps=config.train.steps, steps_per_epoch=per_epoch,
-      program_bytes=host and host.programs, dry_run_peak_bytes=host and host.peak,
+      program_bytes=host.programs if host else None,
+      dry_run_peak_bytes=host.peak if host else None,
       peak_bytes=peak)
 
 
