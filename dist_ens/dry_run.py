@@ -67,6 +67,16 @@ def compile_step(parts: assemble.Parts, config: ml_collections.ConfigDict,
   return step.fn.lower(*args).compile(), args
 
 
+def compile_and_measure(parts: assemble.Parts, config: ml_collections.ConfigDict, form,
+                        measure: bool) -> tuple[jax.stages.Compiled, HostMemory | None]:
+  """(the compiled step, a dry run's HostMemory where `measure` and the mesh is one
+  process's CPU devices, else None)."""
+  on_cpu = parts.mesh.devices.flat[0].platform == 'cpu'
+  if measure and on_cpu and jax.process_count() == 1:
+    return dry_run(parts, config, form)
+  return compile_step(parts, config, form)[0], None
+
+
 def dry_run(parts: assemble.Parts, config: ml_collections.ConfigDict,
             form) -> tuple[jax.stages.Compiled, HostMemory | None]:
   """(the compiled step, what running it took on this CPU host; None where resident

@@ -231,11 +231,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   parallelism, map_batch_size = form
   doubled = assemble.build_parts(config, mesh, input_shape, num_classes,
                                  num_members=2 * config.num_members)
-  host = None
-  if measure_programs and platform == 'cpu' and jax.process_count() == 1:
-    compiled, host = dry_run.dry_run(parts, config, form)
-  else:
-    compiled, _ = dry_run.compile_step(parts, config, form)
+  compiled, host = dry_run.compile_and_measure(parts, config, form, measure_programs)
   step = _memory(compiled, per_device)
   step_doubled = _memory(dry_run.compile_step(doubled, config, form)[0], 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
@@ -248,8 +244,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   # Leaves with axes only: the replicated step counter belongs to no member.
   state_bytes_per_member = sum(leaf.size * leaf.dtype.itemsize
                                for leaf in jax.tree.leaves(state) if leaf.ndim) // m
-  if memory_bytes is None:
-    memory_bytes = device_memory_bytes(mesh.devices.flat[0])
+  memory_bytes = device_memory_bytes(mesh.devices.flat[0]) if memory_bytes is None else memory_bytes
   peak = _peak(step, host, len(mesh.local_devices))
   max_members = None
   if memory_bytes is not None and bytes_per_member > 0:  # The peak's line through M.
