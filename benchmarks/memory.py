@@ -1,6 +1,6 @@
 """`dist-ens plan`'s predicted peak memory per device against the measured peak, on this CPU.
 
-  python benchmarks/memory.py              # 3 models x 2-3 M, 2 processes a cell (~8 min on
+  python benchmarks/memory.py              # 3 models x 2-3 M, 2 processes a cell (~2.5 min on
                                            # a shared 2-core CPU; results/memory.json)
   python benchmarks/memory.py --warm       # also with the programs from a cache (~20 min)
   python benchmarks/memory.py --models mlp --members 4,16 --out /tmp/m.json
