@@ -1,4 +1,5 @@
-"""The train step as `dist-ens plan` compiles it and, on a CPU, a dry run of it.
+"""The train step as `dist-ens plan` compiles it, XLA's memory analysis of it
+(StepMemory) and, on a CPU, a dry run of it (HostMemory).
 
 XLA's memory analysis counts a step's arguments, outputs and temporaries. On a CPU the
 device's memory is the host's, and a run also holds what that analysis leaves out: the
@@ -18,6 +19,7 @@ import ml_collections
 import numpy as np
 
 from dist_ens import assemble, host_memory
+from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
 # A dry run only where its predicted peak (XLA's step peak + the programs) takes at most
@@ -25,6 +27,31 @@ from dist_ens.parallel import mesh as mesh_lib
 # reports it instead of running out of memory.
 HOST_SHARE = 0.5
 STEPS = 2  # The first execution allocates beyond XLA's peak; the second shows it is kept.
+
+
+class StepMemory(NamedTuple):
+  """XLA's memory analysis of one compiled train step, bytes per device."""
+  members_per_device: int
+  argument: int
+  output: int
+  alias: int  # Outputs that reuse donated argument buffers (the state).
+  temp: int
+
+  @property
+  def peak(self) -> int:
+    """Bytes live during the step: arguments, new outputs and temporaries."""
+    return self.argument + self.output - self.alias + self.temp
+
+
+def step_memory(compiled, members_per_device: int) -> StepMemory:
+  """XLA's memory analysis of a compiled step (ConfigError where the backend has none)."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    raise ConfigError('this backend gives no memory analysis of a compiled program; '
+                      'dist-ens plan cannot measure the step here.')
+  return StepMemory(members_per_device, int(stats.argument_size_in_bytes),
+                    int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes),
+                    int(stats.temp_size_in_bytes))
 
 
 class HostMemory(NamedTuple):
@@ -40,13 +67,10 @@ def step_arguments(parts: assemble.Parts, config: ml_collections.ConfigDict,
   mesh, state = parts.mesh, parts.abstract_state
   num_members = state.frozen.shape[0]
   batch = config.data.batch_size
-  if config.data.member_order != 'shared':
-    x_shape, y_shape = (num_members, batch, *parts.input_shape), (num_members, batch)
-    batch_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
-        mesh_lib.MEMBER, mesh_lib.DATA))
-  else:
-    x_shape, y_shape = (batch, *parts.input_shape), (batch,)
-    batch_sharding = mesh_lib.batch_sharding(mesh)
+  per_member = config.data.member_order != 'shared'
+  lead = (num_members, batch) if per_member else (batch,)
+  x_shape, y_shape = (*lead, *parts.input_shape), lead
+  batch_sharding = mesh_lib.batch_sharding(mesh, per_member)
   x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=batch_sharding)
   y = jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding)
   member_sharding = mesh_lib.member_sharding(mesh)
@@ -98,9 +122,8 @@ def dry_run(parts: assemble.Parts, config: ml_collections.ConfigDict,
 
 
 def _fits(compiled, programs: int, devices: int) -> bool:
-  stats = compiled.memory_analysis()
-  peak = (stats.argument_size_in_bytes + stats.output_size_in_bytes
-          - stats.alias_size_in_bytes + stats.temp_size_in_bytes)
+  """Whether the programs and every device's step peak fit HOST_SHARE of what is free."""
+  peak = step_memory(compiled, 0).peak
   available = host_memory.available_bytes()
   return available is not None and programs + devices * peak <= HOST_SHARE * available
 

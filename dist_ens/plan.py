@@ -35,12 +35,12 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
 from dist_ens import assemble, configuration, data, dry_run
+from dist_ens.dry_run import StepMemory, step_memory
 from dist_ens.parallel import calibration, mesh as mesh_lib
 from dist_ens.errors import ConfigError
 
@@ -64,20 +64,6 @@ KNOWN_TRAIN_EXAMPLES: dict[str, int] = {
 # What flops_per_example counts, as printed and in --json.
 FLOPS_MEASURED = ('XLA cost analysis of the compiled train step (forward + backward + '
                   'update) / member-examples per device')
-
-
-class StepMemory(NamedTuple):
-  """XLA's memory analysis of one compiled train step, bytes per device."""
-  members_per_device: int
-  argument: int
-  output: int
-  alias: int  # Outputs that reuse donated argument buffers (the state).
-  temp: int
-
-  @property
-  def peak(self) -> int:
-    """Bytes live during the step: arguments, new outputs and temporaries."""
-    return self.argument + self.output - self.alias + self.temp
 
 
 class Plan(NamedTuple):
@@ -175,7 +161,7 @@ def _flops_per_example(compiled, parts, config: ml_collections.ConfigDict,
   is counted on a vmapped step of one member per device instead."""
   mesh = parts.mesh
   members_per_device = parts.abstract_state.frozen.shape[0] // mesh.shape[mesh_lib.MEMBER]
-  if form[0] != 'vmap':
+  if form[0] != 'vmap' and members_per_device > 1:
     one = assemble.build_parts(config, mesh, parts.input_shape, parts.num_classes,
                                num_members=mesh.shape[mesh_lib.MEMBER])
     compiled, members_per_device = dry_run.compile_step(one, config, ('vmap', None))[0], 1
@@ -189,16 +175,6 @@ def _flops_per_example(compiled, parts, config: ml_collections.ConfigDict,
     return None
   examples = config.data.batch_size // mesh.shape[mesh_lib.DATA]
   return float(cost['flops']) / (members_per_device * examples)
-
-
-def _memory(compiled, members_per_device: int) -> StepMemory:
-  stats = compiled.memory_analysis()
-  if stats is None:
-    raise ConfigError('this backend gives no memory analysis of a compiled program; '
-                      'dist-ens plan cannot measure the step here.')
-  return StepMemory(members_per_device, int(stats.argument_size_in_bytes),
-                    int(stats.output_size_in_bytes), int(stats.alias_size_in_bytes),
-                    int(stats.temp_size_in_bytes))
 
 
 def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
@@ -232,8 +208,8 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   doubled = assemble.build_parts(config, mesh, input_shape, num_classes,
                                  num_members=2 * config.num_members)
   compiled, host = dry_run.compile_and_measure(parts, config, form, measure_programs)
-  step = _memory(compiled, per_device)
-  step_doubled = _memory(dry_run.compile_step(doubled, config, form)[0], 2 * per_device)
+  step = step_memory(compiled, per_device)
+  step_doubled = step_memory(dry_run.compile_step(doubled, config, form)[0], 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
   fixed = step.peak - bytes_per_member * per_device
   state = parts.abstract_state

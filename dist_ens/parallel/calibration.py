@@ -26,9 +26,8 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dist_ens.parallel.mesh import DATA, MEMBER
+from dist_ens.parallel.mesh import DATA, MEMBER, batch_sharding
 from dist_ens.parallel.strategy import Form
 
 CACHE_ENV = 'DIST_ENS_CALIBRATION'
@@ -120,7 +119,7 @@ def step_runner(parts: Any, batch_size: int, per_member_batches: bool
   from dist_ens import assemble, data  # pylint: disable=g-import-not-at-top
   mesh, m = parts.mesh, parts.abstract_state.frozen.shape[0]
   lead = (m, batch_size) if per_member_batches else (batch_size,)
-  sharding = NamedSharding(mesh, P(MEMBER, DATA) if per_member_batches else P(DATA))
+  sharding = batch_sharding(mesh, per_member_batches)
   x = data.to_global(np.zeros((*lead, *parts.input_shape), np.float32), sharding)
   y = data.to_global(np.zeros(lead, np.int32), sharding)
   hparams = parts.device_hparams()

@@ -184,9 +184,10 @@ def member_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(MEMBER))
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """For a batch shared by all members: batch axis over 'data'."""
-  return NamedSharding(mesh, P(DATA))
+def batch_sharding(mesh: Mesh, per_member: bool = False) -> NamedSharding:
+  """For a batch shared by all members: batch axis over 'data'; `per_member`, for a
+  batch per member ([M, B, ...]): members over 'member', each batch over 'data'."""
+  return NamedSharding(mesh, P(MEMBER, DATA) if per_member else P(DATA))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
