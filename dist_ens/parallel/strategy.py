@@ -3,8 +3,8 @@ one call of the compiled step runs, where the config says 'auto'.
 
 The rule is data: for a backend and a model family, which form was fastest at
 how many members per device, measured by benchmarks/throughput.py (the table and
-its evidence are in BENCHMARKS.md). Anything not listed gets 'vmap', the form
-that is never far off for matmul-bound models.
+its evidence: BENCHMARKS.md, "The 'auto' rule"). Anything not listed gets 'vmap',
+the form that is never far off for matmul-bound models.
 """
 
 import math
@@ -116,9 +116,8 @@ def _member_loop(fn, axes, chunk, in_place, args):
   across the conditional, so the chunk's new state is computed whole before it is
   written back. Without it XLA:CPU fused the optimizer's arithmetic into the writes,
   which then read moments already overwritten, and it copied the whole stacked state
-  every iteration (benchmarks/big_mlp_forms.py, the big MLP at M=16: 'fori' 0.14x a
-  Python loop over members; 'in_place', this loop, 0.84x). The cond's other branch, taken
-  only for a negative start that never occurs, keeps the chunk as it is.
+  every iteration (benchmarks/HISTORY.md, "Members one at a time, in place"). The cond's
+  other branch, taken only for a negative start that never occurs, keeps the chunk as it is.
   """
   (members,) = _members(args, axes)
   chunk = max(1, min(chunk, members))
@@ -180,12 +179,9 @@ Form = tuple[str, int | None]
 # (backend platform, model name) -> ((up to this many members per device, form), ...):
 # the first entry whose bound is >= the members per device applies; None means any
 # number. For the families MEMBER_BUDGETS covers, the fallback when the sizes are not
-# known. Measured with benchmarks/throughput.py, one device, batch 128 per member,
-# Adam (BENCHMARKS.md):
-# - 2-core CPU, ResNet-20 at batch 32 per member (benchmarks/resnet20.py): lax.map one
-#   member at a time was 1.23x / 1.24x vmap at M = 4 / 8 and held 13 MB more per member
-#   instead of 243 MB; at M = 1 the two were within noise.
-# - H100 GPU: vmap was the fastest form for every model and M (1.0-27x lax.map).
+# known. A ResNet's members run one at a time on a CPU because that was faster than vmap and
+# held far less memory per member (BENCHMARKS.md, "ResNet-20 ensembles on a CPU"); on a GPU
+# vmap was the fastest form for every model and M (BENCHMARKS.md, "On a GPU").
 AUTO_RULES: dict[tuple[str, str], tuple[tuple[int | None, Form], ...]] = {
     ('cpu', 'mlp'): ((4, ('vmap', None)), (None, ('map', None))),
     ('cpu', 'cnn'): ((4, ('vmap', None)), (None, ('map', None))),
@@ -209,18 +205,10 @@ class Budgets(NamedTuple):
 # at most the chunk budget (one at a time where one member is more). A device holding one
 # member runs it as 'vmap' (forward and backward on its slices, the optimizer on the stored
 # state: no copies of that state) once its parameters reach `one_member` bytes, and as
-# 'map' (the whole step on its slices) below. Measured on the AVX-512 CPU at M=1, three
-# runs (BENCHMARKS.md, "Today's figures"): the big MLP (2.6 MiB of parameters) 1.27-1.31x
-# and the small one (0.30 MiB) 1.01-1.09x faster as 'vmap'; the 2-D and 1-D CNNs (0.13 and
-# 0.02 MiB) 1.03-1.08x and 1.14-1.16x faster as 'map'.
-# Measured on a 2-core CPU, batch 128 (BENCHMARKS.md, "The 'auto' rule"): vmap was the
-# fastest form or within 5% up to 48-49 MiB a device (big MLP x 4, 1-D CNN x 16) and
-# 0.55-0.75x the loop from 104 MiB (2-D CNN x 4, big MLP x 16); at M=64 'map' was fastest
-# in chunks of 4-16 MiB (small MLP 2 MiB a member: chunks of 2-8 within 3%, 16 0.86x;
-# 1-D CNN 3 MiB: 4-8, 16 0.83x; big MLP 12 MiB: 1, 2 0.88x), the 2-D CNN (26 MiB) one
-# at a time at M=4-16.
-# Empirical constants of that machine, not cache sizes: `dist-ens plan --calibrate`
-# measures the user's own.
+# 'map' (the whole step on its slices) below. Each budget sits where the fastest form
+# changed on the 2-core CPU the rule was measured on (BENCHMARKS.md, "The 'auto' rule" and
+# "Today's figures"): empirical constants of that machine, not cache sizes, which
+# `dist-ens plan --calibrate` replaces by the user's own measurement.
 MEMBER_BUDGETS: dict[tuple[str, str], Budgets] = {
     ('cpu', 'mlp'): Budgets(vmap=64 * 2**20, chunk=16 * 2**20, one_member=2**18),
     ('cpu', 'cnn'): Budgets(vmap=64 * 2**20, chunk=16 * 2**20, one_member=2**18),
@@ -339,19 +327,17 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
   return choice, (chunk or None)
 
 
-# train.steps_per_call = 0 ('auto'): the most steps per call up to this many
-# (benchmarks/steps_per_call.py on an H100: 3.2x at 10 and 4.9x at 100 for the default
-# run, most of the gain by 50), while K batches of input stay under AUTO_INPUT_BYTES
-# and, on a CPU, K steps' work under AUTO_CPU_CALL_FLOPS.
+# train.steps_per_call = 0 ('auto'): the most steps per call up to this many, since one
+# dispatch per K steps pays most where the host bounds a step (BENCHMARKS.md,
+# "`train.steps_per_call`: the host's share"), while K batches of input stay under
+# AUTO_INPUT_BYTES and, on a CPU, K steps' work under AUTO_CPU_CALL_FLOPS.
 AUTO_MAX_STEPS_PER_CALL = 100
 AUTO_INPUT_BYTES = 64 * 2**20
-# On a CPU, the training FLOPs a call of K steps may hold per device. The host's work per
-# call (a batch transfer, a dispatch, the loop's bookkeeping: ~1.6 ms measured) cost the
-# default run 2-10% of the bare step's speed at K=1 (BENCHMARKS.md, "End-to-end overhead").
-# 1e10 FLOPs are 0.04-0.15 s at the matmul peaks of the 2-core CPUs measured (270 and 68
-# GFLOP/s); the default run's step ran at ~38 GFLOP/s (0.97 GFLOP in 25 ms at M=16), so a
-# full call lasts ~0.25 s there: the host's share is < 1%, and a signal or a log line
-# waits at most that long.
+# On a CPU, the training FLOPs a call of K steps may hold per device: enough that the host's
+# work per call (a batch transfer, a dispatch, the loop's bookkeeping) is a small share of
+# it (BENCHMARKS.md, "End-to-end overhead"), few enough that a signal or a log line waits
+# well under a second (the arithmetic: benchmarks/HISTORY.md, "Figures that lived in code
+# comments").
 AUTO_CPU_CALL_FLOPS = 1e10
 
 
