@@ -10,14 +10,14 @@ all give the same result (to float32 rounding) from the same parameters, so
 checkpoints are shared:
   'xla'      lax.conv_general_dilated. Under dist_ens's vmap over members the
              kernels are batched, which turns every convolution into a grouped one
-             (feature_group_count=M), 1.5-3.2x slower than 'patches' on a 2-core CPU
-             and 2.7-7.6x on an H100 for the CNNs of BENCHMARKS.md.
+             (feature_group_count=M), a slow kernel on CPUs and GPUs alike
+             (BENCHMARKS.md, "Convolutions as patches").
   'patches'  im2col by strided slicing: the k^rank shifted, strided views of the
              padded input concatenated along channels, times the kernel reshaped to
              [k^rank * in_ch, out_ch]: one dot, which vmap turns into a batched
              dot (and, for the first layer's shared batch, one wide dot).
-  'auto'     dist_ens's choice: 'patches' (faster on every backend measured, see
-             BENCHMARKS.md; 'xla' stays for layers too big for k^rank x activations).
+  'auto'     dist_ens's choice: 'patches' (faster on every backend measured, same
+             section; 'xla' stays for layers too big for k^rank x activations).
 """
 
 import itertools
@@ -125,8 +125,8 @@ def he_normal_init(rng: jax.Array, tree: Any) -> Any:
   """`tree` with every kernel() placeholder drawn He-normal: std sqrt(2 / fan_in).
 
   All kernels come from ONE normal draw, cut into pieces: XLA compiles every
-  random.normal of a new shape on its own, and a CPU took 15-30 s to compile a
-  ResNet's init with one draw per kernel against 1-2 s with one draw.
+  random.normal of a new shape on its own, which made a ResNet's init many times slower
+  to compile on a CPU (benchmarks/HISTORY.md, "Figures that lived in code comments").
   """
   leaves, treedef = jax.tree.flatten(tree)
   shapes = [leaf.shape for leaf in leaves if isinstance(leaf, jax.ShapeDtypeStruct)]
