@@ -14,7 +14,7 @@ all with their batch of 128, one batch shared by all members.
 
 Predicted: dist_ens.plan.make_plan, what `dist-ens plan` prints, run in a fresh process of
 this script as the command runs: its peak_bytes, on a CPU the peak RSS over its baseline
-that plan's dry run reached (dist_ens/dry_run.py: compile the step and init programs,
+that plan's dry run reached (dist_ens/plan/dry_run.py: compile the step and init programs,
 initialise the state, two steps on zeros), with program_bytes (what compiling added) and
 XLA's memory analysis of the compiled train step (arguments + outputs - aliased
 (donated) + temporaries bytes per device) beside it; bytes_per_member (the step peak's
@@ -439,7 +439,7 @@ NOTES = dict(
     predicted='dist_ens.plan.make_plan on 1 CPU device in a fresh process (no compilation '
     'cache): peak_bytes = dry_run_peak: the peak RSS over that process\'s baseline through '
     'compiling the step and init programs, initialising the state and two steps on zeros '
-    '(dist_ens/dry_run.py); program_bytes: the RSS compiling added; step_peak: arguments + '
+    '(dist_ens/plan/dry_run.py); program_bytes: the RSS compiling added; step_peak: arguments + '
     'outputs - aliased + temp bytes of the compiled train step (XLA memory_analysis); '
     'init_peak: output + temp of the init program',
     measured='max VmHWM - VmRSS at the baseline (after jax import, device init, data load, '

@@ -330,7 +330,7 @@ def builders(members: int, with_torch: bool, threads: int) -> dict[str, Callable
 
 def _status_bytes(field: str) -> int:
   """VmRSS (resident now) or VmHWM (peak resident) of this process, from /proc."""
-  from dist_ens import host_memory  # Imports jax: only once the flags are set.
+  from dist_ens.plan import host_memory  # Imports jax: only once the flags are set.
   value = host_memory.status_bytes(field)
   if value is None:
     raise OSError('/proc/self/status is not there: memory is measured on Linux only')
@@ -339,7 +339,7 @@ def _status_bytes(field: str) -> int:
 
 def _reset_peak() -> bool:
   """Resets VmHWM to the present RSS (Linux >= 4.0); False where that is refused."""
-  from dist_ens import host_memory
+  from dist_ens.plan import host_memory
   return host_memory.reset_peak()
 
 

@@ -32,7 +32,7 @@ it times one training step of all M members done as
   auto/bf16 (with torch) 'auto' with config.precision='bfloat16', torch/amp's peer;
   FORM@NAME a form of a candidate change of dist_ens given by --candidate NAME=PATH
             (a changed copy of dist_ens/core/step.py, or a folder with changed copies
-            of core/step.py and/or parallel/strategy.py; see load_candidate).
+            of core/step.py and/or core/members.py; see load_candidate).
 Every dist_ens variant is built as training builds it: dist_ens.assemble.build_parts,
 init_sharded and build_step, called as step(state, parts.device_hparams(), x, y).
 Everything runs on ONE device (jax.devices()[:1]): on a CPU, fake devices split the
@@ -491,9 +491,9 @@ def time_side_by_side(runs: dict[str, Callable[[], Any]], repeats: int,
   return times, first
 
 
-# A candidate's files, in load order: a changed strategy.py is loaded first so that the
+# A candidate's files, in load order: a changed members.py is loaded first so that the
 # candidate step.py (which imports over_members from it) picks it up.
-CANDIDATE_MODULES = (('dist_ens.parallel.strategy', ('parallel/strategy.py', 'strategy.py')),
+CANDIDATE_MODULES = (('dist_ens.core.members', ('core/members.py', 'members.py')),
                      ('dist_ens.core.step', ('core/step.py', 'step.py')))
 
 
@@ -501,17 +501,17 @@ def load_candidate(path: str) -> Any:
   """A candidate change of dist_ens, for an A/B run against the installed one.
 
   `path` is a copy of dist_ens/core/step.py, or a folder holding changed copies of
-  dist_ens/parallel/strategy.py and/or dist_ens/core/step.py (as strategy.py and
-  step.py, or under parallel/ and core/ as in the package). The candidate step.py
-  then imports the candidate strategy.py (its over_members); with only a strategy.py,
+  dist_ens/core/members.py and/or dist_ens/core/step.py (as members.py and step.py,
+  or under core/ as in the package). The candidate step.py then imports the
+  candidate members.py (its over_members); with only a members.py,
   the installed step.py is loaded again against it. Everything else is the installed
   package, and the installed modules stay in place for the other variants.
   Returns the candidate step module; its `candidate_forms` are the member
-  parallelisms of its strategy (MEMBER_PARALLELISM).
+  parallelisms of its members.py (MEMBER_PARALLELISM).
   """
   import importlib.util
   import dist_ens.core.step as installed_step  # The real package first: candidates import
-  import dist_ens.parallel.strategy as installed_strategy  # only its leaves.
+  import dist_ens.core.members as installed_members  # only its leaves.
   root = Path(path)
   if root.is_dir():
     files = {}
@@ -520,8 +520,8 @@ def load_candidate(path: str) -> Any:
       if found:
         files[name] = found[0]
     if not files:
-      raise ValueError(f'--candidate {path}: no step.py or strategy.py there (copy '
-                       'dist_ens/core/step.py and/or dist_ens/parallel/strategy.py).')
+      raise ValueError(f'--candidate {path}: no step.py or members.py there (copy '
+                       'dist_ens/core/step.py and/or dist_ens/core/members.py).')
     files.setdefault('dist_ens.core.step', Path(installed_step.__file__))
   elif root.exists():
     files = {'dist_ens.core.step': root}
@@ -530,7 +530,7 @@ def load_candidate(path: str) -> Any:
   saved = {name: sys.modules.get(name) for name, _ in CANDIDATE_MODULES}
   loaded = {}
   try:
-    for name, _ in CANDIDATE_MODULES:  # strategy first, then step.
+    for name, _ in CANDIDATE_MODULES:  # members first, then step.
       if name not in files:
         continue
       spec = importlib.util.spec_from_file_location(name, files[name])
@@ -543,8 +543,8 @@ def load_candidate(path: str) -> Any:
       if module is not None:
         sys.modules[name] = module
   step = loaded['dist_ens.core.step']
-  strategy = loaded.get('dist_ens.parallel.strategy', installed_strategy)
-  step.candidate_forms = tuple(strategy.MEMBER_PARALLELISM)
+  members = loaded.get('dist_ens.core.members', installed_members)
+  step.candidate_forms = tuple(members.MEMBER_PARALLELISM)
   return step
 
 
@@ -614,9 +614,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument('--no_torch', action='store_true')
   parser.add_argument('--candidate', action='append', default=[],
                       help='NAME=PATH: also time a candidate change of dist_ens (a copy of '
-                      'dist_ens/core/step.py, or a folder with step.py and/or strategy.py, '
-                      'copies of dist_ens/core/step.py and dist_ens/parallel/strategy.py) as '
-                      'vmap@NAME, map@NAME, map/K@NAME and any other form its strategy.py '
+                      'dist_ens/core/step.py, or a folder with step.py and/or members.py, '
+                      'copies of dist_ens/core/step.py and dist_ens/core/members.py) as '
+                      'vmap@NAME, map@NAME, map/K@NAME and any other form its members.py '
                       'adds to MEMBER_PARALLELISM (A/B of a patch)')
   parser.add_argument('--threads', type=int, default=os.cpu_count(),
                       help='torch intra-op threads (default: all cores, as XLA uses)')

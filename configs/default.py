@@ -31,6 +31,10 @@ def get_config() -> ml_collections.ConfigDict:
   # split (a divisor of train.micro_batches) and the process count, at some speed cost
   # (docs/reproducibility.md). False: fast; such changes drift by rounding.
   config.reproducible = False
+  # What the members learn (dist_ens/tasks): 'classification' (logits over classes,
+  # cross-entropy, the ensemble the mean of the members' probabilities), or your own
+  # task by import path, 'my_pkg.tasks:my_task'.
+  config.task = 'classification'
 
   # Devices as member x data; -1 fills the remaining devices. hosts_along: which
   # axis runs across processes in a multi-host run.

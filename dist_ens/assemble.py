@@ -2,7 +2,7 @@
 
   mesh      = build_mesh(config, devices)
   run_data  = build_data(config)                      # training only
-  parts     = build_parts(config, mesh, input_shape, num_classes)
+  parts     = build_parts(config, mesh, input_shape, num_outputs)
   step      = build_step(parts, config, ...)
 
 Data flows one way: config -> mesh, model, optimizer, per-member hyperparameters
@@ -21,17 +21,16 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from dist_ens import data, models
+from dist_ens import data, models, tasks
 from dist_ens.core import gradients, hparams as hparams_lib
-from dist_ens.core.losses import Loss, loss_for
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, mimo
-from dist_ens.ensembles.sharding import state_shardings, with_shardings
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood
-from dist_ens.parallel import calibration, mesh as mesh_lib, strategy
+from dist_ens.parallel import form_cache, mesh as mesh_lib, strategy
+from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
 from dist_ens.data import augment as augment_lib
 from dist_ens.importing import is_import_path, load_object
@@ -53,10 +52,12 @@ class Parts(NamedTuple):
   optimizer: Optimizer
   hparams: dict[str, np.ndarray]  # per-member hyperparameters, each [M] (core.hparams)
   input_shape: tuple[int, ...]
-  num_classes: int
+  num_outputs: int  # the model's outputs per example (per head), task.output_units
   abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
   init: Callable[[], TrainState]  # jit this (out_shardings) to get the state born sharded
   method: methods.Method  # config.ensemble.method: what members collect and predict with
+  task: tasks.Task  # config.task: the loss, metrics and what the outputs mean
+  layout: Layout  # where every leaf of the state lives on the mesh
 
   @property
   def state_shardings(self) -> Any:
@@ -86,14 +87,15 @@ def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None =
   the batch order.
 
   Raises:
-    ConfigError: a dataset that cannot load, labels outside [0, num_classes) in the
-      splits held in memory, or a batch larger than the training split.
+    ConfigError: a dataset that cannot load, targets the task refuses in the splits
+      held in memory, or a batch larger than the training split.
   """
   if dataset is None:
     dataset = data.load_dataset(config.data.name, config.data)
+  task = tasks.get_task(config.task)
   for name, split in (('train', dataset.train), ('test', dataset.test)):
     if isinstance(split, data.Split):
-      data.check_labels(split, dataset.num_classes, f'dataset {dataset.name!r} ({name} split)')
+      task.check_targets(split.y, dataset, f'dataset {dataset.name!r} ({name} split)')
   validation = None
   if config.data.validation_size:
     train_source, validation = data.split_validation(dataset.train, config.data.validation_size)
@@ -109,7 +111,7 @@ def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None =
 
 
 def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],
-                num_classes: int, num_members: int | None = None,
+                num_outputs: int, num_members: int | None = None,
                 optimizer: Optimizer | optax.GradientTransformation | None = None) -> Parts:
   """Model, optimizer, per-member hyperparameters and the abstract sharded state.
 
@@ -117,12 +119,15 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   before anything is compiled or written.
 
   Args:
+    num_outputs: the model's outputs per example (config.task's output_units of the
+      dataset: a classifier's number of classes).
     num_members: overrides config.num_members (plan compiles the step for 2M).
     optimizer: replaces the config's: optimizer(member_hparams) -> GradientTransformation,
       or one GradientTransformation for every member.
   """
   method = methods.from_config(config)
-  model = models.get_model(config.model, num_classes * max(method.heads, 1))
+  task = tasks.get_task(config.task)
+  model = models.get_model(config.model, num_outputs * max(method.heads, 1))
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
     model = mimo.wrap(model, method.heads)
   if optimizer is None:
@@ -142,12 +147,19 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
 
   def init():
     hp = {k: jnp.asarray(v) for k, v in member_hparams.items()}
-    return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp, method)
+    return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp,
+                      method.hooks)
 
-  shapes = jax.eval_shape(init)
-  abstract = with_shardings(shapes, state_shardings(shapes, mesh, methods.sharding_rule(method)))
-  return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_classes,
-               abstract, init, method)
+  layout = build_layout(method)
+  abstract = layout.place(jax.eval_shape(init), mesh)
+  return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
+               abstract, init, method, task, layout)
+
+
+def build_layout(method: methods.Method) -> Layout:
+  """Members whole on each device of their group; a method's shared leaves stored once."""
+  shared = method.hooks.shared
+  return Layout() if shared is None else Layout(shared=shared)
 
 
 def _check_shared_optimizer(member_hparams: dict[str, np.ndarray]) -> None:
@@ -159,10 +171,9 @@ def _check_shared_optimizer(member_hparams: dict[str, np.ndarray]) -> None:
                       "them with method='deep', or fix them.")
 
 
-# The init program runs once per run. On a CPU, LLVM at -O1 compiles it 1.0-7.9x faster
-# than XLA's default -O2 (its random draws are large unrolled integer kernels), with the
-# same bits for all 11 shipped configs (benchmarks/init_compile.py; tests/test_step.py
-# checks two).
+# The init program runs once per run, so on a CPU it is compiled at LLVM -O1: its random
+# draws (large unrolled integer kernels) compile much faster there than at XLA's default
+# -O2, to the same bits (BENCHMARKS.md, "The init program"; tests/test_step.py checks two).
 INIT_COMPILER_OPTIONS = {'xla_backend_optimization_level': 1}
 
 
@@ -182,16 +193,16 @@ def init_sharded(parts: Parts) -> TrainState:
 def member_form(parts: Parts, batch_size: int) -> strategy.Form:
   """(member parallelism, map chunk) for this mesh, with config.ensemble's 'auto' resolved:
   by `dist-ens plan --calibrate`'s measurement when it has one for this run's shape
-  (parallel/calibration.py), else by the rules of parallel/strategy.py."""
+  (parallel/form_cache.py), else by the rules of parallel/strategy.py."""
   config, mesh = parts.config, parts.mesh
   # Only a single process trusts its cache: every process must compile the same program.
   if config.ensemble.member_parallelism == 'auto' and jax.process_count() == 1:
-    calibrated = calibration.lookup(calibration.run_key(parts, batch_size))
+    calibrated = form_cache.lookup(form_cache.run_key(parts, batch_size))
     if calibrated is not None:
       return calibrated
   return strategy.resolve(
       config.ensemble, config.model.name, mesh.devices.flat[0].platform,
-      members_per_device=calibration.members_per_device(parts),
+      members_per_device=form_cache.members_per_device(parts),
       sizes=lambda: strategy.member_size(
           parts.model, parts.input_shape, batch_size // mesh.shape[mesh_lib.DATA]))
 
@@ -202,23 +213,25 @@ def step_options(config: ml_collections.ConfigDict) -> StepOptions:
   if is_import_path(augment):
     augment = load_object(augment, 'config.data.augment')
   augment = augment_lib.get_augmentation(augment, 'config.data.augment')
-  return StepOptions(augment=None if augment is augment_lib.identity else augment,
+  return StepOptions(augment=None if augment is augment_lib.identity
+                     else augment_lib.member_augmentation(augment, config.seed),
                      precision=config.get('precision', 'float32'),
                      micro_batches=config.train.get('micro_batches', 1),
                      reproducible=config.get('reproducible', False))
 
 
 def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
-               steps_per_call: int = 1, loss: Loss | None = None) -> TrainStep:
+               steps_per_call: int = 1, loss: tasks.Loss | None = None) -> TrainStep:
   """The compiled train step for these parts (traced at its first call); `loss`
   replaces config.train.loss."""
   parallelism, map_batch_size = form
-  loss = loss or loss_for(parts.config.train.get('loss', 'cross_entropy'))
+  loss = loss or tasks.loss_for(parts.config.train.loss)
   if parts.method.heads:
     loss = mimo.head_loss(loss)
+  objective = gradients.Objective(loss, parts.task.batch_metrics)
   return make_train_step(parts.model, parts.optimizer, parts.mesh, parts.abstract_state,
-                         seed=parts.config.seed, loss=loss,
+                         seed=parts.config.seed, objective=objective,
                          per_member_batches=per_member_batches,
                          member_parallelism=parallelism, map_batch_size=map_batch_size,
                          steps_per_call=steps_per_call, options=step_options(parts.config),
-                         method=parts.method)
+                         hooks=parts.method.hooks)

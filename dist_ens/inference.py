@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, data
+from dist_ens import assemble, configuration, data, tasks
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods
@@ -84,12 +84,13 @@ def preprocess_for(config: ml_collections.ConfigDict,
 
 def _data_shape(config: ml_collections.ConfigDict,
                 meta: dict[str, Any] | None) -> tuple[tuple[int, ...], int]:
-  """(input shape, classes) the parameters were built for: from the checkpoint, or
-  (older checkpoints) from the dataset."""
+  """(input shape, the model's outputs) the parameters were built for: from the
+  checkpoint (whose meta calls the outputs 'num_classes'), or (older checkpoints)
+  from the dataset."""
   if meta and 'input_shape' in meta:
     return tuple(meta['input_shape']), int(meta['num_classes'])
   dataset = data.load_dataset(config.data.name, config.data)
-  return dataset.input_shape, dataset.num_classes
+  return dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
 
 
 def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
@@ -182,7 +183,7 @@ class Ensemble:
       if config_dict is None:
         raise FileNotFoundError(f'{checkpoints} holds no readable checkpoint with a config, '
                                 f'and {config_path} does not exist.')
-      config = ml_collections.ConfigDict(config_dict)
+      config = ml_collections.ConfigDict(configuration.upgrade(config_dict))
       mesh = _mesh_for(config.num_members, list(jax.devices() if devices is None else devices))
       input_shape, num_classes = _data_shape(config, meta)
       parts = assemble.build_parts(config, mesh, input_shape, num_classes)

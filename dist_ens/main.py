@@ -23,12 +23,10 @@ ends in one line on stderr ("dist-ens: error: ...") and a non-zero status.
 """
 
 import contextlib
-import difflib
 import functools
 import json
 import logging as std_logging
 import os
-import re
 import signal
 import sys
 import textwrap
@@ -39,6 +37,7 @@ from absl import app, flags, logging
 import ml_collections
 from ml_collections import config_flags
 
+from dist_ens import configuration
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.parallel import distributed, xla_flags
 
@@ -59,15 +58,8 @@ class Command(NamedTuple):
   main: Callable[[list[str]], None]
 
 
-def _define_config_flag(fv: flags.FlagValues, sys_argv: Sequence[str] | None = None) -> None:
-  config_flags.DEFINE_config_file(
-      'config', None, 'Config file (a .py whose get_config() returns a ConfigDict, e.g. '
-      'configs/default.py); override fields with --config.field=value.',
-      flag_values=fv, lock_config=True, sys_argv=sys_argv)
-
-
 def _define_train_flags(fv: flags.FlagValues) -> None:
-  _define_config_flag(fv)
+  configuration.define_config_flag(fv)
   flags.DEFINE_string('workdir', None, 'Directory for config, metrics, checkpoints and '
                       'results; rerunning with the same one resumes.', flag_values=fv)
   # None (neither --distributed nor --nodistributed): start it if a cluster is detected.
@@ -92,7 +84,7 @@ def _define_train_flags(fv: flags.FlagValues) -> None:
 
 
 def _define_plan_flags(fv: flags.FlagValues) -> None:
-  _define_config_flag(fv)
+  configuration.define_config_flag(fv)
   flags.DEFINE_float('memory_gb', None, 'Memory of ONE device in GB (1e9 bytes); default: '
                      'what the device reports (accelerators), else none.', flag_values=fv)
   flags.DEFINE_bool('json', False, 'Print the plan as one JSON object instead of a table.',
@@ -179,115 +171,15 @@ COMMANDS: dict[str, Command] = {
 }
 
 
-def _config_fields(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
-  """Every dotted field name of `config`, nested ConfigDicts and their fields alike."""
-  names = []
-  for key, value in config.items():
-    names.append(prefix + key)
-    if isinstance(value, ml_collections.ConfigDict):
-      names.extend(_config_fields(value, f'{prefix}{key}.'))
-  return names
-
-
-def _load_config(argv: Sequence[str]) -> ml_collections.ConfigDict | None:
-  """The config file of --config in argv, without overrides (None: none given or loadable)."""
-  path = None
-  for i, arg in enumerate(argv):
-    if arg.startswith(('--config=', '-config=')):
-      path = arg.split('=', 1)[1]
-    elif arg in ('--config', '-config') and i + 1 < len(argv):
-      path = argv[i + 1]
-  if path is None:
-    return None
-  fv = flags.FlagValues()
-  _define_config_flag(fv, sys_argv=['dist-ens', f'--config={path}'])
-  try:
-    fv(['dist-ens', f'--config={path}'])
-  except flags.Error:
-    return None
-  return fv.config
-
-
-def unknown_field_message(argv: Sequence[str]) -> str | None:
-  """For the first --config.X in argv that names no field: the error, with the closest names.
-
-  Example:
-    unknown_field_message(['dist-ens', '--config=configs/default.py',
-                           '--config.optim.learnin_rate=0.1'])
-    # -> '--config.optim.learnin_rate: the config has no field optim.learnin_rate; did you
-    #     mean config.optim.learning_rate?'
-  """
-  config = _load_config(argv)
-  if config is None:
-    return None
-  fields = _config_fields(config)
-  for arg in argv:
-    match = re.match(r'^--?(?:no)?config\.([^=]+)', arg)
-    if not match or match.group(1) in fields:
-      continue
-    path = match.group(1)
-    scored = sorted(((difflib.SequenceMatcher(None, path, f).ratio(), f) for f in fields),
-                    reverse=True)
-    # The best match, and any as good; a poor match misleads more than none.
-    close = [f for score, f in scored[:3] if score >= max(0.75, scored[0][0] - 0.02)]
-    if close:
-      hint = 'did you mean ' + ' or '.join(f'config.{c}' for c in close) + '?'
-    else:  # Name what the deepest existing part of the path holds.
-      parts = path.split('.')
-      known = next(('.'.join(parts[:k]) for k in range(len(parts) - 1, 0, -1)
-                    if '.'.join(parts[:k]) in fields), '')
-      siblings = [f.rpartition('.')[2] for f in fields if f.rpartition('.')[0] == known]
-      hint = f'config{"." if known else ""}{known} has {", ".join(siblings)}'
-    return f'--config.{path}: the config has no field {path}; {hint}'
-  return None
-
-
-def _is_kind(value, kind: type) -> bool:
-  """isinstance, except that a bool is no number and an int may stand for a float."""
-  if isinstance(value, bool) and kind is not bool:
-    return False
-  return isinstance(value, (int, float) if kind is float else kind)
-
-
-def wrong_type_message(argv: Sequence[str], config: ml_collections.ConfigDict) -> str | None:
-  """For an override that turned a tuple of numbers (or strings) into something else: the error.
-
-  ml_collections parses any text as a tuple ('abc' -> ('abc',)), so a mistyped
-  --config.model.widths would surface only deep inside training.
-  """
-  matches = [re.match(r'^--?config\.([^=]+)=.*', arg) for arg in argv]
-  overrides = [(m.group(0), m.group(1)) for m in matches if m]
-  default = _load_config(argv) if overrides else None
-  if default is None:
-    return None
-  fields = _config_fields(default)
-  for arg, path in overrides:
-    if path not in fields:
-      continue
-    old = default
-    for part in path.split('.'):
-      old = old[part]
-    if not isinstance(old, tuple) or not old or len({type(x) for x in old}) != 1:
-      continue
-    new = config
-    for part in path.split('.'):
-      new = new[part]
-    kind = type(old[0])
-    if not isinstance(new, tuple) or not all(_is_kind(x, kind) for x in new):
-      return (f'{arg}: config.{path} holds {kind.__name__}s, e.g. {old}; got {new!r} '
-              f"(write a tuple as --config.{path}='{old}')")
-  return None
-
-
 def _parse_flags(argv: list[str], prog: str) -> list[str]:
   """absl's flag parsing, with every error as one line and a non-zero exit."""
   try:
     rest = FLAGS(argv)
   except flags.Error as e:
-    message = unknown_field_message(argv) or str(e)
+    message = configuration.unknown_field_message(argv) or str(e)
   except (KeyError, AttributeError, TypeError, ValueError):
     # ml_collections raises these for an override of a field that does not exist.
-    message = unknown_field_message(argv)
+    message = configuration.unknown_field_message(argv)
     if message is None:
       raise
   else:
@@ -310,7 +202,7 @@ def _config_problem(argv: Sequence[str]) -> str | None:
     except Exception as e:  # pylint: disable=broad-except
       reason = str(e).strip().splitlines()[-1].strip()  # The most specific line.
       return f'--config={config_flags.get_config_filename(FLAGS["config"])}: {reason}'
-  return wrong_type_message(argv, config)
+  return configuration.wrong_type_message(argv, config)
 
 
 def _print_help(name: str, full: bool) -> None:

@@ -4,7 +4,7 @@ import numpy as np
 import optax
 
 from dist_ens import data
-from dist_ens.core.losses import cross_entropy
+from dist_ens.tasks.classification import cross_entropy
 
 
 def blobs(data_config=None):
@@ -28,3 +28,24 @@ def plain_sgd(values):
 
 def doubled_cross_entropy(logits, labels, hparams):
   return 2.0 * cross_entropy(logits, labels, hparams.get('train.label_smoothing', 0.0))
+
+
+def margin_task():
+  """A user's task: classification with a spare output unit, a logged logit margin and
+  an error rate in the final metrics (tests/test_extensions.py)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from dist_ens import tasks  # pylint: disable=g-import-not-at-top
+  base = tasks.classification()
+
+  def batch_metrics(logits, labels):
+    top2 = jnp.sort(logits, axis=-1)[..., -2:]
+    return {**base.batch_metrics(logits, labels), 'margin': jnp.mean(top2[..., 1] - top2[..., 0])}
+
+  def finalize(sums, examples):
+    out = base.finalize(sums, examples)
+    out['ensemble']['error'] = 1.0 - out['ensemble']['accuracy']
+    return out
+
+  return base._replace(name='margin', output_units=lambda dataset: dataset.num_classes + 1,
+                       batch_metrics=batch_metrics, finalize=finalize,
+                       select_metrics={'nll': False})

@@ -18,6 +18,7 @@ from dist_ens import Ensemble, assemble, data
 from dist_ens.ensembles import batchensemble
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.parallel.layout import Layout
 from test_methods import _Stop, _config, _run
 
 LR = 0.1
@@ -135,5 +136,6 @@ def test_a_model_with_layers_named_shared_or_own_is_wrapped_correctly():
   formed = batchensemble.member_params(params)
   np.testing.assert_array_equal(formed['shared']['kernel'], [[1.0] * 3, [-1.0] * 3])
   paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  specs = [batchensemble.rule(p, jax.ShapeDtypeStruct((1,), jnp.float32)) for p in paths]
+  layout = Layout(shared=batchensemble.is_shared)
+  specs = [layout.leaf_spec(p, jax.ShapeDtypeStruct((1,), jnp.float32)) for p in paths]
   assert specs.count(P()) == 1  # Only the kernel's W is replicated.

@@ -1,4 +1,4 @@
-"""`dist-ens plan --calibrate` (dist_ens.parallel.calibration): times every member form
+"""`dist-ens plan --calibrate` (dist_ens.plan.calibration): times every member form
 side by side, caches the fastest, and member_parallelism='auto' then uses it for runs of
 the same shape only; an explicit form is never overridden."""
 
@@ -9,7 +9,7 @@ import pytest
 
 import dist_ens
 from dist_ens import assemble
-from dist_ens.parallel import calibration
+from dist_ens.plan import calibration
 
 DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
 

@@ -1,5 +1,6 @@
 """Extension points: your own data, optimizer and loss, by import path or from Python."""
 
+import json
 from pathlib import Path
 
 import jax
@@ -68,3 +69,23 @@ def test_loss_doubling_equals_learning_rate_doubling_for_plain_sgd(tmp_path):
   assert doubled['members'] == faster['members']  # x2 is exact in floating point.
   with pytest.raises(ConfigError, match="config.train.loss='hinge'"):
     dist_ens.train(_config(train__loss='hinge'), str(tmp_path / 'c'))
+
+
+def test_a_task_by_import_path_sets_outputs_metrics_and_results(tmp_path):
+  plain = dist_ens.train(_config(), str(tmp_path / 'plain'))
+  got = dist_ens.train(_config(task='ext_fixtures:margin_task'), str(tmp_path / 'task'))
+  # Its finalize ran: the error rate it adds is one minus the accuracy.
+  assert got['ensemble']['error'] == 1.0 - got['ensemble']['accuracy']
+  assert 'error' not in plain['ensemble']
+  events = [json.loads(line) for line in (tmp_path / 'task' / 'metrics.jsonl').open()]
+  train = [e for e in events if e['split'] == 'train']
+  margins = np.asarray([e['members']['margin'] for e in train])
+  assert margins.shape == (2, 4) and (margins > 0).all()  # top-1 minus top-2 logit
+  # The model has the task's 3 output units for 2 classes.
+  ensemble = dist_ens.Ensemble.load(str(tmp_path / 'task'))
+  assert ensemble.predict(np.zeros((5, 6), np.float32)).probs.shape == (5, 3)
+  with pytest.raises(ConfigError, match=r"config.select.metric='accuracy'.*\['nll'\]"):
+    dist_ens.train(_config(task='ext_fixtures:margin_task', select__metric='accuracy'),
+                   str(tmp_path / 'c'))
+  with pytest.raises(ConfigError, match=r"config.task='ranking'.*classification"):
+    dist_ens.train(_config(task='ranking'), str(tmp_path / 'd'))

@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import dist_ens
 from dist_ens import assemble
-from dist_ens.ensembles import sharding
+from dist_ens.parallel.layout import Layout
 from dist_ens.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -72,17 +72,22 @@ def test_every_rejects_a_negative_interval():
     dist_ens.every(-1, lambda ctx: None)
 
 
-def test_sharding_rule_decides_each_leaf(devices):
+def test_layout_decides_each_leaf(devices):
   config = _config()
   mesh = assemble.build_mesh(config, devices)
   parts = assemble.build_parts(config, mesh, (40, 1), 10)
-  specs = sharding.state_specs(parts.abstract_state)
+  specs = parts.layout.state_specs(parts.abstract_state)
   assert specs.step == P() and specs.frozen == P('member')
-  # A rule that shares the first layer's weight between members: replicated, not stacked.
-  shared = lambda path, leaf: (P() if jax.tree_util.keystr(path).startswith('.params[0]')
-                               else sharding.stacked(path, leaf))
-  custom = sharding.state_shardings(parts.abstract_state, mesh, shared)
+  # Sharing the first layer's weight between members: stored once, replicated.
+  shared = Layout(shared=lambda path: jax.tree_util.keystr(path).startswith('.params[0]'))
+  custom = shared.state_shardings(parts.abstract_state, mesh)
   assert custom.params[0]['w'].spec == P() and custom.params[1]['w'].spec == P('member')
+  # A rule sees one member's leaf and the layout prepends the member axis.
+  seen = []
+  rule = lambda path, leaf: seen.append(leaf.shape) or P(*([None] * leaf.ndim))
+  ruled = Layout(rule=rule).state_specs(parts.abstract_state)
+  assert ruled.params[1]['w'] == P('member', None, None)
+  assert parts.abstract_state.params[1]['w'].shape[1:] in seen
 
 
 def test_resume_keeps_training_time_and_labels_its_averages(tmp_path):

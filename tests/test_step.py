@@ -12,7 +12,7 @@ import pytest
 
 import dist_ens
 from dist_ens import assemble, data
-from dist_ens.core.losses import cross_entropy
+from dist_ens.tasks.classification import cross_entropy
 from dist_ens.parallel import mesh as mesh_lib
 
 NUM_MEMBERS, STEPS, BATCH = 8, 20, 32

@@ -1,4 +1,4 @@
-"""One member's loss, accuracy, gradients and new model state on its batch: whole, or
+"""One member's loss, batch metrics, gradients and new model state on its batch: whole, or
 cut into micro-batches (config.train.micro_batches = K).
 
 With K micro-batches every result is the mean of the K micro-batches' results: the
@@ -27,17 +27,22 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from dist_ens.core.losses import Loss
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
 
 PyTree = Any
 
 
+class Objective(NamedTuple):
+  """What a member's batch is scored by, from its task (dist_ens.tasks)."""
+  loss: Callable[..., jax.Array]  # (outputs, targets, hparams) -> the mean loss, trained on
+  metrics: Callable[..., dict[str, jax.Array]]  # (outputs, targets) -> {name: batch mean}
+
+
 class BatchResult(NamedTuple):
   """One member's results on one (micro-)batch."""
   loss: jax.Array  # [] the mean loss
-  accuracy: jax.Array  # [] the fraction of argmax predictions that are right
+  metrics: dict[str, jax.Array]  # {name: []} the task's batch metrics (e.g. accuracy)
   grads: PyTree  # the loss's gradient with respect to the params
   model_state: PyTree  # the model state after this batch
 
@@ -46,18 +51,16 @@ class BatchResult(NamedTuple):
 BatchFn = Callable[..., BatchResult]
 
 
-def batch_fn(model: Model, loss: Loss) -> BatchFn:
+def batch_fn(model: Model, objective: Objective) -> BatchFn:
   """The results of one forward and backward pass over the whole batch (x, y)."""
 
   def run(params, model_state, x, y, key, hp):
     def loss_fn(p):
       logits, new_state = model.apply(p, model_state, x, train=True, rng=key)
-      return loss(logits, y, hp), (logits, new_state)
+      return objective.loss(logits, y, hp), (logits, new_state)
 
     (value, (logits, new_state)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    # Logits may carry head axes ([B, H, C]: MIMO): every head is scored against y.
-    labels = y.reshape(y.shape + (1,) * (logits.ndim - 2))
-    return BatchResult(value, jnp.mean(jnp.argmax(logits, -1) == labels), grads, new_state)
+    return BatchResult(value, objective.metrics(logits, y), grads, new_state)
 
   return run
 

@@ -2,7 +2,7 @@
 
 Every leaf of params, model_state and opt_state has a leading member axis [M, ...];
 `step` is one replicated counter. How each leaf is laid out on the mesh is a
-per-leaf rule (dist_ens.ensembles.sharding), not a property of this type.
+per-leaf rule (dist_ens.parallel.layout), not a property of this type.
 """
 
 from collections.abc import Mapping
@@ -12,10 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from dist_ens.core import rng
+from dist_ens.core.hooks import MethodHooks
 from dist_ens.core.model import Model, is_kernel
 from dist_ens.core.optim import Optimizer
-from dist_ens.ensembles import batchensemble
-from dist_ens.ensembles.methods import Method
 
 PyTree = Any
 
@@ -46,7 +45,7 @@ def scale_init(params: PyTree, init_scale: float | jax.Array | None) -> PyTree:
 
 def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
                sample_x: jax.Array, hparams: Mapping[str, jax.Array],
-               method: Method | None = None) -> TrainState:
+               hooks: MethodHooks = MethodHooks()) -> TrainState:
   """All members' initial state; member i's depends only on (seed, i) and its hyperparameters.
 
   Args:
@@ -56,7 +55,7 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
     num_members: M.
     sample_x: a batch of inputs [B, *input_shape] (shapes only; e.g. zeros).
     hparams: per-member hyperparameters, each [M] (dist_ens.core.hparams.resolve).
-    method: the ensemble method (dist_ens.ensembles.methods); None: independent members.
+    hooks: the ensemble method's (core.hooks); the default: independent members.
   """
   keys = rng.member_keys(seed, jnp.arange(num_members, dtype=jnp.uint32))
   hparams = dict(hparams)
@@ -66,13 +65,14 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
     return scale_init(params, hp.get('model.init_scale')), model_state
 
   params, model_state = jax.vmap(one)(keys, hparams)
-  if method is not None and method.shares:
-    params = batchensemble.from_members(params, keys)
-    opt_state = batchensemble.init_opt_state(optimizer, params, hparams)
+  if hooks.init_params is not None:
+    params = hooks.init_params(params, keys)
+  if hooks.init_opt_state is not None:
+    opt_state = hooks.init_opt_state(optimizer, params, hparams)
   else:
     opt_state = jax.vmap(lambda hp, p: optimizer(hp).init(p))(hparams, params)
-  collected = (jax.vmap(method.init)(params, model_state) if method is not None and method.collects
-               else ())
+  collected = (() if hooks.init_collected is None
+               else jax.vmap(hooks.init_collected)(params, model_state))
   return TrainState(params=params, model_state=model_state, opt_state=opt_state,
                     frozen=jnp.zeros((num_members,), jnp.bool_), step=jnp.zeros((), jnp.int32),
                     method_state=collected)

@@ -21,26 +21,24 @@ import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from dist_ens.core import gradients, precision, rng as rng_lib
-from dist_ens.core.losses import Loss, smoothed_cross_entropy
+from dist_ens.core.axes import DATA, MEMBER
+from dist_ens.core.hooks import MethodHooks
+from dist_ens.core.members import over_members
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer
 from dist_ens.core.state import TrainState
-from dist_ens.data import augment as augment_lib
-from dist_ens.data.augment import Augmentation
-from dist_ens.ensembles import batchensemble
-from dist_ens.ensembles.methods import Method, sharding_rule
-from dist_ens.ensembles.sharding import state_specs
-from dist_ens.parallel.mesh import DATA, MEMBER
-from dist_ens.parallel.strategy import over_members
 
 PyTree = Any
 Hparams = Mapping[str, jax.Array]
+# augment(x [B, ...], member, step, index [B]) -> x: per-example draws keyed by (seed,
+# member, step, example index), so the same on any mesh (dist_ens.data.augment).
+BatchAugment = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
 
 class StepMetrics(NamedTuple):
   """Per-member metrics of one step on its train batch, each [M]."""
   loss: jax.Array
-  accuracy: jax.Array
+  metrics: dict[str, jax.Array]  # the task's batch metrics (e.g. accuracy)
   nonfinite: jax.Array  # [M] bool: this step's loss or gradient was not finite.
 
 
@@ -84,22 +82,22 @@ class TrainStep:
 
 class StepOptions(NamedTuple):
   """How one member's update treats its batch (config fields in brackets)."""
-  augment: Augmentation | None = None  # per-example fn(key, x) -> x  [data.augment]
+  augment: BatchAugment | None = None  # [data.augment]
   precision: str = 'float32'  # what the model computes in  [precision]
   micro_batches: int = 1  # the batch is cut into this many  [train.micro_batches]
   reproducible: bool = False  # bit-identical on any mesh and M  [reproducible]
 
 
-def member_results_fn(model: Model, seed: int, loss: Loss = smoothed_cross_entropy,
+def member_results_fn(model: Model, seed: int, objective: gradients.Objective,
                       options: StepOptions = StepOptions(),
                       data_size: int = 1) -> Callable[..., gradients.BatchResult]:
   """results(params, model_state, hp, member, step, x, y, index) for ONE member: its loss,
-  accuracy, gradients and new model state on its batch (core.gradients.BatchResult).
+  batch metrics, gradients and new model state on its batch (core.gradients.BatchResult).
 
   `index` holds the examples' indices in the training split (used by augmentation
   only; None without it).
   """
-  one_batch = gradients.batch_fn(precision.with_precision(model, options.precision), loss)
+  one_batch = gradients.batch_fn(precision.with_precision(model, options.precision), objective)
   if options.reproducible:
     batch_results = gradients.canonical(one_batch, options.micro_batches, DATA, data_size)
   else:
@@ -107,8 +105,7 @@ def member_results_fn(model: Model, seed: int, loss: Loss = smoothed_cross_entro
 
   def results(params, model_state, hp, member, step, x, y, index=None):
     if options.augment is not None:
-      keys = augment_lib.example_keys(seed, member, step, index)
-      x = augment_lib.augment_batch(x, keys, options.augment)
+      x = options.augment(x, member, step, index)
     return batch_results(params, model_state, x, y, rng_lib.train_key(seed, member, step), hp)
 
   return results
@@ -122,8 +119,8 @@ def member_apply_fn(optimizer: Optimizer) -> Callable[..., Any]:
   finite is frozen: from then on its optimizer sees zero gradients (its state stays
   finite), its parameters zero updates and its model state is kept. Masking
   gradients and updates, rather than selecting old-vs-new state afterwards, lets XLA
-  update the optimizer moments in place (the select made it copy them every step:
-  12-34% of a dense model's CPU step).
+  update the optimizer moments in place; the select made it copy them every step
+  (benchmarks/HISTORY.md, "Open work, done or superseded", 3).
   """
 
   unless = _apply_unless(optimizer)
@@ -146,17 +143,17 @@ def _apply_unless(optimizer: Optimizer) -> Callable[..., Any]:
     new_model_state = jax.tree.map(lambda old, new: jnp.where(keep, old, new), model_state,
                                    result.model_state)
     return (new_params, new_model_state, new_opt_state, keep,
-            StepMetrics(result.loss, result.accuracy, nonfinite))
+            StepMetrics(result.loss, result.metrics, nonfinite))
 
   return apply
 
 
 def member_update_fn(model: Model, optimizer: Optimizer, seed: int,
-                     loss: Loss = smoothed_cross_entropy,
+                     objective: gradients.Objective,
                      options: StepOptions = StepOptions(), data_size: int = 1) -> Callable[..., Any]:
   """update(params, model_state, opt_state, frozen, hp, member, step, x, y, index) for ONE
   member: member_results_fn then member_apply_fn."""
-  results, apply = member_results_fn(model, seed, loss, options, data_size), member_apply_fn(
+  results, apply = member_results_fn(model, seed, objective, options, data_size), member_apply_fn(
       optimizer)
 
   def update(params, model_state, opt_state, frozen, hp, member, step, x, y, index=None):
@@ -171,8 +168,8 @@ def member_update_fn(model: Model, optimizer: Optimizer, seed: int,
 _STATE_RESULTS = 4
 
 
-def _members_update(model, optimizer, seed, loss, options, data_size, parallelism,
-                    map_batch_size, batch_axis, method):
+def _members_update(model, optimizer, seed, objective, options, data_size, parallelism,
+                    map_batch_size, batch_axis, hooks):
   """update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over a
   device's block of members.
 
@@ -183,17 +180,17 @@ def _members_update(model, optimizer, seed, loss, options, data_size, parallelis
   one Adam step), whereas a member-shaped body compiles alike everywhere.
   """
   batch_axes = (batch_axis,) * 3
-  if method is not None and method.shares:  # BatchEnsemble (reproducible mode refused).
-    return batchensemble.members_update(
-        member_results_fn(model, seed, loss, options, data_size), member_apply_fn(optimizer),
+  if hooks.members_update is not None:  # BatchEnsemble (reproducible mode refused).
+    return hooks.members_update(
+        member_results_fn(model, seed, objective, options, data_size), member_apply_fn(optimizer),
         optimizer, parallelism, batch_axis, map_batch_size)
   if options.reproducible or parallelism != 'vmap':
-    return over_members(member_update_fn(model, optimizer, seed, loss, options, data_size),
+    return over_members(member_update_fn(model, optimizer, seed, objective, options, data_size),
                         'map' if options.reproducible else parallelism,
                         in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes,
                         map_batch_size=None if options.reproducible else map_batch_size,
                         in_place=_STATE_RESULTS)
-  return _vmapped_update(member_results_fn(model, seed, loss, options, data_size),
+  return _vmapped_update(member_results_fn(model, seed, objective, options, data_size),
                          _apply_unless(optimizer), batch_axes)
 
 
@@ -206,8 +203,8 @@ def _vmapped_update(results, apply, batch_axes):
 
   Squeezing the state too made XLA:CPU fuse the new optimizer moments into both their own
   outputs and the parameters' update, recomputing them there from the old moments, which
-  it then copied every step: the big MLP's step at M=1 ran at 0.87x a Python loop of plain
-  per-member updates, and runs at 1.32x this way (BENCHMARKS.md, "Today's figures").
+  it then copied every step, which made a one-member step slower than a Python loop of
+  plain per-member updates (BENCHMARKS.md, "Today's figures").
   """
 
   def checked(*args):
@@ -223,13 +220,13 @@ def _vmapped_update(results, apply, batch_axes):
   return update
 
 
-def _state_update(members_update, method: Method | None, reproducible: bool):
+def _state_update(members_update, hooks: MethodHooks, reproducible: bool):
   """update(state, hparams, members, x, y, index) -> (state, metrics) for a device's
   block of members: every member's update (_members_update), then what the ensemble
   method collects from the new parameters (nothing for independent members)."""
   collect = None
-  if method is not None and method.collects:
-    collect = over_members(method.collect, 'map' if reproducible else 'vmap',
+  if hooks.collect is not None:
+    collect = over_members(hooks.collect, 'map' if reproducible else 'vmap',
                            in_axes=(0, 0, 0, None))
 
   def update(state, hparams, members, x, y, index):
@@ -245,19 +242,21 @@ def _state_update(members_update, method: Method | None, reproducible: bool):
 
 
 def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call: int,
-           manual_data: bool, method: Method | None):
-  """How shard_map's manual axes split the state, the batch and the metrics."""
+           manual_data: bool):
+  """How shard_map's manual axes split the state (as its shardings say), the batch and
+  the metrics."""
   batch_axes = (MEMBER,) if per_member_batches else ()
   if manual_data:
     batch_axes += (DATA,)
   batch_spec, metrics_spec = P(*batch_axes), P(MEMBER)
   if steps_per_call > 1:
     batch_spec, metrics_spec = P(None, *batch_spec), P(None, MEMBER)
-  return state_specs(abstract_state, sharding_rule(method)), batch_spec, metrics_spec
+  state_specs = jax.tree.map(lambda leaf: leaf.sharding.spec, abstract_state)
+  return state_specs, batch_spec, metrics_spec
 
 
 def _layout(mesh: Mesh, abstract_state: TrainState, per_member_batches: bool,
-            steps_per_call: int, reproducible: bool, method: Method | None):
+            steps_per_call: int, reproducible: bool):
   """(shard_map's manual axes, (state, batch, metrics specs)).
 
   Manual over 'member' only; 'data' stays global-view inside (see the module doc).
@@ -267,24 +266,26 @@ def _layout(mesh: Mesh, abstract_state: TrainState, per_member_batches: bool,
   """
   manual_data = reproducible and mesh.shape[DATA] > 1
   manual = set(mesh.axis_names) if mesh.shape[DATA] == 1 or manual_data else {MEMBER}
-  return manual, _specs(abstract_state, per_member_batches, steps_per_call, manual_data, method)
+  return manual, _specs(abstract_state, per_member_batches, steps_per_call, manual_data)
 
 
 def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_state: TrainState,
-                    *, seed: int = 0, loss: Loss = smoothed_cross_entropy,
+                    *, objective: gradients.Objective, seed: int = 0,
                     per_member_batches: bool = False, member_parallelism: str = 'vmap',
                     map_batch_size: int | None = None, steps_per_call: int = 1,
-                    options: StepOptions = StepOptions(), method: Method | None = None) -> TrainStep:
+                    options: StepOptions = StepOptions(),
+                    hooks: MethodHooks = MethodHooks()) -> TrainStep:
   """Builds the jitted, sharded step; the input state is donated.
 
   Args:
-    model, optimizer, seed, loss: what one member's update is made of.
+    model, optimizer, seed, objective: what one member's update is made of (the
+      objective: the task's loss and batch metrics, core.gradients.Objective).
     mesh: the ('member', 'data') mesh.
-    abstract_state: the state's shapes; their specs (ensembles.sharding) lay it out.
+    abstract_state: the state's shapes, carrying their shardings (parallel.layout).
     per_member_batches: x, y are [M, B, ...] (each member its own batch, sharded
       over ('member', 'data')); otherwise [B, ...], shared by all members.
     member_parallelism: 'vmap' or 'map', how each device runs its members
-      (parallel.strategy.over_members), map_batch_size members at a time for 'map'.
+      (core.members.over_members), map_batch_size members at a time for 'map'.
     steps_per_call: K > 1 runs K steps per call in a lax.scan: x and y get a
       leading axis of K batches and every metric one of K steps ([K, M]). The host
       then dispatches once per K steps, which small models on accelerators need.
@@ -292,16 +293,16 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
       augmentation the step takes a third batch array, the examples' indices
       (shaped like y). Reproducible mode runs each member and each micro-batch at
       one fixed shape ('map' over members, manual over 'data'; core.gradients).
-    method: the ensemble method whose collect() runs after every member's update
-      (dist_ens.ensembles.methods); None: independent members, nothing collected.
+    hooks: the ensemble method's (core.hooks: its member update, what it collects
+      after every step); the default: independent members, nothing collected.
   """
   if not isinstance(steps_per_call, int) or steps_per_call < 1:
     raise ValueError(f'steps_per_call={steps_per_call!r} must be an int >= 1.')
   update = _state_update(
-      _members_update(model, optimizer, seed, loss, options, mesh.shape[DATA],
+      _members_update(model, optimizer, seed, objective, options, mesh.shape[DATA],
                       member_parallelism, map_batch_size, 0 if per_member_batches else None,
-                      method),
-      method, options.reproducible)
+                      hooks),
+      hooks, options.reproducible)
 
   def local_step(state, hparams, *batch):
     local_members = state.frozen.shape[0]
@@ -316,7 +317,7 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
     return jax.lax.scan(one_step, state, batch)
 
   manual, (specs, batch_spec, metrics_spec) = _layout(
-      mesh, abstract_state, per_member_batches, steps_per_call, options.reproducible, method)
+      mesh, abstract_state, per_member_batches, steps_per_call, options.reproducible)
   step = TrainStep(fn=None, uses_index=options.augment is not None)
 
   def traced(state, hparams, *batch):

@@ -108,6 +108,16 @@ def get_augmentation(spec: str | Augmentation,
   return AUGMENTATIONS[spec]
 
 
+def member_augmentation(fn: Augmentation, seed: int) -> Callable[..., jax.Array]:
+  """augment(x [B, ...], member, step, index [B]) -> x: `fn` on every example with its key
+  from (seed, member, step, example index) (example_keys), as the train step calls it."""
+
+  def augment(x, member, step, index):
+    return augment_batch(x, example_keys(seed, member, step, index), fn)
+
+  return augment
+
+
 def augment_batch(x: jax.Array, keys: jax.Array, fn: Augmentation = crop_flip) -> jax.Array:
   """fn applied to every example of x [B, ...] with its key from keys [B].
 

@@ -10,7 +10,8 @@ leaf replaced by a small dict:
   kernel      {'shared': W, 'r': r [M, in], 's': s [M, out]}
   otherwise   {'own': p [M, ...]}
 
-so the shared W is ONE array, replicated over the mesh (`rule`), and the rest is
+so the shared W is ONE array, replicated over the mesh (`is_shared` tells the layout),
+and the rest is
 stacked over 'member' like any member's state. Members train in one pass: each
 member's loss and gradients are a deep member's (its own batch, dropout and
 BatchNorm); W's gradient is the mean over the members' (of those not frozen, over
@@ -26,11 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import PartitionSpec as P
 
+from dist_ens.core.axes import MEMBER
+from dist_ens.core.members import over_members
 from dist_ens.core.model import is_kernel
-from dist_ens.parallel.mesh import MEMBER
-from dist_ens.parallel.strategy import over_members
 
 PyTree = Any
 SHARED = 'shared'
@@ -49,11 +49,6 @@ def is_shared(path: tuple[Any, ...]) -> bool:
   Every parameter is wrapped in an entry, so a path's last key is always 'shared',
   'r', 's' or 'own', whatever the model names its layers."""
   return bool(path) and getattr(path[-1], 'key', None) == SHARED
-
-
-def rule(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> P:
-  """The sharding rule: shared leaves (and scalars) replicated, the rest over 'member'."""
-  return P() if leaf.ndim == 0 or is_shared(path) else P(MEMBER)
 
 
 def _random_sign(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:

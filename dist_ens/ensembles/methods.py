@@ -31,7 +31,6 @@ update (so they work on any mesh, and their state is checkpointed with the rest)
 """
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,7 +40,8 @@ import ml_collections
 from jax.sharding import Mesh
 
 from dist_ens.core import rng
-from dist_ens.ensembles import batchensemble, sharding
+from dist_ens.core.hooks import MethodHooks
+from dist_ens.ensembles import batchensemble
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -71,6 +71,18 @@ class Method(NamedTuple):
     """Whether members collect anything while training (the step runs `collect`)."""
     return self.name in COLLECTING
 
+  @property
+  def hooks(self) -> MethodHooks:
+    """What this method changes in core: how members are born, updated, collect."""
+    if self.shares:
+      return MethodHooks(init_params=batchensemble.from_members,
+                         init_opt_state=batchensemble.init_opt_state,
+                         members_update=batchensemble.members_update,
+                         shared=batchensemble.is_shared)
+    if self.collects:
+      return MethodHooks(init_collected=self.init, collect=self.collect)
+    return MethodHooks()
+
 
 def _deep() -> Method:
   return Method('deep', init=lambda params, state: (),
@@ -82,11 +94,6 @@ def _deep() -> Method:
 
 def _batchensemble() -> Method:
   return _deep()._replace(name='batchensemble', shares=True)
-
-
-def sharding_rule(method: Method | None) -> sharding.ShardingRule:
-  """How the method's train state is laid out (ensembles.sharding)."""
-  return batchensemble.rule if method is not None and method.shares else sharding.stacked
 
 
 def _snapshot(cycles: int, total_steps: int, start: int = 0, rate: float = 1.0) -> Method:

@@ -22,7 +22,7 @@ model: any mesh, checkpoints and Ensemble.load work unchanged.
 import jax
 import jax.numpy as jnp
 
-from dist_ens.core.losses import Loss
+from dist_ens.tasks.task import Loss
 from dist_ens.core.model import Model
 
 # Stream tag of the heads' permutations within a step's key (dropout uses the key itself).

@@ -102,10 +102,13 @@ def member_log_probs(model: Model, variables: Any, x: jax.Array, *, mc_samples: 
   return jax.vmap(one_member)(params, model_state, members)
 
 
-def make_eval_step(model: Model, mesh: Mesh) -> EvalStep:
-  """(variables, x, y, mask, member_mask) -> metrics.BatchEval of the batch, replicated.
+def make_eval_step(model: Model, mesh: Mesh,
+                   eval_batch: Callable[..., Any] = metrics.eval_batch) -> EvalStep:
+  """(variables, x, y, mask, member_mask) -> `eval_batch` of the batch, replicated.
 
-  `variables` is (params, model_state) of all members, sharded over 'member'.
+  `variables` is (params, model_state) of all members, sharded over 'member';
+  `eval_batch` is the task's (dist_ens.tasks.Task.eval_batch; classification's
+  metrics.eval_batch by default) of every member's outputs.
 
   Example:
     step = make_eval_step(model, mesh)
@@ -114,7 +117,7 @@ def make_eval_step(model: Model, mesh: Mesh) -> EvalStep:
   """
 
   def eval_step(variables, x, y, mask, member_mask):
-    return metrics.eval_batch(member_logits(model, variables, x), y, mask, member_mask)
+    return eval_batch(member_logits(model, variables, x), y, mask, member_mask)
 
   data, members = batch_sharding(mesh), member_sharding(mesh)
   return jax.jit(eval_step, in_shardings=(members, data, data, data, members),
@@ -171,7 +174,8 @@ def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size
 
 
 def evaluate(eval_step: EvalStep, variables: Any, split: Split, batch_size: int, mesh: Mesh,
-             member_mask: jax.Array) -> dict[str, Any]:
+             member_mask: jax.Array,
+             finalize: Callable[..., dict[str, Any]] = metrics.finalize) -> dict[str, Any]:
   """Final metrics (see metrics.finalize) of every member and the ensemble on `split`.
 
   Example:
@@ -179,11 +183,13 @@ def evaluate(eval_step: EvalStep, variables: Any, split: Split, batch_size: int,
     results['ensemble']['adaptive_ece'], results['members']['accuracy'][0]
   """
   out = evaluate_split(eval_step, variables, split, batch_size, mesh, member_mask)
-  return metrics.finalize(out.sums, out.examples)
+  return finalize(out.sums, out.examples)
 
 
 def evaluate_ood(eval_step: EvalStep, variables: Any, in_split: Split, ood_split: Split,
-                 batch_size: int, mesh: Mesh, member_mask: jax.Array) -> dict[str, Any]:
+                 batch_size: int, mesh: Mesh, member_mask: jax.Array,
+                 ood_metrics: Callable[..., dict[str, Any]] = metrics.ood_metrics
+                 ) -> dict[str, Any]:
   """How well the ensemble's uncertainty tells `ood_split` from `in_split`.
 
   OOD is the positive class and higher entropy / mutual information means "more
@@ -206,7 +212,7 @@ def evaluate_ood(eval_step: EvalStep, variables: Any, in_split: Split, ood_split
                      f'in-distribution inputs {in_split.x.shape[1:]}; they must match.')
   inside = evaluate_split(eval_step, variables, in_split, batch_size, mesh, member_mask)
   outside = evaluate_split(eval_step, variables, ood_split, batch_size, mesh, member_mask)
-  return metrics.ood_metrics(inside.examples, outside.examples)
+  return ood_metrics(inside.examples, outside.examples)
 
 
 def member_mask_from_frozen(frozen: jax.Array) -> jax.Array:
@@ -325,10 +331,14 @@ class Evaluator:
   """
 
   def __init__(self, eval_step: EvalStep, mesh: Mesh, batch_size: int,
-               view: Callable[[Any], Any] = lambda state: state):
+               view: Callable[[Any], Any] = lambda state: state,
+               finalize: Callable[..., dict[str, Any]] = metrics.finalize,
+               ood_metrics: Callable[..., dict[str, Any]] = metrics.ood_metrics):
     """`view(state)` is the members as they predict (.params, .model_state, .frozen):
-    the state itself, or ensembles.methods.trained_members for BatchEnsemble."""
+    the state itself, or ensembles.methods.trained_members for BatchEnsemble.
+    `finalize` and `ood_metrics` are the task's (dist_ens.tasks.Task)."""
     self.eval_step, self.mesh, self.batch_size, self.view = eval_step, mesh, batch_size, view
+    self.finalize, self.ood_metrics = finalize, ood_metrics
 
   def evaluate(self, state: Any, split: Split, member_mask: jax.Array | None = None
                ) -> dict[str, Any]:
@@ -339,10 +349,11 @@ class Evaluator:
     # A small split is evaluated in one batch, not padded up to the batch size.
     batch_size = min(self.batch_size, len(split.y))
     return evaluate(self.eval_step, (state.params, state.model_state), split, batch_size,
-                    self.mesh, member_mask)
+                    self.mesh, member_mask, self.finalize)
 
   def ood(self, state: Any, in_split: Split, ood_split: Split) -> dict[str, Any]:
     """AUROC/AUPR of telling `ood_split` from `in_split` by the ensemble's uncertainty."""
     state = self.view(state)
     return evaluate_ood(self.eval_step, (state.params, state.model_state), in_split, ood_split,
-                        self.batch_size, self.mesh, member_mask_from_frozen(state.frozen))
+                        self.batch_size, self.mesh, member_mask_from_frozen(state.frozen),
+                        self.ood_metrics)

@@ -103,16 +103,26 @@ def _duration(seconds: float) -> str:
   return f'{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}'
 
 
-def progress_line(step: int, total: int, loss: np.ndarray, accuracy: np.ndarray,
+# Short names of the task's batch metrics in progress lines.
+_SHORT = {'accuracy': 'acc'}
+
+
+def metrics_text(batch_metrics: dict[str, np.ndarray]) -> str:
+  """'acc 0.812': each of the task's batch metrics, the mean over members, 3 decimals."""
+  return '  '.join(f'{_SHORT.get(k, k)} {v.mean():.3f}' for k, v in batch_metrics.items())
+
+
+def progress_line(step: int, total: int, loss: np.ndarray, batch_metrics: dict[str, np.ndarray],
                   examples_per_s: float, eta_s: float, input_demand_per_s: float | None = None,
                   input_capacity_per_s: float | None = None) -> str:
-  """One log line: step, member loss mean/min/max, train accuracy, throughput, ETA.
+  """One log line: step, member loss mean/min/max, the task's batch metrics (train
+  accuracy), throughput, ETA.
 
   With the input figures: the examples per second the step consumed and the rate
   the input pipeline could deliver (its examples per second of busy time).
   """
   line = (f'step {step}/{total}  loss mean {loss.mean():.4f} min {loss.min():.4f} '
-          f'max {loss.max():.4f}  acc {accuracy.mean():.3f}  '
+          f'max {loss.max():.4f}  {metrics_text(batch_metrics)}  '
           f'{examples_per_s:,.0f} member-examples/s  ETA {_duration(eta_s)}')
   if input_demand_per_s is not None and input_capacity_per_s is not None:
     line += (f'  input: step takes {input_demand_per_s:,.0f} ex/s, pipeline gives '

@@ -14,9 +14,9 @@ from absl import logging
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dist_ens.core.axes import DATA, MEMBER
 from dist_ens.errors import ConfigError
 
-MEMBER, DATA = 'member', 'data'
 AXES = (MEMBER, DATA)
 HOSTS_ALONG = ('member', 'data')
 

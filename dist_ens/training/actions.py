@@ -22,7 +22,6 @@ from absl import logging
 
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.errors import TrainingError
-from dist_ens.eval import metrics
 from dist_ens.io import progress as progress_lib, tables
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.training.loop import Context, PeriodicAction
@@ -105,7 +104,8 @@ class TrainLog(PeriodicAction):
     now = ctx.train_clock()
     elapsed, self._mark, self._interval = now - self._mark, now, []
     steps = len(fetched.loss)
-    loss, accuracy = fetched.loss.mean(axis=0), fetched.accuracy.mean(axis=0)
+    loss = fetched.loss.mean(axis=0)
+    batch_metrics = {k: v.mean(axis=0) for k, v in fetched.metrics.items()}
     rate = m * ctx.config.data.batch_size * steps / elapsed
     # Examples the input pipeline delivered per step (one batch, or one per member) and
     # could deliver (per second of its busy time).
@@ -117,13 +117,14 @@ class TrainLog(PeriodicAction):
     eta = (ctx.train_seconds() - ctx.saved_meta.get('train_seconds', 0.0)) / max(
         ctx.step - ctx.start_step, 1) * (ctx.total_steps - ctx.step)
     ctx.write({'step': ctx.step, 'split': 'train', 'steps_averaged': steps,
-               'members': {'loss': loss.tolist(), 'accuracy': accuracy.tolist()},
+               'members': {'loss': loss.tolist(), **{k: v.tolist() for k, v in batch_metrics.items()}},
                'member_examples_per_s': rate, 'input_examples_per_s': demand,
                'input_pipeline_capacity_per_s': supply})
     self._progress.update(
-        ctx.step, progress_lib.progress_line(ctx.step, ctx.total_steps, loss, accuracy, rate,
-                                             eta, demand, supply),
-        postfix=f'loss {loss.mean():.4f} acc {accuracy.mean():.3f} {rate:,.0f} member-ex/s')
+        ctx.step, progress_lib.progress_line(ctx.step, ctx.total_steps, loss, batch_metrics,
+                                             rate, eta, demand, supply),
+        postfix=f'loss {loss.mean():.4f} {progress_lib.metrics_text(batch_metrics)} '
+                f'{rate:,.0f} member-ex/s')
     self._check_nonfinite(ctx, fetched.nonfinite)
 
   def _check_nonfinite(self, ctx: Context, nonfinite: np.ndarray) -> None:
@@ -205,7 +206,7 @@ class SelectTopK(PeriodicAction):
     rows = tables.member_rows({**ctx.results, 'frozen_members': sorted(frozen),
                                'num_members': ctx.config.num_members}, ctx.parts.hparams,
                               ctx.results.get('validation'), metric,
-                              metrics.higher_is_better(metric))
+                              ctx.parts.task.select_metrics[metric])
     chosen = sorted(r['member'] for r in rows[:k] if not r['frozen'])
     mask = np.zeros(ctx.config.num_members, bool)
     mask[chosen] = True

@@ -97,7 +97,7 @@ class Context:
     the dataset or config.json (the config, input shape, classes), and the training
     time so far."""
     return {'train_seconds': self.train_seconds(), 'input_shape': list(self.parts.input_shape),
-            'num_classes': self.parts.num_classes,
+            'num_classes': self.parts.num_outputs,  # the model's outputs (format 2's name)
             'config': json.loads(self.config.to_json())}
 
   def train_seconds(self) -> float:

@@ -17,15 +17,14 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, configuration, data
+from dist_ens import assemble, configuration, data, tasks
+from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
-from dist_ens.core.losses import Loss, loss_for
 from dist_ens.ensembles import methods
-from dist_ens.eval import metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.io import tables, writers
-from dist_ens.parallel import calibration, distributed, mesh as mesh_lib, strategy, xla_flags
+from dist_ens.parallel import distributed, form_cache, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import actions as actions_lib, posthoc, workdir as workdir_lib
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
@@ -76,7 +75,7 @@ def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
   config_dict = configuration.to_dict(config)
   saved, step = _saved_run(workdir)
   if saved is not None:
-    differing = configuration.differences(saved, config_dict)
+    differing = configuration.differences(configuration.upgrade(saved), config_dict)
     if step > config.train.steps:
       raise configuration.ConfigError(
           f'config.train.steps={config.train.steps} but the workdir holds a checkpoint at step '
@@ -120,11 +119,12 @@ def _step_flops(config: ml_collections.ConfigDict, parts: assemble.Parts) -> flo
   forwards), for steps_per_call 'auto' on a CPU; None when not known."""
   forward = strategy.forward_flops(parts.model, parts.input_shape,
                                    config.data.batch_size // parts.mesh.shape[mesh_lib.DATA])
-  return None if forward is None else 3 * forward * calibration.members_per_device(parts)
+  return None if forward is None else 3 * forward * form_cache.members_per_device(parts)
 
 
-# On a multi-device CPU mesh more queued steps than this deadlock XLA's collectives
-# (measured: an abort after 64 s with sync_every=64 on 4x2); 16 leaves a margin.
+# On a multi-device CPU mesh too many queued steps deadlock XLA's collectives; 16 leaves a
+# margin below where that was seen (benchmarks/HISTORY.md, "Figures that lived in code
+# comments").
 _CPU_MAX_SYNC_EVERY = 16
 
 
@@ -183,13 +183,14 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   run_data = assemble.build_data(config, dataset)
   dataset = run_data.dataset
   config = configuration.resolve_epochs(config, dataset.train.num_examples)
-  parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes,
+  parts = assemble.build_parts(config, mesh, dataset.input_shape,
+                               tasks.get_task(config.task).output_units(dataset),
                                optimizer=optimizer)
   form = assemble.member_form(parts, config.data.batch_size)
   _check_sync_every(config, parts.mesh)
   writers.check_writer_names(config.writers)
   if loss is None:
-    loss_for(config.train.loss)
+    tasks.loss_for(config.train.loss)
   return run_data, parts, form
 
 
@@ -230,9 +231,11 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
                 state=restored.state, step=restored.step, start_step=restored.step,
                 total_steps=config.train.steps, steps_per_call=k,
                 hparams=parts.device_hparams(),
-                evaluator=Evaluator(make_eval_step(parts.model, mesh), mesh,
-                                    config.eval.batch_size, view=functools.partial(
-                                        methods.trained_members, parts.method, mesh=mesh)),
+                evaluator=Evaluator(make_eval_step(parts.model, mesh, parts.task.eval_batch),
+                                    mesh, config.eval.batch_size, view=functools.partial(
+                                        methods.trained_members, parts.method, mesh=mesh),
+                                    finalize=parts.task.finalize,
+                                    ood_metrics=parts.task.ood_metrics),
                 writer=writer, saved_meta=restored.meta, batches=batches)
   return ctx, train_step, checkpointer
 
@@ -374,7 +377,7 @@ def _finish(ctx: Context, traces: int, checkpoint_seconds: float) -> dict[str, A
   final.update(results)  # ood, validation, selected, and what user actions added.
   metric = config.select.metric
   rows = tables.member_rows(final, ctx.parts.hparams, final.get('validation'), metric,
-                            metrics.higher_is_better(metric))
+                            ctx.parts.task.select_metrics[metric])
   writers.write_json(ctx.workdir / 'final_metrics.json', final)
   writers.write_members_csv(ctx.workdir / 'members.csv', rows)
   logging.info('final test metrics:\n%s', tables.results_table(final))

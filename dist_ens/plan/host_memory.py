@@ -3,7 +3,7 @@
 A CPU device's buffers live in the host's memory, beside the compiled programs XLA:CPU
 loads into the process (which its memory analysis does not count): `dist-ens plan`
 measures those programs and a dry run of the step with these readings on a CPU
-(dist_ens/dry_run.py).
+(dist_ens/plan/dry_run.py).
 """
 
 STATUS = '/proc/self/status'

@@ -10,70 +10,23 @@ precision, optimizer, members per device and each device's batch. Every later
 'auto' run with the same key uses the cached form; an explicit 'vmap' or 'map'
 is never overridden.
 
-The cache is one JSON file: $DIST_ENS_CALIBRATION, else
-~/.cache/dist_ens/calibration.json.
+The cache is dist_ens/parallel/form_cache.py's.
 """
 
-import hashlib
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 
-from dist_ens.parallel.mesh import DATA, MEMBER, batch_sharding
+from dist_ens.parallel.form_cache import CACHE_ENV, lookup, members_per_device, run_key, store
+from dist_ens.parallel.mesh import batch_sharding
 from dist_ens.parallel.strategy import Form
 
-CACHE_ENV = 'DIST_ENS_CALIBRATION'
-
-
-def cache_path() -> Path:
-  return Path(os.environ.get(CACHE_ENV) or Path.home() / '.cache' / 'dist_ens' /
-              'calibration.json')
-
-
-def key(config: ml_collections.ConfigDict, device: jax.Device, members_per_device: int,
-        batch_per_device: int) -> str:
-  """What a step's speed depends on, as a short stable hash (and the fields it hashes)."""
-  fields = {'platform': device.platform, 'device_kind': device.device_kind,
-            'model': config.model.to_dict(), 'data': config.data.name,
-            'precision': config.get('precision', 'float32'), 'optim': config.optim.name,
-            'method': config.get('ensemble', {}).get('method', 'deep'),
-            'per_member_batches': config.data.member_order != 'shared',
-            'members_per_device': members_per_device, 'batch_per_device': batch_per_device,
-            'jax': jax.__version__}
-  text = json.dumps(fields, sort_keys=True, default=str)
-  return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _read() -> dict[str, Any]:
-  try:
-    return json.loads(cache_path().read_text())
-  except (FileNotFoundError, json.JSONDecodeError):
-    return {}
-
-
-def lookup(cache_key: str) -> Form | None:
-  """The calibrated form for this key, or None."""
-  entry = _read().get(cache_key)
-  return (entry['form'][0], entry['form'][1]) if entry else None
-
-
-def store(cache_key: str, form: Form, seconds: dict[str, float], about: str) -> None:
-  entries = _read()
-  entries[cache_key] = {'form': list(form), 'seconds_per_step': seconds, 'about': about,
-                        'date': time.strftime('%Y-%m-%d')}
-  path = cache_path()
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = path.with_suffix('.tmp')
-  tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
-  tmp.replace(path)
+__all__ = ['CACHE_ENV', 'calibrate', 'candidates', 'label', 'lookup', 'members_per_device',
+           'run_key', 'step_runner', 'time_forms']
 
 
 def candidates(members_per_device: int) -> list[Form]:
@@ -136,16 +89,6 @@ def step_runner(parts: Any, batch_size: int, per_member_batches: bool
     return run
 
   return run_step
-
-
-def members_per_device(parts: Any) -> int:
-  return parts.abstract_state.frozen.shape[0] // parts.mesh.shape[MEMBER]
-
-
-def run_key(parts: Any, batch_size: int) -> str:
-  """The cache key of a run built as `parts` with this global batch per member."""
-  return key(parts.config, parts.mesh.devices.flat[0], members_per_device(parts),
-             batch_size // parts.mesh.shape[DATA])
 
 
 def calibrate(parts: Any, batch_size: int, steps: int = 5, rounds: int = 3,

@@ -17,7 +17,7 @@ for needs no files on disk (KNOWN_SHAPES, KNOWN_TRAIN_EXAMPLES).
 
 On a CPU, where the device's memory is the host's, XLA's analysis leaves out the compiled
 programs and what the step's first execution allocates outside it, so plan measures
-them in its own fresh process (dist_ens/dry_run.py): it compiles the step and init
+them in its own fresh process (dist_ens/plan/dry_run.py): it compiles the step and init
 programs (program_bytes), initialises the state and runs two steps on zeros, and
 predicts the peak it reached (dry_run_peak_bytes) for the run.
 
@@ -39,9 +39,10 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import assemble, configuration, data, dry_run
-from dist_ens.dry_run import StepMemory, step_memory
-from dist_ens.parallel import calibration, mesh as mesh_lib
+from dist_ens import assemble, configuration, data, tasks
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.plan import calibration, dry_run
+from dist_ens.plan.dry_run import StepMemory, step_memory
 from dist_ens.errors import ConfigError
 
 GB = 1e9
@@ -86,7 +87,7 @@ class Plan(NamedTuple):
   flops_per_example: float | None
   train_steps: int  # train.steps, or train.epochs resolved against the data set's size
   steps_per_epoch: int | None  # None: the training split's size is not known here
-  # CPU only (dist_ens/dry_run.py; None on other platforms or where RSS cannot be read):
+  # CPU only (dist_ens/plan/dry_run.py; None on other platforms or where RSS cannot be read):
   # the RSS this process gained compiling the step and init programs, which XLA:CPU gives
   # no size for, and the peak RSS over the process's baseline that a dry run reached
   # (compile, init, two steps on zeros; None where it would not fit the host).
@@ -107,15 +108,13 @@ class Plan(NamedTuple):
 
 
 def data_shape(config: ml_collections.ConfigDict) -> tuple[tuple[int, ...], int]:
-  """(input shape without the batch axis, number of classes) of config.data.name."""
+  """(input shape without the batch axis, the model's outputs per example) of
+  config.data.name, for config.task."""
   name = config.data.name
-  if name in data.SOURCES:
-    dataset = data.load_dataset(name, config.data)
-    return tuple(dataset.input_shape), dataset.num_classes
-  if name in KNOWN_SHAPES:
+  if name in KNOWN_SHAPES and name not in data.SOURCES:
     return KNOWN_SHAPES[name]
   dataset = data.load_dataset(name, config.data)
-  return tuple(dataset.input_shape), dataset.num_classes
+  return tuple(dataset.input_shape), tasks.get_task(config.task).output_units(dataset)
 
 
 def train_examples(config: ml_collections.ConfigDict) -> int | None:
@@ -162,7 +161,7 @@ def _flops_per_example(compiled, parts, config: ml_collections.ConfigDict,
   mesh = parts.mesh
   members_per_device = parts.abstract_state.frozen.shape[0] // mesh.shape[mesh_lib.MEMBER]
   if form[0] != 'vmap' and members_per_device > 1:
-    one = assemble.build_parts(config, mesh, parts.input_shape, parts.num_classes,
+    one = assemble.build_parts(config, mesh, parts.input_shape, parts.num_outputs,
                                num_members=mesh.shape[mesh_lib.MEMBER])
     compiled, members_per_device = dry_run.compile_step(one, config, ('vmap', None))[0], 1
   try:
@@ -187,7 +186,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
     memory_bytes: the memory of one device to plan for; None uses what the
       device reports, if it reports anything.
     measure_programs: on a CPU (one process), measure the compiled programs and a dry
-      run of the step in this process (dist_ens/dry_run.py; meaningful in a fresh
+      run of the step in this process (dist_ens/plan/dry_run.py; meaningful in a fresh
       process: a reused heap makes a later measurement low).
 
   Raises:
@@ -197,15 +196,15 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   config, per_epoch = _resolve_steps(config)
   mesh = assemble.build_mesh(config, devices)
   platform = mesh.devices.flat[0].platform
-  input_shape, num_classes = data_shape(config)
+  input_shape, num_outputs = data_shape(config)
   shards = mesh.shape[mesh_lib.MEMBER]
   per_device = config.num_members // shards
-  parts = assemble.build_parts(config, mesh, input_shape, num_classes)
+  parts = assemble.build_parts(config, mesh, input_shape, num_outputs)
   # The same form at twice the members ('auto' held fixed, so that the two compiles
   # differ only in M); the values of per-member hyperparameters do not change sizes.
   form = assemble.member_form(parts, config.data.batch_size)
   parallelism, map_batch_size = form
-  doubled = assemble.build_parts(config, mesh, input_shape, num_classes,
+  doubled = assemble.build_parts(config, mesh, input_shape, num_outputs,
                                  num_members=2 * config.num_members)
   compiled, host = dry_run.compile_and_measure(parts, config, form, measure_programs)
   step = step_memory(compiled, per_device)
@@ -363,6 +362,3 @@ def main(argv: Sequence[str] | None = None) -> int:
   print(json.dumps(plan.to_dict(), indent=2) if as_json.value else format_plan(plan, config))
   return 0
 
-
-if __name__ == '__main__':
-  sys.exit(main())

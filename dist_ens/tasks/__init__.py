@@ -1,0 +1,48 @@
+"""Tasks (what members predict and how it is scored): built-in by name, yours by import path.
+
+  task = dist_ens.tasks.get_task('classification')
+  task = dist_ens.tasks.get_task('my_pkg.tasks:my_task')  # a Task, or a function -> Task
+"""
+
+from collections.abc import Callable
+
+from dist_ens import importing
+from dist_ens.errors import ConfigError
+from dist_ens.tasks.classification import classification, smoothed_cross_entropy
+from dist_ens.tasks.task import Loss, Task
+
+TASKS: dict[str, Callable[[], Task]] = {'classification': classification}
+
+
+# config.train.loss: a name here, or your own by import path 'my_pkg.losses:fn' with
+# fn(outputs [B, ...], targets [B, ...], hparams) -> the mean loss of one member's batch.
+LOSSES: dict[str, Loss] = {'cross_entropy': smoothed_cross_entropy}
+
+
+def loss_for(name: str) -> Loss:
+  """The loss config.train.loss names."""
+  if importing.is_import_path(name):
+    return importing.load_object(name, 'config.train.loss')
+  if name not in LOSSES:
+    raise ConfigError(f'config.train.loss={name!r}; use one of {sorted(LOSSES)}, or your own '
+                      "by import path, 'my_pkg.losses:my_loss'.")
+  return LOSSES[name]
+
+
+def get_task(name: str, field: str = 'config.task') -> Task:
+  """The task `name` names: a built-in (TASKS) or an import path to a Task or a
+  function returning one."""
+  if importing.is_import_path(name):
+    obj = importing.load_object(name, field)
+    task = obj if isinstance(obj, Task) else obj()
+    if not isinstance(task, Task):
+      raise ConfigError(f'{field}={name!r} gave a {type(task).__name__}, not a '
+                        'dist_ens.tasks.Task (or a function returning one).')
+    return task
+  if name not in TASKS:
+    raise ConfigError(f'{field}={name!r}; use one of {sorted(TASKS)}, or your own by import '
+                      "path, 'my_pkg.tasks:my_task'.")
+  return TASKS[name]()
+
+
+__all__ = ['LOSSES', 'Loss', 'TASKS', 'Task', 'classification', 'get_task', 'loss_for']

@@ -1,0 +1,61 @@
+"""Classification: the model gives logits over classes; members combine as the mean of
+their softmax probabilities (dist_ens.eval.metrics defines every metric)."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from dist_ens.errors import ConfigError
+from dist_ens.eval import metrics
+from dist_ens.tasks.task import Task
+
+
+def cross_entropy(logits: jax.Array, labels: jax.Array,
+                  label_smoothing: float | jax.Array = 0.0) -> jax.Array:
+  """Mean softmax cross-entropy over the batch, with (possibly traced) label smoothing."""
+  targets = optax.smooth_labels(jax.nn.one_hot(labels, logits.shape[-1]), label_smoothing)
+  return optax.softmax_cross_entropy(logits, targets).mean()
+
+
+def smoothed_cross_entropy(logits: jax.Array, labels: jax.Array,
+                           hparams: Mapping[str, Any]) -> jax.Array:
+  """The default loss: cross_entropy with this member's train.label_smoothing."""
+  return cross_entropy(logits, labels, hparams.get('train.label_smoothing', 0.0))
+
+
+def accuracy(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
+  """{'accuracy': the fraction of argmax predictions that are right}.
+
+  Logits may carry head axes ([B, H, C]: MIMO): every head is scored against y."""
+  labels = labels.reshape(labels.shape + (1,) * (logits.ndim - 2))
+  return {'accuracy': jnp.mean(jnp.argmax(logits, -1) == labels)}
+
+
+def check_labels(y: np.ndarray, num_classes: int, what: str) -> None:
+  """Raises ConfigError if a label in `y` is not an integer in [0, num_classes)."""
+  y = np.asarray(y)
+  if not np.issubdtype(y.dtype, np.integer):
+    raise ConfigError(f'{what}: labels must be integer classes, got dtype {y.dtype}.')
+  bad = (y < 0) | (y >= num_classes)
+  if bad.any():
+    raise ConfigError(f'{what}: {int(bad.sum())} labels lie outside [0, {num_classes}) '
+                      f'(e.g. {int(y[bad][0])}); labels must be class indices 0..{num_classes - 1}.')
+
+
+def classification() -> Task:
+  """The classification task (config.task = 'classification')."""
+  return Task(
+      name='classification',
+      output_units=lambda dataset: dataset.num_classes,
+      loss=smoothed_cross_entropy,
+      batch_metrics=accuracy,
+      check_targets=lambda y, dataset, what: check_labels(y, dataset.num_classes, what),
+      eval_batch=metrics.eval_batch,
+      finalize=metrics.finalize,
+      ood_metrics=metrics.ood_metrics,
+      select_metrics={m.name: bool(m.higher_is_better) for m in metrics.METRICS
+                      if 'members' in m.scopes and m.higher_is_better is not None})

@@ -1,0 +1,48 @@
+"""The task extension point: what a member's outputs mean and how they are scored.
+
+A Task is a bundle of pure functions, handed to the parts that need them (the train
+step takes `loss` and `batch_metrics`, the evaluator `eval_batch`, `finalize` and
+`ood_metrics`); none of those parts knows which task it serves. Classification
+(dist_ens.tasks.classification) is one task; a user's is an import path,
+`config.task = 'my_pkg.tasks:my_task'`, naming a Task or a function returning one.
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+
+# loss(outputs [B, ...], targets [B, ...], this member's hyperparameters) -> the mean loss.
+Loss = Callable[[jax.Array, jax.Array, Mapping[str, Any]], jax.Array]
+
+
+class Task(NamedTuple):
+  """A task's functions (see the module doc). Shapes: B examples, M members.
+
+  Attributes:
+    name: what config.task names it (or its import path).
+    output_units: dataset -> how many outputs the model gives per example (a
+      classifier: the number of classes).
+    loss: the default training loss (config.train.loss may replace it).
+    batch_metrics: (outputs [B, ...], targets [B]) -> {name: the batch's mean}, logged
+      per member during training beside the loss.
+    check_targets: (targets, dataset, what) -> None; raises ConfigError naming `what`
+      for targets this task cannot train on.
+    eval_batch: (member outputs [M, B, ...], targets [B], mask [B], member_mask [M]) ->
+      an object with `.sums` (additive sums: padding contributes zero) and `.examples`
+      (per-example values, last axis B); evaluation runs it inside one jitted step.
+    finalize: (summed sums, concatenated examples) -> {'members': ..., 'ensemble': ...}.
+    ood_metrics: (in-distribution examples, OOD examples) -> OOD scores.
+    select_metrics: {metric: higher is better} that members can be ranked by.
+  """
+  name: str
+  output_units: Callable[[Any], int]
+  loss: Loss
+  batch_metrics: Callable[[jax.Array, jax.Array], dict[str, jax.Array]]
+  check_targets: Callable[[np.ndarray, Any, str], None]
+  eval_batch: Callable[..., Any]
+  finalize: Callable[[dict[str, Any], Any], dict[str, Any]]
+  ood_metrics: Callable[[Any, Any], dict[str, Any]]
+  select_metrics: Mapping[str, bool]
+
