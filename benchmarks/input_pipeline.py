@@ -106,7 +106,8 @@ def main():
                       help='CIFAR-10-shaped PNGs written for the second case')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'input_pipeline.json'))
   args = parser.parse_args()
-  mesh = mesh_lib.make_mesh(load_config(ROOT / 'configs' / 'default.py').mesh, jax.devices()[:1])
+  default = load_config(ROOT / 'configs' / 'default.py')
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(**default.mesh), jax.devices()[:1])
   rows = []
   with tempfile.TemporaryDirectory() as data_dir:
     write_cifar_shaped(data_dir, args.examples)

@@ -1,17 +1,26 @@
-"""config (+ devices) -> everything a run needs: the one chain train, plan and Ensemble.load share.
+"""config (+ devices) -> everything a run needs: the one place that wires parts.
+
+  run = build_run(config)              # checks, mesh, data, parts, member form
+  run.step(steps_per_call)             # the compiled train step
+  run.batches(data_state, k, ...)      # the input pipeline
+  run.evaluator()                      # the sharded evaluator of the run's task
+  run.checkpointer(workdir)            # orbax state + data position + meta
+
+or, step by step (plan and Ensemble.load):
 
   mesh      = build_mesh(config, devices)
   run_data  = build_data(config)                      # training only
   parts     = build_parts(config, mesh, input_shape, num_outputs)
   step      = build_step(parts, config, ...)
 
-Data flows one way: config -> mesh, model, optimizer, per-member hyperparameters
--> the abstract (sharded) state -> the compiled step. Only this module knows how
-the parts are wired; nothing here trains, writes files or reads checkpoints.
+Data flows one way: config -> mesh, model, task, optimizer, method, per-member
+hyperparameters -> the abstract (sharded) state -> the compiled step. Only this
+module knows how the parts are wired; nothing here trains or writes files.
 """
 
 import functools
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -21,7 +30,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from dist_ens import data, models, tasks
+from dist_ens import configuration, data, models, tasks
+from dist_ens.checkpoint import Checkpointer
 from dist_ens.core import gradients, hparams as hparams_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
@@ -29,6 +39,7 @@ from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood
+from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.parallel import form_cache, mesh as mesh_lib, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
@@ -69,12 +80,73 @@ class Parts(NamedTuple):
                           mesh_lib.member_sharding(self.mesh))
 
 
+class Run(NamedTuple):
+  """A run wired from its config (build_run): what train, plan and Ensemble.load consume."""
+  config: ml_collections.ConfigDict  # checked; train.steps resolved from epochs
+  parts: Parts
+  data: RunData | None  # None where no dataset was loaded (shapes given)
+  form: strategy.Form  # how each device runs its members
+
+  def step(self, steps_per_call: int = 1, loss: tasks.Loss | None = None) -> TrainStep:
+    """The compiled train step (traced at its first call)."""
+    per_member = self.data is not None and self.data.order.per_member
+    return build_step(self.parts, per_member_batches=per_member, form=self.form,
+                      steps_per_call=steps_per_call, loss=loss)
+
+  def batches(self, data_state: data.IteratorState, steps_per_call: int,
+              with_index: bool) -> data.Batches:
+    """The input pipeline from `data_state` (a checkpoint's data position)."""
+    return data.Batches(self.data.dataset.train, self.data.order, self.parts.mesh,
+                        self.config.num_members, data_state, prefetch=self.config.data.prefetch,
+                        steps_per_call=steps_per_call, with_index=with_index)
+
+  def evaluator(self) -> Evaluator:
+    """The sharded evaluator of every member and the ensemble, by the run's task."""
+    parts, mesh = self.parts, self.parts.mesh
+    return Evaluator(make_eval_step(parts.model, mesh, parts.task.eval_batch), mesh,
+                     self.config.eval.batch_size,
+                     view=functools.partial(methods.trained_members, parts.method, mesh=mesh),
+                     finalize=parts.task.finalize, ood_metrics=parts.task.ood_metrics)
+
+  def checkpointer(self, workdir: Path) -> Checkpointer:
+    """The run's checkpoints under workdir/checkpoints."""
+    return Checkpointer(Path(workdir) / 'checkpoints', self.config.checkpoint.every,
+                        self.config.checkpoint.keep)
+
+
+def build_run(config: ml_collections.ConfigDict, *,
+              devices: Sequence[jax.Device] | None = None, dataset: data.Dataset | None = None,
+              optimizer: Optimizer | optax.GradientTransformation | None = None) -> Run:
+  """Checks the config and wires the run: mesh, data, parts and member form.
+
+  Everything that can be wrong with the input surfaces here (the state is traced
+  abstractly), before anything is compiled or written.
+
+  Args:
+    config: a config like configs/default.py's.
+    devices: the devices to build the mesh from (default: all).
+    dataset: replaces config.data.name's (e.g. dist_ens.data.from_arrays(...)).
+    optimizer: replaces config.optim's (see build_parts).
+
+  Raises:
+    ConfigError: naming the field and what would work.
+  """
+  configuration.validate(config)
+  mesh = build_mesh(config, devices)
+  run_data = build_data(config, dataset)
+  dataset = run_data.dataset
+  config = configuration.resolve_epochs(config, dataset.train.num_examples)
+  parts = build_parts(config, mesh, dataset.input_shape,
+                      tasks.get_task(config.task).output_units(dataset), optimizer=optimizer)
+  return Run(config, parts, run_data, member_form(parts, config.data.batch_size))
+
+
 def build_mesh(config: ml_collections.ConfigDict,
                devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The ('member', 'data') mesh for the config, checked against M and the batch.
 
   An axis left at -1 is fitted to the devices (parallel.mesh.make_mesh)."""
-  mesh = mesh_lib.make_mesh(config.mesh, devices, num_members=config.num_members,
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(**config.mesh), devices, num_members=config.num_members,
                             batch_size=config.data.batch_size)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
   if config.get('reproducible', False):
@@ -125,7 +197,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     optimizer: replaces the config's: optimizer(member_hparams) -> GradientTransformation,
       or one GradientTransformation for every member.
   """
-  method = methods.from_config(config)
+  method = methods.from_spec(method_spec(config))
   task = tasks.get_task(config.task)
   model = models.get_model(config.model, num_outputs * max(method.heads, 1))
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
@@ -154,6 +226,19 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   abstract = layout.place(jax.eval_shape(init), mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
                abstract, init, method, task, layout)
+
+
+def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
+  """config.ensemble's method, with the run's steps, schedule and mode it depends on."""
+  ensemble, optim = config.ensemble, config.optim
+  return methods.MethodSpec(
+      name=ensemble.method, total_steps=config.train.steps,
+      restartable_schedule=optim.schedule != 'constant' or bool(optim.warmup_steps),
+      reproducible=config.reproducible,
+      snapshot_cycles=ensemble.snapshot.cycles, snapshot_start=ensemble.snapshot.start,
+      snapshot_cycle_rate=ensemble.snapshot.cycle_rate, mimo_heads=ensemble.mimo.heads,
+      swag_start=ensemble.swag.start, swag_every=ensemble.swag.every,
+      swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples)
 
 
 def build_layout(method: methods.Method) -> Layout:
@@ -190,6 +275,22 @@ def init_sharded(parts: Parts) -> TrainState:
   return compile_init(parts)()
 
 
+def members_per_device(parts: Parts) -> int:
+  return parts.abstract_state.frozen.shape[0] // parts.mesh.shape[mesh_lib.MEMBER]
+
+
+def form_key(parts: Parts, batch_size: int) -> str:
+  """The key of the measured member forms' cache (parallel/form_cache.py) for this run
+  with this global batch per member."""
+  config = parts.config
+  fields = {'model': config.model.to_dict(), 'data': config.data.name,
+            'precision': config.precision, 'optim': config.optim.name,
+            'method': config.ensemble.method,
+            'per_member_batches': config.data.member_order != 'shared'}
+  return form_cache.key(fields, parts.mesh.devices.flat[0], members_per_device(parts),
+                        batch_size // parts.mesh.shape[mesh_lib.DATA])
+
+
 def member_form(parts: Parts, batch_size: int) -> strategy.Form:
   """(member parallelism, map chunk) for this mesh, with config.ensemble's 'auto' resolved:
   by `dist-ens plan --calibrate`'s measurement when it has one for this run's shape
@@ -197,12 +298,13 @@ def member_form(parts: Parts, batch_size: int) -> strategy.Form:
   config, mesh = parts.config, parts.mesh
   # Only a single process trusts its cache: every process must compile the same program.
   if config.ensemble.member_parallelism == 'auto' and jax.process_count() == 1:
-    calibrated = form_cache.lookup(form_cache.run_key(parts, batch_size))
+    calibrated = form_cache.lookup(form_key(parts, batch_size))
     if calibrated is not None:
       return calibrated
   return strategy.resolve(
-      config.ensemble, config.model.name, mesh.devices.flat[0].platform,
-      members_per_device=form_cache.members_per_device(parts),
+      config.ensemble.member_parallelism, config.ensemble.map_batch_size, config.model.name,
+      mesh.devices.flat[0].platform,
+      members_per_device=members_per_device(parts),
       sizes=lambda: strategy.member_size(
           parts.model, parts.input_shape, batch_size // mesh.shape[mesh_lib.DATA]))
 

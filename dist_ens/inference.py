@@ -97,8 +97,7 @@ def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.M
   # As many devices on 'member' as divide both M and the device count; the rest
   # split each batch over 'data'.
   member = math.gcd(num_members, len(devices))
-  return mesh_lib.make_mesh(ml_collections.ConfigDict(
-      dict(member=member, data=len(devices) // member, hosts_along='member')), devices)
+  return mesh_lib.make_mesh(mesh_lib.MeshSpec(member, len(devices) // member), devices)
 
 
 class Ensemble:

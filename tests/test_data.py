@@ -20,8 +20,7 @@ def mnist1d():
 
 def _mesh_and_order(dataset, kind, shape):
   """A member x data mesh of `shape` and a 32-example order of `kind` over `dataset`."""
-  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(
-      dict(member=shape[0], data=shape[1], hosts_along='member')))
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(member=shape[0], data=shape[1]))
   return mesh, data.Order(kind, dataset.train.num_examples, 32, seed=1)
 
 
@@ -130,8 +129,8 @@ def test_member_stream_does_not_depend_on_m_or_host(kind):
 
 
 def _two_process_mesh(member, data_axis, hosts_along):
-  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(
-      dict(member=member, data=data_axis, hosts_along=hosts_along)))
+  mesh = mesh_lib.make_mesh(
+      mesh_lib.MeshSpec(member=member, data=data_axis, hosts_along=hosts_along))
   # Simulated processes: devices 0-3 are process 0, devices 4-7 process 1 (what
   # jax.devices() gives for 2 processes x 4 devices).
   processes = [[d for d in jax.devices() if d.id // 4 == p] for p in range(2)]
@@ -211,7 +210,7 @@ def test_pipeline_errors_surface_in_the_consumer(mnist1d):
     def read(self, indices):
       raise OSError('disk gone')
 
-  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(dict(member=8, data=1)))
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(member=8, data=1))
   batches = data.Batches(Broken(), data.Order('shared', 100, 10, 0), mesh, 8)
   with pytest.raises(OSError, match='disk gone'):
     next(batches)

@@ -19,8 +19,7 @@ M, N, SHAPE, C = 8, 37, (40, 1), 10
 def _setup(member=4, data_axis=2):
   model = models.get_model(ml_collections.ConfigDict(
       dict(name='mlp', widths=(16,), init_scale=1.0)), num_classes=C)
-  mesh = mesh_lib.make_mesh(ml_collections.ConfigDict(
-      dict(member=member, data=data_axis, hosts_along='member')))
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(member=member, data=data_axis))
   params = jax.jit(jax.vmap(lambda k: model.init(k, np.zeros((1, *SHAPE), np.float32))[0]),
                    out_shardings=mesh_lib.member_sharding(mesh))(
                        jax.random.split(jax.random.key(0), M))

@@ -3,7 +3,6 @@
 from unittest import mock
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 
@@ -12,7 +11,7 @@ from dist_ens.errors import ConfigError
 
 
 def _cfg(member, data, hosts_along='member'):
-  return ml_collections.ConfigDict(dict(member=member, data=data, hosts_along=hosts_along))
+  return mesh_lib.MeshSpec(member=member, data=data, hosts_along=hosts_along)
 
 
 @pytest.mark.parametrize('member,data,expected', [

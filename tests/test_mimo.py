@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dist_ens import Ensemble, data
+from dist_ens import Ensemble, assemble, data
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
@@ -88,4 +88,4 @@ def test_bad_fields_are_refused(field, value, match):
   else:
     config.ensemble.mimo.heads = value
   with pytest.raises(ConfigError, match=match):
-    methods.from_config(config)
+    methods.from_spec(assemble.method_spec(config))

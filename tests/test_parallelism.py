@@ -14,8 +14,8 @@ from dist_ens.errors import ConfigError
 
 
 def _ensemble(member_parallelism='auto', map_batch_size=0):
-  return ml_collections.ConfigDict(dict(member_parallelism=member_parallelism,
-                                        map_batch_size=map_batch_size))
+  """config.ensemble's two fields, as strategy.resolve takes them."""
+  return member_parallelism, map_batch_size
 
 
 @pytest.mark.parametrize('choice,chunk,expected', [
@@ -25,7 +25,7 @@ def _ensemble(member_parallelism='auto', map_batch_size=0):
 ])
 def test_an_explicit_choice_is_taken_as_given(choice, chunk, expected):
   for platform in ('cpu', 'gpu', 'tpu'):
-    assert parallelism.resolve(_ensemble(choice, chunk), 'mlp', platform, 16) == expected
+    assert parallelism.resolve(*_ensemble(choice, chunk), 'mlp', platform, 16) == expected
 
 
 @pytest.mark.parametrize('key', sorted(parallelism.AUTO_RULES))
@@ -39,25 +39,25 @@ def test_auto_follows_the_table(key, members):
     if bound is None or (members is not None and members <= bound):
       expected = form
       break
-  assert parallelism.resolve(_ensemble('auto'), model, platform, members) == expected
+  assert parallelism.resolve(*_ensemble('auto'), model, platform, members) == expected
 
 
 def test_auto_picks_the_bucket_of_the_members_per_device(monkeypatch):
   monkeypatch.setattr(parallelism, 'AUTO_RULES', {
       ('cpu', 'mlp'): ((8, ('vmap', None)), (32, ('map', 4)), (None, ('map', None)))})
-  resolve = lambda m: parallelism.resolve(_ensemble('auto'), 'mlp', 'cpu', m)
+  resolve = lambda m: parallelism.resolve(*_ensemble('auto'), 'mlp', 'cpu', m)
   assert [resolve(m) for m in (1, 8, 9, 32, 33)] == [
       ('vmap', None), ('vmap', None), ('map', 4), ('map', 4), ('map', None)]
   assert resolve(None) == ('map', None)  # Unknown count: the rule for the most members.
 
 
 def test_auto_without_a_rule_is_vmap():
-  assert parallelism.resolve(_ensemble('auto'), 'mlp', 'some_new_backend', 8) == ('vmap', None)
-  assert parallelism.resolve(_ensemble('auto'), 'transformer', 'cpu', 8) == ('vmap', None)
+  assert parallelism.resolve(*_ensemble('auto'), 'mlp', 'some_new_backend', 8) == ('vmap', None)
+  assert parallelism.resolve(*_ensemble('auto'), 'transformer', 'cpu', 8) == ('vmap', None)
 
 
 def test_auto_ignores_map_batch_size():
-  assert parallelism.resolve(_ensemble('auto', 7), 'cnn', 'cpu', 8) == parallelism.auto_form(
+  assert parallelism.resolve(*_ensemble('auto', 7), 'cnn', 'cpu', 8) == parallelism.auto_form(
       'cnn', 'cpu', 8)
 
 
@@ -97,7 +97,7 @@ def test_map_updates_the_stacked_state_where_it_lies():
 @pytest.mark.parametrize('value', ['pmap', 'VMAP', '', None, 3])
 def test_a_bad_parallelism_is_rejected_naming_the_field(value):
   with pytest.raises(ConfigError, match=r'config\.ensemble\.member_parallelism') as e:
-    parallelism.resolve(_ensemble(value), 'mlp', 'cpu', 8)
+    parallelism.resolve(*_ensemble(value), 'mlp', 'cpu', 8)
   assert "'auto'" in str(e.value)  # And says what would work.
 
 
@@ -105,7 +105,7 @@ def test_a_bad_parallelism_is_rejected_naming_the_field(value):
 def test_a_bad_map_batch_size_is_rejected_naming_the_field(value):
   for choice in ('map', 'vmap', 'auto'):
     with pytest.raises(ConfigError, match=r'config\.ensemble\.map_batch_size'):
-      parallelism.resolve(_ensemble(choice, value), 'mlp', 'cpu', 8)
+      parallelism.resolve(*_ensemble(choice, value), 'mlp', 'cpu', 8)
 
 
 def _train_config(**train):
@@ -116,31 +116,38 @@ def _train_config(**train):
   return config
 
 
+def _steps_per_call(config, platform, start_step=0, cadences=(), **kw):
+  """strategy.steps_per_call with the cadences the trainer passes for `config`."""
+  every = (config.train.steps, config.train.log_every, config.train.eval_every,
+           config.checkpoint.every, start_step, *cadences)
+  return parallelism.steps_per_call(config.train.steps_per_call, every, platform, **kw)
+
+
 def test_auto_steps_per_call_divides_every_cadence():
   # default.py: steps 2000, log_every 250, eval_every 1000, checkpoint.every 500: the
   # largest divisor of their gcd (250) up to 100 is 50.
   config = _train_config(steps_per_call=0)
-  assert parallelism.steps_per_call(config, 'gpu') == 50
+  assert _steps_per_call(config, 'gpu') == 50
   # On a CPU, K steps must hold at most AUTO_CPU_CALL_FLOPS: unknown FLOPs give 1, a
   # step of 1/20 of the budget the largest divisor of 250 up to 20, a bigger step 1.
   budget = parallelism.AUTO_CPU_CALL_FLOPS
-  assert parallelism.steps_per_call(config, 'cpu') == 1
-  assert parallelism.steps_per_call(config, 'cpu', step_flops=lambda: budget / 20) == 10
-  assert parallelism.steps_per_call(config, 'cpu', step_flops=lambda: budget * 0.6) == 1
+  assert _steps_per_call(config, 'cpu') == 1
+  assert _steps_per_call(config, 'cpu', step_flops=lambda: budget / 20) == 10
+  assert _steps_per_call(config, 'cpu', step_flops=lambda: budget * 0.6) == 1
   # A user's periodic action joins the cadences: gcd(250, 30) = 10.
-  assert parallelism.steps_per_call(config, 'gpu', cadences=(30,)) == 10
+  assert _steps_per_call(config, 'gpu', cadences=(30,)) == 10
   # Resuming from step 30: calls must land on it too.
-  assert parallelism.steps_per_call(config, 'tpu', start_step=30) == 10
+  assert _steps_per_call(config, 'tpu', start_step=30) == 10
   # An eval_every of 0 adds no cadence; a log_every of 7 leaves only 1.
-  assert parallelism.steps_per_call(_train_config(steps_per_call=0, eval_every=0,
+  assert _steps_per_call(_train_config(steps_per_call=0, eval_every=0,
                                                   log_every=200), 'gpu') == 100
-  assert parallelism.steps_per_call(_train_config(steps_per_call=0, log_every=7), 'gpu') == 1
+  assert _steps_per_call(_train_config(steps_per_call=0, log_every=7), 'gpu') == 1
   # K batches of input must stay under AUTO_INPUT_BYTES: 16 MiB a step allows 4, and
   # the largest divisor of 250 up to 4 is 2.
-  assert parallelism.steps_per_call(config, 'gpu', input_bytes_per_step=16 * 2**20) == 2
+  assert _steps_per_call(config, 'gpu', input_bytes_per_step=16 * 2**20) == 2
   # An explicit value is taken as given, on any platform.
-  assert parallelism.steps_per_call(_train_config(steps_per_call=5), 'gpu') == 5
-  assert parallelism.steps_per_call(_train_config(steps_per_call=5), 'cpu') == 5
+  assert _steps_per_call(_train_config(steps_per_call=5), 'gpu') == 5
+  assert _steps_per_call(_train_config(steps_per_call=5), 'cpu') == 5
 
 
 def test_members_are_vmapped_or_chunked_by_the_bytes_they_touch():

@@ -36,7 +36,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import Mesh
 
 from dist_ens.core import rng
@@ -183,8 +182,24 @@ def swag_sample(collected: PyTree, rank: int, key: jax.Array) -> PyTree:
   return treedef.unflatten([a + b.astype(a.dtype) for a, b in zip(diag, low_rank)])
 
 
-def _int_field(config: ml_collections.ConfigDict, field: str, low: int) -> int:
-  value = config.get(field.split('.')[0], ml_collections.ConfigDict()).get(field.split('.')[1])
+class MethodSpec(NamedTuple):
+  """config.ensemble's method fields (configs/default.py documents each), with what of
+  the rest of the config a method depends on."""
+  name: str  # ensemble.method
+  total_steps: int  # train.steps
+  restartable_schedule: bool  # optim.schedule != 'constant' or optim.warmup_steps > 0
+  reproducible: bool  # config.reproducible
+  snapshot_cycles: int
+  snapshot_start: float
+  snapshot_cycle_rate: float
+  mimo_heads: int
+  swag_start: float
+  swag_every: int
+  swag_rank: int
+  swag_samples: int
+
+
+def _int(value: Any, field: str, low: int) -> int:
   if isinstance(value, bool) or not isinstance(value, int) or value < low:
     raise ConfigError(f'config.ensemble.{field}={value!r} must be an int >= {low}.')
   return value
@@ -197,12 +212,11 @@ def _fraction(value: Any, field: str, example: str) -> float:
   return value
 
 
-def _snapshot_from_config(config: ml_collections.ConfigDict,
-                          snapshot: ml_collections.ConfigDict) -> Method:
+def _snapshot_from_spec(spec: MethodSpec) -> Method:
   """Snapshot ensembles; with snapshot.start > 0, fast geometric ensembling."""
-  cycles, steps = _int_field(config.ensemble, 'snapshot.cycles', 1), config.train.steps
-  start = round(_fraction(snapshot.get('start', 0.0), 'snapshot.start', '0.8') * steps)
-  rate = snapshot.get('cycle_rate', 1.0)
+  cycles, steps = _int(spec.snapshot_cycles, 'snapshot.cycles', 1), spec.total_steps
+  start = round(_fraction(spec.snapshot_start, 'snapshot.start', '0.8') * steps)
+  rate = spec.snapshot_cycle_rate
   if isinstance(rate, bool) or not isinstance(rate, (int, float)) or rate <= 0:
     raise ConfigError(f'config.ensemble.snapshot.cycle_rate={rate!r} must be a number > 0, the '
                       "cycles' peak learning rate over optim.learning_rate (e.g. 0.05).")
@@ -210,26 +224,37 @@ def _snapshot_from_config(config: ml_collections.ConfigDict,
     raise ConfigError(f'config.ensemble.snapshot.cycles={cycles} must divide the '
                       f'{steps - start} steps from snapshot.start on (train.steps={steps}; '
                       'every cycle is as long); change train.steps, snapshot.start or cycles.')
-  if config.optim.schedule == 'constant' and not config.optim.warmup_steps:
+  if not spec.restartable_schedule:
     raise ConfigError("config.ensemble.method='snapshot' restarts config.optim.schedule every "
                       "cycle, and 'constant' has nothing to restart: use schedule='cosine' "
                       '(as Huang et al. 2017).')
   return _snapshot(cycles, steps, start, float(rate))
 
 
-def from_config(config: ml_collections.ConfigDict) -> Method:
-  """The method config.ensemble.method names, its fields checked against train.steps.
+def _swag_from_spec(spec: MethodSpec) -> Method:
+  start_fraction = _fraction(spec.swag_start, 'swag.start', '0.75')
+  every, rank = _int(spec.swag_every, 'swag.every', 1), _int(spec.swag_rank, 'swag.rank', 0)
+  samples = _int(spec.swag_samples, 'swag.samples', 1)
+  start, steps = round(start_fraction * spec.total_steps), spec.total_steps
+  if len(swag_steps(start, every, steps)) < 2:
+    raise ConfigError(f'config.ensemble.swag: start={start_fraction} and every={every} collect '
+                      f'fewer than 2 weight iterates in train.steps={steps}; lower swag.every '
+                      'or swag.start.')
+  return _swag(start, every, rank, samples)
+
+
+def from_spec(spec: MethodSpec) -> Method:
+  """The method spec.name names, its fields checked against the run's steps.
 
   Raises:
     ConfigError: naming the field and what would work.
   """
-  ensemble = config.get('ensemble', ml_collections.ConfigDict())
-  name, steps = ensemble.get('method', 'deep'), config.train.steps
+  name = spec.name
   if name not in METHODS:
     raise ConfigError(f'config.ensemble.method={name!r}; use one of {METHODS}.')
   if name == 'deep':
     return _deep()
-  if name in ('batchensemble', 'mimo') and config.get('reproducible', False):
+  if name in ('batchensemble', 'mimo') and spec.reproducible:
     why = {'batchensemble': "the shared weights' gradient is a sum over devices, whose order "
                             'depends on the mesh',
            'mimo': "the heads' shuffles of a batch split over 'data' depend on the mesh"}[name]
@@ -238,19 +263,10 @@ def from_config(config: ml_collections.ConfigDict) -> Method:
   if name == 'batchensemble':
     return _batchensemble()
   if name == 'mimo':
-    return _deep()._replace(name='mimo', heads=_int_field(ensemble, 'mimo.heads', 2))
+    return _deep()._replace(name='mimo', heads=_int(spec.mimo_heads, 'mimo.heads', 2))
   if name == 'snapshot':
-    return _snapshot_from_config(config, ensemble.get('snapshot', ml_collections.ConfigDict()))
-  swag = ensemble.get('swag', ml_collections.ConfigDict())
-  start_fraction = _fraction(swag.get('start', 0.75), 'swag.start', '0.75')
-  every, rank = _int_field(ensemble, 'swag.every', 1), _int_field(ensemble, 'swag.rank', 0)
-  samples = _int_field(ensemble, 'swag.samples', 1)
-  start = round(start_fraction * steps)
-  if len(swag_steps(start, every, steps)) < 2:
-    raise ConfigError(f'config.ensemble.swag: start={start_fraction} and every={every} collect '
-                      f'fewer than 2 weight iterates in train.steps={steps}; lower swag.every '
-                      'or swag.start.')
-  return _swag(start, every, rank, samples)
+    return _snapshot_from_spec(spec)
+  return _swag_from_spec(spec)
 
 
 class Members(NamedTuple):

@@ -14,13 +14,12 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
-import ml_collections
 
-from dist_ens.parallel.mesh import DATA, MEMBER
 from dist_ens.parallel.strategy import Form
 
 CACHE_ENV = 'DIST_ENS_CALIBRATION'
@@ -31,14 +30,12 @@ def cache_path() -> Path:
               'calibration.json')
 
 
-def key(config: ml_collections.ConfigDict, device: jax.Device, members_per_device: int,
+def key(run_fields: Mapping[str, Any], device: jax.Device, members_per_device: int,
         batch_per_device: int) -> str:
-  """What a step's speed depends on, as a short stable hash (and the fields it hashes)."""
-  fields = {'platform': device.platform, 'device_kind': device.device_kind,
-            'model': config.model.to_dict(), 'data': config.data.name,
-            'precision': config.get('precision', 'float32'), 'optim': config.optim.name,
-            'method': config.get('ensemble', {}).get('method', 'deep'),
-            'per_member_batches': config.data.member_order != 'shared',
+  """What a step's speed depends on, as a short stable hash: `run_fields` (the run's
+  model config, data set, precision, optimizer, method and whether each member has
+  its own batches: assemble.form_key), the device, and how much each device holds."""
+  fields = {'platform': device.platform, 'device_kind': device.device_kind, **run_fields,
             'members_per_device': members_per_device, 'batch_per_device': batch_per_device,
             'jax': jax.__version__}
   text = json.dumps(fields, sort_keys=True, default=str)
@@ -68,12 +65,3 @@ def store(cache_key: str, form: Form, seconds: dict[str, float], about: str) -> 
   tmp.write_text(json.dumps(entries, indent=1, sort_keys=True))
   tmp.replace(path)
 
-
-def members_per_device(parts: Any) -> int:
-  return parts.abstract_state.frozen.shape[0] // parts.mesh.shape[MEMBER]
-
-
-def run_key(parts: Any, batch_size: int) -> str:
-  """The cache key of a run built as `parts` with this global batch per member."""
-  return key(parts.config, parts.mesh.devices.flat[0], members_per_device(parts),
-             batch_size // parts.mesh.shape[DATA])

@@ -6,10 +6,10 @@ and replicated over 'data'; a batch [B, ...] is sharded over 'data' and replicat
 over 'member'.
 """
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
-import ml_collections
 from absl import logging
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -19,6 +19,15 @@ from dist_ens.errors import ConfigError
 
 AXES = (MEMBER, DATA)
 HOSTS_ALONG = ('member', 'data')
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSpec:
+  """config.mesh: devices as member x data (-1 fills the rest), and which axis runs
+  across processes in a multi-host run."""
+  member: int
+  data: int
+  hosts_along: str = 'member'
 
 
 def _divisors(n: int) -> list[int]:
@@ -100,10 +109,10 @@ def fit_shape(member: int, data: int, devices: Sequence[jax.Device], num_members
       f'and fit the {counts[0]} devices; use mesh.{name} in {fits}, or -1 to fit it.')
 
 
-def make_mesh(mesh_config: ml_collections.ConfigDict,
+def make_mesh(spec: MeshSpec,
               devices: Sequence[jax.Device] | None = None, num_members: int | None = None,
               batch_size: int | None = None) -> Mesh:
-  """Builds the ('member', 'data') mesh that `mesh_config` describes.
+  """Builds the ('member', 'data') mesh that `spec` describes.
 
   Given `num_members` and `batch_size`, a -1 axis is fitted to them and to the
   devices (see `fit_shape`: the mesh that uses the most devices with member
@@ -112,30 +121,30 @@ def make_mesh(mesh_config: ml_collections.ConfigDict,
   shape must use every device exactly (`resolve_shape`).
 
   Devices are ordered by (process, id) and laid out so that the axis named by
-  `mesh_config.hosts_along` varies slowest, i.e. runs across processes: with
+  `spec.hosts_along` varies slowest, i.e. runs across processes: with
   'member', each host holds whole members and the train step needs no
   cross-host collective.
 
   Example:
-    make_mesh(config.mesh, jax.devices()[:3], num_members=8, batch_size=128)
+    make_mesh(MeshSpec(member=-1, data=1), jax.devices()[:3], num_members=8, batch_size=128)
     # member=-1, data=1 -> Mesh {'member': 2, 'data': 1} on 2 of the 3 devices.
   """
   devices = sorted(jax.devices() if devices is None else devices,
                    key=lambda d: (d.process_index, d.id))
-  member, data = int(mesh_config.member), int(mesh_config.data)
+  member, data = int(spec.member), int(spec.data)
   if -1 in (member, data) and num_members is not None and batch_size is not None:
     member, data = fit_shape(member, data, devices, num_members, batch_size)
     idle = len(devices) - member * data
     # Debug here: the trainer logs the mesh once the config has passed every check.
     logging.debug('mesh member=%d x data=%d (config.mesh.member=%s, data=%s fitted to %d '
-                 'members, batch %d) on %d of %d devices%s', member, data, mesh_config.member,
-                 mesh_config.data, num_members, batch_size, member * data, len(devices),
+                 'members, batch %d) on %d of %d devices%s', member, data, spec.member,
+                 spec.data, num_members, batch_size, member * data, len(devices),
                  f'; {idle} idle: no mesh over all of them divides the members and the batch'
                  if idle else '')
     devices = _take_evenly(devices, member * data)
   else:
     member, data = resolve_shape(member, data, len(devices))
-  return _layout(devices, member, data, mesh_config.get('hosts_along', 'member'))
+  return _layout(devices, member, data, spec.hosts_along)
 
 
 def _take_evenly(devices: list[jax.Device], n: int) -> list[jax.Device]:

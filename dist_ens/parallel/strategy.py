@@ -13,7 +13,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from dist_ens.core.members import MEMBER_PARALLELISM, over_members  # noqa: F401
@@ -147,13 +146,14 @@ def auto_form(model_name: str, platform: str, members_per_device: int | None = N
   return DEFAULT_FORM
 
 
-def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platform: str,
+def resolve(choice: str, map_batch_size: int, model_name: str, platform: str,
             members_per_device: int | None = None,
             sizes: Callable[[], MemberSize] | None = None) -> Form:
   """(parallelism, map_batch_size) for the step, resolving 'auto' by auto_form.
 
   Args:
-    ensemble_config: config.ensemble (member_parallelism, map_batch_size).
+    choice: config.ensemble.member_parallelism ('vmap', 'map' or 'auto').
+    map_batch_size: config.ensemble.map_batch_size (0: one member at a time).
     model_name: config.model.name.
     platform: the devices' platform ('cpu', 'gpu', 'tpu').
     members_per_device: config.num_members // mesh.member, where the rule depends
@@ -164,10 +164,9 @@ def resolve(ensemble_config: ml_collections.ConfigDict, model_name: str, platfor
   Raises:
     ConfigError: naming config.ensemble.member_parallelism or map_batch_size.
   """
-  choice = ensemble_config.member_parallelism
   if not isinstance(choice, str) or choice not in CHOICES:
     raise ConfigError(f'config.ensemble.member_parallelism={choice!r}; use one of {list(CHOICES)}.')
-  chunk = ensemble_config.map_batch_size
+  chunk = map_batch_size
   if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 0:
     raise ConfigError(f'config.ensemble.map_batch_size={chunk!r} must be an int >= 0 (0: one '
                       'member at a time).')
@@ -190,26 +189,24 @@ AUTO_INPUT_BYTES = 64 * 2**20
 AUTO_CPU_CALL_FLOPS = 1e10
 
 
-def steps_per_call(config: ml_collections.ConfigDict, platform: str, start_step: int = 0,
+def steps_per_call(chosen: int, cadences: Sequence[int], platform: str,
                    input_bytes_per_step: int = 0,
-                   step_flops: Callable[[], float | None] | None = None,
-                   cadences: Sequence[int] = ()) -> int:
-  """config.train.steps_per_call, with 0 ('auto') resolved.
+                   step_flops: Callable[[], float | None] | None = None) -> int:
+  """config.train.steps_per_call (`chosen`), with 0 ('auto') resolved.
 
   'auto' is the largest K <= AUTO_MAX_STEPS_PER_CALL that divides every cadence the
-  loop stops at (train.steps, log_every, eval_every, checkpoint.every, the step a run
-  resumes from, and `cadences`: a user's periodic actions), and whose K batches of
+  loop stops at (`cadences`: train.steps, log_every, eval_every, checkpoint.every, the
+  step a run resumes from and a user's periodic actions; 0 adds nothing), and whose K
+  batches of
   input (input_bytes_per_step each) stay under AUTO_INPUT_BYTES. On a CPU, where a
   step can take seconds, K steps must also hold at most AUTO_CPU_CALL_FLOPS
   (`step_flops()`: a step's training FLOPs per device, asked only when the cadence
   allows K > 1; unknown: K = 1).
   """
-  chosen = config.train.steps_per_call
   if chosen:
     return chosen
   cadence = 0
-  for every in (config.train.steps, config.train.log_every, config.train.eval_every,
-                config.checkpoint.every, start_step, *cadences):
+  for every in cadences:
     cadence = math.gcd(cadence, every)  # gcd(x, 0) = x: an eval_every of 0 adds nothing.
   largest = lambda bound: max(k for k in range(1, max(bound, 1) + 1) if cadence % k == 0)
   k = largest(min(AUTO_MAX_STEPS_PER_CALL, AUTO_INPUT_BYTES // max(input_bytes_per_step, 1)))

@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from dist_ens.parallel.form_cache import CACHE_ENV, lookup, members_per_device, run_key, store
+from dist_ens.assemble import form_key as run_key, members_per_device
+from dist_ens.parallel.form_cache import CACHE_ENV, lookup, store
 from dist_ens.parallel.mesh import batch_sharding
 from dist_ens.parallel.strategy import Form
 

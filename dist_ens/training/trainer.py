@@ -6,7 +6,6 @@ compiled or written (dist_ens.assemble traces the state abstractly first).
 """
 
 import contextlib
-import functools
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -21,10 +20,8 @@ from dist_ens import assemble, configuration, data, tasks
 from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
-from dist_ens.ensembles import methods
-from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.io import tables, writers
-from dist_ens.parallel import distributed, form_cache, mesh as mesh_lib, strategy, xla_flags
+from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import actions as actions_lib, posthoc, workdir as workdir_lib
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
@@ -103,10 +100,13 @@ def _steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
   # Examples the input pipeline delivers per step: one batch, or one per member.
   inputs = config.data.batch_size * (config.num_members if run_data.order.per_member else 1)
   platform = parts.mesh.devices.flat[0].platform
+  train = config.train
+  cadences = (train.steps, train.log_every, train.eval_every, config.checkpoint.every,
+              start_step, *(a.every for a in actions if isinstance(a, PeriodicAction)))
   k = strategy.steps_per_call(
-      config, platform, start_step, inputs * int(np.prod(parts.input_shape)) * 4,  # float32
-      step_flops=lambda: _step_flops(config, parts),
-      cadences=[a.every for a in actions if isinstance(a, PeriodicAction)])
+      train.steps_per_call, cadences, platform,
+      inputs * int(np.prod(parts.input_shape)) * 4,  # float32
+      step_flops=lambda: _step_flops(config, parts))
   if start_step % k:
     raise configuration.ConfigError(
         f'config.train.steps_per_call={k} does not divide the checkpoint\'s step '
@@ -119,7 +119,7 @@ def _step_flops(config: ml_collections.ConfigDict, parts: assemble.Parts) -> flo
   forwards), for steps_per_call 'auto' on a CPU; None when not known."""
   forward = strategy.forward_flops(parts.model, parts.input_shape,
                                    config.data.batch_size // parts.mesh.shape[mesh_lib.DATA])
-  return None if forward is None else 3 * forward * form_cache.members_per_device(parts)
+  return None if forward is None else 3 * forward * assemble.members_per_device(parts)
 
 
 # On a multi-device CPU mesh too many queued steps deadlock XLA's collectives; 16 leaves a
@@ -179,19 +179,12 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
     raise configuration.ConfigError("--workdir is empty; name a directory for the run's files "
                                     '(e.g. --workdir=/tmp/run).')
   distributed.check_same_config(configuration.to_dict(config))
-  mesh = assemble.build_mesh(config, devices)
-  run_data = assemble.build_data(config, dataset)
-  dataset = run_data.dataset
-  config = configuration.resolve_epochs(config, dataset.train.num_examples)
-  parts = assemble.build_parts(config, mesh, dataset.input_shape,
-                               tasks.get_task(config.task).output_units(dataset),
-                               optimizer=optimizer)
-  form = assemble.member_form(parts, config.data.batch_size)
-  _check_sync_every(config, parts.mesh)
+  run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
+  _check_sync_every(run.config, run.parts.mesh)
   writers.check_writer_names(config.writers)
   if loss is None:
     tasks.loss_for(config.train.loss)
-  return run_data, parts, form
+  return run.data, run.parts, run.form
 
 
 def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.RunData,
@@ -200,14 +193,14 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
            actions: Sequence[Action]) -> tuple[Context, Any, Checkpointer]:
   """Claims the workdir, restores or inits the state, and builds the step, the input
   pipeline and the writers: the loop's Context."""
+  run = assemble.Run(config, parts, run_data, form)
   mesh, dataset = parts.mesh, run_data.dataset
   _prepare_workdir(workdir, config)
   logging.info('mesh %s over %d of %d %s devices, %d process(es); %d x %s on %s',
                dict(mesh.shape), mesh.size, jax.device_count(), mesh.devices.flat[0].platform,
                jax.process_count(), config.num_members, config.model.factory or config.model.name,
                dataset.name)
-  checkpointer = Checkpointer(workdir / 'checkpoints', config.checkpoint.every,
-                              config.checkpoint.keep)
+  checkpointer = run.checkpointer(workdir)
   restored = _restore_or_init(parts, checkpointer)
   if config.get('reproducible', False):
     logging.info('reproducible mode: each device runs its members one at a time')
@@ -219,11 +212,8 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
   k = _steps_per_call(config, parts, run_data, restored.step, actions)
   if k > 1:
     logging.info('%d steps per call of the compiled step', k)
-  train_step = assemble.build_step(parts, per_member_batches=run_data.order.per_member,
-                                   form=form, steps_per_call=k, loss=loss)
-  batches = data.Batches(dataset.train, run_data.order, mesh, config.num_members,
-                         restored.data_state, prefetch=config.data.prefetch, steps_per_call=k,
-                         with_index=train_step.uses_index)
+  train_step = run.step(k, loss)
+  batches = run.batches(restored.data_state, k, with_index=train_step.uses_index)
   writer = writers.MultiWriter(
       writers.make_writer(config.writers, workdir, restored.step if restored.meta else None),
       *extra_writers)
@@ -231,11 +221,7 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
                 state=restored.state, step=restored.step, start_step=restored.step,
                 total_steps=config.train.steps, steps_per_call=k,
                 hparams=parts.device_hparams(),
-                evaluator=Evaluator(make_eval_step(parts.model, mesh, parts.task.eval_batch),
-                                    mesh, config.eval.batch_size, view=functools.partial(
-                                        methods.trained_members, parts.method, mesh=mesh),
-                                    finalize=parts.task.finalize,
-                                    ood_metrics=parts.task.ood_metrics),
+                evaluator=run.evaluator(),
                 writer=writer, saved_meta=restored.meta, batches=batches)
   return ctx, train_step, checkpointer
 
