@@ -461,9 +461,9 @@ def corrupt_batch(x: jax.Array, example_index: jax.Array, corruption: int | jax.
     x: [B, H, W, C], [B, L, C] or [B, L] raw inputs (before standardisation).
     example_index: [B] the examples' indices in the test set (they pick the keys).
     corruption: a corruption id (`corruption_id(name)`); an int or a traced int array.
-    severity: 0 (x itself, bitwise) .. 5; an int or a traced int array. Out-of-range
-      ids and severities are clamped (lax.switch and indexing do), so check them with
-      `resolve` on the host.
+    severity: 0 (x itself, bitwise) .. 5; an int or a traced int array. Traced ids
+      and severities are not range-checked on device (lax.switch clamps the id, a
+      negative severity indexes from the end), so check them with `resolve` first.
     seed: the evaluation's seed.
     value_range: (lo, hi) of the raw data, mapped to the families' [0, 1].
 
