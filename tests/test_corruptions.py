@@ -1,0 +1,198 @@
+"""On-device corruptions: identity at severity 0, monotone severities, keys that ignore the
+batch layout, one trace for every corruption x severity, and the families' formulas."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dist_ens.data import corruptions as cor
+from dist_ens.errors import ConfigError
+
+B, H, W, C = 16, 8, 8, 3
+SEVERITIES = range(cor.NUM_SEVERITIES + 1)
+IMAGE_ONLY = ('motion_blur', 'saturate')  # no 1-D form (saturate: no colour either)
+
+# The shapes corrupt_batch was traced with through _corrupt (inputs on the default device).
+_TRACES = []
+
+
+def _counted(x, index, corruption, severity, seed, value_range):
+  _TRACES.append(x.shape)
+  return cor.corrupt_batch(x, index, corruption, severity, seed, value_range)
+
+
+_jitted = jax.jit(_counted)
+
+
+def _corrupt(x, index, corruption, severity, seed, value_range=(0.0, 1.0)):
+  """One jit for every corruption x severity (traced) and value range: one compile a shape."""
+  return _jitted(x, index, jnp.int32(corruption), jnp.int32(severity), seed, value_range)
+
+
+def _images(n=B, seed=0):
+  return jax.random.uniform(jax.random.key(seed), (n, H, W, C), minval=0.05, maxval=0.95)
+
+
+def _signals(n=B, seed=1):
+  return jax.random.uniform(jax.random.key(seed), (n, 40), minval=0.05, maxval=0.95)
+
+
+def _all(x, index, corruptions, severities, seed=0):
+  """{(name, severity): corrupted batch}, through the one jitted function."""
+  return {(n, s): np.asarray(_corrupt(x, index, cor.corruption_id(n), s, seed))
+          for n in corruptions for s in severities}
+
+
+def test_severity_zero_is_the_identity():
+  x, x1 = _images(), _signals()
+  for name in cor.CORRUPTIONS:
+    np.testing.assert_array_equal(_corrupt(x, jnp.arange(B), cor.corruption_id(name), 0, 3), x)
+    if name not in IMAGE_ONLY:
+      np.testing.assert_array_equal(
+          _corrupt(x1, jnp.arange(B), cor.corruption_id(name), 0, 3), x1)
+  # And the table's identity level really is one (the bitwise identity above is a select).
+  at_identity = jax.jit(lambda e: {n: f.fn(jax.random.key(0), e, jnp.float32(f.identity))
+                                   for n, f in cor.CORRUPTION_TABLE.items()})(x[0])
+  for name, out in at_identity.items():
+    np.testing.assert_allclose(out, x[0], atol=1e-6, err_msg=name)
+
+
+def test_levels_move_monotonically_away_from_the_identity():
+  for name, family in cor.CORRUPTION_TABLE.items():
+    steps = np.diff((family.identity, *family.levels))
+    assert len(family.levels) == cor.NUM_SEVERITIES
+    assert np.all(steps > 0) or np.all(steps < 0), name
+  # And the damage grows with severity: mean |x' - x| over a batch, each family.
+  x, index = _images(), jnp.arange(B)
+  x1 = _signals()
+  for name in cor.CORRUPTIONS:
+    dist = [float(np.abs(_corrupt(x, index, cor.corruption_id(name), s, 0) - x).mean())
+            for s in SEVERITIES]
+    assert dist[0] == 0 and dist[1] > 0 and dist[5] > dist[1], (name, dist)
+    # Below ~28 pixels, pixelate's neighbouring severities can cross over (see its doc);
+    # it is checked on the 40-long signals.
+    if name != 'pixelate':
+      assert np.all(np.diff(dist) > 0), (name, dist)
+    if name not in IMAGE_ONLY:
+      dist = [float(np.abs(_corrupt(x1, index, cor.corruption_id(name), s, 0) - x1).mean())
+              for s in SEVERITIES]
+      assert np.all(np.diff(dist) > 0), (name, '1-D', dist)
+
+
+def test_keys_depend_on_seed_corruption_severity_and_index_only():
+  data = lambda *args: np.asarray(jax.random.key_data(cor.corruption_keys(*args)))
+  base = data(0, 1, 2, jnp.asarray(3))
+  for other in [(1, 1, 2, 3), (0, 2, 2, 3), (0, 1, 3, 3), (0, 1, 2, 4)]:
+    assert not np.array_equal(data(*other[:3], jnp.asarray(other[3])), base), other
+  np.testing.assert_array_equal(data(0, 1, 2, jnp.asarray(3)), base)
+
+
+def test_corrupted_examples_ignore_batch_sharding_order_and_members():
+  """Bitwise: the same examples under any sharding, order, batch or member count."""
+  x, index = _images(), jnp.arange(100, 100 + B)
+  names = cor.CORRUPTIONS
+  ref = _all(x, index, names, [3])
+  devices = np.array(jax.devices())
+  data = NamedSharding(Mesh(devices, ('data',)), P('data'))
+  sharded = jax.jit(cor.corrupt_batch)  # not _corrupt: a new sharding is a new trace
+  xs, ids = jax.device_put(x, data), jax.device_put(index, data)
+  got = {(n, 3): np.asarray(sharded(xs, ids, cor.corruption_id(n), 3, 0)) for n in names}
+  perm = np.random.default_rng(0).permutation(B)
+  shuffled = _all(x[perm], index[perm], names, [3])
+  # Example 5 at the front of a batch of other examples.
+  others = _images(seed=7).at[0].set(x[5])
+  elsewhere = _all(others, jnp.arange(200, 200 + B).at[0].set(index[5]), names, [3])
+  for key in ref:
+    np.testing.assert_array_equal(got[key], ref[key], err_msg=f'8 devices {key}')
+    np.testing.assert_array_equal(shuffled[key], ref[key][perm], err_msg=f'permuted {key}')
+    np.testing.assert_array_equal(elsewhere[key][0], ref[key][5], err_msg=f'other batch {key}')
+  # Inside the member vmap, each member's copy of the batch sharded over (member, data).
+  grid = NamedSharding(Mesh(devices.reshape(2, 4), ('member', 'data')), P('member', 'data'))
+  per_member = jax.jit(jax.vmap(cor.corrupt_batch, in_axes=(0, 0, None, None, None)))
+  m = 4  # against the unvmapped reference, M = 1
+  xm = jax.device_put(jnp.broadcast_to(x, (m, *x.shape)), grid)
+  im = jax.device_put(jnp.broadcast_to(index, (m, B)), grid)
+  for name in names:
+    got = np.asarray(per_member(xm, im, cor.corruption_id(name), 3, 0))
+    for member in range(m):
+      np.testing.assert_array_equal(got[member], ref[name, 3], err_msg=f'M={m} {name}')
+
+
+def test_one_trace_serves_every_corruption_and_severity():
+  x, index = _images(), jnp.arange(B)
+  for name, severity in cor.resolve('all') + [(n, 0) for n in cor.CORRUPTIONS]:
+    _corrupt(x, index, cor.corruption_id(name), severity, 0)
+  assert len(cor.resolve('all')) == len(cor.CORRUPTIONS) * cor.NUM_SEVERITIES
+  # Whatever ran before (every test here uses this batch shape): one trace, ever.
+  assert _TRACES.count(x.shape) == 1
+
+
+def test_resolve_names_severities_and_refusals():
+  assert cor.resolve(['gaussian_noise:3', 'contrast']) == [
+      ('gaussian_noise', 3)] + [('contrast', s) for s in range(1, 6)]
+  assert cor.resolve('pixelate:1, pixelate:1') == [('pixelate', 1)]
+  with pytest.raises(ConfigError, match='unknown corruption .fog.*gaussian_noise.*elastic'):
+    cor.resolve(['fog'])
+  with pytest.raises(ConfigError, match='severity'):
+    cor.resolve(['contrast:6'])
+  one_d = cor.resolve('all', example_shape=(40,))
+  assert {n for n, _ in one_d} == set(cor.CORRUPTIONS) - set(IMAGE_ONLY)
+  grey = {n for n, _ in cor.resolve('all', example_shape=(8, 8, 1))}
+  assert grey == set(cor.CORRUPTIONS) - {'saturate'}
+  with pytest.raises(ConfigError, match='motion_blur needs 2-D'):
+    cor.resolve(['motion_blur', 'contrast'], example_shape=(40, 1))
+  with pytest.raises(ConfigError, match='saturate needs 3 channels'):
+    cor.resolve(['saturate:2'], example_shape=(8, 8, 1))
+  with pytest.raises(ConfigError, match='motion_blur'):
+    cor.corrupt_batch(_signals(2), jnp.arange(2), cor.corruption_id('motion_blur'), 1, 0)
+  # Traced, a refused family cannot raise: it answers NaN rather than a plausible batch.
+  out = _corrupt(_signals(), jnp.arange(B), cor.corruption_id('saturate'), 2, 0)
+  assert np.isnan(out).all()
+
+
+def test_value_range_maps_to_the_unit_families():
+  x, index = _images(), jnp.arange(B)
+  for name in ('gaussian_noise', 'contrast', 'brightness', 'zoom_blur'):
+    unit = _corrupt(x, index, cor.corruption_id(name), 4, 0)
+    wide = _corrupt(3 * x - 1, index, cor.corruption_id(name), 4, 0, (-1.0, 2.0))
+    np.testing.assert_allclose(wide, 3 * unit - 1, atol=1e-5, err_msg=name)
+
+
+def _family(name, x, level, key=0):
+  return np.asarray(jax.jit(cor.CORRUPTION_TABLE[name].fn)(
+      jax.random.key(key), jnp.asarray(x), jnp.float32(level)))
+
+
+def test_families_against_numpy_formulas():
+  rng = np.random.default_rng(0)
+  x = rng.uniform(0.1, 0.9, (8, 8, 3)).astype(np.float32)
+  # contrast: per-channel mean kept, deviations scaled.
+  mean = x.mean(axis=(0, 1))
+  np.testing.assert_allclose(_family('contrast', x, 0.3), (x - mean) * 0.3 + mean, atol=1e-6)
+  # brightness on a grey image is x + shift, clipped.
+  grey = np.repeat(x[..., :1], 3, axis=-1)
+  np.testing.assert_allclose(_family('brightness', grey, 0.2), np.minimum(grey + 0.2, 1),
+                             atol=1e-6)
+  # saturate leaves grey pixels alone and keeps each pixel's max (HSV value).
+  np.testing.assert_allclose(_family('saturate', grey, 2.5), grey, atol=1e-6)
+  sat = _family('saturate', x, 2.5)
+  np.testing.assert_allclose(sat.max(-1), x.max(-1), atol=1e-6)
+  assert np.all(sat.min(-1) <= x.min(-1) + 1e-6)
+  # pixelate keeping half the resolution: 2 x 2 block means.
+  blocks = x.reshape(4, 2, 4, 2, 3).mean(axis=(1, 3))
+  np.testing.assert_allclose(_family('pixelate', x, 0.5),
+                             np.repeat(np.repeat(blocks, 2, 0), 2, 1), atol=1e-6)
+  # gaussian blur: a normalised, edge-padded separable kernel of radius 3 * max sigma.
+  # (8 x 8 is below 32 pixels: CIFAR's pixel parameters, radius 3 x max sigma = 3.)
+  sigma, radius = 0.8, 3
+  k = np.exp(-np.arange(-radius, radius + 1)**2 / (2 * sigma**2))
+  k /= k.sum()
+  pad = np.pad(x, [(radius, radius)] * 2 + [(0, 0)], mode='edge')
+  rows = sum(k[i] * pad[i:i + H] for i in range(2 * radius + 1))
+  ref = sum(k[j] * rows[:, j:j + W] for j in range(2 * radius + 1))
+  np.testing.assert_allclose(_family('gaussian_blur', x, 0.8), ref, atol=1e-6)
+  # impulse: about `amount` of the values become 0 or 1, the rest unchanged.
+  out = _family('impulse_noise', rng.uniform(0.1, 0.9, (64, 64, 3)).astype(np.float32), 0.05)
+  assert abs(np.isin(out, (0.0, 1.0)).mean() - 0.05) < 0.01
