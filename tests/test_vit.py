@@ -1,5 +1,9 @@
 """The built-in ViT (dist_ens.models.vit): shapes, init, training, dropout, members
-stacked under vmap, and its tensor-parallel rules on a ('member', 'data', 'model') mesh."""
+stacked under vmap, its tensor-parallel rules on a ('member', 'data', 'model') mesh, and
+its configs (configs/digits_vit.py trains two steps; cifar10_vit_ti.py is only built)."""
+
+import math
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import dist_ens
+from dist_ens import configuration
 from dist_ens.core.axes import DATA, MEMBER, MODEL
 from dist_ens.errors import ConfigError
 from dist_ens.models import get_model
@@ -159,3 +165,29 @@ def test_vit_rules_shard_blocks_tensor_parallel_and_the_rest_by_fsdp():
   forward = jax.jit(jax.vmap(lambda p: model.apply(p, {}, x, train=False)[0]))
   np.testing.assert_allclose(forward(params), forward(jax.device_get(params)),
                              rtol=1e-5, atol=1e-5)
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
+
+
+@pytest.mark.parametrize('name, sample, params', [
+    ('digits_vit.py', (1, 8, 8, 1), 136_010),
+    ('cifar10_vit_ti.py', (1, 32, 32, 3), 5_362_378),  # ViT-Ti: 5.4M
+])
+def test_configs_load_validate_and_build_at_full_size(name, sample, params):
+  config = configuration.load_config(CONFIGS / name)
+  configuration.validate(config)
+  model = get_model(config.model, 10)
+  abstract, _ = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample))
+  assert sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract)) == params
+
+
+def test_digits_vit_trains_through_dist_ens(tmp_path):
+  config = configuration.load_config(CONFIGS / 'digits_vit.py')
+  # Shrunk for a CPU test; data, optimizer, dropout and the model family are the config's.
+  config.num_members, config.mesh.member, config.model.depth = 2, 1, 1
+  config.train.steps, config.train.log_every, config.checkpoint.every = 2, 2, 2
+  config.optim.warmup_steps = 1
+  final = dist_ens.train(config, str(tmp_path), devices=jax.devices()[:1])
+  assert final['step'] == 2 and not final['frozen_members']
+  assert len(final['members']['accuracy']) == 2
