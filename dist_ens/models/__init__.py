@@ -20,6 +20,8 @@ from dist_ens.models.cnn import make_cnn
 from dist_ens.models.lenet import make_lenet5
 from dist_ens.models.mlp import make_mlp
 from dist_ens.models.resnet import make_resnet, make_resnet18, make_wide_resnet
+from dist_ens.models.token_transformer import make_token_transformer
+from dist_ens.models.vit import make_vit
 
 # name -> constructor(model_config, num_classes) -> Model
 MODELS: dict[str, Callable[[ml_collections.ConfigDict, int], Model]] = {
@@ -29,6 +31,9 @@ MODELS: dict[str, Callable[[ml_collections.ConfigDict, int], Model]] = {
     'resnet': make_resnet,  # CIFAR ResNet, depth 6n+2 (config.model.depth: 20, 32, 56, ...)
     'resnet18': make_resnet18,
     'wide_resnet': make_wide_resnet,  # WRN-depth-widen_factor (default 28-10)
+    'vit': make_vit,  # Vision Transformer (patch_size, hidden, depth, heads, mlp_dim, pool)
+    # Encoder (or causal decoder) over int token ids [B, L] (vocab_size, causal, ...).
+    'token_transformer': make_token_transformer,
 }
 
 

@@ -1,0 +1,330 @@
+"""Leaf rules for dist_ens.parallel.layout.Layout: how one member's leaves split over
+mesh axes other than 'member' (a 'model' axis, for members larger than one device).
+
+Every constructor here returns a LeafRule, rule(path, leaf) -> PartitionSpec, where
+`path` is the leaf's key path in the WHOLE train state (params, model_state,
+opt_state, ...) and `leaf` is ONE member's leaf (its shape without the member axis);
+the Layout prepends 'member' itself. The rules:
+
+  fsdp(axis_size=...)        by size: a large leaf's largest dimension that the axis
+                             divides is split, small leaves are replicated; XLA then
+                             gathers each layer's weights where it uses them.
+  by_regex(rules)            by parameter path, for models without annotations
+                             (Equinox, Haiku, plain JAX, the built-ins).
+  from_flax_metadata(tree)   by the model's own annotations: linen
+                             with_partitioning / with_logical_partitioning boxes, NNX
+                             Variables' sharding metadata.
+
+Paths are matched as strings written by `path_str`: the key path's entries joined by
+'/', e.g. 'params/Dense_0/kernel' or 'opt_state/0/mu/Dense_0/kernel' (Adam's first
+moment of that kernel). Optimizer moments mirror the params' paths under an optimizer
+prefix, so a rule that should also place the moments matches the param's path as a
+suffix (by_regex: no '^' anchor; from_flax_metadata: suffix matching built in).
+
+`describe` and `state_bytes_per_device` say what each device then holds, for
+`dist-ens plan`.
+"""
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from dist_ens.core.axes import MODEL
+from dist_ens.parallel.layout import LeafRule, Path, whole
+
+PyTree = Any
+
+
+def _entry_name(entry: Any) -> str | None:
+  """One key-path entry as a name; None for the `.value` hop of a box or Variable."""
+  if isinstance(entry, jax.tree_util.GetAttrKey):
+    # Flax boxes and NNX Variables hold their array under `.value`: dropping the hop
+    # makes a boxed tree's paths those of the unboxed one.
+    return None if entry.name == 'value' else entry.name
+  for attr in ('key', 'idx'):
+    if hasattr(entry, attr):
+      return str(getattr(entry, attr))
+  return str(entry)
+
+
+def path_names(path: Path) -> tuple[str, ...]:
+  """The names along a key path, without `.value` hops: ('params', 'Dense_0', 'kernel')."""
+  return tuple(name for name in map(_entry_name, path) if name is not None)
+
+
+def path_str(path: Path) -> str:
+  """A key path as the string the rules match: names joined by '/'.
+
+  Dict keys, attribute names (a NamedTuple's fields, e.g. TrainState.params) and
+  sequence indices each give one component; `.value` hops of Flax boxes and NNX
+  Variables are left out. Example: the train state's kernel of a linen Dense is
+  'params/Dense_0/kernel', Adam's first moment of it 'opt_state/0/mu/Dense_0/kernel'.
+  """
+  return '/'.join(path_names(path))
+
+
+def _entry_size(entry: Any, axis_sizes: Mapping[str, int], where: str) -> int:
+  """How many shards a spec entry (None, an axis, or a tuple of axes) makes."""
+  if entry is None:
+    return 1
+  names = entry if isinstance(entry, tuple) else (entry,)
+  unknown = [a for a in names if a not in axis_sizes]
+  if unknown:
+    raise ValueError(f'{where}: axis {unknown[0]!r} is not a mesh axis; the mesh has '
+                     f'{dict(axis_sizes)}.')
+  return math.prod(axis_sizes[a] for a in names)
+
+
+def check_spec(path: Path, leaf: jax.ShapeDtypeStruct, spec: P,
+               axis_sizes: Mapping[str, int] | None = None) -> P:
+  """`spec` if it fits one member's `leaf`, else a ValueError naming the path.
+
+  Args:
+    path: the leaf's key path (for the message).
+    leaf: one member's leaf.
+    spec: its PartitionSpec, one entry per leading dimension at most.
+    axis_sizes: mesh axis name -> size; when given, every named axis must exist and
+      its size divide the dimension it splits.
+
+  Returns:
+    spec, unchanged.
+  """
+  where = f'leaf {path_str(path)!r} of shape {tuple(leaf.shape)}'
+  if len(spec) > leaf.ndim:
+    raise ValueError(f'{where}: spec {spec} has {len(spec)} entries, more than the '
+                     f'leaf\'s {leaf.ndim} dimensions.')
+  if axis_sizes is not None:
+    for dim, entry in enumerate(spec):
+      size = _entry_size(entry, axis_sizes, where)
+      if leaf.shape[dim] % size:
+        raise ValueError(f'{where}: spec {spec} splits dimension {dim} ({leaf.shape[dim]}) '
+                         f'over {entry!r} of size {size}, which does not divide it.')
+  return spec
+
+
+def fsdp(axis: str = MODEL, *, axis_size: int, min_size: int = 4096) -> LeafRule:
+  """FSDP by size: split each large leaf's largest dimension that `axis_size` divides.
+
+  Args:
+    axis: the mesh axis to split over.
+    axis_size: its size (the rule sees leaves, not the mesh).
+    min_size: leaves of fewer elements stay replicated (biases, norms: gathering them
+      costs a collective each for little memory). In elements, not bytes, so the
+      choice does not move with the precision.
+
+  Returns:
+    rule(path, leaf) -> P: P() for small leaves and leaves no dimension of which
+    `axis_size` divides; else `axis` on the largest divisible dimension (of equal
+    ones the last: a kernel [fan_in, fan_out] splits its outputs) and None elsewhere.
+  """
+  if not isinstance(axis_size, int) or axis_size < 1:
+    raise ValueError(f'fsdp: axis_size={axis_size!r} must be an int >= 1.')
+
+  def rule(path: Path, leaf: jax.ShapeDtypeStruct) -> P:
+    del path
+    if axis_size == 1 or math.prod(leaf.shape) < min_size:
+      return P()
+    divisible = [i for i, d in enumerate(leaf.shape) if d % axis_size == 0]
+    if not divisible:
+      return P()
+    dim = max(divisible, key=lambda i: (leaf.shape[i], i))
+    return P(*(axis if i == dim else None for i in range(leaf.ndim)))
+
+  return rule
+
+
+def by_regex(rules: Sequence[tuple[str, P | LeafRule]], default: LeafRule = whole, *,
+             axis_sizes: Mapping[str, int] | None = None) -> LeafRule:
+  """User rules by parameter path: the first regex that matches decides.
+
+  Args:
+    rules: (regex, spec or rule) pairs, tried in order with re.search on the leaf's
+      path_str (e.g. 'params/blocks/0/attn/qkv/w'). Leave the regex unanchored at the
+      start (r'attn/qkv/w$') so the optimizer's moments of that param match too.
+      A PartitionSpec is used as given; a LeafRule (e.g. fsdp(...)) is called.
+    default: the rule of leaves no regex matches.
+    axis_sizes: mesh axis name -> size; when given, the specs decided are checked to
+      name mesh axes whose sizes divide the dimensions they split.
+
+  Returns:
+    rule(path, leaf) -> P. Raises ValueError naming the path when a spec has more
+    entries than the leaf has dimensions, or (with axis_sizes) does not divide it.
+  """
+  compiled = []
+  for pattern, target in rules:
+    try:
+      compiled.append((re.compile(pattern), target))
+    except re.error as e:
+      raise ValueError(f'by_regex: {pattern!r} is not a regular expression: {e}') from None
+    if not isinstance(target, P) and not callable(target):
+      raise ValueError(f'by_regex: the target of {pattern!r} is a {type(target).__name__}; '
+                       'give a PartitionSpec or a rule(path, leaf) -> PartitionSpec.')
+
+  def rule(path: Path, leaf: jax.ShapeDtypeStruct) -> P:
+    name = path_str(path)
+    for regex, target in compiled:
+      if regex.search(name):
+        spec = target if isinstance(target, P) else target(path, leaf)
+        return check_spec(path, leaf, spec, axis_sizes)
+    return check_spec(path, leaf, default(path, leaf), axis_sizes)
+
+  return rule
+
+
+# --- the model's own annotations: Flax linen boxes and NNX Variables -------------------
+
+
+def _is_box(x: Any) -> bool:
+  """A linen AxisMetadata box or an NNX Variable (checked without importing flax when
+  the user does not have it)."""
+  module = type(x).__module__
+  if not module.startswith('flax'):
+    return False
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from flax.core import meta  # pylint: disable=import-outside-toplevel
+  return isinstance(x, (meta.AxisMetadata, nnx.Variable))
+
+
+def _box_spec(box: Any, logical_rules: Sequence[tuple[str, Any]] | None) -> P | None:
+  """The mesh PartitionSpec a box or Variable carries; None when it carries none."""
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  if isinstance(box, nn.LogicallyPartitioned):
+    rules = logical_rules if logical_rules is not None else box.rules
+    return P(*nn.logical_to_mesh_axes(box.names, rules))
+  if isinstance(box, nn.Partitioned):
+    return P(*box.names)
+  if isinstance(box, nnx.Variable):
+    meta = box.get_metadata()
+    # Names of the key across NNX versions: out_sharding (0.12), sharding_names, sharding.
+    names = next((meta[k] for k in ('out_sharding', 'sharding_names', 'sharding')
+                  if meta.get(k) is not None), None)
+    if names is None:
+      return None
+    if logical_rules is not None:
+      return P(*nn.logical_to_mesh_axes(tuple(names), logical_rules))
+    return P(*names)
+  return None
+
+
+def _unboxed_shape(x: Any) -> tuple[int, ...]:
+  if not _is_box(x):
+    return tuple(x.shape)
+  # NNX Variables deprecate `.value` for get_value(); linen boxes have only `.value`.
+  value = x.get_value() if hasattr(x, 'get_value') else x.value
+  return tuple(value.shape)
+
+
+def _annotations(tree: PyTree, logical_rules: Sequence[tuple[str, Any]] | None
+                 ) -> dict[tuple[str, ...], tuple[tuple[int, ...], P | None]]:
+  """Param path (names) -> (shape, spec or None) for every leaf of a boxed tree."""
+  if isinstance(tree, Mapping) and 'params' in tree:
+    # A linen variables dict: its collections ('params', 'batch_stats') are not part of
+    # the paths the params and optimizer moments carry in the train state.
+    strip = 1
+  else:
+    strip = 0
+  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_box)[0]
+  table = {}
+  for path, leaf in leaves:
+    spec = _box_spec(leaf, logical_rules) if _is_box(leaf) else None
+    table[path_names(path)[strip:]] = (_unboxed_shape(leaf), spec)
+  return table
+
+
+def from_flax_metadata(abstract_params_with_metadata: PyTree,
+                       logical_rules: Sequence[tuple[str, Any]] | None = None,
+                       default: LeafRule = whole) -> LeafRule:
+  """The partition annotations a Flax model carries, as a rule.
+
+  Args:
+    abstract_params_with_metadata: the model's variables before unboxing, e.g.
+      jax.eval_shape(module.init, key, x) for linen (a variables dict or its
+      'params' collection), whose kernels are nn.Partitioned / nn.LogicallyPartitioned
+      boxes (flax.linen.with_partitioning / with_logical_partitioning); or
+      nnx.state(abstract_module, nnx.Param) for NNX, whose Variables carry sharding
+      metadata (out_sharding in flax 0.12; an NNX model built under nnx.eval_shape
+      needs a mesh context to carry it).
+    logical_rules: logical name -> mesh axis pairs, [('embed', 'model'), ('mlp',
+      None)], mapped as flax.linen.logical_to_mesh_axes does (a name without a rule
+      is replicated); None: a LogicallyPartitioned box's own rules, else Flax's
+      context rules (nn.logical_axis_rules). For NNX names, None means they already
+      are mesh axes.
+    default: the rule of leaves without an annotation.
+
+  Returns:
+    rule(path, leaf) -> P. Matching is by path SUFFIX: a train-state path
+    ('params/Dense_0/kernel', 'opt_state/0/mu/Dense_0/kernel') takes the annotation
+    of the longest param path it ends with (whole components), so the optimizer's
+    moments of a param, which mirror its path under an optimizer prefix, get the
+    param's spec. Every param, annotated or not, takes part in the matching (an
+    unannotated 'Block_0/Dense_0/kernel' is not mistaken for an annotated
+    'Dense_0/kernel'), and a leaf whose shape is not the param's (a factored
+    optimizer statistic) falls to `default`.
+  """
+  table = _annotations(abstract_params_with_metadata, logical_rules)
+
+  def rule(path: Path, leaf: jax.ShapeDtypeStruct) -> P:
+    names = path_names(path)
+    for start in range(len(names)):
+      hit = table.get(names[start:])
+      if hit is not None:
+        shape, spec = hit
+        if spec is not None and shape == tuple(leaf.shape):
+          return check_spec(path, leaf, spec)
+        break
+    return default(path, leaf)
+
+  return rule
+
+
+# --- what each device holds --------------------------------------------------------------
+
+
+class LeafPlacement(NamedTuple):
+  """One leaf of the train state as placed: its path, global shape, spec and the bytes
+  of its shard on one device."""
+  path: str
+  shape: tuple[int, ...]
+  spec: P
+  bytes_per_device: int
+
+
+def describe(layout_specs: PyTree, abstract_state: PyTree,
+             mesh_shape: Mapping[str, int]) -> list[LeafPlacement]:
+  """Each leaf's placement, for `dist-ens plan` to print.
+
+  Args:
+    layout_specs: a PartitionSpec per leaf of abstract_state (Layout.state_specs).
+    abstract_state: the train state's ShapeDtypeStructs (global shapes, [M, ...]).
+    mesh_shape: mesh axis name -> size (a Mesh's .shape).
+
+  Returns:
+    A LeafPlacement per leaf, in the state's flattening order. A dimension split over
+    axes of n devices in all holds ceil(d / n) entries per device (jax pads uneven
+    shards).
+  """
+  specs = jax.tree.leaves(layout_specs, is_leaf=lambda x: isinstance(x, P))
+  leaves = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
+  if len(specs) != len(leaves):
+    raise ValueError(f'describe: {len(specs)} specs for {len(leaves)} leaves; layout_specs '
+                     'must be Layout.state_specs(abstract_state).')
+  out = []
+  for (path, leaf), spec in zip(leaves, specs):
+    where = f'leaf {path_str(path)!r}'
+    shard = [-(-d // _entry_size(spec[i] if i < len(spec) else None, mesh_shape, where))
+             for i, d in enumerate(leaf.shape)]
+    nbytes = math.prod(shard) * np.dtype(leaf.dtype).itemsize
+    out.append(LeafPlacement(path_str(path), tuple(leaf.shape), spec, nbytes))
+  return out
+
+
+def state_bytes_per_device(layout_specs: PyTree, abstract_state: PyTree,
+                           mesh_shape: Mapping[str, int]) -> int:
+  """The bytes of the train state on one device: describe's bytes_per_device summed."""
+  return sum(p.bytes_per_device for p in describe(layout_specs, abstract_state, mesh_shape))

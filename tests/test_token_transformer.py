@@ -1,0 +1,92 @@
+"""The built-in token transformer (dist_ens.models.token_transformer): int32 ids stay
+integers, encoder and causal decoder, training on a tiny task, its sharding rules."""
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from dist_ens.core.axes import MEMBER, MODEL
+from dist_ens.errors import ConfigError
+from dist_ens.models import get_model, transformer
+from dist_ens.models.token_transformer import TOKEN_RULES, token_ids
+from dist_ens.parallel import sharding_rules as sr
+from dist_ens.parallel.layout import Layout
+
+TINY = dict(name='token_transformer', vocab_size=16, hidden=32, depth=2, heads=4, mlp_dim=64)
+
+
+def _model(num_classes=2, **overrides):
+  return get_model(ml_collections.ConfigDict({**TINY, **overrides}), num_classes)
+
+
+def _ids(batch=8, length=12, seed=0):
+  return jax.random.randint(jax.random.key(seed), (batch, length), 0, 16, jnp.int32)
+
+
+def test_int_ids_are_looked_up_and_float_ids_converted():
+  assert token_ids(_ids()).dtype == jnp.int32
+  np.testing.assert_array_equal(token_ids(_ids().astype(jnp.float32)[..., None]), _ids())
+  model = _model()
+  params, state = model.init(jax.random.key(0), _ids(1))
+  assert params['tokens'].shape == (16, 32) and params['pos'].shape == (12, 32)
+  logits, _ = model.apply(params, state, _ids(), train=False)
+  assert logits.shape == (8, 2) and logits.dtype == jnp.float32
+  as_float, _ = model.apply(params, state, _ids().astype(jnp.float32), train=False)
+  np.testing.assert_array_equal(logits, as_float)
+  with pytest.raises(ConfigError, match=r'token ids \[batch, length\]'):
+    model.init(jax.random.key(0), jnp.zeros((1, 4, 4, 1)))
+  with pytest.raises(ConfigError, match='vocab_size=0'):
+    _model(vocab_size=0)
+
+
+def test_causal_mask_hides_later_tokens():
+  params = transformer.block_init(32, 64)
+  params = jax.tree.map(
+      lambda a: jax.random.normal(jax.random.key(1), a.shape)
+      if isinstance(a, jax.ShapeDtypeStruct) else a, params)
+  x = jax.random.normal(jax.random.key(2), (1, 6, 32))
+  changed = x.at[:, 4:].set(0.0)
+  mask = jnp.tril(jnp.ones((1, 6, 6), bool))
+  out = transformer.self_attention(params['attn'], x, 4, mask)
+  out_changed = transformer.self_attention(params['attn'], changed, 4, mask)
+  np.testing.assert_allclose(out[:, :4], out_changed[:, :4], rtol=1e-6, atol=1e-6)
+  assert not np.allclose(out[:, 4:], out_changed[:, 4:])
+  full = transformer.self_attention(params['attn'], changed, 4)
+  assert not np.allclose(full[:, :4], out_changed[:, :4])
+
+
+@pytest.mark.parametrize('causal', [False, True])
+def test_sgd_steps_reduce_the_loss(causal):
+  model = _model(causal=causal)
+  ids = _ids(32, seed=3)
+  y = (ids == 3).any(axis=1).astype(jnp.int32)  # does token 3 occur?
+  params, state = model.init(jax.random.key(0), ids[:1])
+
+  def loss(p):
+    logits, _ = model.apply(p, state, ids, train=True)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+  @jax.jit
+  def step(p):
+    value, grads = jax.value_and_grad(loss)(p)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), value
+
+  params, first = step(params)
+  for _ in range(20):
+    params, _ = step(params)
+  assert float(loss(params)) < 0.8 * float(first)
+
+
+def test_token_rules_split_the_embedding_and_blocks():
+  model = _model()
+  init = jax.vmap(lambda k: model.init(k, _ids(1))[0])
+  abstract = {'params': jax.eval_shape(init, jax.random.split(jax.random.key(0), 2))}
+  rule = sr.by_regex(TOKEN_RULES, axis_sizes={MEMBER: 2, MODEL: 4})
+  specs = Layout(axes=(MEMBER, MODEL), rule=rule).state_specs(abstract)['params']
+  assert specs['tokens'] == P(MEMBER, None, MODEL)
+  assert specs['blocks'][0]['attn']['k']['w'] == P(MEMBER, None, MODEL)
+  assert specs['blocks'][0]['mlp']['fc2']['w'] == P(MEMBER, MODEL, None)
+  assert specs['pos'] == P(MEMBER)

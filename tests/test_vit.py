@@ -1,0 +1,193 @@
+"""The built-in ViT (dist_ens.models.vit): shapes, init, training, dropout, members
+stacked under vmap, its tensor-parallel rules on a ('member', 'data', 'model') mesh, and
+its configs (configs/digits_vit.py trains two steps; cifar10_vit_ti.py is only built)."""
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import dist_ens
+from dist_ens import configuration
+from dist_ens.core.axes import DATA, MEMBER, MODEL
+from dist_ens.errors import ConfigError
+from dist_ens.models import get_model
+from dist_ens.models.vit import VIT_RULES, make_vit, patchify
+from dist_ens.parallel import sharding_rules as sr
+from dist_ens.parallel.layout import Layout
+
+TINY = dict(name='vit', patch_size=2, hidden=32, depth=2, heads=4, mlp_dim=64)
+
+
+def _model(num_classes=10, **overrides):
+  return get_model(ml_collections.ConfigDict({**TINY, **overrides}), num_classes)
+
+
+def _x(batch=4, shape=(8, 8, 1), seed=0):
+  return jax.random.normal(jax.random.key(seed), (batch, *shape))
+
+
+def test_shapes_and_param_tree():
+  model = _model()
+  params, state = model.init(jax.random.key(0), _x(1))
+  assert state == {}
+  assert params['embed']['w'].shape == (2 * 2 * 1, 32)
+  assert params['pos'].shape == (16, 32)  # 8x8 in patches of 2, mean pooling
+  assert len(params['blocks']) == 2
+  assert params['blocks'][0]['attn']['q']['w'].shape == (32, 32)
+  assert params['blocks'][0]['mlp']['fc1']['w'].shape == (32, 64)
+  assert params['head']['w'].shape == (32, 10)
+  logits, _ = model.apply(params, state, _x(5), train=False)
+  assert logits.shape == (5, 10) and logits.dtype == jnp.float32
+  cls_params, _ = _model(pool='cls').init(jax.random.key(0), _x(1))
+  assert cls_params['pos'].shape == (17, 32) and cls_params['cls'].shape == (1, 32)
+  one_d, _ = _model(patch_size=4).init(jax.random.key(0), _x(1, (40, 1)))
+  assert one_d['pos'].shape == (10, 32)  # a 1-D signal of 40 in patches of 4
+
+
+def test_patchify_keeps_each_patch_together_in_row_major_order():
+  x = jnp.arange(16.0).reshape(1, 4, 4, 1)
+  patches = patchify(x, 2)
+  assert patches.shape == (1, 4, 4)
+  np.testing.assert_array_equal(patches[0, 0], [0, 1, 4, 5])
+  np.testing.assert_array_equal(patches[0, 1], [2, 3, 6, 7])
+  np.testing.assert_array_equal(patches[0, 3], [10, 11, 14, 15])
+
+
+def test_init_is_deterministic_per_key():
+  model = _model()
+  a, _ = model.init(jax.random.key(1), _x(1))
+  b, _ = model.init(jax.random.key(1), _x(1))
+  c, _ = model.init(jax.random.key(2), _x(1))
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+  assert not np.allclose(a['blocks'][0]['attn']['q']['w'], c['blocks'][0]['attn']['q']['w'])
+  assert not np.allclose(a['pos'], c['pos'])
+  std = float(jnp.std(a['blocks'][1]['mlp']['fc2']['w']))
+  assert 0.8 < std * np.sqrt(64) < 1.2  # LeCun normal: std sqrt(1 / fan_in)
+
+
+def test_sgd_steps_reduce_the_loss_on_a_tiny_task():
+  model = _model(num_classes=2)
+  x = _x(32, seed=3)
+  y = (x[:, :4].mean(axis=(1, 2, 3)) > 0).astype(jnp.int32)  # readable from the top rows
+  params, state = model.init(jax.random.key(0), x[:1])
+
+  def loss(p):
+    logits, _ = model.apply(p, state, x, train=True)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+  @jax.jit
+  def step(p):
+    value, grads = jax.value_and_grad(loss)(p)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), value
+
+  first = None
+  for _ in range(15):
+    params, value = step(params)
+    first = value if first is None else first
+  assert float(loss(params)) < 0.7 * float(first)
+
+
+def test_dropout_only_in_train_mode():
+  model = _model(dropout=0.3)
+  params, state = model.init(jax.random.key(0), _x(1))
+  x = _x(4)
+  eval_a, _ = model.apply(params, state, x, train=False)
+  eval_b, _ = model.apply(params, state, x, train=False)
+  np.testing.assert_array_equal(eval_a, eval_b)
+  train_a, _ = model.apply(params, state, x, train=True, rng=jax.random.key(1))
+  train_b, _ = model.apply(params, state, x, train=True, rng=jax.random.key(2))
+  assert not np.allclose(train_a, train_b)
+  assert not np.allclose(train_a, eval_a)
+  with pytest.raises(ValueError, match='needs a PRNG key'):
+    model.apply(params, state, x, train=True)
+  no_dropout = _model()
+  np.testing.assert_array_equal(
+      no_dropout.apply(params, state, x, train=True, rng=jax.random.key(1))[0], eval_a)
+
+
+def test_vmap_over_stacked_members_matches_each_member_alone():
+  model = _model()
+  keys = jax.random.split(jax.random.key(0), 3)
+  params, state = jax.vmap(model.init, in_axes=(0, None))(keys, _x(1))
+  assert params['blocks'][0]['attn']['q']['w'].shape == (3, 32, 32)
+  x = _x(4)
+  logits, _ = jax.jit(jax.vmap(lambda p, s: model.apply(p, s, x, train=False)))(params, state)
+  assert logits.shape == (3, 4, 10)
+  for m in range(3):
+    alone, _ = model.apply(jax.tree.map(lambda a, m=m: a[m], params), {}, x, train=False)
+    np.testing.assert_allclose(logits[m], alone, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize('field, value, message', [
+    ('heads', 5, 'multiple of config.model.heads=5'),
+    ('depth', 0, 'depth=0 must be an int >= 1'),
+    ('pool', 'max', "pool='max' is not known"),
+])
+def test_config_errors(field, value, message):
+  with pytest.raises(ConfigError, match=message):
+    _model(**{field: value})
+
+
+def test_patch_size_must_divide_the_input():
+  with pytest.raises(ConfigError, match='patch_size=3 must divide'):
+    _model(patch_size=3).init(jax.random.key(0), _x(1))
+
+
+def test_vit_rules_shard_blocks_tensor_parallel_and_the_rest_by_fsdp():
+  model = make_vit(ml_collections.ConfigDict(TINY), 10)
+  keys = jax.random.split(jax.random.key(0), 2)
+  init = jax.vmap(lambda k: model.init(k, _x(1))[0])
+  abstract = {'params': jax.eval_shape(init, keys)}
+  sizes = {MEMBER: 2, DATA: 1, MODEL: 4}
+  rule = sr.by_regex(VIT_RULES, default=sr.fsdp(axis_size=4, min_size=256), axis_sizes=sizes)
+  layout = Layout(axes=(MEMBER, DATA, MODEL), rule=rule)
+  specs = layout.state_specs(abstract)['params']
+  block = specs['blocks'][1]
+  assert block['attn']['q']['w'] == P(MEMBER, None, MODEL)
+  assert block['attn']['q']['b'] == P(MEMBER, MODEL)
+  assert block['attn']['out']['w'] == P(MEMBER, MODEL, None)
+  assert block['mlp']['fc1']['w'] == P(MEMBER, None, MODEL)
+  assert block['mlp']['fc2']['w'] == P(MEMBER, MODEL, None)
+  assert block['ln1']['scale'] == P(MEMBER)
+  assert specs['pos'] == P(MEMBER, None, MODEL)  # [16, 32]: the fsdp default
+  mesh = jax.make_mesh((2, 1, 4), (MEMBER, DATA, MODEL),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  params = jax.jit(init, out_shardings=layout.state_shardings(abstract, mesh)['params'])(keys)
+  fc2 = params['blocks'][0]['mlp']['fc2']['w']
+  assert fc2.sharding.shard_shape(fc2.shape) == (1, 16, 32)
+  x = _x(4)
+  forward = jax.jit(jax.vmap(lambda p: model.apply(p, {}, x, train=False)[0]))
+  np.testing.assert_allclose(forward(params), forward(jax.device_get(params)),
+                             rtol=1e-5, atol=1e-5)
+
+
+CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
+
+
+@pytest.mark.parametrize('name, sample, params', [
+    ('digits_vit.py', (1, 8, 8, 1), 136_010),
+    ('cifar10_vit_ti.py', (1, 32, 32, 3), 5_362_378),  # ViT-Ti: 5.4M
+])
+def test_configs_load_validate_and_build_at_full_size(name, sample, params):
+  config = configuration.load_config(CONFIGS / name)
+  configuration.validate(config)
+  model = get_model(config.model, 10)
+  abstract, _ = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample))
+  assert sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract)) == params
+
+
+def test_digits_vit_trains_through_dist_ens(tmp_path):
+  config = configuration.load_config(CONFIGS / 'digits_vit.py')
+  # Shrunk for a CPU test; data, optimizer, dropout and the model family are the config's.
+  config.num_members, config.mesh.member, config.model.depth = 2, 1, 1
+  config.train.steps, config.train.log_every, config.checkpoint.every = 2, 2, 2
+  config.optim.warmup_steps = 1
+  final = dist_ens.train(config, str(tmp_path), devices=jax.devices()[:1])
+  assert final['step'] == 2 and not final['frozen_members']
+  assert len(final['members']['accuracy']) == 2
