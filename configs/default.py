@@ -36,9 +36,22 @@ def get_config() -> ml_collections.ConfigDict:
   # task by import path, 'my_pkg.tasks:my_task'.
   config.task = 'classification'
 
-  # Devices as member x data; -1 fills the remaining devices. hosts_along: which
-  # axis runs across processes in a multi-host run.
+  # Devices as member x data x model; -1 fills the remaining devices. hosts_along: which
+  # of member and data runs across processes in a multi-host run ('model' is innermost:
+  # its devices are neighbours on one host).
   config.mesh = ml_collections.ConfigDict(dict(member=-1, data=1, hosts_along='member'))
+  # model > 1: each member's leaves are split over a third mesh axis of this many devices
+  # (members larger than one device; docs/mesh.md): by the model's own Flax partition
+  # annotations where it has them, else by mesh.rules, else FSDP (each leaf of at least
+  # fsdp_min_size elements split on its largest dimension that model divides).
+  config.mesh.model = 1
+  config.mesh.fsdp_min_size = 4096
+  # (regex over a leaf's path, spec of one member's leaf) pairs, first match wins, e.g.
+  # (('attn/(q|k|v)/w$', (None, 'model')),); or an import path to such pairs.
+  config.mesh.rules = ()
+  # Flax logical axis names -> mesh axes, for with_logical_partitioning: (('embed',
+  # 'model'), ('mlp', None)).
+  config.mesh.logical_rules = ()
 
   config.model = ml_collections.ConfigDict()
   config.model.name = 'mlp'  # a built-in model (dist_ens/models), used when factory is ''

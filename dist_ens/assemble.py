@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
 
 from dist_ens import configuration, data, models, tasks
 from dist_ens.checkpoint import Checkpointer
@@ -41,6 +41,7 @@ from dist_ens.errors import ConfigError
 from dist_ens.eval import ood
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.parallel import form_cache, mesh as mesh_lib, strategy
+from dist_ens.parallel import sharding_rules
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
 from dist_ens.data import augment as augment_lib
@@ -141,12 +142,18 @@ def build_run(config: ml_collections.ConfigDict, *,
   return Run(config, parts, run_data, member_form(parts, config.data.batch_size))
 
 
+def mesh_spec(config: ml_collections.ConfigDict) -> mesh_lib.MeshSpec:
+  m = config.mesh
+  return mesh_lib.MeshSpec(member=m.member, data=m.data, hosts_along=m.hosts_along,
+                           model=m.model)
+
+
 def build_mesh(config: ml_collections.ConfigDict,
                devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The ('member', 'data') mesh for the config, checked against M and the batch.
 
   An axis left at -1 is fitted to the devices (parallel.mesh.make_mesh)."""
-  mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(**config.mesh), devices, num_members=config.num_members,
+  mesh = mesh_lib.make_mesh(mesh_spec(config), devices, num_members=config.num_members,
                             batch_size=config.data.batch_size)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
   if config.get('reproducible', False):
@@ -222,7 +229,8 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp,
                       method.hooks)
 
-  layout = build_layout(method)
+  one_member = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample_x.shape))[0]
+  layout = build_layout(method, mesh, config.mesh, one_member)
   abstract = layout.place(jax.eval_shape(init), mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
                abstract, init, method, task, layout)
@@ -241,10 +249,28 @@ def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
       swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples)
 
 
-def build_layout(method: methods.Method) -> Layout:
-  """Members whole on each device of their group; a method's shared leaves stored once."""
-  shared = method.hooks.shared
-  return Layout() if shared is None else Layout(shared=shared)
+def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections.ConfigDict,
+                 member_params: Any) -> Layout:
+  """Where every leaf lives: a method's shared leaves stored once, members whole on each
+  device of their group or, on a mesh with a 'model' axis, each member's leaves split
+  over it by the model's Flax annotations, config.mesh.rules, else FSDP (a rule sees
+  one member's leaf; `member_params` are one member's, with their annotations)."""
+  shared = {} if method.hooks.shared is None else {'shared': method.hooks.shared}
+  if mesh_lib.MODEL not in mesh.axis_names:
+    return Layout(**shared)
+  size = mesh.shape[mesh_lib.MODEL]
+  rule = sharding_rules.fsdp(mesh_lib.MODEL, axis_size=size,
+                             min_size=mesh_config.fsdp_min_size)
+  rules = mesh_config.rules
+  if isinstance(rules, str) and rules:
+    rules = load_object(rules, 'config.mesh.rules')
+  if rules:
+    rule = sharding_rules.by_regex([(r, P(*s) if isinstance(s, (tuple, list)) else s)
+                                    for r, s in rules], default=rule,
+                                   axis_sizes=dict(mesh.shape))
+  logical = tuple(tuple(pair) for pair in mesh_config.logical_rules) or None
+  rule = sharding_rules.from_flax_metadata(member_params, logical, default=rule)
+  return Layout(axes=tuple(mesh.axis_names), rule=rule, **shared)
 
 
 def _check_shared_optimizer(member_hparams: dict[str, np.ndarray]) -> None:

@@ -49,3 +49,21 @@ def margin_task():
   return base._replace(name='margin', output_units=lambda dataset: dataset.num_classes + 1,
                        batch_metrics=batch_metrics, finalize=finalize,
                        select_metrics={'nll': False})
+
+
+def annotated_linen_mlp(num_classes=10):
+  """A Flax linen MLP whose hidden kernel carries its own partition annotation: split
+  over 'model' on its INPUT dimension, where FSDP would pick the output one."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  class Annotated(nn.Module):
+
+    @nn.compact
+    def __call__(self, x, train=False):
+      x = x.reshape(x.shape[0], -1)
+      x = nn.relu(nn.Dense(64, kernel_init=nn.with_partitioning(
+          nn.initializers.lecun_normal(), ('model', None)))(x))
+      x = nn.relu(nn.Dense(96)(x))
+      return nn.Dense(num_classes)(x)
+
+  return Annotated()

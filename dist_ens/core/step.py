@@ -241,8 +241,16 @@ def _state_update(members_update, hooks: MethodHooks, reproducible: bool):
   return update
 
 
+def _manual_only(spec: P, manual: set[str]) -> P:
+  """`spec` with the axes shard_map leaves automatic dropped: inside, a leaf split over
+  'model' is one global-view array, and XLA gathers what each member's update needs."""
+  keep = lambda entry: entry if entry is None or entry in manual else (
+      tuple(a for a in entry if a in manual) or None if isinstance(entry, tuple) else None)
+  return P(*(keep(e) for e in spec))
+
+
 def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call: int,
-           manual_data: bool):
+           manual_data: bool, manual: set[str]):
   """How shard_map's manual axes split the state (as its shardings say), the batch and
   the metrics."""
   batch_axes = (MEMBER,) if per_member_batches else ()
@@ -251,7 +259,8 @@ def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call:
   batch_spec, metrics_spec = P(*batch_axes), P(MEMBER)
   if steps_per_call > 1:
     batch_spec, metrics_spec = P(None, *batch_spec), P(None, MEMBER)
-  state_specs = jax.tree.map(lambda leaf: leaf.sharding.spec, abstract_state)
+  state_specs = jax.tree.map(lambda leaf: _manual_only(leaf.sharding.spec, manual),
+                             abstract_state)
   return state_specs, batch_spec, metrics_spec
 
 
@@ -259,14 +268,16 @@ def _layout(mesh: Mesh, abstract_state: TrainState, per_member_batches: bool,
             steps_per_call: int, reproducible: bool):
   """(shard_map's manual axes, (state, batch, metrics specs)).
 
-  Manual over 'member' only; 'data' stays global-view inside (see the module doc).
-  With one device on 'data' both views are the same computation; the all-manual
-  form then compiles to the program dist_ens 0.1 ran, bit for bit. Reproducible
-  mode is manual over 'data' too: it orders the cross-device sums itself.
+  Manual over 'member' only; 'data' (and 'model', which splits each member's leaves)
+  stays global-view inside (see the module doc). With one device on 'data' both
+  views are the same computation; the manual form then compiles to the program
+  dist_ens 0.1 ran, bit for bit. Reproducible mode is manual over 'data' too: it
+  orders the cross-device sums itself.
   """
   manual_data = reproducible and mesh.shape[DATA] > 1
-  manual = set(mesh.axis_names) if mesh.shape[DATA] == 1 or manual_data else {MEMBER}
-  return manual, _specs(abstract_state, per_member_batches, steps_per_call, manual_data)
+  manual = {MEMBER, DATA} if mesh.shape[DATA] == 1 or manual_data else {MEMBER}
+  return manual, _specs(abstract_state, per_member_batches, steps_per_call, manual_data,
+                        manual)
 
 
 def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_state: TrainState,
@@ -280,7 +291,7 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
   Args:
     model, optimizer, seed, objective: what one member's update is made of (the
       objective: the task's loss and batch metrics, core.gradients.Objective).
-    mesh: the ('member', 'data') mesh.
+    mesh: the ('member', 'data'[, 'model']) mesh.
     abstract_state: the state's shapes, carrying their shardings (parallel.layout).
     per_member_batches: x, y are [M, B, ...] (each member its own batch, sharded
       over ('member', 'data')); otherwise [B, ...], shared by all members.
@@ -329,5 +340,8 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
         in_specs=(specs, P(MEMBER)) + (batch_spec,) * len(batch),
         out_specs=(specs, metrics_spec))(state, hparams, *batch)
 
-  step.fn = jax.jit(traced, donate_argnums=0)
+  # The new state keeps the layout's shardings: over an automatic axis ('model') XLA
+  # would otherwise pick the outputs' own, and the next call would compile again.
+  state_shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_state)
+  step.fn = jax.jit(traced, donate_argnums=0, out_shardings=(state_shardings, None))
   return step

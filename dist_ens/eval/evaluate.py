@@ -120,7 +120,8 @@ def make_eval_step(model: Model, mesh: Mesh,
     return eval_batch(member_logits(model, variables, x), y, mask, member_mask)
 
   data, members = batch_sharding(mesh), member_sharding(mesh)
-  return jax.jit(eval_step, in_shardings=(members, data, data, data, members),
+  # The variables as they lie (None): split over 'model' too when the layout splits them.
+  return jax.jit(eval_step, in_shardings=(None, data, data, data, members),
                  out_shardings=replicated(mesh))
 
 
@@ -234,7 +235,7 @@ def make_log_probs_step(model: Model, mesh: Mesh, *, mc_samples: int = 0,
   def log_probs_step(variables, x, offset):
     return member_log_probs(model, variables, x, mc_samples=mc_samples, seed=seed, offset=offset)
 
-  return jax.jit(log_probs_step, in_shardings=(member_sharding(mesh), batch_sharding(mesh),
+  return jax.jit(log_probs_step, in_shardings=(None, batch_sharding(mesh),
                                                replicated(mesh)),
                  out_shardings=replicated(mesh))
 

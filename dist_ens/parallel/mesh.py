@@ -1,9 +1,11 @@
-"""The ('member', 'data') device mesh and the shardings of state and batches.
+"""The ('member', 'data'[, 'model']) device mesh and the shardings of state and batches.
 
 Members are split over the 'member' axis and every member's batch over 'data'.
 Stacked state (every leaf [M, ...]) is sharded on its leading axis over 'member'
 and replicated over 'data'; a batch [B, ...] is sharded over 'data' and replicated
-over 'member'.
+over 'member'. With config.mesh.model > 1 a third axis, 'model', splits each
+member's own leaves (dist_ens.parallel.layout decides which, per leaf); its devices
+are neighbours (the innermost axis: within a host).
 """
 
 import dataclasses
@@ -14,7 +16,7 @@ from absl import logging
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dist_ens.core.axes import DATA, MEMBER
+from dist_ens.core.axes import DATA, MEMBER, MODEL
 from dist_ens.errors import ConfigError
 
 AXES = (MEMBER, DATA)
@@ -23,19 +25,21 @@ HOSTS_ALONG = ('member', 'data')
 
 @dataclasses.dataclass(frozen=True)
 class MeshSpec:
-  """config.mesh: devices as member x data (-1 fills the rest), and which axis runs
-  across processes in a multi-host run."""
+  """config.mesh: devices as member x data x model (-1 fills the rest), and which of
+  member and data runs across processes in a multi-host run."""
   member: int
   data: int
   hosts_along: str = 'member'
+  model: int = 1  # > 1: a third axis splitting each member's leaves (the layout's rule)
 
 
 def _divisors(n: int) -> list[int]:
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def resolve_shape(member: int, data: int, num_devices: int) -> tuple[int, int]:
-  """Resolves -1 ('fill with the remaining devices') and checks the product."""
+def resolve_shape(member: int, data: int, num_devices: int, model: int = 1) -> tuple[int, int]:
+  """Resolves -1 ('fill with the remaining devices') and checks the product;
+  `num_devices` counts groups of `model` devices where model > 1."""
   for name, size in (('member', member), ('data', data)):
     if size != -1 and size < 1:
       raise ConfigError(f'config.mesh.{name}={size} must be a positive int or -1 (fill).')
@@ -52,9 +56,10 @@ def resolve_shape(member: int, data: int, num_devices: int) -> tuple[int, int]:
     member, data = (other, data) if member == -1 else (member, other)
   if member * data != num_devices:
     pairs = [(d, num_devices // d) for d in _divisors(num_devices)]
+    groups = (f' (groups of mesh.model={model} devices)' if model > 1 else '')
     raise ConfigError(
         f'config.mesh.member x config.mesh.data = {member} x {data} = {member * data} '
-        f'but {num_devices} devices are in use; use member x data in {pairs}, or -1 '
+        f'but {num_devices} devices{groups} are in use; use member x data in {pairs}, or -1 '
         'for one of them.')
   return member, data
 
@@ -131,6 +136,11 @@ def make_mesh(spec: MeshSpec,
   """
   devices = sorted(jax.devices() if devices is None else devices,
                    key=lambda d: (d.process_index, d.id))
+  model = model_size(spec, len(devices))
+  # Each group of `model` neighbouring devices holds one shard of a member; the
+  # member x data grid is fitted over the groups, each stood for by its first device.
+  groups = {g[0]: g for g in (devices[i:i + model] for i in range(0, len(devices), model))}
+  devices = list(groups)
   member, data = int(spec.member), int(spec.data)
   if -1 in (member, data) and num_members is not None and batch_size is not None:
     member, data = fit_shape(member, data, devices, num_members, batch_size)
@@ -143,8 +153,25 @@ def make_mesh(spec: MeshSpec,
                  if idle else '')
     devices = _take_evenly(devices, member * data)
   else:
-    member, data = resolve_shape(member, data, len(devices))
-  return _layout(devices, member, data, spec.hosts_along)
+    member, data = resolve_shape(member, data, len(devices), model)
+  return _layout([groups[d] for d in devices], member, data, spec.hosts_along)
+
+
+def model_size(spec: MeshSpec, num_devices: int) -> int:
+  """config.mesh.model with -1 (fill: the devices member x data leaves) resolved; a
+  size that divides the devices, so whole groups of neighbours form the axis."""
+  model = spec.model
+  if isinstance(model, bool) or not isinstance(model, int) or (model < 1 and model != -1):
+    raise ConfigError(f'config.mesh.model={model!r} must be a positive int or -1 (fill).')
+  if model == -1:
+    if -1 in (spec.member, spec.data):
+      raise ConfigError('config.mesh.model=-1 fills what member x data leaves, so both must be '
+                        f'numbers; got member={spec.member}, data={spec.data}.')
+    model = num_devices // max(spec.member * spec.data, 1)
+  if model < 1 or num_devices % model:
+    raise ConfigError(f'config.mesh.model={spec.model} must divide the {num_devices} devices; '
+                      f'use one of {_divisors(num_devices)}.')
+  return model
 
 
 def _take_evenly(devices: list[jax.Device], n: int) -> list[jax.Device]:
@@ -154,15 +181,20 @@ def _take_evenly(devices: list[jax.Device], n: int) -> list[jax.Device]:
   return [d for p in processes for d in [x for x in devices if x.process_index == p][:per]]
 
 
-def _layout(devices: list[jax.Device], member: int, data: int, hosts_along: str) -> Mesh:
-  """The devices (sorted by process, id) as a member x data grid; hosts_along varies slowest."""
+def _layout(groups: list[list[jax.Device]], member: int, data: int, hosts_along: str) -> Mesh:
+  """The device groups (sorted by process, id) as a member x data grid, hosts_along
+  varying slowest; a group of several devices adds the innermost axis, 'model'."""
   if hosts_along not in HOSTS_ALONG:
     raise ConfigError(f'config.mesh.hosts_along={hosts_along!r}; use one of {HOSTS_ALONG}.')
-  ordered = np.array(devices, dtype=object)
+  model = len(groups[0])
+  ordered = np.empty((len(groups), model), dtype=object)
+  for i, group in enumerate(groups):
+    ordered[i, :] = group
   if hosts_along == 'member':
-    grid = ordered.reshape(member, data)
+    grid = ordered.reshape(member, data, model)
   else:
-    grid = ordered.reshape(data, member).T
+    grid = ordered.reshape(data, member, model).transpose(1, 0, 2)
+  devices = [d for group in groups for d in group]
   processes = len({d.process_index for d in devices})
   across = member if hosts_along == 'member' else data
   if processes > 1 and across % processes:
@@ -170,7 +202,9 @@ def _layout(devices: list[jax.Device], member: int, data: int, hosts_along: str)
                     'processes, so the train step communicates across hosts; use mesh.%s a '
                     'multiple of %d.', hosts_along, hosts_along, across, processes,
                     hosts_along, processes)
-  return Mesh(grid, AXES)
+  if model == 1:  # Two axes, the programs of a run without a model axis.
+    return Mesh(grid[:, :, 0], AXES)
+  return Mesh(grid, AXES + (MODEL,))
 
 
 def check_divisibility(mesh: Mesh, num_members: int, batch_size: int) -> None:

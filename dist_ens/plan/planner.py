@@ -40,7 +40,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from dist_ens import assemble, configuration, data, tasks
-from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.parallel import mesh as mesh_lib, sharding_rules
 from dist_ens.plan import calibration, dry_run
 from dist_ens.plan.dry_run import StepMemory, step_memory
 from dist_ens.errors import ConfigError
@@ -96,6 +96,10 @@ class Plan(NamedTuple):
   # Predicted per device: the dry run's peak where there is one, else the step's peak +
   # its share of program_bytes (the devices of one process share its programs).
   peak_bytes: float
+  # The train state on one device (params, optimizer and model state of its members'
+  # shards, the layout's specs), and each parameter leaf's spec and bytes per device.
+  state_bytes_per_device: int
+  param_leaves: list[sharding_rules.LeafPlacement]
 
   def to_dict(self) -> dict:
     """The plan as JSON-able values (`dist-ens plan --json`): the step analyses
@@ -104,6 +108,8 @@ class Plan(NamedTuple):
     for name in ('step', 'step_doubled'):
       out[name] = {**out[name]._asdict(), 'peak': out[name].peak}
     out['flops_measured'] = FLOPS_MEASURED
+    out['param_leaves'] = [{'path': p.path, 'shape': list(p.shape), 'spec': str(p.spec),
+                            'bytes_per_device': p.bytes_per_device} for p in self.param_leaves]
     return out
 
 
@@ -220,6 +226,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   state_bytes_per_member = sum(leaf.size * leaf.dtype.itemsize
                                for leaf in jax.tree.leaves(state) if leaf.ndim) // m
   memory_bytes = device_memory_bytes(mesh.devices.flat[0]) if memory_bytes is None else memory_bytes
+  specs = parts.layout.state_specs(state)
   peak = _peak(step, host, len(mesh.local_devices))
   max_members = None
   if memory_bytes is not None and bytes_per_member > 0:  # The peak's line through M.
@@ -235,7 +242,9 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       train_steps=config.train.steps, steps_per_epoch=per_epoch,
       program_bytes=host.programs if host else None,
       dry_run_peak_bytes=host.peak if host else None,
-      peak_bytes=peak)
+      peak_bytes=peak,
+      state_bytes_per_device=sharding_rules.state_bytes_per_device(specs, state, mesh.shape),
+      param_leaves=sharding_rules.describe(specs.params, state.params, mesh.shape))
 
 
 def _peak(step: StepMemory, host: dry_run.HostMemory | None, devices: int) -> float:
@@ -284,6 +293,11 @@ def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
           f'  ({plan.steps_per_epoch:,} per epoch)' if plan.steps_per_epoch else ''),
       f'state bytes per member         {plan.state_bytes_per_member:>16,}  '
       '(parameters, optimizer state, frozen flag)',
+      f'state bytes per device         {plan.state_bytes_per_device:>16,}  (its members, or '
+      'its shards of them, by the layout below)',
+      'parameters: path, shape [M, ...], spec, bytes per device',
+      *(f'  {p.path:<36} {str(list(p.shape)):<18} {str(p.spec):<28} {p.bytes_per_device:>12,}'
+        for p in plan.param_leaves),
       f'compiled train step, bytes per device ({s.members_per_device} member(s)):',
       f'  arguments                    {s.argument:>16,}  (state and batch)',
       f'  outputs                      {s.output:>16,}',

@@ -1,0 +1,166 @@
+"""Members larger than one device: a third mesh axis, 'model', splits each member's leaves.
+
+The layout prepends 'member' to a per-leaf rule (FSDP by default, the model's own Flax
+annotations, or config.mesh.rules); the step stays global-view over 'data' and
+'model'. Checked on 8 fake CPU devices: the same members on every mesh shape, each
+large leaf's shard a quarter of it with model=4, the compiled step's arguments a
+quarter, a resume onto another 'model' size, and a Flax model's annotations kept.
+"""
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import dist_ens
+from dist_ens import assemble, data
+from dist_ens.errors import ConfigError
+from dist_ens.parallel import mesh as mesh_lib
+
+DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
+STEPS, BATCH, MIN_SIZE = 8, 32, 1024
+
+
+def _config(member, data_axis, model, num_members=8, widths=(64, 64)):
+  config = dist_ens.load_config(DEFAULT)
+  config.num_members = num_members
+  config.model.widths = widths
+  config.optim.learning_rate = 3e-3
+  config.train.steps = STEPS
+  config.data.batch_size = BATCH
+  config.mesh.member, config.mesh.data, config.mesh.model = member, data_axis, model
+  config.mesh.fsdp_min_size = MIN_SIZE
+  return config
+
+
+def _parts(config):
+  return assemble.build_parts(config, assemble.build_mesh(config), (40, 1), 10)
+
+
+def _train(parts, batches):
+  state = assemble.init_sharded(parts)
+  step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
+  sharding, hparams, losses = mesh_lib.batch_sharding(parts.mesh), parts.device_hparams(), []
+  for x, y in batches:
+    state, m = step(state, hparams, data.to_global(x, sharding), data.to_global(y, sharding))
+    losses.append(np.asarray(m.loss))
+    jax.block_until_ready(m)
+  return state, np.stack(losses)
+
+
+@pytest.fixture(scope='module')
+def batches():
+  it = data.BatchIterator(data.load_dataset('mnist1d').train, BATCH, seed=0)
+  return [next(it) for _ in range(STEPS)]
+
+
+@pytest.fixture(scope='module')
+def reference(batches):
+  parts = _parts(_config(8, 1, 1))
+  assert parts.mesh.axis_names == ('member', 'data')  # model=1: today's two axes.
+  return _train(parts, batches)
+
+
+@pytest.mark.parametrize('shape', [(2, 2, 2), (2, 1, 4), (1, 1, 8)])
+def test_members_follow_the_same_trajectory_on_every_mesh(batches, reference, shape):
+  parts = _parts(_config(*shape))
+  assert dict(parts.mesh.shape) == dict(zip(('member', 'data', 'model'), shape))
+  state, losses = _train(parts, batches)
+  ref_state, ref_losses = reference
+  # Only the reduction order differs (docs/mesh.md states these tolerances).
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+  for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+
+def test_with_model_4_each_large_leaf_is_a_quarter_per_device():
+  parts = _parts(_config(2, 1, 4))
+  state = assemble.init_sharded(parts)
+  large = 0
+  for path, leaf in jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]:
+    member_size = leaf.size // leaf.shape[0]
+    shard = leaf.addressable_shards[0].data.shape
+    if member_size >= MIN_SIZE:
+      large += 1
+      # One member per member group (4 members / 2), a quarter of its leaf.
+      assert np.prod(shard) * 4 * 2 == leaf.size, jax.tree_util.keystr(path)
+      assert 'model' in leaf.sharding.spec
+    elif leaf.ndim:
+      assert np.prod(shard) * 2 == leaf.size  # Small leaves: whole on each model device.
+  assert large == 3 * 2  # The two big kernels, their params and Adam's mu and nu.
+
+
+def test_the_compiled_step_holds_a_quarter_of_the_state_per_device():
+  def argument_bytes(model):
+    config = _config(2, 1, model, num_members=2, widths=(512, 512))
+    config.data.batch_size = 8
+    parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:2 * model]),
+                                 (40, 1), 10)
+    step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
+    x = jax.ShapeDtypeStruct((8, 40, 1), np.float32, sharding=mesh_lib.batch_sharding(parts.mesh))
+    y = jax.ShapeDtypeStruct((8,), np.int32, sharding=mesh_lib.batch_sharding(parts.mesh))
+    hp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                      parts.device_hparams())
+    compiled = step.fn.lower(parts.abstract_state, hp, x, y).compile()
+    return compiled.memory_analysis().argument_size_in_bytes
+
+  whole, quarter = argument_bytes(1), argument_bytes(4)
+  assert 0.25 * 0.9 <= quarter / whole <= 0.25 * 1.1, (quarter, whole)
+
+
+def _events(workdir):
+  return [json.loads(line) for line in (Path(workdir) / 'metrics.jsonl').open()]
+
+
+def test_a_run_resumes_onto_another_model_size(tmp_path):
+  def run(workdir, model, steps):
+    config = _config(-1, 1, model, num_members=4)
+    config.train.steps, config.train.log_every, config.train.eval_every = steps, 4, 0
+    config.checkpoint.every = 8
+    return dist_ens.train(config, str(workdir))
+
+  whole = run(tmp_path / 'whole', 1, 16)
+  run(tmp_path / 'moved', 2, 8)
+  moved = run(tmp_path / 'moved', 4, 16)  # Resumed from step 8 on a 2 x 1 x 4 mesh
+  # (model=2 trained it on 4 x 1 x 2; the whole run on 4 x 1 on 4 of the devices).
+  assert moved['train_step_traces'] == 1  # One compile on the new mesh, shardings kept.
+  steps = [e['step'] for e in _events(tmp_path / 'moved') if e['split'] == 'train']
+  assert steps == [4, 8, 12, 16]  # Continued, not restarted.
+  np.testing.assert_allclose(moved['members']['nll'], whole['members']['nll'], rtol=1e-4)
+  ensemble = dist_ens.Ensemble.load(str(tmp_path / 'moved'), devices=jax.devices()[:1])
+  probs = ensemble.predict(np.zeros((3, 40, 1), np.float32)).probs
+  assert probs.shape == (3, 10) and np.allclose(probs.sum(-1), 1, atol=1e-5)
+
+
+def test_a_flax_models_own_annotations_are_honoured():
+  config = _config(2, 1, 4)
+  config.model.factory = 'ext_fixtures:annotated_linen_mlp'
+  parts = _parts(config)
+  params = parts.abstract_state.params
+  specs = {jax.tree_util.keystr(p): leaf.sharding.spec
+           for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  annotated = next(s for k, s in specs.items() if 'Dense_0' in k and 'kernel' in k)
+  fsdp = next(s for k, s in specs.items() if 'Dense_1' in k and 'kernel' in k)
+  assert annotated == P('member', 'model', None)  # Its own: the input dimension.
+  assert fsdp == P('member', None, 'model')  # FSDP: the largest divisible dimension, 96.
+
+
+def test_a_model_axis_that_does_not_divide_the_devices_is_refused():
+  with pytest.raises(ConfigError, match=r'config\.mesh\.model=3 must divide the 8 devices'):
+    _parts(_config(-1, 1, 3))
+
+
+def test_plan_prints_each_leafs_spec_and_the_state_bytes_per_device():
+  from dist_ens import plan as plan_lib
+  config = _config(2, 1, 4, num_members=4)
+  plan = plan_lib.make_plan(config, jax.devices(), measure_programs=False)
+  # The layout's bytes per device equal what XLA aliases of the donated state.
+  assert plan.state_bytes_per_device == plan.step.alias
+  kernel = next(p for p in plan.param_leaves if p.path.endswith('1/w'))
+  assert kernel.spec == P('member', None, 'model') and kernel.shape == (4, 64, 64)
+  assert kernel.bytes_per_device == 2 * 64 * 16 * 4  # 2 members, a quarter of 64 columns
+  assert plan.to_dict()['state_bytes_per_device'] == plan.state_bytes_per_device
+  assert "P('member', None, 'model')" in plan_lib.format_plan(plan, config)
