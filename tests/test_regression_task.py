@@ -287,7 +287,8 @@ def test_ood_scores_rank_by_epistemic_variance():
   assert ood['ensemble']['auroc_epistemic'] == pytest.approx(1.0)
   assert ood['ensemble']['aupr_epistemic'] == pytest.approx(1.0)
   assert ood['ensemble']['epistemic_in'] == pytest.approx(0.0, abs=1e-6)
-  assert ood['members']['auroc_variance'] == pytest.approx([1.0, 1.0, 1.0])  # larger raw -> larger variance
+  # Each member alone: scored by its own variance, larger outside (raw + 3).
+  assert ood['members']['auroc_variance'] == pytest.approx([1.0, 1.0, 1.0])
   json.dumps(ood)
 
 

@@ -92,7 +92,7 @@ def split_outputs(outputs: jax.Array, squeeze: bool = True) -> tuple[jax.Array, 
 
   Example:
     >>> mean, var = split_outputs(jnp.array([[1.0, -1e4]]))
-    >>> mean.shape, float(var[0])
+    >>> mean.shape, round(float(var[0]), 9)
     ((1,), 1e-06)
 
   Args:
