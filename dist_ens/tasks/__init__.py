@@ -1,6 +1,6 @@
 """Tasks (what members predict and how it is scored): built-in by name, yours by import path.
 
-  task = dist_ens.tasks.get_task('classification')
+  task = dist_ens.tasks.get_task('classification')  # or 'regression', 'regression_homoscedastic'
   task = dist_ens.tasks.get_task('my_pkg.tasks:my_task')  # a Task, or a function -> Task
 """
 
@@ -9,9 +9,14 @@ from collections.abc import Callable
 from dist_ens import importing
 from dist_ens.errors import ConfigError
 from dist_ens.tasks.classification import classification, smoothed_cross_entropy
+from dist_ens.tasks.regression import regression, regression_homoscedastic
 from dist_ens.tasks.task import Loss, Task
 
-TASKS: dict[str, Callable[[], Task]] = {'classification': classification}
+TASKS: dict[str, Callable[[], Task]] = {
+    'classification': classification,
+    'regression': regression,
+    'regression_homoscedastic': regression_homoscedastic,
+}
 
 
 # config.train.loss: a name here, or your own by import path 'my_pkg.losses:fn' with
@@ -45,4 +50,5 @@ def get_task(name: str, field: str = 'config.task') -> Task:
   return TASKS[name]()
 
 
-__all__ = ['LOSSES', 'Loss', 'TASKS', 'Task', 'classification', 'get_task', 'loss_for']
+__all__ = ['LOSSES', 'Loss', 'TASKS', 'Task', 'classification', 'get_task', 'loss_for',
+           'regression', 'regression_homoscedastic']

@@ -1,0 +1,321 @@
+"""The regression tasks (dist_ens.tasks.regression) against float64 numpy references."""
+
+import importlib
+import json
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dist_ens.data.sources import Dataset, Split
+from dist_ens.errors import ConfigError
+from dist_ens.tasks import TASKS, get_task
+
+# The package exports the function `regression`, which shadows the submodule's attribute.
+rt = importlib.import_module('dist_ens.tasks.regression')
+
+FLOOR = rt.VARIANCE_FLOOR
+
+
+def _outputs(seed, members, batch, dims):
+  """Random heteroscedastic outputs [M, B, 2D] float32 and targets [B, D] float32."""
+  rng = np.random.default_rng(seed)
+  outputs = rng.normal(size=(members, batch, 2 * dims)).astype(np.float32)
+  y = rng.normal(size=(batch, dims)).astype(np.float32)
+  return outputs, y
+
+
+def _np_gaussians(outputs):
+  """float64 (mean, variance) [M, B, D] of split_outputs, computed independently."""
+  outputs = np.asarray(outputs, np.float64)
+  d = outputs.shape[-1] // 2
+  return outputs[..., :d], np.logaddexp(0.0, outputs[..., d:]) + FLOOR
+
+
+def _np_density(mean, var, y):
+  """Explicit Gaussian densities, the product over the target dims: [..., B]."""
+  pdf = np.exp(-0.5 * (y - mean) ** 2 / var) / np.sqrt(2 * np.pi * var)
+  return np.prod(pdf, axis=-1)
+
+
+def _raw_for(variance):
+  """The raw output whose softplus(raw) + floor is `variance`."""
+  return np.log(np.expm1(np.asarray(variance, np.float64) - FLOOR))
+
+
+def _dataset(y):
+  split = Split(np.zeros((len(y), 3), np.float32), y)
+  return Dataset('toy', split, split, 0, (3,))
+
+
+def _assert_results_close(got, want, rtol, atol):
+  assert {s: set(m) for s, m in got.items()} == {s: set(m) for s, m in want.items()}
+  for scope in want:
+    for name in want[scope]:
+      np.testing.assert_allclose(got[scope][name], want[scope][name], rtol=rtol, atol=atol,
+                                 err_msg=f'{scope} {name}')
+
+
+def _evaluate(task, outputs, y, mask=None, member_mask=None):
+  mask = np.ones(len(y), bool) if mask is None else mask
+  member_mask = np.ones(len(outputs), bool) if member_mask is None else member_mask
+  # Jitted: one compile instead of eager op-by-op dispatch of the bisection loops (slow on CPU).
+  out = jax.jit(task.eval_batch)(outputs, y, mask, member_mask)
+  return out, task.finalize(jax.device_get(out.sums), out.examples)
+
+
+@pytest.mark.parametrize('dims', [1, 3])
+def test_mixture_nll_equals_numpy_densities(dims):
+  outputs, y = _outputs(0, 4, 64, dims)
+  targets = y[:, 0] if dims == 1 else y  # [B] targets for D = 1
+  _, results = _evaluate(rt.regression(), outputs, targets)
+  mean, var = _np_gaussians(outputs)
+  member_density = _np_density(mean, var, y.astype(np.float64))  # [M, B]
+  expected_ensemble = np.mean(-np.log(member_density.mean(axis=0)))
+  expected_members = np.mean(-np.log(member_density), axis=1)
+  assert abs(results['ensemble']['nll'] - expected_ensemble) <= 1e-6
+  np.testing.assert_allclose(results['members']['nll'], expected_members, rtol=0, atol=1e-6)
+
+
+def test_mixture_nll_with_excluded_member_equals_numpy():
+  outputs, y = _outputs(1, 5, 48, 2)
+  member_mask = np.array([True, False, True, True, False])
+  _, results = _evaluate(rt.regression(), outputs, y, member_mask=member_mask)
+  mean, var = _np_gaussians(outputs)
+  density = _np_density(mean[member_mask], var[member_mask], y.astype(np.float64))
+  assert abs(results['ensemble']['nll'] - np.mean(-np.log(density.mean(axis=0)))) <= 1e-6
+
+
+def test_padding_rows_and_excluded_members_change_nothing():
+  task = rt.regression()
+  outputs, y = _outputs(2, 3, 20, 2)
+  reference, _ = _evaluate(task, outputs, y)
+  # Five NaN padding rows, and a NaN member inserted at index 1 but excluded.
+  pad_out = np.full((3, 5, 4), np.nan, np.float32)
+  padded = np.concatenate([outputs, pad_out], axis=1)
+  padded = np.insert(padded, 1, np.nan, axis=0)
+  padded_y = np.concatenate([y, np.full((5, 2), np.nan, np.float32)])
+  mask = np.arange(25) < 20
+  member_mask = np.array([True, False, True, True])
+  out, _ = _evaluate(task, padded, padded_y, mask, member_mask)
+  real = [0, 2, 3]
+  for name, want in reference.sums.items():
+    got = np.asarray(out.sums[name])
+    got = got[real] if name.startswith('member_') else got
+    assert np.all(np.isfinite(got)), name
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
+  for name, want in reference.examples._asdict().items():
+    got = np.asarray(getattr(out.examples, name))[..., :20]
+    got = got[real] if name.startswith('member_') else got
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def _mixture_draws(seed, n, members, dims, identical):
+  """Outputs [M, N, 2D] of random Gaussians and targets drawn from their uniform mixture."""
+  rng = np.random.default_rng(seed)
+  shape = (1 if identical else members, n, dims)
+  mean = np.broadcast_to(rng.normal(size=shape) * 2, (members, n, dims))
+  var = np.broadcast_to(np.exp(rng.normal(size=shape)), (members, n, dims))
+  pick = rng.integers(members, size=n)  # each target from one member, chosen uniformly
+  rows = np.arange(n)
+  y = mean[pick, rows] + np.sqrt(var[pick, rows]) * rng.normal(size=(n, dims))
+  outputs = np.concatenate([mean, _raw_for(var)], axis=-1).astype(np.float32)
+  return outputs, y.astype(np.float32)
+
+
+@pytest.mark.parametrize('identical,dims', [(False, 1), (True, 2)])
+def test_coverage_is_nominal_for_a_well_specified_model(identical, dims):
+  outputs, y = _mixture_draws(3, 20000, 4, dims, identical)
+  _, results = _evaluate(rt.regression(), outputs, y[:, 0] if dims == 1 else y)
+  scopes = [results['ensemble']]
+  if identical:  # each member is then the true distribution too
+    scopes += [{k: v[m] for k, v in results['members'].items()} for m in range(4)]
+  for scope in scopes:
+    for pct in (50, 90, 95):
+      assert abs(scope[f'coverage_{pct}'] - pct / 100) <= 0.02, (pct, scope)
+    assert scope['calibration_error'] < 1e-3
+
+
+def test_rmse_equals_numpy():
+  outputs, y = _outputs(4, 3, 50, 2)
+  _, results = _evaluate(rt.regression(), outputs, y)
+  mean = np.asarray(outputs, np.float64)[..., :2]
+  y = y.astype(np.float64)
+  np.testing.assert_allclose(results['members']['rmse'],
+                             np.sqrt(np.mean((mean - y) ** 2, axis=(1, 2))), rtol=1e-6)
+  assert results['ensemble']['rmse'] == pytest.approx(
+      np.sqrt(np.mean((mean.mean(axis=0) - y) ** 2)), rel=1e-6)
+
+
+def test_nan_and_unusable_targets_are_refused_in_one_line():
+  task = rt.regression()
+  good = np.zeros(10, np.float32)
+  y = good.copy()
+  y[3] = np.nan
+  with pytest.raises(ConfigError) as error:
+    task.check_targets(y, _dataset(good), "dataset 'toy' (train)")
+  message = str(error.value)
+  assert '\n' not in message and "dataset 'toy' (train)" in message and 'index 3' in message
+  y2 = np.zeros((4, 2), np.float64)
+  y2[2, 1] = np.inf
+  with pytest.raises(ConfigError, match=r'index \(2, 1\)'):
+    task.check_targets(y2, _dataset(y2), 'test targets')
+  for bad in (np.array(['a', 'b']), np.zeros(3, bool), np.zeros((2, 2, 2), np.float32)):
+    with pytest.raises(ConfigError):
+      task.check_targets(bad, _dataset(good), 'targets')
+  with pytest.raises(ConfigError, match='predicts 1'):  # [N, 2] against a D = 1 dataset
+    task.check_targets(np.zeros((3, 2), np.float32), _dataset(good), 'targets')
+  ints = np.arange(5, dtype=np.int32)
+  task.check_targets(ints, _dataset(ints), 'targets')  # accepted, and not cast
+  assert ints.dtype == np.int32
+
+
+def test_get_task_and_output_units():
+  assert set(TASKS) >= {'classification', 'regression', 'regression_homoscedastic'}
+  task = get_task('regression')
+  assert task.name == 'regression'
+  assert task.output_units(_dataset(np.zeros(7, np.float32))) == 2
+  assert task.output_units(_dataset(np.zeros((7, 3), np.float32))) == 6
+  # A streamed source with no .y anywhere: scalar targets unless told otherwise.
+  streamed = types.SimpleNamespace(train=object(), test=object())
+  assert task.output_units(streamed) == 2
+  assert rt.regression(target_dim=4).output_units(streamed) == 8
+  homoscedastic = get_task('regression_homoscedastic')
+  assert homoscedastic.output_units(_dataset(np.zeros((7, 3), np.float32))) == 3
+  assert task.select_metrics == {'nll': False, 'rmse': False, 'crps': False}
+
+
+@pytest.mark.parametrize('name', ['regression', 'regression_homoscedastic'])
+def test_eval_batch_under_jit_matches_eager(name):
+  task = get_task(name)
+  outputs, y = _outputs(5, 3, 16, 2)
+  outputs = outputs[..., :2] if name == 'regression_homoscedastic' else outputs
+  mask = np.arange(16) < 13
+  member_mask = np.array([True, True, False])
+  eager = task.eval_batch(outputs, y, mask, member_mask)
+  jitted = jax.jit(task.eval_batch)(outputs, y, mask, member_mask)
+  for name_, value in eager.sums.items():
+    np.testing.assert_allclose(jitted.sums[name_], value, rtol=1e-6, atol=1e-6, err_msg=name_)
+  for a, b in zip(jitted.examples, eager.examples):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_sums_of_half_batches_add_up_to_the_whole():
+  task = rt.regression()
+  outputs, y = _outputs(6, 3, 40, 1)
+  whole, _ = _evaluate(task, outputs, y[:, 0])
+  first, _ = _evaluate(task, outputs[:, :20], y[:20, 0])
+  second, _ = _evaluate(task, outputs[:, 20:], y[20:, 0])
+  for name, value in whole.sums.items():
+    np.testing.assert_allclose(np.asarray(first.sums[name]) + np.asarray(second.sums[name]),
+                               value, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_losses_and_batch_metrics_equal_numpy():
+  outputs, y = _outputs(7, 1, 32, 2)
+  outputs, yd = outputs[0], y.astype(np.float64)
+  mean, var = _np_gaussians(outputs)
+  nll = np.mean(-np.log(_np_density(mean, var, yd)))
+  task = rt.regression()
+  assert float(task.loss(outputs, y, {})) == pytest.approx(nll, abs=1e-5)
+  mse = np.mean((mean - yd) ** 2)
+  assert float(task.batch_metrics(outputs, y)['mse']) == pytest.approx(mse, rel=1e-6)
+  homoscedastic = rt.regression_homoscedastic()
+  assert float(homoscedastic.loss(outputs[:, :2], y, {})) == pytest.approx(mse, rel=1e-6)
+  assert float(homoscedastic.batch_metrics(outputs[:, :2], y)['mse']) == pytest.approx(
+      mse, rel=1e-6)
+  with pytest.raises(ValueError, match='do not match'):  # [B, 1] means against [B, 2] targets
+    task.loss(outputs[:, :2], y, {})
+
+
+def test_split_outputs_floor_and_shapes():
+  mean, var = rt.split_outputs(jnp.array([[0.5, -1e4], [1.0, 1e4]], jnp.bfloat16))
+  assert mean.shape == (2,) and var.dtype == jnp.float32
+  assert float(var[0]) == pytest.approx(FLOOR) and np.isfinite(float(var[1]))
+  mean, var = rt.split_outputs(jnp.zeros((5, 6)))
+  assert mean.shape == var.shape == (5, 3)
+  assert float(var[0, 0]) == pytest.approx(math.log(2) + FLOOR)
+  assert rt.split_outputs(jnp.zeros((5, 2)), squeeze=False)[0].shape == (5, 1)
+
+
+def test_original_units_equal_metrics_of_rescaled_predictions():
+  rng = np.random.default_rng(8)
+  means = rng.normal(size=(3, 200, 2)).astype(np.float32)
+  variances = np.exp(rng.normal(size=(3, 200, 2))).astype(np.float32)
+  y = rng.normal(size=(200, 2)).astype(np.float32)
+  std, offset = np.array([3.0, 0.5], np.float32), np.array([10.0, -2.0], np.float32)
+  standard = rt.gaussian_eval_batch(means, variances, y, np.ones(200, bool))
+  original = rt.gaussian_eval_batch(means * std + offset, variances * std ** 2, y * std + offset,
+                                    np.ones(200, bool))
+  want = rt.finalize(original.sums)
+  got = rt.finalize(rt.sums_to_original_units(jax.device_get(standard.sums), std))
+  _assert_results_close(got, want, 2e-4, 1e-5)
+  # One common scale: the pooled results convert exactly too.
+  common = np.array([2.5, 2.5], np.float32)
+  rescaled = rt.gaussian_eval_batch(means * common, variances * common ** 2, y * common,
+                                    np.ones(200, bool))
+  want = rt.finalize(rescaled.sums)
+  got = rt.to_original_units(rt.finalize(standard.sums), [2.5, 2.5])
+  _assert_results_close(got, want, 2e-4, 1e-5)
+  with pytest.raises(ValueError, match='sums_to_original_units'):
+    rt.to_original_units(rt.finalize(standard.sums), std)
+
+
+def test_finalize_is_json_and_has_the_documented_keys():
+  _, results = _evaluate(rt.regression(), *_outputs(9, 2, 10, 1))
+  json.dumps(results)
+  keys = {'rmse', 'nll', 'crps', 'calibration_error'} | {
+      f'{k}_{p}' for k in ('coverage', 'width') for p in (50, 90, 95)}
+  assert set(results['members']) == keys
+  assert set(results['ensemble']) == keys | {'aleatoric', 'epistemic'}
+  assert all(len(v) == 2 for v in results['members'].values())
+
+
+def test_ood_scores_rank_by_epistemic_variance():
+  rng = np.random.default_rng(10)
+  same = np.broadcast_to(rng.normal(size=(1, 30, 1)), (3, 30, 1))
+  apart = rng.normal(size=(3, 30, 1)) * 5
+  raw = np.zeros((3, 30, 1))
+  task = rt.regression()
+  inside, _ = _evaluate(task, np.concatenate([same, raw], -1).astype(np.float32), np.zeros(30))
+  outside, _ = _evaluate(task, np.concatenate([apart, raw + 3], -1).astype(np.float32),
+                         np.zeros(30))
+  ood = task.ood_metrics(inside.examples, outside.examples)
+  assert ood['ensemble']['auroc_epistemic'] == pytest.approx(1.0)
+  assert ood['ensemble']['aupr_epistemic'] == pytest.approx(1.0)
+  assert ood['ensemble']['epistemic_in'] == pytest.approx(0.0, abs=1e-6)
+  # Each member alone: scored by its own variance, larger outside (raw + 3).
+  assert ood['members']['auroc_variance'] == pytest.approx([1.0, 1.0, 1.0])
+  json.dumps(ood)
+
+
+def test_predictive_decomposes_the_mixture_variance():
+  outputs, _ = _outputs(11, 4, 9, 1)
+  pred = rt.predictive(outputs)
+  mean, var = _np_gaussians(outputs)
+  mean, var = mean[..., 0], var[..., 0]
+  np.testing.assert_allclose(pred['mean'], mean.mean(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(pred['aleatoric'], var.mean(0), rtol=1e-5)
+  np.testing.assert_allclose(pred['epistemic'], mean.var(0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(pred['variance'], var.mean(0) + mean.var(0), rtol=1e-5)
+  assert pred['member_mean'].shape == pred['member_variance'].shape == (4, 9)
+  assert rt.predictive(np.zeros((2, 5, 6), np.float32))['mean'].shape == (5, 3)
+  homoscedastic = rt.predictive(np.zeros((2, 5, 1), np.float32), noise_variance=0.25)
+  np.testing.assert_allclose(homoscedastic['variance'], 0.25)
+
+
+def test_homoscedastic_task_uses_its_noise_variance():
+  outputs, y = _outputs(12, 3, 25, 2)
+  means = outputs[..., :2]
+  task = rt.regression_homoscedastic(noise_variance=[0.5, 2.0])
+  out, results = _evaluate(task, means, y)
+  reference = rt.gaussian_eval_batch(means, np.broadcast_to(np.float32([0.5, 2.0]), means.shape),
+                                     y, np.ones(25, bool))
+  _assert_results_close(results, rt.finalize(jax.device_get(reference.sums)), 1e-5, 1e-6)
+  with pytest.raises(ConfigError):
+    rt.regression_homoscedastic(noise_variance=0.0)
+  np.testing.assert_allclose(rt.noise_variance_from_residuals(means[0], y),
+                             np.mean((means[0].astype(np.float64) - y) ** 2, axis=0), rtol=1e-6)
