@@ -146,9 +146,11 @@ def get_config() -> ml_collections.ConfigDict:
   # (the last partial batch of an epoch is dropped), set once the data set's size is
   # known; train.steps is then ignored. 0: train.steps counts.
   config.train.epochs = 0
-  # 'cross_entropy' (softmax, with label_smoothing), or your own by import path,
-  # 'my_pkg.losses:fn' with fn(logits, labels, hparams) -> mean loss (dist_ens/core/losses.py).
-  config.train.loss = 'cross_entropy'
+  # '' = config.task's own loss (classification: softmax cross-entropy with
+  # label_smoothing; regression: the Gaussian NLL), a name in dist_ens.tasks.LOSSES
+  # ('cross_entropy', 'gaussian_nll', 'mse'), or your own by import path,
+  # 'my_pkg.losses:fn' with fn(outputs, targets, hparams) -> mean loss.
+  config.train.loss = ''
   config.train.label_smoothing = per_member(0.0)
   # Each member's batch is cut into this many micro-batches whose gradients are summed
   # (in a fixed order when config.reproducible): activations take 1/micro_batches of

@@ -353,7 +353,7 @@ def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
   """The compiled train step for these parts (traced at its first call); `loss`
   replaces config.train.loss."""
   parallelism, map_batch_size = form
-  loss = loss or tasks.loss_for(parts.config.train.loss)
+  loss = loss or tasks.loss_for(parts.config.train.loss, parts.task)
   if parts.method.heads:
     loss = mimo.head_loss(loss)
   objective = gradients.Objective(loss, parts.task.batch_metrics)

@@ -211,12 +211,22 @@ def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 # Fields added since checkpoint format 2, with the value every run had before them.
 ADDED_FIELDS = {'task': 'classification'}
+MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'rules': [], 'logical_rules': []}
 
 
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
   """A config saved by an earlier version, with the fields added since (ADDED_FIELDS) at
-  the values its run had."""
-  return {**ADDED_FIELDS, **saved}
+  the values its run had, and train.loss 'cross_entropy' written as '' (the
+  classification task's own loss: the same function, now the default)."""
+  out = {**ADDED_FIELDS, **saved}
+  train = out.get('train')
+  if isinstance(train, dict) and train.get('loss') == 'cross_entropy' and (
+      out['task'] == 'classification'):
+    out['train'] = {**train, 'loss': ''}
+  mesh = out.get('mesh')
+  if isinstance(mesh, dict):
+    out['mesh'] = {**MESH_FIELDS, **mesh}
+  return out
 
 
 def differences(old: dict[str, Any], new: dict[str, Any], prefix: str = '') -> list[str]:

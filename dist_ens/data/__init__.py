@@ -7,6 +7,7 @@ from dist_ens.data.pipeline import (MEMBER_ORDERS, Batches, BatchIterator, Itera
                                     PipelineStats, host_block, host_rows, local_indices,
                                     to_global)
 from dist_ens.data.sources import SOURCES, Dataset, Source, Split, Subset
+from dist_ens.data import uci
 from dist_ens.data.tfds_source import load_tfds, prepare_command, preprocess
 from dist_ens import importing
 from dist_ens.errors import ConfigError
@@ -19,7 +20,9 @@ def from_arrays(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
   the function config.data.name names ('my_pkg.data:load').
 
   Inputs keep their shape [N, ...] (add a trailing channel axis yourself for the
-  built-in CNNs); labels are integer classes in [0, num_classes).
+  built-in CNNs); integer labels are classes in [0, num_classes); float targets
+  (regression, config.task='regression') stay float32, never cast to integers, and
+  the dataset then has num_classes=0.
 
   Example:
     >>> ds = from_arrays(np.zeros((8, 3)), np.arange(8) % 2, np.zeros((4, 3)), np.arange(4) % 2)
@@ -31,11 +34,10 @@ def from_arrays(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
   """
   x_train, x_test = np.asarray(x_train, np.float32), np.asarray(x_test, np.float32)
   y_train, y_test = np.asarray(y_train), np.asarray(y_test)
-  if x_train.shape[1:] != x_test.shape[1:] or len(x_train) != len(y_train) or len(
-      x_test) != len(y_test):
-    raise ConfigError(f'dataset {name!r}: x_train {x_train.shape}, y_train {y_train.shape}, '
-                      f'x_test {x_test.shape}, y_test {y_test.shape} do not fit together '
-                      '(same input shape, one label per example).')
+  _check_fit(name, x_train, y_train, x_test, y_test)
+  if np.issubdtype(y_train.dtype, np.floating) or np.issubdtype(y_test.dtype, np.floating):
+    return Dataset(name, Split(x_train, y_train.astype(np.float32)),
+                   Split(x_test, y_test.astype(np.float32)), 0, tuple(x_train.shape[1:]))
   if num_classes is None:
     num_classes = int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1
   train, test = Split(x_train, y_train.astype(np.int32)), Split(x_test, y_test.astype(np.int32))
@@ -44,9 +46,22 @@ def from_arrays(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
   return Dataset(name, train, test, num_classes, tuple(x_train.shape[1:]))
 
 
+def _check_fit(name, x_train, y_train, x_test, y_test) -> None:
+  if x_train.shape[1:] != x_test.shape[1:] or len(x_train) != len(y_train) or len(
+      x_test) != len(y_test):
+    raise ConfigError(f'dataset {name!r}: x_train {x_train.shape}, y_train {y_train.shape}, '
+                      f'x_test {x_test.shape}, y_test {y_test.shape} do not fit together '
+                      '(same input shape, one label per example).')
+
+
 def check_labels(split: Split, num_classes: int, what: str) -> None:
   """Raises ConfigError if a label of `split` is not an integer in [0, num_classes)."""
-  y = np.asarray(split.y)
+  check_label_values(split.y, num_classes, what)
+
+
+def check_label_values(y: np.ndarray, num_classes: int, what: str) -> None:
+  """Raises ConfigError if a label in `y` is not an integer in [0, num_classes)."""
+  y = np.asarray(y)
   if not np.issubdtype(y.dtype, np.integer):
     raise ConfigError(f'{what}: labels must be integer classes, got dtype {y.dtype}.')
   bad = (y < 0) | (y >= num_classes)
@@ -72,10 +87,15 @@ def _load_user_dataset(name: str, data_config: ml_collections.ConfigDict) -> Dat
 
 
 def load_dataset(name: str, data_config: ml_collections.ConfigDict | None = None) -> Dataset:
-  """The dataset `name`: an embedded one (see SOURCES), your own by import path
-  ('my_pkg.data:load', see from_arrays), or else a TFDS dataset read from
-  data_config.data_dir. Preprocessing (data_config.mean / std) applies to all."""
+  """The dataset `name`: an embedded one (see SOURCES), a UCI regression set
+  ('uci:energy' for a shipped one, 'uci:PATH' for a file in that format; split 0 of
+  dist_ens.data.uci, in original units), your own by import path ('my_pkg.data:load',
+  see from_arrays), or else a TFDS dataset read from data_config.data_dir.
+  Preprocessing (data_config.mean / std) applies to embedded and your own."""
   data_config = data_config or ml_collections.ConfigDict({'name': name, 'data_dir': ''})
+  if name.startswith('uci:'):  # Original units; the regression task standardises.
+    train, test = uci.load_uci(name)
+    return Dataset(name, train, test, 0, tuple(train.x.shape[1:]))
   if name in SOURCES or importing.is_import_path(name):
     dataset = SOURCES[name]() if name in SOURCES else _load_user_dataset(name, data_config)
     if data_config.get('mean') or data_config.get('std'):

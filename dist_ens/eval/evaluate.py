@@ -158,7 +158,7 @@ def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size
     if valid < batch_size:  # Pad the last batch; masked rows count for nothing.
       pad = batch_size - valid
       x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
-      y = np.concatenate([y, np.zeros(pad, y.dtype)])
+      y = np.concatenate([y, np.zeros((pad, *y.shape[1:]), y.dtype)])
       mask = np.concatenate([mask, np.zeros(pad, bool)])
     out = eval_step(variables, to_global(x, sharding), to_global(y, sharding),
                     to_global(mask, sharding), member_mask)
@@ -170,7 +170,8 @@ def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size
   for i, batch_examples in enumerate(examples):
     valid = min(batch_size, len(split.y) - i * batch_size)
     host.append([np.asarray(a)[..., :valid] for a in batch_examples])
-  stacked = metrics.ExampleStats(*(np.concatenate(parts, axis=-1) for parts in zip(*host)))
+  # The task's own per-example type (classification's metrics.ExampleStats, ...).
+  stacked = type(examples[0])(*(np.concatenate(parts, axis=-1) for parts in zip(*host)))
   return SplitEval(jax.tree.map(np.asarray, total), stacked)
 
 

@@ -7,10 +7,18 @@ import numpy as np
 from dist_ens.eval.metrics import METRICS
 
 
-def _member_metrics(results: dict[str, Any], ranking_only: bool = False) -> list[Any]:
-  """The per-member metrics `results['members']` holds, in the registry's order."""
-  return [m for m in METRICS if 'members' in m.scopes and m.name in results['members']
-          and not (ranking_only and m.higher_is_better is None)]
+def _member_metrics(results: dict[str, Any], ranking_only: bool = False) -> list[str]:
+  """The per-member metrics `results['members']` holds: classification's in the
+  registry's order, then any other task's (one number per member) as they come."""
+  known = [m.name for m in METRICS if 'members' in m.scopes and m.name in results['members']
+           and not (ranking_only and m.higher_is_better is None)]
+  registry = {m.name for m in METRICS}
+  others = [k for k, v in results['members'].items() if k not in registry
+            and isinstance(v, list) and all(isinstance(x, (int, float)) for x in v)]
+  return known + others
+
+
+_LABELS = {m.name: m.label for m in METRICS}
 
 
 def results_table(final: dict[str, Any]) -> str:
@@ -24,17 +32,18 @@ def results_table(final: dict[str, Any]) -> str:
   """
   members, ens = final['members'], final['ensemble']
   frozen = set(final.get('frozen_members', []))
-  columns = [(m.name, m.label) for m in _member_metrics(final)]
+  columns = [(name, _LABELS.get(name, name)) for name in _member_metrics(final)]
   lines = ['| member | ' + ' | '.join(name for _, name in columns) + ' |',
            '|---|' + '---|' * len(columns)]
-  for i in range(len(members['accuracy'])):
+  for i in range(final['num_members']):
     name = f'{i} (frozen)' if i in frozen else str(i)
     lines.append(f'| {name} | ' + ' | '.join(f'{members[k][i]:.4f}' for k, _ in columns) + ' |')
   lines.append('| member mean | ' + ' | '.join(f'{float(np.mean(members[k])):.4f}'
                                                for k, _ in columns) + ' |')
   lines.append('| **ensemble** | ' + ' | '.join(f'**{ens[k]:.4f}**' if k in ens else ''
                                                 for k, _ in columns) + ' |')
-  lines.append(f'\nensemble disagreement: {ens["disagreement"]:.4f}')
+  if 'disagreement' in ens:
+    lines.append(f'\nensemble disagreement: {ens["disagreement"]:.4f}')
   if 'mutual_information' in ens:
     lines.append(f'predictive entropy {ens["entropy"]:.4f} = expected entropy (aleatoric) '
                  f'{ens["expected_entropy"]:.4f} + mutual information (epistemic) '
@@ -54,10 +63,10 @@ def member_rows(final: dict[str, Any], member_hparams: dict[str, np.ndarray],
     row: dict[str, Any] = {'member': i}
     row.update({field: float(v[i]) for field, v in member_hparams.items()})
     if validation is not None:
-      row.update({f'val_{m.name}': validation['members'][m.name][i]
-                  for m in _member_metrics(validation, ranking_only=True)})
-    row.update({f'test_{m.name}': final['members'][m.name][i]
-                for m in _member_metrics(final, ranking_only=True)})
+      row.update({f'val_{name}': validation['members'][name][i]
+                  for name in _member_metrics(validation, ranking_only=True)})
+    row.update({f'test_{name}': final['members'][name][i]
+                for name in _member_metrics(final, ranking_only=True)})
     row['frozen'] = i in frozen
     rows.append(row)
   key = f'val_{metric}' if validation is not None and f'val_{metric}' in rows[0] else f'test_{metric}'

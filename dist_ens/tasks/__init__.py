@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dist_ens import importing
 from dist_ens.errors import ConfigError
 from dist_ens.tasks.classification import classification, smoothed_cross_entropy
-from dist_ens.tasks.regression import regression, regression_homoscedastic
+from dist_ens.tasks.regression import (gaussian_nll_loss, mse_loss, regression,
+                                       regression_homoscedastic)
 from dist_ens.tasks.task import Loss, Task
 
 TASKS: dict[str, Callable[[], Task]] = {
@@ -19,13 +20,17 @@ TASKS: dict[str, Callable[[], Task]] = {
 }
 
 
-# config.train.loss: a name here, or your own by import path 'my_pkg.losses:fn' with
-# fn(outputs [B, ...], targets [B, ...], hparams) -> the mean loss of one member's batch.
-LOSSES: dict[str, Loss] = {'cross_entropy': smoothed_cross_entropy}
+# config.train.loss: '' (the task's own), a name here, or your own by import path
+# 'my_pkg.losses:fn' with fn(outputs [B, ...], targets [B, ...], hparams) -> the mean
+# loss of one member's batch.
+LOSSES: dict[str, Loss] = {'cross_entropy': smoothed_cross_entropy,
+                           'gaussian_nll': gaussian_nll_loss, 'mse': mse_loss}
 
 
-def loss_for(name: str) -> Loss:
-  """The loss config.train.loss names."""
+def loss_for(name: str, task: Task | None = None) -> Loss:
+  """The loss config.train.loss names; '' is `task`'s own (classification's if None)."""
+  if not name:
+    return (task or classification()).loss
   if importing.is_import_path(name):
     return importing.load_object(name, 'config.train.loss')
   if name not in LOSSES:

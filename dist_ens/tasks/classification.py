@@ -6,10 +6,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from dist_ens.errors import ConfigError
+from dist_ens import data
 from dist_ens.eval import metrics
 from dist_ens.tasks.task import Task
 
@@ -35,17 +34,6 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
   return {'accuracy': jnp.mean(jnp.argmax(logits, -1) == labels)}
 
 
-def check_labels(y: np.ndarray, num_classes: int, what: str) -> None:
-  """Raises ConfigError if a label in `y` is not an integer in [0, num_classes)."""
-  y = np.asarray(y)
-  if not np.issubdtype(y.dtype, np.integer):
-    raise ConfigError(f'{what}: labels must be integer classes, got dtype {y.dtype}.')
-  bad = (y < 0) | (y >= num_classes)
-  if bad.any():
-    raise ConfigError(f'{what}: {int(bad.sum())} labels lie outside [0, {num_classes}) '
-                      f'(e.g. {int(y[bad][0])}); labels must be class indices 0..{num_classes - 1}.')
-
-
 def classification() -> Task:
   """The classification task (config.task = 'classification')."""
   return Task(
@@ -53,7 +41,8 @@ def classification() -> Task:
       output_units=lambda dataset: dataset.num_classes,
       loss=smoothed_cross_entropy,
       batch_metrics=accuracy,
-      check_targets=lambda y, dataset, what: check_labels(y, dataset.num_classes, what),
+      check_targets=lambda y, dataset, what: data.check_label_values(y, dataset.num_classes,
+                                                                     what),
       eval_batch=metrics.eval_batch,
       finalize=metrics.finalize,
       ood_metrics=metrics.ood_metrics,

@@ -72,7 +72,8 @@ def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
   config_dict = configuration.to_dict(config)
   saved, step = _saved_run(workdir)
   if saved is not None:
-    differing = configuration.differences(configuration.upgrade(saved), config_dict)
+    differing = configuration.differences(configuration.upgrade(saved),
+                                          configuration.upgrade(config_dict))
     if step > config.train.steps:
       raise configuration.ConfigError(
           f'config.train.steps={config.train.steps} but the workdir holds a checkpoint at step '
