@@ -44,7 +44,7 @@ from dist_ens.parallel import form_cache, mesh as mesh_lib, strategy
 from dist_ens.parallel import sharding_rules
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
-from dist_ens.data import augment as augment_lib
+from dist_ens.data import augment as augment_lib, uci
 from dist_ens.importing import is_import_path, load_object
 
 
@@ -54,6 +54,9 @@ class RunData(NamedTuple):
   validation: data.Split | None  # config.data.validation_size examples, or None
   ood: data.Split | None  # config.eval.ood_dataset's split, or None
   order: data.Order  # which examples each step's batch holds
+  # The training split's statistics every split was standardised with, for a task
+  # that trains on standardised data (Task.unscale); None otherwise.
+  scale: uci.Standardizer | None = None
 
 
 class Parts(NamedTuple):
@@ -104,10 +107,14 @@ class Run(NamedTuple):
   def evaluator(self) -> Evaluator:
     """The sharded evaluator of every member and the ensemble, by the run's task."""
     parts, mesh = self.parts, self.parts.mesh
-    return Evaluator(make_eval_step(parts.model, mesh, parts.task.eval_batch), mesh,
+    task, scale = parts.task, self.data.scale if self.data is not None else None
+    finalize = task.finalize
+    if scale is not None:  # Metrics in the targets' own units.
+      finalize = lambda sums, examples: task.finalize(task.unscale(sums, scale.y_std), examples)
+    return Evaluator(make_eval_step(parts.model, mesh, task.eval_batch), mesh,
                      self.config.eval.batch_size,
                      view=functools.partial(methods.trained_members, parts.method, mesh=mesh),
-                     finalize=parts.task.finalize, ood_metrics=parts.task.ood_metrics)
+                     finalize=finalize, ood_metrics=task.ood_metrics)
 
   def checkpointer(self, workdir: Path) -> Checkpointer:
     """The run's checkpoints under workdir/checkpoints."""
@@ -182,11 +189,28 @@ def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None =
   if config.data.batch_size > dataset.train.num_examples:
     raise ConfigError(f'config.data.batch_size={config.data.batch_size} exceeds the '
                       f'{dataset.train.num_examples} training examples of {dataset.name}.')
-  ood_name = config.eval.get('ood_dataset', '')
+  ood_name = config.eval.ood_dataset
   ood_split = ood.load_ood_split(ood_name, dataset, config.data) if ood_name else None
   order = data.Order(config.data.member_order, dataset.train.num_examples,
                      config.data.batch_size, config.seed)
-  return RunData(dataset, validation, ood_split, order)
+  run_data = RunData(dataset, validation, ood_split, order)
+  return run_data if task.unscale is None else _standardized(run_data)
+
+
+def _standardized(run_data: RunData) -> RunData:
+  """Every split standardised with the training split's statistics (inputs and targets)."""
+  train = run_data.dataset.train
+  if isinstance(train, data.Subset):  # What carving a validation split left: read it.
+    train = data.Split(*train.read(np.arange(train.num_examples)))
+  if not isinstance(train, data.Split):
+    raise ConfigError(f'the task standardises its data with the training split\'s statistics, '
+                      f'but {run_data.dataset.name!r} streams its training split; give it as '
+                      'arrays (dist_ens.data.from_arrays).')
+  scale = uci.Standardizer.fit(train.x, train.y)
+  apply = lambda split: split and data.Split(*scale.apply(split.x, split.y))
+  dataset = run_data.dataset._replace(train=apply(train), test=apply(run_data.dataset.test))
+  return run_data._replace(dataset=dataset, validation=apply(run_data.validation),
+                           ood=apply(run_data.ood), scale=scale)
 
 
 def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],

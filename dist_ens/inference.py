@@ -235,6 +235,10 @@ class Ensemble:
       Prediction of numpy arrays; frozen members are left out of `probs`, `entropy`
       and `mutual_information` but keep their `member_probs`.
     """
+    if self.config.task != 'classification':
+      raise NotImplementedError(
+          f"predict() gives class probabilities; config.task={self.config.task!r} has no "
+          "predict yet (the run's final_metrics.json holds its test metrics).")
     x = np.asarray(x, np.float32) if preprocessed else self.preprocess(x)
     if x.shape[1:] != self.input_shape:
       raise ValueError(f'predict() needs model inputs of shape [N, *{self.input_shape}]; got '

@@ -55,3 +55,33 @@ def test_float_labels_are_refused_by_classification(tmp_path):
   dataset = data.from_arrays(*_curve(128, 0), *_curve(64, 1))
   with pytest.raises(ConfigError, match='labels must be integer classes'):
     dist_ens.train(config, str(tmp_path), dataset=dataset)
+
+
+def test_targets_are_standardised_and_metrics_reported_in_their_units(tmp_path):
+  (x, y), (xt, yt) = _curve(512, 0), _curve(256, 1)
+  config = _config()
+  config.train.steps = 100
+  config.checkpoint.every = 100
+  plain = dist_ens.train(config, str(tmp_path / 'a'), dataset=data.from_arrays(x, y, xt, yt))
+  # The same problem in other units: standardising makes training identical, and
+  # the metrics come back scaled (RMSE, CRPS, widths x1000; NLL + log 1000).
+  scaled = dist_ens.train(config, str(tmp_path / 'b'), dataset=data.from_arrays(
+      x, 1000 * y + 5, xt, 1000 * yt + 5))
+  for scope in ('ensemble',):
+    a, b = plain[scope], scaled[scope]
+    np.testing.assert_allclose(b['rmse'], 1000 * a['rmse'], rtol=1e-3)
+    np.testing.assert_allclose(b['crps'], 1000 * a['crps'], rtol=1e-3)
+    np.testing.assert_allclose(b['nll'], a['nll'] + np.log(1000), rtol=1e-3)
+    assert b['coverage_90'] == pytest.approx(a['coverage_90'], abs=0.01)
+
+
+def test_the_uci_config_trains_on_a_shipped_set(tmp_path):
+  config = dist_ens.load_config(Path(__file__).parent.parent / 'configs' / 'uci.py')
+  config.data.name, config.train.epochs = 'uci:yacht', 4
+  config.train.log_every = config.checkpoint.every = 4
+  final = dist_ens.train(config, str(tmp_path))
+  train, test = data.load_dataset('uci:yacht').train, data.load_dataset('uci:yacht').test
+  assert (train.num_examples, test.num_examples) == (277, 31)
+  assert final['num_members'] == 5 and np.isfinite(final['ensemble']['nll'])
+  # Metrics in the targets' units: an RMSE below the test targets' own spread.
+  assert final['ensemble']['rmse'] < np.std(test.y)

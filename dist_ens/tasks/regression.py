@@ -537,7 +537,8 @@ def regression(target_dim: int | None = None) -> Task:
       eval_batch=_eval_batch(None),
       finalize=finalize,
       ood_metrics=ood_metrics,
-      select_metrics=SELECT_METRICS)
+      select_metrics=SELECT_METRICS,
+      unscale=sums_to_original_units)
 
 
 def regression_homoscedastic(target_dim: int | None = None,
@@ -564,4 +565,5 @@ def regression_homoscedastic(target_dim: int | None = None,
       eval_batch=_eval_batch(variance),
       finalize=finalize,
       ood_metrics=ood_metrics,
-      select_metrics=SELECT_METRICS)
+      select_metrics=SELECT_METRICS,
+      unscale=sums_to_original_units)

@@ -35,6 +35,10 @@ class Task(NamedTuple):
     finalize: (summed sums, concatenated examples) -> {'members': ..., 'ensemble': ...}.
     ood_metrics: (in-distribution examples, OOD examples) -> OOD scores.
     select_metrics: {metric: higher is better} that members can be ranked by.
+    unscale: None, or (summed sums, the training targets' std) -> the sums in the
+      targets' own units: such a task trains on inputs and targets standardised with
+      the training split's statistics (regression), and its metrics are reported in
+      the original units.
   """
   name: str
   output_units: Callable[[Any], int]
@@ -45,4 +49,5 @@ class Task(NamedTuple):
   finalize: Callable[[dict[str, Any], Any], dict[str, Any]]
   ood_metrics: Callable[[Any, Any], dict[str, Any]]
   select_metrics: Mapping[str, bool]
+  unscale: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
 
