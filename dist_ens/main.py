@@ -210,7 +210,8 @@ def _print_help(name: str, full: bool) -> None:
   COMMANDS[name].define_flags(fv)
   print(f'usage: {COMMANDS[name].usage}\n')
   print('flags:')
-  for flag in sorted(fv.flags_by_module_dict().popitem()[1], key=lambda f: f.name):
+  defined = [f for module_flags in fv.flags_by_module_dict().values() for f in module_flags]
+  for flag in sorted(defined, key=lambda f: f.name):
     spelt = f'--[no]{flag.name}' if flag.boolean else f'--{flag.name}'
     default = f' (default: {flag.default_as_str})' if flag.default is not None else ''
     print(textwrap.fill(f'{spelt}: {" ".join(flag.help.split())}{default}', width=88,
