@@ -34,7 +34,7 @@ from dist_ens import configuration, data, models, tasks
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.core import gradients, hparams as hparams_lib
 from dist_ens.core.model import Model
-from dist_ens.core.optim import Optimizer, make_optimizer
+from dist_ens.core.optim import Optimizer, OptimSpec, make_optimizer
 from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
@@ -210,7 +210,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
     model = mimo.wrap(model, method.heads)
   if optimizer is None:
-    optimizer = make_optimizer(config.optim, config.train.steps, cycles=method.cycles,
+    optimizer = make_optimizer(optim_spec(config), config.train.steps, cycles=method.cycles,
                                cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
   elif isinstance(optimizer, optax.GradientTransformation):
     optimizer = functools.partial(lambda tx, hp=None: tx, optimizer)
@@ -247,6 +247,11 @@ def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
       snapshot_cycle_rate=ensemble.snapshot.cycle_rate, mimo_heads=ensemble.mimo.heads,
       swag_start=ensemble.swag.start, swag_every=ensemble.swag.every,
       swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples)
+
+
+def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:
+  """config.optim: the fields the optimizer and its schedule read (core.optim.OptimSpec)."""
+  return OptimSpec(**{name: _field(config, f'optim.{name}') for name in OptimSpec._fields})
 
 
 def hparams_spec(config: ml_collections.ConfigDict) -> hparams_lib.HparamsSpec:
