@@ -34,7 +34,7 @@ from dist_ens import configuration, data, models, tasks
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.core import gradients, hparams as hparams_lib
 from dist_ens.core.model import Model
-from dist_ens.core.optim import Optimizer, make_optimizer
+from dist_ens.core.optim import Optimizer, OptimSpec, make_optimizer
 from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
@@ -234,11 +234,11 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
     model = mimo.wrap(model, method.heads)
   if optimizer is None:
-    optimizer = make_optimizer(config.optim, config.train.steps, cycles=method.cycles,
+    optimizer = make_optimizer(optim_spec(config), config.train.steps, cycles=method.cycles,
                                cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
   elif isinstance(optimizer, optax.GradientTransformation):
     optimizer = functools.partial(lambda tx, hp=None: tx, optimizer)
-  member_hparams = hparams_lib.resolve(config)
+  member_hparams = hparams_lib.resolve(hparams_spec(config))
   if method.shares:
     _check_shared_optimizer(member_hparams)
   m = config.num_members
@@ -271,6 +271,27 @@ def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
       snapshot_cycle_rate=ensemble.snapshot.cycle_rate, mimo_heads=ensemble.mimo.heads,
       swag_start=ensemble.swag.start, swag_every=ensemble.swag.every,
       swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples)
+
+
+def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:
+  """config.optim: the fields the optimizer and its schedule read (core.optim.OptimSpec)."""
+  return OptimSpec(**{name: _field(config, f'optim.{name}') for name in OptimSpec._fields})
+
+
+def hparams_spec(config: ml_collections.ConfigDict) -> hparams_lib.HparamsSpec:
+  """num_members, seed and the per-member fields as configured (core.hparams.FIELDS)."""
+  return hparams_lib.HparamsSpec(config.num_members, config.seed,
+                                 {field: _field(config, field) for field in hparams_lib.FIELDS})
+
+
+def _field(config: ml_collections.ConfigDict, dotted: str) -> Any:
+  # Specs have no defaults (configs/default.py holds every field): a config not started
+  # from it gets one line naming the field it lacks, not a KeyError.
+  section, name = dotted.split('.')
+  if section not in config or name not in config[section]:
+    raise ConfigError(f'config.{dotted} is missing; start from configs/default.py, which '
+                      'has every field.')
+  return config[section][name]
 
 
 def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections.ConfigDict,

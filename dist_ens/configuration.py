@@ -119,7 +119,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
            'selects members on a validation split; set data.validation_size > 0 (e.g. 500)')
   _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
            config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
-  hparams.resolve(config)  # Per-member fields: numbers, lists of M numbers or specs.
+  # Per-member fields: numbers, lists of M numbers or specs.
+  hparams.resolve(hparams.HparamsSpec(config.num_members, config.seed,
+                                      {field: _get(config, field) for field in hparams.FIELDS}))
 
 
 def _validate_run_fields(config: ml_collections.ConfigDict) -> bool:

@@ -9,7 +9,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import data
+from dist_ens import assemble, data
 from dist_ens.core import hparams
 import dist_ens
 from dist_ens.configuration import load_config
@@ -35,10 +35,14 @@ def _config(**overrides):
   return config
 
 
+def _resolve(config):
+  return hparams.resolve(assemble.hparams_spec(config))
+
+
 def test_scalars_lists_and_spaced_specs():
   config = _config(optim__learning_rate=[1e-3, 2e-3, 3e-3, 4e-3],
                    optim__weight_decay='linspace(0, 0.3)', model__init_scale='logspace(0.1, 10)')
-  values = hparams.resolve(config)
+  values = _resolve(config)
   np.testing.assert_allclose(values['optim.learning_rate'], [1e-3, 2e-3, 3e-3, 4e-3])
   np.testing.assert_allclose(values['optim.weight_decay'], [0, 0.1, 0.2, 0.3], atol=1e-7)
   np.testing.assert_allclose(values['model.init_scale'], [0.1, 1 / 1.0 ** 0 * 10 ** (-1 / 3),
@@ -52,21 +56,21 @@ def test_scalars_lists_and_spaced_specs():
 @pytest.mark.parametrize('spec', ['uniform(0.1, 0.2)', 'loguniform(1e-4, 1e-2)'])
 def test_random_specs_depend_on_seed_and_member_not_on_m(spec):
   lo, hi = (0.1, 0.2) if spec.startswith('uniform') else (1e-4, 1e-2)
-  three = hparams.resolve(_config(num_members=3, optim__learning_rate=spec))
-  eight = hparams.resolve(_config(num_members=8, optim__learning_rate=spec))
+  three = _resolve(_config(num_members=3, optim__learning_rate=spec))
+  eight = _resolve(_config(num_members=8, optim__learning_rate=spec))
   np.testing.assert_array_equal(three['optim.learning_rate'], eight['optim.learning_rate'][:3])
   values = eight['optim.learning_rate']
   assert np.all((values >= lo) & (values <= hi)) and np.unique(values).size == 8
-  other_seed = hparams.resolve(_config(num_members=8, seed=1, optim__learning_rate=spec))
+  other_seed = _resolve(_config(num_members=8, seed=1, optim__learning_rate=spec))
   assert not np.allclose(other_seed['optim.learning_rate'], values)
   # Two fields with the same spec draw differently.
-  both = hparams.resolve(_config(num_members=8, optim__learning_rate='uniform(0.1, 0.2)',
+  both = _resolve(_config(num_members=8, optim__learning_rate='uniform(0.1, 0.2)',
                                  optim__weight_decay='uniform(0.1, 0.2)'))
   assert not np.allclose(both['optim.learning_rate'], both['optim.weight_decay'])
 
 
 def test_grid_is_a_cartesian_product_in_field_order():
-  values = hparams.resolve(_config(optim__learning_rate='grid(1e-3, 1e-2)',
+  values = _resolve(_config(optim__learning_rate='grid(1e-3, 1e-2)',
                                    optim__weight_decay='grid(0, 0.1)'))
   pairs = list(zip(values['optim.learning_rate'].tolist(), values['optim.weight_decay'].tolist()))
   np.testing.assert_allclose(pairs, [(1e-3, 0), (1e-3, 0.1), (1e-2, 0), (1e-2, 0.1)], rtol=1e-6)
@@ -90,7 +94,7 @@ def test_grid_is_a_cartesian_product_in_field_order():
 ])
 def test_bad_values_name_the_field(overrides, message):
   with pytest.raises(ConfigError, match=message):
-    hparams.resolve(_config(**overrides))
+    _resolve(_config(**overrides))
 
 
 def test_command_line_forms_work_as_written():
@@ -105,7 +109,7 @@ def test_command_line_forms_work_as_written():
     flag_values(sys_argv)
     assert holder.value.optim.learning_rate == expected
     holder.value.num_members = 4
-    assert hparams.resolve(holder.value)['optim.learning_rate'].shape == (4,)
+    assert _resolve(holder.value)['optim.learning_rate'].shape == (4,)
 
 
 def _member_metrics(final, i):

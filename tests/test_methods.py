@@ -9,7 +9,6 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -95,9 +94,9 @@ def test_snapshots_are_the_iterates_at_the_ends_of_the_cycles_and_the_rate_resta
                members.params, snap_params)
   assert not members.frozen.any() and members.frozen.shape == (12,)
   # The rate restarts: plain SGD with a unit gradient moves by the rate multiplier.
-  sgd = ml_collections.ConfigDict(dict(
+  sgd = assemble.optim_spec(config)._replace(
       name='sgd', learning_rate=1.0, weight_decay=0.0, momentum=0.0, nesterov=False,
-      grad_clip_norm=0.0, schedule='cosine', warmup_steps=0))
+      grad_clip_norm=0.0, schedule='cosine', warmup_steps=0)
   tx = optim.make_optimizer(sgd, STEPS, cycles=3)()
   opt_state, moves = tx.init(jnp.zeros(())), []
   for _ in range(17):
@@ -117,9 +116,9 @@ def test_fast_geometric_cycles_begin_at_snapshot_start_at_the_cycle_rate():
   np.testing.assert_array_equal(collected[0]['w'], [16, 20, 24])
   _, _, filled = method.members(collected, None, None, jnp.int32(20), None)
   np.testing.assert_array_equal(filled, [True, True, False])
-  sgd = ml_collections.ConfigDict(dict(
+  sgd = assemble.optim_spec(config)._replace(
       name='sgd', learning_rate=1.0, weight_decay=0.0, momentum=0.0, nesterov=False,
-      grad_clip_norm=0.0, schedule='cosine', warmup_steps=0))
+      grad_clip_norm=0.0, schedule='cosine', warmup_steps=0)
   tx = optim.make_optimizer(sgd, STEPS, cycles=3, cycles_from=12, cycle_rate=0.05)()
   opt_state, moves = tx.init(jnp.zeros(())), []
   for _ in range(STEPS):

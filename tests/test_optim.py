@@ -1,12 +1,16 @@
-"""Optimizers from config: the same updates as optax's own, built from each member's values."""
+"""Optimizers from an OptimSpec: the same updates as optax's own, built from each member's
+values."""
+
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
 
+from dist_ens import assemble
+from dist_ens.configuration import load_config
 from dist_ens.core import optim
 from dist_ens.errors import ConfigError
 
@@ -14,9 +18,9 @@ from dist_ens.errors import ConfigError
 def _cfg(**kw):
   base = dict(name='adam', learning_rate=1e-2, weight_decay=0.0, b1=0.9, b2=0.999, eps=1e-8,
               momentum=0.9, nesterov=False, grad_clip_norm=0.0, schedule='constant',
-              warmup_steps=0, decay_mask='all')
+              warmup_steps=0, decay_mask='all', decay_boundaries=(), decay_factor=0.1)
   base.update(kw)
-  return ml_collections.ConfigDict(base)
+  return optim.OptimSpec(**base)
 
 
 def _run(tx, steps=5):
@@ -93,8 +97,8 @@ def test_step_decay_trains_like_optax_sgd_nesterov():
                                          ('decay_boundaries', (60, 120)),
                                          ('decay_factor', 0.0), ('decay_factor', 2.0)])
 def test_step_decay_bad_fields_name_the_field(field, value):
-  cfg = _cfg(schedule='step', decay_boundaries=(0.5,), decay_factor=0.2)
-  cfg[field] = value
+  cfg = _cfg(schedule='step', decay_boundaries=(0.5,), decay_factor=0.2)._replace(
+      **{field: value})
   with pytest.raises(ConfigError, match=f'config.optim.{field}='):
     optim.make_optimizer(cfg, 10)
 
@@ -122,3 +126,13 @@ def test_bad_names():
     optim.make_optimizer(_cfg(schedule='steps'), 10)
   with pytest.raises(ConfigError, match='warmup_steps'):
     optim.make_optimizer(_cfg(warmup_steps=20), 10)
+
+
+def test_optim_spec_reads_every_field_of_config_optim_and_names_a_missing_one():
+  config = load_config(Path(__file__).parents[1] / 'configs' / 'default.py')
+  spec = assemble.optim_spec(config)
+  assert spec == optim.OptimSpec(**{f: config.optim[f] for f in optim.OptimSpec._fields})
+  del config.optim['decay_factor']
+  with pytest.raises(ConfigError, match=r'^config.optim.decay_factor is missing; start from '
+                                        r'configs/default.py'):
+    assemble.optim_spec(config)

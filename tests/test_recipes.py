@@ -90,7 +90,7 @@ def test_recipe_is_the_published_one_at_full_size(name):
   assert config.data.augment == ('crop_flip' if 'cifar' in name else 'none')
   resolved = configuration.resolve_epochs(config, examples)
   assert resolved.train.steps == steps and config.train.epochs == 200
-  multiplier = optim.schedule(resolved.optim, resolved.train.steps)
+  multiplier = optim.schedule(assemble.optim_spec(resolved), resolved.train.steps)
   per_epoch = steps // 200
   lr = {epoch: float(multiplier(epoch * per_epoch)) for epoch in (0, 1, 59, 60, 120, 160, 199)}
   assert lr[0] == 0 and lr[1] == lr[59] == 1  # One epoch of warm-up, then the peak.

@@ -3,7 +3,7 @@
 A hyperparameter field of the config may hold
   * a number: every member gets it;
   * a list of M numbers: member i gets the i-th;
-  * a spec string, expanded here for M = config.num_members:
+  * a spec string, expanded here for M = num_members:
       'linspace(lo, hi)', 'logspace(lo, hi)'   evenly spaced (log-spaced) from lo to hi;
       'uniform(lo, hi)', 'loguniform(lo, hi)'  random; member i's draw depends only on
                                                (seed, field, i), never on M;
@@ -19,7 +19,8 @@ the state and handed to the train step; inside its vmap every consumer reads its
 member's scalar from the same dict: the optimizer (optim.*, core/optim.py), the loss
 (train.label_smoothing, core/losses.py) and init (model.init_scale, core/state.py).
 Adding a per-member hyperparameter is one entry in FIELDS (plus its config field)
-and a read of hparams['section.name'] where it is used.
+and a read of hparams['section.name'] where it is used. resolve takes an HparamsSpec,
+those fields as configured (dist_ens.assemble.hparams_spec reads them).
 """
 
 import ast
@@ -27,9 +28,9 @@ import itertools
 import math
 import re
 import zlib
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
-import ml_collections
 import numpy as np
 
 from dist_ens.errors import ConfigError
@@ -52,9 +53,12 @@ _RANDOM = ('uniform', 'loguniform')
 _SPACED = ('linspace', 'logspace')
 
 
-def _get(config: ml_collections.ConfigDict, field: str) -> Any:
-  section, name = field.split('.')
-  return config[section][name]
+class HparamsSpec(NamedTuple):
+  """What resolve reads: the ensemble's size, the seed that random specs draw from, and
+  each of FIELDS ('section.name') as configured (a number, a list or a spec string)."""
+  num_members: int  # config.num_members: M, the length of every resolved array
+  seed: int  # config.seed: uniform/loguniform draw from (seed, field, member)
+  fields: Mapping[str, Any]  # {'optim.learning_rate': 1e-3, ...}, every key of FIELDS
 
 
 def _parse_spec(field: str, value: str) -> tuple[str, list[float]]:
@@ -112,19 +116,19 @@ def _check_range(field: str, values: np.ndarray, shown: Any) -> None:
     raise ConfigError(f'config.{field}={shown!r}: every value must be finite and {bound}.')
 
 
-def resolve(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-  """Every per-member field as a float32 array [M], with specs expanded.
+def resolve(spec: HparamsSpec) -> dict[str, np.ndarray]:
+  """Each of FIELDS as a float32 array [spec.num_members], sweep specs expanded.
 
   Raises:
     ConfigError: naming the field, for a value that is not a number, a list of M
       numbers or a known spec, for out-of-range values, or for a grid whose size
       is not config.num_members.
   """
-  m, seed = config.num_members, config.seed
+  m, seed = spec.num_members, spec.seed
   values: dict[str, np.ndarray] = {}
   grids: dict[str, list[float]] = {}
   for field in FIELDS:
-    value = _get(config, field)
+    value = spec.fields[field]
     if isinstance(value, bool):
       raise ConfigError(f'config.{field}={value!r} must be a number, not a bool.')
     if isinstance(value, (int, float)):
@@ -163,7 +167,7 @@ def resolve(config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
                         f'config.num_members={m}; set num_members={size}.')
     for field, column in zip(grids, zip(*itertools.product(*grids.values()))):
       values[field] = np.asarray(column, float)
-      _check_range(field, values[field], _get(config, field))
+      _check_range(field, values[field], spec.fields[field])
   return {f: values[f].astype(np.float32) for f in FIELDS}
 
 

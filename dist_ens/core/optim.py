@@ -1,6 +1,7 @@
-"""Optimizers from config, built per member from that member's hyperparameters.
+"""Optimizers from an OptimSpec (config.optim), built per member from that member's
+hyperparameters.
 
-`make_optimizer(config.optim, steps)` returns `optimizer(hparams) -> GradientTransformation`
+`make_optimizer(spec, steps)` returns `optimizer(hparams) -> GradientTransformation`
 for ONE member. The train step calls it inside its vmap over members with each
 member's own (traced) learning rate, weight decay, b1 or momentum, taken from the
 per-member hyperparameters (dist_ens.core.hparams): a sweep over them is data in
@@ -9,11 +10,10 @@ the optimizer itself keeps (moments, counts).
 """
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 
 from dist_ens import importing
@@ -23,12 +23,40 @@ from dist_ens.errors import ConfigError
 SCHEDULES = ('constant', 'cosine', 'linear', 'step')
 Hparams = Mapping[str, Any]
 Optimizer = Callable[[Hparams | None], optax.GradientTransformation]
+# A per-member field as configured: a number, a list of num_members numbers or a sweep
+# spec string (core/hparams.py resolves it; the optimizer reads the member's value).
+PerMember = float | tuple[float, ...] | list[float] | str
+
+
+class OptimSpec(NamedTuple):
+  """config.optim: every field the optimizer and its schedule read (configs/default.py
+  documents each, and holds them all; dist_ens.assemble.optim_spec reads them).
+
+  learning_rate, weight_decay, b1 and momentum are per-member fields, held as
+  configured; the optimizer takes each member's own value from its hyperparameters and
+  falls back to the spec's only where that is one number. warmup_steps is in steps
+  (configuration.resolve_epochs turns optim.warmup_epochs into it first).
+  """
+  name: str  # 'adam', 'sgd', or your own by import path
+  learning_rate: PerMember  # peak learning rate
+  weight_decay: PerMember  # decoupled: each step subtracts lr * weight_decay * w
+  b1: PerMember  # adam
+  momentum: PerMember  # sgd; exactly 0 (for every member) is plain SGD
+  b2: float  # adam
+  eps: float  # adam
+  nesterov: bool  # sgd
+  grad_clip_norm: float  # global-norm clipping; 0 = none
+  decay_mask: str  # which leaves decay: a key of DECAY_MASKS
+  schedule: str  # a name in SCHEDULES, or your own by import path
+  warmup_steps: int  # linear warm-up from 0 to the peak
+  decay_boundaries: tuple[float, ...]  # schedule='step': fractions of the run's steps
+  decay_factor: float  # schedule='step': the multiplier at each boundary
 
 
 # Weight decay is decoupled for every optimizer (Loshchilov & Hutter): each step
 # subtracts learning_rate * weight_decay * w from every decayed weight, outside
 # momentum and Adam's scaling (AdamW; for SGD, SGDW). Which leaves decay is
-# config.optim.decay_mask: 'kernels' (the default: weight matrices and convolution
+# config.optim.decay_mask: 'kernels' (configs/default.py's: weight matrices and convolution
 # kernels, core.model.is_kernel; no biases, no normalisation scales) or 'all'.
 DECAY_MASKS = {
     'kernels': lambda params: jax.tree.map(is_kernel, params),
@@ -36,45 +64,43 @@ DECAY_MASKS = {
 }
 
 
-def _adam(config: ml_collections.ConfigDict, hp: dict[str, Any]) -> optax.GradientTransformation:
+def _adam(spec: OptimSpec, hp: dict[str, Any]) -> optax.GradientTransformation:
   # With weight_decay=0 this is Adam.
-  return optax.adamw(hp['learning_rate'], b1=hp['b1'], b2=config.b2, eps=config.eps,
-                     weight_decay=hp['weight_decay'], mask=_decay_mask(config))
+  return optax.adamw(hp['learning_rate'], b1=hp['b1'], b2=spec.b2, eps=spec.eps,
+                     weight_decay=hp['weight_decay'], mask=_decay_mask(spec))
 
 
-def _sgd(config: ml_collections.ConfigDict, hp: dict[str, Any]) -> optax.GradientTransformation:
+def _sgd(spec: OptimSpec, hp: dict[str, Any]) -> optax.GradientTransformation:
   # A momentum of exactly 0 for every member is plain SGD; anything else (including
   # per-member values) keeps a momentum trace.
-  plain = isinstance(config.momentum, (int, float)) and config.momentum == 0
-  parts = [] if plain else [optax.trace(hp['momentum'], nesterov=config.nesterov)]
-  return optax.chain(*parts, optax.add_decayed_weights(hp['weight_decay'], _decay_mask(config)),
+  plain = isinstance(spec.momentum, (int, float)) and spec.momentum == 0
+  parts = [] if plain else [optax.trace(hp['momentum'], nesterov=spec.nesterov)]
+  return optax.chain(*parts, optax.add_decayed_weights(hp['weight_decay'], _decay_mask(spec)),
                      optax.scale_by_learning_rate(hp['learning_rate']))
 
 
-def _decay_mask(config: ml_collections.ConfigDict):
-  name = config.get('decay_mask', 'kernels')
+def _decay_mask(spec: OptimSpec):
+  name = spec.decay_mask
   if name not in DECAY_MASKS:
     raise ConfigError(f'config.optim.decay_mask={name!r}; use one of {sorted(DECAY_MASKS)}.')
   return DECAY_MASKS[name]
 
 
-# name -> (builder(optim_config, values) -> GradientTransformation, the fields it
-#          takes per member, read from the hyperparameters as 'optim.<field>').
-OPTIMIZERS: dict[str, tuple[Callable[[ml_collections.ConfigDict, dict[str, Any]],
-                                     optax.GradientTransformation], tuple[str, ...]]] = {
+# name -> (builder(spec, values) -> GradientTransformation, the fields it takes per
+#          member, read from the hyperparameters as 'optim.<field>').
+OPTIMIZERS: dict[str, tuple[Callable[[OptimSpec, dict[str, Any]], optax.GradientTransformation],
+                            tuple[str, ...]]] = {
     'adam': (_adam, ('learning_rate', 'weight_decay', 'b1')),
     'sgd': (_sgd, ('learning_rate', 'weight_decay', 'momentum')),
 }
 
 
-def _step_decay(optim_config: ml_collections.ConfigDict, total_steps: int,
-                warmup: int) -> optax.Schedule:
+def _step_decay(spec: OptimSpec, total_steps: int, warmup: int) -> optax.Schedule:
   """Piecewise constant: x decay_factor at each of decay_boundaries, fractions of
   train.steps (0.3, 0.6, 0.8 = epochs 60/120/160 of 200). Fractions, not steps or
   epochs, so that one recipe holds whether the run's length is given in steps or
   epochs, and a shorter run keeps the shape."""
-  boundaries = tuple(optim_config.get('decay_boundaries', ()))
-  factor = optim_config.get('decay_factor', 0.1)
+  boundaries, factor = tuple(spec.decay_boundaries), spec.decay_factor
   if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < 1
              for b in boundaries) or list(boundaries) != sorted(set(boundaries)):
     raise ConfigError(f'config.optim.decay_boundaries={boundaries!r}; use increasing fractions '
@@ -90,23 +116,22 @@ def _step_decay(optim_config: ml_collections.ConfigDict, total_steps: int,
   return optax.piecewise_constant_schedule(1.0, scales)
 
 
-def schedule(optim_config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
-  """Multiplier of the learning rate over steps: linear warmup, then the decay named by
-  `optim_config.schedule` (or your own, 'my_pkg.sched:fn' with fn(step) -> multiplier).
-  It multiplies the member's own (peak) learning rate.
+def schedule(spec: OptimSpec, total_steps: int) -> optax.Schedule:
+  """Multiplier of the learning rate over steps: linear warmup (spec.warmup_steps), then
+  the decay named by `spec.schedule` (or your own, 'my_pkg.sched:fn' with fn(step) ->
+  multiplier). It multiplies the member's own (peak) learning rate.
 
-  'step' multiplies by optim_config.decay_factor at each of optim_config.decay_boundaries
-  (fractions of total_steps); 'cosine' with warmup_steps > 0 is warm-up then cosine.
+  'step' multiplies by spec.decay_factor at each of spec.decay_boundaries (fractions of
+  total_steps); 'cosine' with warmup_steps > 0 is warm-up then cosine.
 
   Example:
-    >>> multiplier = schedule(ml_collections.ConfigDict(dict(
-    ...     schedule='step', warmup_steps=0, decay_boundaries=(0.3, 0.6, 0.8),
-    ...     decay_factor=0.2)), total_steps=200)
-    >>> round(float(multiplier(130)), 6)  # past the 2nd boundary (step 120): 0.2 ** 2
+    >>> spec = assemble.optim_spec(config)._replace(schedule='step', warmup_steps=0,
+    ...     decay_boundaries=(0.3, 0.6, 0.8), decay_factor=0.2)
+    >>> round(float(schedule(spec, total_steps=200)(130)), 6)  # past step 120: 0.2 ** 2
     0.04
   """
-  warmup = int(optim_config.warmup_steps)
-  name = optim_config.schedule
+  warmup = int(spec.warmup_steps)
+  name = spec.schedule
   if importing.is_import_path(name):
     decay = importing.load_object(name, 'config.optim.schedule')
   elif name not in SCHEDULES:
@@ -115,7 +140,7 @@ def schedule(optim_config: ml_collections.ConfigDict, total_steps: int) -> optax
     raise ConfigError(f'config.optim.warmup_steps={warmup} must be in [0, train.steps={total_steps}].')
   decay_steps = max(total_steps - warmup, 1)
   if name == 'step':
-    decay = _step_decay(optim_config, total_steps, warmup)
+    decay = _step_decay(spec, total_steps, warmup)
   elif name in SCHEDULES:
     decay = {
         'constant': optax.constant_schedule(1.0),
@@ -127,16 +152,16 @@ def schedule(optim_config: ml_collections.ConfigDict, total_steps: int) -> optax
   return optax.join_schedules([optax.linear_schedule(0.0, 1.0, warmup), decay], [warmup])
 
 
-def _member_values(optim_config: ml_collections.ConfigDict, fields: tuple[str, ...],
+def _member_values(spec: OptimSpec, fields: tuple[str, ...],
                    hp: Hparams | None) -> dict[str, Any]:
-  """Each field's value for this member: from `hp` ('optim.<field>'), else the config's scalar."""
+  """Each field's value for this member: from `hp` ('optim.<field>'), else the spec's number."""
   values = {}
   for field in fields:
-    key = f'optim.{field}'
+    key, configured = f'optim.{field}', getattr(spec, field)
     if hp is not None and key in hp:
       values[field] = hp[key]
-    elif isinstance(optim_config[field], (int, float)):
-      values[field] = optim_config[field]
+    elif isinstance(configured, (int, float)):
+      values[field] = configured
     else:
       raise ValueError(f'config.optim.{field} holds per-member values; pass this member\'s '
                        f'hyperparameters (with {key!r}) to the optimizer.')
@@ -144,13 +169,13 @@ def _member_values(optim_config: ml_collections.ConfigDict, fields: tuple[str, .
 
 
 def _builder(name: str):
-  """(builder(optim_config, values) -> GradientTransformation, per-member fields) of a
+  """(builder(spec, values) -> GradientTransformation, per-member fields) of a
   built-in optimizer, or of yours: 'my_pkg.opt:make' with make(values) ->
   GradientTransformation, values this member's {learning_rate, weight_decay, b1,
   momentum}."""
   if importing.is_import_path(name):
     make = importing.load_object(name, 'config.optim.name')
-    return (lambda config, values: make(values)), ('learning_rate', 'weight_decay', 'b1',
+    return (lambda spec, values: make(values)), ('learning_rate', 'weight_decay', 'b1',
                                                    'momentum')
   if name not in OPTIMIZERS:
     raise ConfigError(f'config.optim.name={name!r}; use one of {sorted(OPTIMIZERS)}, or your '
@@ -169,8 +194,7 @@ def _cyclic(one_cycle, before, cycle: int, cycles_from: int, cycle_rate: float):
   return multiplier
 
 
-def make_optimizer(optim_config: ml_collections.ConfigDict, total_steps: int,
-                   cycles: int = 1, cycles_from: int = 0,
+def make_optimizer(spec: OptimSpec, total_steps: int, cycles: int = 1, cycles_from: int = 0,
                    cycle_rate: float = 1.0) -> Optimizer:
   """`optimizer(hparams) -> GradientTransformation` for ONE member; vmap its use over members.
 
@@ -183,31 +207,29 @@ def make_optimizer(optim_config: ml_collections.ConfigDict, total_steps: int,
   depends on the values, so one member's state layout is every member's.
 
   Example:
-    >>> optimizer = make_optimizer(ml_collections.ConfigDict(dict(
-    ...     name='sgd', learning_rate=0.1, weight_decay=0.0, momentum=0.0, nesterov=False,
-    ...     grad_clip_norm=0.0, schedule='constant', warmup_steps=0)), total_steps=10)
-    >>> tx = optimizer({'optim.learning_rate': 0.5})  # this member's learning rate
+    >>> optimizer = make_optimizer(assemble.optim_spec(config), total_steps=10)
+    >>> tx = optimizer({'optim.learning_rate': 0.5, ...})  # this member's values
 
   Raises:
     ConfigError: naming config.optim.name or schedule for an unknown one.
   """
-  build, fields = _builder(optim_config.name)
-  _decay_mask(optim_config)  # Validates the field before anything is built.
+  build, fields = _builder(spec.name)
+  _decay_mask(spec)  # Validates the field before anything is built.
   multiplier = None
   cycle = (total_steps - cycles_from) // cycles
-  if optim_config.schedule != 'constant' or optim_config.warmup_steps:
-    multiplier = schedule(optim_config, cycle)
+  if spec.schedule != 'constant' or spec.warmup_steps:
+    multiplier = schedule(spec, cycle)
     if cycles > 1:
-      multiplier = _cyclic(multiplier, schedule(optim_config, max(cycles_from, 1)), cycle,
+      multiplier = _cyclic(multiplier, schedule(spec, max(cycles_from, 1)), cycle,
                            cycles_from, cycle_rate)
   else:
-    schedule(optim_config, cycle)  # Validates the fields either way.
+    schedule(spec, cycle)  # Validates the fields either way.
 
   def optimizer(hp: Hparams | None = None) -> optax.GradientTransformation:
     parts = []
-    if optim_config.grad_clip_norm:
-      parts.append(optax.clip_by_global_norm(optim_config.grad_clip_norm))
-    parts.append(build(optim_config, _member_values(optim_config, fields, hp)))
+    if spec.grad_clip_norm:
+      parts.append(optax.clip_by_global_norm(spec.grad_clip_norm))
+    parts.append(build(spec, _member_values(spec, fields, hp)))
     if multiplier is not None:
       parts.append(optax.scale_by_schedule(multiplier))
     return optax.chain(*parts) if len(parts) > 1 else parts[0]
