@@ -117,7 +117,7 @@ def main():
     cifar = load_config(ROOT / 'configs' / 'cifar10_cnn.py')
     cifar.data.name, cifar.data.data_dir = 'cifar_shaped', data_dir
     cases.append(('CIFAR-10-shaped PNGs, cifar10_cnn', cifar,
-                  data.load_dataset('cifar_shaped', cifar.data)))
+                  data.load_dataset('cifar_shaped', assemble.data_spec(cifar))))
     for name, config, dataset in cases:
       for kind in ('shared', 'shuffled'):
         per_member = kind != 'shared'

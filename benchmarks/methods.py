@@ -109,7 +109,7 @@ def _scores(name: str, results: dict) -> tuple[dict, float]:
 
 def _inference_seconds(ens: Ensemble, mc_samples: int) -> float:
   """Median wall time of the predicting members' log-probabilities on the test split."""
-  test = data.load_dataset(ens.config.data.name, ens.config.data).test
+  test = data.load_dataset(ens.config.data.name, assemble.data_spec(ens.config)).test
   step = evaluate.make_log_probs_step(ens.model, ens.mesh, mc_samples=mc_samples,
                                       seed=ens.config.seed)
   variables = (ens.params, ens.model_state)
@@ -123,7 +123,7 @@ def _inference_seconds(ens: Ensemble, mc_samples: int) -> float:
 
 def _trained_parameters(config) -> int:
   """All parameters the optimizer trains (a BatchEnsemble's shared weights once)."""
-  dataset = data.load_dataset(config.data.name, config.data)
+  dataset = data.load_dataset(config.data.name, assemble.data_spec(config))
   parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]),
                                dataset.input_shape, dataset.num_classes)
   return sum(leaf.size for leaf in jax.tree.leaves(parts.abstract_state.params))

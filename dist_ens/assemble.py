@@ -155,6 +155,14 @@ def mesh_spec(config: ml_collections.ConfigDict) -> mesh_lib.MeshSpec:
                            model=m.model)
 
 
+def data_spec(config: ml_collections.ConfigDict) -> data.DataSpec:
+  """config.data's loading fields (the TFDS-only ones where a config sets them)."""
+  d = config.data
+  optional = {k: d[k] for k in ('train_split', 'test_split', 'add_channel') if k in d}
+  return data.DataSpec(name=d.name, data_dir=d.data_dir, mean=tuple(d.mean), std=tuple(d.std),
+                       **optional)
+
+
 def build_mesh(config: ml_collections.ConfigDict,
                devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The ('member', 'data') mesh for the config, checked against M and the batch.
@@ -177,7 +185,7 @@ def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None =
       held in memory, or a batch larger than the training split.
   """
   if dataset is None:
-    dataset = data.load_dataset(config.data.name, config.data)
+    dataset = data.load_dataset(config.data.name, data_spec(config))
   task = tasks.get_task(config.task)
   for name, split in (('train', dataset.train), ('test', dataset.test)):
     if isinstance(split, data.Split):
@@ -190,7 +198,7 @@ def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None =
     raise ConfigError(f'config.data.batch_size={config.data.batch_size} exceeds the '
                       f'{dataset.train.num_examples} training examples of {dataset.name}.')
   ood_name = config.eval.ood_dataset
-  ood_split = ood.load_ood_split(ood_name, dataset, config.data) if ood_name else None
+  ood_split = ood.load_ood_split(ood_name, dataset, data_spec(config)) if ood_name else None
   order = data.Order(config.data.member_order, dataset.train.num_examples,
                      config.data.batch_size, config.seed)
   run_data = RunData(dataset, validation, ood_split, order)

@@ -67,11 +67,11 @@ def preprocess_for(config: ml_collections.ConfigDict,
   Returns:
     A function from a batch of raw inputs to the model's inputs.
   """
-  data_config = config.data
+  spec = assemble.data_spec(config)
   input_shape = tuple(input_shape)
 
   def preprocess(x: np.ndarray) -> np.ndarray:
-    x = data.preprocess(np.asarray(x), data_config)
+    x = data.preprocess(np.asarray(x), spec)
     if x.shape[1:] == input_shape:
       return x
     if input_shape[-1] == 1 and x.shape[1:] == input_shape[:-1]:
@@ -89,7 +89,7 @@ def _data_shape(config: ml_collections.ConfigDict,
   from the dataset."""
   if meta and 'input_shape' in meta:
     return tuple(meta['input_shape']), int(meta['num_classes'])
-  dataset = data.load_dataset(config.data.name, config.data)
+  dataset = data.load_dataset(config.data.name, assemble.data_spec(config))
   return dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
 
 

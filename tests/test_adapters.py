@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import data, models
+from dist_ens import assemble, data, models
 from dist_ens.core import adapters, rng as rng_lib
 from dist_ens.errors import ConfigError
 
@@ -55,7 +55,7 @@ def _differs(a, b):
 @pytest.fixture(scope='module')
 def mnist1d():
   config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
-  return data.load_dataset('mnist1d', config.data)
+  return data.load_dataset('mnist1d', assemble.data_spec(config))
 
 
 @pytest.mark.parametrize('kind', PARAMS)

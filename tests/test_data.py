@@ -3,7 +3,6 @@
 import random
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 
@@ -52,7 +51,7 @@ def test_digits():
 
 
 def test_normalisation_from_config():
-  config = ml_collections.ConfigDict(dict(name='digits', data_dir='', mean=(0.5,), std=(0.25,)))
+  config = data.DataSpec(name='digits', mean=(0.5,), std=(0.25,))
   raw, normed = data.load_dataset('digits'), data.load_dataset('digits', config)
   np.testing.assert_allclose(normed.test.x, (raw.test.x - 0.5) / 0.25, rtol=1e-6)
   assert data.preprocess(np.array([0, 255], np.uint8), config).tolist() == [-2.0, 2.0]

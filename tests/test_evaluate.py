@@ -129,8 +129,7 @@ def test_ood_sources_have_their_datasets_shape_and_differ_from_it():
 
 
 def test_ood_split_gets_the_training_preprocessing():
-  data_config = ml_collections.ConfigDict(dict(name='mnist1d', data_dir='', mean=(0.5,),
-                                               std=(2.0,)))
+  data_config = data.DataSpec(name='mnist1d', mean=(0.5,), std=(2.0,))
   mnist = data.load_dataset('mnist1d', data_config)
   raw = ood.mnist1d_noise().x
   np.testing.assert_allclose(ood.load_ood_split('mnist1d_noise', mnist, data_config).x,

@@ -1,12 +1,14 @@
 """Data: sources by name (embedded or TFDS) and the batch pipeline that feeds the mesh."""
 
-import ml_collections
+import dataclasses
+
 import numpy as np
 
 from dist_ens.data.pipeline import (MEMBER_ORDERS, Batches, BatchIterator, IteratorState, Order,
                                     PipelineStats, host_block, host_rows, local_indices,
                                     to_global)
 from dist_ens.data.sources import SOURCES, Dataset, Source, Split, Subset
+from dist_ens.data.spec import DataSpec
 from dist_ens.data import uci
 from dist_ens.data.tfds_source import load_tfds, prepare_command, preprocess
 from dist_ens import importing
@@ -70,12 +72,12 @@ def check_label_values(y: np.ndarray, num_classes: int, what: str) -> None:
                       f'(e.g. {int(y[bad][0])}); labels must be class indices 0..{num_classes - 1}.')
 
 
-def _load_user_dataset(name: str, data_config: ml_collections.ConfigDict) -> Dataset:
-  """The dataset the function at import path `name` returns: a Dataset, or the four
-  arrays (x_train, y_train, x_test, y_test)."""
+def _load_user_dataset(name: str, spec: DataSpec) -> Dataset:
+  """The dataset the function at import path `name` returns, called with the DataSpec
+  (or without arguments): a Dataset, or the four arrays (x_train, y_train, x_test, y_test)."""
   load = importing.load_object(name, 'config.data.name')
   try:
-    out = load(data_config)
+    out = load(spec)
   except TypeError:
     out = load()
   if isinstance(out, Dataset):
@@ -86,26 +88,26 @@ def _load_user_dataset(name: str, data_config: ml_collections.ConfigDict) -> Dat
                     'dist_ens.data.Dataset or (x_train, y_train, x_test, y_test).')
 
 
-def load_dataset(name: str, data_config: ml_collections.ConfigDict | None = None) -> Dataset:
+def load_dataset(name: str, spec: DataSpec | None = None) -> Dataset:
   """The dataset `name`: an embedded one (see SOURCES), a UCI regression set
   ('uci:energy' for a shipped one, 'uci:PATH' for a file in that format; split 0 of
   dist_ens.data.uci, in original units), your own by import path ('my_pkg.data:load',
-  see from_arrays), or else a TFDS dataset read from data_config.data_dir.
-  Preprocessing (data_config.mean / std) applies to embedded and your own."""
-  data_config = data_config or ml_collections.ConfigDict({'name': name, 'data_dir': ''})
+  see from_arrays), or else a TFDS dataset read from spec.data_dir. Preprocessing
+  (spec.mean / std) applies to embedded and your own; `spec` defaults to DataSpec(name)."""
+  spec = dataclasses.replace(spec, name=name) if spec is not None else DataSpec(name)
   if name.startswith('uci:'):  # Original units; the regression task standardises.
     train, test = uci.load_uci(name)
     return Dataset(name, train, test, 0, tuple(train.x.shape[1:]))
   if name in SOURCES or importing.is_import_path(name):
-    dataset = SOURCES[name]() if name in SOURCES else _load_user_dataset(name, data_config)
-    if data_config.get('mean') or data_config.get('std'):
-      norm = lambda s: Split(preprocess(s.x, data_config), s.y)
+    dataset = SOURCES[name]() if name in SOURCES else _load_user_dataset(name, spec)
+    if spec.mean or spec.std:
+      norm = lambda s: Split(preprocess(s.x, spec), s.y)
       dataset = dataset._replace(train=norm(dataset.train), test=norm(dataset.test))
     return dataset
   if '/' in name or not name.replace('_', '').replace(':', '').replace('.', '').isalnum():
     raise ConfigError(f'config.data.name={name!r} is not a known dataset; use one of '
                       f'{sorted(SOURCES)} or a TFDS dataset name such as \'mnist\'.')
-  return load_tfds(data_config)
+  return load_tfds(spec)
 
 
 def split_validation(source: Source, size: int) -> tuple[Source, Split]:
@@ -124,6 +126,6 @@ def split_validation(source: Source, size: int) -> tuple[Source, Split]:
   return Subset(source, train), Split(*source.read(val))
 
 
-__all__ = ['Batches', 'BatchIterator', 'Dataset', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
+__all__ = ['Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
            'PipelineStats', 'SOURCES', 'Source', 'Split', 'Subset', 'host_block', 'host_rows',
            'load_dataset', 'local_indices', 'prepare_command', 'preprocess', 'split_validation', 'to_global']

@@ -7,10 +7,10 @@ once does (see `prepare_command`).
 
 from typing import Any
 
-import ml_collections
 import numpy as np
 
 from dist_ens.data.sources import Dataset, Split
+from dist_ens.data.spec import DataSpec
 from dist_ens.errors import ConfigError
 
 
@@ -21,7 +21,7 @@ def prepare_command(name: str, data_dir: str) -> str:
           f'--file_format=array_record{target}')
 
 
-def preprocess(x: np.ndarray, data_config: ml_collections.ConfigDict) -> np.ndarray:
+def preprocess(x: np.ndarray, spec: DataSpec) -> np.ndarray:
   """Raw inputs as a dataset stores them -> float32 model inputs.
 
   uint8 images are scaled to [0, 1]; then, if config.data.mean / std are set, each
@@ -30,7 +30,7 @@ def preprocess(x: np.ndarray, data_config: ml_collections.ConfigDict) -> np.ndar
   """
   scale = 1.0 / 255.0 if x.dtype == np.uint8 else 1.0
   x = x.astype(np.float32) * np.float32(scale)
-  mean, std = tuple(data_config.get('mean', ())), tuple(data_config.get('std', ()))
+  mean, std = tuple(spec.mean), tuple(spec.std)
   if mean or std:
     x = (x - np.asarray(mean or 0.0, np.float32)) / np.asarray(std or 1.0, np.float32)
   return x
@@ -40,9 +40,9 @@ class TfdsSource:
   """Random access to one split of a prepared TFDS dataset, preprocessed."""
 
   def __init__(self, data_source: Any, input_key: str, label_key: str,
-               data_config: ml_collections.ConfigDict, add_channel: bool):
+               spec: DataSpec, add_channel: bool):
     self._source, self._input_key, self._label_key = data_source, input_key, label_key
-    self._config, self._add_channel = data_config, add_channel
+    self._spec, self._add_channel = spec, add_channel
 
   @property
   def num_examples(self) -> int:
@@ -57,22 +57,22 @@ class TfdsSource:
     y = np.empty(len(indices), np.int32)
     x[order] = np.stack([r[self._input_key] for r in records])
     y[order] = [r[self._label_key] for r in records]
-    x = preprocess(x, self._config)
+    x = preprocess(x, self._spec)
     return (x[..., None] if self._add_channel else x), y
 
 
-def load_tfds(data_config: ml_collections.ConfigDict) -> Dataset:
+def load_tfds(spec: DataSpec) -> Dataset:
   """The dataset config.data.name from config.data.data_dir, or a ConfigError saying how
   to prepare it."""
   try:
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   except ImportError:
     raise ConfigError(
-        f"config.data.name={data_config.name!r} is a TFDS dataset, which needs "
+        f"config.data.name={spec.name!r} is a TFDS dataset, which needs "
         "tensorflow-datasets: pip install 'dist_ens[tfds]'.") from None
-  name, data_dir = data_config.name, data_config.data_dir or None
+  name, data_dir = spec.name, spec.data_dir or None
   searched = data_dir or '~/tensorflow_datasets (TFDS_DATA_DIR)'
-  how = (f'prepare it once with: {prepare_command(name, data_config.data_dir)}, or pick an '
+  how = (f'prepare it once with: {prepare_command(name, spec.data_dir)}, or pick an '
          "embedded dataset ('mnist1d', 'digits').")
   try:
     builder = tfds.builder(name, data_dir=data_dir)
@@ -91,7 +91,7 @@ def load_tfds(data_config: ml_collections.ConfigDict) -> Dataset:
   features = builder.info.features
   num_classes = features[label_key].num_classes
   shape = tuple(features[input_key].shape)
-  add_channel = len(shape) in (1, 2) and data_config.get('add_channel', True)
+  add_channel = len(shape) in (1, 2) and spec.add_channel
   input_shape = shape + (1,) if add_channel else shape
 
   def source(split):
@@ -99,9 +99,9 @@ def load_tfds(data_config: ml_collections.ConfigDict) -> Dataset:
       raise ConfigError(f'config.data: {name!r} has no split {split!r}; it has '
                         f'{sorted(builder.info.splits)}.')
     return TfdsSource(tfds.data_source(name, split=split, data_dir=data_dir, download=False),
-                      input_key, label_key, data_config, add_channel)
+                      input_key, label_key, spec, add_channel)
 
-  train = source(data_config.get('train_split', 'train'))
-  test_source = source(data_config.get('test_split', 'test'))
+  train = source(spec.train_split)
+  test_source = source(spec.test_split)
   test = Split(*test_source.read(np.arange(test_source.num_examples)))
   return Dataset(name, train, test, num_classes, input_shape)

@@ -11,7 +11,6 @@ the training data's preprocessing (config.data.mean / std).
 
 from collections.abc import Callable
 
-import ml_collections
 import numpy as np
 
 from dist_ens import data
@@ -81,8 +80,7 @@ def _sources_like(name: str) -> list[str]:
   return [n for n in sorted(OOD_SOURCES) if n.startswith(f'{name}_')] or sorted(OOD_SOURCES)
 
 
-def load_ood_split(name: str, dataset: Dataset,
-                   data_config: ml_collections.ConfigDict | None = None) -> Split:
+def load_ood_split(name: str, dataset: Dataset, spec: data.DataSpec | None = None) -> Split:
   """The OOD split that config.eval.ood_dataset names, checked against `dataset`.
 
   Example:
@@ -93,8 +91,8 @@ def load_ood_split(name: str, dataset: Dataset,
     name: an OOD_SOURCES name, or a dataset name for data.load_dataset (embedded
       or TFDS) whose test split is used.
     dataset: the in-distribution (training) dataset.
-    data_config: config.data; its preprocessing (mean / std) and data_dir apply
-      to the OOD split too. None: no preprocessing.
+    spec: the training data's DataSpec; its preprocessing (mean / std) and data_dir
+      apply to the OOD split too. None: no preprocessing.
 
   Returns:
     The OOD split, with the model's input shape.
@@ -109,14 +107,11 @@ def load_ood_split(name: str, dataset: Dataset,
                       "or '' for none.")
   if name in OOD_SOURCES:
     split = OOD_SOURCES[name]()
-    if data_config is not None:
-      split = Split(data.preprocess(split.x, data_config), split.y)
+    if spec is not None:
+      split = Split(data.preprocess(split.x, spec), split.y)
   else:
-    ood_config = ml_collections.ConfigDict(
-        data_config.to_dict() if data_config is not None else {'data_dir': ''})
-    ood_config.name = name
     try:
-      split = data.load_dataset(name, ood_config).test
+      split = data.load_dataset(name, spec).test
     except ConfigError as e:
       raise ConfigError(f'config.eval.ood_dataset={name!r} cannot be loaded ({e}); use one of '
                         f"{sorted(OOD_SOURCES)}, another dataset, or '' for none.") from None

@@ -35,7 +35,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dist_ens import data
+from dist_ens import assemble, data
 from dist_ens.inference import Ensemble, Prediction
 from dist_ens.io import report_plots as plots
 from dist_ens.io.report_data import finite_mean, method_rows, read_events, read_final_metrics
@@ -74,7 +74,8 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
   workdir = Path(workdir)
   final = read_final_metrics(workdir)
   ensemble = Ensemble.load(workdir, devices=devices)
-  test = data.load_dataset(ensemble.config.data.name, ensemble.config.data).test
+  test = data.load_dataset(ensemble.config.data.name,
+                           assemble.data_spec(ensemble.config)).test
   prediction = ensemble.predict(test.x, preprocessed=True)
   frozen = set(final.get('frozen_members', []))
   active = [m for m in range(final['num_members']) if m not in frozen]

@@ -119,7 +119,7 @@ def data_shape(config: ml_collections.ConfigDict) -> tuple[tuple[int, ...], int]
   name = config.data.name
   if name in KNOWN_SHAPES and name not in data.SOURCES:
     return KNOWN_SHAPES[name]
-  dataset = data.load_dataset(name, config.data)
+  dataset = data.load_dataset(name, assemble.data_spec(config))
   return tuple(dataset.input_shape), tasks.get_task(config.task).output_units(dataset)
 
 
@@ -128,7 +128,7 @@ def train_examples(config: ml_collections.ConfigDict) -> int | None:
   reading a TFDS data set (an embedded data set is loaded: it is small)."""
   name = config.data.name
   if name in data.SOURCES:
-    total = data.load_dataset(name, config.data).train.num_examples
+    total = data.load_dataset(name, assemble.data_spec(config)).train.num_examples
   elif name in KNOWN_TRAIN_EXAMPLES:
     total = KNOWN_TRAIN_EXAMPLES[name]
   else:

@@ -1,0 +1,24 @@
+"""What loading a data set reads of config.data, as a frozen spec (assemble.data_spec)."""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  """How to load and preprocess a data set.
+
+  name: an embedded set, 'uci:NAME', an import path, or a TFDS name (config.data.name).
+  data_dir: TFDS's data_dir; '' = TFDS's default.
+  mean, std: per-channel standardisation after uint8 images are scaled to [0, 1];
+    () = none.
+  train_split, test_split, add_channel: TFDS only, for data sets whose splits are
+    named otherwise or whose 1-D/2-D inputs need no channel axis (config.data may set
+    them; configs/default.py does not, so their defaults live here).
+  """
+  name: str
+  data_dir: str = ''
+  mean: tuple[float, ...] = ()
+  std: tuple[float, ...] = ()
+  train_split: str = 'train'
+  test_split: str = 'test'
+  add_channel: bool = True
