@@ -108,6 +108,16 @@ def validate(config: ml_collections.ConfigDict) -> None:
            'e.g. 0.999')
   value = _get(config, 'data.validation_size')
   _require(_is_int(value) and value >= 0, 'data.validation_size', value, 'must be an int >= 0')
+  _validate_select(config)
+  _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
+           config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
+  # Per-member fields: numbers, lists of M numbers or specs.
+  hparams.resolve(hparams.HparamsSpec(config.num_members, config.seed,
+                                      {field: _get(config, field) for field in hparams.FIELDS}))
+
+
+def _validate_select(config: ml_collections.ConfigDict) -> None:
+  """select.metric is one config.task ranks by; top_k needs a validation split."""
   task = tasks.get_task(_get(config, 'task'))
   _require(_get(config, 'select.metric') in task.select_metrics, 'select.metric',
            config.select.metric, f'use one of {list(task.select_metrics)} (config.task='
@@ -117,11 +127,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
            f'must be an int in [0, num_members={config.num_members}]')
   _require(value == 0 or config.data.validation_size > 0, 'select.top_k', value,
            'selects members on a validation split; set data.validation_size > 0 (e.g. 500)')
-  _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
-           config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
-  # Per-member fields: numbers, lists of M numbers or specs.
-  hparams.resolve(hparams.HparamsSpec(config.num_members, config.seed,
-                                      {field: _get(config, field) for field in hparams.FIELDS}))
 
 
 def _validate_run_fields(config: ml_collections.ConfigDict) -> bool:

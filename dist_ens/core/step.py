@@ -280,6 +280,25 @@ def _layout(mesh: Mesh, abstract_state: TrainState, per_member_batches: bool,
                         manual)
 
 
+def _local_step(update, steps_per_call: int):
+  """step(state, hparams, *batch) on one device group's members: `update` once, or
+  steps_per_call times in a lax.scan over the batches' leading axis."""
+
+  def local_step(state, hparams, *batch):
+    local_members = state.frozen.shape[0]
+    members = jax.lax.axis_index(MEMBER) * local_members + jnp.arange(local_members)
+
+    def one_step(state, batch):
+      x, y, *index = batch
+      return update(state, hparams, members, x, y, index[0] if index else None)
+
+    if steps_per_call == 1:
+      return one_step(state, batch)
+    return jax.lax.scan(one_step, state, batch)
+
+  return local_step
+
+
 def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_state: TrainState,
                     *, objective: gradients.Objective, seed: int = 0,
                     per_member_batches: bool = False, member_parallelism: str = 'vmap',
@@ -315,18 +334,7 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
                       hooks),
       hooks, options.reproducible)
 
-  def local_step(state, hparams, *batch):
-    local_members = state.frozen.shape[0]
-    members = jax.lax.axis_index(MEMBER) * local_members + jnp.arange(local_members)
-
-    def one_step(state, batch):
-      x, y, *index = batch
-      return update(state, hparams, members, x, y, index[0] if index else None)
-
-    if steps_per_call == 1:
-      return one_step(state, batch)
-    return jax.lax.scan(one_step, state, batch)
-
+  local_step = _local_step(update, steps_per_call)
   manual, (specs, batch_spec, metrics_spec) = _layout(
       mesh, abstract_state, per_member_batches, steps_per_call, options.reproducible)
   step = TrainStep(fn=None, uses_index=options.augment is not None)

@@ -226,7 +226,6 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   state_bytes_per_member = sum(leaf.size * leaf.dtype.itemsize
                                for leaf in jax.tree.leaves(state) if leaf.ndim) // m
   memory_bytes = device_memory_bytes(mesh.devices.flat[0]) if memory_bytes is None else memory_bytes
-  specs = parts.layout.state_specs(state)
   peak = _peak(step, host, len(mesh.local_devices))
   max_members = None
   if memory_bytes is not None and bytes_per_member > 0:  # The peak's line through M.
@@ -242,9 +241,15 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       train_steps=config.train.steps, steps_per_epoch=per_epoch,
       program_bytes=host.programs if host else None,
       dry_run_peak_bytes=host.peak if host else None,
-      peak_bytes=peak,
-      state_bytes_per_device=sharding_rules.state_bytes_per_device(specs, state, mesh.shape),
-      param_leaves=sharding_rules.describe(specs.params, state.params, mesh.shape))
+      peak_bytes=peak, **_placement(parts))
+
+
+def _placement(parts: assemble.Parts) -> dict:
+  """The train state's bytes per device and each parameter's spec, by the run's layout."""
+  state, shape = parts.abstract_state, parts.mesh.shape
+  specs = parts.layout.state_specs(state)
+  return {'state_bytes_per_device': sharding_rules.state_bytes_per_device(specs, state, shape),
+          'param_leaves': sharding_rules.describe(specs.params, state.params, shape)}
 
 
 def _peak(step: StepMemory, host: dry_run.HostMemory | None, devices: int) -> float:
