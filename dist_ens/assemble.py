@@ -206,7 +206,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   """
   method = methods.from_spec(method_spec(config))
   task = tasks.get_task(config.task)
-  model = models.get_model(config.model, num_outputs * max(method.heads, 1))
+  model = models.get_model(model_spec(config), num_outputs * max(method.heads, 1))
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
     model = mimo.wrap(model, method.heads)
   if optimizer is None:
@@ -247,6 +247,19 @@ def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
       snapshot_cycle_rate=ensemble.snapshot.cycle_rate, mimo_heads=ensemble.mimo.heads,
       swag_start=ensemble.swag.start, swag_every=ensemble.swag.every,
       swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples)
+
+
+def model_spec(config: ml_collections.ConfigDict) -> models.ModelSpec:
+  """config.model; a field only some models read may be absent (None: the model's own
+  default), and kwargs become a plain dict (nested ConfigDicts included)."""
+  m = config.model
+  kwargs = m.get('kwargs') or {}
+  optional = {name: m.get(name) for name in models.OPTIONAL_FIELDS}
+  return models.ModelSpec(
+      name=m.name, factory=m.factory,
+      kwargs=kwargs.to_dict() if isinstance(kwargs, ml_collections.ConfigDict) else kwargs,
+      widths=tuple(m.widths), channels=tuple(m.channels), kernel_sizes=tuple(m.kernel_sizes),
+      strides=tuple(m.strides), conv_impl=m.conv_impl, dropout=m.dropout, **optional)
 
 
 def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections.ConfigDict,
