@@ -141,8 +141,9 @@ def make_resnet(spec: ModelSpec, num_classes: int) -> Model:
     >>> spec = ModelSpec(name='resnet', factory='', kwargs={}, widths=(), channels=(),
     ...                  kernel_sizes=(), strides=(), conv_impl='auto', dropout=0.0, depth=20)
     >>> model = make_resnet(spec, num_classes=10)
-    >>> params, state = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
-    >>> logits, state = model.apply(params, state, jnp.zeros((8, 32, 32, 3)), train=True)
+    >>> params, state = model.init(jax.random.key(0), jax.numpy.zeros((1, 32, 32, 3)))
+    >>> x = jax.numpy.zeros((8, 32, 32, 3))
+    >>> logits, state = model.apply(params, state, x, train=True)
   """
   n = _blocks_per_stage(spec.depth, default=RESNET_DEPTH, offset=2, family='a CIFAR ResNet')
   return _resnet_v1(spec, num_classes, 16, (16, 32, 64), n)
