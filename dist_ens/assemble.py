@@ -34,18 +34,19 @@ from dist_ens import configuration, data, models, tasks
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.core import gradients, hparams as hparams_lib
 from dist_ens.core.model import Model
-from dist_ens.core.optim import Optimizer, OptimSpec, make_optimizer
+from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
-from dist_ens.parallel import form_cache, mesh as mesh_lib, strategy
-from dist_ens.parallel import sharding_rules
+from dist_ens.parallel import form_cache, mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
 from dist_ens.data import augment as augment_lib, uci
 from dist_ens.importing import is_import_path, load_object
+from dist_ens.specs import (data_spec, hparams_spec, mesh_spec, method_spec,  # noqa: F401
+                            model_spec, optim_spec)
 
 
 class RunData(NamedTuple):
@@ -149,20 +150,6 @@ def build_run(config: ml_collections.ConfigDict, *,
   return Run(config, parts, run_data, member_form(parts, config.data.batch_size))
 
 
-def mesh_spec(config: ml_collections.ConfigDict) -> mesh_lib.MeshSpec:
-  m = config.mesh
-  return mesh_lib.MeshSpec(member=m.member, data=m.data, hosts_along=m.hosts_along,
-                           model=m.model)
-
-
-def data_spec(config: ml_collections.ConfigDict) -> data.DataSpec:
-  """config.data's loading fields (the TFDS-only ones where a config sets them)."""
-  d = config.data
-  optional = {k: d[k] for k in ('train_split', 'test_split', 'add_channel') if k in d}
-  return data.DataSpec(name=d.name, data_dir=d.data_dir, mean=tuple(d.mean), std=tuple(d.std),
-                       **optional)
-
-
 def build_mesh(config: ml_collections.ConfigDict,
                devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The ('member', 'data') mesh for the config, checked against M and the batch.
@@ -238,7 +225,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   """
   method = methods.from_spec(method_spec(config))
   task = tasks.get_task(config.task)
-  model = models.get_model(config.model, num_outputs * max(method.heads, 1))
+  model = models.get_model(model_spec(config), num_outputs * max(method.heads, 1))
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
     model = mimo.wrap(model, method.heads)
   if optimizer is None:
@@ -266,40 +253,6 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   abstract = layout.place(jax.eval_shape(init), mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
                abstract, init, method, task, layout)
-
-
-def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
-  """config.ensemble's method, with the run's steps, schedule and mode it depends on."""
-  ensemble, optim = config.ensemble, config.optim
-  return methods.MethodSpec(
-      name=ensemble.method, total_steps=config.train.steps,
-      restartable_schedule=optim.schedule != 'constant' or bool(optim.warmup_steps),
-      reproducible=config.reproducible,
-      snapshot_cycles=ensemble.snapshot.cycles, snapshot_start=ensemble.snapshot.start,
-      snapshot_cycle_rate=ensemble.snapshot.cycle_rate, mimo_heads=ensemble.mimo.heads,
-      swag_start=ensemble.swag.start, swag_every=ensemble.swag.every,
-      swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples)
-
-
-def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:
-  """config.optim: the fields the optimizer and its schedule read (core.optim.OptimSpec)."""
-  return OptimSpec(**{name: _field(config, f'optim.{name}') for name in OptimSpec._fields})
-
-
-def hparams_spec(config: ml_collections.ConfigDict) -> hparams_lib.HparamsSpec:
-  """num_members, seed and the per-member fields as configured (core.hparams.FIELDS)."""
-  return hparams_lib.HparamsSpec(config.num_members, config.seed,
-                                 {field: _field(config, field) for field in hparams_lib.FIELDS})
-
-
-def _field(config: ml_collections.ConfigDict, dotted: str) -> Any:
-  # Specs have no defaults (configs/default.py holds every field): a config not started
-  # from it gets one line naming the field it lacks, not a KeyError.
-  section, name = dotted.split('.')
-  if section not in config or name not in config[section]:
-    raise ConfigError(f'config.{dotted} is missing; start from configs/default.py, which '
-                      'has every field.')
-  return config[section][name]
 
 
 def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections.ConfigDict,

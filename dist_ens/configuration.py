@@ -19,7 +19,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import importing, tasks
+from dist_ens import importing, specs, tasks
 from dist_ens.core import hparams
 from dist_ens.data.augment import AUGMENTATIONS
 from dist_ens.data.pipeline import MEMBER_ORDERS
@@ -112,8 +112,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
            config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
   # Per-member fields: numbers, lists of M numbers or specs.
-  hparams.resolve(hparams.HparamsSpec(config.num_members, config.seed,
-                                      {field: _get(config, field) for field in hparams.FIELDS}))
+  hparams.resolve(specs.hparams_spec(config))
 
 
 def _validate_select(config: ml_collections.ConfigDict) -> None:

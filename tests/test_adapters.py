@@ -19,6 +19,7 @@ import dist_ens
 from dist_ens import assemble, data, models
 from dist_ens.core import adapters, rng as rng_lib
 from dist_ens.errors import ConfigError
+from model_specs import model_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `examples` must be importable (haiku ships its own namespace one).
@@ -44,8 +45,7 @@ PARAMS = [pytest.param(k, marks=_needs(k)) for k in KINDS]
 
 
 def _model_config(kind, **kwargs):
-  return ml_collections.ConfigDict(dict(name='mlp', factory=f'examples.{kind}:make_model',
-                                        kwargs=ml_collections.ConfigDict(kwargs)))
+  return model_spec(factory=f'examples.{kind}:make_model', kwargs=kwargs)
 
 
 def _differs(a, b):
@@ -130,8 +130,7 @@ def test_num_classes_only_where_the_factory_takes_it():
 ])
 def test_bad_factory_is_one_config_error(path, match):
   with pytest.raises(ConfigError, match=match):
-    models.get_model(ml_collections.ConfigDict(
-        dict(name='mlp', factory=path, kwargs=ml_collections.ConfigDict())), 10)
+    models.get_model(model_spec(factory=path), 10)
 
 
 def test_bad_kwargs_are_a_config_error():

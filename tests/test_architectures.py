@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -20,13 +19,14 @@ from dist_ens.errors import ConfigError
 from dist_ens.models import layers
 from dist_ens.models.lenet import make_lenet5
 from dist_ens.models.resnet import make_resnet, make_resnet18, make_wide_resnet
+from model_specs import model_spec
 
 MAKERS = {'lenet5': make_lenet5, 'resnet': make_resnet, 'resnet18': make_resnet18,
           'wide_resnet': make_wide_resnet}
 
 
 def _model(name, num_classes=10, **fields):
-  return MAKERS[name](ml_collections.ConfigDict(fields), num_classes)
+  return MAKERS[name](model_spec(name=name, **fields), num_classes)
 
 
 def _spec(shape):
@@ -278,7 +278,7 @@ def test_train_mode_normalises_by_the_batch(resnet8):
   np.testing.assert_allclose(net.apply(scaled, net.state, net.x, train=True)[0], logits,
                              rtol=1e-3, atol=1e-4)
   # The stem's running mean moved a tenth of the way to its pre-BN batch mean.
-  stem_out = layers.conv_for(ml_collections.ConfigDict())(net.x, net.params['stem'], 1)
+  stem_out = layers.conv_for('auto')(net.x, net.params['stem'], 1)
   np.testing.assert_allclose(new_state['stem_bn']['mean'], 0.1 * stem_out.mean((0, 1)),
                              rtol=1e-4, atol=1e-6)
   # Evaluation: running statistics, the state returned as given, deterministic.

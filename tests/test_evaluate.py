@@ -12,13 +12,13 @@ from dist_ens.eval import ood
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate as evaluate_lib
 from dist_ens.eval.evaluate import evaluate, evaluate_ood, evaluate_split, make_eval_step
+from model_specs import model_spec
 
 M, N, SHAPE, C = 8, 37, (40, 1), 10
 
 
 def _setup(member=4, data_axis=2):
-  model = models.get_model(ml_collections.ConfigDict(
-      dict(name='mlp', widths=(16,), init_scale=1.0)), num_classes=C)
+  model = models.get_model(model_spec(name='mlp', widths=(16,)), num_classes=C)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(member=member, data=data_axis))
   params = jax.jit(jax.vmap(lambda k: model.init(k, np.zeros((1, *SHAPE), np.float32))[0]),
                    out_shardings=mesh_lib.member_sharding(mesh))(

@@ -4,7 +4,6 @@ against the shards jax actually places on 8 fake CPU devices."""
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -12,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from dist_ens.core.axes import DATA, MEMBER, MODEL
 from dist_ens.models.mlp import make_mlp
+from model_specs import model_spec
 from dist_ens.parallel import sharding_rules as sr
 from dist_ens.parallel.layout import Layout
 
@@ -55,8 +55,7 @@ def test_fsdp_splits_the_largest_divisible_dim_and_replicates_small_leaves():
 
 
 def _abstract_mlp_state(members=2):
-  config = ml_collections.ConfigDict({'widths': (512,), 'dropout': 0.0})
-  model = make_mlp(config, 10)
+  model = make_mlp(model_spec(widths=(512,)), 10)
   x = jnp.zeros((4, 64))
 
   def init(keys):

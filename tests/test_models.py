@@ -2,12 +2,12 @@
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
 from dist_ens import models
 from dist_ens.errors import ConfigError
+from model_specs import model_spec
 
 
 def _init(model, shape, key=0):
@@ -24,10 +24,8 @@ def _apply(model, params, x):
 
 
 def _cfg(**kw):
-  base = dict(name='mlp', widths=(16, 8), channels=(4, 6), kernel_sizes=(5, 3),
-              strides=(2, 2), init_scale=1.0)
-  base.update(kw)
-  return ml_collections.ConfigDict(base)
+  return model_spec(**{**dict(name='mlp', widths=(16, 8), channels=(4, 6), kernel_sizes=(5, 3),
+                              strides=(2, 2)), **kw})
 
 
 @pytest.mark.parametrize('name,input_shape', [

@@ -5,12 +5,12 @@ import re
 import jax
 import jax.numpy as jnp
 import optax
-import ml_collections
 import pytest
 
 from dist_ens.parallel import strategy as parallelism
 from dist_ens.parallel.strategy import MEMBER_PARALLELISM, over_members
 from dist_ens.errors import ConfigError
+from model_specs import model_spec
 
 
 def _ensemble(member_parallelism='auto', map_batch_size=0):
@@ -175,8 +175,7 @@ def test_one_member_per_device_is_vmapped_from_its_parameter_bytes():
 
 def test_member_size_counts_the_parameters_once_and_the_step_four_times():
   from dist_ens import models
-  mlp = models.get_model(ml_collections.ConfigDict(dict(
-      name='mlp', widths=(16,), init_scale=1.0)), 10)
+  mlp = models.get_model(model_spec(name='mlp', widths=(16,)), 10)
   params = 4 * ((8 * 16 + 16) + (16 * 10 + 10))
   size = parallelism.member_size(mlp, (8,), 32)
   assert size.params == params
@@ -186,8 +185,7 @@ def test_member_size_counts_the_parameters_once_and_the_step_four_times():
 
 def test_member_bytes_count_activations_and_four_copies_of_the_parameters():
   from dist_ens import models
-  mlp = models.get_model(ml_collections.ConfigDict(dict(
-      name='mlp', widths=(16,), init_scale=1.0)), 10)
+  mlp = models.get_model(model_spec(name='mlp', widths=(16,)), 10)
   params = (8 * 16 + 16) + (16 * 10 + 10)  # Two dense layers' kernels and biases.
   assert parallelism.member_bytes(mlp, (8,), 32) == (
       parallelism.activation_bytes(mlp, (8,), 32) + 4 * 4 * params)
@@ -195,9 +193,8 @@ def test_member_bytes_count_activations_and_four_copies_of_the_parameters():
 
 def test_activation_bytes_count_the_forward_pass():
   from dist_ens import models
-  cnn = models.get_model(ml_collections.ConfigDict(dict(
-      name='cnn', channels=(4,), kernel_sizes=(3,), strides=(1,), init_scale=1.0,
-      conv_impl='xla')), 10)
+  cnn = models.get_model(model_spec(
+      name='cnn', channels=(4,), kernel_sizes=(3,), strides=(1,), conv_impl='xla'), 10)
   # One conv layer on [B, 10, 1] with lax.conv, float32: conv out [B,10,4], the bias
   # broadcast [1,1,4], + bias, relu, flatten [B,40], head dot [B,10], its bias
   # broadcast [1,10], + bias.
@@ -208,8 +205,7 @@ def test_activation_bytes_count_the_forward_pass():
 
 def test_forward_flops_count_the_matmuls():
   from dist_ens import models
-  mlp = models.get_model(ml_collections.ConfigDict(dict(
-      name='mlp', widths=(16,), init_scale=1.0)), 10)
+  mlp = models.get_model(model_spec(name='mlp', widths=(16,)), 10)
   for batch in (8, 32):
     matmuls = 2 * batch * (40 * 16 + 16 * 10)  # [B, 40] @ [40, 16], [B, 16] @ [16, 10]
     # XLA also counts the bias adds and the relu: a few percent more.

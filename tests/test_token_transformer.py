@@ -3,7 +3,6 @@ integers, encoder and causal decoder, training on a tiny task, its sharding rule
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -14,12 +13,13 @@ from dist_ens.models import get_model, transformer
 from dist_ens.models.token_transformer import TOKEN_RULES, token_ids
 from dist_ens.parallel import sharding_rules as sr
 from dist_ens.parallel.layout import Layout
+from model_specs import model_spec
 
 TINY = dict(name='token_transformer', vocab_size=16, hidden=32, depth=2, heads=4, mlp_dim=64)
 
 
 def _model(num_classes=2, **overrides):
-  return get_model(ml_collections.ConfigDict({**TINY, **overrides}), num_classes)
+  return get_model(model_spec(**{**TINY, **overrides}), num_classes)
 
 
 def _ids(batch=8, length=12, seed=0):

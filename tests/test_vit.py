@@ -7,25 +7,25 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import dist_ens
-from dist_ens import configuration
+from dist_ens import assemble, configuration
 from dist_ens.core.axes import DATA, MEMBER, MODEL
 from dist_ens.errors import ConfigError
 from dist_ens.models import get_model
 from dist_ens.models.vit import VIT_RULES, make_vit, patchify
 from dist_ens.parallel import sharding_rules as sr
 from dist_ens.parallel.layout import Layout
+from model_specs import model_spec
 
 TINY = dict(name='vit', patch_size=2, hidden=32, depth=2, heads=4, mlp_dim=64)
 
 
 def _model(num_classes=10, **overrides):
-  return get_model(ml_collections.ConfigDict({**TINY, **overrides}), num_classes)
+  return get_model(model_spec(**{**TINY, **overrides}), num_classes)
 
 
 def _x(batch=4, shape=(8, 8, 1), seed=0):
@@ -140,7 +140,7 @@ def test_patch_size_must_divide_the_input():
 
 
 def test_vit_rules_shard_blocks_tensor_parallel_and_the_rest_by_fsdp():
-  model = make_vit(ml_collections.ConfigDict(TINY), 10)
+  model = make_vit(model_spec(**TINY), 10)
   keys = jax.random.split(jax.random.key(0), 2)
   init = jax.vmap(lambda k: model.init(k, _x(1))[0])
   abstract = {'params': jax.eval_shape(init, keys)}
@@ -177,7 +177,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
 def test_configs_load_validate_and_build_at_full_size(name, sample, params):
   config = configuration.load_config(CONFIGS / name)
   configuration.validate(config)
-  model = get_model(config.model, 10)
+  model = get_model(assemble.model_spec(config), 10)
   abstract, _ = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample))
   assert sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract)) == params
 

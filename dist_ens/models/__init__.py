@@ -5,12 +5,13 @@ parameters; dist_ens vmaps them over the member axis itself, so a model never
 knows it is part of an ensemble. A user's own model is named by import path,
 config.model.factory = 'my_pkg.nets:make_net', called with config.model.kwargs and
 adapted by dist_ens.core.adapters (Flax linen / NNX, Equinox, Haiku or plain JAX).
+
+Models read config.model as a ModelSpec (dist_ens.models.spec), which
+dist_ens.assemble.model_spec builds once; nothing here takes the raw config.
 """
 
 from collections.abc import Callable
 from typing import Any
-
-import ml_collections
 
 from dist_ens import importing
 from dist_ens.core import adapters
@@ -20,11 +21,12 @@ from dist_ens.models.cnn import make_cnn
 from dist_ens.models.lenet import make_lenet5
 from dist_ens.models.mlp import make_mlp
 from dist_ens.models.resnet import make_resnet, make_resnet18, make_wide_resnet
+from dist_ens.models.spec import OPTIONAL_FIELDS, ModelSpec
 from dist_ens.models.token_transformer import make_token_transformer
 from dist_ens.models.vit import make_vit
 
-# name -> constructor(model_config, num_classes) -> Model
-MODELS: dict[str, Callable[[ml_collections.ConfigDict, int], Model]] = {
+# name -> constructor(spec, num_classes) -> Model
+MODELS: dict[str, Callable[[ModelSpec, int], Model]] = {
     'mlp': make_mlp,
     'cnn': make_cnn,
     'lenet5': make_lenet5,
@@ -57,33 +59,36 @@ def import_factory(path: str) -> Callable[..., Any]:
   return obj
 
 
-def _factory_model(model_config: ml_collections.ConfigDict, num_classes: int) -> Model:
+def _factory_model(spec: ModelSpec, num_classes: int) -> Model:
   """The Model of config.model.factory called with config.model.kwargs."""
-  factory = import_factory(model_config.factory)
-  kwargs = model_config.get('kwargs') or {}
-  kwargs = kwargs.to_dict() if isinstance(kwargs, ml_collections.ConfigDict) else dict(kwargs)
+  factory = import_factory(spec.factory)
+  kwargs = dict(spec.kwargs)  # a fresh dict: the factory may change its keywords
   try:
     return adapters.to_model(factory, num_classes, kwargs=kwargs)
   except TypeError as e:
-    raise ConfigError(f'config.model.factory={model_config.factory!r} with config.model.kwargs='
+    raise ConfigError(f'config.model.factory={spec.factory!r} with config.model.kwargs='
                       f'{kwargs!r} does not make a model: {e}') from e
 
 
-def get_model(model_config: ml_collections.ConfigDict, num_classes: int) -> Model:
+def get_model(spec: ModelSpec, num_classes: int) -> Model:
   """The model config.model.factory names (if set), else the built-in config.model.name.
 
   A factory gets num_classes as a keyword when its signature has a `num_classes`
   parameter and config.model.kwargs does not set it (dist_ens.core.adapters).
   """
-  if model_config.get('factory'):
-    return _factory_model(model_config, num_classes)
+  if not isinstance(spec, ModelSpec):  # callers that still pass config.model itself
+    raise TypeError(f'get_model takes a ModelSpec, not a {type(spec).__name__}; build one '
+                    'with dist_ens.assemble.model_spec(config).')
+  if spec.factory:
+    return _factory_model(spec, num_classes)
   try:
-    constructor = MODELS[model_config.name]
+    constructor = MODELS[spec.name]
   except KeyError:
     raise ConfigError(
-        f'config.model.name={model_config.name!r} is not a known model; '
+        f'config.model.name={spec.name!r} is not a known model; '
         f'use one of {sorted(MODELS)}.') from None
-  return constructor(model_config, num_classes)
+  return constructor(spec, num_classes)
 
 
-__all__ = ['MODELS', 'Model', 'get_model', 'import_factory', 'make_cnn', 'make_mlp']
+__all__ = ['MODELS', 'OPTIONAL_FIELDS', 'Model', 'ModelSpec', 'get_model', 'import_factory',
+           'make_cnn', 'make_mlp']

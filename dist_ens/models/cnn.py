@@ -5,33 +5,34 @@ MNIST-1D reference CNN (3 conv layers of 25 channels, kernels 5/3/3, stride 2),
 generalised to 2-D inputs. Inputs always carry a trailing channel axis (the data
 pipeline adds it), so the spatial rank is simply len(input_shape) - 1.
 
-`config.conv_impl` picks how each convolution is computed (see models/layers.py).
+`spec.conv_impl` (config.model.conv_impl) picks how each convolution is computed
+(see models/layers.py).
 """
 
 import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from dist_ens.errors import ConfigError
 from dist_ens.core.model import Model
 from dist_ens.models.base import dense_init
 from dist_ens.models import layers
 from dist_ens.models.layers import DIMENSION_NUMBERS, conv_for
+from dist_ens.models.spec import ModelSpec
 
 
-def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
-  """CNN with `config.channels`, `config.kernel_sizes`, `config.strides` per layer, and
-  config.dropout (0.0) on the features before the dense layer."""
-  channels = tuple(int(c) for c in config.channels)
-  kernels = tuple(int(k) for k in config.kernel_sizes)
-  strides = tuple(int(s) for s in config.strides)
+def make_cnn(spec: ModelSpec, num_classes: int) -> Model:
+  """CNN with `spec.channels`, `spec.kernel_sizes`, `spec.strides` per layer, and
+  spec.dropout on the features before the dense layer."""
+  channels = tuple(int(c) for c in spec.channels)
+  kernels = tuple(int(k) for k in spec.kernel_sizes)
+  strides = tuple(int(s) for s in spec.strides)
   if not (len(channels) == len(kernels) == len(strides) > 0):
     raise ConfigError(
         'config.model.channels, kernel_sizes and strides need one entry per conv '
         f'layer; got {len(channels)}, {len(kernels)} and {len(strides)}.')
-  conv = conv_for(config)
+  conv = conv_for(spec.conv_impl)
 
   def init(rng, sample_x):
     input_shape = sample_x.shape[1:]
@@ -59,7 +60,7 @@ def make_cnn(config: ml_collections.ConfigDict, num_classes: int) -> Model:
       x = jax.nn.relu(conv(x, layer['w'], stride) + layer['b'])
     return x
 
-  rate = layers.dropout_rate_for(config)
+  rate = layers.dropout_rate_for(spec.dropout)
 
   def apply(params, state, x, *, train=False, rng=None):
     layers.check_dropout_rng(rate, train, rng)

@@ -5,7 +5,7 @@ BatchNorm (params and running statistics kept apart, for the (params, state)
 contract of dist_ens.core.model), dropout and pooling. All take inputs
 [B, *spatial, channels] with one or two spatial axes.
 
-`conv_for(config)` picks how each convolution is computed (config.model.conv_impl);
+`conv_for(conv_impl)` picks how each convolution is computed (config.model.conv_impl);
 all give the same result (to float32 rounding) from the same parameters, so
 checkpoints are shared:
   'xla'      lax.conv_general_dilated. Under dist_ens's vmap over members the
@@ -27,7 +27,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from dist_ens.errors import ConfigError
 
@@ -63,12 +62,12 @@ def _conv_patches(x, w, stride, padding='SAME'):
 _CONVS = {'xla': _conv_xla, 'patches': _conv_patches}
 
 
-def conv_for(config: ml_collections.ConfigDict) -> Callable[..., jax.Array]:
-  """conv(x, w, stride, padding='SAME'), as config.conv_impl names (see above).
+def conv_for(conv_impl: str) -> Callable[..., jax.Array]:
+  """conv(x, w, stride, padding='SAME'), as conv_impl (config.model.conv_impl) names
+  (see above).
 
   padding is 'SAME' or 'VALID'.
   """
-  conv_impl = config.get('conv_impl', 'auto')
   if conv_impl not in CONV_IMPLS:
     raise ConfigError(f'config.model.conv_impl={conv_impl!r} is not known; use one of '
                       f'{list(CONV_IMPLS)}.')
@@ -84,9 +83,8 @@ def spatial_rank(sample_x: jax.Array, name: str) -> int:
   return rank
 
 
-def dropout_rate_for(config: ml_collections.ConfigDict) -> float:
-  """config.dropout (default 0.0), checked to lie in [0, 1)."""
-  rate = config.get('dropout', 0.0)
+def dropout_rate_for(rate: float) -> float:
+  """config.model.dropout, checked to lie in [0, 1)."""
   if not isinstance(rate, (int, float)) or isinstance(rate, bool) or not 0.0 <= rate < 1.0:
     raise ConfigError(f'config.model.dropout={rate!r} must be a number in [0, 1), '
                       'e.g. 0.0 (off) or 0.3.')

@@ -14,17 +14,17 @@ Choices, against the 1998 paper:
     subsampling; C3 connects all 6 maps to all 16 (no connection table); the
     output is a dense layer, not RBF units. Parameters for 32x32x1 and 10
     classes: 156 + 2,416 + 48,120 + 10,164 + 850 = 61,706.
-  * Optional dropout (config.dropout) after each hidden dense layer.
+  * Optional dropout (config.model.dropout) after each hidden dense layer.
 
 No BatchNorm, so state is {} and the layers keep their biases.
 """
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from dist_ens.core.model import Model
 from dist_ens.models import layers
+from dist_ens.models.spec import ModelSpec
 
 CLASSIC_SIZE = 32  # Spatial axes are padded up to this.
 CONV_CHANNELS = (6, 16)
@@ -32,18 +32,20 @@ KERNEL = 5
 HIDDEN = (120, 84)
 
 
-def make_lenet5(config: ml_collections.ConfigDict, num_classes: int) -> Model:
+def make_lenet5(spec: ModelSpec, num_classes: int) -> Model:
   """LeNet-5 for inputs [B, H, W, C] or [B, L, C].
 
-  Reads config.conv_impl ('auto') and config.dropout (0.0).
+  Reads spec.conv_impl and spec.dropout.
 
   Example:
-    >>> model = make_lenet5(ml_collections.ConfigDict({}), num_classes=10)
+    >>> spec = ModelSpec(name='lenet5', factory='', kwargs={}, widths=(), channels=(),
+    ...                  kernel_sizes=(), strides=(), conv_impl='auto', dropout=0.0)
+    >>> model = make_lenet5(spec, num_classes=10)
     >>> params, state = model.init(jax.random.key(0), jnp.zeros((1, 28, 28, 1)))
     >>> logits, _ = model.apply(params, state, jnp.zeros((4, 28, 28, 1)), train=False)
   """
-  conv = layers.conv_for(config)
-  rate = layers.dropout_rate_for(config)
+  conv = layers.conv_for(spec.conv_impl)
+  rate = layers.dropout_rate_for(spec.dropout)
 
   def features(convs, x):
     spatial = x.shape[1:-1]

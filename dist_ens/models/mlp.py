@@ -4,21 +4,20 @@ import math
 
 import jax
 
-import ml_collections
-
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
 from dist_ens.models import layers
 from dist_ens.models.base import dense_init
+from dist_ens.models.spec import ModelSpec
 
 
-def make_mlp(config: ml_collections.ConfigDict, num_classes: int) -> Model:
-  """MLP with hidden widths `config.widths`, He-normal init and config.dropout (0.0)
-  after every hidden layer; no model state."""
-  widths = tuple(int(w) for w in config.widths)
+def make_mlp(spec: ModelSpec, num_classes: int) -> Model:
+  """MLP with hidden widths `spec.widths`, He-normal init and spec.dropout after
+  every hidden layer; no model state."""
+  widths = tuple(int(w) for w in spec.widths)
   if not widths or any(w <= 0 for w in widths):
     raise ConfigError(
-        f'config.model.widths={config.widths!r} must be a non-empty list of positive '
+        f'config.model.widths={spec.widths!r} must be a non-empty list of positive '
         'ints, e.g. (256, 256).')
 
   def init(rng, sample_x):
@@ -26,7 +25,7 @@ def make_mlp(config: ml_collections.ConfigDict, num_classes: int) -> Model:
     keys = jax.random.split(rng, len(sizes) - 1)
     return [dense_init(k, n_in, n_out) for k, n_in, n_out in zip(keys, sizes[:-1], sizes[1:])], {}
 
-  rate = layers.dropout_rate_for(config)
+  rate = layers.dropout_rate_for(spec.dropout)
 
   def apply(params, state, x, *, train=False, rng=None):
     layers.check_dropout_rng(rate, train, rng)

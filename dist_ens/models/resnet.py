@@ -19,18 +19,24 @@ The spatial rank follows the input, so the same code gives 1-D ResNets (kernels
 3 and 1) for MNIST-1D.
 
 Convs have no bias (each feeds a BatchNorm); BatchNorm running statistics are the
-model's state. In make_resnet and make_resnet18, config.dropout applies to the
+model's state. In make_resnet and make_resnet18, spec.dropout applies to the
 pooled features before the classifier.
+
+Defaults for the ModelSpec's Optional fields (None) live here and only here:
+RESNET_DEPTH, WRN_DEPTH and WRN_WIDEN_FACTOR.
 """
 
 from typing import NamedTuple
 
 import jax
-import ml_collections
 
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
 from dist_ens.models import layers
+from dist_ens.models.spec import ModelSpec
+
+RESNET_DEPTH = 20  # spec.depth None: ResNet-20
+WRN_DEPTH, WRN_WIDEN_FACTOR = 28, 10  # spec.depth / widen_factor None: WRN-28-10
 
 
 class _Block(NamedTuple):
@@ -50,10 +56,10 @@ def _plan(in_ch: int, widths: tuple[int, ...], blocks_per_stage: int) -> tuple[_
   return tuple(plan)
 
 
-def _blocks_per_stage(config: ml_collections.ConfigDict, default: int, offset: int,
-                      family: str) -> int:
-  """n from config.depth = 6n + offset, or a ConfigError listing valid depths."""
-  depth = config.get('depth', default)
+def _blocks_per_stage(depth: int | None, default: int, offset: int, family: str) -> int:
+  """n from depth (config.model.depth; None: default) = 6n + offset, or a ConfigError
+  listing valid depths."""
+  depth = default if depth is None else depth
   if (not isinstance(depth, int) or isinstance(depth, bool) or depth < 6 + offset
       or (depth - offset) % 6):
     valid = [6 * n + offset for n in (1, 2, 3, 4, 5, 6, 9, 18)]
@@ -94,11 +100,11 @@ def _basic_apply(conv, params, state, x, stride, train):
   return jax.nn.relu(h + shortcut), new_state
 
 
-def _resnet_v1(config: ml_collections.ConfigDict, num_classes: int, stem_width: int,
+def _resnet_v1(spec: ModelSpec, num_classes: int, stem_width: int,
                widths: tuple[int, ...], blocks_per_stage: int) -> Model:
   """Stem conv-BN-ReLU, basic blocks, global average pool, dropout, dense."""
-  conv = layers.conv_for(config)
-  rate = layers.dropout_rate_for(config)
+  conv = layers.conv_for(spec.conv_impl)
+  rate = layers.dropout_rate_for(spec.dropout)
   plan = _plan(stem_width, widths, blocks_per_stage)
 
   def init(rng, sample_x):
@@ -126,23 +132,26 @@ def _resnet_v1(config: ml_collections.ConfigDict, num_classes: int, stem_width: 
   return Model(init, apply)
 
 
-def make_resnet(config: ml_collections.ConfigDict, num_classes: int) -> Model:
-  """CIFAR ResNet of depth config.depth (6n+2, default 20).
+def make_resnet(spec: ModelSpec, num_classes: int) -> Model:
+  """CIFAR ResNet of depth spec.depth (6n+2; None: RESNET_DEPTH, 20).
 
-  Reads config.depth (20), config.dropout (0.0) and config.conv_impl ('auto').
+  Reads spec.depth, spec.dropout and spec.conv_impl.
 
   Example:
-    >>> model = make_resnet(ml_collections.ConfigDict({'depth': 20}), num_classes=10)
-    >>> params, state = model.init(jax.random.key(0), jnp.zeros((1, 32, 32, 3)))
-    >>> logits, state = model.apply(params, state, jnp.zeros((8, 32, 32, 3)), train=True)
+    >>> spec = ModelSpec(name='resnet', factory='', kwargs={}, widths=(), channels=(),
+    ...                  kernel_sizes=(), strides=(), conv_impl='auto', dropout=0.0, depth=20)
+    >>> model = make_resnet(spec, num_classes=10)
+    >>> params, state = model.init(jax.random.key(0), jax.numpy.zeros((1, 32, 32, 3)))
+    >>> x = jax.numpy.zeros((8, 32, 32, 3))
+    >>> logits, state = model.apply(params, state, x, train=True)
   """
-  n = _blocks_per_stage(config, default=20, offset=2, family='a CIFAR ResNet')
-  return _resnet_v1(config, num_classes, 16, (16, 32, 64), n)
+  n = _blocks_per_stage(spec.depth, default=RESNET_DEPTH, offset=2, family='a CIFAR ResNet')
+  return _resnet_v1(spec, num_classes, 16, (16, 32, 64), n)
 
 
-def make_resnet18(config: ml_collections.ConfigDict, num_classes: int) -> Model:
-  """The CIFAR ResNet-18; reads config.dropout (0.0) and config.conv_impl ('auto')."""
-  return _resnet_v1(config, num_classes, 64, (64, 128, 256, 512), 2)
+def make_resnet18(spec: ModelSpec, num_classes: int) -> Model:
+  """The CIFAR ResNet-18; reads spec.dropout and spec.conv_impl."""
+  return _resnet_v1(spec, num_classes, 64, (64, 128, 256, 512), 2)
 
 
 def _wide_init(rank, block):
@@ -167,18 +176,19 @@ def _wide_apply(conv, params, state, x, stride, train, rate, rng):
   return conv(h, params['conv2'], 1) + shortcut, new_state
 
 
-def make_wide_resnet(config: ml_collections.ConfigDict, num_classes: int) -> Model:
-  """WRN-d-k: d = config.depth (6n+4, default 28), k = config.widen_factor (default 10).
+def make_wide_resnet(spec: ModelSpec, num_classes: int) -> Model:
+  """WRN-d-k: d = spec.depth (6n+4; None: WRN_DEPTH, 28), k = spec.widen_factor (None:
+  WRN_WIDEN_FACTOR, 10).
 
-  Reads config.depth (28), config.widen_factor (10), config.dropout (0.0, between
-  the two convs of every block) and config.conv_impl ('auto').
+  Also reads spec.dropout (between the two convs of every block) and spec.conv_impl.
   """
-  n = _blocks_per_stage(config, default=28, offset=4, family='a wide ResNet')
-  k = config.get('widen_factor', 10)
+  n = _blocks_per_stage(spec.depth, default=WRN_DEPTH, offset=4, family='a wide ResNet')
+  k = WRN_WIDEN_FACTOR if spec.widen_factor is None else spec.widen_factor
   if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-    raise ConfigError(f'config.model.widen_factor={k!r} must be a positive integer, e.g. 10.')
-  conv = layers.conv_for(config)
-  rate = layers.dropout_rate_for(config)
+    raise ConfigError(f'config.model.widen_factor={k!r} must be a positive integer, '
+                      f'e.g. {WRN_WIDEN_FACTOR}.')
+  conv = layers.conv_for(spec.conv_impl)
+  rate = layers.dropout_rate_for(spec.dropout)
   plan = _plan(16, (16 * k, 32 * k, 64 * k), n)
 
   def init(rng, sample_x):

@@ -2,14 +2,14 @@
 embedding, a learned position embedding, pre-norm blocks (dist_ens.models.transformer),
 a final LayerNorm and a dense classifier of the sequence.
 
-Reads from the model config:
+Reads from the ModelSpec (None takes the default in brackets, DEFAULTS):
   vocab_size (256)  ids lie in [0, vocab_size).
   hidden (128), depth (4), heads (4), mlp_dim (512): as in dist_ens.models.vit.
   causal (False)    False: an encoder, every token attends everywhere, classified by
                     the mean over tokens. True: a decoder, each token attends to itself
                     and those before it, classified by the last token's features (the
                     only one that has seen the whole sequence).
-  dropout (0.0)     after the embedding and on each attention and MLP output.
+  dropout           after the embedding and on each attention and MLP output.
 
 Inputs should arrive as integers. A float array of ids (today's data pipeline casts
 inputs to float32) is converted to int32 first, exact for ids below 2^24 (below 256
@@ -25,32 +25,34 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from dist_ens.core.axes import MODEL
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
 from dist_ens.models import layers, transformer
+from dist_ens.models.spec import ModelSpec
 from dist_ens.models.vit import VIT_RULES
 
 TOKEN_RULES: tuple[tuple[str, P], ...] = ((r'tokens$', P(None, MODEL)), *VIT_RULES)
+# The model's defaults for the spec's Optional fields (None), here only.
+DEFAULTS = {'vocab_size': 256, 'hidden': 128, 'depth': 4, 'heads': 4, 'mlp_dim': 512,
+            'causal': False}
 
 
-def _read_config(config: ml_collections.ConfigDict) -> dict[str, int | bool]:
-  """The model's fields (see the module doc), checked."""
-  fields = {}
-  for name, default in (('vocab_size', 256), ('hidden', 128), ('depth', 4), ('heads', 4),
-                        ('mlp_dim', 512)):
-    value = config.get(name, default)
+def _read_spec(spec: ModelSpec) -> dict[str, int | bool]:
+  """The model's fields (see the module doc), defaulted and checked."""
+  fields = {name: DEFAULTS[name] if getattr(spec, name) is None else getattr(spec, name)
+            for name in DEFAULTS}
+  for name in ('vocab_size', 'hidden', 'depth', 'heads', 'mlp_dim'):
+    value = fields[name]
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ConfigError(f'config.model.{name}={value!r} must be an int >= 1 for the '
-                        f'token_transformer, e.g. {default}.')
-    fields[name] = value
+                        f'token_transformer, e.g. {DEFAULTS[name]}.')
   if fields['hidden'] % fields['heads']:
     raise ConfigError(f"config.model.hidden={fields['hidden']} must be a multiple of "
                       f"config.model.heads={fields['heads']}.")
-  fields['causal'] = bool(config.get('causal', False))
+  fields['causal'] = bool(fields['causal'])
   return fields
 
 
@@ -64,17 +66,20 @@ def token_ids(x: jax.Array) -> jax.Array:
   return x if jnp.issubdtype(x.dtype, jnp.integer) else x.astype(jnp.int32)
 
 
-def make_token_transformer(config: ml_collections.ConfigDict, num_classes: int) -> Model:
+def make_token_transformer(spec: ModelSpec, num_classes: int) -> Model:
   """An encoder or decoder over tokens, as the module doc describes.
 
   Example:
-    >>> model = make_token_transformer(ml_collections.ConfigDict({'vocab_size': 16}), 2)
+    >>> spec = ModelSpec(name='token_transformer', factory='', kwargs={}, widths=(),
+    ...                  channels=(), kernel_sizes=(), strides=(), conv_impl='auto',
+    ...                  dropout=0.0, vocab_size=16)
+    >>> model = make_token_transformer(spec, 2)
     >>> params, state = model.init(jax.random.key(0), jnp.zeros((1, 12), jnp.int32))
     >>> model.apply(params, state, jnp.ones((3, 12), jnp.int32), train=False)[0].shape
     (3, 2)
   """
-  f = _read_config(config)
-  rate = layers.dropout_rate_for(config)
+  f = _read_spec(spec)
+  rate = layers.dropout_rate_for(spec.dropout)
 
   def init(rng, sample_x):
     length = token_ids(sample_x).shape[1]

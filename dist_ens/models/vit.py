@@ -4,7 +4,8 @@ layer, the same as a conv of kernel = stride = patch), a learned position embedd
 pre-norm encoder blocks (dist_ens.models.transformer), a final LayerNorm, then the
 class token's features or the mean over tokens into a dense classifier.
 
-Reads from the model config (defaults: ViT-Ti with patches of 4 for 32x32 inputs):
+Reads from the ModelSpec (None takes the default in brackets, DEFAULTS: ViT-Ti with
+patches of 4 for 32x32 inputs):
   patch_size (4)   patch side; it must divide every spatial side of the input.
   hidden (192)     token width; a multiple of heads.
   depth (12)       encoder blocks.
@@ -12,7 +13,7 @@ Reads from the model config (defaults: ViT-Ti with patches of 4 for 32x32 inputs
   mlp_dim (768)    hidden width of each block's MLP.
   pool ('mean')    'mean' over tokens or 'cls' (a learned class token); mean pooling
                    trains better than a class token on small data sets.
-  dropout (0.0)    after the embedding and on each attention and MLP output.
+  dropout          after the embedding and on each attention and MLP output.
 
 Kernels are LeCun-normal (std sqrt(1 / fan_in)), the position embedding normal with
 std 0.02, biases, LayerNorm offsets and the class token zero. No model state.
@@ -26,13 +27,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import PartitionSpec as P
 
 from dist_ens.core.axes import MODEL
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
 from dist_ens.models import layers, transformer
+from dist_ens.models.spec import ModelSpec
 
 # Tensor parallelism over MODEL (Megatron's split): q, k, v and the MLP's first layer
 # split their outputs (columns), the attention's output projection and the MLP's second
@@ -51,24 +52,32 @@ VIT_RULES: tuple[tuple[str, P], ...] = (
 )
 
 POOLS = ('mean', 'cls')
+# The ViT's defaults for the spec's Optional fields (None), here only.
+DEFAULTS = {'patch_size': 4, 'hidden': 192, 'depth': 12, 'heads': 3, 'mlp_dim': 768,
+            'pool': 'mean'}
 
 
-def _positive_int(config: ml_collections.ConfigDict, name: str, default: int) -> int:
-  value = config.get(name, default)
+def _field(spec: ModelSpec, name: str) -> int | str:
+  value = getattr(spec, name)
+  return DEFAULTS[name] if value is None else value
+
+
+def _positive_int(spec: ModelSpec, name: str) -> int:
+  value = _field(spec, name)
   if not isinstance(value, int) or isinstance(value, bool) or value < 1:
     raise ConfigError(f'config.model.{name}={value!r} must be an int >= 1 for the vit, '
-                      f'e.g. {default}.')
+                      f'e.g. {DEFAULTS[name]}.')
   return value
 
 
-def _read_config(config: ml_collections.ConfigDict) -> dict[str, int | str]:
-  """The ViT's fields (see the module doc), checked."""
-  fields = {name: _positive_int(config, name, default) for name, default in (
-      ('patch_size', 4), ('hidden', 192), ('depth', 12), ('heads', 3), ('mlp_dim', 768))}
+def _read_spec(spec: ModelSpec) -> dict[str, int | str]:
+  """The ViT's fields (see the module doc), defaulted and checked."""
+  fields = {name: _positive_int(spec, name)
+            for name in ('patch_size', 'hidden', 'depth', 'heads', 'mlp_dim')}
   if fields['hidden'] % fields['heads']:
     raise ConfigError(f"config.model.hidden={fields['hidden']} must be a multiple of "
                       f"config.model.heads={fields['heads']}.")
-  fields['pool'] = config.get('pool', 'mean')
+  fields['pool'] = _field(spec, 'pool')
   if fields['pool'] not in POOLS:
     raise ConfigError(f"config.model.pool={fields['pool']!r} is not known; use one of "
                       f'{list(POOLS)}.')
@@ -120,19 +129,20 @@ def _init_fn(f: dict[str, int | str], num_classes: int):
   return init
 
 
-def make_vit(config: ml_collections.ConfigDict, num_classes: int) -> Model:
-  """A ViT as the module doc describes, from the model config's fields.
+def make_vit(spec: ModelSpec, num_classes: int) -> Model:
+  """A ViT as the module doc describes, from the spec's fields.
 
   Example:
-    >>> config = ml_collections.ConfigDict({'patch_size': 2, 'hidden': 32, 'depth': 2,
-    ...                                     'heads': 2, 'mlp_dim': 64})
-    >>> model = make_vit(config, num_classes=10)
+    >>> spec = ModelSpec(name='vit', factory='', kwargs={}, widths=(), channels=(),
+    ...                  kernel_sizes=(), strides=(), conv_impl='auto', dropout=0.0,
+    ...                  patch_size=2, hidden=32, depth=2, heads=2, mlp_dim=64)
+    >>> model = make_vit(spec, num_classes=10)
     >>> params, state = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)))
     >>> model.apply(params, state, jnp.zeros((4, 8, 8, 1)), train=False)[0].shape
     (4, 10)
   """
-  f = _read_config(config)
-  rate = layers.dropout_rate_for(config)
+  f = _read_spec(spec)
+  rate = layers.dropout_rate_for(spec.dropout)
 
   def apply(params, state, x, *, train=False, rng=None):
     layers.check_dropout_rng(rate, train, rng)

@@ -1,0 +1,78 @@
+"""config -> typed, frozen specs: where the ConfigDict is read, once per part.
+
+assemble builds every part from these; nothing below it takes a ConfigDict. A spec has
+no defaults for what configs/default.py holds (that file is where every default lives);
+a field only some configs set is optional in its spec, with its default there.
+"""
+
+from typing import Any
+
+import ml_collections
+
+from dist_ens import data, models
+from dist_ens.core import hparams as hparams_lib
+from dist_ens.core.optim import OptimSpec
+from dist_ens.ensembles import methods
+from dist_ens.errors import ConfigError
+from dist_ens.parallel import mesh as mesh_lib
+
+
+def mesh_spec(config: ml_collections.ConfigDict) -> mesh_lib.MeshSpec:
+  m = config.mesh
+  return mesh_lib.MeshSpec(member=m.member, data=m.data, hosts_along=m.hosts_along,
+                           model=m.model)
+
+
+def data_spec(config: ml_collections.ConfigDict) -> data.DataSpec:
+  """config.data's loading fields (the TFDS-only ones where a config sets them)."""
+  d = config.data
+  optional = {k: d[k] for k in ('train_split', 'test_split', 'add_channel') if k in d}
+  return data.DataSpec(name=d.name, data_dir=d.data_dir, mean=tuple(d.mean), std=tuple(d.std),
+                       **optional)
+
+
+def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
+  """config.ensemble's method, with the run's steps, schedule and mode it depends on."""
+  ensemble, optim = config.ensemble, config.optim
+  return methods.MethodSpec(
+      name=ensemble.method, total_steps=config.train.steps,
+      restartable_schedule=optim.schedule != 'constant' or bool(optim.warmup_steps),
+      reproducible=config.reproducible,
+      snapshot_cycles=ensemble.snapshot.cycles, snapshot_start=ensemble.snapshot.start,
+      snapshot_cycle_rate=ensemble.snapshot.cycle_rate, mimo_heads=ensemble.mimo.heads,
+      swag_start=ensemble.swag.start, swag_every=ensemble.swag.every,
+      swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples)
+
+
+def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:
+  """config.optim: the fields the optimizer and its schedule read (core.optim.OptimSpec)."""
+  return OptimSpec(**{name: _field(config, f'optim.{name}') for name in OptimSpec._fields})
+
+
+def hparams_spec(config: ml_collections.ConfigDict) -> hparams_lib.HparamsSpec:
+  """num_members, seed and the per-member fields as configured (core.hparams.FIELDS)."""
+  return hparams_lib.HparamsSpec(config.num_members, config.seed,
+                                 {field: _field(config, field) for field in hparams_lib.FIELDS})
+
+
+def _field(config: ml_collections.ConfigDict, dotted: str) -> Any:
+  # Specs have no defaults (configs/default.py holds every field): a config not started
+  # from it gets one line naming the field it lacks, not a KeyError.
+  section, name = dotted.split('.')
+  if section not in config or name not in config[section]:
+    raise ConfigError(f'config.{dotted} is missing; start from configs/default.py, which '
+                      'has every field.')
+  return config[section][name]
+
+
+def model_spec(config: ml_collections.ConfigDict) -> models.ModelSpec:
+  """config.model; a field only some models read may be absent (None: the model's own
+  default), and kwargs become a plain dict (nested ConfigDicts included)."""
+  m = config.model
+  kwargs = m.get('kwargs') or {}
+  optional = {name: m.get(name) for name in models.OPTIONAL_FIELDS}
+  return models.ModelSpec(
+      name=m.name, factory=m.factory,
+      kwargs=kwargs.to_dict() if isinstance(kwargs, ml_collections.ConfigDict) else kwargs,
+      widths=tuple(m.widths), channels=tuple(m.channels), kernel_sizes=tuple(m.kernel_sizes),
+      strides=tuple(m.strides), conv_impl=m.conv_impl, dropout=m.dropout, **optional)
