@@ -216,3 +216,13 @@ def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_pa
   assert kept == {p: p.read_bytes() for p in kept}
   assert dist_ens.train(_config(model__widths=(32,)), str(tmp_path))['step'] == 8  # resumes
   assert _events(tmp_path) == SCHEDULED  # (4, 'test'): the 4-step run's final evaluation.
+
+
+@pytest.mark.parametrize('damage', [b'\xff\xfe{"step": 8}', b'[8]'])
+def test_a_checkpoint_with_damaged_metadata_is_skipped(tmp_path, damage):
+  # Non-UTF-8 bytes (a torn write) crashed the rerun with a UnicodeDecodeError traceback.
+  dist_ens.train(_config(checkpoint__keep=3), str(tmp_path))
+  (tmp_path / 'checkpoints' / '8' / 'meta' / 'metadata').write_bytes(damage)
+  (tmp_path / 'final_metrics.json').unlink()
+  assert trainer._newest_meta(tmp_path / 'checkpoints')['step'] == 4
+  assert dist_ens.train(_config(checkpoint__keep=3), str(tmp_path))['step'] == 8

@@ -44,9 +44,11 @@ def _newest_meta(directory: Path) -> dict[str, Any] | None:
   steps = sorted((int(d.name) for d in directory.glob('*') if d.name.isdigit()), reverse=True)
   for step in steps:
     try:
-      return json.loads((directory / str(step) / 'meta' / 'metadata').read_text())
-    except (OSError, json.JSONDecodeError):
+      meta = json.loads((directory / str(step) / 'meta' / 'metadata').read_text())
+    except (OSError, ValueError):  # Unreadable, not UTF-8 or not JSON: damaged, skip it.
       continue
+    if isinstance(meta, dict) and isinstance(meta.get('step'), int):  # Else damaged too.
+      return meta
   return None
 
 
