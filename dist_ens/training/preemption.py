@@ -106,8 +106,10 @@ class PreemptionWatcher:
     del step  # Every check is one call of the step, whatever steps it runs.
     if self._vote is None:
       return self._flag.is_set()
+    # Every check, on every process: the sync point needs the counters in step.
+    notice = _jax_preemption_notice(next(self._checks))
     local = signal.Signals[self.signal_name] if self._flag.is_set() else 0
-    if not local and _jax_preemption_notice(next(self._checks)):
+    if notice and not local:
       local = signal.SIGTERM
     agreed = self._vote(int(local))
     if agreed and self.signal_name is None:  # Another process was signalled.
