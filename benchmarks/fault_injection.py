@@ -18,12 +18,15 @@ reference run:
               fault exits by that signal or cleanly, and never hangs (every child is
               bounded by `timeout -k 5`).
 
-Cases: sigkill, sigterm, sigint (the signal at a random time), kill_mid_eval and
+Cases: sigkill, sigterm, sigint (the signal at a random time; sigterm and sigint must
+exit 143 and 130, not 0, when they stopped the run before its end), sigterm_twice and
+sigint_twice (the second 0.3 s after the first: stop at once, 143 or 130), kill_mid_eval and
 kill_final_eval (SIGKILL once the train event of step EVAL_EVERY, or of the last
 step, is written, i.e. in that step's evaluation),
 concurrent (two runs at once on one workdir: one may refuse with one line, the
 workdir being locked), corrupt_checkpoint (garbage over the
-newest checkpoint's largest file after a kill), corrupt_config / missing_config
+newest checkpoint's largest file after a kill), non_utf8_meta (bytes that are not UTF-8
+over the newest checkpoint's metadata after a kill), corrupt_config / missing_config
 (config.json damaged or deleted after a kill; a clear one-line refusal also holds),
 disk_full (the workdir on a small tmpfs, which needs root to mount: skipped, and
 reported as skipped, where mounting fails; then the tmpfs is enlarged and the run
@@ -59,6 +62,8 @@ OVERRIDES = [f'--config.train.steps={STEPS}', f'--config.train.log_every={LOG_EV
              f'--config.train.eval_every={EVAL_EVERY}',
              f'--config.checkpoint.every={CHECKPOINT_EVERY}', '--config.num_members=4',
              '--config.model.widths=(16,)', '--config.data.batch_size=32']
+# A user's second Ctrl-C comes after the first has had time to act (the run is saving).
+SECOND_SIGNAL_AFTER_S = 0.3
 TRACEBACK = 'Traceback (most recent call last)'
 ERROR_PREFIX = 'dist_ens: error:'
 
@@ -122,9 +127,21 @@ def finish(proc: subprocess.Popen, log: Path, started: float,
   return Outcome(rc, log.read_text(errors='replace'), time.monotonic() - started, signalled_at)
 
 
+def pending(pid: int, signum: int) -> bool:
+  """Whether `signum` still waits for delivery to `pid` (Linux's masks in /proc)."""
+  try:
+    status = Path(f'/proc/{pid}/status').read_text().splitlines()
+  except OSError:
+    return False
+  masks = [int(l.split()[1], 16) for l in status if l.startswith(('SigPnd:', 'ShdPnd:'))]
+  return any(mask >> (signum - 1) & 1 for mask in masks)
+
+
 def run_cli(ctx: Context, workdir: Path, tag: str, signum: int | None = None,
-            when: Callable[[float], bool] | None = None) -> Outcome:
-  """Runs the CLI on `workdir`; sends `signum` to it once `when(elapsed)` is true."""
+            when: Callable[[float], bool] | None = None, times: int = 1) -> Outcome:
+  """Runs the CLI on `workdir`; sends `signum` to it `times` times once `when(elapsed)` is
+  true, each after the one before was delivered and had SECOND_SIGNAL_AFTER_S to act (two
+  still pending would merge into one)."""
   started = time.monotonic()
   proc, log = start(ctx.source, workdir, ctx.limit_s, tag)
   signalled_at = None
@@ -132,9 +149,14 @@ def run_cli(ctx: Context, workdir: Path, tag: str, signum: int | None = None,
     pid = python_pid(proc)
     while proc.poll() is None and not when(time.monotonic() - started):
       time.sleep(0.02)
-    if proc.poll() is None and pid is not None:
-      signalled_at = time.monotonic() - started
-      os.kill(pid, signum)
+    for i in range(times):
+      while pid is not None and pending(pid, signum) and proc.poll() is None:
+        time.sleep(0.001)
+      if i:
+        time.sleep(SECOND_SIGNAL_AFTER_S)
+      if proc.poll() is None and pid is not None:
+        signalled_at = signalled_at or time.monotonic() - started
+        os.kill(pid, signum)
   return finish(proc, log, started, signalled_at)
 
 
@@ -213,6 +235,13 @@ def check_exit(outcome: Outcome, what: str, signum: int | None = None) -> list[s
   return problems
 
 
+def check_stopped_status(outcome: Outcome, workdir: Path) -> list[str]:
+  """A run a signal stopped before the end must not exit 0 (`dist-ens && next` would go on)."""
+  if outcome.rc == 0 and not (workdir / 'final_metrics.json').exists():
+    return ['faulted run exited 0 though it stopped before the end']
+  return []
+
+
 def load_params(workdir: Path) -> tuple[int, list[Any]]:
   """The newest checkpoint's step and parameter leaves (numpy), via the public API."""
   import jax  # pylint: disable=import-outside-toplevel
@@ -256,12 +285,14 @@ def refused_clearly(rerun: Outcome, mentions: str) -> bool:
 # --- cases: each returns its problems ([] = held) -----------------------------------------
 
 
-def case_signal(ctx: Context, workdir: Path, signum: int) -> list[str]:
-  """`signum` at a random time of the run, then the same command again."""
-  fault = run_cli(ctx, workdir, 'fault', signum, at_random_time(ctx, 0.2, 1.0))
+def case_signal(ctx: Context, workdir: Path, signum: int, times: int = 1) -> list[str]:
+  """`signum` (`times` times) at a random time of the run, then the same command again."""
+  fault = run_cli(ctx, workdir, 'fault', signum, at_random_time(ctx, 0.2, 1.0), times)
   ctx.details.update(fault_rc=fault.rc, signalled_at_s=fault.signalled_at)
   # A SIGKILLed process says nothing; a SIGTERMed or SIGINTed one must end cleanly.
-  problems = check_exit(fault, 'faulted run', signum) if signum != signal.SIGKILL else []
+  problems = []
+  if signum != signal.SIGKILL:
+    problems = check_exit(fault, 'faulted run', signum) + check_stopped_status(fault, workdir)
   rerun = run_cli(ctx, workdir, 'rerun')
   ctx.details['rerun_rc'] = rerun.rc
   return problems + check_survivors(ctx, workdir, rerun)
@@ -312,8 +343,8 @@ def _newest_checkpoint(workdir: Path) -> Path | None:
   return max(steps, key=lambda p: int(p.name), default=None)
 
 
-def case_corrupt_checkpoint(ctx: Context, workdir: Path) -> list[str]:
-  """SIGKILL some time after the first checkpoint, garbage over the newest one, re-run."""
+def kill_after_a_checkpoint(ctx: Context, workdir: Path) -> Outcome:
+  """A run SIGKILLed a random time after its first checkpoint appeared."""
   delay = ctx.rng.uniform(0.0, 0.6) * ctx.reference_seconds
   first_seen = []
 
@@ -322,7 +353,12 @@ def case_corrupt_checkpoint(ctx: Context, workdir: Path) -> list[str]:
       first_seen.append(elapsed)
     return bool(first_seen) and elapsed >= first_seen[0] + delay
 
-  fault = run_cli(ctx, workdir, 'fault', signal.SIGKILL, after_a_checkpoint)
+  return run_cli(ctx, workdir, 'fault', signal.SIGKILL, after_a_checkpoint)
+
+
+def case_corrupt_checkpoint(ctx: Context, workdir: Path) -> list[str]:
+  """SIGKILL some time after the first checkpoint, garbage over the newest one, re-run."""
+  fault = kill_after_a_checkpoint(ctx, workdir)
   newest = _newest_checkpoint(workdir)
   if newest is None:
     return ['no checkpoint was written to corrupt']
@@ -336,6 +372,25 @@ def case_corrupt_checkpoint(ctx: Context, workdir: Path) -> list[str]:
                      corrupted=str(target.relative_to(workdir)))
   rerun = run_cli(ctx, workdir, 'rerun')
   ctx.details['rerun_rc'] = rerun.rc
+  return check_survivors(ctx, workdir, rerun)
+
+
+def case_non_utf8_meta(ctx: Context, workdir: Path) -> list[str]:
+  """SIGKILL after a checkpoint, then bytes that are not UTF-8 over the newest checkpoint's
+  metadata (a torn write), then the same command again."""
+  fault = kill_after_a_checkpoint(ctx, workdir)
+  newest = _newest_checkpoint(workdir)
+  if newest is None or not (newest / 'meta' / 'metadata').exists():
+    return ['no checkpoint metadata was written to damage']
+  (newest / 'meta' / 'metadata').write_bytes(b'\xff\xfe' + ctx.rng.randbytes(30))
+  ctx.details.update(fault_rc=fault.rc, signalled_at_s=fault.signalled_at,
+                     damaged=str(newest.relative_to(workdir)))
+  rerun = run_cli(ctx, workdir, 'rerun')
+  ctx.details['rerun_rc'] = rerun.rc
+  only = [p for p in (workdir / 'checkpoints').glob('*') if p.name.isdigit()] == [newest]
+  if only and refused_clearly(rerun, 'can be restored'):  # Nothing older to fall back on.
+    ctx.details['note'] = 'the only checkpoint was damaged: re-run refused with one clear line'
+    return []
   return check_survivors(ctx, workdir, rerun)
 
 
@@ -385,10 +440,13 @@ CASES: dict[str, Callable[[Context, Path], list[str] | None]] = {
     'sigkill': lambda ctx, w: case_signal(ctx, w, signal.SIGKILL),
     'sigterm': lambda ctx, w: case_signal(ctx, w, signal.SIGTERM),
     'sigint': lambda ctx, w: case_signal(ctx, w, signal.SIGINT),
+    'sigterm_twice': lambda ctx, w: case_signal(ctx, w, signal.SIGTERM, times=2),
+    'sigint_twice': lambda ctx, w: case_signal(ctx, w, signal.SIGINT, times=2),
     'kill_mid_eval': lambda ctx, w: case_kill_in_eval(ctx, w, EVAL_EVERY),
     'kill_final_eval': lambda ctx, w: case_kill_in_eval(ctx, w, STEPS),
     'concurrent': case_concurrent,
     'corrupt_checkpoint': case_corrupt_checkpoint,
+    'non_utf8_meta': case_non_utf8_meta,
     'corrupt_config': lambda ctx, w: case_config(ctx, w, 'corrupt'),
     'missing_config': lambda ctx, w: case_config(ctx, w, 'missing'),
     'disk_full': case_disk_full,

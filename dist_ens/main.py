@@ -114,7 +114,9 @@ def _train_main(argv: list[str]) -> None:
         num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
         init_timeout_s=FLAGS.init_timeout_s, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s))
     from dist_ens import training  # pylint: disable=g-import-not-at-top
-    training.train(FLAGS.config, FLAGS.workdir)
+    result = training.train(FLAGS.config, FLAGS.workdir)
+    if result.get('preempted'):  # Saved, but not finished: `dist-ens ... && next` must stop.
+      sys.exit(128 + signal.Signals[result['signal']])
   except (ConfigError, TrainingError) as e:  # Expected failures: one clear line.
     if launched:
       logging.error('%s', e)  # In the log too, with this process's index.

@@ -40,3 +40,13 @@ def test_event_check_flags_repeated_missing_unexpected_and_non_json(tmp_path):
 def test_exit_check(rc, stderr, signum, problems):
   outcome = fault_injection.Outcome(rc, stderr, 9.0)
   assert fault_injection.check_exit(outcome, 'run', signum) == problems
+
+
+def test_a_signalled_run_that_stopped_early_must_not_exit_zero(tmp_path):
+  stopped = fault_injection.Outcome(0, 'I log\n', 9.0, signalled_at=3.0)
+  assert fault_injection.check_stopped_status(stopped, tmp_path) == [
+      'faulted run exited 0 though it stopped before the end']
+  (tmp_path / 'final_metrics.json').write_text('{}')  # It had finished: 0 is right.
+  assert fault_injection.check_stopped_status(stopped, tmp_path) == []
+  assert fault_injection.check_stopped_status(
+      fault_injection.Outcome(143, '', 9.0, signalled_at=3.0), tmp_path / 'none') == []

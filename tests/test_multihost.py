@@ -357,6 +357,47 @@ def test_sigterm_stops_every_process_at_the_same_step(tmp_path):
   assert len(saved) == 2 and saved[0][1] == saved[1][1], out[-3000:]
 
 
+def _wait_for_lines(procs, outputs, pattern: str, deadline: float) -> None:
+  """Until every process's output has a line matching `pattern`; fails at the deadline."""
+  while not all(any(re.search(pattern, line) for line in list(out)) for out in outputs):
+    if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
+      for proc in procs:
+        _kill_session(proc)
+      pytest.fail(f'no {pattern!r} from every process:\n'
+                  + '\n'.join(''.join(out[-30:]) for out in outputs))
+    time.sleep(0.1)
+
+
+def test_sigterm_to_every_process_saves_at_one_step_and_exits_143(tmp_path):
+  # As a scheduler preempts a job: SIGTERM to each process, with a checkpoint every 10
+  # steps and the end near. Both used to log "SIGTERM caught" and then train to the
+  # end and exit 0 when JAX's preemption sync point, agreed in the background, was
+  # already behind them. Bounded: every process is SIGKILLed at the deadline.
+  port = _free_port()
+  procs = [_start([sys.executable, '-m', 'dist_ens.main', CONFIG, f'--workdir={tmp_path / "w"}',
+                   *SMALL, '--config.train.steps=2000', '--config.checkpoint.every=10',
+                   *_explicit(port, i)], _env()) for i in range(2)]
+  outputs = [[], []]
+  for proc, out in zip(procs, outputs):
+    threading.Thread(target=out.extend, args=(proc.stdout,), daemon=True).start()
+  deadline = time.monotonic() + 240
+  try:
+    _wait_for_lines(procs, outputs, r'\] step 100/2000', deadline)
+    for proc in procs:
+      os.kill(proc.pid, signal.SIGTERM)  # The Python process itself (start_new_session).
+    statuses = [proc.wait(timeout=max(1.0, deadline - time.monotonic())) for proc in procs]
+  finally:
+    for proc in procs:
+      _kill_session(proc)  # Only what is left after a failure.
+  text = [''.join(out) for out in outputs]
+  assert statuses == [143, 143], '\n'.join(t[-3000:] for t in text)
+  saved = [re.findall(r'preempted \(SIGTERM\): saved the checkpoint at step (\d+)', t)
+           for t in text]
+  assert saved[0] == saved[1] and len(saved[0]) == 1, saved
+  assert 100 <= int(saved[0][0]) < 2000 and 'Traceback' not in text[0] + text[1]
+  assert not (tmp_path / 'w' / 'final_metrics.json').exists()
+
+
 def test_process_that_errs_stops_the_other(tmp_path):
   # Process 1's workdir holds another ensemble's run: only it fails, with a
   # ConfigError, after jax.distributed started; process 0 must not wait for it.

@@ -198,6 +198,11 @@ def run_loop(ctx: Context, train_step: TrainStep, batches: Iterator[tuple[jax.Ar
              actions: Sequence[Action], should_stop: Callable[[int], bool]) -> bool:
   """Steps from ctx.start_step to ctx.total_steps, calling the actions after each call.
 
+  Python stays at most one call ahead of the device: after queueing a call it waits
+  for the call before it. Otherwise it would queue calls up to the next action that
+  reads a result (a log step), and a stop request would wait for all of them. The
+  device still always has the next call queued.
+
   Returns:
     True if the run finished (every action's on_end ran), False if `should_stop`
     asked it to stop first (the caller saves the state).
@@ -206,10 +211,12 @@ def run_loop(ctx: Context, train_step: TrainStep, batches: Iterator[tuple[jax.Ar
   for step in range(ctx.start_step + k, ctx.total_steps + 1, k):
     if should_stop(step - k):
       return False
+    previous = ctx.metrics
     ctx.state, ctx.metrics = train_step(ctx.state, ctx.hparams, *next(batches))
     ctx.step = step
     for action in actions:
       action.on_step(ctx)
+    jax.block_until_ready(previous)  # (None before the first call: returns at once)
   for action in actions:
     action.on_end(ctx)
   return True

@@ -40,9 +40,11 @@ def _newest_meta(directory: Path) -> dict[str, Any] | None:
   steps = sorted((int(d.name) for d in directory.glob('*') if d.name.isdigit()), reverse=True)
   for step in steps:
     try:
-      return json.loads((directory / str(step) / 'meta' / 'metadata').read_text())
-    except (OSError, json.JSONDecodeError):
+      meta = json.loads((directory / str(step) / 'meta' / 'metadata').read_text())
+    except (OSError, ValueError):  # Unreadable, not UTF-8 or not JSON: damaged, skip it.
       continue
+    if isinstance(meta, dict) and isinstance(meta.get('step'), int):  # Else damaged too.
+      return meta
   return None
 
 
@@ -344,9 +346,11 @@ def _stop_early(ctx: Context, checkpointer: Checkpointer, signal_name: str) -> d
   checkpointer.save(done, ctx.state, ctx.batches.state, force=True,
                     meta=ctx.checkpoint_meta())
   checkpointer.wait()
+  signal_name = signal_name or 'SIGTERM'
   logging.info('preempted (%s): saved the checkpoint at step %d and stopped; run the same '
-               'command again to resume.', signal_name or 'SIGTERM', done)
-  return {'preempted': True, 'step': done}
+               'command again to resume.', signal_name, done)
+  # The signal, so the CLI can exit 128 + its number: a stopped run is no finished one.
+  return {'preempted': True, 'step': done, 'signal': signal_name}
 
 
 def _finish(ctx: Context, traces: int, checkpoint_seconds: float) -> dict[str, Any]:
