@@ -22,155 +22,26 @@ A mistyped flag or config field, a value of the wrong type, or an invalid config
 ends in one line on stderr ("dist-ens: error: ...") and a non-zero status.
 """
 
-import contextlib
 import functools
-import json
 import logging as std_logging
 import os
 import signal
 import sys
-import textwrap
-from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from collections.abc import Sequence
 
-from absl import app, flags, logging
 import ml_collections
+from absl import app, flags
 from ml_collections import config_flags
 
-from dist_ens import configuration
-from dist_ens.errors import ConfigError, TrainingError
-from dist_ens.parallel import distributed, xla_flags
+from dist_ens import commands, configuration
 
 FLAGS = flags.FLAGS
-GB = 1e9  # --memory_gb is in units of 1e9 bytes, as plan.py prints.
 
 # Libraries' INFO chatter that a normal run should not print (e.g. "Unable to
 # initialize backend 'tpu'" on every CPU run); their warnings still show.
 _QUIET_LOGGERS = ('jax._src.xla_bridge', 'jax._src.distributed', 'jax._src.clusters',
                   'asyncio', 'matplotlib', 'matplotlib.font_manager', 'PIL')
 _HELP_ARGS = ('-h', '--help', '-?', '--helpshort', '--helpfull')
-
-
-class Command(NamedTuple):
-  """A subcommand: what it does, its flags, and its main (absl's main(argv))."""
-  usage: str
-  define_flags: Callable[[flags.FlagValues], None]
-  main: Callable[[list[str]], None]
-
-
-def _define_train_flags(fv: flags.FlagValues) -> None:
-  configuration.define_config_flag(fv)
-  flags.DEFINE_string('workdir', None, 'Directory for config, metrics, checkpoints and '
-                      'results; rerunning with the same one resumes.', flag_values=fv)
-  # None (neither --distributed nor --nodistributed): start it if a cluster is detected.
-  flags.DEFINE_bool(
-      'distributed', None, 'Start jax.distributed, letting JAX detect the cluster (SLURM, '
-      'Cloud TPU, Open MPI) for what the flags below leave out. Default: only when '
-      'explicit addresses are given or a multi-process cluster job is detected.',
-      flag_values=fv)
-  flags.DEFINE_string('coordinator_address', None,
-                      'host:port of process 0, reachable from every process.', flag_values=fv)
-  flags.DEFINE_integer('num_processes', None, 'Number of processes in the run.', flag_values=fv)
-  flags.DEFINE_integer('process_id', None, 'This process, in 0..num_processes-1.',
-                       flag_values=fv)
-  flags.DEFINE_integer('init_timeout_s', distributed.DEFAULT_INIT_TIMEOUT_S,
-                       'Seconds to wait for every process to connect before giving up.',
-                       flag_values=fv)
-  flags.DEFINE_integer(
-      'heartbeat_timeout_s', distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
-      'Seconds without a heartbeat after which a process counts as dead and the run stops.',
-      flag_values=fv)
-  flags.mark_flags_as_required(['config', 'workdir'], flag_values=fv)
-
-
-def _define_plan_flags(fv: flags.FlagValues) -> None:
-  configuration.define_config_flag(fv)
-  flags.DEFINE_float('memory_gb', None, 'Memory of ONE device in GB (1e9 bytes); default: '
-                     'what the device reports (accelerators), else none.', flag_values=fv)
-  flags.DEFINE_bool('json', False, 'Print the plan as one JSON object instead of a table.',
-                    flag_values=fv)
-  flags.DEFINE_bool('calibrate', False, "First time every member form on these devices and "
-                    "cache the fastest for member_parallelism='auto'.", flag_values=fv)
-  flags.mark_flag_as_required('config', flag_values=fv)
-
-
-def _define_report_flags(fv: flags.FlagValues) -> None:
-  flags.DEFINE_string('workdir', None, 'The workdir of a finished run.', flag_values=fv)
-  flags.mark_flag_as_required('workdir', flag_values=fv)
-
-
-def _train_main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logging.set_verbosity(logging.INFO)
-  launched = False
-  try:
-    with contextlib.suppress(Exception):  # (a config that fails to load: training says so)
-      if FLAGS.config.get('reproducible', False):
-        xla_flags.set_flags()  # read by XLA when the backend starts, just below
-    # Before anything else touches JAX: jax.distributed must precede the backend.
-    launched = distributed.initialize(distributed.Launch(
-        enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
-        num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
-        init_timeout_s=FLAGS.init_timeout_s, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s))
-    from dist_ens import training  # pylint: disable=g-import-not-at-top
-    result = training.train(FLAGS.config, FLAGS.workdir)
-    if result.get('preempted'):  # Saved, but not finished: `dist-ens ... && next` must stop.
-      sys.exit(128 + signal.Signals[result['signal']])
-  except (ConfigError, TrainingError) as e:  # Expected failures: one clear line.
-    if launched:
-      logging.error('%s', e)  # In the log too, with this process's index.
-      distributed.exit_without_barrier(f'dist_ens: error: {e}')
-    sys.exit(f'dist_ens: error: {e}')
-  except Exception:  # pylint: disable=broad-except
-    if not launched:
-      raise
-    # A normal exit would wait for the other processes, which wait for this one.
-    logging.exception('this process failed (where a collective failed, another process '
-                      'probably failed first: see its log); stopping so the others stop too')
-    distributed.exit_without_barrier(1)
-
-
-def _plan_main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  memory_gb = FLAGS.memory_gb
-  if memory_gb is not None and not memory_gb > 0:
-    sys.exit(f'dist-ens plan: error: --memory_gb={memory_gb} must be > 0.')
-  from dist_ens import plan  # pylint: disable=g-import-not-at-top
-  try:
-    if FLAGS.calibrate:
-      print(plan.calibrate(FLAGS.config))
-    p = plan.make_plan(FLAGS.config, memory_bytes=memory_gb * GB if memory_gb else None)
-  except ConfigError as e:
-    sys.exit(f'dist-ens plan: error: {e}')
-  print(json.dumps(p.to_dict(), indent=2) if FLAGS.json else plan.format_plan(p, FLAGS.config))
-
-
-def _report_main(argv: list[str]) -> None:
-  if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  from dist_ens.io import report  # pylint: disable=g-import-not-at-top
-  try:
-    out = report.make_report(FLAGS.workdir)
-  except (FileNotFoundError, ImportError, ConfigError) as e:
-    sys.exit(f'dist-ens report: error: {e}')
-  print(f'wrote {out / "report.md"} and its figures')
-
-
-# The first argument picks one; anything else (a flag) means train.
-COMMANDS: dict[str, Command] = {
-    'train': Command('dist-ens [train] --config=FILE --workdir=DIR [--config.field=value ...]\n'
-                     '  Trains the config\'s ensemble in DIR, resuming from its last checkpoint.',
-                     _define_train_flags, _train_main),
-    'plan': Command('dist-ens plan --config=FILE [--config.field=value ...] [--memory_gb=G] '
-                    '[--json] [--calibrate]\n  Prints the memory the config\'s run needs per '
-                    'device and the most members that fit, without training.',
-                    _define_plan_flags, _plan_main),
-    'report': Command('dist-ens report --workdir=DIR\n  Writes DIR/report/: reliability '
-                      'diagrams, member-vs-ensemble bars, learning curves, report.md.',
-                      _define_report_flags, _report_main),
-}
 
 
 def _parse_flags(argv: list[str], prog: str) -> list[str]:
@@ -205,26 +76,6 @@ def _config_problem(argv: Sequence[str]) -> str | None:
       reason = str(e).strip().splitlines()[-1].strip()  # The most specific line.
       return f'--config={config_flags.get_config_filename(FLAGS["config"])}: {reason}'
   return configuration.wrong_type_message(argv, config)
-
-
-def _print_help(name: str, full: bool) -> None:
-  fv = flags.FlagValues()
-  COMMANDS[name].define_flags(fv)
-  print(f'usage: {COMMANDS[name].usage}\n')
-  print('flags:')
-  defined = [f for module_flags in fv.flags_by_module_dict().values() for f in module_flags]
-  for flag in sorted(defined, key=lambda f: f.name):
-    spelt = f'--[no]{flag.name}' if flag.boolean else f'--{flag.name}'
-    default = f' (default: {flag.default_as_str})' if flag.default is not None else ''
-    print(textwrap.fill(f'{spelt}: {" ".join(flag.help.split())}{default}', width=88,
-                        initial_indent='  ', subsequent_indent='      '))
-  if full:
-    print('\nabsl flags (logging, debugging):')
-    print(FLAGS.get_help(prefix='  ', include_special_flags=False))
-  else:
-    others = ', '.join(n for n in COMMANDS if n != name)
-    print(f'\nOther commands: {others} (dist-ens COMMAND --help); --helpfull adds absl\'s '
-          'logging flags.')
 
 
 def _quiet_other_loggers() -> None:
@@ -270,22 +121,22 @@ def entry(argv: Sequence[str] | None = None) -> None:
   """Console-script entry point: `dist-ens [train|plan|report] [flags]` (see the module doc)."""
   argv = list(sys.argv if argv is None else argv)
   rest = argv[1:]
-  name = rest.pop(0) if rest and rest[0] in COMMANDS else 'train'
+  name = rest.pop(0) if rest and rest[0] in commands.COMMANDS else 'train'
   prog = 'dist-ens' if name == 'train' else f'dist-ens {name}'
   options = rest[:rest.index('--')] if '--' in rest else rest
   if any(a in _HELP_ARGS for a in options):
-    _print_help(name, full='--helpfull' in options)
+    commands.print_help(name, full='--helpfull' in options)
     sys.exit(0)
   # Before JAX starts a backend, which logs as it does.
   _quiet_other_loggers()
   # Until the training loop's watcher takes over (save, then stop): stop with one line.
   for signum in (signal.SIGTERM, signal.SIGINT):
     signal.signal(signum, functools.partial(_stop_at_once, prog))
-  COMMANDS[name].define_flags(FLAGS)
+  commands.COMMANDS[name].define_flags(FLAGS)
   # config_flags reads the --config.x overrides from sys.argv, without the command.
   sys.argv = [argv[0], *rest]
   try:
-    app.run(COMMANDS[name].main, argv=sys.argv,
+    app.run(commands.COMMANDS[name].main, argv=sys.argv,
             flags_parser=lambda args: _parse_flags(args, prog))
   except KeyboardInterrupt as e:
     _exit_interrupted(prog, e)

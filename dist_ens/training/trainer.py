@@ -262,7 +262,8 @@ def train(config: ml_collections.ConfigDict, workdir: str, *,
 
   Returns:
     The final_metrics.json content (per-member and ensemble test metrics), or
-    {'preempted': True, 'step': N} if a signal stopped the run after saving.
+    {'preempted': True, 'step': N, 'signal': 'SIGTERM' or 'SIGINT'} if a signal stopped
+    the run after saving (the command line then exits 128 + the signal's number).
 
   Raises:
     ConfigError: before anything is compiled or written, for an invalid config,
