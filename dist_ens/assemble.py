@@ -125,28 +125,36 @@ class Run(NamedTuple):
 
 def build_run(config: ml_collections.ConfigDict, *,
               devices: Sequence[jax.Device] | None = None, dataset: data.Dataset | None = None,
-              optimizer: Optimizer | optax.GradientTransformation | None = None) -> Run:
+              optimizer: Optimizer | optax.GradientTransformation | None = None,
+              mesh: Mesh | None = None,
+              shapes: tuple[Sequence[int], int] | None = None) -> Run:
   """Checks the config and wires the run: mesh, data, parts and member form.
 
   Everything that can be wrong with the input surfaces here (the state is traced
-  abstractly), before anything is compiled or written.
+  abstractly), before anything is compiled or written. Training loads the data;
+  `dist-ens plan` and `Ensemble.load` give `shapes` instead and load none.
 
   Args:
-    config: a config like configs/default.py's.
+    config: a config like configs/default.py's (train.epochs already resolved where
+      `shapes` is given: without the data there is no split size to resolve it by).
     devices: the devices to build the mesh from (default: all).
     dataset: replaces config.data.name's (e.g. dist_ens.data.from_arrays(...)).
     optimizer: replaces config.optim's (see build_parts).
+    mesh: replaces the config's mesh (Ensemble.load fits one to the devices at hand).
+    shapes: (input shape, the model's outputs per example): no data is loaded.
 
   Raises:
     ConfigError: naming the field and what would work.
   """
   configuration.validate(config)
-  mesh = build_mesh(config, devices)
-  run_data = build_data(config, dataset)
-  dataset = run_data.dataset
-  config = configuration.resolve_epochs(config, dataset.train.num_examples)
-  parts = build_parts(config, mesh, dataset.input_shape,
-                      tasks.get_task(config.task).output_units(dataset), optimizer=optimizer)
+  mesh = mesh or build_mesh(config, devices)
+  run_data = None
+  if shapes is None:
+    run_data = build_data(config, dataset)
+    dataset = run_data.dataset
+    config = configuration.resolve_epochs(config, dataset.train.num_examples)
+    shapes = dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
+  parts = build_parts(config, mesh, *shapes, optimizer=optimizer)
   return Run(config, parts, run_data, member_form(parts, config.data.batch_size))
 
 

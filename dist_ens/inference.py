@@ -184,8 +184,8 @@ class Ensemble:
                                 f'and {config_path} does not exist.')
       config = ml_collections.ConfigDict(configuration.upgrade(config_dict))
       mesh = _mesh_for(config.num_members, list(jax.devices() if devices is None else devices))
-      input_shape, num_classes = _data_shape(config, meta)
-      parts = assemble.build_parts(config, mesh, input_shape, num_classes)
+      parts = assemble.build_run(config, mesh=mesh, shapes=_data_shape(config, meta)).parts
+      num_classes = parts.num_outputs
       restored = checkpointer.restore(parts.abstract_state, with_optimizer=False)
     finally:
       checkpointer.close()

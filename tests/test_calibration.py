@@ -72,3 +72,13 @@ def test_calibrating_a_real_step_times_every_candidate(cache):
                                                        ('map', 2)]
   assert all(s > 0 for s in seconds.values()) and best == min(seconds, key=seconds.get)
   assert calibration.lookup(calibration.run_key(parts, 32)) == best
+
+
+def test_plan_calibrate_prints_every_form_and_where_it_cached(cache):
+  from dist_ens import plan as plan_lib
+  config = dist_ens.load_config(DEFAULT)
+  config.num_members, config.model.widths, config.data.batch_size = 4, (16,), 32
+  config.mesh.member, config.mesh.data = 1, 1
+  text = plan_lib.calibrate(config, jax.devices()[:1])
+  assert f'cache: {cache}' in text and text.count('<- cached for member_parallelism=auto') == 1
+  assert cache.exists() and 'map (chunks of 2)' in text

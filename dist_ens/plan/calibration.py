@@ -22,11 +22,11 @@ import jax
 import numpy as np
 
 from dist_ens.assemble import form_key as run_key, members_per_device
-from dist_ens.parallel.form_cache import CACHE_ENV, lookup, store
+from dist_ens.parallel.form_cache import CACHE_ENV, cache_path, lookup, store
 from dist_ens.parallel.mesh import batch_sharding
 from dist_ens.parallel.strategy import Form
 
-__all__ = ['CACHE_ENV', 'calibrate', 'candidates', 'label', 'lookup', 'members_per_device',
+__all__ = ['CACHE_ENV', 'cache_path', 'calibrate', 'candidates', 'label', 'lookup', 'members_per_device',
            'run_key', 'step_runner', 'time_forms']
 
 

@@ -200,15 +200,14 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   """
   configuration.validate(config)
   config, per_epoch = _resolve_steps(config)
-  mesh = assemble.build_mesh(config, devices)
-  platform = mesh.devices.flat[0].platform
   input_shape, num_outputs = data_shape(config)
+  run = assemble.build_run(config, devices=devices, shapes=(input_shape, num_outputs))
+  parts, form, mesh = run.parts, run.form, run.parts.mesh
+  platform = mesh.devices.flat[0].platform
   shards = mesh.shape[mesh_lib.MEMBER]
   per_device = config.num_members // shards
-  parts = assemble.build_parts(config, mesh, input_shape, num_outputs)
   # The same form at twice the members ('auto' held fixed, so that the two compiles
   # differ only in M); the values of per-member hyperparameters do not change sizes.
-  form = assemble.member_form(parts, config.data.batch_size)
   parallelism, map_batch_size = form
   doubled = assemble.build_parts(config, mesh, input_shape, num_outputs,
                                  num_members=2 * config.num_members)
@@ -264,14 +263,13 @@ def _peak(step: StepMemory, host: dry_run.HostMemory | None, devices: int) -> fl
 def calibrate(config: ml_collections.ConfigDict,
               devices: Sequence[jax.Device] | None = None) -> str:
   """Times every member form of the config's step on these devices, caches the fastest
-  for 'auto' (dist_ens.parallel.calibration) and returns the table it measured."""
+  for 'auto' (dist_ens.plan.calibration) and returns the table it measured."""
   configuration.validate(config)
   config, _ = _resolve_steps(config)
-  mesh = assemble.build_mesh(config, devices)
-  parts = assemble.build_parts(config, mesh, *data_shape(config))
+  parts = assemble.build_run(config, devices=devices, shapes=data_shape(config)).parts
   best, seconds = calibration.calibrate(parts, config.data.batch_size)
   fastest = min(seconds.values())
-  lines = [f'calibrated on {mesh.devices.flat[0].device_kind}, '
+  lines = [f'calibrated on {parts.mesh.devices.flat[0].device_kind}, '
            f'{calibration.members_per_device(parts)} member(s) per device (seconds per step, '
            'median of 3 rounds of 5):']
   lines += [f'  {calibration.label(form):<24} {s:10.5f}  {s / fastest:5.2f}x'
