@@ -166,8 +166,8 @@ def build_mesh(config: ml_collections.ConfigDict,
   mesh = mesh_lib.make_mesh(mesh_spec(config), devices, num_members=config.num_members,
                             batch_size=config.data.batch_size)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
-  if config.get('reproducible', False):
-    gradients.check_canonical(config.train.get('micro_batches', 1), mesh.shape[mesh_lib.DATA])
+  if config.reproducible:
+    gradients.check_canonical(config.train.micro_batches, mesh.shape[mesh_lib.DATA])
   return mesh
 
 
@@ -351,15 +351,14 @@ def member_form(parts: Parts, batch_size: int) -> strategy.Form:
 
 def step_options(config: ml_collections.ConfigDict) -> StepOptions:
   """Augmentation, precision, micro-batches and reproducible mode, as the config says."""
-  augment = config.data.get('augment', 'none')
+  augment = config.data.augment
   if is_import_path(augment):
     augment = load_object(augment, 'config.data.augment')
   augment = augment_lib.get_augmentation(augment, 'config.data.augment')
   return StepOptions(augment=None if augment is augment_lib.identity
                      else augment_lib.member_augmentation(augment, config.seed),
-                     precision=config.get('precision', 'float32'),
-                     micro_batches=config.train.get('micro_batches', 1),
-                     reproducible=config.get('reproducible', False))
+                     precision=config.precision, micro_batches=config.train.micro_batches,
+                     reproducible=config.reproducible)
 
 
 def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,

@@ -77,7 +77,7 @@ def _train_main(argv: list[str]) -> None:
   launched = False
   try:
     with contextlib.suppress(Exception):  # (a config that fails to load: training says so)
-      if FLAGS.config.get('reproducible', False):
+      if FLAGS.config.reproducible:
         xla_flags.set_flags()  # read by XLA when the backend starts, just below
     # Before anything else touches JAX: jax.distributed must precede the backend.
     launched = distributed.initialize(distributed.Launch(

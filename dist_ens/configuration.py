@@ -144,7 +144,7 @@ def _validate_run_fields(config: ml_collections.ConfigDict) -> bool:
   _require(batch % value == 0, 'train.micro_batches', value,
            f'must divide data.batch_size={batch}, e.g. '
            f'{max(d for d in range(1, min(value, batch) + 1) if batch % d == 0)}')
-  warmup_epochs = config.optim.get('warmup_epochs', 0)
+  warmup_epochs = config.optim.warmup_epochs
   _require(_is_number(warmup_epochs) and warmup_epochs >= 0, 'optim.warmup_epochs', warmup_epochs,
            'must be a number >= 0 (0: optim.warmup_steps counts instead)')
   _require(not (warmup_epochs and config.optim.warmup_steps), 'optim.warmup_epochs',
@@ -181,7 +181,7 @@ def resolve_epochs(config: ml_collections.ConfigDict,
     ConfigError: naming train.epochs if it gives no step, or the field that the
       resulting train.steps does not suit (e.g. a multiple of train.steps_per_call).
   """
-  epochs, warmup_epochs = config.train.get('epochs', 0), config.optim.get('warmup_epochs', 0)
+  epochs, warmup_epochs = config.train.epochs, config.optim.warmup_epochs
   if not epochs and not warmup_epochs:
     return config
   per_epoch = steps_per_epoch(config, num_train_examples)

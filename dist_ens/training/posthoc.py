@@ -294,15 +294,15 @@ def posthoc_actions(config: ml_collections.ConfigDict) -> list[PeriodicAction]:
   cache, out = SplitLogProbs(), []
   # Snapshots and SWAG samples predict beside the trained members; a BatchEnsemble's
   # members are the trained members (evaluated as such).
-  if config.get('ensemble', {}).get('method', 'deep') in methods.COLLECTING:
+  if config.ensemble.method in methods.COLLECTING:
     out.append(MethodEnsemble(cache))
-  method = config.select.get('method', 'top_k')
+  method = config.select.method
   if method not in SELECT_METHODS:
     raise ConfigError(f'config.select.method={method!r}; use one of {SELECT_METHODS}.')
-  if config.eval.get('mc_samples', 0):
+  if config.eval.mc_samples:
     out.append(McDropout(config.eval.mc_samples, cache))
-  if config.eval.get('temperature_scaling', False):
+  if config.eval.temperature_scaling:
     out.append(TemperatureScale(cache))
   if method == 'greedy':
-    out.append(GreedySelect(config.select.get('greedy_size', 0), cache))
+    out.append(GreedySelect(config.select.greedy_size, cache))
   return out

@@ -81,7 +81,7 @@ def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
           f'config.train.steps={config.train.steps} but the workdir holds a checkpoint at step '
           f'{step}; train.steps cannot go back (use a new --workdir, or train.steps >= {step}).')
     # A schedule's decay, snapshot cycles and SWAG's start all scale with train.steps.
-    shaped = config.optim.schedule != 'constant' or config.ensemble.get('method', 'deep') != 'deep'
+    shaped = config.optim.schedule != 'constant' or config.ensemble.method != 'deep'
     check_compatible(differing, config.checkpoint.restore_incompatible,
                      steps_shape_schedule=shaped)
   if writers.is_writer():
@@ -164,10 +164,10 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
     out.append(actions_lib.ScoreOod())
   if ctx.run_data.validation is not None:
     out.append(actions_lib.Validate())
-  if config.select.top_k and config.select.get('method', 'top_k') == 'top_k':
+  if config.select.top_k and config.select.method == 'top_k':
     out.append(actions_lib.SelectTopK())
   out += posthoc.posthoc_actions(config)
-  if config.train.get('profile_steps', 0):
+  if config.train.profile_steps:
     out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))
   return [*out, *extra, checkpoint]
 
@@ -205,7 +205,7 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
                dataset.name)
   checkpointer = run.checkpointer(workdir)
   restored = _restore_or_init(parts, checkpointer)
-  if config.get('reproducible', False):
+  if config.reproducible:
     logging.info('reproducible mode: each device runs its members one at a time')
     if (message := xla_flags.warning(mesh.devices.flat[0].platform)) is not None:
       logging.warning('%s', message)
