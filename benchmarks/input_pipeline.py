@@ -107,7 +107,7 @@ def main():
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'input_pipeline.json'))
   args = parser.parse_args()
   default = load_config(ROOT / 'configs' / 'default.py')
-  mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(**default.mesh), jax.devices()[:1])
+  mesh = mesh_lib.make_mesh(assemble.mesh_spec(default), jax.devices()[:1])
   rows = []
   with tempfile.TemporaryDirectory() as data_dir:
     write_cifar_shaped(data_dir, args.examples)

@@ -235,7 +235,7 @@ class Ensemble:
       Prediction of numpy arrays; frozen members are left out of `probs`, `entropy`
       and `mutual_information` but keep their `member_probs`.
     """
-    if self.config.task != 'classification':
+    if tasks.get_task(self.config.task).unscale is not None:  # Regression's Gaussians.
       raise NotImplementedError(
           f"predict() gives class probabilities; config.task={self.config.task!r} has no "
           "predict yet (the run's final_metrics.json holds its test metrics).")

@@ -247,7 +247,7 @@ def _probe(out: str, port: str, num_processes: str, process_id: str, workdir: st
   for hosts_along in ('member', 'data'):
     config = _small_config(hosts_along)
     config.train.steps, config.train.log_every = 2, 1
-    mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(**config.mesh))
+    mesh = mesh_lib.make_mesh(assemble.mesh_spec(config))
     sharding = mesh_lib.batch_sharding(mesh)
     rows = data.host_rows(sharding, (64,))
     batch = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)

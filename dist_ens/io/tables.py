@@ -35,7 +35,7 @@ def results_table(final: dict[str, Any]) -> str:
   columns = [(name, _LABELS.get(name, name)) for name in _member_metrics(final)]
   lines = ['| member | ' + ' | '.join(name for _, name in columns) + ' |',
            '|---|' + '---|' * len(columns)]
-  for i in range(final['num_members']):
+  for i in range(len(members[columns[0][0]])):  # Old results carry no num_members.
     name = f'{i} (frozen)' if i in frozen else str(i)
     lines.append(f'| {name} | ' + ' | '.join(f'{members[k][i]:.4f}' for k, _ in columns) + ' |')
   lines.append('| member mean | ' + ' | '.join(f'{float(np.mean(members[k])):.4f}'
