@@ -6,16 +6,13 @@
   run.evaluator()                      # the sharded evaluator of the run's task
   run.checkpointer(workdir)            # orbax state + data position + meta
 
-or, step by step (plan and Ensemble.load):
+`dist-ens plan` and `Ensemble.load` call build_run(config, shapes=...) (no data
+loaded); the steps inside are build_mesh, build_data, build_parts and build_step.
 
-  mesh      = build_mesh(config, devices)
-  run_data  = build_data(config)                      # training only
-  parts     = build_parts(config, mesh, input_shape, num_outputs)
-  step      = build_step(parts, config, ...)
-
-Data flows one way: config -> mesh, model, task, optimizer, method, per-member
-hyperparameters -> the abstract (sharded) state -> the compiled step. Only this
-module knows how the parts are wired; nothing here trains or writes files.
+Data flows one way: config -> specs (dist_ens/specs.py) -> mesh, model, task,
+optimizer, method, per-member hyperparameters -> the abstract (sharded) state -> the
+compiled step. Only this module knows how the parts are wired; nothing here trains or
+writes files.
 """
 
 import functools
@@ -45,6 +42,7 @@ from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
 from dist_ens.data import augment as augment_lib, uci
 from dist_ens.importing import is_import_path, load_object
+# Re-exported: tests and benchmarks build parts' specs through assemble.
 from dist_ens.specs import (data_spec, hparams_spec, mesh_spec, method_spec,  # noqa: F401
                             model_spec, optim_spec)
 
@@ -256,7 +254,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp,
                       method.hooks)
 
-  one_member = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample_x.shape))[0]
+  one_member = lambda: jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample_x.shape))[0]
   layout = build_layout(method, mesh, config.mesh, one_member)
   abstract = layout.place(jax.eval_shape(init), mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
@@ -264,11 +262,12 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
 
 
 def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections.ConfigDict,
-                 member_params: Any) -> Layout:
+                 member_params: Callable[[], Any]) -> Layout:
   """Where every leaf lives: a method's shared leaves stored once, members whole on each
   device of their group or, on a mesh with a 'model' axis, each member's leaves split
   over it by the model's Flax annotations, config.mesh.rules, else FSDP (a rule sees
-  one member's leaf; `member_params` are one member's, with their annotations)."""
+  one member's leaf; `member_params()` are one member's abstract params, with their
+  annotations, traced only where a 'model' axis needs them)."""
   shared = {} if method.hooks.shared is None else {'shared': method.hooks.shared}
   if mesh_lib.MODEL not in mesh.axis_names:
     return Layout(**shared)
@@ -283,7 +282,7 @@ def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections
                                     for r, s in rules], default=rule,
                                    axis_sizes=dict(mesh.shape))
   logical = tuple(tuple(pair) for pair in mesh_config.logical_rules) or None
-  rule = sharding_rules.from_flax_metadata(member_params, logical, default=rule)
+  rule = sharding_rules.from_flax_metadata(member_params(), logical, default=rule)
   return Layout(axes=tuple(mesh.axis_names), rule=rule, **shared)
 
 
