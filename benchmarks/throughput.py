@@ -232,7 +232,7 @@ def build_loop(spec: ModelSpec, members: int, guard: bool = False) -> Callable[[
   import optax
   from dist_ens.ensembles.stacking import unstack
   from dist_ens.core.gradients import BatchResult
-  from dist_ens.core.losses import cross_entropy
+  from dist_ens.tasks.classification import cross_entropy
   from dist_ens.core.step import member_apply_fn
   model, tx, stacked = _plain_state(spec, members)
   guarded = member_apply_fn(lambda hp: tx)
@@ -251,7 +251,7 @@ def build_loop(spec: ModelSpec, members: int, guard: bool = False) -> Callable[[
     if guard:
       params, new_state, opt_state, _, _ = guarded(
           params, model_state, opt_state, jnp.bool_(False), None,
-          BatchResult(loss, jnp.float32(0), grads, new_state))
+          BatchResult(loss, {}, grads, new_state))
       return params, new_state, opt_state, loss
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), new_state, opt_state, loss
@@ -276,7 +276,7 @@ def build_bare_vmap(spec: ModelSpec, members: int) -> Callable[[], Any]:
   """
   import jax
   import optax
-  from dist_ens.core.losses import cross_entropy
+  from dist_ens.tasks.classification import cross_entropy
   model, tx, state = _plain_state(spec, members)
 
   def member_update(params, model_state, opt_state, x, y):
@@ -307,7 +307,7 @@ def build_wide_first_layer(spec: ModelSpec, members: int) -> Callable[[], Any]:
   import jax
   import jax.numpy as jnp
   import optax
-  from dist_ens.core.losses import cross_entropy
+  from dist_ens.tasks.classification import cross_entropy
   _, tx, state = _plain_state(spec, members)
 
   def logits_all(params, x):

@@ -235,6 +235,7 @@ def test_posthoc_fits_need_a_validation_split():
     with pytest.raises(ConfigError, match=r'config\.data\.validation_size=0'):
       action.on_step(ctx)
   posthoc.McDropout(2).on_step(ctx)  # MC dropout needs no validation split.
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.select.method = 'best'
   with pytest.raises(ConfigError, match='config.select.method'):
-    posthoc.posthoc_actions(ml_collections.ConfigDict(
-        dict(eval=dict(), select=dict(method='best'))))
+    posthoc.posthoc_actions(config)

@@ -290,7 +290,7 @@ SELECT_METHODS = ('top_k', 'greedy')
 def posthoc_actions(config: ml_collections.ConfigDict) -> list[PeriodicAction]:
   """The post-hoc actions config asks for (config.eval.mc_samples,
   config.eval.temperature_scaling, config.select.method='greedy'), sharing their
-  split log-probabilities. Fields a config lacks count as off."""
+  split log-probabilities."""
   cache, out = SplitLogProbs(), []
   # Snapshots and SWAG samples predict beside the trained members; a BatchEnsemble's
   # members are the trained members (evaluated as such).
