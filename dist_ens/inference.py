@@ -27,6 +27,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import assemble, configuration, data, tasks
+from dist_ens.data import uci
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods
@@ -36,6 +37,17 @@ from dist_ens.parallel import mesh as mesh_lib
 
 PyTree = Any
 Preprocess = Callable[[np.ndarray], np.ndarray]
+
+
+class GaussianPrediction(NamedTuple):
+  """A regression ensemble's prediction for N inputs, in the targets' units (numpy):
+  [N] (or [N, D] for D targets); the members' [M, N] (or [M, N, D])."""
+  mean: np.ndarray  # the mixture's mean
+  variance: np.ndarray  # total: aleatoric + epistemic
+  aleatoric: np.ndarray  # mean of the members' variances
+  epistemic: np.ndarray  # variance of the members' means
+  member_mean: np.ndarray
+  member_variance: np.ndarray
 
 
 class Prediction(NamedTuple):
@@ -93,6 +105,13 @@ def _data_shape(config: ml_collections.ConfigDict,
   return dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
 
 
+def _scale_from(meta: dict[str, Any]) -> uci.Standardizer | None:
+  """The training split's statistics a standardising task saved, or None."""
+  saved = meta.get('standardizer')
+  return None if saved is None else uci.Standardizer(
+      **{k: np.asarray(v, np.float32) for k, v in saved.items()})
+
+
 def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
   # As many devices on 'member' as divide both M and the device count; the rest
   # split each batch over 'data'.
@@ -120,8 +139,9 @@ class Ensemble:
   def __init__(self, config: ml_collections.ConfigDict, model: Model, params: PyTree,
                frozen: np.ndarray, step: int, input_shape: tuple[int, ...], num_classes: int,
                mesh: jax.sharding.Mesh, preprocess: Preprocess | None = None,
-               model_state: PyTree = None):
+               model_state: PyTree = None, scale: uci.Standardizer | None = None):
     self.config, self.model, self.params = config, model, params
+    self.task, self.scale = tasks.get_task(config.task), scale
     self.model_state = {} if model_state is None else model_state
     self.frozen, self.step, self.mesh = np.asarray(frozen, bool), step, mesh
     self.input_shape, self.num_classes = tuple(input_shape), num_classes
@@ -200,7 +220,7 @@ class Ensemble:
         members.frozen))
     return cls(config, parts.model, members.params, frozen, restored.step,
                parts.input_shape, num_classes, mesh, preprocess,
-               model_state=members.model_state)
+               model_state=members.model_state, scale=_scale_from(meta))
 
   @property
   def num_members(self) -> int:
@@ -235,11 +255,9 @@ class Ensemble:
       Prediction of numpy arrays; frozen members are left out of `probs`, `entropy`
       and `mutual_information` but keep their `member_probs`.
     """
-    if tasks.get_task(self.config.task).unscale is not None:  # Regression's Gaussians.
-      raise NotImplementedError(
-          f"predict() gives class probabilities; config.task={self.config.task!r} has no "
-          "predict yet (the run's final_metrics.json holds its test metrics).")
     x = np.asarray(x, np.float32) if preprocessed else self.preprocess(x)
+    if self.task.predict is not None:
+      return self._predict_task(x, batch_size)
     if x.shape[1:] != self.input_shape:
       raise ValueError(f'predict() needs model inputs of shape [N, *{self.input_shape}]; got '
                        f'{x.shape}.')
@@ -262,6 +280,39 @@ class Ensemble:
     probs, member_probs, entropy, mi = zip(*parts)
     return Prediction(np.concatenate(probs), np.concatenate(member_probs, axis=1),
                       np.concatenate(entropy), np.concatenate(mi))
+
+  def _outputs(self, x: np.ndarray, batch_size: int | None, forward) -> list:
+    """[(real rows k, forward((params, model_state), padded chunk, member_mask))] over x
+    in padded chunks."""
+    batch_size = int(batch_size or self.config.eval.batch_size)
+    sharding, outs = mesh_lib.batch_sharding(self.mesh), []
+    for start in range(0, len(x), batch_size):
+      chunk = x[start:start + batch_size]
+      size = self._chunk_size(len(chunk), batch_size)
+      padded = np.concatenate([chunk, np.zeros((size - len(chunk), *chunk.shape[1:]),
+                                               np.float32)])
+      outs.append((len(chunk), forward((self.params, self.model_state),
+                                       data.to_global(padded, sharding), self._member_mask)))
+    return outs
+
+  def _predict_task(self, x: np.ndarray, batch_size: int | None) -> GaussianPrediction:
+    """The task's own prediction (regression: the mixture), in the targets' units."""
+    if self.scale is not None:
+      x = self.scale.apply_inputs(x)
+    if not hasattr(self, '_task_forward'):
+      task, model = self.task, self.model
+      self._task_forward = jax.jit(
+          lambda v, xs, mask: task.predict(member_logits(model, v, xs), mask),
+          out_shardings=mesh_lib.replicated(self.mesh))
+    parts = self._outputs(x, batch_size, self._task_forward)
+    # Members' arrays are [M, B, ...]: their examples (and padding) on axis 1.
+    cut = lambda k, a, n: np.asarray(a)[:, :n] if k.startswith('member_') else np.asarray(a)[:n]
+    out = {k: np.concatenate([cut(k, p[k], n) for n, p in parts],
+                             axis=1 if k.startswith('member_') else 0) for k in parts[0][1]}
+    if self.scale is not None:  # Standardised units -> the targets'.
+      std, mean = self.scale.y_std, self.scale.y_mean
+      out = {k: v * std + mean if k.endswith('mean') else v * std ** 2 for k, v in out.items()}
+    return GaussianPrediction(**out)
 
   def member(self, i: int) -> PyTree:
     """Member i's parameters as a plain pytree of numpy arrays (no member axis).

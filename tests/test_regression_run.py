@@ -85,3 +85,19 @@ def test_the_uci_config_trains_on_a_shipped_set(tmp_path):
   assert final['num_members'] == 5 and np.isfinite(final['ensemble']['nll'])
   # Metrics in the targets' units: an RMSE below the test targets' own spread.
   assert final['ensemble']['rmse'] < np.std(test.y)
+
+
+def test_a_regression_ensemble_loads_and_predicts_in_target_units(tmp_path):
+  (x, y), (xt, yt) = _curve(512, 0), _curve(256, 1)
+  config = _config()
+  final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(
+      x, 1000 * y + 5, xt, 1000 * yt + 5))
+  ensemble = dist_ens.Ensemble.load(str(tmp_path))
+  out = ensemble.predict(xt, batch_size=100)  # Raw inputs; three chunks, one padded.
+  assert out.mean.shape == (256,) and out.member_mean.shape == (4, 256)
+  # In the targets' units: the RMSE equals what training reported on the same test split.
+  rmse = np.sqrt(np.mean((out.mean - (1000 * yt + 5)) ** 2))
+  np.testing.assert_allclose(rmse, final['ensemble']['rmse'], rtol=1e-4)
+  np.testing.assert_allclose(out.variance, out.aleatoric + out.epistemic, rtol=1e-5)
+  np.testing.assert_allclose(out.mean, out.member_mean.mean(0), rtol=1e-5, atol=1e-3)
+  np.testing.assert_allclose(out.epistemic, out.member_mean.var(0), rtol=1e-3, atol=1e-3)

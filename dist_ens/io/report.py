@@ -36,6 +36,7 @@ import jax
 import numpy as np
 
 from dist_ens import assemble, data
+from dist_ens.errors import ConfigError
 from dist_ens.inference import Ensemble, Prediction
 from dist_ens.io import report_plots as plots
 from dist_ens.io.report_data import finite_mean, method_rows, read_events, read_final_metrics
@@ -74,6 +75,10 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
   workdir = Path(workdir)
   final = read_final_metrics(workdir)
   ensemble = Ensemble.load(workdir, devices=devices)
+  if ensemble.task.predict is not None:
+    raise ConfigError(f'dist-ens report draws classification figures (reliability, ensemble '
+                      f'size); config.task={ensemble.config.task!r} has none yet: its metrics '
+                      f'are in {workdir / "final_metrics.json"} and members.csv.')
   test = data.load_dataset(ensemble.config.data.name,
                            assemble.data_spec(ensemble.config)).test
   prediction = ensemble.predict(test.x, preprocessed=True)

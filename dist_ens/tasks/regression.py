@@ -42,6 +42,7 @@ width, variances), so that rescaling them per target dim is exact; NLL is joint 
 (the mixture's density does not factor over them) and shifts by sum_d log(y_std_d).
 """
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -538,7 +539,8 @@ def regression(target_dim: int | None = None) -> Task:
       finalize=finalize,
       ood_metrics=ood_metrics,
       select_metrics=SELECT_METRICS,
-      unscale=sums_to_original_units)
+      unscale=sums_to_original_units,
+      predict=functools.partial(predictive, noise_variance=None))
 
 
 def regression_homoscedastic(target_dim: int | None = None,
@@ -566,4 +568,5 @@ def regression_homoscedastic(target_dim: int | None = None,
       finalize=finalize,
       ood_metrics=ood_metrics,
       select_metrics=SELECT_METRICS,
-      unscale=sums_to_original_units)
+      unscale=sums_to_original_units,
+      predict=functools.partial(predictive, noise_variance=variance))

@@ -39,6 +39,9 @@ class Task(NamedTuple):
       targets' own units: such a task trains on inputs and targets standardised with
       the training split's statistics (regression), and its metrics are reported in
       the original units.
+    predict: None (Ensemble.predict gives class probabilities), or (member outputs
+      [M, N, ...], member_mask [M]) -> {name: array} of the ensemble's prediction in the
+      units the model predicts (regression: the mixture's mean and variances).
   """
   name: str
   output_units: Callable[[Any], int]
@@ -50,4 +53,5 @@ class Task(NamedTuple):
   ood_metrics: Callable[[Any, Any], dict[str, Any]]
   select_metrics: Mapping[str, bool]
   unscale: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
+  predict: Callable[..., dict[str, Any]] | None = None
 

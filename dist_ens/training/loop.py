@@ -96,9 +96,13 @@ class Context:
     """What a checkpoint saves beside the state: enough to rebuild the model without
     the dataset or config.json (the config, input shape, classes), and the training
     time so far."""
-    return {'train_seconds': self.train_seconds(), 'input_shape': list(self.parts.input_shape),
+    meta = {'train_seconds': self.train_seconds(), 'input_shape': list(self.parts.input_shape),
             'num_classes': self.parts.num_outputs,  # the model's outputs (format 2's name)
             'config': json.loads(self.config.to_json())}
+    scale = self.run_data.scale
+    if scale is not None:  # What predict needs to take raw inputs and give target units.
+      meta['standardizer'] = {k: np.asarray(v).tolist() for k, v in scale._asdict().items()}
+    return meta
 
   def train_seconds(self) -> float:
     """Training time of the whole run, resumes included (evaluation left out)."""
