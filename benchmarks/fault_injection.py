@@ -14,7 +14,7 @@ reference run:
               every log_every steps, test at eval_every and at the end) exactly once;
   final json  final_metrics.json is valid strict JSON (no NaN / Infinity tokens);
   exit        the re-run exits 0; a run that fails says why in one line (the CLI's
-              'dist_ens: error: ...') with no traceback on stderr; one stopped by the
+              'dist-ens: error: ...') with no traceback on stderr; one stopped by the
               fault exits by that signal or cleanly, and never hangs (every child is
               bounded by `timeout -k 5`).
 
@@ -65,7 +65,7 @@ OVERRIDES = [f'--config.train.steps={STEPS}', f'--config.train.log_every={LOG_EV
 # A user's second Ctrl-C comes after the first has had time to act (the run is saving).
 SECOND_SIGNAL_AFTER_S = 0.3
 TRACEBACK = 'Traceback (most recent call last)'
-ERROR_PREFIX = 'dist_ens: error:'
+ERROR_PREFIX = 'dist-ens: error:'
 
 
 @dataclass

@@ -91,8 +91,8 @@ def _train_main(argv: list[str]) -> None:
   except (ConfigError, TrainingError) as e:  # Expected failures: one clear line.
     if launched:
       logging.error('%s', e)  # In the log too, with this process's index.
-      distributed.exit_without_barrier(f'dist_ens: error: {e}')
-    sys.exit(f'dist_ens: error: {e}')
+      distributed.exit_without_barrier(f'dist-ens: error: {e}')
+    sys.exit(f'dist-ens: error: {e}')
   except Exception:  # pylint: disable=broad-except
     if not launched:
       raise

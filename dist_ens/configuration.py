@@ -320,6 +320,21 @@ def unknown_field_message(argv: Sequence[str]) -> str | None:
   return None
 
 
+def repeated_override_message(argv: Sequence[str]) -> str | None:
+  """For a --config.X given more than once: the error (ml_collections would join a tuple
+  field's values, --config.model.widths='(8,)' twice training widths (8, 8))."""
+  seen = set()
+  for arg in argv:
+    match = re.match(r'^--?(?:no)?config\.([^=]+)', arg)
+    if not match:
+      continue
+    if match.group(1) in seen:
+      return (f'--config.{match.group(1)} is given more than once; give each field once '
+              '(the values would be combined, not replaced).')
+    seen.add(match.group(1))
+  return None
+
+
 def _is_kind(value, kind: type) -> bool:
   """isinstance, except that a bool is no number and an int may stand for a float."""
   if isinstance(value, bool) and kind is not bool:

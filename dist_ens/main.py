@@ -46,6 +46,9 @@ _HELP_ARGS = ('-h', '--help', '-?', '--helpshort', '--helpfull')
 
 def _parse_flags(argv: list[str], prog: str) -> list[str]:
   """absl's flag parsing, with every error as one line and a non-zero exit."""
+  repeated = configuration.repeated_override_message(argv)
+  if repeated is not None:
+    sys.exit(f'{prog}: error: {repeated} (see {prog} --help)')
   try:
     rest = FLAGS(argv)
   except flags.Error as e:

@@ -67,3 +67,24 @@ def annotated_linen_mlp(num_classes=10):
       return nn.Dense(num_classes)(x)
 
   return Annotated()
+
+
+def thirteen_logits(num_classes=10):
+  """A plain model whose head gives 13 logits whatever the data set's classes."""
+  from examples.plain_jax import make_model  # pylint: disable=g-import-not-at-top
+  del num_classes
+  return make_model(num_classes=13, widths=(8,))
+
+
+def one_row_model(num_classes=10):
+  """A plain model that averages its batch away: one row of logits per batch."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import dist_ens  # pylint: disable=g-import-not-at-top
+  from examples.plain_jax import make_model  # pylint: disable=g-import-not-at-top
+  inner = make_model(num_classes=num_classes, widths=(8,))
+
+  def apply(params, state, x, *, train, rng=None):
+    logits, state = inner.apply(params, state, x, train=train, rng=rng)
+    return jnp.mean(logits, axis=0, keepdims=True), state
+
+  return dist_ens.Model(inner.init, apply)

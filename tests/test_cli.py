@@ -308,3 +308,22 @@ def test_digits_without_scikit_learn_is_one_line_on_the_command_line(tmp_path):
       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=150)
   line = _one_error_line(result)
   assert "needs scikit-learn" in line and "pip install 'dist_ens[digits]'" in line
+
+
+def test_a_field_given_twice_is_refused_in_one_line(tmp_path):
+  line = _one_error_line(_run('--config=configs/default.py', f'--workdir={tmp_path / "w"}',
+                              "--config.model.widths=(8,)", "--config.model.widths=(16,)"))
+  assert line.startswith('dist-ens: error: --config.model.widths is given more than once')
+  assert not (tmp_path / 'w').exists()
+
+
+def test_every_member_diverging_ends_non_zero_in_one_line(tmp_path):
+  result = _run('--config=configs/default.py', f'--workdir={tmp_path / "w"}',
+                '--config.optim.learning_rate=1e10', '--config.num_members=2',
+                '--config.model.widths=(8,)', '--config.train.steps=20',
+                '--config.train.log_every=10', '--config.train.eval_every=0',
+                '--config.checkpoint.every=20', "--config.writers=('jsonl',)")
+  assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-2000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith('dist-ens: error: all 2 members went non-finite'), last
+  assert (tmp_path / 'w' / 'final_metrics.json').exists()  # What was measured is kept.

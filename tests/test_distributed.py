@@ -195,7 +195,7 @@ def test_main_rejects_contradictory_flags(tmp_path):
        f'--workdir={tmp_path / "w"}', '--nodistributed', '--num_processes=2'],
       capture_output=True, text=True, timeout=60, cwd=ROOT, env=env)
   assert result.returncode != 0
-  assert 'dist_ens: error: --nodistributed was given together with' in result.stderr
+  assert 'dist-ens: error: --nodistributed was given together with' in result.stderr
   assert not (tmp_path / 'w').exists()
 
 

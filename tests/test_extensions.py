@@ -89,3 +89,14 @@ def test_a_task_by_import_path_sets_outputs_metrics_and_results(tmp_path):
                    str(tmp_path / 'c'))
   with pytest.raises(ConfigError, match=r"config.task='ranking'.*classification"):
     dist_ens.train(_config(task='ranking'), str(tmp_path / 'd'))
+
+
+@pytest.mark.parametrize('factory,shape', [('ext_fixtures:thirteen_logits', r'\(2, 13\)'),
+                                           ('ext_fixtures:one_row_model', r'\(1, 2\)')])
+def test_a_model_whose_outputs_do_not_fit_the_task_is_refused_before_anything_runs(
+    tmp_path, factory, shape):
+  workdir = tmp_path / 'w'
+  with pytest.raises(ConfigError, match=rf"config.model.factory='{factory}' gives outputs of "
+                                        rf'shape {shape} .* needs \(2, 2\)'):
+    dist_ens.train(_config(model__factory=factory), str(workdir))
+  assert not workdir.exists()  # Nothing written.

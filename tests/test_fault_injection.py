@@ -31,7 +31,7 @@ def test_event_check_flags_repeated_missing_unexpected_and_non_json(tmp_path):
 
 @pytest.mark.parametrize('rc, stderr, signum, problems', [
     (0, 'I1123 log line\n', None, []),
-    (1, 'I log\ndist_ens: error: config.json is not valid JSON\n', None, []),
+    (1, 'I log\ndist-ens: error: config.json is not valid JSON\n', None, []),
     (1, 'Traceback (most recent call last):\n  ...\nValueError: x\n', None,
      ['run: traceback on stderr', 'run: exit 1 without a one-line error']),
     (130, 'I log\n', 2, []),

@@ -414,7 +414,7 @@ def test_process_that_errs_stops_the_other(tmp_path):
   (status0, out0), (status1, out1) = _pair(
       lambda i: [CONFIG, f'--workdir={tmp_path / "w" if i == 0 else stale}', *SMALL,
                  '--config.train.steps=100000', *_explicit(port, i)], 60)  # Fails past 60 s.
-  assert status1 != 0 and 'dist_ens: error:' in out1 and 'num_members' in out1, out1[-3000:]
+  assert status1 != 0 and 'dist-ens: error:' in out1 and 'num_members' in out1, out1[-3000:]
   assert status0 != 0
   assert 'another process probably failed' in out0 or 'Terminating process' in out0, out0[-3000:]
 
@@ -425,7 +425,7 @@ def test_different_configs_fail_on_every_process_naming_fields(tmp_path):
                              *(['--config.seed=7'] if i == 1 else []), *_explicit(port, i)], 60)
   for status, out in results:
     assert status != 0, out[-3000:]
-    assert 'dist_ens: error: the 2 processes resolved different configs' in out, out[-3000:]
+    assert 'dist-ens: error: the 2 processes resolved different configs' in out, out[-3000:]
     assert 'process 1: seed=7 (process 0: 0)' in out
   assert not (tmp_path / 'w').exists()
 

@@ -210,7 +210,7 @@ def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_pa
                XLA_FLAGS='--xla_force_host_platform_device_count=8'))
   assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
   assert proc.stderr.splitlines()[-1] == (
-      f'dist_ens: error: writing into {tmp_path} failed: File too large (the disk, a quota or '
+      f'dist-ens: error: writing into {tmp_path} failed: File too large (the disk, a quota or '
       'a file-size limit is full); the checkpoint at step 4 is intact: free some space and '
       'run the same command again to resume.')
   assert kept == {p: p.read_bytes() for p in kept}

@@ -17,6 +17,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import assemble, configuration, data, tasks
+from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
@@ -377,4 +378,9 @@ def _finish(ctx: Context, traces: int, checkpoint_seconds: float) -> dict[str, A
     logging.info('members, best first by %s %s:\n%s',
                  'validation' if 'validation' in final else 'test', metric,
                  tables.members_table(rows, varying))
+  if len(frozen) == config.num_members:  # Nothing left to ensemble: not a success.
+    raise TrainingError(
+        f'all {config.num_members} members went non-finite (the log names the step by which '
+        f'each did) and the ensemble is undefined; {ctx.workdir / "final_metrics.json"} holds '
+        'what was measured. Lower optim.learning_rate, or check the data for NaN/inf.')
   return final
