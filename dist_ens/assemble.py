@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
+from absl import logging
 import numpy as np
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
@@ -158,12 +159,20 @@ def build_run(config: ml_collections.ConfigDict, *,
 
 def build_mesh(config: ml_collections.ConfigDict,
                devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The ('member', 'data') mesh for the config, checked against M and the batch.
-
-  An axis left at -1 is fitted to the devices (parallel.mesh.make_mesh)."""
+  """The ('member', 'data'[, 'model']) mesh for the config, checked against M and the
+  batch; an axis left at -1 is fitted to the devices (parallel.mesh.make_mesh), and a
+  warning says what to set when that leaves devices idle."""
+  devices = list(jax.devices() if devices is None else devices)
   mesh = mesh_lib.make_mesh(mesh_spec(config), devices, num_members=config.num_members,
                             batch_size=config.data.batch_size)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
+  if mesh.size < len(devices):
+    n, m = len(devices), config.num_members
+    logging.warning(
+        '%d of %d devices stay idle: no mesh over all of them divides config.num_members=%d '
+        '(and data.batch_size=%d); num_members=%d uses every device, or set mesh.member / '
+        'mesh.data / mesh.model whose product is %d.', n - mesh.size, n, m,
+        config.data.batch_size, -(-m // n) * n, n)
   if config.reproducible:
     gradients.check_canonical(config.train.micro_batches, mesh.shape[mesh_lib.DATA])
   return mesh
