@@ -263,32 +263,15 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp,
                       method.hooks)
 
-  _check_outputs(model, input_shape, num_outputs, method.heads, config)
+  field = (f'config.model.factory={config.model.factory!r}' if config.model.factory
+           else f'config.model.name={config.model.name!r}')
+  tasks.check_outputs(model, input_shape, num_outputs, method.heads,
+                      f'{field} (for config.task={config.task!r})')
   one_member = lambda: jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample_x.shape))[0]
   layout = build_layout(method, mesh, config.mesh, one_member)
   abstract = layout.place(jax.eval_shape(init), mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
                abstract, init, method, task, layout)
-
-
-def _check_outputs(model: Model, input_shape: tuple[int, ...], num_outputs: int, heads: int,
-                   config: ml_collections.ConfigDict) -> None:
-  """One line, before anything runs, for a model whose outputs do not fit the task: a
-  batch of 2 must give [2, num_outputs] ([2, heads, num_outputs] for MIMO)."""
-  x = jnp.zeros((2, *input_shape), jnp.float32)
-
-  def forward(key):
-    params, state = model.init(key, x)
-    return model.apply(params, state, x, train=False)[0]
-
-  got = jax.eval_shape(forward, jax.random.key(0)).shape
-  want = (2, heads, num_outputs) if heads else (2, num_outputs)
-  if tuple(got) != want:
-    field = f'config.model.factory={config.model.factory!r}' if config.model.factory else (
-        f'config.model.name={config.model.name!r}')
-    raise ConfigError(f'{field} gives outputs of shape {tuple(got)} for a batch of 2 inputs '
-                      f'{tuple(input_shape)}, but config.task={config.task!r} needs {want} '
-                      '(one row per example, the task\'s output units last).')
 
 
 def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections.ConfigDict,

@@ -96,7 +96,8 @@ def test_a_task_by_import_path_sets_outputs_metrics_and_results(tmp_path):
 def test_a_model_whose_outputs_do_not_fit_the_task_is_refused_before_anything_runs(
     tmp_path, factory, shape):
   workdir = tmp_path / 'w'
-  with pytest.raises(ConfigError, match=rf"config.model.factory='{factory}' gives outputs of "
-                                        rf'shape {shape} .* needs \(2, 2\)'):
+  with pytest.raises(ConfigError, match=rf"config.model.factory='{factory}' \(for config.task="
+                                        rf"'classification'\) gives outputs of shape {shape} "
+                                        r'.* needs \(2, 2\)'):
     dist_ens.train(_config(model__factory=factory), str(workdir))
   assert not workdir.exists()  # Nothing written.

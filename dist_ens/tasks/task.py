@@ -11,7 +11,10 @@ from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from dist_ens.errors import ConfigError
 
 # loss(outputs [B, ...], targets [B, ...], this member's hyperparameters) -> the mean loss.
 Loss = Callable[[jax.Array, jax.Array, Mapping[str, Any]], jax.Array]
@@ -55,3 +58,21 @@ class Task(NamedTuple):
   unscale: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
   predict: Callable[..., dict[str, Any]] | None = None
 
+
+def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int, heads: int,
+                  what: str) -> None:
+  """One line, before anything runs, for a model whose outputs do not fit the task: a
+  batch of 2 must give [2, num_outputs] ([2, heads, num_outputs] for MIMO's heads).
+  `model` is a dist_ens.core.model.Model; `what` names its config field."""
+  x = jnp.zeros((2, *input_shape), jnp.float32)
+
+  def forward(key):
+    params, state = model.init(key, x)
+    return model.apply(params, state, x, train=False)[0]
+
+  got = tuple(jax.eval_shape(forward, jax.random.key(0)).shape)
+  want = (2, heads, num_outputs) if heads else (2, num_outputs)
+  if got != want:
+    raise ConfigError(f'{what} gives outputs of shape {got} for a batch of 2 inputs '
+                      f'{tuple(input_shape)}, but the task needs {want} (one row per example, '
+                      "the task's output units last).")
