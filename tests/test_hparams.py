@@ -127,6 +127,8 @@ def test_sweep_member_equals_a_run_where_every_member_has_its_values(tmp_path, o
   sweep = dist_ens.train(_config(optim__name=optimizer, **fields), str(tmp_path / 'sweep'))
   assert sweep['train_step_traces'] == 1
   assert set(sweep['hyperparameters']) == {k.replace('__', '.') for k in fields}
+  for k, v in fields.items():  # As written, not as float32 rounds them (0.0010000000474...).
+    assert sweep['hyperparameters'][k.replace('__', '.')] == v
   i = 2  # One member that is not the first (each single run costs a compile).
   scalars = {k: v[i] for k, v in fields.items()}
   single = dist_ens.train(_config(optim__name=optimizer, **scalars), str(tmp_path / f'single{i}'))

@@ -116,6 +116,12 @@ def _check_range(field: str, values: np.ndarray, shown: Any) -> None:
     raise ConfigError(f'config.{field}={shown!r}: every value must be finite and {bound}.')
 
 
+def as_written(values: np.ndarray) -> list[float]:
+  """float32 values as the shortest decimals that round to them (0.001, not
+  0.0010000000474974513), for results files and tables."""
+  return [float(str(v)) for v in np.asarray(values, np.float32).reshape(-1)]
+
+
 def resolve(spec: HparamsSpec) -> dict[str, np.ndarray]:
   """Each of FIELDS as a float32 array [spec.num_members], sweep specs expanded.
 

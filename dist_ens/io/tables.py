@@ -61,7 +61,7 @@ def member_rows(final: dict[str, Any], member_hparams: dict[str, np.ndarray],
   frozen = set(final.get('frozen_members', []))
   for i in range(final['num_members']):
     row: dict[str, Any] = {'member': i}
-    row.update({field: float(v[i]) for field, v in member_hparams.items()})
+    row.update({field: float(str(np.float32(v[i]))) for field, v in member_hparams.items()})
     if validation is not None:
       row.update({f'val_{name}': validation['members'][name][i]
                   for name in _member_metrics(validation, ranking_only=True)})

@@ -366,7 +366,7 @@ def _finish(ctx: Context, traces: int, checkpoint_seconds: float) -> dict[str, A
            'train_seconds': ctx.train_seconds(), 'checkpoint_blocking_seconds': checkpoint_seconds}
   varying = hparams_lib.varying(ctx.parts.hparams)
   if varying:
-    final['hyperparameters'] = {f: ctx.parts.hparams[f].tolist() for f in varying}
+    final['hyperparameters'] = {f: hparams_lib.as_written(ctx.parts.hparams[f]) for f in varying}
   final.update(results)  # ood, validation, selected, and what user actions added.
   metric = config.select.metric
   rows = tables.member_rows(final, ctx.parts.hparams, final.get('validation'), metric,
