@@ -200,7 +200,7 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
   run = assemble.Run(config, parts, run_data, form)
   mesh, dataset = parts.mesh, run_data.dataset
   _prepare_workdir(workdir, config)
-  logging.info('mesh %s over %d of %d %s devices, %d process(es); %d x %s on %s',
+  logging.info('mesh %s over %d of %d %s device(s), %d process(es); %d x %s on %s',
                dict(mesh.shape), mesh.size, jax.device_count(), mesh.devices.flat[0].platform,
                jax.process_count(), config.num_members, config.model.factory or config.model.name,
                dataset.name)
