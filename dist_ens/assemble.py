@@ -265,7 +265,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
 
   field = (f'config.model.factory={config.model.factory!r}' if config.model.factory
            else f'config.model.name={config.model.name!r}')
-  tasks.check_outputs(model, input_shape, num_outputs, method.heads,
+  tasks.check_outputs(model, input_shape, num_outputs,
                       f'{field} (for config.task={config.task!r})')
   one_member = lambda: jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample_x.shape))[0]
   layout = build_layout(method, mesh, config.mesh, one_member)

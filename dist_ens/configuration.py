@@ -320,19 +320,17 @@ def unknown_field_message(argv: Sequence[str]) -> str | None:
   return None
 
 
-def repeated_override_message(argv: Sequence[str]) -> str | None:
-  """For a --config.X given more than once: the error (ml_collections would join a tuple
-  field's values, --config.model.widths='(8,)' twice training widths (8, 8))."""
-  seen = set()
-  for arg in argv:
+def last_overrides(argv: Sequence[str]) -> list[str]:
+  """argv with only the last of each repeated --config.X: the last value wins, as for
+  any flag (ml_collections would join a tuple field's values: widths '(8,)' then '(16,)'
+  trained (8, 16))."""
+  last = {}
+  for i, arg in enumerate(argv):
     match = re.match(r'^--?(?:no)?config\.([^=]+)', arg)
-    if not match:
-      continue
-    if match.group(1) in seen:
-      return (f'--config.{match.group(1)} is given more than once; give each field once '
-              '(the values would be combined, not replaced).')
-    seen.add(match.group(1))
-  return None
+    if match:
+      last[match.group(1)] = i
+  return [arg for i, arg in enumerate(argv)
+          if not (m := re.match(r'^--?(?:no)?config\.([^=]+)', arg)) or last[m.group(1)] == i]
 
 
 def _is_kind(value, kind: type) -> bool:

@@ -46,9 +46,6 @@ _HELP_ARGS = ('-h', '--help', '-?', '--helpshort', '--helpfull')
 
 def _parse_flags(argv: list[str], prog: str) -> list[str]:
   """absl's flag parsing, with every error as one line and a non-zero exit."""
-  repeated = configuration.repeated_override_message(argv)
-  if repeated is not None:
-    sys.exit(f'{prog}: error: {repeated} (see {prog} --help)')
   try:
     rest = FLAGS(argv)
   except flags.Error as e:
@@ -137,7 +134,7 @@ def entry(argv: Sequence[str] | None = None) -> None:
     signal.signal(signum, functools.partial(_stop_at_once, prog))
   commands.COMMANDS[name].define_flags(FLAGS)
   # config_flags reads the --config.x overrides from sys.argv, without the command.
-  sys.argv = [argv[0], *rest]
+  sys.argv = [argv[0], *configuration.last_overrides(rest)]
   try:
     app.run(commands.COMMANDS[name].main, argv=sys.argv,
             flags_parser=lambda args: _parse_flags(args, prog))

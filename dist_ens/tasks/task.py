@@ -59,11 +59,11 @@ class Task(NamedTuple):
   predict: Callable[..., dict[str, Any]] | None = None
 
 
-def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int, heads: int,
+def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int,
                   what: str) -> None:
-  """One line, before anything runs, for a model whose outputs do not fit the task: a
-  batch of 2 must give [2, num_outputs] ([2, heads, num_outputs] for MIMO's heads).
-  `model` is a dist_ens.core.model.Model; `what` names its config field."""
+  """One line, before anything runs, for a model whose outputs do not fit the task: in
+  evaluation mode a batch of 2 must give [2, num_outputs] (a MIMO member gives its heads'
+  mean there). `model` is a dist_ens.core.model.Model; `what` names its config field."""
   x = jnp.zeros((2, *input_shape), jnp.float32)
 
   def forward(key):
@@ -71,7 +71,7 @@ def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int, he
     return model.apply(params, state, x, train=False)[0]
 
   got = tuple(jax.eval_shape(forward, jax.random.key(0)).shape)
-  want = (2, heads, num_outputs) if heads else (2, num_outputs)
+  want = (2, num_outputs)
   if got != want:
     raise ConfigError(f'{what} gives outputs of shape {got} for a batch of 2 inputs '
                       f'{tuple(input_shape)}, but the task needs {want} (one row per example, '
