@@ -15,8 +15,11 @@
 #   throughput  the throughput grid on the GPU with every torch variant (torch/compile:
 #               CUDA graphs; torch/amp: bfloat16 autocast and channels_last) and auto/bf16
 #   resnet      the ResNet-20 cells on the GPU (JAX forms only)
+#   model_axis  the ViT ladder's model=1 column by XLA:GPU's memory analysis (1 member on 1
+#               device: model=1's program per device), 3 steps of each run for the
+#               allocator's peak (model > 1 needs more GPUs than one)
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|tests|throughput|resnet}
+stage=${1:?usage: gpu_session.sh check|tests|throughput|resnet|model_axis}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -49,8 +52,14 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
     timeout -k 10 560 python3 benchmarks/resnet20.py --members 1,4,16 --no_torch --no_memory \
       --out "$out/resnet20_gpu.json" 2>&1 | tee "$out/resnet.log"
     ;;
+  model_axis)
+    # The CPU's table (results/model_axis.json) is XLA:CPU's buffer assignment; this reads
+    # XLA:GPU's for the same members and what the allocator really peaks at.
+    timeout -k 10 560 python3 benchmarks/model_axis.py --device gpu --run_steps 3 \
+      --budgets_gb 2,8,70 --out "$out/model_axis_gpu.json" 2>&1 | tee "$out/model_axis.log"
+    ;;
   *)
-    echo "unknown stage $stage: check, tests, throughput or resnet" >&2
+    echo "unknown stage $stage: check, tests, throughput, resnet or model_axis" >&2
     exit 2
     ;;
 esac
