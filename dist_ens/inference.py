@@ -28,6 +28,7 @@ from absl import logging
 
 from dist_ens import assemble, configuration, data, tasks
 from dist_ens.data import uci
+from dist_ens.io.member_files import load_member, path_key  # noqa: F401  (load_member: API)
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods
@@ -258,25 +259,8 @@ class Ensemble:
     x = np.asarray(x, np.float32) if preprocessed else self.preprocess(x)
     if self.task.predict is not None:
       return self._predict_task(x, batch_size)
-    if x.shape[1:] != self.input_shape:
-      raise ValueError(f'predict() needs model inputs of shape [N, *{self.input_shape}]; got '
-                       f'{x.shape}.')
-    n = len(x)
-    if n == 0:
-      raise ValueError('predict() got an empty batch; pass at least one input.')
-    batch_size = int(batch_size or self.config.eval.batch_size)
-    sharding = mesh_lib.batch_sharding(self.mesh)
-    outputs = []
-    for start in range(0, n, batch_size):
-      chunk = x[start:start + batch_size]
-      size = self._chunk_size(len(chunk), batch_size)
-      padded = np.concatenate([chunk, np.zeros((size - len(chunk), *chunk.shape[1:]),
-                                               np.float32)])
-      outputs.append((len(chunk), self._forward((self.params, self.model_state),
-                                                data.to_global(padded, sharding),
-                                                self._member_mask)))
     parts = [(np.asarray(p)[:k], np.asarray(mp)[:, :k], np.asarray(e)[:k], np.asarray(mi)[:k])
-             for k, (p, mp, e, mi) in outputs]
+             for k, (p, mp, e, mi) in self._outputs(x, batch_size, self._forward)]
     probs, member_probs, entropy, mi = zip(*parts)
     return Prediction(np.concatenate(probs), np.concatenate(member_probs, axis=1),
                       np.concatenate(entropy), np.concatenate(mi))
@@ -284,6 +268,11 @@ class Ensemble:
   def _outputs(self, x: np.ndarray, batch_size: int | None, forward) -> list:
     """[(real rows k, forward((params, model_state), padded chunk, member_mask))] over x
     in padded chunks."""
+    if x.shape[1:] != self.input_shape:
+      raise ValueError(f'predict() needs model inputs of shape [N, *{self.input_shape}]; got '
+                       f'{x.shape}.')
+    if len(x) == 0:
+      raise ValueError('predict() got an empty batch; pass at least one input.')
     batch_size = int(batch_size or self.config.eval.batch_size)
     sharding, outs = mesh_lib.batch_sharding(self.mesh), []
     for start in range(0, len(x), batch_size):
@@ -351,7 +340,7 @@ class Ensemble:
       return paths
     directory.mkdir(parents=True, exist_ok=True)
     for path, params in zip(paths, members):
-      flat = {_path_key(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+      flat = {path_key(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
       with tempfile.NamedTemporaryFile(dir=directory, suffix='.npz', delete=False) as tmp:
         np.savez(tmp, **flat)
       os.replace(tmp.name, path)
@@ -363,48 +352,3 @@ class Ensemble:
             'data': self.config.data.name, 'model': self.config.model.to_dict()}
     (directory / 'ensemble.json').write_text(json.dumps(meta, indent=2, default=list))
     return paths
-
-
-def _path_key(path: tuple[Any, ...]) -> str:
-  parts = []
-  for entry in path:
-    if isinstance(entry, jax.tree_util.SequenceKey):
-      parts.append(str(entry.idx))
-    elif isinstance(entry, jax.tree_util.DictKey):
-      parts.append(str(entry.key))
-    elif isinstance(entry, jax.tree_util.GetAttrKey):
-      parts.append(entry.name)
-    else:
-      parts.append(str(entry))
-  return '/'.join(parts)
-
-
-def load_member(path: str | os.PathLike) -> PyTree:
-  """One exported member's parameters as the pytree it was trained as (numpy only).
-
-  Nested dicts are rebuilt from the '/'-joined keys; a level whose keys are all
-  integers becomes a list.
-
-  Example:
-    params = load_member('/tmp/members/member_0.npz')
-    params[0]['w'].shape  # MLP: first layer's weights
-  """
-  with np.load(path) as f:
-    flat = {key: f[key] for key in f.files}
-  tree: dict[str, Any] = {}
-  for key, value in flat.items():
-    node = tree
-    *parents, leaf = key.split('/')
-    for part in parents:
-      node = node.setdefault(part, {})
-    node[leaf] = value
-
-  def listify(node: Any) -> Any:
-    if not isinstance(node, dict):
-      return node
-    node = {k: listify(v) for k, v in node.items()}
-    if node and all(k.isdigit() for k in node):
-      return [node[str(i)] for i in range(len(node))]
-    return node
-
-  return listify(tree)

@@ -55,7 +55,7 @@ from dist_ens.eval import regression as reg
 from dist_ens.tasks.regression_eval import (  # noqa: F401  (the task's API)
     RegressionEval, RegressionExamples, _as_matrix, finalize, gaussian_eval_batch,
     ood_metrics, sums_to_original_units, to_original_units)
-from dist_ens.tasks.task import Task
+from dist_ens.tasks.task import Loss, Task
 
 # Added to softplus(raw): keeps log(variance) and 1/variance finite in float32 when the raw
 # output runs very negative (softplus underflows to 0 below about -100).
@@ -228,25 +228,32 @@ def predictive(member_outputs: jax.Array, member_mask: jax.Array | None = None,
 SELECT_METRICS = {'nll': False, 'rmse': False, 'crps': False}
 
 
+def _gaussian_task(name: str, target_dim: int | None, means_only: bool, loss: Loss,
+                   noise_variance: Any) -> Task:
+  """A Gaussian regression task: the model gives D means (means_only; the variance is
+  `noise_variance`) or D means and D raw variances."""
+  dim = lambda dataset: target_dim or dataset_target_dim(dataset)
+  return Task(
+      name=name,
+      output_units=lambda dataset: dim(dataset) * (1 if means_only else 2),
+      loss=loss,
+      batch_metrics=_batch_mse(noise_variance),
+      check_targets=lambda y, dataset, what: check_targets(y, dim(dataset), what),
+      eval_batch=_eval_batch(noise_variance),
+      finalize=finalize,
+      ood_metrics=ood_metrics,
+      select_metrics=SELECT_METRICS,
+      unscale=sums_to_original_units,
+      predict=functools.partial(predictive, noise_variance=noise_variance))
+
+
 def regression(target_dim: int | None = None) -> Task:
   """The heteroscedastic Gaussian task (config.task = 'regression'; see the module doc).
 
   Args:
     target_dim: D; None reads it from the dataset's targets (dataset_target_dim).
   """
-  dim = lambda dataset: target_dim or dataset_target_dim(dataset)
-  return Task(
-      name='regression',
-      output_units=lambda dataset: 2 * dim(dataset),
-      loss=gaussian_nll_loss,
-      batch_metrics=_batch_mse(None),
-      check_targets=lambda y, dataset, what: check_targets(y, dim(dataset), what),
-      eval_batch=_eval_batch(None),
-      finalize=finalize,
-      ood_metrics=ood_metrics,
-      select_metrics=SELECT_METRICS,
-      unscale=sums_to_original_units,
-      predict=functools.partial(predictive, noise_variance=None))
+  return _gaussian_task('regression', target_dim, False, gaussian_nll_loss, None)
 
 
 def regression_homoscedastic(target_dim: int | None = None,
@@ -263,16 +270,4 @@ def regression_homoscedastic(target_dim: int | None = None,
   if variance.ndim > 1 or not np.all(np.isfinite(variance) & (variance > 0)):
     raise ConfigError(f'regression_homoscedastic(): noise_variance={noise_variance!r} must be '
                       'a positive number or one per target dim.')
-  dim = lambda dataset: target_dim or dataset_target_dim(dataset)
-  return Task(
-      name='regression_homoscedastic',
-      output_units=dim,
-      loss=mse_loss,
-      batch_metrics=_batch_mse(variance),
-      check_targets=lambda y, dataset, what: check_targets(y, dim(dataset), what),
-      eval_batch=_eval_batch(variance),
-      finalize=finalize,
-      ood_metrics=ood_metrics,
-      select_metrics=SELECT_METRICS,
-      unscale=sums_to_original_units,
-      predict=functools.partial(predictive, noise_variance=variance))
+  return _gaussian_task('regression_homoscedastic', target_dim, True, mse_loss, variance)
