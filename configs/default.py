@@ -107,6 +107,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 'shared' (every member the same batch), 'shuffled' (own order per member) or
   # 'bootstrap' (own resample per member: bagging).
   config.data.member_order = 'shared'
+  # K-fold or repeated hold-out as one run: 'kfold:K' or 'holdout:S[:F]' gives member
+  # block s of M / S its own training part and held-out part of train (docs/data.md);
+  # '' = every member trains on all of train.
+  config.data.member_split = ''
   # On-device augmentation, drawn per member and per example from (seed, member, step,
   # example index): 'none', 'crop_flip' (pad 4, random crop; mirror for images) or
   # your own fn(key, x_example) -> x_example by import path, 'my_pkg.aug:fn'.

@@ -57,6 +57,9 @@ class RunData(NamedTuple):
   # The training split's statistics every split was standardised with, for a task
   # that trains on standardised data (Task.unscale); None otherwise.
   scale: uci.Standardizer | None = None
+  # config.data.member_split's splits of the training split (each member trains on its
+  # split's part, order draws from it; training/held_out.py evaluates the rest), or None.
+  member_splits: data.MemberSplits | None = None
 
 
 class Parts(NamedTuple):
@@ -151,7 +154,8 @@ def build_run(config: ml_collections.ConfigDict, *,
   if shapes is None:
     run_data = build_data(config, dataset)
     dataset = run_data.dataset
-    config = configuration.resolve_epochs(config, dataset.train.num_examples)
+    # An epoch is one pass over a member's training examples (all of train, or its split's).
+    config = configuration.resolve_epochs(config, run_data.order.examples_per_epoch)
     shapes = dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
   parts = build_parts(config, mesh, *shapes, optimizer=optimizer)
   return Run(config, parts, run_data, member_form(parts, config.data.batch_size))
@@ -201,10 +205,28 @@ def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None =
                       f'{dataset.train.num_examples} training examples of {dataset.name}.')
   ood_name = config.eval.ood_dataset
   ood_split = ood.load_ood_split(ood_name, dataset, data_spec(config)) if ood_name else None
+  splits = _member_splits(config, dataset.train.num_examples)
   order = data.Order(config.data.member_order, dataset.train.num_examples,
-                     config.data.batch_size, config.seed)
-  run_data = RunData(dataset, validation, ood_split, order)
+                     config.data.batch_size, config.seed,
+                     pools=splits and splits.train,
+                     member_pool=splits and [splits.split_of(m) for m in range(config.num_members)])
+  run_data = RunData(dataset, validation, ood_split, order, member_splits=splits)
   return run_data if task.unscale is None else _standardized(run_data)
+
+
+def _member_splits(config: ml_collections.ConfigDict,
+                   num_examples: int) -> data.MemberSplits | None:
+  """config.data.member_split's splits of the training split, checked against the batch."""
+  spec = config.data.member_split
+  if not spec:
+    return None
+  splits = data.make_member_splits(spec, num_examples, config.num_members, config.seed)
+  smallest = min(map(len, splits.train))
+  if config.data.batch_size > smallest:
+    raise ConfigError(f'config.data.batch_size={config.data.batch_size} exceeds the {smallest} '
+                      f'training examples a member of config.data.member_split={spec!r} has; '
+                      f'use a batch of at most {smallest}.')
+  return splits
 
 
 def _standardized(run_data: RunData) -> RunData:

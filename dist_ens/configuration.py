@@ -218,6 +218,7 @@ def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 # Fields added since checkpoint format 2, with the value every run had before them.
 ADDED_FIELDS = {'task': 'classification'}
 MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'rules': [], 'logical_rules': []}
+DATA_FIELDS = {'member_split': ''}
 
 
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
@@ -232,6 +233,8 @@ def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
   mesh = out.get('mesh')
   if isinstance(mesh, dict):
     out['mesh'] = {**MESH_FIELDS, **mesh}
+  if isinstance(out.get('data'), dict):
+    out['data'] = {**DATA_FIELDS, **out['data']}
   return out
 
 

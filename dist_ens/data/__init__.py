@@ -7,6 +7,7 @@ import numpy as np
 from dist_ens.data.pipeline import (MEMBER_ORDERS, Batches, BatchIterator, IteratorState, Order,
                                     PipelineStats, host_block, host_rows, local_indices,
                                     to_global)
+from dist_ens.data.member_split import MemberSplits, make_member_splits
 from dist_ens.data.sources import SOURCES, Dataset, Source, Split, Subset
 from dist_ens.data.spec import DataSpec
 from dist_ens.data import uci
@@ -126,6 +127,6 @@ def split_validation(source: Source, size: int) -> tuple[Source, Split]:
   return Subset(source, train), Split(*source.read(val))
 
 
-__all__ = ['Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
+__all__ = ['MemberSplits', 'make_member_splits', 'Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
            'PipelineStats', 'SOURCES', 'Source', 'Split', 'Subset', 'host_block', 'host_rows',
            'load_dataset', 'local_indices', 'prepare_command', 'preprocess', 'split_validation', 'to_global']

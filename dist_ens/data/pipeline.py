@@ -12,6 +12,11 @@ Member orders (config.data.member_order):
   'bootstrap'  member i trains on its own resample with replacement of the train
                split, drawn once from (seed, i), visited in a fresh order per epoch.
 The last two give [M, B, ...] batches sharded over ('member', 'data').
+
+With member pools (config.data.member_split, data/member_split.py) member i draws only
+from its own pool of indices: 'shared' gives the members of one pool the same batches
+(an order drawn from (seed, pool), so not from the member), 'shuffled' and 'bootstrap'
+as above but over the pool; batches are then always [M, B, ...].
 """
 
 import queue
@@ -28,7 +33,7 @@ from dist_ens.data.sources import Source
 
 MEMBER_ORDERS = ('shared', 'shuffled', 'bootstrap')
 # Stream tags keep the orders' random streams apart.
-_SHUFFLED, _BOOTSTRAP_DRAW, _BOOTSTRAP_ORDER = 1, 2, 3
+_SHUFFLED, _BOOTSTRAP_DRAW, _BOOTSTRAP_ORDER, _POOL_SHARED = 1, 2, 3, 4
 
 
 class IteratorState(NamedTuple):
@@ -39,35 +44,57 @@ class IteratorState(NamedTuple):
 class Order:
   """The example indices of every batch, for one member order."""
 
-  def __init__(self, kind: str, num_examples: int, batch_size: int, seed: int):
+  def __init__(self, kind: str, num_examples: int, batch_size: int, seed: int,
+               pools: Sequence[np.ndarray] | None = None,
+               member_pool: Sequence[int] | None = None):
+    """`pools`: source index sets; member i draws from pools[member_pool[i]] (None: every
+    member from all examples). An epoch is then one pass over the smallest pool."""
     if kind not in MEMBER_ORDERS:
       raise ValueError(f'config.data.member_order={kind!r}; use one of {MEMBER_ORDERS}.')
-    if batch_size > num_examples:
-      raise ValueError(f'batch_size={batch_size} exceeds the {num_examples} training examples.')
+    self._pools = None if pools is None else [np.asarray(p) for p in pools]
+    self._member_pool = None if pools is None else list(member_pool)
+    self.examples_per_epoch = num_examples if pools is None else min(map(len, self._pools))
+    if batch_size > self.examples_per_epoch:
+      raise ValueError(f'batch_size={batch_size} exceeds the {self.examples_per_epoch} '
+                       'training examples' + ('' if pools is None else ' of a member\'s pool') + '.')
     self.kind, self._n, self._batch_size, self._seed = kind, num_examples, batch_size, seed
-    self.batches_per_epoch = num_examples // batch_size  # The remainder is dropped.
+    # The remainder is dropped.
+    self.batches_per_epoch = self.examples_per_epoch // batch_size
     self._cache: dict[tuple[int, int | None], np.ndarray] = {}
 
   @property
   def per_member(self) -> bool:
-    return self.kind != 'shared'
+    return self.kind != 'shared' or self._pools is not None
 
   def _epoch_order(self, epoch: int, member: int | None) -> np.ndarray:
     key = (epoch, member)
     if key not in self._cache:
       if len(self._cache) > 1024:  # Old epochs are never read again.
         self._cache = {k: v for k, v in self._cache.items() if k[0] >= epoch}
-      if self.kind == 'shared':
-        order = np.random.default_rng([self._seed, epoch]).permutation(self._n)
-      elif self.kind == 'shuffled':
-        order = np.random.default_rng([self._seed, _SHUFFLED, member, epoch]).permutation(self._n)
-      else:
-        draw = np.random.default_rng([self._seed, _BOOTSTRAP_DRAW, member]).integers(
-            0, self._n, self._n)
-        order = draw[np.random.default_rng([self._seed, _BOOTSTRAP_ORDER, member, epoch])
-                     .permutation(self._n)]
-      self._cache[key] = order
+      self._cache[key] = (self._draw(epoch, member) if self._pools is None
+                          else self._draw_pool(epoch, member))
     return self._cache[key]
+
+  def _draw(self, epoch: int, member: int | None) -> np.ndarray:
+    n, seed = self._n, self._seed
+    if self.kind == 'shared':
+      return np.random.default_rng([seed, epoch]).permutation(n)
+    if self.kind == 'shuffled':
+      return np.random.default_rng([seed, _SHUFFLED, member, epoch]).permutation(n)
+    draw = np.random.default_rng([seed, _BOOTSTRAP_DRAW, member]).integers(0, n, n)
+    return draw[np.random.default_rng([seed, _BOOTSTRAP_ORDER, member, epoch]).permutation(n)]
+
+  def _draw_pool(self, epoch: int, member: int) -> np.ndarray:
+    pool_id, seed = self._member_pool[member], self._seed
+    pool = self._pools[pool_id]
+    n = len(pool)
+    if self.kind == 'shared':  # One order per pool, whichever of its members asks.
+      return pool[np.random.default_rng([seed, _POOL_SHARED, pool_id, epoch]).permutation(n)]
+    if self.kind == 'shuffled':
+      return pool[np.random.default_rng([seed, _SHUFFLED, member, epoch]).permutation(n)]
+    draw = np.random.default_rng([seed, _BOOTSTRAP_DRAW, member]).integers(0, n, n)
+    return pool[draw[np.random.default_rng([seed, _BOOTSTRAP_ORDER, member, epoch])
+                     .permutation(n)]]
 
   def indices(self, state: IteratorState, members: range | None = None) -> np.ndarray:
     """Indices of the batch at `state`: [B] for 'shared', else [len(members), B]."""

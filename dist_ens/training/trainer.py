@@ -23,7 +23,7 @@ from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.io import tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
-from dist_ens.training import actions as actions_lib, posthoc, workdir as workdir_lib
+from dist_ens.training import actions as actions_lib, held_out, posthoc, workdir as workdir_lib
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 
@@ -165,6 +165,8 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
     out.append(actions_lib.ScoreOod())
   if ctx.run_data.validation is not None:
     out.append(actions_lib.Validate())
+  if ctx.run_data.member_splits is not None:
+    out.append(held_out.EvaluateHeldOut())
   if config.select.top_k and config.select.method == 'top_k':
     out.append(actions_lib.SelectTopK())
   out += posthoc.posthoc_actions(config)

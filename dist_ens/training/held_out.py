@@ -1,0 +1,82 @@
+"""After the last step of a config.data.member_split run: each split's ensemble on its own
+held-out examples, and the mean and standard error over splits.
+
+Split s's members (a block of M / S, data/member_split.py) are evaluated together on split
+s's held-out part of the training split: the ensemble is theirs alone (a member mask), the
+metrics are the task's, in the targets' units where the task standardises. Every split
+runs the run's one compiled evaluation program (the held-out parts are padded to one
+batch size). The results go to final_metrics.json under 'member_split':
+
+  {'spec': 'holdout:20', 'splits': 20, 'members_per_split': 5,
+   'ensemble':    {metric: {'mean': ..., 'se': ...}},   # over the splits' ensembles
+   'member_mean': {metric: {'mean': ..., 'se': ...}},   # over splits, of the mean member
+   'members':     {metric: [M values]},                  # each member on its split's part
+   'per_split':   [{'held_out': n, 'ensemble': {metric: value}}, ...]}
+
+The split ensembles evaluate all M members on each held-out part and read off their own:
+S times the members' work of the smallest program, and one program, not S.
+"""
+
+import copy
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+
+from dist_ens import data
+from dist_ens.data.member_split import aggregate
+from dist_ens.parallel.mesh import member_sharding
+from dist_ens.training.loop import Context, PeriodicAction
+
+
+def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
+  return {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
+
+
+def evaluate_held_out(ctx: Context) -> dict[str, Any]:
+  """The 'member_split' results of the run in `ctx` (see the module doc)."""
+  splits: data.MemberSplits = ctx.run_data.member_splits
+  m, e = ctx.config.num_members, splits.members_per_split
+  frozen = np.asarray(ctx.fetch(ctx.state.frozen), bool)
+  train = ctx.run_data.dataset.train
+  evaluator = copy.copy(ctx.evaluator)  # One batch size for all parts: one program.
+  evaluator.batch_size = min(ctx.config.eval.batch_size, max(map(len, splits.held_out)))
+  members: dict[str, list[float]] = {}
+  per_split = []
+  for s, held in enumerate(splits.held_out):
+    mask = np.zeros(m, bool)
+    mask[s * e:(s + 1) * e] = True
+    mask &= ~frozen
+    results = evaluator.evaluate(ctx.state, data.Split(*train.read(held)),
+                                 jax.device_put(mask, member_sharding(ctx.parts.mesh)))
+    for name, values in results['members'].items():
+      if np.ndim(values) == 1 and len(values) == m:
+        members.setdefault(name, []).extend(np.asarray(values, float)[s * e:(s + 1) * e])
+    per_split.append({'held_out': len(held), 'ensemble': _scalars(results['ensemble'])})
+  ensemble = {k: aggregate([p['ensemble'][k] for p in per_split])
+              for k in per_split[0]['ensemble']}
+  member_mean = {k: aggregate([np.mean(v[s * e:(s + 1) * e]) for s in range(splits.count)])
+                 for k, v in members.items()}
+  return {'spec': splits.spec, 'splits': splits.count, 'members_per_split': e,
+          'ensemble': ensemble, 'member_mean': member_mean,
+          'members': {k: [float(x) for x in v] for k, v in members.items()},
+          'per_split': per_split}
+
+
+class EvaluateHeldOut(PeriodicAction):
+  """After the last step: evaluate_held_out into ctx.results['member_split'] and a log line."""
+
+  def __init__(self):
+    super().__init__(0, at_end=True)
+
+  def run(self, ctx: Context) -> None:
+    with ctx.off_clock():
+      results = evaluate_held_out(ctx)
+    ctx.results['member_split'] = results
+    if ctx.writes_final_events:
+      ctx.write({'step': ctx.step, 'split': 'held_out', 'member_split': results})
+    shown = [k for k in ('accuracy', 'rmse', 'nll') if k in results['ensemble']]
+    logging.info('held-out (%s, %d splits): ensemble %s', results['spec'], results['splits'],
+                 ', '.join(f"{k} {results['ensemble'][k]['mean']:.4f} +- "
+                           f"{results['ensemble'][k]['se']:.4f}" for k in shown))

@@ -1,0 +1,152 @@
+"""config.data.member_split: K-fold and repeated hold-out as one run. Each member trains
+on exactly its split's examples (checked by index through the input pipeline), each split's
+ensemble is evaluated on its own held-out part (checked against an independent numpy
+computation from Ensemble.predict), and results aggregate as mean +- standard error."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import dist_ens
+from dist_ens import assemble, data
+from dist_ens.data import member_split, uci
+from dist_ens.errors import ConfigError
+
+DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
+
+
+def test_kfold_folds_partition_the_pool_and_each_split_trains_on_the_rest():
+  splits = member_split.make_member_splits('kfold:4', 103, 8, seed=3)
+  held = np.concatenate(splits.held_out)
+  assert sorted(held.tolist()) == list(range(103))  # Disjoint folds covering the pool.
+  assert sorted(map(len, splits.held_out)) == [25, 26, 26, 26]
+  for train, out in zip(splits.train, splits.held_out):
+    assert not set(train) & set(out) and len(train) + len(out) == 103
+  assert [splits.split_of(m) for m in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+  again = member_split.make_member_splits('kfold:4', 103, 8, seed=3)
+  assert all(np.array_equal(a, b) for a, b in zip(splits.held_out, again.held_out))
+
+
+def test_holdout_splits_are_the_uci_protocols_splits():
+  x, y = uci.read_uci(uci.SHIPPED['yacht'])
+  splits = member_split.make_member_splits('holdout:3', len(y), 6, seed=0)
+  for s in range(3):
+    train, test = uci.load_uci('uci:yacht', split_index=s)
+    assert np.array_equal(x[splits.train[s]], train.x)
+    assert np.array_equal(y[splits.held_out[s]], test.y)
+  assert len(member_split.make_member_splits('holdout:2:0.25', 100, 2, 0).held_out[1]) == 25
+
+
+@pytest.mark.parametrize('spec, members, match', [
+    ('kfold', 4, 'use'), ('kfold:x', 4, 'use'), ('fold:4', 4, 'use'), ('kfold:1', 4, 'K >= 2'),
+    ('holdout:2:1.5', 4, r'fraction F in \(0, 1\)'), ('kfold:3', 4, 'multiple of 3'),
+    ('kfold:200', 200, 'leave a fold empty')])
+def test_bad_specs_are_refused_naming_the_field(spec, members, match):
+  with pytest.raises(ConfigError, match=match) as info:
+    member_split.make_member_splits(spec, 100, members, seed=0)
+  assert 'config.data.member_split' in str(info.value) or 'num_members' in str(info.value)
+
+
+def test_aggregate_is_the_mean_and_standard_error():
+  values = [1.0, 2.0, 4.0, 7.0]
+  out = member_split.aggregate(values)
+  assert out['mean'] == pytest.approx(3.5)
+  assert out['se'] == pytest.approx(np.std(values, ddof=1) / 2)
+  assert member_split.aggregate([5.0]) == {'mean': 5.0, 'se': 0.0}
+
+
+def _config(spec='kfold:4', members=8, order='shuffled'):
+  config = dist_ens.load_config(DEFAULT)
+  config.num_members = members
+  config.data.member_split, config.data.member_order = spec, order
+  config.data.batch_size = 32
+  config.train.steps, config.train.log_every, config.train.eval_every = 40, 20, 0
+  config.checkpoint.every = 40
+  config.writers = ('jsonl',)
+  return config
+
+
+@pytest.mark.parametrize('order', ['shuffled', 'shared', 'bootstrap'])
+def test_each_member_reads_only_its_splits_training_examples(order):
+  """Through the real pipeline on a 4 x 2 mesh: the indices in member m's batches over an
+  epoch lie in its split's training part, and with 'shuffled' cover it exactly."""
+  run = assemble.build_run(_config(order=order))
+  splits = run.data.member_splits
+  batches = run.batches(data.IteratorState(), 1, with_index=True)
+  seen = [set() for _ in range(8)]
+  try:
+    for _ in range(run.data.order.batches_per_epoch):
+      _, _, index = next(batches)
+      index = np.asarray(jax.device_get(index))
+      for m in range(8):
+        seen[m] |= set(index[m].tolist())
+  finally:
+    batches.close()
+  for m in range(8):
+    train = set(splits.train[splits.split_of(m)].tolist())
+    assert seen[m] <= train
+    used = run.data.order.batches_per_epoch * 32
+    assert len(seen[m]) == used if order != 'bootstrap' else len(seen[m]) < used
+  if order == 'shared':  # Members of one split see the same batches; others do not.
+    assert seen[0] == seen[1] and seen[0] != seen[2]
+
+
+def test_bad_batch_for_a_split_is_refused():
+  config = _config('holdout:2:0.5', members=2)
+  config.data.batch_size = 3000
+  with pytest.raises(ConfigError, match='member_split'):
+    assemble.build_run(config)
+
+
+def _curve(n, seed):
+  rng = np.random.default_rng(seed)
+  x = rng.uniform(-1, 1, (n, 1)).astype(np.float32)
+  return x, (3 * np.sin(3 * x[:, 0]) + 5 + 0.3 * rng.standard_normal(n)).astype(np.float32)
+
+
+def test_regression_holdout_run_reports_each_splits_ensemble_on_its_held_out_part(tmp_path):
+  config = _config('holdout:3:0.2', members=6, order='shuffled')
+  config.task = 'regression'
+  config.model.widths = (32,)
+  config.optim.learning_rate, config.optim.weight_decay = 1e-2, 0.0
+  config.train.steps = 200
+  config.checkpoint.every = 200
+  x, y = _curve(400, 0)
+  final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(x, y, *_curve(64, 1)))
+  out = final['member_split']
+  assert (out['splits'], out['members_per_split'], len(out['members']['rmse'])) == (3, 2, 6)
+  # Independently: the split ensemble's RMSE from the members' predicted means.
+  pred = dist_ens.Ensemble.load(str(tmp_path)).predict(x)
+  splits = member_split.make_member_splits('holdout:3:0.2', 400, 6, seed=config.seed)
+  rmses = []
+  for s, held in enumerate(splits.held_out):
+    mean = pred.member_mean[2 * s:2 * s + 2, held].mean(axis=0)
+    rmses.append(np.sqrt(np.mean((mean - y[held]) ** 2)))
+    assert out['per_split'][s]['ensemble']['rmse'] == pytest.approx(rmses[-1], rel=1e-4)
+    assert out['per_split'][s]['held_out'] == len(held) == 80
+  assert out['ensemble']['rmse']['mean'] == pytest.approx(np.mean(rmses), rel=1e-4)
+  assert out['ensemble']['rmse']['se'] == pytest.approx(
+      np.std(rmses, ddof=1) / np.sqrt(3), rel=1e-3)
+  assert out['ensemble']['rmse']['mean'] < 0.6  # Learned: the curve's std is ~2.2.
+  assert out['ensemble']['nll']['mean'] < out['member_mean']['nll']['mean']
+
+
+def test_kfold_classification_run_evaluates_each_fold(tmp_path):
+  config = _config('kfold:2', members=4)
+  final = dist_ens.train(config, str(tmp_path))
+  out = final['member_split']
+  assert out['splits'] == 2 and len(out['members']['accuracy']) == 4
+  assert len(final['members']['accuracy']) == 4  # The test split is still evaluated.
+  # Independently: fold k's ensemble (members 2k, 2k+1) on fold k's examples.
+  train = data.load_dataset('mnist1d').train
+  probs = dist_ens.Ensemble.load(str(tmp_path)).predict(train.x, preprocessed=True).member_probs
+  splits = member_split.make_member_splits('kfold:2', len(train.y), 4, seed=config.seed)
+  for k, held in enumerate(splits.held_out):
+    ensemble = probs[2 * k:2 * k + 2, held].mean(axis=0)
+    accuracy = np.mean(ensemble.argmax(-1) == train.y[held])
+    assert out['per_split'][k]['ensemble']['accuracy'] == pytest.approx(accuracy, abs=1e-6)
+    for m in (2 * k, 2 * k + 1):
+      member = np.mean(probs[m, held].argmax(-1) == train.y[held])
+      assert out['members']['accuracy'][m] == pytest.approx(member, abs=1e-6)
