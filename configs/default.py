@@ -204,6 +204,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.eval = ml_collections.ConfigDict()
   config.eval.batch_size = 1000  # rounded up to a multiple of mesh.data; last batch masked
+  # Your own metrics by import path, fn(outputs [B, ...], targets [B]) -> [B] per example:
+  # averaged per member and for the ensemble like the built-in ones (docs/evaluation.md).
+  config.eval.metrics = ()
   # Out-of-distribution inputs scored at the end by the ensemble's uncertainty (AUROC/AUPR
   # by predictive entropy and by mutual information, under 'ood' in final_metrics.json):
   # '' = none; 'mnist1d_noise' or 'mnist1d_shuffled' (dist_ens/ood.py), or any dataset

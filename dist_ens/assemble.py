@@ -36,7 +36,7 @@ from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
-from dist_ens.eval import ood
+from dist_ens.eval import ood, user_metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.parallel import form_cache, mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
@@ -111,10 +111,14 @@ class Run(NamedTuple):
     """The sharded evaluator of every member and the ensemble, by the run's task."""
     parts, mesh = self.parts, self.parts.mesh
     task, scale = parts.task, self.data.scale if self.data is not None else None
-    finalize = task.finalize
+    eval_batch, finalize = task.eval_batch, task.finalize
     if scale is not None:  # Metrics in the targets' own units.
       finalize = lambda sums, examples: task.finalize(task.unscale(sums, scale.y_std), examples)
-    return Evaluator(make_eval_step(parts.model, mesh, task.eval_batch), mesh,
+    if self.config.eval.metrics:
+      fns = user_metrics.load_metrics(self.config.eval.metrics)
+      eval_batch = user_metrics.with_metrics(eval_batch, fns, task.combine)
+      finalize = user_metrics.with_results(finalize, fns)
+    return Evaluator(make_eval_step(parts.model, mesh, eval_batch), mesh,
                      self.config.eval.batch_size,
                      view=functools.partial(methods.trained_members, parts.method, mesh=mesh),
                      finalize=finalize, ood_metrics=task.ood_metrics)
@@ -151,6 +155,7 @@ def build_run(config: ml_collections.ConfigDict, *,
   configuration.validate(config)
   mesh = mesh or build_mesh(config, devices)
   run_data = None
+  metrics = user_metrics.load_metrics(config.eval.metrics)  # Fails here, before any work.
   if shapes is None:
     run_data = build_data(config, dataset)
     dataset = run_data.dataset
@@ -158,6 +163,8 @@ def build_run(config: ml_collections.ConfigDict, *,
     config = configuration.resolve_epochs(config, run_data.order.examples_per_epoch)
     shapes = dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
   parts = build_parts(config, mesh, *shapes, optimizer=optimizer)
+  if metrics and run_data is not None:
+    user_metrics.check_metrics(metrics, shapes[1], np.asarray(dataset.test.y))
   return Run(config, parts, run_data, member_form(parts, config.data.batch_size))
 
 

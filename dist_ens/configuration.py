@@ -219,6 +219,7 @@ def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 ADDED_FIELDS = {'task': 'classification'}
 MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'rules': [], 'logical_rules': []}
 DATA_FIELDS = {'member_split': ''}
+EVAL_FIELDS = {'metrics': []}
 
 
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
@@ -235,6 +236,8 @@ def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
     out['mesh'] = {**MESH_FIELDS, **mesh}
   if isinstance(out.get('data'), dict):
     out['data'] = {**DATA_FIELDS, **out['data']}
+  if isinstance(out.get('eval'), dict):
+    out['eval'] = {**EVAL_FIELDS, **out['eval']}
   return out
 
 

@@ -34,6 +34,14 @@ def accuracy(logits: jax.Array, labels: jax.Array) -> dict[str, jax.Array]:
   return {'accuracy': jnp.mean(jnp.argmax(logits, -1) == labels)}
 
 
+def combine(logits: jax.Array, member_mask: jax.Array) -> jax.Array:
+  """The ensemble's outputs as logits: log of the included members' mean probabilities
+  ([M, B, C] -> [B, C])."""
+  weights = member_mask.astype(jnp.float32) / jnp.maximum(jnp.sum(member_mask), 1)
+  log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return jax.nn.logsumexp(log_probs, axis=0, b=weights.reshape(-1, *[1] * (logits.ndim - 1)))
+
+
 def classification() -> Task:
   """The classification task (config.task = 'classification')."""
   return Task(
@@ -46,5 +54,6 @@ def classification() -> Task:
       eval_batch=metrics.eval_batch,
       finalize=metrics.finalize,
       ood_metrics=metrics.ood_metrics,
+      combine=combine,
       select_metrics={m.name: bool(m.higher_is_better) for m in metrics.METRICS
                       if 'members' in m.scopes and m.higher_is_better is not None})

@@ -225,6 +225,20 @@ def predictive(member_outputs: jax.Array, member_mask: jax.Array | None = None,
   return out
 
 
+def combine(member_outputs: jax.Array, member_mask: jax.Array, means_only: bool = False,
+            noise_variance: Any = None) -> jax.Array:
+  """The ensemble's outputs in a member's format ([M, B, K] -> [B, K]): the mixture's mean,
+  and (heteroscedastic) the raw output whose split_outputs variance is the mixture's total
+  variance (the moment-matched Gaussian)."""
+  means, variances = _gaussians(member_outputs, noise_variance)
+  moments = reg.mixture_moments(means, variances, member_mask)
+  if means_only:
+    return moments.mean
+  excess = jnp.maximum(moments.total - VARIANCE_FLOOR, 1e-30)
+  raw = jnp.where(excess > 20.0, excess, jnp.log(jnp.expm1(jnp.minimum(excess, 20.0))))
+  return jnp.concatenate([moments.mean, raw], axis=-1)
+
+
 SELECT_METRICS = {'nll': False, 'rmse': False, 'crps': False}
 
 
@@ -244,7 +258,8 @@ def _gaussian_task(name: str, target_dim: int | None, means_only: bool, loss: Lo
       ood_metrics=ood_metrics,
       select_metrics=SELECT_METRICS,
       unscale=sums_to_original_units,
-      predict=functools.partial(predictive, noise_variance=noise_variance))
+      predict=functools.partial(predictive, noise_variance=noise_variance),
+      combine=functools.partial(combine, means_only=means_only, noise_variance=noise_variance))
 
 
 def regression(target_dim: int | None = None) -> Task:

@@ -45,6 +45,10 @@ class Task(NamedTuple):
     predict: None (Ensemble.predict gives class probabilities), or (member outputs
       [M, N, ...], member_mask [M]) -> {name: array} of the ensemble's prediction in the
       units the model predicts (regression: the mixture's mean and variances).
+    combine: None, or (member outputs [M, B, ...], member_mask [M]) -> the ensemble's
+      outputs [B, ...] in a member's own format (classification: the log of the mean
+      probabilities; regression: the mixture's mean and variance), so that a metric
+      written for one member's outputs scores the ensemble too (config.eval.metrics).
   """
   name: str
   output_units: Callable[[Any], int]
@@ -57,6 +61,7 @@ class Task(NamedTuple):
   select_metrics: Mapping[str, bool]
   unscale: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
   predict: Callable[..., dict[str, Any]] | None = None
+  combine: Callable[[jax.Array, jax.Array], jax.Array] | None = None
 
 
 def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int,
