@@ -281,3 +281,15 @@ def test_bad_pbt_config_is_refused_naming_the_field(tmp_path, overrides, match):
   with pytest.raises(ConfigError, match=match):
     dist_ens.train(_config(**overrides), str(tmp_path / 'w'))
   assert not (tmp_path / 'w').exists()
+
+
+def test_rounds_do_not_depend_on_the_mesh_in_reproducible_mode(tmp_path):
+  # Two meshes, members split 8 ways vs each member's batch split 4 ways: the same
+  # decisions, and members equal up to the evaluation's rounding.
+  config = lambda **mesh: _config(reproducible=True, train__steps=16, train__micro_batches=4,
+                                  **mesh)
+  a = dist_ens.train(config(mesh__member=8, mesh__data=1), str(tmp_path / 'a'))
+  b = dist_ens.train(config(mesh__member=2, mesh__data=4), str(tmp_path / 'b'))
+  assert a['pbt']['rounds'] == b['pbt']['rounds'] and a['pbt']['rounds'][0]['step'] == 8
+  assert a['hyperparameters'] == b['hyperparameters']
+  np.testing.assert_allclose(a['members']['nll'], b['members']['nll'], rtol=1e-6)
