@@ -202,6 +202,24 @@ def get_config() -> ml_collections.ConfigDict:
   config.select.method = 'top_k'
   config.select.greedy_size = 0  # picks for 'greedy'; 0 = num_members
 
+  # Population-based training over the members (docs/sweeps.md): every pbt.interval steps
+  # the members are ranked on the validation split (needs data.validation_size > 0); the
+  # worst pbt.quantile copy the whole train state of one of the best (exploit) and take its
+  # hyperparameters perturbed (explore). Needs per-member hyperparameters to explore.
+  config.pbt = ml_collections.ConfigDict()
+  config.pbt.enabled = False
+  config.pbt.interval = 500  # steps between exploit/explore rounds (never at the last step)
+  config.pbt.metric = 'nll'  # validation metric ranked by ('nll', 'accuracy', 'brier', 'ece')
+  config.pbt.quantile = 0.25  # fraction of members replaced each round, in (0, 0.5]
+  # Fields explored (e.g. ('optim.learning_rate',)); () = every per-member field that varies.
+  config.pbt.fields = ()
+  # A replaced member's value is its source's times one of these, picked at random,
+  config.pbt.perturb_factors = (0.8, 1.2)
+  # or, with this probability, a fresh draw from the field's sweep spec (a list or grid:
+  # one of its values); either is clipped to the spec's range.
+  config.pbt.resample_probability = 0.25
+  config.pbt.seed = 0  # the decisions depend only on (pbt.seed, round, the metric values)
+
   config.eval = ml_collections.ConfigDict()
   config.eval.batch_size = 1000  # rounded up to a multiple of mesh.data; last batch masked
   # Your own metrics by import path, fn(outputs [B, ...], targets [B]) -> [B] per example:

@@ -113,6 +113,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
            config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
   # Per-member fields: numbers, lists of M numbers or specs.
   hparams.resolve(specs.hparams_spec(config))
+  _validate_pbt(config, by_epochs)
 
 
 def _validate_select(config: ml_collections.ConfigDict) -> None:
@@ -126,6 +127,28 @@ def _validate_select(config: ml_collections.ConfigDict) -> None:
            f'must be an int in [0, num_members={config.num_members}]')
   _require(value == 0 or config.data.validation_size > 0, 'select.top_k', value,
            'selects members on a validation split; set data.validation_size > 0 (e.g. 500)')
+
+
+def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
+  """config.pbt: its own fields (specs.pbt_spec), and what it needs of the rest of the run."""
+  enabled = _get(config, 'pbt.enabled')
+  _require(isinstance(enabled, bool), 'pbt.enabled', enabled, 'must be True or False')
+  if not enabled:
+    return
+  _require(config.data.validation_size > 0, 'pbt.enabled', enabled,
+           'ranks members on a validation split; set data.validation_size > 0 (e.g. 500)')
+  _require(config.ensemble.method == 'deep', 'pbt.enabled', enabled,
+           f"copies whole members, so it needs ensemble.method='deep' (not "
+           f'{config.ensemble.method!r})')
+  _require(not config.data.member_split, 'pbt.enabled', enabled,
+           f'copies members between data.member_split={config.data.member_split!r}\'s splits, '
+           'whose members train on different data; use one or the other')
+  spec = specs.pbt_spec(config)
+  _require(by_epochs or spec.interval < config.train.steps, 'pbt.interval', spec.interval,
+           f'must be below train.steps={config.train.steps} (no round at the last step)')
+  calls = config.train.steps_per_call
+  _require(calls == 0 or spec.interval % calls == 0, 'pbt.interval', spec.interval,
+           f'must be a multiple of train.steps_per_call={calls} (rounds happen between calls)')
 
 
 def _validate_run_fields(config: ml_collections.ConfigDict) -> bool:
@@ -216,7 +239,10 @@ def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 # Fields added since checkpoint format 2, with the value every run had before them.
-ADDED_FIELDS = {'task': 'classification'}
+ADDED_FIELDS = {'task': 'classification',
+                'pbt': {'enabled': False, 'interval': 500, 'metric': 'nll', 'quantile': 0.25,
+                        'fields': [], 'perturb_factors': [0.8, 1.2],
+                        'resample_probability': 0.25, 'seed': 0}}
 MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'rules': [], 'logical_rules': []}
 DATA_FIELDS = {'member_split': ''}
 EVAL_FIELDS = {'metrics': []}

@@ -9,10 +9,10 @@ from typing import Any
 
 import ml_collections
 
-from dist_ens import data, models
+from dist_ens import data, models, tasks
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.core.optim import OptimSpec
-from dist_ens.ensembles import methods
+from dist_ens.ensembles import methods, pbt
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -53,6 +53,21 @@ def hparams_spec(config: ml_collections.ConfigDict) -> hparams_lib.HparamsSpec:
   """num_members, seed and the per-member fields as configured (core.hparams.FIELDS)."""
   return hparams_lib.HparamsSpec(config.num_members, config.seed,
                                  {field: _field(config, field) for field in hparams_lib.FIELDS})
+
+
+def pbt_spec(config: ml_collections.ConfigDict) -> pbt.PbtSpec | None:
+  """config.pbt, checked, each explored field's rule read from its sweep spec; None when
+  population-based training is off."""
+  p = config.pbt
+  if not p.enabled:
+    return None
+  configured = {field: _field(config, field) for field in hparams_lib.FIELDS}
+  resolved = hparams_lib.resolve(hparams_spec(config))
+  return pbt.make_spec(
+      interval=p.interval, metric=p.metric, quantile=p.quantile, fields=tuple(p.fields),
+      perturb_factors=tuple(p.perturb_factors), resample_probability=p.resample_probability,
+      seed=p.seed, configured=configured, varying=hparams_lib.varying(resolved),
+      select_metrics=tasks.get_task(config.task).select_metrics)
 
 
 def _field(config: ml_collections.ConfigDict, dotted: str) -> Any:

@@ -150,3 +150,11 @@ def test_kfold_classification_run_evaluates_each_fold(tmp_path):
     for m in (2 * k, 2 * k + 1):
       member = np.mean(probs[m, held].argmax(-1) == train.y[held])
       assert out['members']['accuracy'][m] == pytest.approx(member, abs=1e-6)
+
+
+def test_population_based_training_is_refused_with_a_member_split(tmp_path):
+  config = _config('kfold:2', members=4)
+  config.pbt.enabled, config.data.validation_size = True, 100
+  config.optim.learning_rate = 'loguniform(1e-4,1e-2)'
+  with pytest.raises(ConfigError, match='data.member_split'):
+    dist_ens.train(config, str(tmp_path))

@@ -87,6 +87,22 @@ def _parse_spec(field: str, value: str) -> tuple[str, list[float]]:
   return name, numbers
 
 
+def parse_spec(field: str, value: str) -> tuple[str, list[float]]:
+  """A sweep spec string as (its name, its numbers), e.g. ('loguniform', [1e-4, 1e-2]);
+  population-based training explores within it (dist_ens/ensembles/pbt.py).
+
+  Raises:
+    ConfigError: naming the field, for a string that is not a known spec.
+  """
+  return _parse_spec(field, value)
+
+
+def legal_range(field: str) -> tuple[float, bool, float | None]:
+  """(lowest value, whether it is allowed, exclusive upper bound or None) of one of FIELDS."""
+  low, inclusive = FIELDS[field]
+  return low, inclusive, _UPPER.get(field)
+
+
 def _member_uniform(seed: int, field: str, num_members: int) -> np.ndarray:
   """u in [0, 1) for each member, from (seed, field, member) only."""
   field_id = zlib.crc32(field.encode())

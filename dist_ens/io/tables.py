@@ -68,6 +68,8 @@ def member_rows(final: dict[str, Any], member_hparams: dict[str, np.ndarray],
     row.update({f'test_{name}': final['members'][name][i]
                 for name in _member_metrics(final, ranking_only=True)})
     row['frozen'] = i in frozen
+    if 'pbt' in final:  # Which members it copied, when (dist_ens/training/pbt.py).
+      row['lineage'] = final['pbt']['lineage'][i]
     rows.append(row)
   key = f'val_{metric}' if validation is not None and f'val_{metric}' in rows[0] else f'test_{metric}'
   # Frozen members last; NaN metrics cannot rank.

@@ -50,6 +50,8 @@ class Context:
     evaluator: evaluates the state on a split (see Evaluator).
     results: what the run returns and writes to final_metrics.json; actions add to it.
     saved_meta: what the restored checkpoint carried beside the state ({} on a fresh run).
+    meta_extras: what actions save beside the state in every checkpoint from now on
+      (population-based training's hyperparameters and lineage), read back from saved_meta.
     batches: the input pipeline (dist_ens.data.Batches): its .state is the data position
       a checkpoint must save, its .stats what it has read.
   """
@@ -68,6 +70,7 @@ class Context:
   metrics: StepMetrics | None = None
   results: dict[str, Any] = dataclasses.field(default_factory=dict)
   saved_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+  meta_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
   batches: Any = None  # the input pipeline (data.Batches): .state is the data position
   _off_clock: float = 0.0
   _clock_start: float = dataclasses.field(default_factory=time.perf_counter)
@@ -98,7 +101,7 @@ class Context:
     time so far."""
     meta = {'train_seconds': self.train_seconds(), 'input_shape': list(self.parts.input_shape),
             'num_classes': self.parts.num_outputs,  # the model's outputs (format 2's name)
-            'config': json.loads(self.config.to_json())}
+            'config': json.loads(self.config.to_json()), **self.meta_extras}
     scale = self.run_data.scale
     if scale is not None:  # What predict needs to take raw inputs and give target units.
       meta['standardizer'] = {k: np.asarray(v).tolist() for k, v in scale._asdict().items()}

@@ -16,14 +16,15 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, configuration, data, tasks
+from dist_ens import assemble, configuration, data, specs, tasks
 from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.io import tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
-from dist_ens.training import actions as actions_lib, held_out, posthoc, workdir as workdir_lib
+from dist_ens.training import (actions as actions_lib, held_out, pbt, posthoc,
+                               workdir as workdir_lib)
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 
@@ -106,7 +107,8 @@ def _steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
   platform = parts.mesh.devices.flat[0].platform
   train = config.train
   cadences = (train.steps, train.log_every, train.eval_every, config.checkpoint.every,
-              start_step, *(a.every for a in actions if isinstance(a, PeriodicAction)))
+              start_step, config.pbt.interval if config.pbt.enabled else 0,
+              *(a.every for a in actions if isinstance(a, PeriodicAction)))
   k = strategy.steps_per_call(
       train.steps_per_call, cadences, platform,
       inputs * int(np.prod(parts.input_shape)) * 4,  # float32
@@ -169,6 +171,8 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
     out.append(held_out.EvaluateHeldOut())
   if config.select.top_k and config.select.method == 'top_k':
     out.append(actions_lib.SelectTopK())
+  if config.pbt.enabled:  # After the step's evaluations, before its checkpoint.
+    out.append(pbt.PopulationBasedTraining(ctx, specs.pbt_spec(config)))
   out += posthoc.posthoc_actions(config)
   if config.train.profile_steps:
     out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))

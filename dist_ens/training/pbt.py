@@ -1,0 +1,129 @@
+"""Population-based training inside the compiled run: the loop's action and the exploit.
+
+Every pbt.interval steps (never at the last step) the action evaluates every member on
+the validation split, asks dist_ens.ensembles.pbt.decide who copies whom, then
+
+  exploit   gathers the whole train state along the member axis on the device: one
+            compiled gather whose outputs keep the state's shardings (XLA moves the
+            copied members between devices with a collective over 'member'; the state
+            never visits the host, only the [M] source indices do);
+  explore   replaces the [M] per-member hyperparameters that the compiled step takes
+            as data, so the step is not traced or compiled again.
+
+What a copy takes: the source's parameters, model state (BatchNorm statistics),
+optimizer state (Adam's moments and count) and frozen flag. What it keeps: its own data
+position and randomness. A run has one data position, the step, and member i's batches
+(with data.member_order 'shuffled' or 'bootstrap'), dropout masks and augmentation are
+drawn from (seed, i, step): a member that copies another goes on with its own stream
+rather than replaying its source's, so the two diverge from the next step on.
+
+The hyperparameters and the lineage live in every checkpoint's meta (Context.meta_extras),
+so a resume continues with them; together with decisions that depend only on (seed,
+round, metric values), a resumed run equals an uninterrupted one.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from dist_ens.core import hparams as hparams_lib
+from dist_ens.core.axes import MEMBER
+from dist_ens.ensembles import pbt as pbt_lib
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.training.loop import Context, PeriodicAction
+
+_META_KEY = 'pbt'
+
+
+def make_exploit(state_shardings: Any, mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+  """exploit(state, sources) -> the state whose member i is member sources[i]'s, bit for bit.
+
+  Every leaf stacked over members (its first dimension sharded over 'member') is gathered
+  along that axis; scalars (the step) stay. Compiled once per run, the state donated,
+  with out_shardings = the state's shardings. The gather all-gathers each stacked leaf
+  over 'member' before slicing: for a moment a device holds every member of one leaf.
+  """
+  def take(leaf: jax.Array, sharding: jax.sharding.NamedSharding, sources: jax.Array):
+    stacked = leaf.ndim > 0 and len(sharding.spec) > 0 and sharding.spec[0] == MEMBER
+    return leaf[sources] if stacked else leaf
+
+  def exploit(state: Any, sources: jax.Array) -> Any:
+    return jax.tree.map(lambda leaf, sharding: take(leaf, sharding, sources), state,
+                        state_shardings)
+
+  return jax.jit(exploit, in_shardings=(state_shardings, mesh_lib.replicated(mesh)),
+                 out_shardings=state_shardings, donate_argnums=0)
+
+
+def lineage(rounds: list[dict[str, Any]], num_members: int) -> list[str]:
+  """Per member, the rounds in which it copied another: 'step<source' entries in order,
+  e.g. '200<3 400<5' (members.csv's lineage column; '' for a member never replaced)."""
+  out: list[list[str]] = [[] for _ in range(num_members)]
+  for round_ in rounds:
+    for member, source in enumerate(round_['sources']):
+      if source != member:
+        out[member].append(f'{round_["step"]}<{source}')
+  return [' '.join(entries) for entries in out]
+
+
+class PopulationBasedTraining(PeriodicAction):
+  """Every spec.interval steps: validate, decide, exploit, explore; an event {'split': 'pbt'}.
+
+  Runs after the other periodic actions of its step (the step's test evaluation sees the
+  members before the round) and before the checkpoint (which saves them after it).
+  """
+
+  def __init__(self, ctx: Context, spec: pbt_lib.PbtSpec):
+    super().__init__(spec.interval)
+    self.spec = spec
+    self._exploit = make_exploit(ctx.parts.state_shardings, ctx.parts.mesh)
+    self._rounds: list[dict[str, Any]] = []
+    saved = ctx.saved_meta.get(_META_KEY)
+    if saved is not None:  # A resume: the hyperparameters as the last round left them.
+      self._rounds = list(saved['rounds'])
+      _set_hparams(ctx, {f: np.asarray(v, np.float32) for f, v in saved['hparams'].items()})
+    self._record(ctx)
+
+  def on_end(self, ctx: Context) -> None:
+    pass  # No round at the last step: its copies would only duplicate members.
+
+  def run(self, ctx: Context) -> None:
+    spec, step = self.spec, ctx.step
+    with ctx.off_clock():
+      validation = ctx.evaluator.evaluate(ctx.state, ctx.run_data.validation)
+    frozen = ctx.fetch(ctx.state.frozen)
+    values = [float('nan') if frozen[i] else float(v)
+              for i, v in enumerate(validation['members'][spec.metric])]
+    round_index = step // spec.interval
+    decision = pbt_lib.decide(spec, round_index, values, ctx.parts.hparams)
+    sources = jax.device_put(decision.sources.astype(np.int32),
+                             mesh_lib.replicated(ctx.parts.mesh))
+    ctx.state = self._exploit(ctx.state, sources)
+    _set_hparams(ctx, decision.hparams)
+    sources_list = decision.sources.tolist()
+    self._rounds.append({'step': step, 'sources': sources_list})
+    written = {f: hparams_lib.as_written(v) for f, v in decision.hparams.items()}
+    ctx.write({'step': step, 'split': 'pbt',
+               'members': {'source': sources_list, **{f: written[f] for f in spec.rules}},
+               'pbt': {'round': round_index, 'metric': spec.metric, 'values': values,
+                       'sources': sources_list, 'hparams': written}})
+    self._record(ctx)
+
+  def _record(self, ctx: Context) -> None:
+    """What checkpoints save (the hyperparameters now, the rounds so far) and what the
+    run reports (final_metrics.json's 'pbt', members.csv's lineage column)."""
+    ctx.meta_extras[_META_KEY] = {
+        'hparams': {f: hparams_lib.as_written(v) for f, v in ctx.parts.hparams.items()},
+        'rounds': self._rounds}
+    ctx.results['pbt'] = {'interval': self.spec.interval, 'metric': self.spec.metric,
+                          'rounds': self._rounds,
+                          'lineage': lineage(self._rounds, ctx.config.num_members)}
+
+
+def _set_hparams(ctx: Context, values: dict[str, np.ndarray]) -> None:
+  """The members' hyperparameters from now on: on the mesh for the step (same shapes and
+  sharding, so no retrace), and in ctx.parts for members.csv and final_metrics.json."""
+  ctx.parts = ctx.parts._replace(hparams={f: np.asarray(v, np.float32) for f, v in values.items()})
+  ctx.hparams = ctx.parts.device_hparams()

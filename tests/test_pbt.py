@@ -1,0 +1,295 @@
+"""Population-based training: the decisions, the exploit, and whole runs (resume, lineage)."""
+
+import csv
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import dist_ens
+from dist_ens import specs
+from dist_ens.configuration import load_config
+from dist_ens.core import hparams as hparams_lib
+from dist_ens.ensembles import pbt as pbt_lib
+from dist_ens.errors import ConfigError
+from dist_ens.training import pbt as pbt_train
+
+ROOT = Path(__file__).resolve().parents[1]
+LR = 'optim.learning_rate'
+
+
+def _spec(**overrides):
+  fields = dict(interval=8, metric='nll', quantile=0.25, fields=(), perturb_factors=(0.8, 1.2),
+                resample_probability=0.0, seed=3,
+                configured={**{f: 0.0 for f in hparams_lib.FIELDS},
+                            LR: 'loguniform(1e-4,1e-2)'},
+                varying=[LR], select_metrics={'nll': False, 'accuracy': True})
+  fields.update(overrides)
+  return pbt_lib.make_spec(**fields)
+
+
+def _hparams(m):
+  hp = {f: np.full(m, 0.5, np.float32) for f in hparams_lib.FIELDS}
+  hp[LR] = np.geomspace(1e-4, 1e-2, m).astype(np.float32)
+  return hp
+
+
+def test_worst_quantile_copies_best_and_perturbs_only_explored_fields():
+  values = np.array([0.9, 0.2, 0.5, 1.4, 0.3, 0.7, 1.1, 0.4])  # lower is better
+  hp = _hparams(8)
+  hp['optim.weight_decay'] = np.arange(8, dtype=np.float32) / 10  # not explored: copied
+  decision = pbt_lib.decide(_spec(), 1, values, hp)
+  best, worst = {1, 4}, {3, 6}  # the 2 lowest and 2 highest of `values`
+  for i in range(8):
+    src = decision.sources[i]
+    if i not in worst:
+      assert src == i
+      assert all(decision.hparams[f][i] == hp[f][i] for f in hp)
+      continue
+    assert src in best
+    perturbed = {np.float32(np.float64(hp[LR][src]) * f) for f in (0.8, 1.2)}
+    assert decision.hparams[LR][i] in perturbed
+    assert decision.hparams['optim.weight_decay'][i] == np.float32(src / 10)
+  # Higher is better for accuracy: the same values rank the other way round.
+  flipped = pbt_lib.decide(_spec(metric='accuracy'), 1, values, hp)
+  assert {i for i in range(8) if flipped.sources[i] != i} == best
+  assert set(flipped.sources[[1, 4]]) <= worst
+  # Deterministic: the same inputs, the same decision.
+  again = pbt_lib.decide(_spec(), 1, values, hp)
+  np.testing.assert_array_equal(again.sources, decision.sources)
+  np.testing.assert_array_equal(again.hparams[LR], decision.hparams[LR])
+
+
+def test_nan_ranks_last_and_cannot_be_copied():
+  values = [0.1, np.nan, 0.3, 0.2]
+  decision = pbt_lib.decide(_spec(), 2, values, _hparams(4))
+  # ceil(0.25 * 4) = 1 replaced: the NaN member, from the best (member 0).
+  assert decision.sources.tolist() == [0, 0, 2, 3]
+  everyone_bad = pbt_lib.decide(_spec(), 2, [np.nan] * 4, _hparams(4))
+  assert everyone_bad.sources.tolist() == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize('configured, check', [
+    ('loguniform(1e-4,1e-2)', lambda v: 1e-4 * (1 - 1e-6) <= v <= 1e-2 * (1 + 1e-6)),
+    ('grid(0.001,0.003,0.01)', lambda v: v in {np.float32(x) for x in (0.001, 0.003, 0.01)}),
+    ([0.002, 0.004, 0.006, 0.008], lambda v: v in {np.float32(x) for x in (0.002, 0.004, 0.006, 0.008)}),
+])
+def test_resample_draws_from_the_sweep_spec(configured, check):
+  spec = _spec(resample_probability=1.0, quantile=0.5,
+               configured={**{f: 0.0 for f in hparams_lib.FIELDS}, LR: configured})
+  drawn = []
+  for round_index in range(1, 30):
+    decision = pbt_lib.decide(spec, round_index, np.arange(4.0), _hparams(4))
+    drawn += [decision.hparams[LR][i] for i in (2, 3)]  # the worst half
+  assert all(check(v) for v in drawn), drawn
+  assert len(set(drawn)) > 1
+
+
+def test_perturbation_is_clipped_to_the_spec_range():
+  hp = _hparams(4)
+  hp[LR][:] = 1e-2  # the top of loguniform(1e-4,1e-2): x1.2 must clip back to it
+  spec = _spec(perturb_factors=(1.2,))
+  decision = pbt_lib.decide(spec, 1, [0.1, 0.2, 0.3, 0.4], hp)
+  assert decision.sources[3] == 0 and decision.hparams[LR][3] == np.float32(1e-2)
+
+
+def test_exploit_copies_members_bit_for_bit_and_keeps_shardings():
+  mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ('member', 'data'))
+  rng = np.random.default_rng(0)
+  host = {'w': rng.normal(size=(8, 3, 6)).astype(np.float32),
+          'count': np.arange(8, dtype=np.int32), 'step': np.int32(7)}
+  shardings = {'w': NamedSharding(mesh, P('member', None, 'data')),
+               'count': NamedSharding(mesh, P('member')), 'step': NamedSharding(mesh, P())}
+  state = jax.tree.map(jax.device_put, host, shardings)
+  exploit = pbt_train.make_exploit(shardings, mesh)
+  sources = np.array([0, 1, 6, 3, 4, 1, 6, 7], np.int32)
+  out = exploit(state, jax.device_put(sources, NamedSharding(mesh, P())))
+  np.testing.assert_array_equal(np.asarray(out['w']), host['w'][sources])
+  np.testing.assert_array_equal(np.asarray(out['count']), host['count'][sources])
+  assert int(out['step']) == 7
+  for name in host:
+    assert out[name].sharding == shardings[name], name
+
+
+def _config(**overrides):
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.train.steps = 24
+  config.train.log_every = 4
+  config.train.eval_every = 0
+  config.checkpoint.every = 4
+  config.data.batch_size = 64
+  config.data.validation_size = 300
+  config.writers = ('jsonl',)
+  config.optim.learning_rate = 'loguniform(1e-4,3e-2)'
+  config.pbt.enabled = True
+  config.pbt.interval = 8
+  config.pbt.resample_probability = 0.0
+  for dotted, value in overrides.items():
+    node = config
+    *parents, leaf = dotted.split('__')
+    for p in parents:
+      node = node[p]
+    node[leaf] = value
+  return config
+
+
+class _Capture:
+  """Keeps the state and hyperparameters right after the round at `step`."""
+
+  def __init__(self, step):
+    self.step, self.seen = step, None
+
+  def on_step(self, ctx):
+    if ctx.step == self.step:
+      self.seen = (jax.device_get(ctx.state), jax.device_get(ctx.hparams),
+                   dict(ctx.results['pbt']))
+
+  def on_end(self, ctx):
+    pass
+
+  def close(self):
+    pass
+
+
+class _Stop:
+  """Fails once the run passes `step` (after that step's checkpoint): a kill."""
+
+  def __init__(self, step):
+    self.step = step
+
+  def on_step(self, ctx):
+    if ctx.step > self.step:
+      raise RuntimeError('injected fault')
+
+  def on_end(self, ctx):
+    pass
+
+  def close(self):
+    pass
+
+
+@pytest.fixture(scope='module')
+def pbt_run(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('pbt') / 'run'
+  capture = _Capture(8)
+  result = dist_ens.train(_config(), str(workdir), actions=[capture])
+  return workdir, result, capture.seen
+
+
+def _events(workdir):
+  lines = (workdir / 'metrics.jsonl').read_text().splitlines()
+  return [json.loads(line) for line in lines]
+
+
+def _members_csv(workdir):
+  with open(workdir / 'members.csv', newline='') as f:
+    return list(csv.DictReader(f))
+
+
+def test_round_copies_state_bit_for_bit_and_perturbs_hyperparameters(pbt_run):
+  workdir, result, (state, hp, pbt) = pbt_run
+  assert result['train_step_traces'] == 1
+  sources = pbt['rounds'][0]['sources']
+  copied = [i for i, s in enumerate(sources) if s != i]
+  assert len(copied) == 2  # ceil(0.25 * 8)
+  initial = hparams_lib.resolve(specs.hparams_spec(_config()))
+  for dst in copied:
+    src = sources[dst]
+    for tree in (state.params, state.opt_state, state.model_state):
+      for leaf in jax.tree.leaves(tree):
+        np.testing.assert_array_equal(np.asarray(leaf)[dst], np.asarray(leaf)[src])
+    perturbed = {np.float32(np.float64(initial[LR][src]) * f) for f in (0.8, 1.2)}
+    assert np.asarray(hp[LR])[dst] in perturbed
+  for i in set(range(8)) - set(copied):
+    assert np.asarray(hp[LR])[i] == initial[LR][i]
+
+
+def test_lineage_reproduces_the_decisions_from_the_logged_metrics(pbt_run):
+  workdir, result, _ = pbt_run
+  config = _config()
+  spec = specs.pbt_spec(config)
+  rounds = [e for e in _events(workdir) if e['split'] == 'pbt']
+  assert [e['step'] for e in rounds] == [8, 16]  # not at the last step, 24
+  hp = hparams_lib.resolve(specs.hparams_spec(config))
+  lineage = [[] for _ in range(8)]
+  for event in rounds:
+    logged = event['pbt']
+    values = [np.nan if v is None else v for v in logged['values']]
+    decision = pbt_lib.decide(spec, event['step'] // 8, values, hp)
+    assert decision.sources.tolist() == logged['sources']
+    for field, column in logged['hparams'].items():
+      np.testing.assert_array_equal(np.float32(column), decision.hparams[field], err_msg=field)
+    hp = {f: np.float32(v) for f, v in logged['hparams'].items()}
+    lineage = [entries + ([f'{event["step"]}<{s}'] if s != i else [])
+               for i, (entries, s) in enumerate(zip(lineage, logged['sources']))]
+  rows = {int(r['member']): r for r in _members_csv(workdir)}
+  for i in range(8):
+    assert rows[i]['lineage'] == ' '.join(lineage[i])
+    assert np.float32(rows[i][LR]) == pytest.approx(hp[LR][i], rel=1e-5)  # written as %.6g
+  assert result['hyperparameters'][LR] == hparams_lib.as_written(hp[LR])
+
+
+def test_resume_after_a_kill_between_rounds_is_exact(pbt_run, tmp_path):
+  workdir, result, _ = pbt_run
+  stopped = tmp_path / 'stopped'
+  with pytest.raises(RuntimeError, match='injected fault'):  # After step 12's checkpoint.
+    dist_ens.train(_config(), str(stopped), actions=[_Stop(12)])
+  resumed = dist_ens.train(_config(), str(stopped))
+  assert resumed['train_step_traces'] == 1
+  assert resumed['members'] == result['members']
+  assert resumed['pbt'] == result['pbt']
+  assert [e for e in _events(stopped) if e['split'] == 'pbt'] == [
+      e for e in _events(workdir) if e['split'] == 'pbt']
+  a = dist_ens.Ensemble.load(workdir, devices=jax.devices()[:1])
+  b = dist_ens.Ensemble.load(stopped, devices=jax.devices()[:1])
+  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_disabled_is_the_plain_sweep_and_untouched_members_match_it(pbt_run, tmp_path):
+  workdir, result, _ = pbt_run
+  plain = dist_ens.train(_config(pbt__enabled=False), str(tmp_path / 'plain'))
+  assert 'pbt' not in plain and plain['train_step_traces'] == 1
+  assert not [e for e in _events(tmp_path / 'plain') if e['split'] == 'pbt']
+  assert 'lineage' not in _members_csv(tmp_path / 'plain')[0]
+  # A member never replaced trained exactly as in the sweep: nothing flows into it.
+  kept = [i for i, line in enumerate(result['pbt']['lineage']) if not line]
+  assert len(kept) >= 4
+  for metric in ('nll', 'accuracy'):
+    for i in kept:
+      assert result['members'][metric][i] == plain['members'][metric][i], (metric, i)
+  replaced = set(range(8)) - set(kept)
+  assert any(result['members']['nll'][i] != plain['members']['nll'][i] for i in replaced)
+
+
+@pytest.mark.parametrize('overrides, match', [
+    (dict(data__validation_size=0), r'pbt.enabled=True .*data.validation_size > 0'),
+    (dict(optim__learning_rate=1e-3), r'pbt.fields=\(\) finds nothing to explore'),
+    (dict(pbt__fields=('optim.lr',)), r'pbt.fields=.*not per member'),
+    (dict(pbt__quantile=0.75), r'pbt.quantile=0.75 must be a fraction in \(0, 0.5\]'),
+    (dict(pbt__interval=24), r'pbt.interval=24 is invalid: must be below train.steps=24'),
+    (dict(pbt__metric='loss'), r"pbt.metric='loss' .*use one of"),
+    (dict(pbt__perturb_factors=(0.8, -1.0)), r'pbt.perturb_factors'),
+    (dict(ensemble__method='batchensemble'), r"pbt.enabled=True .*ensemble.method='deep'"),
+    (dict(train__steps_per_call=3, train__log_every=3, checkpoint__every=3),
+     r'pbt.interval=8 is invalid: must be a multiple of train.steps_per_call=3'),
+])
+def test_bad_pbt_config_is_refused_naming_the_field(tmp_path, overrides, match):
+  with pytest.raises(ConfigError, match=match):
+    dist_ens.train(_config(**overrides), str(tmp_path / 'w'))
+  assert not (tmp_path / 'w').exists()
+
+
+def test_rounds_do_not_depend_on_the_mesh_in_reproducible_mode(tmp_path):
+  # Two meshes, members split 8 ways vs each member's batch split 4 ways: the same
+  # decisions, and members equal up to the evaluation's rounding.
+  config = lambda **mesh: _config(reproducible=True, train__steps=16, train__micro_batches=4,
+                                  **mesh)
+  a = dist_ens.train(config(mesh__member=8, mesh__data=1), str(tmp_path / 'a'))
+  b = dist_ens.train(config(mesh__member=2, mesh__data=4), str(tmp_path / 'b'))
+  assert a['pbt']['rounds'] == b['pbt']['rounds'] and a['pbt']['rounds'][0]['step'] == 8
+  assert a['hyperparameters'] == b['hyperparameters']
+  np.testing.assert_allclose(a['members']['nll'], b['members']['nll'], rtol=1e-6)
