@@ -218,6 +218,7 @@ def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 # Fields added since checkpoint format 2, with the value every run had before them.
 ADDED_FIELDS = {'task': 'classification'}
 MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'rules': [], 'logical_rules': []}
+MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
 
 
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
@@ -232,6 +233,9 @@ def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
   mesh = out.get('mesh')
   if isinstance(mesh, dict):
     out['mesh'] = {**MESH_FIELDS, **mesh}
+  model = out.get('model')
+  if isinstance(model, dict):
+    out['model'] = {**MODEL_FIELDS, **model}
   return out
 
 
