@@ -148,11 +148,14 @@ def _is_orbax_item(path: Path) -> bool:
 def read_orbax(path: Path) -> Any:
   """An orbax pytree checkpoint as saved, every array read whole into host memory."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel  # slow import
+  from etils import epath  # pylint: disable=import-outside-toplevel  # orbax's own paths
 
-  with ocp.PyTreeCheckpointer() as checkpointer:
-    meta = checkpointer.metadata(path).item_metadata.tree
-    args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), meta)
-    return checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=args))
+  # The handler's metadata, not a Checkpointer's: an item of a CheckpointManager's step
+  # (a dist_ens checkpoint's 'model') has no step metadata of its own to warn about.
+  tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(path.absolute())).tree
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+    return checkpointer.restore(path.absolute(), args=ocp.args.PyTreeRestore(restore_args=args))
 
 
 def _read_workdir(workdir: Path, member: int) -> dict[str, np.ndarray]:
