@@ -234,3 +234,17 @@ def test_head_paths():
   named = {'blocks': {'0': {'w': shape(8, 8)}}, 'head': {'w': shape(8, 5), 'b': shape(5)}}
   assert head_paths(named, 5) == {'head/w', 'head/b'}
   assert head_paths({'w': shape(8, 8)}, 3) == frozenset()
+
+
+def test_on_a_model_axis_loaded_leaves_are_born_split(tmp_path):
+  """mesh.model=2 with FSDP: the loaded kernel is split over 'model' like a fresh one."""
+  file = _mlp_file(3)
+  np.savez(tmp_path / 'w.npz', **file)
+  config = _config(init_from=str(tmp_path / 'w.npz'))
+  config.mesh.member, config.mesh.data, config.mesh.model = 4, 1, 2
+  config.mesh.fsdp_min_size = 64
+  parts = assemble.build_run(config, shapes=SHAPES).parts
+  state = assemble.init_sharded(parts)
+  kernel = state.params[0]['w']
+  assert 'model' in kernel.sharding.spec and kernel.sharding == parts.state_shardings.params[0]['w']
+  np.testing.assert_array_equal(np.asarray(kernel), np.broadcast_to(file['0/w'], (M, 40, 16)))
