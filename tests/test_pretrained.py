@@ -3,6 +3,7 @@ fresh per member; bad files give one line naming the leaf."""
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import jax
@@ -198,6 +199,8 @@ def test_bad_files_give_one_line_naming_the_leaf(tmp_path, trained):
   (tmp_path / 'w.pt').write_bytes(b'x')
   assert "unknown format '.pt'" in _error(_config(init_from=str(tmp_path / 'w.pt')))
   assert 'members 0..1' in _error(_config(init_from=f'{trained}#5'))
+  (tmp_path / 'torn.npz').write_bytes(b'PK\x03\x04 not a zip')
+  assert 'cannot be read' in _error(_config(init_from=str(tmp_path / 'torn.npz')))
 
   file = _mlp_file()
   np.savez(tmp_path / 'shape.npz', **{**file, '0/w': file['0/w'][:, :8]})
@@ -215,6 +218,13 @@ def test_bad_files_give_one_line_naming_the_leaf(tmp_path, trained):
   _init(_config(init_from=str(tmp_path / 'extra.npz'), init_map=(('^encoder/.*', ''),)))
   message = _error(_config(init_from=str(tmp_path / 'head100.npz'), init_owned_from_file=True))
   assert 'params/1/b' in message and '(10,)' in message and '(100,)' in message
+
+
+def test_msgpack_without_flax_says_what_to_install(tmp_path, monkeypatch):
+  (tmp_path / 'w.msgpack').write_bytes(b'')
+  monkeypatch.setitem(sys.modules, 'flax', None)  # import flax now raises ImportError
+  with pytest.raises(ConfigError, match=r'needs flax \(pip install flax\)'):
+    load_pretrained(tmp_path / 'w.msgpack')
 
 
 def test_without_init_from_members_start_as_before():
