@@ -186,6 +186,19 @@ def test_a_workdir_member_is_a_source(trained, tmp_path):
   assert not np.allclose(tuned.member(0)[1]['w'], ensemble.member(1)[1]['w'])
 
 
+def test_a_batchensemble_member_is_formed_from_w_and_its_factors(tmp_path):
+  config = _config()
+  config.num_members, config.mesh.member, config.mesh.data = 2, 2, 4
+  config.ensemble.method = 'batchensemble'
+  config.train.steps, config.train.log_every, config.train.eval_every = 2, 2, 0
+  dist_ens.train(config, str(tmp_path / 'be'))
+  expected = Ensemble.load(tmp_path / 'be').member(1)  # formed by the evaluator's path
+  loaded = load_pretrained(f'{tmp_path / "be"}#1')
+  for i in range(2):
+    for name in ('w', 'b'):
+      np.testing.assert_allclose(loaded[f'params/{i}/{name}'], expected[i][name], rtol=1e-6)
+
+
 def _error(config) -> str:
   with pytest.raises(ConfigError) as e:
     _init(config)
