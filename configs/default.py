@@ -70,6 +70,16 @@ def get_config() -> ml_collections.ConfigDict:
   # Dropout rate (mlp: after every hidden layer; cnn: before the dense layer; resnet:
   # see docs/models.md); with eval.mc_samples > 0 it also samples at evaluation.
   config.model.dropout = 0.0
+  # Start every member from pretrained weights (docs/pretrained.md): an .npz, a Flax
+  # .msgpack or a .safetensors file, an orbax checkpoint directory, or a dist_ens workdir
+  # (its member 0; 'PATH#i' for member i). '' = each member's own random init.
+  config.model.init_from = ''
+  # (regex, replacement) pairs applied in order (re.sub) to the file's leaf names to give
+  # the model's ('/'-joined paths: 'head/w'); a name mapped to '' is dropped.
+  config.model.init_map = ()
+  # False: the head (the leaves each member owns) starts per member from (seed, member),
+  # the diversity of an ensemble of fine-tuned heads; True: from the file too.
+  config.model.init_owned_from_file = False
 
   # How each device runs its block of members: 'vmap' (batched into wide ops), 'map'
   # (one member after another in a loop inside the compiled step, each member's new state

@@ -33,7 +33,7 @@ from dist_ens.checkpoint import Checkpointer
 from dist_ens.core import gradients, hparams as hparams_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
-from dist_ens.core.state import TrainState, init_state
+from dist_ens.core.state import Pretrained, TrainState, init_state
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood, user_metrics
@@ -43,9 +43,10 @@ from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
 from dist_ens.data import augment as augment_lib, uci
 from dist_ens.importing import is_import_path, load_object
+from dist_ens.io import init_from
 # Re-exported: tests and benchmarks build parts' specs through assemble.
-from dist_ens.specs import (data_spec, hparams_spec, mesh_spec, method_spec,  # noqa: F401
-                            model_spec, optim_spec)
+from dist_ens.specs import (data_spec, hparams_spec, init_from_spec,  # noqa: F401
+                            mesh_spec, method_spec, model_spec, optim_spec)
 
 
 class RunData(NamedTuple):
@@ -72,7 +73,9 @@ class Parts(NamedTuple):
   input_shape: tuple[int, ...]
   num_outputs: int  # the model's outputs per example (per head), task.output_units
   abstract_state: TrainState  # ShapeDtypeStructs carrying their shardings
-  init: Callable[[], TrainState]  # jit this (out_shardings) to get the state born sharded
+  # init(pretrained=None): jit this (out_shardings) to get the state born sharded; given
+  # core.state.Pretrained leaves (init_sharded reads config.model.init_from's), from them.
+  init: Callable[..., TrainState]
   method: methods.Method  # config.ensemble.method: what members collect and predict with
   task: tasks.Task  # config.task: the loss, metrics and what the outputs mean
   layout: Layout  # where every leaf of the state lives on the mesh
@@ -287,10 +290,10 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   input_shape = tuple(int(d) for d in input_shape)
   sample_x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
 
-  def init():
+  def init(pretrained=None):
     hp = {k: jnp.asarray(v) for k, v in member_hparams.items()}
     return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp,
-                      method.hooks)
+                      method.hooks, pretrained)
 
   field = (f'config.model.factory={config.model.factory!r}' if config.model.factory
            else f'config.model.name={config.model.name!r}')
@@ -343,17 +346,22 @@ def _check_shared_optimizer(member_hparams: dict[str, np.ndarray]) -> None:
 INIT_COMPILER_OPTIONS = {'xla_backend_optimization_level': 1}
 
 
-def compile_init(parts: Parts) -> jax.stages.Compiled:
+def compile_init(parts: Parts, *pretrained: Pretrained) -> jax.stages.Compiled:
   """The init program (parts.init with the state's shardings), compiled; on a CPU with
-  INIT_COMPILER_OPTIONS."""
-  lowered = jax.jit(parts.init, out_shardings=parts.state_shardings).lower()
+  INIT_COMPILER_OPTIONS. Given Pretrained leaves it takes them as its argument."""
+  lowered = jax.jit(parts.init, out_shardings=parts.state_shardings).lower(*pretrained)
   on_cpu = parts.mesh.devices.flat[0].platform == 'cpu'
   return lowered.compile(compiler_options=INIT_COMPILER_OPTIONS if on_cpu else None)
 
 
 def init_sharded(parts: Parts) -> TrainState:
-  """The initial state, born sharded: each device materialises only its own members."""
-  return compile_init(parts)()
+  """The initial state, born sharded: each device materialises only its own members,
+  from config.model.init_from's leaves where it names a file (io/init_from.py)."""
+  pretrained = init_from.pretrained_leaves(
+      init_from_spec(parts.config), parts.model, parts.input_shape,
+      parts.num_outputs * max(parts.method.heads, 1), parts.mesh, parts.layout)
+  args = () if pretrained is None else (pretrained,)
+  return compile_init(parts, *args)(*args)
 
 
 def members_per_device(parts: Parts) -> int:
@@ -364,7 +372,8 @@ def form_key(parts: Parts, batch_size: int) -> str:
   """The key of the measured member forms' cache (parallel/form_cache.py) for this run
   with this global batch per member."""
   config = parts.config
-  fields = {'model': config.model.to_dict(), 'data': config.data.name,
+  model = {k: v for k, v in config.model.to_dict().items() if k not in init_from.FIELDS}
+  fields = {'model': model, 'data': config.data.name,
             'precision': config.precision, 'optim': config.optim.name,
             'method': config.ensemble.method,
             'per_member_batches': config.data.member_order != 'shared'}

@@ -246,6 +246,10 @@ ADDED_FIELDS = {'task': 'classification',
 MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'rules': [], 'logical_rules': []}
 DATA_FIELDS = {'member_split': ''}
 EVAL_FIELDS = {'metrics': []}
+MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
+# Fields added to a group since format 2: {group: {field: the value runs had before}}.
+GROUP_FIELDS = {'mesh': MESH_FIELDS, 'data': DATA_FIELDS, 'eval': EVAL_FIELDS,
+                'model': MODEL_FIELDS}
 
 
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
@@ -257,13 +261,9 @@ def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
   if isinstance(train, dict) and train.get('loss') == 'cross_entropy' and (
       out['task'] == 'classification'):
     out['train'] = {**train, 'loss': ''}
-  mesh = out.get('mesh')
-  if isinstance(mesh, dict):
-    out['mesh'] = {**MESH_FIELDS, **mesh}
-  if isinstance(out.get('data'), dict):
-    out['data'] = {**DATA_FIELDS, **out['data']}
-  if isinstance(out.get('eval'), dict):
-    out['eval'] = {**EVAL_FIELDS, **out['eval']}
+  for group, fields in GROUP_FIELDS.items():
+    if isinstance(out.get(group), dict):
+      out[group] = {**fields, **out[group]}
   return out
 
 

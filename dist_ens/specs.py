@@ -14,6 +14,7 @@ from dist_ens.core import hparams as hparams_lib
 from dist_ens.core.optim import OptimSpec
 from dist_ens.ensembles import methods, pbt
 from dist_ens.errors import ConfigError
+from dist_ens.io.init_from import InitFrom
 from dist_ens.parallel import mesh as mesh_lib
 
 
@@ -29,6 +30,19 @@ def data_spec(config: ml_collections.ConfigDict) -> data.DataSpec:
   optional = {k: d[k] for k in ('train_split', 'test_split', 'add_channel') if k in d}
   return data.DataSpec(name=d.name, data_dir=d.data_dir, mean=tuple(d.mean), std=tuple(d.std),
                        **optional)
+
+
+def init_from_spec(config: ml_collections.ConfigDict) -> InitFrom:
+  """config.model's init_from fields: which pretrained leaves every member starts from."""
+  init_map = _field(config, 'model.init_map')
+  if isinstance(init_map, str) or not all(
+      isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(s, str) for s in p)
+      for p in init_map):
+    raise ConfigError(f'config.model.init_map={init_map!r} must be (regex, replacement) '
+                      "pairs, e.g. (('^encoder/', ''), ('/kernel$', '/w')).")
+  return InitFrom(source=str(_field(config, 'model.init_from')),
+                  init_map=tuple((str(r), str(s)) for r, s in init_map),
+                  owned_from_file=bool(_field(config, 'model.init_owned_from_file')))
 
 
 def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:

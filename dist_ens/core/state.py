@@ -31,6 +31,21 @@ class TrainState(NamedTuple):
   method_state: PyTree = ()
 
 
+class Pretrained(NamedTuple):
+  """Leaves every member starts from (io/init_from.py reads them from a file): trees
+  shaped like ONE member's params and model_state, with None where a leaf starts per
+  member from (seed, member) as without them."""
+  params: PyTree
+  model_state: PyTree
+
+
+def _overlay(stacked: PyTree, one: PyTree) -> PyTree:
+  """`stacked` [M, ...] with every leaf `one` gives broadcast over the member axis."""
+  return jax.tree.map(
+      lambda s, o: s if o is None else jnp.broadcast_to(jnp.asarray(o, s.dtype), s.shape),
+      stacked, one, is_leaf=lambda x: x is None)
+
+
 def scale_init(params: PyTree, init_scale: float | jax.Array | None) -> PyTree:
   """Multiplies every weight matrix / kernel (core.model.is_kernel) by `init_scale`.
 
@@ -45,7 +60,8 @@ def scale_init(params: PyTree, init_scale: float | jax.Array | None) -> PyTree:
 
 def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
                sample_x: jax.Array, hparams: Mapping[str, jax.Array],
-               hooks: MethodHooks = MethodHooks()) -> TrainState:
+               hooks: MethodHooks = MethodHooks(),
+               pretrained: Pretrained | None = None) -> TrainState:
   """All members' initial state; member i's depends only on (seed, i) and its hyperparameters.
 
   Args:
@@ -56,6 +72,9 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
     sample_x: a batch of inputs [B, *input_shape] (shapes only; e.g. zeros).
     hparams: per-member hyperparameters, each [M] (dist_ens.core.hparams.resolve).
     hooks: the ensemble method's (core.hooks); the default: independent members.
+    pretrained: leaves every member starts from, exactly (model.init_scale applies only
+      to the leaves initialised here); the method's hooks and the optimizer's init then
+      see them as the members' initial params.
   """
   keys = rng.member_keys(seed, jnp.arange(num_members, dtype=jnp.uint32))
   hparams = dict(hparams)
@@ -65,6 +84,9 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
     return scale_init(params, hp.get('model.init_scale')), model_state
 
   params, model_state = jax.vmap(one)(keys, hparams)
+  if pretrained is not None:
+    params = _overlay(params, pretrained.params)
+    model_state = _overlay(model_state, pretrained.model_state)
   if hooks.init_params is not None:
     params = hooks.init_params(params, keys)
   if hooks.init_opt_state is not None:

@@ -1,0 +1,184 @@
+"""Pretrained weights as one flat {leaf name: numpy array} dict, whatever file holds them.
+
+  load_pretrained('/ckpt/vit.npz')          # np.savez of '/'-joined leaf names
+  load_pretrained('/ckpt/vit.msgpack')      # flax.serialization.to_bytes / msgpack_serialize
+  load_pretrained('/ckpt/vit.safetensors')  # read here with numpy (no dependency)
+  load_pretrained('/ckpt/orbax_dir')        # an orbax pytree checkpoint directory
+  load_pretrained('/runs/pretrain')         # a dist_ens workdir: its member 0
+  load_pretrained('/runs/pretrain#3')       # ... its member 3
+
+Leaf names are the '/'-joined key paths the project uses everywhere
+(parallel.sharding_rules.path_str): 'head/w', 'blocks/0/attn/q/w',
+'params/Dense_0/kernel'. A dist_ens workdir's leaves come as 'params/...' and
+'model_state/...'. What the names mean for a model (renames, heads) is
+io/init_from.py's business; this module only reads.
+"""
+
+import json
+import os
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+import jax
+import ml_dtypes
+from absl import logging
+import numpy as np
+
+from dist_ens.ensembles import batchensemble
+from dist_ens.errors import ConfigError
+from dist_ens.parallel.sharding_rules import path_str
+
+FIELD = 'config.model.init_from'
+FORMATS = ('an .npz, a Flax .msgpack or a .safetensors file, an orbax checkpoint directory, '
+           "or a dist_ens workdir ('PATH#i' for its member i)")
+_SAFETENSORS_DTYPES = {
+    'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16,
+    'F8_E4M3': ml_dtypes.float8_e4m3fn, 'F8_E5M2': ml_dtypes.float8_e5m2,
+    'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8,
+    'U64': np.uint64, 'U32': np.uint32, 'U16': np.uint16, 'U8': np.uint8, 'BOOL': np.bool_}
+
+
+def flatten(tree: Any) -> dict[str, np.ndarray]:
+  """A nested pytree (dicts, lists) as {'/'-joined path: numpy array}."""
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {path_str(path): np.asarray(leaf) for path, leaf in leaves}
+
+
+def split_member(source: str) -> tuple[str, int | None]:
+  """('PATH', i) for 'PATH#i'; (source, None) when it names no member."""
+  match = re.fullmatch(r'(.*)#(\d+)', source)
+  return (match[1], int(match[2])) if match else (source, None)
+
+
+def load_pretrained(source: str | os.PathLike) -> dict[str, np.ndarray]:
+  """Every leaf the file (or directory) holds, as {leaf name: numpy array}.
+
+  Args:
+    source: a path as in the module doc; 'PATH#i' picks member i of a dist_ens workdir.
+
+  Raises:
+    ConfigError: (one line, naming config.model.init_from) the path does not exist,
+      is of no known format, or cannot be read.
+  """
+  path, member = split_member(os.fspath(source))
+  p = Path(path)
+  if not p.exists():
+    raise ConfigError(f'{FIELD}={os.fspath(source)!r}: no such file or directory; give '
+                      f'{FORMATS}.')
+  if member is not None and not (p / 'checkpoints').is_dir():
+    raise ConfigError(f"{FIELD}={os.fspath(source)!r}: '#{member}' picks a member of a dist_ens "
+                      f'workdir, but {path} is not one (it has no checkpoints/ directory).')
+  try:
+    if p.is_dir():
+      return _read_directory(p, member or 0)
+    suffix = p.suffix.lower()
+    if suffix not in _READERS:
+      raise ConfigError(f'{FIELD}={path!r}: unknown format {suffix or "(no suffix)"!r}; '
+                        f'give {FORMATS}.')
+    return _READERS[suffix](p)
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # Any reader's failure: one line.
+    detail = str(e).splitlines()[0][:300] if str(e) else ''
+    raise ConfigError(f'{FIELD}={os.fspath(source)!r} cannot be read: {type(e).__name__}: '
+                      f'{detail}') from None
+
+
+def _read_npz(path: Path) -> dict[str, np.ndarray]:
+  with np.load(path, allow_pickle=False) as f:
+    return {key: f[key] for key in f.files}
+
+
+def _read_msgpack(path: Path) -> dict[str, np.ndarray]:
+  try:
+    from flax import serialization  # pylint: disable=import-outside-toplevel  # optional extra
+  except ImportError:
+    raise ConfigError(f'{FIELD}={str(path)!r} is a Flax msgpack file; reading it needs flax '
+                      '(pip install flax), or save the weights as .npz instead.') from None
+  return flatten(serialization.msgpack_restore(path.read_bytes()))
+
+
+def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
+  """The safetensors layout: an 8-byte little-endian header size, a JSON header of
+  {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes."""
+  raw = path.read_bytes()
+  (size,) = struct.unpack('<Q', raw[:8])
+  header = json.loads(raw[8:8 + size])
+  body = memoryview(raw)[8 + size:]
+  out = {}
+  for name, entry in header.items():
+    if name == '__metadata__':
+      continue
+    if entry['dtype'] not in _SAFETENSORS_DTYPES:
+      raise ValueError(f'tensor {name!r} has dtype {entry["dtype"]}, which this reader does '
+                       f'not know ({", ".join(_SAFETENSORS_DTYPES)})')
+    begin, end = entry['data_offsets']
+    dtype = np.dtype(_SAFETENSORS_DTYPES[entry['dtype']]).newbyteorder('<')
+    array = np.frombuffer(body[begin:end], dtype=dtype).reshape(entry['shape'])
+    out[name] = array.astype(array.dtype.newbyteorder('='))
+  return out
+
+
+_READERS = {'.npz': _read_npz, '.msgpack': _read_msgpack, '.safetensors': _read_safetensors}
+
+
+def _read_directory(path: Path, member: int) -> dict[str, np.ndarray]:
+  """A dist_ens workdir's member, or an orbax pytree checkpoint (an item directory, or a
+  step directory holding one item)."""
+  if (path / 'checkpoints').is_dir():
+    return _read_workdir(path, member)
+  if _is_orbax_item(path):
+    return flatten(read_orbax(path))
+  items = [d for d in sorted(path.iterdir()) if d.is_dir() and _is_orbax_item(d)]
+  if len(items) == 1:  # A step directory of one item (CheckpointManager's 'default').
+    return flatten(read_orbax(items[0]))
+  if items:
+    raise ConfigError(f'{FIELD}={str(path)!r} is an orbax checkpoint of {len(items)} items '
+                      f'{[d.name for d in items]}; name one item\'s directory.')
+  raise ConfigError(f'{FIELD}={str(path)!r} is a directory but neither a dist_ens workdir '
+                    f'(no checkpoints/) nor an orbax checkpoint; give {FORMATS}.')
+
+
+def _is_orbax_item(path: Path) -> bool:
+  return (path / '_METADATA').exists() or (path / 'manifest.ocdbt').exists()
+
+
+def read_orbax(path: Path) -> Any:
+  """An orbax pytree checkpoint as saved, every array read whole into host memory."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel  # slow import
+  from etils import epath  # pylint: disable=import-outside-toplevel  # orbax's own paths
+
+  # The handler's metadata, not a Checkpointer's: an item of a CheckpointManager's step
+  # (a dist_ens checkpoint's 'model') has no step metadata of its own to warn about.
+  tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(path.absolute())).tree
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as checkpointer:
+    return checkpointer.restore(path.absolute(), args=ocp.args.PyTreeRestore(restore_args=args))
+
+
+def _read_workdir(workdir: Path, member: int) -> dict[str, np.ndarray]:
+  """Member `member`'s params and model state from the workdir's newest checkpoint that
+  reads ('params/...', 'model_state/...'); BatchEnsemble members formed from W, r, s."""
+  steps = sorted((int(d.name) for d in (workdir / 'checkpoints').iterdir()
+                  if d.name.isdigit() and (d / 'model').is_dir()), reverse=True)
+  if not steps:
+    raise ConfigError(f'{FIELD}={str(workdir)!r} is a dist_ens workdir without a '
+                      'checkpoint; train it first (its run saves one at the end).')
+  saved = read_orbax(workdir / 'checkpoints' / str(steps[0]) / 'model')
+  count = len(saved['frozen'])
+  if member >= count:
+    raise ConfigError(f"{FIELD}='{workdir}#{member}': that run has members 0..{count - 1}.")
+  if saved['frozen'][member]:
+    logging.warning('%s: member %d of %s was frozen (non-finite) in training; its last finite '
+                    'parameters are used.', FIELD, member, workdir)
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, leaf: leaf if batchensemble.is_shared(path) else leaf[member],
+      saved['params'])
+  if any(batchensemble.is_shared(path) for path, _ in
+         jax.tree_util.tree_flatten_with_path(saved['params'])[0]):
+    params = jax.tree.map(np.asarray, batchensemble.member_params(params))
+  model_state = jax.tree.map(lambda leaf: leaf[member], saved.get('model_state', {}))
+  return {**{f'params/{k}': v for k, v in flatten(params).items()},
+          **{f'model_state/{k}': v for k, v in flatten(model_state).items()}}
