@@ -349,6 +349,9 @@ class Ensemble:
             'num_members': self.num_members, 'step': self.step,
             'frozen_members': np.flatnonzero(self.frozen).tolist(),
             'input_shape': list(self.input_shape), 'num_classes': self.num_classes,
-            'data': self.config.data.name, 'model': self.config.model.to_dict()}
+            'data': self.config.data.name, 'model': self.config.model.to_dict(),
+            'task': self.config.task}
+    if self.scale is not None:  # A standardising task's members predict standardised units.
+      meta['standardizer'] = {k: np.asarray(v).tolist() for k, v in self.scale._asdict().items()}
     (directory / 'ensemble.json').write_text(json.dumps(meta, indent=2, default=list))
     return paths

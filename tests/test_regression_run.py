@@ -2,6 +2,7 @@
 targets stay float, the step trains on the task's Gaussian NLL, the evaluator reports
 the task's metrics, and the tables and members.csv show them."""
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,44 @@ def test_a_regression_ensemble_loads_and_predicts_in_target_units(tmp_path):
   np.testing.assert_allclose(out.variance, out.aleatoric + out.epistemic, rtol=1e-5)
   np.testing.assert_allclose(out.mean, out.member_mean.mean(0), rtol=1e-5, atol=1e-3)
   np.testing.assert_allclose(out.epistemic, out.member_mean.var(0), rtol=1e-3, atol=1e-3)
+
+
+def test_an_exported_regression_member_predicts_with_numpy_alone(tmp_path):
+  """ensemble.json carries the task and the standardiser, so a member's .npz predicts in
+  target units without dist_ens: standardise x, run the MLP, unscale the mean."""
+  (x, y), (xt, yt) = _curve(512, 0), _curve(256, 1)
+  config = _config()
+  config.train.steps = 100
+  dist_ens.train(config, str(tmp_path / 'run'),
+                 dataset=data.from_arrays(x, 50 * y - 3, xt, 50 * yt - 3))
+  ensemble = dist_ens.Ensemble.load(str(tmp_path / 'run'))
+  paths = ensemble.export(tmp_path / 'members')
+  meta = json.loads((tmp_path / 'members' / 'ensemble.json').read_text())
+  assert meta['task'] == 'regression'
+  scale = {k: np.asarray(v, np.float64) for k, v in meta['standardizer'].items()}
+  w = np.load(paths[2])
+  h = np.maximum(((xt - scale['x_mean']) / scale['x_std']) @ w['0/w'] + w['0/b'], 0)
+  mean = (h @ w['1/w'] + w['1/b'])[:, 0] * scale['y_std'] + scale['y_mean']
+  np.testing.assert_allclose(mean, ensemble.predict(xt).member_mean[2], rtol=1e-4, atol=1e-3)
+
+
+def test_a_regression_sweep_with_k_fold_resumes_exactly(tmp_path):
+  """Resume, a per-member sweep and member_split together: killed after step 40's
+  checkpoint and rerun, it ends where an uninterrupted run ends, held-out results too."""
+  from test_methods import _Stop  # pylint: disable=import-outside-toplevel
+  dataset = data.from_arrays(*_curve(512, 0), *_curve(256, 1), name='curve')
+
+  def config():
+    c = _config()
+    c.optim.learning_rate = [3e-3, 1e-2, 3e-3, 1e-2]
+    c.data.member_split, c.data.member_order = 'kfold:2', 'shuffled'
+    c.train.steps, c.train.log_every, c.checkpoint.every = 80, 20, 20
+    return c
+
+  straight = dist_ens.train(config(), str(tmp_path / 'a'), dataset=dataset)
+  with pytest.raises(RuntimeError, match='injected fault'):
+    dist_ens.train(config(), str(tmp_path / 'b'), dataset=dataset, actions=[_Stop(40)])
+  resumed = dist_ens.train(config(), str(tmp_path / 'b'), dataset=dataset)
+  for key in ('members', 'ensemble', 'member_split', 'hyperparameters'):
+    assert resumed[key] == straight[key], key
+  assert straight['hyperparameters']['optim.learning_rate'] == [3e-3, 1e-2, 3e-3, 1e-2]
