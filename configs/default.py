@@ -46,6 +46,10 @@ def get_config() -> ml_collections.ConfigDict:
   # fsdp_min_size elements split on its largest dimension that model divides).
   config.mesh.model = 1
   config.mesh.fsdp_min_size = 4096
+  # ZeRO-3 over both axes: the FSDP rule splits a large leaf over data x model devices
+  # (a member's data-parallel devices hold a shard each, gathered per layer), not over
+  # model alone; also with model = 1. Less memory per device, more collectives.
+  config.mesh.fsdp_over_data = False
   # (regex over a leaf's path, spec of one member's leaf) pairs, first match wins, e.g.
   # (('attn/(q|k|v)/w$', (None, 'model')),); or an import path to such pairs.
   config.mesh.rules = ()

@@ -309,15 +309,19 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
 def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections.ConfigDict,
                  member_params: Callable[[], Any]) -> Layout:
   """Where every leaf lives: a method's shared leaves stored once, members whole on each
-  device of their group or, on a mesh with a 'model' axis, each member's leaves split
-  over it by the model's Flax annotations, config.mesh.rules, else FSDP (a rule sees
-  one member's leaf; `member_params()` are one member's abstract params, with their
-  annotations, traced only where a 'model' axis needs them)."""
+  device of their group or, on a mesh with a 'model' axis (or with mesh.fsdp_over_data
+  and data > 1), each member's leaves split by the model's Flax annotations,
+  config.mesh.rules, else FSDP over 'model' (or 'data' x 'model'). A rule sees one
+  member's leaf; `member_params()` are one member's abstract params, with their
+  annotations, traced only where a split needs them."""
   shared = {} if method.hooks.shared is None else {'shared': method.hooks.shared}
-  if mesh_lib.MODEL not in mesh.axis_names:
+  over_data = bool(mesh_config.fsdp_over_data) and mesh.shape[mesh_lib.DATA] > 1
+  if mesh_lib.MODEL not in mesh.axis_names and not over_data:
     return Layout(**shared)
-  size = mesh.shape[mesh_lib.MODEL]
-  rule = sharding_rules.fsdp(mesh_lib.MODEL, axis_size=size,
+  axes = tuple(a for a in (mesh_lib.DATA, mesh_lib.MODEL) if a in mesh.axis_names
+               and (a == mesh_lib.MODEL or over_data))
+  size = int(np.prod([mesh.shape[a] for a in axes]))
+  rule = sharding_rules.fsdp(axes if len(axes) > 1 else axes[0], axis_size=size,
                              min_size=mesh_config.fsdp_min_size)
   rules = mesh_config.rules
   if isinstance(rules, str) and rules:

@@ -243,7 +243,8 @@ ADDED_FIELDS = {'task': 'classification',
                 'pbt': {'enabled': False, 'interval': 500, 'metric': 'nll', 'quantile': 0.25,
                         'fields': [], 'perturb_factors': [0.8, 1.2],
                         'resample_probability': 0.25, 'seed': 0}}
-MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'rules': [], 'logical_rules': []}
+MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'fsdp_over_data': False, 'rules': [],
+               'logical_rules': []}
 DATA_FIELDS = {'member_split': ''}
 EVAL_FIELDS = {'metrics': []}
 MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}

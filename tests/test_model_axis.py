@@ -164,3 +164,22 @@ def test_plan_prints_each_leafs_spec_and_the_state_bytes_per_device():
   assert kernel.bytes_per_device == 2 * 64 * 16 * 4  # 2 members, a quarter of 64 columns
   assert plan.to_dict()['state_bytes_per_device'] == plan.state_bytes_per_device
   assert "P('member', None, 'model')" in plan_lib.format_plan(plan, config)
+
+
+@pytest.mark.parametrize('shape', [(2, 2, 2), (4, 2, 1)])
+def test_fsdp_over_data_splits_leaves_over_data_too_and_trains_the_same(
+    batches, reference, shape):
+  """ZeRO-3 (mesh.fsdp_over_data): a large leaf is split over data x model devices; the
+  members follow the reference trajectory."""
+  config = _config(*shape)
+  config.mesh.fsdp_over_data = True
+  parts = _parts(config)
+  split = shape[1] * shape[2]
+  state, losses = _train(parts, batches)
+  kernel = state.params[1]['w']  # [M, 64, 64]: 4096 elements, split 4 ways.
+  assert kernel.addressable_shards[0].data.size * split * shape[0] == kernel.size
+  assert 'data' in str(kernel.sharding.spec)
+  ref_state, ref_losses = reference
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
+  for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)

@@ -107,12 +107,15 @@ def check_spec(path: Path, leaf: jax.ShapeDtypeStruct, spec: P,
   return spec
 
 
-def fsdp(axis: str = MODEL, *, axis_size: int, min_size: int = 4096) -> LeafRule:
+def fsdp(axis: str | tuple[str, ...] = MODEL, *, axis_size: int,
+         min_size: int = 4096) -> LeafRule:
   """FSDP by size: split each large leaf's largest dimension that `axis_size` divides.
 
   Args:
-    axis: the mesh axis to split over.
-    axis_size: its size (the rule sees leaves, not the mesh).
+    axis: the mesh axis to split over, or a tuple of axes split over jointly (ZeRO-3
+      over ('data', 'model'): config.mesh.fsdp_over_data).
+    axis_size: its size, the product of the axes' sizes (the rule sees leaves, not
+      the mesh).
     min_size: leaves of fewer elements stay replicated (biases, norms: gathering them
       costs a collective each for little memory). In elements, not bytes, so the
       choice does not move with the precision.
