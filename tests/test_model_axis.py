@@ -183,3 +183,14 @@ def test_fsdp_over_data_splits_leaves_over_data_too_and_trains_the_same(
   np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-6)
   for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+
+
+@pytest.mark.parametrize('model, over_data', [(2, False), (1, True)])
+def test_reproducible_mode_refuses_a_member_split_over_devices(model, over_data):
+  """Measured: a member split over 'model' differs in the last bits between meshes, so
+  reproducible mode (bit-identical on any mesh) refuses it rather than promise it."""
+  config = _config(4, 2 // model, model)
+  config.reproducible, config.train.micro_batches = True, 2
+  config.mesh.fsdp_over_data = over_data
+  with pytest.raises(ConfigError, match='reproducible=True .* mesh.model=1'):
+    assemble.build_mesh(config)

@@ -1,0 +1,72 @@
+"""Why reproducible mode refuses a member split over devices (mesh.model > 1).
+
+  python benchmarks/reproducible_model_axis.py      # ~1 min on 8 fake CPU devices
+
+Trains M=4 MLPs 40-64-64-10 (dropout 0.1, 'shuffled' orders, Adam, 20 steps, batch 128,
+two micro-batches, leaves of 1,024+ elements split by FSDP) with config.reproducible=True
+under the XLA flags the dist-ens command sets (--xla_cpu_max_isa=AVX) on several meshes,
+and compares every parameter with the 1 x 1 x 1 run: bit-identical or the largest
+difference. The refusal itself is a check in assemble.build_mesh (reproducible mode is
+built before it, so this script patches it out to measure what it prevents). Writes
+benchmarks/results/reproducible_model_axis.json.
+"""
+
+import os
+
+os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8 --xla_cpu_max_isa=AVX'
+
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import dist_ens  # noqa: E402
+from dist_ens import assemble  # noqa: E402
+
+MESHES = ((1, 1, 1), (4, 2, 1), (4, 1, 2), (2, 2, 2), (1, 1, 2))
+
+
+def run(member: int, data: int, model: int) -> list[np.ndarray]:
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.num_members, config.model.widths, config.model.dropout = 4, (64, 64), 0.1
+  config.reproducible, config.train.micro_batches = True, 2
+  config.mesh.member, config.mesh.data, config.mesh.model = member, data, model
+  config.mesh.fsdp_min_size = 1024
+  config.train.steps, config.train.log_every, config.train.eval_every = 20, 10, 0
+  config.checkpoint.every, config.data.member_order, config.writers = 20, 'shuffled', ('jsonl',)
+  with tempfile.TemporaryDirectory() as workdir:
+    dist_ens.train(config, workdir, devices=jax.devices()[:member * data * model])
+    ensemble = dist_ens.Ensemble.load(workdir, devices=jax.devices()[:1])
+    return [np.asarray(leaf) for i in range(4) for leaf in jax.tree.leaves(ensemble.member(i))]
+
+
+def main() -> None:
+  original = assemble.build_mesh
+
+  def build_mesh_unchecked(config, devices=None):  # Measure what the refusal prevents.
+    reproducible, config.reproducible = config.reproducible, False
+    try:
+      return original(config, devices)
+    finally:
+      config.reproducible = reproducible
+
+  assemble.build_mesh = build_mesh_unchecked
+  reference = run(*MESHES[0])
+  rows = {}
+  for shape in MESHES[1:]:
+    leaves = run(*shape)
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(reference, leaves))
+    rows['x'.join(map(str, shape))] = diff
+    print(f"{' x '.join(map(str, shape))}: {'identical' if diff == 0 else f'max |diff| {diff:.2g}'}")
+  out = ROOT / 'benchmarks' / 'results' / 'reproducible_model_axis.json'
+  out.write_text(json.dumps({'reference': '1x1x1', 'max_abs_param_diff': rows}, indent=1) + '\n')
+
+
+if __name__ == '__main__':
+  main()
