@@ -194,3 +194,15 @@ def test_reproducible_mode_refuses_a_member_split_over_devices(model, over_data)
   config.mesh.fsdp_over_data = over_data
   with pytest.raises(ConfigError, match='reproducible=True .* mesh.model=1'):
     assemble.build_mesh(config)
+
+
+def test_model_groups_that_span_processes_are_named():
+  """With model dividing the devices per host every group stays on one host; else the
+  groups that cross are found (the mesh warns with them)."""
+  from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+  devices = [SimpleNamespace(process_index=i // 4, id=i) for i in range(8)]  # 2 hosts x 4
+  by = lambda k: [devices[i:i + k] for i in range(0, 8, k)]
+  assert mesh_lib.groups_across_hosts(by(2)) == [] == mesh_lib.groups_across_hosts(by(4))
+  assert mesh_lib.groups_across_hosts(by(8)) == [[0, 1]]
+  odd = [devices[i:i + 3] for i in (0, 3)]  # model=3 on 4-device hosts: the second crosses.
+  assert mesh_lib.groups_across_hosts(odd) == [[0, 1]]

@@ -204,7 +204,23 @@ def _layout(groups: list[list[jax.Device]], member: int, data: int, hosts_along:
                     hosts_along, processes)
   if model == 1:  # Two axes, the programs of a run without a model axis.
     return Mesh(grid[:, :, 0], AXES)
+  spanning = groups_across_hosts(groups)
+  if spanning:
+    logging.warning('%d of %d mesh.model=%d device groups span processes %s...: their '
+                    "members' per-layer collectives cross hosts (fine on a TPU slice's "
+                    'inter-chip links, slow over a network); use a mesh.model that divides '
+                    'the devices per host.', len(spanning), len(groups), model, spanning[0])
   return Mesh(grid, AXES + (MODEL,))
+
+
+def groups_across_hosts(groups: Sequence[Sequence[jax.Device]]) -> list[list[int]]:
+  """The process indices of each device group that spans more than one process."""
+  out = []
+  for group in groups:
+    processes = sorted({d.process_index for d in group})
+    if len(processes) > 1:
+      out.append(processes)
+  return out
 
 
 def check_divisibility(mesh: Mesh, num_members: int, batch_size: int) -> None:
