@@ -36,7 +36,7 @@ from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
-from dist_ens.eval import ood
+from dist_ens.eval import ood, shift_spec
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.parallel import form_cache, mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
@@ -152,6 +152,7 @@ def build_run(config: ml_collections.ConfigDict, *,
     run_data = build_data(config, dataset)
     dataset = run_data.dataset
     config = configuration.resolve_epochs(config, dataset.train.num_examples)
+    shift_spec.resolve_shift(config.eval.shift, dataset.input_shape)  # applies to these inputs
     shapes = dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
   parts = build_parts(config, mesh, *shapes, optimizer=optimizer)
   return Run(config, parts, run_data, member_form(parts, config.data.batch_size))

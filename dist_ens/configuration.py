@@ -24,6 +24,7 @@ from dist_ens.core import hparams
 from dist_ens.data.augment import AUGMENTATIONS
 from dist_ens.data.pipeline import MEMBER_ORDERS
 from dist_ens.errors import ConfigError
+from dist_ens.eval import shift_spec as shift_lib
 
 # What to do when a member goes non-finite (see train.py).
 ON_NONFINITE = ('freeze', 'stop')
@@ -109,6 +110,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   value = _get(config, 'data.validation_size')
   _require(_is_int(value) and value >= 0, 'data.validation_size', value, 'must be an int >= 0')
   _validate_select(config)
+  _validate_eval(config)
   _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
            config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
   # Per-member fields: numbers, lists of M numbers or specs.
@@ -126,6 +128,15 @@ def _validate_select(config: ml_collections.ConfigDict) -> None:
            f'must be an int in [0, num_members={config.num_members}]')
   _require(value == 0 or config.data.validation_size > 0, 'select.top_k', value,
            'selects members on a validation split; set data.validation_size > 0 (e.g. 500)')
+
+
+def _validate_eval(config: ml_collections.ConfigDict) -> None:
+  """eval.shift names known corruptions and severities; eval.conformal_alpha is in (0, 1)."""
+  shift_lib.resolve_shift(_get(config, 'eval.shift'))
+  value = _get(config, 'eval.conformal_alpha')
+  _require(_is_number(value) and 0 < value < 1, 'eval.conformal_alpha', value,
+           'must be a number in (0, 1), the miscoverage (0.1: sets hold the label 90% of the '
+           'time)')
 
 
 def _validate_run_fields(config: ml_collections.ConfigDict) -> bool:
@@ -218,6 +229,7 @@ def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 # Fields added since checkpoint format 2, with the value every run had before them.
 ADDED_FIELDS = {'task': 'classification'}
 MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'rules': [], 'logical_rules': []}
+EVAL_FIELDS = {'shift': '', 'conformal_alpha': 0.1}
 
 
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
@@ -229,9 +241,9 @@ def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
   if isinstance(train, dict) and train.get('loss') == 'cross_entropy' and (
       out['task'] == 'classification'):
     out['train'] = {**train, 'loss': ''}
-  mesh = out.get('mesh')
-  if isinstance(mesh, dict):
-    out['mesh'] = {**MESH_FIELDS, **mesh}
+  for name, added in (('mesh', MESH_FIELDS), ('eval', EVAL_FIELDS)):
+    if isinstance(out.get(name), dict):
+      out[name] = {**added, **out[name]}
   return out
 
 
