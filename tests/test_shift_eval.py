@@ -2,6 +2,7 @@
 every corruption x severity, the same corrupted examples on any mesh and M, the config's
 errors, and a short digits run writing 'shift', 'aurc', 'selective' and 'conformal'."""
 
+import csv
 import json
 from pathlib import Path
 
@@ -170,5 +171,26 @@ def test_a_digits_run_with_shift_writes_every_section(tmp_path, devices):
   assert conformal['method'] == 'aps' and conformal['alpha'] == 0.1
   assert conformal['calibration_size'] == 300 and 0 < conformal['coverage'] <= 1
   assert 0 < conformal['mean_set_size'] <= 10
+  for row in csv.DictReader((tmp_path / 'members.csv').open()):
+    member = int(row['member'])
+    assert float(row['shift_accuracy']) == pytest.approx(members[member])
   events = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').open()]
   assert any(e['split'] == 'test_shift' for e in events)
+
+
+def test_report_draws_metrics_against_severity(tmp_path):
+  pytest.importorskip('matplotlib')
+  from dist_ens.io import report_plots  # pylint: disable=g-import-not-at-top
+  result = lambda acc: {'members': {'accuracy': [acc - 0.1, acc - 0.2, 9.0],
+                                    'nll': [1.0, 2.0, 3.0], 'ece': [0.1, 0.2, 0.3]},
+                        'ensemble': {'accuracy': acc, 'nll': 1 - acc, 'ece': 0.1}}
+  final = {**result(0.9), 'frozen_members': [2], 'shift': {'corruptions': {
+      'contrast': {'1': result(0.8), '3': result(0.6)},
+      'gaussian_noise': {'1': result(0.6), '5': result(0.2)}}}}
+  curves, families = report_plots.shift_by_severity(final, 'accuracy')
+  # Severity 0 is clean; k the mean over the families run at k; frozen member 2 left out.
+  np.testing.assert_allclose(curves[1], [0.9, 0.7, np.nan, 0.6, np.nan, 0.2])
+  np.testing.assert_allclose(curves[0], [0.75, 0.55, np.nan, 0.45, np.nan, 0.05])
+  np.testing.assert_allclose(families['contrast'], [0.9, 0.8, np.nan, 0.6, np.nan, np.nan])
+  report_plots.plot_shift(tmp_path, final)
+  assert (tmp_path / 'shift.png').stat().st_size > 0 and (tmp_path / 'shift.svg').exists()
