@@ -16,6 +16,7 @@ from dist_ens import assemble, data
 from dist_ens.configuration import load_config, validate
 from dist_ens.data import corruptions
 from dist_ens.errors import ConfigError
+from dist_ens.inference import Ensemble
 from dist_ens.eval import metrics, shift, shift_spec
 from dist_ens.training.trainer import train
 
@@ -174,6 +175,18 @@ def test_a_digits_run_with_shift_writes_every_section(tmp_path, devices):
   for row in csv.DictReader((tmp_path / 'members.csv').open()):
     member = int(row['member'])
     assert float(row['shift_accuracy']) == pytest.approx(members[member])
+  # Ensemble.predict_sets: the sets calibrated in the run, on the test split again (other
+  # draws of APS's randomisation, so the coverage agrees up to sampling).
+  ensemble = Ensemble.load(tmp_path, devices=devices[:4])
+  test = data.load_dataset('digits').test
+  sets = ensemble.predict_sets(test.x, preprocessed=True, seed=5)
+  assert sets.shape == (len(test.y), 10) and sets.dtype == bool
+  coverage = sets[np.arange(len(test.y)), test.y].mean()
+  assert abs(coverage - conformal['coverage']) < 0.06
+  assert abs(sets.sum(1).mean() - conformal['mean_set_size']) < 0.5
+  ensemble.conformal = None
+  with pytest.raises(ValueError, match='validation_size > 0'):
+    ensemble.predict_sets(test.x, preprocessed=True)
   events = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').open()]
   assert any(e['split'] == 'test_shift' for e in events)
 
