@@ -3,6 +3,7 @@ tables put them side by side: the table in docs/evaluation.md.
 
   python benchmarks/shift_digits.py                 # ~5 min on 2 CPU cores
   python benchmarks/shift_digits.py --steps 20      # a quick look
+  python benchmarks/shift_digits.py --table         # the tables of the saved results
 
 Trains the config as it is with eval.shift='all' (12 corruption families x 5 severities on
 8x8 grey digits; saturate needs colour) and data.validation_size=300 (carved from the
@@ -83,19 +84,23 @@ def tables(result: dict) -> str:
              'set_size', 'c_coverage', 'c_set_size')
   lines = ['| | ' + ' | '.join(columns) + ' |', '|---|' + '---|' * len(columns)]
   for name, row in result['rows'].items():
-    lines.append(f'| {name} | ' + ' | '.join(f'{row[c]:.3f}' if c in row else '' for c in columns)
+    lines.append(f'| {name} | ' + ' | '.join(f'{row[c]:.4f}' if c in row else '' for c in columns)
                  + ' |')
   lines += ['', '| severity | ensemble accuracy | NLL | conformal coverage |', '|---|---|---|---|']
   for severity, row in result['by_severity'].items():
-    lines.append(f"| {severity} | {row['accuracy']:.3f} | {row['nll']:.3f} | "
-                 f"{row['coverage']:.3f} |")
+    lines.append(f"| {severity} | {row['accuracy']:.4f} | {row['nll']:.4f} | "
+                 f"{row['coverage']:.4f} |")
   return '\n'.join(lines)
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--steps', type=int, default=None, help='override train.steps')
+  parser.add_argument('--table', action='store_true', help='print the saved results only')
   args = parser.parse_args()
+  if args.table:
+    print(tables(json.loads(OUT.read_text())))
+    return
   final, wall = train(args.steps)
   result = {**summary(final), 'steps': final['step'], 'wall_seconds': wall,
             'devices': f'{jax.device_count()} x {jax.devices()[0].platform}',

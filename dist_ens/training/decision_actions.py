@@ -54,6 +54,8 @@ class EvaluateDecisions(PeriodicAction):
   def run(self, ctx: Context) -> None:
     config, run_data = ctx.config, ctx.run_data
     pairs = shift_spec.resolve_shift(config.eval.shift, run_data.dataset.test.x.shape[1:])
+    if not pairs and run_data.validation is None and ctx.parts.task.predict is not None:
+      return  # a regression run without shift or validation: nothing to report
     evaluator = self.evaluator(ctx)
     mask = ~np.asarray(ctx.fetch(ctx.evaluator.view(ctx.state).frozen), bool)
     predict, scale = ctx.parts.task.predict, run_data.scale
