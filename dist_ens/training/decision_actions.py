@@ -56,32 +56,34 @@ class EvaluateDecisions(PeriodicAction):
     pairs = shift_spec.resolve_shift(config.eval.shift, run_data.dataset.test.x.shape[1:])
     if not pairs and run_data.validation is None and ctx.parts.task.predict is not None:
       return  # a regression run without shift or validation: nothing to report
-    evaluator = self.evaluator(ctx)
     mask = ~np.asarray(ctx.fetch(ctx.evaluator.view(ctx.state).frozen), bool)
-    predict, scale = ctx.parts.task.predict, run_data.scale
-    y_scale = 1.0 if scale is None else scale.y_std
-    fit = None
+    fit, test = None, run_data.dataset.test
     with ctx.off_clock():
       if run_data.validation is not None:
-        val = evaluator.predict(ctx.state, run_data.validation)
+        val = self.evaluator(ctx).predict(ctx.state, run_data.validation)
         fit = decisions.fit_conformal(val.outputs, run_data.validation.y, mask,
-                                      config.eval.conformal_alpha, _seed(config.seed, 0), predict)
-
-      def results(split: Split, corruption: int, severity: int, tag: int) -> dict[str, Any]:
-        out = evaluator.predict(ctx.state, split, corruption, severity)
-        found = {'members': out.metrics['members'], 'ensemble': out.metrics['ensemble']}
-        if (chosen := decisions.selective_report(out.examples)) is not None:
-          found['selective'] = chosen
-        if fit is not None:
-          found['conformal'] = decisions.conformal_report(
-              fit, out.outputs, split.y, mask, _seed(config.seed, tag), predict, y_scale)
-        return found
-
-      test = run_data.dataset.test
-      clean = results(test, 0, 0, 1)
-      shifted = {(name, severity): results(test, corruptions.corruption_id(name), severity, 2 + i)
+                                      config.eval.conformal_alpha, _seed(config.seed, 0),
+                                      ctx.parts.task.predict)
+      clean = self._results(ctx, test, (0, 0), fit, mask, tag=1)
+      shifted = {(name, severity): self._results(
+                     ctx, test, (corruptions.corruption_id(name), severity), fit, mask, tag=2 + i)
                  for i, (name, severity) in enumerate(pairs)}
     self._report(ctx, clean, fit, shifted)
+
+  def _results(self, ctx: Context, split: Split, shift: tuple[int, int],
+               fit: decisions.ConformalFit | None, mask: np.ndarray, tag: int) -> dict[str, Any]:
+    """The task's metrics of `split` under shift = (corruption id, severity), its
+    selective prediction (classification) and conformal coverage (when fitted)."""
+    out = self.evaluator(ctx).predict(ctx.state, split, *shift)
+    found = {'members': out.metrics['members'], 'ensemble': out.metrics['ensemble']}
+    if (chosen := decisions.selective_report(out.examples)) is not None:
+      found['selective'] = chosen
+    if fit is not None:
+      scale = ctx.run_data.scale
+      found['conformal'] = decisions.conformal_report(
+          fit, out.outputs, split.y, mask, _seed(ctx.config.seed, tag), ctx.parts.task.predict,
+          1.0 if scale is None else scale.y_std)
+    return found
 
   def _report(self, ctx: Context, clean: dict[str, Any], fit: decisions.ConformalFit | None,
               shifted: dict[tuple[str, int], dict[str, Any]]) -> None:

@@ -23,8 +23,8 @@ from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.io import tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
-from dist_ens.training import (actions as actions_lib, decision_actions, posthoc,
-                               workdir as workdir_lib)
+from dist_ens.training import actions as actions_lib, posthoc, workdir as workdir_lib
+from dist_ens.training import decision_actions
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 
