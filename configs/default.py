@@ -251,4 +251,14 @@ def get_config() -> ml_collections.ConfigDict:
   # Fit a temperature per member and one for the ensemble on the validation split (needs
   # data.validation_size > 0); test metrics before and after under 'temperature_scaling'.
   config.eval.temperature_scaling = False
+  # Distribution shift: the test split corrupted on device (docs/evaluation.md), per
+  # corruption and severity the members' and the ensemble's metrics and their means
+  # (cA, cNLL, cCE), under 'shift' in final_metrics.json. '' = off; 'all' (every family
+  # that applies to the inputs, severities 1-5); or a comma list of 'name' (severities
+  # 1-5), 'name:k' or 'name:j-k', e.g. 'gaussian_noise:1-5,contrast:3'.
+  config.eval.shift = ''
+  # Conformal prediction: with data.validation_size > 0, sets (classification, APS) or
+  # intervals (regression) calibrated on the validation split to hold the label with
+  # probability 1 - alpha; test (and shifted) coverage and size under 'conformal'.
+  config.eval.conformal_alpha = 0.1
   return config

@@ -36,7 +36,7 @@ from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import Pretrained, TrainState, init_state
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
-from dist_ens.eval import ood, user_metrics
+from dist_ens.eval import ood, shift_spec, user_metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
 from dist_ens.parallel import form_cache, mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
@@ -164,6 +164,7 @@ def build_run(config: ml_collections.ConfigDict, *,
     dataset = run_data.dataset
     # An epoch is one pass over a member's training examples (all of train, or its split's).
     config = configuration.resolve_epochs(config, run_data.order.examples_per_epoch)
+    shift_spec.resolve_shift(config.eval.shift, dataset.input_shape)  # applies to these inputs
     shapes = dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
   parts = build_parts(config, mesh, *shapes, optimizer=optimizer)
   if metrics and run_data is not None:

@@ -24,6 +24,7 @@ from dist_ens.core import hparams
 from dist_ens.data.augment import AUGMENTATIONS
 from dist_ens.data.pipeline import MEMBER_ORDERS
 from dist_ens.errors import ConfigError
+from dist_ens.eval import shift_spec as shift_lib
 
 # What to do when a member goes non-finite (see train.py).
 ON_NONFINITE = ('freeze', 'stop')
@@ -109,6 +110,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   value = _get(config, 'data.validation_size')
   _require(_is_int(value) and value >= 0, 'data.validation_size', value, 'must be an int >= 0')
   _validate_select(config)
+  _validate_eval(config)
   _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
            config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
   # Per-member fields: numbers, lists of M numbers or specs.
@@ -149,6 +151,15 @@ def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
   calls = config.train.steps_per_call
   _require(calls == 0 or spec.interval % calls == 0, 'pbt.interval', spec.interval,
            f'must be a multiple of train.steps_per_call={calls} (rounds happen between calls)')
+
+
+def _validate_eval(config: ml_collections.ConfigDict) -> None:
+  """eval.shift names known corruptions and severities; eval.conformal_alpha is in (0, 1)."""
+  shift_lib.resolve_shift(_get(config, 'eval.shift'))
+  value = _get(config, 'eval.conformal_alpha')
+  _require(_is_number(value) and 0 < value < 1, 'eval.conformal_alpha', value,
+           'must be a number in (0, 1), the miscoverage (0.1: sets hold the label 90% of the '
+           'time)')
 
 
 def _validate_run_fields(config: ml_collections.ConfigDict) -> bool:
@@ -246,7 +257,7 @@ ADDED_FIELDS = {'task': 'classification',
 MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'fsdp_over_data': False, 'rules': [],
                'logical_rules': []}
 DATA_FIELDS = {'member_split': ''}
-EVAL_FIELDS = {'metrics': []}
+EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1}
 MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
 # Fields added to a group since format 2: {group: {field: the value runs had before}}.
 GROUP_FIELDS = {'mesh': MESH_FIELDS, 'data': DATA_FIELDS, 'eval': EVAL_FIELDS,

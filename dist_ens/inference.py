@@ -32,7 +32,7 @@ from dist_ens.io.member_files import load_member, path_key  # noqa: F401  (load_
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods
-from dist_ens.eval import metrics
+from dist_ens.eval import conformal as conformal_lib, decisions, metrics
 from dist_ens.eval.evaluate import member_logits
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -113,6 +113,20 @@ def _scale_from(meta: dict[str, Any]) -> uci.Standardizer | None:
       **{k: np.asarray(v, np.float32) for k, v in saved.items()})
 
 
+def _conformal_from(workdir: Path, config: ml_collections.ConfigDict
+                    ) -> decisions.ConformalFit | None:
+  """The conformal predictor the run fitted on its validation split (final_metrics.json),
+  or None: no validation split, an unfinished run, or a method whose predicting members
+  (snapshots, SWAG samples) are not the trained members it was calibrated on."""
+  path = workdir / 'final_metrics.json'
+  if config.ensemble.method in methods.COLLECTING or not path.is_file():
+    return None
+  fitted = json.loads(path.read_text()).get('conformal')
+  if not isinstance(fitted, dict):
+    return None
+  return decisions.ConformalFit(*(fitted[f] for f in decisions.ConformalFit._fields))
+
+
 def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
   # As many devices on 'member' as divide both M and the device count; the rest
   # split each batch over 'data'.
@@ -140,8 +154,10 @@ class Ensemble:
   def __init__(self, config: ml_collections.ConfigDict, model: Model, params: PyTree,
                frozen: np.ndarray, step: int, input_shape: tuple[int, ...], num_classes: int,
                mesh: jax.sharding.Mesh, preprocess: Preprocess | None = None,
-               model_state: PyTree = None, scale: uci.Standardizer | None = None):
+               model_state: PyTree = None, scale: uci.Standardizer | None = None,
+               conformal: decisions.ConformalFit | None = None):
     self.config, self.model, self.params = config, model, params
+    self.conformal = conformal  # what predict_sets calibrates with (None: not fitted)
     self.task, self.scale = tasks.get_task(config.task), scale
     self.model_state = {} if model_state is None else model_state
     self.frozen, self.step, self.mesh = np.asarray(frozen, bool), step, mesh
@@ -221,7 +237,8 @@ class Ensemble:
         members.frozen))
     return cls(config, parts.model, members.params, frozen, restored.step,
                parts.input_shape, num_classes, mesh, preprocess,
-               model_state=members.model_state, scale=_scale_from(meta))
+               model_state=members.model_state, scale=_scale_from(meta),
+               conformal=_conformal_from(workdir, config))
 
   @property
   def num_members(self) -> int:
@@ -264,6 +281,32 @@ class Ensemble:
     probs, member_probs, entropy, mi = zip(*parts)
     return Prediction(np.concatenate(probs), np.concatenate(member_probs, axis=1),
                       np.concatenate(entropy), np.concatenate(mi))
+
+  def predict_sets(self, x: np.ndarray, batch_size: int | None = None, *,
+                   preprocessed: bool = False, seed: int = 0) -> Any:
+    """Conformal prediction sets (classification: [N, C] bool, APS) or intervals
+    (regression: (lower, upper), in the targets' units) holding the label with probability
+    1 - config.eval.conformal_alpha, as calibrated on the run's validation split.
+
+    Example:
+      sets = Ensemble.load('/tmp/run').predict_sets(raw_x)   # sets[i, c]: class c in set i
+
+    Args:
+      x, batch_size, preprocessed: as for predict.
+      seed: the seed of APS's randomisation (classification).
+
+    Raises:
+      ValueError: the run fitted no conformal predictor (data.validation_size=0, an
+        unfinished run, or a snapshot / SWAG ensemble).
+    """
+    if self.conformal is None:
+      raise ValueError('this run fitted no conformal predictor: train with '
+                       'data.validation_size > 0 (and a deep, BatchEnsemble or MIMO ensemble).')
+    out = self.predict(x, batch_size, preprocessed=preprocessed)
+    if isinstance(out, GaussianPrediction):  # normalised residuals: q is unit-free
+      return conformal_lib.residual_bounds(out.mean, self.conformal.threshold,
+                                           np.sqrt(out.variance))
+    return conformal_lib.aps_sets(out.probs, self.conformal.threshold, seed=seed)
 
   def _outputs(self, x: np.ndarray, batch_size: int | None, forward) -> list:
     """[(real rows k, forward((params, model_state), padded chunk, member_mask))] over x

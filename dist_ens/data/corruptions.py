@@ -118,14 +118,18 @@ def corruption_id(name: str) -> int:
 
 
 def _parse(item: str) -> list[tuple[str, int]]:
-  """'name' -> its 5 severities; 'name:k' -> [(name, k)]."""
+  """'name' -> its 5 severities; 'name:k' -> [(name, k)]; 'name:j-k' -> severities j..k."""
   name, _, severity = item.partition(':')
   corruption_id(name)  # raises for an unknown name
   if not severity:
     return [(name, s) for s in range(1, NUM_SEVERITIES + 1)]
-  if not severity.isdigit() or not 0 <= int(severity) <= NUM_SEVERITIES:
-    raise ConfigError(f'corruption {item!r}: severity must be an integer 0..{NUM_SEVERITIES}.')
-  return [(name, int(severity))]
+  first, _, last = severity.partition('-')
+  last = last or first
+  if not (first.isdigit() and last.isdigit()
+          and 0 <= int(first) <= int(last) <= NUM_SEVERITIES):
+    raise ConfigError(f'corruption {item!r}: severity must be an integer 0..{NUM_SEVERITIES} '
+                      f"or a range such as '{name}:1-{NUM_SEVERITIES}'.")
+  return [(name, s) for s in range(int(first), int(last) + 1)]
 
 
 def resolve(spec: str | Sequence[str], example_shape: Sequence[int] | None = None
@@ -138,8 +142,8 @@ def resolve(spec: str | Sequence[str], example_shape: Sequence[int] | None = Non
 
   Args:
     spec: 'all' (every family that applies, severities 1..5), or names, each
-      'name' (severities 1..5) or 'name:k' (severity k in 0..5); a single string may
-      list them separated by commas.
+      'name' (severities 1..5), 'name:k' (severity k in 0..5) or 'name:j-k'
+      (severities j..k); a single string may list them separated by commas.
     example_shape: one example's shape. If given, 'all' keeps the families that apply
       to it and a named family that does not is refused.
 

@@ -14,6 +14,8 @@ Writes DIR/report/ (every figure as NAME.png at 150 dpi and NAME.svg):
   methods                  (runs with an ensemble method's members, MC dropout, temperature
                            scaling or selection) test accuracy, NLL and ECE of each way the
                            run predicted, beside the trained members' ensemble
+  shift                    (runs with config.eval.shift) test accuracy, NLL and ECE against
+                           corruption severity, the ensemble beside the member mean
   report.md                the final metrics table with the figures linked
   report.html              every table and figure in one file (figures inline), no server needed
 
@@ -111,6 +113,8 @@ def _draw_figures(out: Path, workdir: Path, final: dict[str, Any], prediction: P
                                          for k in ('accuracy', 'nll')})
   if final.get('hyperparameters'):
     plots.plot_sweep(out, final)
+  if final.get('shift'):
+    plots.plot_shift(out, final)
   rows = method_rows(final)
   if len(rows) > 1:
     plots.plot_methods(out, rows)

@@ -76,6 +76,12 @@ def report_figures(final: dict[str, Any], spread: SizeSpread,
         'other way this run predicted: the ensemble method\'s members (snapshots, SWAG '
         'samples), MC dropout, temperature scaling fitted on validation, top-k and greedy '
         'selection.'))
+  if final.get('shift'):
+    figures.append(Figure(
+        'shift', 'Distribution shift',
+        'Test metrics against corruption severity (config.eval.shift; 0 is the clean test '
+        'split): the ensemble (orange) and the member mean (dashed), each the mean over the '
+        'corruption families run at that severity; faint lines: each family\'s ensemble.'))
   if final.get('hyperparameters'):
     field = next(iter(final['hyperparameters']))
     figures.append(Figure(

@@ -289,3 +289,48 @@ def plot_methods(out: Path, rows: dict[str, dict[str, Any]], name: str = 'method
       ax.annotate(f'{v:.4f}', (v, i), xytext=(3, 0), textcoords='offset points', va='center',
                   fontsize=8)
   _save(fig, out, name)
+
+
+def shift_by_severity(final: dict[str, Any], key: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+  """[member mean, ensemble] x severity 0..5 of metric `key` (0: the clean test split; k: the
+  mean over the corruption families run at severity k, NaN where none was), and each
+  family's ensemble curve."""
+  corruptions = final['shift']['corruptions']
+  frozen = set(final.get('frozen_members', []))
+
+  def member_mean(result):
+    values = floats(result['members'][key])
+    return np.nanmean([v for i, v in enumerate(values) if i not in frozen])
+
+  curves = np.full((2, 6), np.nan)
+  curves[:, 0] = member_mean(final), final['ensemble'][key]
+  for severity in range(1, 6):
+    found = [sev[str(severity)] for sev in corruptions.values() if str(severity) in sev]
+    if found:
+      curves[:, severity] = (np.mean([member_mean(r) for r in found]),
+                             np.mean([r['ensemble'][key] for r in found]))
+  families = {name: np.array([final['ensemble'][key]] + [
+      sev[str(s)]['ensemble'][key] if str(s) in sev else np.nan for s in range(1, 6)])
+              for name, sev in corruptions.items()}
+  return curves, families
+
+
+def plot_shift(out: Path, final: dict[str, Any]) -> None:
+  """shift: test accuracy, NLL and ECE against corruption severity (0 = clean)."""
+  metrics = (('accuracy', 'accuracy (higher is better)'), ('nll', 'NLL (lower is better)'),
+             ('ece', 'ECE (lower is better)'))
+  fig, axes = _figure(12.0, 3.8, len(metrics))
+  severity = np.arange(6)
+  for ax, (key, title) in zip(axes, metrics):
+    curves, families = shift_by_severity(final, key)
+    for values in families.values():
+      ok = np.isfinite(values)
+      ax.plot(severity[ok], values[ok], color=_ENSEMBLE_COLOR, alpha=0.25, lw=1)
+    ok = np.isfinite(curves[1])  # severities no family ran are skipped, not gaps
+    ax.plot(severity[ok], curves[0, ok], 'o--', color='black', lw=1, label='member mean')
+    ax.plot(severity[ok], curves[1, ok], 'D-', color=_ENSEMBLE_COLOR, lw=2, label='ensemble')
+    ax.set(title=f'test {title}', xlabel='corruption severity (0 = clean)',
+           ylim=_limits(np.concatenate([curves.ravel(), *families.values()]), 0.0))
+  fig.legend(handles=axes[0].get_legend_handles_labels()[0], loc='outside lower center',
+             ncols=2, fontsize=8, frameon=False)
+  _save(fig, out, 'shift')

@@ -56,7 +56,8 @@ def member_rows(final: dict[str, Any], member_hparams: dict[str, np.ndarray],
                 higher_is_better: bool) -> list[dict[str, Any]]:
   """One row per member: index, hyperparameters, validation and test metrics, sorted
   best first by `metric` (on validation when there is one, else on test). The metric
-  columns are every rankable member metric (val_* and test_*)."""
+  columns are every rankable member metric (val_*, test_*, and shift_*: the mean over
+  config.eval.shift's corruptions, when the run has them)."""
   rows = []
   frozen = set(final.get('frozen_members', []))
   for i in range(final['num_members']):
@@ -67,6 +68,10 @@ def member_rows(final: dict[str, Any], member_hparams: dict[str, np.ndarray],
                   for name in _member_metrics(validation, ranking_only=True)})
     row.update({f'test_{name}': final['members'][name][i]
                 for name in _member_metrics(final, ranking_only=True)})
+    if 'shift' in final:  # means over the corruptions and severities of config.eval.shift
+      shifted = final['shift']['mean']
+      row.update({f'shift_{name}': shifted['members'][name][i]
+                  for name in _member_metrics(shifted, ranking_only=True)})
     row['frozen'] = i in frozen
     if 'pbt' in final:  # Which members it copied, when (dist_ens/training/pbt.py).
       row['lineage'] = final['pbt']['lineage'][i]

@@ -1,0 +1,124 @@
+"""After the last step: selective prediction, conformal sets and the shift evaluation.
+
+  EvaluateDecisions   on the clean test split: AURC per score and accuracy at 90/95/99 %
+                      coverage (classification; 'aurc', 'selective'); with a validation
+                      split, conformal sets / intervals at eval.conformal_alpha
+                      ('conformal'); with eval.shift, all of it and the task's metrics
+                      per corruption and severity, and their means ('shift').
+
+One compiled program serves the validation, test and every corrupted test split
+(dist_ens.eval.shift.make_predict_step); the host work is dist_ens.eval.decisions.
+"""
+
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from dist_ens.data import Split, corruptions
+from dist_ens.eval import decisions, shift as shift_lib, shift_spec
+from dist_ens.training.loop import Context, PeriodicAction
+
+
+def _seed(seed: int, tag: int) -> int:
+  """An independent seed for APS's randomisation on one split (tag: which split)."""
+  return int(np.random.SeedSequence([seed, tag]).generate_state(1)[0])
+
+
+class EvaluateDecisions(PeriodicAction):
+  """See the module docstring; results under 'aurc', 'selective', 'conformal', 'shift'."""
+
+  def __init__(self):
+    super().__init__(0, at_end=True)
+    self._evaluator: shift_lib.PredictionEvaluator | None = None
+    self._frame: shift_lib.InputFrame | None = None
+
+  def evaluator(self, ctx: Context) -> shift_lib.PredictionEvaluator:
+    """Built once: the predict step corrupts only when config.eval.shift asks for it."""
+    if self._evaluator is None:
+      config, parts, test = ctx.config, ctx.parts, ctx.run_data.dataset.test
+      if config.eval.shift:
+        scale = ctx.run_data.scale
+        if scale is not None:  # a task that standardises its inputs itself
+          self._frame = shift_lib.InputFrame.fit(test.x, scale.x_std, scale.x_mean)
+        else:
+          self._frame = shift_lib.InputFrame.fit(test.x, config.data.std or 1.0,
+                                                 config.data.mean or 0.0)
+      step = shift_lib.make_predict_step(parts.model, parts.mesh, parts.task.eval_batch,
+                                         seed=config.seed, frame=self._frame)
+      self._evaluator = shift_lib.PredictionEvaluator(
+          step, parts.mesh, min(config.eval.batch_size, len(test.y)), ctx.evaluator.view,
+          ctx.evaluator.finalize)
+    return self._evaluator
+
+  def run(self, ctx: Context) -> None:
+    config, run_data = ctx.config, ctx.run_data
+    pairs = shift_spec.resolve_shift(config.eval.shift, run_data.dataset.test.x.shape[1:])
+    if not pairs and run_data.validation is None and ctx.parts.task.predict is not None:
+      return  # a regression run without shift or validation: nothing to report
+    mask = ~np.asarray(ctx.fetch(ctx.evaluator.view(ctx.state).frozen), bool)
+    fit, test = None, run_data.dataset.test
+    with ctx.off_clock():
+      if run_data.validation is not None:
+        val = self.evaluator(ctx).predict(ctx.state, run_data.validation)
+        fit = decisions.fit_conformal(val.outputs, run_data.validation.y, mask,
+                                      config.eval.conformal_alpha, _seed(config.seed, 0),
+                                      ctx.parts.task.predict)
+      clean = self._results(ctx, test, (0, 0), fit, mask, tag=1)
+      shifted = {(name, severity): self._results(
+                     ctx, test, (corruptions.corruption_id(name), severity), fit, mask, tag=2 + i)
+                 for i, (name, severity) in enumerate(pairs)}
+    self._report(ctx, clean, fit, shifted)
+
+  def _results(self, ctx: Context, split: Split, shift: tuple[int, int],
+               fit: decisions.ConformalFit | None, mask: np.ndarray, tag: int) -> dict[str, Any]:
+    """The task's metrics of `split` under shift = (corruption id, severity), its
+    selective prediction (classification) and conformal coverage (when fitted)."""
+    out = self.evaluator(ctx).predict(ctx.state, split, *shift)
+    found = {'members': out.metrics['members'], 'ensemble': out.metrics['ensemble']}
+    if (chosen := decisions.selective_report(out.examples)) is not None:
+      found['selective'] = chosen
+    if fit is not None:
+      scale = ctx.run_data.scale
+      found['conformal'] = decisions.conformal_report(
+          fit, out.outputs, split.y, mask, _seed(ctx.config.seed, tag), ctx.parts.task.predict,
+          1.0 if scale is None else scale.y_std)
+    return found
+
+  def _report(self, ctx: Context, clean: dict[str, Any], fit: decisions.ConformalFit | None,
+              shifted: dict[tuple[str, int], dict[str, Any]]) -> None:
+    """Puts the results in ctx.results (final_metrics.json), writes an event, logs."""
+    if 'selective' in clean:
+      selective = clean['selective']
+      ctx.results['aurc'] = selective['aurc']
+      ctx.results['selective'] = {k: v for k, v in selective.items() if k != 'aurc'}
+      logging.info('selective prediction: AURC %s; accuracy at 90/95/99%% coverage by '
+                   'confidence %s', _rounded(selective['aurc']),
+                   _rounded(selective['accuracy_at_coverage']['confidence']))
+    if fit is not None:
+      ctx.results['conformal'] = {**fit._asdict(), **clean['conformal']}
+      logging.info('conformal (%s, alpha %g, calibrated on %d validation examples): test %s',
+                   fit.method, fit.alpha, fit.calibration_size, _rounded(clean['conformal']))
+    if not shifted:
+      return
+    summary = decisions.shift_summary(shifted)
+    summary = {'spec': ctx.config.eval.shift, 'seed': ctx.config.seed,
+               'value_range': list(self._frame.value_range), **summary}
+    ctx.results['shift'] = summary
+    mean = summary['mean']
+    if ctx.writes_final_events:
+      ctx.write({'step': ctx.step, 'split': 'test_shift', 'ensemble': _flat(mean['ensemble']),
+                 'members': _flat(mean['members'])})
+    logging.info('shift (%d corruption x severity pairs): %s; clean ensemble accuracy %.4f',
+                 summary['pairs'], _rounded({k: summary[k] for k in decisions.SHIFT_MEANS
+                                             if k in summary}),
+                 clean['ensemble'].get('accuracy', float('nan')))
+
+
+def _flat(metrics: dict[str, Any]) -> dict[str, Any]:
+  """The entries of a metrics dict that are numbers or lists of numbers (for events)."""
+  return {k: v for k, v in metrics.items() if not isinstance(v, dict)}
+
+
+def _rounded(values: dict[str, float]) -> dict[str, float]:
+  return {k: round(v, 4) for k, v in values.items()}
