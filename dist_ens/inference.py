@@ -127,6 +127,21 @@ def _conformal_from(workdir: Path, config: ml_collections.ConfigDict
   return decisions.ConformalFit(*(fitted[f] for f in decisions.ConformalFit._fields))
 
 
+def _noise_from(workdir: Path, config: ml_collections.ConfigDict,
+                num_outputs: int) -> np.ndarray | None:
+  """The homoscedastic task's per-member noise levels the run fitted (training/noise.py),
+  [M, D] in standardised units, or None."""
+  path = workdir / 'final_metrics.json'
+  if (config.task != 'regression_homoscedastic' or config.ensemble.method in methods.COLLECTING
+      or not path.is_file()):
+    return None
+  fitted = json.loads(path.read_text()).get('noise_variance')
+  if not isinstance(fitted, dict):
+    return None
+  levels = np.asarray(fitted['standardised'], np.float32)
+  return np.repeat(levels[:, None], num_outputs, axis=1)
+
+
 def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
   # As many devices on 'member' as divide both M and the device count; the rest
   # split each batch over 'data'.
@@ -155,10 +170,13 @@ class Ensemble:
                frozen: np.ndarray, step: int, input_shape: tuple[int, ...], num_classes: int,
                mesh: jax.sharding.Mesh, preprocess: Preprocess | None = None,
                model_state: PyTree = None, scale: uci.Standardizer | None = None,
-               conformal: decisions.ConformalFit | None = None):
+               conformal: decisions.ConformalFit | None = None,
+               noise_variance: np.ndarray | None = None):
     self.config, self.model, self.params = config, model, params
     self.conformal = conformal  # what predict_sets calibrates with (None: not fitted)
     self.task, self.scale = tasks.get_task(config.task), scale
+    if noise_variance is not None:  # The levels training fitted, [M, D] (training/noise.py).
+      self.task = tasks.regression_homoscedastic(noise_variance.shape[1], noise_variance)
     self.model_state = {} if model_state is None else model_state
     self.frozen, self.step, self.mesh = np.asarray(frozen, bool), step, mesh
     self.input_shape, self.num_classes = tuple(input_shape), num_classes
@@ -238,7 +256,8 @@ class Ensemble:
     return cls(config, parts.model, members.params, frozen, restored.step,
                parts.input_shape, num_classes, mesh, preprocess,
                model_state=members.model_state, scale=_scale_from(meta),
-               conformal=_conformal_from(workdir, config))
+               conformal=_conformal_from(workdir, config),
+               noise_variance=_noise_from(workdir, config, num_classes))
 
   @property
   def num_members(self) -> int:

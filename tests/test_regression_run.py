@@ -143,3 +143,27 @@ def test_a_regression_sweep_with_k_fold_resumes_exactly(tmp_path):
   for key in ('members', 'ensemble', 'member_split', 'hyperparameters'):
     assert resumed[key] == straight[key], key
   assert straight['hyperparameters']['optim.learning_rate'] == [3e-3, 1e-2, 3e-3, 1e-2]
+
+
+def test_homoscedastic_noise_is_fitted_on_validation_and_used_by_predict(tmp_path):
+  """The fitted level is each member's mean squared validation residual; with it the
+  test intervals cover near their nominal rate, and Ensemble.predict uses the same levels."""
+  rng = np.random.default_rng(3)
+  x = rng.uniform(-1, 1, (1400, 1)).astype(np.float32)
+  y = (20 * np.sin(3 * x[:, 0]) + 100 + 6 * rng.standard_normal(1400)).astype(np.float32)
+  config = _config()
+  config.task, config.data.validation_size = 'regression_homoscedastic', 300
+  config.train.steps = 600
+  config.checkpoint.every = 600
+  final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(
+      x[:1000], y[:1000], x[1000:], y[1000:]))
+  fitted = final['noise_variance']
+  assert fitted['fitted_on'] == 'validation'
+  # The members' validation MSE (target units) is the fitted level.
+  np.testing.assert_allclose(np.asarray(fitted['target_units'])[:, 0],
+                             np.square(final['validation']['members']['rmse']), rtol=1e-4)
+  assert np.all(np.abs(np.sqrt(np.asarray(fitted['target_units'])) - 6) < 1.0)  # True noise: 6.
+  assert abs(final['ensemble']['coverage_90'] - 0.9) < 0.06
+  out = dist_ens.Ensemble.load(str(tmp_path)).predict(x[1000:])
+  np.testing.assert_allclose(out.aleatoric, np.mean(np.asarray(fitted['target_units'])),
+                             rtol=1e-4)

@@ -16,8 +16,10 @@ so MSE training is maximum likelihood for the means, and the maximum-likelihood 
 those means is the mean squared training residual (`noise_variance_from_residuals`). The
 residuals are not available inside eval_batch, so the task takes the variance as an argument:
 the default, 1.0, is in STANDARDISED target units, where it is the variance of predicting the
-training mean (a deliberately conservative level, never overconfident); a trainer that has
-fitted it builds the task again with `regression_homoscedastic(noise_variance=fitted)`.
+training mean (a deliberately conservative level, never overconfident). Training fits it
+after the last step, one level per member on the validation split (else the training split),
+and builds the task again with `regression_homoscedastic(noise_variance=fitted)`
+(training/noise.py); Ensemble.load predicts with the fitted levels.
 
 Targets are [N] (D = 1) or [N, D], integer or floating point, and are never cast to integers;
 NaN, infinite or non-numeric targets are refused (check_targets).
@@ -93,11 +95,15 @@ def split_outputs(outputs: jax.Array, squeeze: bool = True) -> tuple[jax.Array, 
 
 def _gaussians(outputs: jax.Array, noise_variance: Any = None) -> tuple[jax.Array, jax.Array]:
   """(mean, variance) [..., D]: split_outputs, or the D means with the fixed noise variance
-  of the homoscedastic task (noise_variance not None: a scalar or [D])."""
+  of the homoscedastic task (noise_variance not None: a scalar, [D], or [M, D] per member
+  for members' outputs [M, B, D])."""
   if noise_variance is None:
     return split_outputs(outputs, squeeze=False)
   mean = jnp.asarray(outputs, jnp.float32)
-  return mean, jnp.broadcast_to(jnp.asarray(noise_variance, jnp.float32), mean.shape)
+  variance = jnp.asarray(noise_variance, jnp.float32)
+  if variance.ndim == 2:  # One level per member, [M, D]: outputs are [M, B, D].
+    variance = variance[:, None, :]
+  return mean, jnp.broadcast_to(variance, mean.shape)
 
 
 def gaussian_nll_loss(outputs: jax.Array, targets: jax.Array,
@@ -123,7 +129,8 @@ def _batch_mse(noise_variance: Any):
     # 'mse', not 'rmse': the trainer averages batch metrics over micro-batches and steps,
     # which is exact for a mean squared error (equal-sized batches) and biased low for a
     # root (Jensen); sqrt of the logged mean is the RMSE.
-    mean, _ = _gaussians(outputs, noise_variance)
+    mean = (jnp.asarray(outputs, jnp.float32) if noise_variance is not None
+            else split_outputs(outputs, squeeze=False)[0])
     return {'mse': jnp.mean(jnp.square(mean - _as_matrix(targets, mean.shape[-1])))}
 
   return batch_metrics
@@ -277,12 +284,12 @@ def regression_homoscedastic(target_dim: int | None = None,
 
   Args:
     target_dim: D; None reads it from the dataset's targets.
-    noise_variance: every prediction's variance, a scalar or one per target dim, in the
-      units the model predicts (1.0: the variance of standardised targets; see the module
-      doc for why it is a constant and how to fit it).
+    noise_variance: every prediction's variance, a scalar, one per target dim or [M, D]
+      (one per member: what training fits, training/noise.py), in the units the model
+      predicts (1.0: the variance of standardised targets; see the module doc).
   """
   variance = np.asarray(noise_variance, np.float32)
-  if variance.ndim > 1 or not np.all(np.isfinite(variance) & (variance > 0)):
+  if variance.ndim > 2 or not np.all(np.isfinite(variance) & (variance > 0)):
     raise ConfigError(f'regression_homoscedastic(): noise_variance={noise_variance!r} must be '
-                      'a positive number or one per target dim.')
+                      'a positive number, one per target dim, or [members, dims].')
   return _gaussian_task('regression_homoscedastic', target_dim, True, mse_loss, variance)

@@ -23,8 +23,8 @@ from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.io import tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
-from dist_ens.training import (actions as actions_lib, decision_actions, held_out, pbt,
-                               posthoc, workdir as workdir_lib)
+from dist_ens.training import (actions as actions_lib, decision_actions, held_out, noise,
+                               pbt, posthoc, workdir as workdir_lib)
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 
@@ -162,7 +162,10 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   out: list[Action] = []
   if sync_every:  # In calls of the step: a call of K steps queues one program, not K.
     out.append(actions_lib.Sync(max(1, sync_every // k) * k))
-  out += [actions_lib.TrainLog(ctx, checkpoint), actions_lib.Evaluate(config.train.eval_every)]
+  out.append(actions_lib.TrainLog(ctx, checkpoint))
+  if config.task == 'regression_homoscedastic':  # Before the final evaluations use it.
+    out.append(noise.FitNoise())
+  out.append(actions_lib.Evaluate(config.train.eval_every))
   if ctx.run_data.ood is not None:
     out.append(actions_lib.ScoreOod())
   if ctx.run_data.validation is not None:
