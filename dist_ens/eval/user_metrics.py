@@ -95,8 +95,10 @@ def with_results(finalize: Callable[..., dict[str, Any]],
   def finalize_with_metrics(sums, examples):
     sums = dict(sums)
     user = {k: sums.pop(k) for k in list(sums) if k.startswith('user_')}
-    count = float(np.asarray(user[_COUNT]))
     results = finalize(sums, examples)
+    if _COUNT not in user:  # Sums of a step without the metrics (eval/shift.py's).
+      return results
+    count = float(np.asarray(user[_COUNT]))
     for name in metrics:
       results['members'][name] = (np.asarray(user[_MEMBER + name], np.float64) / count).tolist()
       if _ENSEMBLE + name in user:

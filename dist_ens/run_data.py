@@ -1,0 +1,90 @@
+"""A run's data: the dataset loaded, validation carved, the OOD split, the batch order,
+member splits and standardisation (build_data; assemble.build_run calls it)."""
+
+from typing import NamedTuple
+
+import ml_collections
+import numpy as np
+
+from dist_ens import data, tasks
+from dist_ens.data import uci
+from dist_ens.errors import ConfigError
+from dist_ens.eval import ood
+from dist_ens.specs import data_spec
+
+
+class RunData(NamedTuple):
+  """The data of a training run."""
+  dataset: data.Dataset  # train (possibly without its validation examples) and test
+  validation: data.Split | None  # config.data.validation_size examples, or None
+  ood: data.Split | None  # config.eval.ood_dataset's split, or None
+  order: data.Order  # which examples each step's batch holds
+  # The training split's statistics every split was standardised with, for a task
+  # that trains on standardised data (Task.unscale); None otherwise.
+  scale: uci.Standardizer | None = None
+  # config.data.member_split's splits of the training split (each member trains on its
+  # split's part, order draws from it; training/held_out.py evaluates the rest), or None.
+  member_splits: data.MemberSplits | None = None
+
+
+def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None = None) -> RunData:
+  """Loads the dataset (unless given), carves validation, loads the OOD split and fixes
+  the batch order.
+
+  Raises:
+    ConfigError: a dataset that cannot load, targets the task refuses in the splits
+      held in memory, or a batch larger than the training split.
+  """
+  if dataset is None:
+    dataset = data.load_dataset(config.data.name, data_spec(config))
+  task = tasks.get_task(config.task)
+  for name, split in (('train', dataset.train), ('test', dataset.test)):
+    if isinstance(split, data.Split):
+      task.check_targets(split.y, dataset, f'dataset {dataset.name!r} ({name} split)')
+  validation = None
+  if config.data.validation_size:
+    train_source, validation = data.split_validation(dataset.train, config.data.validation_size)
+    dataset = dataset._replace(train=train_source)
+  if config.data.batch_size > dataset.train.num_examples:
+    raise ConfigError(f'config.data.batch_size={config.data.batch_size} exceeds the '
+                      f'{dataset.train.num_examples} training examples of {dataset.name}.')
+  ood_name = config.eval.ood_dataset
+  ood_split = ood.load_ood_split(ood_name, dataset, data_spec(config)) if ood_name else None
+  splits = _member_splits(config, dataset.train.num_examples)
+  order = data.Order(config.data.member_order, dataset.train.num_examples,
+                     config.data.batch_size, config.seed,
+                     pools=splits and splits.train,
+                     member_pool=splits and [splits.split_of(m) for m in range(config.num_members)])
+  run_data = RunData(dataset, validation, ood_split, order, member_splits=splits)
+  return run_data if task.unscale is None else _standardized(run_data)
+
+
+def _member_splits(config: ml_collections.ConfigDict,
+                   num_examples: int) -> data.MemberSplits | None:
+  """config.data.member_split's splits of the training split, checked against the batch."""
+  spec = config.data.member_split
+  if not spec:
+    return None
+  splits = data.make_member_splits(spec, num_examples, config.num_members, config.seed)
+  smallest = min(map(len, splits.train))
+  if config.data.batch_size > smallest:
+    raise ConfigError(f'config.data.batch_size={config.data.batch_size} exceeds the {smallest} '
+                      f'training examples a member of config.data.member_split={spec!r} has; '
+                      f'use a batch of at most {smallest}.')
+  return splits
+
+
+def _standardized(run_data: RunData) -> RunData:
+  """Every split standardised with the training split's statistics (inputs and targets)."""
+  train = run_data.dataset.train
+  if isinstance(train, data.Subset):  # What carving a validation split left: read it.
+    train = data.Split(*train.read(np.arange(train.num_examples)))
+  if not isinstance(train, data.Split):
+    raise ConfigError(f'the task standardises its data with the training split\'s statistics, '
+                      f'but {run_data.dataset.name!r} streams its training split; give it as '
+                      'arrays (dist_ens.data.from_arrays).')
+  scale = uci.Standardizer.fit(train.x, train.y)
+  apply = lambda split: split and data.Split(*scale.apply(split.x, split.y))
+  dataset = run_data.dataset._replace(train=apply(train), test=apply(run_data.dataset.test))
+  return run_data._replace(dataset=dataset, validation=apply(run_data.validation),
+                           ood=apply(run_data.ood), scale=scale)
