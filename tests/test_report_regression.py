@@ -12,7 +12,7 @@ from scipy import optimize, stats
 import dist_ens
 from dist_ens import data
 from dist_ens.inference import GaussianPrediction
-from dist_ens.io import report, report_regression
+from dist_ens.io import report, report_pages, report_regression
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ('calibration', 'predicted_vs_true', 'members_vs_ensemble', 'learning_curves',
@@ -125,3 +125,12 @@ def test_the_scatter_shows_at_most_500_examples_the_same_ones_each_time():
   assert len(first) == 500 and len(np.unique(first)) == 500 and np.all(np.diff(first) > 0)
   np.testing.assert_array_equal(first, report_regression.scatter_sample(2000))
   np.testing.assert_array_equal(report_regression.scatter_sample(40), np.arange(40))
+
+
+def test_a_regression_ood_table_shows_its_variance_scores():
+  ood = {'members': {'auroc_variance': [0.6, 0.8, np.nan], 'aupr_variance': [0.5, 0.7, np.nan]},
+         'ensemble': {'auroc_epistemic': 0.9, 'aupr_epistemic': 0.85, 'auroc_total': 0.75,
+                      'aupr_total': 0.7, 'epistemic_in': 0.01, 'epistemic_out': 0.5}}
+  rows = report_pages._ood_rows(ood, active=[0, 1])  # pylint: disable=protected-access
+  assert rows[0] == ['epistemic variance', '0.9000', '0.8500', '0.0100', '0.5000']
+  assert rows[2][1:3] == ['0.7000', '0.6000']  # Means of the non-frozen members.

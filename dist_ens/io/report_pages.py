@@ -123,6 +123,14 @@ def _ood_table(ood: dict[str, Any], active: list[int]) -> str:
 
 def _ood_rows(ood: dict[str, Any], active: list[int]) -> list[list[str]]:
   ens, members = ood['ensemble'], ood['members']
+  if 'auroc_epistemic' in ens:  # Regression scores by variance (tasks/regression_eval.py).
+    return [
+        ['epistemic variance', _fmt(ens['auroc_epistemic']), _fmt(ens['aupr_epistemic']),
+         _fmt(ens['epistemic_in']), _fmt(ens['epistemic_out'])],
+        ['total variance', _fmt(ens['auroc_total']), _fmt(ens['aupr_total']), '', ''],
+        ['member variance (mean of non-frozen members)',
+         _fmt(finite_mean(members['auroc_variance'], active)),
+         _fmt(finite_mean(members['aupr_variance'], active)), '', '']]
   return [
       ['predictive entropy', _fmt(ens['auroc_entropy']), _fmt(ens['aupr_entropy']),
        _fmt(ens['entropy_in']), _fmt(ens['entropy_out'])],
