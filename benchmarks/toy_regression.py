@@ -61,6 +61,8 @@ def main() -> None:
              'in the gap, |x| < 1': np.abs(grid) < 1, 'outside, |x| > 4': np.abs(grid) > 4}
   for name, where in regions.items():
     print(f'mean epistemic std {name}: {epistemic_std[where].mean():.2f}')
+  print('epistemic std at x = -6 and 6: '
+        + ' and '.join(f'{v:.1f}' for v in epistemic_std[[0, -1]]))
   print(f'mean aleatoric std on the data: '
         f'{np.sqrt(out.aleatoric)[regions["on the data, 1 <= |x| <= 4"]].mean():.2f} '
         f'(the noise is {NOISE_STD})')
