@@ -19,6 +19,10 @@ Writes DIR/report/ (every figure as NAME.png at 150 dpi and NAME.svg):
   report.md                the final metrics table with the figures linked
   report.html              every table and figure in one file (figures inline), no server needed
 
+A regression run (config.task='regression') gets its own figures instead of reliability
+and the classification metrics: a calibration curve of its central intervals, predicted
+against true with intervals, and RMSE and NLL in the others (dist_ens.io.report_regression).
+
 Tables come from final_metrics.json and metrics.jsonl; the figures that need
 predictions (reliability, ensemble size) load the final checkpoint with
 dist_ens.inference.Ensemble and predict the test split, on whatever devices exist.
@@ -38,9 +42,9 @@ import jax
 import numpy as np
 
 from dist_ens import assemble, data
-from dist_ens.errors import ConfigError
-from dist_ens.inference import Ensemble, Prediction
+from dist_ens.inference import Ensemble, GaussianPrediction, Prediction
 from dist_ens.io import report_plots as plots
+from dist_ens.io import report_regression
 from dist_ens.io.report_data import finite_mean, method_rows, read_events, read_final_metrics
 from dist_ens.io.report_pages import Run, html_page, markdown, report_figures
 from dist_ens.io.report_stats import SizeSpread, ensemble_size_spread
@@ -77,10 +81,6 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
   workdir = Path(workdir)
   final = read_final_metrics(workdir)
   ensemble = Ensemble.load(workdir, devices=devices)
-  if ensemble.task.predict is not None:
-    raise ConfigError(f'dist-ens report draws classification figures (reliability, ensemble '
-                      f'size); config.task={ensemble.config.task!r} has none yet: its metrics '
-                      f'are in {workdir / "final_metrics.json"} and members.csv.')
   test = data.load_dataset(ensemble.config.data.name,
                            assemble.data_spec(ensemble.config)).test
   prediction = ensemble.predict(test.x, preprocessed=True)
@@ -89,13 +89,17 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
   out = workdir / 'report'
   out.mkdir(parents=True, exist_ok=True)
 
-  spread = _draw_figures(out, workdir, final, prediction, test.y, frozen, active)
+  if isinstance(prediction, GaussianPrediction):  # A regression task's mixture.
+    figures = report_regression.draw(out, workdir, final, prediction, test.y, frozen, active)
+  else:
+    figures = report_figures(final, _draw_figures(out, workdir, final, prediction, test.y,
+                                                  frozen, active), active)
   config = ensemble.config
   summary = (f'{config.num_members} x {config.model.name} on {config.data.name}, step '
              f'{ensemble.step} of {config.train.steps}, test split of {len(test.y)} examples'
              + (f'; frozen members {sorted(frozen)} are left out of the ensemble'
                 if frozen else '') + '.')
-  run = Run(workdir, final, summary, active, report_figures(final, spread, active))
+  run = Run(workdir, final, summary, active, figures)
   (out / 'report.md').write_text(markdown(run), encoding='utf-8')
   (out / 'report.html').write_text(html_page(run, out), encoding='utf-8')
   return out
@@ -134,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   except FileNotFoundError as e:
     print(f'dist-ens report: error: {e}', file=sys.stderr)
     return 1
-  print(f'wrote {out / "report.md"} and {", ".join(FIGURES)}')
+  print(f'wrote {out / "report.md"} and {", ".join(sorted(p.name for p in out.glob("*.png")))}')
   return 0
 
 

@@ -28,6 +28,19 @@ _METRIC_COLUMNS = tuple((m.name, m.label) for m in sorted(
     (m for m in METRICS if 'members' in m.scopes), key=lambda m: m.higher_is_better is None))
 # The ones an ensemble is summed up by where a whole table would be too much.
 _HEADLINE_COLUMNS = _METRIC_COLUMNS[:4]
+# A regression run's (tasks/regression.py), its headline first.
+_REGRESSION_COLUMNS = (
+    ('rmse', 'RMSE'), ('nll', 'NLL'), ('crps', 'CRPS'), ('coverage_90', '90% coverage'),
+    ('calibration_error', 'calibration error'), ('coverage_50', '50% coverage'),
+    ('coverage_95', '95% coverage'), ('width_50', '50% width'), ('width_90', '90% width'),
+    ('width_95', '95% width'))
+
+
+def _columns(final: dict[str, Any], headline: bool = False) -> Sequence[tuple[str, str]]:
+  """(key, label) of the run's task's metrics: regression's when it reports an RMSE."""
+  if 'rmse' in final['members']:
+    return _REGRESSION_COLUMNS[:4] if headline else _REGRESSION_COLUMNS
+  return _HEADLINE_COLUMNS if headline else _METRIC_COLUMNS
 
 
 def _fmt(value: Any, spec: str = '.4f') -> str:
@@ -116,6 +129,14 @@ def _ood_table(ood: dict[str, Any], active: list[int]) -> str:
 
 def _ood_rows(ood: dict[str, Any], active: list[int]) -> list[list[str]]:
   ens, members = ood['ensemble'], ood['members']
+  if 'auroc_epistemic' in ens:  # Regression scores by variance (tasks/regression_eval.py).
+    return [
+        ['epistemic variance', _fmt(ens['auroc_epistemic']), _fmt(ens['aupr_epistemic']),
+         _fmt(ens['epistemic_in']), _fmt(ens['epistemic_out'])],
+        ['total variance', _fmt(ens['auroc_total']), _fmt(ens['aupr_total']), '', ''],
+        ['member variance (mean of non-frozen members)',
+         _fmt(finite_mean(members['auroc_variance'], active)),
+         _fmt(finite_mean(members['aupr_variance'], active)), '', '']]
   return [
       ['predictive entropy', _fmt(ens['auroc_entropy']), _fmt(ens['aupr_entropy']),
        _fmt(ens['entropy_in']), _fmt(ens['entropy_out'])],
@@ -128,6 +149,7 @@ def _ood_rows(ood: dict[str, Any], active: list[int]) -> list[list[str]]:
 
 def markdown(run: Run) -> str:
   final = run.final
+  headline = _columns(final, headline=True)
   lines = [f'# dist_ens report: `{run.workdir}`', '', run.summary, '',
            'Every table and figure in one page: [report.html](report.html).', '',
            '## Test metrics', '', tables.results_table(final), '']
@@ -135,12 +157,12 @@ def markdown(run: Run) -> str:
     sel = final['selected']
     lines += [f'Ensemble of the {sel["top_k"]} best members {sel["members"]} by {sel["by"]}: '
               + ', '.join(f'{name} {_fmt(sel["ensemble"].get(k))}' for k, name in
-                          _HEADLINE_COLUMNS) + '.', '']
+                          headline) + '.', '']
   if len(method_rows(final)) > 1:
     lines += ['## Ensemble methods, selection and calibration', '',
-              '| ensemble | ' + ' | '.join(name for _, name in _HEADLINE_COLUMNS) + ' |',
-              '|---' * (1 + len(_HEADLINE_COLUMNS)) + '|',
-              *(f'| {label} | ' + ' | '.join(_fmt(m.get(k)) for k, _ in _HEADLINE_COLUMNS) +
+              '| ensemble | ' + ' | '.join(name for _, name in headline) + ' |',
+              '|---' * (1 + len(headline)) + '|',
+              *(f'| {label} | ' + ' | '.join(_fmt(m.get(k)) for k, _ in headline) +
                 ' |' for label, m in method_rows(final).items()), '']
   if 'ood' in final:
     lines += ['## Out-of-distribution detection', '', _ood_table(final['ood'], run.active), '']
@@ -181,7 +203,7 @@ def _html_table(header: Sequence[str], rows: Sequence[tuple[Sequence[str], str]]
 
 def _metrics_html(final: dict[str, Any], active: list[int]) -> str:
   members, ens = final['members'], final['ensemble']
-  columns = [(k, name) for k, name in _METRIC_COLUMNS if k in members]
+  columns = [(k, name) for k, name in _columns(final) if k in members]
   rows = []
   for i in range(final['num_members']):
     label, cls = _member_label(i, active)
@@ -192,7 +214,11 @@ def _metrics_html(final: dict[str, Any], active: list[int]) -> str:
   if 'selected' in final:
     sel = final['selected']
     rows.append(([f'top-{sel["top_k"]} ensemble'] + _cells(sel['ensemble'], columns), 'selected'))
-  notes = [f'ensemble disagreement {_fmt(ens.get("disagreement"))}']
+  notes = [f'ensemble disagreement {_fmt(ens["disagreement"])}'] if 'disagreement' in ens else []
+  if 'epistemic' in ens:
+    notes.append(f'mean predictive variance {_fmt(ens["aleatoric"] + ens["epistemic"])} = '
+                 f'aleatoric (mean of the members\' variances) {_fmt(ens["aleatoric"])} + '
+                 f'epistemic (variance of their means) {_fmt(ens["epistemic"])}')
   if 'mutual_information' in ens:
     notes.append(f'predictive entropy {_fmt(ens["entropy"])} = expected entropy (aleatoric) '
                  f'{_fmt(ens["expected_entropy"])} + mutual information (epistemic) '
@@ -203,12 +229,12 @@ def _metrics_html(final: dict[str, Any], active: list[int]) -> str:
 
 
 def _selected_html(final: dict[str, Any], active: list[int]) -> str:
-  sel = final['selected']
+  sel, headline = final['selected'], _columns(final, headline=True)
   rows = [(['all non-frozen', ', '.join(map(str, active))]
-           + _cells(final['ensemble'], _HEADLINE_COLUMNS), 'ensemble'),
+           + _cells(final['ensemble'], headline), 'ensemble'),
           ([f'top {sel["top_k"]} by {sel["by"]}', ', '.join(map(str, sel['members']))]
-           + _cells(sel['ensemble'], _HEADLINE_COLUMNS), 'selected')]
-  return _html_table(['ensemble', 'members'] + [name for _, name in _HEADLINE_COLUMNS], rows)
+           + _cells(sel['ensemble'], headline), 'selected')]
+  return _html_table(['ensemble', 'members'] + [name for _, name in headline], rows)
 
 
 def _hparams_html(final: dict[str, Any], active: list[int]) -> str:
@@ -216,14 +242,15 @@ def _hparams_html(final: dict[str, Any], active: list[int]) -> str:
   chosen = set(final.get('selected', {}).get('members', []))
   splits = [('validation', final['validation']['members'])] if 'validation' in final else []
   splits.append(('test', final['members']))
+  pair = _columns(final, headline=True)[:2]  # accuracy and NLL, or RMSE and NLL
   header = (['member'] + list(hparams)
-            + [f'{split} {k}' for split, _ in splits for k in ('accuracy', 'NLL')]
+            + [f'{split} {label}' for split, _ in splits for _, label in pair]
             + (['selected'] if chosen else []))
   rows = []
   for i in range(final['num_members']):
     label, cls = _member_label(i, active)
     cells = [label] + [_fmt(values[i], '.4g') for values in hparams.values()]
-    cells += [_fmt(metrics[k][i]) for _, metrics in splits for k in ('accuracy', 'nll')]
+    cells += [_fmt(metrics[k][i]) for _, metrics in splits for k, _ in pair]
     cells += (['yes' if i in chosen else ''] if chosen else [])
     rows.append((cells, cls))
   return _html_table(header, rows)
@@ -269,9 +296,10 @@ def html_page(run: Run, out: Path) -> str:
                                              'mean OOD'],
                                             [(r, 'member') for r in _ood_rows(ood, run.active)])))
   if len(method_rows(final)) > 1:
+    headline = _columns(final, headline=True)
     sections.append(('methods', 'Ensemble methods, selection and calibration', _html_table(
-        ['ensemble'] + [name for _, name in _HEADLINE_COLUMNS],
-        [([label] + [_fmt(m.get(k)) for k, _ in _HEADLINE_COLUMNS], 'member')
+        ['ensemble'] + [name for _, name in headline],
+        [([label] + [_fmt(m.get(k)) for k, _ in headline], 'member')
          for label, m in method_rows(final).items()])))
   if final.get('hyperparameters'):
     sections.append(('hyperparameters', 'Hyperparameters per member',

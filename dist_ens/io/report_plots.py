@@ -105,11 +105,17 @@ def plot_reliability(out: Path, panels: list[tuple[str, Reliability]]) -> None:
   _save(fig, out, 'reliability')
 
 
-def plot_members_vs_ensemble(out: Path, final: dict[str, Any]) -> None:
-  """members_vs_ensemble: every member's test accuracy, NLL and ECE beside the ensemble."""
-  metrics = (('accuracy', 'test accuracy (higher is better)', 0.0, 1.0),
-             ('nll', 'test NLL (lower is better)', 0.0, None),
-             ('ece', 'test ECE (lower is better)', 0.0, 1.0))
+# (key, title, axis floor, axis ceiling) of the classification report's panels.
+MEMBER_PANELS = (('accuracy', 'test accuracy (higher is better)', 0.0, 1.0),
+                 ('nll', 'test NLL (lower is better)', 0.0, None),
+                 ('ece', 'test ECE (lower is better)', 0.0, 1.0))
+TEST_PANELS = (('accuracy', 'test accuracy', 0.0, 1.0), ('nll', 'test NLL', 0.0, None))
+
+
+def plot_members_vs_ensemble(out: Path, final: dict[str, Any],
+                             metrics: tuple = MEMBER_PANELS) -> None:
+  """members_vs_ensemble: every member's test metrics (one panel per (key, title, floor,
+  ceiling) of `metrics`; accuracy, NLL and ECE by default) beside the ensemble."""
   fig, axes = _figure(12.0, 3.8, len(metrics))
   num = final['num_members']
   index = np.arange(num)
@@ -143,14 +149,18 @@ def plot_members_vs_ensemble(out: Path, final: dict[str, Any]) -> None:
   _save(fig, out, 'members_vs_ensemble')
 
 
-def plot_learning_curves(out: Path, events: list[dict[str, Any]], frozen: set[int]) -> None:
-  """learning_curves: train loss, test accuracy and NLL of every member over steps."""
+def plot_learning_curves(out: Path, events: list[dict[str, Any]], frozen: set[int],
+                         test_panels: tuple = TEST_PANELS, loss_floor: float | None = 0.0
+                         ) -> None:
+  """learning_curves: train loss and the test metrics of `test_panels` (key, title, floor,
+  ceiling; accuracy and NLL by default) of every member over steps. loss_floor=None for a
+  loss that can be negative (a Gaussian NLL)."""
   train = [e for e in events if e.get('split') == 'train' and 'loss' in e.get('members', {})]
   test = [e for e in events if e.get('split') == 'test']
-  fig, axes = _figure(12.0, 3.6, 3)
-  panels = ((axes[0], train, 'loss', 'train loss (mean over each log interval)', 0.0, None),
-            (axes[1], test, 'accuracy', 'test accuracy', 0.0, 1.0),
-            (axes[2], test, 'nll', 'test NLL', 0.0, None))
+  fig, axes = _figure(12.0, 3.6, 1 + len(test_panels))
+  panels = ((axes[0], train, 'loss', 'train loss (mean over each log interval)', loss_floor,
+             None),
+            *((ax, test, *panel) for ax, panel in zip(axes[1:], test_panels)))
   for ax, series, key, title, floor, ceil in panels:
     ax.set(title=title, xlabel='step')
     if not series:
@@ -174,17 +184,19 @@ def plot_learning_curves(out: Path, events: list[dict[str, Any]], frozen: set[in
   _save(fig, out, 'learning_curves')
 
 
-def plot_ensemble_size(out: Path, spread: SizeSpread, member_mean: dict[str, float]) -> None:
-  """ensemble_size: test accuracy and NLL against ensemble size, over member subsets."""
-  fig, axes = _figure(9.0, 3.6, 2)
+def plot_ensemble_size(out: Path, spread: SizeSpread, member_mean: dict[str, float],
+                       panels: tuple = TEST_PANELS) -> None:
+  """ensemble_size: test metrics against ensemble size, over member subsets: one panel per
+  (key, title, floor, ceiling) of `panels` (accuracy and NLL by default); `spread` is any
+  object with SizeSpread's size, num_subsets and stat(key, name)."""
+  fig, axes = _figure(4.5 * len(panels), 3.6, len(panels))
   size = spread.size
   if not len(size):
     for ax in axes:
       ax.text(0.5, 0.5, 'no member left to ensemble', ha='center', transform=ax.transAxes)
     _save(fig, out, 'ensemble_size')
     return
-  for ax, key, title, floor, ceil in ((axes[0], 'accuracy', 'test accuracy', 0.0, 1.0),
-                                      (axes[1], 'nll', 'test NLL', 0.0, None)):
+  for ax, (key, title, floor, ceil) in zip(axes, panels):
     low, high = spread.stat(key, 'min'), spread.stat(key, 'max')
     ax.fill_between(size, low, high, color=_ENSEMBLE_COLOR, alpha=0.18, lw=0,
                     label='min-max over subsets')

@@ -109,14 +109,20 @@ class SizeSpread(NamedTuple):
     values = {'accuracy': self.accuracy, 'nll': self.nll}.get(key)
     if values is None:
       raise ValueError(f"key={key!r}: use 'accuracy' or 'nll'")
-    reducers = {'mean': np.nanmean, 'min': np.nanmin, 'max': np.nanmax,
-                'q25': lambda v, axis: np.nanpercentile(v, 25, axis=axis),
-                'q75': lambda v, axis: np.nanpercentile(v, 75, axis=axis)}
-    if name not in reducers:
-      raise ValueError(f'name={name!r}: use one of {sorted(reducers)}')
-    with warnings.catch_warnings():
-      warnings.simplefilter('ignore', RuntimeWarning)  # A size whose subsets are all NaN.
-      return reducers[name](values, axis=1)
+    return subset_stat(values, name)
+
+
+def subset_stat(values: np.ndarray, name: str) -> np.ndarray:
+  """[K] 'mean', 'min', 'max', 'q25' or 'q75' over the subsets (axis 1, NaN = no subset)
+  of a [K, S] table of one metric per ensemble size and subset."""
+  reducers = {'mean': np.nanmean, 'min': np.nanmin, 'max': np.nanmax,
+              'q25': lambda v, axis: np.nanpercentile(v, 25, axis=axis),
+              'q75': lambda v, axis: np.nanpercentile(v, 75, axis=axis)}
+  if name not in reducers:
+    raise ValueError(f'name={name!r}: use one of {sorted(reducers)}')
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)  # A size whose subsets are all NaN.
+    return reducers[name](values, axis=1)
 
 
 def _subsets(num: int, k: int, num_subsets: int,

@@ -160,9 +160,12 @@ class Evaluate(PeriodicAction):
     if not final or ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': 'test', **results})
     if not final:
-      logging.info('step %d test: ensemble accuracy %.4f nll %.4f; member mean accuracy %.4f',
-                   ctx.step, results['ensemble']['accuracy'], results['ensemble']['nll'],
-                   np.mean(results['members']['accuracy']))
+      # The task's headline metrics: accuracy for classification, RMSE for regression.
+      ens, members = results['ensemble'], results['members']
+      keys = [k for k in ('accuracy', 'rmse', 'nll') if k in ens]
+      logging.info('step %d test: ensemble %s; member mean %s', ctx.step,
+                   ' '.join(f'{k} {ens[k]:.4f}' for k in keys),
+                   ' '.join(f'{k} {np.mean(members[k]):.4f}' for k in keys if k in members))
 
 
 class ScoreOod(PeriodicAction):
