@@ -26,7 +26,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, configuration, data, tasks
+from dist_ens import assemble, configuration, data, saved_run, tasks
 from dist_ens.data import uci
 from dist_ens.io.member_files import load_member, path_key  # noqa: F401  (load_member: API)
 from dist_ens.checkpoint import Checkpointer
@@ -93,53 +93,6 @@ def preprocess_for(config: ml_collections.ConfigDict,
                      f'[N, *{input_shape[:-1]}] for one channel); got {x.shape}.')
 
   return preprocess
-
-
-def _data_shape(config: ml_collections.ConfigDict,
-                meta: dict[str, Any] | None) -> tuple[tuple[int, ...], int]:
-  """(input shape, the model's outputs) the parameters were built for: from the
-  checkpoint (whose meta calls the outputs 'num_classes'), or (older checkpoints)
-  from the dataset."""
-  if meta and 'input_shape' in meta:
-    return tuple(meta['input_shape']), int(meta['num_classes'])
-  dataset = data.load_dataset(config.data.name, assemble.data_spec(config))
-  return dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
-
-
-def _scale_from(meta: dict[str, Any]) -> uci.Standardizer | None:
-  """The training split's statistics a standardising task saved, or None."""
-  saved = meta.get('standardizer')
-  return None if saved is None else uci.Standardizer(
-      **{k: np.asarray(v, np.float32) for k, v in saved.items()})
-
-
-def _conformal_from(workdir: Path, config: ml_collections.ConfigDict
-                    ) -> decisions.ConformalFit | None:
-  """The conformal predictor the run fitted on its validation split (final_metrics.json),
-  or None: no validation split, an unfinished run, or a method whose predicting members
-  (snapshots, SWAG samples) are not the trained members it was calibrated on."""
-  path = workdir / 'final_metrics.json'
-  if config.ensemble.method in methods.COLLECTING or not path.is_file():
-    return None
-  fitted = json.loads(path.read_text()).get('conformal')
-  if not isinstance(fitted, dict):
-    return None
-  return decisions.ConformalFit(*(fitted[f] for f in decisions.ConformalFit._fields))
-
-
-def _noise_from(workdir: Path, config: ml_collections.ConfigDict,
-                num_outputs: int) -> np.ndarray | None:
-  """The homoscedastic task's per-member noise levels the run fitted (training/noise.py),
-  [M, D] in standardised units, or None."""
-  path = workdir / 'final_metrics.json'
-  if (config.task != 'regression_homoscedastic' or config.ensemble.method in methods.COLLECTING
-      or not path.is_file()):
-    return None
-  fitted = json.loads(path.read_text()).get('noise_variance')
-  if not isinstance(fitted, dict):
-    return None
-  levels = np.asarray(fitted['standardised'], np.float32)
-  return np.repeat(levels[:, None], num_outputs, axis=1)
 
 
 def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
@@ -239,7 +192,8 @@ class Ensemble:
                                 f'and {config_path} does not exist.')
       config = ml_collections.ConfigDict(configuration.upgrade(config_dict))
       mesh = _mesh_for(config.num_members, list(jax.devices() if devices is None else devices))
-      parts = assemble.build_run(config, mesh=mesh, shapes=_data_shape(config, meta)).parts
+      shapes = saved_run.data_shape(config, meta)
+      parts = assemble.build_run(config, mesh=mesh, shapes=shapes).parts
       num_classes = parts.num_outputs
       restored = checkpointer.restore(parts.abstract_state, with_optimizer=False)
     finally:
@@ -255,9 +209,9 @@ class Ensemble:
         members.frozen))
     return cls(config, parts.model, members.params, frozen, restored.step,
                parts.input_shape, num_classes, mesh, preprocess,
-               model_state=members.model_state, scale=_scale_from(meta),
-               conformal=_conformal_from(workdir, config),
-               noise_variance=_noise_from(workdir, config, num_classes))
+               model_state=members.model_state, scale=saved_run.scale_from(meta),
+               conformal=saved_run.conformal_from(workdir, config),
+               noise_variance=saved_run.noise_from(workdir, config, num_classes))
 
   @property
   def num_members(self) -> int:
