@@ -40,9 +40,12 @@ class TfdsSource:
   """Random access to one split of a prepared TFDS dataset, preprocessed."""
 
   def __init__(self, data_source: Any, input_key: str, label_key: str,
-               spec: DataSpec, add_channel: bool):
+               spec: DataSpec, add_channel: bool, target: tuple[Any, tuple[int, ...]] = (
+                   np.int32, ())):
+    """`target`: (dtype, shape) of one label: int32 classes, or float32 regression
+    targets of any shape (their feature has no num_classes)."""
     self._source, self._input_key, self._label_key = data_source, input_key, label_key
-    self._spec, self._add_channel = spec, add_channel
+    self._spec, self._add_channel, self._target = spec, add_channel, target
 
   @property
   def num_examples(self) -> int:
@@ -54,7 +57,7 @@ class TfdsSource:
     records = self._source.__getitems__(np.asarray(indices)[order].tolist())
     x = np.empty((len(indices), *np.shape(records[0][self._input_key])),
                  np.asarray(records[0][self._input_key]).dtype)
-    y = np.empty(len(indices), np.int32)
+    y = np.empty((len(indices), *self._target[1]), self._target[0])
     x[order] = np.stack([r[self._input_key] for r in records])
     y[order] = [r[self._label_key] for r in records]
     x = preprocess(x, self._spec)
@@ -89,7 +92,9 @@ def load_tfds(spec: DataSpec) -> Dataset:
                       f'which has no random access; {how}')
   input_key, label_key = builder.info.supervised_keys or ('image', 'label')
   features = builder.info.features
-  num_classes = features[label_key].num_classes
+  # A ClassLabel has num_classes; a float Tensor feature is a regression target.
+  num_classes = getattr(features[label_key], 'num_classes', None) or 0
+  target = (np.int32, ()) if num_classes else (np.float32, tuple(features[label_key].shape))
   shape = tuple(features[input_key].shape)
   add_channel = len(shape) in (1, 2) and spec.add_channel
   input_shape = shape + (1,) if add_channel else shape
@@ -99,7 +104,7 @@ def load_tfds(spec: DataSpec) -> Dataset:
       raise ConfigError(f'config.data: {name!r} has no split {split!r}; it has '
                         f'{sorted(builder.info.splits)}.')
     return TfdsSource(tfds.data_source(name, split=split, data_dir=data_dir, download=False),
-                      input_key, label_key, spec, add_channel)
+                      input_key, label_key, spec, add_channel, target)
 
   train = source(spec.train_split)
   test_source = source(spec.test_split)
