@@ -275,20 +275,23 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   model = models.get_model(model_spec(config), num_outputs * max(method.heads, 1))
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
     model = mimo.wrap(model, method.heads)
+  input_shape = tuple(int(d) for d in input_shape)
+  sample_x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
+  one_member = lambda: jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample_x.shape))[0]
+  if method.own != 'all':  # config.ensemble.own: the leaves members own, the rest shared.
+    method = methods.with_owned(method, one_member(), num_outputs * max(method.heads, 1))
   if optimizer is None:
     optimizer = make_optimizer(optim_spec(config), config.train.steps, cycles=method.cycles,
                                cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
   elif isinstance(optimizer, optax.GradientTransformation):
     optimizer = functools.partial(lambda tx, hp=None: tx, optimizer)
   member_hparams = hparams_lib.resolve(hparams_spec(config))
-  if method.shares:
+  if method.shares and method.owned is None:
     _check_shared_optimizer(member_hparams)
   m = config.num_members
   if num_members is not None and num_members != m:
     member_hparams = {k: np.resize(v, num_members) for k, v in member_hparams.items()}
     m = num_members
-  input_shape = tuple(int(d) for d in input_shape)
-  sample_x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
 
   def init(pretrained=None):
     hp = {k: jnp.asarray(v) for k, v in member_hparams.items()}
@@ -299,7 +302,6 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
            else f'config.model.name={config.model.name!r}')
   tasks.check_outputs(model, input_shape, num_outputs,
                       f'{field} (for config.task={config.task!r})')
-  one_member = lambda: jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample_x.shape))[0]
   layout = build_layout(method, mesh, config.mesh, one_member)
   abstract = layout.place(jax.eval_shape(init), mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
@@ -359,7 +361,8 @@ def init_sharded(parts: Parts) -> TrainState:
   from config.model.init_from's leaves where it names a file (io/init_from.py)."""
   pretrained = init_from.pretrained_leaves(
       init_from_spec(parts.config), parts.model, parts.input_shape,
-      parts.num_outputs * max(parts.method.heads, 1), parts.mesh, parts.layout)
+      parts.num_outputs * max(parts.method.heads, 1), parts.mesh, parts.layout,
+      owned=parts.method.owned)
   args = () if pretrained is None else (pretrained,)
   return compile_init(parts, *args)(*args)
 
@@ -377,6 +380,8 @@ def form_key(parts: Parts, batch_size: int) -> str:
             'precision': config.precision, 'optim': config.optim.name,
             'method': config.ensemble.method,
             'per_member_batches': config.data.member_order != 'shared'}
+  if config.ensemble.own != 'all':  # (Absent otherwise: the keys measured before stay.)
+    fields['own'] = config.ensemble.own
   return form_cache.key(fields, parts.mesh.devices.flat[0], members_per_device(parts),
                         batch_size // parts.mesh.shape[mesh_lib.DATA])
 
