@@ -34,7 +34,7 @@ from dist_ens.core import gradients, hparams as hparams_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import Pretrained, TrainState, init_state
-from dist_ens.ensembles import methods, mimo
+from dist_ens.ensembles import batchensemble, methods, mimo
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood, user_metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
@@ -315,7 +315,8 @@ def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections
   over it by the model's Flax annotations, config.mesh.rules, else FSDP (a rule sees
   one member's leaf; `member_params()` are one member's abstract params, with their
   annotations, traced only where a 'model' axis needs them)."""
-  shared = {} if method.hooks.shared is None else {'shared': method.hooks.shared}
+  shared = {} if method.hooks.shared is None else {
+      'shared': method.hooks.shared, 'rule_path': batchensemble.unwrapped_path}
   if mesh_lib.MODEL not in mesh.axis_names:
     return Layout(**shared)
   size = mesh.shape[mesh_lib.MODEL]

@@ -8,8 +8,8 @@ here with numpy; resume is exact and Ensemble.load predicts; bad values are refu
 
 import jax
 import numpy as np
-import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import dist_ens
 from dist_ens import Ensemble, assemble, configuration, data
@@ -39,7 +39,7 @@ def _own_config(source, own='head', members=4, **fields):
 
 
 def _parts(config):
-  devices = jax.devices()[:config.mesh.member * config.mesh.data]
+  devices = jax.devices()[:config.mesh.member * config.mesh.data * config.mesh.model]
   return assemble.build_parts(config, assemble.build_mesh(config, devices), (40, 1), 10)
 
 
@@ -195,3 +195,17 @@ def test_pbt_is_refused_with_shared_leaves():
   config.pbt.enabled, config.data.validation_size = True, 500
   with pytest.raises(ConfigError, match="needs ensemble.own='all'"):
     configuration.validate(config)
+
+
+def test_path_rules_split_shared_and_own_leaves_over_model(tmp_path):
+  """On a 'model' axis the layout's rules see a member's leaf paths ('params/0/w'), as
+  without own: the backbone is split as a member's leaf would be, once."""
+  source, _ = _backbone_file(tmp_path)
+  config = _own_config(source)
+  config.mesh.member, config.mesh.data, config.mesh.model = 2, 1, 2
+  config.mesh.rules = (('^params/0/w$', (None, 'model')), ('1/w$', ('model', None)))
+  parts = _parts(config)
+  specs = jax.tree.map(lambda a: a.sharding.spec, parts.abstract_state)
+  assert specs.params[0]['w']['shared'] == P(None, 'model')
+  assert specs.params[1]['w']['own'] == P('member', 'model', None)
+  assert specs.opt_state[0][0].mu[1]['w']['own'] == P('member', 'model', None)

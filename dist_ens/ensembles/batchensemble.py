@@ -55,6 +55,14 @@ def is_shared(path: tuple[Any, ...]) -> bool:
   return bool(path) and getattr(path[-1], 'key', None) == SHARED
 
 
+def unwrapped_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
+  """The path of a leaf in a member's own tree: an entry's 'shared' or 'own' key left
+  out (the layout's rules match member paths; BatchEnsemble's factors keep theirs)."""
+  if path and getattr(path[-1], 'key', None) in (SHARED, 'own'):
+    return path[:-1]
+  return path
+
+
 def _random_sign(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
   return jnp.where(jax.random.bernoulli(key, 0.5, shape), 1, -1).astype(dtype)
 
