@@ -209,3 +209,29 @@ def test_path_rules_split_shared_and_own_leaves_over_model(tmp_path):
   assert specs.params[0]['w']['shared'] == P(None, 'model')
   assert specs.params[1]['w']['own'] == P('member', 'model', None)
   assert specs.opt_state[0][0].mu[1]['w']['own'] == P('member', 'model', None)
+
+
+def _step_flops(own, members):
+  """XLA's FLOPs of one device's compiled step (2 devices on 'member', shared batches)."""
+  config = _own_config('', own=own, members=members)
+  config.mesh.data, config.model.widths = 1, (256, 256)
+  parts = _parts(config)
+  step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
+  batch = mesh_lib.batch_sharding(parts.mesh)
+  x = jax.ShapeDtypeStruct((BATCH, 40, 1), np.float32, sharding=batch)
+  y = jax.ShapeDtypeStruct((BATCH,), np.int32, sharding=batch)
+  members = mesh_lib.member_sharding(parts.mesh)
+  hp = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=members),
+                    parts.device_hparams())
+  return step.fn.lower(parts.abstract_state, hp, x, y).compile().cost_analysis()['flops']
+
+
+def test_the_backbone_runs_forward_once_per_device_and_never_backward():
+  """A second member per device costs a deep member's forward and backward pass with
+  own='all', and with own='head' only its head's: the backbone's forward pass on the
+  shared batch is not repeated, and its backward pass is not computed."""
+  per_member = {own: _step_flops(own, 4) - _step_flops(own, 2) for own in ('all', 'head')}
+  backbone_forward = 2 * BATCH * (40 * 256 + 256 * 256)
+  assert per_member['all'] > 2.5 * backbone_forward  # forward and backward, every member
+  assert per_member['head'] < 0.1 * backbone_forward
+  assert _step_flops('head', 2) < 1.5 * backbone_forward  # one forward, no backward
