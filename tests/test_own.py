@@ -235,3 +235,27 @@ def test_the_backbone_runs_forward_once_per_device_and_never_backward():
   assert per_member['all'] > 2.5 * backbone_forward  # forward and backward, every member
   assert per_member['head'] < 0.1 * backbone_forward
   assert _step_flops('head', 2) < 1.5 * backbone_forward  # one forward, no backward
+
+
+def test_batchnorm_statistics_stay_each_members_and_follow_its_batches(tmp_path):
+  """The linen ResNet (examples/): conv kernels and BatchNorm scales are the shared, frozen
+  backbone; each member's running statistics [M, ...] move with the batches it sees."""
+  from flax import serialization
+  from examples.flax_linen_resnet import make_model
+
+  variables = make_model(channels=8).init(jax.random.key(7), np.zeros((1, 40, 1)))
+  (tmp_path / 'v.msgpack').write_bytes(serialization.to_bytes(variables))
+  config = _own_config(str(tmp_path / 'v.msgpack'))
+  config.model.factory, config.model.kwargs.channels = 'examples.flax_linen_resnet:make_model', 8
+  parts = _parts(config)
+  assert parts.method.owned == frozenset({'Dense_0/kernel', 'Dense_0/bias'})
+  before = jax.device_get(assemble.init_sharded(parts))
+  _, after, _, _, state = _steps(config, 2)
+  np.testing.assert_array_equal(after['Conv_0']['kernel']['shared'],
+                                variables['params']['Conv_0']['kernel'])
+  np.testing.assert_array_equal(after['BatchNorm_0']['scale']['shared'],
+                                variables['params']['BatchNorm_0']['scale'])
+  mean = lambda s: np.asarray(s.model_state['batch_stats']['BatchNorm_0']['mean'])
+  assert mean(before).shape[0] == 4 and not np.allclose(mean(before), mean(jax.device_get(state)))
+  head = before.params['Dense_0']['kernel']['own']
+  assert not np.allclose(after['Dense_0']['kernel']['own'], head)
