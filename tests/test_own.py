@@ -101,6 +101,8 @@ def test_the_member_loop_steps_as_the_vmap(tmp_path):
 
 
 def _bytes_per_device(parts):
+  """The train state's bytes on one device, as `dist-ens plan` counts them (its
+  state_bytes_per_device, plan/planner.py _placement)."""
   state = parts.abstract_state
   return sharding_rules.state_bytes_per_device(parts.layout.state_specs(state), state,
                                                parts.mesh.shape)
