@@ -98,6 +98,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 'snapshot' (each member's schedule restarts snapshot.cycles times; every cycle's end
   # predicts) or 'multiswag' (SWAG per member: swag.samples weight samples predict).
   config.ensemble.method = 'deep'
+  # Which params leaves each member owns (stacked, trained; docs/pretrained.md): 'all',
+  # 'head' (the output layer) or a regex of leaf names ('^head/'). Every other leaf is
+  # shared: stored once, frozen (no gradient, no optimizer state); with method='deep'.
+  config.ensemble.own = 'all'
   config.ensemble.snapshot = ml_collections.ConfigDict()
   config.ensemble.snapshot.cycles = 4  # must divide the steps from snapshot.start on
   # > 0: fast geometric ensembling, short cycles over the last (1 - start) of training

@@ -34,7 +34,7 @@ from dist_ens.core import gradients, hparams as hparams_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import Pretrained, TrainState, init_state
-from dist_ens.ensembles import methods, mimo
+from dist_ens.ensembles import batchensemble, methods, mimo
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec, user_metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
@@ -207,20 +207,23 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   model = models.get_model(model_spec(config), num_outputs * max(method.heads, 1))
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
     model = mimo.wrap(model, method.heads)
+  input_shape = tuple(int(d) for d in input_shape)
+  sample_x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
+  one_member = lambda: jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample_x.shape))[0]
+  if method.own != 'all':  # config.ensemble.own: the leaves members own, the rest shared.
+    method = methods.with_owned(method, one_member(), num_outputs * max(method.heads, 1))
   if optimizer is None:
     optimizer = make_optimizer(optim_spec(config), config.train.steps, cycles=method.cycles,
                                cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
   elif isinstance(optimizer, optax.GradientTransformation):
     optimizer = functools.partial(lambda tx, hp=None: tx, optimizer)
   member_hparams = hparams_lib.resolve(hparams_spec(config))
-  if method.shares:
+  if method.shares and method.owned is None:
     _check_shared_optimizer(member_hparams)
   m = config.num_members
   if num_members is not None and num_members != m:
     member_hparams = {k: np.resize(v, num_members) for k, v in member_hparams.items()}
     m = num_members
-  input_shape = tuple(int(d) for d in input_shape)
-  sample_x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
 
   def init(pretrained=None):
     hp = {k: jnp.asarray(v) for k, v in member_hparams.items()}
@@ -231,7 +234,6 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
            else f'config.model.name={config.model.name!r}')
   tasks.check_outputs(model, input_shape, num_outputs,
                       f'{field} (for config.task={config.task!r})')
-  one_member = lambda: jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample_x.shape))[0]
   layout = build_layout(method, mesh, config.mesh, one_member)
   abstract = layout.place(jax.eval_shape(init), mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
@@ -246,7 +248,8 @@ def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections
   config.mesh.rules, else FSDP over 'model' (or 'data' x 'model'). A rule sees one
   member's leaf; `member_params()` are one member's abstract params, with their
   annotations, traced only where a split needs them."""
-  shared = {} if method.hooks.shared is None else {'shared': method.hooks.shared}
+  shared = {} if method.hooks.shared is None else {
+      'shared': method.hooks.shared, 'rule_path': batchensemble.unwrapped_path}
   over_data = bool(mesh_config.fsdp_over_data) and mesh.shape[mesh_lib.DATA] > 1
   if mesh_lib.MODEL not in mesh.axis_names and not over_data:
     return Layout(**shared)
@@ -295,7 +298,8 @@ def init_sharded(parts: Parts) -> TrainState:
   from config.model.init_from's leaves where it names a file (io/init_from.py)."""
   pretrained = init_from.pretrained_leaves(
       init_from_spec(parts.config), parts.model, parts.input_shape,
-      parts.num_outputs * max(parts.method.heads, 1), parts.mesh, parts.layout)
+      parts.num_outputs * max(parts.method.heads, 1), parts.mesh, parts.layout,
+      owned=parts.method.owned)
   args = () if pretrained is None else (pretrained,)
   return compile_init(parts, *args)(*args)
 
@@ -313,6 +317,8 @@ def form_key(parts: Parts, batch_size: int) -> str:
             'precision': config.precision, 'optim': config.optim.name,
             'method': config.ensemble.method,
             'per_member_batches': config.data.member_order != 'shared'}
+  if config.ensemble.own != 'all':  # (Absent otherwise: the keys measured before stay.)
+    fields['own'] = config.ensemble.own
   return form_cache.key(fields, parts.mesh.devices.flat[0], members_per_device(parts),
                         batch_size // parts.mesh.shape[mesh_lib.DATA])
 

@@ -29,7 +29,7 @@ ALWAYS_COMPATIBLE = ('train.steps', 'train.epochs', 'train.log_every', 'train.ev
                      'train.steps_per_call', 'train.profile_steps', 'checkpoint', 'eval', 'mesh',
                      'writers')
 # Fields that define what the checkpoint holds: never restorable across a change.
-NEVER_COMPATIBLE = ('num_members', 'model', 'data.name', 'ensemble.method',
+NEVER_COMPATIBLE = ('num_members', 'model', 'data.name', 'ensemble.method', 'ensemble.own',
                     'ensemble.snapshot.cycles', 'ensemble.swag.rank', 'ensemble.mimo.heads')
 
 

@@ -140,6 +140,9 @@ def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
   _require(config.ensemble.method == 'deep', 'pbt.enabled', enabled,
            f"copies whole members, so it needs ensemble.method='deep' (not "
            f'{config.ensemble.method!r})')
+  _require(config.ensemble.own == 'all', 'pbt.enabled', enabled,
+           f'copies whole members, so it needs ensemble.own=\'all\' (not '
+           f'{config.ensemble.own!r}, whose shared leaves are no member\'s to copy)')
   _require(not config.data.member_split, 'pbt.enabled', enabled,
            f'copies members between data.member_split={config.data.member_split!r}\'s splits, '
            'whose members train on different data; use one or the other')
@@ -257,9 +260,10 @@ MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'fsdp_over_data': False, 'rule
 DATA_FIELDS = {'member_split': ''}
 EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1}
 MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
+ENSEMBLE_FIELDS = {'own': 'all'}
 # Fields added to a group since format 2: {group: {field: the value runs had before}}.
 GROUP_FIELDS = {'mesh': MESH_FIELDS, 'data': DATA_FIELDS, 'eval': EVAL_FIELDS,
-                'model': MODEL_FIELDS}
+                'model': MODEL_FIELDS, 'ensemble': ENSEMBLE_FIELDS}
 
 
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:

@@ -55,7 +55,7 @@ def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
       snapshot_cycles=ensemble.snapshot.cycles, snapshot_start=ensemble.snapshot.start,
       snapshot_cycle_rate=ensemble.snapshot.cycle_rate, mimo_heads=ensemble.mimo.heads,
       swag_start=ensemble.swag.start, swag_every=ensemble.swag.every,
-      swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples)
+      swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples, own=ensemble.own)
 
 
 def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:

@@ -180,10 +180,11 @@ def _members_update(model, optimizer, seed, objective, options, data_size, paral
   one Adam step), whereas a member-shaped body compiles alike everywhere.
   """
   batch_axes = (batch_axis,) * 3
-  if hooks.members_update is not None:  # BatchEnsemble (reproducible mode refused).
+  if hooks.members_update is not None:  # BatchEnsemble (reproducible mode refused), own.
     return hooks.members_update(
         member_results_fn(model, seed, objective, options, data_size), member_apply_fn(optimizer),
-        optimizer, parallelism, batch_axis, map_batch_size)
+        optimizer, 'map' if options.reproducible else parallelism, batch_axis,
+        None if options.reproducible else map_batch_size)
   if options.reproducible or parallelism != 'vmap':
     return over_members(member_update_fn(model, optimizer, seed, objective, options, data_size),
                         'map' if options.reproducible else parallelism,

@@ -10,6 +10,9 @@ leaf replaced by a small dict:
   kernel      {'shared': W, 'r': r [M, in], 's': s [M, out]}
   otherwise   {'own': p [M, ...]}
 
+(config.ensemble.own, ensembles/own.py, adds a third: {'shared': p}, a leaf every
+member reads as it is.)
+
 so the shared W is ONE array, replicated over the mesh (`is_shared` tells the layout),
 and the rest is
 stacked over 'member' like any member's state. Members train in one pass: each
@@ -36,7 +39,8 @@ PyTree = Any
 SHARED = 'shared'
 
 
-def _is_entry(x: Any, keys: tuple[set[str], ...] = ({SHARED, 'r', 's'}, {'own'})) -> bool:
+def _is_entry(x: Any,
+              keys: tuple[set[str], ...] = ({SHARED, 'r', 's'}, {'own'}, {SHARED})) -> bool:
   """Whether `x` is an entry (or, with `keys`, a part of one): a dict of arrays with
   exactly those keys. A model's own dicts hold dicts or have other keys."""
   return (isinstance(x, dict) and set(x) in keys and
@@ -49,6 +53,14 @@ def is_shared(path: tuple[Any, ...]) -> bool:
   Every parameter is wrapped in an entry, so a path's last key is always 'shared',
   'r', 's' or 'own', whatever the model names its layers."""
   return bool(path) and getattr(path[-1], 'key', None) == SHARED
+
+
+def unwrapped_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
+  """The path of a leaf in a member's own tree: an entry's 'shared' or 'own' key left
+  out (the layout's rules match member paths; BatchEnsemble's factors keep theirs)."""
+  if path and getattr(path[-1], 'key', None) in (SHARED, 'own'):
+    return path[:-1]
+  return path
 
 
 def _random_sign(key: jax.Array, shape: tuple[int, ...], dtype) -> jax.Array:
@@ -76,10 +88,12 @@ def from_members(params: PyTree, keys: jax.Array) -> PyTree:
 
 def member_params(params: PyTree) -> PyTree:
   """ONE member's model params from its view of the BatchEnsemble params (W shared,
-  its own r, s and other leaves)."""
+  its own r, s and other leaves; a shared leaf without factors as it is)."""
   def form(entry):
     if 'own' in entry:
       return entry['own']
+    if 'r' not in entry:
+      return entry[SHARED]
     return entry[SHARED] * (entry['r'][:, None] * entry['s'][None, :])
 
   return jax.tree.map(form, params, is_leaf=_is_entry)

@@ -40,7 +40,7 @@ from jax.sharding import Mesh
 
 from dist_ens.core import rng
 from dist_ens.core.hooks import MethodHooks
-from dist_ens.ensembles import batchensemble
+from dist_ens.ensembles import batchensemble, own as own_lib
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -64,6 +64,9 @@ class Method(NamedTuple):
   cycle_rate: float = 1.0  # each cycle's peak rate over optim.learning_rate's
   shares: bool = False  # params have leaves shared by all members (batchensemble)
   heads: int = 0  # input slots and output heads of each member's network (mimo)
+  own: str = 'all'  # config.ensemble.own, as configured (ensembles/own.py)
+  # The params leaves each member owns by name, the rest shared (with_owned); None: all.
+  owned: frozenset[str] | None = None
 
   @property
   def collects(self) -> bool:
@@ -73,6 +76,8 @@ class Method(NamedTuple):
   @property
   def hooks(self) -> MethodHooks:
     """What this method changes in core: how members are born, updated, collect."""
+    if self.owned is not None:
+      return own_lib.hooks(self.owned)
     if self.shares:
       return MethodHooks(init_params=batchensemble.from_members,
                          init_opt_state=batchensemble.init_opt_state,
@@ -197,6 +202,7 @@ class MethodSpec(NamedTuple):
   swag_every: int
   swag_rank: int
   swag_samples: int
+  own: Any  # ensemble.own
 
 
 def _int(value: Any, field: str, low: int) -> int:
@@ -252,8 +258,12 @@ def from_spec(spec: MethodSpec) -> Method:
   name = spec.name
   if name not in METHODS:
     raise ConfigError(f'config.ensemble.method={name!r}; use one of {METHODS}.')
+  if spec.own != 'all' and name != 'deep':
+    raise ConfigError(f"config.ensemble.own={spec.own!r} shares every other leaf between "
+                      f"members; it works with ensemble.method='deep' (not {name!r}), or "
+                      "set own='all'.")
   if name == 'deep':
-    return _deep()
+    return _deep()._replace(own=spec.own)
   if name in ('batchensemble', 'mimo') and spec.reproducible:
     why = {'batchensemble': "the shared weights' gradient is a sum over devices, whose order "
                             'depends on the mesh',
@@ -267,6 +277,17 @@ def from_spec(spec: MethodSpec) -> Method:
   if name == 'snapshot':
     return _snapshot_from_spec(spec)
   return _swag_from_spec(spec)
+
+
+def with_owned(method: Method, params: PyTree, num_outputs: int) -> Method:
+  """`method` with the leaves its members own resolved on the model's `params` (one
+  member's shapes): config.ensemble.own other than 'all' shares the rest.
+
+  Raises:
+    ConfigError: an `own` that names no leaf or every leaf (ensembles/own.py).
+  """
+  owned = own_lib.owned_names(method.own, params, num_outputs)
+  return method if owned is None else method._replace(shares=True, owned=owned)
 
 
 class Members(NamedTuple):

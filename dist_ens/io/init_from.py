@@ -13,8 +13,9 @@ only in that part (a dist_ens workdir's, a Flax variables dict's 'params/...'), 
 other first in params, then in model_state.
 
 What starts where: every params leaf from the file, except the leaves each member owns
-(for now the output head, models/heads.py), which start per member from (seed,
-member) as without init_from, unless config.model.init_owned_from_file; model_state
+(config.ensemble.own's; with own='all' the output head, models/heads.py), which start
+per member from (seed, member) as without init_from, unless
+config.model.init_owned_from_file; model_state
 leaves (BatchNorm statistics) from the file where it has them. The optimizer state is
 always fresh. Values are cast to the model's dtypes and placed on the mesh as one
 member's leaves are (the layout's rule), then broadcast over the member axis inside the
@@ -196,16 +197,19 @@ def place(matched: Matched, params: PyTree, model_state: PyTree, mesh: Mesh,
 
 
 def pretrained_leaves(spec: InitFrom, model: Model, input_shape: tuple[int, ...],
-                      num_outputs: int, mesh: Mesh, layout: Layout) -> Pretrained | None:
+                      num_outputs: int, mesh: Mesh, layout: Layout,
+                      owned: frozenset[str] | None = None) -> Pretrained | None:
   """The file's leaves on the mesh for init_state (None when spec.source is '').
 
   Args:
     num_outputs: the model's outputs per example (finds its head: models/heads.py).
+    owned: the params leaves each member owns (config.ensemble.own, resolved); None:
+      every leaf, of which the head starts fresh.
   """
   if not spec.source:
     return None
   sample_x = jax.ShapeDtypeStruct((1, *input_shape), np.float32)
   params, model_state = jax.eval_shape(model.init, jax.random.key(0), sample_x)
   matched = match(load_pretrained(spec.source), params, model_state, spec,
-                  head_paths(params, num_outputs))
+                  head_paths(params, num_outputs) if owned is None else owned)
   return place(matched, params, model_state, mesh, layout)

@@ -41,6 +41,10 @@ def _never(path: Path) -> bool:
   return False
 
 
+def _same(path: Path) -> Path:
+  return path
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """Mesh axes and a per-leaf rule (see the module doc).
@@ -50,19 +54,23 @@ class Layout:
     rule: the spec of one member's leaf (LeafRule).
     shared: (path) -> whether the leaf is stored once for all members (an ensemble
       method's, core.hooks.MethodHooks.shared) instead of stacked [M, ...].
+    rule_path: (path) -> the path `rule` sees: where a method wraps a member's leaf
+      ({'own': p}, {'shared': p}), the leaf's path in the member's own tree, so that
+      path rules (regexes ending '$', Flax annotations) match it as without the method.
   """
   axes: tuple[str, ...] = (MEMBER, DATA)
   rule: LeafRule = whole
   shared: Callable[[Path], bool] = _never
+  rule_path: Callable[[Path], Path] = _same
 
   def leaf_spec(self, path: Path, leaf: jax.ShapeDtypeStruct) -> P:
     """The PartitionSpec of one leaf of the train state."""
     if leaf.ndim == 0:
       return P()
     if self.shared(path):
-      return P(*self.rule(path, leaf))
+      return P(*self.rule(self.rule_path(path), leaf))
     one = jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype)
-    return P(MEMBER, *self.rule(path, one))
+    return P(MEMBER, *self.rule(self.rule_path(path), one))
 
   def state_specs(self, abstract_state: PyTree) -> PyTree:
     """The PartitionSpec of every leaf of `abstract_state` (a tree of shapes)."""

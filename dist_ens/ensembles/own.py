@@ -1,0 +1,127 @@
+"""config.ensemble.own: which leaves each member owns; every other leaf is shared.
+
+  'all'    every leaf is each member's own (the default: independent members).
+  'head'   the output layer (models/heads.py finds it); the rest is one shared backbone.
+  a regex  the params leaves whose '/'-joined names (e.g. '1/w', 'head/w',
+           'blocks/3/mlp/fc2/w') it matches, with re.search.
+
+A shared leaf is stored ONCE, without a member axis (the layout replicates it over
+'member' and splits it over 'data'/'model' by its rule, as a member's leaf), read by
+every member inside the vmapped step as an unbatched argument, and FROZEN: no gradient
+is applied to it and it has no optimizer state. The params are held as BatchEnsemble's
+entries (ensembles/batchensemble.py): {'own': p [M, ...]} or {'shared': p}, so the
+layout, checkpoints, evaluation and Ensemble.load treat them as they treat its W.
+
+The model state (BatchNorm statistics) stays each member's own and is updated as
+without `own`: the model runs in training mode, so a frozen backbone still normalises
+by the batch's statistics, and running statistics that follow them make evaluation
+normalise as training did (they are 2 numbers per channel: storing them once would
+save little).
+"""
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from dist_ens.core.hooks import MethodHooks
+from dist_ens.core.members import over_members
+from dist_ens.ensembles import batchensemble
+from dist_ens.errors import ConfigError
+from dist_ens.models.heads import head_paths
+from dist_ens.parallel.sharding_rules import path_str
+
+PyTree = Any
+FIELD = 'config.ensemble.own'
+
+
+def owned_names(own: Any, params: PyTree, num_outputs: int) -> frozenset[str] | None:
+  """The names of the params leaves each member owns; None for 'all' (every leaf).
+
+  Args:
+    own: config.ensemble.own.
+    params: one member's params (ShapeDtypeStructs, no member axis).
+    num_outputs: the model's outputs per example (finds the head).
+
+  Raises:
+    ConfigError: not a string, a regex that does not compile, or one that owns no leaf
+      or every leaf.
+  """
+  if own == 'all':
+    return None
+  if not isinstance(own, str) or not own:
+    raise ConfigError(f"{FIELD}={own!r} must be 'all', 'head' or a regex of leaf names, "
+                      "e.g. '^head/'.")
+  names = [path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  if own == 'head':
+    owned = head_paths(params, num_outputs)
+    if not owned:
+      raise ConfigError(f"{FIELD}='head' found no output head in the model (no layer named "
+                        f"head or classifier, no kernel with {num_outputs} outputs); give a "
+                        f"regex of its leaves' names instead, e.g. '^{names[-1]}$'.")
+  else:
+    try:
+      pattern = re.compile(own)
+    except re.error as e:
+      raise ConfigError(f'{FIELD}={own!r} is not a regular expression: {e}.') from None
+    owned = frozenset(n for n in names if pattern.search(n))
+  if not owned or len(owned) == len(names):
+    what = 'no leaf' if not owned else "every leaf (that is own='all')"
+    raise ConfigError(f'{FIELD}={own!r} matches {what} of the model\'s params '
+                      f'{", ".join(names[:6])}{", ..." if len(names) > 6 else ""}; give a '
+                      'regex that matches the leaves each member trains, e.g. '
+                      f"'^{names[-1].rsplit('/', 1)[0]}/'.")
+  return owned
+
+
+def from_members(owned: frozenset[str], params: PyTree, keys: jax.Array) -> PyTree:
+  """Entries from M members' initial params (stacked): member 0's value of each shared
+  leaf (a function of the seed alone, or config.model.init_from's), each member's own."""
+  del keys
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: {'own': p} if path_str(path) in owned else {batchensemble.SHARED: p[0]},
+      params)
+
+
+def init_opt_state(optimizer, params: PyTree, hparams: dict[str, jax.Array]) -> PyTree:
+  """Each member's optimizer state of its own leaves; none for the frozen shared ones."""
+  _, own = batchensemble.split(params)
+  return jax.vmap(lambda hp, p: optimizer(hp).init(p))(hparams, own)
+
+
+def members_update(results: Callable[..., Any], apply: Callable[..., Any], optimizer,
+                   parallelism: str, batch_axis: int | None,
+                   map_batch_size: int | None = None) -> Callable[..., Any]:
+  """update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over
+  a device's block of members (core.hooks.MethodHooks.members_update): each member's
+  forward and backward pass on its params formed from the shared leaves (unbatched)
+  and its own, and its optimizer step on its own leaves only."""
+  del optimizer
+
+  def one(own, model_state, opt_state, frozen, hp, member, step, x, y, index, shared):
+    # Only the own leaves' cotangents are read: XLA drops the shared ones' gradients.
+    params, vjp = jax.vjp(lambda o: batchensemble.member_params(batchensemble.merge(shared, o)),
+                          own)
+    result = results(params, model_state, hp, member, step, x, y, index)
+    (grads,) = vjp(result.grads)
+    return apply(own, model_state, opt_state, frozen, hp, result._replace(grads=grads))
+
+  batch = (batch_axis,) * 3
+  members = over_members(one, parallelism, in_axes=(0, 0, 0, 0, 0, 0, None) + batch + (None,),
+                         map_batch_size=map_batch_size, in_place=4)
+
+  def update(params, model_state, opt_state, frozen, hp, member_ids, step, x, y, index):
+    shared, own = batchensemble.split(params)
+    own, model_state, opt_state, frozen, metrics = members(
+        own, model_state, opt_state, frozen, hp, member_ids, step, x, y, index, shared)
+    return batchensemble.merge(shared, own), model_state, opt_state, frozen, metrics
+
+  return update
+
+
+def hooks(owned: frozenset[str]) -> MethodHooks:
+  """What sharing every leaf but `owned` changes in core."""
+  return MethodHooks(init_params=lambda params, keys: from_members(owned, params, keys),
+                     init_opt_state=init_opt_state, members_update=members_update,
+                     shared=batchensemble.is_shared)
