@@ -293,3 +293,26 @@ def test_rounds_do_not_depend_on_the_mesh_in_reproducible_mode(tmp_path):
   assert a['pbt']['rounds'] == b['pbt']['rounds'] and a['pbt']['rounds'][0]['step'] == 8
   assert a['hyperparameters'] == b['hyperparameters']
   np.testing.assert_allclose(a['members']['nll'], b['members']['nll'], rtol=1e-6)
+
+
+def test_the_report_draws_each_members_schedule_and_copies(pbt_run):
+  """report_pbt.schedules: starts at the sweep's values, marks exactly the members the
+  lineage names at each round, and a member's values change only where it copied."""
+  pytest.importorskip('matplotlib')
+  from dist_ens.io import report, report_pbt  # pylint: disable=import-outside-toplevel
+  workdir, result, _ = pbt_run
+  s = report_pbt.schedules(_config(), _events(workdir))
+  initial = hparams_lib.resolve(specs.hparams_spec(_config()))
+  np.testing.assert_allclose(s['fields'][LR][:, 0], initial[LR], rtol=1e-6)
+  rounds = result['pbt']['rounds']
+  assert s['steps'].tolist() == [0] + [r['step'] for r in rounds]
+  for m, entries in enumerate(result['pbt']['lineage']):
+    marked = [f'{s["steps"][r + 1]}<{rounds[r]["sources"][m]}'
+              for r in np.flatnonzero(s['copied'][m])]
+    assert ' '.join(marked) == entries
+    lr = s['fields'][LR][m]  # Written values: rounded to float32's digits.
+    changed = ~np.isclose(lr[1:], lr[:-1], rtol=1e-6)
+    assert not np.any(changed & ~s['copied'][m])
+  out = report.make_report(workdir)
+  assert (out / 'pbt.png').is_file() and 'Population-based training' in (
+      out / 'report.md').read_text()

@@ -44,9 +44,9 @@ import numpy as np
 from dist_ens import assemble, data
 from dist_ens.inference import Ensemble, GaussianPrediction, Prediction
 from dist_ens.io import report_plots as plots
-from dist_ens.io import report_regression
+from dist_ens.io import report_pbt, report_regression
 from dist_ens.io.report_data import finite_mean, method_rows, read_events, read_final_metrics
-from dist_ens.io.report_pages import Run, html_page, markdown, report_figures
+from dist_ens.io.report_pages import Figure, Run, html_page, markdown, report_figures
 from dist_ens.io.report_stats import SizeSpread, ensemble_size_spread
 # Importable from here, as before the report had modules of its own (tests/test_report.py
 # reaches the private helpers here too).
@@ -56,6 +56,9 @@ from dist_ens.io.report_stats import (  # noqa: F401
 
 FIGURES = ('reliability.png', 'members_vs_ensemble.png', 'learning_curves.png',
            'ensemble_size.png')
+PBT_CAPTION = ('Every member\'s explored hyperparameters over the run (a step line each) and '
+               'the validation metric PBT ranked them by at each round; a dot marks a member '
+               'that copied a better one\'s state there and took perturbed values.')
 SWEEP_FIGURE = 'sweep_scatter.png'  # Written only when final_metrics.json has 'hyperparameters'.
 
 
@@ -95,6 +98,8 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
     figures = report_figures(final, _draw_figures(out, workdir, final, prediction, test.y,
                                                   frozen, active), active)
   config = ensemble.config
+  if final.get('pbt') and report_pbt.plot_pbt(out, config, read_events(workdir / 'metrics.jsonl')):
+    figures.append(Figure('pbt', 'Population-based training', PBT_CAPTION))
   summary = (f'{config.num_members} x {config.model.name} on {config.data.name}, step '
              f'{ensemble.step} of {config.train.steps}, test split of {len(test.y)} examples'
              + (f'; frozen members {sorted(frozen)} are left out of the ensemble'
