@@ -177,13 +177,11 @@ def build_mesh(config: ml_collections.ConfigDict,
         config.data.batch_size, -(-m // n) * n, n)
   if config.reproducible:
     gradients.check_canonical(config.train.micro_batches, mesh.shape[mesh_lib.DATA])
-    split = mesh.shape.get(mesh_lib.MODEL, 1) > 1 or config.mesh.fsdp_over_data
-    if split:  # XLA splits the member's sums over the devices holding its shards.
+    if config.mesh.fsdp_over_data:  # Its split, so its sums, would follow mesh.data.
       raise ConfigError(
-          'config.reproducible=True promises members bit-identical on any mesh, which a member '
-          'split over devices (mesh.model > 1 or mesh.fsdp_over_data) does not keep: its '
-          'matmuls are partitioned, their sums reordered (parameters 6e-8 apart after 20 steps); use '
-          'mesh.model=1 and fsdp_over_data=False, or reproducible=False.')
+          'config.reproducible=True promises members bit-identical on any mesh, but '
+          'mesh.fsdp_over_data splits each member over data x model devices, so its sums '
+          'change with mesh.data; set fsdp_over_data=False (a fixed mesh.model is fine).')
   return mesh
 
 

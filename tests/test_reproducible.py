@@ -31,7 +31,9 @@ MLP = {'model.widths': (32, 32), 'data.batch_size': 32, 'train.micro_batches': 4
 RESNET = {'model.name': 'resnet', 'model.depth': 8, 'model.dropout': 0.1,
           'data.augment': 'crop_flip', 'data.batch_size': 16, 'train.micro_batches': 2,
           'data.member_order': 'bootstrap', 'optim.name': 'sgd', 'optim.learning_rate': 0.05}
-# name: (overrides, members, member axis, data axis); the devices are member x data.
+# Members split over a 'model' axis of 2 (32 x 32 kernels: 1,024 elements, split by FSDP).
+MODEL2 = {**MLP, 'mesh.model': 2, 'mesh.fsdp_min_size': 512}
+# name: (overrides, members, member axis, data axis); devices: member x data (x mesh.model).
 RUNS = {
     'mlp_8x1_m8': (MLP, 8, 8, 1),
     'mlp_1x1_m3': (MLP, 3, 1, 1),
@@ -40,6 +42,9 @@ RUNS = {
     'shared_1x1_m2': ({**MLP, 'data.member_order': 'shared'}, 2, 1, 1),
     'resnet_4x2_m4': (RESNET, 4, 4, 2),
     'resnet_1x1_m2': (RESNET, 2, 1, 1),
+    'model2_4x1_m8': (MODEL2, 8, 4, 1),
+    'model2_1x1_m3': (MODEL2, 3, 1, 1),
+    'model2_2x2_m8': (MODEL2, 8, 2, 2),
 }
 
 
@@ -65,8 +70,9 @@ def _worker(names: list[str], out: str) -> None:
   import dist_ens  # pylint: disable=g-import-not-at-top
   for name in names:
     overrides, members, member, data = RUNS[name]
+    model = overrides.get('mesh.model', 1)
     dist_ens.train(_config(overrides, members, member, data), str(Path(out) / name),
-                   devices=jax.devices()[:member * data])
+                   devices=jax.devices()[:member * data * model])
 
 
 @pytest.fixture(scope='module')
@@ -106,6 +112,8 @@ def _assert_same_members(a: Path, b: Path, count: int) -> None:
     ('mlp_8x1_m8', 'mlp_2x4_m8', 8),  # member split vs data split
     ('shared_4x2_m4', 'shared_1x1_m2', 2),
     ('resnet_4x2_m4', 'resnet_1x1_m2', 2),  # BatchNorm, dropout, augmentation; bootstrap
+    ('model2_4x1_m8', 'model2_1x1_m3', 3),  # a fixed 'model' size: any member x data, any M
+    ('model2_4x1_m8', 'model2_2x2_m8', 8),
 ])
 def test_members_are_bit_identical_across_layouts(runs, a, b, count):
   _assert_same_members(runs / a, runs / b, count)
