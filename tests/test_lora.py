@@ -10,6 +10,7 @@ the checkpoint's factors; resume is exact; bad fields are refused with one line.
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import dist_ens
 from dist_ens import Ensemble, data
@@ -162,3 +163,21 @@ def test_bad_fields_give_one_line_naming_the_field(fields, match):
   with pytest.raises(ConfigError, match=match) as e:
     _parts(_lora_config('', from_file=False, **fields))
   assert 'config.ensemble.lora_' in str(e.value) and '\n' not in str(e.value)
+
+
+def test_the_member_loop_steps_as_the_vmap(tmp_path):
+  source, _ = _model_file(tmp_path)
+  _, vmapped, _, _, _ = _steps(_lora_config(source, from_file=False), 3)
+  _, looped, _, _, _ = _steps(_lora_config(source, from_file=False), 3, form=('map', None))
+  for a, b in zip(jax.tree.leaves(vmapped), jax.tree.leaves(looped)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def test_on_a_model_axis_w_is_split_once_and_the_factors_per_member(tmp_path):
+  source, _ = _model_file(tmp_path)
+  config = _lora_config(source)
+  config.mesh.member, config.mesh.data, config.mesh.model = 2, 1, 2
+  config.mesh.rules = (('^params/0/w$', (None, 'model')), ('lora_a$', ('model', None)))
+  specs = jax.tree.map(lambda a: a.sharding.spec, _parts(config).abstract_state.params[0]['w'])
+  assert specs == {'shared': P(None, 'model'), 'lora_scale': P(),
+                   'lora_a': P('member', 'model', None), 'lora_b': P('member')}
