@@ -260,7 +260,7 @@ MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'fsdp_over_data': False, 'rule
 DATA_FIELDS = {'member_split': ''}
 EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1}
 MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
-ENSEMBLE_FIELDS = {'own': 'all'}
+ENSEMBLE_FIELDS = {'own': 'all', 'lora_rank': 8, 'lora_alpha': 0.0, 'lora_targets': ''}
 # Fields added to a group since format 2: {group: {field: the value runs had before}}.
 GROUP_FIELDS = {'mesh': MESH_FIELDS, 'data': DATA_FIELDS, 'eval': EVAL_FIELDS,
                 'model': MODEL_FIELDS, 'ensemble': ENSEMBLE_FIELDS}

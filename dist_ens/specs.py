@@ -55,7 +55,9 @@ def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
       snapshot_cycles=ensemble.snapshot.cycles, snapshot_start=ensemble.snapshot.start,
       snapshot_cycle_rate=ensemble.snapshot.cycle_rate, mimo_heads=ensemble.mimo.heads,
       swag_start=ensemble.swag.start, swag_every=ensemble.swag.every,
-      swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples, own=ensemble.own)
+      swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples, own=ensemble.own,
+      lora_rank=ensemble.lora_rank, lora_alpha=ensemble.lora_alpha,
+      lora_targets=ensemble.lora_targets)
 
 
 def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:

@@ -183,7 +183,7 @@ def test_a_regex_owns_what_it_matches_and_all_changes_nothing(tmp_path):
     ('^nothing$', {}, "own='\\^nothing\\$' matches no leaf"),
     ('.', {}, "matches every leaf \\(that is own='all'\\)"),
     ('(', {}, 'is not a regular expression'),
-    ('', {}, "must be 'all', 'head' or a regex"),
+    ('', {}, "must be 'all', 'head', 'lora' or a regex"),
     ('head', {'ensemble.method': 'batchensemble'}, "works with ensemble.method='deep'"),
 ])
 def test_bad_values_give_one_line_naming_the_field(own, fields, match):

@@ -11,7 +11,9 @@ leaf replaced by a small dict:
   otherwise   {'own': p [M, ...]}
 
 (config.ensemble.own, ensembles/own.py, adds a third: {'shared': p}, a leaf every
-member reads as it is.)
+member reads as it is; own='lora', ensembles/lora.py, a fourth: {'shared': W,
+'lora_scale': s, 'lora_a': A [M, in, r], 'lora_b': B [M, r, out]}, its W and scale
+stored once.)
 
 so the shared W is ONE array, replicated over the mesh (`is_shared` tells the layout),
 and the rest is
@@ -34,13 +36,17 @@ import optax
 from dist_ens.core.axes import MEMBER
 from dist_ens.core.members import over_members
 from dist_ens.core.model import is_kernel
+from dist_ens.ensembles import lora
 
 PyTree = Any
 SHARED = 'shared'
+# The keys of an entry's leaves stored once for all members (a LoRA kernel's scale too).
+SHARED_KEYS = frozenset({SHARED, lora.SCALE})
 
 
 def _is_entry(x: Any,
-              keys: tuple[set[str], ...] = ({SHARED, 'r', 's'}, {'own'}, {SHARED})) -> bool:
+              keys: tuple[set[str], ...] = ({SHARED, 'r', 's'}, {'own'}, {SHARED},
+                                             {SHARED, lora.SCALE, lora.A, lora.B})) -> bool:
   """Whether `x` is an entry (or, with `keys`, a part of one): a dict of arrays with
   exactly those keys. A model's own dicts hold dicts or have other keys."""
   return (isinstance(x, dict) and set(x) in keys and
@@ -50,9 +56,9 @@ def _is_entry(x: Any,
 def is_shared(path: tuple[Any, ...]) -> bool:
   """Whether a leaf of the train state is a shared W or the optimizer's moments of one.
 
-  Every parameter is wrapped in an entry, so a path's last key is always 'shared',
-  'r', 's' or 'own', whatever the model names its layers."""
-  return bool(path) and getattr(path[-1], 'key', None) == SHARED
+  Every parameter is wrapped in an entry, so a path's last key is always an entry's
+  ('shared', 'r', 's', 'own', 'lora_*'), whatever the model names its layers."""
+  return bool(path) and getattr(path[-1], 'key', None) in SHARED_KEYS
 
 
 def unwrapped_path(path: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -92,6 +98,8 @@ def member_params(params: PyTree) -> PyTree:
   def form(entry):
     if 'own' in entry:
       return entry['own']
+    if lora.A in entry:
+      return lora.form(entry)
     if 'r' not in entry:
       return entry[SHARED]
     return entry[SHARED] * (entry['r'][:, None] * entry['s'][None, :])
@@ -101,9 +109,9 @@ def member_params(params: PyTree) -> PyTree:
 
 def split(params: PyTree) -> tuple[PyTree, PyTree]:
   """(shared, per-member) parts of the params; merge() puts them back."""
-  shared = jax.tree.map(lambda e: {k: v for k, v in e.items() if k == SHARED}, params,
+  shared = jax.tree.map(lambda e: {k: v for k, v in e.items() if k in SHARED_KEYS}, params,
                         is_leaf=_is_entry)
-  own = jax.tree.map(lambda e: {k: v for k, v in e.items() if k != SHARED}, params,
+  own = jax.tree.map(lambda e: {k: v for k, v in e.items() if k not in SHARED_KEYS}, params,
                      is_leaf=_is_entry)
   return shared, own
 
@@ -111,7 +119,7 @@ def split(params: PyTree) -> tuple[PyTree, PyTree]:
 def merge(shared: PyTree, own: PyTree) -> PyTree:
   """The params that split() cut into (shared, own)."""
   return jax.tree.map(lambda s, o: {**s, **o}, shared, own,
-                      is_leaf=lambda x: _is_entry(x, ({SHARED}, set())))
+                      is_leaf=lambda x: _is_entry(x, ({SHARED}, set(SHARED_KEYS), set())))
 
 
 def init_opt_state(optimizer, params: PyTree, hparams: dict[str, jax.Array]) -> PyTree:

@@ -40,7 +40,7 @@ from jax.sharding import Mesh
 
 from dist_ens.core import rng
 from dist_ens.core.hooks import MethodHooks
-from dist_ens.ensembles import batchensemble, own as own_lib
+from dist_ens.ensembles import batchensemble, lora as lora_lib, own as own_lib
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -67,6 +67,7 @@ class Method(NamedTuple):
   own: str = 'all'  # config.ensemble.own, as configured (ensembles/own.py)
   # The params leaves each member owns by name, the rest shared (with_owned); None: all.
   owned: frozenset[str] | None = None
+  lora: Any = None  # own='lora': the adapted kernels, rank and scale (ensembles/lora.py)
 
   @property
   def collects(self) -> bool:
@@ -77,7 +78,7 @@ class Method(NamedTuple):
   def hooks(self) -> MethodHooks:
     """What this method changes in core: how members are born, updated, collect."""
     if self.owned is not None:
-      return own_lib.hooks(self.owned)
+      return own_lib.hooks(self.owned, self.lora)
     if self.shares:
       return MethodHooks(init_params=batchensemble.from_members,
                          init_opt_state=batchensemble.init_opt_state,
@@ -203,6 +204,9 @@ class MethodSpec(NamedTuple):
   swag_rank: int
   swag_samples: int
   own: Any  # ensemble.own
+  lora_rank: Any = 8  # ensemble.lora_rank, lora_alpha, lora_targets (own='lora')
+  lora_alpha: Any = 0.0
+  lora_targets: Any = ''
 
 
 def _int(value: Any, field: str, low: int) -> int:
@@ -263,7 +267,8 @@ def from_spec(spec: MethodSpec) -> Method:
                       f"members; it works with ensemble.method='deep' (not {name!r}), or "
                       "set own='all'.")
   if name == 'deep':
-    return _deep()._replace(own=spec.own)
+    lora = (spec.lora_rank, spec.lora_alpha, spec.lora_targets) if spec.own == 'lora' else None
+    return _deep()._replace(own=spec.own, lora=lora)
   if name in ('batchensemble', 'mimo') and spec.reproducible:
     why = {'batchensemble': "the shared weights' gradient is a sum over devices, whose order "
                             'depends on the mesh',
@@ -287,7 +292,10 @@ def with_owned(method: Method, params: PyTree, num_outputs: int) -> Method:
     ConfigError: an `own` that names no leaf or every leaf (ensembles/own.py).
   """
   owned = own_lib.owned_names(method.own, params, num_outputs)
-  return method if owned is None else method._replace(shares=True, owned=owned)
+  if owned is None:
+    return method
+  lora = None if method.lora is None else lora_lib.resolve(params, owned, *method.lora)
+  return method._replace(shares=True, owned=owned, lora=lora)
 
 
 class Members(NamedTuple):

@@ -2,6 +2,7 @@
 
   'all'    every leaf is each member's own (the default: independent members).
   'head'   the output layer (models/heads.py finds it); the rest is one shared backbone.
+  'lora'   the head, and rank-r factors of the backbone's kernels (ensembles/lora.py).
   a regex  the params leaves whose '/'-joined names (e.g. '1/w', 'head/w',
            'blocks/3/mlp/fc2/w') it matches, with re.search.
 
@@ -27,7 +28,7 @@ import jax
 
 from dist_ens.core.hooks import MethodHooks
 from dist_ens.core.members import over_members
-from dist_ens.ensembles import batchensemble
+from dist_ens.ensembles import batchensemble, lora as lora_lib
 from dist_ens.errors import ConfigError
 from dist_ens.models.heads import head_paths
 from dist_ens.parallel.sharding_rules import path_str
@@ -51,13 +52,13 @@ def owned_names(own: Any, params: PyTree, num_outputs: int) -> frozenset[str] | 
   if own == 'all':
     return None
   if not isinstance(own, str) or not own:
-    raise ConfigError(f"{FIELD}={own!r} must be 'all', 'head' or a regex of leaf names, "
-                      "e.g. '^head/'.")
+    raise ConfigError(f"{FIELD}={own!r} must be 'all', 'head', 'lora' or a regex of leaf "
+                      "names, e.g. '^head/'.")
   names = [path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  if own == 'head':
+  if own in ('head', 'lora'):
     owned = head_paths(params, num_outputs)
     if not owned:
-      raise ConfigError(f"{FIELD}='head' found no output head in the model (no layer named "
+      raise ConfigError(f"{FIELD}={own!r} found no output head in the model (no layer named "
                         f"head or classifier, no kernel with {num_outputs} outputs); give a "
                         f"regex of its leaves' names instead, e.g. '^{names[-1]}$'.")
   else:
@@ -75,13 +76,22 @@ def owned_names(own: Any, params: PyTree, num_outputs: int) -> frozenset[str] | 
   return owned
 
 
-def from_members(owned: frozenset[str], params: PyTree, keys: jax.Array) -> PyTree:
+def from_members(owned: frozenset[str], params: PyTree, keys: jax.Array,
+                 lora: lora_lib.Lora | None = None) -> PyTree:
   """Entries from M members' initial params (stacked): member 0's value of each shared
-  leaf (a function of the seed alone, or config.model.init_from's), each member's own."""
-  del keys
-  return jax.tree_util.tree_map_with_path(
-      lambda path, p: {'own': p} if path_str(path) in owned else {batchensemble.SHARED: p[0]},
-      params)
+  leaf (a function of the seed alone, or config.model.init_from's), each member's own;
+  with `lora`, its targets' entries with per-member factors from `keys` [M]."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  entries = []
+  for i, (path, p) in enumerate(leaves):
+    name = path_str(path)
+    if name in owned:
+      entries.append({'own': p})
+    elif lora is not None and name in lora.targets:
+      entries.append(lora_lib.entry(p, lora, keys, i))
+    else:
+      entries.append({batchensemble.SHARED: p[0]})
+  return treedef.unflatten(entries)
 
 
 def init_opt_state(optimizer, params: PyTree, hparams: dict[str, jax.Array]) -> PyTree:
@@ -120,8 +130,8 @@ def members_update(results: Callable[..., Any], apply: Callable[..., Any], optim
   return update
 
 
-def hooks(owned: frozenset[str]) -> MethodHooks:
-  """What sharing every leaf but `owned` changes in core."""
-  return MethodHooks(init_params=lambda params, keys: from_members(owned, params, keys),
+def hooks(owned: frozenset[str], lora: lora_lib.Lora | None = None) -> MethodHooks:
+  """What sharing every leaf but `owned` (and `lora`'s factors) changes in core."""
+  return MethodHooks(init_params=lambda params, keys: from_members(owned, params, keys, lora),
                      init_opt_state=init_opt_state, members_update=members_update,
                      shared=batchensemble.is_shared)
