@@ -265,8 +265,14 @@ def get_config() -> ml_collections.ConfigDict:
   # corruption and severity the members' and the ensemble's metrics and their means
   # (cA, cNLL, cCE), under 'shift' in final_metrics.json. '' = off; 'all' (every family
   # that applies to the inputs, severities 1-5); or a comma list of 'name' (severities
-  # 1-5), 'name:k' or 'name:j-k', e.g. 'gaussian_noise:1-5,contrast:3'.
+  # 1-5), 'name:k' or 'name:j-k', e.g. 'gaussian_noise:1-5,contrast:3'; or
+  # 'tfds:NAME' (e.g. 'tfds:cifar10_corrupted'): instead, the test split of every locally
+  # prepared TFDS config NAME/CORRUPTION_SEVERITY.
   config.eval.shift = ''
+  # mCE: a finished run's workdir evaluated on the same eval.shift pairs, whose ensemble
+  # errors normalise this run's per corruption (ImageNet-C's mCE and relative mCE, for the
+  # ensemble and the mean member, under 'shift'). '' = none.
+  config.eval.shift_baseline = ''
   # Conformal prediction: with data.validation_size > 0, sets (classification, APS) or
   # intervals (regression) calibrated on the validation split to hold the label with
   # probability 1 - alpha; test (and shifted) coverage and size under 'conformal'.

@@ -151,7 +151,7 @@ def build_run(config: ml_collections.ConfigDict, *,
     dataset = run_data.dataset
     # An epoch is one pass over a member's training examples (all of train, or its split's).
     config = configuration.resolve_epochs(config, run_data.order.examples_per_epoch)
-    shift_spec.resolve_shift(config.eval.shift, dataset.input_shape)  # applies to these inputs
+    shift_spec.check_run(config, dataset.input_shape, data_spec(config))  # sets, mCE baseline
     shapes = dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
   parts = build_parts(config, mesh, *shapes, optimizer=optimizer)
   if metrics and run_data is not None:

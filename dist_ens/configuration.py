@@ -155,8 +155,9 @@ def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
 
 
 def _validate_eval(config: ml_collections.ConfigDict) -> None:
-  """eval.shift names known corruptions and severities; eval.conformal_alpha is in (0, 1)."""
-  shift_lib.resolve_shift(_get(config, 'eval.shift'))
+  """eval.shift names known corruptions and severities (or 'tfds:NAME'), with
+  eval.shift_baseline a string; eval.conformal_alpha is in (0, 1)."""
+  shift_lib.check_fields(_get(config, 'eval.shift'), _get(config, 'eval.shift_baseline'))
   value = _get(config, 'eval.conformal_alpha')
   _require(_is_number(value) and 0 < value < 1, 'eval.conformal_alpha', value,
            'must be a number in (0, 1), the miscoverage (0.1: sets hold the label 90% of the '
@@ -258,7 +259,7 @@ ADDED_FIELDS = {'task': 'classification',
 MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'fsdp_over_data': False, 'rules': [],
                'logical_rules': []}
 DATA_FIELDS = {'member_split': ''}
-EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1}
+EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1, 'shift_baseline': ''}
 MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
 ENSEMBLE_FIELDS = {'own': 'all', 'lora_rank': 8, 'lora_alpha': 0.0, 'lora_targets': ''}
 # Fields added to a group since format 2: {group: {field: the value runs had before}}.

@@ -1,16 +1,65 @@
 """config.eval.shift -> the (corruption, severity) pairs a shift evaluation runs.
 
 Read once at the edge (configuration.validate checks names and severities; build_run
-checks them against the data's input shape), so a typo fails before anything is
-compiled or written, with the list of what works.
+checks them against the data's input shape, finds the prepared TFDS configs of a
+'tfds:NAME' spec and reads eval.shift_baseline's pairs), so a typo fails before anything
+is compiled or written, with the list of what works.
 """
 
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
-from dist_ens.data import corruptions
+from dist_ens.data import corruptions, tfds_corrupted
 from dist_ens.errors import ConfigError
+from dist_ens.eval import mce
 
 FIELD = 'config.eval.shift'
+TFDS = 'tfds:'  # 'tfds:NAME': every prepared NAME/<corruption>_<severity> config's test split
+
+
+class ShiftSet(NamedTuple):
+  """One shifted test set: corrupted on device, or a prepared TFDS config's test split."""
+  corruption: str
+  severity: int
+  tfds_config: str = ''  # 'NAME/CONFIG' to read; '' = the test split corrupted on device
+
+
+def tfds_name(spec: Any) -> str:
+  """NAME of a 'tfds:NAME' spec, else ''."""
+  if isinstance(spec, str) and spec.strip().startswith(TFDS):
+    return spec.strip()[len(TFDS):].strip()
+  return ''
+
+
+def check_fields(spec: Any, baseline: Any) -> None:
+  """configuration.validate's check of eval.shift and eval.shift_baseline (no I/O)."""
+  if isinstance(spec, str) and spec.strip().startswith(TFDS):
+    if not tfds_name(spec) or ',' in spec or '/' in tfds_name(spec):
+      raise ConfigError(f"{FIELD}={spec!r}: 'tfds:NAME' takes one TFDS dataset name and "
+                        "evaluates all its prepared configs, e.g. 'tfds:cifar10_corrupted'; "
+                        'it does not mix with on-device corruptions.')
+  else:
+    resolve_shift(spec)
+  if not isinstance(baseline, str) or (baseline and not spec.strip()):
+    raise ConfigError(f'config.eval.shift_baseline={baseline!r} must be a string: a finished '
+                      "run's workdir (with eval.shift set too), or '' for no mCE.")
+
+
+def shift_sets(spec: str, example_shape: Sequence[int], data_spec: Any) -> list[ShiftSet]:
+  """The shifted test sets of eval.shift for a run's inputs (data_spec: the run's
+  DataSpec, which TFDS configs are read with); ConfigError as resolve_shift's."""
+  if name := tfds_name(spec):
+    return [ShiftSet(*found) for found in
+            tfds_corrupted.prepared_configs(name, data_spec, example_shape)]
+  return [ShiftSet(name, severity) for name, severity in resolve_shift(spec, example_shape)]
+
+
+def check_run(config: Any, example_shape: Sequence[int], data_spec: Any) -> list[ShiftSet]:
+  """build_run's check, before training: the shifted sets exist for these inputs and
+  eval.shift_baseline (if set) has every one of their pairs."""
+  sets = shift_sets(config.eval.shift, example_shape, data_spec)
+  mce.load_baseline(config.eval.get('shift_baseline', ''), [s[:2] for s in sets])
+  return sets
 
 
 def resolve_shift(spec: str, example_shape: Sequence[int] | None = None

@@ -4,7 +4,9 @@
                       coverage (classification; 'aurc', 'selective'); with a validation
                       split, conformal sets / intervals at eval.conformal_alpha
                       ('conformal'); with eval.shift, all of it and the task's metrics
-                      per corruption and severity, and their means ('shift').
+                      per corruption and severity (corrupted on device, or prepared
+                      TFDS configs), their means and, with eval.shift_baseline, mCE
+                      ('shift').
 
 One compiled program serves the validation, test and every corrupted test split
 (dist_ens.eval.shift.make_predict_step); the host work is dist_ens.eval.decisions.
@@ -15,8 +17,9 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from dist_ens.data import Split, corruptions
-from dist_ens.eval import decisions, shift as shift_lib, shift_spec
+from dist_ens import specs
+from dist_ens.data import Split, corruptions, tfds_corrupted
+from dist_ens.eval import decisions, mce, shift as shift_lib, shift_spec
 from dist_ens.training.loop import Context, PeriodicAction
 
 
@@ -37,7 +40,7 @@ class EvaluateDecisions(PeriodicAction):
     """Built once: the predict step corrupts only when config.eval.shift asks for it."""
     if self._evaluator is None:
       config, parts, test = ctx.config, ctx.parts, ctx.run_data.dataset.test
-      if config.eval.shift:
+      if config.eval.shift and not shift_spec.tfds_name(config.eval.shift):
         scale = ctx.run_data.scale
         if scale is not None:  # a task that standardises its inputs itself
           self._frame = shift_lib.InputFrame.fit(test.x, scale.x_std, scale.x_mean)
@@ -53,8 +56,9 @@ class EvaluateDecisions(PeriodicAction):
 
   def run(self, ctx: Context) -> None:
     config, run_data = ctx.config, ctx.run_data
-    pairs = shift_spec.resolve_shift(config.eval.shift, run_data.dataset.test.x.shape[1:])
-    if not pairs and run_data.validation is None and ctx.parts.task.predict is not None:
+    sets = shift_spec.shift_sets(config.eval.shift, run_data.dataset.test.x.shape[1:],
+                                 specs.data_spec(config))
+    if not sets and run_data.validation is None and ctx.parts.task.predict is not None:
       return  # a regression run without shift or validation: nothing to report
     mask = ~np.asarray(ctx.fetch(ctx.evaluator.view(ctx.state).frozen), bool)
     fit, test = None, run_data.dataset.test
@@ -65,10 +69,23 @@ class EvaluateDecisions(PeriodicAction):
                                       config.eval.conformal_alpha, _seed(config.seed, 0),
                                       ctx.parts.task.predict)
       clean = self._results(ctx, test, (0, 0), fit, mask, tag=1)
-      shifted = {(name, severity): self._results(
-                     ctx, test, (corruptions.corruption_id(name), severity), fit, mask, tag=2 + i)
-                 for i, (name, severity) in enumerate(pairs)}
-    self._report(ctx, clean, fit, shifted)
+      shifted = {(s.corruption, s.severity): self._results(
+                     ctx, *self._shifted(ctx, s), fit, mask, tag=2 + i)
+                 for i, s in enumerate(sets)}
+    self._report(ctx, clean, fit, shifted, mask)
+
+  def _shifted(self, ctx: Context, shifted: shift_spec.ShiftSet
+               ) -> tuple[Split, tuple[int, int]]:
+    """(split, (corruption id, severity)) to predict: the test split with a corruption
+    applied on device, or a prepared TFDS config's test split as it is."""
+    if not shifted.tfds_config:
+      ids = corruptions.corruption_id(shifted.corruption), shifted.severity
+      return ctx.run_data.dataset.test, ids
+    split = tfds_corrupted.load_test(shifted.tfds_config, specs.data_spec(ctx.config))
+    scale = ctx.run_data.scale
+    if scale is not None:  # the inputs in the units the task standardised its own to
+      split = Split(((split.x - scale.x_mean) / scale.x_std).astype(np.float32), split.y)
+    return split, (0, 0)
 
   def _results(self, ctx: Context, split: Split, shift: tuple[int, int],
                fit: decisions.ConformalFit | None, mask: np.ndarray, tag: int) -> dict[str, Any]:
@@ -86,7 +103,7 @@ class EvaluateDecisions(PeriodicAction):
     return found
 
   def _report(self, ctx: Context, clean: dict[str, Any], fit: decisions.ConformalFit | None,
-              shifted: dict[tuple[str, int], dict[str, Any]]) -> None:
+              shifted: dict[tuple[str, int], dict[str, Any]], mask: np.ndarray) -> None:
     """Puts the results in ctx.results (final_metrics.json), writes an event, logs."""
     if 'selective' in clean:
       selective = clean['selective']
@@ -101,18 +118,22 @@ class EvaluateDecisions(PeriodicAction):
                    fit.method, fit.alpha, fit.calibration_size, _rounded(clean['conformal']))
     if not shifted:
       return
-    summary = decisions.shift_summary(shifted)
     summary = {'spec': ctx.config.eval.shift, 'seed': ctx.config.seed,
-               'value_range': list(self._frame.value_range), **summary}
+               **decisions.shift_summary(shifted)}
+    if self._frame is not None:  # corrupted on device, in this range
+      summary['value_range'] = list(self._frame.value_range)
+    baseline = mce.load_baseline(ctx.config.eval.get('shift_baseline', ''), list(shifted))
+    if baseline is not None:
+      summary.update(mce.mce_report(baseline, shifted, clean, mask))
     ctx.results['shift'] = summary
     mean = summary['mean']
     if ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': 'test_shift', 'ensemble': _flat(mean['ensemble']),
                  'members': _flat(mean['members'])})
+    means = {k: summary[k] for k in decisions.SHIFT_MEANS if k in summary}
+    means.update({f'mCE_{k}': v for k, v in summary.get('mCE', {}).items() if k != 'members'})
     logging.info('shift (%d corruption x severity pairs): %s; clean ensemble accuracy %.4f',
-                 summary['pairs'], _rounded({k: summary[k] for k in decisions.SHIFT_MEANS
-                                             if k in summary}),
-                 clean['ensemble'].get('accuracy', float('nan')))
+                 summary['pairs'], _rounded(means), clean['ensemble'].get('accuracy', float('nan')))
 
 
 def _flat(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -1,0 +1,173 @@
+"""Clean and corrupted test metrics of every ensemble method on MNIST-1D, side by side as
+uncertainty-baselines' tables put them: the tables in docs/evaluation.md and README.md.
+
+  python benchmarks/shift_methods.py              # T = 1000, ~5.5 min on 2 shared CPU cores
+  python benchmarks/shift_methods.py --steps 50   # a quick look
+  python benchmarks/shift_methods.py --table      # the table of the saved results
+
+configs/default.py (MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0) on ONE device, each
+method at benchmarks/methods.py's equal budget of 4 x T member-steps (T = 1000; its single
+model, FGE, single SWAG and dropout deep ensemble are left out, to stay near 5 minutes):
+
+  deep           4 independent members, T steps
+  batchensemble  4 members sharing each weight (rank-1 factors), T steps
+  mimo           1 network, 3 heads, 4T steps
+  snapshot       1 member, 4T steps, 4 cosine cycles -> 4 snapshots predict
+  multiswag      4 members, T steps, SWAG over the last quarter -> 4 x 4 samples predict
+  mc_dropout     1 member with dropout 0.2, 4T steps -> 16 MC dropout samples predict
+
+Shift: eval.shift='all' as it applies to 1-D signals (11 families x 5 severities = 55
+corrupted test sets; motion blur needs 2-D images, saturate colour). Every method is
+evaluated through its PREDICTING members (snapshots, SWAG samples, MC samples: the
+in-run shift evaluation sees the trained members only) on the test split corrupted by
+the run's own corruption keys (dist_ens.eval.shift.InputFrame, as EvaluateDecisions does):
+clean accuracy / NLL / ECE beside cA / cNLL / cCE, the means over the 55 sets. For the
+deep ensemble this path must reproduce the run's own 'shift' section (both are printed).
+Writes benchmarks/results/shift_methods.json.
+"""
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
+import numpy as np
+
+import dist_ens
+from dist_ens import Ensemble, assemble, data
+from dist_ens.data import corruptions
+from dist_ens.eval import evaluate, shift, shift_spec
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / 'benchmarks' / 'results' / 'shift_methods.json'
+MEMBERS, MC_SAMPLES = 4, 16
+STEPS = 1000  # T, as benchmarks/methods.py
+
+
+def methods(steps: int) -> dict[str, dict]:
+  """name -> config overrides (benchmarks/methods.py's, at T = steps)."""
+  long = MEMBERS * steps
+  swag = {'ensemble.swag.start': 0.75, 'ensemble.swag.every': 10, 'ensemble.swag.rank': 10}
+  return {
+      'deep': {'num_members': MEMBERS, 'train.steps': steps},
+      'batchensemble': {'num_members': MEMBERS, 'train.steps': steps,
+                        'ensemble.method': 'batchensemble'},
+      'mimo': {'num_members': 1, 'train.steps': long, 'ensemble.method': 'mimo',
+               'ensemble.mimo.heads': 3},
+      'snapshot': {'num_members': 1, 'train.steps': long, 'ensemble.method': 'snapshot',
+                   'ensemble.snapshot.cycles': MEMBERS, 'optim.schedule': 'cosine'},
+      'multiswag': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'multiswag',
+                    'ensemble.swag.samples': 4, **swag},
+      'mc_dropout': {'num_members': 1, 'train.steps': long, 'model.dropout': 0.2,
+                     'eval.mc_samples': MC_SAMPLES},
+  }
+
+
+def _config(overrides: dict, shift_spec_: str):
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.mesh.member, config.mesh.data, config.writers = 1, 1, ('jsonl',)
+  for key, value in overrides.items():
+    *path, leaf = key.split('.')
+    node = config
+    for part in path:
+      node = node[part]
+    node[leaf] = value
+  steps = config.train.steps
+  config.train.log_every = min(config.train.log_every, steps)
+  config.train.eval_every, config.checkpoint.every = 0, steps
+  config.eval.shift = shift_spec_  # the in-run evaluation (a cross-check for 'deep')
+  return config
+
+
+def shifted_metrics(workdir: str, pairs: list[tuple[str, int]]) -> dict:
+  """Clean and per-pair metrics of the loaded (predicting) ensemble on corrupted test sets."""
+  ens = Ensemble.load(workdir, devices=jax.devices()[:1])
+  config = ens.config
+  test = data.load_dataset(config.data.name, assemble.data_spec(config)).test
+  frame = shift.InputFrame.fit(test.x, config.data.std or 1.0, config.data.mean or 0.0)
+  corrupt = jax.jit(lambda x, i, c, s: frame.corrupt(x, i, c, s, config.seed))
+  step = evaluate.make_log_probs_step(ens.model, ens.mesh, mc_samples=config.eval.mc_samples,
+                                      seed=config.seed)
+  variables, index = (ens.params, ens.model_state), jnp.arange(len(test.y))
+  assert not np.any(ens.frozen)  # no member is left out: every predicting member counts
+
+  def metrics_of(corruption: int, severity: int) -> dict:
+    x = np.asarray(corrupt(test.x, index, jnp.int32(corruption), jnp.int32(severity)))
+    # [M, N, C]: an MC dropout member's samples and MIMO's heads come averaged per member.
+    log_probs = evaluate.split_log_probs(step, variables, data.Split(x, test.y), 1000, ens.mesh)
+    out = evaluate.metrics_from_log_probs(log_probs, test.y)
+    members = {k: float(np.mean(out['members'][k])) for k in ('accuracy', 'nll', 'ece')}
+    return {'ensemble': {k: float(out['ensemble'][k]) for k in ('accuracy', 'nll', 'ece')},
+            'mean_member': members}
+
+  per_pair = {f'{name}:{severity}': metrics_of(corruptions.corruption_id(name), severity)
+              for name, severity in pairs}
+  # Members averaged inside a 'member' (MC samples, MIMO heads) count as methods.py counts them.
+  heads = config.ensemble.mimo.heads if config.ensemble.method == 'mimo' else 1
+  predicting = ens.num_members * max(config.eval.mc_samples, 1) * heads
+  return {'clean': metrics_of(0, 0), 'pairs': per_pair, 'predicting': predicting}
+
+
+def summarise(name: str, final: dict, found: dict, wall: float) -> dict:
+  row = {'method': name, 'predicting': found['predicting'], 'wall_seconds': wall}
+  for who in ('ensemble', 'mean_member'):
+    clean = found['clean'][who]
+    means = {short: float(np.mean([r[who][metric] for r in found['pairs'].values()]))
+             for short, metric in (('cA', 'accuracy'), ('cNLL', 'nll'), ('cCE', 'ece'))}
+    row[who] = {**clean, **means}
+  if name == 'deep':  # the in-run evaluation saw the same members and the same inputs
+    row['run_cA'], row['run_cNLL'] = final['shift']['cA'], final['shift']['cNLL']
+  return row
+
+
+def table(rows: list[dict]) -> str:
+  columns = ('accuracy', 'nll', 'ece', 'cA', 'cNLL', 'cCE')
+  lines = ['| method | predicting | accuracy | NLL | ECE | cA | cNLL | cCE |',
+           '|---|---|---|---|---|---|---|---|']
+  for r in rows:
+    lines.append(f"| {r['method']} | {r['predicting']} | "
+                 + ' | '.join(f"{r['ensemble'][c]:.3f}" for c in columns) + ' |')
+  return '\n'.join(lines)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--steps', type=int, default=STEPS, help='T: steps of a 4-member run')
+  parser.add_argument('--methods', default='', help='comma-separated subset')
+  parser.add_argument('--table', action='store_true', help='print the saved results only')
+  args = parser.parse_args()
+  if args.table:
+    print(table(json.loads(OUT.read_text())['rows']))
+    return
+  chosen = methods(args.steps)
+  names = [n for n in args.methods.split(',') if n] or list(chosen)
+  pairs = shift_spec.resolve_shift('all', data.load_dataset('mnist1d').input_shape)
+  rows = []
+  for name in names:
+    start = time.perf_counter()
+    workdir = tempfile.mkdtemp(prefix=f'shift_methods_{name}_')
+    config = _config(chosen[name], 'all' if name == 'deep' else '')
+    final = dist_ens.train(config, workdir, devices=jax.devices()[:1])
+    rows.append(summarise(name, final, shifted_metrics(workdir, pairs),
+                          time.perf_counter() - start))
+    print(f"{name}: {rows[-1]['ensemble']} ({rows[-1]['wall_seconds']:.0f} s)", flush=True)
+  deep = next((r for r in rows if r['method'] == 'deep'), None)
+  if deep:
+    print(f"deep: the run's own cA {deep['run_cA']:.6f} / cNLL {deep['run_cNLL']:.6f}, this "
+          f"script's {deep['ensemble']['cA']:.6f} / {deep['ensemble']['cNLL']:.6f}")
+  print(table(rows))
+  if args.steps == STEPS and not args.methods:
+    OUT.write_text(json.dumps({'rows': rows, 'steps': args.steps, 'pairs': len(pairs),
+                               'markdown': table(rows), 'machine': platform.machine(),
+                               'cpu_count': os.cpu_count(), 'jax': jax.__version__,
+                               'date': time.strftime('%Y-%m-%d')}, indent=1) + '\n')
+    print(f'wrote {OUT}')
+
+
+if __name__ == '__main__':
+  main()

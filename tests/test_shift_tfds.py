@@ -1,0 +1,133 @@
+"""eval.shift='tfds:NAME': the prepared <corruption>_<severity> configs of a -C style TFDS
+dataset, written here as ArrayRecord (as tests/test_tfds.py does), evaluated as shifted
+test sets without TensorFlow; and the errors when none is prepared or shapes differ."""
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensorflow_datasets as tfds  # In the test extra: these tests must run, not skip.
+from PIL import Image  # pylint: disable=g-import-not-at-top
+
+from dist_ens import data
+from dist_ens.configuration import load_config, validate
+from dist_ens.errors import ConfigError
+from dist_ens.inference import Ensemble
+from dist_ens.training.trainer import train
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = (8, 8, 3)
+
+
+def _png(array):
+  buffer = io.BytesIO()
+  Image.fromarray(array).save(buffer, 'PNG')
+  return buffer.getvalue()
+
+
+class TinyCorrupted(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """A -C style dataset: one builder config per corruption x severity, a test split each."""
+  VERSION = tfds.core.Version('1.0.0')
+  BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=n)
+                     for n in ('contrast_1', 'gaussian_noise_2', 'pixelate_3')]
+  EXAMPLES: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # config -> (uint8 images, labels)
+
+  def _info(self):
+    x, _ = self.EXAMPLES[self.builder_config.name]
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        'image': tfds.features.Image(shape=x.shape[1:]),
+        'label': tfds.features.ClassLabel(num_classes=4)}), supervised_keys=('image', 'label'))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {'test': self._generate_examples()}
+
+  def _generate_examples(self):
+    x, y = self.EXAMPLES[self.builder_config.name]
+    for i in range(len(y)):
+      yield i, {'image': _png(x[i]), 'label': int(y[i])}
+
+
+def _images(n, seed):
+  """uint8 images of 4 classes (a noisy colour each), and labels."""
+  rng = np.random.default_rng(seed)
+  y = rng.integers(0, 4, n).astype(np.int32)
+  centres = np.random.default_rng(0).integers(40, 215, (4, 1, 1, 3))
+  x = np.clip(centres[y] + rng.normal(0, 40, (n, *SHAPE)), 0, 255).astype(np.uint8)
+  return x, y
+
+
+def _as_inputs(x):
+  return x.astype(np.float32) * np.float32(1.0 / 255.0)  # as TFDS images are preprocessed
+
+
+@pytest.fixture(scope='module')
+def prepared(tmp_path_factory):
+  """data_dir with contrast_1 (the run's own test split) and gaussian_noise_2 (its first
+  25 examples) prepared; pixelate_3 a folder without a prepared version."""
+  path = tmp_path_factory.mktemp('tfds_c')
+  test = _images(60, 2)
+  TinyCorrupted.EXAMPLES = {'contrast_1': test, 'gaussian_noise_2': (test[0][:25], test[1][:25]),
+                            'pixelate_3': test}
+  for name in ('contrast_1', 'gaussian_noise_2'):
+    TinyCorrupted(config=name, data_dir=str(path), file_format='array_record'
+                  ).download_and_prepare()
+  for folder in ('not_a_config', 'pixelate_3'):
+    (path / 'tiny_corrupted' / folder).mkdir()
+  return path, test
+
+
+def _config(data_dir, shift='tfds:tiny_corrupted'):
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.num_members, config.model.widths, config.data.batch_size = 2, (16,), 32
+  config.train.steps, config.train.log_every, config.checkpoint.every = 30, 30, 30
+  config.mesh.member, config.mesh.data, config.writers = 2, 2, ('jsonl',)
+  config.data.data_dir, config.eval.shift = str(data_dir), shift
+  return config
+
+
+def test_prepared_configs_are_the_shifted_test_sets(tmp_path, devices, prepared):
+  data_dir, (test_x, test_y) = prepared
+  train_x, train_y = _images(300, 1)
+  dataset = data.from_arrays(_as_inputs(train_x), train_y, _as_inputs(test_x), test_y)
+  final = train(_config(data_dir), str(tmp_path), devices=devices[:4], dataset=dataset)
+  assert 'tensorflow' not in sys.modules
+  shift = final['shift']
+  assert shift['pairs'] == 2 and shift['spec'] == 'tfds:tiny_corrupted'
+  assert {c: set(s) for c, s in shift['corruptions'].items()} == {
+      'contrast': {'1'}, 'gaussian_noise': {'2'}}  # prepared ones only
+  assert 'value_range' not in shift  # nothing corrupted on device
+  # contrast_1 holds the run's own test split: the clean metrics again.
+  same = shift['corruptions']['contrast']['1']['ensemble']
+  assert same['nll'] == pytest.approx(final['ensemble']['nll'], rel=1e-6)
+  assert same['accuracy'] == final['ensemble']['accuracy']
+  # gaussian_noise_2 holds its first 25 examples: the accuracy there, from the loaded ensemble.
+  out = Ensemble.load(tmp_path, devices=devices[:4]).predict(_as_inputs(test_x[:25]),
+                                                              preprocessed=True)
+  want = np.mean(np.argmax(np.asarray(out.probs), -1) == test_y[:25])
+  got = shift['corruptions']['gaussian_noise']['2']['ensemble']['accuracy']
+  assert got == pytest.approx(want)
+  assert shift['cA'] == pytest.approx((got + same['accuracy']) / 2)
+  assert json.loads((tmp_path / 'final_metrics.json').read_text())['shift']['cA'] == shift['cA']
+
+
+def test_errors_name_the_field_before_training(tmp_path, devices, prepared):
+  data_dir, (test_x, test_y) = prepared
+  dataset = data.from_arrays(_as_inputs(test_x), test_y, _as_inputs(test_x), test_y)
+  with pytest.raises(ConfigError, match=r"eval\.shift='tfds:elsewhere': no prepared "
+                                        r'elsewhere/<corruption>_<severity>.*tfds build '
+                                        r'elsewhere/gaussian_noise_1 --file_format=array_record'):
+    train(_config(data_dir, 'tfds:elsewhere'), str(tmp_path / 'a'), devices=devices[:4],
+          dataset=dataset)
+  assert not (tmp_path / 'a').exists()
+  small = data.from_arrays(*(_as_inputs(_images(40, 4)[0][:, :4, :4]), _images(40, 4)[1]) * 2)
+  with pytest.raises(ConfigError, match=r"eval\.shift.*'tiny_corrupted/contrast_1' holds "
+                                        r'inputs of shape \(8, 8, 3\).*\(4, 4, 3\)'):
+    train(_config(data_dir), str(tmp_path / 'b'), devices=devices[:4], dataset=small)
+  for spec in ('tfds:', 'tfds:tiny_corrupted,contrast:1', 'tfds:tiny_corrupted/contrast_1'):
+    with pytest.raises(ConfigError, match=r"eval\.shift=.*'tfds:NAME' takes one TFDS"):
+      validate(_config(data_dir, spec))
