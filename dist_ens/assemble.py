@@ -66,6 +66,7 @@ class Parts(NamedTuple):
   method: methods.Method  # config.ensemble.method: what members collect and predict with
   task: tasks.Task  # config.task: the loss, metrics and what the outputs mean
   layout: Layout  # where every leaf of the state lives on the mesh
+  input_dtype: Any = jnp.float32  # the model's inputs: float32, or int32 token ids
 
   @property
   def state_shardings(self) -> Any:
@@ -137,7 +138,8 @@ def build_run(config: ml_collections.ConfigDict, *,
     dataset: replaces config.data.name's (e.g. dist_ens.data.from_arrays(...)).
     optimizer: replaces config.optim's (see build_parts).
     mesh: replaces the config's mesh (Ensemble.load fits one to the devices at hand).
-    shapes: (input shape, the model's outputs per example): no data is loaded.
+    shapes: (input shape, the model's outputs per example[, input dtype: float32 unless
+      given]): no data is loaded.
 
   Raises:
     ConfigError: naming the field and what would work.
@@ -151,9 +153,15 @@ def build_run(config: ml_collections.ConfigDict, *,
     dataset = run_data.dataset
     # An epoch is one pass over a member's training examples (all of train, or its split's).
     config = configuration.resolve_epochs(config, run_data.order.examples_per_epoch)
+    if config.eval.shift and data.is_token_ids(dataset.test.x):
+      raise ConfigError(f'config.eval.shift={config.eval.shift!r} corrupts images and signals; '
+                        f'{dataset.name!r} has integer token inputs. Set eval.shift=\'\'.')
     shift_spec.check_run(config, dataset.input_shape, data_spec(config))  # sets, mCE baseline
-    shapes = dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
-  parts = build_parts(config, mesh, *shapes, optimizer=optimizer)
+    shapes = (dataset.input_shape, tasks.get_task(config.task).output_units(dataset),
+              jnp.int32 if data.is_token_ids(dataset.test.x) else jnp.float32)
+  input_shape, num_outputs, *dtype = shapes
+  parts = build_parts(config, mesh, input_shape, num_outputs, optimizer=optimizer,
+                      input_dtype=dtype[0] if dtype else jnp.float32)
   if metrics and run_data is not None:
     user_metrics.check_metrics(metrics, shapes[1], np.asarray(dataset.test.y))
   return Run(config, parts, run_data, member_form(parts, config.data.batch_size))
@@ -187,7 +195,8 @@ def build_mesh(config: ml_collections.ConfigDict,
 
 def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],
                 num_outputs: int, num_members: int | None = None,
-                optimizer: Optimizer | optax.GradientTransformation | None = None) -> Parts:
+                optimizer: Optimizer | optax.GradientTransformation | None = None,
+                input_dtype: Any = jnp.float32) -> Parts:
   """Model, optimizer, per-member hyperparameters and the abstract sharded state.
 
   Model/data mismatches surface here (the state is traced with jax.eval_shape),
@@ -206,8 +215,9 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
     model = mimo.wrap(model, method.heads)
   input_shape = tuple(int(d) for d in input_shape)
-  sample_x = jax.ShapeDtypeStruct((1, *input_shape), jnp.float32)
-  one_member = lambda: jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample_x.shape))[0]
+  sample_x = jax.ShapeDtypeStruct((1, *input_shape), input_dtype)
+  one_member = lambda: jax.eval_shape(model.init, jax.random.key(0),
+                                      jnp.zeros(sample_x.shape, input_dtype))[0]
   if method.own != 'all':  # config.ensemble.own: the leaves members own, the rest shared.
     method = methods.with_owned(method, one_member(), num_outputs * max(method.heads, 1))
   if optimizer is None:
@@ -225,17 +235,17 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
 
   def init(pretrained=None):
     hp = {k: jnp.asarray(v) for k, v in member_hparams.items()}
-    return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape), hp,
-                      method.hooks, pretrained)
+    return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape, input_dtype),
+                      hp, method.hooks, pretrained)
 
   field = (f'config.model.factory={config.model.factory!r}' if config.model.factory
            else f'config.model.name={config.model.name!r}')
   tasks.check_outputs(model, input_shape, num_outputs,
-                      f'{field} (for config.task={config.task!r})')
+                      f'{field} (for config.task={config.task!r})', input_dtype)
   layout = build_layout(method, mesh, config.mesh, one_member)
   abstract = layout.place(jax.eval_shape(init), mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
-               abstract, init, method, task, layout)
+               abstract, init, method, task, layout, input_dtype)
 
 
 def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections.ConfigDict,
@@ -336,7 +346,8 @@ def member_form(parts: Parts, batch_size: int) -> strategy.Form:
       mesh.devices.flat[0].platform,
       members_per_device=members_per_device(parts),
       sizes=lambda: strategy.member_size(
-          parts.model, parts.input_shape, batch_size // mesh.shape[mesh_lib.DATA]))
+          parts.model, parts.input_shape, batch_size // mesh.shape[mesh_lib.DATA],
+          parts.input_dtype))
 
 
 def step_options(config: ml_collections.ConfigDict) -> StepOptions:

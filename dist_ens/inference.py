@@ -95,6 +95,10 @@ def preprocess_for(config: ml_collections.ConfigDict,
   return preprocess
 
 
+# Model inputs already: only the dtype (float32, or int32 token ids) is set.
+_NO_PREPROCESSING = data.DataSpec('')
+
+
 def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
   # As many devices on 'member' as divide both M and the device count; the rest
   # split each batch over 'data'.
@@ -246,7 +250,7 @@ class Ensemble:
       Prediction of numpy arrays; frozen members are left out of `probs`, `entropy`
       and `mutual_information` but keep their `member_probs`.
     """
-    x = np.asarray(x, np.float32) if preprocessed else self.preprocess(x)
+    x = data.preprocess(np.asarray(x), _NO_PREPROCESSING) if preprocessed else self.preprocess(x)
     if self.task.predict is not None:
       return self._predict_task(x, batch_size)
     parts = [(np.asarray(p)[:k], np.asarray(mp)[:, :k], np.asarray(e)[:k], np.asarray(mi)[:k])
@@ -295,7 +299,7 @@ class Ensemble:
       chunk = x[start:start + batch_size]
       size = self._chunk_size(len(chunk), batch_size)
       padded = np.concatenate([chunk, np.zeros((size - len(chunk), *chunk.shape[1:]),
-                                               np.float32)])
+                                               chunk.dtype)])
       outs.append((len(chunk), forward((self.params, self.model_state),
                                        data.to_global(padded, sharding), self._member_mask)))
     return outs

@@ -17,14 +17,16 @@ from dist_ens.specs import data_spec
 
 
 def data_shape(config: ml_collections.ConfigDict,
-                meta: dict[str, Any] | None) -> tuple[tuple[int, ...], int]:
-  """(input shape, the model's outputs) the parameters were built for: from the
+                meta: dict[str, Any] | None) -> tuple[tuple[int, ...], int, np.dtype]:
+  """(input shape, the model's outputs, input dtype) the parameters were built for: from the
   checkpoint (whose meta calls the outputs 'num_classes'), or (older checkpoints)
   from the dataset."""
   if meta and 'input_shape' in meta:
-    return tuple(meta['input_shape']), int(meta['num_classes'])
+    return (tuple(meta['input_shape']), int(meta['num_classes']),
+            np.dtype(meta.get('input_dtype', 'float32')))
   dataset = data.load_dataset(config.data.name, data_spec(config))
-  return dataset.input_shape, tasks.get_task(config.task).output_units(dataset)
+  return (dataset.input_shape, tasks.get_task(config.task).output_units(dataset),
+          np.dtype(np.int32 if data.is_token_ids(dataset.test.x) else np.float32))
 
 
 def scale_from(meta: dict[str, Any]) -> uci.Standardizer | None:

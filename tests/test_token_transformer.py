@@ -1,12 +1,16 @@
 """The built-in token transformer (dist_ens.models.token_transformer): int32 ids stay
 integers, encoder and causal decoder, training on a tiny task, its sharding rules."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import dist_ens
+from dist_ens import data
 from dist_ens.core.axes import MEMBER, MODEL
 from dist_ens.errors import ConfigError
 from dist_ens.models import get_model, transformer
@@ -90,3 +94,37 @@ def test_token_rules_split_the_embedding_and_blocks():
   assert specs['blocks'][0]['attn']['k']['w'] == P(MEMBER, None, MODEL)
   assert specs['blocks'][0]['mlp']['fc2']['w'] == P(MEMBER, MODEL, None)
   assert specs['pos'] == P(MEMBER)
+
+
+def _int_only_model(num_classes=2):
+  """A plain model that fails to trace unless its inputs arrive as integers."""
+  def init(rng, x):
+    return {'table': 0.1 * jax.random.normal(rng, (5000, num_classes))}, {}
+
+  def apply(params, state, x, *, train=False, rng=None):
+    del train, rng
+    assert jnp.issubdtype(x.dtype, jnp.integer), f'token ids arrived as {x.dtype}'
+    return params['table'][x].mean(axis=1), state
+
+  return dist_ens.Model(init, apply)
+
+
+def test_int32_token_inputs_reach_the_model_as_integers(tmp_path):
+  """Through from_arrays, the input pipeline, the bfloat16 step, evaluation and predict,
+  ids stay int32: ids above 256 would not survive bfloat16, above 2^24 not float32."""
+  rng = np.random.default_rng(0)
+  ids = rng.integers(0, 5000, (320, 12)).astype(np.int64)
+  y = (ids[:, 0] > 4095).astype(np.int32)  # needs the exact id: bf16 rounds 4097 to 4096
+  dataset = data.from_arrays(ids[:256], y[:256], ids[256:], y[256:])
+  assert dataset.train.x.dtype == np.int32
+  config = dist_ens.load_config(Path(__file__).parent.parent / 'configs' / 'default.py')
+  config.model.factory, config.precision = 'test_token_transformer:_int_only_model', 'bfloat16'
+  config.num_members, config.data.batch_size = 2, 32
+  config.train.steps, config.train.log_every, config.train.eval_every = 10, 5, 0
+  config.checkpoint.every, config.writers = 10, ('jsonl',)
+  dist_ens.train(config, str(tmp_path), dataset=dataset)
+  out = dist_ens.Ensemble.load(str(tmp_path)).predict(ids[256:], preprocessed=True)
+  assert out.probs.shape == (64, 2)
+  config.eval.shift = 'gaussian_noise:1'
+  with pytest.raises(ConfigError, match='integer token inputs'):
+    dist_ens.train(config, str(tmp_path / 'shift'), dataset=dataset)

@@ -11,7 +11,7 @@ from dist_ens.data.member_split import MemberSplits, make_member_splits
 from dist_ens.data.sources import SOURCES, Dataset, Source, Split, Subset
 from dist_ens.data.spec import DataSpec
 from dist_ens.data import uci
-from dist_ens.data.tfds_source import load_tfds, prepare_command, preprocess
+from dist_ens.data.tfds_source import is_token_ids, load_tfds, prepare_command, preprocess
 from dist_ens import importing
 from dist_ens.errors import ConfigError
 
@@ -23,7 +23,8 @@ def from_arrays(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
   the function config.data.name names ('my_pkg.data:load').
 
   Inputs keep their shape [N, ...] (add a trailing channel axis yourself for the
-  built-in CNNs); integer labels are classes in [0, num_classes); float targets
+  built-in CNNs); signed integer inputs are token ids and stay int32, others become
+  float32; integer labels are classes in [0, num_classes); float targets
   (regression, config.task='regression') stay float32, never cast to integers, and
   the dataset then has num_classes=0.
 
@@ -35,7 +36,8 @@ def from_arrays(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
   Raises:
     ConfigError: for shapes that do not match or labels outside [0, num_classes).
   """
-  x_train, x_test = np.asarray(x_train, np.float32), np.asarray(x_test, np.float32)
+  as_inputs = lambda x: np.asarray(x, np.int32 if is_token_ids(x) else np.float32)
+  x_train, x_test = as_inputs(x_train), as_inputs(x_test)
   y_train, y_test = np.asarray(y_train), np.asarray(y_test)
   _check_fit(name, x_train, y_train, x_test, y_test)
   if np.issubdtype(y_train.dtype, np.floating) or np.issubdtype(y_test.dtype, np.floating):
@@ -127,6 +129,6 @@ def split_validation(source: Source, size: int) -> tuple[Source, Split]:
   return Subset(source, train), Split(*source.read(val))
 
 
-__all__ = ['MemberSplits', 'make_member_splits', 'Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
+__all__ = ['is_token_ids', 'MemberSplits', 'make_member_splits', 'Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
            'PipelineStats', 'SOURCES', 'Source', 'Split', 'Subset', 'host_block', 'host_rows',
            'load_dataset', 'local_indices', 'prepare_command', 'preprocess', 'split_validation', 'to_global']

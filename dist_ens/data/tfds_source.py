@@ -21,13 +21,21 @@ def prepare_command(name: str, data_dir: str) -> str:
           f'--file_format=array_record{target}')
 
 
-def preprocess(x: np.ndarray, spec: DataSpec) -> np.ndarray:
-  """Raw inputs as a dataset stores them -> float32 model inputs.
+def is_token_ids(x: np.ndarray) -> bool:
+  """Signed integer inputs are token ids, kept as int32 (uint8 is image bytes)."""
+  return np.issubdtype(np.asarray(x).dtype, np.signedinteger)
 
-  uint8 images are scaled to [0, 1]; then, if config.data.mean / std are set, each
-  channel is standardised; inputs without a channel axis get one. The same function
-  serves training, evaluation and inference.
+
+def preprocess(x: np.ndarray, spec: DataSpec) -> np.ndarray:
+  """Raw inputs as a dataset stores them -> model inputs.
+
+  Signed integer inputs are token ids: int32, untouched (a float32 id is exact only
+  below 2^24, a bfloat16 one below 256). uint8 images are scaled to [0, 1]; then, if
+  config.data.mean / std are set, each channel is standardised; inputs without a
+  channel axis get one. The same function serves training, evaluation and inference.
   """
+  if is_token_ids(x):
+    return np.asarray(x).astype(np.int32, copy=False)
   scale = 1.0 / 255.0 if x.dtype == np.uint8 else 1.0
   x = x.astype(np.float32) * np.float32(scale)
   mean, std = tuple(spec.mean), tuple(spec.std)

@@ -9,7 +9,7 @@ the form that is never far off for matmul-bound models.
 
 import math
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -69,9 +69,10 @@ class MemberSize(NamedTuple):
   params: int  # its parameters
 
 
-def _abstract_forward(model, input_shape: Sequence[int], batch: int):
-  """One member's training-mode forward pass on `batch` examples, and abstract arguments."""
-  x = jax.ShapeDtypeStruct((batch, *input_shape), jnp.float32)
+def _abstract_forward(model, input_shape: Sequence[int], batch: int, dtype: Any = jnp.float32):
+  """One member's training-mode forward pass on `batch` examples (inputs of `dtype`:
+  float32, or int32 token ids), and abstract arguments."""
+  x = jax.ShapeDtypeStruct((batch, *input_shape), dtype)
   params, state = jax.eval_shape(model.init, jax.random.key(0), x)
   return (lambda p, s, x, k: model.apply(p, s, x, train=True, rng=k),
           (params, state, x, jax.random.key(0)))
@@ -101,9 +102,10 @@ def member_bytes(model, input_shape: Sequence[int], batch: int) -> int:
   return member_size(model, input_shape, batch).step
 
 
-def member_size(model, input_shape: Sequence[int], batch: int) -> MemberSize:
+def member_size(model, input_shape: Sequence[int], batch: int,
+                dtype: Any = jnp.float32) -> MemberSize:
   """member_bytes() and the parameters' bytes of one member, from one abstract trace."""
-  fn, args = _abstract_forward(model, input_shape, batch)
+  fn, args = _abstract_forward(model, input_shape, batch, dtype)
   params = _nbytes(jax.tree.leaves(args[0]))
   return MemberSize(_forward_activation_bytes(fn, args) + 4 * params, params)
 

@@ -74,7 +74,7 @@ def step_runner(parts: Any, batch_size: int, per_member_batches: bool
   mesh, m = parts.mesh, parts.abstract_state.frozen.shape[0]
   lead = (m, batch_size) if per_member_batches else (batch_size,)
   sharding = batch_sharding(mesh, per_member_batches)
-  x = data.to_global(np.zeros((*lead, *parts.input_shape), np.float32), sharding)
+  x = data.to_global(np.zeros((*lead, *parts.input_shape), parts.input_dtype), sharding)
   y = data.to_global(np.zeros(lead, np.int32), sharding)
   hparams = parts.device_hparams()
 

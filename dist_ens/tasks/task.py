@@ -65,11 +65,11 @@ class Task(NamedTuple):
 
 
 def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int,
-                  what: str) -> None:
+                  what: str, input_dtype: Any = jnp.float32) -> None:
   """One line, before anything runs, for a model whose outputs do not fit the task: in
   evaluation mode a batch of 2 must give [2, num_outputs] (a MIMO member gives its heads'
   mean there). `model` is a dist_ens.core.model.Model; `what` names its config field."""
-  x = jnp.zeros((2, *input_shape), jnp.float32)
+  x = jnp.zeros((2, *input_shape), input_dtype)
 
   def forward(key):
     params, state = model.init(key, x)

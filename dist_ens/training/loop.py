@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -105,6 +106,8 @@ class Context:
     scale = self.run_data.scale
     if scale is not None:  # What predict needs to take raw inputs and give target units.
       meta['standardizer'] = {k: np.asarray(v).tolist() for k, v in scale._asdict().items()}
+    if self.parts.input_dtype != jnp.float32:  # Token ids: what Ensemble.load builds for.
+      meta['input_dtype'] = np.dtype(self.parts.input_dtype).name
     return meta
 
   def train_seconds(self) -> float:
