@@ -6,15 +6,17 @@ absl's leftover argv after the flags (absl.flags.FLAGS) are parsed.
 
 import contextlib
 import json
+import os
 import signal
 import sys
 import textwrap
+import traceback
 from collections.abc import Callable
 from typing import NamedTuple
 
 from absl import app, flags, logging
 
-from dist_ens import configuration
+from dist_ens import configuration, importing
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.parallel import distributed, xla_flags
 
@@ -93,13 +95,59 @@ def _train_main(argv: list[str]) -> None:
       logging.error('%s', e)  # In the log too, with this process's index.
       distributed.exit_without_barrier(f'dist-ens: error: {e}')
     sys.exit(f'dist-ens: error: {e}')
-  except Exception:  # pylint: disable=broad-except
+  except Exception as e:  # pylint: disable=broad-except
+    field = _user_code_field(e, FLAGS.config)
+    line = field and (f'dist-ens: error: the code {field} names raised {type(e).__name__}: '
+                      f'{_first_line(e)} (its traceback is above).')
     if not launched:
-      raise
+      if line is None:
+        raise
+      traceback.print_exc()
+      sys.exit(line)
     # A normal exit would wait for the other processes, which wait for this one.
     logging.exception('this process failed (where a collective failed, another process '
                       'probably failed first: see its log); stopping so the others stop too')
-    distributed.exit_without_barrier(1)
+    distributed.exit_without_barrier(line or 1)
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip()
+  return text.splitlines()[0][:300] if text else ''
+
+
+def _import_paths(node, field: str = 'config'):
+  """(field, value) for every import path ('pkg.module:attr') the config holds."""
+  if isinstance(node, dict):
+    for key, value in node.items():
+      yield from _import_paths(value, f'{field}.{key}')
+  elif isinstance(node, (list, tuple)):
+    for value in node:
+      yield from _import_paths(value, field)
+  elif importing.is_import_path(node):
+    yield field, node
+
+
+def _user_code_field(error: BaseException, config) -> str | None:
+  """The config field (as field='pkg.mod:f') whose import path leads to the code that
+  raised `error`: a user's factory, loader, loss... None when dist_ens or a library
+  raised it. dist_ens calls into the user's module first at the outermost of its
+  frames; several fields naming one module are told apart by the function's name."""
+  try:
+    paths = list(_import_paths(configuration.to_dict(config)))
+  except Exception:  # pylint: disable=broad-except  # (a config that did not load)
+    return None
+  by_file: dict[str, list[tuple[str, str]]] = {}
+  for field, value in paths:
+    module_file = getattr(sys.modules.get(value.partition(':')[0]), '__file__', None)
+    if module_file:
+      by_file.setdefault(os.path.realpath(module_file), []).append((field, value))
+  for frame, _ in traceback.walk_tb(error.__traceback__):
+    named = by_file.get(os.path.realpath(frame.f_code.co_filename))
+    if named:
+      field, value = next((f for f in named if f[1].split('.')[-1].split(':')[-1] ==
+                           frame.f_code.co_name), named[0])
+      return f'{field}={value!r}'
+  return None
 
 
 def _plan_main(argv: list[str]) -> None:

@@ -182,8 +182,14 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   if not str(workdir).strip():
     raise configuration.ConfigError("--workdir is empty; name a directory for the run's files "
                                     '(e.g. --workdir=/tmp/run).')
+  workdir_lib.check_workdir(workdir)
   distributed.check_same_config(configuration.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
+  test = run.data.dataset.test
+  if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
+    raise configuration.ConfigError(
+        f'dataset {run.data.dataset.name!r} (config.data.name={config.data.name!r}) has an '
+        'empty test split: the run is evaluated on it; give it at least one example.')
   _check_sync_every(run.config, run.parts.mesh)
   writers.check_writer_names(config.writers)
   if loss is None:

@@ -1,5 +1,6 @@
-"""The workdir's safety: one run at a time (a lock that a second run finds), and a full
-disk reported in one line.
+"""The workdir's safety: a workdir that cannot be written refused in one line before
+anything runs, one run at a time (a lock that a second run finds), and a full disk
+reported in one line.
 
 workdir/.lock is held with flock(2) for as long as the run lives, and holds who
 holds it ({"host", "pid", "started"}) for the message a second run prints. The
@@ -33,6 +34,31 @@ from dist_ens.checkpoint import FULL_DISK_TEXTS
 from dist_ens.errors import ConfigError, TrainingError
 
 LOCK_NAME = '.lock'
+
+
+def check_workdir(workdir: str | os.PathLike) -> None:
+  """Refuses a workdir that cannot be created or written, before anything is compiled:
+  otherwise the first mkdir or lock fails deep in start-up with a long traceback.
+
+  Raises:
+    ConfigError: it is a file, a file stands where a parent directory should be, or
+      the nearest existing directory is not writable (a read-only filesystem, or
+      permissions).
+  """
+  path = Path(workdir).absolute()
+  if path.exists() and not path.is_dir():
+    raise ConfigError(f'--workdir={workdir} is a file, not a directory; name a directory '
+                      '(new or holding a run to resume).')
+  existing = path
+  while not existing.exists() and existing != existing.parent:
+    existing = existing.parent
+  if not existing.is_dir():
+    raise ConfigError(f'--workdir={workdir} cannot be created: {existing} is a file, not a '
+                      'directory; name a directory elsewhere.')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    what = 'the workdir' if existing == path else f'{existing}, where it would be created,'
+    raise ConfigError(f'--workdir={workdir}: {what} is not writable (a read-only '
+                      'filesystem, or permissions); name a directory this user can write.')
 
 
 class WorkdirInUse(ConfigError):
@@ -72,8 +98,14 @@ class WorkdirLock:
     Raises:
       WorkdirInUse: another live run holds it (nothing is written then).
     """
-    self.workdir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # The umask decides the mode.
+    try:
+      self.workdir.mkdir(parents=True, exist_ok=True)
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # The umask decides the mode.
+    except OSError as e:  # What check_workdir could not foresee (e.g. a .lock not ours).
+      if e.errno in _FULL_ERRNOS:
+        raise  # disk_full says it in one line.
+      raise ConfigError(f'cannot open {self.path}: {e.strerror}; name a --workdir this user '
+                        'can write.') from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
