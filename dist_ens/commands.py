@@ -12,8 +12,10 @@ import sys
 import textwrap
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
+import ml_collections
 from absl import app, flags, logging
 
 from dist_ens import configuration, importing
@@ -186,16 +188,56 @@ COMMANDS: dict[str, Command] = {
                     '[--json] [--calibrate]\n  Prints the memory the config\'s run needs per '
                     'device and the most members that fit, without training.',
                     _define_plan_flags, _plan_main),
-    'report': Command('dist-ens report --workdir=DIR\n  Writes DIR/report/: reliability '
-                      'diagrams, member-vs-ensemble bars, learning curves, report.md.',
+    'report': Command('dist-ens report --workdir=DIR\n  Writes DIR/report/ from a finished '
+                      'run: report.html (every table and figure in one file) and report.md, '
+                      'with figures as PNG and SVG: reliability diagrams (the ensemble, its '
+                      'best and worst member), every member\'s test accuracy, NLL and ECE '
+                      'beside the ensemble\'s, learning curves, accuracy and NLL against '
+                      'ensemble size; and, where the run has them, a hyperparameter sweep '
+                      'scatter and a comparison of its prediction methods.',
                       _define_report_flags, _report_main),
 }
+
+# What each group of configs/default.py holds, for --help (a group without a line here
+# is still listed, by name).
+GROUP_HELP: dict[str, str] = {
+    'mesh': 'how the devices are split between members, data and a model axis',
+    'model': 'a built-in model by name, or your own factory by import path',
+    'ensemble': 'the method (deep, batchensemble, mimo, snapshot, multiswag) and vmap/map',
+    'data': 'the dataset (built-in, TFDS or your loader), batch size, augmentation',
+    'optim': 'optimizer, learning rate, schedule (per-member values and sweeps)',
+    'train': 'steps, logging and evaluation cadence, micro-batches, steps per call',
+    'checkpoint': 'how often to save and how many to keep',
+    'select': 'keeping the best members by a validation metric',
+    'eval': 'evaluation batch size, OOD data, MC dropout, temperature scaling',
+}
+_DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / 'configs' / 'default.py'
+
+
+def config_groups() -> list[str]:
+  """The groups (sub-ConfigDicts) of configs/default.py, or GROUP_HELP's where the
+  package is installed without the repository's configs/."""
+  try:
+    config = configuration.load_config(_DEFAULT_CONFIG)
+  except ConfigError:
+    return list(GROUP_HELP)
+  return [k for k, v in config.items() if isinstance(v, ml_collections.ConfigDict)]
+
+
+def _print_config_groups() -> None:
+  print('\nconfig groups (--config.GROUP.FIELD=value; top-level fields such as num_members '
+        'too):')
+  for group in config_groups():
+    print(f'  {group:<11} {GROUP_HELP.get(group, "")}'.rstrip())
+  print('Every field, its default and what it means: docs/config.md.')
 
 
 def print_help(name: str, full: bool) -> None:
   fv = flags.FlagValues()
   COMMANDS[name].define_flags(fv)
-  print(f'usage: {COMMANDS[name].usage}\n')
+  for line in f'usage: {COMMANDS[name].usage}'.splitlines():
+    print(textwrap.fill(line, width=88, subsequent_indent='  '))
+  print()
   print('flags:')
   defined = [f for module_flags in fv.flags_by_module_dict().values() for f in module_flags]
   for flag in sorted(defined, key=lambda f: f.name):
@@ -203,6 +245,8 @@ def print_help(name: str, full: bool) -> None:
     default = f' (default: {flag.default_as_str})' if flag.default is not None else ''
     print(textwrap.fill(f'{spelt}: {" ".join(flag.help.split())}{default}', width=88,
                         initial_indent='  ', subsequent_indent='      '))
+  if 'config' in fv:
+    _print_config_groups()
   if full:
     print('\nabsl flags (logging, debugging):')
     print(FLAGS.get_help(prefix='  ', include_special_flags=False))

@@ -96,6 +96,39 @@ def test_each_command_has_help_listing_its_flags(command, flags):
     assert '--config' not in listed and '--memory_gb' not in listed
 
 
+def test_help_lists_the_config_groups_and_points_to_the_config_reference(capsys):
+  from dist_ens import commands, configuration  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  default = configuration.load_config(ROOT / 'configs' / 'default.py')
+  groups = [k for k, v in default.items() if isinstance(v, ml_collections.ConfigDict)]
+  assert {'data', 'model', 'optim', 'train', 'mesh'} <= set(groups)
+  for command in ('train', 'plan'):
+    commands.print_help(command, full=False)
+    out = capsys.readouterr().out
+    listed = re.findall(r'^  ([a-z_]+) ', out.split('config groups')[1], re.M)
+    assert listed == groups, out
+    assert 'docs/config.md' in out
+  commands.print_help('report', full=False)
+  assert 'config groups' not in capsys.readouterr().out
+
+
+def test_report_help_names_its_figures_and_the_html_page(capsys):
+  from dist_ens import commands  # pylint: disable=g-import-not-at-top
+  commands.print_help('report', full=False)
+  usage = ' '.join(capsys.readouterr().out.split('flags:')[0].split())
+  for described in ('report.html', 'report.md', 'reliability diagrams', 'learning curves',
+                    'against ensemble size', 'sweep scatter', 'beside the ensemble'):
+    assert described in usage, usage
+  assert 'bars' not in usage  # The members-vs-ensemble figure draws points, not bars.
+
+
+def test_counts_take_the_noun_in_the_right_number():
+  from dist_ens.io.tables import counted  # pylint: disable=g-import-not-at-top
+  assert [counted(n, 'cpu device') for n in (1, 2)] == ['1 cpu device', '2 cpu devices']
+  assert counted(1, 'process', 'processes') == '1 process'
+  assert counted(3, 'process', 'processes') == '3 processes'
+
+
 def test_plan_json_reports_the_plan():
   result = _run('plan', *TINY, '--json')
   assert result.returncode == 0, result.stderr

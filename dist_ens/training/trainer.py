@@ -206,10 +206,10 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
   run = assemble.Run(config, parts, run_data, form)
   mesh, dataset = parts.mesh, run_data.dataset
   _prepare_workdir(workdir, config)
-  logging.info('mesh %s over %d of %d %s device(s), %d process(es); %d x %s on %s',
-               dict(mesh.shape), mesh.size, jax.device_count(), mesh.devices.flat[0].platform,
-               jax.process_count(), config.num_members, config.model.factory or config.model.name,
-               dataset.name)
+  logging.info('mesh %s over %d of %s, %s; %d x %s on %s', dict(mesh.shape), mesh.size,
+               tables.counted(jax.device_count(), f'{mesh.devices.flat[0].platform} device'),
+               tables.counted(jax.process_count(), 'process', 'processes'), config.num_members,
+               config.model.factory or config.model.name, dataset.name)
   checkpointer = run.checkpointer(workdir)
   restored = _restore_or_init(parts, checkpointer)
   if config.reproducible:
