@@ -1,8 +1,12 @@
-"""Issue 39, items 11 and 13: a workdir that cannot be written, a user's code that raises,
-an empty test split, float labels and a damaged final_metrics.json each end in one
-dist-ens line naming what to fix, before anything is written."""
+"""Issue 39, items 11, 13 and 14: a workdir that cannot be written, a user's code that
+raises, an empty test split, float labels and a damaged final_metrics.json each end in
+one dist-ens line naming what to fix, before anything is written; what a kill or a lost
+metrics.jsonl leaves behind is cleaned up or said."""
 
+import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -157,3 +161,53 @@ def test_report_on_a_truncated_final_metrics_is_one_line_on_the_command_line(tmp
   line = _last_line(_cli('report', f'--workdir={tmp_path}'))
   assert line.startswith(f'dist-ens report: error: {tmp_path / "final_metrics.json"} is '
                          'damaged'), line
+
+
+# Issue 39, item 14: what a kill or a lost file leaves behind.
+
+def _checkpointed_config(steps):
+  config = _config()
+  config.train.steps, config.checkpoint.every, config.checkpoint.keep = steps, 2, 2
+  config.writers = ('jsonl',)
+  return config
+
+
+def _steps(workdir):
+  return sorted(int(d.name) for d in (workdir / 'checkpoints').iterdir() if d.name.isdigit())
+
+
+def test_a_checkpoint_beyond_keep_left_by_a_kill_goes_at_the_next_save(tmp_path):
+  dist_ens.train(_checkpointed_config(6), str(tmp_path))
+  assert _steps(tmp_path) == [4, 6]
+  # A kill after a save's commit and before the oldest is deleted leaves keep + 1.
+  shutil.copytree(tmp_path / 'checkpoints' / '4', tmp_path / 'checkpoints' / '2')
+  dist_ens.train(_checkpointed_config(8), str(tmp_path))
+  assert _steps(tmp_path) == [6, 8]
+
+
+def _warnings(caplog):
+  return [r.getMessage() for r in caplog.records
+          if r.levelno == logging.WARNING and 'metrics.jsonl' in r.getMessage()]
+
+
+@pytest.mark.parametrize('damage', ['deleted', 'truncated', 'intact'])
+def test_a_resume_without_the_events_before_it_warns_once(tmp_path, caplog, damage):
+  dist_ens.train(_checkpointed_config(6), str(tmp_path))
+  path = tmp_path / 'metrics.jsonl'
+  if damage == 'deleted':
+    path.unlink()
+  elif damage == 'truncated':  # Only the first event (step 2) is left.
+    path.write_text(path.read_text().splitlines(keepends=True)[0])
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    dist_ens.train(_checkpointed_config(8), str(tmp_path))
+  expected = {
+      'deleted': [f'{path} is missing: the events of steps 1-6 are lost; the run resumes '
+                  'from its checkpoint at step 6 and writes the events from there on.'],
+      'truncated': [f'{path} ends at step 2 but the run resumes from its checkpoint at step '
+                    '6: the events of steps 3-6 are lost (the file was truncated or '
+                    'replaced).'],
+      'intact': []}[damage]
+  assert _warnings(caplog) == expected
+  steps = [json.loads(line)['step'] for line in path.read_text().splitlines()]
+  assert steps[-1] == 8

@@ -212,6 +212,8 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
                config.model.factory or config.model.name, dataset.name)
   checkpointer = run.checkpointer(workdir)
   restored = _restore_or_init(parts, checkpointer)
+  if restored.meta and 'jsonl' in config.writers and writers.is_writer():
+    workdir_lib.warn_missing_events(workdir, restored.step, config.train.log_every)
   if config.reproducible:
     logging.info('reproducible mode: each device runs its members one at a time')
     if (message := xla_flags.warning(mesh.devices.flat[0].platform)) is not None:

@@ -1,6 +1,6 @@
 """The workdir's safety: a workdir that cannot be written refused in one line before
-anything runs, one run at a time (a lock that a second run finds), and a full disk
-reported in one line.
+anything runs, one run at a time (a lock that a second run finds), a full disk
+reported in one line, and a resume that finds events missing says so.
 
 workdir/.lock is held with flock(2) for as long as the run lives, and holds who
 holds it ({"host", "pid", "started"}) for the message a second run prints. The
@@ -208,3 +208,44 @@ def disk_full(error: BaseException, workdir: str | os.PathLike) -> DiskFull | No
   return DiskFull(f'writing into {workdir} failed: {reason} (the disk, a quota or a file-size '
                   f'limit is full); {kept}: free some space and run the same command again to '
                   f'{"resume" if step is not None else "start"}.')
+
+
+def warn_missing_events(workdir: str | os.PathLike, step: int, log_every: int) -> None:
+  """Warns once when a run resuming from its checkpoint at `step` finds metrics.jsonl
+  without the train events up to it (deleted, truncated or replaced since): the
+  checkpoint is saved after every event of its step, so they were written, and the
+  resumed run appends after the gap without filling it."""
+  due = step - step % log_every if log_every else 0  # The last train event before `step`.
+  if due <= 0:
+    return
+  path = Path(workdir) / 'metrics.jsonl'
+  last = _last_train_step(path, step)
+  if last is None:
+    logging.warning('%s is missing: the events of steps 1-%d are lost; the run resumes from '
+                    'its checkpoint at step %d and writes the events from there on.', path,
+                    step, step)
+  elif last < due:
+    logging.warning('%s ends at step %d but the run resumes from its checkpoint at step %d: '
+                    'the events of steps %d-%d are lost (the file was truncated or replaced).',
+                    path, last, step, last + 1, step)
+
+
+def _last_train_step(path: Path, through: int) -> int | None:
+  """The newest step up to `through` with a train event in the JSONL file at `path`
+  (0 for none; None if there is no file)."""
+  try:
+    text = path.read_text(encoding='utf-8', errors='replace')
+  except FileNotFoundError:
+    return None
+  last = 0
+  for line in text.splitlines():
+    try:
+      event = json.loads(line)
+    except json.JSONDecodeError:
+      continue  # A line torn by a crash.
+    if not isinstance(event, dict) or event.get('split') != 'train':
+      continue
+    step = event.get('step')
+    if isinstance(step, int) and step <= through:
+      last = max(last, step)
+  return last
