@@ -6,6 +6,7 @@ absl's leftover argv after the flags (absl.flags.FLAGS) are parsed.
 
 import contextlib
 import json
+import logging as std_logging
 import os
 import signal
 import sys
@@ -55,6 +56,10 @@ def _define_train_flags(fv: flags.FlagValues) -> None:
       'heartbeat_timeout_s', distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
       'Seconds without a heartbeat after which a process counts as dead and the run stops.',
       flag_values=fv)
+  flags.DEFINE_bool('verbose', False, "Also log the run's details (how each device runs its "
+                    "members, steps per call of the compiled step, the input pipeline's "
+                    "speed) with absl's prefix (level, time, source line) on every line.",
+                    flag_values=fv)
   flags.mark_flags_as_required(['config', 'workdir'], flag_values=fv)
 
 
@@ -77,7 +82,7 @@ def _define_report_flags(fv: flags.FlagValues) -> None:
 def _train_main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logging.set_verbosity(logging.INFO)
+  _console_logging(FLAGS.verbose)
   launched = False
   try:
     with contextlib.suppress(Exception):  # (a config that fails to load: training says so)
@@ -92,6 +97,7 @@ def _train_main(argv: list[str]) -> None:
     result = training.train(FLAGS.config, FLAGS.workdir)
     if result.get('preempted'):  # Saved, but not finished: `dist-ens ... && next` must stop.
       sys.exit(128 + signal.Signals[result['signal']])
+    _say_where_things_went(FLAGS.workdir)
   except (ConfigError, TrainingError) as e:  # Expected failures: one clear line.
     if launched:
       logging.error('%s', e)  # In the log too, with this process's index.
@@ -110,6 +116,41 @@ def _train_main(argv: list[str]) -> None:
     logging.exception('this process failed (where a collective failed, another process '
                       'probably failed first: see its log); stopping so the others stop too')
     distributed.exit_without_barrier(line or 1)
+
+
+class _PlainFormatter(std_logging.Formatter):
+  """The lines a researcher reads: the message alone (absl's level, time, thread and
+  source line say nothing to them); a warning or error still says it is one."""
+
+  def format(self, record: std_logging.LogRecord) -> str:
+    text = super().format(record)
+    if record.levelno >= std_logging.WARNING:
+      return f'{record.levelname.lower()}: {text}'
+    return text
+
+
+def _console_logging(verbose: bool) -> None:
+  """INFO lines without absl's prefix; with --verbose, the run's details (logged at
+  DEBUG) too, in absl's own format. Only absl's logger goes to DEBUG: under app.run
+  absl sets Python's root logger to its verbosity, and JAX's DEBUG lines (every
+  compile's cache keys) would drown ours."""
+  logging.set_verbosity(logging.DEBUG if verbose else logging.INFO)
+  std_logging.getLogger().setLevel(std_logging.INFO)
+  std_logging.getLogger('absl').setLevel(std_logging.DEBUG if verbose else std_logging.INFO)
+  if not verbose:
+    logging.get_absl_handler().setFormatter(_PlainFormatter('%(message)s'))
+
+
+def _say_where_things_went(workdir: str) -> None:
+  from dist_ens.io import writers  # pylint: disable=g-import-not-at-top
+  if not writers.is_writer():
+    return
+  names = ('final_metrics.json', 'members.csv', 'metrics.jsonl', 'csv', 'tensorboard',
+           'checkpoints')
+  found = [n + ('/' if (Path(workdir) / n).is_dir() else '') for n in names
+           if (Path(workdir) / n).exists()]
+  logging.info('results in %s: %s; `dist-ens report --workdir=%s` draws the figures.', workdir,
+               ', '.join(found), workdir)
 
 
 def _first_line(error: BaseException) -> str:

@@ -215,15 +215,15 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
   if restored.meta and 'jsonl' in config.writers and writers.is_writer():
     workdir_lib.warn_missing_events(workdir, restored.step, config.train.log_every)
   if config.reproducible:
-    logging.info('reproducible mode: each device runs its members one at a time')
+    logging.debug('reproducible mode: each device runs its members one at a time')
     if (message := xla_flags.warning(mesh.devices.flat[0].platform)) is not None:
       logging.warning('%s', message)
   else:
-    logging.info('each device runs its members with %s%s', form[0],
+    logging.debug('each device runs its members with %s%s', form[0],
                  f' (chunks of {form[1]})' if form[1] else '')
   k = _steps_per_call(config, parts, run_data, restored.step, actions)
   if k > 1:
-    logging.info('%d steps per call of the compiled step', k)
+    logging.debug('%d steps per call of the compiled step', k)
   train_step = run.step(k, loss)
   batches = run.batches(restored.data_state, k, with_index=train_step.uses_index)
   writer = writers.MultiWriter(
