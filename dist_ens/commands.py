@@ -22,6 +22,7 @@ from absl import app, flags, logging
 from dist_ens import configuration, importing
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.parallel import distributed, xla_flags
+from dist_ens.training import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 GB = 1e9  # --memory_gb is in units of 1e9 bytes, as plan.py prints.
@@ -92,7 +93,8 @@ def _train_main(argv: list[str]) -> None:
     launched = distributed.initialize(distributed.Launch(
         enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
         num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
-        init_timeout_s=FLAGS.init_timeout_s, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s))
+        init_timeout_s=FLAGS.init_timeout_s, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s),
+        newest_step=lambda: workdir_lib.newest_intact_step(FLAGS.workdir))
     from dist_ens import training  # pylint: disable=g-import-not-at-top
     result = training.train(FLAGS.config, FLAGS.workdir)
     if result.get('preempted'):  # Saved, but not finished: `dist-ens ... && next` must stop.
@@ -113,6 +115,9 @@ def _train_main(argv: list[str]) -> None:
       traceback.print_exc()
       sys.exit(line)
     # A normal exit would wait for the other processes, which wait for this one.
+    lost = distributed.lost_process_line(e, workdir_lib.newest_intact_step(FLAGS.workdir))
+    if lost is not None:
+      distributed.exit_lost(lost)
     logging.exception('this process failed (where a collective failed, another process '
                       'probably failed first: see its log); stopping so the others stop too')
     distributed.exit_without_barrier(line or 1)

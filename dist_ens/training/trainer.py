@@ -32,23 +32,6 @@ from dist_ens.training.preemption import PreemptionWatcher
 _CPU_SYNC_EVERY = 8
 
 
-def _newest_meta(directory: Path) -> dict[str, Any] | None:
-  """The meta item of the newest committed checkpoint, read as a plain file.
-
-  No orbax manager here: opening one is a collective across processes, and whether
-  the directory exists yet depends on which process got here first.
-  """
-  steps = sorted((int(d.name) for d in directory.glob('*') if d.name.isdigit()), reverse=True)
-  for step in steps:
-    try:
-      meta = json.loads((directory / str(step) / 'meta' / 'metadata').read_text())
-    except (OSError, ValueError):  # Unreadable, not UTF-8 or not JSON: damaged, skip it.
-      continue
-    if isinstance(meta, dict) and isinstance(meta.get('step'), int):  # Else damaged too.
-      return meta
-  return None
-
-
 def _saved_run(workdir: Path) -> tuple[dict[str, Any] | None, int | None]:
   """(the config the workdir's run was started with, the step of its newest checkpoint).
 
@@ -56,7 +39,7 @@ def _saved_run(workdir: Path) -> tuple[dict[str, Any] | None, int | None]:
   carries. (None, None) for a workdir without checkpoints: a run that failed before its
   first one left nothing to resume, so it does not bind the next run.
   """
-  meta = _newest_meta(workdir / 'checkpoints')
+  meta = workdir_lib.newest_meta(workdir / 'checkpoints')
   if meta is None:
     return None, None
   path = workdir / 'config.json'

@@ -190,9 +190,28 @@ def _out_of_space(error: BaseException) -> str | None:
   return None
 
 
-def _newest_checkpoint(workdir: Path) -> int | None:
-  steps = [int(d.name) for d in (workdir / 'checkpoints').glob('*') if d.name.isdigit()]
-  return max(steps, default=None)
+def newest_meta(directory: Path) -> dict[str, Any] | None:
+  """The meta item of the newest intact committed checkpoint in `directory`, read as
+  a plain file (orbax commits a checkpoint by renaming it to its step number).
+
+  No orbax manager here: opening one is a collective across processes, and whether
+  the directory exists yet depends on which process got here first.
+  """
+  steps = sorted((int(d.name) for d in directory.glob('*') if d.name.isdigit()), reverse=True)
+  for step in steps:
+    try:
+      meta = json.loads((directory / str(step) / 'meta' / 'metadata').read_text())
+    except (OSError, ValueError):  # Unreadable, not UTF-8 or not JSON: damaged, skip it.
+      continue
+    if isinstance(meta, dict) and isinstance(meta.get('step'), int):  # Else damaged too.
+      return meta
+  return None
+
+
+def newest_intact_step(workdir: str | os.PathLike) -> int | None:
+  """The step of the newest checkpoint in the workdir that a rerun resumes from."""
+  meta = newest_meta(Path(workdir) / 'checkpoints')
+  return None if meta is None else meta['step']
 
 
 def disk_full(error: BaseException, workdir: str | os.PathLike) -> DiskFull | None:
@@ -202,7 +221,7 @@ def disk_full(error: BaseException, workdir: str | os.PathLike) -> DiskFull | No
   if reason is None:
     return None
   workdir = Path(workdir)
-  step = _newest_checkpoint(workdir)
+  step = newest_intact_step(workdir)
   kept = (f'the checkpoint at step {step} is intact' if step is not None else
           'no checkpoint was saved yet')
   return DiskFull(f'writing into {workdir} failed: {reason} (the disk, a quota or a file-size '
