@@ -14,7 +14,7 @@ import textwrap
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import ml_collections
 from absl import app, flags, logging
@@ -106,21 +106,29 @@ def _train_main(argv: list[str]) -> None:
       distributed.exit_without_barrier(f'dist-ens: error: {e}')
     sys.exit(f'dist-ens: error: {e}')
   except Exception as e:  # pylint: disable=broad-except
-    field = _user_code_field(e, FLAGS.config)
-    line = field and (f'dist-ens: error: the code {field} names raised {type(e).__name__}: '
-                      f'{_first_line(e)} (its traceback is above).')
-    if not launched:
-      if line is None:
-        raise
-      traceback.print_exc()
-      sys.exit(line)
-    # A normal exit would wait for the other processes, which wait for this one.
-    lost = distributed.lost_process_line(e, workdir_lib.newest_intact_step(FLAGS.workdir))
-    if lost is not None:
-      distributed.exit_lost(lost)
-    logging.exception('this process failed (where a collective failed, another process '
-                      'probably failed first: see its log); stopping so the others stop too')
-    distributed.exit_without_barrier(line or 1)
+    if not launched and _user_code_field(e, FLAGS.config) is None:
+      raise  # A dist_ens bug or a library's failure: its traceback is the report.
+    _unexpected_failure(e, launched)
+
+
+def _unexpected_failure(error: Exception, launched: bool) -> NoReturn:
+  """Ends the process after an exception training did not expect: an error in the
+  user's own code (its traceback, then one line naming the config field that imports
+  it), another process of the run lost (one line), or else the traceback."""
+  field = _user_code_field(error, FLAGS.config)
+  line = field and (f'dist-ens: error: the code {field} names raised {type(error).__name__}: '
+                    f'{_first_line(error)} (its traceback is above).')
+  if not launched:
+    traceback.print_exception(error)
+    sys.exit(line)
+  # A normal exit would wait for the other processes, which wait for this one.
+  lost = distributed.lost_process_line(error, workdir_lib.newest_intact_step(FLAGS.workdir))
+  if lost is not None:
+    distributed.exit_lost(lost)
+  logging.exception('this process failed (where a collective failed, another process '
+                    'probably failed first: see its log); stopping so the others stop too',
+                    exc_info=error)
+  distributed.exit_without_barrier(line or 1)
 
 
 class _PlainFormatter(std_logging.Formatter):
