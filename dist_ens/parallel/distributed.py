@@ -169,15 +169,23 @@ def exit_without_barrier(status: int | str) -> NoReturn:
   coordination service misses this process's heartbeat (--heartbeat_timeout_s)
   and stops every process.
 
+  The message is the last thing the process writes: one write(2) call, so no other
+  thread's output splits it, and then stdout and stderr go to /dev/null, so that JAX's
+  own report of the same failure (a C++ fatal error from its coordination client,
+  racing this one when process 0 died) does not follow it with 20 lines.
+
   Args:
     status: exit code, or a message for stderr with exit code 1 (as sys.exit).
   """
-  if isinstance(status, str):
-    print(status, file=sys.stderr)
   for handler in std_logging.getLogger().handlers:
     handler.flush()
   sys.stdout.flush()
   sys.stderr.flush()
+  if isinstance(status, str):
+    os.write(2, (status + '\n').encode())  # The process's stderr, whatever sys.stderr is.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
   os._exit(status if isinstance(status, int) else 1)  # pylint: disable=protected-access
 
 
