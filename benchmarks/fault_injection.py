@@ -28,6 +28,8 @@ workdir being locked), corrupt_checkpoint (garbage over the
 newest checkpoint's largest file after a kill), non_utf8_meta (bytes that are not UTF-8
 over the newest checkpoint's metadata after a kill), corrupt_config / missing_config
 (config.json damaged or deleted after a kill; a clear one-line refusal also holds),
+lost_metrics (metrics.jsonl deleted or truncated after a kill: one warning naming the lost
+events, the final parameters unchanged),
 disk_full (the workdir on a small tmpfs, which needs root to mount: skipped, and
 reported as skipped, where mounting fails; then the tmpfs is enlarged and the run
 re-run).
@@ -412,6 +414,23 @@ def case_config(ctx: Context, workdir: Path, damage: str) -> list[str]:
   return check_survivors(ctx, workdir, rerun)
 
 
+def case_lost_metrics(ctx: Context, workdir: Path) -> list[str]:
+  """SIGKILL after a checkpoint, then metrics.jsonl deleted or cut to its first line: the
+  re-run ends where the reference does and says once which events are lost."""
+  fault = kill_after_a_checkpoint(ctx, workdir)
+  path, damage = workdir / 'metrics.jsonl', ctx.rng.choice(['deleted', 'truncated'])
+  if damage == 'deleted':
+    path.unlink(missing_ok=True)
+  elif path.exists():
+    path.write_text(''.join(path.read_text().splitlines(keepends=True)[:1]))
+  ctx.details.update(fault_rc=fault.rc, signalled_at_s=fault.signalled_at, damage=damage)
+  rerun = run_cli(ctx, workdir, 'rerun')
+  ctx.details['rerun_rc'] = rerun.rc
+  said = [l for l in rerun.stderr.splitlines() if 'metrics.jsonl' in l and ' lost' in l]
+  problems = check_exit(rerun, 're-run') + check_params(ctx, workdir)
+  return problems + ([] if len(said) == 1 else [f'{len(said)} lines about lost events, not 1'])
+
+
 def case_disk_full(ctx: Context, workdir: Path) -> list[str] | None:
   """The workdir on a tmpfs too small for the run; then enlarged and re-run. None: skipped."""
   workdir.mkdir()
@@ -450,6 +469,7 @@ CASES: dict[str, Callable[[Context, Path], list[str] | None]] = {
     'corrupt_config': lambda ctx, w: case_config(ctx, w, 'corrupt'),
     'missing_config': lambda ctx, w: case_config(ctx, w, 'missing'),
     'disk_full': case_disk_full,
+    'lost_metrics': case_lost_metrics,
 }
 
 

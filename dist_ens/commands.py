@@ -6,17 +6,23 @@ absl's leftover argv after the flags (absl.flags.FLAGS) are parsed.
 
 import contextlib
 import json
+import logging as std_logging
+import os
 import signal
 import sys
 import textwrap
+import traceback
 from collections.abc import Callable
-from typing import NamedTuple
+from pathlib import Path
+from typing import NamedTuple, NoReturn
 
+import ml_collections
 from absl import app, flags, logging
 
-from dist_ens import configuration
+from dist_ens import configuration, importing
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.parallel import distributed, xla_flags
+from dist_ens.training import workdir as workdir_lib
 
 FLAGS = flags.FLAGS
 GB = 1e9  # --memory_gb is in units of 1e9 bytes, as plan.py prints.
@@ -51,6 +57,10 @@ def _define_train_flags(fv: flags.FlagValues) -> None:
       'heartbeat_timeout_s', distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
       'Seconds without a heartbeat after which a process counts as dead and the run stops.',
       flag_values=fv)
+  flags.DEFINE_bool('verbose', False, "Also log the run's details (how each device runs its "
+                    "members, steps per call of the compiled step, the input pipeline's "
+                    "speed) with absl's prefix (level, time, source line) on every line.",
+                    flag_values=fv)
   flags.mark_flags_as_required(['config', 'workdir'], flag_values=fv)
 
 
@@ -73,7 +83,7 @@ def _define_report_flags(fv: flags.FlagValues) -> None:
 def _train_main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  logging.set_verbosity(logging.INFO)
+  _console_logging(FLAGS.verbose)
   launched = False
   try:
     with contextlib.suppress(Exception):  # (a config that fails to load: training says so)
@@ -83,23 +93,117 @@ def _train_main(argv: list[str]) -> None:
     launched = distributed.initialize(distributed.Launch(
         enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
         num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
-        init_timeout_s=FLAGS.init_timeout_s, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s))
+        init_timeout_s=FLAGS.init_timeout_s, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s),
+        newest_step=lambda: workdir_lib.newest_intact_step(FLAGS.workdir))
     from dist_ens import training  # pylint: disable=g-import-not-at-top
     result = training.train(FLAGS.config, FLAGS.workdir)
     if result.get('preempted'):  # Saved, but not finished: `dist-ens ... && next` must stop.
       sys.exit(128 + signal.Signals[result['signal']])
+    _say_where_things_went(FLAGS.workdir)
   except (ConfigError, TrainingError) as e:  # Expected failures: one clear line.
     if launched:
       logging.error('%s', e)  # In the log too, with this process's index.
       distributed.exit_without_barrier(f'dist-ens: error: {e}')
     sys.exit(f'dist-ens: error: {e}')
-  except Exception:  # pylint: disable=broad-except
-    if not launched:
-      raise
-    # A normal exit would wait for the other processes, which wait for this one.
-    logging.exception('this process failed (where a collective failed, another process '
-                      'probably failed first: see its log); stopping so the others stop too')
-    distributed.exit_without_barrier(1)
+  except Exception as e:  # pylint: disable=broad-except
+    if not launched and _user_code_field(e, FLAGS.config) is None:
+      raise  # A dist_ens bug or a library's failure: its traceback is the report.
+    _unexpected_failure(e, launched)
+
+
+def _unexpected_failure(error: Exception, launched: bool) -> NoReturn:
+  """Ends the process after an exception training did not expect: an error in the
+  user's own code (its traceback, then one line naming the config field that imports
+  it), another process of the run lost (one line), or else the traceback."""
+  field = _user_code_field(error, FLAGS.config)
+  line = field and (f'dist-ens: error: the code {field} names raised {type(error).__name__}: '
+                    f'{_first_line(error)} (its traceback is above).')
+  if not launched:
+    traceback.print_exception(error)
+    sys.exit(line)
+  # A normal exit would wait for the other processes, which wait for this one.
+  lost = distributed.lost_process_line(error, workdir_lib.newest_intact_step(FLAGS.workdir))
+  if lost is not None:
+    distributed.exit_lost(lost)
+  logging.exception('this process failed (where a collective failed, another process '
+                    'probably failed first: see its log); stopping so the others stop too',
+                    exc_info=error)
+  distributed.exit_without_barrier(line or 1)
+
+
+class _PlainFormatter(std_logging.Formatter):
+  """The lines a researcher reads: the message alone (absl's level, time, thread and
+  source line say nothing to them); a warning or error still says it is one."""
+
+  def format(self, record: std_logging.LogRecord) -> str:
+    text = super().format(record)
+    if record.levelno >= std_logging.WARNING:
+      return f'{record.levelname.lower()}: {text}'
+    return text
+
+
+def _console_logging(verbose: bool) -> None:
+  """INFO lines without absl's prefix; with --verbose, the run's details (logged at
+  DEBUG) too, in absl's own format. Only absl's logger goes to DEBUG: under app.run
+  absl sets Python's root logger to its verbosity, and JAX's DEBUG lines (every
+  compile's cache keys) would drown ours."""
+  logging.set_verbosity(logging.DEBUG if verbose else logging.INFO)
+  std_logging.getLogger().setLevel(std_logging.INFO)
+  std_logging.getLogger('absl').setLevel(std_logging.DEBUG if verbose else std_logging.INFO)
+  if not verbose:
+    logging.get_absl_handler().setFormatter(_PlainFormatter('%(message)s'))
+
+
+def _say_where_things_went(workdir: str) -> None:
+  from dist_ens.io import writers  # pylint: disable=g-import-not-at-top
+  if not writers.is_writer():
+    return
+  names = ('final_metrics.json', 'members.csv', 'metrics.jsonl', 'csv', 'tensorboard',
+           'checkpoints')
+  found = [n + ('/' if (Path(workdir) / n).is_dir() else '') for n in names
+           if (Path(workdir) / n).exists()]
+  logging.info('results in %s: %s; `dist-ens report --workdir=%s` draws the figures.', workdir,
+               ', '.join(found), workdir)
+
+
+def _first_line(error: BaseException) -> str:
+  text = str(error).strip()
+  return text.splitlines()[0][:300] if text else ''
+
+
+def _import_paths(node, field: str = 'config'):
+  """(field, value) for every import path ('pkg.module:attr') the config holds."""
+  if isinstance(node, dict):
+    for key, value in node.items():
+      yield from _import_paths(value, f'{field}.{key}')
+  elif isinstance(node, (list, tuple)):
+    for value in node:
+      yield from _import_paths(value, field)
+  elif importing.is_import_path(node):
+    yield field, node
+
+
+def _user_code_field(error: BaseException, config) -> str | None:
+  """The config field (as field='pkg.mod:f') whose import path leads to the code that
+  raised `error`: a user's factory, loader, loss... None when dist_ens or a library
+  raised it. dist_ens calls into the user's module first at the outermost of its
+  frames; several fields naming one module are told apart by the function's name."""
+  try:
+    paths = list(_import_paths(configuration.to_dict(config)))
+  except Exception:  # pylint: disable=broad-except  # (a config that did not load)
+    return None
+  by_file: dict[str, list[tuple[str, str]]] = {}
+  for field, value in paths:
+    module_file = getattr(sys.modules.get(value.partition(':')[0]), '__file__', None)
+    if module_file:
+      by_file.setdefault(os.path.realpath(module_file), []).append((field, value))
+  for frame, _ in traceback.walk_tb(error.__traceback__):
+    named = by_file.get(os.path.realpath(frame.f_code.co_filename))
+    if named:
+      field, value = next((f for f in named if f[1].split('.')[-1].split(':')[-1] ==
+                           frame.f_code.co_name), named[0])
+      return f'{field}={value!r}'
+  return None
 
 
 def _plan_main(argv: list[str]) -> None:
@@ -138,16 +242,56 @@ COMMANDS: dict[str, Command] = {
                     '[--json] [--calibrate]\n  Prints the memory the config\'s run needs per '
                     'device and the most members that fit, without training.',
                     _define_plan_flags, _plan_main),
-    'report': Command('dist-ens report --workdir=DIR\n  Writes DIR/report/: reliability '
-                      'diagrams, member-vs-ensemble bars, learning curves, report.md.',
+    'report': Command('dist-ens report --workdir=DIR\n  Writes DIR/report/ from a finished '
+                      'run: report.html (every table and figure in one file) and report.md, '
+                      'with figures as PNG and SVG: reliability diagrams (the ensemble, its '
+                      'best and worst member), every member\'s test accuracy, NLL and ECE '
+                      'beside the ensemble\'s, learning curves, accuracy and NLL against '
+                      'ensemble size; and, where the run has them, a hyperparameter sweep '
+                      'scatter and a comparison of its prediction methods.',
                       _define_report_flags, _report_main),
 }
+
+# What each group of configs/default.py holds, for --help (a group without a line here
+# is still listed, by name).
+GROUP_HELP: dict[str, str] = {
+    'mesh': 'how the devices are split between members, data and a model axis',
+    'model': 'a built-in model by name, or your own factory by import path',
+    'ensemble': 'the method (deep, batchensemble, mimo, snapshot, multiswag) and vmap/map',
+    'data': 'the dataset (built-in, TFDS or your loader), batch size, augmentation',
+    'optim': 'optimizer, learning rate, schedule (per-member values and sweeps)',
+    'train': 'steps, logging and evaluation cadence, micro-batches, steps per call',
+    'checkpoint': 'how often to save and how many to keep',
+    'select': 'keeping the best members by a validation metric',
+    'eval': 'evaluation batch size, OOD data, MC dropout, temperature scaling',
+}
+_DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / 'configs' / 'default.py'
+
+
+def config_groups() -> list[str]:
+  """The groups (sub-ConfigDicts) of configs/default.py, or GROUP_HELP's where the
+  package is installed without the repository's configs/."""
+  try:
+    config = configuration.load_config(_DEFAULT_CONFIG)
+  except ConfigError:
+    return list(GROUP_HELP)
+  return [k for k, v in config.items() if isinstance(v, ml_collections.ConfigDict)]
+
+
+def _print_config_groups() -> None:
+  print('\nconfig groups (--config.GROUP.FIELD=value; top-level fields such as num_members '
+        'too):')
+  for group in config_groups():
+    print(f'  {group:<11} {GROUP_HELP.get(group, "")}'.rstrip())
+  print('Every field, its default and what it means: docs/config.md.')
 
 
 def print_help(name: str, full: bool) -> None:
   fv = flags.FlagValues()
   COMMANDS[name].define_flags(fv)
-  print(f'usage: {COMMANDS[name].usage}\n')
+  for line in f'usage: {COMMANDS[name].usage}'.splitlines():
+    print(textwrap.fill(line, width=88, subsequent_indent='  '))
+  print()
   print('flags:')
   defined = [f for module_flags in fv.flags_by_module_dict().values() for f in module_flags]
   for flag in sorted(defined, key=lambda f: f.name):
@@ -155,6 +299,8 @@ def print_help(name: str, full: bool) -> None:
     default = f' (default: {flag.default_as_str})' if flag.default is not None else ''
     print(textwrap.fill(f'{spelt}: {" ".join(flag.help.split())}{default}', width=88,
                         initial_indent='  ', subsequent_indent='      '))
+  if 'config' in fv:
+    _print_config_groups()
   if full:
     print('\nabsl flags (logging, debugging):')
     print(FLAGS.get_help(prefix='  ', include_special_flags=False))

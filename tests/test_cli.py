@@ -96,6 +96,63 @@ def test_each_command_has_help_listing_its_flags(command, flags):
     assert '--config' not in listed and '--memory_gb' not in listed
 
 
+def test_help_lists_the_config_groups_and_points_to_the_config_reference(capsys):
+  from dist_ens import commands, configuration  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+  default = configuration.load_config(ROOT / 'configs' / 'default.py')
+  groups = [k for k, v in default.items() if isinstance(v, ml_collections.ConfigDict)]
+  assert {'data', 'model', 'optim', 'train', 'mesh'} <= set(groups)
+  for command in ('train', 'plan'):
+    commands.print_help(command, full=False)
+    out = capsys.readouterr().out
+    listed = re.findall(r'^  ([a-z_]+) ', out.split('config groups')[1], re.M)
+    assert listed == groups, out
+    assert 'docs/config.md' in out
+  commands.print_help('report', full=False)
+  assert 'config groups' not in capsys.readouterr().out
+
+
+def test_report_help_names_its_figures_and_the_html_page(capsys):
+  from dist_ens import commands  # pylint: disable=g-import-not-at-top
+  commands.print_help('report', full=False)
+  usage = ' '.join(capsys.readouterr().out.split('flags:')[0].split())
+  for described in ('report.html', 'report.md', 'reliability diagrams', 'learning curves',
+                    'against ensemble size', 'sweep scatter', 'beside the ensemble'):
+    assert described in usage, usage
+  assert 'bars' not in usage  # The members-vs-ensemble figure draws points, not bars.
+
+
+_DETAILS = ('each device runs its members with', 'steps per call of the compiled step',
+            'input: step takes')
+
+
+def test_the_console_shows_progress_results_and_where_they_went_details_at_verbose(tmp_path):
+  args = [*TINY, '--config.train.steps=20', '--config.train.log_every=10',
+          '--config.train.steps_per_call=10', '--config.num_members=2']
+  plain = _run(*args, f'--workdir={tmp_path / "plain"}')
+  assert plain.returncode == 0, plain.stderr[-3000:]
+  lines = plain.stderr.strip().splitlines()
+  assert not [line for line in lines if re.match(r'[IWEF]\d{4} ', line)], plain.stderr
+  assert not [d for d in _DETAILS if d in plain.stderr], plain.stderr
+  assert re.search(r'^step 20/20  loss mean', plain.stderr, re.M), plain.stderr
+  assert '| **ensemble** |' in plain.stderr
+  assert lines[-1] == (f'results in {tmp_path / "plain"}: final_metrics.json, members.csv, '
+                       'metrics.jsonl, tensorboard/, checkpoints/; `dist-ens report '
+                       f'--workdir={tmp_path / "plain"}` draws the figures.'), lines[-1]
+  verbose = _run(*args, f'--workdir={tmp_path / "verbose"}', '--verbose')
+  assert verbose.returncode == 0, verbose.stderr[-3000:]
+  assert all(d in verbose.stderr for d in _DETAILS), verbose.stderr
+  assert re.search(r'^I\d{4} .*progress.py:\d+\] step 20/20', verbose.stderr, re.M)
+  assert 'PERSISTENT COMPILATION CACHE' not in verbose.stderr  # No JAX debug lines.
+
+
+def test_counts_take_the_noun_in_the_right_number():
+  from dist_ens.io.tables import counted  # pylint: disable=g-import-not-at-top
+  assert [counted(n, 'cpu device') for n in (1, 2)] == ['1 cpu device', '2 cpu devices']
+  assert counted(1, 'process', 'processes') == '1 process'
+  assert counted(3, 'process', 'processes') == '3 processes'
+
+
 def test_plan_json_reports_the_plan():
   result = _run('plan', *TINY, '--json')
   assert result.returncode == 0, result.stderr
@@ -177,7 +234,7 @@ def test_ctrl_c_saves_a_checkpoint_and_stops_with_one_line(tmp_path, signum):
   assert 'Traceback' not in err, err
   saved = re.findall(r'saved the checkpoint at step (\d+) and stopped', err)
   assert len(saved) == 1, err
-  assert [line for line in err.splitlines() if 'progress.py' not in line][-1].endswith(
+  assert [line for line in err.splitlines() if not re.search(r'step \d+/', line)][-1].endswith(
       'run the same command again to resume.'), err
   if signum == signal.SIGTERM:
     return  # The resume is the same after either signal.

@@ -209,3 +209,22 @@ def test_importing_the_entry_point_touches_no_device():
   result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
                           timeout=60, cwd=ROOT, env=env)
   assert result.returncode == 0, result.stderr
+
+
+def test_a_collective_failed_by_a_lost_process_is_one_line(monkeypatch):
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  monkeypatch.setattr(jax, 'process_index', lambda: 1)
+  error = jax.errors.JaxRuntimeError(
+      'UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read error [127.0.0.1]:39823: '
+      'Connection reset by peer')
+  assert distributed.lost_process_line(error, 40) == (
+      'dist-ens: error: [process 1] lost process 0 of 2 (it died or stopped; see its log): '
+      'UNKNOWN: Gloo AllGather failed: [pair.cc:538] Read error [127.0.0.1]:39823: Connection '
+      'reset by peer; the newest intact checkpoint is at step 40: rerun the same command on '
+      'every process to resume from it.')
+  monkeypatch.setattr(jax, 'process_count', lambda: 4)  # Which of three: its log says.
+  assert 'lost another process of 4' in distributed.lost_process_line(error, None)
+  # Errors of another kind keep their traceback.
+  assert distributed.lost_process_line(jax.errors.JaxRuntimeError('RESOURCE_EXHAUSTED: out of '
+                                                                  'memory'), 40) is None
+  assert distributed.lost_process_line(ValueError('Connection reset by peer'), 40) is None

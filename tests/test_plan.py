@@ -84,6 +84,35 @@ def test_largest_m_is_the_last_that_fits(one_device, monkeypatch):
   assert at(plan.max_members) <= memory < at(plan.max_members + 1)
 
 
+def test_a_peak_that_more_than_doubles_prints_no_negative_fixed_part(one_device, monkeypatch):
+  # Peaks of 100 n^2 bytes at n members per device: from 4 to 8 members the peak grows
+  # by 4,800, 1,200 a member, more than the 400 a member that 1,600 at 4 averages.
+  monkeypatch.setattr(plan_lib.planner, 'step_memory', lambda compiled, n: (
+      plan_lib.dry_run.StepMemory(n, 100 * n * n, 0, 0, 0)))
+  _dry_run_of(monkeypatch, None)
+  plan = plan_lib.make_plan(_config(num_members=4), one_device, memory_bytes=10_000)
+  assert plan.bytes_per_member == 1_200 and plan.fixed_bytes == 0
+  assert plan.max_members == 4 + (10_000 - 1_600) // 1_200  # The line through the peak at 4.
+  text = plan_lib.format_plan(plan, _config(num_members=4))
+  assert not re.search(r'-[0-9]', text), text
+  assert 'the peak more than doubles at twice the members' in text
+
+
+def test_the_devices_own_memory_is_the_default_budget(one_device, monkeypatch):
+  class Accelerator:  # What an accelerator's memory_stats gives (bytes_limit).
+    def memory_stats(self):
+      return {'bytes_limit': 80_000_000, 'bytes_in_use': 0}
+  assert plan_lib.planner.device_memory_bytes(Accelerator()) == 80e6
+  assert plan_lib.planner.device_memory_bytes(one_device[0]) is None  # A CPU: unknown.
+  monkeypatch.setattr(plan_lib.planner, 'device_memory_bytes', lambda device: 80e6)
+  _dry_run_of(monkeypatch, None)
+  plan = plan_lib.make_plan(_config(num_members=4), one_device)
+  assert plan.memory_bytes == 80e6
+  at = lambda m: plan.peak_bytes + (m - 4) * plan.bytes_per_member
+  assert at(plan.max_members) <= 80e6 < at(plan.max_members + 1)
+  assert 'largest M that fits 0.08 GB per device' in plan_lib.format_plan(plan, _config())
+
+
 def test_a_cpu_plan_predicts_the_dry_runs_peak_shared_by_the_processs_devices(
     one_device, devices, monkeypatch):
   host = plan_lib.dry_run.HostMemory(programs=40_000_000, peak=64_000_000)
@@ -190,7 +219,7 @@ def test_command_line_prints_the_plan(capsys):
   assert re.search(rf'parameters per member +{MLP_PARAMS:,}\n', out)
   assert re.search(r'train FLOPs per example +[0-9,]+  \(per member: XLA cost analysis', out)
   assert re.search(r'train steps +2,000  \(31 per epoch\)', out)  # 4000 // 128 an epoch.
-  assert '2 member(s) per device' in out
+  assert 'over 8 cpu devices: 2 members per device' in out
   assert 'largest M that fits 0.50 GB per device x 4 member shard(s):' in out
 
 

@@ -242,5 +242,5 @@ def test_a_checkpoint_with_damaged_metadata_is_skipped(tmp_path, damage):
   dist_ens.train(_config(checkpoint__keep=3), str(tmp_path))
   (tmp_path / 'checkpoints' / '8' / 'meta' / 'metadata').write_bytes(damage)
   (tmp_path / 'final_metrics.json').unlink()
-  assert trainer._newest_meta(tmp_path / 'checkpoints')['step'] == 4
+  assert workdir_lib.newest_meta(tmp_path / 'checkpoints')['step'] == 4
   assert dist_ens.train(_config(checkpoint__keep=3), str(tmp_path))['step'] == 8

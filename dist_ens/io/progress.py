@@ -118,13 +118,15 @@ def progress_line(step: int, total: int, loss: np.ndarray, batch_metrics: dict[s
   """One log line: step, member loss mean/min/max, the task's batch metrics (train
   accuracy), throughput, ETA.
 
-  With the input figures: the examples per second the step consumed and the rate
-  the input pipeline could deliver (its examples per second of busy time).
+  With the input figures, at debug verbosity (dist-ens --verbose): the examples per
+  second the step consumed and the rate the input pipeline could deliver (its examples
+  per second of busy time), a detail only someone tuning the input needs.
   """
   line = (f'step {step}/{total}  loss mean {loss.mean():.4f} min {loss.min():.4f} '
           f'max {loss.max():.4f}  {metrics_text(batch_metrics)}  '
           f'{examples_per_s:,.0f} member-examples/s  ETA {_duration(eta_s)}')
-  if input_demand_per_s is not None and input_capacity_per_s is not None:
+  if (input_demand_per_s is not None and input_capacity_per_s is not None
+      and logging.level_debug()):
     line += (f'  input: step takes {input_demand_per_s:,.0f} ex/s, pipeline gives '
              f'{input_capacity_per_s:,.0f} ex/s')
   return line

@@ -33,6 +33,7 @@ report_plots draws the figures, report_pages writes report.md and report.html.
 """
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,14 +76,19 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
   Raises:
     FileNotFoundError: the run has not finished (no final_metrics.json) or has no
       restorable checkpoint.
+    ConfigError: final_metrics.json is damaged, or the task has no figures yet.
   """
+  workdir = Path(workdir)
+  try:  # First: a run that has not finished needs no matplotlib to say so.
+    final = read_final_metrics(workdir)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:  # Truncated or overwritten.
+    raise ConfigError(f'{workdir / "final_metrics.json"} is damaged ({e}); run the training '
+                      'command again on this workdir to rewrite it.') from None
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
     raise ImportError("dist-ens report draws with matplotlib: pip install 'dist_ens[report]'"
                       ) from None
-  workdir = Path(workdir)
-  final = read_final_metrics(workdir)
   ensemble = Ensemble.load(workdir, devices=devices)
   test = data.load_dataset(ensemble.config.data.name,
                            assemble.data_spec(ensemble.config)).test

@@ -21,6 +21,16 @@ def _member_metrics(results: dict[str, Any], ranking_only: bool = False) -> list
 _LABELS = {m.name: m.label for m in METRICS}
 
 
+def counted(n: int, noun: str, plural: str = '') -> str:
+  """'1 device', '4 devices': a count with its noun in the right number.
+
+  Example:
+    >>> counted(1, 'process', 'processes'), counted(2, 'member')
+    ('1 process', '2 members')
+  """
+  return f'{n} {noun if n == 1 else plural or noun + "s"}'
+
+
 def results_table(final: dict[str, Any]) -> str:
   """Per-member and ensemble test metrics as a Markdown table.
 

@@ -18,6 +18,7 @@ import json
 import logging as std_logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import jax
@@ -26,6 +27,7 @@ from absl import logging
 
 from dist_ens import configuration
 from dist_ens.errors import ConfigError
+from dist_ens.parallel import peer_watch
 
 # How long process 0's coordination service waits without a heartbeat before it
 # declares a process dead and tells the others to stop. JAX's default is 100 s;
@@ -98,13 +100,16 @@ def _check_launch(launch: Launch) -> None:
       raise ConfigError(f'--{name}={getattr(launch, name)} must be >= 1 second.')
 
 
-def initialize(launch: Launch) -> bool:
+def initialize(launch: Launch,
+               newest_step: Callable[[], int | None] = lambda: None) -> bool:
   """Starts jax.distributed if `launch` asks for it or a cluster job is detected.
 
   Must run before any other JAX call that touches a device.
 
   Args:
     launch: the flags; see Launch.
+    newest_step: the step a rerun would resume from, for the one line a process
+      prints when the coordination service reports another process lost.
 
   Returns:
     Whether jax.distributed was started.
@@ -146,6 +151,7 @@ def initialize(launch: Launch) -> bool:
       initialization_timeout=launch.init_timeout_s,
       heartbeat_timeout_seconds=launch.heartbeat_timeout_s)
   _prefix_log_lines(jax.process_index())
+  _watch_peers(launch.init_timeout_s, newest_step)
   logging.info('jax.distributed started: process %d of %d, %d local / %d global devices',
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
@@ -163,16 +169,84 @@ def exit_without_barrier(status: int | str) -> NoReturn:
   coordination service misses this process's heartbeat (--heartbeat_timeout_s)
   and stops every process.
 
+  The message is the last thing the process writes: one write(2) call, so no other
+  thread's output splits it, and then stdout and stderr go to /dev/null, so that JAX's
+  own report of the same failure (a C++ fatal error from its coordination client,
+  racing this one when process 0 died) does not follow it with 20 lines.
+
   Args:
     status: exit code, or a message for stderr with exit code 1 (as sys.exit).
   """
-  if isinstance(status, str):
-    print(status, file=sys.stderr)
   for handler in std_logging.getLogger().handlers:
     handler.flush()
   sys.stdout.flush()
   sys.stderr.flush()
+  if isinstance(status, str):
+    os.write(2, (status + '\n').encode())  # The process's stderr, whatever sys.stderr is.
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
   os._exit(status if isinstance(status, int) else 1)  # pylint: disable=protected-access
+
+
+# What a collective or the coordination service raises in a process whose peer died or
+# left (Gloo on CPUs; gRPC status names elsewhere).
+_PEER_LOST_TEXTS = ('Connection reset by peer', 'Connection closed by peer', 'Broken pipe',
+                    'Socket closed', 'heartbeat', 'UNAVAILABLE', 'coordination service',
+                    'Gloo', 'DEADLINE_EXCEEDED')
+
+
+def lost_process_line(error: BaseException, newest_step: int | None) -> str | None:
+  """One line for a process whose run lost another process (killed, crashed or stopped
+  by an error of its own) in a collective: which one, and the checkpoint a rerun resumes
+  from; None if `error` is not about a lost peer. Replaces a 40-line traceback of Gloo
+  or gRPC frames that says nothing a researcher can act on."""
+  if jax.process_count() < 2 or not isinstance(error, jax.errors.JaxRuntimeError):
+    return None
+  text = str(error)
+  if not any(lost in text for lost in _PEER_LOST_TEXTS):
+    return None
+  return _lost_line(jax.process_index(), jax.process_count(), None, text, newest_step)
+
+
+def _watch_peers(timeout_s: float, newest_step: Callable[[], int | None]) -> None:
+  """Starts peer_watch: a process that dies is reported at once, in one line."""
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  state = jax_distributed.global_state
+  me, count = jax.process_index(), jax.process_count()
+  host = state.coordinator_address.rsplit(':', 1)[0].strip('[]')
+
+  def on_lost(peer: int, reason: str) -> None:
+    exit_lost(_lost_line(me, count, [peer], reason, _safe(newest_step)))
+
+  peer_watch.PeerWatch(state.client, me, count, host, on_lost, timeout_s).start()
+
+
+def _safe(newest_step: Callable[[], int | None]) -> int | None:
+  try:
+    return newest_step()
+  except Exception:  # pylint: disable=broad-except  # The line matters more than the step.
+    return None
+
+
+def exit_lost(line: str) -> NoReturn:
+  """Ends this process with `line` (from lost_process_line), once: a collective that
+  failed and the peer watch may both see the same loss."""
+  peer_watch.say_once_and_exit(line, exit_without_barrier)
+
+
+def _lost_line(me: int, count: int, lost: list[int] | None, reason: str,
+               newest_step: int | None) -> str:
+  if not lost and count == 2:
+    lost = [1 - me]  # With two processes the lost one is the other.
+  who = (f'process {", ".join(map(str, lost))}' if lost else
+         'another process')  # Its own log says which.
+  resume = (f'the newest intact checkpoint is at step {newest_step}: rerun the same command '
+            'on every process to resume from it' if newest_step is not None else
+            'no checkpoint was saved yet: rerun the same command to start again')
+  reason = ' '.join(reason.split())[:200]
+  return (f'dist-ens: error: [process {me}] lost {who} of {count} (it died or stopped; see '
+          f'its log): {reason}; {resume}.')
 
 
 class _ProcessPrefix(std_logging.Filter):

@@ -44,6 +44,7 @@ from dist_ens.parallel import mesh as mesh_lib, sharding_rules
 from dist_ens.plan import calibration, dry_run
 from dist_ens.plan.dry_run import StepMemory, step_memory
 from dist_ens.errors import ConfigError
+from dist_ens.io.tables import counted
 
 GB = 1e9
 
@@ -79,7 +80,7 @@ class Plan(NamedTuple):
   step: StepMemory  # At the config's members per device.
   step_doubled: StepMemory  # At twice as many members per device.
   bytes_per_member: float  # What one more member on a device adds to its peak.
-  fixed_bytes: float  # Peak bytes that do not grow with members.
+  fixed_bytes: float  # Peak bytes that do not grow with members (>= 0).
   memory_bytes: float | None  # The device memory planned for (None: unknown).
   max_members: int | None  # Largest M (a multiple of mesh.member) that fits memory_bytes.
   # Training FLOPs of one member on one example (FLOPS_MEASURED); None if the
@@ -215,7 +216,9 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   step = step_memory(compiled, per_device)
   step_doubled = step_memory(dry_run.compile_step(doubled, config, form)[0], 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
-  fixed = step.peak - bytes_per_member * per_device
+  # Below zero where the peak more than doubles from M to 2M (XLA chose other fusions):
+  # the line then overstates the growth, and no part of the peak is fixed.
+  fixed = max(0.0, step.peak - bytes_per_member * per_device)
   state = parts.abstract_state
 
   m = config.num_members
@@ -269,9 +272,9 @@ def calibrate(config: ml_collections.ConfigDict,
   parts = assemble.build_run(config, devices=devices, shapes=data_shape(config)).parts
   best, seconds = calibration.calibrate(parts, config.data.batch_size)
   fastest = min(seconds.values())
-  lines = [f'calibrated on {parts.mesh.devices.flat[0].device_kind}, '
-           f'{calibration.members_per_device(parts)} member(s) per device (seconds per step, '
-           'median of 3 rounds of 5):']
+  per_device = counted(calibration.members_per_device(parts), 'member')
+  lines = [f'calibrated on {parts.mesh.devices.flat[0].device_kind}, {per_device} per device '
+           '(seconds per step, median of 3 rounds of 5):']
   lines += [f'  {calibration.label(form):<24} {s:10.5f}  {s / fastest:5.2f}x'
             + ('  <- cached for member_parallelism=auto' if form == best else '')
             for form, s in seconds.items()]
@@ -286,8 +289,8 @@ def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
   lines = [
       f'{plan.num_members} x {config.model.name} on {config.data.name}, batch '
       f'{config.data.batch_size} per member, optimizer {config.optim.name}',
-      f'mesh {plan.mesh_shape} over {devices} {plan.platform} device(s): '
-      f'{s.members_per_device} member(s) per device, run with {form}',
+      f'mesh {plan.mesh_shape} over {counted(devices, f"{plan.platform} device")}: '
+      f'{counted(s.members_per_device, "member")} per device, run with {form}',
       f'parameters per member          {plan.params_per_member:>16,}',
       (f'train FLOPs per example        {plan.flops_per_example:>16,.0f}  (per member: '
        f'{FLOPS_MEASURED})' if plan.flops_per_example is not None else
@@ -301,7 +304,7 @@ def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
       'parameters: path, shape [M, ...], spec, bytes per device',
       *(f'  {p.path:<36} {str(list(p.shape)):<18} {str(p.spec):<28} {p.bytes_per_device:>12,}'
         for p in plan.param_leaves),
-      f'compiled train step, bytes per device ({s.members_per_device} member(s)):',
+      f'compiled train step, bytes per device ({counted(s.members_per_device, "member")}):',
       f'  arguments                    {s.argument:>16,}  (state and batch)',
       f'  outputs                      {s.output:>16,}',
       f'  aliased (donated state)      {s.alias:>16,}',
@@ -309,18 +312,25 @@ def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
       f'  peak                         {s.peak:>16,}  (arguments + outputs - aliased + '
       'temporaries)',
       f'bytes per member               {plan.bytes_per_member:>16,.0f}  (peak growth per added '
-      f'member; fixed part {plan.fixed_bytes:,.0f})',
+      f'member; {_fixed_part(plan)})',
   ]
   lines += _program_lines(plan)
-  counted = 'state, step and programs' if plan.program_bytes else 'state and step'
+  counts = 'state, step and programs' if plan.program_bytes else 'state and step'
   if plan.memory_bytes is None:
     lines.append(f'largest M: this {plan.platform} device reports no memory size; pass '
                  '--memory_gb=G (the memory of ONE device) to get it.')
   else:
     lines.append(f'largest M that fits {plan.memory_bytes / GB:,.2f} GB per device x '
                  f'{plan.mesh_shape[mesh_lib.MEMBER]} member shard(s): {plan.max_members:,}'
-                 f' ({counted}; leave room for evaluation and the framework)')
+                 f' ({counts}; leave room for evaluation and the framework)')
   return '\n'.join(lines)
+
+
+def _fixed_part(plan: Plan) -> str:
+  if plan.fixed_bytes > 0 or plan.bytes_per_member <= 0:
+    return f'fixed part {plan.fixed_bytes:,.0f}'
+  return ('the peak more than doubles at twice the members, so this growth is an upper '
+          'bound and no part is fixed')
 
 
 def _program_lines(plan: Plan) -> list[str]:

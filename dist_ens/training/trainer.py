@@ -33,23 +33,6 @@ from dist_ens.training.preemption import PreemptionWatcher
 _CPU_SYNC_EVERY = 8
 
 
-def _newest_meta(directory: Path) -> dict[str, Any] | None:
-  """The meta item of the newest committed checkpoint, read as a plain file.
-
-  No orbax manager here: opening one is a collective across processes, and whether
-  the directory exists yet depends on which process got here first.
-  """
-  steps = sorted((int(d.name) for d in directory.glob('*') if d.name.isdigit()), reverse=True)
-  for step in steps:
-    try:
-      meta = json.loads((directory / str(step) / 'meta' / 'metadata').read_text())
-    except (OSError, ValueError):  # Unreadable, not UTF-8 or not JSON: damaged, skip it.
-      continue
-    if isinstance(meta, dict) and isinstance(meta.get('step'), int):  # Else damaged too.
-      return meta
-  return None
-
-
 def _saved_run(workdir: Path) -> tuple[dict[str, Any] | None, int | None]:
   """(the config the workdir's run was started with, the step of its newest checkpoint).
 
@@ -57,7 +40,7 @@ def _saved_run(workdir: Path) -> tuple[dict[str, Any] | None, int | None]:
   carries. (None, None) for a workdir without checkpoints: a run that failed before its
   first one left nothing to resume, so it does not bind the next run.
   """
-  meta = _newest_meta(workdir / 'checkpoints')
+  meta = workdir_lib.newest_meta(workdir / 'checkpoints')
   if meta is None:
     return None, None
   path = workdir / 'config.json'
@@ -192,8 +175,14 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   if not str(workdir).strip():
     raise configuration.ConfigError("--workdir is empty; name a directory for the run's files "
                                     '(e.g. --workdir=/tmp/run).')
+  workdir_lib.check_workdir(workdir)
   distributed.check_same_config(configuration.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
+  test = run.data.dataset.test
+  if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
+    raise configuration.ConfigError(
+        f'dataset {run.data.dataset.name!r} (config.data.name={config.data.name!r}) has an '
+        'empty test split: the run is evaluated on it; give it at least one example.')
   _check_sync_every(run.config, run.parts.mesh)
   writers.check_writer_names(config.writers)
   if loss is None:
@@ -210,22 +199,24 @@ def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.
   run = assemble.Run(config, parts, run_data, form)
   mesh, dataset = parts.mesh, run_data.dataset
   _prepare_workdir(workdir, config)
-  logging.info('mesh %s over %d of %d %s device(s), %d process(es); %d x %s on %s',
-               dict(mesh.shape), mesh.size, jax.device_count(), mesh.devices.flat[0].platform,
-               jax.process_count(), config.num_members, config.model.factory or config.model.name,
-               dataset.name)
+  logging.info('mesh %s over %d of %s, %s; %d x %s on %s', dict(mesh.shape), mesh.size,
+               tables.counted(jax.device_count(), f'{mesh.devices.flat[0].platform} device'),
+               tables.counted(jax.process_count(), 'process', 'processes'), config.num_members,
+               config.model.factory or config.model.name, dataset.name)
   checkpointer = run.checkpointer(workdir)
   restored = _restore_or_init(parts, checkpointer)
+  if restored.meta and 'jsonl' in config.writers and writers.is_writer():
+    workdir_lib.warn_missing_events(workdir, restored.step, config.train.log_every)
   if config.reproducible:
-    logging.info('reproducible mode: each device runs its members one at a time')
+    logging.debug('reproducible mode: each device runs its members one at a time')
     if (message := xla_flags.warning(mesh.devices.flat[0].platform)) is not None:
       logging.warning('%s', message)
   else:
-    logging.info('each device runs its members with %s%s', form[0],
+    logging.debug('each device runs its members with %s%s', form[0],
                  f' (chunks of {form[1]})' if form[1] else '')
   k = _steps_per_call(config, parts, run_data, restored.step, actions)
   if k > 1:
-    logging.info('%d steps per call of the compiled step', k)
+    logging.debug('%d steps per call of the compiled step', k)
   train_step = run.step(k, loss)
   batches = run.batches(restored.data_state, k, with_index=train_step.uses_index)
   writer = writers.MultiWriter(

@@ -1,5 +1,6 @@
-"""The workdir's safety: one run at a time (a lock that a second run finds), and a full
-disk reported in one line.
+"""The workdir's safety: a workdir that cannot be written refused in one line before
+anything runs, one run at a time (a lock that a second run finds), a full disk
+reported in one line, and a resume that finds events missing says so.
 
 workdir/.lock is held with flock(2) for as long as the run lives, and holds who
 holds it ({"host", "pid", "started"}) for the message a second run prints. The
@@ -33,6 +34,31 @@ from dist_ens.checkpoint import FULL_DISK_TEXTS
 from dist_ens.errors import ConfigError, TrainingError
 
 LOCK_NAME = '.lock'
+
+
+def check_workdir(workdir: str | os.PathLike) -> None:
+  """Refuses a workdir that cannot be created or written, before anything is compiled:
+  otherwise the first mkdir or lock fails deep in start-up with a long traceback.
+
+  Raises:
+    ConfigError: it is a file, a file stands where a parent directory should be, or
+      the nearest existing directory is not writable (a read-only filesystem, or
+      permissions).
+  """
+  path = Path(workdir).absolute()
+  if path.exists() and not path.is_dir():
+    raise ConfigError(f'--workdir={workdir} is a file, not a directory; name a directory '
+                      '(new or holding a run to resume).')
+  existing = path
+  while not existing.exists() and existing != existing.parent:
+    existing = existing.parent
+  if not existing.is_dir():
+    raise ConfigError(f'--workdir={workdir} cannot be created: {existing} is a file, not a '
+                      'directory; name a directory elsewhere.')
+  if not os.access(existing, os.W_OK | os.X_OK):
+    what = 'the workdir' if existing == path else f'{existing}, where it would be created,'
+    raise ConfigError(f'--workdir={workdir}: {what} is not writable (a read-only '
+                      'filesystem, or permissions); name a directory this user can write.')
 
 
 class WorkdirInUse(ConfigError):
@@ -72,8 +98,14 @@ class WorkdirLock:
     Raises:
       WorkdirInUse: another live run holds it (nothing is written then).
     """
-    self.workdir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # The umask decides the mode.
+    try:
+      self.workdir.mkdir(parents=True, exist_ok=True)
+      fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # The umask decides the mode.
+    except OSError as e:  # What check_workdir could not foresee (e.g. a .lock not ours).
+      if e.errno in _FULL_ERRNOS:
+        raise  # disk_full says it in one line.
+      raise ConfigError(f'cannot open {self.path}: {e.strerror}; name a --workdir this user '
+                        'can write.') from None
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -158,9 +190,28 @@ def _out_of_space(error: BaseException) -> str | None:
   return None
 
 
-def _newest_checkpoint(workdir: Path) -> int | None:
-  steps = [int(d.name) for d in (workdir / 'checkpoints').glob('*') if d.name.isdigit()]
-  return max(steps, default=None)
+def newest_meta(directory: Path) -> dict[str, Any] | None:
+  """The meta item of the newest intact committed checkpoint in `directory`, read as
+  a plain file (orbax commits a checkpoint by renaming it to its step number).
+
+  No orbax manager here: opening one is a collective across processes, and whether
+  the directory exists yet depends on which process got here first.
+  """
+  steps = sorted((int(d.name) for d in directory.glob('*') if d.name.isdigit()), reverse=True)
+  for step in steps:
+    try:
+      meta = json.loads((directory / str(step) / 'meta' / 'metadata').read_text())
+    except (OSError, ValueError):  # Unreadable, not UTF-8 or not JSON: damaged, skip it.
+      continue
+    if isinstance(meta, dict) and isinstance(meta.get('step'), int):  # Else damaged too.
+      return meta
+  return None
+
+
+def newest_intact_step(workdir: str | os.PathLike) -> int | None:
+  """The step of the newest checkpoint in the workdir that a rerun resumes from."""
+  meta = newest_meta(Path(workdir) / 'checkpoints')
+  return None if meta is None else meta['step']
 
 
 def disk_full(error: BaseException, workdir: str | os.PathLike) -> DiskFull | None:
@@ -170,9 +221,50 @@ def disk_full(error: BaseException, workdir: str | os.PathLike) -> DiskFull | No
   if reason is None:
     return None
   workdir = Path(workdir)
-  step = _newest_checkpoint(workdir)
+  step = newest_intact_step(workdir)
   kept = (f'the checkpoint at step {step} is intact' if step is not None else
           'no checkpoint was saved yet')
   return DiskFull(f'writing into {workdir} failed: {reason} (the disk, a quota or a file-size '
                   f'limit is full); {kept}: free some space and run the same command again to '
                   f'{"resume" if step is not None else "start"}.')
+
+
+def warn_missing_events(workdir: str | os.PathLike, step: int, log_every: int) -> None:
+  """Warns once when a run resuming from its checkpoint at `step` finds metrics.jsonl
+  without the train events up to it (deleted, truncated or replaced since): the
+  checkpoint is saved after every event of its step, so they were written, and the
+  resumed run appends after the gap without filling it."""
+  due = step - step % log_every if log_every else 0  # The last train event before `step`.
+  if due <= 0:
+    return
+  path = Path(workdir) / 'metrics.jsonl'
+  last = _last_train_step(path, step)
+  if last is None:
+    logging.warning('%s is missing: the events of steps 1-%d are lost; the run resumes from '
+                    'its checkpoint at step %d and writes the events from there on.', path,
+                    step, step)
+  elif last < due:
+    logging.warning('%s ends at step %d but the run resumes from its checkpoint at step %d: '
+                    'the events of steps %d-%d are lost (the file was truncated or replaced).',
+                    path, last, step, last + 1, step)
+
+
+def _last_train_step(path: Path, through: int) -> int | None:
+  """The newest step up to `through` with a train event in the JSONL file at `path`
+  (0 for none; None if there is no file)."""
+  try:
+    text = path.read_text(encoding='utf-8', errors='replace')
+  except FileNotFoundError:
+    return None
+  last = 0
+  for line in text.splitlines():
+    try:
+      event = json.loads(line)
+    except json.JSONDecodeError:
+      continue  # A line torn by a crash.
+    if not isinstance(event, dict) or event.get('split') != 'train':
+      continue
+    step = event.get('step')
+    if isinstance(step, int) and step <= through:
+      last = max(last, step)
+  return last
