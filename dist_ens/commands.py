@@ -256,14 +256,15 @@ COMMANDS: dict[str, Command] = {
 # is still listed, by name).
 GROUP_HELP: dict[str, str] = {
     'mesh': 'how the devices are split between members, data and a model axis',
-    'model': 'a built-in model by name, or your own factory by import path',
-    'ensemble': 'the method (deep, batchensemble, mimo, snapshot, multiswag) and vmap/map',
-    'data': 'the dataset (built-in, TFDS or your loader), batch size, augmentation',
+    'model': 'a built-in model or your own factory; pretrained weights (init_from)',
+    'ensemble': 'the method (deep, batchensemble, ...), what members own (head, lora), vmap/map',
+    'data': 'the dataset (built-in, UCI, TFDS or your loader), batch, orders, k-fold splits',
     'optim': 'optimizer, learning rate, schedule (per-member values and sweeps)',
     'train': 'steps, logging and evaluation cadence, micro-batches, steps per call',
     'checkpoint': 'how often to save and how many to keep',
     'select': 'keeping the best members by a validation metric',
-    'eval': 'evaluation batch size, OOD data, MC dropout, temperature scaling',
+    'eval': 'OOD data, shift, conformal sets, your metrics, MC dropout, temperature scaling',
+    'pbt': 'population-based training over the members (exploit and explore)',
 }
 _DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / 'configs' / 'default.py'
 

@@ -7,6 +7,10 @@
 #   launch/tpu_pod.sh --name my-pod --zone us-central2-b --setup -- \
 #       --config=configs/default.py --workdir=gs://bucket/runs/ens --config.num_members=64
 #
+# Members larger than a chip: add --config.mesh.model=K (K chips per member, neighbours in
+# (process, device) order, so a K dividing the chips per host keeps a member on one host)
+# with --config.mesh.member across hosts; docs/multihost.md lays out a slice.
+#
 # Options (before --; everything after -- goes to `python3 -m dist_ens.main`):
 #   --name NAME        TPU VM name (required)
 #   --zone ZONE        its zone (required)

@@ -43,6 +43,7 @@ import jax
 import numpy as np
 
 from dist_ens import assemble, data
+from dist_ens.errors import ConfigError
 from dist_ens.inference import Ensemble, GaussianPrediction, Prediction
 from dist_ens.io import report_plots as plots
 from dist_ens.io import report_pbt, report_regression

@@ -32,7 +32,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -222,17 +222,10 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   state = parts.abstract_state
 
   m = config.num_members
-  # All trained parameters over M: a shared (BatchEnsemble) weight counts 1/M per member.
-  params_per_member = round(sum(leaf.size for leaf in jax.tree.leaves(state.params)) / m)
-  # Leaves with axes only: the replicated step counter belongs to no member.
-  state_bytes_per_member = sum(leaf.size * leaf.dtype.itemsize
-                               for leaf in jax.tree.leaves(state) if leaf.ndim) // m
+  params_per_member, state_bytes_per_member = _per_member_sizes(state, m)
   memory_bytes = device_memory_bytes(mesh.devices.flat[0]) if memory_bytes is None else memory_bytes
   peak = _peak(step, host, len(mesh.local_devices))
-  max_members = None
-  if memory_bytes is not None and bytes_per_member > 0:  # The peak's line through M.
-    max_members = max(0, math.floor((memory_bytes - peak + bytes_per_member * per_device)
-                                    / bytes_per_member)) * shards
+  max_members = _max_members(memory_bytes, peak, bytes_per_member, per_device, shards)
   return Plan(
       num_members=m, mesh_shape=dict(mesh.shape), platform=platform, parallelism=parallelism,
       map_batch_size=map_batch_size, params_per_member=params_per_member,
@@ -244,6 +237,25 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       program_bytes=host.programs if host else None,
       dry_run_peak_bytes=host.peak if host else None,
       peak_bytes=peak, **_placement(parts))
+
+
+def _per_member_sizes(state: Any, m: int) -> tuple[int, int]:
+  """(parameters, state bytes) per member: all trained parameters over M (a shared weight
+  counts 1/M per member); leaves with axes only (the step counter belongs to no member)."""
+  params = round(sum(leaf.size for leaf in jax.tree.leaves(state.params)) / m)
+  state_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
+                    if leaf.ndim) // m
+  return params, state_bytes
+
+
+def _max_members(memory_bytes: float | None, peak: float, bytes_per_member: float,
+                 per_device: int, shards: int) -> int | None:
+  """The largest M whose peak (the line through M's peak with slope bytes_per_member)
+  fits memory_bytes; None without a budget or a growth to extrapolate."""
+  if memory_bytes is None or bytes_per_member <= 0:
+    return None
+  return max(0, math.floor((memory_bytes - peak + bytes_per_member * per_device)
+                           / bytes_per_member)) * shards
 
 
 def _placement(parts: assemble.Parts) -> dict:

@@ -61,6 +61,8 @@ class EvaluateDecisions(PeriodicAction):
     if not sets and run_data.validation is None and ctx.parts.task.predict is not None:
       return  # a regression run without shift or validation: nothing to report
     mask = ~np.asarray(ctx.fetch(ctx.evaluator.view(ctx.state).frozen), bool)
+    if not mask.any():
+      return  # every member diverged: no ensemble to decide with (the trainer says so)
     fit, test = None, run_data.dataset.test
     with ctx.off_clock():
       if run_data.validation is not None:
