@@ -158,3 +158,26 @@ def test_population_based_training_is_refused_with_a_member_split(tmp_path):
   config.optim.learning_rate = 'loguniform(1e-4,1e-2)'
   with pytest.raises(ConfigError, match='data.member_split'):
     dist_ens.train(config, str(tmp_path))
+
+
+def test_held_out_parts_of_different_sizes_share_one_evaluation_program(tmp_path):
+  """kfold:3 of MNIST-1D's 4,000 training examples gives parts of 1,334, 1,333 and 1,333,
+  below the evaluation batch: one compiled evaluation program for all three."""
+  from dist_ens.eval import evaluate  # pylint: disable=import-outside-toplevel
+  traces = []
+  original = evaluate.evaluate_split
+
+  def counting(eval_step, *args, **kwargs):
+    out = original(eval_step, *args, **kwargs)
+    traces.append(eval_step._cache_size())  # pylint: disable=protected-access
+    return out
+
+  evaluate.evaluate_split = counting
+  try:
+    config = _config('kfold:3', members=3)
+    config.train.steps, config.checkpoint.every, config.eval.batch_size = 20, 20, 2000
+    final = dist_ens.train(config, str(tmp_path))
+  finally:
+    evaluate.evaluate_split = original
+  assert [p['held_out'] for p in final['member_split']['per_split']] == [1334, 1333, 1333]
+  assert len(set(traces[-3:])) == 1  # The held-out parts compiled nothing new.

@@ -17,7 +17,6 @@ The split ensembles evaluate all M members on each held-out part and read off th
 S times the members' work of the smallest program, and one program, not S.
 """
 
-import copy
 from typing import Any
 
 import jax
@@ -26,6 +25,7 @@ from absl import logging
 
 from dist_ens import data
 from dist_ens.data.member_split import aggregate
+from dist_ens.eval import evaluate
 from dist_ens.parallel.mesh import member_sharding
 from dist_ens.training.loop import Context, PeriodicAction
 
@@ -39,17 +39,20 @@ def evaluate_held_out(ctx: Context) -> dict[str, Any]:
   splits: data.MemberSplits = ctx.run_data.member_splits
   m, e = ctx.config.num_members, splits.members_per_split
   frozen = np.asarray(ctx.fetch(ctx.state.frozen), bool)
-  train = ctx.run_data.dataset.train
-  evaluator = copy.copy(ctx.evaluator)  # One batch size for all parts: one program.
-  evaluator.batch_size = min(ctx.config.eval.batch_size, max(map(len, splits.held_out)))
+  train, ev = ctx.run_data.dataset.train, ctx.evaluator
+  # One batch size for every part (smaller ones padded): one compiled program.
+  batch = min(ctx.config.eval.batch_size, max(map(len, splits.held_out)))
+  members_view = ev.view(ctx.state)
+  variables = (members_view.params, members_view.model_state)
   members: dict[str, list[float]] = {}
   per_split = []
   for s, held in enumerate(splits.held_out):
     mask = np.zeros(m, bool)
     mask[s * e:(s + 1) * e] = True
     mask &= ~frozen
-    results = evaluator.evaluate(ctx.state, data.Split(*train.read(held)),
-                                 jax.device_put(mask, member_sharding(ctx.parts.mesh)))
+    results = evaluate.evaluate(ev.eval_step, variables, data.Split(*train.read(held)), batch,
+                                ev.mesh, jax.device_put(mask, member_sharding(ctx.parts.mesh)),
+                                ev.finalize)
     for name, values in results['members'].items():
       if np.ndim(values) == 1 and len(values) == m:
         members.setdefault(name, []).extend(np.asarray(values, float)[s * e:(s + 1) * e])
