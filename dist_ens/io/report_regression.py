@@ -34,7 +34,7 @@ from dist_ens.inference import GaussianPrediction
 from dist_ens.io import report_plots as plots
 from dist_ens.io.report_data import finite_mean, read_events
 from dist_ens.io.report_pages import Figure
-from dist_ens.io.report_stats import _spread_sizes, _subsets, subset_stat
+from dist_ens.io.report_stats import over_subsets, subset_stat
 
 LEVELS = np.array(reg.CALIBRATION_LEVELS)  # 0.05, 0.10, ..., 0.95
 SCATTER_LEVEL = 0.9
@@ -124,22 +124,11 @@ def ensemble_size_curves(member_mean: np.ndarray, member_variance: np.ndarray, y
                          max_sizes: int = 24) -> SizeCurves:
   """RMSE and NLL of the mixtures of k of `members`, k = 1..len(members), with the subsets
   report_stats.ensemble_size_spread draws (every one when there are at most num_subsets)."""
-  members = np.asarray(list(members), int)
   means = _per_value(member_mean, members=True)
   variances = _per_value(member_variance, members=True)
   y = _per_value(y, members=False)
-  rng = np.random.default_rng(seed)
-  sizes = _spread_sizes(len(members), max_sizes)
-  rmse = np.full((len(sizes), num_subsets), np.nan)
-  nll = np.full((len(sizes), num_subsets), np.nan)
-  counts = []
-  for i, k in enumerate(sizes):
-    subsets = _subsets(len(members), int(k), num_subsets, rng)
-    counts.append(len(subsets))
-    for j, subset in enumerate(subsets):
-      chosen = members[list(subset)]
-      rmse[i, j], nll[i, j] = mixture_rmse_nll(means[chosen], variances[chosen], y)
-  return SizeCurves(sizes, np.array(counts, int), rmse, nll)
+  rmse_nll = lambda chosen: mixture_rmse_nll(means[chosen], variances[chosen], y)
+  return SizeCurves(*over_subsets(members, rmse_nll, num_subsets, seed, max_sizes))
 
 
 def scatter_sample(n: int, max_points: int = SCATTER_POINTS, seed: int = 0) -> np.ndarray:

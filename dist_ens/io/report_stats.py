@@ -4,7 +4,7 @@ ensemble size (plain numpy, no plotting)."""
 import itertools
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -172,17 +172,29 @@ def ensemble_size_spread(member_probs: np.ndarray, labels: np.ndarray,
   Returns:
     SizeSpread over the sizes 1..len(members).
   """
-  members = np.asarray(list(members), int)
   labels = np.asarray(labels)
+
+  def accuracy_nll(chosen):
+    return _accuracy_nll(member_probs[chosen].sum(0, dtype=np.float64) / len(chosen), labels)
+
+  return SizeSpread(*over_subsets(members, accuracy_nll, num_subsets, seed, max_sizes))
+
+
+def over_subsets(members: Sequence[int], pair: Callable[[np.ndarray], tuple[float, float]],
+                 num_subsets: int, seed: int, max_sizes: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """(sizes [K], subsets per size [K], a [K, S], b [K, S]): `pair(chosen member indices)`
+  -> (a, b) for the subsets of each spread size that _subsets draws from
+  default_rng(seed) (NaN where a size has fewer than num_subsets)."""
+  members = np.asarray(list(members), int)
   rng = np.random.default_rng(seed)
   sizes = _spread_sizes(len(members), max_sizes)
-  accuracy = np.full((len(sizes), num_subsets), np.nan)
-  nll = np.full((len(sizes), num_subsets), np.nan)
+  a = np.full((len(sizes), num_subsets), np.nan)
+  b = np.full((len(sizes), num_subsets), np.nan)
   counts = []
   for i, k in enumerate(sizes):
     subsets = _subsets(len(members), int(k), num_subsets, rng)
     counts.append(len(subsets))
     for j, subset in enumerate(subsets):
-      mean = member_probs[members[list(subset)]].sum(0, dtype=np.float64) / k
-      accuracy[i, j], nll[i, j] = _accuracy_nll(mean, labels)
-  return SizeSpread(sizes, np.array(counts, int), accuracy, nll)
+      a[i, j], b[i, j] = pair(members[list(subset)])
+  return sizes, np.array(counts, int), a, b
