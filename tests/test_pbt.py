@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import dist_ens
+from test_methods import _Stop  # An action that fails after a step's checkpoint: a kill.
 from dist_ens import specs
 from dist_ens.configuration import load_config
 from dist_ens.core import hparams as hparams_lib
@@ -146,23 +147,6 @@ class _Capture:
     if ctx.step == self.step:
       self.seen = (jax.device_get(ctx.state), jax.device_get(ctx.hparams),
                    dict(ctx.results['pbt']))
-
-  def on_end(self, ctx):
-    pass
-
-  def close(self):
-    pass
-
-
-class _Stop:
-  """Fails once the run passes `step` (after that step's checkpoint): a kill."""
-
-  def __init__(self, step):
-    self.step = step
-
-  def on_step(self, ctx):
-    if ctx.step > self.step:
-      raise RuntimeError('injected fault')
 
   def on_end(self, ctx):
     pass
