@@ -68,10 +68,26 @@ port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print
 state="$(mktemp -d)"
 
 kill_all() {
-  # TERM each `timeout`, which passes it on to its process and SIGKILLs it kill_after s later.
-  local f
+  # TERM each process itself, then KILL it kill_after s later if it is still there. Not
+  # through its `timeout`: GNU timeout passes a signal on twice (to the process and to
+  # its process group), and dist_ens reads a second SIGTERM as "stop now, unsaved".
+  local f pid child
   for f in "$state"/pid.*; do
-    [[ -e "$f" ]] && kill -TERM "$(cat "$f")" 2>/dev/null || true
+    [[ -e "$f" ]] || continue
+    pid="$(cat "$f")"
+    child="$(pgrep -P "$pid" 2>/dev/null | head -n 1)"
+    if [[ -z "$child" ]]; then  # Not started yet (or no pgrep): timeout passes it on.
+      kill -TERM "$pid" 2>/dev/null || true
+      continue
+    fi
+    kill -TERM "$child" 2>/dev/null || true
+    (
+      for ((t = 0; t < kill_after * 10; t++)); do
+        kill -0 "$child" 2>/dev/null || exit 0
+        sleep 0.1
+      done
+      kill -KILL "$child" 2>/dev/null
+    ) &
   done
 }
 # Ctrl-C or a scheduler's SIGTERM: pass it on (dist_ens saves a checkpoint and
