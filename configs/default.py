@@ -99,11 +99,16 @@ def get_config() -> ml_collections.ConfigDict:
   # predicts) or 'multiswag' (SWAG per member: swag.samples weight samples predict).
   config.ensemble.method = 'deep'
   # Which params leaves each member owns (stacked, trained; docs/pretrained.md): 'all',
-  # 'head' (the output layer), 'lora' (the head and LoRA factors of the kernels) or a
-  # regex of leaf names ('^head/'). Every other leaf is shared: stored once, frozen (no
-  # gradient, no optimizer state); with method='deep'.
+  # 'head' (the output layer), 'lora' (the head and LoRA factors of the kernels),
+  # 'batchensemble' (= method='batchensemble') or a regex of leaf names ('^head/'). Every
+  # other leaf is shared: stored once, frozen (no gradient, no optimizer state) unless
+  # train_shared; with method='deep'.
   config.ensemble.own = 'all'
-  # own='lora': each member's kernel is W + (alpha / rank) * A @ B, W shared and frozen.
+  # True: the shared leaves train as one leaf each (LoRA's W too), by the sum of the
+  # members' gradients, with one optimizer state and member 0's hyperparameters.
+  config.ensemble.train_shared = False
+  # own='lora': each member's kernel is W + (alpha / rank) * A @ B, W shared (frozen
+  # unless train_shared).
   config.ensemble.lora_rank = 8
   config.ensemble.lora_alpha = 0.0  # the factors' scale is alpha / rank; 0 = rank (scale 1)
   # A regex of the kernels to adapt ('attn/|mlp/'); '' = every 2-D kernel but the head.

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import ml_collections
+from absl import logging
 
 from dist_ens import importing, specs, tasks
 # Re-exported: main and commands read the override diagnostics from here.
@@ -112,8 +113,19 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
            config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
   # Per-member fields: numbers, lists of M numbers or specs.
-  hparams.resolve(specs.hparams_spec(config))
+  resolved = hparams.resolve(specs.hparams_spec(config))
   _validate_pbt(config, by_epochs)
+  _warn_shared_optimizer(config, resolved)
+
+
+def _warn_shared_optimizer(config: ml_collections.ConfigDict, resolved: dict[str, Any]) -> None:
+  """ensemble.train_shared: the shared leaves take one optimizer, with member 0's
+  hyperparameters; a sweep of optim.* over members is said to reach only the owned ones."""
+  varying = [k for k in hparams.varying(resolved) if k.startswith('optim.')]
+  if _get(config, 'ensemble.train_shared') is True and varying:
+    logging.warning('config.ensemble.train_shared=True: the shared leaves train with member '
+                    "0's %s; config.hparams' sweep of them over members applies to each "
+                    "member's own leaves only.", ', '.join(varying))
 
 
 def _validate_select(config: ml_collections.ConfigDict) -> None:
@@ -261,7 +273,8 @@ MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'fsdp_over_data': False, 'rule
 DATA_FIELDS = {'member_split': ''}
 EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1, 'shift_baseline': ''}
 MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
-ENSEMBLE_FIELDS = {'own': 'all', 'lora_rank': 8, 'lora_alpha': 0.0, 'lora_targets': ''}
+ENSEMBLE_FIELDS = {'own': 'all', 'lora_rank': 8, 'lora_alpha': 0.0, 'lora_targets': '',
+                   'train_shared': False}
 # Fields added to a group since format 2: {group: {field: the value runs had before}}.
 GROUP_FIELDS = {'mesh': MESH_FIELDS, 'data': DATA_FIELDS, 'eval': EVAL_FIELDS,
                 'model': MODEL_FIELDS, 'ensemble': ENSEMBLE_FIELDS}

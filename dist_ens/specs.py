@@ -57,7 +57,8 @@ def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
       swag_start=ensemble.swag.start, swag_every=ensemble.swag.every,
       swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples, own=ensemble.own,
       lora_rank=ensemble.lora_rank, lora_alpha=ensemble.lora_alpha,
-      lora_targets=ensemble.lora_targets)
+      lora_targets=ensemble.lora_targets,
+      train_shared=_field(config, 'ensemble.train_shared'))
 
 
 def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:

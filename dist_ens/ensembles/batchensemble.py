@@ -20,7 +20,9 @@ and the rest is
 stacked over 'member' like any member's state. Members train in one pass: each
 member's loss and gradients are a deep member's (its own batch, dropout and
 BatchNorm); W's gradient is the mean over the members' (of those not frozen, over
-every device) and W takes one optimizer step. The rank-1 form is applied to the
+every device) and W takes one optimizer step, with member 0's hyperparameters.
+(config.ensemble.train_shared trains own's shared leaves with this update, by the
+SUM of the members' gradients: ensembles/own.py.) The rank-1 form is applied to the
 parameters, so any model (Flax, Equinox, Haiku, plain JAX) works unchanged; a
 member's kernel is formed each step, so a step costs a deep ensemble's compute
 while the state holds one W instead of M.
@@ -118,24 +120,35 @@ def split(params: PyTree) -> tuple[PyTree, PyTree]:
 
 def merge(shared: PyTree, own: PyTree) -> PyTree:
   """The params that split() cut into (shared, own)."""
-  return jax.tree.map(lambda s, o: {**s, **o}, shared, own,
-                      is_leaf=lambda x: _is_entry(x, ({SHARED}, set(SHARED_KEYS), set())))
+  return jax.tree.map(lambda s, o: {**s, **o}, shared, own, is_leaf=_is_shared_part)
+
+
+def _is_shared_part(x: Any) -> bool:
+  return _is_entry(x, ({SHARED}, set(SHARED_KEYS), set()))
+
+
+def _trained(shared: PyTree) -> PyTree:
+  """The shared part's trained leaves, each entry's W: a LoRA scale is a constant."""
+  return jax.tree.map(lambda e: {k: v for k, v in e.items() if k == SHARED}, shared,
+                      is_leaf=_is_shared_part)
 
 
 def init_opt_state(optimizer, params: PyTree, hparams: dict[str, jax.Array]) -> PyTree:
-  """{'shared': one optimizer state for the W's, 'members': each member's for the rest}."""
+  """{'shared': one optimizer state for the W's, with member 0's hyperparameters,
+  'members': each member's for the rest}."""
   shared, own = split(params)
   first = {k: v[0] for k, v in hparams.items()}
-  return {SHARED: optimizer(first).init(shared),
+  return {SHARED: optimizer(first).init(_trained(shared)),
           'members': jax.vmap(lambda hp, p: optimizer(hp).init(p))(hparams, own)}
 
 
 def members_update(results: Callable[..., Any], apply: Callable[..., Any], optimizer,
                    parallelism: str, batch_axis: int | None,
-                   map_batch_size: int | None = None) -> Callable[..., Any]:
+                   map_batch_size: int | None = None, mean: bool = True) -> Callable[..., Any]:
   """update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over
   a device's block of members (step.member_results_fn's `results`, member_apply_fn's
-  `apply`): each member's own leaves step as a deep member's; W by the mean gradient."""
+  `apply`): each member's own leaves step as a deep member's; W by the mean gradient
+  (mean=False: the sum, the gradient of the members' summed losses)."""
 
   def one(shared, own, model_state, hp, member, step, x, y, index):
     params, vjp = jax.vjp(lambda s, o: member_params(merge(s, o)), shared, own)
@@ -154,16 +167,18 @@ def members_update(results: Callable[..., Any], apply: Callable[..., Any], optim
                                          index)
     own, model_state, own_opt, frozen, metrics = member_apply(
         own, model_state, opt_state['members'], frozen, hp, result)
-    # The mean over members still training, on every device: frozen members' (maybe
-    # non-finite) gradients are left out with a select, not multiplied by zero.
+    # The sum (or mean) over members still training, on every device: frozen members'
+    # (maybe non-finite) gradients are left out with a select, not multiplied by zero.
     count = jax.lax.psum(jnp.sum(~frozen), MEMBER)
+    total = lambda g: jax.lax.psum(jnp.sum(jnp.where(
+        frozen.reshape((-1,) + (1,) * (g.ndim - 1)), 0, g), axis=0), MEMBER)
     grad = jax.tree.map(
-        lambda g: jax.lax.psum(jnp.sum(jnp.where(
-            frozen.reshape((-1,) + (1,) * (g.ndim - 1)), 0, g), axis=0), MEMBER) /
-        jnp.maximum(count, 1).astype(g.dtype), grad_shared)
+        lambda g: total(g) / jnp.maximum(count, 1).astype(g.dtype) if mean else total(g),
+        _trained(grad_shared))
     first = jax.tree.map(lambda a: a[0], hp)
-    updates, shared_opt = optimizer(first).update(grad, opt_state[SHARED], shared)
-    shared = optax.apply_updates(shared, updates)
+    weights = _trained(shared)
+    updates, shared_opt = optimizer(first).update(grad, opt_state[SHARED], weights)
+    shared = merge(shared, optax.apply_updates(weights, updates))
     return (merge(shared, own), model_state, {SHARED: shared_opt, 'members': own_opt}, frozen,
             metrics)
 

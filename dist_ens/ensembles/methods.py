@@ -68,6 +68,8 @@ class Method(NamedTuple):
   # The params leaves each member owns by name, the rest shared (with_owned); None: all.
   owned: frozenset[str] | None = None
   lora: Any = None  # own='lora': the adapted kernels, rank and scale (ensembles/lora.py)
+  # config.ensemble.train_shared: the shared leaves train (summed gradient), not frozen.
+  train_shared: bool = False
 
   @property
   def collects(self) -> bool:
@@ -78,7 +80,7 @@ class Method(NamedTuple):
   def hooks(self) -> MethodHooks:
     """What this method changes in core: how members are born, updated, collect."""
     if self.owned is not None:
-      return own_lib.hooks(self.owned, self.lora)
+      return own_lib.hooks(self.owned, self.lora, self.train_shared)
     if self.shares:
       return MethodHooks(init_params=batchensemble.from_members,
                          init_opt_state=batchensemble.init_opt_state,
@@ -207,6 +209,7 @@ class MethodSpec(NamedTuple):
   lora_rank: Any = 8  # ensemble.lora_rank, lora_alpha, lora_targets (own='lora')
   lora_alpha: Any = 0.0
   lora_targets: Any = ''
+  train_shared: Any = False  # ensemble.train_shared
 
 
 def _int(value: Any, field: str, low: int) -> int:
@@ -259,16 +262,13 @@ def from_spec(spec: MethodSpec) -> Method:
   Raises:
     ConfigError: naming the field and what would work.
   """
+  if spec.name not in METHODS:
+    raise ConfigError(f'config.ensemble.method={spec.name!r}; use one of {METHODS}.')
+  spec = _resolve_own(spec)
   name = spec.name
-  if name not in METHODS:
-    raise ConfigError(f'config.ensemble.method={name!r}; use one of {METHODS}.')
-  if spec.own != 'all' and name != 'deep':
-    raise ConfigError(f"config.ensemble.own={spec.own!r} shares every other leaf between "
-                      f"members; it works with ensemble.method='deep' (not {name!r}), or "
-                      "set own='all'.")
   if name == 'deep':
     lora = (spec.lora_rank, spec.lora_alpha, spec.lora_targets) if spec.own == 'lora' else None
-    return _deep()._replace(own=spec.own, lora=lora)
+    return _deep()._replace(own=spec.own, lora=lora, train_shared=spec.train_shared)
   if name in ('batchensemble', 'mimo') and spec.reproducible:
     why = {'batchensemble': "the shared weights' gradient is a sum over devices, whose order "
                             'depends on the mesh',
@@ -282,6 +282,37 @@ def from_spec(spec: MethodSpec) -> Method:
   if name == 'snapshot':
     return _snapshot_from_spec(spec)
   return _swag_from_spec(spec)
+
+
+def _resolve_own(spec: MethodSpec) -> MethodSpec:
+  """`spec` with own='batchensemble' read as method='batchensemble' (one implementation,
+  the same run), and ensemble.own and ensemble.train_shared checked against the method.
+
+  Raises:
+    ConfigError: a combination that means nothing, naming the field.
+  """
+  own, name, train_shared = spec.own, spec.name, spec.train_shared
+  if not isinstance(train_shared, bool):
+    raise ConfigError(f'config.ensemble.train_shared={train_shared!r} must be True or False.')
+  if train_shared and own in ('all', 'batchensemble'):
+    why = ('every leaf is each member\'s own, none is shared' if own == 'all' else
+           "BatchEnsemble's shared W always trains, by the members' mean gradient")
+    raise ConfigError(f'config.ensemble.train_shared=True with ensemble.own={own!r}: {why}; '
+                      "set train_shared=False, or own='head', 'lora' or a regex.")
+  if train_shared and spec.reproducible:
+    raise ConfigError('config.ensemble.train_shared=True with config.reproducible=True: the '
+                      "shared leaves' gradient is a sum over devices, whose order depends on "
+                      'the mesh; use reproducible=False or train_shared=False.')
+  if own == 'batchensemble':
+    if name not in ('deep', 'batchensemble'):
+      raise ConfigError(f"config.ensemble.own='batchensemble' is method='batchensemble'; it "
+                        f"works with ensemble.method='deep' (not {name!r}).")
+    return spec._replace(name='batchensemble', own='all')
+  if own != 'all' and name != 'deep':
+    raise ConfigError(f"config.ensemble.own={own!r} shares every other leaf between "
+                      f"members; it works with ensemble.method='deep' (not {name!r}), or "
+                      "set own='all'.")
+  return spec
 
 
 def with_owned(method: Method, params: PyTree, num_outputs: int) -> Method:

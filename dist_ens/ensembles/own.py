@@ -3,6 +3,7 @@
   'all'    every leaf is each member's own (the default: independent members).
   'head'   the output layer (models/heads.py finds it); the rest is one shared backbone.
   'lora'   the head, and rank-r factors of the backbone's kernels (ensembles/lora.py).
+  'batchensemble'  method='batchensemble' itself (resolved in methods.from_spec).
   a regex  the params leaves whose '/'-joined names (e.g. '1/w', 'head/w',
            'blocks/3/mlp/fc2/w') it matches, with re.search.
 
@@ -13,6 +14,14 @@ is applied to it and it has no optimizer state. The params are held as BatchEnse
 entries (ensembles/batchensemble.py): {'own': p [M, ...]} or {'shared': p}, so the
 layout, checkpoints, evaluation and Ensemble.load treat them as they treat its W.
 
+config.ensemble.train_shared=True trains the shared leaves instead, as ONE leaf each (a
+LoRA kernel's W too; its scale is a constant): its gradient is the SUM of the gradients
+of the members still training (not frozen), that is the gradient of their summed
+losses, reduced over every device, and it takes one optimizer step with member 0's
+hyperparameters. That is BatchEnsemble's update of its W with a sum for the mean
+(batchensemble.members_update, mean=False), and its optimizer state {'shared': one
+state of the shared leaves, 'members': each member's of its own}.
+
 The model state (BatchNorm statistics) stays each member's own and is updated as
 without `own`: the model runs in training mode, so a frozen backbone still normalises
 by the batch's statistics, and running statistics that follow them make evaluation
@@ -20,6 +29,7 @@ normalise as training did (they are 2 numbers per channel: storing them once wou
 save little).
 """
 
+import functools
 import re
 from collections.abc import Callable
 from typing import Any
@@ -53,7 +63,7 @@ def owned_names(own: Any, params: PyTree, num_outputs: int) -> frozenset[str] | 
     return None
   if not isinstance(own, str) or not own:
     raise ConfigError(f"{FIELD}={own!r} must be 'all', 'head', 'lora' or a regex of leaf "
-                      "names, e.g. '^head/'.")
+                      "names, e.g. '^head/' (or 'batchensemble': rank-1 factors per member).")
   names = [path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   if own in ('head', 'lora'):
     owned = head_paths(params, num_outputs)
@@ -130,8 +140,15 @@ def members_update(results: Callable[..., Any], apply: Callable[..., Any], optim
   return update
 
 
-def hooks(owned: frozenset[str], lora: lora_lib.Lora | None = None) -> MethodHooks:
-  """What sharing every leaf but `owned` (and `lora`'s factors) changes in core."""
-  return MethodHooks(init_params=lambda params, keys: from_members(owned, params, keys, lora),
-                     init_opt_state=init_opt_state, members_update=members_update,
-                     shared=batchensemble.is_shared)
+def hooks(owned: frozenset[str], lora: lora_lib.Lora | None = None,
+          train_shared: bool = False) -> MethodHooks:
+  """What sharing every leaf but `owned` (and `lora`'s factors) changes in core: the
+  shared leaves frozen, or with `train_shared` trained by the members' summed gradient."""
+  init = lambda params, keys: from_members(owned, params, keys, lora)
+  if train_shared:
+    return MethodHooks(init_params=init, init_opt_state=batchensemble.init_opt_state,
+                       members_update=functools.partial(batchensemble.members_update,
+                                                        mean=False),
+                       shared=batchensemble.is_shared)
+  return MethodHooks(init_params=init, init_opt_state=init_opt_state,
+                     members_update=members_update, shared=batchensemble.is_shared)
