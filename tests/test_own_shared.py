@@ -177,6 +177,9 @@ def test_resume_is_exact_and_the_checkpoint_holds_the_shared_part_once(tmp_path)
   shared_mu = opt['shared'][0][0]['mu'][0]['w']['shared']
   assert shared_mu.shape == (40, 16) and np.any(shared_mu != 0)
   assert opt['members'][0][0]['mu'][1]['w']['own'].shape == (4, 16, 10)
+  ens = dist_ens.Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
+  for m in range(4):  # Every member reads the one trained backbone.
+    np.testing.assert_array_equal(ens.member(m)[0]['w'], w)
 
 
 def test_plan_counts_the_shared_part_and_its_optimizer_state_once(tmp_path):
@@ -198,7 +201,7 @@ def test_plan_counts_the_shared_part_and_its_optimizer_state_once(tmp_path):
   assert state[4, True] - state[2, True] == 3 * head + 4 + 4 + 1
 
 
-def test_a_swept_learning_rate_is_said_to_reach_the_owned_leaves_only(tmp_path, caplog):
+def test_a_swept_learning_rate_is_said_to_reach_the_owned_leaves_only(caplog):
   config = _sgd(_own_config('', **{'ensemble.train_shared': True}))
   configuration.validate(config)
   assert "member 0's optim.learning_rate" in caplog.text
