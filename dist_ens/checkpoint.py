@@ -31,6 +31,7 @@ ALWAYS_COMPATIBLE = ('train.steps', 'train.epochs', 'train.log_every', 'train.ev
 # Fields that define what the checkpoint holds: never restorable across a change.
 NEVER_COMPATIBLE = ('num_members', 'model', 'data.name', 'ensemble.method', 'ensemble.own',
                     'ensemble.lora_rank', 'ensemble.lora_alpha', 'ensemble.lora_targets',
+                    'ensemble.train_shared',
                     'ensemble.snapshot.cycles', 'ensemble.swag.rank', 'ensemble.mimo.heads')
 
 

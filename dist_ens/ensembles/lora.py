@@ -13,7 +13,8 @@ the train state (batchensemble.py's entries) is
 
   {'shared': W, 'lora_scale': alpha / r, 'lora_a': A [M, in, r], 'lora_b': B [M, r, out]}
 
-W and the scale are stored once and frozen (no gradient, no optimizer state); A and B are
+W and the scale are stored once and frozen (no gradient, no optimizer state; with
+config.ensemble.train_shared W trains as every shared leaf does, the scale never); A and B are
 stacked over 'member' and trained. Holding the scale in the state makes a checkpoint
 self-describing: evaluation, Ensemble.load, member(i), export and init_from of a LoRA
 workdir all form merged kernels with batchensemble.member_params, without the config.
