@@ -72,6 +72,11 @@ class Parts(NamedTuple):
   def state_shardings(self) -> Any:
     return jax.tree.map(lambda s: s.sharding, self.abstract_state)
 
+  @property
+  def predict_model(self) -> Model:
+    """The model that evaluation runs on the stacked params as the state stores them."""
+    return methods.predicting_model(self.method, self.model)
+
   def device_hparams(self) -> dict[str, jax.Array]:
     """The per-member hyperparameters on the mesh, sharded over 'member' like the state."""
     return jax.device_put({k: np.asarray(v) for k, v in self.hparams.items()},
@@ -109,7 +114,7 @@ class Run(NamedTuple):
       fns = user_metrics.load_metrics(self.config.eval.metrics)
       eval_batch = user_metrics.with_metrics(eval_batch, fns, task.combine)
       finalize = user_metrics.with_results(finalize, fns)
-    return Evaluator(make_eval_step(parts.model, mesh, eval_batch), mesh,
+    return Evaluator(make_eval_step(parts.predict_model, mesh, eval_batch), mesh,
                      self.config.eval.batch_size,
                      view=functools.partial(methods.trained_members, parts.method, mesh=mesh),
                      finalize=finalize, ood_metrics=task.ood_metrics)

@@ -12,6 +12,7 @@ this machine's shardings, whatever mesh wrote it. The input shape and class coun
 come from the checkpoint itself, so no dataset is needed.
 """
 
+import functools
 import json
 import math
 import os
@@ -30,6 +31,7 @@ from dist_ens import assemble, configuration, data, saved_run, tasks
 from dist_ens.data import uci
 from dist_ens.io.member_files import load_member, path_key  # noqa: F401  (load_member: API)
 from dist_ens.checkpoint import Checkpointer
+from dist_ens.core import model as core_model
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods
 from dist_ens.eval import conformal as conformal_lib, decisions, metrics
@@ -106,6 +108,16 @@ def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.M
   return mesh_lib.make_mesh(mesh_lib.MeshSpec(member, len(devices) // member), devices)
 
 
+def _take_member(model: Model, params: PyTree, i: jax.Array) -> PyTree:
+  """Member i's own plain params from the stacked params as `model` reads them."""
+  axes = core_model.stacked_axes(model, params)
+  if axes == 0:
+    return jax.tree.map(lambda a: a[i], params)
+  view = jax.tree.map(lambda a, axis: a if axis is None else a[i], params, axes,
+                      is_leaf=lambda a: a is None)
+  return model.member_params(view)
+
+
 class Ensemble:
   """A trained ensemble on the present devices: predict, inspect and export members.
 
@@ -115,7 +127,9 @@ class Ensemble:
   Attributes:
     config: the run's config (from config.json).
     model: the single-member Model (init/apply pair, see dist_ens.core.model).
-    params: the stacked parameters, every leaf [M, ...], sharded over 'member'.
+    params: the stacked parameters, every leaf [M, ...], sharded over 'member'. Where
+      members share leaves (config.ensemble.own, batchensemble) this forms M copies of
+      them; predict, member(i) and export read the params as stored, each shared leaf once.
     model_state: the stacked model state (e.g. BatchNorm running statistics), or {}.
     frozen: [M] bool numpy; frozen members are left out of the ensemble's mean.
     step: the training step of the restored checkpoint.
@@ -128,8 +142,10 @@ class Ensemble:
                mesh: jax.sharding.Mesh, preprocess: Preprocess | None = None,
                model_state: PyTree = None, scale: uci.Standardizer | None = None,
                conformal: decisions.ConformalFit | None = None,
-               noise_variance: np.ndarray | None = None):
-    self.config, self.model, self.params = config, model, params
+               noise_variance: np.ndarray | None = None, predict_model: Model | None = None):
+    # `predict_model` reads `params` as stored (methods.predicting_model); default `model`.
+    self.config, self.model, self._stored = config, model, params
+    self._predict_model = model = predict_model or model
     self.conformal = conformal  # what predict_sets calibrates with (None: not fitted)
     self.task, self.scale = tasks.get_task(config.task), scale
     if noise_variance is not None:  # The levels training fitted, [M, D] (training/noise.py).
@@ -152,10 +168,22 @@ class Ensemble:
               uncertainty['entropy'], uncertainty['mutual_information'])
 
     # Replicated outputs: every process can read the whole prediction.
-    self._forward = jax.jit(forward, in_shardings=(members, mesh_lib.batch_sharding(mesh), members),
+    # The params as they lie (None): a shared leaf is replicated, not split over 'member'.
+    self._forward = jax.jit(forward, in_shardings=(None, mesh_lib.batch_sharding(mesh), members),
                             out_shardings=mesh_lib.replicated(mesh))
-    self._take = jax.jit(lambda tree, i: jax.tree.map(lambda a: a[i], tree),
+    self._take = jax.jit(functools.partial(_take_member, model),
                          out_shardings=mesh_lib.replicated(mesh))
+
+  @property
+  def params(self) -> PyTree:
+    if self._predict_model.member_axes is None:
+      return self._stored
+    if not hasattr(self, '_formed'):
+      model, members = self._predict_model, mesh_lib.member_sharding(self.mesh)
+      self._formed = jax.jit(
+          lambda p: jax.vmap(model.member_params, in_axes=(model.member_axes(p),))(p),
+          out_shardings=members)(self._stored)
+    return self._formed
 
   @classmethod
   def load(cls, workdir: str | os.PathLike, *, devices: Sequence[jax.Device] | None = None,
@@ -215,7 +243,8 @@ class Ensemble:
                parts.input_shape, num_classes, mesh, preprocess,
                model_state=members.model_state, scale=saved_run.scale_from(meta),
                conformal=saved_run.conformal_from(workdir, config),
-               noise_variance=saved_run.noise_from(workdir, config, num_classes))
+               noise_variance=saved_run.noise_from(workdir, config, num_classes),
+               predict_model=parts.predict_model)
 
   @property
   def num_members(self) -> int:
@@ -300,7 +329,7 @@ class Ensemble:
       size = self._chunk_size(len(chunk), batch_size)
       padded = np.concatenate([chunk, np.zeros((size - len(chunk), *chunk.shape[1:]),
                                                chunk.dtype)])
-      outs.append((len(chunk), forward((self.params, self.model_state),
+      outs.append((len(chunk), forward((self._stored, self.model_state),
                                        data.to_global(padded, sharding), self._member_mask)))
     return outs
 
@@ -309,7 +338,7 @@ class Ensemble:
     if self.scale is not None:
       x = self.scale.apply_inputs(x)
     if not hasattr(self, '_task_forward'):
-      task, model = self.task, self.model
+      task, model = self.task, self._predict_model
       self._task_forward = jax.jit(
           lambda v, xs, mask: task.predict(member_logits(model, v, xs), mask),
           out_shardings=mesh_lib.replicated(self.mesh))
@@ -332,7 +361,7 @@ class Ensemble:
     """
     if not 0 <= i < self.num_members:
       raise IndexError(f'member({i}): this ensemble has members 0..{self.num_members - 1}.')
-    return jax.tree.map(np.asarray, self._take(self.params, np.int32(i)))
+    return jax.tree.map(np.asarray, self._take(self._stored, np.int32(i)))
 
   def export(self, directory: str | os.PathLike) -> list[Path]:
     """Writes each member as its own .npz file, usable without dist_ens or JAX.

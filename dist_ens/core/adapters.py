@@ -255,6 +255,8 @@ def from_equinox(factory: Callable[..., Any], kwargs: Mapping[str, Any] | None =
 
 def from_pair(pair: Any) -> Model:
   """A Model, or an (init, apply) pair on the contract, as a Model."""
+  if isinstance(pair, Model):
+    return pair
   init, apply = pair
   return Model(init, apply)
 

@@ -32,9 +32,33 @@ State = Any
 
 
 class Model(NamedTuple):
-  """A pure model for ONE member: init(rng, sample_x) and apply(params, state, x, *, train, rng)."""
+  """A pure model for ONE member: init(rng, sample_x) and apply(params, state, x, *, train, rng).
+
+  `member_axes(params)`, where set, says how the members' params are stored: a tree of
+  0 (the leaf is stacked [M, ...]) or None (one copy that every member reads) over the
+  stacked params, which evaluation vmaps with; `member_params(view)` turns one member's
+  view of them (stacked leaves indexed, shared ones as they are) into its own plain
+  params. None (users' models): every leaf stacked, a member's view is its params.
+  ensembles.methods.predicting_model sets both for a method whose members share leaves.
+  """
   init: Callable[[jax.Array, jax.Array], tuple[Params, State]]
   apply: Callable[..., tuple[jax.Array, State]]
+  member_axes: Callable[[Params], Any] | None = None
+  member_params: Callable[[Params], Params] | None = None
+
+
+def stacked_axes(model: Model, params: Params) -> Any:
+  """The vmap in_axes of `params` stacked over members: model.member_axes's, or 0."""
+  return 0 if model.member_axes is None else model.member_axes(params)
+
+
+def num_stacked(params: Params, axes: Any) -> int:
+  """M: the leading size of the params' stacked leaves (axes from stacked_axes)."""
+  if axes == 0:
+    return jax.tree.leaves(params)[0].shape[0]
+  sizes = [leaf.shape[0] for leaf, axis in zip(jax.tree.leaves(params), jax.tree.leaves(
+      axes, is_leaf=lambda a: a is None)) if axis == 0]
+  return sizes[0]
 
 
 def is_kernel(leaf: Any) -> bool:

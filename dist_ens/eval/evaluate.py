@@ -31,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dist_ens.core import rng as rng_lib
+from dist_ens.core.model import num_stacked, stacked_axes
 from dist_ens.eval import metrics
 from dist_ens.data import Split, to_global
 from dist_ens.parallel.mesh import DATA, batch_sharding, member_sharding, replicated
@@ -53,10 +54,12 @@ class SplitEval(NamedTuple):
 def member_logits(model: Model, variables: Any, x: jax.Array) -> jax.Array:
   """[M, B, C] logits of every member in evaluation mode (running statistics, no dropout).
 
-  `variables` is (params, model_state), both stacked [M, ...].
+  `variables` is (params, model_state), both stacked [M, ...] (params as model.member_axes
+  says: leaves shared by every member are stored once and not copied M times).
   """
   params, model_state = variables
-  return jax.vmap(lambda p, s: model.apply(p, s, x, train=False)[0])(params, model_state)
+  return jax.vmap(lambda p, s: model.apply(p, s, x, train=False)[0],
+                  in_axes=(stacked_axes(model, params), 0))(params, model_state)
 
 
 def mc_key(seed: int, member: jax.Array) -> jax.Array:
@@ -92,14 +95,15 @@ def member_log_probs(model: Model, variables: Any, x: jax.Array, *, mc_samples: 
   if not mc_samples:
     return jax.nn.log_softmax(member_logits(model, variables, x).astype(jnp.float32), axis=-1)
   params, model_state = variables
-  members = jnp.arange(jax.tree.leaves(params)[0].shape[0])
+  axes = stacked_axes(model, params)
+  members = jnp.arange(num_stacked(params, axes))
 
   def one_member(p, s, member):
     logits = mc_sample_logits(model, p, s, x, mc_key(seed, member), offset, mc_samples)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(mc_samples))
 
-  return jax.vmap(one_member)(params, model_state, members)
+  return jax.vmap(one_member, in_axes=(axes, 0, 0))(params, model_state, members)
 
 
 def make_eval_step(model: Model, mesh: Mesh,

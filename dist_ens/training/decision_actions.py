@@ -47,7 +47,7 @@ class EvaluateDecisions(PeriodicAction):
         else:
           self._frame = shift_lib.InputFrame.fit(test.x, config.data.std or 1.0,
                                                  config.data.mean or 0.0)
-      step = shift_lib.make_predict_step(parts.model, parts.mesh, parts.task.eval_batch,
+      step = shift_lib.make_predict_step(parts.predict_model, parts.mesh, parts.task.eval_batch,
                                          seed=config.seed, frame=self._frame)
       self._evaluator = shift_lib.PredictionEvaluator(
           step, parts.mesh, min(config.eval.batch_size, len(test.y)), ctx.evaluator.view,

@@ -51,7 +51,7 @@ class SplitLogProbs:
     if key not in self._cache:
       if mc_samples not in self._steps:
         self._steps[mc_samples] = evaluate.make_log_probs_step(
-            ctx.parts.model, ctx.parts.mesh, mc_samples=mc_samples, seed=ctx.config.seed)
+            ctx.parts.predict_model, ctx.parts.mesh, mc_samples=mc_samples, seed=ctx.config.seed)
       members = ctx.evaluator.view(ctx.state)
       with ctx.off_clock():
         self._cache[key] = evaluate.split_log_probs(
@@ -144,7 +144,7 @@ class MethodEnsemble(_Posthoc):
   def run(self, ctx: Context) -> None:
     method = ctx.parts.method
     members = methods.predictive_members(method, ctx.state, ctx.config.seed, ctx.parts.mesh)
-    step = evaluate.make_log_probs_step(ctx.parts.model, ctx.parts.mesh)
+    step = evaluate.make_log_probs_step(ctx.parts.predict_model, ctx.parts.mesh)
     variables, included = (members.params, members.model_state), ~np.asarray(
         ctx.fetch(members.frozen), bool)
     with ctx.off_clock():
