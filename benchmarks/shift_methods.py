@@ -4,8 +4,10 @@ uncertainty-baselines' tables put them: the tables in docs/evaluation.md and REA
   python benchmarks/shift_methods.py              # T = 1000, ~5.5 min on 2 shared CPU cores
   python benchmarks/shift_methods.py --steps 50   # a quick look
   python benchmarks/shift_methods.py --table      # the table of the saved results
+  python benchmarks/shift_methods.py --config configs/digits_resnet20.py   # ResNet-20 on
+      # digits, T = the config's train.steps (110); writes shift_methods_digits_resnet20.json
 
-configs/default.py (MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0) on ONE device, each
+--config (configs/default.py: MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0) on ONE device, each
 method at benchmarks/methods.py's equal budget of 4 x T member-steps (T = 1000; its single
 model, FGE, single SWAG and dropout deep ensemble are left out, to stay near 5 minutes):
 
@@ -16,14 +18,15 @@ model, FGE, single SWAG and dropout deep ensemble are left out, to stay near 5 m
   multiswag      4 members, T steps, SWAG over the last quarter -> 4 x 4 samples predict
   mc_dropout     1 member with dropout 0.2, 4T steps -> 16 MC dropout samples predict
 
-Shift: eval.shift='all' as it applies to 1-D signals (11 families x 5 severities = 55
-corrupted test sets; motion blur needs 2-D images, saturate colour). Every method is
+Shift: eval.shift='all' as it applies to the data (MNIST-1D's 1-D signals: 11 families x 5
+severities = 55 corrupted test sets, motion blur needs 2-D images; digits' grey 8x8 images:
+12 x 5 = 60, saturate needs colour). Every method is
 evaluated through its PREDICTING members (snapshots, SWAG samples, MC samples: the
 in-run shift evaluation sees the trained members only) on the test split corrupted by
 the run's own corruption keys (dist_ens.eval.shift.InputFrame, as EvaluateDecisions does):
-clean accuracy / NLL / ECE beside cA / cNLL / cCE, the means over the 55 sets. For the
+clean accuracy / NLL / ECE beside cA / cNLL / cCE, the means over the corrupted sets. For the
 deep ensemble this path must reproduce the run's own 'shift' section (both are printed).
-Writes benchmarks/results/shift_methods.json.
+Writes benchmarks/results/shift_methods.json (default.py) or shift_methods_<config>.json.
 """
 
 import argparse
@@ -44,7 +47,8 @@ from dist_ens.data import corruptions
 from dist_ens.eval import evaluate, shift, shift_spec
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / 'benchmarks' / 'results' / 'shift_methods.json'
+RESULTS = ROOT / 'benchmarks' / 'results'
+DEFAULT_CONFIG = ROOT / 'configs' / 'default.py'
 MEMBERS, MC_SAMPLES = 4, 16
 STEPS = 1000  # T, as benchmarks/methods.py
 
@@ -68,8 +72,13 @@ def methods(steps: int) -> dict[str, dict]:
   }
 
 
-def _config(overrides: dict, shift_spec_: str):
-  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+def _out(base: Path) -> Path:
+  return RESULTS / ('shift_methods.json' if base == DEFAULT_CONFIG else
+                    f'shift_methods_{base.stem}.json')
+
+
+def _config(base: Path, overrides: dict, shift_spec_: str):
+  config = dist_ens.load_config(base)
   config.mesh.member, config.mesh.data, config.writers = 1, 1, ('jsonl',)
   for key, value in overrides.items():
     *path, leaf = key.split('.')
@@ -137,21 +146,29 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--steps', type=int, default=STEPS, help='T: steps of a 4-member run')
+  parser.add_argument('--config', default=str(DEFAULT_CONFIG))
+  parser.add_argument('--steps', type=int, default=0,
+                      help="T: steps of a 4-member run (0: 1000 for default.py, else the config's "
+                           'train.steps)')
   parser.add_argument('--methods', default='', help='comma-separated subset')
   parser.add_argument('--table', action='store_true', help='print the saved results only')
   args = parser.parse_args()
+  base = Path(args.config).resolve()
+  out = _out(base)
   if args.table:
-    print(table(json.loads(OUT.read_text())['rows']))
+    print(table(json.loads(out.read_text())['rows']))
     return
-  chosen = methods(args.steps)
+  default_steps = STEPS if base == DEFAULT_CONFIG else dist_ens.load_config(base).train.steps
+  steps = args.steps or default_steps
+  chosen = methods(steps)
   names = [n for n in args.methods.split(',') if n] or list(chosen)
-  pairs = shift_spec.resolve_shift('all', data.load_dataset('mnist1d').input_shape)
+  data_name = dist_ens.load_config(base).data.name
+  pairs = shift_spec.resolve_shift('all', data.load_dataset(data_name).input_shape)
   rows = []
   for name in names:
     start = time.perf_counter()
     workdir = tempfile.mkdtemp(prefix=f'shift_methods_{name}_')
-    config = _config(chosen[name], 'all' if name == 'deep' else '')
+    config = _config(base, chosen[name], 'all' if name == 'deep' else '')
     final = dist_ens.train(config, workdir, devices=jax.devices()[:1])
     rows.append(summarise(name, final, shifted_metrics(workdir, pairs),
                           time.perf_counter() - start))
@@ -161,12 +178,13 @@ def main() -> None:
     print(f"deep: the run's own cA {deep['run_cA']:.6f} / cNLL {deep['run_cNLL']:.6f}, this "
           f"script's {deep['ensemble']['cA']:.6f} / {deep['ensemble']['cNLL']:.6f}")
   print(table(rows))
-  if args.steps == STEPS and not args.methods:
-    OUT.write_text(json.dumps({'rows': rows, 'steps': args.steps, 'pairs': len(pairs),
+  if steps == default_steps and not args.methods:
+    out.write_text(json.dumps({'config': base.name, 'rows': rows, 'steps': steps,
+                               'pairs': len(pairs),
                                'markdown': table(rows), 'machine': platform.machine(),
                                'cpu_count': os.cpu_count(), 'jax': jax.__version__,
                                'date': time.strftime('%Y-%m-%d')}, indent=1) + '\n')
-    print(f'wrote {OUT}')
+    print(f'wrote {out}')
 
 
 if __name__ == '__main__':
