@@ -139,6 +139,16 @@ class Checkpointer:
                                              create=True))
     self._unreadable: set[int] = set()  # Steps restore() found corrupt: save() replaces them.
     self.blocking_seconds = 0.0  # Time the loop spent waiting on saves.
+    self._prune(keep)
+
+  def _prune(self, keep: int) -> None:
+    """Deletes all but the newest `keep` checkpoints. Orbax prunes after each save, so a
+    run killed between a save and that pruning (its last save, for a finished run) leaves
+    one more than `keep`, which no later save of a finished run would remove."""
+    steps = sorted(self._manager.all_steps())
+    for step in steps[:max(len(steps) - keep, 0)]:
+      logging.info('deleting the checkpoint at step %d: checkpoint.keep=%d', step, keep)
+      self._manager.delete(step)
 
   def save(self, step: int, state: Any, data_state: IteratorState, force: bool = False,
            meta: dict[str, Any] | None = None) -> bool:

@@ -153,6 +153,18 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupte
   assert final['members'] == uninterrupted[0]['members']
 
 
+def test_a_finished_run_with_one_checkpoint_too_many_is_pruned_to_keep(tmp_path):
+  # A run killed after its last save but before orbax pruned leaves keep + 1 checkpoints
+  # (the fault campaign's case); here: 3 left by keep=3, then the finished run with keep=2.
+  first = dist_ens.train(_config(train__steps=20, checkpoint__keep=3), str(tmp_path))
+  saved = lambda: sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()
+                         if p.name.isdigit())
+  assert saved() == [10, 15, 20]
+  again = dist_ens.train(_config(train__steps=20, checkpoint__keep=2), str(tmp_path))
+  assert saved() == [15, 20]
+  assert again['members'] == first['members']
+
+
 def test_incompatible_config_is_refused_and_nothing_overwritten(tmp_path):
   dist_ens.train(_config(train__steps=10), str(tmp_path))
   before = {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()}
