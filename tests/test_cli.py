@@ -345,7 +345,7 @@ def test_second_signal_stops_at_once_while_blocked_in_xla(signum):
   assert process.returncode == 128 + signum, err
   assert 'ended' not in out
   assert err.strip().splitlines()[-1].startswith(
-      f'dist_ens: stopped ({signal.Signals(signum).name} received twice) without saving'), err
+      f'dist-ens: stopped ({signal.Signals(signum).name} received twice) without saving'), err
 
 
 def test_digits_without_scikit_learn_is_a_config_error(monkeypatch):

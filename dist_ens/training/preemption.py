@@ -164,7 +164,7 @@ def _exit_now(signum: int) -> None:
   """One line and 128 + the signal, from the counting thread. os._exit: the main thread
   is blocked, and a normal exit would wait for it; the last complete checkpoint stays."""
   name = signal.Signals(signum).name
-  print(f'dist_ens: stopped ({name} received twice) without saving; rerunning the same '
+  print(f'dist-ens: stopped ({name} received twice) without saving; rerunning the same '
         'command resumes from the last checkpoint, if any.', file=sys.stderr)
   for handler in std_logging.getLogger().handlers:
     handler.flush()
