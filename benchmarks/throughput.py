@@ -707,6 +707,7 @@ def main(argv: list[str] | None = None) -> None:
         f'{os.cpu_count()} cores), torch {torch_version or "not installed (column skipped)"}'
         + (f' on {torch_device}' + (f' with {args.threads} threads' if torch_device == 'cpu'
                                     else '') if torch_version else ''), flush=True)
+  load_before = os.getloadavg()  # 1/5/15-minute load averages: how busy the machine was
   peaks = build_peaks(bool(torch_version), torch_device)
   peak_times = {name: [] for name in peaks}
   cells = []
@@ -731,6 +732,7 @@ def main(argv: list[str] | None = None) -> None:
       device=f'1 {device.platform} device ({device.device_kind})', cores=os.cpu_count(),
       machine=platform.processor() or platform.machine(),
       xla_flags=os.environ.get('XLA_FLAGS', ''),
+      load_average=dict(before=load_before, after=os.getloadavg()),
       candidates=dict(c.split('=', 1) for c in args.candidate),
       batch_per_member=BATCH, conv_impl=CONV_IMPL or 'auto', repeats=repeats,
       min_time=min_time, quick=args.quick, peak_matmul_size=n, peak_flops=peak,

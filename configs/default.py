@@ -190,7 +190,7 @@ def get_config() -> ml_collections.ConfigDict:
   # the memory. BatchNorm normalises each micro-batch by its own statistics.
   config.train.micro_batches = 1
   config.train.log_every = 250
-  config.train.eval_every = 1000  # 0: evaluate only at the end
+  config.train.eval_every = 500  # 0: evaluate only at the end
   # Wait for the step every this many steps; 0 = automatic (8 on multi-device CPU,
   # whose collectives deadlock when ~30 steps are queued; else at log steps only).
   config.train.sync_every = 0

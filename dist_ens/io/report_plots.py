@@ -250,10 +250,6 @@ def plot_sweep(out: Path, final: dict[str, Any]) -> None:
   points = ax.scatter(nll[shown], accuracy[shown], c=color[shown], norm=norm, cmap='viridis',
                       s=55, edgecolors='black', linewidths=0.5, zorder=3, label='member')
   fig.colorbar(points, ax=ax, label=f'{field} ({scale} scale)')
-  if shown.sum() <= 40:
-    for i in index[shown]:
-      ax.annotate(str(i), (nll[i], accuracy[i]), textcoords='offset points', xytext=(5, 4),
-                  fontsize=7)
   stars = [_star(ax, final['ensemble'], _ENSEMBLE_COLOR, 'ensemble of all')]
   selected = final.get('selected')
   if selected:
@@ -273,7 +269,39 @@ def plot_sweep(out: Path, final: dict[str, Any]) -> None:
          + (f'\n{hidden} frozen / non-finite member(s) not shown' if hidden else ''))
   ax.title.set_fontsize(10)
   ax.legend(fontsize=7, markerscale=0.6)
+  (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+  members = index[shown]
+  where = np.stack([(nll[members] - x0) / (x1 - x0), (accuracy[members] - y0) / (y1 - y0)], 1)
+  for i, (fx, fy) in place_labels(where, [str(i) for i in members]):
+    ax.annotate(str(members[i]), (fx, fy), xycoords='axes fraction', fontsize=7)
   _save(fig, out, 'sweep_scatter')
+
+
+# A member label's box in axes fractions of the 6.8 x 5 in sweep figure, at 7 pt.
+_CHAR_WIDTH, _LABEL_HEIGHT = 0.017, 0.028
+
+
+def place_labels(points: np.ndarray, texts: list[str]) -> list[tuple[int, tuple[float, float]]]:
+  """(point index, label corner) for the labels that fit: each tries four corners around
+  its point (axes fractions) and takes the first whose box overlaps no label placed yet
+  and stays inside the axes; a label that fits nowhere is left out (its point is still
+  drawn, and members.csv lists every member)."""
+  placed, boxes = [], []
+  for i, ((x, y), text) in enumerate(zip(points, texts)):
+    w, h = _CHAR_WIDTH * len(text), _LABEL_HEIGHT
+    for cx, cy in ((x + 0.01, y + 0.01), (x + 0.01, y - 0.01 - h), (x - 0.01 - w, y + 0.01),
+                   (x - 0.01 - w, y - 0.01 - h)):
+      box = (cx, cy, cx + w, cy + h)
+      inside = box[0] >= 0 and box[1] >= 0 and box[2] <= 1 and box[3] <= 1
+      if inside and not any(_overlap(box, other) for other in boxes):
+        placed.append((i, (cx, cy)))
+        boxes.append(box)
+        break
+  return placed
+
+
+def _overlap(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+  return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
 
 
 def _star(ax: Any, metrics: dict[str, Any], color: str, label: str) -> tuple[float, float]:
