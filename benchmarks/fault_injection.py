@@ -528,6 +528,18 @@ def print_table(summary: dict[str, dict[str, Any]]) -> None:
     print(f"| {name} | {s['trials']} | {s['held']} | {s['failed']} | {what or '-'} |")
 
 
+def _commit(source: Path) -> str:
+  """The checkout's HEAD commit (with '+changes' where its tree differs), '' if not git."""
+  try:
+    head = subprocess.run(['git', '-C', str(source), 'rev-parse', '--short', 'HEAD'],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    dirty = subprocess.run(['git', '-C', str(source), 'status', '--porcelain', '--untracked-files=no'],
+                           capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return ''
+  return head + ('+changes' if dirty else '')
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--cases', default=','.join(CASES), help='comma-separated; default: all')
@@ -572,6 +584,7 @@ def main() -> None:
   args.out.parent.mkdir(parents=True, exist_ok=True)
   args.out.write_text(json.dumps({
       'command': ' '.join(['dist-ens --config=configs/default.py --workdir=W', *OVERRIDES]),
+      'date': time.strftime('%Y-%m-%d'), 'commit': _commit(source),
       'seed': args.seed, 'trials_per_case': trials, 'reference_seconds': round(ref_seconds, 1),
       'child_limit_s': limit_s, 'total_seconds': round(time.monotonic() - started, 1),
       'cases': summary}, indent=2) + '\n')
