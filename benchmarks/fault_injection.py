@@ -26,7 +26,8 @@ step, is written, i.e. in that step's evaluation),
 concurrent (two runs at once on one workdir: one may refuse with one line, the
 workdir being locked), corrupt_checkpoint (garbage over the
 newest checkpoint's largest file after a kill), non_utf8_meta (bytes that are not UTF-8
-over the newest checkpoint's metadata after a kill), corrupt_config / missing_config
+over the newest checkpoint's metadata after a kill; for both, where it was the only
+checkpoint, a one-line refusal to start over also holds), corrupt_config / missing_config
 (config.json damaged or deleted after a kill; a clear one-line refusal also holds),
 lost_metrics (metrics.jsonl deleted or truncated after a kill: one warning naming the lost
 events, the final parameters unchanged),
@@ -374,7 +375,18 @@ def case_corrupt_checkpoint(ctx: Context, workdir: Path) -> list[str]:
                      corrupted=str(target.relative_to(workdir)))
   rerun = run_cli(ctx, workdir, 'rerun')
   ctx.details['rerun_rc'] = rerun.rc
-  return check_survivors(ctx, workdir, rerun)
+  refused = _only_refused(ctx, workdir, newest, rerun)
+  return check_survivors(ctx, workdir, rerun) if refused is None else refused
+
+
+def _only_refused(ctx: Context, workdir: Path, newest: Path, rerun: Outcome) -> list[str] | None:
+  """[] where the damaged checkpoint was the only one and the re-run refused with one clear
+  line (nothing older to fall back on; starting over silently could lose a run), else None."""
+  only = [p for p in (workdir / 'checkpoints').glob('*') if p.name.isdigit()] == [newest]
+  if only and refused_clearly(rerun, 'can be restored'):
+    ctx.details['note'] = 'the only checkpoint was damaged: re-run refused with one clear line'
+    return []
+  return None
 
 
 def case_non_utf8_meta(ctx: Context, workdir: Path) -> list[str]:
@@ -389,11 +401,8 @@ def case_non_utf8_meta(ctx: Context, workdir: Path) -> list[str]:
                      damaged=str(newest.relative_to(workdir)))
   rerun = run_cli(ctx, workdir, 'rerun')
   ctx.details['rerun_rc'] = rerun.rc
-  only = [p for p in (workdir / 'checkpoints').glob('*') if p.name.isdigit()] == [newest]
-  if only and refused_clearly(rerun, 'can be restored'):  # Nothing older to fall back on.
-    ctx.details['note'] = 'the only checkpoint was damaged: re-run refused with one clear line'
-    return []
-  return check_survivors(ctx, workdir, rerun)
+  refused = _only_refused(ctx, workdir, newest, rerun)
+  return check_survivors(ctx, workdir, rerun) if refused is None else refused
 
 
 def case_config(ctx: Context, workdir: Path, damage: str) -> list[str]:
