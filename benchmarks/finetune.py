@@ -117,12 +117,7 @@ def _config(overrides: dict):
   config = dist_ens.load_config(BASE)
   config.eval.ood_dataset = 'digits_noise'
   config.mesh.member, config.mesh.data = 1, 1
-  for key, value in overrides.items():
-    *path, leaf = key.split('.')
-    node = config
-    for part in path:
-      node = node[part]
-    node[leaf] = value
+  config.update_from_flattened_dict(overrides)
   steps = config.train.steps
   config.optim.warmup_steps = min(config.optim.warmup_steps, max(1, steps // 10))
   config.train.log_every = min(config.train.log_every, steps)

@@ -87,12 +87,7 @@ def _config(base: Path, overrides: dict):
   config = dist_ens.load_config(base)
   config.eval.ood_dataset = f'{config.data.name}_noise'
   config.mesh.member, config.mesh.data = 1, 1
-  for key, value in overrides.items():
-    *path, leaf = key.split('.')
-    node = config
-    for part in path:
-      node = node[part]
-    node[leaf] = value
+  config.update_from_flattened_dict(overrides)
   steps = config.train.steps
   config.train.log_every = min(config.train.log_every, steps)
   config.train.eval_every, config.checkpoint.every = 0, steps

@@ -58,12 +58,7 @@ SETUPS = {
 
 def _config(setup: dict, kind: str, steps: int, seed: int):
   config = load_config(ROOT / 'configs' / setup['sweep'])  # members, validation, top 4
-  for key, value in setup['overrides'].items():
-    *path, leaf = key.split('.')
-    node = config
-    for part in path:
-      node = node[part]
-    node[leaf] = value
+  config.update_from_flattened_dict(setup['overrides'])
   config.seed = seed
   config.train.steps = steps
   config.train.log_every = steps // 4

@@ -80,12 +80,7 @@ def _out(base: Path) -> Path:
 def _config(base: Path, overrides: dict, shift_spec_: str):
   config = dist_ens.load_config(base)
   config.mesh.member, config.mesh.data, config.writers = 1, 1, ('jsonl',)
-  for key, value in overrides.items():
-    *path, leaf = key.split('.')
-    node = config
-    for part in path:
-      node = node[part]
-    node[leaf] = value
+  config.update_from_flattened_dict(overrides)
   steps = config.train.steps
   config.train.log_every = min(config.train.log_every, steps)
   config.train.eval_every, config.checkpoint.every = 0, steps
