@@ -34,7 +34,7 @@ from dist_ens.core import gradients, hparams as hparams_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import Pretrained, TrainState, init_state
-from dist_ens.ensembles import batchensemble, methods, mimo
+from dist_ens.ensembles import batchensemble, methods, mimo, stored
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec, user_metrics
 from dist_ens.eval.evaluate import Evaluator, make_eval_step
@@ -75,7 +75,7 @@ class Parts(NamedTuple):
   @property
   def predict_model(self) -> Model:
     """The model that evaluation runs on the stacked params as the state stores them."""
-    return methods.predicting_model(self.method, self.model)
+    return stored.predicting_model(self.method, self.model)
 
   def device_hparams(self) -> dict[str, jax.Array]:
     """The per-member hyperparameters on the mesh, sharded over 'member' like the state."""

@@ -31,9 +31,8 @@ from dist_ens import assemble, configuration, data, saved_run, tasks
 from dist_ens.data import uci
 from dist_ens.io.member_files import load_member, path_key  # noqa: F401  (load_member: API)
 from dist_ens.checkpoint import Checkpointer
-from dist_ens.core import model as core_model
 from dist_ens.core.model import Model
-from dist_ens.ensembles import methods
+from dist_ens.ensembles import methods, stored
 from dist_ens.eval import conformal as conformal_lib, decisions, metrics
 from dist_ens.eval.evaluate import member_logits
 from dist_ens.parallel import mesh as mesh_lib
@@ -108,16 +107,6 @@ def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.M
   return mesh_lib.make_mesh(mesh_lib.MeshSpec(member, len(devices) // member), devices)
 
 
-def _take_member(model: Model, params: PyTree, i: jax.Array) -> PyTree:
-  """Member i's own plain params from the stacked params as `model` reads them."""
-  axes = core_model.stacked_axes(model, params)
-  if axes == 0:
-    return jax.tree.map(lambda a: a[i], params)
-  view = jax.tree.map(lambda a, axis: a if axis is None else a[i], params, axes,
-                      is_leaf=lambda a: a is None)
-  return model.member_params(view)
-
-
 class Ensemble:
   """A trained ensemble on the present devices: predict, inspect and export members.
 
@@ -143,7 +132,7 @@ class Ensemble:
                model_state: PyTree = None, scale: uci.Standardizer | None = None,
                conformal: decisions.ConformalFit | None = None,
                noise_variance: np.ndarray | None = None, predict_model: Model | None = None):
-    # `predict_model` reads `params` as stored (methods.predicting_model); default `model`.
+    # `predict_model` reads `params` as stored (stored.predicting_model); default `model`.
     self.config, self.model, self._stored = config, model, params
     self._predict_model = model = predict_model or model
     self.conformal = conformal  # what predict_sets calibrates with (None: not fitted)
@@ -171,18 +160,13 @@ class Ensemble:
     # The params as they lie (None): a shared leaf is replicated, not split over 'member'.
     self._forward = jax.jit(forward, in_shardings=(None, mesh_lib.batch_sharding(mesh), members),
                             out_shardings=mesh_lib.replicated(mesh))
-    self._take = jax.jit(functools.partial(_take_member, model),
+    self._take = jax.jit(functools.partial(stored.take_member, model),
                          out_shardings=mesh_lib.replicated(mesh))
 
   @property
   def params(self) -> PyTree:
-    if self._predict_model.member_axes is None:
-      return self._stored
     if not hasattr(self, '_formed'):
-      model, members = self._predict_model, mesh_lib.member_sharding(self.mesh)
-      self._formed = jax.jit(
-          lambda p: jax.vmap(model.member_params, in_axes=(model.member_axes(p),))(p),
-          out_shardings=members)(self._stored)
+      self._formed = stored.form_all(self._predict_model, self._stored, self.mesh)
     return self._formed
 
   @classmethod

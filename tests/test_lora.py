@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import dist_ens
 from dist_ens import Ensemble, data
-from dist_ens.ensembles import lora, methods
+from dist_ens.ensembles import lora, stored
 from dist_ens.errors import ConfigError
 from dist_ens.io.adapters import export_adapters
 from dist_ens.io.member_files import load_member
@@ -53,7 +53,7 @@ def test_every_members_first_forward_is_the_pretrained_models(tmp_path):
   np.testing.assert_allclose(first_loss, [expected] * 4, rtol=2e-5)
   # The members evaluation forms: the file's kernel exactly (B = 0), A drawn per member.
   state = jax.device_get(dist_ens.assemble.init_sharded(parts))
-  formed = jax.device_get(methods.form_members(parts.method, state.params, parts.mesh))
+  formed = jax.device_get(stored.form_all(parts.predict_model, state.params, parts.mesh))
   for m in range(4):
     np.testing.assert_array_equal(formed[0]['w'][m], file['0/w'])
   a = before[0]['w']['lora_a']

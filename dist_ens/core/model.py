@@ -39,7 +39,7 @@ class Model(NamedTuple):
   stacked params, which evaluation vmaps with; `member_params(view)` turns one member's
   view of them (stacked leaves indexed, shared ones as they are) into its own plain
   params. None (users' models): every leaf stacked, a member's view is its params.
-  ensembles.methods.predicting_model sets both for a method whose members share leaves.
+  ensembles.stored.predicting_model sets both for a method whose members share leaves.
   """
   init: Callable[[jax.Array, jax.Array], tuple[Params, State]]
   apply: Callable[..., tuple[jax.Array, State]]

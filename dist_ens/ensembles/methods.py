@@ -30,7 +30,6 @@ update (so they work on any mesh, and their state is checkpointed with the rest)
 `predictive_members` turns the stacked train state into the K*M members that predict.
 """
 
-import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -40,7 +39,6 @@ from jax.sharding import Mesh
 
 from dist_ens.core import rng
 from dist_ens.core.hooks import MethodHooks
-from dist_ens.core.model import Model
 from dist_ens.ensembles import batchensemble, lora as lora_lib, own as own_lib
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
@@ -340,49 +338,11 @@ class Members(NamedTuple):
 
 def trained_members(method: Method | None, state: Any, mesh: Mesh) -> Members:
   """The members as they are now, their params as stored: read them with
-  predicting_model(method, model), which forms each member's params inside its vmap
-  (BatchEnsemble's kernels, LoRA's merged ones), so a shared leaf is never copied M times."""
+  ensembles.stored.predicting_model(method, model), which forms each member's params
+  inside its vmap (BatchEnsemble's kernels, LoRA's merged ones), so a shared leaf is
+  never copied M times."""
   del method, mesh  # Every method's members predict from the params as stored.
   return Members(state.params, state.model_state, state.frozen)
-
-
-def predicting_model(method: Method | None, model: Model) -> Model:
-  """`model`, reading the members' params as `method` stores them: entries with leaves
-  shared by every member (batchensemble, config.ensemble.own) are formed into one
-  member's params inside apply, and member_axes marks the shared leaves unstacked."""
-  if method is None or not method.shares:
-    return model
-
-  def apply(params, state, x, **kwargs):
-    return model.apply(batchensemble.member_params(params), state, x, **kwargs)
-
-  return Model(model.init, apply, member_axes=stored_axes,
-               member_params=batchensemble.member_params)
-
-
-def stored_axes(params: PyTree) -> PyTree:
-  """0 for a stacked leaf of sharing params, None for one stored once (a shared W, a scale)."""
-  return jax.tree_util.tree_map_with_path(
-      lambda path, _: None if batchensemble.is_shared(path) else 0, params)
-
-
-def form_members(method: Method | None, params: PyTree, mesh: Mesh) -> PyTree:
-  """Every member's own params, stacked [M, ...] over 'member' (a sharing method's shared
-  leaves copied M times: what export and Ensemble.params give, never evaluation)."""
-  if method is None or not method.shares:
-    return params
-  return _former(mesh)(params)
-
-
-def _form_members(params: PyTree) -> PyTree:
-  shared, own = batchensemble.split(params)
-  return jax.vmap(lambda o: batchensemble.member_params(batchensemble.merge(shared, o)))(own)
-
-
-@functools.lru_cache(maxsize=8)
-def _former(mesh: Mesh) -> Callable[[PyTree], PyTree]:
-  """_form_members, jitted once per mesh."""
-  return jax.jit(_form_members, out_shardings=mesh_lib.member_sharding(mesh))
 
 
 def predictive_members(method: Method, state: Any, seed: int, mesh: Mesh) -> Members:
