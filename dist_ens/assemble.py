@@ -114,10 +114,10 @@ class Run(NamedTuple):
       fns = user_metrics.load_metrics(self.config.eval.metrics)
       eval_batch = user_metrics.with_metrics(eval_batch, fns, task.combine)
       finalize = user_metrics.with_results(finalize, fns)
+    # The state as it is: predict_model reads its params as stored, a shared leaf once.
     return Evaluator(make_eval_step(parts.predict_model, mesh, eval_batch), mesh,
-                     self.config.eval.batch_size,
-                     view=functools.partial(methods.trained_members, parts.method, mesh=mesh),
-                     finalize=finalize, ood_metrics=task.ood_metrics)
+                     self.config.eval.batch_size, finalize=finalize,
+                     ood_metrics=task.ood_metrics)
 
   def checkpointer(self, workdir: Path) -> Checkpointer:
     """The run's checkpoints under workdir/checkpoints."""

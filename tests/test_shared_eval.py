@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import Ensemble, data
-from dist_ens.ensembles import methods
+from dist_ens import Ensemble, assemble, data
 from dist_ens.parallel import sharding_rules
-from test_own import _backbone_file, _own_config, _parts
+from test_own import _backbone_file, _own_config
 
 WIDE = 512  # A backbone big enough that one copy per member would show.
 
@@ -26,8 +25,9 @@ def _wide_backbone(tmp_path):
 
 def _eval_bytes_per_device(config):
   """Bytes of the params evaluation reads, per device, from the arrays' shardings."""
-  parts = _parts(config)
-  params = methods.trained_members(parts.method, parts.abstract_state, parts.mesh).params
+  devices = jax.devices()[:config.mesh.member * config.mesh.data]
+  run = assemble.build_run(config, devices=devices, shapes=((40, 1), 10))
+  params = run.evaluator().view(run.parts.abstract_state).params
   return sum(leaf.dtype.itemsize * int(np.prod(leaf.sharding.shard_shape(leaf.shape)))
              for leaf in jax.tree.leaves(params))
 

@@ -336,22 +336,15 @@ class Members(NamedTuple):
   frozen: jax.Array  # [M * K] bool: a frozen member's, or not collected yet
 
 
-def trained_members(method: Method | None, state: Any, mesh: Mesh) -> Members:
-  """The members as they are now, their params as stored: read them with
-  ensembles.stored.predicting_model(method, model), which forms each member's params
-  inside its vmap (BatchEnsemble's kernels, LoRA's merged ones), so a shared leaf is
-  never copied M times."""
-  del method, mesh  # Every method's members predict from the params as stored.
-  return Members(state.params, state.model_state, state.frozen)
-
-
 def predictive_members(method: Method, state: Any, seed: int, mesh: Mesh) -> Members:
   """The K predicting members of every trained member, member m's at rows m*K..m*K+K-1.
 
   Random draws (SWAG's weight samples) come from (seed, member, k): the same on any mesh.
   """
   if method.per_member == 1 and not method.collects:
-    return trained_members(method, state, mesh)
+    # The trained members, their params as stored (a shared leaf once): read them with
+    # ensembles.stored.predicting_model(method, model).
+    return Members(state.params, state.model_state, state.frozen)
   num_members = state.frozen.shape[0]
 
   def expand(collected, params, model_state, frozen, step):

@@ -341,7 +341,7 @@ class Evaluator:
                finalize: Callable[..., dict[str, Any]] = metrics.finalize,
                ood_metrics: Callable[..., dict[str, Any]] = metrics.ood_metrics):
     """`view(state)` is the members as they predict (.params, .model_state, .frozen):
-    the state itself, or ensembles.methods.trained_members for BatchEnsemble.
+    the state itself by default (its params as stored: the eval step's model reads them).
     `finalize` and `ood_metrics` are the task's (dist_ens.tasks.Task)."""
     self.eval_step, self.mesh, self.batch_size, self.view = eval_step, mesh, batch_size, view
     self.finalize, self.ood_metrics = finalize, ood_metrics
