@@ -83,3 +83,17 @@ def test_mesh_picture_is_valid_svg():
   root = ET.parse(ROOT / 'docs' / 'mesh.svg').getroot()
   assert root.tag.endswith('svg')
   assert 'docs/mesh.svg' in README.read_text()
+
+
+def test_the_accelerator_extras_the_readme_names_install_jaxs_own():
+  # `pip install -e '.[cuda12]'` etc. cannot be tried here (no GPU, no such wheels needed):
+  # check that every extra the README tells GPU/TPU users to install exists and pulls
+  # jax's own extra of the same name, at least the supported jax.
+  import tomllib  # pylint: disable=g-import-not-at-top
+  extras = tomllib.loads((ROOT / 'pyproject.toml').read_text())['project'][
+      'optional-dependencies']
+  named = set(re.findall(r"'\.\[(\w+)\]'", (ROOT / 'README.md').read_text()))
+  accelerators = named & {'cuda12', 'cuda13', 'tpu'}
+  assert accelerators == {'cuda12', 'cuda13', 'tpu'}, named
+  for extra in accelerators:
+    assert extras[extra] == [f'jax[{extra}]>=0.10.2'], (extra, extras.get(extra))
