@@ -128,10 +128,9 @@ def test_the_backbone_is_stored_once_whatever_m(tmp_path):
   assert sizes[2] - (sizes[4] - sizes[2]) == backbone + 4  # the backbone and the step
 
 
-def test_resume_is_exact_and_ensemble_load_predicts(tmp_path):
-  source, body = _backbone_file(tmp_path)
-  config = lambda: _own_config(source, members=4)
-
+def straight_and_resumed(tmp_path, config):
+  """(results of a run in tmp_path/a, of the same run in tmp_path/b killed after step 16's
+  checkpoint and resumed); `config()` gives a fresh config, checkpoints every 8 steps."""
   def run(workdir, actions=()):
     c = config()
     c.train.log_every, c.train.eval_every, c.checkpoint.every = 8, 0, 8
@@ -139,9 +138,14 @@ def test_resume_is_exact_and_ensemble_load_predicts(tmp_path):
     return dist_ens.train(c, str(workdir), devices=jax.devices()[:2], actions=actions)
 
   straight = run(tmp_path / 'a')
-  with pytest.raises(RuntimeError, match='injected fault'):  # After step 16's checkpoint.
+  with pytest.raises(RuntimeError, match='injected fault'):
     run(tmp_path / 'b', actions=[_Stop(16)])
-  resumed = run(tmp_path / 'b')
+  return straight, run(tmp_path / 'b')
+
+
+def test_resume_is_exact_and_ensemble_load_predicts(tmp_path):
+  source, body = _backbone_file(tmp_path)
+  straight, resumed = straight_and_resumed(tmp_path, lambda: _own_config(source, members=4))
   assert resumed['members'] == straight['members']
   assert resumed['ensemble'] == straight['ensemble']
   # The checkpoint holds the backbone once, as the file's values.

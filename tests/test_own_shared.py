@@ -21,8 +21,8 @@ from dist_ens import assemble, configuration, data, plan as plan_lib
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import read_orbax
 from dist_ens.parallel import mesh as mesh_lib
-from test_methods import _Stop, _config
-from test_own import BATCH, _backbone_file, _own_config, _parts, _steps
+from test_methods import _config
+from test_own import BATCH, _backbone_file, _own_config, _parts, _steps, straight_and_resumed
 
 RATES = [0.1, 0.2, 0.3, 0.4]  # optim.learning_rate swept over the 4 members
 
@@ -152,17 +152,8 @@ def test_batchensemble_starts_w_from_the_file_and_factors_per_member(tmp_path, f
 
 def test_resume_is_exact_and_the_checkpoint_holds_the_shared_part_once(tmp_path):
   source, body = _backbone_file(tmp_path)
-
-  def run(workdir, actions=()):
-    c = _own_config(source, members=4, **{'ensemble.train_shared': True})
-    c.train.log_every, c.train.eval_every, c.checkpoint.every = 8, 0, 8
-    c.mesh.data = 1
-    return dist_ens.train(c, str(workdir), devices=jax.devices()[:2], actions=actions)
-
-  straight = run(tmp_path / 'a')
-  with pytest.raises(RuntimeError, match='injected fault'):  # After step 16's checkpoint.
-    run(tmp_path / 'b', actions=[_Stop(16)])
-  resumed = run(tmp_path / 'b')
+  straight, resumed = straight_and_resumed(
+      tmp_path, lambda: _own_config(source, members=4, **{'ensemble.train_shared': True}))
   assert resumed['members'] == straight['members']
   assert resumed['ensemble'] == straight['ensemble']
   saved = {(d, item): read_orbax(tmp_path / d / 'checkpoints' / '24' / item)
