@@ -20,7 +20,7 @@ import ml_collections
 from absl import app, flags, logging
 
 from dist_ens import configuration, importing
-from dist_ens.errors import ConfigError, TrainingError
+from dist_ens.errors import AgreedConfigError, ConfigError, TrainingError
 from dist_ens.parallel import distributed, xla_flags
 from dist_ens.training import workdir as workdir_lib
 
@@ -103,6 +103,8 @@ def _train_main(argv: list[str]) -> None:
   except (ConfigError, TrainingError) as e:  # Expected failures: one clear line.
     if launched:
       logging.error('%s', e)  # In the log too, with this process's index.
+      if isinstance(e, AgreedConfigError):
+        distributed.exit_agreed(f'dist-ens: error: {e}')
       distributed.exit_without_barrier(f'dist-ens: error: {e}')
     sys.exit(f'dist-ens: error: {e}')
   except Exception as e:  # pylint: disable=broad-except

@@ -7,3 +7,9 @@ class ConfigError(ValueError):
 
 class TrainingError(RuntimeError):
   """Training stopped on purpose (e.g. a non-finite member with on_nonfinite='stop')."""
+
+
+class AgreedConfigError(ConfigError):
+  """A ConfigError every process of a multi-process run found from the same gathered data
+  (e.g. processes resolved different configs). Each process says it before any exits, so
+  no process reads another's exit as a lost peer."""

@@ -464,6 +464,30 @@ def test_different_configs_fail_on_every_process_naming_fields(tmp_path):
   assert not (tmp_path / 'w').exists()
 
 
+# Process 1 as dist_ens.main, but 3 s slower than process 0 between gathering the configs
+# and naming the difference: the race a loaded machine or a slow host makes.
+_SLOW_PROCESS_1 = (
+    'import sys, time; from dist_ens.parallel import distributed as d; '
+    'name = d.describe_differences; '
+    'd.describe_differences = lambda c: (time.sleep(3), name(c))[1]; '
+    'sys.argv[0] = "dist-ens"; from dist_ens import main; main.entry()')
+
+
+def test_config_mismatch_named_by_a_process_slower_than_the_others(tmp_path):
+  """Before its fix, process 0 exited as soon as it had said its line, and process 1,
+  still on its way to the same line, said "lost process 0" instead (2 runs in 6 on a
+  loaded machine; every time with this delay)."""
+  port = _free_port()
+  args = lambda i: [CONFIG, f'--workdir={tmp_path / "w"}', *SMALL,
+                    *(['--config.seed=7'] if i == 1 else []), *_explicit(port, i)]
+  procs = [_start([sys.executable, '-m', 'dist_ens.main', *args(0)], _env()),
+           _start([sys.executable, '-c', _SLOW_PROCESS_1, *args(1)], _env())]
+  for status, out in _wait(procs, 120):
+    assert status != 0, out[-3000:]
+    assert 'process 1: seed=7 (process 0: 0)' in out, out[-3000:]
+    assert 'lost process' not in out, out[-3000:]
+
+
 # ---------------------------------------------------------------------------------
 # Cluster detection: a SLURM job step, through launch/slurm.sbatch, on localhost.
 

@@ -26,7 +26,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import configuration
-from dist_ens.errors import ConfigError
+from dist_ens.errors import AgreedConfigError
 from dist_ens.parallel import peer_watch
 
 # How long process 0's coordination service waits without a heartbeat before it
@@ -229,6 +229,27 @@ def _safe(newest_step: Callable[[], int | None]) -> int | None:
     return None
 
 
+def exit_agreed(line: str, timeout_s: float = 120) -> NoReturn:
+  """Ends this process with `line`, an error every process found (AgreedConfigError).
+
+  Each process writes its line and then waits at a barrier until every process has
+  written its own, and only then exits: the first to exit would otherwise close its
+  connections while a peer is still on its way to the same line, and that peer would
+  report "lost process 0" instead (its peer watch and JAX's coordination client both
+  see the closed connections). Holding the peer watch's lock keeps its thread quiet.
+  """
+  peer_watch.hold_saying()
+  os.write(2, (line + '\n').encode())
+  from jax._src import distributed as jax_distributed  # pylint: disable=g-import-not-at-top
+  try:
+    jax_distributed.global_state.client.wait_at_barrier(
+        'dist_ens/agreed_error', int(timeout_s * 1000))
+  except Exception:  # pylint: disable=broad-except  # A peer already gone: the line stands.
+    pass
+  peer_watch.say_bye_now()
+  exit_without_barrier(1)
+
+
 def exit_lost(line: str) -> NoReturn:
   """Ends this process with `line` (from lost_process_line), once: a collective that
   failed and the peer watch may both see the same loss."""
@@ -323,7 +344,7 @@ def check_same_config(config_dict: dict[str, Any]) -> None:
     config_dict: this process's resolved config (configuration.to_dict).
 
   Raises:
-    ConfigError: on every process, naming each differing field and its values.
+    AgreedConfigError: on every process, naming each differing field and its values.
   """
   if jax.process_count() == 1:
     return
@@ -339,7 +360,7 @@ def check_same_config(config_dict: dict[str, Any]) -> None:
   padded[:len(encoded)] = np.frombuffer(encoded, np.uint8)
   gathered = multihost_utils.process_allgather(padded)
   configs = [json.loads(bytes(row).rstrip(b'\0')) for row in gathered]
-  raise ConfigError(
+  raise AgreedConfigError(
       f'the {len(configs)} processes resolved different configs; every process must get '
       'the same --config file and overrides. Differing fields:\n'
       + describe_differences(configs))

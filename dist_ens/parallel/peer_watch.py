@@ -37,6 +37,21 @@ def say_once_and_exit(line: str, exit_now: Callable[[str], None]) -> None:
   exit_now(line)
 
 
+def hold_saying() -> None:
+  """Keeps the watch's threads from saying a loss (this process is saying an error
+  of its own, which ends it)."""
+  _SAYING.acquire()
+
+
+_WATCHES: list['PeerWatch'] = []
+
+
+def say_bye_now() -> None:
+  """Says bye on every started watch: this process is ending on purpose."""
+  for watch in _WATCHES:
+    watch.say_bye()
+
+
 class PeerWatch:
   """The watch of one process; start() it right after jax.distributed starts."""
 
@@ -60,6 +75,7 @@ class PeerWatch:
                       'reported by JAX only.', e)
       return
     atexit.register(self.say_bye)
+    _WATCHES.append(self)
 
   def _listen(self) -> None:
     server = socket.create_server(('', 0))
