@@ -103,15 +103,15 @@ def _scores(name: str, results: dict) -> tuple[dict, float]:
 
 
 def _inference_seconds(ens: Ensemble, mc_samples: int) -> float:
-  """Median wall time of the predicting members' log-probabilities on the test split."""
+  """Median wall time of the predicting members' outputs on the test split."""
   test = data.load_dataset(ens.config.data.name, assemble.data_spec(ens.config)).test
-  step = evaluate.make_log_probs_step(ens.model, ens.mesh, mc_samples=mc_samples,
-                                      seed=ens.config.seed)
+  step = evaluate.make_outputs_step(ens.model, ens.mesh, mc_samples=mc_samples,
+                                   combine=ens.task.combine, seed=ens.config.seed)
   variables = (ens.params, ens.model_state)
   times = []
   for _ in range(6):  # The first call compiles.
     start = time.perf_counter()
-    evaluate.split_log_probs(step, variables, test, 1000, ens.mesh)
+    evaluate.split_outputs(step, variables, test, 1000, ens.mesh)
     times.append(time.perf_counter() - start)
   return statistics.median(times[1:])
 

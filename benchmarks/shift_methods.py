@@ -95,16 +95,17 @@ def shifted_metrics(workdir: str, pairs: list[tuple[str, int]]) -> dict:
   test = data.load_dataset(config.data.name, assemble.data_spec(config)).test
   frame = shift.InputFrame.fit(test.x, config.data.std or 1.0, config.data.mean or 0.0)
   corrupt = jax.jit(lambda x, i, c, s: frame.corrupt(x, i, c, s, config.seed))
-  step = evaluate.make_log_probs_step(ens.model, ens.mesh, mc_samples=config.eval.mc_samples,
-                                      seed=config.seed)
+  step = evaluate.make_outputs_step(ens.model, ens.mesh, mc_samples=config.eval.mc_samples,
+                                   combine=ens.task.combine, seed=config.seed)
+  scorer = evaluate.Scorer.of(ens.task)
   variables, index = (ens.params, ens.model_state), jnp.arange(len(test.y))
   assert not np.any(ens.frozen)  # no member is left out: every predicting member counts
 
   def metrics_of(corruption: int, severity: int) -> dict:
     x = np.asarray(corrupt(test.x, index, jnp.int32(corruption), jnp.int32(severity)))
     # [M, N, C]: an MC dropout member's samples and MIMO's heads come averaged per member.
-    log_probs = evaluate.split_log_probs(step, variables, data.Split(x, test.y), 1000, ens.mesh)
-    out = evaluate.metrics_from_log_probs(log_probs, test.y)
+    outputs = evaluate.split_outputs(step, variables, data.Split(x, test.y), 1000, ens.mesh)
+    out = scorer.metrics(outputs, test.y)
     members = {k: float(np.mean(out['members'][k])) for k in ('accuracy', 'nll', 'ece')}
     return {'ensemble': {k: float(out['ensemble'][k]) for k in ('accuracy', 'nll', 'ece')},
             'mean_member': members}

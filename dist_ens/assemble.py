@@ -37,7 +37,7 @@ from dist_ens.core.state import Pretrained, TrainState, init_state
 from dist_ens.ensembles import batchensemble, methods, mimo, stored
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec, user_metrics
-from dist_ens.eval.evaluate import Evaluator, make_eval_step
+from dist_ens.eval.evaluate import Evaluator, Scorer, make_eval_step
 from dist_ens.parallel import form_cache, mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
@@ -116,8 +116,8 @@ class Run(NamedTuple):
       finalize = user_metrics.with_results(finalize, fns)
     # The state as it is: predict_model reads its params as stored, a shared leaf once.
     return Evaluator(make_eval_step(parts.predict_model, mesh, eval_batch), mesh,
-                     self.config.eval.batch_size, finalize=finalize,
-                     ood_metrics=task.ood_metrics)
+                     self.config.eval.batch_size,
+                     scorer=Scorer(eval_batch, finalize, task.ood_metrics))
 
   def checkpointer(self, workdir: Path) -> Checkpointer:
     """The run's checkpoints under workdir/checkpoints."""
@@ -218,7 +218,11 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   task = tasks.get_task(config.task)
   model = models.get_model(model_spec(config), num_outputs * max(method.heads, 1))
   if method.heads:  # MIMO: one network, `heads` input slots and output heads.
-    model = mimo.wrap(model, method.heads)
+    if task.combine is None:
+      raise ConfigError(f"config.ensemble.method='mimo' combines its heads as the task combines "
+                        f'members (Task.combine), which config.task={config.task!r} does not '
+                        'give; use another method for this task.')
+    model = mimo.wrap(model, method.heads, task.combine)
   input_shape = tuple(int(d) for d in input_shape)
   sample_x = jax.ShapeDtypeStruct((1, *input_shape), input_dtype)
   one_member = lambda: jax.eval_shape(model.init, jax.random.key(0),

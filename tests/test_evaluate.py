@@ -5,7 +5,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from dist_ens import data, models
+from dist_ens import data, models, tasks
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.eval import metrics
 from dist_ens.eval import ood
@@ -148,16 +148,17 @@ def test_bad_ood_dataset_names_the_field(name, message):
     ood.load_ood_split(name, data.load_dataset('mnist1d'))
 
 
-def test_metrics_from_log_probs_equal_evaluate(setup):
+def test_host_scored_outputs_equal_evaluate(setup):
   model, mesh, params = setup
   split = _split(5)
   member_mask = np.arange(M) != 3
-  log_probs = evaluate_lib.split_log_probs(evaluate_lib.make_log_probs_step(model, mesh), params,
-                                           split, 16, mesh)
-  np.testing.assert_allclose(log_probs, jax.nn.log_softmax(_logits(model, params, split.x)),
-                             rtol=1e-5, atol=1e-5)
+  outputs = evaluate_lib.split_outputs(evaluate_lib.make_outputs_step(model, mesh), params,
+                                       split, 16, mesh)
+  np.testing.assert_allclose(outputs, _logits(model, params, split.x), rtol=1e-5, atol=1e-5)
+  log_probs = np.asarray(jax.nn.log_softmax(outputs))
   # Members padded to 8 and examples to a chunk of 16: masked out, so nothing changes.
-  got = evaluate_lib.metrics_from_log_probs(log_probs, split.y, member_mask, chunk=16)
+  scorer = evaluate_lib.Scorer.of(tasks.get_task('classification'))
+  got = scorer.metrics(log_probs, split.y, member_mask, chunk=16)
   expected = evaluate(make_eval_step(model, mesh), params, split, 16, mesh,
                       jax.device_put(member_mask, mesh_lib.member_sharding(mesh)))
   for group in expected:
@@ -165,7 +166,7 @@ def test_metrics_from_log_probs_equal_evaluate(setup):
       np.testing.assert_allclose(got[group][key], expected[group][key], rtol=1e-5, atol=1e-6,
                                  err_msg=f'{group}/{key}')
   # A member listed twice weighs twice in the ensemble.
-  twice = evaluate_lib.metrics_from_log_probs(log_probs[[0, 1, 1]], split.y)
+  twice = scorer.metrics(log_probs[[0, 1, 1]], split.y)
   probs = np.exp(log_probs[0]) / 3 + 2 * np.exp(log_probs[1]) / 3
   np.testing.assert_allclose(twice['ensemble']['nll'],
                              -np.log(probs[np.arange(N), split.y]).mean(), rtol=1e-5)

@@ -6,6 +6,8 @@ the same example and the network predicts as its heads' mean. Then: a MIMO
 ensemble learns on a member x data mesh and Ensemble.load predicts with it.
 """
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,9 @@ from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
 from test_methods import _config, _run
+
+# How classification combines members, and so a MIMO network's heads.
+classification_combine = importlib.import_module('dist_ens.tasks.classification').combine
 
 HEADS, CLASSES, B = 3, 4, 64
 
@@ -30,7 +35,7 @@ def _probe(read_slot):
       logits = logits.at[:, h, 0].set(x[:, read_slot(h)])
     return logits.reshape(x.shape[0], -1), state
 
-  return mimo.wrap(Model(lambda rng, x: ({}, {}), apply), HEADS)
+  return mimo.wrap(Model(lambda rng, x: ({}, {}), apply), HEADS, classification_combine)
 
 
 def test_each_head_sees_its_own_shuffle_aligned_with_the_labels():
@@ -55,7 +60,7 @@ def test_evaluation_predicts_the_heads_mean_probability():
     np.testing.assert_array_equal(x, jnp.tile(x[:, :1], (1, HEADS)))  # Every slot the same.
     return head_logits.reshape(B, -1), state
 
-  net = mimo.wrap(Model(lambda rng, x: ({}, {}), apply), HEADS)
+  net = mimo.wrap(Model(lambda rng, x: ({}, {}), apply), HEADS, classification_combine)
   out, _ = net.apply({}, {}, jnp.ones((B, 1)), train=False)
   expected = np.log(np.mean(np.asarray(jax.nn.softmax(head_logits)), axis=1))
   np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)

@@ -1,5 +1,6 @@
 """Post-hoc evaluation: temperature scaling, greedy selection, MC dropout, and their actions."""
 
+import importlib
 import json
 import types
 from pathlib import Path
@@ -11,11 +12,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from dist_ens import data
+from dist_ens import data, tasks
 from dist_ens.configuration import load_config
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
 from dist_ens.ensembles.selection import greedy_select
+from dist_ens.tasks import temperature
 from dist_ens.eval import calibration, evaluate
 from dist_ens.models import layers
 from dist_ens.models.base import dense_init
@@ -24,6 +26,8 @@ from dist_ens.training import posthoc
 from dist_ens.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
+# The module (dist_ens.tasks re-exports its task function under the same name).
+classification_lib = importlib.import_module('dist_ens.tasks.classification')
 C = 5
 
 
@@ -72,7 +76,8 @@ def test_member_and_ensemble_temperatures():
   included = np.array([True, True, False, True])
   test_y, test = _logits(2, members=4)
   test = np.asarray(jax.nn.log_softmax(test))
-  out = posthoc.temperature_scaling(log_probs, labels, test, test_y, included)
+  scorer = evaluate.Scorer.of(classification_lib.classification())
+  out = temperature.temperature_scaling(scorer, log_probs, labels, test, test_y, included)
   temps = out['member_temperatures']
   for m in (0, 1, 3):
     assert temps[m] == pytest.approx(float(calibration.fit_temperature(log_probs[m], labels)),
@@ -115,7 +120,8 @@ def test_greedy_selection_equals_caruana(seed):
   logits *= np.linspace(0.3, 3.0, 7)[:, None, None]  # members from under- to over-confident
   logits[5] = np.nan  # a frozen member is never picked
   candidates = np.arange(7) != 5
-  got = greedy_select(logits, labels, size=10, candidates=candidates)
+  log_likelihood = classification_lib.log_likelihood(logits, labels)
+  got = greedy_select(log_likelihood, size=10, candidates=candidates)
   picks, path = _caruana_reference(logits, labels, 10, candidates)
   assert got.picks == picks and 5 not in got.picks
   np.testing.assert_allclose(got.nll_by_size, path, rtol=1e-10)
@@ -187,9 +193,10 @@ def test_mc_dropout_with_rate_zero_is_plain_evaluation():
 def test_mc_dropout_samples_differ_reproducibly_on_any_mesh(devices):
   model, split = dropout_model(C, rate=0.5), _split()
   mesh = _mesh(devices, 4, 2)
-  step = evaluate.make_log_probs_step(model, mesh, mc_samples=4, seed=7)
+  step = evaluate.make_outputs_step(model, mesh, mc_samples=4, seed=7,
+                                   combine=classification_lib.combine)
   # 23 examples over 2 data shards in padded batches of 8.
-  sharded = evaluate.split_log_probs(step, _variables(model, mesh), split, 8, mesh)
+  sharded = evaluate.split_outputs(step, _variables(model, mesh), split, 8, mesh)
   params, state = jax.tree.map(lambda a: np.asarray(a)[2], _variables(model, mesh))
   sample = jax.jit(lambda seed: evaluate.mc_sample_logits(
       model, params, state, split.x, evaluate.mc_key(seed, 2), 0, 4))
@@ -215,7 +222,9 @@ def test_posthoc_actions_in_a_training_run(tmp_path, devices):
   with config.unlocked():
     config.eval.mc_samples, config.eval.temperature_scaling = 2, True
     config.select.method, config.select.greedy_size = 'greedy', 6
-  train(config, str(tmp_path), devices=devices[:4], actions=posthoc.posthoc_actions(config))
+  train(config, str(tmp_path), devices=devices[:4],
+        actions=posthoc.posthoc_actions(config, tasks.get_task('classification'),
+                                        types.SimpleNamespace(collects=False)))
   final = json.loads((tmp_path / 'final_metrics.json').read_text())
   ts, greedy, mc = final['temperature_scaling'], final['greedy'], final['mc_dropout']
   assert ts['validation_nll']['ensemble_after'] <= ts['validation_nll']['ensemble_before']
@@ -238,4 +247,4 @@ def test_posthoc_fits_need_a_validation_split():
   config = load_config(ROOT / 'configs' / 'default.py')
   config.select.method = 'best'
   with pytest.raises(ConfigError, match='config.select.method'):
-    posthoc.posthoc_actions(config)
+    posthoc.check(config, tasks.get_task('classification'))

@@ -232,7 +232,7 @@ class Batches:
     local = np.stack(blocks) if self._steps > 1 else blocks[0]
     x, y = self._source.read(local.reshape(-1))
     x = x.reshape(*local.shape, *x.shape[1:])
-    y = y.reshape(local.shape)
+    y = y.reshape(*local.shape, *y.shape[1:])  # [N, D] targets keep their D
     batch = (x, y, local.astype(np.int32)) if self._with_index else (x, y)
     arrays = tuple(jax.make_array_from_process_local_data(
         self.sharding, a, self._global_lead + a.shape[local.ndim:]) for a in batch)

@@ -10,14 +10,18 @@ heads of num_classes logits:
               pairings of examples. Each head's logits are put back in the batch's
               order, so the apply returns [B, H, C] aligned with the labels, and
               `head_loss` sums the loss over the heads.
-  evaluation  every slot holds the same example; the apply returns the log of the
-              heads' mean probability, [B, C]: the MIMO network predicts as the
-              ensemble of its heads, so it is one member of dist_ens's ensemble
-              (num_members MIMO networks, each its own independent member).
+  evaluation  every slot holds the same example; the apply returns the heads
+              combined as the task combines members (Task.combine: classification's
+              log of the heads' mean probability, [B, C]; regression's mixture): the
+              MIMO network predicts as the ensemble of its heads, so it is one member
+              of dist_ens's ensemble (num_members MIMO networks, each its own
+              independent member).
 
 The trained state is a member's ordinary params, stacked over 'member' as for any
 model: any mesh, checkpoints and Ensemble.load work unchanged.
 """
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,17 +37,19 @@ def _tile(x: jax.Array, heads: int) -> jax.Array:
   return jnp.concatenate([x] * heads, axis=-1)
 
 
-def wrap(model: Model, heads: int) -> Model:
-  """The H-slot, H-head network of `model` (built with num_classes * heads outputs)."""
+def wrap(model: Model, heads: int, combine: Callable[[jax.Array, jax.Array], jax.Array]
+         ) -> Model:
+  """The H-slot, H-head network of `model` (built with outputs * heads outputs);
+  `combine` is the task's way to combine members (Task.combine), here the heads."""
 
   def init(rng, sample_x):
     return model.init(rng, _tile(sample_x, heads))
 
   def apply(params, state, x, *, train, rng=None):
     if not train:
-      logits, state = model.apply(params, state, _tile(x, heads), train=False, rng=rng)
-      log_probs = jax.nn.log_softmax(logits.reshape(x.shape[0], heads, -1))
-      return jax.nn.logsumexp(log_probs, axis=1) - jnp.log(heads), state
+      outputs, state = model.apply(params, state, _tile(x, heads), train=False, rng=rng)
+      per_head = jnp.moveaxis(outputs.reshape(x.shape[0], heads, -1), 1, 0)  # [H, B, K]
+      return combine(per_head, jnp.ones((heads,), bool)), state
     key = jax.random.fold_in(rng, _PERMUTATION_STREAM)
     perms = jnp.stack([jnp.arange(x.shape[0])] + [
         jax.random.permutation(jax.random.fold_in(key, h), x.shape[0]) for h in range(1, heads)])

@@ -12,7 +12,7 @@ single member, which is always the first pick. Ties go to the lowest member inde
 Beside it sits today's top-k (dist_ens.training.actions.SelectTopK): the k best
 members by a validation metric, each counted once.
 
-Only each member's probability of the true label matters to the NLL, so the search
+Only each member's likelihood of the true target matters to the NLL, so the search
 runs on an [M, N] matrix in float64 on the host: O(size x M x N), milliseconds for
 hundreds of members.
 """
@@ -37,18 +37,21 @@ class Selection(NamedTuple):
   nll: float
 
 
-def greedy_select(log_probs: np.ndarray, labels: np.ndarray, size: int,
+def greedy_select(log_likelihood: np.ndarray, size: int,
                   candidates: np.ndarray | None = None) -> Selection:
   """Caruana's greedy selection with replacement by validation NLL (see the module doc).
 
+  The ensemble's likelihood of an example is the mean of its members' (a mixture, for
+  any task), so the search needs each member's log-likelihood of each example's target
+  and nothing else: the task gives it (Task.log_likelihood).
+
   Example:
-    >>> lp = np.log(np.array([[[.9, .1], [.6, .4]], [[.4, .6], [.2, .8]]]))  # [M=2, N=2, C=2]
-    >>> greedy_select(lp, np.array([0, 1]), size=3).picks
+    >>> ll = np.log(np.array([[.9, .4], [.4, .8]]))  # [M=2, N=2]: p_m(y_n)
+    >>> greedy_select(ll, size=3).picks
     [0, 1, 0]
 
   Args:
-    log_probs: [M, N, C] members' validation log-probabilities (or logits).
-    labels: [N] validation labels.
+    log_likelihood: [M, N] each member's log-likelihood of each validation example.
     size: the number of picks to make (>= 1).
     candidates: [M] bool, members that may be picked (default all); members with
       non-finite predictions are never picked.
@@ -58,11 +61,9 @@ def greedy_select(log_probs: np.ndarray, labels: np.ndarray, size: int,
   """
   if size < 1:
     raise ValueError(f'greedy_select(size={size}): size must be at least 1.')
-  log_probs = np.asarray(log_probs, np.float64)
-  with np.errstate(invalid='ignore'):  # A NaN member stays NaN and is never picked.
-    log_probs = log_probs - np.logaddexp.reduce(log_probs, axis=-1, keepdims=True)
-  # p_m(y_n): [M, N]; the NLL of an average of members needs nothing else.
-  true_probs = np.exp(np.take_along_axis(log_probs, labels[None, :, None], axis=-1)[..., 0])
+  with np.errstate(over='ignore', invalid='ignore'):
+    true_probs = np.exp(np.asarray(log_likelihood, np.float64))
+  # Densities above 1 (regression) are fine; a member with a NaN or Inf never is.
   allowed = np.all(np.isfinite(true_probs), axis=1)
   if candidates is not None:
     allowed &= np.asarray(candidates, bool)
@@ -70,7 +71,7 @@ def greedy_select(log_probs: np.ndarray, labels: np.ndarray, size: int,
     raise ValueError('greedy_select(): no candidate member has finite predictions.')
   total, picks, path = np.zeros(true_probs.shape[1]), [], []
   for n in range(1, size + 1):
-    with np.errstate(divide='ignore'):
+    with np.errstate(divide='ignore', invalid='ignore'):
       nlls = -np.mean(np.log((total[None] + true_probs) / n), axis=1)
     nlls[~allowed] = np.inf
     best = int(np.argmin(nlls))  # The first minimum: ties go to the lowest index.

@@ -108,6 +108,11 @@ def scale(log_probs: np.ndarray, temperature: np.ndarray | float) -> np.ndarray:
   return np.asarray(jax.nn.log_softmax(jnp.asarray(log_probs, jnp.float32) / t, axis=-1))
 
 
+def normalised(logits: np.ndarray) -> np.ndarray:
+  """[..., N, C] logits -> their log-probabilities (log_softmax), float32 numpy."""
+  return scale(logits, 1.0)
+
+
 def pooled_log_probs(log_probs: np.ndarray, member_mask: np.ndarray | None = None) -> np.ndarray:
   """[N, C] log of the mean of the included members' probabilities, from [M, N, C]."""
   mask = np.ones(log_probs.shape[0], bool) if member_mask is None else np.asarray(member_mask)

@@ -22,7 +22,8 @@ the samples are the same on any mesh and for any eval batch size. Member m's
 prediction is the mean of its K sampled softmax distributions.
 """
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -38,7 +39,9 @@ from dist_ens.parallel.mesh import DATA, batch_sharding, member_sharding, replic
 from dist_ens.models import Model
 
 EvalStep = Callable[..., metrics.BatchEval]
-LogProbsStep = Callable[..., jax.Array]
+OutputsStep = Callable[..., jax.Array]
+# Task.combine: (member outputs [M, B, ...], member_mask [M]) -> the ensemble's [B, ...].
+Combine = Callable[[jax.Array, jax.Array], jax.Array]
 
 # Stream tag of MC dropout draws: apart from init (member_keys) and training (tag 1,
 # dist_ens.core.rng), so evaluation never reuses a training mask.
@@ -88,20 +91,24 @@ def mc_sample_logits(model: Model, params: Any, model_state: Any, x: jax.Array, 
   return jax.lax.map(one_sample, jnp.arange(num_samples, dtype=jnp.uint32))
 
 
-def member_log_probs(model: Model, variables: Any, x: jax.Array, *, mc_samples: int = 0,
-                     seed: int = 0, offset: jax.Array | int = 0) -> jax.Array:
-  """[M, B, C] float32 log-probabilities of every member: plain evaluation, or with
-  mc_samples = K > 0 the log of the mean of K MC dropout softmax samples."""
+def member_outputs(model: Model, variables: Any, x: jax.Array, *, mc_samples: int = 0,
+                   combine: Combine | None = None, seed: int = 0,
+                   offset: jax.Array | int = 0) -> jax.Array:
+  """[M, B, ...] float32 outputs of every member: plain evaluation, or with mc_samples =
+  K > 0 each member's K MC dropout samples combined by the task (`combine`, Task.combine:
+  classification gives the log of their mean probabilities, regression their mixture)."""
   if not mc_samples:
-    return jax.nn.log_softmax(member_logits(model, variables, x).astype(jnp.float32), axis=-1)
+    return member_logits(model, variables, x).astype(jnp.float32)
+  if combine is None:
+    raise ValueError('member_outputs(mc_samples > 0) needs the task\'s combine.')
   params, model_state = variables
   axes = stacked_axes(model, params)
   members = jnp.arange(num_stacked(params, axes))
+  every_sample = jnp.ones((mc_samples,), bool)
 
   def one_member(p, s, member):
-    logits = mc_sample_logits(model, p, s, x, mc_key(seed, member), offset, mc_samples)
-    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return jax.nn.logsumexp(log_probs, axis=0) - jnp.log(float(mc_samples))
+    samples = mc_sample_logits(model, p, s, x, mc_key(seed, member), offset, mc_samples)
+    return combine(samples.astype(jnp.float32), every_sample)
 
   return jax.vmap(one_member, in_axes=(axes, 0, 0))(params, model_state, members)
 
@@ -226,106 +233,129 @@ def member_mask_from_frozen(frozen: jax.Array) -> jax.Array:
   return jnp.logical_not(frozen)
 
 
-def make_log_probs_step(model: Model, mesh: Mesh, *, mc_samples: int = 0,
-                        seed: int = 0) -> LogProbsStep:
-  """(variables, x, offset) -> [M, B, C] log-probabilities (see member_log_probs), replicated.
+def make_outputs_step(model: Model, mesh: Mesh, *, mc_samples: int = 0,
+                      combine: Combine | None = None, seed: int = 0) -> OutputsStep:
+  """(variables, x, offset) -> [M, B, ...] member outputs (see member_outputs), replicated.
 
   `offset` is the split index of x[0] (MC dropout keys its draws by it).
 
   Example:
-    step = make_log_probs_step(model, mesh, mc_samples=8, seed=config.seed)
-    log_probs = split_log_probs(step, (state.params, state.model_state), dataset.test, 1000, mesh)
+    step = make_outputs_step(model, mesh, mc_samples=8, combine=task.combine, seed=config.seed)
+    outputs = split_outputs(step, (state.params, state.model_state), dataset.test, 1000, mesh)
   """
 
-  def log_probs_step(variables, x, offset):
-    return member_log_probs(model, variables, x, mc_samples=mc_samples, seed=seed, offset=offset)
+  def outputs_step(variables, x, offset):
+    return member_outputs(model, variables, x, mc_samples=mc_samples, combine=combine,
+                          seed=seed, offset=offset)
 
-  return jax.jit(log_probs_step, in_shardings=(None, batch_sharding(mesh),
-                                               replicated(mesh)),
+  return jax.jit(outputs_step, in_shardings=(None, batch_sharding(mesh), replicated(mesh)),
                  out_shardings=replicated(mesh))
 
 
-def split_log_probs(step: LogProbsStep, variables: Any, split: Split, batch_size: int,
-                    mesh: Mesh) -> np.ndarray:
-  """[M, N, C] float32 numpy log-probabilities of every member on the whole split.
+def padded_chunks(n: int, batch_size: int) -> Iterator[tuple[int, int]]:
+  """(start, valid) of each batch of `batch_size` rows over n examples: every batch has the
+  same shape (the last one padded, `valid` its real rows), so one compiled program serves
+  a whole split."""
+  for start in range(0, n, batch_size):
+    yield start, min(batch_size, n - start)
+
+
+def pad_rows(a: np.ndarray, rows: int) -> np.ndarray:
+  """`a` with zero rows appended up to `rows` (padding that a mask or a cut removes)."""
+  if len(a) == rows:
+    return a
+  return np.concatenate([a, np.zeros((rows - len(a), *a.shape[1:]), a.dtype)])
+
+
+def split_outputs(step: OutputsStep, variables: Any, split: Split, batch_size: int,
+                  mesh: Mesh) -> np.ndarray:
+  """[M, N, ...] float32 numpy outputs of every member on the whole split.
 
   Batches as evaluate_split (the last one padded, its padding cut); every process
   gets the whole array.
   """
   if not len(split.y):
-    raise ValueError('split_log_probs() got an empty split; it needs at least one example.')
+    raise ValueError('split_outputs() got an empty split; it needs at least one example.')
   d = mesh.shape[DATA]
   # The same batch shape for every split (a small one is padded): one compile.
   batch_size = -(-batch_size // d) * d
   sharding, outs = batch_sharding(mesh), []
-  for start in range(0, len(split.y), batch_size):
-    x = split.x[start:start + batch_size]
-    valid = len(x)
-    if valid < batch_size:
-      x = np.concatenate([x, np.zeros((batch_size - valid, *x.shape[1:]), x.dtype)])
+  for start, valid in padded_chunks(len(split.y), batch_size):
+    x = pad_rows(split.x[start:start + valid], batch_size)
     outs.append((step(variables, to_global(x, sharding), np.uint32(start)), valid))
   return np.concatenate([np.asarray(out)[:, :valid] for out, valid in outs], axis=1)
 
 
-def metrics_from_log_probs(log_probs: np.ndarray, labels: np.ndarray,
-                           member_mask: np.ndarray | None = None,
-                           chunk: int = 1024) -> dict[str, Any]:
-  """metrics.finalize of [M, N, C] member log-probabilities (or logits) against labels.
-
-  The ensemble is the mean of the included members' probabilities; a member listed
-  twice counts twice (a weighted ensemble, as greedy selection makes).
+class Scorer(NamedTuple):
+  """A task's metrics of member outputs held on the host (post-hoc evaluation): the
+  same eval_batch and finalize as the sharded evaluation, on the default device.
 
   Example:
-    >>> lp = np.log(np.full((2, 3, 4), 0.25, np.float32))
-    >>> metrics_from_log_probs(lp, np.array([0, 1, 2]))['ensemble']['nll'].__round__(4)
-    1.3863
+    scorer = Scorer.of(tasks.get_task('classification'))
+    scorer.metrics(outputs, dataset.test.y, member_mask)['ensemble']['nll']
   """
-  out = split_eval_from_log_probs(log_probs, labels, member_mask, chunk)
-  return metrics.finalize(out.sums, out.examples)
+  eval_batch: Callable[..., Any]
+  finalize: Callable[..., dict[str, Any]]
+  ood_metrics: Callable[..., dict[str, Any]]
 
+  @classmethod
+  def of(cls, task: Any) -> 'Scorer':
+    """The plain scorer of a dist_ens.tasks.Task (no unscaling, no user metrics)."""
+    return cls(task.eval_batch, task.finalize, task.ood_metrics)
 
-def ood_from_log_probs(in_log_probs: np.ndarray, out_log_probs: np.ndarray,
-                       member_mask: np.ndarray | None = None) -> dict[str, Any]:
-  """metrics.ood_metrics of two splits' [M, N, C] member log-probabilities (as evaluate_ood)."""
-  inside, outside = (split_eval_from_log_probs(lp, np.zeros(lp.shape[1], np.int32), member_mask)
-                     for lp in (in_log_probs, out_log_probs))
-  return metrics.ood_metrics(inside.examples, outside.examples)
+  def split_eval(self, outputs: np.ndarray, targets: np.ndarray,
+                 member_mask: np.ndarray | None = None, chunk: int = 1024) -> SplitEval:
+    """The SplitEval (sums, per-example stats) of [M, N, ...] member outputs.
 
+    Members are padded to a multiple of 8 and examples to a multiple of `chunk` (masked
+    out, and cut from the result), so a run's many post-hoc evaluations share one
+    compiled program. A member listed twice counts twice (greedy selection's weights).
+    """
+    num_members, n = outputs.shape[:2]
+    mask = np.ones(num_members, bool) if member_mask is None else np.asarray(member_mask, bool)
+    width = -(-num_members // _MEMBER_PAD) * _MEMBER_PAD
+    padded = np.zeros((width, -(-n // chunk) * chunk, *outputs.shape[2:]), np.float32)
+    padded[:num_members, :n] = outputs
+    targets = pad_rows(np.asarray(targets), padded.shape[1])
+    mask = np.pad(mask, (0, width - num_members))
+    step = _jitted(self.eval_batch)
+    total, examples = None, []
+    for start, valid in padded_chunks(n, chunk):
+      rows = np.arange(start, start + chunk) < n
+      out = step(padded[:, start:start + chunk], targets[start:start + chunk], rows, mask)
+      total = out.sums if total is None else metrics.add_sums(total, out.sums)
+      examples.append(out.examples._replace(**{
+          f: np.asarray(a)[..., :valid] for f, a in out.examples._asdict().items()}))
+    stats = type(examples[0])(*(np.concatenate(parts, axis=-1) for parts in zip(*examples)))
+    # The padding members' rows go: per-member sums and stats hold the real M only.
+    stats = stats._replace(**{f: getattr(stats, f)[:num_members] for f in stats._fields
+                              if f.startswith('member_')})
+    sums = {k: np.asarray(v)[:num_members] if k.startswith('member_') else np.asarray(v)
+            for k, v in total.items()}
+    return SplitEval(sums, stats)
 
-def split_eval_from_log_probs(log_probs: np.ndarray, labels: np.ndarray,
-                              member_mask: np.ndarray | None = None,
-                              chunk: int = 1024) -> SplitEval:
-  """The SplitEval (sums, per-example stats) of [M, N, C] member log-probabilities.
+  def metrics(self, outputs: np.ndarray, targets: np.ndarray,
+              member_mask: np.ndarray | None = None, chunk: int = 1024) -> dict[str, Any]:
+    """The task's final metrics ('members', 'ensemble') of [M, N, ...] member outputs."""
+    out = self.split_eval(outputs, targets, member_mask, chunk)
+    return self.finalize(out.sums, out.examples)
 
-  Runs metrics.eval_batch on the default device, `chunk` examples at a time, with
-  members padded to a multiple of 8 and examples to a multiple of `chunk` (masked
-  out, and cut from the result), so the many post-hoc evaluations of a run share one
-  compiled program.
-  """
-  num_members, n, num_classes = log_probs.shape
-  mask = np.ones(num_members, bool) if member_mask is None else np.asarray(member_mask, bool)
-  width = -(-num_members // _MEMBER_PAD) * _MEMBER_PAD
-  padded = np.zeros((width, -(-n // chunk) * chunk, num_classes), np.float32)
-  padded[:num_members, :n] = log_probs
-  labels = np.pad(np.asarray(labels, np.int32), (0, padded.shape[1] - n))
-  mask = np.pad(mask, (0, width - num_members))
-  total, examples = None, []
-  for start in range(0, n, chunk):
-    valid = np.arange(start, start + chunk) < n
-    out = _eval_chunk(padded[:, start:start + chunk], labels[start:start + chunk], valid, mask)
-    total = out.sums if total is None else metrics.add_sums(total, out.sums)
-    examples.append([np.asarray(a)[..., :min(chunk, n - start)] for a in out.examples])
-  stats = metrics.ExampleStats(*(np.concatenate(parts, axis=-1) for parts in zip(*examples)))
-  # The padding members' rows go: per-member sums and stats hold the real M only.
-  stats = stats._replace(**{f: getattr(stats, f)[:num_members] for f in stats._fields
-                            if f.startswith('member_')})
-  sums = {k: np.asarray(v)[:num_members] if k.startswith('member_') else np.asarray(v)
-          for k, v in total.items()}
-  return SplitEval(sums, stats)
+  def ood(self, in_outputs: np.ndarray, out_outputs: np.ndarray, targets: np.ndarray,
+          member_mask: np.ndarray | None = None) -> dict[str, Any]:
+    """The task's OOD scores of two splits' member outputs (as evaluate_ood). `targets`
+    are the in-distribution split's; the scores use none, zeros of their kind stand in."""
+    zeros = lambda o: np.zeros((o.shape[1], *targets.shape[1:]), targets.dtype)
+    inside, outside = (self.split_eval(o, zeros(o), member_mask)
+                       for o in (in_outputs, out_outputs))
+    return self.ood_metrics(inside.examples, outside.examples)
 
 
 _MEMBER_PAD = 8
-_eval_chunk = jax.jit(metrics.eval_batch)
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(eval_batch: Callable[..., Any]) -> Callable[..., Any]:
+  return jax.jit(eval_batch)
 
 
 class Evaluator:
@@ -338,13 +368,14 @@ class Evaluator:
 
   def __init__(self, eval_step: EvalStep, mesh: Mesh, batch_size: int,
                view: Callable[[Any], Any] = lambda state: state,
-               finalize: Callable[..., dict[str, Any]] = metrics.finalize,
-               ood_metrics: Callable[..., dict[str, Any]] = metrics.ood_metrics):
+               scorer: Scorer = Scorer(metrics.eval_batch, metrics.finalize, metrics.ood_metrics)):
     """`view(state)` is the members as they predict (.params, .model_state, .frozen):
     the state itself by default (its params as stored: the eval step's model reads them).
-    `finalize` and `ood_metrics` are the task's (dist_ens.tasks.Task)."""
+    `scorer` is the task's (dist_ens.tasks.Task): its finalize and ood_metrics score the
+    sharded evaluation too, and post-hoc steps score outputs held on the host with it."""
     self.eval_step, self.mesh, self.batch_size, self.view = eval_step, mesh, batch_size, view
-    self.finalize, self.ood_metrics = finalize, ood_metrics
+    self.scorer = scorer
+    self.finalize, self.ood_metrics = scorer.finalize, scorer.ood_metrics
 
   def evaluate(self, state: Any, split: Split, member_mask: jax.Array | None = None
                ) -> dict[str, Any]:

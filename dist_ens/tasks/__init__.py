@@ -11,7 +11,7 @@ from dist_ens.errors import ConfigError
 from dist_ens.tasks.classification import classification, smoothed_cross_entropy
 from dist_ens.tasks.regression import (gaussian_nll_loss, mse_loss, regression,
                                        regression_homoscedastic)
-from dist_ens.tasks.task import Loss, Task, check_outputs
+from dist_ens.tasks.task import Loss, Task, check_outputs, check_steps
 
 TASKS: dict[str, Callable[[], Task]] = {
     'classification': classification,
@@ -55,5 +55,5 @@ def get_task(name: str, field: str = 'config.task') -> Task:
   return TASKS[name]()
 
 
-__all__ = ['LOSSES', 'Loss', 'TASKS', 'Task', 'check_outputs', 'classification', 'get_task', 'loss_for',
+__all__ = ['LOSSES', 'Loss', 'TASKS', 'Task', 'check_outputs', 'check_steps', 'classification', 'get_task', 'loss_for',
            'regression', 'regression_homoscedastic']

@@ -6,10 +6,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from dist_ens import data
 from dist_ens.eval import metrics
+from dist_ens.tasks import temperature
 from dist_ens.tasks.task import Task
 
 
@@ -42,6 +44,17 @@ def combine(logits: jax.Array, member_mask: jax.Array) -> jax.Array:
   return jax.nn.logsumexp(log_probs, axis=0, b=weights.reshape(-1, *[1] * (logits.ndim - 1)))
 
 
+def log_likelihood(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
+  """[M, N] float64 each member's log-probability of each example's label, from [M, N, C]
+  logits held on the host (computed in float64: greedy selection compares sums of them)."""
+  z = np.asarray(logits, np.float64)
+  with np.errstate(invalid='ignore'):  # A NaN member stays NaN (and is never picked).
+    z = z - np.logaddexp.reduce(z, axis=-1, keepdims=True)
+  labels = np.asarray(labels, np.int64)
+  return np.take_along_axis(z, np.broadcast_to(labels[None, :, None], (*z.shape[:2], 1)),
+                            axis=-1)[..., 0]
+
+
 def classification() -> Task:
   """The classification task (config.task = 'classification')."""
   return Task(
@@ -55,5 +68,7 @@ def classification() -> Task:
       finalize=metrics.finalize,
       ood_metrics=metrics.ood_metrics,
       combine=combine,
+      log_likelihood=log_likelihood,
+      calibrate=temperature.temperature_scaling,
       select_metrics={m.name: bool(m.higher_is_better) for m in metrics.METRICS
                       if 'members' in m.scopes and m.higher_is_better is not None})

@@ -246,6 +246,18 @@ def combine(member_outputs: jax.Array, member_mask: jax.Array, means_only: bool 
   return jnp.concatenate([moments.mean, raw], axis=-1)
 
 
+def log_likelihood(member_outputs: np.ndarray, targets: np.ndarray,
+                   noise_variance: Any = None) -> np.ndarray:
+  """[M, N] float64 each member's Gaussian log-density of each example's targets (joint
+  over the D dims), from outputs [M, N, 2D] (or [M, N, D] with the homoscedastic
+  noise_variance) held on the host."""
+  means, variances = (np.asarray(a, np.float64) for a in _gaussians(member_outputs,
+                                                                      noise_variance))
+  y = np.asarray(targets, np.float64).reshape(means.shape[1:])
+  log_density = -0.5 * (np.log(2 * np.pi * variances) + np.square(y - means) / variances)
+  return np.sum(log_density, axis=-1)
+
+
 SELECT_METRICS = {'nll': False, 'rmse': False, 'crps': False}
 
 
@@ -266,7 +278,8 @@ def _gaussian_task(name: str, target_dim: int | None, means_only: bool, loss: Lo
       select_metrics=SELECT_METRICS,
       unscale=sums_to_original_units,
       predict=functools.partial(predictive, noise_variance=noise_variance),
-      combine=functools.partial(combine, means_only=means_only, noise_variance=noise_variance))
+      combine=functools.partial(combine, means_only=means_only, noise_variance=noise_variance),
+      log_likelihood=functools.partial(log_likelihood, noise_variance=noise_variance))
 
 
 def regression(target_dim: int | None = None) -> Task:

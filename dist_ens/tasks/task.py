@@ -48,7 +48,18 @@ class Task(NamedTuple):
     combine: None, or (member outputs [M, B, ...], member_mask [M]) -> the ensemble's
       outputs [B, ...] in a member's own format (classification: the log of the mean
       probabilities; regression: the mixture's mean and variance), so that a metric
-      written for one member's outputs scores the ensemble too (config.eval.metrics).
+      written for one member's outputs scores the ensemble too (config.eval.metrics),
+      and MC dropout combines one member's samples with it. None: eval.mc_samples and
+      eval.metrics are refused.
+    log_likelihood: None, or (member outputs [M, N, ...], targets [N, ...]) -> [M, N]
+      each member's log-likelihood of each example's target, in the units the model
+      predicts: numpy on the host, float64; greedy selection (select.method='greedy')
+      averages the likelihoods.
+      None: greedy selection is refused.
+    calibrate: None, or a post-hoc recalibration fitted on validation
+      (eval.temperature_scaling): (scorer, validation outputs [M, N, ...], targets,
+      test outputs, targets, included [M] bool) -> JSON-able results with 'before' and
+      'after' ({'members', 'ensemble'}). None: eval.temperature_scaling is refused.
   """
   name: str
   output_units: Callable[[Any], int]
@@ -62,6 +73,33 @@ class Task(NamedTuple):
   unscale: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
   predict: Callable[..., dict[str, Any]] | None = None
   combine: Callable[[jax.Array, jax.Array], jax.Array] | None = None
+  log_likelihood: Callable[[Any, Any], Any] | None = None
+  calibrate: Callable[..., dict[str, Any]] | None = None
+
+
+# The steps after training a task may lack, by the config field that asks for each, and
+# the Task field each needs (refused before training when it is None).
+_NEEDS = (('eval.temperature_scaling', 'calibrate', 'a recalibration'),
+          ("select.method='greedy'", 'log_likelihood', "members' likelihoods"),
+          ('eval.mc_samples', 'combine', 'a way to combine samples'),
+          ('eval.metrics', 'combine', "the ensemble's outputs in a member's format"))
+
+
+def check_steps(task: Task, asked: Mapping[str, bool], task_field: str = 'config.task') -> None:
+  """One line before training for a step after it that `task` cannot do.
+
+  Args:
+    task: the run's task.
+    asked: {config field (as _NEEDS names it): whether the config asks for that step}.
+    task_field: the config field that named the task.
+
+  Raises:
+    ConfigError: naming the step's field and the task's.
+  """
+  for field, needs, what in _NEEDS:
+    if asked.get(field) and getattr(task, needs) is None:
+      raise ConfigError(f'config.{field} needs {what} (Task.{needs}), which {task_field}='
+                        f'{task.name!r} does not give; turn it off for this task.')
 
 
 def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int,

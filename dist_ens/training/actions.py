@@ -219,8 +219,10 @@ class SelectTopK(PeriodicAction):
     ctx.results['selected'] = {'top_k': k, 'by': f'validation {metric}', 'members': chosen,
                                'ensemble': selected['ensemble']}
     ens = selected['ensemble']
-    logging.info('ensemble of the %d best members %s by validation %s: test accuracy %.4f '
-                 'nll %.4f ece %.4f', k, chosen, metric, ens['accuracy'], ens['nll'], ens['ece'])
+    shown = ' '.join(f'{name} {ens[name]:.4f}' for name in ctx.parts.task.select_metrics
+                     if name in ens)  # the task's own: accuracy for classes, rmse for values
+    logging.info('ensemble of the %d best members %s by validation %s: test %s', k, chosen,
+                 metric, shown)
 
 
 class Profile(PeriodicAction):

@@ -159,7 +159,7 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
     out.append(actions_lib.SelectTopK())
   if config.pbt.enabled:  # After the step's evaluations, before its checkpoint.
     out.append(pbt.PopulationBasedTraining(ctx, specs.pbt_spec(config)))
-  out += posthoc.posthoc_actions(config)
+  out += posthoc.posthoc_actions(config, ctx.parts.task, ctx.parts.method)
   out.append(decision_actions.EvaluateDecisions())  # selective, conformal, eval.shift
   if config.train.profile_steps:
     out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))
@@ -178,6 +178,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   workdir_lib.check_workdir(workdir)
   distributed.check_same_config(configuration.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
+  posthoc.check(run.config, run.parts.task)
   test = run.data.dataset.test
   if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
     raise configuration.ConfigError(
