@@ -207,3 +207,72 @@ def test_model_groups_that_span_processes_are_named():
   assert mesh_lib.groups_across_hosts(by(8)) == [[0, 1]]
   odd = [devices[i:i + 3] for i in (0, 3)]  # model=3 on 4-device hosts: the second crosses.
   assert mesh_lib.groups_across_hosts(odd) == [[0, 1]]
+
+
+# --- config.mesh.rules (issue 45 item 2) ---------------------------------------------------
+
+VIT_RULES_PATH = 'dist_ens.models.vit:VIT_RULES'
+
+
+def _vit_config(config):
+  config.model.name, config.model.patch_size, config.model.hidden = 'vit', 4, 64
+  config.model.depth, config.model.heads, config.model.mlp_dim = 1, 4, 128
+  return config
+
+
+def _megatron_split(parts):
+  """The specs VIT_RULES give (FSDP would split attn/out/w's columns, never fc1/b)."""
+  block = parts.abstract_state.params['blocks'][0]
+  assert block['attn']['out']['w'].sharding.spec == P('member', 'model', None)
+  assert block['mlp']['fc1']['b'].sharding.spec == P('member', 'model')
+  assert block['mlp']['fc2']['w'].sharding.spec == P('member', 'model', None)
+
+
+def test_mesh_rules_take_an_import_path_from_python():
+  config = _vit_config(_config(2, 1, 4, num_members=2))
+  config.mesh.rules = VIT_RULES_PATH  # A TypeError before: the field was typed as a tuple.
+  _megatron_split(_parts(config))
+
+
+def test_mesh_rules_take_an_import_path_from_the_command_line():
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from dist_ens.config_flags import define_config_flag  # pylint: disable=import-outside-toplevel
+  argv = ['dist-ens', f'--config={DEFAULT}', f'--config.mesh.rules={VIT_RULES_PATH}']
+  fv = flags.FlagValues()
+  define_config_flag(fv, sys_argv=argv)
+  fv(argv)
+  assert fv.config.mesh.rules == VIT_RULES_PATH  # Not ('dist_ens.models.vit:VIT_RULES',).
+  config = _config(2, 1, 4, num_members=2)
+  config.mesh.rules = fv.config.mesh.rules
+  _megatron_split(_parts(_vit_config(config)))
+  # A tuple of pairs still parses as one.
+  argv = ['dist-ens', f'--config={DEFAULT}', "--config.mesh.rules=(('fc1/w$', (None, 'model')),)"]
+  fv = flags.FlagValues()
+  define_config_flag(fv, sys_argv=argv)
+  fv(argv)
+  assert fv.config.mesh.rules == (('fc1/w$', (None, 'model')),)
+
+
+def _one_line_refusal(config, match):
+  with pytest.raises(ConfigError, match=match) as refused:
+    _parts(config)
+  assert '\n' not in str(refused.value)
+  return str(refused.value)
+
+
+def test_a_rule_whose_axis_does_not_divide_the_dimension_is_one_line():
+  config = _config(2, 1, 4, num_members=2)
+  config.mesh.rules = (('2/w$', (None, 'model')),)  # The head [64, 10]: 4 does not divide 10.
+  message = _one_line_refusal(config, r"config\.mesh\.rules: .*'2/w\$'.*does not divide")
+  assert "'params/2/w' of shape (64, 10)" in message
+
+
+def test_a_rule_that_matches_no_leaf_is_refused_naming_leaf_paths():
+  config = _config(2, 1, 4, num_members=2)
+  config.mesh.rules = (('^0/w$', (None, 'model')),)  # Paths begin with 'params/'.
+  message = _one_line_refusal(config, r"config\.mesh\.rules: '\^0/w\$' matches no leaf")
+  assert 'params/0/w' in message
+  config.mesh.rules = 'dist_ens.models.vit:NO_SUCH_RULES'
+  _one_line_refusal(config, 'has no attribute')
+  config.mesh.rules = (('0/w$',),)
+  _one_line_refusal(config, r'config\.mesh\.rules.*\(regex, spec\) pairs')
