@@ -242,10 +242,11 @@ def check_rules_match(rules: Sequence[tuple[str, Any]], paths: Sequence[str],
   for regex, _ in rules:
     if not any(re.search(regex, p) for p in paths):
       params = [p for p in paths if p.startswith('params/')] or list(paths)
+      example = params[0].split('/', 1)[-1] + '$'
       raise ConfigError(
           f'{field}: {regex!r} matches no leaf of the train state, whose paths are '
           f'{", ".join(params[:6])}{", ..." if len(params) > 6 else ""} (and the optimizer\'s '
-          f"moments of them); leave the start unanchored, e.g. {params[0].split('/', 1)[-1] + '$'!r}.")
+          f'moments of them); leave the start unanchored, e.g. {example!r}.')
 
 
 # --- the model's own annotations: Flax linen boxes and NNX Variables -------------------
