@@ -348,3 +348,20 @@ def test_a_mesh_that_cannot_split_the_members_is_refused_in_one_line(split_run):
     with pytest.raises(ConfigError, match=match) as refused:
       dist_ens.Ensemble.load(workdir, mesh=mesh)
     assert '\n' not in str(refused.value) and str(refused.value).startswith('Ensemble.load')
+
+
+def test_the_report_loads_a_split_run_split(split_run, monkeypatch):
+  pytest.importorskip('matplotlib')
+  from dist_ens.io import report  # pylint: disable=import-outside-toplevel
+  _, workdir = split_run
+  load, seen = dist_ens.Ensemble.load.__func__, []
+
+  def spy(cls, *args, **kwargs):
+    ensemble = load(cls, *args, **kwargs)
+    stored = ensemble._stored  # pylint: disable=protected-access
+    seen.append((dict(ensemble.mesh.shape), _shards(stored)["[1]['w']"]))
+    return ensemble
+
+  monkeypatch.setattr(report.Ensemble, 'load', classmethod(spy))
+  assert (report.make_report(workdir) / 'report.html').is_file()
+  assert seen == [({'member': 2, 'data': 2, 'model': 2}, (1, 64, 32))]
