@@ -20,6 +20,11 @@ def per_member(value):
   return config_dict.FieldReference(value, field_type=object)
 
 
+def untyped(value):
+  """A field that takes values of several types: pairs, or an import path to them."""
+  return config_dict.FieldReference(value, field_type=object)
+
+
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
@@ -51,8 +56,9 @@ def get_config() -> ml_collections.ConfigDict:
   # model alone; also with model = 1. Less memory per device, more collectives.
   config.mesh.fsdp_over_data = False
   # (regex over a leaf's path, spec of one member's leaf) pairs, first match wins, e.g.
-  # (('attn/(q|k|v)/w$', (None, 'model')),); or an import path to such pairs.
-  config.mesh.rules = ()
+  # (('attn/(q|k|v)/w$', (None, 'model')),); or an import path to such pairs,
+  # 'dist_ens.models.vit:VIT_RULES'. A regex that matches no leaf is refused.
+  config.mesh.rules = untyped(())
   # Flax logical axis names -> mesh axes, for with_logical_partitioning: (('embed',
   # 'model'), ('mlp', None)).
   config.mesh.logical_rules = ()

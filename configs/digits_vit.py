@@ -7,8 +7,10 @@ with a short warm-up and cosine decay, light dropout: transformers lack a CNN's
 locality prior and overfit a data set this small without it. No augmentation
 (digits must not be mirrored). Not yet measured.
 
-With a 'model' mesh axis (issue 34), models.vit.VIT_RULES split each member's
-blocks tensor-parallel; at this size members fit any device and stay whole.
+mesh.rules names models.vit.VIT_RULES, so with a 'model' mesh axis
+(--config.mesh.model=2) each member's blocks split tensor-parallel (attention by whole
+heads, the MLP Megatron-style) rather than by FSDP's size rule; on the default mesh
+(model=1) the rules are unused and every member is whole on its device, as it fits.
 
   dist-ens --config=configs/digits_vit.py --workdir=/tmp/digits_vit
 """
@@ -33,6 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.mlp_dim = 128
   config.model.pool = 'mean'
   config.model.dropout = 0.1
+  config.mesh.rules = 'dist_ens.models.vit:VIT_RULES'
   config.optim.name = 'adam'
   config.optim.learning_rate = 1e-3
   config.optim.weight_decay = 0.05

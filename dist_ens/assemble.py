@@ -26,7 +26,7 @@ import ml_collections
 from absl import logging
 import numpy as np
 import optax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from dist_ens import configuration, data, models, tasks
 from dist_ens.checkpoint import Checkpointer
@@ -252,7 +252,14 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   tasks.check_outputs(model, input_shape, num_outputs,
                       f'{field} (for config.task={config.task!r})', input_dtype)
   layout = build_layout(method, mesh, config.mesh, one_member)
-  abstract = layout.place(jax.eval_shape(init), mesh)
+  state = jax.eval_shape(init)
+  # A rule that matches nothing would be ignored without a word (on any mesh, so a typo
+  # shows on a laptop before a run that splits members).
+  sharding_rules.check_rules_match(
+      sharding_rules.config_rules(config.mesh.rules),
+      [sharding_rules.path_str(layout.rule_path(p))
+       for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]])
+  abstract = layout.place(state, mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
                abstract, init, method, task, layout, input_dtype)
 
@@ -275,13 +282,10 @@ def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections
   size = int(np.prod([mesh.shape[a] for a in axes]))
   rule = sharding_rules.fsdp(axes if len(axes) > 1 else axes[0], axis_size=size,
                              min_size=mesh_config.fsdp_min_size)
-  rules = mesh_config.rules
-  if isinstance(rules, str) and rules:
-    rules = load_object(rules, 'config.mesh.rules')
+  rules = sharding_rules.config_rules(mesh_config.rules)
   if rules:
-    rule = sharding_rules.by_regex([(r, P(*s) if isinstance(s, (tuple, list)) else s)
-                                    for r, s in rules], default=rule,
-                                   axis_sizes=dict(mesh.shape))
+    rule = sharding_rules.by_regex(rules, default=rule, axis_sizes=dict(mesh.shape),
+                                   field='config.mesh.rules')
   logical = tuple(tuple(pair) for pair in mesh_config.logical_rules) or None
   rule = sharding_rules.from_flax_metadata(member_params(), logical, default=rule)
   return Layout(axes=tuple(mesh.axis_names), rule=rule, **shared)

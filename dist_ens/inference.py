@@ -14,7 +14,6 @@ come from the checkpoint itself, so no dataset is needed.
 
 import functools
 import json
-import math
 import os
 import tempfile
 from collections.abc import Callable, Sequence
@@ -35,7 +34,8 @@ from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
 from dist_ens.eval import conformal as conformal_lib, decisions, metrics
 from dist_ens.eval.evaluate import member_logits
-from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.errors import ConfigError
+from dist_ens.parallel import load_mesh, mesh as mesh_lib
 
 PyTree = Any
 Preprocess = Callable[[np.ndarray], np.ndarray]
@@ -100,18 +100,12 @@ def preprocess_for(config: ml_collections.ConfigDict,
 _NO_PREPROCESSING = data.DataSpec('')
 
 
-def _mesh_for(num_members: int, devices: Sequence[jax.Device]) -> jax.sharding.Mesh:
-  # As many devices on 'member' as divide both M and the device count; the rest
-  # split each batch over 'data'.
-  member = math.gcd(num_members, len(devices))
-  return mesh_lib.make_mesh(mesh_lib.MeshSpec(member, len(devices) // member), devices)
-
-
 class Ensemble:
   """A trained ensemble on the present devices: predict, inspect and export members.
 
   Build it with `Ensemble.load(workdir)`. Members are sharded over the mesh's
-  'member' axis and each batch over 'data', as in training.
+  'member' axis and each batch over 'data', as in training; on a mesh with a 'model'
+  axis each member's leaves are split over it by the run's layout (docs/mesh.md).
 
   Attributes:
     config: the run's config (from config.json).
@@ -123,7 +117,7 @@ class Ensemble:
     frozen: [M] bool numpy; frozen members are left out of the ensemble's mean.
     step: the training step of the restored checkpoint.
     input_shape, num_classes: the model's input shape and number of classes.
-    mesh: the ('member', 'data') mesh the parameters live on.
+    mesh: the ('member', 'data'[, 'model']) mesh the parameters live on.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model: Model, params: PyTree,
@@ -171,17 +165,27 @@ class Ensemble:
 
   @classmethod
   def load(cls, workdir: str | os.PathLike, *, devices: Sequence[jax.Device] | None = None,
+           mesh: load_mesh.MeshArg = None, memory_gb: float | None = None,
            preprocess: Preprocess | None = None) -> 'Ensemble':
     """Restores the newest checkpoint of a dist_ens workdir onto `devices`.
 
     Example:
-      ens = Ensemble.load('/tmp/run')                          # all devices
+      ens = Ensemble.load('/tmp/run')                          # all devices, as trained
       ens1 = Ensemble.load('/tmp/run', devices=jax.devices()[:1])
+      ens2 = Ensemble.load('/tmp/run', mesh={'member': 4, 'data': 2})  # members whole
 
     Args:
       workdir: a directory train.run wrote (config.json and checkpoints/).
-      devices: the devices to place members on (default: all). The mesh puts
-        gcd(num_members, len(devices)) devices on 'member' and the rest on 'data'.
+      devices: the devices to place members on (default: all).
+      mesh: where the members go. None (default): the run's own layout, each member
+        split over the devices training split it over (the saved mesh.model; fewer,
+        with a warning, where the devices do not allow as many) by the run's rules,
+        gcd(num_members, groups) of the groups on 'member' and the rest on 'data'. Or
+        the config's mesh fields as a dict, {'member': m, 'data': d, 'model': k}
+        (absent: -1, 1, 1; -1 fills `devices`), or a jax Mesh with axes
+        ('member', 'data'[, 'model']).
+      memory_gb: the memory of one device (1e9 bytes, as `dist-ens plan --memory_gb`);
+        default: what the device reports (GPUs, TPUs; a CPU reports none).
       preprocess: replaces preprocess_for(config, input_shape) on predict's raw inputs.
 
     Returns:
@@ -190,6 +194,10 @@ class Ensemble:
 
     Raises:
       FileNotFoundError: `workdir` holds no config.json or no restorable checkpoint.
+      ConfigError: one line, before anything is restored or compiled, for a mesh that
+        cannot hold the members: they do not split evenly over its 'member' axis, the
+        run's mesh.rules do not divide its 'model' axis, or a device would hold more of
+        the params than memory_gb (naming a split over 'model' that fits).
     """
     workdir = Path(workdir)
     config_path, checkpoints = workdir / 'config.json', workdir / 'checkpoints'
@@ -207,9 +215,24 @@ class Ensemble:
         raise FileNotFoundError(f'{checkpoints} holds no readable checkpoint with a config, '
                                 f'and {config_path} does not exist.')
       config = ml_collections.ConfigDict(configuration.upgrade(config_dict))
-      mesh = _mesh_for(config.num_members, list(jax.devices() if devices is None else devices))
+      devices = list(jax.devices() if devices is None else devices)
       shapes = saved_run.data_shape(config, meta)
-      parts = assemble.build_run(config, mesh=mesh, shapes=shapes).parts
+      parts_on = lambda m: assemble.build_run(config, mesh=m, shapes=shapes).parts
+      if mesh is None:
+        mesh = load_mesh.saved_layout(config, meta, devices)
+        parts = parts_on(mesh)
+      else:
+        mesh = load_mesh.requested(mesh, config.num_members, devices)
+        try:
+          parts = parts_on(mesh)
+        except ConfigError as e:  # The run's rules on this mesh, say.
+          raise ConfigError(f'Ensemble.load: the mesh {load_mesh.describe(mesh)} cannot hold '
+                            f'the members: {e}') from None
+      budget = load_mesh.memory_budget(memory_gb, mesh)
+      if budget is not None:
+        load_mesh.check_holds(mesh, load_mesh.held_bytes(parts.abstract_state), budget,
+                              devices, config.num_members,
+                              lambda m: load_mesh.held_bytes(parts_on(m).abstract_state))
       num_classes = parts.num_outputs
       restored = checkpointer.restore(parts.abstract_state, with_optimizer=False)
     finally:

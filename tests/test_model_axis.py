@@ -207,3 +207,161 @@ def test_model_groups_that_span_processes_are_named():
   assert mesh_lib.groups_across_hosts(by(8)) == [[0, 1]]
   odd = [devices[i:i + 3] for i in (0, 3)]  # model=3 on 4-device hosts: the second crosses.
   assert mesh_lib.groups_across_hosts(odd) == [[0, 1]]
+
+
+# --- config.mesh.rules (issue 45 item 2) ---------------------------------------------------
+
+VIT_RULES_PATH = 'dist_ens.models.vit:VIT_RULES'
+
+
+def _vit_config(config):
+  config.model.name, config.model.patch_size, config.model.hidden = 'vit', 4, 64
+  config.model.depth, config.model.heads, config.model.mlp_dim = 1, 4, 128
+  return config
+
+
+def _megatron_split(parts):
+  """The specs VIT_RULES give (FSDP would split attn/out/w's columns, never fc1/b)."""
+  block = parts.abstract_state.params['blocks'][0]
+  assert block['attn']['out']['w'].sharding.spec == P('member', 'model', None)
+  assert block['mlp']['fc1']['b'].sharding.spec == P('member', 'model')
+  assert block['mlp']['fc2']['w'].sharding.spec == P('member', 'model', None)
+
+
+def test_mesh_rules_take_an_import_path_from_python():
+  config = _vit_config(_config(2, 1, 4, num_members=2))
+  config.mesh.rules = VIT_RULES_PATH  # A TypeError before: the field was typed as a tuple.
+  _megatron_split(_parts(config))
+
+
+def test_mesh_rules_take_an_import_path_from_the_command_line():
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  from dist_ens.config_flags import define_config_flag  # pylint: disable=import-outside-toplevel
+  argv = ['dist-ens', f'--config={DEFAULT}', f'--config.mesh.rules={VIT_RULES_PATH}']
+  fv = flags.FlagValues()
+  define_config_flag(fv, sys_argv=argv)
+  fv(argv)
+  assert fv.config.mesh.rules == VIT_RULES_PATH  # Not ('dist_ens.models.vit:VIT_RULES',).
+  config = _config(2, 1, 4, num_members=2)
+  config.mesh.rules = fv.config.mesh.rules
+  _megatron_split(_parts(_vit_config(config)))
+  # A tuple of pairs still parses as one.
+  argv = ['dist-ens', f'--config={DEFAULT}', "--config.mesh.rules=(('fc1/w$', (None, 'model')),)"]
+  fv = flags.FlagValues()
+  define_config_flag(fv, sys_argv=argv)
+  fv(argv)
+  assert fv.config.mesh.rules == (('fc1/w$', (None, 'model')),)
+
+
+def _one_line_refusal(config, match):
+  with pytest.raises(ConfigError, match=match) as refused:
+    _parts(config)
+  assert '\n' not in str(refused.value)
+  return str(refused.value)
+
+
+def test_a_rule_whose_axis_does_not_divide_the_dimension_is_one_line():
+  config = _config(2, 1, 4, num_members=2)
+  config.mesh.rules = (('2/w$', (None, 'model')),)  # The head [64, 10]: 4 does not divide 10.
+  message = _one_line_refusal(config, r"config\.mesh\.rules: .*'2/w\$'.*does not divide")
+  assert "'params/2/w' of shape (64, 10)" in message
+
+
+def test_a_rule_that_matches_no_leaf_is_refused_naming_leaf_paths():
+  config = _config(2, 1, 4, num_members=2)
+  config.mesh.rules = (('^0/w$', (None, 'model')),)  # Paths begin with 'params/'.
+  message = _one_line_refusal(config, r"config\.mesh\.rules: '\^0/w\$' matches no leaf")
+  assert 'params/0/w' in message
+  config.mesh.rules = 'dist_ens.models.vit:NO_SUCH_RULES'
+  _one_line_refusal(config, 'has no attribute')
+  config.mesh.rules = (('0/w$',),)
+  _one_line_refusal(config, r'config\.mesh\.rules.*\(regex, spec\) pairs')
+
+
+# --- loading a run whose members are split over 'model' (issue 45 item 1) -------------------
+
+
+@pytest.fixture(scope='module')
+def split_run(tmp_path_factory):
+  """Two members, each split over model=2 devices (2 x 2 x 2), 4 steps."""
+  config = _config(2, 2, 2, num_members=2)
+  config.train.steps, config.train.log_every, config.train.eval_every = 4, 4, 0
+  config.checkpoint.every = 4
+  workdir = tmp_path_factory.mktemp('split_run')
+  dist_ens.train(config, str(workdir))
+  return config, workdir
+
+
+def _shards(tree):
+  return {jax.tree_util.keystr(p): leaf.addressable_shards[0].data.shape
+          for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def test_a_run_split_over_model_loads_predicts_and_exports_split(split_run, tmp_path):
+  from dist_ens.parallel import load_mesh  # pylint: disable=import-outside-toplevel
+  config, workdir = split_run
+  trained = _parts(config).abstract_state  # The training layout, 2 x 2 x 2.
+  budget = load_mesh.held_bytes(trained)  # A device's share of the params, as trained.
+  # One member whole exceeds that budget (what `dist-ens plan` says of a member's params).
+  member_bytes = sum(leaf.size * leaf.dtype.itemsize
+                     for leaf in jax.tree.leaves(trained.params)) // 2
+  assert member_bytes > budget
+
+  ens = dist_ens.Ensemble.load(workdir, memory_gb=budget / 1e9)
+  assert dict(ens.mesh.shape) == {'member': 2, 'data': 2, 'model': 2}  # As trained.
+  want = {k: leaf.sharding.shard_shape(leaf.shape) for k, leaf in
+          ((jax.tree_util.keystr(p), leaf)
+           for p, leaf in jax.tree_util.tree_flatten_with_path(trained.params)[0])}
+  assert _shards(ens._stored) == want  # pylint: disable=protected-access
+  assert want['[1][\'w\']'] == (1, 64, 32) and want['[2][\'w\']'] == (1, 64, 10)
+
+  # Members whole on a member x data mesh: the same predictions, to rounding.
+  whole = dist_ens.Ensemble.load(workdir, mesh={'member': 2, 'data': 4})
+  assert dict(whole.mesh.shape) == {'member': 2, 'data': 4}
+  assert _shards(whole._stored)['[1][\'w\']'] == (1, 64, 64)  # pylint: disable=protected-access
+  x = data.load_dataset('mnist1d').test.x[:50]
+  split_out, whole_out = ens.predict(x, preprocessed=True), whole.predict(x, preprocessed=True)
+  np.testing.assert_allclose(split_out.member_probs, whole_out.member_probs, rtol=1e-5,
+                             atol=1e-6)
+  np.testing.assert_allclose(split_out.probs, whole_out.probs, rtol=1e-5, atol=1e-6)
+  paths = ens.export(tmp_path / 'members')
+  exported = dist_ens.inference.load_member(paths[1])
+  for got, want_leaf in zip(jax.tree.leaves(exported), jax.tree.leaves(whole.member(1))):
+    np.testing.assert_array_equal(got, want_leaf)
+
+  # That mesh cannot hold a whole member within the budget: refused, naming what fits.
+  with pytest.raises(ConfigError) as refused:
+    dist_ens.Ensemble.load(workdir, mesh={'member': 2, 'data': 4}, memory_gb=budget / 1e9)
+  message = str(refused.value)
+  assert '\n' not in message
+  assert 'the mesh member=2 x data=4 cannot hold the members' in message
+  assert "mesh={'model': 2} (member=2 x data=2 x model=2) fits" in message
+
+
+def test_a_mesh_that_cannot_split_the_members_is_refused_in_one_line(split_run):
+  _, workdir = split_run
+  for mesh, match in [({'member': 4, 'data': 2}, 'does not divide them'),
+                      ({'member': 2, 'model': 3}, r'model=3 must divide the 8 devices'),
+                      ({'members': 2}, "unknown field 'members'"),
+                      # The run's rules: FSDP's never fail; a model axis of 8 splits all.
+                      ]:
+    with pytest.raises(ConfigError, match=match) as refused:
+      dist_ens.Ensemble.load(workdir, mesh=mesh)
+    assert '\n' not in str(refused.value) and str(refused.value).startswith('Ensemble.load')
+
+
+def test_the_report_loads_a_split_run_split(split_run, monkeypatch):
+  pytest.importorskip('matplotlib')
+  from dist_ens.io import report  # pylint: disable=import-outside-toplevel
+  _, workdir = split_run
+  load, seen = dist_ens.Ensemble.load.__func__, []
+
+  def spy(cls, *args, **kwargs):
+    ensemble = load(cls, *args, **kwargs)
+    stored = ensemble._stored  # pylint: disable=protected-access
+    seen.append((dict(ensemble.mesh.shape), _shards(stored)["[1]['w']"]))
+    return ensemble
+
+  monkeypatch.setattr(report.Ensemble, 'load', classmethod(spy))
+  assert (report.make_report(workdir) / 'report.html').is_file()
+  assert seen == [({'member': 2, 'data': 2, 'model': 2}, (1, 64, 32))]

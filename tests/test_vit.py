@@ -191,3 +191,13 @@ def test_digits_vit_trains_through_dist_ens(tmp_path):
   final = dist_ens.train(config, str(tmp_path), devices=jax.devices()[:1])
   assert final['step'] == 2 and not final['frozen_members']
   assert len(final['members']['accuracy']) == 2
+
+
+def test_digits_vit_splits_its_blocks_by_vit_rules_on_a_model_axis():
+  """Its docstring promises VIT_RULES' tensor-parallel split, not FSDP's (issue 45 item 9)."""
+  config = configuration.load_config(CONFIGS / 'digits_vit.py')
+  config.mesh.member, config.mesh.data, config.mesh.model = 4, 1, 2
+  parts = assemble.build_parts(config, assemble.build_mesh(config), (8, 8, 1), 10)
+  block = parts.abstract_state.params['blocks'][0]
+  assert block['attn']['out']['w'].sharding.spec == P(MEMBER, MODEL, None)  # FSDP: columns.
+  assert block['mlp']['fc1']['b'].sharding.spec == P(MEMBER, MODEL)  # FSDP: whole (small).

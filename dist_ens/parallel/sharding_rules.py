@@ -35,6 +35,8 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dist_ens.core.axes import MODEL
+from dist_ens.errors import ConfigError
+from dist_ens.importing import load_object
 from dist_ens.parallel.layout import LeafRule, Path, whole
 
 PyTree = Any
@@ -142,7 +144,7 @@ def fsdp(axis: str | tuple[str, ...] = MODEL, *, axis_size: int,
 
 
 def by_regex(rules: Sequence[tuple[str, P | LeafRule]], default: LeafRule = whole, *,
-             axis_sizes: Mapping[str, int] | None = None) -> LeafRule:
+             axis_sizes: Mapping[str, int] | None = None, field: str | None = None) -> LeafRule:
   """User rules by parameter path: the first regex that matches decides.
 
   Args:
@@ -153,6 +155,8 @@ def by_regex(rules: Sequence[tuple[str, P | LeafRule]], default: LeafRule = whol
     default: the rule of leaves no regex matches.
     axis_sizes: mesh axis name -> size; when given, the specs decided are checked to
       name mesh axes whose sizes divide the dimensions they split.
+    field: the config field the rules come from (config.mesh.rules): a spec that does
+      not fit its leaf is then a one-line ConfigError naming the field and the regex.
 
   Returns:
     rule(path, leaf) -> P. Raises ValueError naming the path when a spec has more
@@ -173,10 +177,76 @@ def by_regex(rules: Sequence[tuple[str, P | LeafRule]], default: LeafRule = whol
     for regex, target in compiled:
       if regex.search(name):
         spec = target if isinstance(target, P) else target(path, leaf)
-        return check_spec(path, leaf, spec, axis_sizes)
+        if field is None:
+          return check_spec(path, leaf, spec, axis_sizes)
+        try:
+          return check_spec(path, leaf, spec, axis_sizes)
+        except ValueError as e:
+          raise ConfigError(f'{field}: the rule {regex.pattern!r} -> {spec} does not fit: '
+                            f'{e} Give that leaf a spec its dimensions allow (None leaves '
+                            'one whole), or a mesh axis size that divides it.') from None
     return check_spec(path, leaf, default(path, leaf), axis_sizes)
 
   return rule
+
+
+def config_rules(rules: Any, field: str = 'config.mesh.rules') -> list[tuple[str, Any]]:
+  """config.mesh.rules as by_regex's (regex, spec or rule) pairs.
+
+  Args:
+    rules: () or '' (none), pairs of (regex, spec), where a spec is a PartitionSpec, a
+      tuple or list of axis names (P(*spec): what a config file or config.json holds) or
+      a LeafRule; or an import path 'pkg.module:NAME' to such pairs
+      ('dist_ens.models.vit:VIT_RULES').
+    field: the config field, for the messages.
+
+  Raises:
+    ConfigError: one line naming `field`: a path that does not import, or anything but
+      (regex, spec) pairs whose regexes compile.
+  """
+  given = rules
+  if isinstance(rules, str):
+    rules = load_object(rules, field) if rules else ()
+  example = "e.g. (('attn/q/w$', (None, 'model')),) or 'dist_ens.models.vit:VIT_RULES'"
+  if isinstance(rules, (str, bytes, Mapping)) or not isinstance(rules, Sequence):
+    raise ConfigError(f'{field}={given!r} must be (regex, spec) pairs or an import path to '
+                      f'them, {example}.')
+  pairs = []
+  for pair in rules:
+    if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
+        or not isinstance(pair[0], str)):
+      raise ConfigError(f'{field}={given!r} must be (regex, spec) pairs, {example}; got the '
+                        f'entry {pair!r}.')
+    regex, spec = pair
+    try:
+      re.compile(regex)
+    except re.error as e:
+      raise ConfigError(f'{field}: {regex!r} is not a regular expression: {e}.') from None
+    if isinstance(spec, (tuple, list)) and not isinstance(spec, P):
+      spec = P(*(tuple(s) if isinstance(s, list) else s for s in spec))
+    elif not isinstance(spec, P) and not callable(spec):
+      raise ConfigError(f'{field}: the spec of {regex!r} is {spec!r}; give a tuple of axis '
+                        "names (None: not split), e.g. (None, 'model').")
+    pairs.append((regex, spec))
+  return pairs
+
+
+def check_rules_match(rules: Sequence[tuple[str, Any]], paths: Sequence[str],
+                      field: str = 'config.mesh.rules') -> None:
+  """Refuses a regex of `rules` that matches none of `paths` (the train state's leaf
+  paths, as the rules see them): it would be ignored without a word.
+
+  Raises:
+    ConfigError: one line naming the regex and a few of the leaf paths.
+  """
+  for regex, _ in rules:
+    if not any(re.search(regex, p) for p in paths):
+      params = [p for p in paths if p.startswith('params/')] or list(paths)
+      example = params[0].split('/', 1)[-1] + '$'
+      raise ConfigError(
+          f'{field}: {regex!r} matches no leaf of the train state, whose paths are '
+          f'{", ".join(params[:6])}{", ..." if len(params) > 6 else ""} (and the optimizer\'s '
+          f'moments of them); leave the start unanchored, e.g. {example!r}.')
 
 
 # --- the model's own annotations: Flax linen boxes and NNX Variables -------------------

@@ -102,7 +102,9 @@ class Context:
     time so far."""
     meta = {'train_seconds': self.train_seconds(), 'input_shape': list(self.parts.input_shape),
             'num_classes': self.parts.num_outputs,  # the model's outputs (format 2's name)
-            'config': json.loads(self.config.to_json()), **self.meta_extras}
+            'config': json.loads(self.config.to_json()),
+            'mesh': dict(self.parts.mesh.shape),  # The layout Ensemble.load keeps.
+            **self.meta_extras}
     scale = self.run_data.scale
     if scale is not None:  # What predict needs to take raw inputs and give target units.
       meta['standardizer'] = {k: np.asarray(v).tolist() for k, v in scale._asdict().items()}
