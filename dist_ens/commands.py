@@ -268,7 +268,7 @@ GROUP_HELP: dict[str, str] = {
     'eval': 'OOD data, shift, conformal sets, your metrics, MC dropout, temperature scaling',
     'pbt': 'population-based training over the members (exploit and explore)',
 }
-_DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / 'configs' / 'default.py'
+_DEFAULT_CONFIG = configuration.DEFAULT_CONFIG
 
 
 def config_groups() -> list[str]:

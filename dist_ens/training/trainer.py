@@ -171,6 +171,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
                      dataset: data.Dataset | None, optimizer: Any, loss: Loss | None
                      ) -> tuple[assemble.RunData, assemble.Parts, Any]:
   """Everything that can be wrong with the input, found before anything is written."""
+  configuration.check_known_fields(config)
   configuration.validate(config)
   if not str(workdir).strip():
     raise configuration.ConfigError("--workdir is empty; name a directory for the run's files "

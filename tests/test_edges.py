@@ -1,0 +1,75 @@
+"""Issue 45 ("Correct at the edges"), items 5 to 11: a misspelt config field, bad data,
+noise in a normal run and the faults that still printed a traceback each end in one
+line (or none), found before anything trains."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import ml_collections
+import pytest
+
+import dist_ens
+from dist_ens import configuration
+from dist_ens.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+_LIMIT_S = 300
+
+
+def _config():
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.num_members, config.model.widths = 2, (8,)
+  config.train.steps, config.train.log_every, config.train.eval_every = 4, 2, 0
+  config.checkpoint.every, config.data.batch_size = 4, 16
+  return config
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'OMPI_', 'PMI_'))}
+  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
+  return subprocess.run(['timeout', '-k', '5', str(_LIMIT_S), sys.executable, '-m',
+                         'dist_ens.main', *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=_LIMIT_S + 30)
+
+
+def _one_line(result: subprocess.CompletedProcess) -> str:
+  assert result.returncode not in (0, 124), result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr[-3000:]
+  return lines[0]
+
+
+# Item 5: unknown fields from config files and from Python.
+
+def test_a_config_files_misspelt_field_is_refused_in_one_line(tmp_path):
+  path = tmp_path / 'typo.py'
+  path.write_text(f'from dist_ens import load_config\n'
+                  f'def get_config():\n'
+                  f'  c = load_config({str(ROOT / "configs" / "default.py")!r})\n'
+                  f'  c.optim.learing_rate = 0.5\n'
+                  f'  return c\n')
+  line = _one_line(_cli(f'--config={path}', f'--workdir={tmp_path / "run"}'))
+  assert line == ('dist-ens: error: config.optim.learing_rate is not a field of '
+                  'configs/default.py, so nothing would read it; did you mean '
+                  'config.optim.learning_rate?')
+  assert not (tmp_path / 'run').exists()
+
+
+def test_an_unknown_group_from_python_is_refused_before_anything_is_written(tmp_path):
+  config = _config()
+  config.augmentation = ml_collections.ConfigDict(dict(kind='flip'))
+  with pytest.raises(ConfigError, match=r'^config.augmentation is not a field of configs/'
+                     r'default.py, so nothing would read it; config has checkpoint, data, '):
+    dist_ens.train(config, str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
+
+
+def test_fields_only_some_models_data_sets_or_factories_read_are_known():
+  for path in sorted((ROOT / 'configs').glob('*.py')):  # resnet's depth, vit's heads, ...
+    configuration.check_known_fields(configuration.load_config(path))
+  config = _config()
+  config.data.add_channel = False  # TFDS only
+  config.model.kwargs = ml_collections.ConfigDict(dict(anything=1, nested=dict(x=2)))
+  configuration.check_known_fields(config)
