@@ -2,6 +2,8 @@
 noise in a normal run and the faults that still printed a traceback each end in one
 line (or none), found before anything trains."""
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -12,6 +14,7 @@ import pytest
 
 import dist_ens
 from dist_ens import configuration
+from dist_ens.data import pipeline
 from dist_ens.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,3 +76,23 @@ def test_fields_only_some_models_data_sets_or_factories_read_are_known():
   config.data.add_channel = False  # TFDS only
   config.model.kwargs = ml_collections.ConfigDict(dict(anything=1, nested=dict(x=2)))
   configuration.check_known_fields(config)
+
+
+# Item 7: no noise in a normal run.
+
+def test_a_normal_run_writes_no_infinite_pipeline_capacity(tmp_path, capfd, caplog,
+                                                          monkeypatch):
+  # The prefetch thread idle between two logs (it ran ahead while the step compiled, or a
+  # read is slower than the interval): no examples and no busy time in the interval.
+  monkeypatch.setattr(pipeline.Batches, 'stats', property(lambda self: pipeline.PipelineStats(
+      64, 0.5)))
+  config = _config()
+  config.writers = ('jsonl', 'tensorboard')
+  dist_ens.train(config, str(tmp_path))
+  err = capfd.readouterr().err
+  assert 'NaN or Inf' not in err + caplog.text, err + caplog.text
+  events = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  train = [e for e in events if e['split'] == 'train']
+  assert train
+  for event in train:  # A finite figure, or none when the pipeline was idle.
+    assert math.isfinite(event.get('input_pipeline_capacity_per_s', 0.0)), event
