@@ -3,6 +3,7 @@ noise in a normal run and the faults that still printed a traceback each end in 
 line (or none), found before anything trains."""
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -10,10 +11,11 @@ import sys
 from pathlib import Path
 
 import ml_collections
+import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import configuration
+from dist_ens import configuration, data, run_data
 from dist_ens.data import pipeline
 from dist_ens.errors import ConfigError
 
@@ -96,3 +98,34 @@ def test_a_normal_run_writes_no_infinite_pipeline_capacity(tmp_path, capfd, capl
   assert train
   for event in train:  # A finite figure, or none when the pipeline was idle.
     assert math.isfinite(event.get('input_pipeline_capacity_per_s', 0.0)), event
+
+
+# Item 6: bad data is found when the data set is read.
+
+@pytest.mark.parametrize('split', ['train', 'test'])
+def test_nan_or_inf_inputs_are_refused_at_load_naming_the_split_and_row(tmp_path, split):
+  rng = np.random.default_rng(0)
+  arrays = {'train': rng.normal(size=(64, 5)), 'test': rng.normal(size=(16, 5))}
+  arrays[split][7, 2], arrays[split][9, 0] = np.nan, np.inf
+  dataset = data.from_arrays(arrays['train'], np.arange(64) % 2, arrays['test'],
+                             np.arange(16) % 2, name='bad')
+  with pytest.raises(ConfigError, match=rf"^dataset 'bad' \({split} split\): input row 7 "
+                     r'holds NaN or Inf \(2 of \d+ rows do\)'):
+    dist_ens.train(_config(), str(tmp_path / 'run'), dataset=dataset)
+  assert not (tmp_path / 'run').exists()
+
+
+def test_class_ids_as_regression_targets_get_one_warning(caplog):
+  config = _config()
+  config.task = 'regression'
+  with caplog.at_level(logging.WARNING):
+    run_data.build_data(config)
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert warnings == ["dataset 'mnist1d' has integer labels 0..9, the class ids of a "
+                      "classification data set, and config.task='regression' fits them as "
+                      "numbers; use task='classification' if they are classes."], warnings
+  caplog.clear()
+  config.task = 'classification'
+  with caplog.at_level(logging.WARNING):
+    run_data.build_data(config)
+  assert not [r for r in caplog.records if r.levelno == logging.WARNING]
