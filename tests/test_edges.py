@@ -129,3 +129,17 @@ def test_class_ids_as_regression_targets_get_one_warning(caplog):
   with caplog.at_level(logging.WARNING):
     run_data.build_data(config)
   assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+# Item 11, the small ones.
+
+def test_a_misspelt_embedded_dataset_gets_did_you_mean_in_one_line(tmp_path, monkeypatch):
+  line = _one_line(_cli('--config=configs/default.py', f'--workdir={tmp_path}',
+                        '--config.data.name=mnist1'))  # No leaked TFDS log line either.
+  assert line == ("dist-ens: error: config.data.name='mnist1' is neither an embedded dataset "
+                  'nor a TFDS one prepared in data_dir ~/tensorflow_datasets (TFDS_DATA_DIR); '
+                  "did you mean 'mnist1d'?")
+  monkeypatch.setitem(sys.modules, 'tensorflow_datasets', None)  # Not installed.
+  with pytest.raises(ConfigError, match=r"^config.data.name='mnist1' is not an embedded "
+                     r"dataset; did you mean 'mnist1d'\? \(Other names are TFDS"):
+    data.load_dataset('mnist1')
