@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import configuration, data, run_data
+from dist_ens import configuration, data, importing, run_data
 from dist_ens.data import pipeline
 from dist_ens.errors import ConfigError
 
@@ -143,3 +143,14 @@ def test_a_misspelt_embedded_dataset_gets_did_you_mean_in_one_line(tmp_path, mon
   with pytest.raises(ConfigError, match=r"^config.data.name='mnist1' is not an embedded "
                      r"dataset; did you mean 'mnist1d'\? \(Other names are TFDS"):
     data.load_dataset('mnist1')
+
+
+def test_the_repositorys_examples_say_where_they_import_from(monkeypatch):
+  monkeypatch.setattr(sys, 'path', [p for p in sys.path if Path(p or '.').resolve() != ROOT])
+  for name in [m for m in sys.modules if m == 'examples' or m.startswith('examples.')]:
+    monkeypatch.delitem(sys.modules, name)
+  with pytest.raises(ConfigError, match=r"^config.model.factory='examples.plain_jax:make_model' "
+                     r"cannot be imported: ModuleNotFoundError: No module named 'examples[.a-z_]*' "
+                     r'\(the examples/ folder is in the dist_ens repository, not in the '
+                     rf'installed package: run from {ROOT}, or add it to PYTHONPATH\)$'):
+    importing.load_object('examples.plain_jax:make_model', 'config.model.factory')
