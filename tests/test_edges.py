@@ -5,6 +5,7 @@ line (or none), found before anything trains."""
 import json
 import logging
 import math
+import re
 import os
 import subprocess
 import sys
@@ -154,3 +155,26 @@ def test_the_repositorys_examples_say_where_they_import_from(monkeypatch):
                      r'\(the examples/ folder is in the dist_ens repository, not in the '
                      rf'installed package: run from {ROOT}, or add it to PYTHONPATH\)$'):
     importing.load_object('examples.plain_jax:make_model', 'config.model.factory')
+
+
+def _pbt_config():
+  config = _config()
+  config.num_members, config.train.steps, config.checkpoint.every = 4, 8, 8
+  config.data.validation_size, config.writers = 100, ('jsonl',)
+  config.optim.learning_rate = (1e-4, 1e-3, 1e-2, 3e-2)
+  config.pbt.enabled, config.pbt.interval = True, 4
+  return config
+
+
+def test_pbt_says_each_round_in_one_line_and_its_report_draws_no_false_step(tmp_path, caplog):
+  from dist_ens.io import report_pbt  # pylint: disable=import-outside-toplevel
+  with caplog.at_level(logging.INFO):
+    dist_ens.train(_pbt_config(), str(tmp_path))
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('pbt round')]
+  assert len(lines) == 1 and re.fullmatch(
+      r'pbt round 1 at step 4: validation nll \d\.\d{4} to \d\.\d{4}; member \d copied '
+      r'member \d', lines[0]), lines
+  events = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  s = report_pbt.schedules(_pbt_config(), events)
+  for field in ('optim.b1', 'optim.momentum', 'optim.weight_decay'):  # Never explored.
+    assert np.ptp(s['fields'][field]) == 0, (field, s['fields'][field])
