@@ -11,12 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import configuration, data, importing, run_data
+from dist_ens import assemble, configuration, data, importing, run_data
 from dist_ens.data import pipeline
 from dist_ens.errors import ConfigError
 
@@ -178,3 +179,15 @@ def test_pbt_says_each_round_in_one_line_and_its_report_draws_no_false_step(tmp_
   s = report_pbt.schedules(_pbt_config(), events)
   for field in ('optim.b1', 'optim.momentum', 'optim.weight_decay'):  # Never explored.
     assert np.ptp(s['fields'][field]) == 0, (field, s['fields'][field])
+
+
+def test_idle_devices_that_only_the_fixed_axis_leaves_idle_say_what_to_set(caplog):
+  config = _config()
+  config.num_members = 4  # mesh.member=-1, data=1: 4 x 1 on 8 devices; 4 x 2 uses them all.
+  with caplog.at_level(logging.WARNING):
+    mesh = assemble.build_mesh(config, jax.devices())
+  assert mesh.size == 4
+  warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert warned == ['4 of 8 devices stay idle: config.mesh.data=1 leaves no mesh over all of '
+                    'them for num_members=4; set mesh.member=4 and mesh.data=2 to use every '
+                    'device.'], warned
