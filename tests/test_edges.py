@@ -191,3 +191,17 @@ def test_idle_devices_that_only_the_fixed_axis_leaves_idle_say_what_to_set(caplo
   assert warned == ['4 of 8 devices stay idle: config.mesh.data=1 leaves no mesh over all of '
                     'them for num_members=4; set mesh.member=4 and mesh.data=2 to use every '
                     'device.'], warned
+
+
+def test_log_lines_from_python_carry_no_absl_prefix(tmp_path):
+  script = ('import sys\nsys.path.insert(0, sys.argv[2])\nimport dist_ens\n'
+            'from tests.test_edges import _config\n'
+            'dist_ens.train(_config(), sys.argv[1])\n')
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
+         'JAX_PLATFORMS': 'cpu'}
+  result = subprocess.run([sys.executable, '-c', script, str(tmp_path), str(ROOT)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=_LIMIT_S)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stderr.splitlines()
+  assert 'step 4/4' in result.stderr and lines[0].startswith('warning: 6 of 8 devices'), lines
+  assert not [line for line in lines if ':absl:' in line], result.stderr

@@ -21,7 +21,7 @@ from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
-from dist_ens.io import tables, writers
+from dist_ens.io import console, tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, held_out, noise,
                                pbt, posthoc, workdir as workdir_lib)
@@ -287,7 +287,8 @@ def _info_logs() -> Iterator[None]:
   if before < logging.INFO:
     logging.set_verbosity(logging.INFO)
   try:
-    yield
+    with console.plain_lines_unless_configured():  # Not 'INFO:absl:' on every line.
+      yield
   finally:
     logging.set_verbosity(before)
 
