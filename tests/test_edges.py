@@ -205,3 +205,15 @@ def test_log_lines_from_python_carry_no_absl_prefix(tmp_path):
   lines = result.stderr.splitlines()
   assert 'step 4/4' in result.stderr and lines[0].startswith('warning: 6 of 8 devices'), lines
   assert not [line for line in lines if ':absl:' in line], result.stderr
+
+
+def test_report_on_a_missing_or_foreign_workdir_says_so(tmp_path):
+  line = _one_line(_cli('report', f'--workdir={tmp_path / "nonexistent"}'))
+  assert line == (f'dist-ens report: error: {tmp_path / "nonexistent"} does not exist; name the '
+                  'workdir of a finished run.')
+  line = _one_line(_cli('report', f'--workdir={tmp_path}'))
+  assert line == (f'dist-ens report: error: {tmp_path} is not a dist_ens workdir (it has no '
+                  'config.json, checkpoints/ or final_metrics.json); name the workdir of a '
+                  'finished run.')
+  (tmp_path / 'config.json').write_text('{}')
+  assert 'has not finished' in _one_line(_cli('report', f'--workdir={tmp_path}'))
