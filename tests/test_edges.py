@@ -217,3 +217,12 @@ def test_report_on_a_missing_or_foreign_workdir_says_so(tmp_path):
                   'finished run.')
   (tmp_path / 'config.json').write_text('{}')
   assert 'has not finished' in _one_line(_cli('report', f'--workdir={tmp_path}'))
+
+
+# Item 8: faults that still showed a traceback.
+
+def test_a_workdir_component_over_255_bytes_is_one_line(tmp_path):
+  workdir = tmp_path / ('a' * 300) / 'run'
+  line = _one_line(_cli('--config=configs/default.py', f'--workdir={workdir}'))
+  assert line == (f'dist-ens: error: --workdir={workdir}: its component {"a" * 40}... is 300 '
+                  'bytes, over the 255 a file name may have; use a shorter name.')
