@@ -226,3 +226,24 @@ def test_a_workdir_component_over_255_bytes_is_one_line(tmp_path):
   line = _one_line(_cli('--config=configs/default.py', f'--workdir={workdir}'))
   assert line == (f'dist-ens: error: --workdir={workdir}: its component {"a" * 40}... is 300 '
                   'bytes, over the 255 a file name may have; use a shorter name.')
+
+
+def test_a_full_disks_unretrieved_future_prints_nothing(caplog):
+  import asyncio  # pylint: disable=import-outside-toplevel
+  import gc  # pylint: disable=import-outside-toplevel
+  import dist_ens.checkpoint  # noqa: F401  (its filters)  pylint: disable=import-outside-toplevel,unused-import
+
+  def drop_failed_future(error):
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    future.set_exception(error)
+    del future
+    gc.collect()
+    loop.close()
+
+  with caplog.at_level(logging.ERROR, logger='asyncio'):
+    drop_failed_future(ValueError('Error writing "d/ocdbt.process_0/d/1": [errno 28] No space '
+                                  'left on device'))
+    assert not [r for r in caplog.records if r.name == 'asyncio'], caplog.text
+    drop_failed_future(ValueError('another failure'))  # Not a full disk: still shown.
+    assert [r for r in caplog.records if r.name == 'asyncio'], caplog.text
