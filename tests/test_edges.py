@@ -247,3 +247,21 @@ def test_a_full_disks_unretrieved_future_prints_nothing(caplog):
     assert not [r for r in caplog.records if r.name == 'asyncio'], caplog.text
     drop_failed_future(ValueError('another failure'))  # Not a full disk: still shown.
     assert [r for r in caplog.records if r.name == 'asyncio'], caplog.text
+
+
+# Item 9 (parts).
+
+def test_the_flops_estimate_traces_token_models_with_their_int_inputs(monkeypatch):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from dist_ens.parallel import strategy  # pylint: disable=import-outside-toplevel
+  from dist_ens.training import trainer  # pylint: disable=import-outside-toplevel
+  config = _config()
+  config.model.name = 'token_transformer'
+  config.model.vocab_size, config.model.hidden, config.model.depth = 16, 32, 1
+  config.model.heads, config.model.mlp_dim = 4, 64
+  parts = assemble.build_run(config, shapes=((12,), 3, jnp.int32)).parts
+  traced = []
+  forward = strategy._abstract_forward  # pylint: disable=protected-access
+  monkeypatch.setattr(strategy, '_abstract_forward', lambda *a: traced.append(a) or forward(*a))
+  assert trainer._step_flops(config, parts) is not None  # pylint: disable=protected-access
+  assert [a[-1] for a in traced] == [jnp.int32]

@@ -107,7 +107,8 @@ def _step_flops(config: ml_collections.ConfigDict, parts: assemble.Parts) -> flo
   """Training FLOPs of one step per device (3x the forward: the backward pass costs two
   forwards), for steps_per_call 'auto' on a CPU; None when not known."""
   forward = strategy.forward_flops(parts.model, parts.input_shape,
-                                   config.data.batch_size // parts.mesh.shape[mesh_lib.DATA])
+                                   config.data.batch_size // parts.mesh.shape[mesh_lib.DATA],
+                                   parts.input_dtype)
   return None if forward is None else 3 * forward * assemble.members_per_device(parts)
 
 
