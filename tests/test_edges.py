@@ -265,3 +265,21 @@ def test_the_flops_estimate_traces_token_models_with_their_int_inputs(monkeypatc
   monkeypatch.setattr(strategy, '_abstract_forward', lambda *a: traced.append(a) or forward(*a))
   assert trainer._step_flops(config, parts) is not None  # pylint: disable=protected-access
   assert [a[-1] for a in traced] == [jnp.int32]
+
+
+def test_a_pbt_copy_perturbed_past_the_bound_is_no_clone_of_its_source():
+  from dist_ens.core import hparams as hparams_lib  # pylint: disable=import-outside-toplevel
+  from dist_ens.ensembles import pbt as pbt_lib  # pylint: disable=import-outside-toplevel
+  lr = 'optim.learning_rate'
+  spec = pbt_lib.make_spec(
+      interval=4, metric='nll', quantile=0.5, fields=(lr,), perturb_factors=(0.8, 1.2),
+      resample_probability=0.0, seed=0, configured={lr: 'loguniform(1e-4,1e-2)'},
+      varying=(lr,), select_metrics={'nll': False})
+  hp = {f: np.full(4, 0.5, np.float32) for f in hparams_lib.FIELDS}
+  hp[lr] = np.array([1e-4, 1e-2, 1e-3, 2e-3], np.float32)  # The best two sit at the bounds.
+  for round_index in range(1, 20):
+    decision = pbt_lib.decide(spec, round_index, [0.2, 0.1, 0.5, 0.6], hp)
+    for member in (2, 3):
+      source = decision.sources[member]
+      assert decision.hparams[lr][member] != hp[lr][source], (round_index, member)
+      assert 1e-4 <= decision.hparams[lr][member] <= 1e-2
