@@ -251,7 +251,7 @@ def get_config() -> ml_collections.ConfigDict:
   # A replaced member's value is its source's times one of these, picked at random,
   config.pbt.perturb_factors = (0.8, 1.2)
   # or, with this probability, a fresh draw from the field's sweep spec (a list or grid:
-  # one of its values); either is clipped to the spec's range.
+  # one of its values); either is reflected into the spec's range at a bound it crosses.
   config.pbt.resample_probability = 0.25
   config.pbt.seed = 0  # the decisions depend only on (pbt.seed, round, the metric values)
 

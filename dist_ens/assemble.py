@@ -182,12 +182,8 @@ def build_mesh(config: ml_collections.ConfigDict,
                             batch_size=config.data.batch_size)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
   if mesh.size < len(devices):
-    n, m = len(devices), config.num_members
-    logging.warning(
-        '%d of %d devices stay idle: no mesh over all of them divides config.num_members=%d '
-        '(and data.batch_size=%d); num_members=%d uses every device, or set mesh.member / '
-        'mesh.data / mesh.model whose product is %d.', n - mesh.size, n, m,
-        config.data.batch_size, -(-m // n) * n, n)
+    logging.warning('%s', mesh_lib.idle_devices_message(
+        mesh_spec(config), mesh, len(devices), config.num_members, config.data.batch_size))
   if config.reproducible:
     gradients.check_canonical(config.train.micro_batches, mesh.shape[mesh_lib.DATA])
     if config.mesh.fsdp_over_data:  # Its split, so its sums, would follow mesh.data.

@@ -288,13 +288,17 @@ logging_std.getLogger('absl').addFilter(_QuietOrbax())
 
 
 class _QuietOrbaxTasks(logging_std.Filter):
-  """Drops asyncio's 'Task exception was never retrieved' for orbax's write tasks that
-  failed on a full disk: the save's own error reaches the loop, which reports it in one
-  line (the tasks' tracebacks went to stderr, one per array, through asyncio's logger)."""
+  """Drops asyncio's 'Task (or Future) exception was never retrieved' for orbax's writes
+  that failed on a full disk: the save's own error reaches the loop, which reports it in
+  one line (the tasks' tracebacks went to stderr, one per array, through asyncio's
+  logger; a failed write's bare Future, collected at exit, printed its traceback after
+  that line, with no 'orbax' in its message)."""
 
   def filter(self, record: logging_std.LogRecord) -> bool:
     message = record.getMessage()
-    return not ('orbax' in message and any(text in message for text in FULL_DISK_TEXTS))
+    full = any(text in message for text in FULL_DISK_TEXTS)
+    unretrieved = 'exception was never retrieved' in message
+    return not (full and ('orbax' in message or unretrieved))
 
 
 logging_std.getLogger('asyncio').addFilter(_QuietOrbaxTasks())

@@ -20,6 +20,7 @@ import ml_collections
 from absl import app, flags, logging
 
 from dist_ens import configuration, importing
+from dist_ens.io import console
 from dist_ens.errors import AgreedConfigError, ConfigError, TrainingError
 from dist_ens.parallel import distributed, xla_flags
 from dist_ens.training import workdir as workdir_lib
@@ -133,17 +134,6 @@ def _unexpected_failure(error: Exception, launched: bool) -> NoReturn:
   distributed.exit_without_barrier(line or 1)
 
 
-class _PlainFormatter(std_logging.Formatter):
-  """The lines a researcher reads: the message alone (absl's level, time, thread and
-  source line say nothing to them); a warning or error still says it is one."""
-
-  def format(self, record: std_logging.LogRecord) -> str:
-    text = super().format(record)
-    if record.levelno >= std_logging.WARNING:
-      return f'{record.levelname.lower()}: {text}'
-    return text
-
-
 def _console_logging(verbose: bool) -> None:
   """INFO lines without absl's prefix; with --verbose, the run's details (logged at
   DEBUG) too, in absl's own format. Only absl's logger goes to DEBUG: under app.run
@@ -153,7 +143,7 @@ def _console_logging(verbose: bool) -> None:
   std_logging.getLogger().setLevel(std_logging.INFO)
   std_logging.getLogger('absl').setLevel(std_logging.DEBUG if verbose else std_logging.INFO)
   if not verbose:
-    logging.get_absl_handler().setFormatter(_PlainFormatter('%(message)s'))
+    logging.get_absl_handler().setFormatter(console.PlainFormatter())
 
 
 def _say_where_things_went(workdir: str) -> None:
@@ -268,7 +258,7 @@ GROUP_HELP: dict[str, str] = {
     'eval': 'OOD data, shift, conformal sets, your metrics, MC dropout, temperature scaling',
     'pbt': 'population-based training over the members (exploit and explore)',
 }
-_DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / 'configs' / 'default.py'
+_DEFAULT_CONFIG = configuration.DEFAULT_CONFIG
 
 
 def config_groups() -> list[str]:

@@ -19,13 +19,13 @@ def define_config_flag(fv: flags.FlagValues, sys_argv: Sequence[str] | None = No
       flag_values=fv, lock_config=True, sys_argv=sys_argv)
 
 
-def _config_fields(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
+def config_fields(config: ml_collections.ConfigDict, prefix: str = '') -> list[str]:
   """Every dotted field name of `config`, nested ConfigDicts and their fields alike."""
   names = []
   for key, value in config.items():
     names.append(prefix + key)
     if isinstance(value, ml_collections.ConfigDict):
-      names.extend(_config_fields(value, f'{prefix}{key}.'))
+      names.extend(config_fields(value, f'{prefix}{key}.'))
   return names
 
 
@@ -60,26 +60,30 @@ def unknown_field_message(argv: Sequence[str]) -> str | None:
   config = _load_config(argv)
   if config is None:
     return None
-  fields = _config_fields(config)
+  fields = config_fields(config)
   for arg in argv:
     match = re.match(r'^--?(?:no)?config\.([^=]+)', arg)
     if not match or match.group(1) in fields:
       continue
     path = match.group(1)
-    scored = sorted(((difflib.SequenceMatcher(None, path, f).ratio(), f) for f in fields),
-                    reverse=True)
-    # The best match, and any as good; a poor match misleads more than none.
-    close = [f for score, f in scored[:3] if score >= max(0.75, scored[0][0] - 0.02)]
-    if close:
-      hint = 'did you mean ' + ' or '.join(f'config.{c}' for c in close) + '?'
-    else:  # Name what the deepest existing part of the path holds.
-      parts = path.split('.')
-      known = next(('.'.join(parts[:k]) for k in range(len(parts) - 1, 0, -1)
-                    if '.'.join(parts[:k]) in fields), '')
-      siblings = [f.rpartition('.')[2] for f in fields if f.rpartition('.')[0] == known]
-      hint = f'config{"." if known else ""}{known} has {", ".join(siblings)}'
-    return f'--config.{path}: the config has no field {path}; {hint}'
+    return f'--config.{path}: the config has no field {path}; {field_hint(path, fields)}'
   return None
+
+
+def field_hint(path: str, fields: Sequence[str]) -> str:
+  """'did you mean config.X?' for the fields closest to the unknown dotted `path`, or,
+  with none close, what the deepest known part of the path holds."""
+  scored = sorted(((difflib.SequenceMatcher(None, path, f).ratio(), f) for f in fields),
+                  reverse=True)
+  # The best match, and any as good; a poor match misleads more than none.
+  close = [f for score, f in scored[:3] if score >= max(0.75, scored[0][0] - 0.02)]
+  if close:
+    return 'did you mean ' + ' or '.join(f'config.{c}' for c in close) + '?'
+  parts = path.split('.')
+  known = next(('.'.join(parts[:k]) for k in range(len(parts) - 1, 0, -1)
+                if '.'.join(parts[:k]) in fields), '')
+  siblings = [f.rpartition('.')[2] for f in fields if f.rpartition('.')[0] == known]
+  return f'config{"." if known else ""}{known} has {", ".join(siblings)}'
 
 
 def last_overrides(argv: Sequence[str]) -> list[str]:
@@ -113,7 +117,7 @@ def wrong_type_message(argv: Sequence[str], config: ml_collections.ConfigDict) -
   default = _load_config(argv) if overrides else None
   if default is None:
     return None
-  fields = _config_fields(default)
+  fields = config_fields(default)
   for arg, path in overrides:
     if path not in fields:
       continue

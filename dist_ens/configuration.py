@@ -17,8 +17,9 @@ from absl import logging
 
 from dist_ens import importing, specs, tasks
 # Re-exported: main and commands read the override diagnostics from here.
-from dist_ens.config_flags import (define_config_flag, last_overrides,  # noqa: F401
-                                   unknown_field_message, wrong_type_message)
+from dist_ens.config_flags import (config_fields, define_config_flag,  # noqa: F401
+                                   field_hint, last_overrides, unknown_field_message,
+                                   wrong_type_message)
 from dist_ens.core import hparams
 from dist_ens.data.augment import AUGMENTATIONS
 from dist_ens.data.pipeline import MEMBER_ORDERS
@@ -44,6 +45,32 @@ def load_config(path: str | Path, arg: str | None = None) -> ml_collections.Conf
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module.get_config(arg) if arg is not None else module.get_config()
+
+
+# The config every field is checked against (check_known_fields); a checkout's, as the
+# configs/ folder ships beside the package, not inside it.
+DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / 'configs' / 'default.py'
+
+
+def check_known_fields(config: ml_collections.ConfigDict) -> None:
+  """Refuses a field configs/default.py does not have (a misspelt one would be ignored).
+
+  For a config from a file or from Python, as --config.x overrides are refused on the
+  command line. A workdir's saved config is not checked: a field that a later version
+  dropped must not stop an old run from loading.
+
+  Raises:
+    ConfigError: naming the first unknown field (or group) and the closest known ones.
+  """
+  if not DEFAULT_CONFIG.is_file():  # An installed package without the repository's configs.
+    return
+  known = config_fields(load_config(DEFAULT_CONFIG))
+  allowed = {*known, *specs.OPTIONAL_FIELDS}
+  for path in config_fields(config):  # A group comes before its fields.
+    if path in allowed or any(path.startswith(f'{free}.') for free in specs.FREE_FORM_FIELDS):
+      continue
+    raise ConfigError(f'config.{path} is not a field of configs/default.py, so nothing would '
+                      f'read it; {field_hint(path, known)}')
 
 
 def _require(ok: bool, field: str, value: Any, what: str) -> None:

@@ -5,6 +5,7 @@ from typing import NamedTuple
 
 import ml_collections
 import numpy as np
+from absl import logging
 
 from dist_ens import data, tasks
 from dist_ens.data import uci
@@ -39,8 +40,10 @@ def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None =
     dataset = data.load_dataset(config.data.name, data_spec(config))
   task = tasks.get_task(config.task)
   for name, split in (('train', dataset.train), ('test', dataset.test)):
-    if isinstance(split, data.Split):
+    if isinstance(split, data.Split):  # (A streamed TFDS split holds uint8 images.)
+      data.check_finite_inputs(split.x, f'dataset {dataset.name!r} ({name} split)')
       task.check_targets(split.y, dataset, f'dataset {dataset.name!r} ({name} split)')
+  _warn_class_ids_as_targets(config, task, dataset)
   validation = None
   if config.data.validation_size:
     train_source, validation = data.split_validation(dataset.train, config.data.validation_size)
@@ -50,6 +53,8 @@ def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None =
                       f'{dataset.train.num_examples} training examples of {dataset.name}.')
   ood_name = config.eval.ood_dataset
   ood_split = ood.load_ood_split(ood_name, dataset, data_spec(config)) if ood_name else None
+  if ood_split is not None:
+    data.check_finite_inputs(ood_split.x, f'config.eval.ood_dataset={ood_name!r}')
   splits = _member_splits(config, dataset.train.num_examples)
   order = data.Order(config.data.member_order, dataset.train.num_examples,
                      config.data.batch_size, config.seed,
@@ -57,6 +62,18 @@ def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None =
                      member_pool=splits and [splits.split_of(m) for m in range(config.num_members)])
   run_data = RunData(dataset, validation, ood_split, order, member_splits=splits)
   return run_data if task.unscale is None else _standardized(run_data)
+
+
+def _warn_class_ids_as_targets(config: ml_collections.ConfigDict, task: tasks.Task,
+                               dataset: data.Dataset) -> None:
+  """One warning for a classification data set (integer labels, num_classes > 0) given to
+  a task that fits its targets as numbers in their units (one with `unscale`: regression),
+  where class 3 lies nearer 4 than 9: it trains, to a meaningless RMSE."""
+  if dataset.num_classes and task.unscale is not None:
+    logging.warning(
+        'dataset %r has integer labels 0..%d, the class ids of a classification data set, '
+        'and config.task=%r fits them as numbers; use task=\'classification\' if they are '
+        'classes.', dataset.name, dataset.num_classes - 1, config.task)
 
 
 def _member_splits(config: ml_collections.ConfigDict,

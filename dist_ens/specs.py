@@ -18,6 +18,16 @@ from dist_ens.io.init_from import InitFrom
 from dist_ens.parallel import mesh as mesh_lib
 
 
+# config.data's TFDS-only fields: a config may set them; configs/default.py does not.
+DATA_OPTIONAL_FIELDS = ('train_split', 'test_split', 'add_channel')
+# Dotted fields a config may have beyond configs/default.py's: those only some models or
+# data sets read (their defaults live in their specs), and under model.kwargs anything
+# (a user's factory's keywords).
+OPTIONAL_FIELDS = (*(f'model.{name}' for name in models.OPTIONAL_FIELDS),
+                   *(f'data.{name}' for name in DATA_OPTIONAL_FIELDS))
+FREE_FORM_FIELDS = ('model.kwargs',)
+
+
 def mesh_spec(config: ml_collections.ConfigDict) -> mesh_lib.MeshSpec:
   m = config.mesh
   return mesh_lib.MeshSpec(member=m.member, data=m.data, hosts_along=m.hosts_along,
@@ -27,7 +37,7 @@ def mesh_spec(config: ml_collections.ConfigDict) -> mesh_lib.MeshSpec:
 def data_spec(config: ml_collections.ConfigDict) -> data.DataSpec:
   """config.data's loading fields (the TFDS-only ones where a config sets them)."""
   d = config.data
-  optional = {k: d[k] for k in ('train_split', 'test_split', 'add_channel') if k in d}
+  optional = {k: d[k] for k in DATA_OPTIONAL_FIELDS if k in d}
   return data.DataSpec(name=d.name, data_dir=d.data_dir, mean=tuple(d.mean), std=tuple(d.std),
                        **optional)
 

@@ -287,6 +287,7 @@ def test_non_finite_predictions_do_not_break_the_numbers():
 
 
 def test_report_of_an_unfinished_run_fails_with_a_message(tmp_path, capsys):
+  (tmp_path / 'config.json').write_text('{}')  # A run started (an empty folder is none).
   assert report.main(['--workdir', str(tmp_path)]) == 1
   assert 'has not finished' in capsys.readouterr().err
 

@@ -168,7 +168,12 @@ def generate(config_path: Path = CONFIG) -> str:
          'Every field of `configs/default.py`, its default and what it means. Override any of '
          'them on the command line (`--config.optim.learning_rate=3e-3`) or in Python '
          '(`config.optim.learning_rate = 3e-3`). Fields marked **per member** take a number, a '
-         'list of `num_members` numbers or a sweep spec (see [sweeps.md](sweeps.md)).', '']
+         'list of `num_members` numbers or a sweep spec (see [sweeps.md](sweeps.md)). A field '
+         'this file does not have, set on the command line, in a config file or in Python, is '
+         'refused in one line with the closest names ("did you mean"), before anything runs; '
+         'the exceptions are the fields only some models read (`model.depth`, `model.heads`, '
+         '... in [models.md](models.md)), the TFDS-only `data.train_split`, '
+         '`data.test_split` and `data.add_channel`, and anything under `model.kwargs`.', '']
   if doc:
     out += ['From the file\'s docstring:', '', '```', doc, '```', '']
   for key, section in sections.items():

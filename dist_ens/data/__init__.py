@@ -75,6 +75,22 @@ def check_label_values(y: np.ndarray, num_classes: int, what: str) -> None:
                       f'(e.g. {int(y[bad][0])}); labels must be class indices 0..{num_classes - 1}.')
 
 
+def check_finite_inputs(x: np.ndarray, what: str) -> None:
+  """Raises ConfigError naming the first row of `x` that holds a NaN or an infinity (a
+  float input that would train to the end and only then report every member non-finite)."""
+  x = np.asarray(x)
+  if not np.issubdtype(x.dtype, np.floating) or not len(x):
+    return
+  rows = x.reshape(len(x), -1)
+  bad = np.concatenate([~np.isfinite(rows[i:i + 4096]).all(axis=1)  # Chunks: a bool per row.
+                        for i in range(0, len(rows), 4096)])
+  if bad.any():
+    first = int(np.flatnonzero(bad)[0])
+    raise ConfigError(f'{what}: input row {first} holds NaN or Inf ({int(bad.sum())} of '
+                      f'{len(x)} rows do); remove or replace them, the members cannot train on '
+                      'them.')
+
+
 def _load_user_dataset(name: str, spec: DataSpec) -> Dataset:
   """The dataset the function at import path `name` returns, called with the DataSpec
   (or without arguments): a Dataset, or the four arrays (x_train, y_train, x_test, y_test)."""
@@ -129,6 +145,6 @@ def split_validation(source: Source, size: int) -> tuple[Source, Split]:
   return Subset(source, train), Split(*source.read(val))
 
 
-__all__ = ['is_token_ids', 'MemberSplits', 'make_member_splits', 'Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
+__all__ = ['is_token_ids', 'MemberSplits', 'make_member_splits', 'Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_finite_inputs', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
            'PipelineStats', 'SOURCES', 'Source', 'Split', 'Subset', 'host_block', 'host_rows',
            'load_dataset', 'local_indices', 'prepare_command', 'preprocess', 'split_validation', 'to_global']

@@ -5,11 +5,15 @@ so reading needs tensorflow-datasets but not TensorFlow; only preparing a datase
 once does (see `prepare_command`).
 """
 
+import contextlib
+import difflib
+import logging as std_logging
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
-from dist_ens.data.sources import Dataset, Split
+from dist_ens.data.sources import SOURCES, Dataset, Split
 from dist_ens.data.spec import DataSpec
 from dist_ens.errors import ConfigError
 
@@ -44,6 +48,25 @@ def preprocess(x: np.ndarray, spec: DataSpec) -> np.ndarray:
   return x
 
 
+def _close_embedded(name: str) -> str | None:
+  """The embedded dataset `name` is most likely a misspelling of, if any."""
+  close = difflib.get_close_matches(name, sorted(SOURCES), n=1, cutoff=0.75)
+  return close[0] if close else None
+
+
+@contextlib.contextmanager
+def _quiet_tfds() -> Iterator[None]:
+  """TFDS logs its lookups at INFO through absl (e.g. 'Failed to load dataset ... from
+  files' before it tries its registry), which the console shows beside our own lines."""
+  logger = std_logging.getLogger('absl')
+  before = logger.level
+  logger.setLevel(max(before, std_logging.WARNING))
+  try:
+    yield
+  finally:
+    logger.setLevel(before)
+
+
 class TfdsSource:
   """Random access to one split of a prepared TFDS dataset, preprocessed."""
 
@@ -74,10 +97,15 @@ class TfdsSource:
 
 def load_tfds(spec: DataSpec) -> Dataset:
   """The dataset config.data.name from config.data.data_dir, or a ConfigError saying how
-  to prepare it."""
+  to prepare it (or, for a misspelt embedded name, which one was meant)."""
   try:
     import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   except ImportError:
+    close = _close_embedded(spec.name)
+    if close:
+      raise ConfigError(f'config.data.name={spec.name!r} is not an embedded dataset; did you '
+                        f"mean {close!r}? (Other names are TFDS datasets, which need "
+                        "tensorflow-datasets: pip install 'dist_ens[tfds]'.)") from None
     raise ConfigError(
         f"config.data.name={spec.name!r} is a TFDS dataset, which needs "
         "tensorflow-datasets: pip install 'dist_ens[tfds]'.") from None
@@ -86,12 +114,18 @@ def load_tfds(spec: DataSpec) -> Dataset:
   how = (f'prepare it once with: {prepare_command(name, spec.data_dir)}, or pick an '
          "embedded dataset ('mnist1d', 'digits').")
   try:
-    builder = tfds.builder(name, data_dir=data_dir)
-    prepared = builder.is_prepared()
+    with _quiet_tfds():
+      builder = tfds.builder(name, data_dir=data_dir)
+      prepared = builder.is_prepared()
   except Exception as e:  # pylint: disable=broad-except  # DatasetNotFoundError and kin.
     del e
     prepared = False
   if not prepared:
+    close = _close_embedded(name)
+    if close and name.split(':')[0].split('/')[0] not in tfds.list_builders(
+        with_community_datasets=False):
+      raise ConfigError(f'config.data.name={name!r} is neither an embedded dataset nor a TFDS '
+                        f'one prepared in data_dir {searched}; did you mean {close!r}?')
     raise ConfigError(f'config.data.name={name!r}: no prepared dataset {name!r} in data_dir '
                       f'{searched}; {how}')
   file_format = str(builder.info.file_format).lower()
@@ -111,8 +145,9 @@ def load_tfds(spec: DataSpec) -> Dataset:
     if split not in builder.info.splits:
       raise ConfigError(f'config.data: {name!r} has no split {split!r}; it has '
                         f'{sorted(builder.info.splits)}.')
-    return TfdsSource(tfds.data_source(name, split=split, data_dir=data_dir, download=False),
-                      input_key, label_key, spec, add_channel, target)
+    with _quiet_tfds():
+      reader = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+    return TfdsSource(reader, input_key, label_key, spec, add_channel, target)
 
   train = source(spec.train_split)
   test_source = source(spec.test_split)

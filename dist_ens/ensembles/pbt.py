@@ -10,7 +10,8 @@ PopulationBasedTraining): members ranked best first by the metric (non-finite va
 e.g. a frozen member's, last; ties by index); each of the worst n = ceil(quantile * M)
 (at most M // 2) copies one of the best n, drawn at random, and explores every explored
 field: with probability resample_probability a fresh draw from the field's sweep spec,
-else the source's value times one of perturb_factors, then clipped to the spec's range.
+else the source's value times one of perturb_factors, then reflected into the spec's range
+at the bound it crossed (clipping made a source at the bound a clone of itself).
 Member i's draws come from (seed, round, i) alone.
 """
 
@@ -114,7 +115,18 @@ def _explore(rng: np.random.Generator, rule: FieldRule, value: float,
     value = math.exp(rng.uniform(math.log(rule.low), math.log(rule.high)))
   else:
     value = rng.uniform(rule.low, rule.high)
-  return float(np.float32(min(max(value, rule.low), rule.high)))
+  return float(np.float32(_reflect(value, rule.low, rule.high)))
+
+
+def _reflect(value: float, low: float, high: float) -> float:
+  """`value` reflected back into [low, high] at the bound it crossed: by the same ratio for
+  a positive range (perturbations multiply), else by the same distance. Clipping would
+  give a source at the bound its own value, an exact clone of it."""
+  if value > high:
+    value = high * high / value if low > 0 else 2 * high - value
+  elif value < low:
+    value = low * low / value if low > 0 and value > 0 else 2 * low - value
+  return min(max(value, low), high)  # A range narrower than the step: clipped after all.
 
 
 def field_rule(field: str, configured: Any) -> FieldRule:

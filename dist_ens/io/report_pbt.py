@@ -29,7 +29,9 @@ def schedules(config: Any, events: list[dict[str, Any]]) -> dict[str, Any]:
          'copied': np.array([[s != m for m, s in enumerate(e['pbt']['sources'])]
                              for e in rounds], bool).T}
   for field in fields:
-    series = [np.asarray(start[field], float)] + [
+    # As the rounds' events write them (shortest decimals of the float32 values): the raw
+    # float32 start, 0.9 - 2.4e-8, drew a step to 0.9 for a field that never changed.
+    series = [np.asarray(hparams_lib.as_written(start[field]), float)] + [
         np.asarray(e['pbt']['hparams'][field], float) for e in rounds]
     out['fields'][field] = np.stack(series, axis=1)
   return out

@@ -114,6 +114,28 @@ def fit_shape(member: int, data: int, devices: Sequence[jax.Device], num_members
       f'and fit the {counts[0]} devices; use mesh.{name} in {fits}, or -1 to fit it.')
 
 
+def idle_devices_message(spec: MeshSpec, mesh: Mesh, num_devices: int, num_members: int,
+                         batch_size: int) -> str:
+  """The warning for a fitted mesh that leaves devices idle, saying what to set: the
+  member x data that uses them all where the axis the config fixes alone prevents one
+  (M=4 on 8 devices with mesh.data=1: 4 x 2), else the num_members that does."""
+  model = dict(mesh.shape).get(MODEL, 1)
+  groups = num_devices // model
+  full = [(m, groups // m) for m in _divisors(num_members)
+          if groups % m == 0 and batch_size % (groups // m) == 0]
+  idle = f'{num_devices - mesh.size} of {num_devices} devices stay idle'
+  if full:
+    name, size = ('data', spec.data) if spec.member == -1 else ('member', spec.member)
+    m, d = max(full)  # Whole members per device first, as fit_shape prefers.
+    return (f'{idle}: config.mesh.{name}={size} leaves no mesh over all of them for '
+            f'num_members={num_members}; set mesh.member={m} and mesh.data={d} to use every '
+            'device.')
+  return (f'{idle}: no mesh over all of them divides config.num_members={num_members} (and '
+          f'data.batch_size={batch_size}); num_members={-(-num_members // groups) * groups} '
+          f'uses every device, or set mesh.member / mesh.data / mesh.model whose product is '
+          f'{num_devices}.')
+
+
 def make_mesh(spec: MeshSpec,
               devices: Sequence[jax.Device] | None = None, num_members: int | None = None,
               batch_size: int | None = None) -> Mesh:

@@ -110,12 +110,14 @@ def member_size(model, input_shape: Sequence[int], batch: int,
   return MemberSize(_forward_activation_bytes(fn, args) + 4 * params, params)
 
 
-def forward_flops(model, input_shape: Sequence[int], batch: int) -> float | None:
-  """FLOPs of one member's forward pass on `batch` examples: XLA's cost analysis of the
-  lowered program (traced and lowered, not compiled). None where the backend has none,
-  or the model cannot be traced abstractly: a heuristic's input, never an error."""
+def forward_flops(model, input_shape: Sequence[int], batch: int,
+                  dtype: Any = jnp.float32) -> float | None:
+  """FLOPs of one member's forward pass on `batch` examples of `dtype` (float32, or int32
+  token ids): XLA's cost analysis of the lowered program (traced and lowered, not
+  compiled). None where the backend has none, or the model cannot be traced abstractly:
+  a heuristic's input, never an error."""
   try:
-    fn, args = _abstract_forward(model, input_shape, batch)
+    fn, args = _abstract_forward(model, input_shape, batch, dtype)
     cost = jax.jit(fn).lower(*args).cost_analysis()
   except Exception:  # pylint: disable=broad-except
     return None

@@ -196,6 +196,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   Raises:
     ConfigError: for an invalid config or a mesh that does not fit the devices.
   """
+  configuration.check_known_fields(config)
   configuration.validate(config)
   config, per_epoch = _resolve_steps(config)
   input_shape, num_outputs = data_shape(config)
@@ -276,6 +277,7 @@ def calibrate(config: ml_collections.ConfigDict,
               devices: Sequence[jax.Device] | None = None) -> str:
   """Times every member form of the config's step on these devices, caches the fastest
   for 'auto' (dist_ens.plan.calibration) and returns the table it measured."""
+  configuration.check_known_fields(config)
   configuration.validate(config)
   config, _ = _resolve_steps(config)
   parts = assemble.build_run(config, devices=devices, shapes=data_shape(config)).parts

@@ -108,18 +108,19 @@ class TrainLog(PeriodicAction):
     batch_metrics = {k: v.mean(axis=0) for k, v in fetched.metrics.items()}
     rate = m * ctx.config.data.batch_size * steps / elapsed
     # Examples the input pipeline delivered per step (one batch, or one per member) and
-    # could deliver (per second of its busy time).
+    # could deliver (per second of its busy time; none when its thread made no batch in
+    # the interval, having run ahead: an infinite figure is noise in every writer).
     demand = (m if ctx.run_data.order.per_member else 1) * ctx.config.data.batch_size * steps / elapsed
     stats, mark = ctx.batches.stats, self._pipeline_mark
     busy = stats.busy_seconds - mark.busy_seconds
-    supply = (stats.examples - mark.examples) / busy if busy > 0 else float('inf')
+    supply = (stats.examples - mark.examples) / busy if busy > 0 else None
     self._pipeline_mark = stats
     eta = (ctx.train_seconds() - ctx.saved_meta.get('train_seconds', 0.0)) / max(
         ctx.step - ctx.start_step, 1) * (ctx.total_steps - ctx.step)
     ctx.write({'step': ctx.step, 'split': 'train', 'steps_averaged': steps,
                'members': {'loss': loss.tolist(), **{k: v.tolist() for k, v in batch_metrics.items()}},
                'member_examples_per_s': rate, 'input_examples_per_s': demand,
-               'input_pipeline_capacity_per_s': supply})
+               **({} if supply is None else {'input_pipeline_capacity_per_s': supply})})
     self._progress.update(
         ctx.step, progress_lib.progress_line(ctx.step, ctx.total_steps, loss, batch_metrics,
                                              rate, eta, demand, supply),

@@ -27,6 +27,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from absl import logging
 
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.core.axes import MEMBER
@@ -66,6 +67,21 @@ def lineage(rounds: list[dict[str, Any]], num_members: int) -> list[str]:
       if source != member:
         out[member].append(f'{round_["step"]}<{source}')
   return [' '.join(entries) for entries in out]
+
+
+def round_line(round_index: int, step: int, metric: str, values: list[float],
+               sources: list[int]) -> str:
+  """One console line per round: who copied whom and the range of the metric ranked.
+
+  Example:
+    >>> round_line(2, 1000, 'nll', [0.41, 0.52, 0.47, 0.60], [0, 1, 2, 0])
+    'pbt round 2 at step 1000: validation nll 0.4100 to 0.6000; member 3 copied member 0'
+  """
+  finite = [v for v in values if np.isfinite(v)]
+  ranked = (f'validation {metric} {min(finite):.4f} to {max(finite):.4f}' if finite
+            else f'no member has a finite validation {metric}')
+  copies = [f'member {m} copied member {s}' for m, s in enumerate(sources) if s != m]
+  return f'pbt round {round_index} at step {step}: {ranked}; {", ".join(copies) or "no copies"}'
 
 
 class PopulationBasedTraining(PeriodicAction):
@@ -109,6 +125,7 @@ class PopulationBasedTraining(PeriodicAction):
                'members': {'source': sources_list, **{f: written[f] for f in spec.rules}},
                'pbt': {'round': round_index, 'metric': spec.metric, 'values': values,
                        'sources': sources_list, 'hparams': written}})
+    logging.info('%s', round_line(round_index, step, spec.metric, values, sources_list))
     self._record(ctx)
 
   def _record(self, ctx: Context) -> None:

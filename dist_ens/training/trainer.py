@@ -21,7 +21,7 @@ from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
-from dist_ens.io import tables, writers
+from dist_ens.io import console, tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, held_out, noise,
                                pbt, posthoc, workdir as workdir_lib)
@@ -107,7 +107,8 @@ def _step_flops(config: ml_collections.ConfigDict, parts: assemble.Parts) -> flo
   """Training FLOPs of one step per device (3x the forward: the backward pass costs two
   forwards), for steps_per_call 'auto' on a CPU; None when not known."""
   forward = strategy.forward_flops(parts.model, parts.input_shape,
-                                   config.data.batch_size // parts.mesh.shape[mesh_lib.DATA])
+                                   config.data.batch_size // parts.mesh.shape[mesh_lib.DATA],
+                                   parts.input_dtype)
   return None if forward is None else 3 * forward * assemble.members_per_device(parts)
 
 
@@ -171,6 +172,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
                      dataset: data.Dataset | None, optimizer: Any, loss: Loss | None
                      ) -> tuple[assemble.RunData, assemble.Parts, Any]:
   """Everything that can be wrong with the input, found before anything is written."""
+  configuration.check_known_fields(config)
   configuration.validate(config)
   if not str(workdir).strip():
     raise configuration.ConfigError("--workdir is empty; name a directory for the run's files "
@@ -287,7 +289,8 @@ def _info_logs() -> Iterator[None]:
   if before < logging.INFO:
     logging.set_verbosity(logging.INFO)
   try:
-    yield
+    with console.plain_lines_unless_configured():  # Not 'INFO:absl:' on every line.
+      yield
   finally:
     logging.set_verbosity(before)
 

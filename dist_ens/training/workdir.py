@@ -36,16 +36,30 @@ from dist_ens.errors import ConfigError, TrainingError
 LOCK_NAME = '.lock'
 
 
+# The longest file name (one path component) Linux, macOS and Windows filesystems take.
+_NAME_MAX = 255
+
+
 def check_workdir(workdir: str | os.PathLike) -> None:
   """Refuses a workdir that cannot be created or written, before anything is compiled:
   otherwise the first mkdir or lock fails deep in start-up with a long traceback.
 
   Raises:
-    ConfigError: it is a file, a file stands where a parent directory should be, or
+    ConfigError: a component of its path is longer than a file name may be, it is a
+      file, a file stands where a parent directory should be, or
       the nearest existing directory is not writable (a read-only filesystem, or
       permissions).
   """
   path = Path(workdir).absolute()
+  for part in path.parts:  # Else the first stat of the path raises a 30-line OSError.
+    if len(os.fsencode(part)) > _NAME_MAX:
+      raise ConfigError(f'--workdir={workdir}: its component {part[:40]}... is '
+                        f'{len(os.fsencode(part))} bytes, over the {_NAME_MAX} a file name '
+                        'may have; use a shorter name.')
+  try:
+    path.exists()
+  except OSError as e:  # The whole path too long, a loop of links, ...
+    raise ConfigError(f'--workdir={workdir} cannot be used: {e.strerror}.') from None
   if path.exists() and not path.is_dir():
     raise ConfigError(f'--workdir={workdir} is a file, not a directory; name a directory '
                       '(new or holding a run to resume).')

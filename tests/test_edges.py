@@ -1,0 +1,285 @@
+"""Issue 45 ("Correct at the edges"), items 5 to 11: a misspelt config field, bad data,
+noise in a normal run and the faults that still printed a traceback each end in one
+line (or none), found before anything trains."""
+
+import json
+import logging
+import math
+import re
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+import dist_ens
+from dist_ens import assemble, configuration, data, importing, run_data
+from dist_ens.data import pipeline
+from dist_ens.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+_LIMIT_S = 300
+
+
+def _config():
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.num_members, config.model.widths = 2, (8,)
+  config.train.steps, config.train.log_every, config.train.eval_every = 4, 2, 0
+  config.checkpoint.every, config.data.batch_size = 4, 16
+  return config
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'OMPI_', 'PMI_'))}
+  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
+  return subprocess.run(['timeout', '-k', '5', str(_LIMIT_S), sys.executable, '-m',
+                         'dist_ens.main', *args], cwd=ROOT, env=env, capture_output=True,
+                        text=True, timeout=_LIMIT_S + 30)
+
+
+def _one_line(result: subprocess.CompletedProcess) -> str:
+  assert result.returncode not in (0, 124), result.stderr[-3000:]
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1, result.stderr[-3000:]
+  return lines[0]
+
+
+# Item 5: unknown fields from config files and from Python.
+
+def test_a_config_files_misspelt_field_is_refused_in_one_line(tmp_path):
+  path = tmp_path / 'typo.py'
+  path.write_text(f'from dist_ens import load_config\n'
+                  f'def get_config():\n'
+                  f'  c = load_config({str(ROOT / "configs" / "default.py")!r})\n'
+                  f'  c.optim.learing_rate = 0.5\n'
+                  f'  return c\n')
+  line = _one_line(_cli(f'--config={path}', f'--workdir={tmp_path / "run"}'))
+  assert line == ('dist-ens: error: config.optim.learing_rate is not a field of '
+                  'configs/default.py, so nothing would read it; did you mean '
+                  'config.optim.learning_rate?')
+  assert not (tmp_path / 'run').exists()
+
+
+def test_an_unknown_group_from_python_is_refused_before_anything_is_written(tmp_path):
+  config = _config()
+  config.augmentation = ml_collections.ConfigDict(dict(kind='flip'))
+  with pytest.raises(ConfigError, match=r'^config.augmentation is not a field of configs/'
+                     r'default.py, so nothing would read it; config has checkpoint, data, '):
+    dist_ens.train(config, str(tmp_path / 'run'))
+  assert not (tmp_path / 'run').exists()
+
+
+def test_fields_only_some_models_data_sets_or_factories_read_are_known():
+  for path in sorted((ROOT / 'configs').glob('*.py')):  # resnet's depth, vit's heads, ...
+    configuration.check_known_fields(configuration.load_config(path))
+  config = _config()
+  config.data.add_channel = False  # TFDS only
+  config.model.kwargs = ml_collections.ConfigDict(dict(anything=1, nested=dict(x=2)))
+  configuration.check_known_fields(config)
+
+
+# Item 7: no noise in a normal run.
+
+def test_a_normal_run_writes_no_infinite_pipeline_capacity(tmp_path, capfd, caplog,
+                                                          monkeypatch):
+  # The prefetch thread idle between two logs (it ran ahead while the step compiled, or a
+  # read is slower than the interval): no examples and no busy time in the interval.
+  monkeypatch.setattr(pipeline.Batches, 'stats', property(lambda self: pipeline.PipelineStats(
+      64, 0.5)))
+  config = _config()
+  config.writers = ('jsonl', 'tensorboard')
+  dist_ens.train(config, str(tmp_path))
+  err = capfd.readouterr().err
+  assert 'NaN or Inf' not in err + caplog.text, err + caplog.text
+  events = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  train = [e for e in events if e['split'] == 'train']
+  assert train
+  for event in train:  # A finite figure, or none when the pipeline was idle.
+    assert math.isfinite(event.get('input_pipeline_capacity_per_s', 0.0)), event
+
+
+# Item 6: bad data is found when the data set is read.
+
+@pytest.mark.parametrize('split', ['train', 'test'])
+def test_nan_or_inf_inputs_are_refused_at_load_naming_the_split_and_row(tmp_path, split):
+  rng = np.random.default_rng(0)
+  arrays = {'train': rng.normal(size=(64, 5)), 'test': rng.normal(size=(16, 5))}
+  arrays[split][7, 2], arrays[split][9, 0] = np.nan, np.inf
+  dataset = data.from_arrays(arrays['train'], np.arange(64) % 2, arrays['test'],
+                             np.arange(16) % 2, name='bad')
+  with pytest.raises(ConfigError, match=rf"^dataset 'bad' \({split} split\): input row 7 "
+                     r'holds NaN or Inf \(2 of \d+ rows do\)'):
+    dist_ens.train(_config(), str(tmp_path / 'run'), dataset=dataset)
+  assert not (tmp_path / 'run').exists()
+
+
+def test_class_ids_as_regression_targets_get_one_warning(caplog):
+  config = _config()
+  config.task = 'regression'
+  with caplog.at_level(logging.WARNING):
+    run_data.build_data(config)
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert warnings == ["dataset 'mnist1d' has integer labels 0..9, the class ids of a "
+                      "classification data set, and config.task='regression' fits them as "
+                      "numbers; use task='classification' if they are classes."], warnings
+  caplog.clear()
+  config.task = 'classification'
+  with caplog.at_level(logging.WARNING):
+    run_data.build_data(config)
+  assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+# Item 11, the small ones.
+
+def test_a_misspelt_embedded_dataset_gets_did_you_mean_in_one_line(tmp_path, monkeypatch):
+  line = _one_line(_cli('--config=configs/default.py', f'--workdir={tmp_path}',
+                        '--config.data.name=mnist1'))  # No leaked TFDS log line either.
+  assert line == ("dist-ens: error: config.data.name='mnist1' is neither an embedded dataset "
+                  'nor a TFDS one prepared in data_dir ~/tensorflow_datasets (TFDS_DATA_DIR); '
+                  "did you mean 'mnist1d'?")
+  monkeypatch.setitem(sys.modules, 'tensorflow_datasets', None)  # Not installed.
+  with pytest.raises(ConfigError, match=r"^config.data.name='mnist1' is not an embedded "
+                     r"dataset; did you mean 'mnist1d'\? \(Other names are TFDS"):
+    data.load_dataset('mnist1')
+
+
+def test_the_repositorys_examples_say_where_they_import_from(monkeypatch):
+  monkeypatch.setattr(sys, 'path', [p for p in sys.path if Path(p or '.').resolve() != ROOT])
+  for name in [m for m in sys.modules if m == 'examples' or m.startswith('examples.')]:
+    monkeypatch.delitem(sys.modules, name)
+  with pytest.raises(ConfigError, match=r"^config.model.factory='examples.plain_jax:make_model' "
+                     r"cannot be imported: ModuleNotFoundError: No module named 'examples[.a-z_]*' "
+                     r'\(the examples/ folder is in the dist_ens repository, not in the '
+                     rf'installed package: run from {ROOT}, or add it to PYTHONPATH\)$'):
+    importing.load_object('examples.plain_jax:make_model', 'config.model.factory')
+
+
+def _pbt_config():
+  config = _config()
+  config.num_members, config.train.steps, config.checkpoint.every = 4, 8, 8
+  config.data.validation_size, config.writers = 100, ('jsonl',)
+  config.optim.learning_rate = (1e-4, 1e-3, 1e-2, 3e-2)
+  config.pbt.enabled, config.pbt.interval = True, 4
+  return config
+
+
+def test_pbt_says_each_round_in_one_line_and_its_report_draws_no_false_step(tmp_path, caplog):
+  from dist_ens.io import report_pbt  # pylint: disable=import-outside-toplevel
+  with caplog.at_level(logging.INFO):
+    dist_ens.train(_pbt_config(), str(tmp_path))
+  lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('pbt round')]
+  assert len(lines) == 1 and re.fullmatch(
+      r'pbt round 1 at step 4: validation nll \d\.\d{4} to \d\.\d{4}; member \d copied '
+      r'member \d', lines[0]), lines
+  events = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+  s = report_pbt.schedules(_pbt_config(), events)
+  for field in ('optim.b1', 'optim.momentum', 'optim.weight_decay'):  # Never explored.
+    assert np.ptp(s['fields'][field]) == 0, (field, s['fields'][field])
+
+
+def test_idle_devices_that_only_the_fixed_axis_leaves_idle_say_what_to_set(caplog):
+  config = _config()
+  config.num_members = 4  # mesh.member=-1, data=1: 4 x 1 on 8 devices; 4 x 2 uses them all.
+  with caplog.at_level(logging.WARNING):
+    mesh = assemble.build_mesh(config, jax.devices())
+  assert mesh.size == 4
+  warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert warned == ['4 of 8 devices stay idle: config.mesh.data=1 leaves no mesh over all of '
+                    'them for num_members=4; set mesh.member=4 and mesh.data=2 to use every '
+                    'device.'], warned
+
+
+def test_log_lines_from_python_carry_no_absl_prefix(tmp_path):
+  script = ('import sys\nsys.path.insert(0, sys.argv[2])\nimport dist_ens\n'
+            'from tests.test_edges import _config\n'
+            'dist_ens.train(_config(), sys.argv[1])\n')
+  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
+         'JAX_PLATFORMS': 'cpu'}
+  result = subprocess.run([sys.executable, '-c', script, str(tmp_path), str(ROOT)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=_LIMIT_S)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stderr.splitlines()
+  assert 'step 4/4' in result.stderr and lines[0].startswith('warning: 6 of 8 devices'), lines
+  assert not [line for line in lines if ':absl:' in line], result.stderr
+
+
+def test_report_on_a_missing_or_foreign_workdir_says_so(tmp_path):
+  line = _one_line(_cli('report', f'--workdir={tmp_path / "nonexistent"}'))
+  assert line == (f'dist-ens report: error: {tmp_path / "nonexistent"} does not exist; name the '
+                  'workdir of a finished run.')
+  line = _one_line(_cli('report', f'--workdir={tmp_path}'))
+  assert line == (f'dist-ens report: error: {tmp_path} is not a dist_ens workdir (it has no '
+                  'config.json, checkpoints/ or final_metrics.json); name the workdir of a '
+                  'finished run.')
+  (tmp_path / 'config.json').write_text('{}')
+  assert 'has not finished' in _one_line(_cli('report', f'--workdir={tmp_path}'))
+
+
+# Item 8: faults that still showed a traceback.
+
+def test_a_workdir_component_over_255_bytes_is_one_line(tmp_path):
+  workdir = tmp_path / ('a' * 300) / 'run'
+  line = _one_line(_cli('--config=configs/default.py', f'--workdir={workdir}'))
+  assert line == (f'dist-ens: error: --workdir={workdir}: its component {"a" * 40}... is 300 '
+                  'bytes, over the 255 a file name may have; use a shorter name.')
+
+
+def test_a_full_disks_unretrieved_future_prints_nothing(caplog):
+  import asyncio  # pylint: disable=import-outside-toplevel
+  import gc  # pylint: disable=import-outside-toplevel
+  import dist_ens.checkpoint  # noqa: F401  (its filters)  pylint: disable=import-outside-toplevel,unused-import
+
+  def drop_failed_future(error):
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    future.set_exception(error)
+    del future
+    gc.collect()
+    loop.close()
+
+  with caplog.at_level(logging.ERROR, logger='asyncio'):
+    drop_failed_future(ValueError('Error writing "d/ocdbt.process_0/d/1": [errno 28] No space '
+                                  'left on device'))
+    assert not [r for r in caplog.records if r.name == 'asyncio'], caplog.text
+    drop_failed_future(ValueError('another failure'))  # Not a full disk: still shown.
+    assert [r for r in caplog.records if r.name == 'asyncio'], caplog.text
+
+
+# Item 9 (parts).
+
+def test_the_flops_estimate_traces_token_models_with_their_int_inputs(monkeypatch):
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from dist_ens.parallel import strategy  # pylint: disable=import-outside-toplevel
+  from dist_ens.training import trainer  # pylint: disable=import-outside-toplevel
+  config = _config()
+  config.model.name = 'token_transformer'
+  config.model.vocab_size, config.model.hidden, config.model.depth = 16, 32, 1
+  config.model.heads, config.model.mlp_dim = 4, 64
+  parts = assemble.build_run(config, shapes=((12,), 3, jnp.int32)).parts
+  traced = []
+  forward = strategy._abstract_forward  # pylint: disable=protected-access
+  monkeypatch.setattr(strategy, '_abstract_forward', lambda *a: traced.append(a) or forward(*a))
+  assert trainer._step_flops(config, parts) is not None  # pylint: disable=protected-access
+  assert [a[-1] for a in traced] == [jnp.int32]
+
+
+def test_a_pbt_copy_perturbed_past_the_bound_is_no_clone_of_its_source():
+  from dist_ens.core import hparams as hparams_lib  # pylint: disable=import-outside-toplevel
+  from dist_ens.ensembles import pbt as pbt_lib  # pylint: disable=import-outside-toplevel
+  lr = 'optim.learning_rate'
+  spec = pbt_lib.make_spec(
+      interval=4, metric='nll', quantile=0.5, fields=(lr,), perturb_factors=(0.8, 1.2),
+      resample_probability=0.0, seed=0, configured={lr: 'loguniform(1e-4,1e-2)'},
+      varying=(lr,), select_metrics={'nll': False})
+  hp = {f: np.full(4, 0.5, np.float32) for f in hparams_lib.FIELDS}
+  hp[lr] = np.array([1e-4, 1e-2, 1e-3, 2e-3], np.float32)  # The best two sit at the bounds.
+  for round_index in range(1, 20):
+    decision = pbt_lib.decide(spec, round_index, [0.2, 0.1, 0.5, 0.6], hp)
+    for member in (2, 3):
+      source = decision.sources[member]
+      assert decision.hparams[lr][member] != hp[lr][source], (round_index, member)
+      assert 1e-4 <= decision.hparams[lr][member] <= 1e-2
