@@ -22,7 +22,7 @@ from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
 from dist_ens.models.hf import bert, gpt2, llama, vit
 from dist_ens.models.hf.checkpoint import PREFIX, Tensors, is_hf, locate, read_config
-from dist_ens.models.hf.weights import Family, load, make_model, nest
+from dist_ens.models.hf.weights import Family, Lazy, load, make_model, nest
 
 ARCHITECTURES: dict[str, Family] = {
     'GPT2LMHeadModel': gpt2.FAMILY,  # logits per position [B, L, vocab]
@@ -60,10 +60,10 @@ def build(source: str, num_classes: int | None = None, dropout: float = 0.0,
   return make_model(family, arch, dropout)
 
 
-def load_leaves(source: str, where: str = 'hf') -> dict[str, np.ndarray]:
-  """Every weight of the checkpoint as {params leaf name: float32 array}, each checked
-  against the architecture's table (one line naming the first that is missing or
-  misshapen)."""
+def load_leaves(source: str, where: str = 'hf') -> dict[str, Lazy]:
+  """Every weight of the checkpoint as {params leaf name: Lazy leaf} (read where
+  indexed, np.asarray for all of it), each checked against the architecture's table
+  (one line naming the first that is missing or misshapen)."""
   folder, name, family, arch = describe(source, where)
   tensors = Tensors.open(folder, where)
   return load(tensors, family.weights(arch), family.prefix, where,
@@ -92,7 +92,7 @@ def from_hf(path: str) -> tuple[Model, Any]:
   """
   where = f'from_hf({str(path)!r})'
   model = build(path, where=where)
-  return model, nest(load_leaves(path, where))
+  return model, nest({name: np.asarray(leaf) for name, leaf in load_leaves(path, where).items()})
 
 
 def hf_source(path: str) -> str:

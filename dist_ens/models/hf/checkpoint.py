@@ -7,15 +7,18 @@ lazily from safetensors files.
   tensors.shape('model.norm.weight'), tensors.read('model.norm.weight')
   tensors.read('lm_head.weight', (slice(0, 64), slice(None)))  # only those rows
 
-Safetensors files are read with numpy through a memory map, as io/pretrained.py reads
-them (no dependency): a tensor is a view of the mapped file, so a read of a slice
-touches only the pages that slice lies on, never the whole tensor.
+Safetensors files are read with numpy through a memory map (no dependency; the same
+layout io/pretrained.py reads): a tensor is a view of the mapped file, so a read of a
+slice touches only the pages that slice lies on, never the whole tensor, and the pages
+are given back after each read (what safetensors' lazy safe_open slices do, without
+the package).
 
 A hub id is fetched with huggingface_hub (the optional extra `dist_ens[hf]`) where
 the network allows, else taken from its local cache.
 """
 
 import json
+import mmap
 import os
 import struct
 from collections.abc import Iterator
@@ -113,7 +116,7 @@ class Tensors:
 
   def __init__(self, entries: dict[str, _Entry], where: str = 'hf'):
     self._entries = entries
-    self._maps: dict[Path, np.memmap] = {}
+    self._maps: dict[Path, tuple[mmap.mmap, np.ndarray]] = {}
     self._where = where
 
   @classmethod
@@ -163,11 +166,18 @@ class Tensors:
       raise ConfigError(f'{self._where}: tensor {name!r} has dtype {entry.dtype}, which '
                         f'this reader does not know ({", ".join(DTYPES)}).')
     if entry.file not in self._maps:
-      self._maps[entry.file] = np.memmap(entry.file, dtype=np.uint8, mode='r')
+      with open(entry.file, 'rb') as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+      self._maps[entry.file] = (mapped, np.frombuffer(mapped, np.uint8))
     dtype = np.dtype(DTYPES[entry.dtype]).newbyteorder('<')
-    return self._maps[entry.file][entry.begin:entry.end].view(dtype).reshape(entry.shape)
+    return self._maps[entry.file][1][entry.begin:entry.end].view(dtype).reshape(entry.shape)
 
-  def read(self, name: str, index: Any = ()) -> np.ndarray:
-    """The tensor (or view(name)[index]) copied into memory, in native byte order."""
-    part = self.view(name)[index]
-    return np.array(part, dtype=part.dtype.newbyteorder('='))
+  def read(self, name: str, index: Any = (), convert: Any = None) -> np.ndarray:
+    """view(name) (through `convert`, a function of views) [index], copied into memory
+    in native byte order; the file's pages are then given back, so a process that reads
+    slice after slice holds no more of the file than the slice it is copying."""
+    view = self.view(name)
+    part = (view if convert is None else convert(view))[index]
+    out = np.array(part, dtype=part.dtype.newbyteorder('='))
+    self._maps[self._entries[name].file][0].madvise(mmap.MADV_DONTNEED)
+    return out

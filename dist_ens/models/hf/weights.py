@@ -141,9 +141,26 @@ def file_name(name: str, tensors: Tensors, prefix: str) -> str | None:
   return next((c for c in candidates if c in tensors), None)
 
 
+class Lazy:
+  """A params leaf as the file holds it, read only where indexed: lazy[index] reads
+  that slice (of the converted tensor) alone, np.asarray(lazy) all of it; float32."""
+
+  def __init__(self, tensors: Tensors, name: str, convert: Callable[[Array], Array]):
+    self._tensors, self._name, self._convert = tensors, name, convert
+    self.shape = tuple(convert(tensors.view(name)).shape)  # a view: nothing is read
+    self.ndim, self.dtype = len(self.shape), np.dtype(np.float32)
+
+  def __getitem__(self, index: Any) -> np.ndarray:
+    return self._tensors.read(self._name, index, self._convert).astype(np.float32)
+
+  def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    return self[()].astype(dtype or np.float32)
+
+
 def load(tensors: Tensors, weights: Sequence[Weight], prefix: str, where: str,
-         what: str) -> dict[str, np.ndarray]:
-  """{params path: float32 value} of every weight in the table, read from `tensors`.
+         what: str) -> dict[str, Lazy]:
+  """{params path: Lazy leaf} of every weight in the table, found in `tensors` (only
+  the headers are read here).
 
   Raises:
     ConfigError: (one line) a weight the file lacks, or has in another shape; `what`
@@ -159,7 +176,7 @@ def load(tensors: Tensors, weights: Sequence[Weight], prefix: str, where: str,
       raise ConfigError(f'{where}: weight {name!r} has shape {tensors.shape(name)} in the '
                         f'file, but {what} needs {w.shape}.')
     used.add(name)
-    out[w.path] = np.asarray(w.convert(tensors.read(name)), np.float32)
+    out[w.path] = Lazy(tensors, name, w.convert)
   unused = sorted(set(tensors) - used)
   if unused:
     logging.info('%s: %d tensors of the file are not used by %s: %s%s', where, len(unused),
