@@ -132,3 +132,38 @@ def test_language_model_on_a_classification_task_refused():
   message = _one_line(lambda: assemble.build_run(
       _config(f'hf:{DATA / "gpt2"}'), shapes=((7,), 3, np.int32)))
   assert "config.model.init_from='hf:" in message and '(2, 7, 96)' in message
+
+
+def test_split_over_model_reads_only_each_devices_slices(monkeypatch):
+  from dist_ens.io import init_from  # pylint: disable=import-outside-toplevel
+  from dist_ens.models import hf  # pylint: disable=import-outside-toplevel
+  from dist_ens.parallel import sharding_rules  # pylint: disable=import-outside-toplevel
+  from dist_ens.parallel.layout import Layout  # pylint: disable=import-outside-toplevel
+
+  reads = []
+  read = Tensors.read
+
+  def counting(self, name, index=(), convert=None):
+    out = read(self, name, index, convert)
+    reads.append((name, out.size, int(np.prod(self.shape(name)))))
+    return out
+
+  monkeypatch.setattr(Tensors, 'read', counting)
+  source = f'hf:{DATA / "llama"}'
+  mesh = jax.make_mesh((2, 1, 4), ('member', 'data', 'model'))
+  layout = Layout(axes=('member', 'data', 'model'),
+                  rule=sharding_rules.fsdp('model', axis_size=4, min_size=1024))
+  model = hf.build(source)
+  placed = init_from.pretrained_leaves(init_from.InitFrom(source), model, (7,), 96, mesh,
+                                       layout, owned=frozenset())
+  placing = list(reads)
+  whole = {name: np.asarray(leaf) for name, leaf in load_leaves(source).items()}
+  split = 0
+  for name, leaf in flatten(placed.params).items():
+    np.testing.assert_array_equal(leaf, whole[name])
+  for leaf in jax.tree.leaves(placed.params):
+    split += leaf.addressable_shards[0].data.size * 4 == leaf.size
+  assert split >= 10  # every kernel of 1,024+ elements is split 4 ways
+  # No split leaf's tensor was read whole while placing (each device: a quarter).
+  big = [(name, size, total) for name, size, total in placing if total >= 1024]
+  assert big and all(size * 4 == total for _, size, total in big)

@@ -176,9 +176,11 @@ def _log_fresh(spec: InitFrom, owned: list[str], state: list[str], loaded: int) 
 
 def _put(value: np.ndarray, sharding: NamedSharding, dtype: Any) -> jax.Array:
   """`value` as one array of `dtype` over the mesh, each device's slice read (and cast)
-  on its own: a lazy leaf (models/hf) is never read whole."""
-  return jax.make_array_from_callback(
-      value.shape, sharding, lambda index: np.asarray(value[index]).astype(dtype))
+  and put on its device before the next is read: a lazy leaf (models/hf) is never read
+  whole, and the host holds one device's slice at a time."""
+  shards = [jax.device_put(np.asarray(value[index]).astype(dtype, copy=False), device)
+            for device, index in sharding.addressable_devices_indices_map(value.shape).items()]
+  return jax.make_array_from_single_device_arrays(value.shape, sharding, shards)
 
 
 def place(matched: Matched, params: PyTree, model_state: PyTree, mesh: Mesh,

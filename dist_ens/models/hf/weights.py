@@ -151,10 +151,10 @@ class Lazy:
     self.ndim, self.dtype = len(self.shape), np.dtype(np.float32)
 
   def __getitem__(self, index: Any) -> np.ndarray:
-    return self._tensors.read(self._name, index, self._convert).astype(np.float32)
+    return self._tensors.read(self._name, index, self._convert).astype(np.float32, copy=False)
 
   def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-    return self[()].astype(dtype or np.float32)
+    return self[()].astype(dtype or np.float32, copy=False)
 
 
 def load(tensors: Tensors, weights: Sequence[Weight], prefix: str, where: str,
