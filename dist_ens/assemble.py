@@ -245,6 +245,8 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
 
   field = (f'config.model.factory={config.model.factory!r}' if config.model.factory
            else f'config.model.name={config.model.name!r}')
+  if model_spec(config).hf:  # a Hugging Face checkpoint's config.json made the model
+    field = f'config.model.init_from={config.model.init_from!r}'
   tasks.check_outputs(model, input_shape, num_outputs,
                       f'{field} (for config.task={config.task!r})', input_dtype)
   layout = build_layout(method, mesh, config.mesh, one_member)

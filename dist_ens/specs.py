@@ -15,6 +15,7 @@ from dist_ens.core.optim import OptimSpec
 from dist_ens.ensembles import methods, pbt
 from dist_ens.errors import ConfigError
 from dist_ens.io.init_from import InitFrom
+from dist_ens.models import hf as hf_models
 from dist_ens.parallel import mesh as mesh_lib
 
 
@@ -113,6 +114,8 @@ def model_spec(config: ml_collections.ConfigDict) -> models.ModelSpec:
   m = config.model
   kwargs = m.get('kwargs') or {}
   optional = {name: m.get(name) for name in models.OPTIONAL_FIELDS}
+  if hf_models.is_hf(m.get('init_from')):
+    optional['hf'] = m.init_from
   return models.ModelSpec(
       name=m.name, factory=m.factory,
       kwargs=kwargs.to_dict() if isinstance(kwargs, ml_collections.ConfigDict) else kwargs,

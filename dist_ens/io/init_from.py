@@ -56,7 +56,8 @@ class InitFrom:
 
 
 class Matched(NamedTuple):
-  """The file's values for the model's leaves, by part ('params', 'model_state') and name."""
+  """The file's values for the model's leaves, by part ('params', 'model_state') and name
+  (arrays, or lazy leaves that read what is indexed), cast where placed."""
   params: dict[str, np.ndarray]
   model_state: dict[str, np.ndarray]
 
@@ -150,7 +151,8 @@ def match(flat: Mapping[str, np.ndarray], params: PyTree, model_state: PyTree,
       raise ConfigError(f'{FIELD}={spec.source!r}: leaf {part}/{name} has shape '
                         f'{tuple(leaf.shape)} in the model but {tuple(value.shape)} in the file '
                         f'(as {file_name!r}).')
-    getattr(out, part)[name] = np.asarray(value).astype(leaf.dtype)
+    # Kept as given: a lazy leaf (models/hf) is read slice by slice where placed.
+    getattr(out, part)[name] = value
   if missing:
     raise ConfigError(f'{FIELD}={spec.source!r} has no leaf for the model\'s params '
                       f'{_few(missing)}; name them with config.model.init_map (the file\'s '
@@ -172,9 +174,13 @@ def _log_fresh(spec: InitFrom, owned: list[str], state: list[str], loaded: int) 
                  FIELD, _few(state))
 
 
-def _put(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
-  """`value` (every process holds it whole) as one array over the mesh."""
-  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+def _put(value: np.ndarray, sharding: NamedSharding, dtype: Any) -> jax.Array:
+  """`value` as one array of `dtype` over the mesh, each device's slice read (and cast)
+  and put on its device before the next is read: a lazy leaf (models/hf) is never read
+  whole, and the host holds one device's slice at a time."""
+  shards = [jax.device_put(np.asarray(value[index]).astype(dtype, copy=False), device)
+            for device, index in sharding.addressable_devices_indices_map(value.shape).items()]
+  return jax.make_array_from_single_device_arrays(value.shape, sharding, shards)
 
 
 def place(matched: Matched, params: PyTree, model_state: PyTree, mesh: Mesh,
@@ -189,7 +195,7 @@ def place(matched: Matched, params: PyTree, model_state: PyTree, mesh: Mesh,
         return None
       state_path = (jax.tree_util.GetAttrKey(part), *path)
       spec = P() if leaf.ndim == 0 else P(*layout.rule(state_path, leaf))
-      return _put(values[name], NamedSharding(mesh, spec))
+      return _put(values[name], NamedSharding(mesh, spec), leaf.dtype)
     return jax.tree_util.tree_map_with_path(one, abstract)
 
   return Pretrained(tree('params', params, matched.params),

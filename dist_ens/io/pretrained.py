@@ -6,6 +6,7 @@
   load_pretrained('/ckpt/orbax_dir')        # an orbax pytree checkpoint directory
   load_pretrained('/runs/pretrain')         # a dist_ens workdir: its member 0
   load_pretrained('/runs/pretrain#3')       # ... its member 3
+  load_pretrained('hf:/ckpt/tiny-llama')    # a Hugging Face checkpoint (dist_ens.models.hf)
 
 Leaf names are the '/'-joined key paths the project uses everywhere
 (parallel.sharding_rules.path_str): 'head/w', 'blocks/0/attn/q/w',
@@ -62,6 +63,9 @@ def load_pretrained(source: str | os.PathLike) -> dict[str, np.ndarray]:
     ConfigError: (one line, naming config.model.init_from) the path does not exist,
       is of no known format, or cannot be read.
   """
+  if isinstance(source, str) and source.startswith('hf:'):  # a Hugging Face checkpoint
+    from dist_ens.models import hf  # pylint: disable=import-outside-toplevel  # models import io
+    return hf.load_leaves(source, where=f'{FIELD}={source!r}')
   path, member = split_member(os.fspath(source))
   p = Path(path)
   if not p.exists():

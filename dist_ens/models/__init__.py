@@ -5,6 +5,8 @@ parameters; dist_ens vmaps them over the member axis itself, so a model never
 knows it is part of an ensemble. A user's own model is named by import path,
 config.model.factory = 'my_pkg.nets:make_net', called with config.model.kwargs and
 adapted by dist_ens.core.adapters (Flax linen / NNX, Equinox, Haiku or plain JAX).
+config.model.init_from='hf:PATH' builds the model a Hugging Face checkpoint's
+config.json describes (dist_ens.models.hf; `from_hf(path)` outside training).
 
 Models read config.model as a ModelSpec (dist_ens.models.spec), which
 dist_ens.assemble.model_spec builds once; nothing here takes the raw config.
@@ -17,7 +19,9 @@ from dist_ens import importing
 from dist_ens.core import adapters
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
+from dist_ens.models import hf, layers
 from dist_ens.models.cnn import make_cnn
+from dist_ens.models.hf import from_hf
 from dist_ens.models.lenet import make_lenet5
 from dist_ens.models.mlp import make_mlp
 from dist_ens.models.resnet import make_resnet, make_resnet18, make_wide_resnet
@@ -70,6 +74,15 @@ def _factory_model(spec: ModelSpec, num_classes: int) -> Model:
                       f'{kwargs!r} does not make a model: {e}') from e
 
 
+def _hf_model(spec: ModelSpec, num_classes: int) -> Model:
+  """The model config.model.init_from='hf:PATH' describes in its config.json."""
+  where = f'config.model.init_from={spec.hf!r}'
+  if spec.factory:
+    raise ConfigError(f'{where} builds its own model; config.model.factory='
+                      f"{spec.factory!r} cannot replace it: set factory=''.")
+  return hf.build(spec.hf, num_classes, layers.dropout_rate_for(spec.dropout), where)
+
+
 def get_model(spec: ModelSpec, num_classes: int) -> Model:
   """The model config.model.factory names (if set), else the built-in config.model.name.
 
@@ -79,6 +92,8 @@ def get_model(spec: ModelSpec, num_classes: int) -> Model:
   if not isinstance(spec, ModelSpec):  # callers that still pass config.model itself
     raise TypeError(f'get_model takes a ModelSpec, not a {type(spec).__name__}; build one '
                     'with dist_ens.assemble.model_spec(config).')
+  if spec.hf:
+    return _hf_model(spec, num_classes)
   if spec.factory:
     return _factory_model(spec, num_classes)
   try:
@@ -90,5 +105,5 @@ def get_model(spec: ModelSpec, num_classes: int) -> Model:
   return constructor(spec, num_classes)
 
 
-__all__ = ['MODELS', 'OPTIONAL_FIELDS', 'Model', 'ModelSpec', 'get_model', 'import_factory',
-           'make_cnn', 'make_mlp']
+__all__ = ['MODELS', 'OPTIONAL_FIELDS', 'Model', 'ModelSpec', 'from_hf', 'get_model',
+           'import_factory', 'make_cnn', 'make_mlp']

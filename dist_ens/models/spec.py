@@ -42,6 +42,9 @@ class ModelSpec:
   pool: str | None = None  # vit
   vocab_size: int | None = None  # token_transformer
   causal: bool | None = None
+  # config.model.init_from when it is 'hf:PATH': the model is the one its config.json
+  # describes (dist_ens.models.hf), whatever `name` says.
+  hf: str | None = None
 
   def __post_init__(self):
     object.__setattr__(self, 'kwargs', types.MappingProxyType(dict(self.kwargs)))
