@@ -103,7 +103,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 'mimo' (each member one network of mimo.heads input slots and output heads),
   # 'snapshot' (each member's schedule restarts snapshot.cycles times; every cycle's end
   # predicts) or 'multiswag' (SWAG per member: swag.samples weight samples predict).
+  # Or your own method by import path, 'my_pkg.methods:make' (docs/how-it-works.md), with
+  # its fields in ensemble.options (anything; the method checks them).
   config.ensemble.method = 'deep'
+  config.ensemble.options = ml_collections.ConfigDict()
   # Which params leaves each member owns (stacked, trained; docs/pretrained.md): 'all',
   # 'head' (the output layer), 'lora' (the head and LoRA factors of the kernels),
   # 'batchensemble' (= method='batchensemble') or a regex of leaf names ('^head/'). Every

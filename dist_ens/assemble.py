@@ -34,7 +34,7 @@ from dist_ens.core import gradients, hparams as hparams_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import Pretrained, TrainState, init_state
-from dist_ens.ensembles import batchensemble, methods, mimo, stored
+from dist_ens.ensembles import batchensemble, methods, stored
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec, user_metrics
 from dist_ens.eval.evaluate import Evaluator, Scorer, make_eval_step
@@ -212,19 +212,19 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   """
   method = methods.from_spec(method_spec(config))
   task = tasks.get_task(config.task)
-  model = models.get_model(model_spec(config), num_outputs * max(method.heads, 1))
-  if method.heads:  # MIMO: one network, `heads` input slots and output heads.
-    if task.combine is None:
-      raise ConfigError(f"config.ensemble.method='mimo' combines its heads as the task combines "
-                        f'members (Task.combine), which config.task={config.task!r} does not '
-                        'give; use another method for this task.')
-    model = mimo.wrap(model, method.heads, task.combine)
+  model = models.get_model(model_spec(config), num_outputs * method.outputs_per_output)
+  if config.pbt.enabled and not method.copyable:
+    raise ConfigError(f'config.pbt.enabled=True copies whole members, which '
+                      f'config.ensemble.method={config.ensemble.method!r} does not allow (its '
+                      "members' state is not each member's own); use method='deep'.")
+  if method.wrap_model is not None:  # e.g. MIMO: one network, several slots and heads.
+    model = method.wrap_model(model, task)
   input_shape = tuple(int(d) for d in input_shape)
   sample_x = jax.ShapeDtypeStruct((1, *input_shape), input_dtype)
   one_member = lambda: jax.eval_shape(model.init, jax.random.key(0),
                                       jnp.zeros(sample_x.shape, input_dtype))[0]
   if method.own != 'all':  # config.ensemble.own: the leaves members own, the rest shared.
-    method = methods.with_owned(method, one_member(), num_outputs * max(method.heads, 1))
+    method = methods.with_owned(method, one_member(), num_outputs * method.outputs_per_output)
   if optimizer is None:
     optimizer = make_optimizer(optim_spec(config), config.train.steps, cycles=method.cycles,
                                cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
@@ -232,7 +232,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     optimizer = functools.partial(lambda tx, hp=None: tx, optimizer)
   member_hparams = hparams_lib.resolve(hparams_spec(config))
   if method.shares and method.owned is None:
-    _check_shared_optimizer(member_hparams)
+    _check_shared_optimizer(member_hparams, method.name)
   m = config.num_members
   if num_members is not None and num_members != m:
     member_hparams = {k: np.resize(v, num_members) for k, v in member_hparams.items()}
@@ -289,11 +289,11 @@ def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections
   return Layout(axes=tuple(mesh.axis_names), rule=rule, **shared)
 
 
-def _check_shared_optimizer(member_hparams: dict[str, np.ndarray]) -> None:
-  """BatchEnsemble's shared weights take one optimizer: its hyperparameters cannot vary."""
+def _check_shared_optimizer(member_hparams: dict[str, np.ndarray], name: str) -> None:
+  """Shared weights (BatchEnsemble's) take one optimizer: its hyperparameters cannot vary."""
   varying = [k for k in hparams_lib.varying(member_hparams) if k.startswith('optim.')]
   if varying:
-    raise ConfigError(f"config.ensemble.method='batchensemble' trains shared weights with one "
+    raise ConfigError(f"config.ensemble.method={name!r} trains shared weights with one "
                       f'optimizer, but config.hparams varies {varying} over members; sweep '
                       "them with method='deep', or fix them.")
 
@@ -317,7 +317,7 @@ def init_sharded(parts: Parts) -> TrainState:
   from config.model.init_from's leaves where it names a file (io/init_from.py)."""
   pretrained = init_from.pretrained_leaves(
       init_from_spec(parts.config), parts.model, parts.input_shape,
-      parts.num_outputs * max(parts.method.heads, 1), parts.mesh, parts.layout,
+      parts.num_outputs * parts.method.outputs_per_output, parts.mesh, parts.layout,
       owned=parts.method.owned)
   args = () if pretrained is None else (pretrained,)
   return compile_init(parts, *args)(*args)
@@ -379,8 +379,8 @@ def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
   replaces config.train.loss."""
   parallelism, map_batch_size = form
   loss = loss or tasks.loss_for(parts.config.train.loss, parts.task)
-  if parts.method.heads:
-    loss = mimo.head_loss(loss)
+  if parts.method.wrap_loss is not None:  # e.g. MIMO: the sum of its heads' losses
+    loss = parts.method.wrap_loss(loss)
   objective = gradients.Objective(loss, parts.task.batch_metrics)
   return make_train_step(parts.model, parts.optimizer, parts.mesh, parts.abstract_state,
                          seed=parts.config.seed, objective=objective,

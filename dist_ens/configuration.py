@@ -176,9 +176,6 @@ def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
     return
   _require(config.data.validation_size > 0, 'pbt.enabled', enabled,
            'ranks members on a validation split; set data.validation_size > 0 (e.g. 500)')
-  _require(config.ensemble.method == 'deep', 'pbt.enabled', enabled,
-           f"copies whole members, so it needs ensemble.method='deep' (not "
-           f'{config.ensemble.method!r})')
   _require(config.ensemble.own == 'all', 'pbt.enabled', enabled,
            f'copies whole members, so it needs ensemble.own=\'all\' (not '
            f'{config.ensemble.own!r}, whose shared leaves are no member\'s to copy)')
@@ -301,7 +298,7 @@ DATA_FIELDS = {'member_split': ''}
 EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1, 'shift_baseline': ''}
 MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
 ENSEMBLE_FIELDS = {'own': 'all', 'lora_rank': 8, 'lora_alpha': 0.0, 'lora_targets': '',
-                   'train_shared': False}
+                   'train_shared': False, 'options': {}}
 # Fields added to a group since format 2: {group: {field: the value runs had before}}.
 GROUP_FIELDS = {'mesh': MESH_FIELDS, 'data': DATA_FIELDS, 'eval': EVAL_FIELDS,
                 'model': MODEL_FIELDS, 'ensemble': ENSEMBLE_FIELDS}

@@ -13,7 +13,7 @@ from dist_ens import data, tasks
 from dist_ens.data import uci
 from dist_ens.ensembles import methods
 from dist_ens.eval import decisions
-from dist_ens.specs import data_spec
+from dist_ens.specs import data_spec, method_spec
 
 
 def data_shape(config: ml_collections.ConfigDict,
@@ -36,13 +36,19 @@ def scale_from(meta: dict[str, Any]) -> uci.Standardizer | None:
       **{k: np.asarray(v, np.float32) for k, v in saved.items()})
 
 
+def _collects(config: ml_collections.ConfigDict) -> bool:
+  """Whether the run's method predicts with members it collected (snapshots, SWAG
+  samples), not the trained members a fit after training was made on."""
+  return methods.from_spec(method_spec(config)).collects
+
+
 def conformal_from(workdir: Path, config: ml_collections.ConfigDict
                     ) -> decisions.ConformalFit | None:
   """The conformal predictor the run fitted on its validation split (final_metrics.json),
   or None: no validation split, an unfinished run, or a method whose predicting members
   (snapshots, SWAG samples) are not the trained members it was calibrated on."""
   path = workdir / 'final_metrics.json'
-  if config.ensemble.method in methods.COLLECTING or not path.is_file():
+  if _collects(config) or not path.is_file():
     return None
   fitted = json.loads(path.read_text()).get('conformal')
   if not isinstance(fitted, dict):
@@ -55,7 +61,7 @@ def noise_from(workdir: Path, config: ml_collections.ConfigDict,
   """The homoscedastic task's per-member noise levels the run fitted (training/noise.py),
   [M, D] in standardised units, or None."""
   path = workdir / 'final_metrics.json'
-  if (config.task != 'regression_homoscedastic' or config.ensemble.method in methods.COLLECTING
+  if (config.task != 'regression_homoscedastic' or _collects(config)
       or not path.is_file()):
     return None
   fitted = json.loads(path.read_text()).get('noise_variance')

@@ -22,11 +22,11 @@ from dist_ens.parallel import mesh as mesh_lib
 # config.data's TFDS-only fields: a config may set them; configs/default.py does not.
 DATA_OPTIONAL_FIELDS = ('train_split', 'test_split', 'add_channel')
 # Dotted fields a config may have beyond configs/default.py's: those only some models or
-# data sets read (their defaults live in their specs), and under model.kwargs anything
-# (a user's factory's keywords).
+# data sets read (their defaults live in their specs), and under model.kwargs and
+# ensemble.options anything (a user's model factory's keywords, a user's method's fields).
 OPTIONAL_FIELDS = (*(f'model.{name}' for name in models.OPTIONAL_FIELDS),
                    *(f'data.{name}' for name in DATA_OPTIONAL_FIELDS))
-FREE_FORM_FIELDS = ('model.kwargs',)
+FREE_FORM_FIELDS = ('model.kwargs', 'ensemble.options')
 
 
 def mesh_spec(config: ml_collections.ConfigDict) -> mesh_lib.MeshSpec:
@@ -57,16 +57,16 @@ def init_from_spec(config: ml_collections.ConfigDict) -> InitFrom:
 
 
 def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
-  """config.ensemble's method, with the run's steps, schedule and mode it depends on."""
+  """config.ensemble's method, with the run's steps, schedule and mode it depends on; the
+  method's own fields are its config.ensemble group (ensemble.options for a user's)."""
   ensemble, optim = config.ensemble, config.optim
+  group = methods.options_group(ensemble.method)
+  options = ensemble.get(group) if group else None
   return methods.MethodSpec(
       name=ensemble.method, total_steps=config.train.steps,
       restartable_schedule=optim.schedule != 'constant' or bool(optim.warmup_steps),
       reproducible=config.reproducible,
-      snapshot_cycles=ensemble.snapshot.cycles, snapshot_start=ensemble.snapshot.start,
-      snapshot_cycle_rate=ensemble.snapshot.cycle_rate, mimo_heads=ensemble.mimo.heads,
-      swag_start=ensemble.swag.start, swag_every=ensemble.swag.every,
-      swag_rank=ensemble.swag.rank, swag_samples=ensemble.swag.samples, own=ensemble.own,
+      options=options.to_dict() if options is not None else {}, own=ensemble.own,
       lora_rank=ensemble.lora_rank, lora_alpha=ensemble.lora_alpha,
       lora_targets=ensemble.lora_targets,
       train_shared=_field(config, 'ensemble.train_shared'))

@@ -77,7 +77,7 @@ def test_bad_value_or_flag_is_one_line(tmp_path, args, expected):
 
 def test_missing_report_workdir_is_one_line(tmp_path):
   line = _one_error_line(_run('report', f'--workdir={tmp_path / "none"}'))
-  assert line.startswith('dist-ens report: error: ') and 'final_metrics.json' in line
+  assert line.startswith('dist-ens report: error: ') and 'does not exist' in line
 
 
 @pytest.mark.parametrize('command,flags', [

@@ -15,7 +15,7 @@ import pytest
 import dist_ens
 from dist_ens import Ensemble, assemble, data
 from dist_ens.core import optim
-from dist_ens.ensembles import methods
+from dist_ens.ensembles import methods, swag
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -63,7 +63,7 @@ def test_swag_moments_equal_a_direct_computation_over_the_iterates():
   config = _config('multiswag', member=2, data_axis=2)
   state, seen, _, fetch = _iterates(config)
   collected = fetch(state.method_state)
-  steps = methods.swag_steps(round(0.5 * STEPS), 3, STEPS)
+  steps = swag.swag_steps(round(0.5 * STEPS), 3, STEPS)
   assert steps == [12, 15, 18, 21, 24]
   params = [seen[s][0] for s in steps]
   mean = jax.tree.map(lambda *p: np.mean(np.stack(p), 0), *params)
@@ -176,7 +176,7 @@ def test_swag_samples_have_the_swag_mean_and_covariance():
                'deviations': {'w': jnp.array([[1.0, 0.0], [-1.0, 0.0], [0.0, 3.0]])},
                'state_mean': {}}
   keys = jax.random.split(jax.random.key(0), 20_000)
-  samples = jax.vmap(lambda k: methods.swag_sample(collected, 3, k))(keys)['w']
+  samples = jax.vmap(lambda k: swag.swag_sample(collected, 3, k))(keys)['w']
   # Var = diag / 2 + D D^T / (2 (R - 1)), R = 3 deviations kept.
   d = np.asarray(collected['deviations']['w'])
   expected = np.diag([0.5, 2.0]) / 2 + d.T @ d / 4

@@ -39,6 +39,7 @@ from dist_ens.core.axes import MEMBER
 from dist_ens.core.members import over_members
 from dist_ens.core.model import is_kernel
 from dist_ens.ensembles import lora
+from dist_ens.ensembles.method import Method, MethodSpec, refuse_reproducible
 
 PyTree = Any
 SHARED = 'shared'
@@ -183,3 +184,10 @@ def members_update(results: Callable[..., Any], apply: Callable[..., Any], optim
             metrics)
 
   return update
+
+
+def make(spec: MethodSpec) -> Method:
+  """BatchEnsemble (config.ensemble.method='batchensemble', or ensemble.own='batchensemble')."""
+  refuse_reproducible(spec, "the shared weights' gradient is a sum over devices, whose order "
+                            'depends on the mesh')
+  return Method('batchensemble', shares=True)

@@ -22,12 +22,15 @@ model: any mesh, checkpoints and Ensemble.load work unchanged.
 """
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from dist_ens.tasks.task import Loss
 from dist_ens.core.model import Model
+from dist_ens.ensembles.method import Method, MethodSpec, int_field, refuse_reproducible
+from dist_ens.errors import ConfigError
+from dist_ens.tasks.task import Loss
 
 # Stream tag of the heads' permutations within a step's key (dropout uses the key itself).
 _PERMUTATION_STREAM = 17
@@ -70,3 +73,20 @@ def head_loss(loss: Loss) -> Loss:
     return sum(loss(logits[:, h], labels, hparams) for h in range(logits.shape[1]))
 
   return total
+
+
+def make(spec: MethodSpec) -> Method:
+  """MIMO from config.ensemble.mimo (heads): each member one network of `heads` input
+  slots and output heads."""
+  refuse_reproducible(spec, "the heads' shuffles of a batch split over 'data' depend on "
+                            'the mesh')
+  heads = int_field(spec.options['heads'], 'mimo.heads', 2)
+
+  def wrap_model(model: Model, task: Any) -> Model:
+    if task.combine is None:
+      raise ConfigError(f"config.ensemble.method='mimo' combines its heads as the task "
+                        f'combines members (Task.combine), which config.task={task.name!r} '
+                        'does not give; use another method for this task.')
+    return wrap(model, heads, task.combine)
+
+  return Method('mimo', outputs_per_output=heads, wrap_model=wrap_model, wrap_loss=head_loss)

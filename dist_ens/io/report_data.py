@@ -72,10 +72,9 @@ def method_rows(final: dict[str, Any]) -> dict[str, dict[str, Any]]:
   and what the ensemble method, selection and post-hoc actions added (snapshots, SWAG
   samples, MC dropout, temperature scaling, top-k, greedy), in that order."""
   rows = {'trained members': final['ensemble']}
-  for key in ('snapshot', 'multiswag'):
-    if key in final:
-      rows[f'{key} ({final[key].get("members_per_member", "?")} per member)'] = (
-          final[key]['ensemble'])
+  for key, value in final.items():  # The members a method collected (its own section).
+    if isinstance(value, dict) and 'members_per_member' in value:
+      rows[f'{key} ({value["members_per_member"]} per member)'] = value['ensemble']
   if 'mc_dropout' in final:
     rows[f'MC dropout x{final["mc_dropout"]["samples"]}'] = final['mc_dropout']['ensemble']
   if 'temperature_scaling' in final:

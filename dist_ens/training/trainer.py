@@ -21,6 +21,7 @@ from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
+from dist_ens.ensembles import methods
 from dist_ens.io import console, tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, held_out, noise,
@@ -66,7 +67,8 @@ def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
           f'config.train.steps={config.train.steps} but the workdir holds a checkpoint at step '
           f'{step}; train.steps cannot go back (use a new --workdir, or train.steps >= {step}).')
     # A schedule's decay, snapshot cycles and SWAG's start all scale with train.steps.
-    shaped = config.optim.schedule != 'constant' or config.ensemble.method != 'deep'
+    shaped = (config.optim.schedule != 'constant'
+              or methods.from_spec(specs.method_spec(config)).scales_with_steps)
     check_compatible(differing, config.checkpoint.restore_incompatible,
                      steps_shape_schedule=shaped)
   if writers.is_writer():

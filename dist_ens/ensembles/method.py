@@ -1,0 +1,126 @@
+"""The ensemble-method extension point: a method is one value (a `Method`) built by a
+factory from the run's facts (`MethodSpec`).
+
+A method says what each member collects while it trains and which members predict, as
+per-member functions the train step vmaps like the update (so they work on any mesh,
+and their state is checkpointed with the rest):
+
+  init(params, model_state) -> collected
+  collect(collected, params, model_state, step) -> collected   # after `step` steps
+  members(collected, params, model_state, step, key) -> (params [K, ...], model_state
+                                                         [K, ...], valid [K] bool)
+
+and, where it changes them, how it wraps the model and the loss (MIMO's heads), how many
+outputs it asks the model for per task output, how the optimizer's schedule restarts
+(snapshot cycles), and whether members share leaves (BatchEnsemble). A factory
+`make(spec: MethodSpec) -> Method` checks its own config fields (`spec.options`, the
+method's group of config.ensemble) and refuses, in one line, what it cannot do with the
+run (`spec.reproducible`, the task in `wrap_model`, ...).
+
+Built-ins live one per file (deep.py, batchensemble.py, mimo.py, snapshot.py, swag.py)
+and are registered by name in dist_ens.ensembles.methods; a user's is an import path,
+`config.ensemble.method = 'my_pkg.methods:make'`, whose fields are
+`config.ensemble.options` (docs/how-it-works.md shows one).
+"""
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+
+from dist_ens.errors import ConfigError
+
+PyTree = Any
+
+
+class MethodSpec(NamedTuple):
+  """What a method's factory may read of the run (config.ensemble and the rest of the
+  config it depends on; configs/default.py documents each field)."""
+  name: str  # ensemble.method: a built-in's name or an import path
+  total_steps: int  # train.steps
+  restartable_schedule: bool  # optim.schedule != 'constant' or optim.warmup_steps > 0
+  reproducible: bool  # config.reproducible
+  options: Mapping[str, Any]  # the method's own fields (its config.ensemble group)
+  own: Any = 'all'  # ensemble.own
+  lora_rank: Any = 8  # ensemble.lora_rank, lora_alpha, lora_targets (own='lora')
+  lora_alpha: Any = 0.0
+  lora_targets: Any = ''
+  train_shared: Any = False  # ensemble.train_shared
+
+
+def _no_collect(collected: PyTree, params: PyTree, state: PyTree, step: jax.Array) -> PyTree:
+  del params, state, step
+  return collected
+
+
+def _trained_member(collected, params, state, step, key):
+  del collected, step, key
+  return (*jax.tree.map(lambda a: a[None], (params, state)),
+          jax.numpy.ones((1,), bool))
+
+
+class Method(NamedTuple):
+  """An ensemble method (see the module doc). The defaults are independent members."""
+  name: str
+  init: Callable[[PyTree, PyTree], PyTree] = lambda params, state: ()
+  collect: Callable[[PyTree, PyTree, PyTree, jax.Array], PyTree] = _no_collect
+  members: Callable[..., tuple[PyTree, PyTree, jax.Array]] = _trained_member
+  per_member: int = 1  # K: predicting members per trained member
+  collects: bool = False  # members collect while training (the step runs `collect`)
+  cycles: int = 1  # learning-rate restarts (snapshot)
+  cycles_from: int = 0  # the step the restarts begin at (snapshot.start: fast geometric)
+  cycle_rate: float = 1.0  # each cycle's peak rate over optim.learning_rate's
+  # What the method makes of train.steps changes with it (cycles, SWAG's start), so a
+  # resumed run may not change train.steps.
+  scales_with_steps: bool = False
+  shares: bool = False  # params have leaves shared by all members (batchensemble)
+  outputs_per_output: int = 1  # the model gives this many outputs per task output (MIMO)
+  # (model, task) -> the model members train and predict with (MIMO's slots and heads).
+  wrap_model: Callable[[Any, Any], Any] | None = None
+  wrap_loss: Callable[[Any], Any] | None = None  # loss -> the loss of wrapped outputs
+  allows_own: bool = False  # ensemble.own other than 'all' (shared leaves) applies
+  copyable: bool = False  # PBT may copy a member's whole state onto another
+  own: str = 'all'  # config.ensemble.own, as configured (ensembles/own.py)
+  # The params leaves each member owns by name, the rest shared (with_owned); None: all.
+  owned: frozenset[str] | None = None
+  lora: Any = None  # own='lora': the adapted kernels, rank and scale (ensembles/lora.py)
+  # config.ensemble.train_shared: the shared leaves train (summed gradient), not frozen.
+  train_shared: bool = False
+
+  @property
+  def hooks(self):
+    """What this method changes in core: how members are born, updated, collect."""
+    from dist_ens.core.hooks import MethodHooks  # pylint: disable=g-import-not-at-top
+    from dist_ens.ensembles import batchensemble, own as own_lib  # pylint: disable=g-import-not-at-top
+    if self.owned is not None:
+      return own_lib.hooks(self.owned, self.lora, self.train_shared)
+    if self.shares:
+      return MethodHooks(init_params=batchensemble.from_members,
+                         init_opt_state=batchensemble.init_opt_state,
+                         members_update=batchensemble.members_update,
+                         shared=batchensemble.is_shared)
+    if self.collects:
+      return MethodHooks(init_collected=self.init, collect=self.collect)
+    return MethodHooks()
+
+
+def int_field(value: Any, field: str, low: int) -> int:
+  """`value` checked as an int >= low; `field` names it (e.g. 'snapshot.cycles')."""
+  if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    raise ConfigError(f'config.ensemble.{field}={value!r} must be an int >= {low}.')
+  return value
+
+
+def fraction_field(value: Any, field: str, example: str) -> float:
+  """`value` checked as a fraction of train.steps in [0, 1)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+    raise ConfigError(f'config.ensemble.{field}={value!r} must be a fraction of train.steps in '
+                      f'[0, 1), e.g. {example}.')
+  return value
+
+
+def refuse_reproducible(spec: MethodSpec, why: str) -> None:
+  """One line for a method whose results depend on the mesh, under config.reproducible."""
+  if spec.reproducible:
+    raise ConfigError(f'config.reproducible=True with config.ensemble.method={spec.name!r}: '
+                      f'{why}; use reproducible=False.')
