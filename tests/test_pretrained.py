@@ -76,11 +76,16 @@ def test_members_start_from_the_file_and_own_fresh_heads(tmp_path):
   for name in ('w', 'b'):  # Every member's body is the file's, exactly.
     np.testing.assert_array_equal(body[name], np.broadcast_to(file[f'0/{name}'], (M,) +
                                                               file[f'0/{name}'].shape))
-  # The head starts as without init_from (bit for bit): per member, distinct.
-  _, fresh = _init(_config())
-  for name in ('w', 'b'):
-    np.testing.assert_array_equal(head[name], fresh.params[1][name])
+  # The head starts fresh per member, distinct, and not as a run without init_from (a
+  # pretraining run with the same seed) started its own: member 0's would be the
+  # pretrained head's init otherwise.
+  _, plain = _init(_config())
+  assert all(not np.allclose(head['w'][m], plain.params[1]['w'][m]) for m in range(M))
   assert all(not np.allclose(head['w'][0], head['w'][m]) for m in range(1, M))
+  model = assemble.build_run(_config(), shapes=SHAPES).parts.model
+  keys = rng.fresh_keys(rng.member_keys(0, np.arange(M, dtype=np.uint32)))
+  want = jax.vmap(lambda k: model.init(k, np.zeros((1, 40, 1)))[0][1]['w'])(keys)
+  np.testing.assert_allclose(head['w'], want, rtol=1e-6)  # (the sharded init's rounding)
   # Adam's moments start at zero for the loaded leaves too (fresh optimizer state).
   assert all(not np.any(leaf) for leaf in jax.tree.leaves(state.opt_state)
              if np.ndim(leaf) > 1)

@@ -73,8 +73,8 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
     hparams: per-member hyperparameters, each [M] (dist_ens.core.hparams.resolve).
     hooks: the ensemble method's (core.hooks); the default: independent members.
     pretrained: leaves every member starts from, exactly (model.init_scale applies only
-      to the leaves initialised here); the method's hooks and the optimizer's init then
-      see them as the members' initial params.
+      to the leaves initialised here, from rng.fresh_keys); the method's hooks and the
+      optimizer's init then see them as the members' initial params.
   """
   keys = rng.member_keys(seed, jnp.arange(num_members, dtype=jnp.uint32))
   hparams = dict(hparams)
@@ -83,7 +83,10 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
     params, model_state = model.init(key, sample_x)
     return scale_init(params, hp.get('model.init_scale')), model_state
 
-  params, model_state = jax.vmap(one)(keys, hparams)
+  # Beside loaded leaves, the fresh ones (a new head) draw from a stream of their own:
+  # member i's init key drew the pretraining run's, where its seed was this one.
+  params, model_state = jax.vmap(one)(keys if pretrained is None else rng.fresh_keys(keys),
+                                      hparams)
   if pretrained is not None:
     params = _overlay(params, pretrained.params)
     model_state = _overlay(model_state, pretrained.model_state)
