@@ -199,12 +199,24 @@ def main() -> None:
     for d, ratio, rho, seed in grid:
       rows.append(run_problem(make_problem(d, ratio, rho, seed), agents, taus, args,
                               Path(workroot)))
-  summary = {name: {f'tau_{tau}': float(np.mean([r['agents'][name][f'tau_{tau}']['normalised_kl']
-                                                 for r in rows])) for tau in taus}
-             for name in agents}
-  out = {'args': vars(args), 'problems': len(rows), 'mean_normalised_kl': summary, 'rows': rows}
+  out = {'args': vars(args), 'problems': len(rows), **summarise(rows), 'rows': rows}
   Path(args.out).write_text(json.dumps(out, indent=1) + '\n')
-  print(json.dumps(summary, indent=1))
+  print(json.dumps({k: v for k, v in out.items() if k != 'rows'}, indent=1))
+
+
+def summarise(rows: list[dict]) -> dict:
+  """Per agent and tau: the mean over problems of the normalised KL (the Testbed's
+  figure), and the ratio of the mean KL to the mean uniform KL (less swayed by the few
+  problems whose uniform KL is tiny, e.g. rho = 0.5 where p* is near 1/2)."""
+  keys = [(name, key) for name, agent in rows[0]['agents'].items() for key in agent
+          if key.startswith('tau_')]
+  pick = lambda name, key, field: [r['agents'][name][key][field] for r in rows]
+  mean, ratio = {}, {}
+  for name, key in keys:
+    mean.setdefault(name, {})[key] = float(np.mean(pick(name, key, 'normalised_kl')))
+    ratio.setdefault(name, {})[key] = float(np.mean(pick(name, key, 'kl'))
+                                            / np.mean(pick(name, key, 'uniform_kl')))
+  return {'mean_normalised_kl': mean, 'mean_kl_over_mean_uniform_kl': ratio}
 
 
 if __name__ == '__main__':
