@@ -291,4 +291,11 @@ def get_config() -> ml_collections.ConfigDict:
   # intervals (regression) calibrated on the validation split to hold the label with
   # probability 1 - alpha; test (and shifted) coverage and size under 'conformal'.
   config.eval.conformal_alpha = 0.1
+  # Joint predictions (the Neural Testbed's dyadic sampling, docs/evaluation.md): the
+  # members' and the ensemble's mean negative log-likelihood of tau test labels at once,
+  # each batch of tau drawn from 2 anchor examples, under 'joint' in final_metrics.json
+  # (nats per batch, not divided by tau). Any task with Task.log_likelihood; 0 = off.
+  config.eval.joint_tau = 10
+  # How many dyadic batches are averaged (drawn from (seed, the test split) only).
+  config.eval.joint_batches = 1000
   return config

@@ -192,8 +192,13 @@ def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
 
 def _validate_eval(config: ml_collections.ConfigDict) -> None:
   """eval.shift names known corruptions and severities (or 'tfds:NAME'), with
-  eval.shift_baseline a string; eval.conformal_alpha is in (0, 1)."""
+  eval.shift_baseline a string; eval.joint_tau >= 0 and eval.joint_batches >= 1 are
+  ints; eval.conformal_alpha is in (0, 1)."""
   shift_lib.check_fields(_get(config, 'eval.shift'), _get(config, 'eval.shift_baseline'))
+  for field, least in (('eval.joint_tau', 0), ('eval.joint_batches', 1)):
+    value = _get(config, field)
+    _require(_is_int(value) and value >= least, field, value,
+             f'must be an int >= {least}' + (' (0: no joint log-loss)' if not least else ''))
   value = _get(config, 'eval.conformal_alpha')
   _require(_is_number(value) and 0 < value < 1, 'eval.conformal_alpha', value,
            'must be a number in (0, 1), the miscoverage (0.1: sets hold the label 90% of the '

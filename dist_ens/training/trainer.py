@@ -24,8 +24,8 @@ from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import methods
 from dist_ens.io import console, tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
-from dist_ens.training import (actions as actions_lib, decision_actions, held_out, noise,
-                               pbt, posthoc, workdir as workdir_lib)
+from dist_ens.training import (actions as actions_lib, decision_actions, held_out,
+                               joint_action, noise, pbt, posthoc, workdir as workdir_lib)
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 
@@ -163,6 +163,8 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   if config.pbt.enabled:  # After the step's evaluations, before its checkpoint.
     out.append(pbt.PopulationBasedTraining(ctx, specs.pbt_spec(config)))
   out += posthoc.posthoc_actions(config, ctx.parts.task, ctx.parts.method)
+  out += joint_action.joint_actions(config.eval.joint_tau, config.eval.joint_batches,
+                                    config.seed, ctx.parts.task)
   out.append(decision_actions.EvaluateDecisions())  # selective, conformal, eval.shift
   if config.train.profile_steps:
     out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))

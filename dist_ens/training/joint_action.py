@@ -1,0 +1,96 @@
+"""After the last step: the dyadic joint log-loss (config.eval.joint_tau; dist_ens.eval.joint).
+
+  JointLogLoss   every member's and the ensemble's mean negative joint log-likelihood of
+                 config.eval.joint_batches dyadic batches of tau = config.eval.joint_tau
+                 test examples, under 'joint' in final_metrics.json; with a method that
+                 collects members (snapshots, SWAG), its predicting members' ensemble too,
+                 under 'joint'[method name].
+
+It works from the task's per-example log-likelihood of every member's test outputs
+(Task.log_likelihood), so any task that gives one is scored: classification by the
+label's probability, regression by the Gaussian density (in the targets' own units, as
+its marginal NLL). A task without one is skipped with a log line.
+"""
+
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from dist_ens.ensembles import methods
+from dist_ens.eval import evaluate, joint
+from dist_ens.tasks import Task
+from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.posthoc import SplitOutputs
+
+
+class JointLogLoss(PeriodicAction):
+  """See the module docstring. The batches depend only on (seed, the test split's size,
+  tau, num_batches): the same on any mesh and for any M."""
+
+  def __init__(self, tau: int, num_batches: int, seed: int, cache: SplitOutputs | None = None):
+    super().__init__(0, at_end=True)
+    self.tau, self.num_batches, self.seed = tau, num_batches, seed
+    self.cache = cache or SplitOutputs()
+
+  def run(self, ctx: Context) -> None:
+    task, test = ctx.parts.task, ctx.run_data.dataset.test
+    batches = joint.dyadic_batches(len(test.y), self.tau, self.num_batches, self.seed)
+    included = ~np.asarray(ctx.fetch(ctx.state.frozen), bool)
+    loss = joint.joint_log_loss(_log_likelihood(ctx, self.cache.get(ctx, 'test')), batches,
+                                included)
+    out: dict[str, Any] = {'tau': self.tau, 'kappa': joint.KAPPA, 'batches': self.num_batches,
+                           'members': loss.members.tolist(), 'ensemble': loss.ensemble}
+    method = ctx.parts.method
+    if method.collects:
+      out[method.name] = _method_joint(ctx, batches)
+    ctx.results['joint'] = out
+    if ctx.writes_final_events:
+      ctx.write({'step': ctx.step, 'split': 'test_joint',
+                 'members': {'joint_nll': loss.members.tolist()},
+                 'ensemble': {'joint_nll': loss.ensemble}})
+    marginal = ctx.results.get('ensemble', {}).get('nll')
+    logging.info('joint log-loss (tau %d, %d dyadic batches, nats per batch): member mean '
+                 '%.4f, ensemble %.4f%s%s', self.tau, self.num_batches,
+                 float(np.mean(loss.members[included])), loss.ensemble,
+                 '' if marginal is None else f' (tau x marginal NLL: {self.tau * marginal:.4f})',
+                 f"; {method.name} {out[method.name]['ensemble']:.4f}" if method.collects else '')
+
+
+def _log_likelihood(ctx: Context, outputs: np.ndarray) -> np.ndarray:
+  """[M, N] float64 log-likelihood of the test targets, in the targets' own units: a task
+  that trains on standardised targets (Task.unscale) has its density rescaled by the
+  training targets' std, as its reported NLL is."""
+  ll = np.asarray(ctx.parts.task.log_likelihood(outputs, ctx.run_data.dataset.test.y),
+                  np.float64)
+  scale = ctx.run_data.scale
+  if ctx.parts.task.unscale is not None and scale is not None:
+    ll = ll - np.sum(np.log(np.asarray(scale.y_std, np.float64)))
+  return ll
+
+
+def _method_joint(ctx: Context, batches: np.ndarray) -> dict[str, Any]:
+  """The joint log-loss of the members the run's method predicts with (its ensemble)."""
+  members = methods.predictive_members(ctx.parts.method, ctx.state, ctx.config.seed,
+                                       ctx.parts.mesh)
+  step = evaluate.make_outputs_step(ctx.parts.predict_model, ctx.parts.mesh)
+  with ctx.off_clock():
+    outputs = evaluate.split_outputs(step, (members.params, members.model_state),
+                                     ctx.run_data.dataset.test, ctx.config.eval.batch_size,
+                                     ctx.parts.mesh)
+  included = ~np.asarray(ctx.fetch(members.frozen), bool)
+  loss = joint.joint_log_loss(_log_likelihood(ctx, outputs), batches, included)
+  return {'predicting_members': int(included.sum()), 'ensemble': loss.ensemble}
+
+
+def joint_actions(tau: int, num_batches: int, seed: int, task: Task) -> list[PeriodicAction]:
+  """[JointLogLoss] when tau > 0 (config.eval.joint_tau) and `task` gives per-example
+  log-likelihoods (Task.log_likelihood); else [] (a default that the task cannot do is
+  skipped, with a log line, not refused)."""
+  if not tau:
+    return []
+  if task.log_likelihood is None:
+    logging.info('config.eval.joint_tau=%d: task %r gives no Task.log_likelihood; the joint '
+                 'log-loss is skipped.', tau, task.name)
+    return []
+  return [JointLogLoss(tau, num_batches, seed)]
