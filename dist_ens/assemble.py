@@ -101,23 +101,32 @@ class Run(NamedTuple):
     """The input pipeline from `data_state` (a checkpoint's data position)."""
     return data.Batches(self.data.dataset.train, self.data.order, self.parts.mesh,
                         self.config.num_members, data_state, prefetch=self.config.data.prefetch,
-                        steps_per_call=steps_per_call, with_index=with_index)
+                        steps_per_call=steps_per_call, with_index=with_index,
+                        member_scale=self.data.member_scale)
 
   def evaluator(self) -> Evaluator:
     """The sharded evaluator of every member and the ensemble, by the run's task."""
     parts, mesh = self.parts, self.parts.mesh
-    task, scale = parts.task, self.data.scale if self.data is not None else None
-    eval_batch, finalize = task.eval_batch, task.finalize
-    if scale is not None:  # Metrics in the targets' own units.
-      finalize = lambda sums, examples: task.finalize(task.unscale(sums, scale.y_std), examples)
+    task, eval_batch = parts.task, parts.task.eval_batch
+    finalize = self.finalize(self.data.scale if self.data is not None else None)
     if self.config.eval.metrics:
-      fns = user_metrics.load_metrics(self.config.eval.metrics)
-      eval_batch = user_metrics.with_metrics(eval_batch, fns, task.combine)
-      finalize = user_metrics.with_results(finalize, fns)
+      eval_batch = user_metrics.with_metrics(
+          eval_batch, user_metrics.load_metrics(self.config.eval.metrics), task.combine)
     # The state as it is: predict_model reads its params as stored, a shared leaf once.
     return Evaluator(make_eval_step(parts.predict_model, mesh, eval_batch), mesh,
                      self.config.eval.batch_size,
                      scorer=Scorer(eval_batch, finalize, task.ood_metrics))
+
+  def finalize(self, scale: Any) -> Callable[..., dict[str, Any]]:
+    """The task's finalize, in the targets' own units for sums standardised with `scale`
+    (a uci.Standardizer, or None), with the config's own metrics."""
+    task, finalize = self.parts.task, self.parts.task.finalize
+    if scale is not None:
+      finalize = lambda sums, examples: task.finalize(task.unscale(sums, scale.y_std), examples)
+    if self.config.eval.metrics:
+      finalize = user_metrics.with_results(
+          finalize, user_metrics.load_metrics(self.config.eval.metrics))
+    return finalize
 
   def checkpointer(self, workdir: Path) -> Checkpointer:
     """The run's checkpoints under workdir/checkpoints."""

@@ -33,6 +33,7 @@ from dist_ens.checkpoint import Checkpointer
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
 from dist_ens.eval import conformal as conformal_lib, decisions, metrics
+from dist_ens.eval import regression as reg_eval
 from dist_ens.eval.evaluate import member_logits
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import load_mesh, mesh as mesh_lib
@@ -125,12 +126,16 @@ class Ensemble:
                mesh: jax.sharding.Mesh, preprocess: Preprocess | None = None,
                model_state: PyTree = None, scale: uci.Standardizer | None = None,
                conformal: decisions.ConformalFit | None = None,
-               noise_variance: np.ndarray | None = None, predict_model: Model | None = None):
+               noise_variance: np.ndarray | None = None, predict_model: Model | None = None,
+               split_scales: tuple[uci.Standardizer, ...] | None = None):
     # `predict_model` reads `params` as stored (stored.predicting_model); default `model`.
     self.config, self.model, self._stored = config, model, params
     self._predict_model = model = predict_model or model
     self.conformal = conformal  # what predict_sets calibrates with (None: not fitted)
     self.task, self.scale = tasks.get_task(config.task), scale
+    # config.data.member_split's per-split statistics: split s's members predict in their
+    # own units, so predict standardises and converts back per split (None: one `scale`).
+    self.split_scales = split_scales
     if noise_variance is not None:  # The levels training fitted, [M, D] (training/noise.py).
       self.task = tasks.regression_homoscedastic(noise_variance.shape[1], noise_variance)
     self.model_state = {} if model_state is None else model_state
@@ -251,7 +256,8 @@ class Ensemble:
                model_state=members.model_state, scale=saved_run.scale_from(meta),
                conformal=saved_run.conformal_from(workdir, config),
                noise_variance=saved_run.noise_from(workdir, config, num_classes),
-               predict_model=parts.predict_model)
+               predict_model=parts.predict_model,
+               split_scales=saved_run.split_scales_from(meta))
 
   @property
   def num_members(self) -> int:
@@ -342,8 +348,30 @@ class Ensemble:
 
   def _predict_task(self, x: np.ndarray, batch_size: int | None) -> GaussianPrediction:
     """The task's own prediction (regression: the mixture), in the targets' units."""
-    if self.scale is not None:
-      x = self.scale.apply_inputs(x)
+    if self.split_scales is not None:
+      return self._predict_per_split(x, batch_size)
+    return self._predict_scaled(x, batch_size, self.scale)
+
+  def _predict_per_split(self, x: np.ndarray, batch_size: int | None) -> GaussianPrediction:
+    """Member splits: split s's members predict on x standardised with split s's statistics
+    and convert back with them; the mixture is then formed in the targets' units."""
+    rows = self.num_members // len(self.split_scales)  # predicting members per split
+    means, variances = [], []
+    for s, scale in enumerate(self.split_scales):
+      own = self._predict_scaled(x, batch_size, scale)
+      means.append(own.member_mean[s * rows:(s + 1) * rows])
+      variances.append(own.member_variance[s * rows:(s + 1) * rows])
+    means, variances = np.concatenate(means), np.concatenate(variances)
+    moments = reg_eval.mixture_moments(means, variances, ~self.frozen)
+    return GaussianPrediction(
+        mean=np.asarray(moments.mean), variance=np.asarray(moments.total),
+        aleatoric=np.asarray(moments.aleatoric), epistemic=np.asarray(moments.epistemic),
+        member_mean=means, member_variance=variances)
+
+  def _predict_scaled(self, x: np.ndarray, batch_size: int | None,
+                      scale: uci.Standardizer | None) -> GaussianPrediction:
+    if scale is not None:
+      x = scale.apply_inputs(x)
     if not hasattr(self, '_task_forward'):
       task, model = self.task, self._predict_model
       self._task_forward = jax.jit(
@@ -354,8 +382,8 @@ class Ensemble:
     cut = lambda k, a, n: np.asarray(a)[:, :n] if k.startswith('member_') else np.asarray(a)[:n]
     out = {k: np.concatenate([cut(k, p[k], n) for n, p in parts],
                              axis=1 if k.startswith('member_') else 0) for k in parts[0][1]}
-    if self.scale is not None:  # Standardised units -> the targets'.
-      std, mean = self.scale.y_std, self.scale.y_mean
+    if scale is not None:  # Standardised units -> the targets'.
+      std, mean = scale.y_std, scale.y_mean
       out = {k: v * std + mean if k.endswith('mean') else v * std ** 2 for k, v in out.items()}
     return GaussianPrediction(**out)
 
@@ -409,5 +437,9 @@ class Ensemble:
             'task': self.config.task}
     if self.scale is not None:  # A standardising task's members predict standardised units.
       meta['standardizer'] = {k: np.asarray(v).tolist() for k, v in self.scale._asdict().items()}
+    if self.split_scales is not None:  # Member splits: member i uses split i // per_split's.
+      meta['members_per_split'] = self.num_members // len(self.split_scales)
+      meta['split_standardizers'] = [{k: np.asarray(v).tolist() for k, v in s._asdict().items()}
+                                     for s in self.split_scales]
     (directory / 'ensemble.json').write_text(json.dumps(meta, indent=2, default=list))
     return paths

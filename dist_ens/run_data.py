@@ -21,11 +21,29 @@ class RunData(NamedTuple):
   ood: data.Split | None  # config.eval.ood_dataset's split, or None
   order: data.Order  # which examples each step's batch holds
   # The training split's statistics every split was standardised with, for a task
-  # that trains on standardised data (Task.unscale); None otherwise.
+  # that trains on standardised data (Task.unscale); None otherwise. With member_splits
+  # these are the whole pool's and standardise only test, validation and OOD: the
+  # ordinary test evaluation of all M members (see member_scale).
   scale: uci.Standardizer | None = None
   # config.data.member_split's splits of the training split (each member trains on its
   # split's part, order draws from it; training/held_out.py evaluates the rest), or None.
   member_splits: data.MemberSplits | None = None
+  # With member_splits and a standardising task: one Standardizer per split, fitted on
+  # that split's training rows alone (held-out rows never enter them). dataset.train then
+  # stays in its own units; the input pipeline standardises each member's batch with its
+  # split's statistics (member_scale) and held_out.py each split's held-out rows.
+  split_scales: tuple[uci.Standardizer, ...] | None = None
+
+  @property
+  def member_scale(self) -> uci.Standardizer | None:
+    """split_scales per member: every field with a leading [M] axis (member m's split's
+    statistics), what data.Batches standardises each member's batch with; else None."""
+    if self.split_scales is None:
+      return None
+    splits = self.member_splits
+    of = [splits.split_of(m) for m in range(splits.count * splits.members_per_split)]
+    return uci.Standardizer(*(np.stack([s[i] for s in (self.split_scales[j] for j in of)])
+                              for i in range(4)))
 
 
 def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None = None) -> RunData:
@@ -92,12 +110,22 @@ def _member_splits(config: ml_collections.ConfigDict,
 
 
 def _standardized(run_data: RunData) -> RunData:
-  """Every split standardised with the training split's statistics (inputs and targets)."""
+  """Every split standardised with the training split's statistics (inputs and targets).
+
+  With member splits, each split's statistics come from its own training rows only (a
+  held-out row must not move them, or the held-out metrics see the test rows twice);
+  the pool stays in its units for the pipeline to standardise per member.
+  """
   train = run_data.dataset.train
   if not isinstance(train, data.Split):  # Streamed (TFDS) or carved: read it into memory.
     train = data.Split(*train.read(np.arange(train.num_examples)))
   scale = uci.Standardizer.fit(train.x, train.y)
   apply = lambda split: split and data.Split(*scale.apply(split.x, split.y))
-  dataset = run_data.dataset._replace(train=apply(train), test=apply(run_data.dataset.test))
+  splits, split_scales = run_data.member_splits, None
+  if splits is not None:
+    split_scales = tuple(uci.Standardizer.fit(train.x[rows], train.y[rows])
+                         for rows in splits.train)
+  dataset = run_data.dataset._replace(train=train if splits is not None else apply(train),
+                                      test=apply(run_data.dataset.test))
   return run_data._replace(dataset=dataset, validation=apply(run_data.validation),
-                           ood=apply(run_data.ood), scale=scale)
+                           ood=apply(run_data.ood), scale=scale, split_scales=split_scales)

@@ -42,6 +42,15 @@ def _collects(config: ml_collections.ConfigDict) -> bool:
   return methods.from_spec(method_spec(config)).collects
 
 
+def split_scales_from(meta: dict[str, Any]) -> tuple[uci.Standardizer, ...] | None:
+  """Each member split's own statistics (config.data.member_split with a standardising
+  task), in split order, or None."""
+  saved = meta.get('split_standardizers')
+  return None if saved is None else tuple(
+      uci.Standardizer(**{k: np.asarray(v, np.float32) for k, v in one.items()})
+      for one in saved)
+
+
 def conformal_from(workdir: Path, config: ml_collections.ConfigDict
                     ) -> decisions.ConformalFit | None:
   """The conformal predictor the run fitted on its validation split (final_metrics.json),

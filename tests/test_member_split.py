@@ -3,6 +3,7 @@ on exactly its split's examples (checked by index through the input pipeline), e
 ensemble is evaluated on its own held-out part (checked against an independent numpy
 computation from Ensemble.predict), and results aggregate as mean +- standard error."""
 
+import json
 from pathlib import Path
 
 import jax
@@ -181,3 +182,69 @@ def test_held_out_parts_of_different_sizes_share_one_evaluation_program(tmp_path
     evaluate.evaluate_split = original
   assert [p['held_out'] for p in final['member_split']['per_split']] == [1334, 1333, 1333]
   assert len(set(traces[-3:])) == 1  # The held-out parts compiled nothing new.
+
+
+def _outlier_pool(n=200):
+  """A pool whose held-out row of split 0 is an extreme outlier (x and y ~1e4)."""
+  x, y = _curve(n, 2)
+  splits = member_split.make_member_splits('holdout:2:0.2', n, 4, seed=0)
+  row = splits.held_out[0][0]
+  x[row], y[row] = 1e4, -1e4
+  return x, y, splits, row
+
+
+def test_each_splits_statistics_come_from_its_training_rows_only():
+  """A held-out row, however extreme, does not move its split's statistics; every member's
+  batches are its split's rows standardised with them (issue 45 item 3)."""
+  x, y, splits, row = _outlier_pool()
+  config = _config('holdout:2:0.2', members=4)
+  config.task, config.data.batch_size = 'regression', 16
+  run = assemble.build_run(config, dataset=data.from_arrays(x, y, x[:8], y[:8]))
+  for s, rows in enumerate(splits.train):
+    want = uci.Standardizer.fit(x[rows], y[rows])
+    for got, expected in zip(run.data.split_scales[s], want):
+      np.testing.assert_array_equal(got, expected)
+  assert abs(float(run.data.split_scales[0].y_mean)) < 100  # The outlier is not in it.
+  batches = run.batches(data.IteratorState(), 1, with_index=True)
+  try:
+    bx, by, index = (np.asarray(jax.device_get(a)) for a in next(batches))
+  finally:
+    batches.close()
+  for m in range(4):
+    own = run.data.split_scales[splits.split_of(m)]
+    ex, ey = own.apply(x[index[m]], y[index[m]])
+    np.testing.assert_array_equal(bx[m], ex)
+    np.testing.assert_array_equal(by[m], ey)
+
+
+def test_held_out_metrics_use_each_splits_own_statistics_in_target_units(tmp_path):
+  """Split 0 holds out an outlier: its metrics, in target units, equal a numpy
+  recomputation from Ensemble.predict, whose members each use their split's statistics."""
+  x, y, splits, row = _outlier_pool()
+  config = _config('holdout:2:0.2', members=4)
+  config.task, config.data.batch_size = 'regression', 16
+  config.model.widths = (16,)
+  config.optim.learning_rate, config.optim.weight_decay = 1e-2, 0.0
+  config.train.steps = config.checkpoint.every = 60
+  final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(x, y, x[:8], y[:8]))
+  out = final['member_split']
+  ens = dist_ens.Ensemble.load(str(tmp_path))
+  assert len(ens.split_scales) == 2
+  pred = ens.predict(x)
+  for s, held in enumerate(splits.held_out):
+    own = uci.Standardizer.fit(x[splits.train[s]], y[splits.train[s]])
+    members = slice(2 * s, 2 * s + 2)
+    # Member means in target units are the split's standardised predictions converted back.
+    assert np.all(np.isfinite(pred.member_mean[members, held]))
+    mean = pred.member_mean[members, held].mean(axis=0)
+    rmse = np.sqrt(np.mean((mean - y[held]) ** 2))
+    assert out['per_split'][s]['ensemble']['rmse'] == pytest.approx(rmse, rel=1e-4)
+    mu, var = pred.member_mean[members, held], pred.member_variance[members, held]
+    log_p = -0.5 * (np.asarray(y[held], np.float64) - mu) ** 2 / var - 0.5 * np.log(2 * np.pi * var)
+    top = log_p.max(0)  # log of the mixture's density, without underflow at the outlier
+    mixture = top + np.log(np.mean(np.exp(log_p - top), 0))
+    assert out['per_split'][s]['ensemble']['nll'] == pytest.approx(-np.mean(mixture), rel=1e-3)
+    np.testing.assert_allclose(
+        ens.split_scales[s].y_std, own.y_std)
+  exported = json.loads((ens.export(tmp_path / 'export')[0].parent / 'ensemble.json').read_text())
+  assert exported['members_per_split'] == 2 and len(exported['split_standardizers']) == 2

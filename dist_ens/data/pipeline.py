@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -194,12 +194,20 @@ class Batches:
   new leading axis ([K, B, ...] or [K, M, B, ...]), for a step that runs K steps.
   With `with_index` each item is (x, y, index): index (int32, shaped like y) holds
   the examples' indices in the source, from which augmentation draws.
+  With `member_scale` (a per-member order only: x_mean, x_std, y_mean, y_std each with a
+  leading [M] axis) each member's rows are standardised with its own statistics as they
+  are read, on the host: the step and its one compiled program do not change, and a
+  member's values depend on its member index alone, not on the mesh or the process.
   """
 
   def __init__(self, source: Source, order: Order, mesh: Mesh, num_members: int,
                state: IteratorState = IteratorState(), prefetch: int = 2,
-               steps_per_call: int = 1, with_index: bool = False):
+               steps_per_call: int = 1, with_index: bool = False,
+               member_scale: Any = None):
+    if member_scale is not None and not order.per_member:
+      raise ValueError('Batches(member_scale=...) needs a per-member order.')
     self._source, self._order, self._with_index = source, order, with_index
+    self._member_scale = member_scale
     self.state = order.normalize(state)
     self._steps = steps_per_call
     batch = order._batch_size  # pylint: disable=protected-access
@@ -233,6 +241,10 @@ class Batches:
     x, y = self._source.read(local.reshape(-1))
     x = x.reshape(*local.shape, *x.shape[1:])
     y = y.reshape(*local.shape, *y.shape[1:])  # [N, D] targets keep their D
+    if self._member_scale is not None:  # [(K,) members, rows, ...]: this block's members.
+      x_mean, x_std, y_mean, y_std = (a[self._block[0]][:, None] for a in self._member_scale)
+      x = ((x - x_mean) / x_std).astype(np.float32)
+      y = ((y - y_mean) / y_std).astype(np.float32)
     batch = (x, y, local.astype(np.int32)) if self._with_index else (x, y)
     arrays = tuple(jax.make_array_from_process_local_data(
         self.sharding, a, self._global_lead + a.shape[local.ndim:]) for a in batch)

@@ -3,7 +3,10 @@ held-out examples, and the mean and standard error over splits.
 
 Split s's members (a block of M / S, data/member_split.py) are evaluated together on split
 s's held-out part of the training split: the ensemble is theirs alone (a member mask), the
-metrics are the task's, in the targets' units where the task standardises. Every split
+metrics are the task's. Where the task standardises, split s's held-out rows are
+standardised with split s's statistics (fitted on its training rows alone, the ones its
+members trained with: RunData.split_scales) and its metrics converted back to the targets'
+units with the same statistics, as separate per-split jobs would. Every split
 runs the run's one compiled evaluation program (the held-out parts are padded to one
 batch size). The results go to final_metrics.json under 'member_split':
 
@@ -23,7 +26,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from dist_ens import data
+from dist_ens import assemble, data
 from dist_ens.data.member_split import aggregate
 from dist_ens.eval import evaluate
 from dist_ens.parallel.mesh import member_sharding
@@ -46,13 +49,17 @@ def evaluate_held_out(ctx: Context) -> dict[str, Any]:
   variables = (members_view.params, members_view.model_state)
   members: dict[str, list[float]] = {}
   per_split = []
+  run = assemble.Run(ctx.config, ctx.parts, ctx.run_data, None)
   for s, held in enumerate(splits.held_out):
     mask = np.zeros(m, bool)
     mask[s * e:(s + 1) * e] = True
     mask &= ~frozen
-    results = evaluate.evaluate(ev.eval_step, variables, data.Split(*train.read(held)), batch,
-                                ev.mesh, jax.device_put(mask, member_sharding(ctx.parts.mesh)),
-                                ev.finalize)
+    split, finalize = data.Split(*train.read(held)), ev.finalize
+    if ctx.run_data.split_scales is not None:
+      scale = ctx.run_data.split_scales[s]
+      split, finalize = data.Split(*scale.apply(split.x, split.y)), run.finalize(scale)
+    results = evaluate.evaluate(ev.eval_step, variables, split, batch, ev.mesh,
+                                jax.device_put(mask, member_sharding(ctx.parts.mesh)), finalize)
     for name, values in results['members'].items():
       if np.ndim(values) == 1 and len(values) == m:
         members.setdefault(name, []).extend(np.asarray(values, float)[s * e:(s + 1) * e])

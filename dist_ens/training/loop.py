@@ -108,6 +108,9 @@ class Context:
     scale = self.run_data.scale
     if scale is not None:  # What predict needs to take raw inputs and give target units.
       meta['standardizer'] = {k: np.asarray(v).tolist() for k, v in scale._asdict().items()}
+    if self.run_data.split_scales is not None:  # Member splits: each split's own, in order.
+      meta['split_standardizers'] = [{k: np.asarray(v).tolist() for k, v in s._asdict().items()}
+                                     for s in self.run_data.split_scales]
     if self.parts.input_dtype != jnp.float32:  # Token ids: what Ensemble.load builds for.
       meta['input_dtype'] = np.dtype(self.parts.input_dtype).name
     return meta

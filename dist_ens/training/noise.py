@@ -25,14 +25,23 @@ from dist_ens.training.loop import Context, PeriodicAction
 def fitted_levels(ctx: Context) -> tuple[np.ndarray, str]:
   """Each member's noise variance in standardised units [M], and the split it came from."""
   split, name = ctx.run_data.validation, 'validation'
-  if split is None:
-    train = ctx.run_data.dataset.train
-    split, name = data.Split(*train.read(np.arange(train.num_examples))), 'train'
-  results = ctx.evaluator.evaluate(ctx.state, split)
   scale = ctx.run_data.scale
   # rmse^2 in target units is the mean over dims of (residual * y_std_d)^2.
   y_var = 1.0 if scale is None else float(np.mean(np.square(scale.y_std)))
-  return np.square(np.asarray(results['members']['rmse'], np.float64)) / y_var, name
+  rmse = lambda split: np.asarray(ctx.evaluator.evaluate(ctx.state, split)['members']['rmse'],
+                                  np.float64)
+  if split is not None:
+    return np.square(rmse(split)) / y_var, name
+  train, splits = ctx.run_data.dataset.train, ctx.run_data.member_splits
+  if ctx.run_data.split_scales is None:
+    return np.square(rmse(data.Split(*train.read(np.arange(train.num_examples))))) / y_var, 'train'
+  # Member splits: each member on its split's training rows, in the units it trained in.
+  levels, e = np.zeros(ctx.config.num_members), splits.members_per_split
+  for s, (rows, own) in enumerate(zip(splits.train, ctx.run_data.split_scales)):
+    levels[s * e:(s + 1) * e] = np.square(rmse(data.Split(*own.apply(*train.read(rows)))))[
+        s * e:(s + 1) * e] / y_var
+  return levels, 'train'
+
 
 
 class FitNoise(PeriodicAction):
