@@ -218,6 +218,10 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
       raise ConfigError(f"config.ensemble.method='mimo' combines its heads as the task combines "
                         f'members (Task.combine), which config.task={config.task!r} does not '
                         'give; use another method for this task.')
+    if task.output_shape is not None:
+      raise ConfigError(f"config.ensemble.method='mimo' splits the last axis of [batch, units] "
+                        f'outputs into heads, and config.task={config.task!r} gives each '
+                        'example outputs of another shape; use another method for this task.')
     model = mimo.wrap(model, method.heads, task.combine)
   input_shape = tuple(int(d) for d in input_shape)
   sample_x = jax.ShapeDtypeStruct((1, *input_shape), input_dtype)

@@ -148,3 +148,20 @@ def test_next_token_prediction_trains_predicts_and_resumes(tmp_path):
   resumed = dist_ens.train(_config(), str(tmp_path / 'b'), dataset=dataset)
   assert resumed['members'] == straight['members']
   assert resumed['ensemble'] == straight['ensemble']
+
+
+def test_post_hoc_steps_run_per_token_and_mimo_is_refused(tmp_path):
+  """Greedy selection sums each sequence's token likelihoods; temperature scaling fits
+  on the validation split's tokens; no conformal sets (Task.conformal=False); MIMO, whose
+  heads split [B, units] outputs, is refused in one line naming both fields."""
+  config = _config(steps=4)
+  config.data.validation_size, config.eval.temperature_scaling = 32, True
+  config.select.method, config.select.top_k = 'greedy', 2
+  out = dist_ens.train(config, str(tmp_path / 'posthoc'), dataset=_dataset())
+  assert 'greedy' in out and 'conformal' not in out
+  assert len(out['temperature_scaling']['member_temperatures']) == 4
+  config = _config(steps=4)
+  config.ensemble.method = 'mimo'
+  with pytest.raises(ConfigError, match=r"ensemble.method='mimo'.*config.task="
+                                        r"'token_classification'"):
+    dist_ens.train(config, str(tmp_path / 'mimo'), dataset=_dataset())

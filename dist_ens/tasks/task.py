@@ -29,7 +29,9 @@ class Task(NamedTuple):
       classifier: the number of classes).
     output_shape: None (one example's outputs are [output units]), or (output units,
       one example's input shape) -> one example's output shape (token classification:
-      [T, C], T the input's length); check_outputs holds the model to it.
+      [T, C], T the input's length); check_outputs holds the model to it. A task that
+      gives one is refused by config.ensemble.method='mimo', whose heads split the last
+      axis of [B, units] outputs.
     loss: the default training loss (config.train.loss may replace it).
     batch_metrics: (outputs [B, ...], targets [B, ...]) -> {name: the batch's mean}, logged
       per member during training beside the loss.
@@ -63,6 +65,9 @@ class Task(NamedTuple):
       (eval.temperature_scaling): (scorer, validation outputs [M, N, ...], targets,
       test outputs, targets, included [M] bool) -> JSON-able results with 'before' and
       'after' ({'members', 'ensemble'}). None: eval.temperature_scaling is refused.
+    conformal: whether a run with a validation split fits conformal sets (a classifier's
+      APS over [N, C] probabilities) or intervals (predict's mean and variance) on it;
+      False: none are fitted (token classification: no per-position sets yet).
   """
   name: str
   output_units: Callable[[Any], int]
@@ -79,6 +84,7 @@ class Task(NamedTuple):
   log_likelihood: Callable[[Any, Any], Any] | None = None
   calibrate: Callable[..., dict[str, Any]] | None = None
   output_shape: Callable[[int, tuple[int, ...]], tuple[int, ...]] | None = None
+  conformal: bool = True
 
   def example_outputs(self, num_outputs: int, input_shape: tuple[int, ...]) -> tuple[int, ...]:
     """One example's output shape (see output_shape)."""

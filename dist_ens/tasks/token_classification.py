@@ -150,4 +150,5 @@ def token_classification(pad_id: int = PAD_ID) -> Task:
       combine=combine,
       log_likelihood=log_likelihood,
       calibrate=calibrate,
-      select_metrics=classification().select_metrics)
+      select_metrics=classification().select_metrics,
+      conformal=False)
