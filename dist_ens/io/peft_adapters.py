@@ -51,6 +51,7 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
   text += b' ' * (-len(text) % 8)  # the format pads the header to 8 bytes
   with tempfile.NamedTemporaryFile(dir=path.parent, suffix='.tmp', delete=False) as tmp:
     tmp.write(struct.pack('<Q', len(text)) + text + b''.join(chunks))
+  os.chmod(tmp.name, 0o644)  # a temporary file is private; the adapter is not
   os.replace(tmp.name, path)
 
 
