@@ -37,8 +37,11 @@ def get_config() -> ml_collections.ConfigDict:
   # (docs/reproducibility.md). False: fast; such changes drift by rounding.
   config.reproducible = False
   # What the members learn (dist_ens/tasks): 'classification' (logits over classes,
-  # cross-entropy, the ensemble the mean of the members' probabilities), or your own
-  # task by import path, 'my_pkg.tasks:my_task'.
+  # cross-entropy, the ensemble the mean of the members' probabilities),
+  # 'regression', 'token_classification' (a class per position, targets [N, T] with -1
+  # as padding: next-token prediction with the causal token_transformer and
+  # model.pool='tokens'; docs/models.md), or your own task by import path,
+  # 'my_pkg.tasks:my_task'.
   config.task = 'classification'
 
   # Devices as member x data x model; -1 fills the remaining devices. hosts_along: which

@@ -257,7 +257,8 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   if model_spec(config).hf:  # a Hugging Face checkpoint's config.json made the model
     field = f'config.model.init_from={config.model.init_from!r}'
   tasks.check_outputs(model, input_shape, num_outputs,
-                      f'{field} (for config.task={config.task!r})', input_dtype)
+                      f'{field} (for config.task={config.task!r})', input_dtype,
+                      task.example_outputs(num_outputs, input_shape))
   layout = build_layout(method, mesh, config.mesh, one_member)
   state = jax.eval_shape(init)
   # A rule that matches nothing would be ignored without a word (on any mesh, so a typo

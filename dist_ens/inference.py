@@ -251,13 +251,28 @@ class Ensemble:
     members = methods.predictive_members(parts.method, restored.state, config.seed, mesh)
     frozen = np.asarray(jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))(
         members.frozen))
-    return cls(config, parts.model, members.params, frozen, restored.step,
-               parts.input_shape, num_classes, mesh, preprocess,
-               model_state=members.model_state, scale=saved_run.scale_from(meta),
-               conformal=saved_run.conformal_from(workdir, config),
-               noise_variance=saved_run.noise_from(workdir, config, num_classes),
-               predict_model=parts.predict_model,
-               split_scales=saved_run.split_scales_from(meta))
+    ensemble = cls(config, parts.model, members.params, frozen, restored.step,
+                   parts.input_shape, num_classes, mesh, preprocess,
+                   model_state=members.model_state, scale=saved_run.scale_from(meta),
+                   conformal=saved_run.conformal_from(workdir, config),
+                   noise_variance=saved_run.noise_from(workdir, config, num_classes),
+                   predict_model=parts.predict_model,
+                   split_scales=saved_run.split_scales_from(meta))
+    ensemble.workdir = workdir  # what export_adapters reads the factors from
+    return ensemble
+
+  def export_adapters(self, directory: str | os.PathLike) -> list[Path]:
+    """A LoRA ensemble on a Hugging Face model (init_from='hf:PATH', own='lora') as PEFT
+    adapters, directory/member_{i}/ (adapter_config.json, adapter_model.safetensors):
+    `peft.PeftModel.from_pretrained(transformers_model, directory / 'member_0')` gives
+    member 0's outputs (dist_ens.io.peft_adapters; docs/pretrained.md). Only process 0
+    writes."""
+    if getattr(self, 'workdir', None) is None:
+      raise ValueError('export_adapters needs an Ensemble from Ensemble.load(workdir).')
+    if jax.process_index() != 0:
+      return [Path(directory) / f'member_{i}' for i in range(self.num_members)]
+    from dist_ens.io import peft_adapters  # pylint: disable=import-outside-toplevel
+    return peft_adapters.export_peft(self.workdir, directory)
 
   @property
   def num_members(self) -> int:

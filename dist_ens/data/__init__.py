@@ -18,7 +18,7 @@ from dist_ens.errors import ConfigError
 
 def from_arrays(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
                 y_test: np.ndarray, *, name: str = 'arrays',
-                num_classes: int | None = None) -> Dataset:
+                num_classes: int | None = None, pad_id: int | None = None) -> Dataset:
   """A Dataset held in memory, e.g. for `dist_ens.train(..., dataset=...)` or returned by
   the function config.data.name names ('my_pkg.data:load').
 
@@ -26,7 +26,9 @@ def from_arrays(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
   built-in CNNs); signed integer inputs are token ids and stay int32, others become
   float32; integer labels are classes in [0, num_classes); float targets
   (regression, config.task='regression') stay float32, never cast to integers, and
-  the dataset then has num_classes=0.
+  the dataset then has num_classes=0. Integer targets may have more axes than one
+  ([N, T]: config.task='token_classification'); with `pad_id`, targets equal to it
+  are padding, exempt from the class check (that task's padding id is -1).
 
   Example:
     >>> ds = from_arrays(np.zeros((8, 3)), np.arange(8) % 2, np.zeros((4, 3)), np.arange(4) % 2)
@@ -47,7 +49,8 @@ def from_arrays(x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
     num_classes = int(max(y_train.max(initial=0), y_test.max(initial=0))) + 1
   train, test = Split(x_train, y_train.astype(np.int32)), Split(x_test, y_test.astype(np.int32))
   for split_name, split in (('train', train), ('test', test)):
-    check_labels(split, num_classes, f'dataset {name!r} ({split_name})')
+    y = split.y if pad_id is None else split.y[split.y != pad_id]
+    check_label_values(y, num_classes, f'dataset {name!r} ({split_name})')
   return Dataset(name, train, test, num_classes, tuple(x_train.shape[1:]))
 
 

@@ -87,6 +87,10 @@ def make(spec: MethodSpec) -> Method:
       raise ConfigError(f"config.ensemble.method='mimo' combines its heads as the task "
                         f'combines members (Task.combine), which config.task={task.name!r} '
                         'does not give; use another method for this task.')
+    if task.output_shape is not None:
+      raise ConfigError(f"config.ensemble.method='mimo' splits the last axis of [batch, units] "
+                        f'outputs into heads, and config.task={task.name!r} gives each '
+                        'example outputs of another shape; use another method for this task.')
     return wrap(model, heads, task.combine)
 
   return Method('mimo', outputs_per_output=heads, wrap_model=wrap_model, wrap_loss=head_loss)

@@ -102,9 +102,16 @@ def _member_included(member_log_probs: jax.Array, member_mask: jax.Array | None)
 def _ensemble_log_probs(member_log_probs: jax.Array, included: jax.Array) -> jax.Array:
   # Excluded members are set to -inf (not weighted by zero inside logsumexp) so
   # that they cannot dominate its max-shift and cost precision.
-  included_log_probs = jnp.where(included[:, None, None], member_log_probs, -jnp.inf)
+  included_log_probs = jnp.where(_per_member(included, member_log_probs.ndim),
+                                 member_log_probs, -jnp.inf)
   return jax.nn.logsumexp(included_log_probs, axis=0) - jnp.log(
       jnp.sum(included.astype(jnp.float32)))
+
+
+def _per_member(included: jax.Array, ndim: int) -> jax.Array:
+  """[M] member flags shaped to broadcast against an [M, ...] array of `ndim` axes
+  (examples may carry more axes than one: [M, B, T, C] per-position outputs)."""
+  return included.reshape(-1, *(1,) * (ndim - 1))
 
 
 def _entropy(log_probs: jax.Array) -> jax.Array:
@@ -141,8 +148,8 @@ def member_uncertainty(logits: jax.Array, member_mask: jax.Array | None = None
 def _uncertainty(member_log_probs: jax.Array, ens_log_probs: jax.Array,
                  included: jax.Array) -> dict[str, jax.Array]:
   k = jnp.sum(included.astype(jnp.float32))
-  inc = included[:, None]  # [M, 1] against [M, B]
-  member_entropy = _entropy(member_log_probs)  # [M, B]
+  member_entropy = _entropy(member_log_probs)  # [M, B] (or [M, B, T])
+  inc = _per_member(included, member_entropy.ndim)
   # Excluded members may be NaN (a frozen, poisoned member): select, never multiply.
   expected_entropy = jnp.sum(jnp.where(inc, member_entropy, 0.0), axis=0) / k
   entropy = _entropy(ens_log_probs)
@@ -151,7 +158,8 @@ def _uncertainty(member_log_probs: jax.Array, ens_log_probs: jax.Array,
   # the K(K-1) ordered pairs gives the mean over distinct pairs. Rounding errors in
   # the difference are weighted by p_m,c, so they stay at float32 precision.
   member_probs = jnp.exp(member_log_probs)
-  log_prob_sum = jnp.sum(jnp.where(included[:, None, None], member_log_probs, 0.0), axis=0)
+  log_prob_sum = jnp.sum(jnp.where(_per_member(included, member_log_probs.ndim),
+                                   member_log_probs, 0.0), axis=0)
   kl_terms = jnp.where(member_probs == 0, 0.0,
                        member_probs * (k * member_log_probs - log_prob_sum[None]))
   kl_sums = jnp.where(inc, jnp.sum(kl_terms, axis=-1), 0.0)

@@ -9,6 +9,9 @@ Reads from the ModelSpec (None takes the default in brackets, DEFAULTS):
                     the mean over tokens. True: a decoder, each token attends to itself
                     and those before it, classified by the last token's features (the
                     only one that has seen the whole sequence).
+  pool (None)       what is classified: None takes 'last' for a decoder and 'mean' for
+                    an encoder; 'tokens' gives every position its own outputs [B, L, C]
+                    (next-token prediction with config.task='token_classification').
   dropout           after the embedding and on each attention and MLP output.
 
 Inputs should arrive as integers. A float array of ids (today's data pipeline casts
@@ -37,7 +40,8 @@ from dist_ens.models.vit import VIT_RULES
 TOKEN_RULES: tuple[tuple[str, P], ...] = ((r'tokens$', P(None, MODEL)), *VIT_RULES)
 # The model's defaults for the spec's Optional fields (None), here only.
 DEFAULTS = {'vocab_size': 256, 'hidden': 128, 'depth': 4, 'heads': 4, 'mlp_dim': 512,
-            'causal': False}
+            'causal': False, 'pool': None}
+POOLS = ('mean', 'last', 'tokens')
 
 
 def _read_spec(spec: ModelSpec) -> dict[str, int | bool]:
@@ -53,6 +57,11 @@ def _read_spec(spec: ModelSpec) -> dict[str, int | bool]:
     raise ConfigError(f"config.model.hidden={fields['hidden']} must be a multiple of "
                       f"config.model.heads={fields['heads']}.")
   fields['causal'] = bool(fields['causal'])
+  if fields['pool'] is None:
+    fields['pool'] = 'last' if fields['causal'] else 'mean'
+  if fields['pool'] not in POOLS:
+    raise ConfigError(f"config.model.pool={fields['pool']!r} is not known to the "
+                      f'token_transformer; use one of {POOLS}.')
   return fields
 
 
@@ -107,7 +116,8 @@ def make_token_transformer(spec: ModelSpec, num_classes: int) -> Model:
     for block, key in zip(params['blocks'], keys[1:]):
       h = transformer.block(block, h, f['heads'], rate, train=train, rng=key, mask=mask)
     h = transformer.layer_norm(params['norm'], h)
-    h = h[:, -1] if f['causal'] else h.mean(axis=1)
+    if f['pool'] != 'tokens':
+      h = h[:, -1] if f['pool'] == 'last' else h.mean(axis=1)
     return layers.dense(params['head'], h), state
 
   return Model(init, apply)

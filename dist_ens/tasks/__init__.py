@@ -1,6 +1,7 @@
 """Tasks (what members predict and how it is scored): built-in by name, yours by import path.
 
-  task = dist_ens.tasks.get_task('classification')  # or 'regression', 'regression_homoscedastic'
+  task = dist_ens.tasks.get_task('classification')  # or 'regression', 'regression_homoscedastic',
+                                                    # 'token_classification'
   task = dist_ens.tasks.get_task('my_pkg.tasks:my_task')  # a Task, or a function -> Task
 """
 
@@ -12,11 +13,13 @@ from dist_ens.tasks.classification import classification, smoothed_cross_entropy
 from dist_ens.tasks.regression import (gaussian_nll_loss, mse_loss, regression,
                                        regression_homoscedastic)
 from dist_ens.tasks.task import Loss, Task, check_outputs, check_steps
+from dist_ens.tasks.token_classification import token_classification
 
 TASKS: dict[str, Callable[[], Task]] = {
     'classification': classification,
     'regression': regression,
     'regression_homoscedastic': regression_homoscedastic,
+    'token_classification': token_classification,
 }
 
 
@@ -56,4 +59,4 @@ def get_task(name: str, field: str = 'config.task') -> Task:
 
 
 __all__ = ['LOSSES', 'Loss', 'TASKS', 'Task', 'check_outputs', 'check_steps', 'classification', 'get_task', 'loss_for',
-           'regression', 'regression_homoscedastic']
+           'regression', 'regression_homoscedastic', 'token_classification']

@@ -27,8 +27,13 @@ class Task(NamedTuple):
     name: what config.task names it (or its import path).
     output_units: dataset -> how many outputs the model gives per example (a
       classifier: the number of classes).
+    output_shape: None (one example's outputs are [output units]), or (output units,
+      one example's input shape) -> one example's output shape (token classification:
+      [T, C], T the input's length); check_outputs holds the model to it. A task that
+      gives one is refused by config.ensemble.method='mimo', whose heads split the last
+      axis of [B, units] outputs.
     loss: the default training loss (config.train.loss may replace it).
-    batch_metrics: (outputs [B, ...], targets [B]) -> {name: the batch's mean}, logged
+    batch_metrics: (outputs [B, ...], targets [B, ...]) -> {name: the batch's mean}, logged
       per member during training beside the loss.
     check_targets: (targets, dataset, what) -> None; raises ConfigError naming `what`
       for targets this task cannot train on.
@@ -60,6 +65,9 @@ class Task(NamedTuple):
       (eval.temperature_scaling): (scorer, validation outputs [M, N, ...], targets,
       test outputs, targets, included [M] bool) -> JSON-able results with 'before' and
       'after' ({'members', 'ensemble'}). None: eval.temperature_scaling is refused.
+    conformal: whether a run with a validation split fits conformal sets (a classifier's
+      APS over [N, C] probabilities) or intervals (predict's mean and variance) on it;
+      False: none are fitted (token classification: no per-position sets yet).
   """
   name: str
   output_units: Callable[[Any], int]
@@ -75,6 +83,14 @@ class Task(NamedTuple):
   combine: Callable[[jax.Array, jax.Array], jax.Array] | None = None
   log_likelihood: Callable[[Any, Any], Any] | None = None
   calibrate: Callable[..., dict[str, Any]] | None = None
+  output_shape: Callable[[int, tuple[int, ...]], tuple[int, ...]] | None = None
+  conformal: bool = True
+
+  def example_outputs(self, num_outputs: int, input_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """One example's output shape (see output_shape)."""
+    if self.output_shape is None:
+      return (num_outputs,)
+    return tuple(self.output_shape(num_outputs, tuple(input_shape)))
 
 
 # The steps after training a task may lack, by the config field that asks for each, and
@@ -103,10 +119,12 @@ def check_steps(task: Task, asked: Mapping[str, bool], task_field: str = 'config
 
 
 def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int,
-                  what: str, input_dtype: Any = jnp.float32) -> None:
+                  what: str, input_dtype: Any = jnp.float32,
+                  example_outputs: tuple[int, ...] | None = None) -> None:
   """One line, before anything runs, for a model whose outputs do not fit the task: in
-  evaluation mode a batch of 2 must give [2, num_outputs] (a MIMO member gives its heads'
-  mean there). `model` is a dist_ens.core.model.Model; `what` names its config field."""
+  evaluation mode a batch of 2 must give [2, *example_outputs] (default [2, num_outputs];
+  a MIMO member gives its heads' mean there). `model` is a dist_ens.core.model.Model;
+  `what` names its config field; `example_outputs` is Task.example_outputs."""
   x = jnp.zeros((2, *input_shape), input_dtype)
 
   def forward(key):
@@ -114,7 +132,7 @@ def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int,
     return model.apply(params, state, x, train=False)[0]
 
   got = tuple(jax.eval_shape(forward, jax.random.key(0)).shape)
-  want = (2, num_outputs)
+  want = (2, *(example_outputs or (num_outputs,)))
   if got != want:
     raise ConfigError(f'{what} gives outputs of shape {got} for a batch of 2 inputs '
                       f'{tuple(input_shape)}, but the task needs {want} (one row per example, '

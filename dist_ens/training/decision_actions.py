@@ -65,7 +65,7 @@ class EvaluateDecisions(PeriodicAction):
       return  # every member diverged: no ensemble to decide with (the trainer says so)
     fit, test = None, run_data.dataset.test
     with ctx.off_clock():
-      if run_data.validation is not None:
+      if run_data.validation is not None and ctx.parts.task.conformal:
         val = self.evaluator(ctx).predict(ctx.state, run_data.validation)
         fit = decisions.fit_conformal(val.outputs, run_data.validation.y, mask,
                                       config.eval.conformal_alpha, _seed(config.seed, 0),

@@ -1,0 +1,89 @@
+"""PEFT-format adapters of a LoRA ensemble on a Hugging Face model (dist_ens.io.peft_adapters):
+peft's PeftModel.from_pretrained on the transformers model gives each member's outputs.
+
+tests/data/hf/peft_llama/ holds what this file's `export` wrote (member_{i}/
+adapter_config.json and adapter_model.safetensors) and peft_logits.npz, peft's outputs of
+those adapters on tests/data/hf/llama's reference inputs (tools/make_peft_fixtures.py, run
+with torch, transformers and peft, none of them dist_ens dependencies). Here the same
+3-step run is trained again: its exported adapters match the committed ones and its
+members' outputs match peft's.
+
+Regenerate: PYTHONPATH=. python tests/test_peft_export.py, then tools/make_peft_fixtures.py.
+"""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import numpy as np
+
+import dist_ens
+from dist_ens import data
+from dist_ens.io.peft_adapters import export_peft
+from dist_ens.models.hf.checkpoint import Tensors
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / 'tests' / 'data' / 'hf'
+FIXTURE = DATA / 'peft_llama'
+
+
+def _train(workdir: Path) -> None:
+  rng = np.random.default_rng(0)
+  seq = rng.integers(3, 96, (64, 8)).astype(np.int32)
+  dataset = data.from_arrays(seq[:48, :-1], seq[:48, 1:], seq[48:, :-1], seq[48:, 1:],
+                             num_classes=96, pad_id=-1)
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.task = 'token_classification'
+  config.model.init_from = 'hf:tests/data/hf/llama'
+  config.ensemble.own, config.ensemble.lora_rank = 'lora', 2
+  config.ensemble.lora_targets = 'attn/|mlp/'
+  config.num_members, config.data.batch_size, config.mesh.member, config.mesh.data = 2, 16, 2, 4
+  config.optim.learning_rate = 3e-2
+  config.train.steps, config.train.log_every, config.train.eval_every = 3, 1, 0
+  config.checkpoint.every, config.writers = 3, ('jsonl',)
+  dist_ens.train(config, str(workdir), dataset=dataset)
+
+
+def _member_logits(workdir: Path) -> np.ndarray:
+  ens = dist_ens.Ensemble.load(str(workdir))
+  x = np.load(DATA / 'llama' / 'reference.npz')['inputs']
+  apply = jax.jit(lambda p: ens.model.apply(p, {}, x, train=False)[0])
+  return np.stack([np.asarray(apply(ens.member(i))) for i in range(ens.num_members)])
+
+
+def export(out: Path) -> None:
+  """Trains the run and writes its PEFT adapters into `out` (the fixture's dist_ens half)."""
+  with tempfile.TemporaryDirectory() as workdir:
+    _train(Path(workdir))
+    export_peft(workdir, out)
+
+
+def test_exported_adapters_give_peft_the_members_outputs(tmp_path):
+  _train(tmp_path / 'run')
+  members = dist_ens.Ensemble.load(str(tmp_path / 'run')).export_adapters(tmp_path / 'peft')
+  assert [m.name for m in members] == ['member_0', 'member_1']
+  for member in members:
+    config = json.loads((member / 'adapter_config.json').read_text())
+    committed = json.loads((FIXTURE / member.name / 'adapter_config.json').read_text())
+    assert config == committed
+    assert config['modules_to_save'] == ['lm_head'] and not config['fan_in_fan_out']
+    ours, theirs = Tensors.open(member), Tensors.open(FIXTURE / member.name)
+    assert sorted(ours) == sorted(theirs)
+    assert 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' in ours
+    for name in ours:
+      np.testing.assert_allclose(ours.read(name, ()), theirs.read(name, ()), rtol=1e-4,
+                                 atol=1e-5, err_msg=name)
+  peft_logits = np.load(FIXTURE / 'peft_logits.npz')['logits']
+  base = np.load(DATA / 'llama' / 'reference.npz')['logits']
+  logits = _member_logits(tmp_path / 'run')
+  assert logits.shape == peft_logits.shape == (2, *base.shape)
+  assert np.abs(logits - peft_logits).max() <= 1e-4
+  assert np.abs(peft_logits - base).max() > 0.1  # the adapters change the model
+
+
+if __name__ == '__main__':
+  sys.path.insert(0, str(ROOT / 'tests'))
+  import conftest  # noqa: F401  (8 fake devices, as the test)
+  export(FIXTURE)
