@@ -328,3 +328,25 @@ def test_results_table_shows_new_metrics_and_still_reads_old_results():
   assert '**0.0500** | **1.3000** |' in table
   assert 'mutual information (epistemic) 0.3000' in table
   np.testing.assert_equal(len(table.splitlines()[0].split('|')), 9)
+
+
+def test_tables_of_thousands_of_members_stay_readable():
+  """Past tables.MAX_ROWS members the console and the report show the members' spread
+  (quantiles) and the best and worst ranked, not one row each; members.csv has them all."""
+  from dist_ens.io import tables  # pylint: disable=import-outside-toplevel
+  m = 4096
+  nll = np.linspace(2.0, 0.5, m)
+  final = {'num_members': m, 'members': {'accuracy': (1 - nll / 3).tolist(), 'nll': nll.tolist()},
+           'ensemble': {'accuracy': 0.9, 'nll': 0.4}}
+  text = tables.results_table(final)
+  assert len(text.splitlines()) < 12
+  median = [line for line in text.splitlines() if line.startswith('| member median')]
+  assert median and f'{np.median(nll):.4f}' in median[0]
+  assert f'{nll.min():.4f}' in text and f'{nll.max():.4f}' in text
+  rows = tables.member_rows(final, {}, None, 'nll', False)
+  ranked = tables.members_table(rows, []).splitlines()
+  assert len(ranked) == 2 + tables.MAX_ROWS - 8 + 1 + 4
+  assert ranked[2].startswith(f'| {m - 1} |')  # the best first: member 4095's NLL is lowest
+  assert f'{m - tables.MAX_ROWS + 4} more' in ranked[2 + tables.MAX_ROWS - 8]
+  small = dict(final, num_members=8, members={k: v[:8] for k, v in final['members'].items()})
+  assert len(tables.results_table(small).splitlines()) == 2 + 8 + 2  # one row each, as before

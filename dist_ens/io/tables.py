@@ -19,6 +19,9 @@ def _member_metrics(results: dict[str, Any], ranking_only: bool = False) -> list
 
 
 _LABELS = {m.name: m.label for m in METRICS}
+# Tables list members one per row up to this many; beyond, a summary (members.csv has all).
+MAX_ROWS = 32
+_QUANTILES = (('min', 0.0), ('25%', 0.25), ('median', 0.5), ('75%', 0.75), ('max', 1.0))
 
 
 def counted(n: int, noun: str, plural: str = '') -> str:
@@ -45,9 +48,15 @@ def results_table(final: dict[str, Any]) -> str:
   columns = [(name, _LABELS.get(name, name)) for name in _member_metrics(final)]
   lines = ['| member | ' + ' | '.join(name for _, name in columns) + ' |',
            '|---|' + '---|' * len(columns)]
-  for i in range(len(members[columns[0][0]])):  # Old results carry no num_members.
-    name = f'{i} (frozen)' if i in frozen else str(i)
-    lines.append(f'| {name} | ' + ' | '.join(f'{members[k][i]:.4f}' for k, _ in columns) + ' |')
+  num_members = len(members[columns[0][0]])  # (Old results carry no num_members.)
+  if num_members <= MAX_ROWS:
+    for i in range(num_members):
+      name = f'{i} (frozen)' if i in frozen else str(i)
+      lines.append(f'| {name} | ' + ' | '.join(f'{members[k][i]:.4f}' for k, _ in columns) + ' |')
+  else:  # A summary of the members' spread: members.csv has every one.
+    for label, q in _QUANTILES:
+      lines.append(f'| member {label} | ' + ' | '.join(
+          f'{float(np.nanquantile(members[k], q)):.4f}' for k, _ in columns) + ' |')
   lines.append('| member mean | ' + ' | '.join(f'{float(np.mean(members[k])):.4f}'
                                                for k, _ in columns) + ' |')
   lines.append('| **ensemble** | ' + ' | '.join(f'**{ens[k]:.4f}**' if k in ens else ''
@@ -98,7 +107,14 @@ def members_table(rows: list[dict[str, Any]], fields: list[str]) -> str:
   metric_columns = [c for c in rows[0] if c.startswith(('val_', 'test_'))]
   header = ['member'] + fields + metric_columns
   lines = ['| ' + ' | '.join(header) + ' |', '|' + '---|' * len(header)]
+  if len(rows) > MAX_ROWS:  # The best and the worst, ranked; members.csv has every one.
+    head, tail = rows[:MAX_ROWS - 8], rows[-4:]
+    skipped = len(rows) - len(head) - len(tail)
+    rows = [*head, {'skipped': skipped}, *tail]
   for row in rows:
+    if 'skipped' in row:
+      lines.append(f'| ... {row["skipped"]} more (members.csv) |' + ' |' * (len(header) - 1))
+      continue
     cells = [str(row['member']) + (' (frozen)' if row['frozen'] else '')]
     cells += [f'{row[f]:.4g}' for f in fields] + [f'{row[c]:.4f}' for c in metric_columns]
     lines.append('| ' + ' | '.join(cells) + ' |')
