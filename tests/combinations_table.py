@@ -115,13 +115,7 @@ REFUSED: dict[frozenset[str], str] = {
 }
 
 # Pairs that should work and do not yet: the test expects them to fail (xfail strict).
-_MIMO_METRICS = ("training's batch metrics get MIMO's per-head outputs [B, H, K] (only the "
-                 'loss is wrapped per head), and regression\'s mse cannot broadcast them '
-                 'against [B, D] targets: a TypeError in the first step')
-KNOWN_FAILURES: dict[frozenset[str], str] = {
-    _pair('mimo', 'regression'): _MIMO_METRICS,
-    _pair('mimo', 'regression [N, D]'): _MIMO_METRICS,
-}
+KNOWN_FAILURES: dict[frozenset[str], str] = {}
 
 
 def outcome(a: str, b: str) -> str:
