@@ -129,9 +129,13 @@ def _batch_mse(noise_variance: Any):
     # 'mse', not 'rmse': the trainer averages batch metrics over micro-batches and steps,
     # which is exact for a mean squared error (equal-sized batches) and biased low for a
     # root (Jensen); sqrt of the logged mean is the RMSE.
+    # Outputs may carry head axes ([B, H, 2D]: MIMO), as classification's accuracy allows:
+    # every head is scored against the targets.
     mean = (jnp.asarray(outputs, jnp.float32) if noise_variance is not None
             else split_outputs(outputs, squeeze=False)[0])
-    return {'mse': jnp.mean(jnp.square(mean - _as_matrix(targets, mean.shape[-1])))}
+    y = _as_matrix(targets, mean.shape[-1])
+    y = y.reshape(y.shape[:1] + (1,) * (mean.ndim - 2) + y.shape[1:])
+    return {'mse': jnp.mean(jnp.square(mean - y))}
 
   return batch_metrics
 

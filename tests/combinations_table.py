@@ -1,0 +1,192 @@
+"""Which options combine (DESIGN.md property 8): the one table that tests/test_combinations.py
+runs and tools/gen_combinations_doc.py writes into docs/combinations.md.
+
+An option is a small named set of config overrides on one axis. Every pair of options from
+different axes is VALID (it trains, resumes, loads and predicts), REFUSED (ConfigError in
+one line naming both fields, before anything is written) or a KNOWN_FAILURE (a bug,
+tested with xfail(strict=True) so that a fix shows up). Nothing here imports dist_ens:
+the doc tool reads this file alone.
+"""
+
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+
+class Option(NamedTuple):
+  key: str  # unique over all axes; what REFUSED and KNOWN_FAILURES name
+  overrides: dict[str, Any]  # dotted config fields -> values (config.update_from_flattened_dict)
+  fields: tuple[str, ...]  # a refusal names at least one of these
+  label: str = ''  # the docs' name; '' = key
+  dataset: str = ''  # task options: which toy dataset the test builds
+
+  @property
+  def title(self) -> str:
+    return self.label or self.key
+
+
+_VALIDATION = {'data.validation_size': 32}
+
+# Axis -> options, the default (what every other case uses) first. A feature axis is
+# off (no override) or on.
+AXES: dict[str, tuple[Option, ...]] = {
+    'task': (
+        Option('classification', {}, ('task',), dataset='classes'),
+        Option('regression', {'task': 'regression'}, ('task',), dataset='targets'),
+        Option('regression [N, D]', {'task': 'regression'}, ('task',), dataset='vectors'),
+        # Option('token_classification', {'task': 'token_classification'}, ('task',),
+        #        dataset='tokens'),  # <- its row goes here (a dataset 'tokens' in the test)
+    ),
+    'method': (
+        Option('deep', {}, ('ensemble.method',)),
+        Option('batchensemble', {'ensemble.method': 'batchensemble'}, ('ensemble.method',)),
+        Option('mimo', {'ensemble.method': 'mimo', 'ensemble.mimo.heads': 2},
+               ('ensemble.method',)),
+        Option('snapshot', {'ensemble.method': 'snapshot', 'ensemble.snapshot.cycles': 2,
+                            'optim.schedule': 'cosine'}, ('ensemble.method',)),
+        Option('fge', {'ensemble.method': 'snapshot', 'ensemble.snapshot.cycles': 1,
+                       'optim.schedule': 'cosine',
+                       'ensemble.snapshot.start': 0.5, 'ensemble.snapshot.cycle_rate': 0.5},
+               ('ensemble.method', 'ensemble.snapshot'), label='FGE (snapshot.start)'),
+        Option('multiswag', {'ensemble.method': 'multiswag', 'ensemble.swag.start': 0.5,
+                             'ensemble.swag.every': 1, 'ensemble.swag.rank': 1,
+                             'ensemble.swag.samples': 2}, ('ensemble.method',)),
+        Option('mc_dropout', {'model.dropout': 0.1, 'eval.mc_samples': 2},
+               ('eval.mc_samples', 'model.dropout'), label='MC dropout'),
+    ),
+    'own': (
+        Option('own=all', {}, ('ensemble.own',)),
+        Option('own=head', {'ensemble.own': 'head'}, ('ensemble.own',)),
+        Option('own=lora', {'ensemble.own': 'lora', 'ensemble.lora_rank': 2},
+               ('ensemble.own',)),
+    ),
+    'layout': (
+        Option('model=1', {}, ('mesh.model',)),
+        # fsdp_min_size small enough that the tiny MLP's kernels are really split.
+        Option('model=2', {'mesh.model': 2, 'mesh.fsdp_min_size': 16}, ('mesh.model',)),
+    ),
+}
+_FEATURES = (
+    Option('member_split', {'data.member_split': 'kfold:2'}, ('data.member_split',)),
+    Option('pbt', {'pbt.enabled': True, 'pbt.interval': 1, **_VALIDATION,
+                   'optim.learning_rate': 'loguniform(1e-4,1e-2)'}, ('pbt',)),
+    Option('top_k', {'select.top_k': 2, **_VALIDATION}, ('select.top_k',),
+           label='select top_k'),
+    Option('greedy', {'select.method': 'greedy', 'select.greedy_size': 3, **_VALIDATION},
+           ('select.method',), label='select greedy'),
+    Option('temperature', {'eval.temperature_scaling': True, **_VALIDATION},
+           ('eval.temperature_scaling',), label='temperature scaling'),
+    Option('shift', {'eval.shift': 'gaussian_noise:1'}, ('eval.shift',)),
+    # Conformal sets are calibrated whenever there is a validation split.
+    Option('conformal', {'eval.conformal_alpha': 0.2, **_VALIDATION},
+           ('eval.conformal_alpha', 'data.validation_size')),
+    Option('reproducible', {'reproducible': True}, ('reproducible',)),
+    Option('bf16', {'precision': 'bfloat16'}, ('precision',)),
+)
+for _option in _FEATURES:
+  AXES[_option.key] = (Option(f'no {_option.key}', {}, ()), _option)
+
+OPTIONS: dict[str, Option] = {o.key: o for options in AXES.values() for o in options}
+AXIS_OF: dict[str, str] = {o.key: axis for axis, options in AXES.items() for o in options}
+DEFAULTS: tuple[Option, ...] = tuple(options[0] for options in AXES.values())
+
+
+def _pair(a: str, b: str) -> frozenset[str]:
+  return frozenset((a, b))
+
+
+_NOT_DEEP = ('batchensemble', 'mimo', 'snapshot', 'fge', 'multiswag')
+
+# Pairs refused before anything runs, each with why (the docs show the reason).
+REFUSED: dict[frozenset[str], str] = {
+    **{_pair('pbt', m): 'PBT copies whole members; it needs ensemble.method=\'deep\''
+       for m in _NOT_DEEP},
+    **{_pair('pbt', o): "PBT copies whole members; shared leaves are no member's to copy"
+       for o in ('own=head', 'own=lora')},
+    _pair('pbt', 'member_split'): "PBT would copy members between splits that train on "
+                                  'different data',
+    **{_pair(o, m): 'a shared backbone works with independent (deep) members only'
+       for o in ('own=head', 'own=lora') for m in _NOT_DEEP},
+    **{_pair('temperature', t): 'temperature scaling is a classifier\'s (Task.calibrate)'
+       for t in ('regression', 'regression [N, D]')},
+    _pair('reproducible', 'batchensemble'): "the shared weights' gradient is a sum over "
+                                            'devices in a mesh-dependent order',
+    _pair('reproducible', 'mimo'): "the heads' shuffles of a batch split over data depend "
+                                   'on the mesh',
+}
+
+# Pairs that should work and do not yet: the test expects them to fail (xfail strict).
+KNOWN_FAILURES: dict[frozenset[str], str] = {}
+
+
+def outcome(a: str, b: str) -> str:
+  """'same axis', 'refused', 'known failure' or 'valid' for two option keys."""
+  if AXIS_OF[a] == AXIS_OF[b]:
+    return 'same axis'
+  pair = _pair(a, b)
+  if pair in REFUSED:
+    return 'refused'
+  return 'known failure' if pair in KNOWN_FAILURES else 'valid'
+
+
+def all_pairs() -> Iterator[tuple[Option, Option]]:
+  """Every pair of options from different axes, defaults and 'off' included."""
+  axes = list(AXES.values())
+  for i, first in enumerate(axes):
+    for second in axes[i + 1:]:
+      for a in first:
+        for b in second:
+          yield a, b
+
+
+def _merge(options: tuple[Option, ...]) -> dict[str, Any] | None:
+  """The options' overrides together, or None where two set one field differently."""
+  merged: dict[str, Any] = {}
+  for option in options:
+    for field, value in option.overrides.items():
+      if merged.setdefault(field, value) != value:
+        return None
+  return merged
+
+
+def _fits(chosen: list[Option], option: Option) -> bool:
+  return (all(outcome(option.key, o.key) == 'valid' for o in chosen)
+          and _merge((*chosen, option)) is not None)
+
+
+def valid_cases() -> list[tuple[Option, ...]]:
+  """Runs (one option per axis) that together hold every valid pair, none of them holding
+  a refused or failing pair: pairwise coverage in a few runs instead of one per pair
+  (AETG-style greedy: start from an uncovered pair, then per axis the option covering
+  the most uncovered pairs, the default on ties). Deterministic."""
+  uncovered = {_pair(a.key, b.key) for a, b in all_pairs() if outcome(a.key, b.key) == 'valid'
+               and _merge((a, b)) is not None}
+  cases = []
+  while uncovered:
+    a, b = sorted(sorted(p) for p in uncovered)[0]
+    chosen = [OPTIONS[a], OPTIONS[b]]
+    for axis, options in AXES.items():
+      if axis in (AXIS_OF[a], AXIS_OF[b]):
+        continue
+      fits = [o for o in options if _fits(chosen, o)]
+      gain = lambda o: sum(_pair(o.key, c.key) in uncovered for c in chosen)
+      chosen.append(max(fits, key=gain))  # max keeps the first (the default) on ties
+    case = tuple(sorted(chosen, key=lambda o: list(AXES).index(AXIS_OF[o.key])))
+    uncovered -= {_pair(x.key, y.key) for x in case for y in case if x != y}
+    cases.append(case)
+  return cases
+
+
+def with_defaults(*options: Option) -> tuple[Option, ...]:
+  """`options` with every other axis at its default."""
+  given = {AXIS_OF[o.key]: o for o in options}
+  return tuple(given.get(axis, opts[0]) for axis, opts in AXES.items())
+
+
+def shown(option: Option) -> bool:
+  """Whether the docs' matrix has a row for it (a feature's 'off' goes without saying)."""
+  return bool(option.fields)
+
+
+def case_id(case: tuple[Option, ...]) -> str:
+  """A case by its options away from the defaults."""
+  return '+'.join(o.key for o in case if o not in DEFAULTS) or 'defaults'

@@ -1,0 +1,171 @@
+"""Every combination works or is refused (DESIGN.md property 8), over the options of
+tests/combinations_table.py.
+
+Valid pairs run packed into a few cases (combinations_table.valid_cases: every valid pair
+is in some case, no case holds a refused pair); each case trains on 8 fake devices, is
+preempted (SIGTERM) after step 1, resumes from that checkpoint to step 2 (for a few cases
+ending bit for bit where an uninterrupted run ends), then loads with Ensemble.load and
+predicts finite outputs. Each
+refused pair, with every other axis at its default, must raise ConfigError in one line
+naming both fields before the workdir exists. docs/combinations.md is the same table.
+"""
+
+import importlib.util
+import logging
+import math
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import combinations_table as table
+import dist_ens
+from dist_ens import data
+from dist_ens.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _toy(n, seed, kind):
+  rng = np.random.default_rng(seed)
+  # Signals [L, C], which eval.shift's corruptions apply to (not to tabular [F] inputs).
+  x = rng.normal(size=(n, 8, 1)).astype(np.float32)
+  if kind == 'classes':
+    return x, ((x[:, 0, 0] > 0).astype(np.int32) + (x[:, 1, 0] > 0)).astype(np.int32)
+  y = np.sin(x[:, :2, 0]) * np.array([1.0, 2.0]) + 0.1 * rng.standard_normal((n, 2))
+  return x, (y[:, 0] if kind == 'targets' else y).astype(np.float32)
+
+
+DATASETS = {kind: data.from_arrays(*_toy(128, 0, kind), *_toy(32, 1, kind), name=kind)
+            for kind in ('classes', 'targets', 'vectors')}
+
+
+def _config(case):
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.num_members, config.model.widths = 4, (8,)
+  config.data.batch_size, config.data.prefetch, config.eval.batch_size = 16, 0, 64
+  config.train.steps, config.train.log_every, config.train.eval_every = 2, 2, 0
+  config.checkpoint.every, config.checkpoint.keep, config.writers = 1, 2, ('jsonl',)
+  overrides = {}
+  for option in case:
+    overrides.update(option.overrides)
+  config.update_from_flattened_dict(overrides)
+  return config
+
+
+def _dataset(case):
+  [task] = [o for o in case if table.AXIS_OF[o.key] == 'task']
+  return DATASETS[task.dataset]
+
+
+def _finite_arrays(prediction):
+  arrays = {name: np.asarray(value) for name, value in prediction._asdict().items()
+            if isinstance(value, (np.ndarray, np.generic)) or hasattr(value, 'dtype')}
+  return {name: bool(np.isfinite(a).all()) for name, a in arrays.items()
+          if np.issubdtype(a.dtype, np.floating)}
+
+
+def _same(a, b, path=''):
+  """Where two final_metrics differ (resume must end where the straight run ended)."""
+  if isinstance(a, dict) and isinstance(b, dict):
+    return [d for k in sorted(set(a) | set(b)) for d in _same(a.get(k), b.get(k), f'{path}/{k}')]
+  if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+    return [d for i, (x, y) in enumerate(zip(a, b)) for d in _same(x, y, f'{path}/{i}')]
+  if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+    return []
+  return [] if a == b else [path]
+
+
+class _PreemptAfterFirstStep:
+  """SIGTERM to this process after step 1: the run saves step 1 and stops, as a
+  preempted job does (the trainer's own signal handling), without its final evaluation."""
+
+  def on_step(self, ctx):
+    if ctx.step == 1:
+      signal.raise_signal(signal.SIGTERM)
+
+  def on_end(self, ctx):
+    del ctx
+
+  def close(self):
+    pass
+
+
+def _train_resume_load_predict(case, workdir, caplog, straight_dir=None):
+  config, dataset = _config(case), _dataset(case)
+  stopped = dist_ens.train(config, str(workdir), dataset=dataset,
+                           actions=[_PreemptAfterFirstStep()])
+  assert stopped['preempted'] and stopped['step'] == 1, stopped
+  caplog.clear()
+  resumed = dist_ens.train(_config(case), str(workdir), dataset=dataset)
+  assert 'resuming from the checkpoint at step 1' in caplog.text
+  assert resumed['step'] == 2
+  if straight_dir is not None:  # Resume ends where an uninterrupted run ends.
+    straight = dist_ens.train(_config(case), str(straight_dir), dataset=dataset)
+    differ = [p for p in _same(straight, resumed) if not p.endswith('_seconds')]
+    assert not differ, f'the resumed run ends elsewhere: {differ[:8]}'
+  prediction = dist_ens.Ensemble.load(str(workdir)).predict(dataset.test.x[:5])
+  finite = _finite_arrays(prediction)
+  assert finite and all(finite.values()), finite
+
+
+_CASES = table.valid_cases()
+# Resumed and uninterrupted runs compared bit for bit (a third run each, so only where
+# state crosses the resume: a PBT round at step 1, SWAG's and FGE's collected weights).
+_COMPARED = [next(c for c in _CASES if table.OPTIONS[key] in c)
+             for key in ('pbt', 'multiswag', 'fge')]
+
+
+@pytest.mark.parametrize('case', _CASES, ids=[table.case_id(c) for c in _CASES])
+def test_valid_options_train_resume_load_and_predict(case, tmp_path, caplog):
+  caplog.set_level(logging.INFO, logger='absl')
+  _train_resume_load_predict(case, tmp_path / 'w', caplog,
+                             tmp_path / 'straight' if case in _COMPARED else None)
+
+
+_REFUSED = sorted(tuple(sorted(p)) for p in table.REFUSED)
+
+
+@pytest.mark.parametrize('a, b', _REFUSED, ids=['+'.join(p) for p in _REFUSED])
+def test_a_refused_pair_is_refused_in_one_line_naming_both_before_anything(a, b, tmp_path):
+  first, second = table.OPTIONS[a], table.OPTIONS[b]
+  case = table.with_defaults(first, second)
+  with pytest.raises(ConfigError) as refused:
+    dist_ens.train(_config(case), str(tmp_path / 'w'), dataset=_dataset(case))
+  message = str(refused.value)
+  assert '\n' not in message, message
+  for option in (first, second):
+    assert any(field in message for field in option.fields), (option.fields, message)
+  assert not (tmp_path / 'w').exists()
+
+
+_KNOWN = sorted(tuple(sorted(p)) for p in table.KNOWN_FAILURES)
+
+
+@pytest.mark.parametrize('a, b', [
+    pytest.param(a, b, marks=pytest.mark.xfail(
+        strict=True, reason=table.KNOWN_FAILURES[frozenset((a, b))])) for a, b in _KNOWN],
+                         ids=['+'.join(p) for p in _KNOWN])
+def test_a_known_failure_still_fails(a, b, tmp_path, caplog):
+  caplog.set_level(logging.INFO, logger='absl')
+  case = table.with_defaults(table.OPTIONS[a], table.OPTIONS[b])
+  _train_resume_load_predict(case, tmp_path / 'w', caplog)
+
+
+def test_the_cases_hold_every_valid_pair_and_no_other():
+  covered = {frozenset((x.key, y.key)) for case in _CASES for x in case for y in case if x != y}
+  for a, b in table.all_pairs():
+    pair, outcome = frozenset((a.key, b.key)), table.outcome(a.key, b.key)
+    assert (pair in covered) == (outcome == 'valid'), (pair, outcome)
+  for pair in (*table.REFUSED, *table.KNOWN_FAILURES):
+    assert len({table.AXIS_OF[k] for k in pair}) == 2, pair  # known options, two axes
+
+
+def test_committed_combinations_doc_is_current():
+  spec = importlib.util.spec_from_file_location(
+      'gen_combinations_doc', ROOT / 'tools' / 'gen_combinations_doc.py')
+  tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(tool)
+  assert (ROOT / 'docs' / 'combinations.md').read_text() == tool.generate(), (
+      'docs/combinations.md is stale: run python tools/gen_combinations_doc.py')
