@@ -225,7 +225,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   if config.pbt.enabled and not method.copyable:
     raise ConfigError(f'config.pbt.enabled=True copies whole members, which '
                       f'config.ensemble.method={config.ensemble.method!r} does not allow (its '
-                      "members' state is not each member's own); use method='deep'.")
+                      "members' state is not each member's own); use ensemble.method='deep'.")
   if method.wrap_model is not None:  # e.g. MIMO: one network, several slots and heads.
     model = method.wrap_model(model, task)
   input_shape = tuple(int(d) for d in input_shape)

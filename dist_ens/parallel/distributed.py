@@ -26,7 +26,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import configuration
-from dist_ens.errors import AgreedConfigError
+from dist_ens.errors import AgreedConfigError, ConfigError
 from dist_ens.parallel import peer_watch
 
 # How long process 0's coordination service waits without a heartbeat before it
