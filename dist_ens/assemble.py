@@ -169,7 +169,8 @@ def build_run(config: ml_collections.ConfigDict, *,
     config = configuration.resolve_epochs(config, run_data.order.examples_per_epoch)
     if config.eval.shift and data.is_token_ids(dataset.test.x):
       raise ConfigError(f'config.eval.shift={config.eval.shift!r} corrupts images and signals; '
-                        f'{dataset.name!r} has integer token inputs. Set eval.shift=\'\'.')
+                        f'{dataset.name!r} has integer token inputs (config.task='
+                        f'{config.task!r}). Set eval.shift=\'\'.')
     shift_spec.check_run(config, dataset.input_shape, data_spec(config))  # sets, mCE baseline
     shapes = (dataset.input_shape, tasks.get_task(config.task).output_units(dataset),
               jnp.int32 if data.is_token_ids(dataset.test.x) else jnp.float32)

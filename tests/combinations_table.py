@@ -33,8 +33,12 @@ AXES: dict[str, tuple[Option, ...]] = {
         Option('classification', {}, ('task',), dataset='classes'),
         Option('regression', {'task': 'regression'}, ('task',), dataset='targets'),
         Option('regression [N, D]', {'task': 'regression'}, ('task',), dataset='vectors'),
-        # Option('token_classification', {'task': 'token_classification'}, ('task',),
-        #        dataset='tokens'),  # <- its row goes here (a dataset 'tokens' in the test)
+        # Next-token prediction with the built-in causal transformer (a class per position).
+        Option('token_classification', {
+            'task': 'token_classification', 'model.name': 'token_transformer',
+            'model.causal': True, 'model.pool': 'tokens', 'model.vocab_size': 6,
+            'model.hidden': 8, 'model.depth': 1, 'model.heads': 2, 'model.mlp_dim': 16},
+               ('task',), dataset='tokens'),
     ),
     'method': (
         Option('deep', {}, ('ensemble.method',)),

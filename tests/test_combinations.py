@@ -37,8 +37,20 @@ def _toy(n, seed, kind):
   return x, (y[:, 0] if kind == 'targets' else y).astype(np.float32)
 
 
+def _tokens(n, seed):
+  """Next-token pairs of a repeating pattern 0..4 (vocabulary 6); every third row ends
+  early, its tail padded (input token 5, target -1: not scored)."""
+  rng = np.random.default_rng(seed)
+  seq = (rng.integers(0, 5, n)[:, None] + np.arange(9)[None]) % 5
+  pad = (np.arange(8)[None] >= 5) & (np.arange(n) % 3 == 0)[:, None]
+  return (np.where(pad, 5, seq[:, :-1]).astype(np.int32),
+          np.where(pad, -1, seq[:, 1:]).astype(np.int32))
+
+
 DATASETS = {kind: data.from_arrays(*_toy(128, 0, kind), *_toy(32, 1, kind), name=kind)
             for kind in ('classes', 'targets', 'vectors')}
+DATASETS['tokens'] = data.from_arrays(*_tokens(128, 0), *_tokens(32, 1), name='tokens',
+                                      num_classes=6, pad_id=-1)
 
 
 def _config(case):
