@@ -219,7 +219,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     optimizer: replaces the config's: optimizer(member_hparams) -> GradientTransformation,
       or one GradientTransformation for every member.
   """
-  method = methods.from_spec(method_spec(config))
+  method = methods.from_spec(method_spec(config, num_outputs))
   task = tasks.get_task(config.task)
   model = models.get_model(model_spec(config), num_outputs * method.outputs_per_output)
   if config.pbt.enabled and not method.copyable:
