@@ -226,7 +226,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     raise ConfigError(f'config.pbt.enabled=True copies whole members, which '
                       f'config.ensemble.method={config.ensemble.method!r} does not allow (its '
                       "members' state is not each member's own); use ensemble.method='deep'.")
-  if method.wrap_model is not None:  # e.g. MIMO: one network, several slots and heads.
+  if method.wrap_model is not None:  # e.g. MIMO's slots and heads, a randomized prior.
     model = method.wrap_model(model, task)
   input_shape = tuple(int(d) for d in input_shape)
   sample_x = jax.ShapeDtypeStruct((1, *input_shape), input_dtype)
