@@ -105,7 +105,8 @@ def get_config() -> ml_collections.ConfigDict:
   # 'batchensemble' (one shared weight per layer, rank-1 factors per member),
   # 'mimo' (each member one network of mimo.heads input slots and output heads),
   # 'snapshot' (each member's schedule restarts snapshot.cycles times; every cycle's end
-  # predicts) or 'multiswag' (SWAG per member: swag.samples weight samples predict).
+  # predicts), 'multiswag' (SWAG per member: swag.samples weight samples predict) or
+  # 'prior' (randomized priors: each member adds prior.scale times a frozen random network).
   # Or your own method by import path, 'my_pkg.methods:make' (docs/how-it-works.md), with
   # its fields in ensemble.options (anything; the method checks them).
   config.ensemble.method = 'deep'
@@ -138,6 +139,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.ensemble.swag.every = 10  # every this many steps
   config.ensemble.swag.rank = 10  # deviations kept for the low-rank covariance (0: diagonal)
   config.ensemble.swag.samples = 8  # weight samples per member at evaluation
+  # Randomized prior functions (Osband et al. 2018): member output = trained network's +
+  # scale * a frozen network's, initialised per member from (seed, member) and kept in the
+  # model state (never trained, no optimizer state; checkpointed and exported).
+  config.ensemble.prior = ml_collections.ConfigDict()
+  config.ensemble.prior.scale = 3.0  # >= 0; 3 as in Osband et al.'s own BootDQN+prior code
+  # The prior's hidden widths, for models that take config.model.widths (the MLP); () =
+  # the member's own architecture.
+  config.ensemble.prior.widths = ()
 
   config.data = ml_collections.ConfigDict()
   config.data.name = 'mnist1d'  # embedded ('mnist1d', 'digits') or any prepared TFDS name

@@ -220,14 +220,14 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     optimizer: replaces the config's: optimizer(member_hparams) -> GradientTransformation,
       or one GradientTransformation for every member.
   """
-  method = methods.from_spec(method_spec(config))
+  method = methods.from_spec(method_spec(config, num_outputs))
   task = tasks.get_task(config.task)
   model = models.get_model(model_spec(config), num_outputs * method.outputs_per_output)
   if config.pbt.enabled and not method.copyable:
     raise ConfigError(f'config.pbt.enabled=True copies whole members, which '
                       f'config.ensemble.method={config.ensemble.method!r} does not allow (its '
                       "members' state is not each member's own); use ensemble.method='deep'.")
-  if method.wrap_model is not None:  # e.g. MIMO: one network, several slots and heads.
+  if method.wrap_model is not None:  # e.g. MIMO's slots and heads, a randomized prior.
     model = method.wrap_model(model, task)
   input_shape = tuple(int(d) for d in input_shape)
   sample_x = jax.ShapeDtypeStruct((1, *input_shape), input_dtype)

@@ -32,7 +32,8 @@ ALWAYS_COMPATIBLE = ('train.steps', 'train.epochs', 'train.log_every', 'train.ev
 NEVER_COMPATIBLE = ('num_members', 'model', 'data.name', 'ensemble.method', 'ensemble.own',
                     'ensemble.lora_rank', 'ensemble.lora_alpha', 'ensemble.lora_targets',
                     'ensemble.train_shared',
-                    'ensemble.snapshot.cycles', 'ensemble.swag.rank', 'ensemble.mimo.heads')
+                    'ensemble.snapshot.cycles', 'ensemble.swag.rank', 'ensemble.mimo.heads',
+                    'ensemble.prior.widths')
 
 
 # Version of what a checkpoint holds. 2: TrainState(params, model_state, opt_state,

@@ -303,7 +303,8 @@ DATA_FIELDS = {'member_split': ''}
 EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1, 'shift_baseline': ''}
 MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
 ENSEMBLE_FIELDS = {'own': 'all', 'lora_rank': 8, 'lora_alpha': 0.0, 'lora_targets': '',
-                   'train_shared': False, 'options': {}}
+                   'train_shared': False, 'options': {},
+                   'prior': {'scale': 3.0, 'widths': []}}
 # Fields added to a group since format 2: {group: {field: the value runs had before}}.
 GROUP_FIELDS = {'mesh': MESH_FIELDS, 'data': DATA_FIELDS, 'eval': EVAL_FIELDS,
                 'model': MODEL_FIELDS, 'ensemble': ENSEMBLE_FIELDS}

@@ -161,6 +161,8 @@ class Ensemble:
                             out_shardings=mesh_lib.replicated(mesh))
     self._take = jax.jit(functools.partial(stored.take_member, model),
                          out_shardings=mesh_lib.replicated(mesh))
+    self._take_state = jax.jit(lambda state, i: jax.tree.map(lambda a: a[i], state),
+                               out_shardings=mesh_lib.replicated(mesh))
 
   @property
   def params(self) -> PyTree:
@@ -413,11 +415,25 @@ class Ensemble:
       raise IndexError(f'member({i}): this ensemble has members 0..{self.num_members - 1}.')
     return jax.tree.map(np.asarray, self._take(self._stored, np.int32(i)))
 
+  def member_state(self, i: int) -> PyTree:
+    """Member i's model state as a plain pytree of numpy arrays (no member axis): its
+    BatchNorm statistics, a randomized prior's network; {} for a model without one.
+
+    Example:
+      logits, _ = ens.model.apply(ens.member(0), ens.member_state(0), x, train=False)
+    """
+    if not 0 <= i < self.num_members:
+      raise IndexError(f'member_state({i}): this ensemble has members 0..'
+                       f'{self.num_members - 1}.')
+    return jax.tree.map(np.asarray, self._take_state(self.model_state, np.int32(i)))
+
   def export(self, directory: str | os.PathLike) -> list[Path]:
     """Writes each member as its own .npz file, usable without dist_ens or JAX.
 
     Files: `member_{i}.npz` holding the member's leaves under '/'-joined pytree
-    paths (e.g. '0/w', 'convs/1/b', 'head/w'; integer parts are list indices), and
+    paths (e.g. '0/w', 'convs/1/b', 'head/w'; integer parts are list indices);
+    `member_{i}_state.npz`, the same for its model state (member_state(i): BatchNorm
+    statistics, a randomized prior's network) where the model has one; and
     `ensemble.json` with the model config, input shape, class count, step and the
     frozen members. Read one back with numpy alone (`np.load(path)`) or as the
     original pytree with `load_member(path)`. Only process 0 writes.
@@ -434,12 +450,15 @@ class Ensemble:
     """
     directory = Path(directory)
     paths = [directory / f'member_{i}.npz' for i in range(self.num_members)]
-    members = [self.member(i) for i in range(self.num_members)]  # Every process takes part.
+    files = {path: self.member(i) for i, path in enumerate(paths)}  # Every process takes part.
+    if jax.tree.leaves(self.model_state):
+      files.update({directory / f'member_{i}_state.npz': self.member_state(i)
+                    for i in range(self.num_members)})
     if jax.process_index() != 0:
       return paths
     directory.mkdir(parents=True, exist_ok=True)
-    for path, params in zip(paths, members):
-      flat = {path_key(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    for path, tree in files.items():
+      flat = {path_key(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
       with tempfile.NamedTemporaryFile(dir=directory, suffix='.npz', delete=False) as tmp:
         np.savez(tmp, **flat)
       os.replace(tmp.name, path)
@@ -449,7 +468,8 @@ class Ensemble:
             'frozen_members': np.flatnonzero(self.frozen).tolist(),
             'input_shape': list(self.input_shape), 'num_classes': self.num_classes,
             'data': self.config.data.name, 'model': self.config.model.to_dict(),
-            'task': self.config.task}
+            'task': self.config.task,
+            'model_state_files': len(files) > len(paths)}  # member_{i}_state.npz
     if self.scale is not None:  # A standardising task's members predict standardised units.
       meta['standardizer'] = {k: np.asarray(v).tolist() for k, v in self.scale._asdict().items()}
     if self.split_scales is not None:  # Member splits: member i uses split i // per_split's.

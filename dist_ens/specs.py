@@ -5,6 +5,7 @@ no defaults for what configs/default.py holds (that file is where every default 
 a field only some configs set is optional in its spec, with its default there.
 """
 
+import functools
 from typing import Any
 
 import ml_collections
@@ -56,12 +57,17 @@ def init_from_spec(config: ml_collections.ConfigDict) -> InitFrom:
                   owned_from_file=bool(_field(config, 'model.init_owned_from_file')))
 
 
-def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
+def method_spec(config: ml_collections.ConfigDict,
+                num_outputs: int | None = None) -> methods.MethodSpec:
   """config.ensemble's method, with the run's steps, schedule and mode it depends on; the
-  method's own fields are its config.ensemble group (ensemble.options for a user's)."""
+  method's own fields are its config.ensemble group (ensemble.options for a user's).
+  Given the task's `num_outputs`, the spec can build second networks of config.model's
+  kind (MethodSpec.build_model)."""
   ensemble, optim = config.ensemble, config.optim
   group = methods.options_group(ensemble.method)
   options = ensemble.get(group) if group else None
+  build_model = None if num_outputs is None else functools.partial(
+      models.resized, model_spec(config), num_outputs)
   return methods.MethodSpec(
       name=ensemble.method, total_steps=config.train.steps,
       restartable_schedule=optim.schedule != 'constant' or bool(optim.warmup_steps),
@@ -69,7 +75,7 @@ def method_spec(config: ml_collections.ConfigDict) -> methods.MethodSpec:
       options=options.to_dict() if options is not None else {}, own=ensemble.own,
       lora_rank=ensemble.lora_rank, lora_alpha=ensemble.lora_alpha,
       lora_targets=ensemble.lora_targets,
-      train_shared=_field(config, 'ensemble.train_shared'))
+      train_shared=_field(config, 'ensemble.train_shared'), build_model=build_model)
 
 
 def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:

@@ -54,6 +54,9 @@ AXES: dict[str, tuple[Option, ...]] = {
         Option('multiswag', {'ensemble.method': 'multiswag', 'ensemble.swag.start': 0.5,
                              'ensemble.swag.every': 1, 'ensemble.swag.rank': 1,
                              'ensemble.swag.samples': 2}, ('ensemble.method',)),
+        # A smaller prior network than the member's (widths (8,)): prior.widths exercised.
+        Option('prior', {'ensemble.method': 'prior', 'ensemble.prior.widths': (4,)},
+               ('ensemble.method',), label='randomized prior'),
         Option('mc_dropout', {'model.dropout': 0.1, 'eval.mc_samples': 2},
                ('eval.mc_samples', 'model.dropout'), label='MC dropout'),
     ),
@@ -110,6 +113,9 @@ REFUSED: dict[frozenset[str], str] = {
                                   'different data',
     **{_pair(o, m): 'a shared backbone works with independent (deep) members only'
        for o in ('own=head', 'own=lora') for m in _NOT_DEEP},
+    **{_pair(o, 'prior'): "a shared backbone works with method='deep' only (a prior beside "
+                          'a shared, frozen backbone is not built)'
+       for o in ('own=head', 'own=lora')},
     **{_pair('temperature', t): 'temperature scaling is a classifier\'s (Task.calibrate)'
        for t in ('regression', 'regression [N, D]')},
     _pair('reproducible', 'batchensemble'): "the shared weights' gradient is a sum over "

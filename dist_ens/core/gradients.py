@@ -80,21 +80,32 @@ def _strided(a: jax.Array, k: int) -> jax.Array:
 
 
 def accumulate(fn: BatchFn, k: int) -> BatchFn:
-  """`fn` over k strided micro-batches in a lax.scan; the mean of their results."""
+  """`fn` over k strided micro-batches in a lax.scan; the mean of their results.
+
+  A model-state value that no micro-batch changed is kept as it was, bit for bit (a
+  randomized prior's frozen network): the mean of k copies, summed in order, may round.
+  """
   if k == 1:
     return fn
 
   def run(params, model_state, x, y, key, hp):
-    def body(total, chunk):
+    def body(carry, chunk):
+      total, changed = carry
       i, xi, yi = chunk
       result = fn(params, model_state, xi, yi, jax.random.fold_in(key, i), hp)
-      return jax.tree.map(jnp.add, total, result), None
+      changed = jax.tree.map(lambda c, new, old: c | (new != old), changed,
+                             result.model_state, model_state)
+      return (jax.tree.map(jnp.add, total, result), changed), None
 
     shapes = jax.eval_shape(fn, params, model_state, x[:x.shape[0] // k], y[:y.shape[0] // k],
                             key, hp)
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    total, _ = jax.lax.scan(body, zeros, (jnp.arange(k), _strided(x, k), _strided(y, k)))
-    return _mean(total, k)
+    unchanged = jax.tree.map(lambda s: jnp.zeros(s.shape, bool), shapes.model_state)
+    (total, changed), _ = jax.lax.scan(body, (zeros, unchanged),
+                                       (jnp.arange(k), _strided(x, k), _strided(y, k)))
+    mean = _mean(total, k)
+    return mean._replace(model_state=jax.tree.map(
+        lambda c, new, old: jnp.where(c, new, old), changed, mean.model_state, model_state))
 
   return run
 

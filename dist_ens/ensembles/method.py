@@ -17,7 +17,8 @@ outputs it asks the model for per task output, how the optimizer's schedule rest
 method's group of config.ensemble) and refuses, in one line, what it cannot do with the
 run (`spec.reproducible`, the task in `wrap_model`, ...).
 
-Built-ins live one per file (deep.py, batchensemble.py, mimo.py, snapshot.py, swag.py)
+Built-ins live one per file (deep.py, batchensemble.py, mimo.py, snapshot.py, swag.py,
+prior.py)
 and are registered by name in dist_ens.ensembles.methods; a user's is an import path,
 `config.ensemble.method = 'my_pkg.methods:make'`, whose fields are
 `config.ensemble.options` (docs/how-it-works.md shows one).
@@ -46,6 +47,12 @@ class MethodSpec(NamedTuple):
   lora_alpha: Any = 0.0
   lora_targets: Any = ''
   train_shared: Any = False  # ensemble.train_shared
+  # build_model(fields, asking) -> a second network of the run's model kind, with the
+  # config.model `fields` set otherwise ({'widths': (32,)}; models.resized), for the
+  # task's outputs per example; `asking` names the method's field for its refusal
+  # ('config.ensemble.prior.widths=(32,)'). None where no model is built (a spec read
+  # only to check the method's fields): call it in wrap_model, not in make.
+  build_model: Callable[[Mapping[str, Any], str], Any] | None = None
 
 
 def _no_collect(collected: PyTree, params: PyTree, state: PyTree, step: jax.Array) -> PyTree:

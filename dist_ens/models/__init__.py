@@ -12,7 +12,8 @@ Models read config.model as a ModelSpec (dist_ens.models.spec), which
 dist_ens.assemble.model_spec builds once; nothing here takes the raw config.
 """
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from dist_ens import importing
@@ -40,6 +41,16 @@ MODELS: dict[str, Callable[[ModelSpec, int], Model]] = {
     'vit': make_vit,  # Vision Transformer (patch_size, hidden, depth, heads, mlp_dim, pool)
     # Encoder (or causal decoder) over int token ids [B, L] (vocab_size, causal, ...).
     'token_transformer': make_token_transformer,
+}
+# The config.model fields that size each built-in's layers: what a second network of the
+# same kind (a method's, e.g. ensemble.prior.widths) may set otherwise (`resized`).
+SIZE_FIELDS: dict[str, tuple[str, ...]] = {
+    'mlp': ('widths',),
+    'cnn': ('channels', 'kernel_sizes', 'strides'),
+    'resnet': ('depth',),
+    'wide_resnet': ('depth', 'widen_factor'),
+    'vit': ('patch_size', 'hidden', 'depth', 'heads', 'mlp_dim'),
+    'token_transformer': ('hidden', 'depth', 'heads', 'mlp_dim'),
 }
 
 
@@ -105,5 +116,27 @@ def get_model(spec: ModelSpec, num_classes: int) -> Model:
   return constructor(spec, num_classes)
 
 
+def resized(spec: ModelSpec, num_classes: int, fields: Mapping[str, Any], asking: str) -> Model:
+  """The model `spec` builds, with the config.model `fields` set otherwise (e.g.
+  {'widths': (32,)}): a second network of the run's kind, for a method (a randomized
+  prior's smaller network). `asking` names the config field that asked, as
+  'config.ensemble.prior.widths=(32,)', for the refusal.
+
+  Raises:
+    ConfigError: the model takes no such field (a user's factory, a Hugging Face
+      model, or a built-in that does not read it; SIZE_FIELDS).
+  """
+  kind = (f'config.model.init_from={spec.hf!r}' if spec.hf else
+          f'config.model.factory={spec.factory!r}' if spec.factory else
+          f'config.model.name={spec.name!r}')
+  takes = () if spec.factory or spec.hf else SIZE_FIELDS.get(spec.name, ())
+  for field in fields:
+    if field not in takes:
+      takers = ', '.join(name for name, sized in SIZE_FIELDS.items() if field in sized)
+      raise ConfigError(f'{asking} needs a model that takes config.model.{field} (built-in '
+                        f'{takers or "none"}), and {kind} does not; leave it at its default.')
+  return get_model(dataclasses.replace(spec, **fields), num_classes)
+
+
 __all__ = ['MODELS', 'OPTIONAL_FIELDS', 'Model', 'ModelSpec', 'from_hf', 'get_model',
-           'import_factory', 'make_cnn', 'make_mlp']
+           'import_factory', 'make_cnn', 'make_mlp', 'resized', 'SIZE_FIELDS']

@@ -1,0 +1,225 @@
+"""Randomized prior functions (config.ensemble.method='prior', dist_ens/ensembles/prior.py):
+the prior is each member's own, drawn from (seed, member) alone, never trained, kept through
+checkpoints, resume, Ensemble.load and export, and added to the trained network's output."""
+
+import json
+import logging
+import signal
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import dist_ens
+from dist_ens import assemble, data, models
+from dist_ens.core import rng
+from dist_ens.ensembles import prior as prior_lib
+from dist_ens.errors import ConfigError
+from dist_ens.inference import load_member
+from dist_ens.parallel import mesh as mesh_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+M, SCALE, WIDTHS, PRIOR_WIDTHS = 8, 2.5, (8,), (4,)
+
+
+def _toy(n, seed):
+  r = np.random.default_rng(seed)
+  x = r.normal(size=(n, 8, 1)).astype(np.float32)
+  return x, ((x[:, 0, 0] > 0).astype(np.int32) + (x[:, 1, 0] > 0)).astype(np.int32)
+
+
+DATASET = data.from_arrays(*_toy(128, 0), *_toy(32, 1), name='classes')
+
+
+def _config(member=8, data_size=1, method='prior', **prior):
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.num_members, config.model.widths = M, WIDTHS
+  config.data.batch_size, config.data.prefetch, config.eval.batch_size = 16, 0, 64
+  config.data.member_order = 'bootstrap'
+  config.train.steps, config.train.log_every, config.train.eval_every = 4, 4, 0
+  config.checkpoint.every, config.writers, config.eval.joint_tau = 2, ('jsonl',), 0
+  config.mesh.member, config.mesh.data = member, data_size
+  config.ensemble.method = method
+  config.ensemble.prior.scale = prior.get('scale', SCALE)
+  config.ensemble.prior.widths = prior.get('widths', PRIOR_WIDTHS)
+  return config
+
+
+class _PreemptAt:
+  """SIGTERM after step `step`: the run saves it and stops, as a preempted job does."""
+
+  def __init__(self, step):
+    self.step = step
+
+  def on_step(self, ctx):
+    if ctx.step == self.step:
+      signal.raise_signal(signal.SIGTERM)
+
+  def on_end(self, ctx):
+    del ctx
+
+  def close(self):
+    pass
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """Workdirs and final metrics: 'straight' (mesh 8x1) and 'resumed' (8x1, preempted at
+  step 2 and resumed)."""
+  root, out = tmp_path_factory.mktemp('prior'), {}
+  out['straight'] = (root / 'straight',
+                     dist_ens.train(_config(), str(root / 'straight'), dataset=DATASET))
+  stopped = dist_ens.train(_config(), str(root / 'resumed'), dataset=DATASET,
+                           actions=[_PreemptAt(2)])
+  assert stopped['preempted'] and stopped['step'] == 2
+  out['resumed'] = (root / 'resumed',
+                    dist_ens.train(_config(), str(root / 'resumed'), dataset=DATASET))
+  return out
+
+
+@pytest.fixture(scope='module')
+def loaded(runs):
+  return {name: dist_ens.Ensemble.load(str(workdir)) for name, (workdir, _) in runs.items()}
+
+
+def _stepped(config, steps=3):
+  """(initial, final) train state after `steps` compiled steps on a shared toy batch."""
+  parts = assemble.build_run(config, shapes=((8, 1), 3)).parts
+  step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
+  sharding = mesh_lib.batch_sharding(parts.mesh)
+  x, y = (data.to_global(a[:config.data.batch_size], sharding) for a in DATASET.train[:2])
+  initial = jax.tree.map(np.asarray, assemble.init_sharded(parts))
+  state = assemble.init_sharded(parts)
+  for _ in range(steps):
+    state, _ = step(state, parts.device_hparams(), x, y)
+  return initial, jax.tree.map(np.asarray, state)
+
+
+def _micro_batched(method):
+  """Mesh 2x4, 8 micro-batches: a mean of 8 copies of a float, summed in order, rounds
+  for about 4 values in 10 (of 2 or 4 copies, never)."""
+  config = _config(2, 4, method, scale=0.0, widths=())
+  config.data.batch_size, config.train.micro_batches = 32, 8
+  return config
+
+
+@pytest.fixture(scope='module')
+def micro_batched():
+  return {method: _stepped(_micro_batched(method)) for method in ('deep', 'prior')}
+
+
+def _drawn_priors(config):
+  """Every member's prior as drawn from (seed, member) alone: eagerly, one at a time."""
+  widths = tuple(config.ensemble.prior.widths) or tuple(config.model.widths)
+  config = _config()
+  config.model.widths = widths
+  net = models.get_model(assemble.model_spec(config), 3)
+  keys = rng.member_keys(config.seed, np.arange(M))
+  sample = np.zeros((1, 8, 1), np.float32)
+  return [net.init(jax.random.fold_in(keys[m], prior_lib._PRIOR_STREAM), sample)[0]  # pylint: disable=protected-access
+          for m in range(M)]
+
+
+def _initial_priors(config):
+  """The priors of the run's own initial state (its init program, on its mesh)."""
+  state = assemble.init_sharded(assemble.build_run(config, shapes=((8, 1), 3)).parts)
+  return jax.tree.map(np.asarray, state.model_state.prior_params)
+
+
+def _assert_same(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_priors_are_drawn_per_member_and_never_change_on_any_mesh(loaded, micro_batched):
+  drawn = _drawn_priors(_config())
+  assert not np.allclose(drawn[0][0]['w'], drawn[1][0]['w'])  # each member its own
+  initial = _initial_priors(_config())
+  for m in range(M):  # The init program's draw is (seed, m)'s (its erf_inv rounds apart).
+    for got, want in zip(jax.tree.leaves(initial), jax.tree.leaves(drawn[m])):
+      np.testing.assert_allclose(got[m], want, rtol=1e-6, atol=1e-7)
+  for name in ('straight', 'resumed'):  # 4 steps on mesh 8x1, bootstrap member orders
+    _assert_same(loaded[name].model_state.prior_params, initial)
+  start, end = _stepped(_config(4, 2))  # mesh 4x2: the same draw, kept
+  _assert_same(start.model_state.prior_params, initial)
+  _assert_same(end.model_state.prior_params, initial)
+  assert not np.allclose(start.params[0]['w'], end.params[0]['w'])  # what trains moved
+  # Mesh 2x4, 8 micro-batches: the prior (the member's own architecture) goes through the
+  # micro-batches' mean of the model state and comes back as it was.
+  start, end = micro_batched['prior']
+  _assert_same(end.model_state.prior_params, start.model_state.prior_params)
+
+
+def test_no_optimizer_state_or_gradient_reaches_the_prior():
+  parts = assemble.build_run(_config(), shapes=((8, 1), 3)).parts
+  state = parts.abstract_state
+  assert isinstance(state.model_state, prior_lib.PriorState)
+  prior_shapes = {leaf.shape for leaf in jax.tree.leaves(state.model_state.prior_params)}
+  assert prior_shapes == {(M, 8, 4), (M, 4), (M, 4, 3), (M, 3)}
+  opt_shapes = {leaf.shape for leaf in jax.tree.leaves(state.opt_state)}
+  assert not {(M, 8, 4), (M, 4, 3)} & opt_shapes, opt_shapes  # the kernels: distinct shapes
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+      (state.params, state.opt_state))[0]]
+  assert not [n for n in names if 'prior' in n], names
+
+
+def _forward(params, x):
+  h = x.reshape(x.shape[0], -1).astype(np.float64)
+  for layer in params[:-1]:
+    h = np.maximum(h @ layer['w'] + layer['b'], 0)
+  return h @ params[-1]['w'] + params[-1]['b']
+
+
+def test_members_predict_trained_output_plus_scaled_prior_from_exported_files(loaded, tmp_path):
+  ens = loaded['straight']
+  paths = ens.export(tmp_path / 'members')
+  assert json.loads((tmp_path / 'members' / 'ensemble.json').read_text())['model_state_files']
+  x = DATASET.test.x[:6]
+  probs = ens.predict(x).member_probs
+  for m in (0, 5):
+    state = load_member(tmp_path / 'members' / f'member_{m}_state.npz')
+    logits = (_forward(load_member(paths[m]), x)
+              + SCALE * _forward(state['prior_params'], x))
+    want = np.exp(logits - logits.max(-1, keepdims=True))
+    np.testing.assert_allclose(probs[m], want / want.sum(-1, keepdims=True), rtol=1e-4,
+                               atol=1e-6)
+    trained_only = np.exp(_forward(load_member(paths[m]), x))
+    assert not np.allclose(probs[m], trained_only / trained_only.sum(-1, keepdims=True),
+                           atol=1e-3)
+
+
+def test_resume_ends_where_an_uninterrupted_run_ends(runs, loaded):
+  straight, resumed = runs['straight'][1], runs['resumed'][1]
+  strip = lambda d: {k: strip(v) if isinstance(v, dict) else v for k, v in d.items()
+                     if not k.endswith('_seconds')}
+  assert strip(resumed) == strip(straight)
+  _assert_same(loaded['straight'].params, loaded['resumed'].params)
+  _assert_same(loaded['straight'].model_state, loaded['resumed'].model_state)
+
+
+def test_scale_zero_trains_exactly_as_a_deep_ensemble(micro_batched):
+  (deep_start, deep), (prior_start, prior) = micro_batched['deep'], micro_batched['prior']
+  _assert_same(deep_start.params, prior_start.params)  # the prior's key is a stream apart
+  _assert_same(deep.params, prior.params)
+  _assert_same(deep.opt_state, prior.opt_state)
+
+
+@pytest.mark.parametrize('field, value, match', [
+    ('ensemble.prior.scale', -1.0, r'config\.ensemble\.prior\.scale=-1\.0'),
+    ('ensemble.prior.scale', float('nan'), r'config\.ensemble\.prior\.scale=nan'),
+    ('ensemble.prior.widths', ('4',), r"config\.ensemble\.prior\.widths=\('4',\)"),
+    ('ensemble.prior.widths', (0,), r'config\.ensemble\.prior\.widths=\(0,\)'),
+    ('model.name', 'lenet5', r'config\.ensemble\.prior\.widths=\(4,\).*'
+                             r"config\.model\.name='lenet5'"),
+])
+def test_bad_fields_are_refused_in_one_line_naming_them(field, value, match, tmp_path,
+                                                         caplog):
+  caplog.set_level(logging.INFO)
+  config = _config()
+  config.update_from_flattened_dict({field: value})
+  with pytest.raises(ConfigError, match=match) as refused:
+    dist_ens.train(config, str(tmp_path / 'w'), dataset=DATASET)
+  assert '\n' not in str(refused.value)
+  assert not (tmp_path / 'w').exists()
