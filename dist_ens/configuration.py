@@ -300,7 +300,8 @@ ADDED_FIELDS = {'task': 'classification',
 MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'fsdp_over_data': False, 'rules': [],
                'logical_rules': []}
 DATA_FIELDS = {'member_split': ''}
-EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1, 'shift_baseline': ''}
+EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1, 'shift_baseline': '',
+               'laplace': '', 'laplace_samples': 0}
 MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
 ENSEMBLE_FIELDS = {'own': 'all', 'lora_rank': 8, 'lora_alpha': 0.0, 'lora_targets': '',
                    'train_shared': False, 'options': {}}
