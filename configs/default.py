@@ -287,6 +287,14 @@ def get_config() -> ml_collections.ConfigDict:
   # Fit a temperature per member and one for the ensemble on the validation split (needs
   # data.validation_size > 0); test metrics before and after under 'temperature_scaling'.
   config.eval.temperature_scaling = False
+  # Last-layer Laplace per member (docs/ensemble_methods.md; classification, method
+  # 'deep'): '' = off, 'last_layer_diag', 'last_layer_kron' or 'last_layer_full' (the
+  # Gauss-Newton matrix's form); test metrics of the members' Laplace predictives and
+  # their mixture under 'laplace', the prior precision chosen on the validation split
+  # (else by marginal likelihood).
+  config.eval.laplace = ''
+  # 0: the probit approximation of the predictive; k > 0: the mean of k logit draws.
+  config.eval.laplace_samples = 0
   # Distribution shift: the test split corrupted on device (docs/evaluation.md), per
   # corruption and severity the members' and the ensemble's metrics and their means
   # (cA, cNLL, cCE), under 'shift' in final_metrics.json. '' = off; 'all' (every family

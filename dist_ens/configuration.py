@@ -292,36 +292,43 @@ def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
   return json.loads(config.to_json())
 
 
-# Fields added since checkpoint format 2, with the value every run had before them.
-ADDED_FIELDS = {'task': 'classification',
-                'pbt': {'enabled': False, 'interval': 500, 'metric': 'nll', 'quantile': 0.25,
-                        'fields': [], 'perturb_factors': [0.8, 1.2],
-                        'resample_probability': 0.25, 'seed': 0}}
-MESH_FIELDS = {'model': 1, 'fsdp_min_size': 4096, 'fsdp_over_data': False, 'rules': [],
-               'logical_rules': []}
-DATA_FIELDS = {'member_split': ''}
-EVAL_FIELDS = {'metrics': [], 'shift': '', 'conformal_alpha': 0.1, 'shift_baseline': ''}
-MODEL_FIELDS = {'init_from': '', 'init_map': [], 'init_owned_from_file': False}
-ENSEMBLE_FIELDS = {'own': 'all', 'lora_rank': 8, 'lora_alpha': 0.0, 'lora_targets': '',
-                   'train_shared': False, 'options': {},
-                   'prior': {'scale': 3.0, 'widths': []}}
-# Fields added to a group since format 2: {group: {field: the value runs had before}}.
-GROUP_FIELDS = {'mesh': MESH_FIELDS, 'data': DATA_FIELDS, 'eval': EVAL_FIELDS,
-                'model': MODEL_FIELDS, 'ensemble': ENSEMBLE_FIELDS}
+# An old workdir's config lacks the fields added since it was saved. upgrade() gives
+# each configs/default.py's default, except where runs before the field behaved as
+# another value would: {group: {field: the value runs had before}}. A new field needs
+# an entry here only when its default changes what an old run did.
+OLD_BEHAVIOUR = {'eval': {'joint_tau': 0}}  # No joint log-loss was computed.
+
+
+def _defaults() -> dict[str, Any]:
+  """configs/default.py as a plain dict ({} for an installed package without it)."""
+  return to_dict(load_config(DEFAULT_CONFIG)) if DEFAULT_CONFIG.is_file() else {}
+
+
+def _fill(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+  """`saved` with the fields it lacks taken from `defaults`, group by group."""
+  out = dict(saved)
+  for key, value in defaults.items():
+    if key not in out:
+      out[key] = value
+    elif isinstance(out[key], dict) and isinstance(value, dict):
+      out[key] = _fill(out[key], value)
+  return out
 
 
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
-  """A config saved by an earlier version, with the fields added since (ADDED_FIELDS) at
-  the values its run had, and train.loss 'cross_entropy' written as '' (the
-  classification task's own loss: the same function, now the default)."""
-  out = {**ADDED_FIELDS, **saved}
-  train = out.get('train')
-  if isinstance(train, dict) and train.get('loss') == 'cross_entropy' and (
-      out['task'] == 'classification'):
-    out['train'] = {**train, 'loss': ''}
-  for group, fields in GROUP_FIELDS.items():
+  """A config saved by an earlier version, with the fields added since at the values its
+  run had (OLD_BEHAVIOUR's, else configs/default.py's), and train.loss 'cross_entropy'
+  written as '' (the classification task's own loss: the same function, now the
+  default)."""
+  out = dict(saved)
+  for group, fields in OLD_BEHAVIOUR.items():
     if isinstance(out.get(group), dict):
       out[group] = {**fields, **out[group]}
+  out = _fill(out, _defaults())
+  train = out.get('train')
+  if isinstance(train, dict) and train.get('loss') == 'cross_entropy' and (
+      out.get('task', 'classification') == 'classification'):
+    out['train'] = {**train, 'loss': ''}
   return out
 
 

@@ -86,6 +86,8 @@ _FEATURES = (
     # Conformal sets are calibrated whenever there is a validation split.
     Option('conformal', {'eval.conformal_alpha': 0.2, **_VALIDATION},
            ('eval.conformal_alpha', 'data.validation_size')),
+    Option('laplace', {'eval.laplace': 'last_layer_kron', **_VALIDATION}, ('eval.laplace',),
+           label='last-layer Laplace'),
     Option('reproducible', {'reproducible': True}, ('reproducible',)),
     Option('bf16', {'precision': 'bfloat16'}, ('precision',)),
 )
@@ -118,6 +120,10 @@ REFUSED: dict[frozenset[str], str] = {
        for o in ('own=head', 'own=lora')},
     **{_pair('temperature', t): 'temperature scaling is a classifier\'s (Task.calibrate)'
        for t in ('regression', 'regression [N, D]')},
+    **{_pair('laplace', t): "the last-layer Laplace is the softmax cross-entropy's"
+       for t in ('regression', 'regression [N, D]')},
+    **{_pair('laplace', m): "Laplace fits each independently trained member's output layer"
+       for m in (*_NOT_DEEP, 'own=head', 'own=lora')},
     _pair('reproducible', 'batchensemble'): "the shared weights' gradient is a sum over "
                                             'devices in a mesh-dependent order',
     _pair('reproducible', 'mimo'): "the heads' shuffles of a batch split over data depend "

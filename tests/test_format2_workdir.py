@@ -6,9 +6,11 @@ import json
 import shutil
 from pathlib import Path
 
+import ml_collections
 import numpy as np
 
 import dist_ens
+from dist_ens import configuration
 
 FIXTURE = Path(__file__).parent / 'data' / 'format2_workdir'
 DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
@@ -39,3 +41,16 @@ def test_an_old_workdir_resumes_with_todays_config(tmp_path):
   steps = [json.loads(line)['step'] for line in (workdir / 'metrics.jsonl').open()
            if json.loads(line)['split'] == 'train']
   assert steps == [2, 4, 6, 8] and final['step'] == 8  # Continued from the old step 4.
+
+
+def test_a_field_added_later_takes_its_default_or_the_old_behaviour():
+  """upgrade() fills what an old config lacks from configs/default.py, except the fields
+  whose default would change what the old run did (configuration.OLD_BEHAVIOUR)."""
+  saved = json.loads((FIXTURE / 'config.json').read_text())
+  upgraded = configuration.upgrade(saved)
+  defaults = configuration.to_dict(dist_ens.load_config(DEFAULT))
+  assert configuration.differences(upgraded, defaults)  # The old run's own values stay...
+  assert set(configuration.config_fields(ml_collections.ConfigDict(upgraded))) >= set(
+      configuration.config_fields(ml_collections.ConfigDict(defaults)))  # ...and none lacks.
+  assert upgraded['eval']['joint_tau'] == 0 != defaults['eval']['joint_tau']
+  assert upgraded['eval']['laplace'] == defaults['eval']['laplace']

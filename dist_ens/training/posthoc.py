@@ -71,7 +71,7 @@ def _split(ctx: Context, name: str):
   return ctx.run_data.validation
 
 
-def _included(ctx: Context) -> np.ndarray:
+def included(ctx: Context) -> np.ndarray:
   """[M] bool: the members in the ensemble (not frozen)."""
   return ~np.asarray(ctx.fetch(ctx.state.frozen), bool)
 
@@ -116,8 +116,8 @@ class McDropout(_Posthoc):
   def run(self, ctx: Context) -> None:
     scorer, test = ctx.evaluator.scorer, ctx.run_data.dataset.test
     outputs = self.cache.get(ctx, 'test', self.samples)
-    results = scorer.metrics(outputs, test.y, _included(ctx))
-    plain = scorer.metrics(self.cache.get(ctx, 'test'), test.y, _included(ctx))
+    results = scorer.metrics(outputs, test.y, included(ctx))
+    plain = scorer.metrics(self.cache.get(ctx, 'test'), test.y, included(ctx))
     if _same(results, plain):
       logging.warning('MC dropout with %d samples equals plain evaluation: the model has no '
                       'dropout, or ignores rng when train=False (see docs/ensemble_methods.md).',
@@ -127,7 +127,7 @@ class McDropout(_Posthoc):
       ctx.results['mc_dropout']['ood'] = {
           'dataset': ctx.config.eval.ood_dataset,
           **scorer.ood(outputs, self.cache.get(ctx, 'ood', self.samples), test.y,
-                       _included(ctx))}
+                       included(ctx))}
     if ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': 'test_mc_dropout', **results})
     logging.info('MC dropout (%d samples per member) test metrics:\n%s', self.samples,
@@ -195,7 +195,7 @@ class TemperatureScale(_Posthoc):
   def run(self, ctx: Context) -> None:
     val_y, test_y = ctx.run_data.validation.y, ctx.run_data.dataset.test.y
     out = ctx.parts.task.calibrate(ctx.evaluator.scorer, self.cache.get(ctx, 'validation'),
-                                   val_y, self.cache.get(ctx, 'test'), test_y, _included(ctx))
+                                   val_y, self.cache.get(ctx, 'test'), test_y, included(ctx))
     ctx.results['temperature_scaling'] = out
     if ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': 'test_temperature_scaled', **out['after']})
@@ -220,7 +220,7 @@ class GreedySelect(_Posthoc):
     size = self.size or ctx.config.num_members
     val, test = self.cache.get(ctx, 'validation'), self.cache.get(ctx, 'test')
     val_y, test_y = ctx.run_data.validation.y, ctx.run_data.dataset.test.y
-    included = _included(ctx)
+    included = included(ctx)
     log_likelihood = np.asarray(task.log_likelihood(val, val_y), np.float64)  # [M, N]
     chosen = selection.greedy_select(log_likelihood, size, candidates=included)
     greedy = scorer.metrics(test[chosen.picks], test_y)

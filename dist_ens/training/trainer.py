@@ -25,7 +25,8 @@ from dist_ens.ensembles import methods
 from dist_ens.io import console, tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, held_out,
-                               joint_action, noise, pbt, posthoc, workdir as workdir_lib)
+                               joint_action, laplace_action, noise, pbt, posthoc,
+                               workdir as workdir_lib)
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 
@@ -163,6 +164,7 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   if config.pbt.enabled:  # After the step's evaluations, before its checkpoint.
     out.append(pbt.PopulationBasedTraining(ctx, specs.pbt_spec(config)))
   out += posthoc.posthoc_actions(config, ctx.parts.task, ctx.parts.method)
+  out += laplace_action.laplace_actions(config, ctx.parts.task, ctx.parts.method)
   out += joint_action.joint_actions(config.eval.joint_tau, config.eval.joint_batches,
                                     config.seed, ctx.parts.task)
   out.append(decision_actions.EvaluateDecisions())  # selective, conformal, eval.shift
@@ -185,6 +187,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   distributed.check_same_config(configuration.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
   posthoc.check(run.config, run.parts.task)
+  laplace_action.laplace_actions(run.config, run.parts.task, run.parts.method)  # refusals
   test = run.data.dataset.test
   if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
     raise configuration.ConfigError(
