@@ -54,8 +54,9 @@ AXES: dict[str, tuple[Option, ...]] = {
         Option('multiswag', {'ensemble.method': 'multiswag', 'ensemble.swag.start': 0.5,
                              'ensemble.swag.every': 1, 'ensemble.swag.rank': 1,
                              'ensemble.swag.samples': 2}, ('ensemble.method',)),
-        # A smaller prior network than the member's (widths (8,)): prior.widths exercised.
-        Option('prior', {'ensemble.method': 'prior', 'ensemble.prior.widths': (4,)},
+        # The prior of the member's architecture (any model kind; tests/test_prior.py
+        # covers a smaller one, prior.widths).
+        Option('prior', {'ensemble.method': 'prior'},
                ('ensemble.method',), label='randomized prior'),
         Option('mc_dropout', {'model.dropout': 0.1, 'eval.mc_samples': 2},
                ('eval.mc_samples', 'model.dropout'), label='MC dropout'),
@@ -124,6 +125,12 @@ REFUSED: dict[frozenset[str], str] = {
        for t in ('regression', 'regression [N, D]')},
     **{_pair('laplace', m): "Laplace fits each independently trained member's output layer"
        for m in (*_NOT_DEEP, 'own=head', 'own=lora')},
+    _pair('token_classification', 'mimo'): "MIMO's heads split [batch, units] outputs, not "
+                                           'per-position ones',
+    _pair('token_classification', 'shift'): 'the corruptions perturb continuous inputs, not '
+                                            'token ids',
+    _pair('token_classification', 'laplace'): "the last-layer Laplace is a classifier's of one "
+                                              'output vector per example',
     _pair('reproducible', 'batchensemble'): "the shared weights' gradient is a sum over "
                                             'devices in a mesh-dependent order',
     _pair('reproducible', 'mimo'): "the heads' shuffles of a batch split over data depend "

@@ -220,12 +220,12 @@ class GreedySelect(_Posthoc):
     size = self.size or ctx.config.num_members
     val, test = self.cache.get(ctx, 'validation'), self.cache.get(ctx, 'test')
     val_y, test_y = ctx.run_data.validation.y, ctx.run_data.dataset.test.y
-    included = included(ctx)
+    candidates = included(ctx)
     log_likelihood = np.asarray(task.log_likelihood(val, val_y), np.float64)  # [M, N]
-    chosen = selection.greedy_select(log_likelihood, size, candidates=included)
+    chosen = selection.greedy_select(log_likelihood, size, candidates=candidates)
     greedy = scorer.metrics(test[chosen.picks], test_y)
-    every = scorer.metrics(test, test_y, included)
-    pooled = np.logaddexp.reduce(log_likelihood[included], axis=0) - np.log(included.sum())
+    every = scorer.metrics(test, test_y, candidates)
+    pooled = np.logaddexp.reduce(log_likelihood[candidates], axis=0) - np.log(candidates.sum())
     ctx.results['greedy'] = {
         'by': 'validation nll', 'max_size': size, 'picks': chosen.picks,
         'members': sorted(set(chosen.picks)), 'counts': chosen.counts.tolist(),
