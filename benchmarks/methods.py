@@ -14,6 +14,9 @@ the same number of forward/backward passes:
   deep        4 independent members, T steps
   batchensemble  4 members sharing each weight (rank-1 factors), T steps
   mimo        1 network of 3 input slots and heads, 4T steps -> 3 heads predict
+  ensemble+   4 members, T steps, each with a frozen randomized prior network (scale 3)
+  laplace     4 members, T steps, each a last-layer K-FAC Laplace (probit predictive):
+              its inference time is the plain members' (the predictive is not timed)
   snapshot    1 member, 4T steps, 4 cosine cycles -> 4 snapshots predict
   fge         fast geometric ensembling: 1 member, 4T steps, the cosine schedule over the
               first half, then 4 cosine cycles at 0.2x the rate -> 4 snapshots predict
@@ -80,6 +83,12 @@ def methods(steps: int) -> dict[str, dict]:
       'mc_dropout': {'num_members': 1, 'train.steps': long, 'model.dropout': 0.2,
                      'eval.mc_samples': MC_SAMPLES},
       'deep_dropout': {'num_members': MEMBERS, 'train.steps': steps, 'model.dropout': 0.2},
+      # Randomized prior functions (Osband et al. 2018; the Testbed's ensemble+).
+      'ensemble+': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'prior'},
+      # A deep ensemble's members each with a last-layer K-FAC Laplace (mixture of
+      # Laplaces); prior precision by marginal likelihood (no validation split here).
+      'laplace': {'num_members': MEMBERS, 'train.steps': steps,
+                  'eval.laplace': 'last_layer_kron'},
   }
 
 
@@ -97,7 +106,7 @@ def _config(base: Path, overrides: dict):
 def _scores(name: str, results: dict) -> tuple[dict, float]:
   """(test metrics of the predicting ensemble, its OOD AUROC by entropy)."""
   key = {'snapshot': 'snapshot', 'fge': 'snapshot', 'swag': 'multiswag',
-         'multiswag': 'multiswag', 'mc_dropout': 'mc_dropout'}.get(name)
+         'multiswag': 'multiswag', 'mc_dropout': 'mc_dropout', 'laplace': 'laplace'}.get(name)
   block = results[key] if key else results
   return block['ensemble'], block['ood']['ensemble']['auroc_entropy']
 

@@ -94,8 +94,8 @@ def test_predictive_tends_to_the_plain_softmax_as_the_prior_tightens():
 
 def _toy(n, seed):
   rng = np.random.default_rng(seed)
-  x = rng.normal(size=(n, 6)).astype(np.float32)
-  return x, ((x[:, 0] > 0).astype(np.int32) + (x[:, 1] > 0)).astype(np.int32)
+  x = rng.normal(size=(n, 40, 1)).astype(np.float32)  # MNIST-1D's shape: its OOD noise fits
+  return x, ((x[:, 0, 0] > 0).astype(np.int32) + (x[:, 1, 0] > 0)).astype(np.int32)
 
 
 def _config(kind, validation=64):
@@ -123,10 +123,11 @@ def test_a_run_fits_every_member_and_reports_the_mixture(tmp_path):
   assert np.isfinite(fit['ensemble']['nll']) and 0 < fit['ensemble']['accuracy'] <= 1
   assert len(fit['members']['nll']) == 4
   config = _config('last_layer_diag', validation=0)
-  config.eval.laplace_samples = 8
+  config.eval.laplace_samples, config.eval.ood_dataset = 8, 'mnist1d_noise'
   out = dist_ens.train(config, str(tmp_path / 'diag'), dataset=DATASET)
   assert out['laplace']['prior_precision_by'] == 'marginal likelihood'
   assert out['laplace']['predictive'] == 'mc:8' and out['laplace']['train_examples'] == 256
+  assert 0 <= out['laplace']['ood']['ensemble']['auroc_entropy'] <= 1
 
 
 @pytest.mark.parametrize('field, value, names', [

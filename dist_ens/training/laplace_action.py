@@ -109,7 +109,14 @@ class Laplace(PeriodicAction):
       post = jax.jit(jax.vmap(functools.partial(laplace.posterior, self.kind)))(curvature)
       deltas, by = self._prior(ctx, feats, post, names)
       plain, laplaced = self._log_probs(ctx, feats, post, deltas, ctx.run_data.dataset.test)
+      ood = (None if ctx.run_data.ood is None else
+             self._log_probs(ctx, feats, post, deltas, ctx.run_data.ood)[1])
     self._report(ctx, plain, laplaced, deltas, by, count)
+    if ood is not None:  # OOD AUROC/AUPR by the Laplace predictives' uncertainty.
+      ctx.results['laplace']['ood'] = {
+          'dataset': ctx.config.eval.ood_dataset,
+          **ctx.evaluator.scorer.ood(laplaced, ood, ctx.run_data.dataset.test.y,
+                                     posthoc.included(ctx))}
 
   def _report(self, ctx, plain, laplaced, deltas, by, count) -> None:
     included, test_y = posthoc.included(ctx), ctx.run_data.dataset.test.y
