@@ -37,6 +37,9 @@ class JointLogLoss(PeriodicAction):
     task, test = ctx.parts.task, ctx.run_data.dataset.test
     batches = joint.dyadic_batches(len(test.y), self.tau, self.num_batches, self.seed)
     included = ~np.asarray(ctx.fetch(ctx.state.frozen), bool)
+    if not included.any():  # Every member went non-finite: the run ends saying so.
+      logging.info('joint log-loss skipped: no member is in the ensemble.')
+      return
     loss = joint.joint_log_loss(_log_likelihood(ctx, self.cache.get(ctx, 'test')), batches,
                                 included)
     out: dict[str, Any] = {'tau': self.tau, 'kappa': joint.KAPPA, 'batches': self.num_batches,

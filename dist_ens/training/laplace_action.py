@@ -97,6 +97,9 @@ class Laplace(PeriodicAction):
     self.kind, self.samples = kind, samples
 
   def run(self, ctx: Context) -> None:
+    if not posthoc.included(ctx).any():  # Every member went non-finite: the run says so.
+      logging.info('Laplace skipped: no member is in the ensemble.')
+      return
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ctx.state.params)
     names = head_leaves(one, ctx.parts.num_outputs)
     feats = jax.vmap(functools.partial(_features, ctx.parts.predict_model, *names),
