@@ -381,7 +381,7 @@ def child(members: int, steps: int, scratch: Path, out_path: Path) -> None:
   final = dist_ens.train(config_for(members, steps), str(workdir),
                          actions=[marks, probe_cls()])
   out['train_wall_s'] = time.perf_counter() - start
-  out['final_phase_s'] = start + out['train_wall_s'] - out.pop('ended_at')
+  out['probe_to_end_s'] = start + out['train_wall_s'] - out.pop('ended_at')
   out['rss_peak_bytes'] = host_memory.status_bytes('VmHWM')
   out['rss_peak_steps_bytes'] = marks.rss_peak  # up to the last step timed
   out['marks'] = marks.marks
@@ -537,6 +537,14 @@ def run_plan(members: int) -> dict[str, Any]:
           if proc.returncode else ''}
 
 
+def _after_last_step(row) -> float:
+  """Seconds from the last step's end to train() returning, less the Probe action's own
+  measurements (the last step is timed as the median step after the last mark)."""
+  step, seconds = row['marks'][-1]
+  last = seconds + (row['steps'] - step) * row['step_s']
+  return row['train_wall_s'] - last - row['actions_s']['Probe']['on_end']
+
+
 # Each part's cost per M: (key, label, unit, function of a row).
 def _action(row, name):
   return row['actions_s'].get(name, {}).get('on_end', 0.0)
@@ -563,7 +571,8 @@ PARTS = [
      lambda r: _action(r, 'EvaluateDecisions')),
     ('temperature', 'post-hoc: temperature scaling', 's', lambda r: _action(r, 'TemperatureScale')),
     ('greedy', 'post-hoc: greedy selection (M picks)', 's', lambda r: _action(r, 'GreedySelect')),
-    ('final_phase', 'final phase, whole (after the last step)', 's', lambda r: r['final_phase_s']),
+    ('final_phase', 'after the last step, whole (the probe left out)', 's',
+     lambda r: _after_last_step(r)),
     ('rss_steps', 'host peak RSS: training steps', 'MB', lambda r: r['rss_peak_steps_bytes'] / 1e6),
     ('rss_peak', 'host peak RSS: whole run', 'MB', lambda r: r['rss_peak_bytes'] / 1e6),
     ('live_bytes', 'live device buffers (8 devices)', 'MB',
@@ -751,6 +760,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--quick', action='store_true', help=f'M = {QUICK_MEMBERS}')
   parser.add_argument('--no_plan', action='store_true', help='skip `dist-ens plan`')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'scaling.json'))
+  parser.add_argument('--replot', action='store_true',
+                      help='no runs: the fits, targets, table and figure again from --out')
   parser.add_argument('--child', type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument('--steps', type=int, default=0, help=argparse.SUPPRESS)
   parser.add_argument('--scratch', default='', help=argparse.SUPPRESS)
@@ -763,6 +774,9 @@ def main(argv: list[str] | None = None) -> None:
   if args.step_rounds:  # M:K,M:K,...
     step_rounds({int(m): int(k) for m, k in (c.split(':') for c in args.step_rounds.split(','))},
                 ROUND_SECONDS, ROUNDS, Path(args.child_out))
+    return
+  if args.replot:
+    replot(Path(args.out))
     return
   members = ([int(m) for m in args.members.split(',')] if args.members
              else list(QUICK_MEMBERS if args.quick else MEMBERS))
@@ -794,9 +808,7 @@ def main(argv: list[str] | None = None) -> None:
     console_tail = console_top.read_text().splitlines()[-60:] if console_top.exists() else []
   fits = fit_parts(rows)
   goals = targets(rows, fits, disk, interleaved)
-  done = [r['members'] for r in rows if 'failed' not in r]
   out = Path(args.out)
-  figure = out.with_suffix('.png')
   import jax  # (only for its version: the parent never starts a backend)
   results = {**header, 'jax': jax.__version__, 'devices': f'{DEVICES} fake CPU devices',
              'load_average_end': harness.load_average(),
@@ -809,16 +821,41 @@ def main(argv: list[str] | None = None) -> None:
              'targets': goals, 'fits': fits, 'rows': rows,
              'console_tail_top_m': console_tail}
   harness.write_results(out, results)
-  plot(fits, figure, f'dist_ens scaling: {DEVICES} fake CPU devices on {header["machine"]["cores"]}'
-       f' cores ({header["machine"]["cpu"]}), MLP 40-8-10, {header["date"][:10]}, '
-       f'{(header["commit"] or "")[:8]}; load {header["load_average_start"]} -> '
-       f'{results["load_average_end"]}')
-  print(markdown_table(fits, done))
+  report(results, out)
+
+
+def _title(results: dict[str, Any]) -> str:
+  machine = results['machine']
+  return (f'dist_ens scaling: {DEVICES} fake CPU devices on {machine["cores"]} cores '
+          f'({machine["cpu"]}), MLP 40-8-10, {results["date"][:10]}, '
+          f'{(results["commit"] or "")[:8]}; load {results["load_average_start"]} -> '
+          f'{results["load_average_end"]}')
+
+
+def report(results: dict[str, Any], out: Path) -> None:
+  """The figure beside `out`, the table and the targets printed."""
+  figure = out.with_suffix('.png')
+  plot(results['fits'], figure, _title(results))
+  done = [r['members'] for r in results['rows'] if 'failed' not in r]
+  print(markdown_table(results['fits'], done))
   print()
-  for goal in goals:
+  for goal in results['targets']:
     print(f'- {goal["target"]}: {"holds" if goal["holds"] else "MISSES"}; '
           f'{json.dumps(goal["measured"], default=float)}')
   print(f'wrote {out} and {figure}')
+
+
+def replot(out: Path) -> None:
+  """Fits, targets, table and figure again from a results file's rows (no runs)."""
+  results = json.loads(out.read_text())
+  interleaved = results.get('interleaved_steps') or {}
+  results['fits'] = fit_parts(results['rows'])
+  results['targets'] = targets(results['rows'], results['fits'],
+                               results['disk_write_bytes_per_s'], interleaved)
+  harness.write_results(out, results)
+  for f in results['fits']:  # (JSON keys are strings)
+    f['values'] = {int(m): v for m, v in f['values'].items()}
+  report(results, out)
 
 
 if __name__ == '__main__':
