@@ -655,8 +655,8 @@ def targets(rows: list[dict[str, Any]], fits: list[dict[str, Any]],
     slope = harness.log_slope([ok[m]['state_bytes'] for m in big],
                               [ok[m]['checkpoint_save_s'] for m in big])
     lo, hi = ok[big[0]], ok[big[-1]]
-    marginal = ((hi['state_bytes'] - lo['state_bytes'])
-                / max(hi['checkpoint_save_s'] - lo['checkpoint_save_s'], 1e-9))
+    extra = hi['checkpoint_save_s'] - lo['checkpoint_save_s']  # (<= 0: noise over growth)
+    marginal = (hi['state_bytes'] - lo['state_bytes']) / extra if extra > 0 else None
     effective = hi['state_bytes'] / hi['checkpoint_save_s']
     out.append({'target': 'checkpoint save linear in state bytes at >= 50% of the disk\'s '
                           'write bandwidth (dd, fdatasync)',
@@ -665,7 +665,7 @@ def targets(rows: list[dict[str, Any]], fits: list[dict[str, Any]],
                              'marginal_bandwidth': marginal,
                              'disk_bandwidth': disk['fdatasync'],
                              'effective_fraction': effective / disk['fdatasync'],
-                             'marginal_fraction': marginal / disk['fdatasync']},
+                             'marginal_fraction': marginal and marginal / disk['fdatasync']},
                 'holds': bool(slope is not None and slope <= 1.2
                               and effective >= 0.5 * disk['fdatasync'])})
   if PBT_AT in ok:
