@@ -301,3 +301,16 @@ def test_the_report_draws_each_members_schedule_and_copies(pbt_run):
   out = report.make_report(workdir)
   assert (out / 'pbt.png').is_file() and 'Population-based training' in (
       out / 'report.md').read_text()
+
+
+def test_round_line_counts_copies_of_a_large_population():
+  """A round of 4,096 members copies 1,024: the log line names a few and counts them
+  (members.csv's lineage column lists each); a small round names every copy."""
+  values = list(np.linspace(0.4, 0.9, 4096))
+  sources = list(range(4096))
+  sources[-1024:] = range(1024)
+  line = pbt_train.round_line(3, 600, 'nll', values, sources)
+  assert len(line) < 400 and '1,024 members copied better ones' in line
+  assert 'member 3072 copied member 0' in line
+  assert pbt_train.round_line(1, 10, 'nll', [0.5, 0.7], [0, 0]).endswith(
+      'member 1 copied member 0')

@@ -19,6 +19,7 @@ from dist_ens.errors import ConfigError
 from dist_ens.ensembles.selection import greedy_select
 from dist_ens.tasks import temperature
 from dist_ens.eval import calibration, evaluate
+from dist_ens.io import tables
 from dist_ens.models import layers
 from dist_ens.models.base import dense_init
 from dist_ens.parallel import mesh as mesh_lib
@@ -92,6 +93,26 @@ def test_member_and_ensemble_temperatures():
   # Temperature never changes the argmax.
   assert out['after']['ensemble']['accuracy'] == out['before']['ensemble']['accuracy']
   json.dumps(out)
+
+
+def test_member_temperatures_are_fitted_in_chunks_of_flat_memory():
+  """fit_member_temperatures fits members a chunk at a time: its scratch memory does not
+  grow with M (all at once it held [M, 64, N, C]: 8 GB of host memory at M=4,096 in
+  benchmarks/scaling.py), and each member's temperature is still its own fit, also in a
+  last, partial chunk."""
+  labels, logits = _logits(3, members=19)
+  log_probs = np.asarray(jax.nn.log_softmax(logits * np.linspace(0.2, 4, 19)[:, None, None]))
+  temps = np.asarray(calibration.fit_member_temperatures(log_probs, labels))
+  for m in (0, 15, 16, 18):
+    assert temps[m] == pytest.approx(float(calibration.fit_temperature(log_probs[m], labels)),
+                                     rel=1e-6)
+
+  def scratch(members):
+    shape = jax.ShapeDtypeStruct((members, *log_probs.shape[1:]), jnp.float32)
+    compiled = calibration.fit_member_temperatures.lower(shape, labels).compile()
+    return compiled.memory_analysis().temp_size_in_bytes
+
+  assert scratch(1024) < 1.5 * scratch(64)
 
 
 def _caruana_reference(log_probs, labels, size, candidates):
@@ -248,3 +269,18 @@ def test_posthoc_fits_need_a_validation_split():
   config.select.method = 'best'
   with pytest.raises(ConfigError, match='config.select.method'):
     posthoc.check(config, tasks.get_task('classification'))
+
+
+def test_log_lines_of_thousands_of_members_stay_one_screen_line():
+  """Temperature scaling and greedy selection log a line each: per-member lists printed
+  4,096 numbers (28k characters) at M=4,096 (benchmarks/scaling.py); small runs keep
+  the full list."""
+  rng = np.random.default_rng(0)
+  temperatures = rng.uniform(0.5, 20.0, 4096)
+  picks = rng.integers(0, 4096, 4096).tolist()
+  text, picked = tables.spread_text(temperatures), posthoc._picks_text(picks)
+  assert len(text) < 80 and len(picked) < 160
+  assert text.startswith(f'min {temperatures.min():.3f}') and '4096 members' in text
+  assert picked.startswith(f'4,096 of {len(set(picks)):,} distinct members: {picks[:8]}'[:-1])
+  assert tables.spread_text([1.23456, 2.0]) == '[1.235, 2.0]'
+  assert posthoc._picks_text([3, 1, 3]) == '[3, 1, 3]'

@@ -307,3 +307,41 @@ def test_sweep_labels_never_overlap_and_label_every_spread_member():
       assert not report_plots._overlap(drawn[a], drawn[b]), (placed[a], placed[b])
   spread = np.stack(np.meshgrid(np.linspace(0.1, 0.9, 5), np.linspace(0.1, 0.9, 4)), -1)
   assert len(report_plots.place_labels(spread.reshape(-1, 2), texts[:20])) == 20
+
+
+def test_a_thousand_members_report_their_spread_not_a_row_or_line_each(tmp_path):
+  """benchmarks/scaling.py at M=4,096: report.html had a table row per member (4,103)
+  and the learning curves a line per member (2 minutes of drawing). Beyond 32 members the
+  tables give the members' spread (and the sweep table the best and worst), the curves
+  the median, interquartile range and range."""
+  m = 1000
+  rng = np.random.default_rng(0)
+  metric = lambda low, high: rng.uniform(low, high, m).tolist()
+  final = {'num_members': m, 'frozen_members': [7],
+           'members': {'accuracy': metric(0.1, 0.3), 'nll': metric(2.0, 3.0),
+                       'brier': metric(0.8, 1.0), 'ece': metric(0.0, 0.3)},
+           'ensemble': {'accuracy': 0.4, 'nll': 1.9, 'brier': 0.7, 'ece': 0.05},
+           'hyperparameters': {'optim.learning_rate': metric(1e-4, 1e-2)}}
+  final['members']['nll'][7] = float('nan')
+  active = [i for i in range(m) if i != 7]
+  run = report.Run(tmp_path, final, 'a thousand members', active, [])
+  (tmp_path / 'page.html').write_text(report.html_page(run, tmp_path), encoding='utf-8')
+  tables = {tuple(t[0][:2]): t for t in _parse_html(tmp_path / 'page.html').tables}
+  metrics, hparams = tables['member', 'accuracy'], tables['member', 'optim.learning_rate']
+  assert len(metrics) < 12 and len(hparams) == 1 + 32 - 3
+  nll = np.array(final['members']['nll'])[active]
+  median = next(row for row in metrics if row[0] == 'member median (non-frozen)')
+  assert median[metrics[0].index('NLL')] == f'{np.median(nll):.4f}'
+  best = np.argsort(np.where(np.isnan(final['members']['nll']), np.inf, final['members']['nll']))
+  assert [row[0] for row in hparams[1:4]] == [str(i) for i in best[:3]]
+  assert hparams[-1][0] == '7 (frozen)' and 'more (members.csv)' in hparams[-5][0]
+
+  events = [{'step': s, 'split': split, 'members': {k: metric(0.5, 2.5) for k in keys},
+             'ensemble': {k: 1.0 for k in keys}}
+            for s in (10, 20, 30) for split, keys in (('train', ('loss',)),
+                                                       ('test', ('accuracy', 'nll')))]
+  report_plots.plot_learning_curves(tmp_path, events, frozen={7})
+  svg = (tmp_path / 'learning_curves.svg').read_text()
+  assert svg.count('id="line2d_') < 100  # (1,000 members drew 3,000 lines)
+  assert svg.count('PolyCollection_') >= 6  # a range and a quartile band per panel
+  assert 'median member' in svg and '999 members: range' in svg

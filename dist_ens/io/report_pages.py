@@ -15,6 +15,7 @@ import numpy as np
 from dist_ens.eval.metrics import METRICS, NUM_ECE_BINS
 from dist_ens.io import tables
 from dist_ens.io.report_data import finite_mean, floats, method_rows
+from dist_ens.io.report_plots import learning_curves_members
 from dist_ens.io.report_stats import SizeSpread
 
 # Above this an SVG is embedded in report.html as its PNG instead (e.g. learning curves of
@@ -80,7 +81,8 @@ def report_figures(final: dict[str, Any], spread: SizeSpread,
              'the top-k ensemble when members were selected (green, dotted). Frozen or '
              'non-finite members are grey crosses at the axis edge. Axes span the data.'),
       Figure('learning_curves', 'Learning curves',
-             'Train loss and test metrics of every member over steps, the ensemble in orange.'),
+             'Train loss and test metrics over steps of '
+             f'{learning_curves_members(final["num_members"])}, the ensemble in orange.'),
       Figure('ensemble_size', 'Ensemble size', _ensemble_size_caption(final, spread, active))]
   if len(method_rows(final)) > 1:
     figures.append(Figure(
@@ -205,9 +207,15 @@ def _metrics_html(final: dict[str, Any], active: list[int]) -> str:
   members, ens = final['members'], final['ensemble']
   columns = [(k, name) for k, name in _columns(final) if k in members]
   rows = []
-  for i in range(final['num_members']):
-    label, cls = _member_label(i, active)
-    rows.append(([label] + [_fmt(members[k][i]) for k, _ in columns], cls))
+  if final['num_members'] <= tables.MAX_ROWS:
+    kept = set(active)
+    for i in range(final['num_members']):
+      label, cls = _member_label(i, kept)
+      rows.append(([label] + [_fmt(members[k][i]) for k, _ in columns], cls))
+  else:  # The spread of the non-frozen members, as the console's table gives it.
+    for label, q in _QUANTILES:
+      rows.append(([f'member {label} (non-frozen)'] + [
+          _fmt(_quantile(members[k], active, q)) for k, _ in columns], 'member'))
   rows.append((['member mean (non-frozen)']
                + [_fmt(finite_mean(members[k], active)) for k, _ in columns], 'mean'))
   rows.append((['ensemble'] + _cells(ens, columns), 'ensemble'))
@@ -224,8 +232,21 @@ def _metrics_html(final: dict[str, Any], active: list[int]) -> str:
                  f'{_fmt(ens["expected_entropy"])} + mutual information (epistemic) '
                  f'{_fmt(ens["mutual_information"])}; mean pairwise KL '
                  f'{_fmt(ens.get("pairwise_kl"))}')
+  if final['num_members'] > tables.MAX_ROWS:
+    notes.insert(0, f'{final["num_members"]} members ({len(active)} not frozen): their spread '
+                    'per metric; members.csv and final_metrics.json list each.')
   return (_html_table(['member'] + [name for _, name in columns], rows)
           + ''.join(f'\n<p class="note">{html.escape(n)}</p>' for n in notes))
+
+
+_QUANTILES = (('min', 0.0), ('25%', 0.25), ('median', 0.5), ('75%', 0.75), ('max', 1.0))
+
+
+def _quantile(values: Sequence[Any], active: list[int], q: float) -> float:
+  """The q-quantile of the non-frozen members' finite values (NaN if none)."""
+  chosen = floats(values)[active]
+  chosen = chosen[np.isfinite(chosen)]
+  return float(np.quantile(chosen, q)) if chosen.size else float('nan')
 
 
 def _selected_html(final: dict[str, Any], active: list[int]) -> str:
@@ -246,17 +267,32 @@ def _hparams_html(final: dict[str, Any], active: list[int]) -> str:
   header = (['member'] + list(hparams)
             + [f'{split} {label}' for split, _ in splits for _, label in pair]
             + (['selected'] if chosen else []))
+  kept, shown = set(active), list(range(final['num_members']))
+  skipped = 0
+  if len(shown) > tables.MAX_ROWS:  # The best and the worst by the first split's NLL.
+    nll = floats(splits[0][1][pair[1][0]])
+    shown.sort(key=lambda i: (i not in kept, not np.isfinite(nll[i]), np.nan_to_num(nll[i])))
+    skipped = len(shown) - (tables.MAX_ROWS - 4)
+    shown = shown[:tables.MAX_ROWS - 8] + [-1] + shown[-4:]
   rows = []
-  for i in range(final['num_members']):
-    label, cls = _member_label(i, active)
+  for i in shown:
+    if i < 0:
+      rows.append(([f'... {skipped} more (members.csv)'] + [''] * (len(header) - 1), 'member'))
+      continue
+    label, cls = _member_label(i, kept)
     cells = [label] + [_fmt(values[i], '.4g') for values in hparams.values()]
     cells += [_fmt(metrics[k][i]) for _, metrics in splits for k, _ in pair]
     cells += (['yes' if i in chosen else ''] if chosen else [])
     rows.append((cells, cls))
-  return _html_table(header, rows)
+  table = _html_table(header, rows)
+  if skipped:
+    table = (f'<p class="note">{tables.MAX_ROWS - 8} best and 4 worst of '
+             f'{final["num_members"]} members by {splits[0][0]} {pair[1][1]}, best first.</p>\n'
+             + table)
+  return table
 
 
-def _member_label(i: int, active: list[int]) -> tuple[str, str]:
+def _member_label(i: int, active: set[int] | list[int]) -> tuple[str, str]:
   """Member i's first cell and its row's CSS class (frozen members greyed out)."""
   return (str(i), 'member') if i in active else (f'{i} (frozen)', 'frozen')
 

@@ -5,6 +5,7 @@ Non-finite metrics (members frozen when they diverged) are drawn apart, so that 
 do not set an axis' scale.
 """
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +14,14 @@ import numpy as np
 from dist_ens.eval.metrics import NUM_ECE_BINS
 from dist_ens.io.report_data import floats
 from dist_ens.io.report_stats import Reliability, SizeSpread, reliability
+from dist_ens.io.tables import MAX_ROWS
 
 DPI = 150
 _MEMBER_COLOR, _ENSEMBLE_COLOR, _SELECTED_COLOR = '#4c72b0', '#dd8452', '#55a868'
 _FROZEN_COLOR = '#999999'
+# Learning curves draw a line per member up to this many members, their spread beyond
+# (the console's and the report's tables summarise beyond the same count).
+MAX_CURVES = MAX_ROWS
 
 
 def _limits(values: Any, floor: float | None = None, ceil: float | None = None,
@@ -168,20 +173,49 @@ def plot_learning_curves(out: Path, events: list[dict[str, Any]], frozen: set[in
       continue
     steps = [e['step'] for e in series]
     per_member = np.array([floats(e['members'][key]) for e in series])  # [T, M]
-    labelled = set()
-    for m in range(per_member.shape[1]):
-      group = 'frozen members' if m in frozen else 'members'
-      ax.plot(steps, per_member[:, m], color=_FROZEN_COLOR if m in frozen else _MEMBER_COLOR,
-              lw=0.8, alpha=0.6, marker='.', label=None if group in labelled else group)
-      labelled.add(group)
+    # A diverged (frozen) member's huge loss would flatten every other curve.
+    kept = [m for m in range(per_member.shape[1]) if m not in frozen]
+    if per_member.shape[1] <= MAX_CURVES:
+      _member_curves(ax, steps, per_member, frozen)
+    else:
+      _member_spread(ax, steps, per_member[:, kept])
     ens = floats([e.get('ensemble', {}).get(key) for e in series])
     if np.isfinite(ens).any():
       ax.plot(steps, ens, color=_ENSEMBLE_COLOR, lw=2, marker='o', label='ensemble')
-    # A diverged (frozen) member's huge loss would flatten every other curve.
-    kept = [m for m in range(per_member.shape[1]) if m not in frozen]
     ax.set_ylim(*_limits(np.concatenate([per_member[:, kept].ravel(), ens]), floor, ceil))
     ax.legend(fontsize=8)
   _save(fig, out, 'learning_curves')
+
+
+def learning_curves_members(num_members: int) -> str:
+  """How the learning curves show the members, for the figure's caption."""
+  if num_members <= MAX_CURVES:
+    return 'every member (a line each)'
+  return (f'the {num_members} members\' median, interquartile range and range (non-frozen '
+          'members; metrics.jsonl holds each)')
+
+
+def _member_curves(ax: Any, steps: list[int], per_member: np.ndarray, frozen: set[int]) -> None:
+  """One line per member of [T, M] values, frozen members in grey."""
+  labelled = set()
+  for m in range(per_member.shape[1]):
+    group = 'frozen members' if m in frozen else 'members'
+    ax.plot(steps, per_member[:, m], color=_FROZEN_COLOR if m in frozen else _MEMBER_COLOR,
+            lw=0.8, alpha=0.6, marker='.', label=None if group in labelled else group)
+    labelled.add(group)
+
+
+def _member_spread(ax: Any, steps: list[int], per_member: np.ndarray) -> None:
+  """The members' spread per step of [T, M] values: median, interquartile range, range
+  (non-finite values left out): hundreds of lines would be one blot, slow to draw."""
+  with warnings.catch_warnings():
+    warnings.simplefilter('ignore', RuntimeWarning)  # A step with no finite member.
+    low, q25, median, q75, high = np.nanquantile(per_member, (0, 0.25, 0.5, 0.75, 1), axis=1)
+  m = per_member.shape[1]
+  ax.fill_between(steps, low, high, color=_MEMBER_COLOR, alpha=0.15, lw=0,
+                  label=f'{m} members: range')
+  ax.fill_between(steps, q25, q75, color=_MEMBER_COLOR, alpha=0.35, lw=0, label='25-75%')
+  ax.plot(steps, median, color=_MEMBER_COLOR, lw=1.2, marker='.', label='median member')
 
 
 def plot_ensemble_size(out: Path, spread: SizeSpread, member_mean: dict[str, float],

@@ -214,8 +214,8 @@ def figures(final: dict[str, Any], cal: Calibration, curves: SizeCurves, active:
              '(dashed) and the ensemble (orange). Frozen or non-finite members are grey '
              'crosses at the axis edge.'),
       Figure('learning_curves', 'Learning curves',
-             'Train loss and test RMSE and NLL of every member over steps, the ensemble in '
-             'orange.'),
+             'Train loss and test RMSE and NLL over steps of '
+             f'{plots.learning_curves_members(final["num_members"])}, the ensemble in orange.'),
       Figure('ensemble_size', 'Ensemble size', size)]
 
 

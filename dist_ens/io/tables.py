@@ -1,5 +1,6 @@
 """Results as Markdown tables and member rows (what the log, members.csv and report show)."""
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,6 +23,36 @@ _LABELS = {m.name: m.label for m in METRICS}
 # Tables list members one per row up to this many; beyond, a summary (members.csv has all).
 MAX_ROWS = 32
 _QUANTILES = (('min', 0.0), ('25%', 0.25), ('median', 0.5), ('75%', 0.75), ('max', 1.0))
+
+
+def short_list(values: Sequence[Any], limit: int = MAX_ROWS, head: int = 8) -> str:
+  """`values` as a list for a log line, up to `limit` of them; beyond, the first `head`
+  and how many more (a line per member list stays one screen line at 4,096 members).
+
+  Example:
+    >>> short_list([3, 1, 2]), short_list(range(40), head=3)
+    ('[3, 1, 2]', '[0, 1, 2, ... 37 more]')
+  """
+  values = list(values)
+  if len(values) <= limit:
+    return str(values)
+  return '[' + ', '.join(map(str, values[:head])) + f', ... {len(values) - head:,} more]'
+
+
+def spread_text(values: Sequence[float], fmt: str = '.3f', limit: int = MAX_ROWS) -> str:
+  """Per-member numbers for a log line: the list up to `limit` members, else their min,
+  median and max (final_metrics.json keeps every value).
+
+  Example:
+    >>> spread_text([1.0, 2.0]), spread_text([1.0, 2.0, 4.0], limit=2)
+    ('[1.0, 2.0]', 'min 1.000, median 2.000, max 4.000 over 3 members')
+  """
+  values = np.asarray(values, np.float64)
+  if len(values) <= limit:
+    return str([float(format(v, fmt)) for v in values])
+  low, mid, high = np.nanquantile(values, (0.0, 0.5, 1.0))
+  return (f'min {low:{fmt}}, median {mid:{fmt}}, max {high:{fmt}} over '
+          f'{counted(len(values), "member")}')
 
 
 def counted(n: int, noun: str, plural: str = '') -> str:

@@ -36,6 +36,7 @@ from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.training.loop import Context, PeriodicAction
 
 _META_KEY = 'pbt'
+_MAX_COPIES_LISTED = 8  # a round's log line names this many copies at most
 
 
 def make_exploit(state_shardings: Any, mesh: jax.sharding.Mesh) -> Callable[..., Any]:
@@ -81,6 +82,10 @@ def round_line(round_index: int, step: int, metric: str, values: list[float],
   ranked = (f'validation {metric} {min(finite):.4f} to {max(finite):.4f}' if finite
             else f'no member has a finite validation {metric}')
   copies = [f'member {m} copied member {s}' for m, s in enumerate(sources) if s != m]
+  if len(copies) > _MAX_COPIES_LISTED:  # Hundreds in a large population: count them.
+    shown = ', '.join(copies[:_MAX_COPIES_LISTED // 2])
+    return (f'pbt round {round_index} at step {step}: {ranked}; {len(copies):,} members copied '
+            f'better ones ({shown}, ...; members.csv\'s lineage column lists each)')
   return f'pbt round {round_index} at step {step}: {ranked}; {", ".join(copies) or "no copies"}'
 
 

@@ -33,6 +33,7 @@ from absl import logging
 from dist_ens.ensembles import methods, selection
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate
+from dist_ens.io import tables
 from dist_ens.tasks import Task, check_steps
 from dist_ens.training.loop import Context, PeriodicAction
 
@@ -201,7 +202,7 @@ class TemperatureScale(_Posthoc):
       ctx.write({'step': ctx.step, 'split': 'test_temperature_scaled', **out['after']})
     logging.info('temperature scaling fitted on validation: ensemble T %.3f, member T %s; '
                  'test metrics:\n%s', out['ensemble_temperature'],
-                 np.round(out['member_temperatures'], 3).tolist(),
+                 tables.spread_text(out['member_temperatures']),
                  before_after_table(out['before'], out['after'], ctx.parts.task))
 
 
@@ -238,8 +239,17 @@ class GreedySelect(_Posthoc):
     if 'selected' in ctx.results:
       rows[f"top-{ctx.results['selected']['top_k']}"] = ctx.results['selected']
     logging.info('greedy selection (picks %s, validation NLL %.4f; all members %.4f):\n%s',
-                 chosen.picks, chosen.nll, ctx.results['greedy']['validation_nll_all_members'],
+                 _picks_text(chosen.picks), chosen.nll, ctx.results['greedy']['validation_nll_all_members'],
                  ensembles_table(rows, task))
+
+
+def _picks_text(picks: list[int]) -> str:
+  """Greedy selection's picks for the log: the list, or for many picks (a pool of hundreds
+  of members) how many of how many distinct members, and the first (final_metrics.json
+  keeps them all)."""
+  if len(picks) <= tables.MAX_ROWS:
+    return str(picks)
+  return f'{len(picks):,} of {len(set(picks)):,} distinct members: {tables.short_list(picks)}'
 
 
 def ensembles_table(rows: dict[str, dict[str, Any]], task: Task) -> str:

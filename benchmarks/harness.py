@@ -1,0 +1,113 @@
+"""What every benchmark's results file opens with, and small helpers to fit what it measured.
+
+  from benchmarks import harness          # python -m benchmarks.NAME, from the repository root
+  header = harness.run_header()           # date, commit, load average, machine, command
+  ...
+  harness.write_results(path, {**header, 'rows': rows, 'load_average_end': harness.load_average()})
+
+The machine is shared (a test suite, other developers): absolute times move by up to 2x
+between runs, so a results file carries the load average it ran under, and a benchmark
+quotes ratios of figures measured side by side in one run.
+"""
+
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def git_commit() -> dict[str, Any]:
+  """The checked-out commit and whether the work tree differs from it (the figures are
+  then of uncommitted code)."""
+  def git(*args: str) -> str:
+    return subprocess.run(['git', '-C', str(ROOT), *args], capture_output=True, text=True,
+                          check=False).stdout.strip()
+  return {'commit': git('rev-parse', 'HEAD') or None,
+          'dirty': bool(git('status', '--porcelain', '--untracked-files=no'))}
+
+
+def load_average() -> list[float]:
+  """The 1, 5 and 15 minute load averages ([] where the OS has none)."""
+  try:
+    return [round(x, 2) for x in os.getloadavg()]
+  except OSError:
+    return []
+
+
+def machine() -> dict[str, Any]:
+  """CPU model, cores and memory of this machine, and the Python running."""
+  cpu = platform.processor()
+  try:
+    with open('/proc/cpuinfo') as f:
+      cpu = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')),
+                 cpu)
+  except OSError:
+    pass
+  memory_gb = None
+  try:
+    with open('/proc/meminfo') as f:
+      kb = next(int(line.split()[1]) for line in f if line.startswith('MemTotal:'))
+    memory_gb = round(kb / 2**20, 1)
+  except (OSError, StopIteration):
+    pass
+  return {'node': platform.node(), 'cpu': cpu, 'arch': platform.machine(),
+          'cores': os.cpu_count(), 'memory_gib': memory_gb, 'python': platform.python_version()}
+
+
+def run_header(argv: Sequence[str] | None = None) -> dict[str, Any]:
+  """date (UTC), commit, load average at the start, machine and the command line."""
+  argv = sys.argv if argv is None else argv
+  return {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+          **git_commit(), 'load_average_start': load_average(), 'machine': machine(),
+          'command': 'python ' + ' '.join(argv)}
+
+
+def write_results(path: str | Path, results: dict[str, Any]) -> Path:
+  """Writes `results` as indented JSON (NaN as null: the file stays strict JSON)."""
+  path = Path(path)
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text(json.dumps(_strict(results), indent=1) + '\n')
+  return path
+
+
+def _strict(value: Any) -> Any:
+  if isinstance(value, float) and not math.isfinite(value):
+    return None
+  if isinstance(value, dict):
+    return {k: _strict(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [_strict(v) for v in value]
+  return value
+
+
+def log_slope(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+  """The least-squares slope of log y against log x: 0 flat, 1 linear, 2 quadratic.
+  None with fewer than two positive points."""
+  pairs = [(math.log(x), math.log(y)) for x, y in zip(xs, ys)
+           if x and y and x > 0 and y > 0 and math.isfinite(y)]
+  if len(pairs) < 2:
+    return None
+  mx = sum(p[0] for p in pairs) / len(pairs)
+  my = sum(p[1] for p in pairs) / len(pairs)
+  var = sum((p[0] - mx) ** 2 for p in pairs)
+  return sum((p[0] - mx) * (p[1] - my) for p in pairs) / var if var else None
+
+
+def growth(slope: float | None) -> str:
+  """A log-log slope in words: 'flat' (< 0.25), 'sublinear' (< 0.8), 'linear' (<= 1.2),
+  'superlinear' beyond; 'n/a' without one."""
+  if slope is None:
+    return 'n/a'
+  if slope < 0.25:
+    return 'flat'
+  if slope < 0.8:
+    return 'sublinear'
+  return 'linear' if slope <= 1.2 else 'superlinear'
