@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from dist_ens.core import rng
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate, laplace
 from dist_ens.models.heads import head_paths
@@ -28,15 +29,11 @@ from dist_ens.training.loop import Context, PeriodicAction
 
 # Rows per feature batch: the full form's Jacobians are [rows, P, C] per member.
 _ROWS = 128
-# Stream tag of the predictive's logit draws (training 1, MC dropout 2, SWAG 3).
-_LAPLACE_STREAM = 5
+# Stream tag of the predictive's logit draws within a member's key (core/rng.py).
+_LAPLACE_STREAM = 0x4C41504C  # 'LAPL'
 # The output layer must be linear in its kernel to this relative tolerance, by the
 # precision the model computes in (config.precision).
 _LINEAR_TOLERANCE = {'float32': 1e-3, 'bfloat16': 3e-2}
-
-
-def _leaf_names(params: Any) -> list[str]:
-  return [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
 
 
 def head_leaves(params: Any, num_outputs: int) -> tuple[str, str]:
@@ -70,7 +67,8 @@ def _get(params: Any, name: str) -> jax.Array:
 
 
 def _features(model, kernel_name, bias_name, params, state, x):
-  """One member's (logits [B, C], psi [B, F+1], relative error of psi W + b)."""
+  """One member's (logits [B, C], psi [B, F+1], relative error of the head as linear in
+  its kernel: logits less a zero kernel's against phi @ kernel)."""
   kernel = _get(params, kernel_name)
 
   def first_logit(k, x1):
@@ -194,9 +192,8 @@ class Laplace(PeriodicAction):
                  split: Any) -> tuple[np.ndarray, np.ndarray]:
     """[M, N, C] the members' plain log-probabilities and their Laplace predictive's."""
     kind, samples, params = self.kind, self.samples, ctx.state.params
-    keys = jax.vmap(lambda m: jax.random.fold_in(jax.random.fold_in(
-        jax.random.key(ctx.config.seed), _LAPLACE_STREAM), m))(
-            jnp.arange(len(deltas), dtype=jnp.uint32))
+    keys = jax.vmap(lambda k: jax.random.fold_in(k, _LAPLACE_STREAM))(
+        rng.member_keys(ctx.config.seed, jnp.arange(len(deltas), dtype=jnp.uint32)))
 
     @jax.jit
     def step(x, offset):
