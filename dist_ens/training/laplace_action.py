@@ -66,7 +66,7 @@ def _get(params: Any, name: str) -> jax.Array:
   return leaf
 
 
-def _features(model, kernel_name, bias_name, params, state, x):
+def _features(model, kernel_name, params, state, x):
   """One member's (logits [B, C], psi [B, F+1], relative error of the head as linear in
   its kernel: logits less a zero kernel's against phi @ kernel)."""
   kernel = _get(params, kernel_name)
@@ -81,7 +81,6 @@ def _features(model, kernel_name, bias_name, params, state, x):
   # else adds to the output, a randomized prior's say) are features @ kernel.
   rest = model.apply(_replace(params, kernel_name, jnp.zeros_like(kernel)), state, x,
                      train=False)[0].astype(jnp.float32)
-  del bias_name  # The bias's feature is the constant 1 (laplace.with_bias).
   error = jnp.abs(phi @ kernel.astype(jnp.float32) - (logits - rest)).max() / (
       jnp.abs(logits - rest).max() + 1e-6)
   return logits, laplace.with_bias(phi), error
@@ -100,7 +99,7 @@ class Laplace(PeriodicAction):
       return
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ctx.state.params)
     names = head_leaves(one, ctx.parts.num_outputs)
-    feats = jax.vmap(functools.partial(_features, ctx.parts.predict_model, *names),
+    feats = jax.vmap(functools.partial(_features, ctx.parts.predict_model, names[0]),
                      in_axes=(0, 0, None))
     with ctx.off_clock():
       curvature, error, count = self._curvature(ctx, feats)
