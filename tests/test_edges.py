@@ -151,11 +151,15 @@ def test_the_repositorys_examples_say_where_they_import_from(monkeypatch):
   monkeypatch.setattr(sys, 'path', [p for p in sys.path if Path(p or '.').resolve() != ROOT])
   for name in [m for m in sys.modules if m == 'examples' or m.startswith('examples.')]:
     monkeypatch.delitem(sys.modules, name)
-  with pytest.raises(ConfigError, match=r"^config.model.factory='examples.plain_jax:make_model' "
-                     r"cannot be imported: ModuleNotFoundError: No module named 'examples[.a-z_]*' "
-                     r'\(the examples/ folder is in the dist_ens repository, not in the '
-                     rf'installed package: run from {ROOT}, or add it to PYTHONPATH\)$'):
-    importing.load_object('examples.plain_jax:make_model', 'config.model.factory')
+  try:
+    with pytest.raises(ConfigError, match=r"^config.model.factory='examples.plain_jax:make_model' "
+                       r"cannot be imported: ModuleNotFoundError: No module named 'examples[.a-z_]*' "
+                       r'\(the examples/ folder is in the dist_ens repository, not in the '
+                       rf'installed package: run from {ROOT}, or add it to PYTHONPATH\)$'):
+      importing.load_object('examples.plain_jax:make_model', 'config.model.factory')
+  finally:  # The failed import left dm-haiku's own `examples` namespace in sys.modules: later
+    for name in [m for m in sys.modules if m == 'examples' or m.startswith('examples.')]:
+      del sys.modules[name]  # tests of this worker would import from it, not from examples/.
 
 
 def _pbt_config():
