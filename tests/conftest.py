@@ -3,9 +3,10 @@
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+import support
+
+# 8 fake CPU devices, compiling fast (support.FAST_COMPILE says why).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + support.xla_flags(8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent compilation cache for the run, shared by the xdist workers and the
 # subprocesses they start: most tests train small runs whose steps compile to the same
@@ -49,6 +50,28 @@ _LONGEST_FIRST = (
 )
 
 
+# The slow tier (pyproject.toml; `pytest -m slow`): more layouts, processes and pairs for
+# properties the fast tier checks on fewer. test_combinations.py marks its own cases.
+_SLOW_TIER = (
+    # Bit-identity of reproducible mode over 11 layouts and 2 processes; fast:
+    # test_pbt's rounds on two meshes in reproducible mode, the matrix's 'reproducible'.
+    "test_reproducible.py::test_members_are_bit_identical_across_layouts",
+    "test_reproducible.py::test_runs_differ_where_they_should",
+    "test_reproducible.py::test_two_processes_match_one",
+    # Variants of test_two_processes_match_one and test_killed_process_stops_the_other.
+    "test_multihost.py::test_two_processes_with_several_steps_per_call_match_one",
+    "test_multihost.py::test_a_killed_coordinator_stops_the_other_naming_it",
+    # Kills at random steps; fast: the kill and SIGTERM resume tests at fixed steps.
+    "test_checkpoint.py::test_kill9_at_random_steps_then_resume_is_bit_exact",
+    # The largest recipe; the others run in the fast tier.
+    "test_recipes.py::test_recipe_trains_on_locally_written_tfds_data[cifar100_wrn28_10.py]",
+)
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+  for item in items:
+    if item.nodeid.split("/")[-1].startswith(_SLOW_TIER):
+      item.add_marker(pytest.mark.slow)

@@ -17,6 +17,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+import support
+
 from dist_ens import checkpoint
 import dist_ens
 from dist_ens.configuration import load_config
@@ -69,7 +71,7 @@ def uninterrupted(tmp_path_factory):
 
 
 def _start(workdir):
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8',
+  env = dict(os.environ, XLA_FLAGS=support.xla_flags(8),
              JAX_PLATFORMS='cpu')
   return subprocess.Popen(
       [sys.executable, '-m', 'dist_ens.main', '--config=configs/default.py',

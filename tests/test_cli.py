@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import support
+
 from dist_ens.data import sources
 from dist_ens.errors import ConfigError
 from dist_ens.training import preemption
@@ -23,7 +25,7 @@ TINY = ['--config=configs/default.py', '--config.train.eval_every=0',
 def _env() -> dict[str, str]:
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(('SLURM_', 'OMPI_', 'PMI_', 'TPU_'))}
-  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
+  env.update(XLA_FLAGS=support.xla_flags(8), JAX_PLATFORMS='cpu')
   return env
 
 

@@ -2,7 +2,8 @@
 tests/combinations_table.py.
 
 Valid pairs run packed into a few cases (combinations_table.valid_cases: every valid pair
-is in some case, no case holds a refused pair); each case trains on 8 fake devices, is
+is in some case, no case holds a refused pair; `pytest` runs the 8 that hold every option
+once, `pytest -m slow` the rest); each case trains on 8 fake devices, is
 preempted (SIGTERM) after step 1, resumes from that checkpoint to step 2 (for a few cases
 ending bit for bit where an uninterrupted run ends), then loads with Ensemble.load and
 predicts finite outputs. Each
@@ -129,7 +130,22 @@ _COMPARED = [next(c for c in _CASES if table.OPTIONS[key] in c)
              for key in ('pbt', 'multiswag', 'fge')]
 
 
-@pytest.mark.parametrize('case', _CASES, ids=[table.case_id(c) for c in _CASES])
+def _every_option_once() -> list[tuple[table.Option, ...]]:
+  """The compared cases, then (greedily) cases until every option is in one: the fast
+  tier's 8 cases; the slow tier (pytest -m slow) runs the others, for every pair."""
+  wanted = {o.key for options in table.AXES.values() for o in options if o.fields}
+  chosen = list(_COMPARED)
+  while missing := wanted - {o.key for c in chosen for o in c}:
+    chosen.append(max(_CASES, key=lambda c: len({o.key for o in c} & missing)))
+  return chosen
+
+
+_FAST = _every_option_once()
+
+
+@pytest.mark.parametrize('case', [
+    pytest.param(c, marks=() if c in _FAST else pytest.mark.slow) for c in _CASES],
+                         ids=[table.case_id(c) for c in _CASES])
 def test_valid_options_train_resume_load_and_predict(case, tmp_path, caplog):
   caplog.set_level(logging.INFO, logger='absl')
   _train_resume_load_predict(case, tmp_path / 'w', caplog,

@@ -16,6 +16,8 @@ import ml_collections
 import numpy as np
 import pytest
 
+import support
+
 import dist_ens
 from dist_ens import assemble, configuration, data, importing, run_data
 from dist_ens.data import pipeline
@@ -35,7 +37,7 @@ def _config():
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
   env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'OMPI_', 'PMI_'))}
-  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
+  env.update(XLA_FLAGS=support.xla_flags(8), JAX_PLATFORMS='cpu')
   return subprocess.run(['timeout', '-k', '5', str(_LIMIT_S), sys.executable, '-m',
                          'dist_ens.main', *args], cwd=ROOT, env=env, capture_output=True,
                         text=True, timeout=_LIMIT_S + 30)
@@ -198,10 +200,10 @@ def test_idle_devices_that_only_the_fixed_axis_leaves_idle_say_what_to_set(caplo
 
 
 def test_log_lines_from_python_carry_no_absl_prefix(tmp_path):
-  script = ('import sys\nsys.path.insert(0, sys.argv[2])\nimport dist_ens\n'
+  script = ('import sys\nsys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]\nimport dist_ens\n'
             'from tests.test_edges import _config\n'
             'dist_ens.train(_config(), sys.argv[1])\n')
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=8',
+  env = {**os.environ, 'XLA_FLAGS': support.xla_flags(8),
          'JAX_PLATFORMS': 'cpu'}
   result = subprocess.run([sys.executable, '-c', script, str(tmp_path), str(ROOT)], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=_LIMIT_S)

@@ -24,6 +24,8 @@ import jax
 import numpy as np
 import pytest
 
+import support
+
 from dist_ens import configuration, data
 from dist_ens.parallel import distributed
 from dist_ens.parallel import mesh as mesh_lib
@@ -46,7 +48,7 @@ def _env(devices: int | None = 4, **extra: str) -> dict[str, str]:
   env['PYTHONPATH'] = os.pathsep.join(filter(None, [str(ROOT), env.get('PYTHONPATH')]))
   env['PYTHON'] = sys.executable
   if devices is not None:
-    env['XLA_FLAGS'] = f'--xla_force_host_platform_device_count={devices}'
+    env['XLA_FLAGS'] = support.xla_flags(devices)
     env['JAX_PLATFORMS'] = 'cpu'
   env.update(extra)
   return env

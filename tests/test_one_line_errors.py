@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import support
+
 import dist_ens
 from dist_ens import commands, data
 from dist_ens.errors import ConfigError
@@ -34,7 +36,7 @@ def _config():
 
 def _cli(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:
   env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'OMPI_', 'PMI_'))}
-  env.update(XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
+  env.update(XLA_FLAGS=support.xla_flags(8), JAX_PLATFORMS='cpu')
   if pythonpath is not None:
     env['PYTHONPATH'] = os.pathsep.join([str(pythonpath), env.get('PYTHONPATH', '')])
   return subprocess.run(['timeout', '-k', '5', str(_LIMIT_S), sys.executable, '-m',

@@ -11,6 +11,8 @@ import jax
 import numpy as np
 import pytest
 
+import support
+
 from dist_ens import plan as plan_lib
 from dist_ens.configuration import load_config
 
@@ -145,7 +147,7 @@ def test_the_dry_run_frees_everything(one_device):
 
 
 def test_in_a_fresh_process_the_dry_run_sees_the_state_beside_the_programs():
-  env = {**os.environ, 'XLA_FLAGS': '--xla_force_host_platform_device_count=1'}
+  env = {**os.environ, 'XLA_FLAGS': support.xla_flags(1)}
   result = subprocess.run(
       [sys.executable, '-m', 'dist_ens.plan', f'--config={DEFAULT}', '--config.num_members=16',
        '--config.mesh.member=1', '--config.mesh.data=1', '--json'],

@@ -17,6 +17,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import support
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / 'README.md'
 NOT_RUN = '<!-- not-run -->'
@@ -48,7 +50,7 @@ def test_readme_python_blocks_run(tmp_path):
   script = '\n\n'.join(blocks).replace("'/tmp/", f"'{tmp_path}/")
   (tmp_path / 'readme_snippets.py').write_text(script)
   env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=8')
+             XLA_FLAGS=support.xla_flags(8))
   # Fed on stdin, so the repository root (the cwd) is on sys.path as in a session started
   # there, and `examples.plain_jax` imports.
   proc = subprocess.run([sys.executable, '-'], input=script, cwd=ROOT, env=env,

@@ -12,6 +12,8 @@ import jax
 import numpy as np
 import pytest
 
+import support
+
 import dist_ens
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.training import trainer, workdir as workdir_lib
@@ -209,7 +211,7 @@ def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_pa
       [sys.executable, '-c', _CLI_WITH_SMALL_FILES, '--config=configs/default.py',
        f'--workdir={tmp_path}', *tiny], cwd=ROOT, capture_output=True, text=True, timeout=300,
       env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONDONTWRITEBYTECODE='1',
-               XLA_FLAGS='--xla_force_host_platform_device_count=8'))
+               XLA_FLAGS=support.xla_flags(8)))
   assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
   assert proc.stderr.splitlines()[-1] == (
       f'dist-ens: error: writing into {tmp_path} failed: File too large (the disk, a quota or '

@@ -1,5 +1,5 @@
 """Reproducible mode (config.reproducible): member i's whole run is bit-identical whatever M,
-the mesh, the data split and the process count, over 100-step runs.
+the mesh, the data split and the process count, over 40-step runs.
 
 The runs happen in child processes, because reproducible mode needs XLA flags set
 before JAX starts (dist_ens/parallel/xla_flags.py), which this pytest process is past:
@@ -23,8 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'tests'))
 from test_multihost import _env, _local_sh, _wait  # noqa: E402  pylint: disable=g-import-not-at-top
 
-STEPS = 100  # Without the mode, parameters differ from the first steps on.
-LOG_EVERY = 25
+STEPS = 40  # Without the mode, parameters differ from the first steps on.
+LOG_EVERY = 10
 MLP = {'model.widths': (32, 32), 'data.batch_size': 32, 'train.micro_batches': 4,
        'data.member_order': 'shuffled'}
 # BatchNorm, dropout and augmentation: a 1-D ResNet-8 on MNIST-1D, shift-crop augmented.

@@ -10,6 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import support
+
 import tensorflow_datasets as tfds  # In the test extra: these tests must run, not skip.
 from PIL import Image  # pylint: disable=g-import-not-at-top
 
@@ -131,7 +133,7 @@ def test_missing_dataset_is_one_clear_error(tmp_path):
 
 
 def test_cli_missing_dataset_exits_nonzero(tmp_path):
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
+  env = dict(os.environ, XLA_FLAGS=support.xla_flags(8), JAX_PLATFORMS='cpu')
   proc = subprocess.run(
       [sys.executable, '-m', 'dist_ens.main', '--config=configs/mnist_mlp.py',
        f'--workdir={tmp_path / "w"}', f'--config.data.data_dir={tmp_path / "none"}',

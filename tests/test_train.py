@@ -10,6 +10,8 @@ import jax
 import numpy as np
 import pytest
 
+import support
+
 import dist_ens
 from dist_ens.configuration import load_config
 from dist_ens.errors import ConfigError
@@ -134,7 +136,7 @@ def test_workdir_of_another_run_is_refused_and_kept(tmp_path):
 
 
 def _cli(*args, timeout=600):
-  env = dict(os.environ, XLA_FLAGS='--xla_force_host_platform_device_count=8', JAX_PLATFORMS='cpu')
+  env = dict(os.environ, XLA_FLAGS=support.xla_flags(8), JAX_PLATFORMS='cpu')
   return subprocess.run([sys.executable, '-m', 'dist_ens.main', *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
