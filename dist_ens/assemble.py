@@ -235,30 +235,17 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
                                       jnp.zeros(sample_x.shape, input_dtype))[0]
   if method.own != 'all':  # config.ensemble.own: the leaves members own, the rest shared.
     method = methods.with_owned(method, one_member(), num_outputs * method.outputs_per_output)
-  if optimizer is None:
-    optimizer = make_optimizer(optim_spec(config), config.train.steps, cycles=method.cycles,
-                               cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
-  elif isinstance(optimizer, optax.GradientTransformation):
-    optimizer = functools.partial(lambda tx, hp=None: tx, optimizer)
-  member_hparams = hparams_lib.resolve(hparams_spec(config))
-  if method.shares and method.owned is None:
-    _check_shared_optimizer(member_hparams, method.name)
-  m = config.num_members
-  if num_members is not None and num_members != m:
-    member_hparams = {k: np.resize(v, num_members) for k, v in member_hparams.items()}
-    m = num_members
+  optimizer = _optimizer(config, method, optimizer)
+  m = config.num_members if num_members is None else num_members
+  member_hparams = _member_hparams(config, method, m)
 
   def init(pretrained=None):
     hp = {k: jnp.asarray(v) for k, v in member_hparams.items()}
     return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape, input_dtype),
                       hp, method.hooks, pretrained)
 
-  field = (f'config.model.factory={config.model.factory!r}' if config.model.factory
-           else f'config.model.name={config.model.name!r}')
-  if model_spec(config).hf:  # a Hugging Face checkpoint's config.json made the model
-    field = f'config.model.init_from={config.model.init_from!r}'
   tasks.check_outputs(model, input_shape, num_outputs,
-                      f'{field} (for config.task={config.task!r})', input_dtype,
+                      f'{_model_field(config)} (for config.task={config.task!r})', input_dtype,
                       task.example_outputs(num_outputs, input_shape))
   layout = build_layout(method, mesh, config.mesh, one_member)
   state = jax.eval_shape(init)
@@ -271,6 +258,37 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
   abstract = layout.place(state, mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
                abstract, init, method, task, layout, input_dtype)
+
+
+def _optimizer(config: ml_collections.ConfigDict, method: methods.Method,
+               optimizer: Optimizer | optax.GradientTransformation | None) -> Optimizer:
+  """The config's optimizer for `method`'s schedule, or the caller's as an Optimizer."""
+  if optimizer is None:
+    return make_optimizer(optim_spec(config), config.train.steps, cycles=method.cycles,
+                          cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
+  if isinstance(optimizer, optax.GradientTransformation):
+    return functools.partial(lambda tx, hp=None: tx, optimizer)
+  return optimizer
+
+
+def _member_hparams(config: ml_collections.ConfigDict, method: methods.Method,
+                    num_members: int) -> dict[str, np.ndarray]:
+  """Each member's hyperparameters, [num_members] each (repeated where plan asks for more
+  members than config.num_members)."""
+  member_hparams = hparams_lib.resolve(hparams_spec(config))
+  if method.shares and method.owned is None:
+    _check_shared_optimizer(member_hparams, method.name)
+  if num_members != config.num_members:
+    member_hparams = {k: np.resize(v, num_members) for k, v in member_hparams.items()}
+  return member_hparams
+
+
+def _model_field(config: ml_collections.ConfigDict) -> str:
+  """The config field that chose the model, as an error message names it."""
+  if model_spec(config).hf:  # a Hugging Face checkpoint's config.json made the model
+    return f'config.model.init_from={config.model.init_from!r}'
+  return (f'config.model.factory={config.model.factory!r}' if config.model.factory
+          else f'config.model.name={config.model.name!r}')
 
 
 def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections.ConfigDict,

@@ -26,16 +26,14 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, configuration, data, saved_run, tasks
+from dist_ens import assemble, data, saved_run, tasks
 from dist_ens.data import uci
 from dist_ens.io.member_files import load_member, path_key  # noqa: F401  (load_member: API)
-from dist_ens.checkpoint import Checkpointer
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
 from dist_ens.eval import conformal as conformal_lib, decisions, metrics
 from dist_ens.eval import regression as reg_eval
 from dist_ens.eval.evaluate import member_logits
-from dist_ens.errors import ConfigError
 from dist_ens.parallel import load_mesh, mesh as mesh_lib
 
 PyTree = Any
@@ -207,52 +205,24 @@ class Ensemble:
         the params than memory_gb (naming a split over 'model' that fits).
     """
     workdir = Path(workdir)
-    config_path, checkpoints = workdir / 'config.json', workdir / 'checkpoints'
-    if not checkpoints.is_dir():
-      raise FileNotFoundError(f'{checkpoints} does not exist: {workdir} is not a dist_ens '
-                              'workdir, or its run saved no checkpoint yet; train one with '
-                              'dist-ens --config=... --workdir=...')
-    checkpointer = Checkpointer(checkpoints, every=1, keep=1 << 30)
+    checkpointer = saved_run.open_checkpoints(workdir)
     try:
-      meta = checkpointer.newest_meta() or {}
-      # The checkpoint carries its config; config.json is the fallback (older ones).
-      config_dict = meta.get('config') or (
-          json.loads(config_path.read_text()) if config_path.is_file() else None)
-      if config_dict is None:
-        raise FileNotFoundError(f'{checkpoints} holds no readable checkpoint with a config, '
-                                f'and {config_path} does not exist.')
-      config = ml_collections.ConfigDict(configuration.upgrade(config_dict))
+      config, meta = saved_run.saved_config(checkpointer, workdir)
       devices = list(jax.devices() if devices is None else devices)
-      shapes = saved_run.data_shape(config, meta)
-      parts_on = lambda m: assemble.build_run(config, mesh=m, shapes=shapes).parts
-      if mesh is None:
-        mesh = load_mesh.saved_layout(config, meta, devices)
-        parts = parts_on(mesh)
-      else:
-        mesh = load_mesh.requested(mesh, config.num_members, devices)
-        try:
-          parts = parts_on(mesh)
-        except ConfigError as e:  # The run's rules on this mesh, say.
-          raise ConfigError(f'Ensemble.load: the mesh {load_mesh.describe(mesh)} cannot hold '
-                            f'the members: {e}') from None
-      budget = load_mesh.memory_budget(memory_gb, mesh)
-      if budget is not None:
-        load_mesh.check_holds(mesh, load_mesh.held_bytes(parts.abstract_state), budget,
-                              devices, config.num_members,
-                              lambda m: load_mesh.held_bytes(parts_on(m).abstract_state))
-      num_classes = parts.num_outputs
+      parts, mesh = saved_run.parts_on_mesh(config, meta, devices, mesh, memory_gb)
       restored = checkpointer.restore(parts.abstract_state, with_optimizer=False)
     finally:
       checkpointer.close()
     if restored is None:
-      raise FileNotFoundError(f'no checkpoint in {checkpoints} could be restored.')
+      raise FileNotFoundError(f'no checkpoint in {workdir / "checkpoints"} could be restored.')
     if restored.step != config.train.steps:
       logging.warning('the newest checkpoint in %s is at step %d of %d: the run has not '
-                      'finished.', checkpoints, restored.step, config.train.steps)
+                      'finished.', workdir / 'checkpoints', restored.step, config.train.steps)
     # Snapshots or SWAG samples predict where the run used such a method.
     members = methods.predictive_members(parts.method, restored.state, config.seed, mesh)
     frozen = np.asarray(jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))(
         members.frozen))
+    num_classes = parts.num_outputs
     ensemble = cls(config, parts.model, members.params, frozen, restored.step,
                    parts.input_shape, num_classes, mesh, preprocess,
                    model_state=members.model_state, scale=saved_run.scale_from(meta),
@@ -478,3 +448,4 @@ class Ensemble:
                                      for s in self.split_scales]
     (directory / 'ensemble.json').write_text(json.dumps(meta, indent=2, default=list))
     return paths
+

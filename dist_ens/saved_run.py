@@ -1,18 +1,23 @@
-"""What a run's workdir holds beside its train state, read back for Ensemble.load: the
-data's shapes, the standardiser a regression task trained with, the conformal predictor and
-the homoscedastic noise levels fitted after training (final_metrics.json)."""
+"""What a run's workdir holds, read back for Ensemble.load: its checkpoints and config, the
+run's parts on the mesh asked for, the data's shapes, the standardiser a regression task
+trained with, the conformal predictor and the homoscedastic noise levels fitted after
+training (final_metrics.json)."""
 
 import json
 from pathlib import Path
 from typing import Any
 
+import jax
 import ml_collections
 import numpy as np
 
-from dist_ens import data, tasks
+from dist_ens import assemble, configuration, data, tasks
+from dist_ens.checkpoint import Checkpointer
 from dist_ens.data import uci
 from dist_ens.ensembles import methods
+from dist_ens.errors import ConfigError
 from dist_ens.eval import decisions
+from dist_ens.parallel import load_mesh
 from dist_ens.specs import data_spec, method_spec
 
 
@@ -78,3 +83,52 @@ def noise_from(workdir: Path, config: ml_collections.ConfigDict,
     return None
   levels = np.asarray(fitted['standardised'], np.float32)
   return np.repeat(levels[:, None], num_outputs, axis=1)
+
+
+def open_checkpoints(workdir: Path) -> Checkpointer:
+  """The workdir's checkpoints, to read (a FileNotFoundError saying so where there are none)."""
+  checkpoints = workdir / 'checkpoints'
+  if not checkpoints.is_dir():
+    raise FileNotFoundError(f'{checkpoints} does not exist: {workdir} is not a dist_ens '
+                            'workdir, or its run saved no checkpoint yet; train one with '
+                            'dist-ens --config=... --workdir=...')
+  return Checkpointer(checkpoints, every=1, keep=1 << 30)
+
+
+def saved_config(checkpointer: Checkpointer,
+                  workdir: Path) -> tuple[ml_collections.ConfigDict, dict[str, Any]]:
+  """The run's config (upgraded to this release's fields) and the newest checkpoint's meta."""
+  meta = checkpointer.newest_meta() or {}
+  # The checkpoint carries its config; config.json is the fallback (older ones).
+  config_path = workdir / 'config.json'
+  config_dict = meta.get('config') or (
+      json.loads(config_path.read_text()) if config_path.is_file() else None)
+  if config_dict is None:
+    raise FileNotFoundError(f'{workdir / "checkpoints"} holds no readable checkpoint with a '
+                            f'config, and {config_path} does not exist.')
+  return ml_collections.ConfigDict(configuration.upgrade(config_dict)), meta
+
+
+def parts_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],
+                   devices: list[jax.Device], mesh: load_mesh.MeshArg,
+                   memory_gb: float | None) -> tuple[Any, jax.sharding.Mesh]:
+  """The run's parts on the mesh Ensemble.load was asked for (None: the saved layout),
+  refused in one line where that mesh cannot hold the members (see Ensemble.load)."""
+  shapes = saved_run.data_shape(config, meta)
+  parts_on = lambda m: assemble.build_run(config, mesh=m, shapes=shapes).parts
+  if mesh is None:
+    mesh = load_mesh.saved_layout(config, meta, devices)
+    parts = parts_on(mesh)
+  else:
+    mesh = load_mesh.requested(mesh, config.num_members, devices)
+    try:
+      parts = parts_on(mesh)
+    except ConfigError as e:  # The run's rules on this mesh, say.
+      raise ConfigError(f'Ensemble.load: the mesh {load_mesh.describe(mesh)} cannot hold '
+                        f'the members: {e}') from None
+  budget = load_mesh.memory_budget(memory_gb, mesh)
+  if budget is not None:
+    load_mesh.check_holds(mesh, load_mesh.held_bytes(parts.abstract_state), budget,
+                          devices, config.num_members,
+                          lambda m: load_mesh.held_bytes(parts_on(m).abstract_state))
+  return parts, mesh

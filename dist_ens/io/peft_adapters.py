@@ -25,7 +25,7 @@ import os
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -73,6 +73,18 @@ def _run_config(workdir: Path) -> dict[str, Any]:
   return json.loads((workdir / 'config.json').read_text())
 
 
+class _Adapters(NamedTuple):
+  """What a LoRA checkpoint holds, per torch module: `factors` lists each adapted module's
+  parts (first column, weight, A [M, in, r] or None, B [M, r, out] or None); `heads` the
+  member-owned whole weights (layout, leaf [M, ...])."""
+  factors: dict[str, list[tuple[int, weights_lib.Weight, Any, Any]]]
+  heads: dict[str, tuple[str, Any]]
+  layout: str  # 'linear' (torch [out, in]) or 'in_out' (GPT-2's Conv1D)
+  rank: int
+  scale: float
+  num_members: int
+
+
 def export_peft(workdir: str | os.PathLike, directory: str | os.PathLike) -> list[Path]:
   """Writes member i's adapter of a LoRA run on a Hugging Face model as PEFT does:
   directory/member_{i}/adapter_config.json and adapter_model.safetensors, loadable with
@@ -86,6 +98,24 @@ def export_peft(workdir: str | os.PathLike, directory: str | os.PathLike) -> lis
     ValueError: not a LoRA run on an hf: model, or one that trained the shared weights.
   """
   workdir = Path(workdir)
+  source = _lora_source(workdir)
+  folder, _, family, arch = hf_models.describe(source, 'config.model.init_from')
+  table = {w.path: w for w in family.weights(arch)}
+  adapters = _adapters(workdir, table, _newest_params(workdir))
+  out = []
+  for m in range(adapters.num_members):
+    member = Path(directory) / f'member_{m}'
+    member.mkdir(parents=True, exist_ok=True)
+    tensors, adapter_config = _member_adapter(adapters, m)
+    adapter_config['base_model_name_or_path'] = str(folder)
+    write_safetensors(member / 'adapter_model.safetensors', tensors)
+    (member / 'adapter_config.json').write_text(json.dumps(adapter_config, indent=2) + '\n')
+    out.append(member)
+  return out
+
+
+def _lora_source(workdir: Path) -> str:
+  """The run's init_from, refused where PEFT adapters cannot describe the run."""
   config = _run_config(workdir)
   source = config['model'].get('init_from') or ''
   if not hf_models.is_hf(source) or config['ensemble'].get('own') != 'lora':
@@ -95,28 +125,31 @@ def export_peft(workdir: str | os.PathLike, directory: str | os.PathLike) -> lis
   if config['ensemble'].get('train_shared'):
     raise ValueError(f'{workdir}: config.ensemble.train_shared=True changed the base weights; '
                      "PEFT adapters apply to the unchanged checkpoint.")
-  folder, _, family, arch = hf_models.describe(source, 'config.model.init_from')
-  table = {w.path: w for w in family.weights(arch)}
+  return source
+
+
+def _newest_params(workdir: Path) -> dict[str, Any]:
   root = workdir / 'checkpoints'
   steps = sorted(int(d.name) for d in root.iterdir() if d.name.isdigit()) if root.is_dir() else []
   if not steps:
     raise FileNotFoundError(f'{root} holds no checkpoint: train the LoRA run first.')
-  params = flatten(read_orbax(root / str(steps[-1]) / 'model')['params'])
+  return flatten(read_orbax(root / str(steps[-1]) / 'model')['params'])
 
-  # Per torch module: its parts (params paths, table order) and the factors of each.
-  modules: dict[str, list[str]] = {}
+
+def _adapters(workdir: Path, table: dict[str, weights_lib.Weight],
+              params: dict[str, Any]) -> _Adapters:
+  """The checkpoint's factors and heads by torch module (the weight table's names)."""
+  modules: dict[str, list[str]] = {}  # torch module -> its params paths, in table order
   for path, weight in table.items():
     if weight.name.endswith('.weight'):
       modules.setdefault(weight.name[:-len('.weight')], []).append(path)
   adapted = {name[:-len('/' + lora.A)] for name in params if name.endswith('/' + lora.A)}
-  owned = {name[:-len('/own')] for name in params if name.endswith('/own')}
   rank = num_members = scale = None
-  layouts, per_module = set(), {}
+  layouts, factors = set(), {}
   for module, paths in modules.items():
-    parts = [p for p in paths if p in adapted]
-    if not parts:
+    if not any(p in adapted for p in paths):
       continue
-    factors = []
+    factors[module] = []
     for path in paths:
       layout, first = _layout(table[path])
       layouts.add(layout)
@@ -124,16 +157,22 @@ def export_peft(workdir: str | os.PathLike, directory: str | os.PathLike) -> lis
       if a is not None:
         num_members, rank = a.shape[0], a.shape[-1]
         scale = float(params[f'{path}/{lora.SCALE}'])
-      factors.append((first, table[path], a, b))
-    per_module[module] = factors
-  if not per_module:
+      factors[module].append((first, table[path], a, b))
+  if not factors:
     raise ValueError(f'{workdir}: the checkpoint holds no LoRA factors on the weight table.')
   if len(layouts) > 1:
     raise ValueError(f'{workdir}: the adapted kernels mix torch Linear and Conv1D weights, '
                      "which one PEFT config (fan_in_fan_out) cannot describe; narrow "
                      'config.ensemble.lora_targets.')
+  heads = _heads(workdir, table, params, modules)
+  return _Adapters(factors, heads, layouts.pop(), rank, scale, num_members)
+
+
+def _heads(workdir: Path, table: dict[str, weights_lib.Weight], params: dict[str, Any],
+           modules: dict[str, list[str]]) -> dict[str, tuple[str, Any]]:
+  """Each member-owned leaf (own='lora' trains a head per member) as its torch module."""
   heads = {}
-  for path in sorted(owned):
+  for path in sorted(name[:-len('/own')] for name in params if name.endswith('/own')):
     weight = table.get(path)
     if weight is None or not weight.name.endswith('.weight'):
       raise ValueError(f'{workdir}: the member-owned leaf {path} is not a whole module weight '
@@ -143,43 +182,49 @@ def export_peft(workdir: str | os.PathLike, directory: str | os.PathLike) -> lis
     if len(modules[module]) != 1:
       raise ValueError(f'{workdir}: the member-owned leaf {path} is part of {module}.')
     heads[module] = (layout, params[f'{path}/own'])
+  return heads
 
-  directory = Path(directory)
-  out = []
-  for m in range(num_members):
-    tensors, rank_pattern, alpha_pattern = {}, {}, {}
-    for module, factors in per_module.items():
-      k = len(factors)
-      fan_in = factors[0][1].shape[1 if layouts == {'linear'} else 0]
-      outs = [w.shape[0] if layouts == {'linear'} else np.shape(w.convert(
-          np.zeros(w.shape)))[1] for _, w, _, _ in factors]
-      a_all = np.zeros((k * rank, fan_in), np.float32)
-      b_all = np.zeros((sum(outs), k * rank), np.float32)
-      order = sorted(range(k), key=lambda j: factors[j][0])  # columns in file order
-      row = 0
-      for j in order:
-        _, _, a, b = factors[j]
-        if a is not None:
-          a_all[j * rank:(j + 1) * rank] = np.asarray(a[m], np.float32).T
-          b_all[row:row + outs[j], j * rank:(j + 1) * rank] = np.asarray(b[m], np.float32).T
-        row += outs[j]
-      tensors[f'{PREFIX}{module}.lora_A.weight'] = a_all
-      tensors[f'{PREFIX}{module}.lora_B.weight'] = b_all
-      if k > 1:
-        rank_pattern[module], alpha_pattern[module] = k * rank, scale * k * rank
-    for module, (layout, leaf) in heads.items():
-      own = np.asarray(leaf[m], np.float32)
-      tensors[f'{PREFIX}{module}.weight'] = own.T if layout == 'linear' else own
-    adapter_config = {
-        'peft_type': 'LORA', 'task_type': None, 'base_model_name_or_path': str(folder),
-        'r': int(rank), 'lora_alpha': scale * rank, 'lora_dropout': 0.0, 'bias': 'none',
-        'target_modules': sorted(per_module), 'fan_in_fan_out': layouts == {'in_out'},
-        'modules_to_save': sorted(heads) or None, 'rank_pattern': rank_pattern,
-        'alpha_pattern': alpha_pattern, 'use_rslora': False, 'use_dora': False,
-        'init_lora_weights': True, 'inference_mode': True}
-    member = directory / f'member_{m}'
-    member.mkdir(parents=True, exist_ok=True)
-    write_safetensors(member / 'adapter_model.safetensors', tensors)
-    (member / 'adapter_config.json').write_text(json.dumps(adapter_config, indent=2) + '\n')
-    out.append(member)
-  return out
+
+def _module_factors(adapters: _Adapters, module: str, m: int) -> tuple[np.ndarray, np.ndarray]:
+  """Member m's (lora_A [k r, in], lora_B [out, k r]) of a module of k parts: the parts'
+  A's stacked, their B's block-diagonal (their deltas side by side, in file order)."""
+  factors, rank, linear = adapters.factors[module], adapters.rank, adapters.layout == 'linear'
+  k = len(factors)
+  fan_in = factors[0][1].shape[1 if linear else 0]
+  outs = [w.shape[0] if linear else np.shape(w.convert(np.zeros(w.shape)))[1]
+          for _, w, _, _ in factors]
+  a_all = np.zeros((k * rank, fan_in), np.float32)
+  b_all = np.zeros((sum(outs), k * rank), np.float32)
+  row = 0
+  for j in sorted(range(k), key=lambda j: factors[j][0]):  # columns in file order
+    _, _, a, b = factors[j]
+    if a is not None:
+      a_all[j * rank:(j + 1) * rank] = np.asarray(a[m], np.float32).T
+      b_all[row:row + outs[j], j * rank:(j + 1) * rank] = np.asarray(b[m], np.float32).T
+    row += outs[j]
+  return a_all, b_all
+
+
+def _member_adapter(adapters: _Adapters, m: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+  """Member m's PEFT tensors and adapter_config (less base_model_name_or_path)."""
+  tensors, rank_pattern, alpha_pattern = {}, {}, {}
+  rank, scale = adapters.rank, adapters.scale
+  for module, factors in adapters.factors.items():
+    a, b = _module_factors(adapters, module, m)
+    tensors[f'{PREFIX}{module}.lora_A.weight'] = a
+    tensors[f'{PREFIX}{module}.lora_B.weight'] = b
+    if len(factors) > 1:
+      rank_pattern[module] = len(factors) * rank
+      alpha_pattern[module] = scale * len(factors) * rank
+  for module, (layout, leaf) in adapters.heads.items():
+    own = np.asarray(leaf[m], np.float32)
+    tensors[f'{PREFIX}{module}.weight'] = own.T if layout == 'linear' else own
+  adapter_config = {
+      'peft_type': 'LORA', 'task_type': None, 'base_model_name_or_path': None,
+      'r': int(rank), 'lora_alpha': scale * rank, 'lora_dropout': 0.0, 'bias': 'none',
+      'target_modules': sorted(adapters.factors),
+      'fan_in_fan_out': adapters.layout == 'in_out',
+      'modules_to_save': sorted(adapters.heads) or None, 'rank_pattern': rank_pattern,
+      'alpha_pattern': alpha_pattern, 'use_rslora': False, 'use_dora': False,
+      'init_lora_weights': True, 'inference_mode': True}
+  return tensors, adapter_config
