@@ -114,7 +114,7 @@ def parts_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],
                    memory_gb: float | None) -> tuple[Any, jax.sharding.Mesh]:
   """The run's parts on the mesh Ensemble.load was asked for (None: the saved layout),
   refused in one line where that mesh cannot hold the members (see Ensemble.load)."""
-  shapes = saved_run.data_shape(config, meta)
+  shapes = data_shape(config, meta)
   parts_on = lambda m: assemble.build_run(config, mesh=m, shapes=shapes).parts
   if mesh is None:
     mesh = load_mesh.saved_layout(config, meta, devices)
