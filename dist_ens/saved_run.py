@@ -96,7 +96,7 @@ def open_checkpoints(workdir: Path) -> Checkpointer:
 
 
 def saved_config(checkpointer: Checkpointer,
-                  workdir: Path) -> tuple[ml_collections.ConfigDict, dict[str, Any]]:
+                 workdir: Path) -> tuple[ml_collections.ConfigDict, dict[str, Any]]:
   """The run's config (upgraded to this release's fields) and the newest checkpoint's meta."""
   meta = checkpointer.newest_meta() or {}
   # The checkpoint carries its config; config.json is the fallback (older ones).
@@ -110,8 +110,8 @@ def saved_config(checkpointer: Checkpointer,
 
 
 def parts_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],
-                   devices: list[jax.Device], mesh: load_mesh.MeshArg,
-                   memory_gb: float | None) -> tuple[Any, jax.sharding.Mesh]:
+                  devices: list[jax.Device], mesh: load_mesh.MeshArg,
+                  memory_gb: float | None) -> tuple[Any, jax.sharding.Mesh]:
   """The run's parts on the mesh Ensemble.load was asked for (None: the saved layout),
   refused in one line where that mesh cannot hold the members (see Ensemble.load)."""
   shapes = data_shape(config, meta)
