@@ -220,14 +220,13 @@ class Ensemble:
                       'finished.', workdir / 'checkpoints', restored.step, config.train.steps)
     # Snapshots or SWAG samples predict where the run used such a method.
     members = methods.predictive_members(parts.method, restored.state, config.seed, mesh)
-    frozen = np.asarray(jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))(
-        members.frozen))
-    num_classes = parts.num_outputs
+    replicated = jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))
+    frozen = np.asarray(replicated(members.frozen))
     ensemble = cls(config, parts.model, members.params, frozen, restored.step,
-                   parts.input_shape, num_classes, mesh, preprocess,
+                   parts.input_shape, parts.num_outputs, mesh, preprocess,
                    model_state=members.model_state, scale=saved_run.scale_from(meta),
                    conformal=saved_run.conformal_from(workdir, config),
-                   noise_variance=saved_run.noise_from(workdir, config, num_classes),
+                   noise_variance=saved_run.noise_from(workdir, config, parts.num_outputs),
                    predict_model=parts.predict_model,
                    split_scales=saved_run.split_scales_from(meta))
     ensemble.workdir = workdir  # what export_adapters reads the factors from

@@ -151,7 +151,8 @@ def test_a_misspelt_embedded_dataset_gets_did_you_mean_in_one_line(tmp_path, mon
 
 def test_the_repositorys_examples_say_where_they_import_from(monkeypatch):
   monkeypatch.setattr(sys, 'path', [p for p in sys.path if Path(p or '.').resolve() != ROOT])
-  for name in [m for m in sys.modules if m == 'examples' or m.startswith('examples.')]:
+  examples = lambda: [m for m in sys.modules if m == 'examples' or m.startswith('examples.')]
+  for name in examples():
     monkeypatch.delitem(sys.modules, name)
   try:
     with pytest.raises(ConfigError, match=r"^config.model.factory='examples.plain_jax:make_model' "
@@ -160,8 +161,8 @@ def test_the_repositorys_examples_say_where_they_import_from(monkeypatch):
                        rf'installed package: run from {ROOT}, or add it to PYTHONPATH\)$'):
       importing.load_object('examples.plain_jax:make_model', 'config.model.factory')
   finally:  # The failed import left dm-haiku's own `examples` namespace in sys.modules: later
-    for name in [m for m in sys.modules if m == 'examples' or m.startswith('examples.')]:
-      del sys.modules[name]  # tests of this worker would import from it, not from examples/.
+    for name in examples():  # tests of this worker would import from it, not examples/.
+      del sys.modules[name]
 
 
 def _pbt_config():
