@@ -25,6 +25,7 @@ from dist_ens.errors import TrainingError
 from dist_ens.io import progress as progress_lib, tables
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.predictions import SplitPredictions
 
 
 class Sync(PeriodicAction):
@@ -149,13 +150,20 @@ class Evaluate(PeriodicAction):
   """Test metrics every `every` steps (an event and a log line) and after the last step
   (also the run's results: 'members' and 'ensemble')."""
 
-  def __init__(self, every: int):
+  def __init__(self, every: int, predictions: SplitPredictions | None = None):
+    """`predictions`: the last step's test metrics come from it (shared with the
+    decisions after the last step: one pass, one program); None: the evaluator's."""
     super().__init__(every, at_end=True)
+    self._predictions = predictions
 
   def run(self, ctx: Context) -> None:
-    with ctx.off_clock():
-      results = ctx.evaluator.evaluate(ctx.state, ctx.run_data.dataset.test)
     final = ctx.step == ctx.total_steps
+    test = ctx.run_data.dataset.test
+    with ctx.off_clock():
+      if final and self._predictions is not None:
+        results = self._predictions.predict(ctx, test).metrics
+      else:
+        results = ctx.evaluator.evaluate(ctx.state, test)
     if final:
       ctx.results.update(results)
     if not final or ctx.writes_final_events:
@@ -190,11 +198,16 @@ class ScoreOod(PeriodicAction):
 class Validate(PeriodicAction):
   """After the last step: every member's and the ensemble's validation metrics."""
 
-  def __init__(self):
+  def __init__(self, predictions: SplitPredictions | None = None):
+    """`predictions`: shared as for Evaluate (conformal sets calibrate on the same pass)."""
     super().__init__(0, at_end=True)
+    self._predictions = predictions
 
   def run(self, ctx: Context) -> None:
-    ctx.results['validation'] = ctx.evaluator.evaluate(ctx.state, ctx.run_data.validation)
+    split = ctx.run_data.validation
+    ctx.results['validation'] = (ctx.evaluator.evaluate(ctx.state, split)
+                                 if self._predictions is None else
+                                 self._predictions.predict(ctx, split).metrics)
 
 
 class SelectTopK(PeriodicAction):

@@ -19,8 +19,9 @@ from absl import logging
 
 from dist_ens import specs
 from dist_ens.data import Split, corruptions, tfds_corrupted
-from dist_ens.eval import decisions, mce, shift as shift_lib, shift_spec
+from dist_ens.eval import decisions, mce, shift_spec
 from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.predictions import SplitPredictions
 
 
 def _seed(seed: int, tag: int) -> int:
@@ -31,28 +32,11 @@ def _seed(seed: int, tag: int) -> int:
 class EvaluateDecisions(PeriodicAction):
   """See the module docstring; results under 'aurc', 'selective', 'conformal', 'shift'."""
 
-  def __init__(self):
+  def __init__(self, predictions: SplitPredictions | None = None):
+    """`predictions` is shared with the final evaluations (actions.Evaluate, Validate):
+    the clean test and validation splits are then predicted once for all of them."""
     super().__init__(0, at_end=True)
-    self._evaluator: shift_lib.PredictionEvaluator | None = None
-    self._frame: shift_lib.InputFrame | None = None
-
-  def evaluator(self, ctx: Context) -> shift_lib.PredictionEvaluator:
-    """Built once: the predict step corrupts only when config.eval.shift asks for it."""
-    if self._evaluator is None:
-      config, parts, test = ctx.config, ctx.parts, ctx.run_data.dataset.test
-      if config.eval.shift and not shift_spec.tfds_name(config.eval.shift):
-        scale = ctx.run_data.scale
-        if scale is not None:  # a task that standardises its inputs itself
-          self._frame = shift_lib.InputFrame.fit(test.x, scale.x_std, scale.x_mean)
-        else:
-          self._frame = shift_lib.InputFrame.fit(test.x, config.data.std or 1.0,
-                                                 config.data.mean or 0.0)
-      step = shift_lib.make_predict_step(parts.predict_model, parts.mesh, parts.task.eval_batch,
-                                         seed=config.seed, frame=self._frame)
-      self._evaluator = shift_lib.PredictionEvaluator(
-          step, parts.mesh, min(config.eval.batch_size, len(test.y)), ctx.evaluator.view,
-          ctx.evaluator.finalize)
-    return self._evaluator
+    self._predictions = predictions or SplitPredictions()
 
   def run(self, ctx: Context) -> None:
     config, run_data = ctx.config, ctx.run_data
@@ -66,7 +50,7 @@ class EvaluateDecisions(PeriodicAction):
     fit, test = None, run_data.dataset.test
     with ctx.off_clock():
       if run_data.validation is not None and ctx.parts.task.conformal:
-        val = self.evaluator(ctx).predict(ctx.state, run_data.validation)
+        val = self._predictions.predict(ctx, run_data.validation)
         fit = decisions.fit_conformal(val.outputs, run_data.validation.y, mask,
                                       config.eval.conformal_alpha, _seed(config.seed, 0),
                                       ctx.parts.task.predict)
@@ -93,7 +77,7 @@ class EvaluateDecisions(PeriodicAction):
                fit: decisions.ConformalFit | None, mask: np.ndarray, tag: int) -> dict[str, Any]:
     """The task's metrics of `split` under shift = (corruption id, severity), its
     selective prediction (classification) and conformal coverage (when fitted)."""
-    out = self.evaluator(ctx).predict(ctx.state, split, *shift)
+    out = self._predictions.predict(ctx, split, *shift)
     found = {'members': out.metrics['members'], 'ensemble': out.metrics['ensemble']}
     if (chosen := decisions.selective_report(out.examples)) is not None:
       found['selective'] = chosen
@@ -122,8 +106,9 @@ class EvaluateDecisions(PeriodicAction):
       return
     summary = {'spec': ctx.config.eval.shift, 'seed': ctx.config.seed,
                **decisions.shift_summary(shifted)}
-    if self._frame is not None:  # corrupted on device, in this range
-      summary['value_range'] = list(self._frame.value_range)
+    frame = self._predictions.frame
+    if frame is not None:  # corrupted on device, in this range
+      summary['value_range'] = list(frame.value_range)
     baseline = mce.load_baseline(ctx.config.eval.get('shift_baseline', ''), list(shifted))
     if baseline is not None:
       summary.update(mce.mce_report(baseline, shifted, clean, mask))

@@ -26,7 +26,7 @@ from dist_ens.io import console, tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, held_out,
                                joint_action, laplace_action, noise, pbt, posthoc,
-                               workdir as workdir_lib)
+                               predictions as predictions_lib, workdir as workdir_lib)
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 
@@ -152,11 +152,13 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   out.append(actions_lib.TrainLog(ctx, checkpoint))
   if config.task == 'regression_homoscedastic':  # Before the final evaluations use it.
     out.append(noise.FitNoise())
-  out.append(actions_lib.Evaluate(config.train.eval_every))
+  # The clean test and validation splits through every member once after the last step.
+  predictions = predictions_lib.SplitPredictions()
+  out.append(actions_lib.Evaluate(config.train.eval_every, predictions))
   if ctx.run_data.ood is not None:
     out.append(actions_lib.ScoreOod())
   if ctx.run_data.validation is not None:
-    out.append(actions_lib.Validate())
+    out.append(actions_lib.Validate(predictions))
   if ctx.run_data.member_splits is not None:
     out.append(held_out.EvaluateHeldOut())
   if config.select.top_k and config.select.method == 'top_k':
@@ -167,7 +169,7 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   out += laplace_action.laplace_actions(config, ctx.parts.task, ctx.parts.method)
   out += joint_action.joint_actions(config.eval.joint_tau, config.eval.joint_batches,
                                     config.seed, ctx.parts.task)
-  out.append(decision_actions.EvaluateDecisions())  # selective, conformal, eval.shift
+  out.append(decision_actions.EvaluateDecisions(predictions))  # selective, conformal, eval.shift
   if config.train.profile_steps:
     out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))
   return [*out, *extra, checkpoint]
