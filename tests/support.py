@@ -1,5 +1,9 @@
 """What tests share: the XLA flags every test process (this one and the children it starts)
-runs with."""
+runs with, and the tiny run most tests train."""
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Tests compile hundreds of small programs and run each for a few steps: XLA:CPU's
 # compilation is most of the suite's time (a two-step regression run: 18 s of its 23 s).
@@ -14,3 +18,28 @@ FAST_COMPILE = ('--xla_cpu_use_fusion_emitters=false',)
 def xla_flags(devices: int) -> str:
   """XLA_FLAGS for a test process with `devices` fake CPU devices."""
   return ' '.join((f'--xla_force_host_platform_device_count={devices}', *FAST_COMPILE))
+
+
+def config(overrides=(), /, **fields):
+  """The tests' shared tiny run, with `overrides` ({'train.steps': 8}) and `fields`
+  (train__steps=8: '__' for '.') applied in that order.
+
+  One config for every test that needs "a small run" and not a particular one: the
+  steps, evaluations and checkpoints a test sets do not change the compiled programs,
+  so its runs read them from the persistent compilation cache (tests/conftest.py) that
+  another test filled. 4 members of a (16,) MLP on MNIST-1D, batch 32, 4 steps, logged
+  every 2, evaluated at the end, checkpointed at the end, events in jsonl only.
+  """
+  import dist_ens  # pylint: disable=g-import-not-at-top  (jax after conftest's XLA_FLAGS)
+  out = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  out.num_members, out.model.widths, out.data.batch_size = 4, (16,), 32
+  out.train.steps, out.train.log_every, out.train.eval_every = 4, 2, 0
+  out.checkpoint.every, out.writers = 4, ('jsonl',)
+  changes = {**dict(overrides), **{k.replace('__', '.'): v for k, v in fields.items()}}
+  for dotted, value in changes.items():
+    *parents, leaf = dotted.split('.')
+    node = out
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
+  return out

@@ -28,11 +28,7 @@ _LIMIT_S = 300
 
 
 def _config():
-  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
-  config.num_members, config.model.widths = 2, (8,)
-  config.train.steps, config.train.log_every, config.train.eval_every = 4, 2, 0
-  config.checkpoint.every, config.data.batch_size = 4, 16
-  return config
+  return support.config()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
@@ -210,7 +206,7 @@ def test_log_lines_from_python_carry_no_absl_prefix(tmp_path):
                           env=env, capture_output=True, text=True, timeout=_LIMIT_S)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stderr.splitlines()
-  assert 'step 4/4' in result.stderr and lines[0].startswith('warning: 6 of 8 devices'), lines
+  assert 'step 4/4' in result.stderr and lines[0].startswith('warning: 4 of 8 devices'), lines
   assert not [line for line in lines if ':absl:' in line], result.stderr
 
 

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import support
+
 import dist_ens
 from dist_ens import assemble
 from dist_ens.parallel.layout import Layout
@@ -17,19 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(**overrides):
-  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
-  config.num_members = 4
-  config.model.widths = (16,)
-  config.train.steps, config.train.log_every, config.train.eval_every = 12, 4, 0
-  config.checkpoint.every = 4
-  config.data.batch_size = 32
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split('__')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return support.config({'train.steps': 12, 'train.log_every': 4}, **overrides)
 
 
 def _events(workdir):

@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import support
+
 import dist_ens
 from dist_ens.ensembles.method import Method, MethodSpec
 from dist_ens.errors import ConfigError
@@ -41,11 +43,7 @@ def make(spec: MethodSpec) -> Method:
 
 
 def _config(decay):
-  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
-  config.num_members, config.model.widths, config.writers = 4, (16,), ('jsonl',)
-  config.data.batch_size = 32
-  config.train.steps, config.train.log_every, config.train.eval_every = 12, 6, 0
-  config.checkpoint.every = 6
+  config = support.config({'train.steps': 12, 'train.log_every': 6, 'checkpoint.every': 6})
   config.ensemble.method = 'test_method_extension:make'
   config.ensemble.options.decay = decay
   return config

@@ -27,11 +27,7 @@ _LIMIT_S = 300
 
 
 def _config():
-  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
-  config.num_members, config.model.widths = 2, (8,)
-  config.train.steps, config.train.log_every, config.train.eval_every = 4, 2, 0
-  config.checkpoint.every, config.data.batch_size = 4, 16
-  return config
+  return support.config()
 
 
 def _cli(*args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess:

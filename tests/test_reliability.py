@@ -23,20 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(**overrides):
-  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
-  config.num_members = 4
-  config.model.widths = (8,)
-  config.train.steps, config.train.log_every, config.train.eval_every = 8, 4, 0
-  config.checkpoint.every = 4
-  config.data.batch_size = 32
-  config.eval.joint_tau = 0  # The scheduled events only (the joint log-loss adds its own).
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split('__')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  # eval.joint_tau=0: the scheduled events only (the joint log-loss adds its own).
+  return support.config({'train.steps': 8, 'train.log_every': 4, 'eval.joint_tau': 0},
+                        **overrides)
 
 
 @pytest.mark.parametrize('overrides,message', [

@@ -9,6 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import support
+
 import dist_ens
 from dist_ens import data
 from dist_ens.errors import ConfigError
@@ -26,14 +28,8 @@ def _curve(n, seed, dims=0):
 
 
 def _config(**overrides):
-  config = dist_ens.load_config(DEFAULT)
-  config.task, config.num_members = 'regression', 4
-  config.model.widths = (16,)
-  config.data.batch_size, config.data.validation_size = 32, 64
-  config.train.steps, config.train.log_every, config.train.eval_every = 20, 10, 0
-  config.checkpoint.every, config.writers = 20, ('jsonl',)
-  config.update_from_flattened_dict(overrides)
-  return config
+  return support.config({'task': 'regression', 'data.validation_size': 64, 'train.steps': 20,
+                         'train.log_every': 10, 'checkpoint.every': 20, **overrides})
 
 
 def _dataset(dims=0):
