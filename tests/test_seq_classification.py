@@ -19,9 +19,8 @@ from dist_ens.io.pretrained import flatten
 from dist_ens.models import from_hf, hf
 from dist_ens.models.hf import load_leaves
 from test_methods import _Stop
-from text_fixtures import BERT, CORPUS, PAD, bert_with_tokenizer
+from text_fixtures import BERT, CORPUS, PAD, ROOT, bert_with_tokenizer
 
-ROOT = BERT.parents[3]
 CLASSES = 3  # the corpus' three books
 LENGTH = 12
 

@@ -17,10 +17,9 @@ from dist_ens import data, tasks
 from dist_ens.data import DataSpec
 from dist_ens.errors import ConfigError
 from dist_ens.models import from_hf
-from text_fixtures import (BERT, CLS, CORPUS, PAD, SEP, bert_with_tokenizer, make_tokenizer, write_jsonl,
-                           write_npz)
+from text_fixtures import (BERT, CLS, CORPUS, PAD, ROOT, SEP, bert_with_tokenizer,
+                           make_tokenizer, write_jsonl, write_npz)
 
-ROOT = BERT.parents[3]
 GPT2 = ROOT / 'tests' / 'data' / 'hf' / 'gpt2'  # vocab 96
 SEQUENCES = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15], [16, 17, 18, 19, 20],
              [21, 22], [23, 24, 25, 26], [27, 28, 29, 30, 31, 32, 33, 34, 35], [36, 37]]
