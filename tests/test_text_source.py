@@ -2,8 +2,8 @@
 the same arrays and batches, cut and padded as written out by hand here; raw text goes
 through the tokenizer.json beside the checkpoint (its own padding off); next-token
 targets are the following ids with -1 past the end, so a padded position's input token
-changes neither the token_classification loss nor its metrics; bad input is refused in
-one line naming the file or field."""
+changes neither the token_classification loss nor its metrics, and GPT-2 trains on them
+from the config; bad input is refused in one line naming the file or field."""
 
 import json
 import shutil
@@ -13,7 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import dist_ens
 from dist_ens import data, tasks
+from dist_ens.configuration import load_config
 from dist_ens.data import DataSpec
 from dist_ens.errors import ConfigError
 from dist_ens.models import from_hf
@@ -155,3 +157,20 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
   assert 'token id 200' in message and 'vocab_size 96' in message
   assert 'is not a folder' in _one_line(lambda: load(tmp_path / 'nothing'))
 
+
+
+def test_a_decoder_trains_on_next_tokens_of_raw_text(tmp_path):
+  # Through the config: the tokenizer beside the checkpoint, the classes its vocab_size.
+  checkpoint = tmp_path / 'gpt2'
+  shutil.copytree(GPT2, checkpoint)
+  make_tokenizer().save(str(checkpoint / 'tokenizer.json'))
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.num_members, config.mesh.member, config.mesh.data = 2, 2, 1
+  config.task, config.model.init_from = 'token_classification', f'hf:{checkpoint}'
+  config.data.name, config.data.text_length = f'text:{CORPUS}', 10
+  config.data.text_targets = 'next_token'
+  config.train.steps, config.train.log_every, config.train.eval_every = 2, 1, 0
+  config.checkpoint.every, config.eval.joint_tau = 2, 0
+  config.data.batch_size, config.eval.batch_size, config.writers = 4, 8, ('jsonl',)
+  results = dist_ens.train(config, str(tmp_path / 'run'), devices=jax.devices()[:2])
+  assert results['step'] == 2 and np.isfinite(results['members']['nll']).all()
