@@ -170,6 +170,18 @@ def get_config() -> ml_collections.ConfigDict:
   # Examples carved from the end of a fixed shuffle of train for validation (used by
   # select.top_k); 0 = no validation split, train on all of it.
   config.data.validation_size = 0
+  # Tokenised text, data.name='text:PATH' (docs/data.md): a folder with train and test
+  # .jsonl ('input_ids' or 'text' per line, 'label') or .npz files. Each sequence is
+  # cut or padded to text_length ids (0: the longest training sequence) with pad_id
+  # (-1: the checkpoint's pad_token_id, model.init_from='hf:PATH', else the tokenizer's,
+  # else 0). text_targets: 'label' (a class per sequence) or 'next_token' (targets [N, L]
+  # for task='token_classification', -1 past each sequence's end).
+  config.data.text_length = 0
+  config.data.text_targets = 'label'
+  config.data.pad_id = -1
+  # A tokenizer.json (or its folder) for 'text' lines; '' = the one beside the checkpoint
+  # of model.init_from='hf:PATH', else PATH/tokenizer.json.
+  config.data.tokenizer = ''
 
   config.optim = ml_collections.ConfigDict()
   config.optim.name = 'adam'  # 'adam' (AdamW when weight_decay > 0) or 'sgd'

@@ -40,6 +40,10 @@ def data_spec(config: ml_collections.ConfigDict) -> data.DataSpec:
   """config.data's loading fields (the TFDS-only ones where a config sets them)."""
   d = config.data
   optional = {k: d[k] for k in DATA_OPTIONAL_FIELDS if k in d}
+  if data.is_text(d.name):  # Fields only text reads: other configs need not have them.
+    init_from = _field(config, 'model.init_from')
+    optional.update({k: _field(config, f'data.{k}') for k in data.TEXT_FIELDS},
+                    checkpoint=init_from if hf_models.is_hf(init_from) else '')
   return data.DataSpec(name=d.name, data_dir=d.data_dir, mean=tuple(d.mean), std=tuple(d.std),
                        **optional)
 

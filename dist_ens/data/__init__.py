@@ -9,8 +9,9 @@ from dist_ens.data.pipeline import (MEMBER_ORDERS, Batches, BatchIterator, Itera
                                     to_global)
 from dist_ens.data.member_split import MemberSplits, make_member_splits
 from dist_ens.data.sources import SOURCES, Dataset, Source, Split, Subset
-from dist_ens.data.spec import DataSpec
+from dist_ens.data.spec import TEXT_FIELDS, DataSpec
 from dist_ens.data import uci
+from dist_ens.data.text import is_text, load_text
 from dist_ens.data.tfds_source import is_token_ids, load_tfds, prepare_command, preprocess
 from dist_ens import importing
 from dist_ens.errors import ConfigError
@@ -113,10 +114,13 @@ def _load_user_dataset(name: str, spec: DataSpec) -> Dataset:
 def load_dataset(name: str, spec: DataSpec | None = None) -> Dataset:
   """The dataset `name`: an embedded one (see SOURCES), a UCI regression set
   ('uci:energy' for a shipped one, 'uci:PATH' for a file in that format; split 0 of
-  dist_ens.data.uci, in original units), your own by import path ('my_pkg.data:load',
+  dist_ens.data.uci, in original units), tokenised text ('text:PATH', dist_ens.data.text),
+  your own by import path ('my_pkg.data:load',
   see from_arrays), or else a TFDS dataset read from spec.data_dir. Preprocessing
   (spec.mean / std) applies to embedded and your own; `spec` defaults to DataSpec(name)."""
   spec = dataclasses.replace(spec, name=name) if spec is not None else DataSpec(name)
+  if is_text(name):
+    return load_text(name, spec)
   if name.startswith('uci:'):  # Original units; the regression task standardises.
     train, test = uci.load_uci(name)
     return Dataset(name, train, test, 0, tuple(train.x.shape[1:]))
@@ -149,5 +153,5 @@ def split_validation(source: Source, size: int) -> tuple[Source, Split]:
 
 
 __all__ = ['is_token_ids', 'MemberSplits', 'make_member_splits', 'Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_finite_inputs', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
-           'PipelineStats', 'SOURCES', 'Source', 'Split', 'Subset', 'host_block', 'host_rows',
+           'PipelineStats', 'SOURCES', 'TEXT_FIELDS', 'is_text', 'load_text', 'Source', 'Split', 'Subset', 'host_block', 'host_rows',
            'load_dataset', 'local_indices', 'prepare_command', 'preprocess', 'split_validation', 'to_global']

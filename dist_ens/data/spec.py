@@ -14,6 +14,10 @@ class DataSpec:
   train_split, test_split, add_channel: TFDS only, for data sets whose splits are
     named otherwise or whose 1-D/2-D inputs need no channel axis (config.data may set
     them; configs/default.py does not, so their defaults live here).
+  text_length, text_targets, pad_id, tokenizer: 'text:PATH' only (data/text.py;
+    configs/default.py holds their defaults; assemble reads them for text alone).
+  checkpoint: config.model.init_from when it is 'hf:PATH' (else ''): 'text:PATH' reads
+    its tokenizer, pad_token_id and vocab_size.
   """
   name: str
   data_dir: str = ''
@@ -22,3 +26,12 @@ class DataSpec:
   train_split: str = 'train'
   test_split: str = 'test'
   add_channel: bool = True
+  text_length: int = 0
+  text_targets: str = 'label'
+  pad_id: int = -1
+  tokenizer: str = ''
+  checkpoint: str = ''
+
+
+# config.data's fields that only 'text:PATH' reads.
+TEXT_FIELDS = ('text_length', 'text_targets', 'pad_id', 'tokenizer')

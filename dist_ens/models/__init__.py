@@ -86,12 +86,14 @@ def _factory_model(spec: ModelSpec, num_classes: int) -> Model:
 
 
 def _hf_model(spec: ModelSpec, num_classes: int) -> Model:
-  """The model config.model.init_from='hf:PATH' describes in its config.json."""
+  """The model config.model.init_from='hf:PATH' describes in its config.json (an
+  encoder's padding masked, config.model.pool read: models/hf/bert.py)."""
   where = f'config.model.init_from={spec.hf!r}'
   if spec.factory:
     raise ConfigError(f'{where} builds its own model; config.model.factory='
                       f"{spec.factory!r} cannot replace it: set factory=''.")
-  return hf.build(spec.hf, num_classes, layers.dropout_rate_for(spec.dropout), where)
+  return hf.build(spec.hf, num_classes, layers.dropout_rate_for(spec.dropout), where,
+                  training=True, pool=spec.pool)
 
 
 def get_model(spec: ModelSpec, num_classes: int) -> Model:

@@ -39,7 +39,7 @@ class ModelSpec:
   hidden: int | None = None  # vit, token_transformer
   heads: int | None = None
   mlp_dim: int | None = None
-  pool: str | None = None  # vit
+  pool: str | None = None  # vit, token_transformer, Hugging Face encoders ('cls', 'mean')
   vocab_size: int | None = None  # token_transformer
   causal: bool | None = None
   # config.model.init_from when it is 'hf:PATH': the model is the one its config.json

@@ -51,12 +51,20 @@ def describe(source: str, where: str) -> tuple[Any, str, Family, Any]:
 
 
 def build(source: str, num_classes: int | None = None, dropout: float = 0.0,
-          where: str = 'hf') -> Model:
+          where: str = 'hf', *, training: bool = False, pool: str | None = None) -> Model:
   """The model config.json of `source` describes (no weights read); a classifier with
-  `num_classes` outputs where given (None: config.json's num_labels)."""
-  _, _, family, arch = describe(source, where)
+  `num_classes` outputs where given (None: config.json's num_labels). `training`: as
+  config.model.init_from builds it, an encoder's padding masked and config.model.pool
+  read (`pool`; None: the family's own; set for a family without one, refused)."""
+  _, name, family, arch = describe(source, where)
   if num_classes is not None and family.with_classes is not None:
     arch = family.with_classes(arch, num_classes)
+  if training and family.for_text is not None:
+    arch = family.for_text(arch, pool, where)
+  elif training and pool is not None:
+    takers = [n for n, f in ARCHITECTURES.items() if f.for_text is not None]
+    raise ConfigError(f'config.model.pool={pool!r}: {where} is a {name}, which has no '
+                      f'pooling to choose (only {", ".join(takers)}); leave it unset.')
   return make_model(family, arch, dropout)
 
 

@@ -10,6 +10,13 @@ every other (transformers' default all-ones attention mask); then
            padding tokens take position pad_token_id (transformers' rule).
 The classifier is the 'head' subtree (models/heads.py), so an ensemble's members each
 start their own (config.ensemble.own) on the shared encoder.
+
+Built for training (config.model.init_from='hf:PATH', `for_text`), two things change:
+padding tokens (pad_token_id) are masked out of attention as transformers' attention_mask
+from a tokenizer masks them, and config.model.pool picks the features the classifier
+reads: 'cls' (the first token's, the class's own) or 'mean' (the mean over non-padding
+tokens); what follows (BERT's pooler, RoBERTa's dense layer) is unchanged. `from_hf`
+keeps transformers' default call (no mask, 'cls').
 """
 
 import dataclasses
@@ -39,6 +46,11 @@ class Bert:
   act: str
   pad: int
   classes: int
+  pool: str = 'cls'  # 'cls' or 'mean' (POOLS)
+  mask_padding: bool = False  # padding tokens are masked out of attention
+
+
+POOLS = ('cls', 'mean')
 
 
 def _reader(roberta: bool):
@@ -97,6 +109,15 @@ def _positions(a: Bert, ids: jnp.ndarray) -> jnp.ndarray:
   return jnp.cumsum(real, axis=1) * real + a.pad
 
 
+def _pooled(a: Bert, h: jnp.ndarray, ids: jnp.ndarray) -> jnp.ndarray:
+  """[B, D]: the first token's features, or the mean over the non-padding tokens."""
+  if a.pool == 'cls':
+    return h[:, 0]
+  real = (ids != a.pad)[..., None]
+  count = jnp.maximum(real.sum(axis=1), 1).astype(h.dtype)
+  return jnp.where(real, h, 0).sum(axis=1) / count
+
+
 def make_apply(a: Bert, rate: float):
   act = layers.ACTIVATIONS[a.act]
   head_dim = a.hidden // a.heads
@@ -108,6 +129,7 @@ def make_apply(a: Bert, rate: float):
     if ids.shape[1] + (a.pad + 1 if a.roberta else 0) > a.positions:
       raise ConfigError(f'this encoder takes at most {a.positions} positions; got '
                         f'{ids.shape[1]} tokens.')
+    mask = (ids != a.pad)[:, None, :] if a.mask_padding else None  # [B, 1 query, keys]
     h = (jnp.take(params['tokens'], ids, axis=0) + jnp.take(params['pos'], positions, axis=0)
          + params['types'][0])
     h = layers.layer_norm(params['embed_norm'], h, a.eps)
@@ -115,13 +137,13 @@ def make_apply(a: Bert, rate: float):
     h = base_layers.dropout(keys[0], h, rate, train=train)
     for i, block in enumerate(params['blocks']):
       y = layers.attention(block['attn'], h, heads=a.heads, kv_heads=a.heads,
-                           head_dim=head_dim, scale=head_dim ** -0.5)
+                           head_dim=head_dim, scale=head_dim ** -0.5, mask=mask)
       h = layers.layer_norm(block['ln1'], h + base_layers.dropout(keys[1 + 2 * i], y, rate,
                                                                   train=train), a.eps)
       y = layers.dense(block['mlp']['fc2'], act(layers.dense(block['mlp']['fc1'], h)))
       h = layers.layer_norm(block['ln2'], h + base_layers.dropout(keys[2 + 2 * i], y, rate,
                                                                   train=train), a.eps)
-    first = h[:, 0]
+    first = _pooled(a, h, ids)
     if a.roberta:
       first = base_layers.dropout(keys[-2], first, rate, train=train)
       first = jnp.tanh(layers.dense(params['head']['dense'], first))
@@ -138,7 +160,16 @@ def _with_classes(a: Bert, classes: int) -> Bert:
   return dataclasses.replace(a, classes=classes)
 
 
+def for_text(a: Bert, pool: str | None, where: str) -> Bert:
+  """The encoder as training builds it (module doc): padding masked, `pool` (None: 'cls')."""
+  pool = 'cls' if pool is None else pool
+  if pool not in POOLS:
+    raise ConfigError(f'config.model.pool={pool!r} is not a pooling of this encoder '
+                      f'({where}); use one of {POOLS}.')
+  return dataclasses.replace(a, pool=pool, mask_padding=True)
+
+
 BERT = Family(prefix='bert.', read=_reader(False), weights=weights, make_apply=make_apply,
-              with_classes=_with_classes)
+              with_classes=_with_classes, for_text=for_text)
 ROBERTA = Family(prefix='roberta.', read=_reader(True), weights=weights,
-                 make_apply=make_apply, with_classes=_with_classes)
+                 make_apply=make_apply, with_classes=_with_classes, for_text=for_text)

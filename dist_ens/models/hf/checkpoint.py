@@ -37,9 +37,9 @@ DTYPES = {
     'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16,
     'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8, 'U8': np.uint8,
     'BOOL': np.bool_}
-# What a hub download needs; a repository's other files (PyTorch .bin copies, tokenizer
-# data, images) are left on the hub.
-HUB_FILES = ['config.json', '*.safetensors', INDEX]
+# What a hub download needs (tokenizer.json: data.name='text:PATH' tokenises with it); a
+# repository's other files (PyTorch .bin copies, other tokenizer data, images) stay there.
+HUB_FILES = ['config.json', '*.safetensors', INDEX, 'tokenizer.json']
 
 
 def is_hf(source: str) -> bool:

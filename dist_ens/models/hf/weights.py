@@ -77,12 +77,15 @@ class Family:
   weights(arch) -> the weight table.
   make_apply(arch, dropout) -> apply(params, state, x, *, train, rng) of the contract.
   with_classes(arch, n) -> arch with an n-way classifier (None: outputs are not classes).
+  for_text(arch, pool, where) -> arch as training builds an encoder of token ids (its
+    config.model.pool, padding masked); None: the family takes no pool.
   """
   prefix: str  # the base model's name in the state dict ('bert.'), dropped where absent
   read: Callable[[Mapping[str, Any], str], Any]
   weights: Callable[[Any], list[Weight]]
   make_apply: Callable[[Any, float], Callable[..., Any]]
   with_classes: Callable[[Any, int], Any] | None = None
+  for_text: Callable[[Any, str | None, str], Any] | None = None
 
 
 def nest(flat: Mapping[str, Any]) -> dict[str, Any]:

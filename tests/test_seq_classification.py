@@ -1,0 +1,128 @@
+"""Sequence classification on a pretrained encoder: the tiny BERT of tests/data/hf/bert
+(config.model.init_from='hf:PATH') trained as 4 members on mesh member=4 x data=2 over
+the shipped text corpus (tests/data/text, tokenised by the tokenizer.json beside the
+checkpoint), each member's classifier drawn from its own key; resume is exact;
+Ensemble.load(...).predict gives [M, B, classes]; with ensemble.own='head' the encoder
+stays the file's, stored once. The encoder built for training masks padding out of
+attention and pools by config.model.pool ('cls' or 'mean'), so padding a sequence
+further changes none of its outputs."""
+
+import jax
+import numpy as np
+import pytest
+
+import dist_ens
+from dist_ens import assemble, data
+from dist_ens.configuration import load_config
+from dist_ens.errors import ConfigError
+from dist_ens.io.pretrained import flatten
+from dist_ens.models import from_hf, hf
+from dist_ens.models.hf import load_leaves
+from test_methods import _Stop
+from text_fixtures import BERT, CORPUS, PAD, ROOT, bert_with_tokenizer
+
+CLASSES = 3  # the corpus' three books
+LENGTH = 12
+
+
+def _text_config(checkpoint, steps=4, **model):
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.num_members, config.mesh.member, config.mesh.data = 4, 4, 2
+  config.model.init_from = f'hf:{checkpoint}'
+  for key, value in model.items():
+    config.model[key] = value
+  config.data.name, config.data.text_length = f'text:{CORPUS}', LENGTH
+  config.train.steps, config.train.log_every, config.train.eval_every = steps, 2, 0
+  config.checkpoint.every = 2
+  config.data.batch_size, config.eval.batch_size = 8, 16
+  config.writers = ('jsonl',)
+  return config
+
+
+def _heads(params):
+  return {name: leaf for name, leaf in flatten(params).items() if name.startswith('head/')}
+
+
+def test_members_train_resume_exactly_and_predict(tmp_path):
+  checkpoint = bert_with_tokenizer(tmp_path / 'bert')
+  config = lambda: _text_config(checkpoint, pool='mean')
+  run = assemble.build_run(config())
+  initial = flatten(jax.device_get(assemble.init_sharded(run.parts)).params)
+  for name, value in load_leaves(str(checkpoint)).items():
+    if not name.startswith('head/'):  # the encoder starts from the file in every member
+      for m in range(4):
+        np.testing.assert_array_equal(initial[name][m], value, err_msg=name)
+  head = initial['head/w']
+  assert head.shape == (4, 32, CLASSES)
+  assert all(not np.allclose(head[i], head[j]) for i in range(4) for j in range(i))
+
+  straight = dist_ens.train(config(), str(tmp_path / 'a'))
+  with pytest.raises(RuntimeError, match='injected fault'):  # after step 2's checkpoint
+    dist_ens.train(config(), str(tmp_path / 'b'), actions=[_Stop(2)])
+  resumed = dist_ens.train(config(), str(tmp_path / 'b'))
+  assert straight['step'] == resumed['step'] == 4
+  assert np.isfinite(straight['members']['nll']).all()
+  assert resumed['members'] == straight['members']
+  a, b = (dist_ens.Ensemble.load(tmp_path / w) for w in ('a', 'b'))
+  for m in range(4):
+    jax.tree.map(np.testing.assert_array_equal, b.member(m), a.member(m))
+  trained = [_heads(a.member(m))['head/w'] for m in range(4)]
+  assert not np.allclose(trained[0], trained[1])
+  test = data.load_dataset(f'text:{CORPUS}', assemble.data_spec(config())).test
+  out = a.predict(test.x)
+  assert out.member_probs.shape == (4, len(test.x), CLASSES)
+  assert out.probs.shape == (len(test.x), CLASSES)
+  np.testing.assert_allclose(out.member_probs.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_own_head_keeps_the_encoder_the_files_and_stored_once(tmp_path):
+  checkpoint = bert_with_tokenizer(tmp_path / 'bert')
+  config = _text_config(checkpoint, steps=2, pool='cls')
+  config.ensemble.own = 'head'
+  dist_ens.train(config, str(tmp_path / 'run'))
+  ens = dist_ens.Ensemble.load(tmp_path / 'run')
+  file = load_leaves(str(checkpoint))
+  members = [flatten(ens.member(m)) for m in range(4)]
+  for name, value in file.items():
+    if not name.startswith('head/'):
+      for member in members:
+        np.testing.assert_array_equal(member[name], value, err_msg=name)
+  assert not np.allclose(members[0]['head/w'], members[1]['head/w'])
+  assert not np.allclose(members[0]['head/w'], file['head/w'][:, :CLASSES])
+
+
+def _padded(ids, length):
+  return np.pad(ids, ((0, 0), (0, length - ids.shape[1])), constant_values=PAD)
+
+
+@pytest.mark.parametrize('pool', ['cls', 'mean'])
+def test_padding_changes_no_output_of_the_training_encoder(pool):
+  reference = np.load(BERT / 'reference.npz')
+  ids = reference['inputs'].copy()
+  ids[1, 4:] = PAD  # the second sequence is 4 tokens long
+  model = hf.build(str(BERT), dropout=0.0, training=True, pool=pool)
+  params = from_hf(str(BERT))[1]
+  apply = jax.jit(lambda x: model.apply(params, {}, x, train=False)[0])
+  short, long = apply(ids), apply(_padded(ids, 20))
+  np.testing.assert_allclose(long, short, atol=1e-5)
+  # Without the mask (from_hf: transformers' call without attention_mask) padding counts.
+  plain, _ = from_hf(str(BERT))
+  unmasked = lambda x: plain.apply(params, {}, x, train=False)[0]
+  assert np.abs(unmasked(_padded(ids, 20))[1] - unmasked(ids)[1]).max() > 1e-3
+  if pool == 'cls':  # no padding: the training encoder is transformers' class exactly
+    np.testing.assert_allclose(apply(reference['inputs']), reference['logits'], atol=1e-5)
+
+
+def _refusal(call) -> str:
+  with pytest.raises(ConfigError) as e:
+    call()
+  assert '\n' not in str(e.value), str(e.value)
+  return str(e.value)
+
+
+def test_pools_that_do_not_apply_are_refused(tmp_path):
+  message = _refusal(lambda: hf.build(str(BERT), training=True, pool='last'))
+  assert "config.model.pool='last'" in message and "('cls', 'mean')" in message
+  gpt2 = ROOT / 'tests' / 'data' / 'hf' / 'gpt2'
+  message = _refusal(lambda: hf.build(str(gpt2), training=True, pool='mean'))
+  assert 'GPT2LMHeadModel' in message and 'BertForSequenceClassification' in message
