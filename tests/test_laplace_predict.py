@@ -1,15 +1,20 @@
 """A run's Laplace posteriors through Ensemble.load / predict (config.eval.laplace): the
 Laplace probabilities predict gives reproduce final_metrics.json's 'laplace' section
 (recomputed in float64 numpy), the weight draws its joint log-loss, on a 4 x 2 mesh of 8
-fake devices and on another mesh; what cannot be predicted is refused in one line."""
+fake devices and on another mesh, and from a run of two processes; what cannot be
+predicted is refused in one line."""
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import data
+from dist_ens import assemble, data
 from dist_ens.eval import joint
 from dist_ens.io import laplace_file
 
@@ -150,3 +155,25 @@ def test_regression_is_refused_in_one_line(tmp_path):
   ens = dist_ens.Ensemble.load(tmp_path / 'reg')
   _refused(ens, r"config\.task='regression'",
            lambda e: e.predict(DATASET.test.x, preprocessed=True, laplace=True))
+
+
+@pytest.mark.slow
+def test_a_two_process_run_writes_the_fit_once_and_it_loads_in_one(tmp_path):
+  """Two processes of 4 devices (launch/local.sh) fit on one 4 x 2 mesh; process 0 writes
+  laplace.npz; this process (8 devices) loads it and predicts the reported metrics."""
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  env.update(PYTHONPATH=str(ROOT), PYTHON=sys.executable)
+  flags = ['--config.train.steps=20', '--config.train.eval_every=0', '--config.num_members=4',
+           '--config.data.batch_size=64', '--config.mesh.member=4', '--config.mesh.data=2',
+           '--config.eval.laplace=last_layer_kron', '--config.eval.laplace_samples=4']
+  done = subprocess.run(
+      ['bash', str(ROOT / 'launch' / 'local.sh'), '--processes', '2', '--devices-per-process',
+       '4', '--timeout', '240', '--', f'--config={ROOT / "configs" / "default.py"}',
+       f'--workdir={tmp_path / "w"}', *flags],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+  reported = json.loads((tmp_path / 'w' / 'final_metrics.json').read_text())['laplace']
+  ens = dist_ens.Ensemble.load(tmp_path / 'w')
+  test = data.load_dataset(ens.config.data.name, assemble.data_spec(ens.config)).test
+  out = ens.predict(test.x, preprocessed=True, laplace=True)
+  _assert_reported(reported, out.member_probs, out.probs, np.asarray(test.y))

@@ -4,7 +4,7 @@ split with and that Ensemble.predict(x, laplace=True) calls, so a loaded run pre
 exactly what its final_metrics.json 'laplace' section was computed from.
 
   fit = LaplaceFit(...)                              # a run's fit (io/laplace_file.py)
-  arrays = fitted_arrays(fit, seed, num_classes)     # + the weight draws, [M, ...] each
+  arrays = fitted_arrays(fit, seed, num_classes, mesh)   # + the weight draws, [M, ...]
   plain, laplaced, draws = members_predictive(model, fit.kind, fit.kernel,
                                               (params, model_state), arrays, x)
 
@@ -93,8 +93,11 @@ def _member_noise(kind: str, samples: int, num_classes: int, post: laplace.Poste
   return laplace.weight_noise(kind, post, delta, eps)
 
 
-def fitted_arrays(fit: LaplaceFit, seed: int, num_classes: int) -> LaplaceArrays:
-  """The fit's arrays and every member's weight draws (member m's from (seed, m))."""
+def fitted_arrays(fit: LaplaceFit, seed: int, num_classes: int, mesh: jax.sharding.Mesh
+                  ) -> LaplaceArrays:
+  """The fit's arrays and every member's weight draws (member m's from (seed, m)), on
+  `mesh`'s member axis: every process computes them alike from the fit's numpy arrays
+  and places them as numpy, as other host values go onto the mesh."""
   members = len(fit.prior_precision)
   keys = jax.vmap(lambda k: jax.random.fold_in(k, _LAPLACE_STREAM))(
       rng.member_keys(seed, jnp.arange(members, dtype=jnp.uint32)))
@@ -102,7 +105,8 @@ def fitted_arrays(fit: LaplaceFit, seed: int, num_classes: int) -> LaplaceArrays
   deltas = jnp.asarray(fit.prior_precision, jnp.float32)
   noise = jax.jit(jax.vmap(functools.partial(
       _member_noise, fit.kind, fit.samples, num_classes)))(post, deltas, keys)
-  return LaplaceArrays(post, deltas, noise)
+  host = jax.tree.map(np.asarray, LaplaceArrays(post, deltas, noise))
+  return jax.device_put(host, mesh_lib.member_sharding(mesh))
 
 
 def _member(kind: str, post: laplace.Posterior, delta: jax.Array, noise: jax.Array,
@@ -150,8 +154,7 @@ class Forwards:
 
   def __init__(self, model: Any, fit: LaplaceFit, seed: int, num_classes: int,
                mesh: jax.sharding.Mesh):
-    arrays = jax.device_put(fitted_arrays(fit, seed, num_classes),
-                            mesh_lib.member_sharding(mesh))
+    arrays = fitted_arrays(fit, seed, num_classes, mesh)
 
     def forward(with_draws):
       step = jax.jit(functools.partial(_ensemble_step, model, fit, with_draws),

@@ -79,7 +79,8 @@ class Laplace(PeriodicAction):
       fit, deltas, by, count = self._fit(ctx, feats, names)
       laplace_file.write(ctx.workdir, fit)
       # What Ensemble.load builds from the file, so predict(laplace=True) gives these.
-      arrays = laplace_predictive.fitted_arrays(fit, ctx.config.seed, ctx.parts.num_outputs)
+      arrays = laplace_predictive.fitted_arrays(fit, ctx.config.seed, ctx.parts.num_outputs,
+                                                ctx.parts.mesh)
       plain, laplaced, draws = self._log_probs(ctx, fit.kernel, arrays, ctx.run_data.dataset.test)
       ood = (None if ctx.run_data.ood is None else
              self._log_probs(ctx, fit.kernel, arrays, ctx.run_data.ood)[1])
@@ -141,20 +142,21 @@ class Laplace(PeriodicAction):
   def _curvature(self, ctx: Context, feats: Any) -> tuple[laplace.Curvature, float, int]:
     """Every member's Gauss-Newton sums over the training split, the largest relative
     error of the linear head, and the examples counted."""
-    kind, params, model_state = self.kind, ctx.state.params, ctx.state.model_state
+    kind, variables = self.kind, (ctx.state.params, ctx.state.model_state)
 
-    @jax.jit
-    def step(x, mask):
-      logits, psi, error = feats(params, model_state, x)
+    @jax.jit  # The state goes in as arguments: a constant cannot span processes.
+    def step(variables, x, mask):
+      logits, psi, error = feats(*variables, x)
       batch = jax.vmap(functools.partial(laplace.batch_curvature, kind), in_axes=(0, 0, None))(
           psi, jax.nn.softmax(logits, -1), mask)
       return batch, error.max()
 
     total, worst, count = None, 0.0, 0
     for x, _, mask, valid in self._batches(ctx, ctx.run_data.dataset.train):
-      batch, error = step(x, mask)
+      batch, error = step(variables, x, mask)
       total = batch if total is None else jax.tree.map(jnp.add, total, batch)
-      worst, count = max(worst, float(error)), count + valid  # float(): one batch in flight
+      # fetch: one batch in flight
+      worst, count = max(worst, float(ctx.fetch(error))), count + valid
     return total, worst, count
 
   def _prior(self, ctx: Context, feats: Any, post: laplace.Posterior, names: tuple[str, str]
@@ -178,11 +180,11 @@ class Laplace(PeriodicAction):
       return jax.vmap(at)(grid)
 
     @jax.jit
-    def scores(x, y, mask):
+    def scores(params, model_state, post, x, y, mask):
       logits, psi, _ = feats(params, model_state, x)
       return jax.vmap(member_scores, in_axes=(0, 0, 0, None, None))(logits, psi, post, y, mask)
 
-    total = sum(ctx.fetch(scores(x, y.astype(np.int32), mask))
+    total = sum(ctx.fetch(scores(params, model_state, post, x, y.astype(np.int32), mask))
                 for x, y, mask, _ in self._batches(ctx, ctx.run_data.validation))
     return np.asarray(laplace.PRIOR_GRID)[np.argmax(total, 1)], 'validation nll'
 
@@ -194,14 +196,14 @@ class Laplace(PeriodicAction):
                                                                   ctx.state.model_state)
 
     @jax.jit
-    def step(x, y):
+    def step(variables, arrays, x, y):
       plain, laplaced, draws = laplace_predictive.members_predictive(
           model, kind, kernel, variables, arrays, x)
       return plain, laplaced, (draws * jax.nn.one_hot(y, draws.shape[-1])).sum(-1)
 
     plain, laplaced, draws = [], [], []
     for x, y, _, valid in self._batches(ctx, split):
-      a, b, d = ctx.fetch(step(x, y.astype(np.int32)))
+      a, b, d = ctx.fetch(step(variables, arrays, x, y.astype(np.int32)))
       plain.append(a[:, :valid])
       laplaced.append(b[:, :valid])
       draws.append(d[..., :valid])
