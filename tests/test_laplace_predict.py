@@ -10,12 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import dist_ens
 from dist_ens import assemble, data
-from dist_ens.eval import joint
+from dist_ens.eval import joint, laplace
 from dist_ens.io import laplace_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,6 +63,25 @@ def _assert_reported(fit, member_probs, probs, y):
     for metric in ('nll', 'accuracy'):
       np.testing.assert_allclose(got[who][metric], fit[who][metric], rtol=1e-5, atol=1e-6,
                                  err_msg=f'{who} {metric}')
+
+
+@pytest.mark.parametrize('kind', laplace.KINDS)
+def test_weight_draws_have_the_posterior_covariance(kind):
+  """psi @ (theta - theta*) over many draws has the logit covariance V = psi^T Sigma psi
+  (checked against Sigma inverted directly in tests/test_laplace.py)."""
+  rng = np.random.default_rng(3)
+  f1, c, n = 4, 3, 40
+  psi = jnp.asarray(np.concatenate([rng.normal(size=(n, f1 - 1)), np.ones((n, 1))], 1),
+                    jnp.float32)
+  logits = rng.normal(size=(n, c))
+  probs = jnp.asarray(np.exp(logits) / np.exp(logits).sum(1, keepdims=True), jnp.float32)
+  post = laplace.posterior(kind, laplace.batch_curvature(kind, psi, probs, jnp.ones(n)))
+  eps = jax.random.normal(jax.random.key(0), (40_000, f1, c))
+  noise = np.asarray(laplace.weight_noise(kind, post, 0.5, eps), np.float64)
+  logit_noise = np.einsum('bf,sfc->sbc', np.asarray(psi[:3], np.float64), noise)  # [S, 3, C]
+  empirical = np.einsum('sbc,sbd->bcd', logit_noise, logit_noise) / len(noise)
+  expected = np.asarray(laplace.logit_covariance(kind, post, psi[:3], 0.5))
+  np.testing.assert_allclose(empirical, expected, atol=0.03 * np.abs(expected).max())
 
 
 @pytest.fixture(scope='module')
