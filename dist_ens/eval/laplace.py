@@ -129,7 +129,9 @@ def logit_covariance(kind: str, post: Posterior, psi: jax.Array, delta: jax.Arra
 
 def predictive_log_probs(logits: jax.Array, cov: jax.Array, samples: int,
                          key: jax.Array | None) -> jax.Array:
-  """log p(y | x) [B, C] of logits N(logits, cov): probit (samples=0) or MC."""
+  """log p(y | x) [B, C] of logits N(logits, cov): probit (samples=0) or MC over draws
+  of each input's logits on their own (the run's MC predictive draws weights instead:
+  weight_noise, sampled_log_probs)."""
   if not samples:
     var = jnp.diagonal(cov, axis1=-2, axis2=-1)
     return jax.nn.log_softmax(logits / jnp.sqrt(1.0 + jnp.pi / 8.0 * var), axis=-1)
