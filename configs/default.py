@@ -303,9 +303,11 @@ def get_config() -> ml_collections.ConfigDict:
   # 'deep'): '' = off, 'last_layer_diag', 'last_layer_kron' or 'last_layer_full' (the
   # Gauss-Newton matrix's form); test metrics of the members' Laplace predictives and
   # their mixture under 'laplace', the prior precision chosen on the validation split
-  # (else by marginal likelihood).
+  # (else by marginal likelihood). Saved to workdir/laplace.npz, which
+  # Ensemble.predict(x, laplace=True) predicts with.
   config.eval.laplace = ''
-  # 0: the probit approximation of the predictive; k > 0: the mean of k logit draws.
+  # 0: the probit approximation of the predictive; k > 0: the mean over k draws of the
+  # last layer's weights (with eval.joint_tau, their joint log-loss under 'laplace').
   config.eval.laplace_samples = 0
   # Distribution shift: the test split corrupted on device (docs/evaluation.md), per
   # corruption and severity the members' and the ensemble's metrics and their means

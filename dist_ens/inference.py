@@ -3,6 +3,7 @@
   ens = Ensemble.load('/tmp/run')             # onto whatever devices are present
   out = ens.predict(x)                        # raw inputs, any batch size
   out.probs, out.member_probs, out.entropy, out.mutual_information
+  lap = ens.predict(x, laplace=True)          # the members' Laplace posteriors (eval.laplace)
   params_3 = ens.member(3)                    # member 3's own parameter pytree
   ens.export('/tmp/members')                  # member_i.npz, loadable with numpy alone
 
@@ -31,7 +32,7 @@ from dist_ens.data import uci
 from dist_ens.io.member_files import load_member, path_key  # noqa: F401  (load_member: API)
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
-from dist_ens.eval import conformal as conformal_lib, decisions, metrics
+from dist_ens.eval import conformal as conformal_lib, decisions, laplace_predictive, metrics
 from dist_ens.eval import regression as reg_eval
 from dist_ens.eval.evaluate import member_logits
 from dist_ens.parallel import load_mesh, mesh as mesh_lib
@@ -117,6 +118,8 @@ class Ensemble:
     step: the training step of the restored checkpoint.
     input_shape, num_classes: the model's input shape and number of classes.
     mesh: the ('member', 'data'[, 'model']) mesh the parameters live on.
+    laplace: the members' last-layer Laplace posteriors the run fitted
+      (config.eval.laplace; workdir/laplace.npz, dist_ens.io.laplace_file), or None.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model: Model, params: PyTree,
@@ -125,11 +128,13 @@ class Ensemble:
                model_state: PyTree = None, scale: uci.Standardizer | None = None,
                conformal: decisions.ConformalFit | None = None,
                noise_variance: np.ndarray | None = None, predict_model: Model | None = None,
-               split_scales: tuple[uci.Standardizer, ...] | None = None):
+               split_scales: tuple[uci.Standardizer, ...] | None = None,
+               laplace: laplace_predictive.LaplaceFit | None = None):
     # `predict_model` reads `params` as stored (stored.predicting_model); default `model`.
     self.config, self.model, self._stored = config, model, params
     self._predict_model = model = predict_model or model
     self.conformal = conformal  # what predict_sets calibrates with (None: not fitted)
+    self.laplace = laplace  # what predict(laplace=True) uses (None: not fitted)
     self.task, self.scale = tasks.get_task(config.task), scale
     # config.data.member_split's per-split statistics: split s's members predict in their
     # own units, so predict standardises and converts back per split (None: one `scale`).
@@ -228,7 +233,8 @@ class Ensemble:
                    conformal=saved_run.conformal_from(workdir, config),
                    noise_variance=saved_run.noise_from(workdir, config, parts.num_outputs),
                    predict_model=parts.predict_model,
-                   split_scales=saved_run.split_scales_from(meta))
+                   split_scales=saved_run.split_scales_from(meta),
+                   laplace=saved_run.laplace_from(workdir, restored.step))
     ensemble.workdir = workdir  # what export_adapters reads the factors from
     return ensemble
 
@@ -259,7 +265,7 @@ class Ensemble:
     return -(-size // d) * d
 
   def predict(self, x: np.ndarray, batch_size: int | None = None, *,
-              preprocessed: bool = False) -> Prediction:
+              preprocessed: bool = False, laplace: bool = False) -> Prediction:
     """The ensemble's and every member's probabilities for a batch of any size.
 
     Example:
@@ -273,19 +279,72 @@ class Ensemble:
         last chunk is padded, so any N works.
       preprocessed: x is already model inputs, e.g. a split from
         dist_ens.data.load_dataset(name, config.data), which preprocesses itself.
+      laplace: predict with each member's last-layer Laplace posterior instead of its
+        trained weights (a classifier trained with config.eval.laplace): member_probs
+        are the members' Laplace predictives, by the run's eval.laplace_samples (0:
+        the probit approximation; k: the mean over k weight draws, the same draws for
+        every input), and probs their mixture, as final_metrics.json's 'laplace'.
 
     Returns:
       Prediction of numpy arrays; frozen members are left out of `probs`, `entropy`
       and `mutual_information` but keep their `member_probs`.
+
+    Raises:
+      ValueError: laplace=True on a run that fitted no Laplace posteriors (one line).
     """
+    forward = self._laplace_forward(draws=False) if laplace else self._forward
     x = data.preprocess(np.asarray(x), _NO_PREPROCESSING) if preprocessed else self.preprocess(x)
-    if self.task.predict is not None:
+    if self.task.predict is not None and not laplace:
       return self._predict_task(x, batch_size)
     parts = [(np.asarray(p)[:k], np.asarray(mp)[:, :k], np.asarray(e)[:k], np.asarray(mi)[:k])
-             for k, (p, mp, e, mi) in self._outputs(x, batch_size, self._forward)]
+             for k, (p, mp, e, mi) in self._outputs(x, batch_size, forward)]
     probs, member_probs, entropy, mi = zip(*parts)
     return Prediction(np.concatenate(probs), np.concatenate(member_probs, axis=1),
                       np.concatenate(entropy), np.concatenate(mi))
+
+  def laplace_samples(self, x: np.ndarray, batch_size: int | None = None, *,
+                      preprocessed: bool = False) -> np.ndarray:
+    """[M, S, N, C] the probabilities of each member's S Laplace weight draws (the run's
+    config.eval.laplace_samples), whose means over S are predict(x, laplace=True)'s
+    member_probs: one draw is one function, so they give joint predictions
+    (dist_ens.eval.joint, as final_metrics.json's 'laplace'.'joint').
+
+    Example:
+      draws = ens.laplace_samples(test_x)           # [M, S, N, C]
+
+    Raises:
+      ValueError: no Laplace fit, or one with the probit approximation (no draws).
+    """
+    forward = self._laplace_forward(draws=True)
+    x = data.preprocess(np.asarray(x), _NO_PREPROCESSING) if preprocessed else self.preprocess(x)
+    return np.concatenate([np.asarray(d)[:, :, :k] for k, d in
+                           self._outputs(x, batch_size, forward)], axis=2)
+
+  def _laplace_forward(self, draws: bool) -> Callable[..., Any]:
+    """The Laplace forward of this ensemble's fit (laplace_predictive.Forwards), refusing
+    in one line a run without one."""
+    self._check_laplace(draws)
+    if not hasattr(self, '_laplace_forwards'):
+      self._laplace_forwards = laplace_predictive.Forwards(
+          self._predict_model, self.laplace, self.config.seed, self.num_classes, self.mesh)
+    return self._laplace_forwards.draws if draws else self._laplace_forwards.predict
+
+  def _check_laplace(self, draws: bool) -> None:
+    what = 'laplace_samples()' if draws else 'predict(laplace=True)'
+    if self.task.name != 'classification':
+      raise ValueError(f'{what}: config.task={self.config.task!r} has no Laplace predictive '
+                       "(eval.laplace fits a classifier's softmax output layer); call "
+                       'predict(x) for its own.')
+    if self.laplace is None:
+      raise ValueError(f'{what}: this run has no Laplace fit for step {self.step} '
+                       f'(config.eval.laplace={self.config.eval.laplace!r}; none in '
+                       "laplace.npz): train with eval.laplace='last_layer_kron' (or "
+                       "'last_layer_diag', 'last_layer_full'; rerunning a finished run's "
+                       'command refits), or call predict(x).')
+    if draws and not self.laplace.samples:
+      raise ValueError(f'{what}: the run\'s Laplace predictive is the probit approximation '
+                       '(config.eval.laplace_samples=0), which draws no weights; train with '
+                       'eval.laplace_samples=k > 0, or call predict(x, laplace=True).')
 
   def predict_sets(self, x: np.ndarray, batch_size: int | None = None, *,
                    preprocessed: bool = False, seed: int = 0) -> Any:

@@ -1,7 +1,7 @@
 """What a run's workdir holds, read back for Ensemble.load: its checkpoints and config, the
 run's parts on the mesh asked for, the data's shapes, the standardiser a regression task
 trained with, the conformal predictor and the homoscedastic noise levels fitted after
-training (final_metrics.json)."""
+training (final_metrics.json), and the Laplace posteriors (laplace.npz)."""
 
 import json
 from pathlib import Path
@@ -10,6 +10,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+from absl import logging
 
 from dist_ens import assemble, configuration, data, tasks
 from dist_ens.checkpoint import Checkpointer
@@ -17,6 +18,8 @@ from dist_ens.data import uci
 from dist_ens.ensembles import methods
 from dist_ens.errors import ConfigError
 from dist_ens.eval import decisions
+from dist_ens.eval.laplace_predictive import LaplaceFit
+from dist_ens.io import laplace_file
 from dist_ens.parallel import load_mesh
 from dist_ens.specs import data_spec, method_spec
 
@@ -83,6 +86,19 @@ def noise_from(workdir: Path, config: ml_collections.ConfigDict,
     return None
   levels = np.asarray(fitted['standardised'], np.float32)
   return np.repeat(levels[:, None], num_outputs, axis=1)
+
+
+def laplace_from(workdir: Path, step: int) -> LaplaceFit | None:
+  """The last-layer Laplace posteriors the run fitted after training (config.eval.laplace;
+  io/laplace_file.py), or None: none fitted, or fitted on another checkpoint than the
+  restored one at `step` (a warning)."""
+  fit = laplace_file.read(workdir)
+  if fit is not None and fit.step != step:
+    logging.warning('%s was fitted at step %d, the restored checkpoint is at step %d: its '
+                    'Laplace posteriors are not used.', workdir / laplace_file.FILE, fit.step,
+                    step)
+    return None
+  return fit
 
 
 def open_checkpoints(workdir: Path) -> Checkpointer:

@@ -17,7 +17,10 @@ flattened row-major ((f, c) pairs, P = (F + 1) C entries):
   predictive  the logits of x are N(mu, V) with mu the trained member's logits and
               V = (psi^T kron I) (H + delta I)^-1 (psi kron I) [C, C]; probabilities by
               the probit approximation, softmax(mu / sqrt(1 + pi/8 diag V)), or the mean
-              softmax of `samples` draws of the logits.
+              softmax over `samples` draws of the last layer's weights, theta* + Sigma^1/2 e
+              with e ~ N(0, I) (weight_noise): each draw is one function, the same for
+              every input, so the draws also give joint predictions (dist_ens.eval.joint),
+              and each input's logits under them are N(mu, V) as above.
   delta       from PRIOR_GRID per member: the one of greatest validation log-likelihood
               where there is a validation split, else of greatest log marginal
               likelihood of the last layer, -delta/2 |theta*|^2 + P/2 log delta
@@ -126,7 +129,9 @@ def logit_covariance(kind: str, post: Posterior, psi: jax.Array, delta: jax.Arra
 
 def predictive_log_probs(logits: jax.Array, cov: jax.Array, samples: int,
                          key: jax.Array | None) -> jax.Array:
-  """log p(y | x) [B, C] of logits N(logits, cov): probit (samples=0) or MC."""
+  """log p(y | x) [B, C] of logits N(logits, cov): probit (samples=0) or MC over draws
+  of each input's logits on their own (the run's MC predictive draws weights instead:
+  weight_noise, sampled_log_probs)."""
   if not samples:
     var = jnp.diagonal(cov, axis1=-2, axis2=-1)
     return jax.nn.log_softmax(logits / jnp.sqrt(1.0 + jnp.pi / 8.0 * var), axis=-1)
@@ -144,3 +149,20 @@ def log_marginal_likelihood(kind: str, post: Posterior, theta_norm2: jax.Array,
   p = lam.shape[0]
   return jax.vmap(lambda d: -0.5 * d * theta_norm2 + 0.5 * p * jnp.log(d)
                   - 0.5 * jnp.log(lam + d).sum())(deltas)
+
+
+def weight_noise(kind: str, post: Posterior, delta: jax.Array, eps: jax.Array) -> jax.Array:
+  """[S, F1, C] draws of theta - theta* ~ N(0, (H + delta I)^-1) from eps [S, F1, C] of
+  N(0, I), in the form's own eigenbasis (kron: Q_a (e / sqrt(a_i g_j + delta)) Q_g^T)."""
+  if kind == 'last_layer_kron':
+    scale = jax.lax.rsqrt(jnp.outer(post.lam_a, post.lam_g) + delta)  # [F1, C]
+    return jnp.einsum('fi,sij,cj->sfc', post.q_a, eps * scale, post.q_g)
+  flat = eps.reshape(eps.shape[0], -1) * jax.lax.rsqrt(post.lam + delta)  # [S, P]
+  if kind == 'last_layer_diag':
+    return flat.reshape(eps.shape)
+  return (flat @ post.q.T).reshape(eps.shape)
+
+
+def sampled_log_probs(logits: jax.Array, psi: jax.Array, noise: jax.Array) -> jax.Array:
+  """[S, B, C] log-probabilities of each weight draw (noise [S, F1, C], weight_noise)."""
+  return jax.nn.log_softmax(logits + jnp.einsum('bf,sfc->sbc', psi, noise), -1)

@@ -1,4 +1,5 @@
-"""Whole files a run writes: final_metrics.json, config.json, members.csv.
+"""Whole files a run writes: final_metrics.json, config.json, members.csv, and arrays
+fitted after training (laplace.npz).
 
 Only process 0 writes files; every process may log. Whole files are written
 atomically (write, then rename) so an interrupted run never leaves a truncated one,
@@ -43,6 +44,19 @@ def write_members_csv(path: str | os.PathLike, rows: list[dict[str, Any]]) -> No
     lines.append(','.join(f'{row[c]:.6g}' if isinstance(row[c], float) else str(row[c])
                           for c in columns))
   write_text_atomic(Path(path), '\n'.join(lines) + '\n')
+
+
+def write_npz(path: str | os.PathLike, arrays: dict[str, Any]) -> None:
+  """Writes `arrays` as an uncompressed .npz to `path` atomically; process 0 only."""
+  if not is_writer():
+    return
+  path = Path(path)
+  with tempfile.NamedTemporaryFile(dir=path.parent, suffix='.tmp', delete=False) as tmp:
+    np.savez(tmp, **arrays)
+    tmp.flush()
+    os.fchmod(tmp.fileno(), _FILE_MODE)
+    os.fsync(tmp.fileno())
+  os.replace(tmp.name, path)
 
 
 def _json_safe(obj: Any) -> Any:

@@ -9,6 +9,12 @@ their eigenbasis, the prior precision (validation log-likelihood by the probit
 predictive over dist_ens.eval.laplace.PRIOR_GRID, else the marginal likelihood) and the
 predictive. The curvature uses the whole training split for every member (a member's
 bootstrap or member_split part is not singled out).
+
+The fit is saved to workdir/laplace.npz (dist_ens.io.laplace_file) and the test split is
+scored by dist_ens.eval.laplace_predictive from the arrays that file gives back, which
+is what Ensemble.load(workdir).predict(x, laplace=True) computes. With weight draws
+(eval.laplace_samples > 0) and eval.joint_tau > 0, the draws' dyadic joint log-loss
+(dist_ens.eval.joint, the batches of the 'joint' section) goes under 'laplace'.'joint'.
 """
 
 import functools
@@ -19,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dist_ens.core import rng
 from dist_ens.errors import ConfigError
-from dist_ens.eval import evaluate, laplace
+from dist_ens.eval import evaluate, joint, laplace, laplace_predictive
+from dist_ens.io import laplace_file
 from dist_ens.models.heads import head_paths
 from dist_ens.parallel.sharding_rules import path_str
 from dist_ens.training import posthoc
@@ -29,8 +35,6 @@ from dist_ens.training.loop import Context, PeriodicAction
 
 # Rows per feature batch: the full form's Jacobians are [rows, P, C] per member.
 _ROWS = 128
-# Stream tag of the predictive's logit draws within a member's key (core/rng.py).
-_LAPLACE_STREAM = 0x4C41504C  # 'LAPL'
 # The output layer must be linear in its kernel to this relative tolerance, by the
 # precision the model computes in (config.precision).
 _LINEAR_TOLERANCE = {'float32': 1e-3, 'bfloat16': 3e-2}
@@ -55,43 +59,13 @@ def head_leaves(params: Any, num_outputs: int) -> tuple[str, str]:
   return kernels[0], biases[0]
 
 
-def _replace(params: Any, name: str, value: jax.Array) -> Any:
-  return jax.tree_util.tree_map_with_path(
-      lambda p, leaf: value if path_str(p) == name else leaf, params)
-
-
-def _get(params: Any, name: str) -> jax.Array:
-  [leaf] = [leaf for p, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-            if path_str(p) == name]
-  return leaf
-
-
-def _features(model, kernel_name, params, state, x):
-  """One member's (logits [B, C], psi [B, F+1], relative error of the head as linear in
-  its kernel: logits less a zero kernel's against phi @ kernel)."""
-  kernel = _get(params, kernel_name)
-
-  def first_logit(k, x1):
-    out, _ = model.apply(_replace(params, kernel_name, k), state, x1[None], train=False)
-    return out[0, 0].astype(jnp.float32)
-
-  phi = jax.vmap(jax.grad(first_logit), in_axes=(None, 0))(kernel, x)[..., 0]  # [B, F]
-  logits = model.apply(params, state, x, train=False)[0].astype(jnp.float32)
-  # Linear in the kernel: the logits less those of a zero kernel (the bias, and what
-  # else adds to the output, a randomized prior's say) are features @ kernel.
-  rest = model.apply(_replace(params, kernel_name, jnp.zeros_like(kernel)), state, x,
-                     train=False)[0].astype(jnp.float32)
-  error = jnp.abs(phi @ kernel.astype(jnp.float32) - (logits - rest)).max() / (
-      jnp.abs(logits - rest).max() + 1e-6)
-  return logits, laplace.with_bias(phi), error
-
-
 class Laplace(PeriodicAction):
-  """The fit and its test metrics (see the module doc)."""
+  """The fit, its file (workdir/laplace.npz, io/laplace_file.py) and its test metrics (see
+  the module doc); with weight draws and `joint` = (tau, batches), their joint log-loss."""
 
-  def __init__(self, kind: str, samples: int):
+  def __init__(self, kind: str, samples: int, joint_batches: tuple[int, int] | None = None):
     super().__init__(0, at_end=True)
-    self.kind, self.samples = kind, samples
+    self.kind, self.samples, self.joint = kind, samples, joint_batches
 
   def run(self, ctx: Context) -> None:
     if not posthoc.included(ctx).any():  # Every member went non-finite: the run says so.
@@ -99,24 +73,49 @@ class Laplace(PeriodicAction):
       return
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ctx.state.params)
     names = head_leaves(one, ctx.parts.num_outputs)
-    feats = jax.vmap(functools.partial(_features, ctx.parts.predict_model, names[0]),
-                     in_axes=(0, 0, None))
+    feats = jax.vmap(functools.partial(laplace_predictive.head_features,
+                                       ctx.parts.predict_model, names[0]), in_axes=(0, 0, None))
     with ctx.off_clock():
-      curvature, error, count = self._curvature(ctx, feats)
-      if error > _LINEAR_TOLERANCE.get(ctx.config.precision, 1e-3):
-        raise ConfigError(f'config.eval.laplace: the output layer {names[0]} is not linear in '
-                          f'its features (relative error {error:.2g}); set eval.laplace=\'\'.')
-      post = jax.jit(jax.vmap(functools.partial(laplace.posterior, self.kind)))(curvature)
-      deltas, by = self._prior(ctx, feats, post, names)
-      plain, laplaced = self._log_probs(ctx, feats, post, deltas, ctx.run_data.dataset.test)
+      fit, deltas, by, count = self._fit(ctx, feats, names)
+      laplace_file.write(ctx.workdir, fit)
+      # What Ensemble.load builds from the file, so predict(laplace=True) gives these.
+      arrays = laplace_predictive.fitted_arrays(fit, ctx.config.seed, ctx.parts.num_outputs,
+                                                ctx.parts.mesh)
+      plain, laplaced, draws = self._log_probs(ctx, fit.kernel, arrays, ctx.run_data.dataset.test)
       ood = (None if ctx.run_data.ood is None else
-             self._log_probs(ctx, feats, post, deltas, ctx.run_data.ood)[1])
+             self._log_probs(ctx, fit.kernel, arrays, ctx.run_data.ood)[1])
     self._report(ctx, plain, laplaced, deltas, by, count)
+    if self.samples and self.joint:
+      ctx.results['laplace']['joint'] = self._joint(ctx, draws)
     if ood is not None:  # OOD AUROC/AUPR by the Laplace predictives' uncertainty.
       ctx.results['laplace']['ood'] = {
           'dataset': ctx.config.eval.ood_dataset,
           **ctx.evaluator.scorer.ood(laplaced, ood, ctx.run_data.dataset.test.y,
                                      posthoc.included(ctx))}
+
+  def _fit(self, ctx: Context, feats: Any, names: tuple[str, str]
+           ) -> tuple[laplace_predictive.LaplaceFit, np.ndarray, str, int]:
+    """(the fit, its [M] prior precisions in float64, how they were chosen, the training
+    examples counted)."""
+    curvature, error, count = self._curvature(ctx, feats)
+    if error > _LINEAR_TOLERANCE.get(ctx.config.precision, 1e-3):
+      raise ConfigError(f'config.eval.laplace: the output layer {names[0]} is not linear in '
+                        f'its features (relative error {error:.2g}); set eval.laplace=\'\'.')
+    post = jax.jit(jax.vmap(functools.partial(laplace.posterior, self.kind)))(curvature)
+    deltas, by = self._prior(ctx, feats, post, names)
+    fit = laplace_predictive.LaplaceFit(self.kind, self.samples, names[0], ctx.step,
+                                        np.asarray(deltas, np.float32), ctx.fetch(post))
+    return fit, deltas, by, count
+
+  def _joint(self, ctx: Context, draws: np.ndarray) -> dict[str, Any]:
+    """The joint log-loss of the weight draws' label log-likelihoods [M, S, N]: member m's
+    is its draws' mixture, the ensemble's that of every included member's draws."""
+    tau, num_batches = self.joint
+    batches = joint.dyadic_batches(draws.shape[-1], tau, num_batches, ctx.config.seed)
+    members = [joint.joint_log_loss(d, batches).ensemble for d in draws]
+    kept = draws[posthoc.included(ctx)].reshape(-1, draws.shape[-1])
+    return {'tau': tau, 'kappa': joint.KAPPA, 'batches': num_batches, 'samples': self.samples,
+            'members': members, 'ensemble': joint.joint_log_loss(kept, batches).ensemble}
 
   def _report(self, ctx, plain, laplaced, deltas, by, count) -> None:
     included, test_y = posthoc.included(ctx), ctx.run_data.dataset.test.y
@@ -143,20 +142,21 @@ class Laplace(PeriodicAction):
   def _curvature(self, ctx: Context, feats: Any) -> tuple[laplace.Curvature, float, int]:
     """Every member's Gauss-Newton sums over the training split, the largest relative
     error of the linear head, and the examples counted."""
-    kind, params, model_state = self.kind, ctx.state.params, ctx.state.model_state
+    kind, variables = self.kind, (ctx.state.params, ctx.state.model_state)
 
-    @jax.jit
-    def step(x, mask):
-      logits, psi, error = feats(params, model_state, x)
+    @jax.jit  # The state goes in as arguments: a constant cannot span processes.
+    def step(variables, x, mask):
+      logits, psi, error = feats(*variables, x)
       batch = jax.vmap(functools.partial(laplace.batch_curvature, kind), in_axes=(0, 0, None))(
           psi, jax.nn.softmax(logits, -1), mask)
       return batch, error.max()
 
     total, worst, count = None, 0.0, 0
     for x, _, mask, valid in self._batches(ctx, ctx.run_data.dataset.train):
-      batch, error = step(x, mask)
+      batch, error = step(variables, x, mask)
       total = batch if total is None else jax.tree.map(jnp.add, total, batch)
-      worst, count = max(worst, float(error)), count + valid  # float(): one batch in flight
+      # fetch: one batch in flight
+      worst, count = max(worst, float(ctx.fetch(error))), count + valid
     return total, worst, count
 
   def _prior(self, ctx: Context, feats: Any, post: laplace.Posterior, names: tuple[str, str]
@@ -165,7 +165,8 @@ class Laplace(PeriodicAction):
     grid, kind = jnp.asarray(laplace.PRIOR_GRID), self.kind
     params, model_state = ctx.state.params, ctx.state.model_state
     if ctx.run_data.validation is None:
-      norm2 = lambda p: sum(jnp.sum(jnp.square(_get(p, n).astype(jnp.float32))) for n in names)
+      norm2 = lambda p: sum(jnp.sum(jnp.square(laplace_predictive.leaf(p, n).astype(
+          jnp.float32))) for n in names)
       evidence = jax.jit(jax.vmap(lambda q, p: laplace.log_marginal_likelihood(
           kind, q, norm2(p), grid)))(post, params)
       return np.asarray(laplace.PRIOR_GRID)[np.argmax(ctx.fetch(evidence), 1)], \
@@ -179,38 +180,34 @@ class Laplace(PeriodicAction):
       return jax.vmap(at)(grid)
 
     @jax.jit
-    def scores(x, y, mask):
+    def scores(params, model_state, post, x, y, mask):
       logits, psi, _ = feats(params, model_state, x)
       return jax.vmap(member_scores, in_axes=(0, 0, 0, None, None))(logits, psi, post, y, mask)
 
-    total = sum(ctx.fetch(scores(x, y.astype(np.int32), mask))
+    total = sum(ctx.fetch(scores(params, model_state, post, x, y.astype(np.int32), mask))
                 for x, y, mask, _ in self._batches(ctx, ctx.run_data.validation))
     return np.asarray(laplace.PRIOR_GRID)[np.argmax(total, 1)], 'validation nll'
 
-  def _log_probs(self, ctx: Context, feats: Any, post: laplace.Posterior, deltas: np.ndarray,
-                 split: Any) -> tuple[np.ndarray, np.ndarray]:
-    """[M, N, C] the members' plain log-probabilities and their Laplace predictive's."""
-    kind, samples, params = self.kind, self.samples, ctx.state.params
-    keys = jax.vmap(lambda k: jax.random.fold_in(k, _LAPLACE_STREAM))(
-        rng.member_keys(ctx.config.seed, jnp.arange(len(deltas), dtype=jnp.uint32)))
+  def _log_probs(self, ctx: Context, kernel: str, arrays: laplace_predictive.LaplaceArrays,
+                 split: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """[M, N, C] the members' plain log-probabilities and their Laplace predictive's, and
+    [M, S, N] each weight draw's log-likelihood of the split's labels."""
+    model, kind, variables = ctx.parts.predict_model, self.kind, (ctx.state.params,
+                                                                  ctx.state.model_state)
 
     @jax.jit
-    def step(x, offset):
-      logits, psi, _ = feats(params, ctx.state.model_state, x)
+    def step(variables, arrays, x, y):
+      plain, laplaced, draws = laplace_predictive.members_predictive(
+          model, kind, kernel, variables, arrays, x)
+      return plain, laplaced, (draws * jax.nn.one_hot(y, draws.shape[-1])).sum(-1)
 
-      def member(logits, psi, q, delta, key):
-        cov = laplace.logit_covariance(kind, q, psi, delta)
-        return laplace.predictive_log_probs(logits, cov, samples,
-                                            jax.random.fold_in(key, offset))
-      return (jax.nn.log_softmax(logits, -1),
-              jax.vmap(member)(logits, psi, post, jnp.asarray(deltas, jnp.float32), keys))
-
-    plain, laplaced = [], []
-    for start, (x, _, _, valid) in zip(range(0, split.num_examples, _ROWS), self._batches(ctx, split)):
-      a, b = ctx.fetch(step(x, np.uint32(start)))
+    plain, laplaced, draws = [], [], []
+    for x, y, _, valid in self._batches(ctx, split):
+      a, b, d = ctx.fetch(step(variables, arrays, x, y.astype(np.int32)))
       plain.append(a[:, :valid])
       laplaced.append(b[:, :valid])
-    return np.concatenate(plain, 1), np.concatenate(laplaced, 1)
+      draws.append(d[..., :valid])
+    return np.concatenate(plain, 1), np.concatenate(laplaced, 1), np.concatenate(draws, -1)
 
 
 def laplace_actions(config: Any, task: Any, method: Any) -> list[PeriodicAction]:
@@ -235,4 +232,5 @@ def laplace_actions(config: Any, task: Any, method: Any) -> list[PeriodicAction]
                       f'member\'s output layer; config.ensemble.method={method.name!r} (or '
                       "ensemble.own) shares leaves or predicts with other weights: use "
                       "method='deep' with own='all', or eval.laplace=''.")
-  return [Laplace(kind, samples)]
+  tau = config.eval.joint_tau
+  return [Laplace(kind, samples, (tau, config.eval.joint_batches) if tau else None)]

@@ -1,0 +1,200 @@
+"""A run's Laplace posteriors through Ensemble.load / predict (config.eval.laplace): the
+Laplace probabilities predict gives reproduce final_metrics.json's 'laplace' section
+(recomputed in float64 numpy), the weight draws its joint log-loss, on a 4 x 2 mesh of 8
+fake devices and on another mesh, and from a run of two processes; what cannot be
+predicted is refused in one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dist_ens
+from dist_ens import assemble, data
+from dist_ens.eval import joint, laplace
+from dist_ens.io import laplace_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _toy(n, seed):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n, 40, 1)).astype(np.float32)
+  return x, ((x[:, 0, 0] > 0).astype(np.int32) + (x[:, 1, 0] > 0)).astype(np.int32)
+
+
+DATASET = data.from_arrays(*_toy(256, 0), *_toy(100, 1), name='toy')
+
+
+def _config(kind, samples=0, validation=64):
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config.num_members, config.model.widths = 4, (8,)
+  config.mesh.member, config.mesh.data = 4, 2
+  config.data.batch_size, config.data.prefetch, config.data.validation_size = 32, 0, validation
+  config.train.steps, config.train.log_every, config.train.eval_every = 30, 30, 0
+  config.checkpoint.every, config.writers = 30, ('jsonl',)
+  config.eval.laplace, config.eval.laplace_samples = kind, samples
+  config.eval.joint_tau, config.eval.joint_batches = 4, 50
+  return config
+
+
+def _scores(member_probs, y):
+  """float64 NLL and accuracy of each member and of their mean, from probabilities."""
+  p = np.asarray(member_probs, np.float64)
+  rows = np.arange(len(y))
+  mixture = p.mean(0)
+  return {'members': {'nll': -np.log(p[:, rows, y]).mean(1),
+                      'accuracy': (p.argmax(-1) == y).mean(1)},
+          'ensemble': {'nll': -np.log(mixture[rows, y]).mean(),
+                       'accuracy': (mixture.argmax(-1) == y).mean()}}
+
+
+def _assert_reported(fit, member_probs, probs, y):
+  got = _scores(member_probs, y)
+  np.testing.assert_allclose(np.asarray(probs, np.float64),
+                             np.asarray(member_probs, np.float64).mean(0), atol=1e-6)
+  for who in ('members', 'ensemble'):
+    for metric in ('nll', 'accuracy'):
+      np.testing.assert_allclose(got[who][metric], fit[who][metric], rtol=1e-5, atol=1e-6,
+                                 err_msg=f'{who} {metric}')
+
+
+@pytest.mark.parametrize('kind', laplace.KINDS)
+def test_weight_draws_have_the_posterior_covariance(kind):
+  """psi @ (theta - theta*) over many draws has the logit covariance V = psi^T Sigma psi
+  (checked against Sigma inverted directly in tests/test_laplace.py)."""
+  rng = np.random.default_rng(3)
+  f1, c, n = 4, 3, 40
+  psi = jnp.asarray(np.concatenate([rng.normal(size=(n, f1 - 1)), np.ones((n, 1))], 1),
+                    jnp.float32)
+  logits = rng.normal(size=(n, c))
+  probs = jnp.asarray(np.exp(logits) / np.exp(logits).sum(1, keepdims=True), jnp.float32)
+  post = laplace.posterior(kind, laplace.batch_curvature(kind, psi, probs, jnp.ones(n)))
+  eps = jax.random.normal(jax.random.key(0), (40_000, f1, c))
+  noise = np.asarray(laplace.weight_noise(kind, post, 0.5, eps), np.float64)
+  logit_noise = np.einsum('bf,sfc->sbc', np.asarray(psi[:3], np.float64), noise)  # [S, 3, C]
+  empirical = np.einsum('sbc,sbd->bcd', logit_noise, logit_noise) / len(noise)
+  expected = np.asarray(laplace.logit_covariance(kind, post, psi[:3], 0.5))
+  np.testing.assert_allclose(empirical, expected, atol=0.03 * np.abs(expected).max())
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """{kind: (workdir, final metrics)}: probit with a validation split, draws without."""
+  root, out = tmp_path_factory.mktemp('laplace_predict'), {}
+  for name, config in (('kron', _config('last_layer_kron')),
+                       ('diag', _config('last_layer_diag', samples=8, validation=0)),
+                       ('full', _config('last_layer_full', samples=4))):
+    out[name] = (root / name, dist_ens.train(config, str(root / name), dataset=DATASET))
+  return out
+
+
+@pytest.mark.parametrize('name', ['kron', 'diag', 'full'])
+def test_predict_with_laplace_gives_the_reported_test_metrics(runs, name):
+  workdir, final = runs[name]
+  assert (workdir / laplace_file.FILE).is_file()
+  ens = dist_ens.Ensemble.load(workdir)
+  assert ens.mesh.shape['member'] == 4 and ens.mesh.shape['data'] == 2
+  out = ens.predict(DATASET.test.x, preprocessed=True, laplace=True)
+  _assert_reported(final['laplace'], out.member_probs, out.probs, DATASET.test.y)
+  # The default prediction is the plain one, as before: it gives the plain metrics.
+  plain = ens.predict(DATASET.test.x, preprocessed=True)
+  _assert_reported(final, plain.member_probs, plain.probs, DATASET.test.y)
+  assert not np.allclose(plain.member_probs, out.member_probs, atol=1e-4)
+
+
+def test_another_mesh_and_batch_size_predict_the_same(runs):
+  workdir, final = runs['diag']
+  ens = dist_ens.Ensemble.load(workdir, mesh={'member': 2, 'data': 4})
+  out = ens.predict(DATASET.test.x, batch_size=24, preprocessed=True, laplace=True)
+  _assert_reported(final['laplace'], out.member_probs, out.probs, DATASET.test.y)
+
+
+def test_the_weight_draws_give_the_reported_joint_log_loss(runs):
+  workdir, final = runs['diag']
+  ens = dist_ens.Ensemble.load(workdir)
+  draws = np.asarray(ens.laplace_samples(DATASET.test.x, preprocessed=True), np.float64)
+  m, s, n, _ = draws.shape
+  assert (m, s, n) == (4, 8, len(DATASET.test.y))
+  mean = ens.predict(DATASET.test.x, preprocessed=True, laplace=True).member_probs
+  np.testing.assert_allclose(draws.mean(1), mean, atol=1e-6)
+  reported = final['laplace']['joint']
+  assert (reported['tau'], reported['batches'], reported['samples']) == (4, 50, 8)
+  batches = joint.dyadic_batches(n, 4, 50, seed=ens.config.seed)
+  # Draw s of member m is one function: its likelihood of a batch is a product over the
+  # batch's positions; member m's, the mean over its draws; the ensemble's, over all.
+  ll = np.log(draws[:, :, np.arange(n), DATASET.test.y])[:, :, batches].sum(-1)  # [M, S, B]
+  mixture = lambda a, axis: -(np.log(np.mean(np.exp(a), axis=axis))).mean(-1)
+  np.testing.assert_allclose(mixture(ll, 1), reported['members'], rtol=1e-5)
+  np.testing.assert_allclose(mixture(ll.reshape(m * s, -1), 0), reported['ensemble'],
+                             rtol=1e-5)
+
+
+def test_the_file_holds_one_posterior_per_member(runs):
+  workdir, final = runs['kron']
+  saved = np.load(workdir / laplace_file.FILE)
+  assert str(saved['kind']) == 'last_layer_kron' and int(saved['samples']) == 0
+  np.testing.assert_allclose(saved['prior_precision'], final['laplace']['prior_precision'],
+                             rtol=1e-6)
+  assert saved['q_a'].shape == (4, 9, 9) and saved['q_g'].shape == (4, 3, 3)
+  assert int(saved['step']) == 30
+
+
+def _refused(ens, match, call):
+  with pytest.raises(ValueError, match=match) as refused:
+    call(ens)
+  assert '\n' not in str(refused.value)
+
+
+def test_a_run_without_laplace_is_refused_in_one_line(tmp_path):
+  workdir = tmp_path / 'plain'
+  dist_ens.train(_config(''), str(workdir), dataset=DATASET)
+  ens = dist_ens.Ensemble.load(workdir)
+  _refused(ens, r"eval\.laplace='last_layer_kron'",
+           lambda e: e.predict(DATASET.test.x, preprocessed=True, laplace=True))
+  assert ens.predict(DATASET.test.x[:3], preprocessed=True).probs.shape == (3, 3)
+
+
+def test_draws_of_a_probit_fit_are_refused_in_one_line(runs):
+  ens = dist_ens.Ensemble.load(runs['kron'][0])
+  _refused(ens, r'eval\.laplace_samples=k > 0',
+           lambda e: e.laplace_samples(DATASET.test.x, preprocessed=True))
+
+
+def test_regression_is_refused_in_one_line(tmp_path):
+  regression = data.from_arrays(DATASET.train.x, DATASET.train.y.astype(np.float32),
+                                DATASET.test.x, DATASET.test.y.astype(np.float32), name='toy')
+  config = _config('')
+  config.task = 'regression'
+  dist_ens.train(config, str(tmp_path / 'reg'), dataset=regression)
+  ens = dist_ens.Ensemble.load(tmp_path / 'reg')
+  _refused(ens, r"config\.task='regression'",
+           lambda e: e.predict(DATASET.test.x, preprocessed=True, laplace=True))
+
+
+@pytest.mark.slow
+def test_a_two_process_run_writes_the_fit_once_and_it_loads_in_one(tmp_path):
+  """Two processes of 4 devices (launch/local.sh) fit on one 4 x 2 mesh; process 0 writes
+  laplace.npz; this process (8 devices) loads it and predicts the reported metrics."""
+  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
+  env.update(PYTHONPATH=str(ROOT), PYTHON=sys.executable)
+  flags = ['--config.train.steps=20', '--config.train.eval_every=0', '--config.num_members=4',
+           '--config.data.batch_size=64', '--config.mesh.member=4', '--config.mesh.data=2',
+           '--config.eval.laplace=last_layer_kron', '--config.eval.laplace_samples=4']
+  done = subprocess.run(
+      ['bash', str(ROOT / 'launch' / 'local.sh'), '--processes', '2', '--devices-per-process',
+       '4', '--timeout', '240', '--', f'--config={ROOT / "configs" / "default.py"}',
+       f'--workdir={tmp_path / "w"}', *flags],
+      env=env, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+  assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+  reported = json.loads((tmp_path / 'w' / 'final_metrics.json').read_text())['laplace']
+  ens = dist_ens.Ensemble.load(tmp_path / 'w')
+  test = data.load_dataset(ens.config.data.name, assemble.data_spec(ens.config)).test
+  out = ens.predict(test.x, preprocessed=True, laplace=True)
+  _assert_reported(reported, out.member_probs, out.probs, np.asarray(test.y))
