@@ -210,19 +210,9 @@ class Ensemble:
         the params than memory_gb (naming a split over 'model' that fits).
     """
     workdir = Path(workdir)
-    checkpointer = saved_run.open_checkpoints(workdir)
-    try:
-      config, meta = saved_run.saved_config(checkpointer, workdir)
-      devices = list(jax.devices() if devices is None else devices)
-      parts, mesh = saved_run.parts_on_mesh(config, meta, devices, mesh, memory_gb)
-      restored = checkpointer.restore(parts.abstract_state, with_optimizer=False)
-    finally:
-      checkpointer.close()
-    if restored is None:
-      raise FileNotFoundError(f'no checkpoint in {workdir / "checkpoints"} could be restored.')
-    if restored.step != config.train.steps:
-      logging.warning('the newest checkpoint in %s is at step %d of %d: the run has not '
-                      'finished.', workdir / 'checkpoints', restored.step, config.train.steps)
+    devices = list(jax.devices() if devices is None else devices)
+    config, meta, parts, mesh, restored = saved_run.restore_newest(workdir, devices, mesh,
+                                                                   memory_gb)
     # Snapshots or SWAG samples predict where the run used such a method.
     members = methods.predictive_members(parts.method, restored.state, config.seed, mesh)
     replicated = jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))

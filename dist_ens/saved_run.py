@@ -5,7 +5,7 @@ training (final_metrics.json), and the Laplace posteriors (laplace.npz)."""
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -148,3 +148,31 @@ def parts_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],
                           devices, config.num_members,
                           lambda m: load_mesh.held_bytes(parts_on(m).abstract_state))
   return parts, mesh
+
+
+class Restored(NamedTuple):
+  """A saved run restored for prediction (Ensemble.load)."""
+  config: ml_collections.ConfigDict
+  meta: dict[str, Any]
+  parts: Any  # assemble.Parts on `mesh`
+  mesh: jax.sharding.Mesh
+  checkpoint: Any  # the checkpoint's Restored: .step, .state (no optimizer state)
+
+
+def restore_newest(workdir: Path, devices: list[jax.Device], mesh: load_mesh.MeshArg,
+                   memory_gb: float | None) -> Restored:
+  """The newest checkpoint of `workdir` on `mesh` (see Ensemble.load), with a warning
+  where the run has not finished."""
+  checkpointer = open_checkpoints(workdir)
+  try:
+    config, meta = saved_config(checkpointer, workdir)
+    parts, mesh = parts_on_mesh(config, meta, devices, mesh, memory_gb)
+    restored = checkpointer.restore(parts.abstract_state, with_optimizer=False)
+  finally:
+    checkpointer.close()
+  if restored is None:
+    raise FileNotFoundError(f'no checkpoint in {workdir / "checkpoints"} could be restored.')
+  if restored.step != config.train.steps:
+    logging.warning('the newest checkpoint in %s is at step %d of %d: the run has not '
+                    'finished.', workdir / 'checkpoints', restored.step, config.train.steps)
+  return Restored(config, meta, parts, mesh, restored)
