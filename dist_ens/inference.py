@@ -34,7 +34,7 @@ from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
 from dist_ens.eval import conformal as conformal_lib, decisions, laplace_predictive, metrics
 from dist_ens.eval import regression as reg_eval
-from dist_ens.eval.evaluate import member_logits
+from dist_ens.eval.evaluate import member_logits, pad_rows, padded_chunks
 from dist_ens.parallel import load_mesh, mesh as mesh_lib
 
 PyTree = Any
@@ -372,13 +372,10 @@ class Ensemble:
       raise ValueError('predict() got an empty batch; pass at least one input.')
     batch_size = int(batch_size or self.config.eval.batch_size)
     sharding, outs = mesh_lib.batch_sharding(self.mesh), []
-    for start in range(0, len(x), batch_size):
-      chunk = x[start:start + batch_size]
-      size = self._chunk_size(len(chunk), batch_size)
-      padded = np.concatenate([chunk, np.zeros((size - len(chunk), *chunk.shape[1:]),
-                                               chunk.dtype)])
-      outs.append((len(chunk), forward((self._stored, self.model_state),
-                                       data.to_global(padded, sharding), self._member_mask)))
+    for start, valid in padded_chunks(len(x), batch_size):
+      padded = pad_rows(x[start:start + valid], self._chunk_size(valid, batch_size))
+      outs.append((valid, forward((self._stored, self.model_state),
+                                  data.to_global(padded, sharding), self._member_mask)))
     return outs
 
   def _predict_task(self, x: np.ndarray, batch_size: int | None) -> GaussianPrediction:

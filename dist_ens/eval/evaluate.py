@@ -162,27 +162,19 @@ def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size
   batch_size = -(-batch_size // d) * d  # Round up so every data shard gets equal rows.
   sharding = batch_sharding(mesh)
   total, examples = None, []
-  for start in range(0, len(split.y), batch_size):
-    x, y = split.x[start:start + batch_size], split.y[start:start + batch_size]
-    valid = len(y)
-    mask = np.ones(valid, bool)
-    if valid < batch_size:  # Pad the last batch; masked rows count for nothing.
-      pad = batch_size - valid
-      x = np.concatenate([x, np.zeros((pad, *x.shape[1:]), x.dtype)])
-      y = np.concatenate([y, np.zeros((pad, *y.shape[1:]), y.dtype)])
-      mask = np.concatenate([mask, np.zeros(pad, bool)])
+  for start, valid in padded_chunks(len(split.y), batch_size):
+    # The last batch is padded; its masked rows count for nothing.
+    x, y = (pad_rows(a[start:start + valid], batch_size) for a in (split.x, split.y))
+    mask = np.arange(batch_size) < valid
     out = eval_step(variables, to_global(x, sharding), to_global(y, sharding),
                     to_global(mask, sharding), member_mask)
     total = out.sums if total is None else metrics.add_sums(total, out.sums)
-    examples.append(out.examples)
+    examples.append((out.examples, valid))
   # Copied to the host after the loop, so the device never waits on a copy. Padding
   # sits at the end of each batch, on the last (example) axis.
-  host = []
-  for i, batch_examples in enumerate(examples):
-    valid = min(batch_size, len(split.y) - i * batch_size)
-    host.append([np.asarray(a)[..., :valid] for a in batch_examples])
+  host = [[np.asarray(a)[..., :valid] for a in batch] for batch, valid in examples]
   # The task's own per-example type (classification's metrics.ExampleStats, ...).
-  stacked = type(examples[0])(*(np.concatenate(parts, axis=-1) for parts in zip(*host)))
+  stacked = type(examples[0][0])(*(np.concatenate(parts, axis=-1) for parts in zip(*host)))
   return SplitEval(jax.tree.map(np.asarray, total), stacked)
 
 

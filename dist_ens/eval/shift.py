@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 
 from dist_ens.data import Split, corruptions, to_global
 from dist_ens.eval import metrics
-from dist_ens.eval.evaluate import member_logits, member_mask_from_frozen
+from dist_ens.eval.evaluate import member_logits, member_mask_from_frozen, pad_rows, padded_chunks
 from dist_ens.models import Model
 from dist_ens.parallel.mesh import DATA, batch_sharding, member_sharding, replicated
 
@@ -124,10 +124,8 @@ class PredictionEvaluator:
     sharding, size, n = batch_sharding(self.mesh), self.batch_size, len(split.y)
     ids = (jnp.int32(corruption), jnp.int32(severity))
     total, parts = None, []
-    for start in range(0, n, size):
-      valid = min(size, n - start)
-      pad = lambda a: np.concatenate([a, np.zeros((size - valid, *a.shape[1:]), a.dtype)])
-      x, y = pad(split.x[start:start + valid]), pad(split.y[start:start + valid])
+    for start, valid in padded_chunks(n, size):
+      x, y = (pad_rows(a[start:start + valid], size) for a in (split.x, split.y))
       mask = np.arange(size) < valid
       index = np.arange(start, start + size, dtype=np.int32)
       batch = [to_global(a, sharding) for a in (x, y, mask, index)]
