@@ -35,11 +35,17 @@ def config(overrides=(), /, **fields):
   out.num_members, out.model.widths, out.data.batch_size = 4, (16,), 32
   out.train.steps, out.train.log_every, out.train.eval_every = 4, 2, 0
   out.checkpoint.every, out.writers = 4, ('jsonl',)
+  return override(out, overrides, **fields)
+
+
+def override(config, overrides=(), /, **fields):
+  """`config` with `overrides` ({'train.steps': 8}) and then `fields` (train__steps=8:
+  '__' for '.') set; returns it."""
   changes = {**dict(overrides), **{k.replace('__', '.'): v for k, v in fields.items()}}
   for dotted, value in changes.items():
     *parents, leaf = dotted.split('.')
-    node = out
+    node = config
     for name in parents:
       node = node[name]
     node[leaf] = value
-  return out
+  return config

@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from jax.experimental import multihost_utils
 
+import support
+
 from dist_ens import configuration
 from dist_ens.parallel import distributed
 from dist_ens.configuration import load_config
@@ -44,13 +46,7 @@ def slurm_job(monkeypatch, no_cluster):
 
 def _config_dict(**overrides):
   config = load_config(ROOT / 'configs' / 'default.py')
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split('__')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return configuration.to_dict(config)
+  return configuration.to_dict(support.override(config, **overrides))
 
 
 def test_describe_differences_names_fields_and_values():

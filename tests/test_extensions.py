@@ -8,6 +8,8 @@ import numpy as np
 import optax
 import pytest
 
+import support
+
 import dist_ens
 from dist_ens import data
 from dist_ens.errors import ConfigError
@@ -24,13 +26,7 @@ def _config(**overrides):
   config.checkpoint.every = 40
   config.optim.learning_rate = 1e-2
   config.data.batch_size = 50
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split('__')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return support.override(config, **overrides)
 
 
 def test_data_by_import_path_trains_and_loads(tmp_path):

@@ -9,6 +9,8 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+import support
+
 from dist_ens import assemble, data
 from dist_ens.core import hparams
 import dist_ens
@@ -28,11 +30,7 @@ def _config(**overrides):
   config.data.batch_size = 64
   config.model.widths = (32, 32)
   config.mesh.member, config.mesh.data = 4, 2
-  for dotted, value in overrides.items():
-    section, *rest = dotted.split('__')
-    node = config[section] if rest else config
-    node[rest[0] if rest else section] = value
-  return config
+  return support.override(config, **overrides)
 
 
 def _resolve(config):

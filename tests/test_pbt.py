@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import support
+
 import dist_ens
 from test_methods import _Stop  # An action that fails after a step's checkpoint: a kill.
 from dist_ens import specs
@@ -129,13 +131,7 @@ def _config(**overrides):
   config.pbt.enabled = True
   config.pbt.interval = 8
   config.pbt.resample_probability = 0.0
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split('__')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return support.override(config, **overrides)
 
 
 class _Capture:

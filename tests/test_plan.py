@@ -29,10 +29,7 @@ CNN_PARAMS = (5 * 1 * 25 + 25) + (3 * 25 * 25 + 25) + (3 * 25 * 25 + 25) + (5 * 
 def _config(**overrides):
   config = load_config(DEFAULT)
   config.mesh.member, config.mesh.data = 1, 1
-  for dotted, value in overrides.items():
-    section, _, field = dotted.rpartition('__')
-    (config[section] if section else config)[field] = value
-  return config
+  return support.override(config, **overrides)
 
 
 @pytest.fixture(scope='module')

@@ -11,6 +11,8 @@ from xml.etree import ElementTree
 import numpy as np
 import pytest
 
+import support
+
 from dist_ens import data
 from dist_ens.io import report, report_data, report_plots
 from dist_ens.training import train
@@ -28,10 +30,7 @@ def _config(**overrides):
   config.model.widths = (32, 32)
   config.data.batch_size = 64
   config.optim.learning_rate = 3e-3
-  for field, value in overrides.items():
-    section, name = field.split('__')
-    config[section][name] = value
-  return config
+  return support.override(config, **overrides)
 
 
 @pytest.fixture(scope='module')

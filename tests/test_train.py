@@ -25,13 +25,7 @@ def _config(**overrides):
   config.train.log_every = 10
   config.train.eval_every = 0
   config.data.batch_size = 64
-  for dotted, value in overrides.items():
-    node = config
-    *parents, leaf = dotted.split('__')
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
-  return config
+  return support.override(config, **overrides)
 
 
 def _run(tmp_path, name, devices=None, **overrides):
