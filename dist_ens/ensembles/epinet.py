@@ -176,14 +176,15 @@ def make(spec: MethodSpec) -> Method:
   options = options_from(spec.options)
 
   def wrap_model(model: Model, task: Any) -> Model:
-    if model.features is None:
-      raise ConfigError("config.ensemble.method='epinet' reads the base network's last hidden "
-                        'features (Model.features), which config.model does not expose; use '
-                        "model.name='mlp' or 'cnn', or a model whose Model sets features.")
+    # The task first: a token task's model (no features) is refused for its outputs.
     if task.combine is None or task.output_shape is not None:
       raise ConfigError(f"config.ensemble.method='epinet' adds [batch, units] outputs over "
                         f'index samples and combines them as the task combines members, '
                         f'which config.task={task.name!r} does not; use another method.')
+    if model.features is None:
+      raise ConfigError("config.ensemble.method='epinet' reads the base network's last hidden "
+                        'features (Model.features), which config.model does not expose; use '
+                        "model.name='mlp' or 'cnn', or a model whose Model sets features.")
     return wrap(model, options, task.combine)
 
   # PBT copies a whole member, its epinets with it: the copy is its source's function.
