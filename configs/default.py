@@ -105,7 +105,7 @@ def get_config() -> ml_collections.ConfigDict:
   # 'batchensemble' (one shared weight per layer, rank-1 factors per member),
   # 'mimo' (each member one network of mimo.heads input slots and output heads),
   # 'snapshot' (each member's schedule restarts snapshot.cycles times; every cycle's end
-  # predicts), 'multiswag' (SWAG per member: swag.samples weight samples predict) or
+  # predicts), 'multiswag' (SWAG per member: swag.samples weight samples predict),
   # 'prior' (randomized priors: each member adds prior.scale times a frozen random network)
   # or 'epinet' (each member's network gets an epinet: a small network of its features and
   # a random index, sampled epinet.samples times per example; ensemble.epinet).
