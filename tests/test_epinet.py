@@ -3,6 +3,7 @@ its base MLP with an epinet and a frozen prior epinet, trained on mesh 2x4 (memb
 data both split); resume is exact, the prior and the evaluation indices never change, and
 Ensemble.predict is the mean softmax over the member's indices, recomputed here in numpy."""
 
+import json
 import signal
 
 import jax
@@ -77,8 +78,12 @@ def test_resume_ends_bit_for_bit_where_an_uninterrupted_run_ends(runs, loaded):
 
 
 def test_final_metrics_have_the_usual_sections(runs):
-  metrics = runs['straight'][1]
-  assert {'members', 'ensemble', 'frozen_members', 'step'} <= set(metrics)
+  workdir, returned = runs['straight']
+  metrics = json.loads((workdir / 'final_metrics.json').read_text())
+  assert metrics['ensemble'] == returned['ensemble']
+  assert {'members', 'ensemble', 'frozen_members', 'step', 'selective',
+          'train_step_traces'} <= set(metrics)
+  assert metrics['train_step_traces'] == 1
   assert metrics['step'] == 4 and metrics['frozen_members'] == []
   assert len(metrics['members']['nll']) == M
   assert np.isfinite(metrics['ensemble']['nll']) and 0 <= metrics['ensemble']['accuracy'] <= 1
