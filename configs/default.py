@@ -152,7 +152,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Epinets (Osband et al. 2023): member output = base network's + epinet(x~, z) +
   # prior_scale * a frozen prior epinet(x~, z), x~ the base's last hidden features
   # (stop_gradient) and the input, z ~ N(0, I) an index; for models exposing their
-  # features (the MLP and CNN). Params and prior kept per member, checkpointed and exported.
+  # features (MLP, CNN, ResNets, ViT). Params and prior kept per member, checkpointed and
+  # exported.
   config.ensemble.epinet = ml_collections.ConfigDict()
   config.ensemble.epinet.index_dim = 8  # k, the index's dimension
   config.ensemble.epinet.widths = (50,)  # the epinet's (and its prior's) hidden widths

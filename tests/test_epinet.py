@@ -190,6 +190,10 @@ def test_bad_fields_are_refused_in_one_line_naming_them(field, value, match, tmp
     ({'model.name': 'mlp', 'model.widths': (6,)}, (3, 8, 1)),
     ({'model.name': 'cnn', 'model.channels': (2,), 'model.kernel_sizes': (3,),
       'model.strides': (2,)}, (3, 8, 1)),
+    ({'model.name': 'resnet', 'model.depth': 8}, (2, 8, 1)),
+    ({'model.name': 'wide_resnet', 'model.depth': 10, 'model.widen_factor': 1}, (2, 8, 1)),
+    ({'model.name': 'vit', 'model.patch_size': 4, 'model.hidden': 8, 'model.depth': 1,
+      'model.heads': 2, 'model.mlp_dim': 16}, (2, 8, 1)),
 ])
 def test_built_in_models_expose_the_features_their_logits_are_linear_in(fields, x_shape):
   model = models.get_model(assemble.model_spec(support.config(fields)), 4)
@@ -197,5 +201,6 @@ def test_built_in_models_expose_the_features_their_logits_are_linear_in(fields, 
   params, state = model.init(jax.random.key(0), x)
   logits, features, _ = model.features(params, state, x, train=False)
   head = params[-1] if isinstance(params, list) else params['head']
-  np.testing.assert_allclose(logits, features @ head['w'] + head['b'], rtol=1e-6)
+  assert features.shape == (x_shape[0], head['w'].shape[0])
+  np.testing.assert_allclose(logits, features @ head['w'] + head['b'], rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(logits, model.apply(params, state, x, train=False)[0])

@@ -16,7 +16,8 @@ them over the member axis itself, so a model never knows it is in an ensemble.
       returns state unchanged. rng drives stochastic layers (dropout) in training;
       it is None in evaluation.
 
-A model may also expose its last hidden features (optional; the built-in MLP and CNN do):
+A model may also expose its last hidden features (optional; the built-in MLP, CNN,
+ResNets and ViT do):
 
   features(params, state, x, *, train, rng=None) -> (logits, features, new_state)
       as apply, plus features [B, F]: the vector the logits are a linear function of

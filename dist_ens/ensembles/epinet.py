@@ -23,7 +23,7 @@ evaluation's indices, drawn at init from streams of the member's init key (from 
 member) only), stacked over 'member', checkpointed and exported like BatchNorm's
 statistics. The base network starts from the member's init key itself, as a deep
 ensemble's member does. The model must expose its features (Model.features: the built-in
-MLP and CNN do).
+MLP, CNN, ResNets and ViT do).
 """
 
 import math
@@ -184,7 +184,8 @@ def make(spec: MethodSpec) -> Method:
     if model.features is None:
       raise ConfigError("config.ensemble.method='epinet' reads the base network's last hidden "
                         'features (Model.features), which config.model does not expose; use '
-                        "model.name='mlp' or 'cnn', or a model whose Model sets features.")
+                        "model.name='mlp', 'cnn', 'resnet', 'resnet18', 'wide_resnet' or "
+                        "'vit', or a model whose Model sets features.")
     return wrap(model, options, task.combine)
 
   # PBT copies a whole member, its epinets with it: the copy is its source's function.
