@@ -105,8 +105,10 @@ def get_config() -> ml_collections.ConfigDict:
   # 'batchensemble' (one shared weight per layer, rank-1 factors per member),
   # 'mimo' (each member one network of mimo.heads input slots and output heads),
   # 'snapshot' (each member's schedule restarts snapshot.cycles times; every cycle's end
-  # predicts), 'multiswag' (SWAG per member: swag.samples weight samples predict) or
-  # 'prior' (randomized priors: each member adds prior.scale times a frozen random network).
+  # predicts), 'multiswag' (SWAG per member: swag.samples weight samples predict),
+  # 'prior' (randomized priors: each member adds prior.scale times a frozen random network)
+  # or 'epinet' (each member's network gets an epinet: a small network of its features and
+  # a random index, sampled epinet.samples times per example; ensemble.epinet).
   # Or your own method by import path, 'my_pkg.methods:make' (docs/how-it-works.md), with
   # its fields in ensemble.options (anything; the method checks them).
   config.ensemble.method = 'deep'
@@ -147,6 +149,18 @@ def get_config() -> ml_collections.ConfigDict:
   # The prior's hidden widths, for models that take config.model.widths (the MLP); () =
   # the member's own architecture.
   config.ensemble.prior.widths = ()
+  # Epinets (Osband et al. 2023): member output = base network's + epinet(x~, z) +
+  # prior_scale * a frozen prior epinet(x~, z), x~ the base's last hidden features
+  # (stop_gradient) and the input, z ~ N(0, I) an index; for models exposing their
+  # features (MLP, CNN, ResNets, ViT). Params and prior kept per member, checkpointed and
+  # exported.
+  config.ensemble.epinet = ml_collections.ConfigDict()
+  config.ensemble.epinet.index_dim = 8  # k, the index's dimension
+  config.ensemble.epinet.widths = (50,)  # the epinet's (and its prior's) hidden widths
+  config.ensemble.epinet.samples = 8  # index draws per example per training step
+  # Fixed indices per member (drawn at init) whose mean softmax a member predicts with.
+  config.ensemble.epinet.eval_samples = 32
+  config.ensemble.epinet.prior_scale = 1.0  # >= 0; 0: no prior epinet
 
   config.data = ml_collections.ConfigDict()
   config.data.name = 'mnist1d'  # embedded ('mnist1d', 'digits') or any prepared TFDS name

@@ -58,6 +58,10 @@ AXES: dict[str, tuple[Option, ...]] = {
         # covers a smaller one, prior.widths).
         Option('prior', {'ensemble.method': 'prior'},
                ('ensemble.method',), label='randomized prior'),
+        # A tiny epinet (tests/test_epinet.py checks its predictions and resume).
+        Option('epinet', {'ensemble.method': 'epinet', 'ensemble.epinet.index_dim': 2,
+                          'ensemble.epinet.widths': (4,), 'ensemble.epinet.samples': 2,
+                          'ensemble.epinet.eval_samples': 3}, ('ensemble.method',)),
         Option('mc_dropout', {'model.dropout': 0.1, 'eval.mc_samples': 2},
                ('eval.mc_samples', 'model.dropout'), label='MC dropout'),
     ),
@@ -119,12 +123,19 @@ REFUSED: dict[frozenset[str], str] = {
     **{_pair(o, 'prior'): "a shared backbone works with method='deep' only (a prior beside "
                           'a shared, frozen backbone is not built)'
        for o in ('own=head', 'own=lora')},
+    **{_pair(o, 'epinet'): "a shared backbone works with method='deep' only (an epinet "
+                           'beside a shared, frozen backbone is not built)'
+       for o in ('own=head', 'own=lora')},
+    _pair('token_classification', 'epinet'): "the epinet's index term is a [batch, units] "
+                                              "output's, not per-position ones",
     **{_pair('temperature', t): 'temperature scaling is a classifier\'s (Task.calibrate)'
        for t in ('regression', 'regression [N, D]')},
     **{_pair('laplace', t): "the last-layer Laplace is the softmax cross-entropy's"
        for t in ('regression', 'regression [N, D]')},
     **{_pair('laplace', m): "Laplace fits each independently trained member's output layer"
        for m in (*_NOT_DEEP, 'own=head', 'own=lora')},
+    _pair('laplace', 'epinet'): "an epinet's output is not linear in the base network's "
+                                'output layer alone',
     _pair('token_classification', 'mimo'): "MIMO's heads split [batch, units] outputs, not "
                                            'per-position ones',
     _pair('token_classification', 'shift'): 'the corruptions perturb continuous inputs, not '

@@ -70,8 +70,8 @@ def test_a_users_method_checks_its_own_fields_in_one_line(tmp_path):
 
 
 _METHOD_FILES = {'deep.py', 'batchensemble.py', 'mimo.py', 'snapshot.py', 'swag.py',
-                 'prior.py', 'methods.py'}  # methods.py: the registry of the built-ins' names
-_NAMES = ('deep', 'batchensemble', 'mimo', 'snapshot', 'multiswag', 'prior')
+                 'prior.py', 'epinet.py', 'methods.py'}  # methods.py: the registry of the built-ins' names
+_NAMES = ('deep', 'batchensemble', 'mimo', 'snapshot', 'multiswag', 'prior', 'epinet')
 # A test of a method's name: compared (==, !=, in) with a name, or with ensemble.method.
 _TEST = re.compile(r"(==|!=|\bin)\s*\(?\s*'(%s)'|'(%s)'\s*(==|!=)|ensemble\.method\s*(==|!=|in\b)|"
                    r"method\.name\s*(==|!=|in\b)" % ('|'.join(_NAMES), '|'.join(_NAMES)))

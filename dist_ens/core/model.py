@@ -16,6 +16,13 @@ them over the member axis itself, so a model never knows it is in an ensemble.
       returns state unchanged. rng drives stochastic layers (dropout) in training;
       it is None in evaluation.
 
+A model may also expose its last hidden features (optional; the built-in MLP, CNN,
+ResNets and ViT do):
+
+  features(params, state, x, *, train, rng=None) -> (logits, features, new_state)
+      as apply, plus features [B, F]: the vector the logits are a linear function of
+      (what an epinet reads, ensembles/epinet.py). None: the model does not expose them.
+
 Under dist_ens's global-view step, `x` is a member's WHOLE batch even when it is
 split over the 'data' axis of the mesh: a mean over the batch axis is the mean over
 all shards (XLA inserts the cross-device reduction), so BatchNorm needs no
@@ -40,11 +47,14 @@ class Model(NamedTuple):
   view of them (stacked leaves indexed, shared ones as they are) into its own plain
   params. None (users' models): every leaf stacked, a member's view is its params.
   ensembles.stored.predicting_model sets both for a method whose members share leaves.
+  `features`, where set, is apply with the last hidden features beside the logits (the
+  module doc); None: the model does not expose them.
   """
   init: Callable[[jax.Array, jax.Array], tuple[Params, State]]
   apply: Callable[..., tuple[jax.Array, State]]
   member_axes: Callable[[Params], Any] | None = None
   member_params: Callable[[Params], Params] | None = None
+  features: Callable[..., tuple[jax.Array, jax.Array, State]] | None = None
 
 
 def stacked_axes(model: Model, params: Params) -> Any:

@@ -18,7 +18,7 @@ method's group of config.ensemble) and refuses, in one line, what it cannot do w
 run (`spec.reproducible`, the task in `wrap_model`, ...).
 
 Built-ins live one per file (deep.py, batchensemble.py, mimo.py, snapshot.py, swag.py,
-prior.py)
+prior.py, epinet.py)
 and are registered by name in dist_ens.ensembles.methods; a user's is an import path,
 `config.ensemble.method = 'my_pkg.methods:make'`, whose fields are
 `config.ensemble.options` (docs/how-it-works.md shows one).

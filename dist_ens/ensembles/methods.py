@@ -7,6 +7,7 @@ resolving config.ensemble.own, and the members a method predicts with.
   'snapshot'   snapshot ensembles and fast geometric ensembling (ensembles/snapshot.py)
   'multiswag'  SWAG per member (ensembles/swag.py)
   'prior'      randomized prior functions (Osband et al. 2018; ensembles/prior.py)
+  'epinet'     epistemic neural networks (Osband et al. 2023; ensembles/epinet.py)
 
 A method is a value (ensembles/method.py: Method, built by `make(spec: MethodSpec)`);
 yours is an import path, `config.ensemble.method = 'my_pkg.methods:make'`, and reads its
@@ -24,7 +25,7 @@ from jax.sharding import Mesh
 from dist_ens import importing
 from dist_ens.core import rng
 from dist_ens.ensembles import batchensemble, deep, lora as lora_lib, mimo, own as own_lib
-from dist_ens.ensembles import prior, snapshot, swag
+from dist_ens.ensembles import epinet, prior, snapshot, swag
 from dist_ens.ensembles.method import Method, MethodSpec
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
@@ -38,6 +39,7 @@ METHODS: dict[str, tuple[Callable[[MethodSpec], Method], str | None]] = {
     'snapshot': (snapshot.make, 'snapshot'),
     'multiswag': (swag.make, 'swag'),
     'prior': (prior.make, 'prior'),
+    'epinet': (epinet.make, 'epinet'),
 }
 # A user's method (an import path) reads its fields from this group.
 USER_OPTIONS = 'options'

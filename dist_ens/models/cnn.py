@@ -24,7 +24,7 @@ from dist_ens.models.spec import ModelSpec
 
 def make_cnn(spec: ModelSpec, num_classes: int) -> Model:
   """CNN with `spec.channels`, `spec.kernel_sizes`, `spec.strides` per layer, and
-  spec.dropout on the features before the dense layer."""
+  spec.dropout on the features before the dense layer (Model.features exposes them)."""
   channels = tuple(int(c) for c in spec.channels)
   kernels = tuple(int(k) for k in spec.kernel_sizes)
   strides = tuple(int(s) for s in spec.strides)
@@ -62,10 +62,14 @@ def make_cnn(spec: ModelSpec, num_classes: int) -> Model:
 
   rate = layers.dropout_rate_for(spec.dropout)
 
-  def apply(params, state, x, *, train=False, rng=None):
+  def features(params, state, x, *, train=False, rng=None):
     layers.check_dropout_rng(rate, train, rng)
     h = _features(params['convs'], x)
     h = layers.dropout(rng, h.reshape(h.shape[0], -1), rate, train=train)
-    return h @ params['head']['w'] + params['head']['b'], state
+    return h @ params['head']['w'] + params['head']['b'], h, state
 
-  return Model(init, apply)
+  def apply(params, state, x, *, train=False, rng=None):
+    logits, _, state = features(params, state, x, train=train, rng=rng)
+    return logits, state
+
+  return Model(init, apply, features=features)

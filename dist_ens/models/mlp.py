@@ -13,7 +13,7 @@ from dist_ens.models.spec import ModelSpec
 
 def make_mlp(spec: ModelSpec, num_classes: int) -> Model:
   """MLP with hidden widths `spec.widths`, He-normal init and spec.dropout after
-  every hidden layer; no model state."""
+  every hidden layer; no model state. It exposes its last hidden layer (Model.features)."""
   widths = tuple(int(w) for w in spec.widths)
   if not widths or any(w <= 0 for w in widths):
     raise ConfigError(
@@ -27,12 +27,16 @@ def make_mlp(spec: ModelSpec, num_classes: int) -> Model:
 
   rate = layers.dropout_rate_for(spec.dropout)
 
-  def apply(params, state, x, *, train=False, rng=None):
+  def features(params, state, x, *, train=False, rng=None):
     layers.check_dropout_rng(rate, train, rng)
     keys = [None] * len(widths) if rng is None or not rate else jax.random.split(rng, len(widths))
     h = x.reshape(x.shape[0], -1)
     for layer, key in zip(params[:-1], keys):
       h = layers.dropout(key, jax.nn.relu(h @ layer['w'] + layer['b']), rate, train=train)
-    return h @ params[-1]['w'] + params[-1]['b'], state
+    return h @ params[-1]['w'] + params[-1]['b'], h, state
 
-  return Model(init, apply)
+  def apply(params, state, x, *, train=False, rng=None):
+    logits, _, state = features(params, state, x, train=train, rng=rng)
+    return logits, state
+
+  return Model(init, apply, features=features)

@@ -118,7 +118,7 @@ def _resnet_v1(spec: ModelSpec, num_classes: int, stem_width: int,
     params['head'] = layers.dense_params(widths[-1], num_classes)
     return layers.he_normal_init(rng, params), state
 
-  def apply(params, state, x, *, train, rng=None):
+  def features(params, state, x, *, train, rng=None):
     layers.check_dropout_rng(rate, train, rng)
     new_state = {'blocks': []}
     h = conv(x, params['stem'], 1)
@@ -127,9 +127,13 @@ def _resnet_v1(spec: ModelSpec, num_classes: int, stem_width: int,
       h, s = _basic_apply(conv, p, s, h, block.stride, train)
       new_state['blocks'].append(s)
     h = layers.dropout(rng, layers.global_avg_pool(h), rate, train=train)
-    return layers.dense(params['head'], h), new_state if train else state
+    return layers.dense(params['head'], h), h, new_state if train else state
 
-  return Model(init, apply)
+  def apply(params, state, x, *, train, rng=None):
+    logits, _, state = features(params, state, x, train=train, rng=rng)
+    return logits, state
+
+  return Model(init, apply, features=features)
 
 
 def make_resnet(spec: ModelSpec, num_classes: int) -> Model:
@@ -201,7 +205,7 @@ def make_wide_resnet(spec: ModelSpec, num_classes: int) -> Model:
     params['head'] = layers.dense_params(plan[-1].out_ch, num_classes)
     return layers.he_normal_init(rng, params), state
 
-  def apply(params, state, x, *, train, rng=None):
+  def features(params, state, x, *, train, rng=None):
     layers.check_dropout_rng(rate, train, rng)
     new_state = {'blocks': []}
     h = conv(x, params['stem'], 1)
@@ -210,6 +214,11 @@ def make_wide_resnet(spec: ModelSpec, num_classes: int) -> Model:
       h, s = _wide_apply(conv, p, s, h, block.stride, train, rate, block_rng)
       new_state['blocks'].append(s)
     h = jax.nn.relu(_norm(params, state, new_state, 'final_bn', h, train))
-    return layers.dense(params['head'], layers.global_avg_pool(h)), new_state if train else state
+    h = layers.global_avg_pool(h)
+    return layers.dense(params['head'], h), h, new_state if train else state
 
-  return Model(init, apply)
+  def apply(params, state, x, *, train, rng=None):
+    logits, _, state = features(params, state, x, train=train, rng=rng)
+    return logits, state
+
+  return Model(init, apply, features=features)

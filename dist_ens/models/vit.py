@@ -144,7 +144,7 @@ def make_vit(spec: ModelSpec, num_classes: int) -> Model:
   f = _read_spec(spec)
   rate = layers.dropout_rate_for(spec.dropout)
 
-  def apply(params, state, x, *, train=False, rng=None):
+  def features(params, state, x, *, train=False, rng=None):
     layers.check_dropout_rng(rate, train, rng)
     h = layers.dense(params['embed'], patchify(x, f['patch_size']))
     if f['pool'] == 'cls':
@@ -157,6 +157,10 @@ def make_vit(spec: ModelSpec, num_classes: int) -> Model:
       h = transformer.block(block, h, f['heads'], rate, train=train, rng=key)
     h = transformer.layer_norm(params['norm'], h)
     h = h[:, 0] if f['pool'] == 'cls' else h.mean(axis=1)
-    return layers.dense(params['head'], h), state
+    return layers.dense(params['head'], h), h, state
 
-  return Model(_init_fn(f, num_classes), apply)
+  def apply(params, state, x, *, train=False, rng=None):
+    logits, _, state = features(params, state, x, train=train, rng=rng)
+    return logits, state
+
+  return Model(_init_fn(f, num_classes), apply, features=features)

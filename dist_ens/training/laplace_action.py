@@ -227,7 +227,10 @@ def laplace_actions(config: Any, task: Any, method: Any) -> list[PeriodicAction]
     raise ConfigError(f'config.eval.laplace={kind!r} is the softmax cross-entropy\'s Gauss-Newton '
                       f'and predictive; config.task={task.name!r} is not a classifier\'s: set '
                       "eval.laplace=''.")
-  if method.shares or method.collects or method.outputs_per_output != 1:
+  # wrap_loss: the members train on several outputs per example (MIMO's heads, an
+  # epinet's index samples), not one output layer's.
+  if (method.shares or method.collects or method.outputs_per_output != 1
+      or method.wrap_loss is not None):
     raise ConfigError(f'config.eval.laplace={kind!r} fits each independently trained '
                       f'member\'s output layer; config.ensemble.method={method.name!r} (or '
                       "ensemble.own) shares leaves or predicts with other weights: use "

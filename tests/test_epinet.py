@@ -1,0 +1,206 @@
+"""Epinets (config.ensemble.method='epinet', dist_ens/ensembles/epinet.py): 4 members, each
+its base MLP with an epinet and a frozen prior epinet, trained on mesh 2x4 (members and
+data both split); resume is exact, the prior and the evaluation indices never change, and
+Ensemble.predict is the mean softmax over the member's indices, recomputed here in numpy."""
+
+import json
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dist_ens
+import support
+from dist_ens import assemble, data, models
+from dist_ens.ensembles import epinet as epinet_lib
+from dist_ens.errors import ConfigError
+
+M, SCALE, INDEX_DIM, EVAL_SAMPLES = 4, 1.5, 3, 5
+
+
+def _config(**fields):
+  return support.config({
+      'ensemble.method': 'epinet', 'ensemble.epinet.index_dim': INDEX_DIM,
+      'ensemble.epinet.widths': (8,), 'ensemble.epinet.samples': 2,
+      'ensemble.epinet.eval_samples': EVAL_SAMPLES, 'ensemble.epinet.prior_scale': SCALE,
+      'mesh.member': 2, 'mesh.data': 4, 'checkpoint.every': 2, 'eval.joint_tau': 0}, **fields)
+
+
+class _PreemptAt:
+  """SIGTERM after step `step`: the run saves it and stops, as a preempted job does."""
+
+  def __init__(self, step):
+    self.step = step
+
+  def on_step(self, ctx):
+    if ctx.step == self.step:
+      signal.raise_signal(signal.SIGTERM)
+
+  def on_end(self, ctx):
+    del ctx
+
+  def close(self):
+    pass
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """{name: (workdir, final metrics)}: 'straight' (4 steps) and 'resumed' (preempted
+  after step 2, then resumed to 4)."""
+  root, out = tmp_path_factory.mktemp('epinet'), {}
+  out['straight'] = (root / 'straight', dist_ens.train(_config(), str(root / 'straight')))
+  stopped = dist_ens.train(_config(), str(root / 'resumed'), actions=[_PreemptAt(2)])
+  assert stopped['preempted'] and stopped['step'] == 2
+  out['resumed'] = (root / 'resumed', dist_ens.train(_config(), str(root / 'resumed')))
+  return out
+
+
+@pytest.fixture(scope='module')
+def loaded(runs):
+  return {name: dist_ens.Ensemble.load(str(workdir)) for name, (workdir, _) in runs.items()}
+
+
+def _assert_same(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_resume_ends_bit_for_bit_where_an_uninterrupted_run_ends(runs, loaded):
+  straight, resumed = runs['straight'][1], runs['resumed'][1]
+  strip = lambda d: {k: strip(v) if isinstance(v, dict) else v for k, v in d.items()
+                     if not k.endswith('_seconds')}
+  assert strip(resumed) == strip(straight)
+  _assert_same(loaded['straight'].params, loaded['resumed'].params)
+  _assert_same(loaded['straight'].model_state, loaded['resumed'].model_state)
+
+
+def test_final_metrics_have_the_usual_sections(runs):
+  workdir, returned = runs['straight']
+  metrics = json.loads((workdir / 'final_metrics.json').read_text())
+  assert metrics['ensemble'] == returned['ensemble']
+  assert {'members', 'ensemble', 'frozen_members', 'step', 'selective',
+          'train_step_traces'} <= set(metrics)
+  assert metrics['train_step_traces'] == 1
+  assert metrics['step'] == 4 and metrics['frozen_members'] == []
+  assert len(metrics['members']['nll']) == M
+  assert np.isfinite(metrics['ensemble']['nll']) and 0 <= metrics['ensemble']['accuracy'] <= 1
+
+
+def test_the_prior_epinet_and_the_indices_never_change_and_get_no_optimizer_state(loaded):
+  parts = assemble.build_run(_config()).parts
+  initial = jax.tree.map(np.asarray, assemble.init_sharded(parts))
+  assert isinstance(initial.model_state, epinet_lib.EpinetState)
+  end = loaded['straight']
+  _assert_same(end.model_state.prior, initial.model_state.prior)
+  _assert_same(end.model_state.indices, initial.model_state.indices)
+  assert end.model_state.indices.shape == (M, EVAL_SAMPLES, INDEX_DIM)
+  assert not np.allclose(end.params.epinet[0]['w'], initial.params.epinet[0]['w'])  # trains
+  assert not np.allclose(end.params.base[0]['w'], initial.params.base[0]['w'])
+  prior_kernel = initial.model_state.prior[0]['w']
+  assert not np.allclose(prior_kernel[0], prior_kernel[1])  # each member its own prior
+  assert not np.allclose(initial.model_state.indices[0], initial.model_state.indices[1])
+  opt_shapes = {leaf.shape for leaf in jax.tree.leaves(initial.opt_state)}
+  params_shapes = {leaf.shape for leaf in jax.tree.leaves(initial.params)}
+  prior_shapes = {leaf.shape for leaf in jax.tree.leaves(initial.model_state.prior)}
+  assert prior_shapes <= params_shapes  # the prior has the trained epinet's shapes...
+  assert params_shapes <= opt_shapes  # ...which Adam keeps moments of, by params' paths
+  names = [jax.tree_util.keystr(p) for p, _ in
+           jax.tree_util.tree_flatten_with_path(initial.opt_state)[0]]
+  assert not [n for n in names if 'prior' in n or 'indices' in n], names
+
+
+def _mlp(layers, h):
+  for layer in layers[:-1]:
+    h = np.maximum(h @ layer['w'] + layer['b'], 0)
+  return h, h @ layers[-1]['w'] + layers[-1]['b']
+
+
+def _epinet(layers, inputs, z):
+  """mlp([inputs, z]) as [C, k], times z: [B, C] (float64)."""
+  _, out = _mlp(layers, np.concatenate([inputs, np.broadcast_to(z, (len(inputs), len(z)))], 1))
+  return out.reshape(len(inputs), -1, len(z)) @ z
+
+
+def _softmax(logits):
+  e = np.exp(logits - logits.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def test_predict_is_the_mean_softmax_over_the_members_indices(loaded):
+  ens = loaded['straight']
+  x = np.asarray(data.load_dataset('mnist1d').test.x[:6], np.float64)
+  probs = ens.predict(x.astype(np.float32)).member_probs
+  member = lambda tree, m: jax.tree.map(lambda a: np.asarray(a, np.float64)[m], tree)
+  for m in range(M):
+    params, state = member(ens.params, m), member(ens.model_state, m)
+    features, logits = _mlp(params.base, x.reshape(len(x), -1))
+    inputs = np.concatenate([features, x.reshape(len(x), -1)], 1)
+    want = np.mean([_softmax(logits + _epinet(params.epinet, inputs, z)
+                             + SCALE * _epinet(state.prior, inputs, z))
+                    for z in state.indices], axis=0)
+    np.testing.assert_allclose(probs[m], want, rtol=1e-4, atol=1e-6)
+    assert not np.allclose(probs[m], _softmax(logits), atol=1e-3)  # not the base alone
+
+
+def test_the_base_network_learns_from_its_logits_only_and_the_loss_averages_the_indices():
+  spec = assemble.model_spec(support.config(model__widths=(4,)))
+  options = epinet_lib.Options(index_dim=2, widths=(3,), samples=4, eval_samples=2,
+                               prior_scale=2.0)
+  base = models.get_model(spec, 3)
+  model = epinet_lib.wrap(base, options, lambda o, mask: o.mean(0))
+  x = jax.random.normal(jax.random.key(1), (5, 6))
+  params, state = model.init(jax.random.key(0), x)
+  key = jax.random.key(2)
+  outputs, _ = model.apply(params, state, x, train=True, rng=key)
+  assert outputs.shape == (5, 4, 3)
+  # d/d(base) of the sum over the 4 samples = 4 x that of the base logits: no gradient
+  # reaches the base network through the features the epinet reads.
+  grad = jax.grad(lambda p: model.apply(p, state, x, train=True, rng=key)[0].sum())(params)
+  want = jax.grad(lambda b: 4 * base.apply(b, {}, x)[0].sum())(params.base)
+  for g, w in zip(jax.tree.leaves(grad.base), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+  squared = lambda o, y, hp: jnp.mean((o - y[:, None]) ** 2)
+  labels = jnp.arange(5.0)
+  loss = epinet_lib.index_mean_loss(squared)(outputs, labels, {})
+  np.testing.assert_allclose(loss, np.mean((np.asarray(outputs) - np.arange(5.0)[:, None, None])
+                                           ** 2), rtol=1e-6)
+
+
+@pytest.mark.parametrize('field, value, match', [
+    ('ensemble.epinet.index_dim', 0, r'config\.ensemble\.epinet\.index_dim=0'),
+    ('ensemble.epinet.samples', 0, r'config\.ensemble\.epinet\.samples=0'),
+    ('ensemble.epinet.eval_samples', -1, r'config\.ensemble\.epinet\.eval_samples=-1'),
+    ('ensemble.epinet.widths', ('4',), r"config\.ensemble\.epinet\.widths=\('4',\)"),
+    ('ensemble.epinet.prior_scale', -1.0, r'config\.ensemble\.epinet\.prior_scale=-1\.0'),
+    ('model.name', 'lenet5', r"config\.ensemble\.method='epinet'.*config\.model.*'mlp'"),
+])
+def test_bad_fields_are_refused_in_one_line_naming_them(field, value, match, tmp_path):
+  config = _config()
+  config.update_from_flattened_dict({field: value})
+  with pytest.raises(ConfigError, match=match) as refused:
+    dist_ens.train(config, str(tmp_path / 'w'))
+  assert '\n' not in str(refused.value)
+  assert not (tmp_path / 'w').exists()
+
+
+@pytest.mark.parametrize('fields, x_shape', [
+    ({'model.name': 'mlp', 'model.widths': (6,)}, (3, 8, 1)),
+    ({'model.name': 'cnn', 'model.channels': (2,), 'model.kernel_sizes': (3,),
+      'model.strides': (2,)}, (3, 8, 1)),
+    ({'model.name': 'resnet', 'model.depth': 8}, (2, 8, 1)),
+    ({'model.name': 'wide_resnet', 'model.depth': 10, 'model.widen_factor': 1}, (2, 8, 1)),
+    ({'model.name': 'vit', 'model.patch_size': 4, 'model.hidden': 8, 'model.depth': 1,
+      'model.heads': 2, 'model.mlp_dim': 16}, (2, 8, 1)),
+])
+def test_built_in_models_expose_the_features_their_logits_are_linear_in(fields, x_shape):
+  model = models.get_model(assemble.model_spec(support.config(fields)), 4)
+  x = jax.random.normal(jax.random.key(1), x_shape)
+  params, state = model.init(jax.random.key(0), x)
+  logits, features, _ = model.features(params, state, x, train=False)
+  head = params[-1] if isinstance(params, list) else params['head']
+  assert features.shape == (x_shape[0], head['w'].shape[0])
+  np.testing.assert_allclose(logits, features @ head['w'] + head['b'], rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(logits, model.apply(params, state, x, train=False)[0])
