@@ -165,7 +165,8 @@ def test_eight_processes_checkpoint_and_four_resume_exactly(tmp_path):
                                           {**layout, 'train.steps': steps})], 300)
     assert status == 0, out[-5000:]
     last = processes - 1
-    assert re.search(rf'^\[{last}\] .*\[process {last}\] step {steps}/{steps}', out, re.M), out[-3000:]
+    assert re.search(rf'^\[{last}\] .*\[process {last}\] step {steps}/{steps}', out,
+                     re.M), out[-3000:]
   for p in range(4):  # Every process of the second run restored the first's checkpoint.
     assert re.search(rf'^\[{p}\] .*resuming from the checkpoint at step 4$', out, re.M), out[-3000:]
   config = support.config({**TINY, **layout, 'train.steps': 8})
