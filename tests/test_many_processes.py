@@ -17,6 +17,7 @@ $DIST_ENS_READS_DIR).
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -66,7 +67,8 @@ def _local_sh(workdir: Path, processes: int, devices: int, fields: dict,
   if reads_dir is not None:
     reads_dir.mkdir(parents=True, exist_ok=True)
     python = reads_dir / 'python'
-    python.write_text(f'#!/bin/sh\nexec {sys.executable} {__file__} count-reads "$@"\n')
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(__file__)} '
+                      'count-reads "$@"\n')
     python.chmod(0o755)
     extra.update(PYTHON=str(python), **{_READS_DIR: str(reads_dir)})
   return mh._start(['bash', str(mh.LOCAL_SH), '--processes', str(processes),
