@@ -97,6 +97,13 @@ trap 'interrupted=130; kill_all' INT
 trap 'interrupted=143; kill_all' TERM
 trap 'rm -rf "$state"' EXIT
 
+prefix() {
+  # Each line as soon as it is complete. Not awk: mawk (Debian's awk) reads a pipe in
+  # blocks, which held a run's log lines back until the process ended.
+  local line
+  while IFS= read -r line || [[ -n "$line" ]]; do printf '%s%s\n' "$1" "$line"; done
+}
+
 echo "local.sh: ${processes} processes x ${devices} CPU devices, coordinator localhost:${port}," \
      "bound ${limit} s each" >&2
 for ((i = 0; i < processes; i++)); do
@@ -110,7 +117,7 @@ for ((i = 0; i < processes; i++)); do
       timeout -k "$kill_after" "$limit" "$python" -m dist_ens.main "$@" \
         --coordinator_address="localhost:${port}" --num_processes="$processes" \
         --process_id="$i" 2>&1 \
-      | awk -v p="[$i] " '{ print p $0; fflush() }' \
+      | prefix "[$i] " \
       | if [[ -n "$log" ]]; then tee "$log"; else cat; fi
     echo "$?" > "$state/rc.$i.tmp" && mv "$state/rc.$i.tmp" "$state/rc.$i"
   ) 2>/dev/null &  # Quiets bash's "Killed ..." job notices; the summary below says it.

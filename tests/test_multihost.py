@@ -381,6 +381,31 @@ def _wait_launcher(launcher, lines, reader, timeout_s) -> tuple[int, str]:
   return status, ''.join(lines)
 
 
+def test_local_sh_passes_each_line_on_as_it_is_said(tmp_path):
+  """Until the launcher read each process's output through bash, mawk (Debian's awk)
+  read it in blocks: a run's lines came out only when its process ended."""
+  stop, python = tmp_path / 'stop', tmp_path / 'python'
+  # Stands in for dist_ens: one line, then it waits (at most 60 s) for the test.
+  python.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {sys.executable} "$@"; fi\n'
+                    f'echo said; for i in $(seq 600); do [ -e {stop} ] && exit 0; sleep 0.1; '
+                    'done; exit 1\n')
+  python.chmod(0o755)
+  launcher = _start(['bash', str(LOCAL_SH), '--processes', '2', '--timeout', '90', '--',
+                     '--workdir=unused'], _env(devices=None, PYTHON=str(python)))
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+  reader.start()
+  deadline = time.monotonic() + 30
+  while not {'[0] said\n', '[1] said\n'} <= set(lines):
+    if time.monotonic() > deadline or launcher.poll() is not None:
+      _kill_session(launcher)
+      pytest.fail('lines held back while the processes ran:\n' + ''.join(lines))
+    time.sleep(0.1)
+  stop.touch()
+  status, out = _wait_launcher(launcher, lines, reader, 60)
+  assert status == 0, out
+
+
 def test_sigterm_stops_every_process_at_the_same_step(tmp_path):
   # As a scheduler preempting the job: SIGTERM to the launcher, which passes it on.
   launcher, lines, reader = _launch_and_wait_for_step_10(tmp_path)

@@ -1,0 +1,226 @@
+"""Many processes on localhost (issue 49): launch/local.sh with 4 processes x 2 devices and
+8 processes x 1 device, the CPU simulation of a pod slice.
+
+They train like one process of 8 devices on the same mesh, in either layout; each process's
+input pipeline reads only its block of every batch (counted through a wrapper around the
+source, below); a checkpoint of 8 processes resumes exactly on 4; SIGTERM to each of 8
+processes stops them all at one step, saved. test_multihost.py does the same for 2.
+
+Every run is bounded: local.sh's --timeout per process, and test_multihost's _wait,
+which SIGKILLs every process of a run at its deadline, failing the test.
+
+This file is also the Python that local.sh starts in the read-counting runs:
+`python tests/test_many_processes.py count-reads -m dist_ens.main FLAGS...` (out dir in
+$DIST_ENS_READS_DIR).
+"""
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import support
+import test_multihost as mh  # Its process helpers: environment, start, deadline, kill.
+
+import dist_ens
+
+# A tiny run (support.config with 8 members of a (8,) MLP, batch 32, 4 steps), as the
+# config of the one-process reference and as flags for local.sh.
+TINY = {'num_members': 8, 'model.widths': (8,), 'data.batch_size': 32, 'train.steps': 4,
+        'train.log_every': 2, 'train.eval_every': 0, 'eval.joint_tau': 0,
+        'checkpoint.every': 4, 'writers': ('jsonl',)}
+BATCH = TINY['data.batch_size']
+# Each layout with 4 processes, and the block of the one-process batch that process p
+# reads: [K, B] for the shared order, [K, M, B] for a per-member one (K steps a call).
+LAYOUTS = {
+    # One 'data' position per process: host p feeds rows [8p, 8p + 8) of the shared batch.
+    'data': ({'mesh.member': 2, 'mesh.data': 4, 'mesh.hosts_along': 'data'},
+             lambda p: (slice(None), slice(8 * p, 8 * p + 8))),
+    # Two members per process, each member its own order: host p feeds every row of
+    # members 2p and 2p + 1, and nothing of the others.
+    'member': ({'mesh.member': 4, 'mesh.data': 2, 'mesh.hosts_along': 'member',
+                'data.member_order': 'shuffled'},
+               lambda p: (slice(None), slice(2 * p, 2 * p + 2), slice(None))),
+}
+_READS_DIR = 'DIST_ENS_READS_DIR'
+
+
+def _flags(fields: dict) -> list[str]:
+  return [f'--config.{k}={v if isinstance(v, str) else repr(v)}' for k, v in fields.items()]
+
+
+def _local_sh(workdir: Path, processes: int, devices: int, fields: dict,
+              reads_dir: Path | None = None, timeout_s: int = 240) -> subprocess.Popen:
+  """launch/local.sh on TINY | fields, compiling as the tests do (support.FAST_COMPILE); with
+  `reads_dir`, each process counts what its input pipeline reads (_count_reads)."""
+  extra = {'XLA_FLAGS': ' '.join(support.FAST_COMPILE)}
+  if reads_dir is not None:
+    reads_dir.mkdir(parents=True, exist_ok=True)
+    python = reads_dir / 'python'
+    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(__file__)} '
+                      'count-reads "$@"\n')
+    python.chmod(0o755)
+    extra.update(PYTHON=str(python), **{_READS_DIR: str(reads_dir)})
+  return mh._start(['bash', str(mh.LOCAL_SH), '--processes', str(processes),
+                    '--devices-per-process', str(devices), '--timeout', str(timeout_s),
+                    '--grace', '60', '--kill-after', '15', '--', mh.CONFIG,
+                    f'--workdir={workdir}', *_flags({**TINY, **fields})],
+                   mh._env(devices=None, **extra))
+
+
+class _Counted:
+  """A Source that records the indices and bytes of every read."""
+
+  def __init__(self, source, reads: list):
+    self._source, self._reads = source, reads
+
+  @property
+  def num_examples(self) -> int:
+    return self._source.num_examples
+
+  def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    x, y = self._source.read(indices)
+    self._reads.append((np.array(indices), x.nbytes + y.nbytes))
+    return x, y
+
+
+def _count_reads(out_dir: Path, set_attr=setattr) -> None:
+  """Makes the train input pipeline (data.Batches) read through _Counted and, when it is
+  closed, write what it read to out_dir/reads_P.json (P: the process index)."""
+  from dist_ens.data import pipeline  # pylint: disable=g-import-not-at-top
+  init, close = pipeline.Batches.__init__, pipeline.Batches.close
+  reads = []
+
+  def counted_init(self, source, *args, **kwargs):
+    init(self, _Counted(source, reads), *args, **kwargs)
+
+  def counted_close(self):
+    close(self)  # Joins the prefetching thread: `reads` is complete.
+    Path(out_dir, f'reads_{jax.process_index()}.json').write_text(json.dumps({
+        'rows': [len(i) for i, _ in reads], 'bytes': [b for _, b in reads],
+        'first': reads[0][0].tolist(), 'examples': self.stats.examples}))
+
+  set_attr(pipeline.Batches, '__init__', counted_init)
+  set_attr(pipeline.Batches, 'close', counted_close)
+
+
+def _reads(out_dir: Path) -> list[dict]:
+  return [json.loads(p.read_text())
+          for p in sorted(out_dir.glob('reads_*.json'), key=lambda p: int(p.stem[6:]))]
+
+
+def _assert_same_metrics(got: dict, want: dict) -> None:
+  # The tolerance of test_multihost's two-process comparisons: the same mesh computes
+  # the same shards; only where its collectives run differs (a summation order at most).
+  for metric in ('nll', 'accuracy', 'brier', 'ece'):
+    np.testing.assert_allclose(got['members'][metric], want['members'][metric], atol=1e-6,
+                               err_msg=metric)
+  assert abs(got['ensemble']['nll'] - want['ensemble']['nll']) < 1e-6
+
+
+@pytest.mark.parametrize('hosts_along', ['data', pytest.param('member', marks=pytest.mark.slow)])
+def test_four_processes_match_one_and_each_reads_only_its_block(tmp_path, monkeypatch,
+                                                                 hosts_along):
+  fields, block_of = LAYOUTS[hosts_along]
+  _count_reads(tmp_path / 'one', monkeypatch.setattr)
+  (tmp_path / 'one').mkdir()
+  one = dist_ens.train(support.config({**TINY, **fields}), str(tmp_path / 'one' / 'w'))
+  [(status, out)] = mh._wait([_local_sh(tmp_path / 'w', 4, 2, fields, tmp_path / 'reads')], 240)
+  assert status == 0, out[-5000:]
+  assert re.search(r'^\[3\] .*\[process 3\] step 4/4', out, re.M), out[-3000:]
+  _assert_same_metrics(json.loads((tmp_path / 'w' / 'final_metrics.json').read_text()), one)
+
+  [whole] = _reads(tmp_path / 'one')
+  lead = (-1, BATCH) if hosts_along == 'data' else (-1, TINY['num_members'], BATCH)
+  first = np.asarray(whole['first']).reshape(lead)
+  per_process = _reads(tmp_path / 'reads')
+  assert len(per_process) == 4
+  for p, reads in enumerate(per_process):
+    # Its block of the batch the one process read, and a quarter of its bytes, every step.
+    np.testing.assert_array_equal(reads['first'], first[block_of(p)].ravel(), err_msg=p)
+    assert set(reads['rows']) == {whole['rows'][0] // 4}, (p, reads['rows'])
+    assert set(reads['bytes']) == {whole['bytes'][0] // 4}, (p, reads['bytes'])
+    assert reads['examples'] == sum(reads['rows'])  # What Batches.stats reports.
+
+
+
+def _params(workdir: Path) -> list[np.ndarray]:
+  return [np.asarray(leaf) for leaf in jax.tree.leaves(dist_ens.Ensemble.load(workdir).params)]
+
+
+@pytest.mark.slow
+def test_eight_processes_checkpoint_and_four_resume_exactly(tmp_path):
+  """8 x 1 devices train 4 steps and save; 4 x 2 resume to 8: as one process, 8 steps."""
+  layout = {'mesh.member': 8, 'mesh.data': 1}  # Hosts along 'member': 1, then 2 members each.
+  for processes, devices, steps in ((8, 1, 4), (4, 2, 8)):
+    [(status, out)] = mh._wait([_local_sh(tmp_path / 'w', processes, devices,
+                                          {**layout, 'train.steps': steps})], 300)
+    assert status == 0, out[-5000:]
+    last = processes - 1
+    assert re.search(rf'^\[{last}\] .*\[process {last}\] step {steps}/{steps}', out,
+                     re.M), out[-3000:]
+  for p in range(4):  # Every process of the second run restored the first's checkpoint.
+    assert re.search(rf'^\[{p}\] .*resuming from the checkpoint at step 4$', out, re.M), out[-3000:]
+  config = support.config({**TINY, **layout, 'train.steps': 8})
+  whole = dist_ens.train(config, str(tmp_path / 'whole'))
+  _assert_same_metrics(json.loads((tmp_path / 'w' / 'final_metrics.json').read_text()), whole)
+  # Bit for bit: with mesh.data=1 no collective sums anything, so no order can differ.
+  for got, want in zip(_params(tmp_path / 'w'), _params(tmp_path / 'whole'), strict=True):
+    np.testing.assert_array_equal(got, want)
+
+
+def _wait_for_step(launcher: subprocess.Popen, lines: list[str], pattern: str,
+                   timeout_s: float) -> None:
+  deadline = time.monotonic() + timeout_s
+  while not any(re.search(pattern, line) for line in list(lines)):
+    if time.monotonic() > deadline or launcher.poll() is not None:
+      mh._kill_session(launcher)
+      pytest.fail(f'no {pattern!r}:\n' + ''.join(lines[-50:]))
+    time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_sigterm_to_each_of_eight_processes_saves_at_one_step(tmp_path):
+  """As a scheduler preempting a slice: SIGTERM to every process, not to the launcher."""
+  launcher = _local_sh(tmp_path / 'w', 8, 1, {'mesh.member': 8, 'mesh.data': 1,
+                                              'train.steps': 100000, 'checkpoint.every': 50},
+                       timeout_s=240)
+  lines = []
+  reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
+  reader.start()
+  _wait_for_step(launcher, lines, r'^\[7\] .*\[process 7\] step 10/', 200)
+  pids = [mh._python_pid_of(launcher, i) for i in range(8)]
+  assert None not in pids, ''.join(lines[-50:])
+  for pid in pids:
+    os.kill(pid, signal.SIGTERM)
+  status, out = mh._wait_launcher(launcher, lines, reader, 120)
+  assert status == 143, out[-3000:]  # Each process's status, passed on by local.sh.
+  saved = re.findall(r'^\[(\d)\] .*preempted \(SIGTERM\): saved the checkpoint at step (\d+)',
+                     out, re.M)
+  assert sorted(p for p, _ in saved) == [str(i) for i in range(8)], out[-3000:]
+  [step] = {int(s) for _, s in saved}
+  assert step >= 10, step
+  meta = tmp_path / 'w' / 'checkpoints' / str(step) / 'meta' / 'metadata'
+  assert json.loads(meta.read_text())['step'] == step
+  assert 'Traceback' not in out, out[-3000:]
+
+
+if __name__ == '__main__':
+  if sys.argv[1:2] != ['count-reads']:
+    sys.exit(f'usage: {sys.argv[0]} count-reads -m dist_ens.main FLAGS...')
+  if sys.argv[2:4] != ['-m', 'dist_ens.main']:  # local.sh's other uses of $PYTHON.
+    os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+  _count_reads(Path(os.environ[_READS_DIR]))
+  from dist_ens import main  # pylint: disable=g-import-not-at-top
+  sys.argv = ['dist-ens', *sys.argv[4:]]
+  main.entry()
