@@ -178,7 +178,7 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
 def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
                      devices: Sequence[jax.Device] | None,
                      dataset: data.Dataset | None, optimizer: Any, loss: Loss | None
-                     ) -> tuple[assemble.RunData, assemble.Parts, Any]:
+                     ) -> assemble.Run:
   """Everything that can be wrong with the input, found before anything is written."""
   configuration.check_known_fields(config)
   configuration.validate(config)
@@ -199,16 +199,15 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   writers.check_writer_names(config.writers)
   if loss is None:
     tasks.loss_for(config.train.loss)
-  return run.data, run.parts, run.form
+  return run
 
 
-def _start(config: ml_collections.ConfigDict, workdir: Path, run_data: assemble.RunData,
-           parts: assemble.Parts, form: Any, loss: Loss | None,
+def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
            extra_writers: Sequence[writers.EventWriter],
            actions: Sequence[Action]) -> tuple[Context, Any, Checkpointer]:
   """Claims the workdir, restores or inits the state, and builds the step, the input
   pipeline and the writers: the loop's Context."""
-  run = assemble.Run(config, parts, run_data, form)
+  config, parts, run_data, form = run
   mesh, dataset = parts.mesh, run_data.dataset
   _prepare_workdir(workdir, config)
   logging.info('mesh %s over %d of %s, %s; %d x %s on %s', dict(mesh.shape), mesh.size,
@@ -305,11 +304,10 @@ def _info_logs() -> Iterator[None]:
 
 
 def _train(config, workdir, devices, actions, extra_writers, dataset, optimizer, loss):
-  run_data, parts, form = _check_and_build(config, workdir, devices, dataset, optimizer, loss)
+  run = _check_and_build(config, workdir, devices, dataset, optimizer, loss)
   try:
     with workdir_lib.lock_workdir(workdir):
-      return _train_locked(config, Path(workdir), run_data, parts, form, actions,
-                           extra_writers, loss)
+      return _train_locked(run, Path(workdir), actions, extra_writers, loss)
   except Exception as e:  # pylint: disable=broad-except  # Only a full disk is translated.
     full = workdir_lib.disk_full(e, workdir)
     if full is None:
@@ -317,9 +315,8 @@ def _train(config, workdir, devices, actions, extra_writers, dataset, optimizer,
     raise full from None
 
 
-def _train_locked(config, workdir, run_data, parts, form, actions, extra_writers, loss):
-  ctx, train_step, checkpointer = _start(parts.config, workdir, run_data, parts, form, loss,
-                                         extra_writers, actions)
+def _train_locked(run, workdir, actions, extra_writers, loss):
+  ctx, train_step, checkpointer = _start(run, workdir, loss, extra_writers, actions)
   all_actions: list[Action] = []
   watcher = PreemptionWatcher()
   failed = True
