@@ -7,8 +7,9 @@ computed once on the mesh and held on the host ([K, N, C] floats); the student t
 one device on batches of that split drawn from (seed, its own stream), without the
 run's augmentation. It is saved to workdir/student.npz (dist_ens.io.student_file) and
 scored from its log-probabilities on the test split with the run's own metric
-definitions (the task's scorer, as one member). Its cost is counted as parameters and
-XLA's cost analysis of one training-mode forward pass per example (what
+definitions (the task's scorer, as one member); with config.eval.ood_dataset, its OOD
+AUROC/AUPR by its predictive entropy go under 'distill'.'ood'. Its cost is counted as
+parameters and XLA's cost analysis of one training-mode forward pass per example (what
 dist_ens.parallel.strategy.forward_flops measures), against the K members'.
 """
 
@@ -55,10 +56,15 @@ class Distill(PeriodicAction):
           lambda idx: np.asarray(train.read(idx)[0]), teacher)
       if writers.is_writer():
         student_file.write(ctx.workdir, params, state, self._meta(ctx, net))
-      log_probs = _log_probs(net, params, state, ctx.run_data.dataset.test.x,
-                             ctx.config.eval.batch_size)
+      rows, ood_split = ctx.config.eval.batch_size, ctx.run_data.ood
+      log_probs = _log_probs(net, params, state, ctx.run_data.dataset.test.x, rows)
+      ood = None if ood_split is None else _log_probs(net, params, state, ood_split.x, rows)
     ctx.results['distill'] = self._results(ctx, net, params, losses, log_probs, included)
     out = ctx.results['distill']
+    if ood is not None:  # By its entropy: one network has no mutual information.
+      scored = ctx.evaluator.scorer.ood(log_probs[None], ood[None], ctx.run_data.dataset.test.y)
+      out['ood'] = {'dataset': ctx.config.eval.ood_dataset,
+                    **{k: v for k, v in scored['ensemble'].items() if k.endswith('_entropy')}}
     if ctx.writes_final_events:
       ctx.write({'step': ctx.step, 'split': 'test_distill',
                  'ensemble': {k: out[k] for k in _METRICS if k in out}})
