@@ -71,7 +71,7 @@ class Distill(PeriodicAction):
     logging.info('distilled into a %r student (%d head(s), %d steps, T %g): it keeps %.3f of '
                  "the ensemble's NLL gain over the mean member at %.3g of its FLOPs:\n%s",
                  self.spec.student, net.num_heads, self.spec.steps, self.spec.temperature,
-                 out['nll_gain_kept'], out['cost']['flops_ratio'] or float('nan'),
+                 _number(out['nll_gain_kept']), _number(out['cost']['flops_ratio']),
                  _table(ctx, out))
 
   def _meta(self, ctx: Context, net: students.StudentNet) -> dict[str, Any]:
@@ -97,12 +97,17 @@ class Distill(PeriodicAction):
             'batch_size': min(self.spec.batch_size, ctx.run_data.dataset.train.num_examples),
             'loss_first': float(losses[0]), 'loss_last': float(np.mean(losses[-tail:])),
             'nll_member_mean': member_nll, 'nll_ensemble': ensemble_nll,
-            'nll_gain_kept': float((member_nll - metrics['nll']) / gain) if gain else None,
+            'nll_gain_kept': float((member_nll - metrics['nll']) / gain) if gain > 0 else None,
             **metrics, 'cost': _cost(ctx, net, params, int(included.sum())),
             'file': student_file.FILE}
 
 
 _METRICS = ('accuracy', 'nll', 'ece', 'brier', 'adaptive_ece')
+
+
+def _number(value: float | None) -> float:
+  """A result for the log line: None (no gain to keep, no FLOP count) as NaN."""
+  return float('nan') if value is None else value
 
 
 def _table(ctx: Context, out: dict[str, Any]) -> str:
