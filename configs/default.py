@@ -346,4 +346,18 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval.joint_tau = 10
   # How many dyadic batches are averaged (drawn from (seed, the test split) only).
   config.eval.joint_batches = 1000
+
+  # Distillation after the last step (docs/ensemble_methods.md; classification, method
+  # 'deep'): the members' mean probabilities at distill.temperature on the training
+  # inputs taught to a student, whose test metrics and inference cost go under 'distill'
+  # in final_metrics.json; saved to workdir/student.npz (Ensemble.load(workdir).student()).
+  config.distill = ml_collections.ConfigDict()
+  # '' = off; 'same' (one network of the members' model, fresh init); 'hydra' (the
+  # built-in MLP's hidden layers shared, one output layer per member, each matched to its
+  # member); or 'my_pkg.nets:make', make(num_outputs) -> a dist_ens.Model.
+  config.distill.student = ''
+  config.distill.steps = 1000  # the student's Adam steps (> 0 with a student)
+  config.distill.temperature = 2.0  # T of the soft targets; the loss is scaled by T^2
+  config.distill.learning_rate = 1e-3  # the student's Adam learning rate
+  config.distill.batch_size = 0  # training examples per student step; 0 = data.batch_size
   return config

@@ -27,7 +27,7 @@ from dist_ens.errors import ConfigError
 # reshard), not what is being trained.
 ALWAYS_COMPATIBLE = ('train.steps', 'train.epochs', 'train.log_every', 'train.eval_every', 'train.sync_every',
                      'train.steps_per_call', 'train.profile_steps', 'checkpoint', 'eval', 'mesh',
-                     'writers')
+                     'distill', 'writers')
 # Fields that define what the checkpoint holds: never restorable across a change.
 NEVER_COMPATIBLE = ('num_members', 'model', 'data.name', 'ensemble.method', 'ensemble.own',
                     'ensemble.lora_rank', 'ensemble.lora_alpha', 'ensemble.lora_targets',

@@ -6,6 +6,7 @@
   lap = ens.predict(x, laplace=True)          # the members' Laplace posteriors (eval.laplace)
   params_3 = ens.member(3)                    # member 3's own parameter pytree
   ens.export('/tmp/members')                  # member_i.npz, loadable with numpy alone
+  student = ens.student()                     # the distilled student (config.distill)
 
 The abstract train state is built from the workdir's config.json by the same chain
 training uses (dist_ens.assemble), so the orbax checkpoint restores straight into
@@ -27,7 +28,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, data, saved_run, tasks
+from dist_ens import assemble, data, saved_run, student as student_lib, tasks
 from dist_ens.data import uci
 from dist_ens.io.member_files import load_member, path_key  # noqa: F401  (load_member: API)
 from dist_ens.core.model import Model
@@ -418,6 +419,22 @@ class Ensemble:
       std, mean = scale.y_std, scale.y_mean
       out = {k: v * std + mean if k.endswith('mean') else v * std ** 2 for k, v in out.items()}
     return GaussianPrediction(**out)
+
+  def student(self) -> student_lib.Student:
+    """The student this run distilled (config.distill.student; workdir/student.npz):
+    one network whose predict(x) takes what Ensemble.predict takes.
+
+    Example:
+      student = Ensemble.load('/tmp/run').student()
+      student.predict(raw_x).probs               # [N, C]
+
+    Raises:
+      FileNotFoundError: the run distilled no student (one line).
+    """
+    if getattr(self, 'workdir', None) is None:
+      raise ValueError('student() needs an Ensemble from Ensemble.load(workdir).')
+    return student_lib.load_student(self.workdir, self.model, self.preprocess,
+                                    self.config.eval.batch_size)
 
   def member(self, i: int) -> PyTree:
     """Member i's parameters as a plain pytree of numpy arrays (no member axis).

@@ -187,11 +187,11 @@ def test_method_rows_list_every_way_a_run_predicted():
   final = {'ensemble': m(0.5), 'multiswag': {'members_per_member': 8, 'ensemble': m(0.6)},
            'mc_dropout': {'samples': 16, 'ensemble': m(0.7)},
            'temperature_scaling': {'after': {'ensemble': m(0.8)}, 'before': {'ensemble': m(0)}},
-           'greedy': {'ensemble': m(0.9)}}
+           'greedy': {'ensemble': m(0.9)}, 'distill': {'student': 'hydra', **m(0.95)}}
   rows = report_data.method_rows(final)
   assert {k: v['accuracy'] for k, v in rows.items()} == {
       'trained members': 0.5, 'multiswag (8 per member)': 0.6, 'MC dropout x16': 0.7,
-      'temperature scaled': 0.8, 'greedy selection': 0.9}
+      'temperature scaled': 0.8, 'greedy selection': 0.9, 'distilled student (hydra)': 0.95}
 
 
 def test_colour_scale_is_log_only_when_values_span_over_10x():

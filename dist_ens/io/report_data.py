@@ -70,7 +70,8 @@ def finite_mean(values: Sequence[Any], members: Sequence[int]) -> float:
 def method_rows(final: dict[str, Any]) -> dict[str, dict[str, Any]]:
   """label -> ensemble test metrics of every way the run predicted: the trained members,
   and what the ensemble method, selection and post-hoc actions added (snapshots, SWAG
-  samples, MC dropout, temperature scaling, top-k, greedy), in that order."""
+  samples, MC dropout, temperature scaling, top-k, greedy, the distilled student), in that
+  order."""
   rows = {'trained members': final['ensemble']}
   for key, value in final.items():  # The members a method collected (its own section).
     if isinstance(value, dict) and 'members_per_member' in value:
@@ -83,4 +84,6 @@ def method_rows(final: dict[str, Any]) -> dict[str, dict[str, Any]]:
     rows[f'top-{final["selected"]["top_k"]}'] = final['selected']['ensemble']
   if 'greedy' in final:
     rows['greedy selection'] = final['greedy']['ensemble']
+  if 'distill' in final:  # One network, scored as the ensemble's stand-in.
+    rows[f"distilled student ({final['distill']['student']})"] = final['distill']
   return rows

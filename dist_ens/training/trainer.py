@@ -24,8 +24,8 @@ from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import methods
 from dist_ens.io import console, tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
-from dist_ens.training import (actions as actions_lib, decision_actions, held_out,
-                               joint_action, laplace_action, noise, pbt, posthoc,
+from dist_ens.training import (actions as actions_lib, decision_actions, distill_action,
+                               held_out, joint_action, laplace_action, noise, pbt, posthoc,
                                predictions as predictions_lib, workdir as workdir_lib)
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
@@ -169,6 +169,7 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   out += laplace_action.laplace_actions(config, ctx.parts.task, ctx.parts.method)
   out += joint_action.joint_actions(config.eval.joint_tau, config.eval.joint_batches,
                                     config.seed, ctx.parts.task)
+  out += distill_action.distill_actions(config, ctx.parts.task, ctx.parts.method)
   out.append(decision_actions.EvaluateDecisions(predictions))  # selective, conformal, eval.shift
   if config.train.profile_steps:
     out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))
@@ -190,6 +191,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
   posthoc.check(run.config, run.parts.task)
   laplace_action.laplace_actions(run.config, run.parts.task, run.parts.method)  # refusals
+  distill_action.distill_actions(run.config, run.parts.task, run.parts.method)  # refusals
   test = run.data.dataset.test
   if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
     raise configuration.ConfigError(

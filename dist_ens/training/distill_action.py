@@ -1,0 +1,197 @@
+"""After the last step: the ensemble distilled into a student (config.distill; the
+objective in dist_ens.ensembles.distill, the students in dist_ens.ensembles.students),
+its test metrics and inference cost under 'distill' in final_metrics.json.
+
+The teacher is every included (not frozen) member's logits on the whole training split,
+computed once on the mesh and held on the host ([K, N, C] floats); the student trains on
+one device on batches of that split drawn from (seed, its own stream), without the
+run's augmentation. It is saved to workdir/student.npz (dist_ens.io.student_file) and
+scored from its log-probabilities on the test split with the run's own metric
+definitions (the task's scorer, as one member); with config.eval.ood_dataset, its OOD
+AUROC/AUPR by its predictive entropy go under 'distill'.'ood'. Its cost is counted as
+parameters and XLA's cost analysis of one training-mode forward pass per example (what
+dist_ens.parallel.strategy.forward_flops measures), against the K members'.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from dist_ens import data
+from dist_ens.ensembles import distill, students
+from dist_ens.errors import ConfigError
+from dist_ens.eval import evaluate
+from dist_ens.io import student_file, writers
+from dist_ens.parallel import mesh as mesh_lib, strategy
+from dist_ens.training import posthoc
+from dist_ens.training.loop import Context, PeriodicAction
+
+# Examples per forward pass when the inference cost is counted (divided out again).
+_COST_BATCH = 64
+
+
+class Distill(PeriodicAction):
+  """See the module doc."""
+
+  def __init__(self, spec: distill.DistillSpec):
+    super().__init__(0, at_end=True)
+    self.spec = spec
+
+  def run(self, ctx: Context) -> None:
+    included = posthoc.included(ctx)
+    if not included.any():  # Every member went non-finite: the run says so.
+      logging.info('distillation skipped: no member is in the ensemble.')
+      return
+    seed, parts = ctx.config.seed, ctx.parts
+    net = students.make_student(self.spec.student, parts.model, parts.num_outputs,
+                                int(included.sum()))
+    train = ctx.run_data.dataset.train
+    with ctx.off_clock():
+      teacher = _train_logits(ctx)[included]
+      params, state, losses = distill.train_student(
+          net, self.spec, students.student_key(seed), seed,
+          lambda idx: np.asarray(train.read(idx)[0]), teacher)
+      if writers.is_writer():
+        student_file.write(ctx.workdir, params, state, self._meta(ctx, net))
+      rows, ood_split = ctx.config.eval.batch_size, ctx.run_data.ood
+      log_probs = _log_probs(net, params, state, ctx.run_data.dataset.test.x, rows)
+      ood = None if ood_split is None else _log_probs(net, params, state, ood_split.x, rows)
+    ctx.results['distill'] = self._results(ctx, net, params, losses, log_probs, included)
+    out = ctx.results['distill']
+    if ood is not None:  # By its entropy: one network has no mutual information.
+      scored = ctx.evaluator.scorer.ood(log_probs[None], ood[None], ctx.run_data.dataset.test.y)
+      out['ood'] = {'dataset': ctx.config.eval.ood_dataset,
+                    **{k: v for k, v in scored['ensemble'].items() if k.endswith('_entropy')}}
+    if ctx.writes_final_events:
+      ctx.write({'step': ctx.step, 'split': 'test_distill',
+                 'ensemble': {k: out[k] for k in _METRICS if k in out}})
+    logging.info('distilled into a %r student (%d head(s), %d steps, T %g): it keeps %.3f of '
+                 "the ensemble's NLL gain over the mean member at %.3g of its FLOPs:\n%s",
+                 self.spec.student, net.num_heads, self.spec.steps, self.spec.temperature,
+                 _number(out['nll_gain_kept']), _number(out['cost']['flops_ratio']),
+                 _table(ctx, out))
+
+  def _meta(self, ctx: Context, net: students.StudentNet) -> dict[str, Any]:
+    return {'format': student_file.__doc__.splitlines()[0], 'kind': net.kind,
+            'num_heads': net.num_heads, 'step': ctx.step,
+            'temperature': self.spec.temperature, 'input_shape': list(ctx.parts.input_shape),
+            'input_dtype': np.dtype(ctx.parts.input_dtype).name,
+            'num_outputs': ctx.parts.num_outputs}
+
+  def _results(self, ctx: Context, net: students.StudentNet, params: Any, losses: np.ndarray,
+               log_probs: np.ndarray, included: np.ndarray) -> dict[str, Any]:
+    test_y = ctx.run_data.dataset.test.y
+    scored = ctx.evaluator.scorer.metrics(log_probs[None], test_y)['members']
+    metrics = {k: float(np.asarray(v)[0]) for k, v in scored.items()
+               if np.ndim(v) == 1 and len(v) == 1}
+    member_nll = float(np.mean(np.asarray(ctx.results['members']['nll'])[included]))
+    ensemble_nll = float(ctx.results['ensemble']['nll'])
+    gain = member_nll - ensemble_nll
+    tail = max(1, len(losses) // 10)
+    return {'student': self.spec.student, 'heads': net.num_heads,
+            'members_distilled': int(included.sum()), 'steps': self.spec.steps,
+            'temperature': self.spec.temperature, 'learning_rate': self.spec.learning_rate,
+            'batch_size': min(self.spec.batch_size, ctx.run_data.dataset.train.num_examples),
+            'loss_first': float(losses[0]), 'loss_last': float(np.mean(losses[-tail:])),
+            'nll_member_mean': member_nll, 'nll_ensemble': ensemble_nll,
+            'nll_gain_kept': float((member_nll - metrics['nll']) / gain) if gain > 0 else None,
+            **metrics, 'cost': _cost(ctx, net, params, int(included.sum())),
+            'file': student_file.FILE}
+
+
+_METRICS = ('accuracy', 'nll', 'ece', 'brier', 'adaptive_ece')
+
+
+def _number(value: float | None) -> float:
+  """A result for the log line: None (no gain to keep, no FLOP count) as NaN."""
+  return float('nan') if value is None else value
+
+
+def _table(ctx: Context, out: dict[str, Any]) -> str:
+  members = {k: float(np.nanmean(v)) for k, v in ctx.results['members'].items()
+             if k in _METRICS}
+  rows = {'member mean': {'ensemble': members}, 'ensemble': {'ensemble': ctx.results['ensemble']},
+          f"student ({out['student']})": {'ensemble': out}}
+  return posthoc.ensembles_table(rows, ctx.parts.task)
+
+
+def _train_logits(ctx: Context) -> np.ndarray:
+  """[M, N, C] every member's logits on the whole training split, on the host."""
+  mesh, train = ctx.parts.mesh, ctx.run_data.dataset.train
+  step = evaluate.make_outputs_step(ctx.parts.predict_model, mesh)
+  d = mesh.shape[mesh_lib.DATA]
+  rows = -(-min(ctx.config.eval.batch_size, train.num_examples) // d) * d
+  variables, sharding, outs = (ctx.state.params, ctx.state.model_state), \
+      mesh_lib.batch_sharding(mesh), []
+  for start, valid in evaluate.padded_chunks(train.num_examples, rows):
+    x = evaluate.pad_rows(np.asarray(train.read(np.arange(start, start + valid))[0]), rows)
+    outs.append((step(variables, data.to_global(x, sharding), np.uint32(start)), valid))
+  return np.concatenate([np.asarray(o)[:, :valid] for o, valid in outs], axis=1)
+
+
+def _log_probs(net: students.StudentNet, params: Any, state: Any, x: np.ndarray,
+               batch_size: int) -> np.ndarray:
+  """[N, C] the student's log-probabilities on x, in equal-shaped padded batches."""
+  rows = min(batch_size, len(x))
+  forward = jax.jit(net.log_probs)
+  out = [np.asarray(forward(params, state, jnp.asarray(evaluate.pad_rows(
+      x[start:start + valid], rows))))[:valid]
+         for start, valid in evaluate.padded_chunks(len(x), rows)]
+  return np.concatenate(out)
+
+
+def _cost(ctx: Context, net: students.StudentNet, params: Any, members: int) -> dict[str, Any]:
+  """Parameters and forward FLOPs per example of the student and of the K members."""
+  parts = ctx.parts
+  sample = jnp.zeros((1, *parts.input_shape), parts.input_dtype)
+  member_params = jax.eval_shape(parts.model.init, jax.random.key(0), sample)[0]
+  count = lambda tree: int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(tree)))
+  flops = lambda model: strategy.forward_flops(model, parts.input_shape, _COST_BATCH,
+                                               parts.input_dtype)
+  student_flops, member_flops = flops(net.as_model()), flops(parts.model)
+  ratio = (student_flops / (members * member_flops)
+           if student_flops and member_flops else None)
+  return {'by': 'parameters; XLA cost-analysis FLOPs of one forward pass per example',
+          'student_params': count(params), 'ensemble_params': members * count(member_params),
+          'params_ratio': count(params) / (members * count(member_params)),
+          'student_flops': None if student_flops is None else student_flops / _COST_BATCH,
+          'ensemble_flops': None if member_flops is None
+          else members * member_flops / _COST_BATCH,
+          'flops_ratio': ratio}
+
+
+def distill_actions(config: Any, task: Any, method: Any) -> list[PeriodicAction]:
+  """[Distill] when config.distill.student is set, after refusing in one line what
+  cannot work: another task than classification, a method whose members share leaves or
+  predict with other weights, 'hydra' for a model that is not the built-in MLP, and
+  non-positive steps, temperature, learning rate or a negative batch size."""
+  spec = config.distill
+  if not spec.student:
+    return []
+  students.check_kind(spec.student, config.model.name == 'mlp' and not config.model.factory)
+  field = f'config.distill.student={spec.student!r}'
+  if task.name != 'classification':
+    raise ConfigError(f"{field} distils a classifier's predictive (soft targets over classes); "
+                      f"config.task={config.task!r} is not classification: set "
+                      "distill.student=''.")
+  if (method.shares or method.collects or method.outputs_per_output != 1
+      or method.wrap_loss is not None or method.wrap_model is not None):
+    raise ConfigError(f'{field} distils independently trained members of the run\'s model; '
+                      f'config.ensemble.method={method.name!r} (or ensemble.own) shares leaves '
+                      "or predicts with other weights: use method='deep' with own='all', or "
+                      "distill.student=''.")
+  for name, value, least in (('steps', spec.steps, 1), ('batch_size', spec.batch_size, 0)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+      raise ConfigError(f'config.distill.{name}={value!r} must be an int >= {least} with '
+                        f'{field} (e.g. {1000 if name == "steps" else 0}).')
+  for name in ('temperature', 'learning_rate'):
+    value = spec[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+      raise ConfigError(f'config.distill.{name}={value!r} must be a number > 0 with {field} '
+                        f'(e.g. {2.0 if name == "temperature" else 1e-3}).')
+  return [Distill(distill.DistillSpec(
+      spec.student, spec.steps, float(spec.temperature), float(spec.learning_rate),
+      spec.batch_size or config.data.batch_size))]
