@@ -257,6 +257,7 @@ GROUP_HELP: dict[str, str] = {
     'select': 'keeping the best members by a validation metric',
     'eval': 'OOD data, shift, conformal sets, your metrics, MC dropout, temperature scaling',
     'pbt': 'population-based training over the members (exploit and explore)',
+    'distill': 'after training, the ensemble distilled into one student (same, hydra, yours)',
 }
 _DEFAULT_CONFIG = configuration.DEFAULT_CONFIG
 
