@@ -15,12 +15,10 @@ come from the checkpoint itself, so no dataset is needed.
 """
 
 import functools
-import json
 import os
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -28,77 +26,21 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, data, saved_run, student as student_lib, tasks
+from dist_ens import data, saved_run, student as student_lib, tasks
 from dist_ens.data import uci
-from dist_ens.io.member_files import load_member, path_key  # noqa: F401  (load_member: API)
+from dist_ens.io import member_files
+from dist_ens.io.member_files import load_member  # noqa: F401  (API)
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
 from dist_ens.eval import conformal as conformal_lib, decisions, laplace_predictive, metrics
 from dist_ens.eval import regression as reg_eval
 from dist_ens.eval.evaluate import member_logits, pad_rows, padded_chunks
 from dist_ens.parallel import load_mesh, mesh as mesh_lib
+# The prediction types and preprocess_for are part of this module's API, as before.
+from dist_ens.prediction import (GaussianPrediction, Prediction, Preprocess,  # noqa: F401
+                                 model_inputs, preprocess_for)
 
 PyTree = Any
-Preprocess = Callable[[np.ndarray], np.ndarray]
-
-
-class GaussianPrediction(NamedTuple):
-  """A regression ensemble's prediction for N inputs, in the targets' units (numpy):
-  [N] (or [N, D] for D targets); the members' [M, N] (or [M, N, D])."""
-  mean: np.ndarray  # the mixture's mean
-  variance: np.ndarray  # total: aleatoric + epistemic
-  aleatoric: np.ndarray  # mean of the members' variances
-  epistemic: np.ndarray  # variance of the members' means
-  member_mean: np.ndarray
-  member_variance: np.ndarray
-
-
-class Prediction(NamedTuple):
-  """The ensemble's prediction for N inputs (numpy arrays on the host)."""
-  probs: np.ndarray  # [N, C] mean of the (non-frozen) members' probabilities
-  member_probs: np.ndarray  # [M, N, C] every member's probabilities
-  entropy: np.ndarray  # [N] predictive entropy H[probs], nats
-  mutual_information: np.ndarray  # [N] H[probs] - mean_m H[member_probs[m]]
-
-
-def preprocess_for(config: ml_collections.ConfigDict,
-                   input_shape: tuple[int, ...]) -> Preprocess:
-  """The preprocessing a run's raw inputs get between the dataset and the model.
-
-  The data pipeline's own `data.preprocess` (uint8 images / 255, then
-  config.data.mean / std per channel; a float32 cast), then the trailing channel
-  axis the pipeline adds to single-channel data, so raw MNIST-1D [N, 40] signals or
-  [N, 28, 28] uint8 images are accepted as well as [N, ..., 1].
-
-  Example:
-    >>> prep = preprocess_for(ml_collections.ConfigDict({'data': {'name': 'mnist1d'}}), (40, 1))
-    >>> prep(np.zeros((3, 40))).shape
-    (3, 40, 1)
-
-  Args:
-    config: the run's config (config.data holds the preprocessing fields).
-    input_shape: the model's input shape, without the batch axis.
-
-  Returns:
-    A function from a batch of raw inputs to the model's inputs.
-  """
-  spec = assemble.data_spec(config)
-  input_shape = tuple(input_shape)
-
-  def preprocess(x: np.ndarray) -> np.ndarray:
-    x = data.preprocess(np.asarray(x), spec)
-    if x.shape[1:] == input_shape:
-      return x
-    if input_shape[-1] == 1 and x.shape[1:] == input_shape[:-1]:
-      return x[..., None]
-    raise ValueError(f'predict() takes a batch of inputs of shape [N, *{input_shape}] (or '
-                     f'[N, *{input_shape[:-1]}] for one channel); got {x.shape}.')
-
-  return preprocess
-
-
-# Model inputs already: only the dtype (float32, or int32 token ids) is set.
-_NO_PREPROCESSING = data.DataSpec('')
 
 
 class Ensemble:
@@ -284,7 +226,7 @@ class Ensemble:
       ValueError: laplace=True on a run that fitted no Laplace posteriors (one line).
     """
     forward = self._laplace_forward(draws=False) if laplace else self._forward
-    x = data.preprocess(np.asarray(x), _NO_PREPROCESSING) if preprocessed else self.preprocess(x)
+    x = model_inputs(x, preprocessed, self.preprocess)
     if self.task.predict is not None and not laplace:
       return self._predict_task(x, batch_size)
     parts = [(np.asarray(p)[:k], np.asarray(mp)[:, :k], np.asarray(e)[:k], np.asarray(mi)[:k])
@@ -307,35 +249,19 @@ class Ensemble:
       ValueError: no Laplace fit, or one with the probit approximation (no draws).
     """
     forward = self._laplace_forward(draws=True)
-    x = data.preprocess(np.asarray(x), _NO_PREPROCESSING) if preprocessed else self.preprocess(x)
+    x = model_inputs(x, preprocessed, self.preprocess)
     return np.concatenate([np.asarray(d)[:, :, :k] for k, d in
                            self._outputs(x, batch_size, forward)], axis=2)
 
   def _laplace_forward(self, draws: bool) -> Callable[..., Any]:
     """The Laplace forward of this ensemble's fit (laplace_predictive.Forwards), refusing
     in one line a run without one."""
-    self._check_laplace(draws)
+    laplace_predictive.check_predictable(self.laplace, self.config, self.task.name,
+                                         self.step, draws)
     if not hasattr(self, '_laplace_forwards'):
       self._laplace_forwards = laplace_predictive.Forwards(
           self._predict_model, self.laplace, self.config.seed, self.num_classes, self.mesh)
     return self._laplace_forwards.draws if draws else self._laplace_forwards.predict
-
-  def _check_laplace(self, draws: bool) -> None:
-    what = 'laplace_samples()' if draws else 'predict(laplace=True)'
-    if self.task.name != 'classification':
-      raise ValueError(f'{what}: config.task={self.config.task!r} has no Laplace predictive '
-                       "(eval.laplace fits a classifier's softmax output layer); call "
-                       'predict(x) for its own.')
-    if self.laplace is None:
-      raise ValueError(f'{what}: this run has no Laplace fit for step {self.step} '
-                       f'(config.eval.laplace={self.config.eval.laplace!r}; none in '
-                       "laplace.npz): train with eval.laplace='last_layer_kron' (or "
-                       "'last_layer_diag', 'last_layer_full'; rerunning a finished run's "
-                       'command refits), or call predict(x).')
-    if draws and not self.laplace.samples:
-      raise ValueError(f'{what}: the run\'s Laplace predictive is the probit approximation '
-                       '(config.eval.laplace_samples=0), which draws no weights; train with '
-                       'eval.laplace_samples=k > 0, or call predict(x, laplace=True).')
 
   def predict_sets(self, x: np.ndarray, batch_size: int | None = None, *,
                    preprocessed: bool = False, seed: int = 0) -> Any:
@@ -460,54 +386,15 @@ class Ensemble:
     return jax.tree.map(np.asarray, self._take_state(self.model_state, np.int32(i)))
 
   def export(self, directory: str | os.PathLike) -> list[Path]:
-    """Writes each member as its own .npz file, usable without dist_ens or JAX.
-
-    Files: `member_{i}.npz` holding the member's leaves under '/'-joined pytree
-    paths (e.g. '0/w', 'convs/1/b', 'head/w'; integer parts are list indices);
-    `member_{i}_state.npz`, the same for its model state (member_state(i): BatchNorm
-    statistics, a randomized prior's network) where the model has one; and
-    `ensemble.json` with the model config, input shape, class count, step and the
-    frozen members. Read one back with numpy alone (`np.load(path)`) or as the
-    original pytree with `load_member(path)`. Only process 0 writes.
+    """Writes each member as its own .npz file (member_{i}.npz, member_{i}_state.npz where
+    the model has a state, ensemble.json), usable without dist_ens or JAX; the files'
+    format: dist_ens.io.member_files.export_members. Only process 0 writes.
 
     Example:
       paths = ens.export('/tmp/members')
       params = load_member(paths[0])        # == ens.member(0)
 
-    Args:
-      directory: created if missing; existing member files are replaced.
-
     Returns:
       The member files' paths, in member order.
     """
-    directory = Path(directory)
-    paths = [directory / f'member_{i}.npz' for i in range(self.num_members)]
-    files = {path: self.member(i) for i, path in enumerate(paths)}  # Every process takes part.
-    if jax.tree.leaves(self.model_state):
-      files.update({directory / f'member_{i}_state.npz': self.member_state(i)
-                    for i in range(self.num_members)})
-    if jax.process_index() != 0:
-      return paths
-    directory.mkdir(parents=True, exist_ok=True)
-    for path, tree in files.items():
-      flat = {path_key(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-      with tempfile.NamedTemporaryFile(dir=directory, suffix='.npz', delete=False) as tmp:
-        np.savez(tmp, **flat)
-      os.replace(tmp.name, path)
-    meta = {'format': 'dist_ens member .npz: leaves under "/"-joined pytree paths; integer '
-                      'parts are list indices',
-            'num_members': self.num_members, 'step': self.step,
-            'frozen_members': np.flatnonzero(self.frozen).tolist(),
-            'input_shape': list(self.input_shape), 'num_classes': self.num_classes,
-            'data': self.config.data.name, 'model': self.config.model.to_dict(),
-            'task': self.config.task,
-            'model_state_files': len(files) > len(paths)}  # member_{i}_state.npz
-    if self.scale is not None:  # A standardising task's members predict standardised units.
-      meta['standardizer'] = {k: np.asarray(v).tolist() for k, v in self.scale._asdict().items()}
-    if self.split_scales is not None:  # Member splits: member i uses split i // per_split's.
-      meta['members_per_split'] = self.num_members // len(self.split_scales)
-      meta['split_standardizers'] = [{k: np.asarray(v).tolist() for k, v in s._asdict().items()}
-                                     for s in self.split_scales]
-    (directory / 'ensemble.json').write_text(json.dumps(meta, indent=2, default=list))
-    return paths
-
+    return member_files.export_members(self, Path(directory))

@@ -163,3 +163,24 @@ class Forwards:
       return lambda variables, x, member_mask: step(variables, x, member_mask, arrays)
 
     self.predict, self.draws = forward(False), forward(True)
+
+
+def check_predictable(fit: LaplaceFit | None, config: Any, task: str, step: int,
+                      draws: bool) -> None:
+  """Refuses in one line a Laplace prediction (draws: laplace_samples()) the run cannot
+  give: another task than classification, no fit for `step`, or draws from a probit fit."""
+  what = 'laplace_samples()' if draws else 'predict(laplace=True)'
+  if task != 'classification':
+    raise ValueError(f'{what}: config.task={config.task!r} has no Laplace predictive '
+                     "(eval.laplace fits a classifier's softmax output layer); call "
+                     'predict(x) for its own.')
+  if fit is None:
+    raise ValueError(f'{what}: this run has no Laplace fit for step {step} '
+                     f'(config.eval.laplace={config.eval.laplace!r}; none in '
+                     "laplace.npz): train with eval.laplace='last_layer_kron' (or "
+                     "'last_layer_diag', 'last_layer_full'; rerunning a finished run's "
+                     'command refits), or call predict(x).')
+  if draws and not fit.samples:
+    raise ValueError(f'{what}: the run\'s Laplace predictive is the probit approximation '
+                     '(config.eval.laplace_samples=0), which draws no weights; train with '
+                     'eval.laplace_samples=k > 0, or call predict(x, laplace=True).')

@@ -1,7 +1,10 @@
 """Exported members: one .npz per member, leaves under '/'-joined pytree paths, readable
 with numpy alone (Ensemble.export writes them; load_member reads one back)."""
 
+import json
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,6 +26,17 @@ def path_key(path: tuple[Any, ...]) -> str:
     else:
       parts.append(str(entry))
   return '/'.join(parts)
+
+
+def write_members(files: dict[Path, PyTree]) -> None:
+  """Writes each pytree to its .npz path (leaves under path_key), each file replaced
+  atomically; the directories are created."""
+  for path, tree in files.items():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    flat = {path_key(p): leaf for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix='.npz', delete=False) as tmp:
+      np.savez(tmp, **flat)
+    os.replace(tmp.name, path)
 
 
 def load_member(path: str | os.PathLike) -> PyTree:
@@ -54,3 +68,46 @@ def load_member(path: str | os.PathLike) -> PyTree:
     return node
 
   return listify(tree)
+
+
+def standardizer_dict(scale: Any) -> dict[str, list[float]]:
+  """A uci.Standardizer (x_mean, x_std, y_mean, y_std) as JSON lists."""
+  return {k: np.asarray(v).tolist() for k, v in scale._asdict().items()}
+
+
+def export_members(ensemble: Any, directory: Path) -> list[Path]:
+  """Writes `ensemble` (an inference.Ensemble) member by member under `directory`
+  (created if missing; existing member files are replaced); only process 0 writes.
+
+  Files: `member_{i}.npz` holding the member's leaves under '/'-joined pytree paths
+  (e.g. '0/w', 'convs/1/b', 'head/w'; integer parts are list indices);
+  `member_{i}_state.npz`, the same for its model state (BatchNorm statistics, a
+  randomized prior's network) where the model has one; and `ensemble.json` with the
+  model config, input shape, class count, step and the frozen members. Read one back
+  with numpy alone (`np.load(path)`) or as the original pytree with `load_member(path)`.
+  Returns the member files' paths, in member order.
+  """
+  m = ensemble.num_members
+  paths = [directory / f'member_{i}.npz' for i in range(m)]
+  files = {path: ensemble.member(i) for i, path in enumerate(paths)}  # Every process takes part.
+  if jax.tree.leaves(ensemble.model_state):
+    files.update({directory / f'member_{i}_state.npz': ensemble.member_state(i)
+                  for i in range(m)})
+  if jax.process_index() != 0:
+    return paths
+  write_members(files)
+  config = ensemble.config
+  meta = {'format': 'dist_ens member .npz: leaves under "/"-joined pytree paths; integer '
+                    'parts are list indices',
+          'num_members': m, 'step': ensemble.step,
+          'frozen_members': np.flatnonzero(ensemble.frozen).tolist(),
+          'input_shape': list(ensemble.input_shape), 'num_classes': ensemble.num_classes,
+          'data': config.data.name, 'model': config.model.to_dict(), 'task': config.task,
+          'model_state_files': len(files) > len(paths)}  # member_{i}_state.npz
+  if ensemble.scale is not None:  # A standardising task's members predict standardised units.
+    meta['standardizer'] = standardizer_dict(ensemble.scale)
+  if ensemble.split_scales is not None:  # Member splits: member i uses split i // per_split's.
+    meta['members_per_split'] = m // len(ensemble.split_scales)
+    meta['split_standardizers'] = [standardizer_dict(s) for s in ensemble.split_scales]
+  (directory / 'ensemble.json').write_text(json.dumps(meta, indent=2, default=list))
+  return paths

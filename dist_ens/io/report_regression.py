@@ -1,5 +1,5 @@
 """The report's figures for a regression run (a task whose Ensemble.predict gives a mixture
-of the members' Gaussians, dist_ens.inference.GaussianPrediction).
+of the members' Gaussians, dist_ens.prediction.GaussianPrediction).
 
 report.make_report calls `draw` in place of the classification figures. It writes into
 DIR/report/ (each figure as NAME.png and NAME.svg):
@@ -30,7 +30,7 @@ import numpy as np
 from scipy.special import logsumexp, ndtr
 
 from dist_ens.eval import regression as reg
-from dist_ens.inference import GaussianPrediction
+from dist_ens.prediction import GaussianPrediction
 from dist_ens.io import report_plots as plots
 from dist_ens.io.report_data import finite_mean, read_events
 from dist_ens.io.report_pages import Figure

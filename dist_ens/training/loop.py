@@ -29,6 +29,7 @@ import numpy as np
 
 from dist_ens.core.state import TrainState
 from dist_ens.eval.evaluate import Evaluator
+from dist_ens.io import member_files
 from dist_ens.io.writers import EventWriter
 from dist_ens.core.step import StepMetrics, TrainStep
 
@@ -107,9 +108,9 @@ class Context:
             **self.meta_extras}
     scale = self.run_data.scale
     if scale is not None:  # What predict needs to take raw inputs and give target units.
-      meta['standardizer'] = {k: np.asarray(v).tolist() for k, v in scale._asdict().items()}
+      meta['standardizer'] = member_files.standardizer_dict(scale)
     if self.run_data.split_scales is not None:  # Member splits: each split's own, in order.
-      meta['split_standardizers'] = [{k: np.asarray(v).tolist() for k, v in s._asdict().items()}
+      meta['split_standardizers'] = [member_files.standardizer_dict(s)
                                      for s in self.run_data.split_scales]
     if self.parts.input_dtype != jnp.float32:  # Token ids: what Ensemble.load builds for.
       meta['input_dtype'] = np.dtype(self.parts.input_dtype).name

@@ -1,0 +1,77 @@
+"""What a trained ensemble's predictions are, and how raw inputs become model inputs
+(dist_ens.inference.Ensemble.predict gives these; the report and the student read them)."""
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import ml_collections
+import numpy as np
+
+from dist_ens import assemble, data
+
+Preprocess = Callable[[np.ndarray], np.ndarray]
+
+
+class GaussianPrediction(NamedTuple):
+  """A regression ensemble's prediction for N inputs, in the targets' units (numpy):
+  [N] (or [N, D] for D targets); the members' [M, N] (or [M, N, D])."""
+  mean: np.ndarray  # the mixture's mean
+  variance: np.ndarray  # total: aleatoric + epistemic
+  aleatoric: np.ndarray  # mean of the members' variances
+  epistemic: np.ndarray  # variance of the members' means
+  member_mean: np.ndarray
+  member_variance: np.ndarray
+
+
+class Prediction(NamedTuple):
+  """The ensemble's prediction for N inputs (numpy arrays on the host)."""
+  probs: np.ndarray  # [N, C] mean of the (non-frozen) members' probabilities
+  member_probs: np.ndarray  # [M, N, C] every member's probabilities
+  entropy: np.ndarray  # [N] predictive entropy H[probs], nats
+  mutual_information: np.ndarray  # [N] H[probs] - mean_m H[member_probs[m]]
+
+
+def preprocess_for(config: ml_collections.ConfigDict,
+                   input_shape: tuple[int, ...]) -> Preprocess:
+  """The preprocessing a run's raw inputs get between the dataset and the model.
+
+  The data pipeline's own `data.preprocess` (uint8 images / 255, then
+  config.data.mean / std per channel; a float32 cast), then the trailing channel
+  axis the pipeline adds to single-channel data, so raw MNIST-1D [N, 40] signals or
+  [N, 28, 28] uint8 images are accepted as well as [N, ..., 1].
+
+  Example:
+    >>> prep = preprocess_for(ml_collections.ConfigDict({'data': {'name': 'mnist1d'}}), (40, 1))
+    >>> prep(np.zeros((3, 40))).shape
+    (3, 40, 1)
+
+  Args:
+    config: the run's config (config.data holds the preprocessing fields).
+    input_shape: the model's input shape, without the batch axis.
+
+  Returns:
+    A function from a batch of raw inputs to the model's inputs.
+  """
+  spec = assemble.data_spec(config)
+  input_shape = tuple(input_shape)
+
+  def preprocess(x: np.ndarray) -> np.ndarray:
+    x = data.preprocess(np.asarray(x), spec)
+    if x.shape[1:] == input_shape:
+      return x
+    if input_shape[-1] == 1 and x.shape[1:] == input_shape[:-1]:
+      return x[..., None]
+    raise ValueError(f'predict() takes a batch of inputs of shape [N, *{input_shape}] (or '
+                     f'[N, *{input_shape[:-1]}] for one channel); got {x.shape}.')
+
+  return preprocess
+
+
+# Model inputs already: only the dtype (float32, or int32 token ids) is set.
+_NO_PREPROCESSING = data.DataSpec('')
+
+
+def model_inputs(x: np.ndarray, preprocessed: bool, preprocess: Preprocess) -> np.ndarray:
+  """`x` as the model takes it: `preprocess(x)` for raw inputs; for inputs already
+  preprocessed, only the dtype set."""
+  return data.preprocess(np.asarray(x), _NO_PREPROCESSING) if preprocessed else preprocess(x)
