@@ -63,7 +63,7 @@ import dist_ens  # noqa: E402  pylint: disable=g-import-not-at-top
 from dist_ens import Ensemble, assemble, data  # noqa: E402
 from dist_ens.data import corruptions  # noqa: E402
 from dist_ens.eval import ood, ranks  # noqa: E402
-from dist_ens.parallel import sharding_rules  # noqa: E402
+from dist_ens.parallel import placement  # noqa: E402
 
 BASE = ROOT / 'configs' / 'digits_vit.py'
 MEMBERS = 4
@@ -134,7 +134,7 @@ def _state_size(config) -> tuple[int, int]:
   state = parts.abstract_state
   moments = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
   trained = sum(leaf.size for path, leaf in moments if '.mu' in jax.tree_util.keystr(path))
-  size = sharding_rules.state_bytes_per_device(parts.layout.state_specs(state), state,
+  size = placement.state_bytes_per_device(parts.layout.state_specs(state), state,
                                                parts.mesh.shape)
   return int(trained), int(size)
 

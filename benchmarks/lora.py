@@ -10,7 +10,7 @@ patches of 4 on 32x32x3, 10 classes; configs/cifar10_vit_ti.py's Adam recipe), a
 device (mesh 1 x 1: a device holds every member, so what is stored once shows), batch 64
 shared by the members, lowers the step on abstract arguments and compiles it for XLA:CPU.
 Per device:
-  state   the layout's bytes of the train state (sharding_rules.state_bytes_per_device,
+  state   the layout's bytes of the train state (placement.state_bytes_per_device,
           what `dist-ens plan` reports): params, Adam's moments, counters;
   temp    compiled.memory_analysis().temp_size_in_bytes: the step's temporaries
           (activations, gradients, LoRA's formed kernels);
@@ -38,7 +38,7 @@ MB = 2 ** 20
 
 def row(own: str, hidden: int, depth: int, rank: int) -> dict:
   import jax
-  from dist_ens.parallel import sharding_rules
+  from dist_ens.parallel import placement
   from model_axis import abstract_args, build, vit_config
   config = vit_config(hidden, depth, hidden // 64, 4 * hidden, 1, 1, 1, '', members=MEMBERS)
   config.ensemble.own, config.ensemble.lora_rank = own, rank
@@ -53,7 +53,7 @@ def row(own: str, hidden: int, depth: int, rank: int) -> dict:
               rank=rank if own == 'lora' else None,
               adapted=len(parts.method.lora.targets) if own == 'lora' else None,
               params_bytes=stored,
-              state=sharding_rules.state_bytes_per_device(parts.layout.state_specs(state),
+              state=placement.state_bytes_per_device(parts.layout.state_specs(state),
                                                           state, parts.mesh.shape),
               temp=compiled.memory_analysis().temp_size_in_bytes,
               flops=compiled.cost_analysis()['flops'])

@@ -53,7 +53,7 @@ import numpy as np
 import dist_ens
 from dist_ens import Ensemble, assemble, data
 from dist_ens.eval import evaluate
-from dist_ens.io import report_plots
+from dist_ens.io import report_scatter
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMBERS = 4
@@ -199,8 +199,8 @@ def main(argv: list[str] | None = None) -> None:
          'python': sys.version.split()[0],
          'jax': jax.__version__, 'date': time.strftime('%Y-%m-%d')}
   Path(args.out).write_text(json.dumps(out, indent=1))
-  # The same bars as a run's report (dist_ens.io.report_plots), the single model first.
-  report_plots.plot_methods(Path(args.out).parent, {r['method']: r for r in rows},
+  # The same bars as a run's report (dist_ens.io.report_scatter), the single model first.
+  report_scatter.plot_methods(Path(args.out).parent, {r['method']: r for r in rows},
                             name=Path(args.out).stem)
   print(f'wrote {args.out} and its .png / .svg figure beside it')
 

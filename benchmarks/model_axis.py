@@ -24,7 +24,7 @@ those of the default -O2: --check_opt compares one cell). Per device:
   argument, output, alias, temp   memory_analysis()'s bytes;
   peak      argument + output - alias + temp (alias: the donated state written in place);
   state     the layout's bytes of the train state per device
-            (sharding_rules.state_bytes_per_device: parameters + Adam's moments + step).
+            (placement.state_bytes_per_device: parameters + Adam's moments + step).
 For each model size the ladder is walked up until a peak exceeds the largest budget.
 For each --budgets_gb (GB = 1e9 bytes) the largest member whose peak fits is reported.
 
@@ -128,7 +128,7 @@ def memory_cell(name: str, hidden: int, depth: int, model: int, rules: str,
   """XLA's memory analysis of the compiled step of 4 members on member=4 x 1 x model;
   `one_device`: of 1 member on 1 device (model=1's program per device)."""
   import jax
-  from dist_ens.parallel import sharding_rules
+  from dist_ens.parallel import placement
   start = time.perf_counter()
   members = 1 if one_device else MEMBERS
   run = build(vit_config(hidden, depth, hidden // 64, 4 * hidden, members, 1, model, rules,
@@ -146,7 +146,7 @@ def memory_cell(name: str, hidden: int, depth: int, model: int, rules: str,
               form=list(run.form), argument=stats.argument_size_in_bytes,
               output=stats.output_size_in_bytes, alias=stats.alias_size_in_bytes,
               temp=stats.temp_size_in_bytes,
-              state=sharding_rules.state_bytes_per_device(parts.layout.state_specs(state),
+              state=placement.state_bytes_per_device(parts.layout.state_specs(state),
                                                           state, parts.mesh.shape),
               compile_options=options or {}, seconds=time.perf_counter() - start)
   cell['peak'] = cell['argument'] + cell['output'] - cell['alias'] + cell['temp']
@@ -385,7 +385,7 @@ NOTES = dict(
     'allocated or run for the memory table',
     peak='argument + output - alias + temp bytes per device (alias: the donated state)',
     state='the layout\'s train-state bytes per device '
-    '(sharding_rules.state_bytes_per_device): parameters, Adam\'s moments, the step counter',
+    '(placement.state_bytes_per_device): parameters, Adam\'s moments, the step counter',
     mesh='member=4 x data=1 x model: 4 * model devices, one member per member group',
     speed='fake CPU devices share the machine\'s cores: model=2 adds no compute, so the ratio '
     'is the cost of the collectives and the partitioned program on a CPU')

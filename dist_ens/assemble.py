@@ -38,7 +38,9 @@ from dist_ens.ensembles import batchensemble, methods, stored
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec, user_metrics
 from dist_ens.eval.evaluate import Evaluator, Scorer, make_eval_step
-from dist_ens.parallel import form_cache, mesh as mesh_lib, sharding_rules, strategy
+from dist_ens.member_forms import (form_key, member_form,  # noqa: F401  (re-exported)
+                                   members_per_device)
+from dist_ens.parallel import mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
 from dist_ens.data import augment as augment_lib
@@ -350,44 +352,6 @@ def init_sharded(parts: Parts) -> TrainState:
       owned=parts.method.owned)
   args = () if pretrained is None else (pretrained,)
   return compile_init(parts, *args)(*args)
-
-
-def members_per_device(parts: Parts) -> int:
-  return parts.abstract_state.frozen.shape[0] // parts.mesh.shape[mesh_lib.MEMBER]
-
-
-def form_key(parts: Parts, batch_size: int) -> str:
-  """The key of the measured member forms' cache (parallel/form_cache.py) for this run
-  with this global batch per member."""
-  config = parts.config
-  model = {k: v for k, v in config.model.to_dict().items() if k not in init_from.FIELDS}
-  fields = {'model': model, 'data': config.data.name,
-            'precision': config.precision, 'optim': config.optim.name,
-            'method': config.ensemble.method,
-            'per_member_batches': config.data.member_order != 'shared'}
-  if config.ensemble.own != 'all':  # (Absent otherwise: the keys measured before stay.)
-    fields['own'] = config.ensemble.own
-  return form_cache.key(fields, parts.mesh.devices.flat[0], members_per_device(parts),
-                        batch_size // parts.mesh.shape[mesh_lib.DATA])
-
-
-def member_form(parts: Parts, batch_size: int) -> strategy.Form:
-  """(member parallelism, map chunk) for this mesh, with config.ensemble's 'auto' resolved:
-  by `dist-ens plan --calibrate`'s measurement when it has one for this run's shape
-  (parallel/form_cache.py), else by the rules of parallel/strategy.py."""
-  config, mesh = parts.config, parts.mesh
-  # Only a single process trusts its cache: every process must compile the same program.
-  if config.ensemble.member_parallelism == 'auto' and jax.process_count() == 1:
-    calibrated = form_cache.lookup(form_key(parts, batch_size))
-    if calibrated is not None:
-      return calibrated
-  return strategy.resolve(
-      config.ensemble.member_parallelism, config.ensemble.map_batch_size, config.model.name,
-      mesh.devices.flat[0].platform,
-      members_per_device=members_per_device(parts),
-      sizes=lambda: strategy.member_size(
-          parts.model, parts.input_shape, batch_size // mesh.shape[mesh_lib.DATA],
-          parts.input_dtype))
 
 
 def step_options(config: ml_collections.ConfigDict) -> StepOptions:

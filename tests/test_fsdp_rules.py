@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 from dist_ens.core.axes import DATA, MEMBER, MODEL
 from dist_ens.models.mlp import make_mlp
 from model_specs import model_spec
-from dist_ens.parallel import sharding_rules as sr
+from dist_ens.parallel import placement, sharding_rules as sr
 from dist_ens.parallel.layout import Layout
 
 AXES = (MEMBER, DATA, MODEL)
@@ -96,7 +96,7 @@ def test_describe_bytes_match_the_shards_jax_places():
   mesh = _mesh()
   layout = Layout(axes=AXES, rule=sr.fsdp(axis_size=4))
   specs = layout.state_specs(abstract)
-  rows = sr.describe(specs, abstract, mesh.shape)
+  rows = placement.describe(specs, abstract, mesh.shape)
   by_path = {r.path: r for r in rows}
   assert by_path['params/0/w'].shape == (2, 64, 512)
   assert by_path['params/0/w'].spec == P(MEMBER, None, MODEL)
@@ -106,8 +106,8 @@ def test_describe_bytes_match_the_shards_jax_places():
   device = jax.devices()[0]
   placed = sum(s.data.nbytes for leaf in jax.tree.leaves(state)
                for s in leaf.addressable_shards if s.device == device)
-  assert sr.state_bytes_per_device(specs, abstract, mesh.shape) == placed
-  whole = sr.state_bytes_per_device(Layout(axes=AXES).state_specs(abstract), abstract,
+  assert placement.state_bytes_per_device(specs, abstract, mesh.shape) == placed
+  whole = placement.state_bytes_per_device(Layout(axes=AXES).state_specs(abstract), abstract,
                                     mesh.shape)
   assert placed < whole / 3  # most bytes are in the kernels, split 4 ways
 

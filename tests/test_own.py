@@ -15,7 +15,7 @@ import dist_ens
 from dist_ens import Ensemble, assemble, configuration, data
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import load_pretrained, read_orbax
-from dist_ens.parallel import mesh as mesh_lib, sharding_rules
+from dist_ens.parallel import mesh as mesh_lib, placement, sharding_rules
 from test_methods import _Stop, _config
 
 BATCH = 32
@@ -104,7 +104,7 @@ def _bytes_per_device(parts):
   """The train state's bytes on one device, as `dist-ens plan` counts them (its
   state_bytes_per_device, plan/planner.py _placement)."""
   state = parts.abstract_state
-  return sharding_rules.state_bytes_per_device(parts.layout.state_specs(state), state,
+  return placement.state_bytes_per_device(parts.layout.state_specs(state), state,
                                                parts.mesh.shape)
 
 

@@ -14,7 +14,7 @@ import pytest
 import support
 
 from dist_ens import data
-from dist_ens.io import report, report_data, report_plots
+from dist_ens.io import report, report_data, report_plots, report_scatter
 from dist_ens.training import train
 from dist_ens.configuration import load_config
 from dist_ens.inference import Ensemble
@@ -293,19 +293,19 @@ def test_report_of_an_unfinished_run_fails_with_a_message(tmp_path, capsys):
 
 def test_sweep_labels_never_overlap_and_label_every_spread_member():
   boxes = lambda placed, texts: [
-      (x, y, x + report_plots._CHAR_WIDTH * len(texts[i]), y + report_plots._LABEL_HEIGHT)
+      (x, y, x + report_scatter._CHAR_WIDTH * len(texts[i]), y + report_scatter._LABEL_HEIGHT)
       for i, (x, y) in placed]
   r = np.random.default_rng(0)
   crowded = 0.5 + 0.03 * r.standard_normal((30, 2))  # a sweep whose members agree
   texts = [str(i) for i in range(30)]
-  placed = report_plots.place_labels(crowded, texts)
+  placed = report_scatter.place_labels(crowded, texts)
   assert 4 <= len(placed) < 30
   drawn = boxes(placed, texts)
   for a in range(len(drawn)):
     for b in range(a):
-      assert not report_plots._overlap(drawn[a], drawn[b]), (placed[a], placed[b])
+      assert not report_scatter._overlap(drawn[a], drawn[b]), (placed[a], placed[b])
   spread = np.stack(np.meshgrid(np.linspace(0.1, 0.9, 5), np.linspace(0.1, 0.9, 4)), -1)
-  assert len(report_plots.place_labels(spread.reshape(-1, 2), texts[:20])) == 20
+  assert len(report_scatter.place_labels(spread.reshape(-1, 2), texts[:20])) == 20
 
 
 def test_a_thousand_members_report_their_spread_not_a_row_or_line_each(tmp_path):

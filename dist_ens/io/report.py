@@ -29,7 +29,7 @@ dist_ens.inference.Ensemble and predict the test split, on whatever devices exis
 Non-finite metrics (members frozen when they diverged) are drawn apart and printed as NaN.
 
 The pieces: report_data reads the workdir, report_stats computes from the predictions,
-report_plots draws the figures, report_pages writes report.md and report.html.
+report_plots and report_scatter draw the figures, report_pages writes report.md and report.html.
 """
 
 import argparse
@@ -45,14 +45,15 @@ import numpy as np
 from dist_ens import assemble, data
 from dist_ens.errors import ConfigError
 from dist_ens.inference import Ensemble, GaussianPrediction, Prediction
-from dist_ens.io import report_plots as plots
+from dist_ens.io import report_plots as plots, report_scatter
 from dist_ens.io import report_pbt, report_regression
 from dist_ens.io.report_data import finite_mean, method_rows, read_events, read_final_metrics
 from dist_ens.io.report_pages import Figure, Run, html_page, markdown, report_figures
 from dist_ens.io.report_stats import SizeSpread, ensemble_size_spread
 # Importable from here, as before the report had modules of its own (tests/test_report.py
 # reaches the private helpers here too).
-from dist_ens.io.report_plots import _color_norm, _limits  # noqa: F401
+from dist_ens.io.report_plots import _limits  # noqa: F401
+from dist_ens.io.report_scatter import _color_norm  # noqa: F401
 from dist_ens.io.report_stats import (  # noqa: F401
     Reliability, _spread_sizes, _subsets, ensemble_size_curve, reliability)
 
@@ -128,12 +129,12 @@ def _draw_figures(out: Path, workdir: Path, final: dict[str, Any], prediction: P
   plots.plot_ensemble_size(out, spread, {k: finite_mean(final['members'][k], active)
                                          for k in ('accuracy', 'nll')})
   if final.get('hyperparameters'):
-    plots.plot_sweep(out, final)
+    report_scatter.plot_sweep(out, final)
   if final.get('shift'):
     plots.plot_shift(out, final)
   rows = method_rows(final)
   if len(rows) > 1:
-    plots.plot_methods(out, rows)
+    report_scatter.plot_methods(out, rows)
   return spread
 
 

@@ -21,17 +21,15 @@ moment of that kernel). Optimizer moments mirror the params' paths under an opti
 prefix, so a rule that should also place the moments matches the param's path as a
 suffix (by_regex: no '^' anchor; from_flax_metadata: suffix matching built in).
 
-`describe` and `state_bytes_per_device` say what each device then holds, for
-`dist-ens plan`.
+What each device then holds, for `dist-ens plan`: dist_ens.parallel.placement.
 """
 
 import math
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from dist_ens.core.axes import MODEL
@@ -70,7 +68,7 @@ def path_str(path: Path) -> str:
   return '/'.join(path_names(path))
 
 
-def _entry_size(entry: Any, axis_sizes: Mapping[str, int], where: str) -> int:
+def entry_size(entry: Any, axis_sizes: Mapping[str, int], where: str) -> int:
   """How many shards a spec entry (None, an axis, or a tuple of axes) makes."""
   if entry is None:
     return 1
@@ -102,7 +100,7 @@ def check_spec(path: Path, leaf: jax.ShapeDtypeStruct, spec: P,
                      f'leaf\'s {leaf.ndim} dimensions.')
   if axis_sizes is not None:
     for dim, entry in enumerate(spec):
-      size = _entry_size(entry, axis_sizes, where)
+      size = entry_size(entry, axis_sizes, where)
       if leaf.shape[dim] % size:
         raise ValueError(f'{where}: spec {spec} splits dimension {dim} ({leaf.shape[dim]}) '
                          f'over {entry!r} of size {size}, which does not divide it.')
@@ -354,50 +352,3 @@ def from_flax_metadata(abstract_params_with_metadata: PyTree,
     return default(path, leaf)
 
   return rule
-
-
-# --- what each device holds --------------------------------------------------------------
-
-
-class LeafPlacement(NamedTuple):
-  """One leaf of the train state as placed: its path, global shape, spec and the bytes
-  of its shard on one device."""
-  path: str
-  shape: tuple[int, ...]
-  spec: P
-  bytes_per_device: int
-
-
-def describe(layout_specs: PyTree, abstract_state: PyTree,
-             mesh_shape: Mapping[str, int]) -> list[LeafPlacement]:
-  """Each leaf's placement, for `dist-ens plan` to print.
-
-  Args:
-    layout_specs: a PartitionSpec per leaf of abstract_state (Layout.state_specs).
-    abstract_state: the train state's ShapeDtypeStructs (global shapes, [M, ...]).
-    mesh_shape: mesh axis name -> size (a Mesh's .shape).
-
-  Returns:
-    A LeafPlacement per leaf, in the state's flattening order. A dimension split over
-    axes of n devices in all holds ceil(d / n) entries per device (jax pads uneven
-    shards).
-  """
-  specs = jax.tree.leaves(layout_specs, is_leaf=lambda x: isinstance(x, P))
-  leaves = jax.tree_util.tree_flatten_with_path(abstract_state)[0]
-  if len(specs) != len(leaves):
-    raise ValueError(f'describe: {len(specs)} specs for {len(leaves)} leaves; layout_specs '
-                     'must be Layout.state_specs(abstract_state).')
-  out = []
-  for (path, leaf), spec in zip(leaves, specs):
-    where = f'leaf {path_str(path)!r}'
-    shard = [-(-d // _entry_size(spec[i] if i < len(spec) else None, mesh_shape, where))
-             for i, d in enumerate(leaf.shape)]
-    nbytes = math.prod(shard) * np.dtype(leaf.dtype).itemsize
-    out.append(LeafPlacement(path_str(path), tuple(leaf.shape), spec, nbytes))
-  return out
-
-
-def state_bytes_per_device(layout_specs: PyTree, abstract_state: PyTree,
-                           mesh_shape: Mapping[str, int]) -> int:
-  """The bytes of the train state on one device: describe's bytes_per_device summed."""
-  return sum(p.bytes_per_device for p in describe(layout_specs, abstract_state, mesh_shape))

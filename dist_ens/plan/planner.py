@@ -40,7 +40,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from dist_ens import assemble, configuration, data, tasks
-from dist_ens.parallel import mesh as mesh_lib, sharding_rules
+from dist_ens.parallel import mesh as mesh_lib, placement
 from dist_ens.plan import calibration, dry_run
 from dist_ens.plan.dry_run import StepMemory, step_memory
 from dist_ens.errors import ConfigError
@@ -97,7 +97,7 @@ class Plan(NamedTuple):
   # The train state on one device (params, optimizer and model state of its members'
   # shards, the layout's specs), and each parameter leaf's spec and bytes per device.
   state_bytes_per_device: int
-  param_leaves: list[sharding_rules.LeafPlacement]
+  param_leaves: list[placement.LeafPlacement]
 
   def to_dict(self) -> dict:
     """The plan as JSON-able values (`dist-ens plan --json`): the step analyses
@@ -260,8 +260,8 @@ def _placement(parts: assemble.Parts) -> dict:
   """The train state's bytes per device and each parameter's spec, by the run's layout."""
   state, shape = parts.abstract_state, parts.mesh.shape
   specs = parts.layout.state_specs(state)
-  return {'state_bytes_per_device': sharding_rules.state_bytes_per_device(specs, state, shape),
-          'param_leaves': sharding_rules.describe(specs.params, state.params, shape)}
+  return {'state_bytes_per_device': placement.state_bytes_per_device(specs, state, shape),
+          'param_leaves': placement.describe(specs.params, state.params, shape)}
 
 
 def _peak(step: StepMemory, host: dry_run.HostMemory | None, devices: int) -> float:
