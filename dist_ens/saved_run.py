@@ -133,7 +133,7 @@ def parts_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],
   shapes = data_shape(config, meta)
   parts_on = lambda m: assemble.build_run(config, mesh=m, shapes=shapes).parts
   if mesh is None:
-    mesh = load_mesh.saved_layout(config, meta, devices)
+    mesh = load_mesh.saved_layout(config.num_members, config.mesh.to_dict(), meta, devices)
     parts = parts_on(mesh)
   else:
     mesh = load_mesh.requested(mesh, config.num_members, devices)

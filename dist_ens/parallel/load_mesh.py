@@ -16,7 +16,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import ml_collections
 import numpy as np
 from absl import logging
 from jax.sharding import Mesh
@@ -31,14 +30,14 @@ MeshArg = Mesh | Mapping[str, int] | None
 FIELDS = {'member': -1, 'data': 1, 'model': 1}
 
 
-def saved_axes(config: ml_collections.ConfigDict,
+def saved_axes(mesh_fields: Mapping[str, Any],
                meta: Mapping[str, Any] | None) -> dict[str, int]:
   """The mesh the run last trained on: the checkpoint's (meta['mesh']) where it says,
-  else config.mesh's sizes (a -1 there, unknown without the checkpoint's: 1)."""
+  else the config's mesh fields' sizes (a -1 there, unknown without the checkpoint's: 1)."""
   saved = (meta or {}).get('mesh')
   if isinstance(saved, Mapping):
     return {name: int(saved.get(name, 1)) for name in FIELDS}
-  sizes = {name: config.mesh.get(name, default) for name, default in FIELDS.items()}
+  sizes = {name: mesh_fields.get(name, default) for name, default in FIELDS.items()}
   return {name: size if isinstance(size, int) and size > 0 else 1
           for name, size in sizes.items()}
 
@@ -53,19 +52,20 @@ def _grid(num_members: int, devices: Sequence[jax.Device], model: int,
   return mesh_lib.make_mesh(mesh_lib.MeshSpec(member, groups // member, model=model), devices)
 
 
-def saved_layout(config: ml_collections.ConfigDict, meta: Mapping[str, Any] | None,
+def saved_layout(num_members: int, mesh_fields: Mapping[str, Any],
+                 meta: Mapping[str, Any] | None,
                  devices: Sequence[jax.Device]) -> Mesh:
   """The default: each member split over the saved mesh.model devices (under ZeRO-3,
   mesh.fsdp_over_data, over the saved data x model), or over as many as the devices
   allow (the greatest common divisor with their count, with a warning)."""
-  saved = saved_axes(config, meta)
+  saved = saved_axes(mesh_fields, meta)
   model = math.gcd(saved['model'], len(devices))
   if model < saved['model']:
     logging.warning('the run split each member over mesh.model=%d devices; %d devices '
                     'allow %d, so each device holds more of a member than in training.',
                     saved['model'], len(devices), model)
-  data_split = saved['data'] if config.mesh.fsdp_over_data else 1
-  return _grid(config.num_members, devices, model, data_split)
+  data_split = saved['data'] if mesh_fields.get('fsdp_over_data', False) else 1
+  return _grid(num_members, devices, model, data_split)
 
 
 def describe(mesh: Mesh) -> str:
