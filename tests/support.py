@@ -1,6 +1,7 @@
 """What tests share: the XLA flags every test process (this one and the children it starts)
 runs with, and the tiny run most tests train."""
 
+import signal
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,3 +50,42 @@ def override(config, overrides=(), /, **fields):
       node = node[name]
     node[leaf] = value
   return config
+
+
+class PreemptAt:
+  """An action that sends SIGTERM to this process after step `step`: the run saves that
+  step and stops, as a preempted job does (the trainer's own signal handling)."""
+
+  def __init__(self, step):
+    self.step = step
+
+  def on_step(self, ctx):
+    if ctx.step == self.step:
+      signal.raise_signal(signal.SIGTERM)
+
+  def on_end(self, ctx):
+    del ctx
+
+  def close(self):
+    pass
+
+
+def assert_trees_equal(a, b):
+  """The two pytrees have the same structure and bit-identical leaves."""
+  import jax  # pylint: disable=g-import-not-at-top  (after conftest's XLA_FLAGS)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def one_line_refusal(call, error=None) -> str:
+  """The message of the error (default: dist_ens's ConfigError) `call()` raises, checked
+  to be one line."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  with pytest.raises(error or ConfigError) as raised:
+    call()
+  message = str(raised.value)
+  assert '\n' not in message, message
+  return message

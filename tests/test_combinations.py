@@ -14,13 +14,14 @@ naming both fields before the workdir exists. docs/combinations.md is the same t
 import importlib.util
 import logging
 import math
-import signal
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import combinations_table as table
+import support
+
 import dist_ens
 from dist_ens import data
 from dist_ens.errors import ConfigError
@@ -90,25 +91,10 @@ def _same(a, b, path=''):
   return [] if a == b else [path]
 
 
-class _PreemptAfterFirstStep:
-  """SIGTERM to this process after step 1: the run saves step 1 and stops, as a
-  preempted job does (the trainer's own signal handling), without its final evaluation."""
-
-  def on_step(self, ctx):
-    if ctx.step == 1:
-      signal.raise_signal(signal.SIGTERM)
-
-  def on_end(self, ctx):
-    del ctx
-
-  def close(self):
-    pass
-
-
 def _train_resume_load_predict(case, workdir, caplog, straight_dir=None):
   config, dataset = _config(case), _dataset(case)
   stopped = dist_ens.train(config, str(workdir), dataset=dataset,
-                           actions=[_PreemptAfterFirstStep()])
+                           actions=[support.PreemptAt(1)])
   assert stopped['preempted'] and stopped['step'] == 1, stopped
   caplog.clear()
   resumed = dist_ens.train(_config(case), str(workdir), dataset=dataset)

@@ -4,7 +4,6 @@ data both split); resume is exact, the prior and the evaluation indices never ch
 Ensemble.predict is the mean softmax over the member's indices, recomputed here in numpy."""
 
 import json
-import signal
 
 import jax
 import jax.numpy as jnp
@@ -28,30 +27,13 @@ def _config(**fields):
       'mesh.member': 2, 'mesh.data': 4, 'checkpoint.every': 2, 'eval.joint_tau': 0}, **fields)
 
 
-class _PreemptAt:
-  """SIGTERM after step `step`: the run saves it and stops, as a preempted job does."""
-
-  def __init__(self, step):
-    self.step = step
-
-  def on_step(self, ctx):
-    if ctx.step == self.step:
-      signal.raise_signal(signal.SIGTERM)
-
-  def on_end(self, ctx):
-    del ctx
-
-  def close(self):
-    pass
-
-
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
   """{name: (workdir, final metrics)}: 'straight' (4 steps) and 'resumed' (preempted
   after step 2, then resumed to 4)."""
   root, out = tmp_path_factory.mktemp('epinet'), {}
   out['straight'] = (root / 'straight', dist_ens.train(_config(), str(root / 'straight')))
-  stopped = dist_ens.train(_config(), str(root / 'resumed'), actions=[_PreemptAt(2)])
+  stopped = dist_ens.train(_config(), str(root / 'resumed'), actions=[support.PreemptAt(2)])
   assert stopped['preempted'] and stopped['step'] == 2
   out['resumed'] = (root / 'resumed', dist_ens.train(_config(), str(root / 'resumed')))
   return out
@@ -62,19 +44,13 @@ def loaded(runs):
   return {name: dist_ens.Ensemble.load(str(workdir)) for name, (workdir, _) in runs.items()}
 
 
-def _assert_same(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 def test_resume_ends_bit_for_bit_where_an_uninterrupted_run_ends(runs, loaded):
   straight, resumed = runs['straight'][1], runs['resumed'][1]
   strip = lambda d: {k: strip(v) if isinstance(v, dict) else v for k, v in d.items()
                      if not k.endswith('_seconds')}
   assert strip(resumed) == strip(straight)
-  _assert_same(loaded['straight'].params, loaded['resumed'].params)
-  _assert_same(loaded['straight'].model_state, loaded['resumed'].model_state)
+  support.assert_trees_equal(loaded['straight'].params, loaded['resumed'].params)
+  support.assert_trees_equal(loaded['straight'].model_state, loaded['resumed'].model_state)
 
 
 def test_final_metrics_have_the_usual_sections(runs):
@@ -94,8 +70,8 @@ def test_the_prior_epinet_and_the_indices_never_change_and_get_no_optimizer_stat
   initial = jax.tree.map(np.asarray, assemble.init_sharded(parts))
   assert isinstance(initial.model_state, epinet_lib.EpinetState)
   end = loaded['straight']
-  _assert_same(end.model_state.prior, initial.model_state.prior)
-  _assert_same(end.model_state.indices, initial.model_state.indices)
+  support.assert_trees_equal(end.model_state.prior, initial.model_state.prior)
+  support.assert_trees_equal(end.model_state.indices, initial.model_state.indices)
   assert end.model_state.indices.shape == (M, EVAL_SAMPLES, INDEX_DIM)
   assert not np.allclose(end.params.epinet[0]['w'], initial.params.epinet[0]['w'])  # trains
   assert not np.allclose(end.params.base[0]['w'], initial.params.base[0]['w'])

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import test_laplace
+
 import dist_ens
 from dist_ens import assemble, data
 from dist_ens.eval import joint, laplace
@@ -23,23 +25,14 @@ from dist_ens.io import laplace_file
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _toy(n, seed):
-  rng = np.random.default_rng(seed)
-  x = rng.normal(size=(n, 40, 1)).astype(np.float32)
-  return x, ((x[:, 0, 0] > 0).astype(np.int32) + (x[:, 1, 0] > 0)).astype(np.int32)
-
-
+_toy = test_laplace._toy  # pylint: disable=protected-access
 DATASET = data.from_arrays(*_toy(256, 0), *_toy(100, 1), name='toy')
 
 
 def _config(kind, samples=0, validation=64):
-  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
-  config.num_members, config.model.widths = 4, (8,)
-  config.mesh.member, config.mesh.data = 4, 2
-  config.data.batch_size, config.data.prefetch, config.data.validation_size = 32, 0, validation
-  config.train.steps, config.train.log_every, config.train.eval_every = 30, 30, 0
-  config.checkpoint.every, config.writers = 30, ('jsonl',)
-  config.eval.laplace, config.eval.laplace_samples = kind, samples
+  """test_laplace's run, with `samples` weight draws and the joint log-loss on."""
+  config = test_laplace._config(kind, validation)  # pylint: disable=protected-access
+  config.eval.laplace_samples = samples
   config.eval.joint_tau, config.eval.joint_batches = 4, 50
   return config
 

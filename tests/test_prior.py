@@ -4,12 +4,13 @@ checkpoints, resume, Ensemble.load and export, and added to the trained network'
 
 import json
 import logging
-import signal
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+
+import support
 
 import dist_ens
 from dist_ens import assemble, data, models
@@ -46,23 +47,6 @@ def _config(member=8, data_size=1, method='prior', **prior):
   return config
 
 
-class _PreemptAt:
-  """SIGTERM after step `step`: the run saves it and stops, as a preempted job does."""
-
-  def __init__(self, step):
-    self.step = step
-
-  def on_step(self, ctx):
-    if ctx.step == self.step:
-      signal.raise_signal(signal.SIGTERM)
-
-  def on_end(self, ctx):
-    del ctx
-
-  def close(self):
-    pass
-
-
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
   """Workdirs and final metrics: 'straight' (mesh 8x1) and 'resumed' (8x1, preempted at
@@ -71,7 +55,7 @@ def runs(tmp_path_factory):
   out['straight'] = (root / 'straight',
                      dist_ens.train(_config(), str(root / 'straight'), dataset=DATASET))
   stopped = dist_ens.train(_config(), str(root / 'resumed'), dataset=DATASET,
-                           actions=[_PreemptAt(2)])
+                           actions=[support.PreemptAt(2)])
   assert stopped['preempted'] and stopped['step'] == 2
   out['resumed'] = (root / 'resumed',
                     dist_ens.train(_config(), str(root / 'resumed'), dataset=DATASET))
@@ -127,12 +111,6 @@ def _initial_priors(config):
   return jax.tree.map(np.asarray, state.model_state.prior_params)
 
 
-def _assert_same(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
 def test_priors_are_drawn_per_member_and_never_change_on_any_mesh(loaded, micro_batched):
   drawn = _drawn_priors(_config())
   assert not np.allclose(drawn[0][0]['w'], drawn[1][0]['w'])  # each member its own
@@ -141,15 +119,15 @@ def test_priors_are_drawn_per_member_and_never_change_on_any_mesh(loaded, micro_
     for got, want in zip(jax.tree.leaves(initial), jax.tree.leaves(drawn[m])):
       np.testing.assert_allclose(got[m], want, rtol=1e-6, atol=1e-7)
   for name in ('straight', 'resumed'):  # 4 steps on mesh 8x1, bootstrap member orders
-    _assert_same(loaded[name].model_state.prior_params, initial)
+    support.assert_trees_equal(loaded[name].model_state.prior_params, initial)
   start, end = _stepped(_config(4, 2))  # mesh 4x2: the same draw, kept
-  _assert_same(start.model_state.prior_params, initial)
-  _assert_same(end.model_state.prior_params, initial)
+  support.assert_trees_equal(start.model_state.prior_params, initial)
+  support.assert_trees_equal(end.model_state.prior_params, initial)
   assert not np.allclose(start.params[0]['w'], end.params[0]['w'])  # what trains moved
   # Mesh 2x4, 8 micro-batches: the prior (the member's own architecture) goes through the
   # micro-batches' mean of the model state and comes back as it was.
   start, end = micro_batched['prior']
-  _assert_same(end.model_state.prior_params, start.model_state.prior_params)
+  support.assert_trees_equal(end.model_state.prior_params, start.model_state.prior_params)
 
 
 def test_no_optimizer_state_or_gradient_reaches_the_prior():
@@ -195,15 +173,16 @@ def test_resume_ends_where_an_uninterrupted_run_ends(runs, loaded):
   strip = lambda d: {k: strip(v) if isinstance(v, dict) else v for k, v in d.items()
                      if not k.endswith('_seconds')}
   assert strip(resumed) == strip(straight)
-  _assert_same(loaded['straight'].params, loaded['resumed'].params)
-  _assert_same(loaded['straight'].model_state, loaded['resumed'].model_state)
+  support.assert_trees_equal(loaded['straight'].params, loaded['resumed'].params)
+  support.assert_trees_equal(loaded['straight'].model_state, loaded['resumed'].model_state)
 
 
 def test_scale_zero_trains_exactly_as_a_deep_ensemble(micro_batched):
   (deep_start, deep), (prior_start, prior) = micro_batched['deep'], micro_batched['prior']
-  _assert_same(deep_start.params, prior_start.params)  # the prior's key is a stream apart
-  _assert_same(deep.params, prior.params)
-  _assert_same(deep.opt_state, prior.opt_state)
+  # The prior's key is a stream apart.
+  support.assert_trees_equal(deep_start.params, prior_start.params)
+  support.assert_trees_equal(deep.params, prior.params)
+  support.assert_trees_equal(deep.opt_state, prior.opt_state)
 
 
 @pytest.mark.parametrize('field, value, match', [

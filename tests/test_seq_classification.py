@@ -11,10 +11,11 @@ import jax
 import numpy as np
 import pytest
 
+from support import one_line_refusal as _refusal
+
 import dist_ens
 from dist_ens import assemble, data
 from dist_ens.configuration import load_config
-from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import flatten
 from dist_ens.models import from_hf, hf
 from dist_ens.models.hf import load_leaves
@@ -111,13 +112,6 @@ def test_padding_changes_no_output_of_the_training_encoder(pool):
   assert np.abs(unmasked(_padded(ids, 20))[1] - unmasked(ids)[1]).max() > 1e-3
   if pool == 'cls':  # no padding: the training encoder is transformers' class exactly
     np.testing.assert_allclose(apply(reference['inputs']), reference['logits'], atol=1e-5)
-
-
-def _refusal(call) -> str:
-  with pytest.raises(ConfigError) as e:
-    call()
-  assert '\n' not in str(e.value), str(e.value)
-  return str(e.value)
 
 
 def test_pools_that_do_not_apply_are_refused(tmp_path):

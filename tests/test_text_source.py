@@ -11,14 +11,13 @@ import shutil
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 import dist_ens
 from dist_ens import data, tasks
 from dist_ens.configuration import load_config
 from dist_ens.data import DataSpec
-from dist_ens.errors import ConfigError
 from dist_ens.models import from_hf
+from support import one_line_refusal as _one_line
 from text_fixtures import (BERT, CLS, CORPUS, PAD, ROOT, SEP, bert_with_tokenizer,
                            make_tokenizer, write_jsonl, write_npz)
 
@@ -123,13 +122,6 @@ def test_a_padded_positions_token_changes_no_loss_or_metric(tmp_path):
   edited[0, 0] = 50  # a real token: the check can fail
   changed = dataset._replace(train=dataset.train._replace(x=edited))
   assert _causal_loss_and_metrics(changed)[0] != loss
-
-
-def _one_line(call) -> str:
-  with pytest.raises(ConfigError) as e:
-    call()
-  assert '\n' not in str(e.value), str(e.value)
-  return str(e.value)
 
 
 def test_bad_input_is_refused_in_one_line(tmp_path):

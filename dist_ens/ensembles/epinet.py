@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from dist_ens.core.model import Model
-from dist_ens.ensembles.method import Method, MethodSpec, int_field
+from dist_ens.ensembles.method import Method, MethodSpec, int_field, scale_field, widths_field
 from dist_ens.errors import ConfigError
 from dist_ens.models.base import dense_init
 from dist_ens.tasks.task import Loss
@@ -145,29 +145,15 @@ def index_mean_loss(loss: Loss) -> Loss:
   return mean
 
 
-def _widths(value: Any) -> tuple[int, ...]:
-  if not isinstance(value, (tuple, list)) or not all(
-      isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in value):
-    raise ConfigError(f'config.ensemble.epinet.widths={value!r} must be hidden widths, '
-                      'positive ints, e.g. (50,) (() = a linear epinet).')
-  return tuple(value)
-
-
-def _prior_scale(value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-      math.isfinite(value) and value >= 0):
-    raise ConfigError(f'config.ensemble.epinet.prior_scale={value!r} must be a finite number '
-                      '>= 0, e.g. 1.0 (0: no prior epinet).')
-  return float(value)
-
-
 def options_from(fields: Any) -> Options:
   """config.ensemble.epinet checked, each bad field refused in one line naming it."""
   return Options(index_dim=int_field(fields['index_dim'], 'epinet.index_dim', 1),
-                 widths=_widths(fields['widths']),
+                 widths=widths_field(fields['widths'], 'epinet.widths',
+                                     '(50,) (() = a linear epinet)'),
                  samples=int_field(fields['samples'], 'epinet.samples', 1),
                  eval_samples=int_field(fields['eval_samples'], 'epinet.eval_samples', 1),
-                 prior_scale=_prior_scale(fields['prior_scale']))
+                 prior_scale=scale_field(fields['prior_scale'], 'epinet.prior_scale',
+                                         '1.0 (0: no prior epinet)'))
 
 
 def make(spec: MethodSpec) -> Method:

@@ -24,6 +24,7 @@ and are registered by name in dist_ens.ensembles.methods; a user's is an import 
 `config.ensemble.options` (docs/how-it-works.md shows one).
 """
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
@@ -124,6 +125,24 @@ def fraction_field(value: Any, field: str, example: str) -> float:
     raise ConfigError(f'config.ensemble.{field}={value!r} must be a fraction of train.steps in '
                       f'[0, 1), e.g. {example}.')
   return value
+
+
+def scale_field(value: Any, field: str, example: str) -> float:
+  """`value` checked as a finite number >= 0 (a prior's weight, say)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+      math.isfinite(value) and value >= 0):
+    raise ConfigError(f'config.ensemble.{field}={value!r} must be a finite number >= 0, '
+                      f'e.g. {example}.')
+  return float(value)
+
+
+def widths_field(value: Any, field: str, example: str) -> tuple[int, ...]:
+  """`value` checked as hidden widths: a tuple or list of positive ints (maybe empty)."""
+  if not isinstance(value, (tuple, list)) or not all(
+      isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in value):
+    raise ConfigError(f'config.ensemble.{field}={value!r} must be hidden widths, positive '
+                      f'ints, e.g. {example}.')
+  return tuple(value)
 
 
 def refuse_reproducible(spec: MethodSpec, why: str) -> None:

@@ -18,14 +18,12 @@ same on any mesh and M, and apart from the key the trained network starts from, 
 scale=0 the members train exactly as a deep ensemble's.
 """
 
-import math
 from typing import Any, NamedTuple
 
 import jax
 
 from dist_ens.core.model import Model
-from dist_ens.ensembles.method import Method, MethodSpec
-from dist_ens.errors import ConfigError
+from dist_ens.ensembles.method import Method, MethodSpec, scale_field, widths_field
 
 PyTree = Any
 # Stream tag of the prior's init within a member's init key (rng.py's tags are 1, 2, 3, 5).
@@ -57,27 +55,12 @@ def wrap(model: Model, prior: Model, scale: float) -> Model:
   return Model(init, apply)
 
 
-def _scale(value: Any) -> float:
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
-      math.isfinite(value) and value >= 0):
-    raise ConfigError(f'config.ensemble.prior.scale={value!r} must be a finite number >= 0, '
-                      'e.g. 3.0 (0: no prior, a deep ensemble).')
-  return float(value)
-
-
-def _widths(value: Any) -> tuple[int, ...]:
-  if not isinstance(value, (tuple, list)) or not all(
-      isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in value):
-    raise ConfigError(f'config.ensemble.prior.widths={value!r} must be () (the members\' own '
-                      'network) or hidden widths, positive ints, e.g. (64, 64).')
-  return tuple(value)
-
-
 def make(spec: MethodSpec) -> Method:
   """Randomized priors from config.ensemble.prior (scale, widths): independent members,
   each with a frozen random network added to its output."""
-  scale = _scale(spec.options['scale'])
-  widths = _widths(spec.options['widths'])
+  scale = scale_field(spec.options['scale'], 'prior.scale', '3.0 (0: no prior, a deep ensemble)')
+  widths = widths_field(spec.options['widths'], 'prior.widths',
+                        "(64, 64) (() = the members' own network)")
 
   def wrap_model(model: Model, task: Any) -> Model:
     del task  # Any output shape: the prior's has the model's.
