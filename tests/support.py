@@ -1,5 +1,6 @@
 """What tests share: the XLA flags every test process (this one and the children it starts)
-runs with, and the tiny run most tests train."""
+runs with, the tiny run of the tests that need "a small run" (config), and small helpers:
+override, PreemptAt, assert_trees_equal, one_line_refusal."""
 
 import signal
 from pathlib import Path
@@ -26,7 +27,8 @@ def config(overrides=(), /, **fields):
   (train__steps=8: '__' for '.') applied in that order.
 
   One config for every test that needs "a small run" and not a particular one: the
-  steps, evaluations and checkpoints a test sets do not change the compiled programs,
+  steps, evaluations and checkpoints a test sets do not change the compiled programs
+  (the default schedule is constant),
   so its runs read them from the persistent compilation cache (tests/conftest.py) that
   another test filled. 4 members of a (16,) MLP on MNIST-1D, batch 32, 4 steps, logged
   every 2, evaluated at the end, checkpointed at the end, events in jsonl only.

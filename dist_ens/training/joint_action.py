@@ -86,7 +86,8 @@ def _method_joint(ctx: Context, batches: np.ndarray) -> dict[str, Any]:
   return {'predicting_members': int(included.sum()), 'ensemble': loss.ensemble}
 
 
-def joint_actions(tau: int, num_batches: int, seed: int, task: Task) -> list[PeriodicAction]:
+def joint_actions(tau: int, num_batches: int, seed: int, task: Task,
+                  cache: SplitOutputs | None = None) -> list[PeriodicAction]:
   """[JointLogLoss] when tau > 0 (config.eval.joint_tau) and `task` gives per-example
   log-likelihoods (Task.log_likelihood); else [] (a default that the task cannot do is
   skipped, with a log line, not refused)."""
@@ -96,4 +97,4 @@ def joint_actions(tau: int, num_batches: int, seed: int, task: Task) -> list[Per
     logging.info('config.eval.joint_tau=%d: task %r gives no Task.log_likelihood; the joint '
                  'log-loss is skipped.', tau, task.name)
     return []
-  return [JointLogLoss(tau, num_batches, seed)]
+  return [JointLogLoss(tau, num_batches, seed, cache)]

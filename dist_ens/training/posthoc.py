@@ -36,17 +36,23 @@ from dist_ens.eval import evaluate
 from dist_ens.io import tables
 from dist_ens.tasks import Task, check_steps
 from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.predictions import SplitPredictions
 
 
 class SplitOutputs:
-  """Every member's outputs [M, N, ...] on a split, computed once per step."""
+  """Every member's outputs [M, N, ...] on a split, computed once per step. Given the
+  run's SplitPredictions, the plain outputs of the test and validation splits are the
+  ones the final evaluations computed (one pass for all of them)."""
 
-  def __init__(self):
+  def __init__(self, predictions: SplitPredictions | None = None):
+    self._predictions = predictions
     self._steps: dict[int, Any] = {}
     self._cache: dict[tuple[str, int, int], np.ndarray] = {}
 
   def get(self, ctx: Context, split: str, mc_samples: int = 0) -> np.ndarray:
     """split: 'validation', 'test' or 'ood'."""
+    if self._predictions is not None and not mc_samples and split != 'ood':
+      return self._predictions.predict(ctx, _split(ctx, split)).outputs
     key = (split, mc_samples, ctx.step)
     if key not in self._cache:
       if mc_samples not in self._steps:
@@ -276,13 +282,13 @@ def check(config: ml_collections.ConfigDict, task: Task) -> None:
                      'eval.metrics': bool(config.eval.metrics)})
 
 
-def posthoc_actions(config: ml_collections.ConfigDict, task: Task,
-                    method: Any) -> list[PeriodicAction]:
+def posthoc_actions(config: ml_collections.ConfigDict, task: Task, method: Any,
+                    cache: SplitOutputs | None = None) -> list[PeriodicAction]:
   """The post-hoc actions config asks for (config.eval.mc_samples,
   config.eval.temperature_scaling, config.select.method='greedy', and the members
-  `method` collects), sharing their split outputs."""
+  `method` collects), sharing their split outputs (`cache`, or their own)."""
   check(config, task)
-  cache, out = SplitOutputs(), []
+  cache, out = cache or SplitOutputs(), []
   # Snapshots and SWAG samples predict beside the trained members; a BatchEnsemble's
   # members are the trained members (evaluated as such).
   if method.collects:

@@ -5,8 +5,10 @@ The final test metrics (actions.Evaluate), validation (actions.Validate), select
 prediction, conformal sets and the shift evaluation (decision_actions.EvaluateDecisions)
 all start from the same forward pass over a split. One compiled program
 (dist_ens.eval.shift.make_predict_step) serves every split, clean or corrupted, and a
-clean split already predicted from this state is not predicted again: a run compiles
-one evaluation program at its end instead of two, and passes over the test split once.
+clean split already predicted from this state is not predicted again. The post-hoc
+steps and the joint log-loss read its outputs too (posthoc.SplitOutputs). A run without
+periodic evaluation or top-k selection (which use the Evaluator's own program) compiles
+one evaluation program at its end instead of three, and passes over the test split once.
 """
 
 from typing import Any

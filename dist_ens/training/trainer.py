@@ -165,10 +165,11 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
     out.append(actions_lib.SelectTopK())
   if config.pbt.enabled:  # After the step's evaluations, before its checkpoint.
     out.append(pbt.PopulationBasedTraining(ctx, specs.pbt_spec(config)))
-  out += posthoc.posthoc_actions(config, ctx.parts.task, ctx.parts.method)
+  outputs = posthoc.SplitOutputs(predictions)  # the post-hoc steps' and the joint log-loss'
+  out += posthoc.posthoc_actions(config, ctx.parts.task, ctx.parts.method, outputs)
   out += laplace_action.laplace_actions(config, ctx.parts.task, ctx.parts.method)
   out += joint_action.joint_actions(config.eval.joint_tau, config.eval.joint_batches,
-                                    config.seed, ctx.parts.task)
+                                    config.seed, ctx.parts.task, outputs)
   out += distill_action.distill_actions(config, ctx.parts.task, ctx.parts.method)
   out.append(decision_actions.EvaluateDecisions(predictions))  # selective, conformal, eval.shift
   if config.train.profile_steps:
