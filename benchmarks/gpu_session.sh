@@ -18,8 +18,15 @@
 #   model_axis  the ViT ladder's model=1 column by XLA:GPU's memory analysis (1 member on 1
 #               device: model=1's program per device), 3 steps of each run for the
 #               allocator's peak (model > 1 needs more GPUs than one)
+#   scaling     benchmarks/scaling.py's ResNet-20 sweep on the GPU (M = 1 to 256, as many
+#               as fit; every part of a run against M) with MFU from XLA's cost analysis
+#               over the H100/H200's dense TF32 peak (494 TFLOP/s; XLA:GPU runs float32
+#               dots as TF32), then the MLP sweep's --quick list
+# Each stage is bounded at 560 s or less (all six: at most 47 min); none has run on a GPU
+# since the scaling stage was added, so their real times are not known here. A session
+# lent less device time runs the stages owed first: scaling, then resnet.
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|tests|throughput|resnet|model_axis}
+stage=${1:?usage: gpu_session.sh check|tests|throughput|resnet|model_axis|scaling}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -58,8 +65,15 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
     timeout -k 10 560 python3 benchmarks/model_axis.py --device gpu --run_steps 3 \
       --budgets_gb 2,8,70 --out "$out/model_axis_gpu.json" 2>&1 | tee "$out/model_axis.log"
     ;;
+  scaling)
+    timeout -k 10 400 python3 -m benchmarks.scaling --model resnet20 --platform gpu \
+      --members 1,8,64,256 --peak_tflops 494 --out "$out/scaling_resnet20_gpu.json" 2>&1 \
+      | tee "$out/scaling.log"
+    timeout -k 10 150 python3 -m benchmarks.scaling --quick --platform gpu --no_plan \
+      --out "$out/scaling_gpu.json" 2>&1 | tee -a "$out/scaling.log"
+    ;;
   *)
-    echo "unknown stage $stage: check, tests, throughput, resnet or model_axis" >&2
+    echo "unknown stage $stage: check, tests, throughput, resnet, model_axis or scaling" >&2
     exit 2
     ;;
 esac

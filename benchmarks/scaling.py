@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 try:  # python -m benchmarks.scaling (from the repository root)
   from benchmarks import harness
@@ -60,20 +60,43 @@ except ImportError:  # python benchmarks/scaling.py: this file's folder is on sy
   import harness  # type: ignore[no-redef]
 
 ROOT = harness.ROOT
-MEMBERS = (1, 8, 64, 256, 1024, 4096)
-QUICK_MEMBERS = (1, 8, 64, 256)
-# Steps per M: ~5 s of steps on 2 loaded cores from M=64 up (about 15M member-examples),
-# 2,000 below, where the per-call overhead rules; 20 timing intervals each.
-STEPS = {1: 2000, 8: 2000, 64: 2000, 256: 480, 1024: 120, 4096: 40}
-DEVICES = 8
-BATCH = 128
-WIDTHS = (8,)
-VALIDATION = 500
+
+
+class Setup(NamedTuple):
+  """What one scaling sweep trains: a config file, its overrides, the M swept and the steps
+  per M, the M timed side by side, and from which M the growth is fitted."""
+  config: str
+  overrides: dict[str, Any]
+  members: tuple[int, ...]
+  quick_members: tuple[int, ...]
+  steps: dict[int, int]
+  round_members: tuple[int, ...]
+  quick_round_members: tuple[int, ...]
+  fit_from: int
+  label: str
+  out: str
+
+
+SETUPS = {
+    # Steps per M: ~5 s of steps on 2 loaded cores from M=64 up (about 15M
+    # member-examples), 2,000 below, where the per-call overhead rules; 20 timing
+    # intervals each.
+    'mlp': Setup('default.py', {'model.widths': (8,), 'data.validation_size': 500},
+                 (1, 8, 64, 256, 1024, 4096), (1, 8, 64, 256),
+                 {1: 2000, 8: 2000, 64: 2000, 256: 480, 1024: 120, 4096: 40},
+                 (64, 1024, 4096), (8, 64, 256), 64, 'MLP 40-8-10', 'scaling.json'),
+    # ResNet-20 (0.27M parameters, BatchNorm) on the 8x8 digits, 1,137 training images
+    # after a 300-image validation split: 40 steps at every M (20 timing intervals).
+    'resnet20': Setup('digits_resnet20.py', {'data.validation_size': 300},
+                      (1, 8, 16, 32, 64), (1, 8, 16), {1: 40, 8: 40, 16: 40, 32: 40, 64: 40},
+                      (16, 64), (8, 16), 8, 'ResNet-20 on digits', 'scaling_resnet20.json'),
+}
+SETUP = SETUPS['mlp']  # main() and the children set it from --model
+DEVICES = 8  # fake CPU devices; --platform=gpu: the machine's own
+PLATFORM = 'cpu'
+PEAK_TFLOPS = None  # --peak_tflops: the device's peak, for the MFU row
 PBT_AT = 256  # the issue's target: a PBT exploit round costs less than a step at M=256
 CHILD_TIMEOUT_S = 900
-# The step-time target's M, timed again side by side in rotating rounds in one process.
-ROUND_MEMBERS = (64, 1024, 4096)
-QUICK_ROUND_MEMBERS = (8, 64, 256)
 ROUNDS, ROUND_SECONDS = 7, 1.0
 PLAN_TIMEOUT_S = 600
 
@@ -84,9 +107,10 @@ PLAN_TIMEOUT_S = 600
 
 def _child_env() -> dict[str, str]:
   env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
-                      f' --xla_force_host_platform_device_count={DEVICES}').strip()
-  env['JAX_PLATFORMS'] = 'cpu'
+  if PLATFORM == 'cpu':
+    env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
+                        f' --xla_force_host_platform_device_count={DEVICES}').strip()
+  env['JAX_PLATFORMS'] = PLATFORM
   # Every compile is a real one: no persistent cache, no calibration cache.
   env.pop('JAX_COMPILATION_CACHE_DIR', None)
   env['DIST_ENS_CALIBRATION'] = os.path.join(tempfile.gettempdir(), 'scaling_no_calibration.json')
@@ -96,14 +120,15 @@ def _child_env() -> dict[str, str]:
 
 def config_for(members: int, steps: int):
   import dist_ens
-  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  config = dist_ens.load_config(ROOT / 'configs' / SETUP.config)
   config.num_members = members
-  config.model.widths = WIDTHS
+  for dotted, value in SETUP.overrides.items():
+    group, field = dotted.split('.')
+    config[group][field] = value
   config.train.steps = steps
   config.train.log_every = steps // 4
   config.train.eval_every = 0  # the final evaluation only: the step intervals stay clean
   config.checkpoint.every = steps
-  config.data.validation_size = VALIDATION
   config.eval.temperature_scaling = True
   config.select.method = 'greedy'  # greedy_size 0: M picks
   return config
@@ -363,6 +388,16 @@ def _report(workdir: Path) -> dict[str, Any]:
           'report_svg_bytes': sum(p.stat().st_size for p in out_dir.glob('*.svg'))}
 
 
+def _check_devices(jax) -> None:
+  if PLATFORM == 'cpu':
+    assert jax.device_count() == DEVICES, f'XLA_FLAGS came too late: {jax.device_count()} devices'
+
+
+def _child_args() -> list[str]:
+  """What a child process needs to rebuild this sweep's setup."""
+  return ['--model', next(k for k, v in SETUPS.items() if v is SETUP), '--platform', PLATFORM]
+
+
 def child(members: int, steps: int, scratch: Path, out_path: Path) -> None:
   """One M: trains, measures, writes out_path (JSON). Runs in its own process."""
   log = _CompileLog()
@@ -370,7 +405,7 @@ def child(members: int, steps: int, scratch: Path, out_path: Path) -> None:
   import dist_ens
   from dist_ens.plan import host_memory
   from dist_ens.training import trainer
-  assert jax.device_count() == DEVICES, f'XLA_FLAGS came too late: {jax.device_count()} devices'
+  _check_devices(jax)
   out: dict[str, Any] = {'members': members, 'steps': steps}
   workdir = scratch / 'run'
   action_seconds: dict[str, dict[str, float]] = {}
@@ -378,8 +413,9 @@ def child(members: int, steps: int, scratch: Path, out_path: Path) -> None:
   start = time.perf_counter()
   marks_cls, probe_cls = _make_probe(scratch, out, log)
   marks = marks_cls(max(1, steps // 20), start)
-  final = dist_ens.train(config_for(members, steps), str(workdir),
-                         actions=[marks, probe_cls()])
+  config = config_for(members, steps)
+  out['batch_per_member'] = batch = config.data.batch_size
+  final = dist_ens.train(config, str(workdir), actions=[marks, probe_cls()])
   out['train_wall_s'] = time.perf_counter() - start
   out['probe_to_end_s'] = start + out['train_wall_s'] - out.pop('ended_at')
   out['rss_peak_bytes'] = host_memory.status_bytes('VmHWM')
@@ -392,7 +428,7 @@ def child(members: int, steps: int, scratch: Path, out_path: Path) -> None:
   # The mean over the same intervals: log steps (the writers) included.
   (s0, t0), (s1, t1) = marks.marks[1], marks.marks[-1]
   out['step_mean_s'] = (t1 - t0) / (s1 - s0)
-  out['member_example_s'] = out['step_s'] / (members * BATCH)
+  out['member_example_s'] = out['step_s'] / (members * batch)
   out['actions_s'] = action_seconds
   out['compile_s'] = {'init': log.seconds('run', ('init',)),
                       'train_step': log.seconds('run', ('traced',)),
@@ -421,10 +457,11 @@ def step_rounds(members: dict[int, int], seconds: float, rounds: int, out_path: 
   multi-device CPU; medians over rounds."""
   import jax
   from dist_ens import assemble, data
-  assert jax.device_count() == DEVICES, f'XLA_FLAGS came too late: {jax.device_count()} devices'
+  _check_devices(jax)
   cells = {}
   for m, k in members.items():
-    run = assemble.build_run(config_for(m, 1000))
+    config = config_for(m, 1000)
+    run = assemble.build_run(config)
     step = run.step(k)
     batches = run.batches(data.IteratorState(), k, with_index=step.uses_index)
     state, hparams = assemble.init_sharded(run.parts), run.parts.device_hparams()
@@ -436,6 +473,7 @@ def step_rounds(members: dict[int, int], seconds: float, rounds: int, out_path: 
     jax.block_until_ready(metrics)
     per_call = (time.perf_counter() - start) / 2
     cells[m] = {'step': step, 'batches': batches, 'state': state, 'hparams': hparams, 'k': k,
+                'batch': config.data.batch_size,
                 'sync': max(1, 8 // k), 'calls': max(4, round(seconds / per_call)),
                 'times': []}
   order = list(members)
@@ -457,7 +495,7 @@ def step_rounds(members: dict[int, int], seconds: float, rounds: int, out_path: 
     median = statistics.median(cell['times'])
     out[m] = {'steps_per_call': cell['k'], 'steps_per_round': cell['calls'] * cell['k'],
               'step_s_rounds': cell['times'], 'step_s': median,
-              'member_example_s': median / (m * BATCH)}
+              'member_example_s': median / (m * cell['batch'])}
   harness.write_results(out_path, {'rounds': rounds, 'members': out})
 
 
@@ -486,7 +524,8 @@ def run_child(members: int, steps: int, scratch: Path) -> dict[str, Any]:
   load = harness.load_average()
   cmd = ['timeout', '-k', '20', str(CHILD_TIMEOUT_S), sys.executable, '-m',
          'benchmarks.scaling', '--child', str(members), '--steps', str(steps),
-         '--scratch', str(scratch / f'm{members}'), '--child_out', str(out_path)]
+         '--scratch', str(scratch / f'm{members}'), '--child_out', str(out_path),
+         *_child_args()]
   start = time.perf_counter()
   proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True,
                         check=False)
@@ -509,7 +548,7 @@ def run_step_rounds(members: dict[int, int], scratch: Path) -> dict[str, Any]:
   out_path = scratch / 'step_rounds.json'
   cmd = ['timeout', '-k', '20', str(CHILD_TIMEOUT_S), sys.executable, '-m',
          'benchmarks.scaling', '--step_rounds', ','.join(f'{m}:{k}' for m, k in members.items()),
-         '--child_out', str(out_path)]
+         '--child_out', str(out_path), *_child_args()]
   load = harness.load_average()
   proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True,
                         check=False)
@@ -525,16 +564,22 @@ def run_step_rounds(members: dict[int, int], scratch: Path) -> dict[str, Any]:
 
 
 def run_plan(members: int) -> dict[str, Any]:
+  """`dist-ens plan` for the same run: its wall time, its printed lines, and (from a
+  second, --json call) the train FLOPs per member-example, XLA's cost analysis."""
   cmd = ['timeout', '-k', '20', str(PLAN_TIMEOUT_S), sys.executable, '-m', 'dist_ens.main',
-         'plan', f'--config={ROOT / "configs" / "default.py"}',
-         f'--config.num_members={members}', f'--config.model.widths={WIDTHS}']
+         'plan', f'--config={ROOT / "configs" / SETUP.config}', f'--config.num_members={members}',
+         *(f'--config.{k}={v}' for k, v in SETUP.overrides.items())]
   start = time.perf_counter()
   proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(), capture_output=True, text=True,
                         check=False)
-  output = proc.stdout.splitlines()
-  return {'plan_s': time.perf_counter() - start, 'plan_rc': proc.returncode,
-          'plan_lines': len(output), 'plan_tail': (proc.stdout + proc.stderr)[-600:]
-          if proc.returncode else ''}
+  out = {'plan_s': time.perf_counter() - start, 'plan_rc': proc.returncode,
+         'plan_lines': len(proc.stdout.splitlines()),
+         'plan_tail': (proc.stdout + proc.stderr)[-600:] if proc.returncode else ''}
+  as_json = subprocess.run([*cmd, '--json'], cwd=ROOT, env=_child_env(), capture_output=True,
+                           text=True, check=False)
+  if not as_json.returncode:
+    out['flops_per_example'] = json.loads(as_json.stdout).get('flops_per_example')
+  return out
 
 
 def _after_last_step(row) -> float:
@@ -598,27 +643,33 @@ PARTS = [
     ('report_html_rows', 'report.html table rows', 'rows', lambda r: r['report_html_rows']),
     ('report_html', 'report.html', 'KB', lambda r: r['report_html_bytes'] / 1e3),
     ('plan', '`dist-ens plan`', 's', lambda r: r.get('plan_s', float('nan'))),
+    # Model FLOPs utilisation: XLA's train FLOPs per member-example (plan) at the measured
+    # member-examples per second, over --peak_tflops (GPU sessions give it).
+    ('mfu', 'MFU (train FLOPs over the peak)', '%',
+     lambda r: 100 * r['flops_per_example'] / r['member_example_s'] / (PEAK_TFLOPS * 1e12)),
 ]
 
 
 def fit_parts(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-  """Each part's values per M, its log-log slope from M=64 up (least squares) and between
-  the two largest M, which names its growth."""
+  """Each part's values per M, its log-log slope from M=SETUP.fit_from (64 for the MLPs)
+  up (least squares) and between the two largest M, which names its growth."""
   ok = [r for r in rows if 'failed' not in r]
   fits = []
   for key, label, unit, get in PARTS:
+    if key == 'mfu' and not PEAK_TFLOPS:
+      continue
     values = {}
     for r in ok:
       try:
         values[r['members']] = get(r)
       except (KeyError, TypeError):
         values[r['members']] = float('nan')
-    big = sorted(m for m in values if m >= 64)
+    big = sorted(m for m in values if m >= SETUP.fit_from)
     slope = harness.log_slope(big, [values[m] for m in big])
     # Fixed costs (a compile) hide growth at small M: the top two M tell the trend.
     top = harness.log_slope(big[-2:], [values[m] for m in big[-2:]])
     fits.append({'part': key, 'label': label, 'unit': unit, 'values': values,
-                 'slope_from_64': slope, 'slope_top': top, 'top_members': big[-2:],
+                 'slope_fit': slope, 'fit_from': SETUP.fit_from, 'slope_top': top, 'top_members': big[-2:],
                  'growth': harness.growth(top)})
   return fits
 
@@ -642,7 +693,7 @@ def targets(rows: list[dict[str, Any]], fits: list[dict[str, Any]],
     parts = {k: _ratio(fits, k, top, 8) for k in ('compile_init', 'compile_step', 'compile_eval')}
     out.append({'target': f'compile time (init + step + evaluation) at M={top} within 1.5x of M=8',
                 'measured': ratio, 'by_part': parts, 'holds': ratio <= 1.5})
-  if 64 in ok:
+  if 64 in ok and top > 64:
     ratio = ok[top]['member_example_s'] / ok[64]['member_example_s']
     cells = interleaved.get('members', {})
     rounds = (cells[str(top)]['member_example_s'] / cells['64']['member_example_s']
@@ -650,7 +701,7 @@ def targets(rows: list[dict[str, Any]], fits: list[dict[str, Any]],
     out.append({'target': f'step time per member-example at M={top} within 1.2x of M=64',
                 'measured': {'interleaved_rounds': rounds, 'separate_runs': ratio},
                 'holds': (rounds if rounds is not None else ratio) <= 1.2})
-  big = sorted(m for m in ok if m >= 64)
+  big = sorted(m for m in ok if m >= SETUP.fit_from)
   if len(big) >= 2 and 'fdatasync' in disk:
     slope = harness.log_slope([ok[m]['state_bytes'] for m in big],
                               [ok[m]['checkpoint_save_s'] for m in big])
@@ -699,12 +750,12 @@ def _fmt(value: float, unit: str) -> str:
 
 
 def markdown_table(fits: list[dict[str, Any]], members: list[int]) -> str:
-  top = [m for m in members if m >= 64][-2:]
+  top = [m for m in members if m >= SETUP.fit_from][-2:]
   lines = ['| part | unit | ' + ' | '.join(f'M={m:,}' for m in members)
-           + f' | slope 64-{members[-1]:,} | slope {"-".join(f"{m:,}" for m in top)} | growth |',
+           + f' | slope {SETUP.fit_from}-{members[-1]:,} | slope {"-".join(f"{m:,}" for m in top)} | growth |',
            '|---|---|' + '---:|' * (len(members) + 2) + '---|']
   for f in fits:
-    slopes = ['-' if v is None else f'{v:.2f}' for v in (f['slope_from_64'], f['slope_top'])]
+    slopes = ['-' if v is None else f'{v:.2f}' for v in (f['slope_fit'], f['slope_top'])]
     lines.append(f'| {f["label"]} | {f["unit"]} | ' + ' | '.join(
         _fmt(f['values'].get(m, float('nan')), f['unit']) for m in members)
         + f' | {slopes[0]} | {slopes[1]} | {f["growth"]} |')
@@ -756,10 +807,16 @@ def plot(fits: list[dict[str, Any]], path: Path, title: str) -> None:
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument('--members', default='', help='comma-separated M (default 1..4096)')
-  parser.add_argument('--quick', action='store_true', help=f'M = {QUICK_MEMBERS}')
+  parser.add_argument('--model', default='mlp', choices=sorted(SETUPS),
+                      help='mlp: 1 to 4,096 MLPs; resnet20: 1 to 64 ResNet-20 on digits')
+  parser.add_argument('--members', default='', help='comma-separated M (default: the setup\'s)')
+  parser.add_argument('--quick', action='store_true', help='the setup\'s short list of M')
   parser.add_argument('--no_plan', action='store_true', help='skip `dist-ens plan`')
-  parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'scaling.json'))
+  parser.add_argument('--platform', default='cpu', choices=('cpu', 'gpu'),
+                      help=f'cpu: {DEVICES} fake CPU devices; gpu: the machine\'s GPUs')
+  parser.add_argument('--peak_tflops', type=float, default=None,
+                      help='the device\'s peak TFLOP/s: adds the MFU row')
+  parser.add_argument('--out', default='', help='results file (default: results/<setup>.json)')
   parser.add_argument('--replot', action='store_true',
                       help='no runs: the fits, targets, table and figure again from --out')
   parser.add_argument('--child', type=int, default=0, help=argparse.SUPPRESS)
@@ -768,6 +825,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--child_out', default='', help=argparse.SUPPRESS)
   parser.add_argument('--step_rounds', default='', help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  global SETUP, PLATFORM, PEAK_TFLOPS  # pylint: disable=global-statement  (a script's settings)
+  SETUP, PLATFORM, PEAK_TFLOPS = SETUPS[args.model], args.platform, args.peak_tflops
+  args.out = args.out or str(ROOT / 'benchmarks' / 'results' / SETUP.out)
   if args.child:
     child(args.child, args.steps, Path(args.scratch), Path(args.child_out))
     return
@@ -779,7 +839,7 @@ def main(argv: list[str] | None = None) -> None:
     replot(Path(args.out))
     return
   members = ([int(m) for m in args.members.split(',')] if args.members
-             else list(QUICK_MEMBERS if args.quick else MEMBERS))
+             else list(SETUP.quick_members if args.quick else SETUP.members))
   header = harness.run_header()
   started = time.perf_counter()
   rows = []
@@ -789,7 +849,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f'dd into {tmp}: ' + ', '.join(f'{k} {v / 1e6:.0f} MB/s' for k, v in disk.items()),
           flush=True)
     for m in members:
-      steps = STEPS.get(m, max(20, 20 * round(5e6 / (m * BATCH) / 20)))
+      steps = SETUP.steps.get(m, max(20, 20 * round(5e6 / (m * 128) / 20)))
       row = run_child(m, steps, scratch)
       if not args.no_plan and 'failed' not in row:
         row.update(run_plan(m))
@@ -801,8 +861,8 @@ def main(argv: list[str] | None = None) -> None:
                           f'load {row["load_average"]}'), flush=True)
       shutil.rmtree(scratch / f'm{m}', ignore_errors=True)
     ran = {r['members']: r['steps_per_call'] for r in rows if 'failed' not in r}
-    chosen = {m: ran[m] for m in (QUICK_ROUND_MEMBERS if args.quick else ROUND_MEMBERS)
-              if m in ran}
+    chosen = {m: ran[m] for m in (SETUP.quick_round_members if args.quick
+                                  else SETUP.round_members) if m in ran}
     interleaved = run_step_rounds(chosen, scratch) if len(chosen) > 1 else {}
     console_top = (scratch / f'console_{members[-1]}.txt')
     console_tail = console_top.read_text().splitlines()[-60:] if console_top.exists() else []
@@ -810,12 +870,13 @@ def main(argv: list[str] | None = None) -> None:
   goals = targets(rows, fits, disk, interleaved)
   out = Path(args.out)
   import jax  # (only for its version: the parent never starts a backend)
-  results = {**header, 'jax': jax.__version__, 'devices': f'{DEVICES} fake CPU devices',
+  devices = f'{DEVICES} fake CPU devices' if PLATFORM == 'cpu' else 'the GPUs it sees'
+  results = {**header, 'jax': jax.__version__, 'devices': devices, 'platform': PLATFORM,
+             'model': args.model, 'peak_tflops': PEAK_TFLOPS,
              'load_average_end': harness.load_average(),
              'wall_s': time.perf_counter() - started,
-             'setup': {'config': 'configs/default.py', 'model.widths': list(WIDTHS),
-                       'batch_per_member': BATCH, 'validation_size': VALIDATION,
-                       'steps': {m: STEPS.get(m) for m in members},
+             'setup': {'config': f'configs/{SETUP.config}', 'overrides': SETUP.overrides,
+                       'steps': {m: SETUP.steps.get(m) for m in members},
                        'post_hoc': 'eval.temperature_scaling, select.method=greedy (M picks)'},
              'disk_write_bytes_per_s': disk, 'interleaved_steps': interleaved,
              'targets': goals, 'fits': fits, 'rows': rows,
@@ -826,8 +887,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def _title(results: dict[str, Any]) -> str:
   machine = results['machine']
-  return (f'dist_ens scaling: {DEVICES} fake CPU devices on {machine["cores"]} cores '
-          f'({machine["cpu"]}), MLP 40-8-10, {results["date"][:10]}, '
+  where = (f'{DEVICES} fake CPU devices on {machine["cores"]} cores ({machine["cpu"]})'
+           if results.get('platform', 'cpu') == 'cpu' else results.get('devices', 'GPU'))
+  return (f'dist_ens scaling: {where}, {SETUP.label}, {results["date"][:10]}, '
           f'{(results["commit"] or "")[:8]}; load {results["load_average_start"]} -> '
           f'{results["load_average_end"]}')
 
