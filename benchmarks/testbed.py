@@ -40,6 +40,7 @@ trains N problems per agent as their own programs, to time a job per problem.
 
 import argparse
 import itertools
+import json
 import math
 import shutil
 import tempfile
@@ -330,6 +331,28 @@ def summarise(groups: list[dict]) -> dict:
   return out
 
 
+def paired(groups: list[dict], baseline: str = 'ensemble') -> dict:
+  """Per agent and tau: the mean over problems of (agent's normalised KL - the
+  baseline's on the same problem) and its standard error: the agents share problems, so
+  the paired difference is what tells two agents apart."""
+  by = {}
+  for g in groups:
+    for r in g['rows']:
+      by.setdefault(g['agent'], {})[(r['d'], r['ratio'], r['rho'], r['seed'])] = r
+  if baseline not in by:
+    return {}
+  out = {}
+  for name, rows in by.items():
+    keys = sorted(rows.keys() & by[baseline].keys())
+    for tau in TAUS:
+      diff = np.array([rows[k][f'tau_{tau}']['normalised_kl']
+                       - by[baseline][k][f'tau_{tau}']['normalised_kl'] for k in keys])
+      out.setdefault(name, {})[f'tau_{tau}'] = {
+          'mean': float(diff.mean()), 'se': float(diff.std(ddof=1) / np.sqrt(len(diff))),
+          'problems': len(diff)}
+  return {'baseline': baseline, 'differences': out}
+
+
 def grid(args) -> list[list[Problem]]:
   """The sweep's groups: per (d, ratio, rho), its seeds' problems."""
   dims, ratios = (QUICK_DIMS, QUICK_RATIOS) if args.quick else (DIMS, RATIOS)
@@ -384,7 +407,12 @@ def main() -> None:
   parser.add_argument('--separate', type=int, default=2,
                       help='problems per agent also run as their own programs (timing)')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'testbed.json'))
+  parser.add_argument('--resummarise', action='store_true',
+                      help="recompute --out's summaries from its per-problem rows, no training")
   args = parser.parse_args()
+  if args.resummarise:
+    resummarise(Path(args.out))
+    return
   args.members = args.members or (QUICK_MEMBERS if args.quick else 100)
   args.samples = args.samples or (QUICK_SAMPLES if args.quick else 1000)
   header, groups = harness.run_header(), grid(args)
@@ -406,19 +434,32 @@ def write(args, header: dict, groups: list, sweep: list[dict], sweep_seconds: fl
   out = {**header, 'partial': partial, 'args': vars(args),
          'problems': sum(map(len, groups)),
          'problems_scored': sum(g['problems'] for g in sweep if g['agent'] == args.agents[0]),
-         'summary': summarise(sweep), 'timing': timing(sweep, sweep_seconds, jobs),
+         'summary': summarise(sweep), 'paired_with_ensemble': paired(sweep),
+         'timing': timing(sweep, sweep_seconds, jobs),
          'separate_jobs_summary': summarise(jobs) if jobs else None,
          'load_average_end': harness.load_average(), 'groups': sweep, 'separate_jobs': jobs}
   harness.write_results(args.out, out)
   return out
 
 
+def resummarise(path: Path) -> None:
+  """Rewrites a results file's summaries from its own per-problem rows (the run's
+  figures; a summary added after the run, without training again)."""
+  out = json.loads(path.read_text())
+  out.update(summary=summarise(out['groups']), paired_with_ensemble=paired(out['groups']),
+             resummarised=harness.run_header())
+  harness.write_results(path, out)
+  print_table(out)
+
+
 def print_table(out: dict) -> None:
   """The agents x tau table (mean normalised KL +- s.e.) and the timing, as markdown."""
-  print('| agent | tau = 1 | tau = 10 |\n|---|---|---|')
+  diffs = out.get('paired_with_ensemble', {}).get('differences', {})
+  print('| agent | tau = 1 | tau = 10 | minus ensemble, tau = 1 | tau = 10 |\n|---|---|---|---|---|')
   for name, by_tau in out['summary'].items():
-    print(f'| {name} | ' + ' | '.join(
-        f"{by_tau[f'tau_{t}']['mean']:.3f} ± {by_tau[f'tau_{t}']['se']:.3f}" for t in TAUS) + ' |')
+    cells = [by_tau[f'tau_{t}'] for t in TAUS] + [diffs[name][f'tau_{t}'] for t in TAUS
+                                                  if name in diffs]
+    print(f'| {name} | ' + ' | '.join(f"{c['mean']:.3f} ± {c['se']:.3f}" for c in cells) + ' |')
   t = out['timing']
   print(f"sweep {t['sweep_wall_seconds']:.0f} s; separate jobs (extrapolated) "
         f"{t['separate_jobs_extrapolated_seconds'] or float('nan'):.0f} s")
