@@ -173,6 +173,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.member_order = 'shared'
   # K-fold or repeated hold-out as one run: 'kfold:K' or 'holdout:S[:F]' gives member
   # block s of M / S its own training part and held-out part of train (docs/data.md);
+  # 'blocks:S': block s of train, nothing held out (S data sets of one shape as one run);
   # '' = every member trains on all of train.
   config.data.member_split = ''
   # On-device augmentation, drawn per member and per example from (seed, member, step,

@@ -130,6 +130,26 @@ def test_a_run_fits_every_member_and_reports_the_mixture(tmp_path):
   assert 0 <= out['laplace']['ood']['ensemble']['auroc_entropy'] <= 1
 
 
+def test_with_member_blocks_each_member_counts_only_its_blocks_rows(tmp_path):
+  """data.member_split='blocks:2' (two data sets as one run): each member's curvature
+  sums its own block's 128 rows: block 1 mirrored (inputs and labels) moves only the
+  fits of block 1's members (a curvature over all rows would move every member's)."""
+  config = _config('last_layer_kron', validation=0)
+  config.data.member_split = 'blocks:2'
+  out = dist_ens.train(config, str(tmp_path / 'a'), dataset=DATASET)
+  assert out['laplace']['train_examples'] == 128 and 'member_split' not in out
+  x, y = _toy(256, 0)
+  flipped = data.from_arrays(np.concatenate([x[:128], -x[128:]]),
+                             np.concatenate([y[:128], 2 - y[128:]]), *_toy(128, 1), name='toy')
+  dist_ens.train(config, str(tmp_path / 'b'), dataset=flipped)
+  a, b = (dict(np.load(tmp_path / run / 'laplace.npz')) for run in 'ab')
+  same = [k for k in a if a[k].ndim and a[k].shape[0] == 4
+          and np.array_equal(a[k][:2], b[k][:2])]
+  differ = [k for k in a if a[k].ndim and a[k].shape[0] == 4
+            and not np.allclose(a[k][2:], b[k][2:])]
+  assert same and differ
+
+
 @pytest.mark.parametrize('field, value, names', [
     ('eval.laplace', 'full', 'eval.laplace'),
     ('eval.laplace_samples', -1, 'eval.laplace_samples'),

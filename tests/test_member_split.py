@@ -40,10 +40,18 @@ def test_holdout_splits_are_the_uci_protocols_splits():
   assert len(member_split.make_member_splits('holdout:2:0.25', 100, 2, 0).held_out[1]) == 25
 
 
+def test_blocks_are_contiguous_in_order_and_hold_nothing_out():
+  splits = member_split.make_member_splits('blocks:3', 12, 6, seed=5)
+  assert [t.tolist() for t in splits.train] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+  assert all(len(h) == 0 for h in splits.held_out)
+  assert [p.tolist()[0] for p in splits.member_pools(6)] == [0, 0, 4, 4, 8, 8]
+
+
 @pytest.mark.parametrize('spec, members, match', [
     ('kfold', 4, 'use'), ('kfold:x', 4, 'use'), ('fold:4', 4, 'use'), ('kfold:1', 4, 'K >= 2'),
     ('holdout:2:1.5', 4, r'fraction F in \(0, 1\)'), ('kfold:3', 4, 'multiple of 3'),
-    ('kfold:200', 200, 'leave a fold empty')])
+    ('kfold:200', 200, 'leave a fold empty'), ('blocks:3', 3, 'equal blocks'),
+    ('blocks:0', 4, 'S >= 1'), ('blocks:2:0.5', 4, 'use')])
 def test_bad_specs_are_refused_naming_the_field(spec, members, match):
   with pytest.raises(ConfigError, match=match) as info:
     member_split.make_member_splits(spec, 100, members, seed=0)

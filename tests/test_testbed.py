@@ -1,6 +1,8 @@
 """benchmarks/testbed.py: the Neural Testbed's problems and its normalised joint KL."""
 
 import importlib.util
+import itertools
+import types
 from pathlib import Path
 
 import numpy as np
@@ -51,3 +53,48 @@ def test_the_true_model_scores_zero_and_the_uniform_agent_one(tau):
     assert mixed['normalised_kl'] == pytest.approx(1, abs=1e-9)
   else:
     assert mixed['kl'] <= np.log(2) + 1e-9 and mixed['uniform_kl'] > 2 * np.log(2)
+
+
+def test_the_estimate_converges_to_the_exact_joint_kl_enumerated_in_float64():
+  """KL(true joint || agent's) of each batch, exactly: a sum over all 2^tau label vectors
+  (float64 numpy, no dist_ens), averaged over batches; the benchmark's Monte Carlo
+  estimate (labels drawn from the true model) must agree within its sampling error."""
+  problem, tau, batches = testbed.make_problem(2, 10, 0.5, 1), 3, 4000
+  test = testbed.dyadic_test(problem, tau, batches, seed=3)
+  rng = np.random.default_rng(0)  # A 3-member agent: the truth's logits, perturbed.
+  true = _true_agent(problem, test)[0]  # [S, kappa, 2]
+  agent = true[None] + rng.normal(0, 0.7, (3, 1, 1, 2)) + rng.normal(0, 0.3, (3, *true.shape))
+  agent -= np.logaddexp.reduce(agent, axis=-1, keepdims=True)
+  labels = np.array(list(itertools.product((0, 1), repeat=tau)))  # [2^tau, tau]
+  exact = []
+  for s in range(batches):
+    rows = test.positions[s]
+    log_true = true[s, rows[None], labels].sum(-1)  # [2^tau]
+    log_agent = np.logaddexp.reduce(agent[:, s, rows[None], labels].sum(-1), axis=0) - np.log(3)
+    exact.append(np.sum(np.exp(log_true) * (log_true - log_agent)))
+  estimate = testbed.normalised_kl(agent, test)['kl']
+  per_batch = test.true_joint - np.log(np.mean(np.exp(np.take_along_axis(
+      np.take_along_axis(agent, test.positions[None, ..., None], 2),
+      test.labels[None, ..., None], -1)[..., 0].sum(-1)), 0))
+  assert estimate == pytest.approx(per_batch.mean(), abs=1e-9)
+  assert abs(estimate - np.mean(exact)) < 4 * per_batch.std() / np.sqrt(batches)
+
+
+class _FakeEnsemble:
+  """member m's probability of class 1 at input row r (x = [[r]]) is (m + 1) / 100 + r / 1e4."""
+
+  def predict(self, x):
+    p1 = (np.arange(6)[:, None] + 1) / 100 + x[None, :, 0] / 1e4
+    return types.SimpleNamespace(member_probs=np.stack([1 - p1, p1], -1))
+
+
+def test_a_program_of_several_problems_scores_each_with_its_own_members_and_inputs():
+  """Problems as blocks of one program: problem s's samples are members [s K, (s + 1) K)
+  at its own rows, not another block's."""
+  rows = [np.arange(4.0)[:, None], np.arange(4.0, 7.0)[:, None], np.arange(7.0, 9.0)[:, None]]
+  agent = testbed.AGENTS['ensemble']
+  out = testbed.group_log_probs(_FakeEnsemble(), agent, 2, rows, None, seed=0)
+  assert [o.shape for o in out] == [(2, 4, 2), (2, 3, 2), (2, 2, 2)]
+  for s, (o, r) in enumerate(zip(out, rows)):
+    expected = (np.arange(2 * s, 2 * s + 2)[:, None] + 1) / 100 + r[None, :, 0] / 1e4
+    np.testing.assert_allclose(np.exp(o[..., 1]), expected, rtol=1e-12)

@@ -9,6 +9,9 @@ split, after any validation examples are carved off):
   'holdout:S:F'        ... or of the fraction F; split s is dist_ens.data.uci.uci_split(N, s,
                        F, seed): with the whole of a UCI set as the pool and seed 0 these are
                        the protocol's splits, the ones load_uci(name, split_index=s) gives.
+  'blocks:S'           S contiguous blocks of the pool, in order (N a multiple of S); split
+                       s trains on block s and holds nothing out: S data sets of one shape
+                       concatenated (e.g. S synthetic problems) train as one program.
 
 M = config.num_members must be a multiple of S: members [s * E, (s + 1) * E), E = M / S,
 form split s's ensemble. They train on split s's training part only (their batches come
@@ -27,7 +30,7 @@ import numpy as np
 from dist_ens.data import uci
 from dist_ens.errors import ConfigError
 
-_KINDS = ('kfold', 'holdout')
+_KINDS = ('kfold', 'holdout', 'blocks')
 _DEFAULT_HOLDOUT = 0.1
 # Keeps the k-fold permutation's random stream apart from the batch orders' streams.
 _KFOLD_STREAM = 11
@@ -53,12 +56,14 @@ class MemberSplits(NamedTuple):
 
 
 def parse(spec: str) -> tuple[str, int, float]:
-  """'kfold:K' / 'holdout:S[:F]' -> (kind, count, held-out fraction; 0 for k-fold).
+  """'kfold:K' / 'holdout:S[:F]' / 'blocks:S' -> (kind, count, held-out fraction; 0 for k-fold
+  and blocks).
 
   Raises:
     ConfigError: naming config.data.member_split and the forms that work.
   """
-  forms = "'kfold:K' (e.g. 'kfold:5'), 'holdout:S' or 'holdout:S:F' (e.g. 'holdout:20:0.1')"
+  forms = ("'kfold:K' (e.g. 'kfold:5'), 'holdout:S' or 'holdout:S:F' (e.g. 'holdout:20:0.1'), "
+           "'blocks:S'")
   bad = ConfigError(f'config.data.member_split={spec!r}; use {forms}, or \'\' for none.')
   parts = spec.split(':')
   if parts[0] not in _KINDS or not 2 <= len(parts) <= (3 if parts[0] == 'holdout' else 2):
@@ -72,6 +77,10 @@ def parse(spec: str) -> tuple[str, int, float]:
     if count < 2:
       raise ConfigError(f'config.data.member_split={spec!r}: k-fold needs K >= 2 folds.')
     return 'kfold', count, 0.0
+  if parts[0] == 'blocks':
+    if count < 1:
+      raise ConfigError(f'config.data.member_split={spec!r}: needs S >= 1 blocks.')
+    return 'blocks', count, 0.0
   if count < 1 or not 0 < fraction < 1 or not math.isfinite(fraction):
     raise ConfigError(f'config.data.member_split={spec!r}: needs S >= 1 splits and a held-out '
                       'fraction F in (0, 1).')
@@ -97,7 +106,13 @@ def make_member_splits(spec: str, num_examples: int, num_members: int,
         f'config.data.member_split={spec!r} has {count} splits; config.num_members='
         f'{num_members} must be a multiple of {count} (members per split x splits, e.g. '
         f'{count * max(1, round(num_members / count))}).')
-  if kind == 'kfold':
+  if kind == 'blocks':
+    if num_examples % count:
+      raise ConfigError(f'config.data.member_split={spec!r}: {num_examples} training examples '
+                        f'do not split into {count} equal blocks; give a multiple of {count}.')
+    train = tuple(np.arange(num_examples).reshape(count, -1))
+    held = tuple(np.zeros(0, np.int64) for _ in range(count))
+  elif kind == 'kfold':
     if count > num_examples:
       raise ConfigError(f'config.data.member_split={spec!r}: {count} folds of '
                         f'{num_examples} training examples leave a fold empty.')

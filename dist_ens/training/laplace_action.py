@@ -7,8 +7,9 @@ the training split (each example's gradient of its first logit in the output ker
 which is the layer's input when the layer is linear, checked), the Gauss-Newton sums,
 their eigenbasis, the prior precision (validation log-likelihood by the probit
 predictive over dist_ens.eval.laplace.PRIOR_GRID, else the marginal likelihood) and the
-predictive. The curvature uses the whole training split for every member (a member's
-bootstrap or member_split part is not singled out).
+predictive. The curvature uses each member's own training examples: the whole training
+split, or with config.data.member_split its split's part (a bootstrap resample is not
+singled out: every member counts the whole split).
 
 The fit is saved to workdir/laplace.npz (dist_ens.io.laplace_file) and the test split is
 scored by dist_ens.eval.laplace_predictive from the arrays that file gives back, which
@@ -145,19 +146,22 @@ class Laplace(PeriodicAction):
     kind, variables = self.kind, (ctx.state.params, ctx.state.model_state)
 
     @jax.jit  # The state goes in as arguments: a constant cannot span processes.
-    def step(variables, x, mask):
+    def step(variables, x, mask):  # mask: [M, rows], each member's own rows
       logits, psi, error = feats(*variables, x)
-      batch = jax.vmap(functools.partial(laplace.batch_curvature, kind), in_axes=(0, 0, None))(
+      batch = jax.vmap(functools.partial(laplace.batch_curvature, kind))(
           psi, jax.nn.softmax(logits, -1), mask)
       return batch, error.max()
 
-    total, worst, count = None, 0.0, 0
-    for x, _, mask, valid in self._batches(ctx, ctx.run_data.dataset.train):
-      batch, error = step(variables, x, mask)
+    train, pools = ctx.run_data.dataset.train, _member_rows(ctx)
+    total, worst, start = None, 0.0, 0
+    for x, _, mask, valid in self._batches(ctx, train):
+      rows = pools[:, start:start + len(mask)]
+      rows = np.pad(rows, ((0, 0), (0, len(mask) - rows.shape[1]))) * mask
+      batch, error = step(variables, x, rows.astype(np.float32))
       total = batch if total is None else jax.tree.map(jnp.add, total, batch)
       # fetch: one batch in flight
-      worst, count = max(worst, float(ctx.fetch(error))), count + valid
-    return total, worst, count
+      worst, start = max(worst, float(ctx.fetch(error))), start + valid
+    return total, worst, int(pools.sum(1).min())
 
   def _prior(self, ctx: Context, feats: Any, post: laplace.Posterior, names: tuple[str, str]
              ) -> tuple[np.ndarray, str]:
@@ -208,6 +212,19 @@ class Laplace(PeriodicAction):
       laplaced.append(b[:, :valid])
       draws.append(d[..., :valid])
     return np.concatenate(plain, 1), np.concatenate(laplaced, 1), np.concatenate(draws, -1)
+
+
+def _member_rows(ctx: Context) -> np.ndarray:
+  """[M, N] bool: the training rows each member's curvature counts (its member_split
+  part; every row without one)."""
+  m, n = ctx.config.num_members, ctx.run_data.dataset.train.num_examples
+  splits = ctx.run_data.member_splits
+  if splits is None:
+    return np.ones((m, n), bool)
+  rows = np.zeros((m, n), bool)
+  for member, pool in enumerate(splits.member_pools(m)):
+    rows[member, pool] = True
+  return rows
 
 
 def laplace_actions(config: Any, task: Any, method: Any) -> list[PeriodicAction]:

@@ -159,7 +159,9 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
     out.append(actions_lib.ScoreOod())
   if ctx.run_data.validation is not None:
     out.append(actions_lib.Validate(predictions))
-  if ctx.run_data.member_splits is not None:
+  # 'blocks:S' holds nothing out: nothing to evaluate there.
+  splits = ctx.run_data.member_splits
+  if splits is not None and any(map(len, splits.held_out)):
     out.append(held_out.EvaluateHeldOut())
   if config.select.top_k and config.select.method == 'top_k':
     out.append(actions_lib.SelectTopK())
