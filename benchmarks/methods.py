@@ -26,11 +26,24 @@ the same number of forward/backward passes:
   mc_dropout  1 member with dropout 0.2, 4T steps -> 16 MC dropout samples
   deep_dropout  4 members with dropout 0.2, T steps, evaluated without MC
 
+  epinet      4 members, T steps, each with an epinet on its last features (index dim 8,
+              8 index draws a step; 16 index samples predict)
+  distilled   deep's 4 members distilled into one network of their architecture (soft
+              targets at temperature 2, 2T steps: the student's cost beside the budget)
+  deep16      16 independent members, T steps: the deep-ensemble curve for DEE (not a
+              method at this budget)
+
 Reported per method: test accuracy, NLL, Brier, ECE of the predicting ensemble, OOD AUROC
 by predictive entropy (mnist1d_noise vs test), parameters trained and parameters that
 predict, train time (`train_seconds`: the loop, compilation included, evaluation left
 out) and inference time (the predicting members' log-probabilities on the 1,000 test
-examples, median of 5 after a warm-up; MC dropout's K samples included). Writes
+examples, median of 5 after a warm-up; MC dropout's K samples included), and as the
+literature compares methods (Ashukha et al. 2020): the calibrated NLL, the test NLL after
+temperature scaling with test-time cross-validation (one temperature on the ensemble's
+log-probabilities fitted on one half of the test split, scored on the other, and the
+halves swapped; the mean), and the deep-ensemble equivalent (DEE): the number of deep16's
+members (the first k, interpolated linearly between whole k) whose calibrated NLL equals
+the method's ('<1' and '>16' outside the curve). Writes
 benchmarks/results/methods.json, prints a Markdown table and draws accuracy, NLL and
 ECE per method (benchmarks/results/methods.png and .svg, as a run's report draws them).
 """
@@ -52,12 +65,16 @@ import numpy as np
 
 import dist_ens
 from dist_ens import Ensemble, assemble, data
+from dist_ens.eval.ood import load_ood_split
 from dist_ens.eval import evaluate
 from dist_ens.io import report_scatter
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMBERS = 4
 MC_SAMPLES = 16
+CURVE_MEMBERS = 16  # deep16: the deep-ensemble curve DEE reads
+# Temperatures searched for the calibrated NLL: log-spaced, then refined around the best.
+TEMPERATURES = np.exp(np.linspace(np.log(0.05), np.log(20.0), 401))
 
 
 def methods(steps: int) -> dict[str, dict]:
@@ -89,6 +106,10 @@ def methods(steps: int) -> dict[str, dict]:
       # Laplaces); prior precision by marginal likelihood (no validation split here).
       'laplace': {'num_members': MEMBERS, 'train.steps': steps,
                   'eval.laplace': 'last_layer_kron'},
+      'epinet': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'epinet'},
+      'distilled': {'num_members': MEMBERS, 'train.steps': steps, 'distill.student': 'same',
+                    'distill.steps': 2 * steps, 'distill.temperature': 2.0},
+      'deep16': {'num_members': CURVE_MEMBERS, 'train.steps': steps},
   }
 
 
@@ -122,12 +143,7 @@ def _inference_seconds(ens: Ensemble, mc_samples: int) -> float:
     predict = lambda: ens.predict(test.x, 1000, preprocessed=True, laplace=True)
   else:
     predict = lambda: evaluate.split_outputs(step, variables, test, 1000, ens.mesh)
-  times = []
-  for _ in range(6):  # The first call compiles.
-    start = time.perf_counter()
-    predict()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times[1:])
+  return _timed(predict)
 
 
 def _trained_parameters(config) -> int:
@@ -138,38 +154,146 @@ def _trained_parameters(config) -> int:
   return sum(leaf.size for leaf in jax.tree.leaves(parts.abstract_state.params))
 
 
+def _member_log_probs(ens: Ensemble, name: str, split) -> np.ndarray:
+  """[K, N, C] log-probabilities of the K members that predict for the method on `split`
+  (the student alone for 'distilled'; MC dropout's K samples combined per member)."""
+  log = lambda p: np.log(np.maximum(p, 1e-30))
+  if name == 'distilled':
+    return log(ens.student().predict(split.x, preprocessed=True).probs)[None]
+  if ens.laplace is not None:
+    return log(ens.predict(split.x, preprocessed=True, laplace=True).member_probs)
+  mc = ens.config.eval.get('mc_samples', 0)
+  if mc:
+    step = evaluate.make_outputs_step(ens.model, ens.mesh, mc_samples=mc,
+                                     combine=ens.task.combine, seed=ens.config.seed)
+    outputs = evaluate.split_outputs(step, (ens.params, ens.model_state), split, 1000, ens.mesh)
+    return np.asarray(jax.nn.log_softmax(outputs, -1))
+  return log(ens.predict(split.x, preprocessed=True).member_probs)
+
+
+def _nll(logits: np.ndarray, y: np.ndarray) -> float:
+  top = logits.max(-1, keepdims=True)
+  log_z = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+  return float(np.mean(log_z - logits[np.arange(len(y)), y]))
+
+
+def _fitted_temperature(log_probs: np.ndarray, y: np.ndarray) -> float:
+  """The temperature minimising the NLL of softmax(log_probs / T): a log-spaced grid, then
+  a finer one between the best point's neighbours."""
+  nll = lambda t: _nll(log_probs / t, y)
+  best = int(np.argmin([nll(t) for t in TEMPERATURES]))
+  lo, hi = TEMPERATURES[max(best - 1, 0)], TEMPERATURES[min(best + 1, len(TEMPERATURES) - 1)]
+  fine = np.exp(np.linspace(np.log(lo), np.log(hi), 41))
+  return float(fine[int(np.argmin([nll(t) for t in fine]))])
+
+
+def calibrated_nll(member_log_probs: np.ndarray, y: np.ndarray, seed: int = 0) -> float:
+  """The test NLL of the members' mixture after temperature scaling with test-time
+  cross-validation (Ashukha et al. 2020): T fitted on one random half, scored on the
+  other, then the other way round; the mean of the two."""
+  mixture = np.log(np.maximum(np.exp(member_log_probs).mean(0), 1e-30))
+  halves = np.array_split(np.random.default_rng(seed).permutation(len(y)), 2)
+  scores = [_nll(mixture[score] / _fitted_temperature(mixture[fit], y[fit]), y[score])
+            for fit, score in (halves, halves[::-1])]
+  return float(np.mean(scores))
+
+
+def deep_curve(member_log_probs: np.ndarray, y: np.ndarray) -> list[float]:
+  """Calibrated NLL of the first k members' ensemble, k = 1..K."""
+  return [calibrated_nll(member_log_probs[:k], y) for k in range(1, len(member_log_probs) + 1)]
+
+
+def dee(value: float, curve: list[float]) -> float | str:
+  """The deep-ensemble equivalent of a calibrated NLL: the (interpolated) number of
+  members at which the deep-ensemble curve first reaches `value`."""
+  if value > curve[0]:
+    return '<1'
+  for k in range(1, len(curve)):
+    if curve[k] <= value:
+      return k + (curve[k - 1] - value) / (curve[k - 1] - curve[k])
+  return f'>{len(curve)}'
+
+
+def _student_scores(ens: Ensemble, log_probs: np.ndarray, test) -> tuple[dict, float]:
+  """The student's test metrics and OOD AUROC by entropy, by the task's own scorer."""
+  scorer = evaluate.Scorer.of(ens.task)
+  ensemble = scorer.metrics(log_probs, test.y)['ensemble']
+  spec = assemble.data_spec(ens.config)
+  ood = load_ood_split(ens.config.eval.ood_dataset, data.load_dataset(ens.config.data.name, spec),
+                       spec)
+  ood_log_probs = _member_log_probs(ens, 'distilled', ood)
+  auroc = scorer.ood(log_probs, ood_log_probs, test.y)['ensemble']['auroc_entropy']
+  return ensemble, auroc
+
+
+def _timed(fn) -> float:
+  times = []
+  for _ in range(6):  # The first call compiles.
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times[1:])
+
+
 def run(base: Path, name: str, overrides: dict) -> dict:
   config = _config(base, overrides)
   workdir = tempfile.mkdtemp(prefix=f'methods_{name}_')
   results = dist_ens.train(config, workdir, devices=jax.devices()[:1])
-  ensemble, auroc = _scores(name, results)
   ens = Ensemble.load(workdir, devices=jax.devices()[:1])
+  test = data.load_dataset(config.data.name, assemble.data_spec(config)).test
+  log_probs = _member_log_probs(ens, name, test)
   per_member = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(ens.params))
   mc = config.eval.get('mc_samples', 0)
   heads = config.ensemble.mimo.heads if config.ensemble.method == 'mimo' else 1
-  return {
-      'method': name, 'overrides': overrides,
-      'member_steps': config.num_members * config.train.steps,
-      'accuracy': ensemble['accuracy'], 'nll': ensemble['nll'], 'brier': ensemble['brier'],
-      'ece': ensemble['ece'], 'ood_auroc': auroc,
-      'trained_parameters': _trained_parameters(config),
-      'predicting_members': ens.num_members * max(mc, 1) * heads,
-      'predicting_parameters': per_member * ens.num_members,
-      'train_seconds': results['train_seconds'],
-      'inference_seconds': _inference_seconds(ens, mc)}
+  row = {'method': name, 'overrides': overrides,
+         'member_steps': config.num_members * config.train.steps,
+         'trained_parameters': _trained_parameters(config),
+         'predicting_members': ens.num_members * max(mc, 1) * heads,
+         'predicting_parameters': per_member * ens.num_members,
+         'train_seconds': results['train_seconds'],
+         'calibrated_nll': calibrated_nll(log_probs, test.y)}
+  if name == 'distilled':
+    ensemble, auroc = _student_scores(ens, log_probs, test)
+    student = ens.student()
+    row.update(student_steps=config.distill.steps, predicting_members=1,
+               predicting_parameters=per_member,
+               inference_seconds=_timed(lambda: student.predict(test.x, preprocessed=True)))
+  else:
+    ensemble, auroc = _scores(name, results)
+    row['inference_seconds'] = _inference_seconds(ens, mc)
+  if name == 'deep16':
+    row['curve'] = deep_curve(log_probs, test.y)
+  row.update(accuracy=ensemble['accuracy'], nll=ensemble['nll'], brier=ensemble['brier'],
+             ece=ensemble['ece'], ood_auroc=auroc)
+  return row
+
+
+def _dee_text(r: dict) -> str:
+  value = r.get('dee', '-')
+  return f'{value:.1f}' if isinstance(value, float) else value
 
 
 def table(rows: list[dict]) -> str:
-  head = ('| method | member-steps | predicting members | accuracy | NLL | Brier | ECE | OOD AUROC '
-          '| parameters trained / predicting | train s | inference ms |')
-  lines = [head, '|---' * 11 + '|']
+  head = ('| method | member-steps | predicting members | accuracy | NLL | calibrated NLL | DEE '
+          '| Brier | ECE | OOD AUROC | parameters trained / predicting | train s | inference ms |')
+  lines = [head, '|---' * 13 + '|']
   for r in rows:
+    steps = f"{r['member_steps']:,}" + (f" + {r['student_steps']:,}" if 'student_steps' in r
+                                         else '')
     lines.append(
-        f"| {r['method']} | {r['member_steps']:,} | {r['predicting_members']} | "
-        f"{r['accuracy']:.3f} | {r['nll']:.3f} | {r['brier']:.3f} | {r['ece']:.3f} | "
+        f"| {r['method']} | {steps} | {r['predicting_members']} | "
+        f"{r['accuracy']:.3f} | {r['nll']:.3f} | {r['calibrated_nll']:.3f} | {_dee_text(r)} | "
+        f"{r['brier']:.3f} | {r['ece']:.3f} | "
         f"{r['ood_auroc']:.3f} | {r['trained_parameters']:,} / {r['predicting_parameters']:,} | "
         f"{r['train_seconds']:.1f} | {1000 * r['inference_seconds']:.0f} |")
   return '\n'.join(lines)
+
+
+def add_dee(rows: list[dict]) -> None:
+  """Each row's DEE on deep16's curve (rows without that run get none)."""
+  curve = next((r['curve'] for r in rows if 'curve' in r), None)
+  for r in rows if curve else ():
+    r['dee'] = dee(r['calibrated_nll'], curve)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -192,6 +316,7 @@ def main(argv: list[str] | None = None) -> None:
   if unknown:
     parser.error(f'unknown methods {unknown}; use some of {list(chosen)}')
   rows = [run(base, name, chosen[name]) for name in names]
+  add_dee(rows)
   print(table(rows))
   out = {'config': base.name, 'rows': rows, 'markdown': table(rows), 'steps': steps,
          'members': MEMBERS,
