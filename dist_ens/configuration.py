@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from dist_ens import importing, specs, tasks
+from dist_ens import importing, member_groups, specs, tasks
 # Re-exported: main and commands read the override diagnostics from here.
 from dist_ens.config_flags import (config_fields, define_config_flag,  # noqa: F401
                                    field_hint, last_overrides, unknown_field_message,
@@ -143,6 +143,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   resolved = hparams.resolve(specs.hparams_spec(config))
   _validate_pbt(config, by_epochs)
   _warn_shared_optimizer(config, resolved)
+  for spec in member_groups.check(config):  # Each group's own fields and overrides.
+    hparams.resolve(specs.hparams_spec(member_groups.group_config(config, spec)))
 
 
 def _warn_shared_optimizer(config: ml_collections.ConfigDict, resolved: dict[str, Any]) -> None:

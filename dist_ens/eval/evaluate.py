@@ -61,6 +61,8 @@ def member_logits(model: Model, variables: Any, x: jax.Array) -> jax.Array:
   says: leaves shared by every member are stored once and not copied M times).
   """
   params, model_state = variables
+  if model.members_apply is not None:  # Member groups: each group vmaps its own.
+    return model.members_apply(params, model_state, x)
   return jax.vmap(lambda p, s: model.apply(p, s, x, train=False)[0],
                   in_axes=(stacked_axes(model, params), 0))(params, model_state)
 
