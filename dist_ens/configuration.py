@@ -135,6 +135,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
            'e.g. 0.999')
   value = _get(config, 'data.validation_size')
   _require(_is_int(value) and value >= 0, 'data.validation_size', value, 'must be an int >= 0')
+  # Groups first: a pairing they refuse is named as theirs, not as the other field's.
+  for spec in member_groups.check(config):  # Each group's own fields and overrides.
+    hparams.resolve(specs.hparams_spec(member_groups.group_config(config, spec)))
   _validate_select(config)
   _validate_eval(config)
   _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
@@ -143,8 +146,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
   resolved = hparams.resolve(specs.hparams_spec(config))
   _validate_pbt(config, by_epochs)
   _warn_shared_optimizer(config, resolved)
-  for spec in member_groups.check(config):  # Each group's own fields and overrides.
-    hparams.resolve(specs.hparams_spec(member_groups.group_config(config, spec)))
 
 
 def _warn_shared_optimizer(config: ml_collections.ConfigDict, resolved: dict[str, Any]) -> None:

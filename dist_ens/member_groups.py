@@ -177,3 +177,11 @@ def check_divides(specs: Sequence[GroupSpec], member_devices: int) -> None:
 
 _PER_MEMBER = {'optim': ('learning_rate', 'weight_decay', 'b1', 'momentum'),
                'model': ('init_scale',)}
+
+
+def refuse(config: Any, what: str) -> None:
+  """One line refusing `what` (a command or an Ensemble method) for a run with groups."""
+  groups = config.ensemble.get('groups', ()) if 'ensemble' in config else ()
+  if groups:
+    raise ConfigError(f'{what} does not support {FIELD} yet (docs/groups.md): the run has '
+                      f'{len(groups)} member groups of different architectures.')

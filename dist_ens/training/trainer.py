@@ -25,7 +25,8 @@ from dist_ens.ensembles import methods
 from dist_ens.io import console, tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, distill_action,
-                               held_out, joint_action, laplace_action, noise, pbt, posthoc,
+                               group_ensembles, held_out, joint_action, laplace_action,
+                               noise, pbt, posthoc,
                                predictions as predictions_lib, workdir as workdir_lib)
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
@@ -155,6 +156,8 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   # The clean test and validation splits through every member once after the last step.
   predictions = predictions_lib.SplitPredictions()
   out.append(actions_lib.Evaluate(config.train.eval_every, predictions))
+  if ctx.parts.groups:  # Each group's own ensemble, from the same test pass.
+    out.append(group_ensembles.GroupEnsembles(predictions))
   if ctx.run_data.ood is not None:
     out.append(actions_lib.ScoreOod())
   if ctx.run_data.validation is not None:
