@@ -23,7 +23,7 @@ GROUPS = ({'count': 2, 'model': {'widths': (16,)}},
 
 
 def _config(groups=GROUPS, **fields):
-  config = support.config(reproducible=True, **fields)
+  config = support.config(**{'reproducible': True, **fields})
   config.ensemble.groups = groups
   return config
 
@@ -31,7 +31,7 @@ def _config(groups=GROUPS, **fields):
 def _single(group, **fields):
   """The run without groups whose model and optimizer are `group`'s: its members of the
   group's ids are the group's members."""
-  config = support.config(reproducible=True, **fields)
+  config = support.config(**{'reproducible': True, **fields})
   for key in ('model', 'optim'):
     for field, value in group.get(key, {}).items():
       config[key][field] = value
@@ -137,7 +137,7 @@ def test_bad_groups_are_refused_naming_the_field(groups, num_members, words, tmp
 
 
 def test_a_count_the_member_devices_do_not_divide_is_refused(tmp_path):
-  config = _config(mesh__member=4, mesh__data=2)
+  config = _config(mesh__member=4, mesh__data=2, reproducible=False)
   message = support.one_line_refusal(lambda: dist_ens.train(config, str(tmp_path)))
   assert "group 'group0' has count=2" in message and 'mesh.member' in message, message
 
