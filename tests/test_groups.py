@@ -155,7 +155,8 @@ def test_plan_and_report_refuse_groups(grouped):
 @pytest.mark.parametrize('fields', [
     {'data__member_order': 'shuffled'},
     {'data__member_order': 'bootstrap', 'train__steps_per_call': 2},
-    {'mesh__member': 1, 'mesh__data': 2, 'data__augment': 'crop_flip'},
+    {'mesh__member': 2, 'mesh__data': 4, 'train__micro_batches': 4,
+     'data__augment': 'crop_flip'},
 ], ids=['shuffled', 'bootstrap-2-per-call', 'data-axis-augment'])
 def test_groups_equal_single_runs_with_per_member_data_and_other_meshes(fields, tmp_path):
   """Per-member data orders (each group takes its ids' batches), K steps per call and a
