@@ -88,8 +88,11 @@ class Parts(NamedTuple):
     """The model that evaluation runs on the stacked params as the state stores them."""
     return stored.predicting_model(self.method, self.model)
 
-  def device_hparams(self) -> dict[str, jax.Array]:
-    """The per-member hyperparameters on the mesh, sharded over 'member' like the state."""
+  def device_hparams(self) -> dict[str, jax.Array] | tuple[dict[str, jax.Array], ...]:
+    """The per-member hyperparameters on the mesh, sharded over 'member' like the state;
+    with groups, each group's own (what its step takes, with no resharding)."""
+    if self.groups:
+      return tuple(g.device_hparams() for g in self.groups)
     return jax.device_put({k: np.asarray(v) for k, v in self.hparams.items()},
                           mesh_lib.member_sharding(self.mesh))
 
@@ -295,8 +298,10 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
   groups = tuple(build_parts(member_groups.group_config(config, s), mesh, input_shape,
                              num_outputs, s.group.count, optimizer, input_dtype, s.group.first)
                  for s in specs)
+  # frozen [M] replicated: each group's step reads its slice where it lies (a slice of a
+  # member-sharded [M] would move between devices, on every step).
   abstract = groups_lib.join_abstract([g.abstract_state for g in groups],
-                                      mesh_lib.member_sharding(mesh))
+                                      mesh_lib.replicated(mesh))
   hparams = {k: np.concatenate([g.hparams[k] for g in groups]) for k in groups[0].hparams}
   first = groups[0]
   return first._replace(
@@ -422,6 +427,7 @@ def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
                         steps_per_call=steps_per_call, loss=loss) for g in parts.groups]
     return groups_lib.join_steps(steps, [groups_lib.Group(g.first_member, g.num_members)
                                          for g in parts.groups], parts.state_shardings,
+                                 mesh_lib.replicated(parts.mesh),
                                  per_member_batches=per_member_batches,
                                  steps_per_call=steps_per_call)
   parallelism, map_batch_size = form

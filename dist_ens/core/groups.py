@@ -100,11 +100,13 @@ def _group_batch(batch: tuple[jax.Array, ...], group: Group, member_axis: int,
                                     axis=member_axis) for a in batch)
 
 
-def join_steps(steps: Sequence[TrainStep], groups: Sequence[Group], state_shardings: Any, *,
-               per_member_batches: bool, steps_per_call: int) -> TrainStep:
+def join_steps(steps: Sequence[TrainStep], groups: Sequence[Group], state_shardings: Any,
+               replicated: Any, *, per_member_batches: bool, steps_per_call: int) -> TrainStep:
   """One jitted step(state, hparams, *batch) that runs every group's step in turn on its
-  part of the joined state; `hparams` ({field: [M]}) and per-member batches are sliced
-  to each group's members, the metrics concatenated back in id order ([M] or [K, M])."""
+  part of the joined state. `hparams` is a tuple of each group's ({field: [count]},
+  sharded as its state); per-member batches are sliced to each group's members; the
+  metrics come back in id order ([M] or [K, M]) `replicated` (a sharding), as the joined
+  state's `frozen` is: a member-sharded [M] would be resharded at every group's slice."""
   member_axis = 1 if steps_per_call > 1 else 0
   joined = TrainStep(fn=None, uses_index=steps[0].uses_index)
 
@@ -112,12 +114,12 @@ def join_steps(steps: Sequence[TrainStep], groups: Sequence[Group], state_shardi
     joined.traces += 1
     new_states, metrics = [], []
     for step, group, one in zip(steps, groups, split_state(state, groups)):
-      hp = {k: v[group.ids] for k, v in hparams.items()}
-      new, out = step.fn(one, hp, *_group_batch(batch, group, member_axis, per_member_batches))
+      new, out = step.fn(one, hparams[len(new_states)],
+                         *_group_batch(batch, group, member_axis, per_member_batches))
       new_states.append(new)
       metrics.append(out)
     metrics = jax.tree.map(lambda *a: jnp.concatenate(a, axis=member_axis), *metrics)
     return join_states(new_states), metrics
 
-  joined.fn = jax.jit(traced, donate_argnums=0, out_shardings=(state_shardings, None))
+  joined.fn = jax.jit(traced, donate_argnums=0, out_shardings=(state_shardings, replicated))
   return joined
