@@ -81,7 +81,7 @@ class Parts(NamedTuple):
 
   @property
   def num_members(self) -> int:
-    return self.abstract_state.frozen.shape[0]
+    return sum(f.shape[0] for f in jax.tree.leaves(self.abstract_state.frozen))
 
   @property
   def predict_model(self) -> Model:
@@ -298,10 +298,7 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
   groups = tuple(build_parts(member_groups.group_config(config, s), mesh, input_shape,
                              num_outputs, s.group.count, optimizer, input_dtype, s.group.first)
                  for s in specs)
-  # frozen [M] replicated: each group's step reads its slice where it lies (a slice of a
-  # member-sharded [M] would move between devices, on every step).
-  abstract = groups_lib.join_abstract([g.abstract_state for g in groups],
-                                      mesh_lib.replicated(mesh))
+  abstract = groups_lib.join_abstract([g.abstract_state for g in groups])
   hparams = {k: np.concatenate([g.hparams[k] for g in groups]) for k in groups[0].hparams}
   first = groups[0]
   return first._replace(
@@ -427,7 +424,6 @@ def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
                         steps_per_call=steps_per_call, loss=loss) for g in parts.groups]
     return groups_lib.join_steps(steps, [groups_lib.Group(g.first_member, g.num_members)
                                          for g in parts.groups], parts.state_shardings,
-                                 mesh_lib.replicated(parts.mesh),
                                  per_member_batches=per_member_batches,
                                  steps_per_call=steps_per_call)
   parallelism, map_batch_size = form

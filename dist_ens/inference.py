@@ -29,6 +29,7 @@ from absl import logging
 from dist_ens import data, member_groups, saved_run, student as student_lib, tasks
 from dist_ens.data import uci
 from dist_ens.io import member_files
+from dist_ens.core.state import member_flags
 from dist_ens.io.member_files import load_member  # noqa: F401  (API)
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
@@ -159,7 +160,7 @@ class Ensemble:
     # Snapshots or SWAG samples predict where the run used such a method.
     members = methods.predictive_members(parts.method, restored.state, config.seed, mesh)
     replicated = jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))
-    frozen = np.asarray(replicated(members.frozen))
+    frozen = np.asarray(member_flags(jax.tree.map(np.asarray, replicated(members.frozen))))
     ensemble = cls(config, parts.model, members.params, frozen, restored.step,
                    parts.input_shape, parts.num_outputs, mesh, preprocess,
                    model_state=members.model_state, scale=saved_run.scale_from(meta),

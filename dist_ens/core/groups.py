@@ -3,11 +3,15 @@
 A group is a stack of members that share one model, so one vmap runs them, as an
 ensemble without groups does. The ensemble is every group's members, their ids running
 across groups in order (group g's first member is the sum of the counts before it).
-The joined state is a TrainState whose params, model_state, opt_state and method_state
-are tuples with one stacked entry per group, while `frozen` [M] and `step` stay the
-whole ensemble's: what reads a state's members (logging, evaluation, checkpoints) reads
-all M in id order. The joined step runs each group's own step in sequence inside one
-jitted program, every group sharded over all devices of the 'member' axis.
+The joined state is a TrainState whose params, model_state, opt_state, method_state and
+frozen flags are tuples with one stacked entry per group, and whose step is shared;
+core.state.member_flags reads the flags as [M] in id order. The joined step runs each
+group's own step in sequence inside one jitted program, every group sharded over all
+devices of the 'member' axis, and returns each group's metrics (metrics_in_id_order joins
+them on the host). Nothing is concatenated on the devices: an [M] array in id order,
+sharded over 'member', places a group's members on other devices than the group's own
+[count] arrays do, and resharding them cost collectives on every step (BENCHMARKS.md,
+"Member groups").
 """
 
 from collections.abc import Callable, Sequence
@@ -15,10 +19,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dist_ens.core.model import Model, stacked_axes
 from dist_ens.core.state import TrainState
-from dist_ens.core.step import TrainStep
+from dist_ens.core.step import StepMetrics, TrainStep
 
 
 class Group(NamedTuple):
@@ -32,10 +37,12 @@ class Group(NamedTuple):
 
 
 def split_state(state: TrainState, groups: Sequence[Group]) -> list[TrainState]:
-  """The joined state as one TrainState per group (frozen sliced to its members)."""
-  return [TrainState(state.params[g], state.model_state[g], state.opt_state[g],
-                     state.frozen[group.ids], state.step, state.method_state[g])
-          for g, group in enumerate(groups)]
+  """The joined state as one TrainState per group."""
+  del groups  # (their order is the tuples')
+  return [TrainState(params, model_state, opt_state, frozen, state.step, method_state)
+          for params, model_state, opt_state, frozen, method_state in zip(
+              state.params, state.model_state, state.opt_state, state.frozen,
+              state.method_state)]
 
 
 def join_states(states: Sequence[TrainState]) -> TrainState:
@@ -43,21 +50,14 @@ def join_states(states: Sequence[TrainState]) -> TrainState:
   return TrainState(params=tuple(s.params for s in states),
                     model_state=tuple(s.model_state for s in states),
                     opt_state=tuple(s.opt_state for s in states),
-                    frozen=jnp.concatenate([s.frozen for s in states]),
+                    frozen=tuple(s.frozen for s in states),
                     step=states[0].step,
                     method_state=tuple(s.method_state for s in states))
 
 
-def join_abstract(states: Sequence[TrainState], frozen_sharding: Any) -> TrainState:
-  """The joined abstract state of the groups' abstract (sharded) states; `frozen` [M]
-  is sharded with `frozen_sharding` (over 'member', as every group's is)."""
-  m = sum(s.frozen.shape[0] for s in states)
-  joined = TrainState(*(tuple(getattr(s, f) for s in states) for f in ('params', 'model_state',
-                                                                        'opt_state')),
-                      frozen=jax.ShapeDtypeStruct((m,), jnp.bool_, sharding=frozen_sharding),
-                      step=states[0].step,
-                      method_state=tuple(s.method_state for s in states))
-  return joined
+def join_abstract(states: Sequence[TrainState]) -> TrainState:
+  """The joined abstract state of the groups' abstract (sharded) states."""
+  return join_states(states)
 
 
 def join_inits(inits: Sequence[Callable[[], TrainState]]) -> Callable[..., TrainState]:
@@ -100,13 +100,12 @@ def _group_batch(batch: tuple[jax.Array, ...], group: Group, member_axis: int,
                                     axis=member_axis) for a in batch)
 
 
-def join_steps(steps: Sequence[TrainStep], groups: Sequence[Group], state_shardings: Any,
-               replicated: Any, *, per_member_batches: bool, steps_per_call: int) -> TrainStep:
-  """One jitted step(state, hparams, *batch) that runs every group's step in turn on its
-  part of the joined state. `hparams` is a tuple of each group's ({field: [count]},
-  sharded as its state); per-member batches are sliced to each group's members; the
-  metrics come back in id order ([M] or [K, M]) `replicated` (a sharding), as the joined
-  state's `frozen` is: a member-sharded [M] would be resharded at every group's slice."""
+def join_steps(steps: Sequence[TrainStep], groups: Sequence[Group], state_shardings: Any, *,
+               per_member_batches: bool, steps_per_call: int) -> TrainStep:
+  """One jitted step(state, hparams, *batch) -> (state, (each group's StepMetrics)) that
+  runs every group's step in turn on its part of the joined state. `hparams` is a tuple
+  of each group's ({field: [count]}, sharded as its state); per-member batches are sliced
+  to each group's members."""
   member_axis = 1 if steps_per_call > 1 else 0
   joined = TrainStep(fn=None, uses_index=steps[0].uses_index)
 
@@ -118,8 +117,15 @@ def join_steps(steps: Sequence[TrainStep], groups: Sequence[Group], state_shardi
                          *_group_batch(batch, group, member_axis, per_member_batches))
       new_states.append(new)
       metrics.append(out)
-    metrics = jax.tree.map(lambda *a: jnp.concatenate(a, axis=member_axis), *metrics)
-    return join_states(new_states), metrics
+    return join_states(new_states), tuple(metrics)
 
-  joined.fn = jax.jit(traced, donate_argnums=0, out_shardings=(state_shardings, replicated))
+  joined.fn = jax.jit(traced, donate_argnums=0, out_shardings=(state_shardings, None))
   return joined
+
+
+def metrics_in_id_order(metrics: Any) -> Any:
+  """A step's metrics as numpy in id order ([M], or [K, M] for K steps a call): a joined
+  step's per-group StepMetrics concatenated on their last axis, others as they are."""
+  if not (isinstance(metrics, tuple) and metrics and isinstance(metrics[0], StepMetrics)):
+    return metrics
+  return jax.tree.map(lambda *a: np.concatenate(a, axis=-1), *metrics)

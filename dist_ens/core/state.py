@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dist_ens.core import rng
 from dist_ens.core.hooks import MethodHooks
@@ -29,6 +30,17 @@ class TrainState(NamedTuple):
   # [M, ...] what the ensemble method collects while training (snapshots, SWAG moments;
   # dist_ens.ensembles.methods); () for independent members.
   method_state: PyTree = ()
+
+
+def member_flags(frozen: Any) -> Any:
+  """A state's frozen flags [M] in id order: `frozen` itself, or, where members come in
+  groups (core/groups.py: one [count] array per group), their concatenation; numpy in,
+  numpy out."""
+  if not isinstance(frozen, (tuple, list)):
+    return frozen
+  if all(isinstance(f, np.ndarray) for f in frozen):
+    return np.concatenate(frozen)
+  return jnp.concatenate(frozen)
 
 
 class Pretrained(NamedTuple):

@@ -11,6 +11,7 @@ from absl import logging
 from dist_ens import member_groups
 from dist_ens.training.loop import Context, PeriodicAction
 from dist_ens.training.predictions import SplitPredictions
+from dist_ens.core.state import member_flags
 
 
 class GroupEnsembles(PeriodicAction):
@@ -23,7 +24,7 @@ class GroupEnsembles(PeriodicAction):
   def run(self, ctx: Context) -> None:
     test = ctx.run_data.dataset.test
     outputs = self._predictions.predict(ctx, test).outputs
-    included = ~np.asarray(ctx.fetch(ctx.state.frozen), bool)
+    included = ~np.asarray(member_flags(ctx.fetch(ctx.state.frozen)), bool)
     out: dict[str, Any] = {}
     for spec in member_groups.group_specs(ctx.config):
       ids = spec.group.ids

@@ -30,6 +30,7 @@ from dist_ens.training import (actions as actions_lib, decision_actions, distill
                                predictions as predictions_lib, workdir as workdir_lib)
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
+from dist_ens.core.state import member_flags
 
 # Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
 # CPU backend); waiting every 8 steps keeps well clear of that.
@@ -375,7 +376,7 @@ def _stop_early(ctx: Context, checkpointer: Checkpointer, signal_name: str) -> d
 def _finish(ctx: Context, traces: int, checkpoint_seconds: float) -> dict[str, Any]:
   """Writes final_metrics.json and members.csv, logs the tables, returns the results."""
   config = ctx.config
-  frozen = np.flatnonzero(ctx.fetch(ctx.state.frozen)).tolist()
+  frozen = np.flatnonzero(member_flags(ctx.fetch(ctx.state.frozen))).tolist()
   results = dict(ctx.results)
   final = {'step': config.train.steps, 'num_members': config.num_members,
            'members': results.pop('members'), 'ensemble': results.pop('ensemble'),
