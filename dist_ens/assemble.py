@@ -298,7 +298,7 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
   groups = tuple(build_parts(member_groups.group_config(config, s), mesh, input_shape,
                              num_outputs, s.group.count, optimizer, input_dtype, s.group.first)
                  for s in specs)
-  abstract = groups_lib.join_abstract([g.abstract_state for g in groups])
+  abstract = groups_lib.join_states([g.abstract_state for g in groups])
   hparams = {k: np.concatenate([g.hparams[k] for g in groups]) for k in groups[0].hparams}
   first = groups[0]
   return first._replace(

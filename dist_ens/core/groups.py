@@ -36,9 +36,8 @@ class Group(NamedTuple):
     return slice(self.first, self.first + self.count)
 
 
-def split_state(state: TrainState, groups: Sequence[Group]) -> list[TrainState]:
-  """The joined state as one TrainState per group."""
-  del groups  # (their order is the tuples')
+def split_state(state: TrainState) -> list[TrainState]:
+  """The joined state as one TrainState per group, in group order."""
   return [TrainState(params, model_state, opt_state, frozen, state.step, method_state)
           for params, model_state, opt_state, frozen, method_state in zip(
               state.params, state.model_state, state.opt_state, state.frozen,
@@ -46,18 +45,14 @@ def split_state(state: TrainState, groups: Sequence[Group]) -> list[TrainState]:
 
 
 def join_states(states: Sequence[TrainState]) -> TrainState:
-  """One TrainState of every group's (the inverse of split_state)."""
+  """One TrainState of every group's (the inverse of split_state); of abstract (sharded)
+  states too."""
   return TrainState(params=tuple(s.params for s in states),
                     model_state=tuple(s.model_state for s in states),
                     opt_state=tuple(s.opt_state for s in states),
                     frozen=tuple(s.frozen for s in states),
                     step=states[0].step,
                     method_state=tuple(s.method_state for s in states))
-
-
-def join_abstract(states: Sequence[TrainState]) -> TrainState:
-  """The joined abstract state of the groups' abstract (sharded) states."""
-  return join_states(states)
 
 
 def join_inits(inits: Sequence[Callable[[], TrainState]]) -> Callable[..., TrainState]:
@@ -112,7 +107,7 @@ def join_steps(steps: Sequence[TrainStep], groups: Sequence[Group], state_shardi
   def traced(state, hparams, *batch):
     joined.traces += 1
     new_states, metrics = [], []
-    for step, group, one in zip(steps, groups, split_state(state, groups)):
+    for step, group, one in zip(steps, groups, split_state(state)):
       new, out = step.fn(one, hparams[len(new_states)],
                          *_group_batch(batch, group, member_axis, per_member_batches))
       new_states.append(new)
