@@ -20,7 +20,9 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
+from dist_ens import specs
 from dist_ens.core.groups import Group
+from dist_ens.ensembles import methods
 from dist_ens.errors import ConfigError
 
 FIELD = 'config.ensemble.groups'
@@ -112,7 +114,6 @@ def group_config(config: ml_collections.ConfigDict,
 # (field, test of its value, what it is): pairings groups do not support yet, each refused
 # in one line naming both fields (docs/groups.md says how to go on).
 _REFUSED = (
-    ('ensemble.method', lambda v: v != 'deep', "use ensemble.method='deep'"),
     ('ensemble.own', lambda v: v != 'all', "use ensemble.own='all'"),
     ('pbt.enabled', bool, 'set pbt.enabled=False'),
     ('select.top_k', bool, 'set select.top_k=0'),
@@ -148,6 +149,7 @@ def check(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
     counts = ' + '.join(str(s.group.count) for s in specs)
     raise ConfigError(f'config.num_members={config.num_members} but {FIELD} counts {total} '
                       f'members ({counts}); set num_members={total}.')
+  _check_method(config)
   for spec in specs:
     one = group_config(config, spec)
     for field, refused, fix in _REFUSED:
@@ -162,6 +164,21 @@ def fitted_members(config: ml_collections.ConfigDict) -> int:
   the gcd of their counts (each group is split over all member devices)."""
   specs = group_specs(config)
   return math.gcd(*(s.group.count for s in specs)) if specs else config.num_members
+
+
+def _check_method(config: ml_collections.ConfigDict) -> None:
+  """Groups train independent, whole members (a deep ensemble's): a method that wraps the
+  model or loss, collects, shares leaves or predicts with other members is refused, by
+  what the method declares, not by its name."""
+  method = methods.from_spec(specs.method_spec(config))
+  plain = (method.copyable and not method.collects and not method.shares
+           and method.wrap_model is None and method.wrap_loss is None
+           and method.per_member == 1 and method.outputs_per_output == 1 and method.cycles == 1)
+  if not plain:
+    raise ConfigError(f'{FIELD} does not support config.ensemble.method='
+                      f'{config.ensemble.method!r} yet (docs/groups.md): groups train '
+                      'independent whole members; use the deep ensemble\'s method, or train '
+                      'without groups.')
 
 
 def check_divides(specs: Sequence[GroupSpec], member_devices: int) -> None:

@@ -108,7 +108,8 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_state(grouped, tmp_path
 
 
 @pytest.mark.parametrize('field, value', [
-    ('ensemble.method', 'snapshot'), ('ensemble.own', 'head'), ('pbt.enabled', True),
+    ('ensemble.method', 'prior'),
+    ('ensemble.own', 'head'), ('pbt.enabled', True),
     ('select.top_k', 2), ('eval.mc_samples', 2), ('eval.shift', 'all'),
     ('mesh.model', 2), ('data.member_split', 'kfold:2'),
 ])
