@@ -28,9 +28,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from dist_ens import configuration, data, models, tasks
+from dist_ens import configuration, data, member_groups, models, tasks
 from dist_ens.checkpoint import Checkpointer
-from dist_ens import member_groups
 from dist_ens.core import gradients, groups as groups_lib, hparams as hparams_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
@@ -300,6 +299,8 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
                  for s in specs)
   abstract = groups_lib.join_states([g.abstract_state for g in groups])
   hparams = {k: np.concatenate([g.hparams[k] for g in groups]) for k in groups[0].hparams}
+  # The method, task and input are every group's; the optimizer and layout the first
+  # group's: what reads them for all members (plan, PBT, init_from) refuses groups.
   first = groups[0]
   return first._replace(
       config=config, model=groups_lib.members_model([g.predict_model for g in groups]),
