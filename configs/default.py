@@ -113,6 +113,12 @@ def get_config() -> ml_collections.ConfigDict:
   # its fields in ensemble.options (anything; the method checks them).
   config.ensemble.method = 'deep'
   config.ensemble.options = ml_collections.ConfigDict()
+  # Members of different architectures in one program (docs/groups.md): a list of
+  # groups, each a dict {'count': n, 'model': {...}, 'optim': {...}[, 'name': str]} of
+  # config.model / config.optim overrides; the counts sum to num_members, member ids run
+  # across groups in order. In a config file, or on the command line as one Python
+  # literal. () = one group of config.model.
+  config.ensemble.groups = untyped(())
   # Which params leaves each member owns (stacked, trained; docs/pretrained.md): 'all',
   # 'head' (the output layer), 'lora' (the head and LoRA factors of the kernels),
   # 'batchensemble' (= method='batchensemble') or a regex of leaf names ('^head/'). Every

@@ -28,9 +28,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from dist_ens import configuration, data, models, tasks
+from dist_ens import configuration, data, member_groups, models, tasks
 from dist_ens.checkpoint import Checkpointer
-from dist_ens.core import gradients, hparams as hparams_lib
+from dist_ens.core import gradients, groups as groups_lib, hparams as hparams_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import Pretrained, TrainState, init_state
@@ -69,18 +69,29 @@ class Parts(NamedTuple):
   task: tasks.Task  # config.task: the loss, metrics and what the outputs mean
   layout: Layout  # where every leaf of the state lives on the mesh
   input_dtype: Any = jnp.float32  # the model's inputs: float32, or int32 token ids
+  # config.ensemble.groups: each group's own Parts (their members are ids first_member ..
+  # of the ensemble); the joined state's params are a tuple of theirs (core/groups.py).
+  groups: tuple['Parts', ...] = ()
+  first_member: int = 0  # the id of this stack's first member (a group's place)
 
   @property
   def state_shardings(self) -> Any:
     return jax.tree.map(lambda s: s.sharding, self.abstract_state)
 
   @property
+  def num_members(self) -> int:
+    return sum(f.shape[0] for f in jax.tree.leaves(self.abstract_state.frozen))
+
+  @property
   def predict_model(self) -> Model:
     """The model that evaluation runs on the stacked params as the state stores them."""
     return stored.predicting_model(self.method, self.model)
 
-  def device_hparams(self) -> dict[str, jax.Array]:
-    """The per-member hyperparameters on the mesh, sharded over 'member' like the state."""
+  def device_hparams(self) -> dict[str, jax.Array] | tuple[dict[str, jax.Array], ...]:
+    """The per-member hyperparameters on the mesh, sharded over 'member' like the state;
+    with groups, each group's own (what its step takes, with no resharding)."""
+    if self.groups:
+      return tuple(g.device_hparams() for g in self.groups)
     return jax.device_put({k: np.asarray(v) for k, v in self.hparams.items()},
                           mesh_lib.member_sharding(self.mesh))
 
@@ -181,7 +192,9 @@ def build_run(config: ml_collections.ConfigDict, *,
                       input_dtype=dtype[0] if dtype else jnp.float32)
   if metrics and run_data is not None:
     user_metrics.check_metrics(metrics, shapes[1], np.asarray(dataset.test.y))
-  return Run(config, parts, run_data, member_form(parts, config.data.batch_size))
+  # With groups each group picks its own form (build_step); the first's stands for the run.
+  return Run(config, parts, run_data,
+             member_form(parts.groups[0] if parts.groups else parts, config.data.batch_size))
 
 
 def build_mesh(config: ml_collections.ConfigDict,
@@ -190,7 +203,9 @@ def build_mesh(config: ml_collections.ConfigDict,
   batch; an axis left at -1 is fitted to the devices (parallel.mesh.make_mesh), and a
   warning says what to set when that leaves devices idle."""
   devices = list(jax.devices() if devices is None else devices)
-  mesh = mesh_lib.make_mesh(mesh_spec(config), devices, num_members=config.num_members,
+  # Every group is split over all member devices: fit 'member' to the gcd of the counts.
+  mesh = mesh_lib.make_mesh(mesh_spec(config), devices,
+                            num_members=member_groups.fitted_members(config),
                             batch_size=config.data.batch_size)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
   if mesh.size < len(devices):
@@ -209,7 +224,7 @@ def build_mesh(config: ml_collections.ConfigDict,
 def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],
                 num_outputs: int, num_members: int | None = None,
                 optimizer: Optimizer | optax.GradientTransformation | None = None,
-                input_dtype: Any = jnp.float32) -> Parts:
+                input_dtype: Any = jnp.float32, first_member: int = 0) -> Parts:
   """Model, optimizer, per-member hyperparameters and the abstract sharded state.
 
   Model/data mismatches surface here (the state is traced with jax.eval_shape),
@@ -221,7 +236,12 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     num_members: overrides config.num_members (plan compiles the step for 2M).
     optimizer: replaces the config's: optimizer(member_hparams) -> GradientTransformation,
       or one GradientTransformation for every member.
+    first_member: the id of the first member (a member group's): num_members members from
+      it, keyed and given hyperparameters by their ids.
   """
+  if config.ensemble.groups:
+    return _group_parts(config, mesh, input_shape, num_outputs, num_members, optimizer,
+                        input_dtype)
   method = methods.from_spec(method_spec(config, num_outputs))
   task = tasks.get_task(config.task)
   model = models.get_model(model_spec(config), num_outputs * method.outputs_per_output)
@@ -239,12 +259,12 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     method = methods.with_owned(method, one_member(), num_outputs * method.outputs_per_output)
   optimizer = _optimizer(config, method, optimizer)
   m = config.num_members if num_members is None else num_members
-  member_hparams = _member_hparams(config, method, m)
+  member_hparams = _member_hparams(config, method, m, first_member)
 
   def init(pretrained=None):
     hp = {k: jnp.asarray(v) for k, v in member_hparams.items()}
     return init_state(model, optimizer, config.seed, m, jnp.zeros(sample_x.shape, input_dtype),
-                      hp, method.hooks, pretrained)
+                      hp, method.hooks, pretrained, first_member=first_member)
 
   tasks.check_outputs(model, input_shape, num_outputs,
                       f'{_model_field(config)} (for config.task={config.task!r})', input_dtype,
@@ -259,7 +279,33 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
        for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]])
   abstract = layout.place(state, mesh)
   return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
-               abstract, init, method, task, layout, input_dtype)
+               abstract, init, method, task, layout, input_dtype, first_member=first_member)
+
+
+def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],
+                 num_outputs: int, num_members: int | None,
+                 optimizer: Optimizer | optax.GradientTransformation | None,
+                 input_dtype: Any) -> Parts:
+  """config.ensemble.groups' parts: each group's own (its model and optim overrides, its
+  members' ids), joined into one state whose params are a tuple of the groups'
+  (core/groups.py); the joined model predicts with every group's members in id order."""
+  specs = member_groups.check(config)
+  if num_members not in (None, config.num_members):
+    raise ConfigError(f'{member_groups.FIELD}: planning another num_members than the '
+                      f'config\'s ({config.num_members}) is not supported with groups.')
+  member_groups.check_divides(specs, mesh.shape[mesh_lib.MEMBER])
+  groups = tuple(build_parts(member_groups.group_config(config, s), mesh, input_shape,
+                             num_outputs, s.group.count, optimizer, input_dtype, s.group.first)
+                 for s in specs)
+  abstract = groups_lib.join_states([g.abstract_state for g in groups])
+  hparams = {k: np.concatenate([g.hparams[k] for g in groups]) for k in groups[0].hparams}
+  # The method, task and input are every group's; the optimizer and layout the first
+  # group's: what reads them for all members (plan, PBT, init_from) refuses groups.
+  first = groups[0]
+  return first._replace(
+      config=config, model=groups_lib.members_model([g.predict_model for g in groups]),
+      hparams=hparams, abstract_state=abstract,
+      init=groups_lib.join_inits([g.init for g in groups]), groups=groups)
 
 
 def _optimizer(config: ml_collections.ConfigDict, method: methods.Method,
@@ -274,12 +320,15 @@ def _optimizer(config: ml_collections.ConfigDict, method: methods.Method,
 
 
 def _member_hparams(config: ml_collections.ConfigDict, method: methods.Method,
-                    num_members: int) -> dict[str, np.ndarray]:
-  """Each member's hyperparameters, [num_members] each (repeated where plan asks for more
-  members than config.num_members)."""
+                    num_members: int, first_member: int = 0) -> dict[str, np.ndarray]:
+  """Each member's hyperparameters, [num_members] each: members first_member .. of the
+  config's (a group's), or repeated where plan asks for more members than
+  config.num_members."""
   member_hparams = hparams_lib.resolve(hparams_spec(config))
   if method.shares and method.owned is None:
     _check_shared_optimizer(member_hparams, method.name)
+  if first_member:
+    return {k: v[first_member:first_member + num_members] for k, v in member_hparams.items()}
   if num_members != config.num_members:
     member_hparams = {k: np.resize(v, num_members) for k, v in member_hparams.items()}
   return member_hparams
@@ -370,6 +419,14 @@ def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
                steps_per_call: int = 1, loss: tasks.Loss | None = None) -> TrainStep:
   """The compiled train step for these parts (traced at its first call); `loss`
   replaces config.train.loss."""
+  if parts.groups:  # Each group's own step (and member form), one after another.
+    steps = [build_step(g, per_member_batches=per_member_batches,
+                        form=member_form(g, g.config.data.batch_size),
+                        steps_per_call=steps_per_call, loss=loss) for g in parts.groups]
+    return groups_lib.join_steps(steps, [groups_lib.Group(g.first_member, g.num_members)
+                                         for g in parts.groups], parts.state_shardings,
+                                 per_member_batches=per_member_batches,
+                                 steps_per_call=steps_per_call)
   parallelism, map_batch_size = form
   loss = loss or tasks.loss_for(parts.config.train.loss, parts.task)
   if parts.method.wrap_loss is not None:  # e.g. MIMO: the sum of its heads' losses
@@ -380,4 +437,4 @@ def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
                          per_member_batches=per_member_batches,
                          member_parallelism=parallelism, map_batch_size=map_batch_size,
                          steps_per_call=steps_per_call, options=step_options(parts.config),
-                         hooks=parts.method.hooks)
+                         hooks=parts.method.hooks, first_member=parts.first_member)

@@ -15,7 +15,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from dist_ens import importing, specs, tasks
+from dist_ens import importing, member_groups, specs, tasks
 # Re-exported: main and commands read the override diagnostics from here.
 from dist_ens.config_flags import (config_fields, define_config_flag,  # noqa: F401
                                    field_hint, last_overrides, unknown_field_message,
@@ -135,6 +135,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
            'e.g. 0.999')
   value = _get(config, 'data.validation_size')
   _require(_is_int(value) and value >= 0, 'data.validation_size', value, 'must be an int >= 0')
+  # Groups first: a pairing they refuse is named as theirs, not as the other field's.
+  for spec in member_groups.check(config):  # Each group's own fields and overrides.
+    hparams.resolve(specs.hparams_spec(member_groups.group_config(config, spec)))
   _validate_select(config)
   _validate_eval(config)
   _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',

@@ -26,9 +26,10 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import data, saved_run, student as student_lib, tasks
+from dist_ens import data, member_groups, saved_run, student as student_lib, tasks
 from dist_ens.data import uci
 from dist_ens.io import member_files
+from dist_ens.core.state import member_flags
 from dist_ens.io.member_files import load_member  # noqa: F401  (API)
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
@@ -159,7 +160,7 @@ class Ensemble:
     # Snapshots or SWAG samples predict where the run used such a method.
     members = methods.predictive_members(parts.method, restored.state, config.seed, mesh)
     replicated = jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))
-    frozen = np.asarray(replicated(members.frozen))
+    frozen = np.asarray(member_flags(jax.tree.map(np.asarray, replicated(members.frozen))))
     ensemble = cls(config, parts.model, members.params, frozen, restored.step,
                    parts.input_shape, parts.num_outputs, mesh, preprocess,
                    model_state=members.model_state, scale=saved_run.scale_from(meta),
@@ -177,6 +178,7 @@ class Ensemble:
     `peft.PeftModel.from_pretrained(transformers_model, directory / 'member_0')` gives
     member 0's outputs (dist_ens.io.peft_adapters; docs/pretrained.md). Only process 0
     writes."""
+    member_groups.refuse(self.config, 'Ensemble.export_adapters')
     if getattr(self, 'workdir', None) is None:
       raise ValueError('export_adapters needs an Ensemble from Ensemble.load(workdir).')
     if jax.process_index() != 0:
@@ -369,6 +371,7 @@ class Ensemble:
       params = ens.member(0)
       logits = ens.model.apply(params, x)  # one member, as trained
     """
+    member_groups.refuse(self.config, 'Ensemble.member')
     if not 0 <= i < self.num_members:
       raise IndexError(f'member({i}): this ensemble has members 0..{self.num_members - 1}.')
     return jax.tree.map(np.asarray, self._take(self._stored, np.int32(i)))
@@ -380,6 +383,7 @@ class Ensemble:
     Example:
       logits, _ = ens.model.apply(ens.member(0), ens.member_state(0), x, train=False)
     """
+    member_groups.refuse(self.config, 'Ensemble.member_state')
     if not 0 <= i < self.num_members:
       raise IndexError(f'member_state({i}): this ensemble has members 0..'
                        f'{self.num_members - 1}.')
@@ -397,4 +401,5 @@ class Ensemble:
     Returns:
       The member files' paths, in member order.
     """
+    member_groups.refuse(self.config, 'Ensemble.export')
     return member_files.export_members(self, Path(directory))

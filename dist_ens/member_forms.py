@@ -14,7 +14,7 @@ from dist_ens.parallel import form_cache, mesh as mesh_lib, strategy
 
 
 def members_per_device(parts: Any) -> int:
-  return parts.abstract_state.frozen.shape[0] // parts.mesh.shape[mesh_lib.MEMBER]
+  return parts.num_members // parts.mesh.shape[mesh_lib.MEMBER]
 
 
 def form_key(parts: Any, batch_size: int) -> str:

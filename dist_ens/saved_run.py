@@ -12,7 +12,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, configuration, data, tasks
+from dist_ens import assemble, configuration, data, member_groups, tasks
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.data import uci
 from dist_ens.ensembles import methods
@@ -131,12 +131,13 @@ def parts_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],
   """The run's parts on the mesh Ensemble.load was asked for (None: the saved layout),
   refused in one line where that mesh cannot hold the members (see Ensemble.load)."""
   shapes = data_shape(config, meta)
+  fitted = member_groups.fitted_members(config)  # with groups: what every count divides
   parts_on = lambda m: assemble.build_run(config, mesh=m, shapes=shapes).parts
   if mesh is None:
-    mesh = load_mesh.saved_layout(config.num_members, config.mesh.to_dict(), meta, devices)
+    mesh = load_mesh.saved_layout(fitted, config.mesh.to_dict(), meta, devices)
     parts = parts_on(mesh)
   else:
-    mesh = load_mesh.requested(mesh, config.num_members, devices)
+    mesh = load_mesh.requested(mesh, fitted, devices)
     try:
       parts = parts_on(mesh)
     except ConfigError as e:  # The run's rules on this mesh, say.

@@ -95,6 +95,11 @@ _FEATURES = (
            label='last-layer Laplace'),
     Option('reproducible', {'reproducible': True}, ('reproducible',)),
     Option('bf16', {'precision': 'bfloat16'}, ('precision',)),
+    # Two member groups of different widths (tests/test_groups.py checks their members
+    # against runs without groups).
+    Option('groups', {'ensemble.groups': ({'count': 2, 'model': {'widths': (8,)}},
+                                          {'count': 2, 'model': {'widths': (4, 4)}})},
+           ('ensemble.groups',), label='member groups'),
 )
 for _option in _FEATURES:
   AXES[_option.key] = (Option(f'no {_option.key}', {}, ()), _option)
@@ -146,6 +151,12 @@ REFUSED: dict[frozenset[str], str] = {
                                             'devices in a mesh-dependent order',
     _pair('reproducible', 'mimo'): "the heads' shuffles of a batch split over data depend "
                                    'on the mesh',
+    **{_pair('groups', o): 'member groups are deep ensembles of whole members so far '
+                           '(docs/groups.md)'
+       for o in (*_NOT_DEEP, 'prior', 'epinet', 'mc_dropout', 'own=head', 'own=lora')},
+    **{_pair('groups', o): 'not built for member groups yet (docs/groups.md)'
+       for o in ('model=2', 'member_split', 'pbt', 'top_k', 'greedy', 'temperature',
+                 'shift', 'laplace')},
 }
 
 # Pairs that should work and do not yet: the test expects them to fail (xfail strict).

@@ -49,12 +49,17 @@ class Model(NamedTuple):
   ensembles.stored.predicting_model sets both for a method whose members share leaves.
   `features`, where set, is apply with the last hidden features beside the logits (the
   module doc); None: the model does not expose them.
+  `members_apply(params, state, x)`, where set, gives every stacked member's evaluation
+  outputs [M, B, ...] at once, for members one vmap cannot run (member groups of
+  different architectures, dist_ens.core.groups); evaluation calls it instead of
+  vmapping apply.
   """
   init: Callable[[jax.Array, jax.Array], tuple[Params, State]]
   apply: Callable[..., tuple[jax.Array, State]]
   member_axes: Callable[[Params], Any] | None = None
   member_params: Callable[[Params], Params] | None = None
   features: Callable[..., tuple[jax.Array, jax.Array, State]] | None = None
+  members_apply: Callable[..., jax.Array] | None = None
 
 
 def stacked_axes(model: Model, params: Params) -> Any:

@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dist_ens.core import rng
 from dist_ens.core.hooks import MethodHooks
@@ -29,6 +30,17 @@ class TrainState(NamedTuple):
   # [M, ...] what the ensemble method collects while training (snapshots, SWAG moments;
   # dist_ens.ensembles.methods); () for independent members.
   method_state: PyTree = ()
+
+
+def member_flags(frozen: Any) -> Any:
+  """A state's frozen flags [M] in id order: `frozen` itself, or, where members come in
+  groups (core/groups.py: one [count] array per group), their concatenation; numpy in,
+  numpy out."""
+  if not isinstance(frozen, (tuple, list)):
+    return frozen
+  if all(isinstance(f, np.ndarray) for f in frozen):
+    return np.concatenate(frozen)
+  return jnp.concatenate(frozen)
 
 
 class Pretrained(NamedTuple):
@@ -61,7 +73,7 @@ def scale_init(params: PyTree, init_scale: float | jax.Array | None) -> PyTree:
 def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
                sample_x: jax.Array, hparams: Mapping[str, jax.Array],
                hooks: MethodHooks = MethodHooks(),
-               pretrained: Pretrained | None = None) -> TrainState:
+               pretrained: Pretrained | None = None, first_member: int = 0) -> TrainState:
   """All members' initial state; member i's depends only on (seed, i) and its hyperparameters.
 
   Args:
@@ -75,8 +87,11 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
     pretrained: leaves every member starts from, exactly (model.init_scale applies only
       to the leaves initialised here, from rng.fresh_keys); the method's hooks and the
       optimizer's init then see them as the members' initial params.
+    first_member: the id of the first of these members (a member group's place in the
+      ensemble, dist_ens.core.groups): member first_member + i is keyed as that id.
   """
-  keys = rng.member_keys(seed, jnp.arange(num_members, dtype=jnp.uint32))
+  keys = rng.member_keys(seed, jnp.arange(first_member, first_member + num_members,
+                                               dtype=jnp.uint32))
   hparams = dict(hparams)
 
   def one(key, hp):

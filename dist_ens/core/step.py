@@ -281,13 +281,16 @@ def _layout(mesh: Mesh, abstract_state: TrainState, per_member_batches: bool,
                         manual)
 
 
-def _local_step(update, steps_per_call: int):
+def _local_step(update, steps_per_call: int, first_member: int = 0):
   """step(state, hparams, *batch) on one device group's members: `update` once, or
-  steps_per_call times in a lax.scan over the batches' leading axis."""
+  steps_per_call times in a lax.scan over the batches' leading axis. Members are keyed
+  by their ids, first_member + their index in the state."""
 
   def local_step(state, hparams, *batch):
     local_members = state.frozen.shape[0]
     members = jax.lax.axis_index(MEMBER) * local_members + jnp.arange(local_members)
+    if first_member:
+      members = members + first_member
 
     def one_step(state, batch):
       x, y, *index = batch
@@ -305,7 +308,7 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
                     per_member_batches: bool = False, member_parallelism: str = 'vmap',
                     map_batch_size: int | None = None, steps_per_call: int = 1,
                     options: StepOptions = StepOptions(),
-                    hooks: MethodHooks = MethodHooks()) -> TrainStep:
+                    hooks: MethodHooks = MethodHooks(), first_member: int = 0) -> TrainStep:
   """Builds the jitted, sharded step; the input state is donated.
 
   Args:
@@ -326,6 +329,8 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
       one fixed shape ('map' over members, manual over 'data'; core.gradients).
     hooks: the ensemble method's (core.hooks: its member update, what it collects
       after every step); the default: independent members, nothing collected.
+    first_member: the id of the state's first member (a member group's place in the
+      ensemble): its rng, augmentation and dropout are keyed by first_member + index.
   """
   if not isinstance(steps_per_call, int) or steps_per_call < 1:
     raise ValueError(f'steps_per_call={steps_per_call!r} must be an int >= 1.')
@@ -335,7 +340,7 @@ def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_sta
                       hooks),
       hooks, options.reproducible)
 
-  local_step = _local_step(update, steps_per_call)
+  local_step = _local_step(update, steps_per_call, first_member)
   manual, (specs, batch_spec, metrics_spec) = _layout(
       mesh, abstract_state, per_member_batches, steps_per_call, options.reproducible)
   step = TrainStep(fn=None, uses_index=options.augment is not None)

@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 
 from dist_ens.core import rng as rng_lib
 from dist_ens.core.model import num_stacked, stacked_axes
+from dist_ens.core.state import member_flags
 from dist_ens.eval import metrics
 from dist_ens.data import Split, to_global
 from dist_ens.parallel.mesh import DATA, batch_sharding, member_sharding, replicated
@@ -61,6 +62,8 @@ def member_logits(model: Model, variables: Any, x: jax.Array) -> jax.Array:
   says: leaves shared by every member are stored once and not copied M times).
   """
   params, model_state = variables
+  if model.members_apply is not None:  # Member groups: each group vmaps its own.
+    return model.members_apply(params, model_state, x)
   return jax.vmap(lambda p, s: model.apply(p, s, x, train=False)[0],
                   in_axes=(stacked_axes(model, params), 0))(params, model_state)
 
@@ -221,8 +224,8 @@ def evaluate_ood(eval_step: EvalStep, variables: Any, in_split: Split, ood_split
 
 
 def member_mask_from_frozen(frozen: jax.Array) -> jax.Array:
-  """Members in the ensemble: all that are not frozen."""
-  return jnp.logical_not(frozen)
+  """Members in the ensemble: all that are not frozen (member groups' flags in id order)."""
+  return jnp.logical_not(member_flags(frozen))
 
 
 def make_outputs_step(model: Model, mesh: Mesh, *, mc_samples: int = 0,

@@ -86,6 +86,10 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
   except (json.JSONDecodeError, UnicodeDecodeError) as e:  # Truncated or overwritten.
     raise ConfigError(f'{workdir / "final_metrics.json"} is damaged ({e}); run the training '
                       'command again on this workdir to rewrite it.') from None
+  if final.get('groups'):
+    raise ConfigError(f'dist-ens report does not support config.ensemble.groups yet '
+                      f'(docs/groups.md); {workdir / "final_metrics.json"} holds every member\'s, '
+                      "the ensemble's and each group's ensemble's metrics.")
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:

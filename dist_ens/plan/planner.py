@@ -39,7 +39,7 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import assemble, configuration, data, tasks
+from dist_ens import assemble, configuration, data, member_groups, tasks
 from dist_ens.parallel import mesh as mesh_lib, placement
 from dist_ens.plan import calibration, dry_run
 from dist_ens.plan.dry_run import StepMemory, step_memory
@@ -198,6 +198,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   """
   configuration.check_known_fields(config)
   configuration.validate(config)
+  member_groups.refuse(config, 'dist-ens plan')
   config, per_epoch = _resolve_steps(config)
   input_shape, num_outputs = data_shape(config)
   run = assemble.build_run(config, devices=devices, shapes=(input_shape, num_outputs))
@@ -279,6 +280,7 @@ def calibrate(config: ml_collections.ConfigDict,
   for 'auto' (dist_ens.plan.calibration) and returns the table it measured."""
   configuration.check_known_fields(config)
   configuration.validate(config)
+  member_groups.refuse(config, 'dist-ens plan --calibrate')
   config, _ = _resolve_steps(config)
   parts = assemble.build_run(config, devices=devices, shapes=data_shape(config)).parts
   best, seconds = calibration.calibrate(parts, config.data.batch_size)

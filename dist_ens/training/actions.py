@@ -26,6 +26,8 @@ from dist_ens.io import progress as progress_lib, tables
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.training.loop import Context, PeriodicAction
 from dist_ens.training.predictions import SplitPredictions
+from dist_ens.core.groups import metrics_in_id_order
+from dist_ens.core.state import member_flags
 
 
 class Sync(PeriodicAction):
@@ -80,7 +82,7 @@ class TrainLog(PeriodicAction):
     self._interval: list[Any] = []
     self._mark = ctx.train_clock()
     self._progress = progress_lib.Progress(ctx.total_steps, ctx.start_step)
-    self._reported = set(np.flatnonzero(ctx.fetch(ctx.state.frozen)).tolist())
+    self._reported = set(np.flatnonzero(member_flags(ctx.fetch(ctx.state.frozen))).tolist())
     if self._reported and ctx.config.train.on_nonfinite == 'stop':
       # A resumed run whose members froze before: 'stop' holds every time, not only once.
       raise TrainingError(
@@ -101,7 +103,8 @@ class TrainLog(PeriodicAction):
     m = ctx.config.num_members
     # Every step's metrics since the last log, [steps, M] (a call gives [K, M]).
     fetched = jax.tree.map(lambda *calls: np.concatenate([c.reshape(-1, m) for c in calls]),
-                           *[ctx.fetch(metrics_) for metrics_ in self._interval])
+                           *[metrics_in_id_order(ctx.fetch(metrics_))
+                             for metrics_ in self._interval])
     now = ctx.train_clock()
     elapsed, self._mark, self._interval = now - self._mark, now, []
     steps = len(fetched.loss)
@@ -219,7 +222,7 @@ class SelectTopK(PeriodicAction):
 
   def run(self, ctx: Context) -> None:
     k, metric = ctx.config.select.top_k, ctx.config.select.metric
-    frozen = set(np.flatnonzero(ctx.fetch(ctx.state.frozen)).tolist())
+    frozen = set(np.flatnonzero(member_flags(ctx.fetch(ctx.state.frozen))).tolist())
     rows = tables.member_rows({**ctx.results, 'frozen_members': sorted(frozen),
                                'num_members': ctx.config.num_members}, ctx.parts.hparams,
                               ctx.results.get('validation'), metric,

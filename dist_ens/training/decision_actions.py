@@ -22,6 +22,7 @@ from dist_ens.data import Split, corruptions, tfds_corrupted
 from dist_ens.eval import decisions, mce, shift_spec
 from dist_ens.training.loop import Context, PeriodicAction
 from dist_ens.training.predictions import SplitPredictions
+from dist_ens.core.state import member_flags
 
 
 def _seed(seed: int, tag: int) -> int:
@@ -44,7 +45,7 @@ class EvaluateDecisions(PeriodicAction):
                                  specs.data_spec(config))
     if not sets and run_data.validation is None and ctx.parts.task.predict is not None:
       return  # a regression run without shift or validation: nothing to report
-    mask = ~np.asarray(ctx.fetch(ctx.evaluator.view(ctx.state).frozen), bool)
+    mask = ~np.asarray(member_flags(ctx.fetch(ctx.evaluator.view(ctx.state).frozen)), bool)
     if not mask.any():
       return  # every member diverged: no ensemble to decide with (the trainer says so)
     fit, test = None, run_data.dataset.test

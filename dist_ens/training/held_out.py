@@ -31,6 +31,7 @@ from dist_ens.data.member_split import aggregate
 from dist_ens.eval import evaluate
 from dist_ens.parallel.mesh import member_sharding
 from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.core.state import member_flags
 
 
 def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
@@ -41,7 +42,7 @@ def evaluate_held_out(ctx: Context) -> dict[str, Any]:
   """The 'member_split' results of the run in `ctx` (see the module doc)."""
   splits: data.MemberSplits = ctx.run_data.member_splits
   m, e = ctx.config.num_members, splits.members_per_split
-  frozen = np.asarray(ctx.fetch(ctx.state.frozen), bool)
+  frozen = np.asarray(member_flags(ctx.fetch(ctx.state.frozen)), bool)
   train, ev = ctx.run_data.dataset.train, ctx.evaluator
   # One batch size for every part (smaller ones padded): one compiled program.
   batch = min(ctx.config.eval.batch_size, max(map(len, splits.held_out)))

@@ -22,6 +22,7 @@ from dist_ens.eval import evaluate, joint
 from dist_ens.tasks import Task
 from dist_ens.training.loop import Context, PeriodicAction
 from dist_ens.training.posthoc import SplitOutputs
+from dist_ens.core.state import member_flags
 
 
 class JointLogLoss(PeriodicAction):
@@ -36,7 +37,7 @@ class JointLogLoss(PeriodicAction):
   def run(self, ctx: Context) -> None:
     task, test = ctx.parts.task, ctx.run_data.dataset.test
     batches = joint.dyadic_batches(len(test.y), self.tau, self.num_batches, self.seed)
-    included = ~np.asarray(ctx.fetch(ctx.state.frozen), bool)
+    included = ~np.asarray(member_flags(ctx.fetch(ctx.state.frozen)), bool)
     if not included.any():  # Every member went non-finite: the run ends saying so.
       logging.info('joint log-loss skipped: no member is in the ensemble.')
       return
@@ -81,7 +82,7 @@ def _method_joint(ctx: Context, batches: np.ndarray) -> dict[str, Any]:
     outputs = evaluate.split_outputs(step, (members.params, members.model_state),
                                      ctx.run_data.dataset.test, ctx.config.eval.batch_size,
                                      ctx.parts.mesh)
-  included = ~np.asarray(ctx.fetch(members.frozen), bool)
+  included = ~np.asarray(member_flags(ctx.fetch(members.frozen)), bool)
   loss = joint.joint_log_loss(_log_likelihood(ctx, outputs), batches, included)
   return {'predicting_members': int(included.sum()), 'ensemble': loss.ensemble}
 

@@ -34,6 +34,7 @@ from dist_ens.core.axes import MEMBER
 from dist_ens.ensembles import pbt as pbt_lib
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.core.state import member_flags
 
 _META_KEY = 'pbt'
 _MAX_COPIES_LISTED = 8  # a round's log line names this many copies at most
@@ -114,7 +115,7 @@ class PopulationBasedTraining(PeriodicAction):
     spec, step = self.spec, ctx.step
     with ctx.off_clock():
       validation = ctx.evaluator.evaluate(ctx.state, ctx.run_data.validation)
-    frozen = ctx.fetch(ctx.state.frozen)
+    frozen = member_flags(ctx.fetch(ctx.state.frozen))
     values = [float('nan') if frozen[i] else float(v)
               for i, v in enumerate(validation['members'][spec.metric])]
     round_index = step // spec.interval

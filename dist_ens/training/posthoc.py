@@ -37,6 +37,7 @@ from dist_ens.io import tables
 from dist_ens.tasks import Task, check_steps
 from dist_ens.training.loop import Context, PeriodicAction
 from dist_ens.training.predictions import SplitPredictions
+from dist_ens.core.state import member_flags
 
 
 class SplitOutputs:
@@ -80,7 +81,7 @@ def _split(ctx: Context, name: str):
 
 def included(ctx: Context) -> np.ndarray:
   """[M] bool: the members in the ensemble (not frozen)."""
-  return ~np.asarray(ctx.fetch(ctx.state.frozen), bool)
+  return ~np.asarray(member_flags(ctx.fetch(ctx.state.frozen)), bool)
 
 
 def _prediction(results: dict[str, Any], task: Task) -> dict[str, float]:
@@ -159,7 +160,7 @@ class MethodEnsemble(_Posthoc):
     members = methods.predictive_members(method, ctx.state, ctx.config.seed, ctx.parts.mesh)
     step = evaluate.make_outputs_step(ctx.parts.predict_model, ctx.parts.mesh)
     variables, included = (members.params, members.model_state), ~np.asarray(
-        ctx.fetch(members.frozen), bool)
+        member_flags(ctx.fetch(members.frozen)), bool)
     with ctx.off_clock():
       outputs = {name: evaluate.split_outputs(step, variables, _split(ctx, name),
                                               ctx.config.eval.batch_size, ctx.parts.mesh)

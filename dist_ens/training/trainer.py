@@ -25,10 +25,12 @@ from dist_ens.ensembles import methods
 from dist_ens.io import console, tables, writers
 from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, distill_action,
-                               held_out, joint_action, laplace_action, noise, pbt, posthoc,
+                               group_ensembles, held_out, joint_action, laplace_action,
+                               noise, pbt, posthoc,
                                predictions as predictions_lib, workdir as workdir_lib)
 from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
+from dist_ens.core.state import member_flags
 
 # Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
 # CPU backend); waiting every 8 steps keeps well clear of that.
@@ -155,6 +157,8 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   # The clean test and validation splits through every member once after the last step.
   predictions = predictions_lib.SplitPredictions()
   out.append(actions_lib.Evaluate(config.train.eval_every, predictions))
+  if ctx.parts.groups:  # Each group's own ensemble, from the same test pass.
+    out.append(group_ensembles.GroupEnsembles(predictions))
   if ctx.run_data.ood is not None:
     out.append(actions_lib.ScoreOod())
   if ctx.run_data.validation is not None:
@@ -374,7 +378,7 @@ def _stop_early(ctx: Context, checkpointer: Checkpointer, signal_name: str) -> d
 def _finish(ctx: Context, traces: int, checkpoint_seconds: float) -> dict[str, Any]:
   """Writes final_metrics.json and members.csv, logs the tables, returns the results."""
   config = ctx.config
-  frozen = np.flatnonzero(ctx.fetch(ctx.state.frozen)).tolist()
+  frozen = np.flatnonzero(member_flags(ctx.fetch(ctx.state.frozen))).tolist()
   results = dict(ctx.results)
   final = {'step': config.train.steps, 'num_members': config.num_members,
            'members': results.pop('members'), 'ensemble': results.pop('ensemble'),

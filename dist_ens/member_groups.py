@@ -1,0 +1,205 @@
+"""config.ensemble.groups read into group specs: each group's count, its model and optim
+overrides, its members' ids, its own config; and the one-line refusals of what groups do
+not support yet (docs/groups.md).
+
+  config.num_members = 12
+  config.ensemble.groups = (
+      {'count': 8, 'model': {'widths': (64,)}},
+      {'count': 4, 'model': {'name': 'cnn'}, 'optim': {'learning_rate': 3e-3}},
+  )
+
+Members 0-7 are the first group's, 8-11 the second's; member i's init, data order,
+dropout and hyperparameters depend on (seed, i) only, so a group's members are the
+members of the same ids in a run without groups whose model is the group's.
+"""
+
+import copy
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+import ml_collections
+
+from dist_ens import specs
+from dist_ens.core.groups import Group
+from dist_ens.ensembles import methods
+from dist_ens.errors import ConfigError
+
+FIELD = 'config.ensemble.groups'
+# What a group may set, besides its count (and a name for the tables).
+OVERRIDABLE = ('model', 'optim')
+_EXAMPLE = "({'count': 4, 'model': {'widths': (32,)}}, {'count': 4, 'model': {'name': 'cnn'}})"
+
+
+class GroupSpec(NamedTuple):
+  """One group: its members' ids (first .. first + count - 1) and its overrides."""
+  name: str
+  group: Group
+  model: dict[str, Any]
+  optim: dict[str, Any]
+
+
+def _plain(value: Any) -> Any:
+  return value.to_dict() if isinstance(value, ml_collections.ConfigDict) else value
+
+
+def _one(raw: Any, index: int, first: int) -> GroupSpec:
+  """Group `index` of the config, checked; its members start at id `first`."""
+  raw = _plain(raw)
+  where = f'{FIELD}[{index}]'
+  if not isinstance(raw, Mapping):
+    raise ConfigError(f'{where}={raw!r} must be a dict with a count and model/optim '
+                      f'overrides, e.g. {_EXAMPLE}.')
+  unknown = sorted(set(raw) - {'count', 'name', *OVERRIDABLE})
+  if unknown:
+    raise ConfigError(f'{where} has the unknown keys {unknown}; a group takes count, name '
+                      f'and overrides of {list(OVERRIDABLE)}, e.g. {_EXAMPLE}.')
+  count = raw.get('count')
+  if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+    raise ConfigError(f'{where}.count={count!r} must be an int >= 1 (the members of this '
+                      'group).')
+  overrides = {}
+  for key in OVERRIDABLE:
+    value = _plain(raw.get(key, {}))
+    if not isinstance(value, Mapping):
+      raise ConfigError(f'{where}.{key}={value!r} must be a dict of config.{key} fields, '
+                        f'e.g. {_EXAMPLE}.')
+    overrides[key] = dict(value)
+  name = raw.get('name', f'group{index}')
+  if not isinstance(name, str) or not name:
+    raise ConfigError(f'{where}.name={name!r} must be a non-empty string.')
+  return GroupSpec(name, Group(first, count), overrides['model'], overrides['optim'])
+
+
+def group_specs(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
+  """The config's groups in id order; () for an ensemble without groups."""
+  raw = config.ensemble.get('groups', ())
+  if isinstance(raw, str):
+    raise ConfigError(f'{FIELD}={raw!r} is a string; give the groups in a config file as a '
+                      f'list of dicts, e.g. {_EXAMPLE}.')
+  if not isinstance(raw, Sequence):
+    raise ConfigError(f'{FIELD}={raw!r} must be a list of dicts, e.g. {_EXAMPLE}.')
+  specs, first = [], 0
+  for index, one in enumerate(raw):
+    specs.append(_one(one, index, first))
+    first += specs[-1].group.count
+  return tuple(specs)
+
+
+def group_config(config: ml_collections.ConfigDict,
+                 spec: GroupSpec) -> ml_collections.ConfigDict:
+  """The config a group's members are built from: the ensemble's with the group's model
+  and optim overrides, no groups, and num_members still M (per-member lists and sweeps
+  are resolved over all M members, and the group takes its ids' values)."""
+  out = copy.deepcopy(config)
+  with out.unlocked():
+    out.ensemble.groups = ()
+    for key in OVERRIDABLE:
+      overrides = getattr(spec, key)
+      for field, value in overrides.items():
+        if field not in out[key]:
+          raise ConfigError(f'{FIELD} group {spec.name!r} sets {key}.{field}, which is no '
+                            f'config.{key} field; use one of {sorted(out[key])}.')
+        if isinstance(value, (list, tuple)) and field in _PER_MEMBER.get(key, ()):
+          raise ConfigError(
+              f'{FIELD} group {spec.name!r} sets {key}.{field}={value!r}: a group takes one '
+              f'value or a sweep spec per field; give per-member lists in config.{key}.'
+              f'{field} (all {config.num_members} members).')
+        if isinstance(value, list) and isinstance(out[key][field], tuple):
+          value = tuple(value)  # A config.json read back holds lists.
+        out[key][field] = value
+  return out
+
+
+# (field, test of its value, what it is): pairings groups do not support yet, each refused
+# in one line naming both fields (docs/groups.md says how to go on).
+_REFUSED = (
+    ('ensemble.own', lambda v: v != 'all', "use ensemble.own='all'"),
+    ('pbt.enabled', bool, 'set pbt.enabled=False'),
+    ('select.top_k', bool, 'set select.top_k=0'),
+    ('select.method', lambda v: v == 'greedy', "set select.method='top_k'"),
+    ('eval.temperature_scaling', bool, 'set eval.temperature_scaling=False'),
+    ('eval.mc_samples', bool, 'set eval.mc_samples=0'),
+    ('eval.laplace', bool, "set eval.laplace=''"),
+    ('eval.shift', bool, "set eval.shift=''"),
+    ('distill.student', bool, "set distill.student=''"),
+    ('model.init_from', bool, "set model.init_from='' (also in every group)"),
+    ('mesh.model', lambda v: v != 1, 'set mesh.model=1'),
+    ('mesh.fsdp_over_data', bool, 'set mesh.fsdp_over_data=False'),
+    ('data.member_split', bool, "set data.member_split=''"),
+    ('task', lambda v: v == 'regression_homoscedastic', "use task='regression'"),
+)
+
+
+def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
+  node = config
+  for part in dotted.split('.'):
+    node = node[part]
+  return node
+
+
+def check(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
+  """The config's groups, checked: counts that sum to num_members, overrides of real
+  fields, and none of the pairings groups do not support yet (one line naming both)."""
+  specs = group_specs(config)
+  if not specs:
+    return specs
+  total = sum(s.group.count for s in specs)
+  if total != config.num_members:
+    counts = ' + '.join(str(s.group.count) for s in specs)
+    raise ConfigError(f'config.num_members={config.num_members} but {FIELD} counts {total} '
+                      f'members ({counts}); set num_members={total}.')
+  _check_method(config)
+  for spec in specs:
+    one = group_config(config, spec)
+    for field, refused, fix in _REFUSED:
+      if refused(_get(one, field)):
+        raise ConfigError(f'{FIELD} does not support config.{field}={_get(one, field)!r} '
+                          f'yet (docs/groups.md); {fix}, or train without groups.')
+  return specs
+
+
+def fitted_members(config: ml_collections.ConfigDict) -> int:
+  """The member count a mesh's 'member' axis must divide: num_members, or with groups
+  the gcd of their counts (each group is split over all member devices)."""
+  specs = group_specs(config)
+  return math.gcd(*(s.group.count for s in specs)) if specs else config.num_members
+
+
+def _check_method(config: ml_collections.ConfigDict) -> None:
+  """Groups train independent, whole members (a deep ensemble's): a method that wraps the
+  model or loss, collects, shares leaves or predicts with other members is refused, by
+  what the method declares, not by its name."""
+  method = methods.from_spec(specs.method_spec(config))
+  plain = (method.copyable and not method.collects and not method.shares
+           and method.wrap_model is None and method.wrap_loss is None
+           and method.per_member == 1 and method.outputs_per_output == 1 and method.cycles == 1)
+  if not plain:
+    raise ConfigError(f'{FIELD} does not support config.ensemble.method='
+                      f'{config.ensemble.method!r} yet (docs/groups.md): groups train '
+                      'independent whole members; use the deep ensemble\'s method, or train '
+                      'without groups.')
+
+
+def check_divides(specs: Sequence[GroupSpec], member_devices: int) -> None:
+  """Every group is sharded over all of the mesh's 'member' devices: each count must
+  divide evenly."""
+  for spec in specs:
+    if spec.group.count % member_devices:
+      raise ConfigError(
+          f'{FIELD} group {spec.name!r} has count={spec.group.count}, which the mesh\'s '
+          f'{member_devices} member devices (config.mesh.member) do not divide: every group '
+          f'is split over all of them; use counts that are multiples of {member_devices}, '
+          'or a smaller mesh.member.')
+
+
+_PER_MEMBER = {'optim': ('learning_rate', 'weight_decay', 'b1', 'momentum'),
+               'model': ('init_scale',)}
+
+
+def refuse(config: Any, what: str) -> None:
+  """One line refusing `what` (a command or an Ensemble method) for a run with groups."""
+  groups = config.ensemble.get('groups', ()) if 'ensemble' in config else ()
+  if groups:
+    raise ConfigError(f'{what} does not support {FIELD} yet (docs/groups.md): the run has '
+                      f'{len(groups)} member groups of different architectures.')

@@ -1,0 +1,41 @@
+"""After the last step, each member group's own ensemble (config.ensemble.groups): the
+test metrics of the ensemble of one group's non-frozen members, from the same pass over
+the test split as the whole ensemble's (SplitPredictions), written to final_metrics.json
+under 'groups'."""
+
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+from dist_ens import member_groups
+from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.predictions import SplitPredictions
+from dist_ens.core.state import member_flags
+
+
+class GroupEnsembles(PeriodicAction):
+  """results['groups'][name]: the group's member ids, overrides and ensemble metrics."""
+
+  def __init__(self, predictions: SplitPredictions):
+    super().__init__(0, at_end=True)
+    self._predictions = predictions
+
+  def run(self, ctx: Context) -> None:
+    test = ctx.run_data.dataset.test
+    outputs = self._predictions.predict(ctx, test).outputs
+    included = ~np.asarray(member_flags(ctx.fetch(ctx.state.frozen)), bool)
+    out: dict[str, Any] = {}
+    for spec in member_groups.group_specs(ctx.config):
+      ids = spec.group.ids
+      ensemble = (ctx.evaluator.scorer.metrics(outputs[ids], test.y, included[ids])['ensemble']
+                  if included[ids].any() else None)  # every member frozen: no ensemble
+      out[spec.name] = {'members': list(range(ids.start, ids.stop)), 'model': spec.model,
+                        'optim': spec.optim, 'ensemble': ensemble}
+      if ensemble is not None:
+        logging.info('group %s (members %d-%d): ensemble %s', spec.name, ids.start,
+                     ids.stop - 1, ' '.join(f'{k} {ensemble[k]:.4f}' for k in
+                                            ('accuracy', 'rmse', 'nll') if k in ensemble))
+    ctx.results['groups'] = out
+    if ctx.writes_final_events:
+      ctx.write({'step': ctx.step, 'split': 'test_groups', 'groups': out})
