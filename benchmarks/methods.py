@@ -1,6 +1,6 @@
 """Ensemble methods compared at equal training compute on the embedded MNIST-1D data.
 
-  python benchmarks/methods.py               # budget 4 x 1000 member-steps, ~10 min on 2 cores
+  python benchmarks/methods.py               # budget 4 x 1000 member-steps, 35 min on 2 cores at load 8-11
   python benchmarks/methods.py --steps 200   # a quick look
   python benchmarks/methods.py --config configs/digits_resnet20.py   # ResNet-20 on digits,
       # T = the config's train.steps (110), OOD set digits_noise; writes methods_digits_resnet20.json
