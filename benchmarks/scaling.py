@@ -804,7 +804,7 @@ def plot(fits: list[dict[str, Any]], path: Path, title: str) -> None:
   plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--model', default='mlp', choices=sorted(SETUPS),
@@ -824,7 +824,11 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--scratch', default='', help=argparse.SUPPRESS)
   parser.add_argument('--child_out', default='', help=argparse.SUPPRESS)
   parser.add_argument('--step_rounds', default='', help=argparse.SUPPRESS)
-  args = parser.parse_args(argv)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+  args = _parser().parse_args(argv)
   global SETUP, PLATFORM, PEAK_TFLOPS  # pylint: disable=global-statement  (a script's settings)
   SETUP, PLATFORM, PEAK_TFLOPS = SETUPS[args.model], args.platform, args.peak_tflops
   args.out = args.out or str(ROOT / 'benchmarks' / 'results' / SETUP.out)
