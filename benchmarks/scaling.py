@@ -134,6 +134,12 @@ def config_for(members: int, steps: int):
   return config
 
 
+# The evaluation program's names: 'step', eval/shift.py's prediction program that the final
+# evaluation, validation and the decisions share (training/predictions.py); 'eval_step'
+# before that sharing (the results of earlier runs).
+EVALUATION = ('step', 'eval_step')
+
+
 class _CompileLog:
   """trace, lower and XLA compile seconds by function name (jax.monitoring events),
   tagged with the phase they fell in."""
@@ -154,7 +160,7 @@ class _CompileLog:
 
   def seconds(self, phase: str, names: tuple[str, ...] | None) -> dict[str, float]:
     """Seconds per kind (trace, lower, compile, total) of `names` (None: every other)."""
-    known = ('init', 'traced', 'eval_step')
+    known = ('init', 'traced') + EVALUATION
     out = {'trace': 0.0, 'lower': 0.0, 'compile': 0.0}
     for p, name, kind, d in self.events:
       if p == phase and ((name in names) if names else name not in known):
@@ -432,7 +438,7 @@ def child(members: int, steps: int, scratch: Path, out_path: Path) -> None:
   out['actions_s'] = action_seconds
   out['compile_s'] = {'init': log.seconds('run', ('init',)),
                       'train_step': log.seconds('run', ('traced',)),
-                      'evaluation': log.seconds('run', ('eval_step',)),
+                      'evaluation': log.seconds('run', EVALUATION),
                       'other': log.seconds('run', None)}
   out['compile_by_name_s'] = log.by_name('run')
   out['ensemble_nll'] = final['ensemble']['nll']
