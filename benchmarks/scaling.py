@@ -818,6 +818,9 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument('--members', default='', help='comma-separated M (default: the setup\'s)')
   parser.add_argument('--quick', action='store_true', help='the setup\'s short list of M')
   parser.add_argument('--no_plan', action='store_true', help='skip `dist-ens plan`')
+  parser.add_argument('--child_timeout', type=int, default=CHILD_TIMEOUT_S,
+                      help='seconds each M\'s process and its plan may take (ResNet-20 at '
+                      'M=64 on 2 cores needs more than the default)')
   parser.add_argument('--platform', default='cpu', choices=('cpu', 'gpu'),
                       help=f'cpu: {DEVICES} fake CPU devices; gpu: the machine\'s GPUs')
   parser.add_argument('--peak_tflops', type=float, default=None,
@@ -835,8 +838,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
   args = _parser().parse_args(argv)
-  global SETUP, PLATFORM, PEAK_TFLOPS  # pylint: disable=global-statement  (a script's settings)
+  global SETUP, PLATFORM, PEAK_TFLOPS, CHILD_TIMEOUT_S, PLAN_TIMEOUT_S  # pylint: disable=global-statement  (a script's settings)
   SETUP, PLATFORM, PEAK_TFLOPS = SETUPS[args.model], args.platform, args.peak_tflops
+  CHILD_TIMEOUT_S = PLAN_TIMEOUT_S = args.child_timeout
   args.out = args.out or str(ROOT / 'benchmarks' / 'results' / SETUP.out)
   if args.child:
     child(args.child, args.steps, Path(args.scratch), Path(args.child_out))
