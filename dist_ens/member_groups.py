@@ -107,7 +107,8 @@ def group_config(config: ml_collections.ConfigDict,
               f'{field} (all {config.num_members} members).')
         if isinstance(value, list) and isinstance(out[key][field], tuple):
           value = tuple(value)  # A config.json read back holds lists.
-        out[key][field] = value
+        with out[key].ignore_type():  # a config.json read back types a spec field as str
+          out[key][field] = value
   return out
 
 
@@ -115,13 +116,8 @@ def group_config(config: ml_collections.ConfigDict,
 # in one line naming both fields (docs/groups.md says how to go on).
 _REFUSED = (
     ('ensemble.own', lambda v: v != 'all', "use ensemble.own='all'"),
-    ('pbt.enabled', bool, 'set pbt.enabled=False'),
-    ('select.top_k', bool, 'set select.top_k=0'),
-    ('select.method', lambda v: v == 'greedy', "set select.method='top_k'"),
-    ('eval.temperature_scaling', bool, 'set eval.temperature_scaling=False'),
     ('eval.mc_samples', bool, 'set eval.mc_samples=0'),
     ('eval.laplace', bool, "set eval.laplace=''"),
-    ('eval.shift', bool, "set eval.shift=''"),
     ('distill.student', bool, "set distill.student=''"),
     ('model.init_from', bool, "set model.init_from='' (also in every group)"),
     ('mesh.model', lambda v: v != 1, 'set mesh.model=1'),

@@ -100,6 +100,10 @@ _FEATURES = (
     Option('groups', {'ensemble.groups': ({'count': 2, 'model': {'widths': (8,)}},
                                           {'count': 2, 'model': {'widths': (4, 4)}})},
            ('ensemble.groups',), label='member groups'),
+    # A student distilled from the members after training (tests/test_distill.py checks
+    # what it keeps of the ensemble's gain).
+    Option('distill', {'distill.student': 'same', 'distill.steps': 2}, ('distill.student',),
+           label='distillation'),
 )
 for _option in _FEATURES:
   AXES[_option.key] = (Option(f'no {_option.key}', {}, ()), _option)
@@ -155,8 +159,12 @@ REFUSED: dict[frozenset[str], str] = {
                            '(docs/groups.md)'
        for o in (*_NOT_DEEP, 'prior', 'epinet', 'mc_dropout', 'own=head', 'own=lora')},
     **{_pair('groups', o): 'not built for member groups yet (docs/groups.md)'
-       for o in ('model=2', 'member_split', 'pbt', 'top_k', 'greedy', 'temperature',
-                 'shift', 'laplace')},
+       for o in ('model=2', 'member_split', 'laplace', 'distill')},
+    **{_pair('distill', t): "the student learns a classifier's soft targets over classes"
+       for t in ('regression', 'regression [N, D]', 'token_classification')},
+    **{_pair('distill', m): "the student learns from independently trained members of the "
+                            "run's model, not shared leaves or other predicting weights"
+       for m in (*_NOT_DEEP, 'prior', 'epinet', 'own=head', 'own=lora')},
 }
 
 # Pairs that should work and do not yet: the test expects them to fail (xfail strict).

@@ -13,7 +13,10 @@ import pytest
 import support
 
 import dist_ens
+from dist_ens import specs
+from dist_ens.core import hparams as hparams_lib
 from dist_ens.data import load_dataset
+from dist_ens.ensembles import pbt as pbt_lib
 
 # Two groups of two members: ids 0-1 an MLP of one hidden layer, ids 2-3 one of two with
 # its own learning rate. A tiny run (support.config: 4 steps, batch 32).
@@ -107,11 +110,77 @@ def test_an_interrupted_run_resumes_to_the_uninterrupted_state(grouped, tmp_path
   assert resumed['members']['nll'] == results['members']['nll']
 
 
+def test_selection_and_post_hoc_steps_range_over_every_groups_members(tmp_path):
+  """Top-k and greedy selection choose among all members (across architectures: the
+  neural-ensemble-search baseline), temperature scaling fits a temperature per member of
+  every group, and shift evaluation scores the combined ensemble."""
+  config = _config(data__validation_size=200, select__top_k=2, eval__temperature_scaling=True,
+                   eval__shift='gaussian_noise:1')
+  final = dist_ens.train(config, str(tmp_path / 'topk'))
+  val_nll = np.array(final['validation']['members']['nll'])
+  assert len(val_nll) == 4
+  assert final['selected']['members'] == sorted(np.argsort(val_nll)[:2].tolist())
+  assert len(final['temperature_scaling']['member_temperatures']) == 4
+  assert final['temperature_scaling']['after']['ensemble']['nll'] <= (
+      final['temperature_scaling']['before']['ensemble']['nll'] + 1e-6)
+  shifted = final['shift']['corruptions']['gaussian_noise']['1']
+  assert final['shift']['pairs'] == 1 and len(shifted['members']['nll']) == 4
+  assert np.isfinite(shifted['ensemble']['nll'])
+  config = _config(data__validation_size=200, select__method='greedy', select__greedy_size=1)
+  final = dist_ens.train(config, str(tmp_path / 'greedy'))
+  [member] = final['greedy']['picks']
+  # One pick from either group: the greedy ensemble is that member.
+  assert final['greedy']['ensemble']['nll'] == pytest.approx(final['members']['nll'][member],
+                                                             rel=1e-4)
+  assert member == int(np.argmin(final['validation']['members']['nll']))
+
+
+def _pbt_config():
+  return _config(pbt__enabled=True, pbt__interval=2, pbt__resample_probability=0.0,
+                 data__validation_size=200, train__steps=6, checkpoint__every=2,
+                 optim__learning_rate='loguniform(1e-4,3e-2)')
+
+
+def test_pbt_copies_within_each_group_bit_for_bit_and_resumes_exactly(tmp_path):
+  """Each group is its own population: a round's decisions are pbt.decide's on the group's
+  logged validation values (drawn by member id), a copy takes a member of its own group
+  bit for bit, and a run killed between rounds resumes to the same rounds and members."""
+  from test_methods import _Stop  # pylint: disable=g-import-not-at-top
+  from test_pbt import _Capture  # pylint: disable=g-import-not-at-top
+  capture = _Capture(2)
+  straight = dist_ens.train(_pbt_config(), str(tmp_path / 'a'), actions=[capture])
+  state, _, _ = capture.seen
+  spec = specs.pbt_spec(_pbt_config())
+  hp = hparams_lib.resolve(specs.hparams_spec(_pbt_config()))
+  hp['optim.learning_rate'][2:] = 3e-3  # the second group's own value
+  events = [json.loads(line) for line in (tmp_path / 'a' / 'metrics.jsonl').read_text()
+            .splitlines()]
+  rounds = [e['pbt'] for e in events if e['split'] == 'pbt']
+  assert len(rounds) == 2  # steps 2 and 4, not the last
+  for logged in rounds:
+    values = np.array([np.nan if v is None else v for v in logged['values']])
+    for g, first in enumerate((0, 2)):
+      ids = slice(first, first + 2)
+      one = pbt_lib.decide(spec, logged['round'], list(values[ids]),
+                           {f: v[ids] for f, v in hp.items()}, first_member=first)
+      assert logged['sources'][ids] == (one.sources + first).tolist()
+      assert sum(s != i for i, s in enumerate(one.sources)) == 1  # one copy per group
+    hp = {f: np.float32(v) for f, v in logged['hparams'].items()}
+  for dst, src in enumerate(rounds[0]['sources']):  # Copied at step 2, bit for bit.
+    g, first = (0, 0) if dst < 2 else (1, 2)
+    for leaf in jax.tree.leaves((state.params[g], state.opt_state[g], state.model_state[g])):
+      np.testing.assert_array_equal(np.asarray(leaf)[dst - first], np.asarray(leaf)[src - first])
+  with pytest.raises(RuntimeError, match='injected fault'):  # After step 2's checkpoint.
+    dist_ens.train(_pbt_config(), str(tmp_path / 'b'), actions=[_Stop(2)])
+  resumed = dist_ens.train(_pbt_config(), str(tmp_path / 'b'))
+  assert resumed['pbt'] == straight['pbt'] and resumed['members'] == straight['members']
+  support.assert_trees_equal(_stored(tmp_path / 'b'), _stored(tmp_path / 'a'))
+
+
 @pytest.mark.parametrize('field, value', [
     ('ensemble.method', 'prior'),
-    ('ensemble.own', 'head'), ('pbt.enabled', True),
-    ('select.top_k', 2), ('eval.mc_samples', 2), ('eval.shift', 'all'),
-    ('mesh.model', 2), ('data.member_split', 'kfold:2'),
+    ('ensemble.own', 'head'),
+    ('eval.mc_samples', 2), ('eval.laplace', 'last_layer_diag'), ('mesh.model', 2), ('data.member_split', 'kfold:2'),
 ])
 def test_what_groups_do_not_support_yet_is_refused_in_one_line(field, value, tmp_path):
   config = _config(**{field.replace('.', '__'): value})
@@ -143,13 +212,40 @@ def test_a_count_the_member_devices_do_not_divide_is_refused(tmp_path):
   assert "group 'group0' has count=2" in message and 'mesh.member' in message, message
 
 
-def test_plan_and_report_refuse_groups(grouped):
+def test_plan_prices_each_group_and_measures_the_joint_step():
   from dist_ens import plan  # pylint: disable=g-import-not-at-top
-  from dist_ens.io import report  # pylint: disable=g-import-not-at-top
-  assert 'dist-ens plan' in support.one_line_refusal(lambda: plan.make_plan(_config()))
+  result = plan.make_plan(_config(), memory_bytes=1e9)
+  assert [(g.name, g.first_member, g.count) for g in result.groups] == [('group0', 0, 2),
+                                                                       ('deep', 2, 2)]
+  # MNIST-1D: 40 inputs, 10 classes; (16,) and (8, 8) hidden layers.
+  assert result.groups[0].params_per_member == 40 * 16 + 16 + 16 * 10 + 10
+  assert result.groups[1].params_per_member == 40 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 10
+  for group in result.groups:  # Parameters and Adam's two moments, float32, and more.
+    assert group.state_bytes_per_member >= 3 * 4 * group.params_per_member
+    assert group.flops_per_example > 6 * group.params_per_member * 0.5
+  # Every group's state once, their shared step counter (4 bytes) once.
+  assert result.state_bytes_per_device == sum(g.state_bytes_per_device
+                                              for g in result.groups) - 4
+  # The joint step holds every group's state (donated) at once.
+  assert result.step.alias >= result.state_bytes_per_device and result.fits
+  text = plan.groups_plan.format_groups_plan(result, _config())
+  assert '4 members in 2 groups' in text and "widths=(8, 8)" in text
+  assert 'fits 1.00 GB per device' in text
+
+
+def test_the_report_shows_every_groups_ensemble_beside_the_whole(grouped):
   pytest.importorskip('matplotlib')
-  workdir, _ = grouped
-  assert 'dist-ens report' in support.one_line_refusal(lambda: report.make_report(workdir))
+  from dist_ens.io import report  # pylint: disable=g-import-not-at-top
+  workdir, results = grouped
+  out = report.make_report(workdir)
+  text = (out / 'report.md').read_text()
+  assert '4 members in 2 groups (2 x group0: mlp' in text and '2 x deep: mlp' in text
+  # The methods figure and table: each group's ensemble beside the whole one's.
+  assert (out / 'methods.png').exists()
+  for name, group in results['groups'].items():
+    row = next(line for line in text.splitlines() if line.startswith(f'| group {name} (2'))
+    assert f"{group['ensemble']['nll']:.4f}" in row, row
+  assert (out / 'reliability.png').exists() and (out / 'ensemble_size.png').exists()
 
 
 @pytest.mark.slow

@@ -67,7 +67,7 @@ def rank(values: Sequence[float], higher_is_better: bool) -> np.ndarray:
 
 
 def decide(spec: PbtSpec, round_index: int, values: Sequence[float],
-           hparams: Mapping[str, np.ndarray]) -> Decision:
+           hparams: Mapping[str, np.ndarray], first_member: int = 0) -> Decision:
   """Who copies whom in round `round_index`, and every member's hyperparameters after it.
 
   Args:
@@ -75,6 +75,8 @@ def decide(spec: PbtSpec, round_index: int, values: Sequence[float],
     round_index: the round, step // interval (1 for the first).
     values: [M] validation metric values (NaN for a member that cannot rank).
     hparams: {field: [M]} every per-member hyperparameter before the round.
+    first_member: the id of values[0] (a member group's population: its members are ids
+      first_member .., and each draws from (seed, round, its id) as without groups).
 
   Example:
     >>> d = decide(spec, 1, [0.3, 0.9, 0.5, 0.2], hparams)   # nll: member 1 is worst
@@ -91,7 +93,7 @@ def decide(spec: PbtSpec, round_index: int, values: Sequence[float],
   if not top:  # Nothing can rank (every member diverged): no one to copy from.
     return Decision(sources, new)
   for member in sorted(int(i) for i in order[m - n:]):
-    rng = np.random.default_rng([spec.seed, round_index, member])
+    rng = np.random.default_rng([spec.seed, round_index, first_member + member])
     source = top[int(rng.integers(len(top)))]
     sources[member] = source
     for field in hparams:  # Every field, each from its source; explored ones perturbed.

@@ -86,10 +86,6 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
   except (json.JSONDecodeError, UnicodeDecodeError) as e:  # Truncated or overwritten.
     raise ConfigError(f'{workdir / "final_metrics.json"} is damaged ({e}); run the training '
                       'command again on this workdir to rewrite it.') from None
-  if final.get('groups'):
-    raise ConfigError(f'dist-ens report does not support config.ensemble.groups yet '
-                      f'(docs/groups.md); {workdir / "final_metrics.json"} holds every member\'s, '
-                      "the ensemble's and each group's ensemble's metrics.")
   try:
     import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
   except ImportError:
@@ -112,7 +108,7 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
   config = ensemble.config
   if final.get('pbt') and report_pbt.plot_pbt(out, config, read_events(workdir / 'metrics.jsonl')):
     figures.append(Figure('pbt', 'Population-based training', PBT_CAPTION))
-  summary = (f'{config.num_members} x {config.model.name} on {config.data.name}, step '
+  summary = (f'{_members_text(config, final)} on {config.data.name}, step '
              f'{ensemble.step} of {config.train.steps}, test split of {len(test.y)} examples'
              + (f'; frozen members {sorted(frozen)} are left out of the ensemble'
                 if frozen else '') + '.')
@@ -120,6 +116,21 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
   (out / 'report.md').write_text(markdown(run), encoding='utf-8')
   (out / 'report.html').write_text(html_page(run, out), encoding='utf-8')
   return out
+
+
+def _members_text(config: Any, final: dict[str, Any]) -> str:
+  """'8 x mlp', or with member groups each group's count, name and model overrides."""
+  groups = final.get('groups')
+  if not groups:
+    return f'{config.num_members} x {config.model.name}'
+
+  def one(name: str, group: dict[str, Any]) -> str:
+    model = dict(group['model'])
+    text = f"{len(group['members'])} x {name}: {model.pop('name', config.model.name)}"
+    return text + (f' {model}' if model else '')
+
+  return (f'{config.num_members} members in {len(groups)} groups ('
+          + ', '.join(one(name, group) for name, group in groups.items()) + ')')
 
 
 def _draw_figures(out: Path, workdir: Path, final: dict[str, Any], prediction: Prediction,

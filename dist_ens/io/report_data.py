@@ -69,10 +69,13 @@ def finite_mean(values: Sequence[Any], members: Sequence[int]) -> float:
 
 def method_rows(final: dict[str, Any]) -> dict[str, dict[str, Any]]:
   """label -> ensemble test metrics of every way the run predicted: the trained members,
-  and what the ensemble method, selection and post-hoc actions added (snapshots, SWAG
-  samples, MC dropout, temperature scaling, top-k, greedy, the distilled student), in that
-  order."""
+  each member group's own ensemble, and what the ensemble method, selection and post-hoc
+  actions added (snapshots, SWAG samples, MC dropout, temperature scaling, top-k, greedy,
+  the distilled student), in that order."""
   rows = {'trained members': final['ensemble']}
+  for name, group in final.get('groups', {}).items():  # Member groups: each group's own.
+    if group['ensemble'] is not None:
+      rows[f"group {name} ({len(group['members'])} members)"] = group['ensemble']
   for key, value in final.items():  # The members a method collected (its own section).
     if isinstance(value, dict) and 'members_per_member' in value:
       rows[f'{key} ({value["members_per_member"]} per member)'] = value['ensemble']

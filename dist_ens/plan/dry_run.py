@@ -65,8 +65,7 @@ class HostMemory(NamedTuple):
 def step_arguments(parts: assemble.Parts, config: ml_collections.ConfigDict,
                    uses_index: bool) -> tuple:
   """The step's abstract arguments (state, hparams, x, y[, index]), sharded as in a run."""
-  mesh, state = parts.mesh, parts.abstract_state
-  num_members = state.frozen.shape[0]
+  mesh, num_members = parts.mesh, parts.num_members
   batch = config.data.batch_size
   per_member = config.data.member_order != 'shared'
   lead = (num_members, batch) if per_member else (batch,)
@@ -75,11 +74,16 @@ def step_arguments(parts: assemble.Parts, config: ml_collections.ConfigDict,
   x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=batch_sharding)
   y = jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding)
   member_sharding = mesh_lib.member_sharding(mesh)
-  hparams = {k: jax.ShapeDtypeStruct((num_members,), jnp.float32, sharding=member_sharding)
-             for k in parts.hparams}
+
+  def hparams_of(p: assemble.Parts) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k: jax.ShapeDtypeStruct((p.num_members,), jnp.float32, sharding=member_sharding)
+            for k in p.hparams}
+
+  # With member groups the step takes each group's hyperparameters (Parts.device_hparams).
+  hparams = tuple(map(hparams_of, parts.groups)) if parts.groups else hparams_of(parts)
   # With augmentation the step also takes the examples' indices (int32, shaped like y).
   index = (jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding),)
-  return (state, hparams, x, y, *(index if uses_index else ()))
+  return (parts.abstract_state, hparams, x, y, *(index if uses_index else ()))
 
 
 def compile_step(parts: assemble.Parts, config: ml_collections.ConfigDict,

@@ -32,7 +32,7 @@ import json
 import math
 import sys
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import ml_collections
@@ -41,7 +41,7 @@ from ml_collections import config_flags
 
 from dist_ens import assemble, configuration, data, member_groups, tasks
 from dist_ens.parallel import mesh as mesh_lib, placement
-from dist_ens.plan import calibration, dry_run
+from dist_ens.plan import calibration, dry_run, groups_plan, sizes
 from dist_ens.plan.dry_run import StepMemory, step_memory
 from dist_ens.errors import ConfigError
 from dist_ens.io.tables import counted
@@ -157,32 +157,11 @@ def device_memory_bytes(device: jax.Device) -> float | None:
   return float(stats['bytes_limit']) if stats and stats.get('bytes_limit') else None
 
 
-def _flops_per_example(compiled, parts, config: ml_collections.ConfigDict,
-                       form) -> float | None:
-  """FLOPs of the compiled (per-device) step / the member-examples one device runs. XLA's
-  cost analysis counts a loop's body once, so a step whose members run in a loop ('map')
-  is counted on a vmapped step of one member per device instead."""
-  mesh = parts.mesh
-  members_per_device = parts.abstract_state.frozen.shape[0] // mesh.shape[mesh_lib.MEMBER]
-  if form[0] != 'vmap' and members_per_device > 1:
-    one = assemble.build_parts(config, mesh, parts.input_shape, parts.num_outputs,
-                               num_members=mesh.shape[mesh_lib.MEMBER])
-    compiled, members_per_device = dry_run.compile_step(one, config, ('vmap', None))[0], 1
-  try:
-    cost = compiled.cost_analysis()
-  except Exception:  # pylint: disable=broad-except  # Not implemented on some backends.
-    return None
-  if isinstance(cost, (list, tuple)):  # Older jax: one dict per program.
-    cost = cost[0] if cost else None
-  if not cost or cost.get('flops', -1) <= 0:
-    return None
-  examples = config.data.batch_size // mesh.shape[mesh_lib.DATA]
-  return float(cost['flops']) / (members_per_device * examples)
-
-
 def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
-              memory_bytes: float | None = None, measure_programs: bool = True) -> Plan:
-  """Compiles the config's train step abstractly and measures its memory.
+              memory_bytes: float | None = None, measure_programs: bool = True
+              ) -> Plan | groups_plan.GroupsPlan:
+  """Compiles the config's train step abstractly and measures its memory (with member
+  groups: each group's sizes and the joint step's memory, a groups_plan.GroupsPlan).
 
   Args:
     config: a config like configs/default.py's.
@@ -198,11 +177,14 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   """
   configuration.check_known_fields(config)
   configuration.validate(config)
-  member_groups.refuse(config, 'dist-ens plan')
   config, per_epoch = _resolve_steps(config)
   input_shape, num_outputs = data_shape(config)
   run = assemble.build_run(config, devices=devices, shapes=(input_shape, num_outputs))
   parts, form, mesh = run.parts, run.form, run.parts.mesh
+  if memory_bytes is None:
+    memory_bytes = device_memory_bytes(mesh.devices.flat[0])
+  if parts.groups:  # Each group priced on its own, the joint step measured whole.
+    return groups_plan.make_groups_plan(config, run, memory_bytes)
   platform = mesh.devices.flat[0].platform
   shards = mesh.shape[mesh_lib.MEMBER]
   per_device = config.num_members // shards
@@ -221,8 +203,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   state = parts.abstract_state
 
   m = config.num_members
-  params_per_member, state_bytes_per_member = _per_member_sizes(state, m)
-  memory_bytes = device_memory_bytes(mesh.devices.flat[0]) if memory_bytes is None else memory_bytes
+  params_per_member, state_bytes_per_member = sizes.per_member_sizes(state, m)
   peak = _peak(step, host, len(mesh.local_devices))
   max_members = _max_members(memory_bytes, peak, bytes_per_member, per_device, shards)
   return Plan(
@@ -231,20 +212,11 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       state_bytes_per_member=state_bytes_per_member, step=step, step_doubled=step_doubled,
       bytes_per_member=bytes_per_member, fixed_bytes=fixed, memory_bytes=memory_bytes,
       max_members=max_members,
-      flops_per_example=_flops_per_example(compiled, parts, config, form),
+      flops_per_example=sizes.flops_per_example(compiled, parts, config, form),
       train_steps=config.train.steps, steps_per_epoch=per_epoch,
       program_bytes=host.programs if host else None,
       dry_run_peak_bytes=host.peak if host else None,
-      peak_bytes=peak, **_placement(parts))
-
-
-def _per_member_sizes(state: Any, m: int) -> tuple[int, int]:
-  """(parameters, state bytes) per member: all trained parameters over M (a shared weight
-  counts 1/M per member); leaves with axes only (the step counter belongs to no member)."""
-  params = round(sum(leaf.size for leaf in jax.tree.leaves(state.params)) / m)
-  state_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)
-                    if leaf.ndim) // m
-  return params, state_bytes
+      peak_bytes=peak, **sizes.placement_of(parts))
 
 
 def _max_members(memory_bytes: float | None, peak: float, bytes_per_member: float,
@@ -255,14 +227,6 @@ def _max_members(memory_bytes: float | None, peak: float, bytes_per_member: floa
     return None
   return max(0, math.floor((memory_bytes - peak + bytes_per_member * per_device)
                            / bytes_per_member)) * shards
-
-
-def _placement(parts: assemble.Parts) -> dict:
-  """The train state's bytes per device and each parameter's spec, by the run's layout."""
-  state, shape = parts.abstract_state, parts.mesh.shape
-  specs = parts.layout.state_specs(state)
-  return {'state_bytes_per_device': placement.state_bytes_per_device(specs, state, shape),
-          'param_leaves': placement.describe(specs.params, state.params, shape)}
 
 
 def _peak(step: StepMemory, host: dry_run.HostMemory | None, devices: int) -> float:
@@ -329,6 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ConfigError as e:
     print(f'dist-ens plan: error: {e}', file=sys.stderr)
     return 1
-  print(json.dumps(plan.to_dict(), indent=2) if as_json.value else format_plan(plan, config))
+  text = (groups_plan.format_groups_plan if isinstance(plan, groups_plan.GroupsPlan)
+          else format_plan)
+  print(json.dumps(plan.to_dict(), indent=2) if as_json.value else text(plan, config))
   return 0
 

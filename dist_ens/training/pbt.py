@@ -22,14 +22,14 @@ so a resume continues with them; together with decisions that depend only on (se
 round, metric values), a resumed run equals an uninterrupted one.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 from absl import logging
 
-from dist_ens.core import hparams as hparams_lib
+from dist_ens.core import groups as groups_lib, hparams as hparams_lib
 from dist_ens.core.axes import MEMBER
 from dist_ens.ensembles import pbt as pbt_lib
 from dist_ens.parallel import mesh as mesh_lib
@@ -40,21 +40,31 @@ _META_KEY = 'pbt'
 _MAX_COPIES_LISTED = 8  # a round's log line names this many copies at most
 
 
-def make_exploit(state_shardings: Any, mesh: jax.sharding.Mesh) -> Callable[..., Any]:
+def make_exploit(state_shardings: Any, mesh: jax.sharding.Mesh,
+                 groups: Sequence[groups_lib.Group] = ()) -> Callable[..., Any]:
   """exploit(state, sources) -> the state whose member i is member sources[i]'s, bit for bit.
 
   Every leaf stacked over members (its first dimension sharded over 'member') is gathered
   along that axis; scalars (the step) stay. Compiled once per run, the state donated,
   with out_shardings = the state's shardings. The gather all-gathers each stacked leaf
   over 'member' before slicing: for a moment a device holds every member of one leaf.
+  With member groups (the joined state of core/groups.py) each group's stack is gathered
+  by its own members' sources, which name members of the same group.
   """
   def take(leaf: jax.Array, sharding: jax.sharding.NamedSharding, sources: jax.Array):
     stacked = leaf.ndim > 0 and len(sharding.spec) > 0 and sharding.spec[0] == MEMBER
     return leaf[sources] if stacked else leaf
 
+  def one_stack(state: Any, shardings: Any, sources: jax.Array) -> Any:
+    return jax.tree.map(lambda leaf, sharding: take(leaf, sharding, sources), state, shardings)
+
   def exploit(state: Any, sources: jax.Array) -> Any:
-    return jax.tree.map(lambda leaf, sharding: take(leaf, sharding, sources), state,
-                        state_shardings)
+    if not groups:
+      return one_stack(state, state_shardings, sources)
+    return groups_lib.join_states([
+        one_stack(s, shardings, sources[g.first:g.first + g.count] - g.first)
+        for s, shardings, g in zip(groups_lib.split_state(state),
+                                   groups_lib.split_state(state_shardings), groups)])
 
   return jax.jit(exploit, in_shardings=(state_shardings, mesh_lib.replicated(mesh)),
                  out_shardings=state_shardings, donate_argnums=0)
@@ -100,7 +110,9 @@ class PopulationBasedTraining(PeriodicAction):
   def __init__(self, ctx: Context, spec: pbt_lib.PbtSpec):
     super().__init__(spec.interval)
     self.spec = spec
-    self._exploit = make_exploit(ctx.parts.state_shardings, ctx.parts.mesh)
+    self._groups = _groups(ctx)
+    self._exploit = make_exploit(ctx.parts.state_shardings, ctx.parts.mesh,
+                                 self._groups if ctx.parts.groups else ())
     self._rounds: list[dict[str, Any]] = []
     saved = ctx.saved_meta.get(_META_KEY)
     if saved is not None:  # A resume: the hyperparameters as the last round left them.
@@ -119,7 +131,7 @@ class PopulationBasedTraining(PeriodicAction):
     values = [float('nan') if frozen[i] else float(v)
               for i, v in enumerate(validation['members'][spec.metric])]
     round_index = step // spec.interval
-    decision = pbt_lib.decide(spec, round_index, values, ctx.parts.hparams)
+    decision = _decide(spec, round_index, values, ctx.parts.hparams, self._groups)
     sources = jax.device_put(decision.sources.astype(np.int32),
                              mesh_lib.replicated(ctx.parts.mesh))
     ctx.state = self._exploit(ctx.state, sources)
@@ -145,8 +157,33 @@ class PopulationBasedTraining(PeriodicAction):
                           'lineage': lineage(self._rounds, ctx.config.num_members)}
 
 
+def _groups(ctx: Context) -> list[groups_lib.Group]:
+  """The populations PBT ranks and copies within: each member group, or all members."""
+  if ctx.parts.groups:
+    return [groups_lib.Group(g.first_member, g.num_members) for g in ctx.parts.groups]
+  return [groups_lib.Group(0, ctx.config.num_members)]
+
+
+def _decide(spec: pbt_lib.PbtSpec, round_index: int, values: list[float],
+            hparams: dict[str, np.ndarray], groups: list[groups_lib.Group]) -> pbt_lib.Decision:
+  """pbt_lib.decide within each population; sources and hyperparameters in id order."""
+  sources = np.arange(len(values))
+  new = {f: np.array(v, np.float32) for f, v in hparams.items()}
+  for g in groups:
+    one = pbt_lib.decide(spec, round_index, list(np.asarray(values)[g.ids]),
+                         {f: v[g.ids] for f, v in hparams.items()}, first_member=g.first)
+    sources[g.ids] = one.sources + g.first
+    for f, v in one.hparams.items():
+      new[f][g.ids] = v
+  return pbt_lib.Decision(sources, new)
+
+
 def _set_hparams(ctx: Context, values: dict[str, np.ndarray]) -> None:
   """The members' hyperparameters from now on: on the mesh for the step (same shapes and
-  sharding, so no retrace), and in ctx.parts for members.csv and final_metrics.json."""
-  ctx.parts = ctx.parts._replace(hparams={f: np.asarray(v, np.float32) for f, v in values.items()})
+  sharding, so no retrace), and in ctx.parts (each group's too) for members.csv and
+  final_metrics.json."""
+  values = {f: np.asarray(v, np.float32) for f, v in values.items()}
+  groups = tuple(g._replace(hparams={f: v[g.first_member:g.first_member + g.num_members]
+                                     for f, v in values.items()}) for g in ctx.parts.groups)
+  ctx.parts = ctx.parts._replace(hparams=values, groups=groups)
   ctx.hparams = ctx.parts.device_hparams()
