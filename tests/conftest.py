@@ -102,6 +102,17 @@ _SLOW_TIER = (
     "test_calibration.py::test_calibrating_a_real_step_times_every_candidate",
     # The digits ViT recipe trained; fast: test_vit's training and VIT_RULES tests.
     "test_vit.py::test_digits_vit_trains_through_dist_ens",
+    # Exact resume of a task's or a model's run (a killed run and its rerun); fast: the
+    # combination matrix's token_classification cases (SIGTERM, resume, load, predict),
+    # test_checkpoint's bit-exact resume, and each test's own train-and-predict half.
+    "test_token_task.py::test_next_token_prediction_resumes_exactly",
+    "test_seq_classification.py::test_members_resume_exactly",
+    # More meshes of one property; fast: the other parametrizations.
+    "test_model_axis.py::test_members_follow_the_same_trajectory_on_every_mesh[shape1]",
+    "test_train.py::test_topology_does_not_change_results[8-1]",
+    # own='batchensemble' formed for prediction; fast: the [head] case (the same forming
+    # path) and test_pretrained's BatchEnsemble member formed from w and its factors.
+    "test_shared_eval.py::test_ensemble_load_predicts_as_its_formed_members[batchensemble]",
 )
 
 

@@ -44,10 +44,19 @@ def _heads(params):
   return {name: leaf for name, leaf in flatten(params).items() if name.startswith('head/')}
 
 
-def test_members_train_resume_exactly_and_predict(tmp_path):
-  checkpoint = bert_with_tokenizer(tmp_path / 'bert')
-  config = lambda: _text_config(checkpoint, pool='mean')
-  run = assemble.build_run(config())
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory):
+  """A mean-pooled BERT classifier run to its end: (checkpoint, workdir, final metrics)."""
+  root = tmp_path_factory.mktemp('seq')
+  checkpoint = bert_with_tokenizer(root / 'bert')
+  return checkpoint, root / 'a', dist_ens.train(_text_config(checkpoint, pool='mean'),
+                                                str(root / 'a'))
+
+
+def test_members_start_from_the_file_train_and_predict(straight):
+  checkpoint, workdir, results = straight
+  config = _text_config(checkpoint, pool='mean')
+  run = assemble.build_run(config)
   initial = flatten(jax.device_get(assemble.init_sharded(run.parts)).params)
   for name, value in load_leaves(str(checkpoint)).items():
     if not name.startswith('head/'):  # the encoder starts from the file in every member
@@ -57,23 +66,27 @@ def test_members_train_resume_exactly_and_predict(tmp_path):
   assert head.shape == (4, 32, CLASSES)
   assert all(not np.allclose(head[i], head[j]) for i in range(4) for j in range(i))
 
-  straight = dist_ens.train(config(), str(tmp_path / 'a'))
-  with pytest.raises(RuntimeError, match='injected fault'):  # after step 2's checkpoint
-    dist_ens.train(config(), str(tmp_path / 'b'), actions=[_Stop(2)])
-  resumed = dist_ens.train(config(), str(tmp_path / 'b'))
-  assert straight['step'] == resumed['step'] == 4
-  assert np.isfinite(straight['members']['nll']).all()
-  assert resumed['members'] == straight['members']
-  a, b = (dist_ens.Ensemble.load(tmp_path / w) for w in ('a', 'b'))
-  for m in range(4):
-    jax.tree.map(np.testing.assert_array_equal, b.member(m), a.member(m))
+  assert results['step'] == 4 and np.isfinite(results['members']['nll']).all()
+  a = dist_ens.Ensemble.load(workdir)
   trained = [_heads(a.member(m))['head/w'] for m in range(4)]
   assert not np.allclose(trained[0], trained[1])
-  test = data.load_dataset(f'text:{CORPUS}', assemble.data_spec(config())).test
+  test = data.load_dataset(f'text:{CORPUS}', assemble.data_spec(config)).test
   out = a.predict(test.x)
   assert out.member_probs.shape == (4, len(test.x), CLASSES)
   assert out.probs.shape == (len(test.x), CLASSES)
   np.testing.assert_allclose(out.member_probs.sum(-1), 1.0, rtol=1e-5)
+
+
+def test_members_resume_exactly(straight, tmp_path):
+  checkpoint, workdir, results = straight
+  config = lambda: _text_config(checkpoint, pool='mean')
+  with pytest.raises(RuntimeError, match='injected fault'):  # after step 2's checkpoint
+    dist_ens.train(config(), str(tmp_path / 'b'), actions=[_Stop(2)])
+  resumed = dist_ens.train(config(), str(tmp_path / 'b'))
+  assert resumed['step'] == 4 and resumed['members'] == results['members']
+  a, b = (dist_ens.Ensemble.load(w) for w in (workdir, tmp_path / 'b'))
+  for m in range(4):
+    jax.tree.map(np.testing.assert_array_equal, b.member(m), a.member(m))
 
 
 def test_own_head_keeps_the_encoder_the_files_and_stored_once(tmp_path):

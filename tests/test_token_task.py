@@ -112,10 +112,16 @@ def test_targets_and_outputs_are_checked_in_one_line():
     dist_ens.train(config, '/tmp/unused_token_workdir', dataset=dataset)
 
 
-def test_next_token_prediction_trains_predicts_and_resumes(tmp_path):
-  from test_methods import _Stop  # pylint: disable=import-outside-toplevel
+@pytest.fixture(scope='module')
+def straight(tmp_path_factory):
+  """A next-token run to its end: (workdir, final metrics)."""
+  workdir = tmp_path_factory.mktemp('token') / 'a'
+  return workdir, dist_ens.train(_config(), str(workdir), dataset=_dataset())
+
+
+def test_next_token_prediction_trains_and_predicts(straight):
+  workdir, straight = straight
   dataset = _dataset()
-  straight = dist_ens.train(_config(), str(tmp_path / 'a'), dataset=dataset)
   for scope in ('members', 'ensemble'):
     for name in ('nll', 'accuracy', 'ece'):
       assert name in straight[scope], (scope, name)
@@ -123,10 +129,10 @@ def test_next_token_prediction_trains_predicts_and_resumes(tmp_path):
   assert len(straight['members']['nll']) == 4
   # Uniform over 8 tokens is log 8 = 2.08 nats; the pattern is learnt well beyond it.
   assert straight['ensemble']['nll'] < 1.2 and straight['ensemble']['accuracy'] > 0.6
-  events = [json.loads(l) for l in (tmp_path / 'a' / 'metrics.jsonl').read_text().splitlines()]
+  events = [json.loads(l) for l in (workdir / 'metrics.jsonl').read_text().splitlines()]
   losses = [np.mean(e['members']['loss']) for e in events if 'loss' in e.get('members', {})]
   assert len(losses) >= 2 and losses[-1] < 0.7 * losses[0], losses
-  ens = dist_ens.Ensemble.load(str(tmp_path / 'a'))
+  ens = dist_ens.Ensemble.load(str(workdir))
   x, y = dataset.test.x, dataset.test.y
   out = ens.predict(x[:13])
   assert out.probs.shape == (13, LENGTH, VOCAB) and out.member_probs.shape == (4, 13, LENGTH,
@@ -142,7 +148,13 @@ def test_next_token_prediction_trains_predicts_and_resumes(tmp_path):
                              atol=1e-6)
   keep = y[:13] != PAD_ID
   assert (out.probs.argmax(-1)[keep] == y[:13][keep]).mean() > 0.6
-  # Resume: killed after step 20's checkpoint and rerun, it ends where the straight run ends.
+
+
+def test_next_token_prediction_resumes_exactly(straight, tmp_path):
+  """Killed after step 20's checkpoint and rerun, it ends where the straight run ends."""
+  from test_methods import _Stop  # pylint: disable=import-outside-toplevel
+  _, straight = straight
+  dataset = _dataset()
   with pytest.raises(RuntimeError, match='injected fault'):
     dist_ens.train(_config(), str(tmp_path / 'b'), dataset=dataset, actions=[_Stop(20)])
   resumed = dist_ens.train(_config(), str(tmp_path / 'b'), dataset=dataset)
