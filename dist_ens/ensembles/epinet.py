@@ -24,6 +24,15 @@ member) only), stacked over 'member', checkpointed and exported like BatchNorm's
 statistics. The base network starts from the member's init key itself, as a deep
 ensemble's member does. The model must expose its features (Model.features: the built-in
 MLP, CNN, ResNets and ViT do).
+
+config.ensemble.own names the base network's leaves, as it would without the epinet
+(resolve_own), and every member owns its epinet beside them: 'epinet' owns the epinet
+alone, so the base network is ONE shared, frozen copy (ensembles/own.py: stored once, no
+optimizer state; the paper's epinet on a trained base), 'head' or 'lora' or a regex share
+part of it, 'all' shares nothing (the form above, unchanged). config.model.init_from reads
+its file as the base network's (Method.wrapped_under, io/init_from.py): a deep run's
+'params/0/w' starts 'base/0/w', and the epinet, its prior and the indices start per member
+whatever the file holds.
 """
 
 import math

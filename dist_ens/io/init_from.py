@@ -17,9 +17,11 @@ What starts where: every params leaf from the file, except the leaves each membe
 per member from (seed, member) as without init_from, unless
 config.model.init_owned_from_file; model_state
 leaves (BatchNorm statistics) from the file where it has them. The optimizer state is
-always fresh. Values are cast to the model's dtypes and placed on the mesh as one
-member's leaves are (the layout's rule), then broadcast over the member axis inside the
-jitted init (core.state.init_state), so the state is born sharded as without a file.
+always fresh. A method that wraps the model (an epinet: Method.wrapped_under='base') reads
+the file as the wrapped model's: a name the model lacks is tried under 'base/', and the
+method's leaves beside it start per member whatever the file holds. Values are cast to
+the model's dtypes and placed on the mesh as one member's leaves are (the layout's rule),
+then broadcast over the member axis inside the jitted init (core.state.init_state), so the state is born sharded as without a file.
 """
 
 import dataclasses
