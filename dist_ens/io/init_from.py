@@ -21,7 +21,8 @@ always fresh. A method that wraps the model (an epinet: Method.wrapped_under='ba
 the file as the wrapped model's: a name the model lacks is tried under 'base/', and the
 method's leaves beside it start per member whatever the file holds. Values are cast to
 the model's dtypes and placed on the mesh as one member's leaves are (the layout's rule),
-then broadcast over the member axis inside the jitted init (core.state.init_state), so the state is born sharded as without a file.
+then broadcast over the member axis inside the jitted init (core.state.init_state), so
+the state is born sharded as without a file.
 """
 
 import dataclasses
