@@ -141,6 +141,16 @@ def test_own_all_and_head_read_the_base_from_a_deep_run_and_start_the_rest_per_m
     assert not np.allclose(state.model_state.indices[0], state.model_state.indices[1])
 
 
+def test_train_shared_trains_the_one_base_by_the_members_summed_gradient(runs, tmp_path):
+  source = f'{runs["straight"][0].parent / "base"}#1'
+  config = _config(source, ensemble__train_shared=True, train__steps=2, checkpoint__every=2)
+  dist_ens.train(config, str(tmp_path / 'w'))
+  saved = read_orbax(tmp_path / 'w' / 'checkpoints' / '2' / 'model')
+  kernel = saved['params']['base'][0]['w']['shared']  # Still one array...
+  assert kernel.shape == runs['base']['params/0/w'].shape
+  assert not np.array_equal(kernel, runs['base']['params/0/w'])  # ...that trained.
+
+
 @pytest.mark.parametrize('fields, names', [
     ({'ensemble.method': 'deep'}, ('config.ensemble.own', 'ensemble.method')),
     ({'ensemble.method': 'prior'}, ('config.ensemble.own', 'ensemble.method')),
