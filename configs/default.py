@@ -123,7 +123,8 @@ def get_config() -> ml_collections.ConfigDict:
   # 'head' (the output layer), 'lora' (the head and LoRA factors of the kernels),
   # 'batchensemble' (= method='batchensemble') or a regex of leaf names ('^head/'). Every
   # other leaf is shared: stored once, frozen (no gradient, no optimizer state) unless
-  # train_shared; with method='deep'.
+  # train_shared; with method='deep', or 'epinet' (own names the base network's leaves;
+  # 'epinet': each member owns its epinet only, on one shared base network).
   config.ensemble.own = 'all'
   # True: the shared leaves train as one leaf each (LoRA's W too), by the sum of the
   # members' gradients, with one optimizer state and member 0's hyperparameters.

@@ -398,7 +398,7 @@ def init_sharded(parts: Parts) -> TrainState:
   pretrained = init_from.pretrained_leaves(
       init_from_spec(parts.config), parts.model, parts.input_shape,
       parts.num_outputs * parts.method.outputs_per_output, parts.mesh, parts.layout,
-      owned=parts.method.owned)
+      owned=parts.method.owned, under=parts.method.wrapped_under)
   args = () if pretrained is None else (pretrained,)
   return compile_init(parts, *args)(*args)
 

@@ -132,9 +132,6 @@ REFUSED: dict[frozenset[str], str] = {
     **{_pair(o, 'prior'): "a shared backbone works with method='deep' only (a prior beside "
                           'a shared, frozen backbone is not built)'
        for o in ('own=head', 'own=lora')},
-    **{_pair(o, 'epinet'): "a shared backbone works with method='deep' only (an epinet "
-                           'beside a shared, frozen backbone is not built)'
-       for o in ('own=head', 'own=lora')},
     _pair('token_classification', 'epinet'): "the epinet's index term is a [batch, units] "
                                               "output's, not per-position ones",
     **{_pair('temperature', t): 'temperature scaling is a classifier\'s (Task.calibrate)'

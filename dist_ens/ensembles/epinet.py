@@ -24,6 +24,15 @@ member) only), stacked over 'member', checkpointed and exported like BatchNorm's
 statistics. The base network starts from the member's init key itself, as a deep
 ensemble's member does. The model must expose its features (Model.features: the built-in
 MLP, CNN, ResNets and ViT do).
+
+config.ensemble.own names the base network's leaves, as it would without the epinet
+(resolve_own), and every member owns its epinet beside them: 'epinet' owns the epinet
+alone, so the base network is ONE shared, frozen copy (ensembles/own.py: stored once, no
+optimizer state; the paper's epinet on a trained base), 'head' or 'lora' or a regex share
+part of it, 'all' shares nothing (the form above, unchanged). config.model.init_from reads
+its file as the base network's (Method.wrapped_under, io/init_from.py): a deep run's
+'params/0/w' starts 'base/0/w', and the epinet, its prior and the indices start per member
+whatever the file holds.
 """
 
 import math
@@ -33,15 +42,19 @@ import jax
 import jax.numpy as jnp
 
 from dist_ens.core.model import Model
+from dist_ens.ensembles import own as own_lib
 from dist_ens.ensembles.method import Method, MethodSpec, int_field, scale_field, widths_field
 from dist_ens.errors import ConfigError
 from dist_ens.models.base import dense_init
+from dist_ens.parallel.sharding_rules import path_str
 from dist_ens.tasks.task import Loss
 
 PyTree = Any
 # Stream tags within a member's init key (rng.py's are 1, 2, 3, 5; prior.py's 7) and, for
 # the training indices, within a step's key (dropout uses the key itself; MIMO's 17).
 _EPINET_STREAM, _PRIOR_STREAM, _EVAL_INDEX_STREAM, _INDEX_STREAM = 11, 13, 19, 23
+# EpinetParams' fields: the names its leaves go by ('base/0/w', 'epinet/1/b').
+BASE, EPINET = 'base', 'epinet'
 
 
 class EpinetParams(NamedTuple):
@@ -174,5 +187,27 @@ def make(spec: MethodSpec) -> Method:
                         "'vit', or a model whose Model sets features.")
     return wrap(model, options, task.combine)
 
+  lora = (spec.lora_rank, spec.lora_alpha, spec.lora_targets) if spec.own == 'lora' else None
   # PBT copies a whole member, its epinets with it: the copy is its source's function.
-  return Method('epinet', wrap_model=wrap_model, wrap_loss=index_mean_loss, copyable=True)
+  return Method('epinet', wrap_model=wrap_model, wrap_loss=index_mean_loss, copyable=True,
+                allows_own=True, own=spec.own, lora=lora, train_shared=spec.train_shared,
+                resolve_own=resolve_own, wrapped_under=BASE)
+
+
+def resolve_own(own: Any, lora: Any, params: EpinetParams,
+                num_outputs: int) -> tuple[frozenset[str] | None, Any]:
+  """config.ensemble.own on an epinet member's params (Method.resolve_own): 'epinet'
+  owns the epinet's leaves alone (one frozen base network); 'head', 'lora' or a regex
+  name the base network's leaves as they would without the epinet, and every member
+  owns its epinet beside them; 'all' (None) owns everything, as before."""
+  names = lambda tree, prefix: frozenset(
+      f'{prefix}/{path_str(path)}' for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0])
+  epinet = names(params.epinet, EPINET)
+  if own == 'epinet':
+    return epinet, None
+  owned, lora = own_lib.resolve(own, lora, params.base, num_outputs)
+  if owned is None:
+    return None, None
+  prefixed = lambda base_names: frozenset(f'{BASE}/{n}' for n in base_names)
+  return epinet | prefixed(owned), (None if lora is None else
+                                    lora._replace(targets=prefixed(lora.targets)))

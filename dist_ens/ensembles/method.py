@@ -94,6 +94,14 @@ class Method(NamedTuple):
   lora: Any = None  # own='lora': the adapted kernels, rank and scale (ensembles/lora.py)
   # config.ensemble.train_shared: the shared leaves train (summed gradient), not frozen.
   train_shared: bool = False
+  # (own, lora, params, num_outputs) -> (owned names or None, Lora or None): ensemble.own
+  # (and own='lora''s factors) resolved on one member's params where they are more than
+  # the model's (an epinet's: own names the base network's leaves); None: own.py's.
+  resolve_own: Callable[[Any, Any, PyTree, int], tuple[Any, Any]] | None = None
+  # Where the model's own leaves sit in the wrapped params and model state (an epinet's
+  # 'base'): config.model.init_from's file is read as the model's, and the method's
+  # leaves beside them start per member. '': the model's leaves are the params.
+  wrapped_under: str = ''
 
   @property
   def hooks(self):

@@ -24,7 +24,7 @@ from jax.sharding import Mesh
 
 from dist_ens import importing
 from dist_ens.core import rng
-from dist_ens.ensembles import batchensemble, deep, lora as lora_lib, mimo, own as own_lib
+from dist_ens.ensembles import batchensemble, deep, mimo, own as own_lib
 from dist_ens.ensembles import epinet, prior, snapshot, swag
 from dist_ens.ensembles.method import Method, MethodSpec
 from dist_ens.errors import ConfigError
@@ -41,6 +41,9 @@ METHODS: dict[str, tuple[Callable[[MethodSpec], Method], str | None]] = {
     'prior': (prior.make, 'prior'),
     'epinet': (epinet.make, 'epinet'),
 }
+# config.ensemble.own values that one method resolves itself (Method.resolve_own):
+# own -> that method. 'epinet': members own their epinets, the base network is shared.
+METHOD_OWN = {'epinet': 'epinet'}
 # A user's method (an import path) reads its fields from this group.
 USER_OPTIONS = 'options'
 # Stream tag of SWAG's weight samples (training is 1, MC dropout 2).
@@ -101,10 +104,14 @@ def _check_own(spec: MethodSpec, method: Method, own_as_method: bool) -> None:
     raise ConfigError('config.ensemble.train_shared=True with config.reproducible=True: the '
                       "shared leaves' gradient is a sum over devices, whose order depends on "
                       'the mesh; use reproducible=False or train_shared=False.')
+  if own in METHOD_OWN and spec.name != METHOD_OWN[own]:
+    raise ConfigError(f'config.ensemble.own={own!r} makes each member own its '
+                      f'{METHOD_OWN[own]} only; it works with '
+                      f'ensemble.method={METHOD_OWN[own]!r} (not {spec.name!r}).')
   if own not in ('all', 'batchensemble') and not method.allows_own:
     raise ConfigError(f"config.ensemble.own={own!r} shares every other leaf between "
-                      f"members; it works with ensemble.method='deep' (not {spec.name!r}), or "
-                      "set own='all'.")
+                      f"members; it works with ensemble.method='deep' or 'epinet' (not "
+                      f"{spec.name!r}), or set own='all'.")
 
 
 def with_owned(method: Method, params: PyTree, num_outputs: int) -> Method:
@@ -114,10 +121,10 @@ def with_owned(method: Method, params: PyTree, num_outputs: int) -> Method:
   Raises:
     ConfigError: an `own` that names no leaf or every leaf (ensembles/own.py).
   """
-  owned = own_lib.owned_names(method.own, params, num_outputs)
+  resolve = method.resolve_own or own_lib.resolve  # An epinet's: own names its base's.
+  owned, lora = resolve(method.own, method.lora, params, num_outputs)
   if owned is None:
     return method
-  lora = None if method.lora is None else lora_lib.resolve(params, owned, *method.lora)
   return method._replace(shares=True, owned=owned, lora=lora)
 
 

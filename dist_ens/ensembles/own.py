@@ -86,6 +86,17 @@ def owned_names(own: Any, params: PyTree, num_outputs: int) -> frozenset[str] | 
   return owned
 
 
+def resolve(own: Any, lora: tuple[Any, Any, Any] | None, params: PyTree,
+            num_outputs: int) -> tuple[frozenset[str] | None, lora_lib.Lora | None]:
+  """(the names each member owns, or None for every leaf; own='lora''s adapted kernels,
+  or None) on one member's `params`: owned_names, then lora `(rank, alpha, targets)`
+  resolved on the leaves the members do not own."""
+  owned = owned_names(own, params, num_outputs)
+  if owned is None or lora is None:
+    return owned, None
+  return owned, lora_lib.resolve(params, owned, *lora)
+
+
 def from_members(owned: frozenset[str], params: PyTree, keys: jax.Array,
                  lora: lora_lib.Lora | None = None) -> PyTree:
   """Entries from M members' initial params (stacked): member 0's value of each shared

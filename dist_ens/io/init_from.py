@@ -17,9 +17,12 @@ What starts where: every params leaf from the file, except the leaves each membe
 per member from (seed, member) as without init_from, unless
 config.model.init_owned_from_file; model_state
 leaves (BatchNorm statistics) from the file where it has them. The optimizer state is
-always fresh. Values are cast to the model's dtypes and placed on the mesh as one
-member's leaves are (the layout's rule), then broadcast over the member axis inside the
-jitted init (core.state.init_state), so the state is born sharded as without a file.
+always fresh. A method that wraps the model (an epinet: Method.wrapped_under='base') reads
+the file as the wrapped model's: a name the model lacks is tried under 'base/', and the
+method's leaves beside it start per member whatever the file holds. Values are cast to
+the model's dtypes and placed on the mesh as one member's leaves are (the layout's rule),
+then broadcast over the member axis inside the jitted init (core.state.init_state), so
+the state is born sharded as without a file.
 """
 
 import dataclasses
@@ -88,13 +91,22 @@ def rename(flat: Mapping[str, np.ndarray],
   return out
 
 
-def _target(name: str, model: Mapping[tuple[str, str], Any]) -> tuple[str, str] | None:
-  """The model leaf (part, name) a file name (after init_map) names, or None."""
+def _target(name: str, model: Mapping[tuple[str, str], Any],
+            under: str = '') -> tuple[str, str] | None:
+  """The model leaf (part, name) a file name (after init_map) names, or None; with
+  `under`, a name the model lacks is tried again under it ('0/w' -> 'base/0/w')."""
   for part in PARTS:
     if name.startswith(part + '/'):
-      key = (part, name[len(part) + 1:])
-      return key if key in model else None
-  return next(((part, name) for part in PARTS if (part, name) in model), None)
+      rest = name[len(part) + 1:]
+      tries = (rest, f'{under}/{rest}') if under else (rest,)
+      return next(((part, n) for n in tries if (part, n) in model), None)
+  tries = (name, f'{under}/{name}') if under else (name,)
+  return next(((part, n) for n in tries for part in PARTS if (part, n) in model), None)
+
+
+def _beside(name: str, under: str) -> bool:
+  """Whether a model leaf is the method's, beside the wrapped model under `under`."""
+  return bool(under) and not name.startswith(under + '/')
 
 
 def _shapes(params: PyTree, model_state: PyTree) -> dict[tuple[str, str], Any]:
@@ -109,7 +121,7 @@ def _few(names: list[str]) -> str:
 
 
 def match(flat: Mapping[str, np.ndarray], params: PyTree, model_state: PyTree,
-          spec: InitFrom, owned: frozenset[str]) -> Matched:
+          spec: InitFrom, owned: frozenset[str], under: str = '') -> Matched:
   """The file's values (cast to the model's dtypes) for every leaf they start.
 
   Args:
@@ -117,6 +129,9 @@ def match(flat: Mapping[str, np.ndarray], params: PyTree, model_state: PyTree,
     params, model_state: one member's (ShapeDtypeStructs, no member axis).
     spec: the config's init_from fields.
     owned: names of the params leaves each member owns (its head).
+    under: where a method keeps the model's leaves (Method.wrapped_under, an epinet's
+      'base'): the file's names reach them with or without it, and the leaves beside
+      them (the method's) start per member, whatever the file holds.
 
   Raises:
     ConfigError, one line naming the leaf: a file leaf that names no model leaf, a
@@ -125,10 +140,10 @@ def match(flat: Mapping[str, np.ndarray], params: PyTree, model_state: PyTree,
   model = _shapes(params, model_state)
   found, unexpected = {}, []
   for name, (file_name, value) in rename(flat, spec.init_map).items():
-    key = _target(name, model)
+    key = _target(name, model, under)
     if key is None:
       unexpected.append(name if name == file_name else f'{file_name} (as {name})')
-    else:
+    elif not _beside(key[1], under):
       found[key] = (file_name, value)
   if unexpected:
     some = sorted(f'{part}/{name}' for part, name in model)[:4]
@@ -137,7 +152,7 @@ def match(flat: Mapping[str, np.ndarray], params: PyTree, model_state: PyTree,
                       "config.model.init_map, or drop with (regex, '').")
   out, missing, fresh_owned, fresh_state = Matched({}, {}), [], [], []
   for (part, name), leaf in model.items():
-    is_owned = part == 'params' and name in owned
+    is_owned = part == 'params' and (name in owned or _beside(name, under))
     if (part, name) not in found or (is_owned and not spec.owned_from_file):
       if is_owned:
         fresh_owned.append(name)
@@ -167,8 +182,8 @@ def _log_fresh(spec: InitFrom, owned: list[str], state: list[str], loaded: int) 
   if owned:
     why = ('the file lacks them' if spec.owned_from_file else
            'config.model.init_owned_from_file=True loads them too')
-    logging.info('%s: the head (%s) starts per member from (seed, member); %s.', FIELD,
-                 _few(owned), why)
+    logging.info("%s: the members' own leaves (%s) start per member from (seed, member); "
+                 '%s.', FIELD, _few(owned), why)
   if state:
     logging.info('%s: the file has no model state for %s: it starts as the model inits it.',
                  FIELD, _few(state))
@@ -204,18 +219,24 @@ def place(matched: Matched, params: PyTree, model_state: PyTree, mesh: Mesh,
 
 def pretrained_leaves(spec: InitFrom, model: Model, input_shape: tuple[int, ...],
                       num_outputs: int, mesh: Mesh, layout: Layout,
-                      owned: frozenset[str] | None = None) -> Pretrained | None:
+                      owned: frozenset[str] | None = None,
+                      under: str = '') -> Pretrained | None:
   """The file's leaves on the mesh for init_state (None when spec.source is '').
 
   Args:
     num_outputs: the model's outputs per example (finds its head: models/heads.py).
     owned: the params leaves each member owns (config.ensemble.own, resolved); None:
       every leaf, of which the head starts fresh.
+    under: where a method keeps the model's leaves (match); the head is looked for there.
   """
   if not spec.source:
     return None
   sample_x = jax.ShapeDtypeStruct((1, *input_shape), np.float32)
   params, model_state = jax.eval_shape(model.init, jax.random.key(0), sample_x)
-  matched = match(load_pretrained(spec.source), params, model_state, spec,
-                  head_paths(params, num_outputs) if owned is None else owned)
+  if owned is None and under:
+    wrapped = params[under] if isinstance(params, Mapping) else getattr(params, under)
+    owned = frozenset(f'{under}/{n}' for n in head_paths(wrapped, num_outputs))
+  elif owned is None:
+    owned = head_paths(params, num_outputs)
+  matched = match(load_pretrained(spec.source), params, model_state, spec, owned, under)
   return place(matched, params, model_state, mesh, layout)
