@@ -6,6 +6,7 @@ model and no network to fetch one.
   folder = random_checkpoint(dir, gpt2_config('tiny', tokenizer), tokenizer)
   ...                                                         # dist_ens trains from 'hf:' + folder
   checkpoint_from_workdir(workdir, folder, pretrained_dir)    # its member 0, as a checkpoint
+  untie('hf:/ckpt/gpt2', untied_dir)     # a released GPT-2 (tied), for own='lora'
 
 A folder holds config.json (GPT2LMHeadModel), tokenizer.json and model.safetensors, so
 `config.model.init_from='hf:FOLDER'` and the text source (its tokenizer.json beside the
@@ -17,6 +18,7 @@ the params back exactly.
 
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from dist_ens import Ensemble
 from dist_ens.io.peft_adapters import write_safetensors
 from dist_ens.io.pretrained import flatten
-from dist_ens.models import hf
+from dist_ens.models import from_hf, hf
+from dist_ens.models.hf.checkpoint import locate
 
 END_OF_TEXT = '<|endoftext|>'  # id 0: GPT-2's bos, eos and (here) padding token
 # name -> (n_embd, n_layer, n_head, n_positions, vocab_size; None: the tokenizer's).
@@ -92,14 +95,16 @@ def file_tensors(folder: Path, params: Any) -> dict[str, np.ndarray]:
   return {w.name: out[w.name].reshape(w.shape) for w in family.weights(arch)}
 
 
-def write_checkpoint(folder: Path, config_json: dict[str, Any], tokenizer: Tokenizer,
+def write_checkpoint(folder: Path, config_json: dict[str, Any], tokenizer: Tokenizer | None,
                      params: Any = None, seed: int = 0) -> Path:
-  """config.json, tokenizer.json and model.safetensors in `folder`; params None: the
-  model's own random init from `seed` (transformers' normal(0.02), ones, zeros)."""
+  """config.json, tokenizer.json (unless `tokenizer` is None) and model.safetensors in
+  `folder`; params None: the model's own random init from `seed` (transformers'
+  normal(0.02), ones, zeros)."""
   folder = Path(folder)
   folder.mkdir(parents=True, exist_ok=True)
   (folder / 'config.json').write_text(json.dumps(config_json, indent=1) + '\n')
-  tokenizer.save(str(folder / 'tokenizer.json'))
+  if tokenizer is not None:
+    tokenizer.save(str(folder / 'tokenizer.json'))
   if params is None:
     model = hf.build(str(folder), where=f'checkpoint {folder}')
     params, _ = model.init(jax.random.key(seed), None)
@@ -114,3 +119,24 @@ def checkpoint_from_workdir(workdir: str, base: Path, folder: Path) -> Path:
   config_json = json.loads((Path(base) / 'config.json').read_text())
   tokenizer = Tokenizer.from_file(str(Path(base) / 'tokenizer.json'))
   return write_checkpoint(folder, config_json, tokenizer, params)
+
+
+def untie(source: str, folder: Path) -> Path:
+  """A checkpoint whose output layer is its token embedding (tie_word_embeddings: every
+  released GPT-2) written untied, lm_head.weight a copy of the embedding: the same
+  outputs, and a layer that each member of own='lora' owns (on a tied model it finds
+  none and refuses). The source's other files (its tokenizer) are copied beside."""
+  where = f'untie({source!r})'
+  source_folder = locate(source, where)
+  _, params = from_hf(str(source_folder))
+  if 'lm_head' in params:
+    raise ValueError(f'{where}: the checkpoint has its own lm_head already.')
+  folder = Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  for path in source_folder.iterdir():
+    if path.is_file() and path.name != 'config.json' and 'model' not in path.name:
+      shutil.copy(path, folder / path.name)
+  config_json = {**json.loads((source_folder / 'config.json').read_text()),
+                 'tie_word_embeddings': False}
+  params = {**params, 'lm_head': {'w': np.asarray(params['tokens']).T}}
+  return write_checkpoint(folder, config_json, None, params)

@@ -1,8 +1,9 @@
 """The language-model recipe's pieces (benchmarks/lm_recipe.py, lm_checkpoint.py;
 docs/pretrained.md), without training: its arms train equal compute; a checkpoint it
 writes from params loads back as those params (GPT-2's packed c_attn included); the
-OOD text goes through the checkpoint's tokenizer whole and losslessly; and its
-per-token means of Ensemble.predict's output are the trainer's per-token metrics."""
+OOD text goes through the checkpoint's tokenizer whole and losslessly; its per-token
+means of Ensemble.predict's output are the trainer's per-token metrics; and a tied
+GPT-2, which own='lora' refuses, untied gives the same outputs and a head to own."""
 
 import json
 
@@ -14,6 +15,8 @@ import pytest
 from benchmarks import lm_checkpoint, lm_recipe
 from dist_ens import data, tasks
 from dist_ens.data import DataSpec
+from dist_ens.ensembles.own import owned_names
+from dist_ens.errors import ConfigError
 from dist_ens.eval import metrics
 from dist_ens.io.pretrained import flatten
 from dist_ens.models import from_hf
@@ -100,3 +103,17 @@ def test_the_token_means_are_the_trainers_per_token_metrics():
   for key in ('nll', 'entropy', 'mutual_information'):
     np.testing.assert_allclose(means[key], trainer[key], rtol=1e-5, err_msg=key)
   assert means['mutual_information'] > 0
+
+
+def test_untie_gives_a_released_gpt2s_outputs_and_a_head_for_lora_to_own(tmp_path):
+  tied = lm_recipe.ROOT / 'tests' / 'data' / 'hf' / 'gpt2'  # tie_word_embeddings, vocab 96
+  model, params = from_hf(str(tied))
+  with pytest.raises(ConfigError, match="found no output head"):
+    owned_names('lora', params, 96)
+  untied = lm_checkpoint.untie(f'hf:{tied}', tmp_path / 'untied')
+  model2, params2 = from_hf(str(untied))
+  assert owned_names('lora', params2, 96) == {'lm_head/w'}
+  ids = np.arange(2 * 12).reshape(2, 12) % 96
+  np.testing.assert_allclose(model2.apply(params2, {}, ids, train=False)[0],
+                             model.apply(params, {}, ids, train=False)[0], atol=1e-5)
+  assert (untied / 'reference.npz').exists()  # the source's other files come along
