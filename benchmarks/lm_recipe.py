@@ -214,9 +214,10 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
   return out
 
 
-def _pm(r: dict[str, Any], key: str) -> str:
+def _pm(r: dict[str, Any], key: str, digits: int = 3) -> str:
+  """The mean, and ± the half range over seeds where there are several."""
   spread = r.get(f'{key}_spread')
-  return f'{r[key]:.3f}' + (f' ±{spread:.3f}' if r['seeds'] > 1 else '')
+  return f'{r[key]:.{digits}f}' + (f' ±{spread:.{digits}f}' if r['seeds'] > 1 else '')
 
 
 def table(summary: list[dict[str, Any]]) -> str:
@@ -228,8 +229,8 @@ def table(summary: list[dict[str, Any]]) -> str:
         f"| {r['arm']} | {r['members']} x {r['steps']} | {r['trained_parameters']:,} | "
         f"{r['state_bytes'] / 1024:,.0f} | {_pm(r, 'nll')} ({r['nll_members']:.3f}) | "
         f"{r['accuracy']:.3f} ({r['accuracy_members']:.3f}) | {_pm(r, 'ece')} "
-        f"({r['ece_members']:.3f}) | {_pm(r, 'test_mutual_information')} | "
-        f"{_pm(r, 'ood_mutual_information')} | {r['ood_nll']:.3f} | {r['ood_auroc_mi']:.3f} | "
+        f"({r['ece_members']:.3f}) | {_pm(r, 'test_mutual_information', 4)} | "
+        f"{_pm(r, 'ood_mutual_information', 4)} | {r['ood_nll']:.3f} | {r['ood_auroc_mi']:.3f} | "
         f"{1e3 * (r['step_seconds'] or float('nan')):.1f} |")
   return '\n'.join(lines)
 
