@@ -178,6 +178,7 @@ def row(arm: str, seed: int, config, results: dict[str, Any], workdir: str) -> d
 
 
 def train(arm: str, seed: int, config, root: Path) -> tuple[dict[str, Any], str]:
+  """Trains `config` with `seed` in a new workdir under root: (its row, the workdir)."""
   config.seed = seed
   workdir = tempfile.mkdtemp(prefix=f'{arm}_{seed}_', dir=root)
   results = dist_ens.train(config, workdir, devices=jax.devices()[:1])
@@ -187,14 +188,14 @@ def train(arm: str, seed: int, config, root: Path) -> tuple[dict[str, Any], str]
 def pretrain(root: Path, args: argparse.Namespace) -> tuple[Path, dict[str, Any]]:
   """Steps 1-3 of the module doc: (the pretrained checkpoint folder, the base's row)."""
   lines = (CORPUS / 'train.jsonl').read_text().splitlines()
-  tokenizer = lm_checkpoint.train_tokenizer([json.loads(l)['text'] for l in lines], args.vocab)
-  random = lm_checkpoint.write_checkpoint(
+  texts = [json.loads(line)['text'] for line in lines]
+  tokenizer = lm_checkpoint.train_tokenizer(texts, args.vocab)
+  fresh = lm_checkpoint.write_checkpoint(
       root / 'random', lm_checkpoint.gpt2_config(args.size, tokenizer), tokenizer)
   overrides = {'num_members': 1, 'train.steps': args.pretrain_steps,
                'optim.learning_rate': args.pretrain_lr}
-  base, workdir = train('base', 0, run_config(random, overrides, args.batch, args.length),
-                        root)
-  return lm_checkpoint.checkpoint_from_workdir(workdir, random, root / 'pretrained'), base
+  base, workdir = train('base', 0, run_config(fresh, overrides, args.batch, args.length), root)
+  return lm_checkpoint.checkpoint_from_workdir(workdir, fresh, root / 'pretrained'), base
 
 
 SPREAD = ('nll', 'ece', 'test_mutual_information', 'ood_mutual_information')
@@ -221,6 +222,7 @@ def _pm(r: dict[str, Any], key: str, digits: int = 3) -> str:
 
 
 def table(summary: list[dict[str, Any]]) -> str:
+  """The summary as a Markdown table (the module doc says what each column is)."""
   lines = ['| arm | members x steps | trained params | state KB / device | test NLL: ens. '
            '(members) | accuracy: ens. (members) | ECE: ens. (members) | MI test | MI OOD '
            '| NLL OOD | OOD AUROC by MI | step ms |', '|---' * 12 + '|']
