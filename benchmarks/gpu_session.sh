@@ -7,7 +7,7 @@
 #   echo /.wheels/ >> .git/info/exclude    # (already in .gitignore)
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
-#     -d .wheels ml-collections mnist1d tensorboardX dm-haiku
+#     -d .wheels ml-collections mnist1d tensorboardX dm-haiku tokenizers
 # Then each call: run(command='bash benchmarks/gpu_session.sh STAGE', carry=['.wheels']),
 # its files back from $OUT. Stages:
 #   check       jax, torch and the GPU they see (seconds)
@@ -22,11 +22,17 @@
 #               as fit; every part of a run against M) with MFU from XLA's cost analysis
 #               over the H100/H200's dense TF32 peak (494 TFLOP/s; XLA:GPU runs float32
 #               dots as TF32), then the MLP sweep's --quick list
-# Each stage is bounded at 560 s or less (all six: at most 47 min); none has run on a GPU
+#   lm          benchmarks/lm_recipe.py at GPT-2 small's shape (768 wide, 12 blocks, GPT-2's
+#               50,257-id vocabulary, output layer untied: 163M parameters): a LoRA ensemble
+#               of 4 against one LoRA fine-tune and 4 full fine-tunes at equal member-steps.
+#               The host has no network, so there is no pretrained GPT-2 here either: the
+#               base is trained from random init on tests/data/text first, as on the CPU
+#               (docs/pretrained.md); needs the tokenizers wheel
+# Each stage is bounded at 560 s or less (all seven: at most 56 min); none has run on a GPU
 # since the scaling stage was added, so their real times are not known here. A session
 # lent less device time runs the stages owed first: scaling, then resnet.
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|tests|throughput|resnet|model_axis|scaling}
+stage=${1:?usage: gpu_session.sh check|tests|throughput|resnet|model_axis|scaling|lm}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -72,8 +78,15 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
     timeout -k 10 150 python3 -m benchmarks.scaling --quick --platform gpu --no_plan \
       --out "$out/scaling_gpu.json" 2>&1 | tee -a "$out/scaling.log"
     ;;
+  lm)
+    # The runs' workdirs (the full fine-tunes' checkpoint alone is ~8 GB) stay in /tmp;
+    # only the results file and the log come back.
+    timeout -k 10 560 python3 -m benchmarks.lm_recipe --size gpt2 --pretrain-steps 200 \
+      --steps 40 --batch 8 --workdir /tmp/lm_recipe --out "$out/lm_recipe_gpu.json" 2>&1 \
+      | tee "$out/lm.log"
+    ;;
   *)
-    echo "unknown stage $stage: check, tests, throughput, resnet, model_axis or scaling" >&2
+    echo "unknown stage $stage: check, tests, throughput, resnet, model_axis, scaling or lm" >&2
     exit 2
     ;;
 esac
