@@ -129,8 +129,8 @@ REFUSED: dict[frozenset[str], str] = {
                                   'different data',
     **{_pair(o, m): 'a shared backbone works with independent (deep) members only'
        for o in ('own=head', 'own=lora') for m in _NOT_DEEP},
-    **{_pair(o, 'prior'): "a shared backbone works with method='deep' only (a prior beside "
-                          'a shared, frozen backbone is not built)'
+    **{_pair(o, 'prior'): "a shared backbone works with method='deep' or 'epinet' (a prior "
+                          'beside a shared, frozen backbone is not built)'
        for o in ('own=head', 'own=lora')},
     _pair('token_classification', 'epinet'): "the epinet's index term is a [batch, units] "
                                               "output's, not per-position ones",

@@ -113,6 +113,9 @@ _SLOW_TIER = (
     # own='batchensemble' formed for prediction; fast: the [head] case (the same forming
     # path) and test_pretrained's BatchEnsemble member formed from w and its factors.
     "test_shared_eval.py::test_ensemble_load_predicts_as_its_formed_members[batchensemble]",
+    # train_shared under a frozen-base epinet; fast: test_own_shared's train_shared tests
+    # (the same summed-gradient path) and the epinet's frozen-base tests.
+    "test_epinet_frozen_base.py::test_train_shared_trains_the_one_base_by_the_members_summed",
 )
 
 
