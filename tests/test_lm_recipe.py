@@ -109,7 +109,8 @@ def test_untie_gives_a_released_gpt2s_outputs_and_a_head_for_lora_to_own(tmp_pat
   tied = lm_recipe.ROOT / 'tests' / 'data' / 'hf' / 'gpt2'  # tie_word_embeddings, vocab 96
   model, params = from_hf(str(tied))
   with pytest.raises(ConfigError, match="found no output head"):
-    owned_names('lora', params, 96)
+    owned_names('head', params, 96)
+  assert owned_names('lora', params, 96) == frozenset()  # its LoRA factors alone
   untied = lm_checkpoint.untie(f'hf:{tied}', tmp_path / 'untied')
   model2, params2 = from_hf(str(untied))
   assert owned_names('lora', params2, 96) == {'lm_head/w'}

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dist_ens
-from dist_ens import data, tasks
+from dist_ens import assemble, data, tasks
 from dist_ens.configuration import load_config
 from dist_ens.data import DataSpec
 from dist_ens.models import from_hf
@@ -151,8 +151,9 @@ def test_bad_input_is_refused_in_one_line(tmp_path):
 
 
 
-def test_a_decoder_trains_on_next_tokens_of_raw_text(tmp_path):
-  # Through the config: the tokenizer beside the checkpoint, the classes its vocab_size.
+def _decoder_config(tmp_path):
+  """Two members of the GPT-2 fixture (its output layer tied to the token embedding) on
+  next tokens of the raw-text corpus, through a tokenizer saved beside the checkpoint."""
   checkpoint = tmp_path / 'gpt2'
   shutil.copytree(GPT2, checkpoint)
   make_tokenizer().save(str(checkpoint / 'tokenizer.json'))
@@ -164,5 +165,32 @@ def test_a_decoder_trains_on_next_tokens_of_raw_text(tmp_path):
   config.train.steps, config.train.log_every, config.train.eval_every = 2, 1, 0
   config.checkpoint.every, config.eval.joint_tau = 2, 0
   config.data.batch_size, config.eval.batch_size, config.writers = 4, 8, ('jsonl',)
+  return config
+
+
+def test_a_decoder_trains_on_next_tokens_of_raw_text(tmp_path):
+  # Through the config: the tokenizer beside the checkpoint, the classes its vocab_size.
+  config = _decoder_config(tmp_path)
   results = dist_ens.train(config, str(tmp_path / 'run'), devices=jax.devices()[:2])
   assert results['step'] == 2 and np.isfinite(results['members']['nll']).all()
+
+
+def test_lora_members_of_a_tied_decoder_own_their_factors_alone(tmp_path):
+  """GPT-2's output layer is its token embedding: with own='lora' no head is the
+  members' own; the embedding is shared (stored once, the file's) and each member owns
+  its LoRA factors of the attention kernels alone."""
+  config = _decoder_config(tmp_path)
+  config.ensemble.own, config.ensemble.lora_rank, config.ensemble.lora_targets = 'lora', 2, 'attn'
+  dist_ens.train(config, str(tmp_path / 'run'), devices=jax.devices()[:2])
+  ens = dist_ens.Ensemble.load(tmp_path / 'run', devices=jax.devices()[:1])
+  stored = jax.device_get(ens._stored)  # pylint: disable=protected-access
+  _, file = from_hf(str(tmp_path / 'gpt2'))
+  np.testing.assert_array_equal(stored['tokens']['shared'], file['tokens'])
+  factors = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(stored)[0]
+             if 'lora_b' in jax.tree_util.keystr(path)]
+  assert factors and all(f.shape[0] == 2 for f in factors)  # every member's own
+  assert any(not np.allclose(f[0], f[1]) for f in factors)
+  ids = data.load_dataset(config.data.name, assemble.data_spec(config)).test.x[:3]
+  out = ens.predict(ids)
+  assert np.isfinite(out.member_probs).all() and not np.allclose(out.member_probs[0],
+                                                                 out.member_probs[1])

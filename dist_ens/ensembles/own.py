@@ -2,7 +2,9 @@
 
   'all'    every leaf is each member's own (the default: independent members).
   'head'   the output layer (models/heads.py finds it); the rest is one shared backbone.
-  'lora'   the head, and rank-r factors of the backbone's kernels (ensembles/lora.py).
+  'lora'   the head, and rank-r factors of the backbone's kernels (ensembles/lora.py);
+           a model whose output layer is its token embedding (tie_word_embeddings, as
+           every released GPT-2) has no head of its own: members own their factors alone.
   'batchensemble'  method='batchensemble' itself (resolved in methods.from_spec).
   a regex  the params leaves whose '/'-joined names (e.g. '1/w', 'head/w',
            'blocks/3/mlp/fc2/w') it matches, with re.search.
@@ -67,6 +69,8 @@ def owned_names(own: Any, params: PyTree, num_outputs: int) -> frozenset[str] | 
   names = [path_str(path) for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   if own in ('head', 'lora'):
     owned = head_paths(params, num_outputs)
+    if not owned and own == 'lora':  # An output layer tied to the embedding (GPT-2's):
+      return frozenset()  # shared with it; each member owns its LoRA factors alone.
     if not owned:
       raise ConfigError(f"{FIELD}={own!r} found no output head in the model (no layer named "
                         f"head or classifier, no kernel with {num_outputs} outputs); give a "
