@@ -1,7 +1,7 @@
 """Clean and corrupted test metrics of every ensemble method on MNIST-1D, side by side as
 uncertainty-baselines' tables put them: the tables in docs/evaluation.md and README.md.
 
-  python benchmarks/shift_methods.py              # T = 1000, ~5.5 min on 2 shared CPU cores
+  python benchmarks/shift_methods.py              # T = 1000, seeds 0-2, ~17 min on 2 CPU cores
   python benchmarks/shift_methods.py --steps 50   # a quick look
   python benchmarks/shift_methods.py --table      # the table of the saved results
   python benchmarks/shift_methods.py --config configs/digits_resnet20.py   # ResNet-20 on
@@ -26,6 +26,10 @@ in-run shift evaluation sees the trained members only) on the test split corrupt
 the run's own corruption keys (dist_ens.eval.shift.InputFrame, as EvaluateDecisions does):
 clean accuracy / NLL / ECE beside cA / cNLL / cCE, the means over the corrupted sets. For the
 deep ensemble this path must reproduce the run's own 'shift' section (both are printed).
+Every method runs once per seed (--seeds, default 0,1,2: config.seed, so members' inits,
+data orders, dropout and corruption keys all change); the table gives the mean over seeds
++- their sample standard deviation, and a gap between two methods smaller than those
+spreads ranks nothing.
 Writes benchmarks/results/shift_methods.json (default.py) or shift_methods_<config>.json.
 """
 
@@ -130,14 +134,51 @@ def summarise(name: str, final: dict, found: dict, wall: float) -> dict:
   return row
 
 
+def over_seeds(rows: list[dict]) -> dict:
+  """One method's per-seed rows -> their mean and sample standard deviation per metric
+  ('ensemble', 'ensemble_sd', 'mean_member', 'mean_member_sd'), the rows kept."""
+  out = {'method': rows[0]['method'], 'predicting': rows[0]['predicting'],
+         'seeds': [r['seed'] for r in rows], 'per_seed': rows,
+         'wall_seconds': sum(r['wall_seconds'] for r in rows)}
+  for who in ('ensemble', 'mean_member'):
+    values = {k: [r[who][k] for r in rows] for k in rows[0][who]}
+    out[who] = {k: float(np.mean(v)) for k, v in values.items()}
+    out[f'{who}_sd'] = {k: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
+                        for k, v in values.items()}
+  return out
+
+
 def table(rows: list[dict]) -> str:
+  """Mean (and, over several seeds, +- the seeds' standard deviation) per method."""
   columns = ('accuracy', 'nll', 'ece', 'cA', 'cNLL', 'cCE')
+
+  def cell(r: dict, c: str) -> str:
+    sd = r.get('ensemble_sd', {}).get(c)
+    return f"{r['ensemble'][c]:.3f}" + (f' +- {sd:.3f}' if sd else '')
+
   lines = ['| method | predicting | accuracy | NLL | ECE | cA | cNLL | cCE |',
            '|---|---|---|---|---|---|---|---|']
   for r in rows:
     lines.append(f"| {r['method']} | {r['predicting']} | "
-                 + ' | '.join(f"{r['ensemble'][c]:.3f}" for c in columns) + ' |')
+                 + ' | '.join(cell(r, c) for c in columns) + ' |')
   return '\n'.join(lines)
+
+
+def run_one(name: str, base: Path, overrides: dict, seed: int,
+            pairs: list[tuple[str, int]]) -> dict:
+  """One method at one seed: trained on one device, then scored clean and shifted."""
+  start = time.perf_counter()
+  workdir = tempfile.mkdtemp(prefix=f'shift_methods_{name}_')
+  config = _config(base, {**overrides, 'seed': seed}, 'all' if name == 'deep' else '')
+  final = dist_ens.train(config, workdir, devices=jax.devices()[:1])
+  row = summarise(name, final, shifted_metrics(workdir, pairs), time.perf_counter() - start)
+  row['seed'] = seed
+  print(f"{name} seed {seed}: {row['ensemble']} ({row['wall_seconds']:.0f} s)", flush=True)
+  if name == 'deep':
+    print(f"deep seed {seed}: the run's own cA {row['run_cA']:.6f} / cNLL "
+          f"{row['run_cNLL']:.6f}, this script's {row['ensemble']['cA']:.6f} / "
+          f"{row['ensemble']['cNLL']:.6f}", flush=True)
+  return row
 
 
 def main() -> None:
@@ -147,6 +188,8 @@ def main() -> None:
                       help="T: steps of a 4-member run (0: 1000 for default.py, else the config's "
                            'train.steps)')
   parser.add_argument('--methods', default='', help='comma-separated subset')
+  parser.add_argument('--seeds', default='0,1,2',
+                      help='comma-separated seeds; the table gives mean +- sd over them')
   parser.add_argument('--table', action='store_true', help='print the saved results only')
   args = parser.parse_args()
   base = Path(args.config).resolve()
@@ -158,25 +201,15 @@ def main() -> None:
   steps = args.steps or default_steps
   chosen = methods(steps)
   names = [n for n in args.methods.split(',') if n] or list(chosen)
+  seeds = [int(s) for s in args.seeds.split(',')]
   data_name = dist_ens.load_config(base).data.name
   pairs = shift_spec.resolve_shift('all', data.load_dataset(data_name).input_shape)
-  rows = []
-  for name in names:
-    start = time.perf_counter()
-    workdir = tempfile.mkdtemp(prefix=f'shift_methods_{name}_')
-    config = _config(base, chosen[name], 'all' if name == 'deep' else '')
-    final = dist_ens.train(config, workdir, devices=jax.devices()[:1])
-    rows.append(summarise(name, final, shifted_metrics(workdir, pairs),
-                          time.perf_counter() - start))
-    print(f"{name}: {rows[-1]['ensemble']} ({rows[-1]['wall_seconds']:.0f} s)", flush=True)
-  deep = next((r for r in rows if r['method'] == 'deep'), None)
-  if deep:
-    print(f"deep: the run's own cA {deep['run_cA']:.6f} / cNLL {deep['run_cNLL']:.6f}, this "
-          f"script's {deep['ensemble']['cA']:.6f} / {deep['ensemble']['cNLL']:.6f}")
+  rows = [over_seeds([run_one(name, base, chosen[name], seed, pairs) for seed in seeds])
+          for name in names]
   print(table(rows))
   if steps == default_steps and not args.methods:
     out.write_text(json.dumps({'config': base.name, 'rows': rows, 'steps': steps,
-                               'pairs': len(pairs),
+                               'seeds': seeds, 'pairs': len(pairs),
                                'markdown': table(rows), 'machine': platform.machine(),
                                'cpu_count': os.cpu_count(), 'jax': jax.__version__,
                                'date': time.strftime('%Y-%m-%d')}, indent=1) + '\n')
