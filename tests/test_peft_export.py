@@ -83,6 +83,48 @@ def test_exported_adapters_give_peft_the_members_outputs(tmp_path):
   assert np.abs(peft_logits - base).max() > 0.1  # the adapters change the model
 
 
+
+def test_a_decoders_lora_ensemble_split_over_model_resumes_predicts_and_exports(tmp_path):
+  """Issue 47's whole path: a LoRA ensemble of a decoder from an hf: folder on 8 devices
+  with each member split over mesh.model=2 resumes exactly after a kill, loads still split,
+  predicts per-token uncertainty and exports PEFT adapters."""
+  from test_methods import _Stop  # pylint: disable=g-import-not-at-top
+
+  def config():
+    out = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+    out.task, out.model.init_from = 'token_classification', f'hf:{DATA / "llama"}'
+    out.ensemble.own, out.ensemble.lora_rank, out.ensemble.lora_targets = 'lora', 2, 'attn/'
+    out.num_members, out.data.batch_size = 2, 8
+    out.mesh.member, out.mesh.data, out.mesh.model = 2, 2, 2
+    out.mesh.fsdp_min_size = 16  # the fixture's kernels are small: split them anyway
+    out.train.steps, out.train.log_every, out.train.eval_every = 4, 2, 0
+    out.checkpoint.every, out.writers, out.eval.joint_tau = 2, ('jsonl',), 0
+    return out
+
+  rng = np.random.default_rng(1)
+  seq = rng.integers(3, 96, (48, 8)).astype(np.int32)
+  dataset = data.from_arrays(seq[:32, :-1], seq[:32, 1:], seq[32:, :-1], seq[32:, 1:],
+                             num_classes=96, pad_id=-1)
+  straight = dist_ens.train(config(), str(tmp_path / 'a'), dataset=dataset)
+  try:
+    dist_ens.train(config(), str(tmp_path / 'b'), dataset=dataset, actions=[_Stop(2)])
+  except RuntimeError as e:
+    assert 'injected fault' in str(e)
+  resumed = dist_ens.train(config(), str(tmp_path / 'b'), dataset=dataset)
+  assert resumed['members'] == straight['members']
+  ens = dist_ens.Ensemble.load(str(tmp_path / 'b'))
+  split = [leaf for leaf in jax.tree.leaves(ens._stored)  # pylint: disable=protected-access
+           if 'model' in jax.tree.leaves(tuple(leaf.sharding.spec))]
+  assert split, 'no leaf is split over the model axis after loading'
+  out = ens.predict(seq[32:35, :-1])
+  assert out.member_probs.shape == (2, 3, 7, 96) and out.mutual_information.shape == (3, 7)
+  assert (out.mutual_information > -1e-5).all() and out.mutual_information.max() > 0
+  members = ens.export_adapters(tmp_path / 'peft')
+  assert [m.name for m in members] == ['member_0', 'member_1']
+  for member in members:
+    assert json.loads((member / 'adapter_config.json').read_text())['r'] == 2
+    assert 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' in Tensors.open(member)
+
 if __name__ == '__main__':
   sys.path.insert(0, str(ROOT / 'tests'))
   import conftest  # noqa: F401  (8 fake devices, as the test)
