@@ -124,8 +124,9 @@ def checkpoint_from_workdir(workdir: str, base: Path, folder: Path) -> Path:
 def untie(source: str, folder: Path) -> Path:
   """A checkpoint whose output layer is its token embedding (tie_word_embeddings: every
   released GPT-2) written untied, lm_head.weight a copy of the embedding: the same
-  outputs, and a layer that each member of own='lora' owns (on a tied model it finds
-  none and refuses). The source's other files (its tokenizer) are copied beside."""
+  outputs, and an output layer each member of own='lora' owns (on the tied model its
+  members own their LoRA factors alone, sharing the embedding). The source's other files
+  (its tokenizer) are copied beside."""
   where = f'untie({source!r})'
   source_folder = locate(source, where)
   _, params = from_hf(str(source_folder))
