@@ -60,10 +60,10 @@ if str(ROOT) not in sys.path:  # config.data.augment imports 'benchmarks.finetun
   sys.path.insert(0, str(ROOT))
 
 import dist_ens  # noqa: E402  pylint: disable=g-import-not-at-top
-from dist_ens import Ensemble, assemble, data  # noqa: E402
+from dist_ens import Ensemble, data  # noqa: E402
 from dist_ens.data import corruptions  # noqa: E402
 from dist_ens.eval import ood, ranks  # noqa: E402
-from dist_ens.parallel import placement  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 BASE = ROOT / 'configs' / 'digits_vit.py'
 MEMBERS = 4
@@ -125,20 +125,6 @@ def _config(overrides: dict):
   return config
 
 
-def _state_size(config) -> tuple[int, int]:
-  """(parameters trained, train-state bytes on the device) of a run, as `dist-ens plan`
-  lays it out: a trained leaf is one that has Adam moments (mu)."""
-  dataset = data.load_dataset(config.data.name, assemble.data_spec(config))
-  parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]),
-                               dataset.input_shape, dataset.num_classes)
-  state = parts.abstract_state
-  moments = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
-  trained = sum(leaf.size for path, leaf in moments if '.mu' in jax.tree_util.keystr(path))
-  size = placement.state_bytes_per_device(parts.layout.state_specs(state), state,
-                                               parts.mesh.shape)
-  return int(trained), int(size)
-
-
 def _shifted_test(shift: str, seed: int) -> np.ndarray:
   """The test split's inputs under `shift`, as eval.shift corrupts them (same keys, jitted)."""
   name, severity = corruptions.resolve(shift)[0]
@@ -159,7 +145,7 @@ def _row(name: str, config, results: dict, workdir: str, shifted_x: np.ndarray,
          shift: str) -> dict:
   family, severity = corruptions.resolve(shift)[0]
   shifted = results['shift']['corruptions'][family][str(severity)]['ensemble']
-  trained, size = _state_size(config)
+  trained, size = harness.state_size(config)
   return {
       'method': name, 'members': config.num_members, 'steps': config.train.steps,
       'member_steps': config.num_members * config.train.steps if name != 'pretrained' else 0,

@@ -55,7 +55,6 @@ import numpy as np
 import dist_ens
 from benchmarks import harness, lm_checkpoint
 from dist_ens import Ensemble, assemble, data
-from dist_ens.parallel import placement
 
 ROOT = harness.ROOT
 CORPUS = ROOT / 'tests' / 'data' / 'text'
@@ -104,20 +103,6 @@ def run_config(checkpoint: Path, overrides: dict[str, Any], batch: int, length: 
   return config
 
 
-def state_size(config) -> tuple[int, int]:
-  """(parameters trained, train-state bytes on the device) as `dist-ens plan` lays the
-  state out: a trained leaf is one with Adam moments (mu)."""
-  dataset = data.load_dataset(config.data.name, assemble.data_spec(config))
-  mesh = assemble.build_mesh(config, jax.devices()[:1])
-  parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
-  state = parts.abstract_state
-  moments = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]
-  trained = sum(leaf.size for path, leaf in moments if '.mu' in jax.tree_util.keystr(path))
-  size = placement.state_bytes_per_device(parts.layout.state_specs(state), state,
-                                          parts.mesh.shape)
-  return int(trained), int(size)
-
-
 def token_means(prediction: Any, targets: np.ndarray) -> dict[str, float]:
   """The ensemble's means over the scored tokens (targets != PAD) of a prediction
   (Ensemble.predict's: probs [N, T, C], entropy and mutual_information [N, T])."""
@@ -158,7 +143,7 @@ def row(arm: str, seed: int, config, results: dict[str, Any], workdir: str) -> d
   """One run's figures (the module doc)."""
   members, ensemble = results['members'], results['ensemble']
   ood = results['ood']['ensemble']
-  trained, size = state_size(config)
+  trained, size = harness.state_size(config)
   mean = lambda k: float(np.mean(members[k]))
   mi = ensemble.get('mutual_information')
   m, steps, batch = config.num_members, config.train.steps, config.data.batch_size

@@ -7,7 +7,8 @@
   run.checkpointer(workdir)            # orbax state + data position + meta
 
 `dist-ens plan` and `Ensemble.load` call build_run(config, shapes=...) (no data
-loaded); the steps inside are build_mesh, build_data, build_parts and build_step.
+loaded); the steps inside are build_mesh, build_data, build_parts and build_step (the mesh
+and the layout: mesh_layout.py).
 
 Data flows one way: config -> specs (dist_ens/specs.py) -> mesh, model, task,
 optimizer, method, per-member hyperparameters -> the abstract (sharded) state -> the
@@ -23,7 +24,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_collections
-from absl import logging
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -34,12 +34,13 @@ from dist_ens.core import gradients, groups as groups_lib, hparams as hparams_li
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import Pretrained, TrainState, init_state
-from dist_ens.ensembles import batchensemble, methods, stored
+from dist_ens.ensembles import methods, stored
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec, user_metrics
 from dist_ens.eval.evaluate import Evaluator, Scorer, make_eval_step
 from dist_ens.member_forms import (form_key, member_form,  # noqa: F401  (re-exported)
                                    members_per_device)
+from dist_ens.mesh_layout import build_layout, build_mesh  # noqa: F401  (re-exported)
 from dist_ens.parallel import mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
@@ -197,30 +198,6 @@ def build_run(config: ml_collections.ConfigDict, *,
              member_form(parts.groups[0] if parts.groups else parts, config.data.batch_size))
 
 
-def build_mesh(config: ml_collections.ConfigDict,
-               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """The ('member', 'data'[, 'model']) mesh for the config, checked against M and the
-  batch; an axis left at -1 is fitted to the devices (parallel.mesh.make_mesh), and a
-  warning says what to set when that leaves devices idle."""
-  devices = list(jax.devices() if devices is None else devices)
-  # Every group is split over all member devices: fit 'member' to the gcd of the counts.
-  mesh = mesh_lib.make_mesh(mesh_spec(config), devices,
-                            num_members=member_groups.fitted_members(config),
-                            batch_size=config.data.batch_size)
-  mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
-  if mesh.size < len(devices):
-    logging.warning('%s', mesh_lib.idle_devices_message(
-        mesh_spec(config), mesh, len(devices), config.num_members, config.data.batch_size))
-  if config.reproducible:
-    gradients.check_canonical(config.train.micro_batches, mesh.shape[mesh_lib.DATA])
-    if config.mesh.fsdp_over_data:  # Its split, so its sums, would follow mesh.data.
-      raise ConfigError(
-          'config.reproducible=True promises members bit-identical on any mesh, but '
-          'mesh.fsdp_over_data splits each member over data x model devices, so its sums '
-          'change with mesh.data; set fsdp_over_data=False (a fixed mesh.model is fine).')
-  return mesh
-
-
 def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],
                 num_outputs: int, num_members: int | None = None,
                 optimizer: Optimizer | optax.GradientTransformation | None = None,
@@ -340,33 +317,6 @@ def _model_field(config: ml_collections.ConfigDict) -> str:
     return f'config.model.init_from={config.model.init_from!r}'
   return (f'config.model.factory={config.model.factory!r}' if config.model.factory
           else f'config.model.name={config.model.name!r}')
-
-
-def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections.ConfigDict,
-                 member_params: Callable[[], Any]) -> Layout:
-  """Where every leaf lives: a method's shared leaves stored once, members whole on each
-  device of their group or, on a mesh with a 'model' axis (or with mesh.fsdp_over_data
-  and data > 1), each member's leaves split by the model's Flax annotations,
-  config.mesh.rules, else FSDP over 'model' (or 'data' x 'model'). A rule sees one
-  member's leaf; `member_params()` are one member's abstract params, with their
-  annotations, traced only where a split needs them."""
-  shared = {} if method.hooks.shared is None else {
-      'shared': method.hooks.shared, 'rule_path': batchensemble.unwrapped_path}
-  over_data = bool(mesh_config.fsdp_over_data) and mesh.shape[mesh_lib.DATA] > 1
-  if mesh_lib.MODEL not in mesh.axis_names and not over_data:
-    return Layout(**shared)
-  axes = tuple(a for a in (mesh_lib.DATA, mesh_lib.MODEL) if a in mesh.axis_names
-               and (a == mesh_lib.MODEL or over_data))
-  size = int(np.prod([mesh.shape[a] for a in axes]))
-  rule = sharding_rules.fsdp(axes if len(axes) > 1 else axes[0], axis_size=size,
-                             min_size=mesh_config.fsdp_min_size)
-  rules = sharding_rules.config_rules(mesh_config.rules)
-  if rules:
-    rule = sharding_rules.by_regex(rules, default=rule, axis_sizes=dict(mesh.shape),
-                                   field='config.mesh.rules')
-  logical = tuple(tuple(pair) for pair in mesh_config.logical_rules) or None
-  rule = sharding_rules.from_flax_metadata(member_params(), logical, default=rule)
-  return Layout(axes=tuple(mesh.axis_names), rule=rule, **shared)
 
 
 def _check_shared_optimizer(member_hparams: dict[str, np.ndarray], name: str) -> None:

@@ -34,7 +34,6 @@ from dist_ens.io.member_files import load_member  # noqa: F401  (API)
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
 from dist_ens.eval import conformal as conformal_lib, decisions, laplace_predictive, metrics
-from dist_ens.eval import regression as reg_eval
 from dist_ens.eval.evaluate import member_logits, pad_rows, padded_chunks
 from dist_ens.parallel import load_mesh, mesh as mesh_lib
 # The prediction types and preprocess_for are part of this module's API, as before.
@@ -322,12 +321,8 @@ class Ensemble:
       own = self._predict_scaled(x, batch_size, scale)
       means.append(own.member_mean[s * rows:(s + 1) * rows])
       variances.append(own.member_variance[s * rows:(s + 1) * rows])
-    means, variances = np.concatenate(means), np.concatenate(variances)
-    moments = reg_eval.mixture_moments(means, variances, ~self.frozen)
-    return GaussianPrediction(
-        mean=np.asarray(moments.mean), variance=np.asarray(moments.total),
-        aleatoric=np.asarray(moments.aleatoric), epistemic=np.asarray(moments.epistemic),
-        member_mean=means, member_variance=variances)
+    return GaussianPrediction.mixture(np.concatenate(means), np.concatenate(variances),
+                                      ~self.frozen)
 
   def _predict_scaled(self, x: np.ndarray, batch_size: int | None,
                       scale: uci.Standardizer | None) -> GaussianPrediction:

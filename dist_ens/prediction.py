@@ -8,6 +8,7 @@ import ml_collections
 import numpy as np
 
 from dist_ens import assemble, data
+from dist_ens.eval import regression
 
 Preprocess = Callable[[np.ndarray], np.ndarray]
 
@@ -22,6 +23,16 @@ class GaussianPrediction(NamedTuple):
   member_mean: np.ndarray
   member_variance: np.ndarray
 
+
+  @classmethod
+  def mixture(cls, means: np.ndarray, variances: np.ndarray,
+              included: np.ndarray) -> 'GaussianPrediction':
+    """The mixture of the `included` members' Gaussians (means, variances [M, N, ...])."""
+    moments = regression.mixture_moments(means, variances, included)
+    return cls(mean=np.asarray(moments.mean), variance=np.asarray(moments.total),
+               aleatoric=np.asarray(moments.aleatoric),
+               epistemic=np.asarray(moments.epistemic), member_mean=means,
+               member_variance=variances)
 
 class Prediction(NamedTuple):
   """The ensemble's prediction for N inputs (numpy arrays on the host)."""

@@ -105,6 +105,17 @@ def _softmax(logits):
   return e / e.sum(-1, keepdims=True)
 
 
+def member_probs(params, state, x, scale=SCALE):
+  """One member's predictive recomputed in float64 numpy from its stored params and
+  state: the mean softmax over its stored indices, and its base network's alone."""
+  features, logits = _mlp(params.base, x.reshape(len(x), -1))
+  inputs = np.concatenate([features, x.reshape(len(x), -1)], 1)
+  want = np.mean([_softmax(logits + _epinet(params.epinet, inputs, z)
+                           + scale * _epinet(state.prior, inputs, z))
+                  for z in state.indices], axis=0)
+  return want, _softmax(logits)
+
+
 def test_predict_is_the_mean_softmax_over_the_members_indices(loaded):
   ens = loaded['straight']
   x = np.asarray(data.load_dataset('mnist1d').test.x[:6], np.float64)
@@ -112,13 +123,9 @@ def test_predict_is_the_mean_softmax_over_the_members_indices(loaded):
   member = lambda tree, m: jax.tree.map(lambda a: np.asarray(a, np.float64)[m], tree)
   for m in range(M):
     params, state = member(ens.params, m), member(ens.model_state, m)
-    features, logits = _mlp(params.base, x.reshape(len(x), -1))
-    inputs = np.concatenate([features, x.reshape(len(x), -1)], 1)
-    want = np.mean([_softmax(logits + _epinet(params.epinet, inputs, z)
-                             + SCALE * _epinet(state.prior, inputs, z))
-                    for z in state.indices], axis=0)
+    want, base_alone = member_probs(params, state, x)
     np.testing.assert_allclose(probs[m], want, rtol=1e-4, atol=1e-6)
-    assert not np.allclose(probs[m], _softmax(logits), atol=1e-3)  # not the base alone
+    assert not np.allclose(probs[m], base_alone, atol=1e-3)  # not the base alone
 
 
 def test_the_base_network_learns_from_its_logits_only_and_the_loss_averages_the_indices():

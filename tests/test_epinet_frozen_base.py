@@ -16,7 +16,7 @@ from dist_ens import assemble, data
 from dist_ens.io import report
 from dist_ens.io.member_files import load_member
 from dist_ens.io.pretrained import load_pretrained, read_orbax
-from test_epinet import _epinet, _mlp, _softmax
+from test_epinet import member_probs
 
 M, SCALE, EVAL_SAMPLES = 4, 1.5, 5
 
@@ -106,12 +106,8 @@ def test_predict_is_the_mean_softmax_over_the_members_indices_on_the_frozen_base
   as64 = lambda tree: jax.tree.map(lambda a: np.asarray(a, np.float64), tree)
   for m in range(M):
     params, state = as64(ens.member(m)), as64(ens.member_state(m))
-    features, logits = _mlp(params.base, x.reshape(len(x), -1))
-    inputs = np.concatenate([features, x.reshape(len(x), -1)], 1)
-    want = np.mean([_softmax(logits + _epinet(params.epinet, inputs, z)
-                             + SCALE * _epinet(state.prior, inputs, z))
-                    for z in state.indices], axis=0)
-    np.testing.assert_allclose(probs[m], want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(probs[m], member_probs(params, state, x, SCALE)[0], rtol=1e-4,
+                               atol=1e-6)
 
 
 def test_export_and_the_report(runs, loaded, tmp_path):

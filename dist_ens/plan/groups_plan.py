@@ -19,7 +19,7 @@ from dist_ens.io.tables import counted
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.plan import dry_run, sizes
 from dist_ens.plan.dry_run import StepMemory, step_memory
-from dist_ens.plan.text import FLOPS_MEASURED, GB
+from dist_ens.plan.text import FLOPS_MEASURED, GB, step_memory_lines
 
 
 class GroupPlan(NamedTuple):
@@ -112,12 +112,7 @@ def format_groups_plan(plan: GroupsPlan, config: ml_collections.ConfigDict) -> s
       f'train FLOPs per example: per member of the group ({FLOPS_MEASURED})',
       f'state bytes per device         {plan.state_bytes_per_device:>16,}  (every group\'s)',
       'compiled train step (every group), bytes per device:',
-      f'  arguments                    {s.argument:>16,}  (state and batch)',
-      f'  outputs                      {s.output:>16,}',
-      f'  aliased (donated state)      {s.alias:>16,}',
-      f'  temporaries                  {s.temp:>16,}',
-      f'  peak                         {s.peak:>16,}  (arguments + outputs - aliased + '
-      'temporaries)',
+      *step_memory_lines(s),
   ]
   if plan.memory_bytes is None:
     lines.append(f'memory: this {plan.platform} device reports no size; pass --memory_gb=G '

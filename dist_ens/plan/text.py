@@ -41,12 +41,7 @@ def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
       *(f'  {p.path:<36} {str(list(p.shape)):<18} {str(p.spec):<28} {p.bytes_per_device:>12,}'
         for p in plan.param_leaves),
       f'compiled train step, bytes per device ({counted(s.members_per_device, "member")}):',
-      f'  arguments                    {s.argument:>16,}  (state and batch)',
-      f'  outputs                      {s.output:>16,}',
-      f'  aliased (donated state)      {s.alias:>16,}',
-      f'  temporaries                  {s.temp:>16,}',
-      f'  peak                         {s.peak:>16,}  (arguments + outputs - aliased + '
-      'temporaries)',
+      *step_memory_lines(s),
       f'bytes per member               {plan.bytes_per_member:>16,.0f}  (peak growth per added '
       f'member; {_fixed_part(plan)})',
   ]
@@ -60,6 +55,16 @@ def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
                  f'{plan.mesh_shape[mesh_lib.MEMBER]} member shard(s): {plan.max_members:,}'
                  f' ({counts}; leave room for evaluation and the framework)')
   return '\n'.join(lines)
+
+
+def step_memory_lines(s: Any) -> list[str]:
+  """A compiled step's memory analysis (dry_run.StepMemory), one line a part."""
+  return [f'  arguments                    {s.argument:>16,}  (state and batch)',
+          f'  outputs                      {s.output:>16,}',
+          f'  aliased (donated state)      {s.alias:>16,}',
+          f'  temporaries                  {s.temp:>16,}',
+          f'  peak                         {s.peak:>16,}  (arguments + outputs - aliased + '
+          'temporaries)']
 
 
 def _fixed_part(plan: Plan) -> str:

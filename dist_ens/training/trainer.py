@@ -23,18 +23,18 @@ from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import methods
 from dist_ens.io import console, tables, writers
-from dist_ens.parallel import distributed, mesh as mesh_lib, strategy, xla_flags
+from dist_ens.parallel import distributed, xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, distill_action,
                                group_ensembles, held_out, joint_action, laplace_action,
                                noise, pbt, posthoc,
                                predictions as predictions_lib, workdir as workdir_lib)
-from dist_ens.training.loop import Action, Context, PeriodicAction, run_loop
+from dist_ens.training import cadence
+# Re-exported: tests reach the step's FLOPs estimate here.
+from dist_ens.training.cadence import step_flops as _step_flops  # noqa: F401
+from dist_ens.training.loop import Action, Context, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 from dist_ens.core.state import member_flags
 
-# Multi-device CPU collectives deadlock when ~30 steps are queued (seen with XLA's
-# CPU backend); waiting every 8 steps keeps well clear of that.
-_CPU_SYNC_EVERY = 8
 
 
 def _saved_run(workdir: Path) -> tuple[dict[str, Any] | None, int | None]:
@@ -87,51 +87,6 @@ def _restore_or_init(parts: assemble.Parts, checkpointer: Checkpointer) -> Resto
   return Restored(0, assemble.init_sharded(parts), data.IteratorState(), {})
 
 
-def _steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
-                    run_data: assemble.RunData, start_step: int,
-                    actions: Sequence[Action]) -> int:
-  # Examples the input pipeline delivers per step: one batch, or one per member.
-  inputs = config.data.batch_size * (config.num_members if run_data.order.per_member else 1)
-  platform = parts.mesh.devices.flat[0].platform
-  train = config.train
-  cadences = (train.steps, train.log_every, train.eval_every, config.checkpoint.every,
-              start_step, config.pbt.interval if config.pbt.enabled else 0,
-              *(a.every for a in actions if isinstance(a, PeriodicAction)))
-  k = strategy.steps_per_call(
-      train.steps_per_call, cadences, platform,
-      inputs * int(np.prod(parts.input_shape)) * 4,  # float32
-      step_flops=lambda: _step_flops(config, parts))
-  if start_step % k:
-    raise configuration.ConfigError(
-        f'config.train.steps_per_call={k} does not divide the checkpoint\'s step '
-        f'{start_step}; resume with a steps_per_call that divides it (e.g. 1), or 0 (auto).')
-  return k
-
-
-def _step_flops(config: ml_collections.ConfigDict, parts: assemble.Parts) -> float | None:
-  """Training FLOPs of one step per device (3x the forward: the backward pass costs two
-  forwards), for steps_per_call 'auto' on a CPU; None when not known."""
-  forward = strategy.forward_flops(parts.model, parts.input_shape,
-                                   config.data.batch_size // parts.mesh.shape[mesh_lib.DATA],
-                                   parts.input_dtype)
-  return None if forward is None else 3 * forward * assemble.members_per_device(parts)
-
-
-# On a multi-device CPU mesh too many queued steps deadlock XLA's collectives; 16 leaves a
-# margin below where that was seen (benchmarks/HISTORY.md, "Figures that lived in code
-# comments").
-_CPU_MAX_SYNC_EVERY = 16
-
-
-def _check_sync_every(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
-  if (mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
-      and config.train.sync_every > _CPU_MAX_SYNC_EVERY):
-    raise configuration.ConfigError(
-        f'config.train.sync_every={config.train.sync_every} on a {mesh.size}-device CPU mesh: '
-        f"XLA's CPU collectives deadlock when ~30 steps are queued; use at most "
-        f'{_CPU_MAX_SYNC_EVERY}, or 0 (automatic: {_CPU_SYNC_EVERY}).')
-
-
 def default_actions(ctx: Context, checkpointer: Checkpointer,
                     extra: Sequence[Action] = ()) -> list[Action]:
   """The actions every run has, from the config, with `extra` (a user's) before the
@@ -145,7 +100,7 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   sync_every = config.train.sync_every
   mesh = ctx.parts.mesh
   if not sync_every and mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1:
-    sync_every = _CPU_SYNC_EVERY
+    sync_every = cadence.CPU_SYNC_EVERY
   k = ctx.steps_per_call
   checkpoint = actions_lib.Checkpoint(checkpointer, config.checkpoint.every)
   out: list[Action] = []
@@ -204,7 +159,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
     raise configuration.ConfigError(
         f'dataset {run.data.dataset.name!r} (config.data.name={config.data.name!r}) has an '
         'empty test split: the run is evaluated on it; give it at least one example.')
-  _check_sync_every(run.config, run.parts.mesh)
+  cadence.check_sync_every(run.config, run.parts.mesh)
   writers.check_writer_names(config.writers)
   if loss is None:
     tasks.loss_for(config.train.loss)
@@ -234,7 +189,7 @@ def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
   else:
     logging.debug('each device runs its members with %s%s', form[0],
                  f' (chunks of {form[1]})' if form[1] else '')
-  k = _steps_per_call(config, parts, run_data, restored.step, actions)
+  k = cadence.steps_per_call(config, parts, run_data, restored.step, actions)
   if k > 1:
     logging.debug('%d steps per call of the compiled step', k)
   train_step = run.step(k, loss)
