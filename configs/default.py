@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
   # annotations where it has them, else by mesh.rules, else FSDP (each leaf of at least
   # fsdp_min_size elements split on its largest dimension that model divides).
   config.mesh.model = 1
-  config.mesh.fsdp_min_size = 4096
+  config.mesh.fsdp_min_size = 4096  # FSDP splits only leaves of at least this many elements
   # ZeRO-3 over both axes: the FSDP rule splits a large leaf over data x model devices
   # (a member's data-parallel devices hold a shard each, gathered per layer), not over
   # model alone; also with model = 1. Less memory per device, more collectives.
@@ -112,7 +112,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Or your own method by import path, 'my_pkg.methods:make' (docs/how-it-works.md), with
   # its fields in ensemble.options (anything; the method checks them).
   config.ensemble.method = 'deep'
-  config.ensemble.options = ml_collections.ConfigDict()
+  config.ensemble.options = ml_collections.ConfigDict()  # your method's own fields
   # Members of different architectures in one program (docs/groups.md): a list of
   # groups, each a dict {'count': n, 'model': {...}, 'optim': {...}[, 'name': str]} of
   # config.model / config.optim overrides; the counts sum to num_members, member ids run
@@ -199,8 +199,8 @@ def get_config() -> ml_collections.ConfigDict:
   # else 0). text_targets: 'label' (a class per sequence) or 'next_token' (targets [N, L]
   # for task='token_classification', -1 past each sequence's end).
   config.data.text_length = 0
-  config.data.text_targets = 'label'
-  config.data.pad_id = -1
+  config.data.text_targets = 'label'  # 'label' or 'next_token' (above)
+  config.data.pad_id = -1  # the padding id (above)
   # A tokenizer.json (or its folder) for 'text' lines; '' = the one beside the checkpoint
   # of model.init_from='hf:PATH', else PATH/tokenizer.json.
   config.data.tokenizer = ''
@@ -291,7 +291,7 @@ def get_config() -> ml_collections.ConfigDict:
   # worst pbt.quantile copy the whole train state of one of the best (exploit) and take its
   # hyperparameters perturbed (explore). Needs per-member hyperparameters to explore.
   config.pbt = ml_collections.ConfigDict()
-  config.pbt.enabled = False
+  config.pbt.enabled = False  # True: the rounds above run
   config.pbt.interval = 500  # steps between exploit/explore rounds (never at the last step)
   config.pbt.metric = 'nll'  # validation metric ranked by ('nll', 'accuracy', 'brier', 'ece')
   config.pbt.quantile = 0.25  # fraction of members replaced each round, in (0, 0.5]

@@ -38,3 +38,14 @@ def test_every_field_of_the_default_config_is_documented():
   config = tool._load_config(tool.CONFIG)  # pylint: disable=protected-access
   missing = [name for name in leaves(config) if f'| `{name}` |' not in text]
   assert not missing, f'fields missing from docs/config.md: {missing}'
+
+
+def test_each_field_is_one_row_with_a_meaning():
+  """A group given inline (config.mesh = ConfigDict(dict(...))) and extended later once
+  listed its later fields twice, the first time with no meaning."""
+  rows = [line.split('|') for line in _tool().generate().splitlines()
+          if line.startswith('| `')]
+  names = [row[1].strip() for row in rows]
+  assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+  empty = [row[1].strip() for row in rows if not row[3].strip()]
+  assert not empty, f'fields with no meaning (comment them in configs/default.py): {empty}'

@@ -105,6 +105,19 @@ def _comment_for(stmt: ast.stmt, comments: dict[int, tuple[str, bool]]) -> str:
   return ' '.join(above + beside).strip()
 
 
+def _inline_keys(value: ast.expr) -> set[str]:
+  """The keys a group's assignment gives inline: {'member', 'data'} for
+  `ConfigDict(dict(member=-1, data=1))` or `ConfigDict({'member': -1, 'data': 1})`."""
+  if not (isinstance(value, ast.Call) and value.args):
+    return set()
+  arg = value.args[0]
+  if isinstance(arg, ast.Call):
+    return {k.arg for k in arg.keywords if k.arg}
+  if isinstance(arg, ast.Dict):
+    return {k.value for k in arg.keys if isinstance(k, ast.Constant)}
+  return set()
+
+
 def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
   value = config
   for part in dotted.split('.'):
@@ -152,11 +165,15 @@ def generate(config_path: Path = CONFIG) -> str:
     if '.' not in name and isinstance(value, ml_collections.ConfigDict):
       section = sections.setdefault(name, {'intro': '', 'rows': []})
       section['intro'] = comment
+      # Fields given inline (config.mesh = ConfigDict(dict(...))) have no own line; the
+      # group's later assignments (config.mesh.model = 1) are rows of their own below.
+      inline = _inline_keys(stmt.value)
       for leaf, leaf_value in _leaves(value, name):
-        # Fields given inline (config.mesh = ConfigDict(dict(...))) have no own line.
-        if isinstance(stmt.value, ast.Call) and stmt.value.args:
+        if leaf.split('.')[1] in inline:
           section['rows'].append((leaf, leaf_value, _UNCOMMENTED.get(leaf, ''), False))
       continue
+    if isinstance(value, ml_collections.ConfigDict) and len(value):
+      continue  # A subgroup (config.ensemble.swag = ConfigDict()): its fields are the rows.
     section = name.split('.')[0] if '.' in name else ''
     sections.setdefault(section, {'intro': '', 'rows': []})['rows'].append(
         (name, value, comment, per_member))
