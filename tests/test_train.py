@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _config(**overrides):
   config = load_config(ROOT / 'configs' / 'default.py')
+  # A narrow MLP: what these tests compare (meshes, M, seeds, resume) does not depend on
+  # the width, and it compiles and runs several times faster than the default's 256-256.
+  config.model.widths = (32,)
   config.train.steps = 20
   config.train.log_every = 10
   config.train.eval_every = 0
