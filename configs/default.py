@@ -27,8 +27,10 @@ def untyped(value):
 
 def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
+  # Everything random (init, data order, dropout, random sweep values) derives from the
+  # seed and the member index.
   config.seed = 0
-  config.num_members = 8
+  config.num_members = 8  # M, the ensemble size; must be divisible by mesh.member
   # 'float32', or 'bfloat16': the model computes in bf16 while parameters, optimizer
   # state, BatchNorm statistics, the loss and metrics (and checkpoints) stay float32.
   config.precision = 'float32'
@@ -47,7 +49,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Devices as member x data x model; -1 fills the remaining devices. hosts_along: which
   # of member and data runs across processes in a multi-host run ('model' is innermost:
   # its devices are neighbours on one host).
-  config.mesh = ml_collections.ConfigDict(dict(member=-1, data=1, hosts_along='member'))
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.member = -1  # devices along the member axis: members are split over them
+  config.mesh.data = 1  # devices along the data axis: each member's batch is split over them
+  config.mesh.hosts_along = 'member'  # the axis laid out across processes (docs/multihost.md)
   # model > 1: each member's leaves are split over a third mesh axis of this many devices
   # (members larger than one device; docs/mesh.md): by the model's own Flax partition
   # annotations where it has them, else by mesh.rules, else FSDP (each leaf of at least
@@ -71,7 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
   # Your own model by import path, 'my_pkg.nets:make_net', called with model.kwargs
   # (see "Your own model, data and optimizer" in README.md); '' = model.name.
   config.model.factory = ''
-  config.model.kwargs = ml_collections.ConfigDict()
+  config.model.kwargs = ml_collections.ConfigDict()  # keyword arguments for model.factory
   config.model.widths = (256, 256)  # mlp hidden widths
   config.model.channels = (25, 25, 25)  # cnn conv channels,
   config.model.kernel_sizes = (5, 3, 3)  # kernel sizes
@@ -99,8 +104,8 @@ def get_config() -> ml_collections.ConfigDict:
   # written back into the donated state's buffers; map_batch_size > 1 vmaps chunks of
   # members), or 'auto' (picked per model, see dist_ens/parallel/strategy.py).
   config.ensemble = ml_collections.ConfigDict()
-  config.ensemble.member_parallelism = 'auto'
-  config.ensemble.map_batch_size = 0
+  config.ensemble.member_parallelism = 'auto'  # 'auto', 'vmap' or 'map'
+  config.ensemble.map_batch_size = 0  # members vmapped per iteration of 'map' (0: one)
   # What the members are (docs/ensemble_methods.md): 'deep' (independent members),
   # 'batchensemble' (one shared weight per layer, rank-1 factors per member),
   # 'mimo' (each member one network of mimo.heads input slots and output heads),
@@ -174,7 +179,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.data_dir = ''  # TFDS data_dir; '' = TFDS's default (~/tensorflow_datasets)
   # Inputs are float32 (uint8 images / 255), then standardised per channel if given.
   config.data.mean = ()
-  config.data.std = ()
+  config.data.std = ()  # per-channel standard deviations (with data.mean)
   # 'shared' (every member the same batch), 'shuffled' (own order per member) or
   # 'bootstrap' (own resample per member: bagging).
   config.data.member_order = 'shared'
@@ -212,24 +217,24 @@ def get_config() -> ml_collections.ConfigDict:
   # (AdamW; SGDW for sgd) from the leaves decay_mask names: 'kernels' (weight matrices
   # and conv kernels; no biases or normalisation scales) or 'all'.
   config.optim.weight_decay = per_member(0.1)
-  config.optim.decay_mask = 'kernels'
+  config.optim.decay_mask = 'kernels'  # the leaves weight_decay applies to (above)
   config.optim.b1 = per_member(0.9)  # adam
-  config.optim.b2 = 0.999
-  config.optim.eps = 1e-8
+  config.optim.b2 = 0.999  # adam's second-moment decay
+  config.optim.eps = 1e-8  # adam's epsilon
   config.optim.momentum = per_member(0.9)  # sgd only; 0 for plain SGD
-  config.optim.nesterov = False
+  config.optim.nesterov = False  # Nesterov momentum for sgd
   config.optim.grad_clip_norm = 0.0  # 0 = no clipping
   # Learning-rate multiplier after warmup_steps of linear warm-up: 'constant', 'cosine'
   # or 'linear' decay to 0, or 'step': x decay_factor at each of decay_boundaries,
   # fractions of train.steps (0.3, 0.6, 0.8 = epochs 60/120/160 of 200).
   config.optim.schedule = 'constant'
-  config.optim.warmup_steps = 0
+  config.optim.warmup_steps = 0  # linear warm-up from 0 to the peak rate first
   config.optim.warmup_epochs = 0.0  # the warm-up in epochs instead (sets warmup_steps)
   config.optim.decay_boundaries = (0.3, 0.6, 0.8)  # schedule='step' only
   config.optim.decay_factor = 0.2  # schedule='step' only
 
   config.train = ml_collections.ConfigDict()
-  config.train.steps = 2000
+  config.train.steps = 2000  # each member sees data.batch_size examples a step
   # > 0: train this many epochs instead, steps = epochs * (train examples // batch_size)
   # (the last partial batch of an epoch is dropped), set once the data set's size is
   # known; train.steps is then ignored. 0: train.steps counts.
@@ -239,12 +244,12 @@ def get_config() -> ml_collections.ConfigDict:
   # ('cross_entropy', 'gaussian_nll', 'mse'), or your own by import path,
   # 'my_pkg.losses:fn' with fn(outputs, targets, hparams) -> mean loss.
   config.train.loss = ''
-  config.train.label_smoothing = per_member(0.0)
+  config.train.label_smoothing = per_member(0.0)  # of the cross-entropy
   # Each member's batch is cut into this many micro-batches whose gradients are summed
   # (in a fixed order when config.reproducible): activations take 1/micro_batches of
   # the memory. BatchNorm normalises each micro-batch by its own statistics.
   config.train.micro_batches = 1
-  config.train.log_every = 250
+  config.train.log_every = 250  # steps between train log lines and metrics events
   config.train.eval_every = 500  # 0: evaluate only at the end
   # Wait for the step every this many steps; 0 = automatic (8 on multi-device CPU,
   # whose collectives deadlock when ~30 steps are queued; else at log steps only).
@@ -277,8 +282,8 @@ def get_config() -> ml_collections.ConfigDict:
   # Members ranked by a validation metric ('nll', 'accuracy', 'brier' or 'ece'); top_k > 0
   # also reports the ensemble of the k best (needs data.validation_size > 0).
   config.select = ml_collections.ConfigDict()
-  config.select.metric = 'nll'
-  config.select.top_k = 0
+  config.select.metric = 'nll'  # the validation metric members are ranked by
+  config.select.top_k = 0  # the selected ensemble's size; 0 = no selection
   # 'top_k' (the top_k best by select.metric, each once; results 'selected') or 'greedy'
   # (Caruana: add, with replacement, the member that most lowers the validation NLL of the
   # averaged probabilities, greedy_size picks, best prefix kept; results 'greedy').

@@ -31,39 +31,6 @@ CONFIG = ROOT / 'configs' / 'default.py'
 OUT = ROOT / 'docs' / 'config.md'
 
 
-# What a field means where configs/default.py gives it no comment of its own (a
-# comment there always wins; add one there rather than here).
-_UNCOMMENTED = {
-    'seed': 'Everything random (init, data order, dropout, random sweep values) derives from '
-            'it and the member index.',
-    'num_members': 'M, the ensemble size; must be divisible by mesh.member.',
-    'mesh.member': 'Devices along the member axis: members are split over them.',
-    'mesh.data': "Devices along the data axis: each member's batch is split over them.",
-    'mesh.hosts_along': "'member' or 'data': the axis laid out across processes (docs/multihost.md).",
-    'model.kwargs': 'Keyword arguments for model.factory.',
-    'ensemble.member_parallelism': "'auto', 'vmap' or 'map'.",
-    'ensemble.map_batch_size': "Members vmapped together per iteration of 'map''s loop (0: one at a time).",
-    'ensemble.method': "'deep' (independent members), 'snapshot' or 'multiswag' (docs/ensemble_methods.md).",
-    'ensemble.snapshot.cycles': "snapshot: restarts of optim.schedule; every cycle's last parameters predict (must divide train.steps).",
-    'ensemble.swag.start': 'multiswag: fraction of train.steps from which the weights are collected.',
-    'ensemble.swag.every': 'multiswag: steps between collected weights.',
-    'ensemble.swag.rank': 'multiswag: deviations kept for the low-rank covariance (0: diagonal only).',
-    'ensemble.swag.samples': 'multiswag: weight samples per member at evaluation.',
-    'data.std': 'Per-channel standard deviations (with data.mean).',
-    'optim.decay_mask': "Which leaves weight_decay applies to: 'kernels' or 'all' (see weight_decay).",
-    'optim.b2': "Adam's second-moment decay.",
-    'optim.eps': "Adam's epsilon.",
-    'optim.nesterov': 'Nesterov momentum for sgd.',
-    'optim.warmup_steps': 'Linear warmup from 0 to the peak learning rate before the schedule.',
-    'optim.warmup_epochs': 'Warm-up in epochs of the training split (sets optim.warmup_steps; one of the two must be 0).',
-    'train.steps': 'Training steps (each member sees data.batch_size examples per step).',
-    'train.label_smoothing': 'Label smoothing of the cross-entropy.',
-    'train.log_every': 'Steps between train log lines and metrics events.',
-    'select.metric': 'Validation metric members are ranked by.',
-    'select.top_k': 'Size of the selected ensemble; 0 = no selection.',
-}
-
-
 def _load_config(path: Path) -> ml_collections.ConfigDict:
   spec = importlib.util.spec_from_file_location('_dist_ens_default_config', path)
   module = importlib.util.module_from_spec(spec)
@@ -159,7 +126,7 @@ def generate(config_path: Path = CONFIG) -> str:
     name = _dotted(stmt.targets[0])
     if name is None:
       continue
-    comment = _comment_for(stmt, comments) or _UNCOMMENTED.get(name, '')
+    comment = _comment_for(stmt, comments)
     per_member = 'per_member(' in ast.get_source_segment(source, stmt.value)
     value = _get(config, name)
     if '.' not in name and isinstance(value, ml_collections.ConfigDict):
@@ -170,7 +137,7 @@ def generate(config_path: Path = CONFIG) -> str:
       inline = _inline_keys(stmt.value)
       for leaf, leaf_value in _leaves(value, name):
         if leaf.split('.')[1] in inline:
-          section['rows'].append((leaf, leaf_value, _UNCOMMENTED.get(leaf, ''), False))
+          section['rows'].append((leaf, leaf_value, '', False))
       continue
     if isinstance(value, ml_collections.ConfigDict) and len(value):
       continue  # A subgroup (config.ensemble.swag = ConfigDict()): its fields are the rows.
