@@ -5,6 +5,7 @@ targets are the following ids with -1 past the end, so a padded position's input
 changes neither the token_classification loss nor its metrics, and GPT-2 trains on them
 from the config; bad input is refused in one line naming the file or field."""
 
+import functools
 import json
 import shutil
 
@@ -98,13 +99,24 @@ def test_raw_text_through_the_tokenizer_beside_the_checkpoint(tmp_path):
   assert PAD not in dataset.train.x[short, :6]
 
 
-def _causal_loss_and_metrics(dataset):
+@functools.cache
+def _causal_loss_and_sums():
+  """GPT-2's token_classification loss and eval sums of (x, y), jitted: one compile for
+  the test's three calls (eager, each runs GPT-2 op by op)."""
   model, params = from_hf(str(GPT2))
   task = tasks.get_task('token_classification')
-  x, y = jnp.asarray(dataset.train.x), jnp.asarray(dataset.train.y)
-  logits, _ = model.apply(params, {}, x, train=False)
-  out = task.eval_batch(logits[None], y, jnp.ones(len(y), bool))
-  return float(task.loss(logits, y, {})), jax.tree.map(np.asarray, out.sums)
+
+  def loss_and_sums(x, y):
+    logits, _ = model.apply(params, {}, x, train=False)
+    out = task.eval_batch(logits[None], y, jnp.ones(len(y), bool))
+    return task.loss(logits, y, {}), out.sums
+
+  return jax.jit(loss_and_sums)
+
+
+def _causal_loss_and_metrics(dataset):
+  loss, sums = _causal_loss_and_sums()(dataset.train.x, dataset.train.y)
+  return float(loss), jax.tree.map(np.asarray, sums)
 
 
 def test_a_padded_positions_token_changes_no_loss_or_metric(tmp_path):
