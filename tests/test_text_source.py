@@ -193,7 +193,9 @@ def test_lora_members_of_a_tied_decoder_own_their_factors_alone(tmp_path):
   its LoRA factors of the attention kernels alone."""
   config = _decoder_config(tmp_path)
   config.ensemble.own, config.ensemble.lora_rank, config.ensemble.lora_targets = 'lora', 2, 'attn'
-  dist_ens.train(config, str(tmp_path / 'run'), devices=jax.devices()[:2])
+  results = dist_ens.train(config, str(tmp_path / 'run'), devices=jax.devices()[:2])
+  # Trained through the config on raw text's next tokens, as the decoder test's run.
+  assert results['step'] == 2 and np.isfinite(results['members']['nll']).all()
   ens = dist_ens.Ensemble.load(tmp_path / 'run', devices=jax.devices()[:1])
   stored = jax.device_get(ens._stored)  # pylint: disable=protected-access
   _, file = from_hf(str(tmp_path / 'gpt2'))
