@@ -91,9 +91,10 @@ def test_the_token_means_are_the_trainers_per_token_metrics():
   targets = rng.integers(0, 7, (4, 6)).astype(np.int32)
   targets[0, 3:], targets[2, 1:] = lm_recipe.PAD, lm_recipe.PAD
   task = tasks.get_task('token_classification')
-  out = task.eval_batch(jnp.asarray(logits), jnp.asarray(targets), jnp.ones(4, bool))
+  # Jitted, as the trainer runs them: eager, each runs op by op (slower on a CPU).
+  out = jax.jit(task.eval_batch)(jnp.asarray(logits), jnp.asarray(targets), jnp.ones(4, bool))
   trainer = task.finalize(jax.device_get(out.sums), jax.device_get(out.examples))['ensemble']
-  u = jax.device_get(metrics.member_uncertainty(logits))
+  u = jax.device_get(jax.jit(metrics.member_uncertainty)(logits))
   member_probs = np.asarray(jax.nn.softmax(logits, axis=-1))
   junk = np.where(targets == lm_recipe.PAD, 1e9, 0.0)  # predict's padding positions
   prediction = Prediction(member_probs.mean(0), member_probs, u['entropy'] + junk,
@@ -115,6 +116,7 @@ def test_untie_gives_a_released_gpt2s_outputs_and_a_head_for_lora_to_own(tmp_pat
   model2, params2 = from_hf(str(untied))
   assert owned_names('lora', params2, 96) == {'lm_head/w'}
   ids = np.arange(2 * 12).reshape(2, 12) % 96
-  np.testing.assert_allclose(model2.apply(params2, {}, ids, train=False)[0],
-                             model.apply(params, {}, ids, train=False)[0], atol=1e-5)
+  # Jitted: eager, each GPT-2 runs op by op.
+  logits = lambda m, p: jax.jit(lambda x: m.apply(p, {}, x, train=False)[0])(ids)
+  np.testing.assert_allclose(logits(model2, params2), logits(model, params), atol=1e-5)
   assert (untied / 'reference.npz').exists()  # the source's other files come along

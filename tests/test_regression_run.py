@@ -35,11 +35,23 @@ def _config():
   return config
 
 
-def test_a_regression_ensemble_trains_and_reports_its_metrics(tmp_path):
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """The curve's ensemble trained twice with _config(): on its targets ('plain') and on
+  1000 y + 5 ('scaled'); each (workdir, final metrics). The tests below only read them."""
+  (x, y), (xt, yt) = _curve(512, 0), _curve(256, 1)
+  root = tmp_path_factory.mktemp('regression')
+  datasets = {'plain': data.from_arrays(x, y, xt, yt, name='curve'),
+              'scaled': data.from_arrays(x, 1000 * y + 5, xt, 1000 * yt + 5)}
+  return {name: (root / name, dist_ens.train(_config(), str(root / name), dataset=dataset))
+          for name, dataset in datasets.items()}
+
+
+def test_a_regression_ensemble_trains_and_reports_its_metrics(runs):
   dataset = data.from_arrays(*_curve(512, 0), *_curve(256, 1), name='curve')
   assert dataset.train.y.dtype == np.float32 and dataset.num_classes == 0
   assert np.array_equal(dataset.train.y, _curve(512, 0)[1])  # Never cast to integers.
-  final = dist_ens.train(_config(), str(tmp_path), dataset=dataset)
+  workdir, final = runs['plain']
   members, ensemble = final['members'], final['ensemble']
   for key in ('rmse', 'nll', 'crps', 'coverage_50', 'coverage_90', 'coverage_95'):
     assert len(members[key]) == 4 and key in ensemble
@@ -47,7 +59,7 @@ def test_a_regression_ensemble_trains_and_reports_its_metrics(tmp_path):
   assert ensemble['rmse'] < 0.25
   # The mixture's NLL is below its mean member's (Jensen, strict for differing members).
   assert ensemble['nll'] < np.mean(members['nll'])
-  assert 'rmse' in (tmp_path / 'members.csv').read_text().splitlines()[0]
+  assert 'rmse' in (workdir / 'members.csv').read_text().splitlines()[0]
 
 
 def test_float_labels_are_refused_by_classification(tmp_path):
@@ -58,16 +70,10 @@ def test_float_labels_are_refused_by_classification(tmp_path):
     dist_ens.train(config, str(tmp_path), dataset=dataset)
 
 
-def test_targets_are_standardised_and_metrics_reported_in_their_units(tmp_path):
-  (x, y), (xt, yt) = _curve(512, 0), _curve(256, 1)
-  config = _config()
-  config.train.steps = 100
-  config.checkpoint.every = 100
-  plain = dist_ens.train(config, str(tmp_path / 'a'), dataset=data.from_arrays(x, y, xt, yt))
+def test_targets_are_standardised_and_metrics_reported_in_their_units(runs):
   # The same problem in other units: standardising makes training identical, and
   # the metrics come back scaled (RMSE, CRPS, widths x1000; NLL + log 1000).
-  scaled = dist_ens.train(config, str(tmp_path / 'b'), dataset=data.from_arrays(
-      x, 1000 * y + 5, xt, 1000 * yt + 5))
+  plain, scaled = runs['plain'][1], runs['scaled'][1]
   for scope in ('ensemble',):
     a, b = plain[scope], scaled[scope]
     np.testing.assert_allclose(b['rmse'], 1000 * a['rmse'], rtol=1e-3)
@@ -88,12 +94,10 @@ def test_the_uci_config_trains_on_a_shipped_set(tmp_path):
   assert final['ensemble']['rmse'] < np.std(test.y)
 
 
-def test_a_regression_ensemble_loads_and_predicts_in_target_units(tmp_path):
-  (x, y), (xt, yt) = _curve(512, 0), _curve(256, 1)
-  config = _config()
-  final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(
-      x, 1000 * y + 5, xt, 1000 * yt + 5))
-  ensemble = dist_ens.Ensemble.load(str(tmp_path))
+def test_a_regression_ensemble_loads_and_predicts_in_target_units(runs):
+  xt, yt = _curve(256, 1)
+  workdir, final = runs['scaled']  # trained on 1000 y + 5
+  ensemble = dist_ens.Ensemble.load(str(workdir))
   out = ensemble.predict(xt, batch_size=100)  # Raw inputs; three chunks, one padded.
   assert out.mean.shape == (256,) and out.member_mean.shape == (4, 256)
   # In the targets' units: the RMSE equals what training reported on the same test split.
@@ -104,15 +108,11 @@ def test_a_regression_ensemble_loads_and_predicts_in_target_units(tmp_path):
   np.testing.assert_allclose(out.epistemic, out.member_mean.var(0), rtol=1e-3, atol=1e-3)
 
 
-def test_an_exported_regression_member_predicts_with_numpy_alone(tmp_path):
+def test_an_exported_regression_member_predicts_with_numpy_alone(runs, tmp_path):
   """ensemble.json carries the task and the standardiser, so a member's .npz predicts in
   target units without dist_ens: standardise x, run the MLP, unscale the mean."""
-  (x, y), (xt, yt) = _curve(512, 0), _curve(256, 1)
-  config = _config()
-  config.train.steps = 100
-  dist_ens.train(config, str(tmp_path / 'run'),
-                 dataset=data.from_arrays(x, 50 * y - 3, xt, 50 * yt - 3))
-  ensemble = dist_ens.Ensemble.load(str(tmp_path / 'run'))
+  xt, _ = _curve(256, 1)
+  ensemble = dist_ens.Ensemble.load(str(runs['scaled'][0]))  # trained on 1000 y + 5
   paths = ensemble.export(tmp_path / 'members')
   meta = json.loads((tmp_path / 'members' / 'ensemble.json').read_text())
   assert meta['task'] == 'regression'
@@ -124,7 +124,7 @@ def test_an_exported_regression_member_predicts_with_numpy_alone(tmp_path):
 
 
 def test_a_regression_sweep_with_k_fold_resumes_exactly(tmp_path):
-  """Resume, a per-member sweep and member_split together: killed after step 40's
+  """Resume, a per-member sweep and member_split together: killed after step 4's
   checkpoint and rerun, it ends where an uninterrupted run ends, held-out results too."""
   from test_methods import _Stop  # pylint: disable=import-outside-toplevel
   dataset = data.from_arrays(*_curve(512, 0), *_curve(256, 1), name='curve')
@@ -133,12 +133,13 @@ def test_a_regression_sweep_with_k_fold_resumes_exactly(tmp_path):
     c = _config()
     c.optim.learning_rate = [3e-3, 1e-2, 3e-3, 1e-2]
     c.data.member_split, c.data.member_order = 'kfold:2', 'shuffled'
-    c.train.steps, c.train.log_every, c.checkpoint.every = 80, 20, 20
+    # Few steps: resume is exact after any number, and each step is host time here.
+    c.train.steps, c.train.log_every, c.checkpoint.every = 8, 4, 4
     return c
 
   straight = dist_ens.train(config(), str(tmp_path / 'a'), dataset=dataset)
   with pytest.raises(RuntimeError, match='injected fault'):
-    dist_ens.train(config(), str(tmp_path / 'b'), dataset=dataset, actions=[_Stop(40)])
+    dist_ens.train(config(), str(tmp_path / 'b'), dataset=dataset, actions=[_Stop(4)])
   resumed = dist_ens.train(config(), str(tmp_path / 'b'), dataset=dataset)
   for key in ('members', 'ensemble', 'member_split', 'hyperparameters'):
     assert resumed[key] == straight[key], key
@@ -153,8 +154,8 @@ def test_homoscedastic_noise_is_fitted_on_validation_and_used_by_predict(tmp_pat
   y = (20 * np.sin(3 * x[:, 0]) + 100 + 6 * rng.standard_normal(1400)).astype(np.float32)
   config = _config()
   config.task, config.data.validation_size = 'regression_homoscedastic', 300
-  config.train.steps = 600
-  config.checkpoint.every = 600
+  config.train.steps = 300
+  config.checkpoint.every = 300
   final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(
       x[:1000], y[:1000], x[1000:], y[1000:]))
   fitted = final['noise_variance']

@@ -68,16 +68,18 @@ def test_padding_is_masked_exactly():
   first, second = (scorer.metrics(np.asarray(o), y) for o in (logits, changed))
   assert first == second
   assert scorer.split_eval(np.asarray(logits), y).sums['count'] == (y != PAD_ID).sum()
-  loss = lambda o: task.loss(o[0], jnp.asarray(y), {})
+  # Jitted (one compile each for the two inputs): eager, each runs op by op.
+  loss = jax.jit(lambda o: task.loss(o[0], jnp.asarray(y), {}))
   assert float(loss(logits)) == float(loss(changed))
-  grads = jax.grad(loss)(logits)
+  grads = jax.jit(jax.grad(loss))(logits)
   assert not np.asarray(grads[0])[np.asarray(pad)].any()
   np.testing.assert_array_equal(task.log_likelihood(np.asarray(logits), y),
                                 task.log_likelihood(np.asarray(changed), y))
   # A padded row of the batch (mask False) counts for nothing either.
   rows = jnp.array([True, True, True, True, False])
-  kept = task.eval_batch(logits, jnp.asarray(y), rows).sums
-  wild = task.eval_batch(logits.at[:, 4].set(jnp.nan), jnp.asarray(y).at[4].set(99), rows).sums
+  eval_batch = jax.jit(task.eval_batch)
+  kept = eval_batch(logits, jnp.asarray(y), rows).sums
+  wild = eval_batch(logits.at[:, 4].set(jnp.nan), jnp.asarray(y).at[4].set(99), rows).sums
   for k in kept:
     np.testing.assert_array_equal(kept[k], wild[k], err_msg=k)
 
