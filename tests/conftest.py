@@ -116,6 +116,12 @@ _SLOW_TIER = (
     # train_shared under a frozen-base epinet; fast: test_own_shared's train_shared tests
     # (the same summed-gradient path) and the epinet's frozen-base tests.
     "test_epinet_frozen_base.py::test_train_shared_trains_the_one_base_by_the_members_summed",
+    # own='head' from a BERT file; fast: test_own's heads-train-and-the-backbone-is-the-file
+    # and backbone-stored-once tests, and this file's BERT run from hf:.
+    "test_seq_classification.py::test_own_head_keeps_the_encoder_the_files_and_stored_once",
+    # A GPT-2 decoder on raw text with own='all'; fast: the tied decoder's LoRA test (the
+    # same config path, trained and scored), own='all' from hf: in test_hf and the BERT run.
+    "test_text_source.py::test_a_decoder_trains_on_next_tokens_of_raw_text",
 )
 
 
