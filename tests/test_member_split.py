@@ -117,27 +117,27 @@ def _curve(n, seed):
 
 
 def test_regression_holdout_run_reports_each_splits_ensemble_on_its_held_out_part(tmp_path):
-  # The shapes of the outlier test's run below (2 splits x 2 members of a (16,) MLP, batch
-  # 16, 20 steps a call): its train step is this one's, compiled once.
+  # The shapes of the outlier test's run below (a pool of 200, 2 splits x 2 members of a
+  # (16,) MLP, batch 16, 20 steps a call): their programs compile once for both.
   config = _config('holdout:2:0.2', members=4, order='shuffled')
   config.task, config.data.batch_size = 'regression', 16
   config.model.widths = (16,)
   config.optim.learning_rate, config.optim.weight_decay = 1e-2, 0.0
   config.train.steps = 200
   config.checkpoint.every = 200
-  x, y = _curve(400, 0)
+  x, y = _curve(200, 0)
   final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(x, y, *_curve(8, 1)))
   out = final['member_split']
   assert (out['splits'], out['members_per_split'], len(out['members']['rmse'])) == (2, 2, 4)
   # Independently: the split ensemble's RMSE from the members' predicted means.
   pred = dist_ens.Ensemble.load(str(tmp_path)).predict(x)
-  splits = member_split.make_member_splits('holdout:2:0.2', 400, 4, seed=config.seed)
+  splits = member_split.make_member_splits('holdout:2:0.2', 200, 4, seed=config.seed)
   rmses = []
   for s, held in enumerate(splits.held_out):
     mean = pred.member_mean[2 * s:2 * s + 2, held].mean(axis=0)
     rmses.append(np.sqrt(np.mean((mean - y[held]) ** 2)))
     assert out['per_split'][s]['ensemble']['rmse'] == pytest.approx(rmses[-1], rel=1e-4)
-    assert out['per_split'][s]['held_out'] == len(held) == 80
+    assert out['per_split'][s]['held_out'] == len(held) == 40
   assert out['ensemble']['rmse']['mean'] == pytest.approx(np.mean(rmses), rel=1e-4)
   assert out['ensemble']['rmse']['se'] == pytest.approx(
       np.std(rmses, ddof=1) / np.sqrt(2), rel=1e-3)
