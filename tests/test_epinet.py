@@ -135,14 +135,16 @@ def test_the_base_network_learns_from_its_logits_only_and_the_loss_averages_the_
   base = models.get_model(spec, 3)
   model = epinet_lib.wrap(base, options, lambda o, mask: o.mean(0))
   x = jax.random.normal(jax.random.key(1), (5, 6))
-  params, state = model.init(jax.random.key(0), x)
+  # Jitted: one compile each instead of one per operation (eager dispatch).
+  params, state = jax.jit(model.init)(jax.random.key(0), x)
   key = jax.random.key(2)
-  outputs, _ = model.apply(params, state, x, train=True, rng=key)
+  outputs, _ = jax.jit(lambda p: model.apply(p, state, x, train=True, rng=key))(params)
   assert outputs.shape == (5, 4, 3)
   # d/d(base) of the sum over the 4 samples = 4 x that of the base logits: no gradient
   # reaches the base network through the features the epinet reads.
-  grad = jax.grad(lambda p: model.apply(p, state, x, train=True, rng=key)[0].sum())(params)
-  want = jax.grad(lambda b: 4 * base.apply(b, {}, x)[0].sum())(params.base)
+  grad = jax.jit(jax.grad(lambda p: model.apply(p, state, x, train=True, rng=key)[0].sum()))(
+      params)
+  want = jax.jit(jax.grad(lambda b: 4 * base.apply(b, {}, x)[0].sum()))(params.base)
   for g, w in zip(jax.tree.leaves(grad.base), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
   squared = lambda o, y, hp: jnp.mean((o - y[:, None]) ** 2)
@@ -181,7 +183,7 @@ def test_bad_fields_are_refused_in_one_line_naming_them(field, value, match, tmp
 def test_built_in_models_expose_the_features_their_logits_are_linear_in(fields, x_shape):
   model = models.get_model(assemble.model_spec(support.config(fields)), 4)
   x = jax.random.normal(jax.random.key(1), x_shape)
-  params, state = model.init(jax.random.key(0), x)
+  params, state = jax.jit(model.init)(jax.random.key(0), x)  # one compile, not one an op
   logits, features, _ = model.features(params, state, x, train=False)
   head = params[-1] if isinstance(params, list) else params['head']
   assert features.shape == (x_shape[0], head['w'].shape[0])

@@ -32,23 +32,30 @@ def _config(source, **fields):
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  """{'base': the source's leaves, name: (workdir, final metrics)}: 'straight' (4 steps)
-  and 'resumed' (preempted after step 2, then resumed to 4), over 'base#1'."""
+  """{'base': the source's leaves, 'straight': (workdir, final metrics)} of 4 steps over
+  'base#1'."""
   root = tmp_path_factory.mktemp('epinet_frozen_base')
-  dist_ens.train(support.config(num_members=2, mesh__member=2, mesh__data=4),
-                 str(root / 'base'))
+  # The suite's shared tiny run (support.config): its programs are other tests' too.
+  dist_ens.train(support.config(), str(root / 'base'))
   source, out = f'{root / "base"}#1', {'base': load_pretrained(f'{root / "base"}#1')}
   out['straight'] = (root / 'straight', dist_ens.train(_config(source), str(root / 'straight')))
-  stopped = dist_ens.train(_config(source), str(root / 'resumed'),
-                           actions=[support.PreemptAt(2)])
-  assert stopped['preempted'] and stopped['step'] == 2
-  out['resumed'] = (root / 'resumed', dist_ens.train(_config(source), str(root / 'resumed')))
   return out
 
 
 @pytest.fixture(scope='module')
 def loaded(runs):
-  return {name: dist_ens.Ensemble.load(str(runs[name][0])) for name in ('straight', 'resumed')}
+  return {'straight': dist_ens.Ensemble.load(str(runs['straight'][0]))}
+
+
+@pytest.fixture(scope='module')
+def resumed(runs):
+  """(final metrics, loaded ensemble) of the straight run preempted after step 2 and
+  resumed to 4 (only the resume test reads it)."""
+  workdir = runs['straight'][0].parent / 'resumed'
+  source = f'{runs["straight"][0].parent / "base"}#1'
+  stopped = dist_ens.train(_config(source), str(workdir), actions=[support.PreemptAt(2)])
+  assert stopped['preempted'] and stopped['step'] == 2
+  return dist_ens.train(_config(source), str(workdir)), dist_ens.Ensemble.load(str(workdir))
 
 
 def test_the_base_is_the_sources_bit_for_bit_stored_once_without_optimizer_state(runs, loaded):
@@ -89,14 +96,14 @@ def _initial(runs):
   return jax.tree.map(np.asarray, assemble.init_sharded(parts))
 
 
-def test_resume_ends_bit_for_bit_where_an_uninterrupted_run_ends(runs, loaded):
+def test_resume_ends_bit_for_bit_where_an_uninterrupted_run_ends(runs, loaded, resumed):
   strip = lambda d: {k: strip(v) if isinstance(v, dict) else v for k, v in d.items()
                      if not k.endswith('_seconds')}
-  assert strip(runs['resumed'][1]) == strip(runs['straight'][1])
+  metrics, ens = resumed
+  assert strip(metrics) == strip(runs['straight'][1])
   for m in range(M):
-    support.assert_trees_equal(loaded['straight'].member(m), loaded['resumed'].member(m))
-    support.assert_trees_equal(loaded['straight'].member_state(m),
-                               loaded['resumed'].member_state(m))
+    support.assert_trees_equal(loaded['straight'].member(m), ens.member(m))
+    support.assert_trees_equal(loaded['straight'].member_state(m), ens.member_state(m))
 
 
 def test_predict_is_the_mean_softmax_over_the_members_indices_on_the_frozen_base(loaded):

@@ -114,15 +114,33 @@ def _member_metrics(final, i):
   return {k: final['members'][k][i] for k in ('accuracy', 'nll', 'brier', 'ece')}
 
 
-@pytest.mark.parametrize('optimizer,fields', [
-    ('adam', dict(optim__learning_rate=[1e-3, 3e-3, 1e-2, 2e-3],
+ADAM_SWEEP = dict(optim__learning_rate=[1e-3, 3e-3, 1e-2, 2e-3],
                   optim__weight_decay=[0.0, 0.1, 0.01, 0.3], optim__b1=[0.9, 0.8, 0.95, 0.5],
                   train__label_smoothing=[0.0, 0.1, 0.2, 0.05],
-                  model__init_scale=[1.0, 0.5, 2.0, 1.5])),
+                  model__init_scale=[1.0, 0.5, 2.0, 1.5])
+
+
+@pytest.fixture(scope='module')
+def sweeps(tmp_path_factory):
+  """sweeps(optimizer, fields): the run of that sweep, trained once for the module (the
+  adam sweep is also test_changing_one_members_value_changes_only_that_member's base)."""
+  runs = {}
+
+  def get(optimizer, fields):
+    if optimizer not in runs:
+      workdir = tmp_path_factory.mktemp(f'sweep_{optimizer}')
+      runs[optimizer] = dist_ens.train(_config(optim__name=optimizer, **fields), str(workdir))
+    return runs[optimizer]
+  return get
+
+
+@pytest.mark.parametrize('optimizer,fields', [
+    ('adam', ADAM_SWEEP),
     ('sgd', dict(optim__learning_rate=[0.1, 0.03, 0.3, 0.05], optim__momentum=[0.9, 0.0, 0.5, 0.99])),
 ])
-def test_sweep_member_equals_a_run_where_every_member_has_its_values(tmp_path, optimizer, fields):
-  sweep = dist_ens.train(_config(optim__name=optimizer, **fields), str(tmp_path / 'sweep'))
+def test_sweep_member_equals_a_run_where_every_member_has_its_values(tmp_path, sweeps, optimizer,
+                                                                    fields):
+  sweep = sweeps(optimizer, fields)
   assert sweep['train_step_traces'] == 1
   assert set(sweep['hyperparameters']) == {k.replace('__', '.') for k in fields}
   for k, v in fields.items():  # As written, not as float32 rounds them (0.0010000000474...).
@@ -133,10 +151,11 @@ def test_sweep_member_equals_a_run_where_every_member_has_its_values(tmp_path, o
   assert _member_metrics(sweep, i) == _member_metrics(single, i), f'member {i}'
 
 
-def test_changing_one_members_value_changes_only_that_member(tmp_path):
-  lrs = [1e-3, 3e-3, 1e-2, 2e-3]
-  base = dist_ens.train(_config(optim__learning_rate=lrs), str(tmp_path / 'a'))
-  changed = dist_ens.train(_config(optim__learning_rate=lrs[:2] + [5e-2] + lrs[3:]), str(tmp_path / 'b'))
+def test_changing_one_members_value_changes_only_that_member(tmp_path, sweeps):
+  base = sweeps('adam', ADAM_SWEEP)  # The adam sweep's run, member 2's rate changed below.
+  lrs = ADAM_SWEEP['optim__learning_rate']
+  changed = dist_ens.train(_config(optim__name='adam', **{
+      **ADAM_SWEEP, 'optim__learning_rate': lrs[:2] + [5e-2] + lrs[3:]}), str(tmp_path / 'b'))
   for i in (0, 1, 3):
     assert _member_metrics(changed, i) == _member_metrics(base, i)
   assert _member_metrics(changed, 2) != _member_metrics(base, 2)

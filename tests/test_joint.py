@@ -7,6 +7,8 @@ import jax
 import numpy as np
 import pytest
 
+import support
+
 import dist_ens
 from dist_ens import data, tasks
 from dist_ens.configuration import ConfigError, load_config, validate
@@ -129,11 +131,8 @@ def test_snapshot_joint_is_of_its_predicting_members(tmp_path):
 
 
 def test_joint_tau_zero_leaves_it_out(tmp_path):
-  config = load_config(ROOT / 'configs' / 'default.py')
-  config.num_members, config.model.widths = 2, (16,)
-  config.train.steps, config.train.log_every, config.train.eval_every = 5, 5, 0
-  config.data.batch_size, config.writers, config.eval.joint_tau = 32, (), 0
-  final = dist_ens.train(config, str(tmp_path), devices=jax.devices()[:2])
+  # The suite's shared tiny run (support.config), whose programs other tests compile.
+  final = dist_ens.train(support.config(eval__joint_tau=0), str(tmp_path))
   assert 'joint' not in final
   assert 'joint' not in json.loads((tmp_path / 'final_metrics.json').read_text())
 

@@ -71,6 +71,7 @@ def _config(spec='kfold:4', members=8, order='shuffled'):
   config.num_members = members
   config.data.member_split, config.data.member_order = spec, order
   config.data.batch_size = 32
+  config.model.widths = (16,)  # support.config's MLP: the splits are the property, not it.
   config.train.steps, config.train.log_every, config.train.eval_every = 40, 20, 0
   config.checkpoint.every = 40
   config.writers = ('jsonl',)
@@ -116,42 +117,67 @@ def _curve(n, seed):
 
 
 def test_regression_holdout_run_reports_each_splits_ensemble_on_its_held_out_part(tmp_path):
-  config = _config('holdout:3:0.2', members=6, order='shuffled')
-  config.task = 'regression'
-  config.model.widths = (32,)
+  # The shapes of the outlier test's run below (a pool of 200, 2 splits x 2 members of a
+  # (16,) MLP, batch 16, 20 steps a call): their programs compile once for both.
+  config = _config('holdout:2:0.2', members=4, order='shuffled')
+  config.task, config.data.batch_size = 'regression', 16
+  config.model.widths = (16,)
   config.optim.learning_rate, config.optim.weight_decay = 1e-2, 0.0
   config.train.steps = 200
   config.checkpoint.every = 200
-  x, y = _curve(400, 0)
-  final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(x, y, *_curve(64, 1)))
+  x, y = _curve(200, 0)
+  final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(x, y, *_curve(8, 1)))
   out = final['member_split']
-  assert (out['splits'], out['members_per_split'], len(out['members']['rmse'])) == (3, 2, 6)
+  assert (out['splits'], out['members_per_split'], len(out['members']['rmse'])) == (2, 2, 4)
   # Independently: the split ensemble's RMSE from the members' predicted means.
   pred = dist_ens.Ensemble.load(str(tmp_path)).predict(x)
-  splits = member_split.make_member_splits('holdout:3:0.2', 400, 6, seed=config.seed)
+  splits = member_split.make_member_splits('holdout:2:0.2', 200, 4, seed=config.seed)
   rmses = []
   for s, held in enumerate(splits.held_out):
     mean = pred.member_mean[2 * s:2 * s + 2, held].mean(axis=0)
     rmses.append(np.sqrt(np.mean((mean - y[held]) ** 2)))
     assert out['per_split'][s]['ensemble']['rmse'] == pytest.approx(rmses[-1], rel=1e-4)
-    assert out['per_split'][s]['held_out'] == len(held) == 80
+    assert out['per_split'][s]['held_out'] == len(held) == 40
   assert out['ensemble']['rmse']['mean'] == pytest.approx(np.mean(rmses), rel=1e-4)
   assert out['ensemble']['rmse']['se'] == pytest.approx(
-      np.std(rmses, ddof=1) / np.sqrt(3), rel=1e-3)
+      np.std(rmses, ddof=1) / np.sqrt(2), rel=1e-3)
   assert out['ensemble']['rmse']['mean'] < 0.6  # Learned: the curve's std is ~2.2.
   assert out['ensemble']['nll']['mean'] < out['member_mean']['nll']['mean']
 
 
-def test_kfold_classification_run_evaluates_each_fold(tmp_path):
-  config = _config('kfold:2', members=4)
-  final = dist_ens.train(config, str(tmp_path))
+@pytest.fixture(scope='module')
+def kfold3(tmp_path_factory):
+  """(workdir, final metrics, the evaluation program's cache size after each evaluated
+  split) of ONE kfold:3 run of 6 members (2 per fold) with an evaluation batch of 2,000:
+  the two kfold tests read it."""
+  from dist_ens.eval import evaluate  # pylint: disable=import-outside-toplevel
+  workdir, traces = tmp_path_factory.mktemp('kfold3'), []
+  original = evaluate.evaluate_split
+
+  def counting(eval_step, *args, **kwargs):
+    out = original(eval_step, *args, **kwargs)
+    traces.append(eval_step._cache_size())  # pylint: disable=protected-access
+    return out
+
+  evaluate.evaluate_split = counting
+  try:
+    config = _config('kfold:3', members=6)
+    config.train.steps, config.checkpoint.every, config.eval.batch_size = 20, 20, 2000
+    final = dist_ens.train(config, str(workdir))
+  finally:
+    evaluate.evaluate_split = original
+  return workdir, final, traces
+
+
+def test_kfold_classification_run_evaluates_each_fold(kfold3):
+  workdir, final, _ = kfold3
   out = final['member_split']
-  assert out['splits'] == 2 and len(out['members']['accuracy']) == 4
-  assert len(final['members']['accuracy']) == 4  # The test split is still evaluated.
+  assert out['splits'] == 3 and len(out['members']['accuracy']) == 6
+  assert len(final['members']['accuracy']) == 6  # The test split is still evaluated.
   # Independently: fold k's ensemble (members 2k, 2k+1) on fold k's examples.
   train = data.load_dataset('mnist1d').train
-  probs = dist_ens.Ensemble.load(str(tmp_path)).predict(train.x, preprocessed=True).member_probs
-  splits = member_split.make_member_splits('kfold:2', len(train.y), 4, seed=config.seed)
+  probs = dist_ens.Ensemble.load(str(workdir)).predict(train.x, preprocessed=True).member_probs
+  splits = member_split.make_member_splits('kfold:3', len(train.y), 6, seed=0)
   for k, held in enumerate(splits.held_out):
     ensemble = probs[2 * k:2 * k + 2, held].mean(axis=0)
     accuracy = np.mean(ensemble.argmax(-1) == train.y[held])
@@ -169,25 +195,10 @@ def test_population_based_training_is_refused_with_a_member_split(tmp_path):
     dist_ens.train(config, str(tmp_path))
 
 
-def test_held_out_parts_of_different_sizes_share_one_evaluation_program(tmp_path):
+def test_held_out_parts_of_different_sizes_share_one_evaluation_program(kfold3):
   """kfold:3 of MNIST-1D's 4,000 training examples gives parts of 1,334, 1,333 and 1,333,
   below the evaluation batch: one compiled evaluation program for all three."""
-  from dist_ens.eval import evaluate  # pylint: disable=import-outside-toplevel
-  traces = []
-  original = evaluate.evaluate_split
-
-  def counting(eval_step, *args, **kwargs):
-    out = original(eval_step, *args, **kwargs)
-    traces.append(eval_step._cache_size())  # pylint: disable=protected-access
-    return out
-
-  evaluate.evaluate_split = counting
-  try:
-    config = _config('kfold:3', members=3)
-    config.train.steps, config.checkpoint.every, config.eval.batch_size = 20, 20, 2000
-    final = dist_ens.train(config, str(tmp_path))
-  finally:
-    evaluate.evaluate_split = original
+  _, final, traces = kfold3
   assert [p['held_out'] for p in final['member_split']['per_split']] == [1334, 1333, 1333]
   assert len(set(traces[-3:])) == 1  # The held-out parts compiled nothing new.
 

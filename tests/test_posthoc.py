@@ -185,7 +185,8 @@ M, SHAPE = 8, (6,)
 
 def _variables(model, mesh):
   keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(M))
-  params, state = jax.vmap(lambda k: model.init(k, jnp.zeros((1, *SHAPE))))(keys)
+  # Jitted: one compile instead of one per operation.
+  params, state = jax.jit(jax.vmap(lambda k: model.init(k, jnp.zeros((1, *SHAPE)))))(keys)
   return jax.device_put((params, state), mesh_lib.member_sharding(mesh))
 
 
@@ -202,8 +203,8 @@ def _split(n=23):
 
 def test_mc_dropout_with_rate_zero_is_plain_evaluation():
   model, split = dropout_model(C, rate=0.0), _split()
-  params, state = model.init(jax.random.key(0), split.x[:1])
-  plain = model.apply(params, state, split.x, train=False)[0]
+  params, state = jax.jit(model.init)(jax.random.key(0), split.x[:1])
+  plain = jax.jit(lambda p, s, x: model.apply(p, s, x, train=False)[0])(params, state, split.x)
   samples = jax.jit(lambda p, s, x: evaluate.mc_sample_logits(
       model, p, s, x, evaluate.mc_key(0, 0), 0, 2))(params, state, split.x)
   # BatchNorm kept its running statistics (one example's own statistics would not match).
@@ -217,8 +218,9 @@ def test_mc_dropout_samples_differ_reproducibly_on_any_mesh(devices):
   step = evaluate.make_outputs_step(model, mesh, mc_samples=4, seed=7,
                                    combine=classification_lib.combine)
   # 23 examples over 2 data shards in padded batches of 8.
-  sharded = evaluate.split_outputs(step, _variables(model, mesh), split, 8, mesh)
-  params, state = jax.tree.map(lambda a: np.asarray(a)[2], _variables(model, mesh))
+  variables = _variables(model, mesh)
+  sharded = evaluate.split_outputs(step, variables, split, 8, mesh)
+  params, state = jax.tree.map(lambda a: np.asarray(a)[2], variables)
   sample = jax.jit(lambda seed: evaluate.mc_sample_logits(
       model, params, state, split.x, evaluate.mc_key(seed, 2), 0, 4))
   samples = np.asarray(sample(7))  # member 2 alone, the whole split in one batch

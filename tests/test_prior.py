@@ -94,14 +94,16 @@ def micro_batched():
 
 
 def _drawn_priors(config):
-  """Every member's prior as drawn from (seed, member) alone: eagerly, one at a time."""
+  """Every member's prior as drawn from (seed, member) alone: one member at a time, by
+  the network's own init (jitted once), not the run's sharded init program."""
   widths = tuple(config.ensemble.prior.widths) or tuple(config.model.widths)
   config = _config()
   config.model.widths = widths
   net = models.get_model(assemble.model_spec(config), 3)
   keys = rng.member_keys(config.seed, np.arange(M))
   sample = np.zeros((1, 8, 1), np.float32)
-  return [net.init(jax.random.fold_in(keys[m], prior_lib._PRIOR_STREAM), sample)[0]  # pylint: disable=protected-access
+  init = jax.jit(net.init)  # one compile for the M draws, not one an operation
+  return [init(jax.random.fold_in(keys[m], prior_lib._PRIOR_STREAM), sample)[0]  # pylint: disable=protected-access
           for m in range(M)]
 
 
