@@ -122,6 +122,13 @@ _SLOW_TIER = (
     # A GPT-2 decoder on raw text with own='all'; fast: the tied decoder's LoRA test (the
     # same config path, trained and scored), own='all' from hf: in test_hf and the BERT run.
     "test_text_source.py::test_a_decoder_trains_on_next_tokens_of_raw_text",
+    # Resume under a frozen-base epinet; fast: test_epinet's bit-for-bit resume (epinet
+    # parameters, priors, indices), test_own's and test_own_shared's exact resumes with a
+    # shared part stored once.
+    "test_epinet_frozen_base.py::test_resume_ends_bit_for_bit_where_an_uninterrupted_run_ends",
+    # A regex-owned shared leaf moved by the members' summed gradient; fast: the [head] and
+    # [lora] cases (the same path) and test_own's regex test.
+    "test_own_shared.py::test_one_step_moves_a_shared_leaf_by_the_sum_of_the_members_gradients[^1/",
 )
 
 
