@@ -137,5 +137,7 @@ def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
   for item in items:
-    if item.nodeid.split("/")[-1].startswith(_SLOW_TIER):
+    # The file's name and the rest of the node id (a parameter id may hold '/').
+    name = item.path.name + item.nodeid[item.nodeid.index("::"):]
+    if name.startswith(_SLOW_TIER):
       item.add_marker(pytest.mark.slow)
