@@ -24,7 +24,7 @@ TOL = 2e-4  # Rounding from other vmap widths and data splits, after 12 steps.
 def _run(tmp_path, name, members, member, data, dropout=0.1):
   config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
   config.model.factory = 'examples.flax_linen_resnet:make_model'
-  config.model.kwargs = ml_collections.ConfigDict(dict(channels=8, num_blocks=1,
+  config.model.kwargs = ml_collections.ConfigDict(dict(channels=4, num_blocks=1,
                                                        dropout_rate=dropout))
   config.num_members, config.data.batch_size = members, 64
   config.optim.learning_rate = 1e-2
