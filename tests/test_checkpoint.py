@@ -27,10 +27,12 @@ from dist_ens.errors import ConfigError, TrainingError
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
 # A short run that checkpoints often; mesh 4x2 so resume is checked with sharded data.
+# No joint evaluation and jsonl events only: programs and imports no test here reads.
 FLAGS = [f'--config.train.steps={STEPS}', '--config.train.log_every=1',
          '--config.train.eval_every=0', '--config.data.batch_size=32',
          '--config.model.widths=(32,32)', '--config.checkpoint.every=5',
-         '--config.mesh.member=4', '--config.mesh.data=2']
+         '--config.mesh.member=4', '--config.mesh.data=2', '--config.eval.joint_tau=0',
+         "--config.writers=('jsonl',)"]
 
 
 def _config(**overrides):
@@ -68,6 +70,23 @@ def uninterrupted(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('uninterrupted')
   final = dist_ens.train(_config(), str(workdir))
   return final, _final_state(workdir)[1]
+
+
+# The first 20 steps, keeping 3 checkpoints (10, 15, 20): the finished run that the tests
+# which resume, refuse, corrupt or restore a workdir start from (each on its own copy).
+TWENTY = {'train__steps': 20, 'checkpoint__keep': 3}
+
+
+@pytest.fixture(scope='module')
+def twenty(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('twenty')
+  return workdir, dist_ens.train(_config(**TWENTY), str(workdir))
+
+
+def _copy(run, to):
+  """`to` holding a copy of the fixture `run`'s workdir; returns that run's final dict."""
+  shutil.copytree(run[0], to, dirs_exist_ok=True)
+  return run[1]
 
 
 def _start(workdir):
@@ -137,16 +156,17 @@ def test_sigterm_saves_at_next_step_and_exits_143(tmp_path, uninterrupted):
   _assert_same_state(_final_state(tmp_path)[1], uninterrupted[1])
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupted, caplog):
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, twenty, uninterrupted,
+                                                          caplog):
   caplog.set_level(logging.INFO, logger='absl')
-  dist_ens.train(_config(train__steps=20, checkpoint__keep=3), str(tmp_path))
+  _copy(twenty, tmp_path)
   clean = _final_state(tmp_path)
   latest = tmp_path / 'checkpoints' / '20' / 'model'
   for f in latest.rglob('*'):
     if f.is_file() and f.stat().st_size > 0:
       f.write_bytes(b'\0' * 7)  # Garbage of the wrong size.
   # The same finished run again: it falls back to 15, redoes 16-20 and replaces 20.
-  dist_ens.train(_config(train__steps=20, checkpoint__keep=3), str(tmp_path))
+  dist_ens.train(_config(**TWENTY), str(tmp_path))
   assert 'checkpoint at step 20 cannot be restored' in caplog.text
   assert 'resuming from the checkpoint at step 15' in caplog.text
   assert _final_state(tmp_path)[0] == 20
@@ -155,10 +175,10 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, uninterrupte
   assert final['members'] == uninterrupted[0]['members']
 
 
-def test_a_finished_run_with_one_checkpoint_too_many_is_pruned_to_keep(tmp_path):
+def test_a_finished_run_with_one_checkpoint_too_many_is_pruned_to_keep(tmp_path, twenty):
   # A run killed after its last save but before orbax pruned leaves keep + 1 checkpoints
   # (the fault campaign's case); here: 3 left by keep=3, then the finished run with keep=2.
-  first = dist_ens.train(_config(train__steps=20, checkpoint__keep=3), str(tmp_path))
+  first = _copy(twenty, tmp_path)
   saved = lambda: sorted(int(p.name) for p in (tmp_path / 'checkpoints').iterdir()
                          if p.name.isdigit())
   assert saved() == [10, 15, 20]
@@ -167,29 +187,31 @@ def test_a_finished_run_with_one_checkpoint_too_many_is_pruned_to_keep(tmp_path)
   assert again['members'] == first['members']
 
 
-def test_incompatible_config_is_refused_and_nothing_overwritten(tmp_path):
-  dist_ens.train(_config(train__steps=10), str(tmp_path))
+def test_incompatible_config_is_refused_and_nothing_overwritten(tmp_path, twenty):
+  _copy(twenty, tmp_path)
   before = {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()}
   with pytest.raises(ConfigError, match=r'differs in optim.learning_rate.*restore_incompatible='
                                         r'optim.learning_rate'):
-    dist_ens.train(_config(train__steps=10, optim__learning_rate=0.1), str(tmp_path))
+    dist_ens.train(_config(**TWENTY, optim__learning_rate=0.1), str(tmp_path))
   with pytest.raises(ConfigError, match=r'different ensemble \(differing fields: num_members'):
-    dist_ens.train(_config(train__steps=10, num_members=4,
-                      checkpoint__restore_incompatible='num_members'), str(tmp_path))
+    dist_ens.train(_config(**TWENTY, num_members=4,
+                           checkpoint__restore_incompatible='num_members'), str(tmp_path))
   assert {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()} == before
 
 
-def test_allowed_changes_resume(tmp_path):
-  dist_ens.train(_config(train__steps=10), str(tmp_path))
-  final = dist_ens.train(_config(train__steps=15, optim__learning_rate=0.1,
-                            checkpoint__restore_incompatible='optim.learning_rate'), str(tmp_path))
-  assert final['step'] == 15
-  assert json.loads((tmp_path / 'config.json').read_text())['optim']['learning_rate'] == 0.1
+def test_allowed_changes_resume(tmp_path, twenty):
+  _copy(twenty, tmp_path / 'changed')
+  final = dist_ens.train(_config(train__steps=25, checkpoint__keep=3, optim__learning_rate=0.1,
+                                 checkpoint__restore_incompatible='optim.learning_rate'),
+                         str(tmp_path / 'changed'))
+  assert final['step'] == 25
+  saved = json.loads((tmp_path / 'changed' / 'config.json').read_text())
+  assert saved['optim']['learning_rate'] == 0.1
   # The new value is what the members train with after the resume, not the saved one:
   # the same resume with the old value ends elsewhere.
-  dist_ens.train(_config(train__steps=10), str(tmp_path / 'same'))
-  dist_ens.train(_config(train__steps=15), str(tmp_path / 'same'))
-  changed, same = _final_state(tmp_path)[1], _final_state(tmp_path / 'same')[1]
+  _copy(twenty, tmp_path / 'same')
+  dist_ens.train(_config(train__steps=25, checkpoint__keep=3), str(tmp_path / 'same'))
+  changed, same = _final_state(tmp_path / 'changed')[1], _final_state(tmp_path / 'same')[1]
   assert not np.allclose(jax.tree.leaves(changed['params'])[0], jax.tree.leaves(same['params'])[0])
 
 
@@ -204,9 +226,9 @@ def _restore(workdir, member, data_axis):
   return restored
 
 
-def test_restore_onto_another_mesh_gives_the_same_values(tmp_path, uninterrupted):
+def test_restore_onto_another_mesh_gives_the_same_values(tmp_path, twenty, uninterrupted):
   from dist_ens import data  # pylint: disable=g-import-not-at-top
-  dist_ens.train(_config(train__steps=20), str(tmp_path))
+  _copy(twenty, tmp_path)
   written = _restore(tmp_path, 4, 2)  # The mesh that wrote it.
   assert written.step == 20 and written.data_state == data.IteratorState(epoch=0, index=20)
   for member, data_axis in ((8, 1), (1, 8)):
@@ -215,7 +237,8 @@ def test_restore_onto_another_mesh_gives_the_same_values(tmp_path, uninterrupted
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  restored.state, written.state)
   # Training on from there on a new mesh: the same run to float tolerance.
-  final = dist_ens.train(_config(mesh__member=8, mesh__data=1), str(tmp_path))
+  final = dist_ens.train(_config(mesh__member=8, mesh__data=1, checkpoint__keep=3),
+                         str(tmp_path))
   np.testing.assert_allclose(final['members']['nll'], uninterrupted[0]['members']['nll'],
                              atol=1e-4)
 

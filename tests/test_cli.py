@@ -18,8 +18,11 @@ from dist_ens.errors import ConfigError
 from dist_ens.training import preemption
 
 ROOT = Path(__file__).resolve().parents[1]
+# No joint evaluation (programs of its own) and jsonl events only (no tensorboardX import):
+# no test here checks them, and every run's start-up and final evaluation is that cheaper.
 TINY = ['--config=configs/default.py', '--config.train.eval_every=0',
-        "--config.model.widths=(8,)", '--config.data.batch_size=16']
+        "--config.model.widths=(8,)", '--config.data.batch_size=16',
+        '--config.eval.joint_tau=0', "--config.writers=('jsonl',)"]
 
 
 def _env() -> dict[str, str]:
@@ -88,12 +91,20 @@ def test_missing_report_workdir_is_one_line(tmp_path):
     (['plan'], ['--config', '--memory_gb', '--[no]json']),
     (['report'], ['--workdir']),
 ])
-def test_each_command_has_help_listing_its_flags(command, flags):
-  result = _run(*command, '--help')
-  assert result.returncode == 0, result.stderr
-  assert result.stdout.startswith('usage: dist-ens')
-  listed = re.findall(r'^  (--[\w\[\]]+):', result.stdout, re.M)
-  assert sorted(listed) == sorted(set(listed)) and set(flags) <= set(listed), result.stdout
+def test_each_command_has_help_listing_its_flags(command, flags, capsys):
+  if not command:  # The command line itself, once: `python -m dist_ens.main --help`.
+    result = _run('--help')
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+  else:  # Each command's help through the same entry point, in this process (no import).
+    from dist_ens import main  # pylint: disable=g-import-not-at-top
+    with pytest.raises(SystemExit) as exited:
+      main.entry(['dist-ens', *command, '--help'])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+  assert out.startswith('usage: dist-ens')
+  listed = re.findall(r'^  (--[\w\[\]]+):', out, re.M)
+  assert sorted(listed) == sorted(set(listed)) and set(flags) <= set(listed), out
   if command == ['report']:
     assert '--config' not in listed and '--memory_gb' not in listed
 
@@ -129,8 +140,10 @@ _DETAILS = ('each device runs its members with', 'steps per call of the compiled
 
 
 def test_the_console_shows_progress_results_and_where_they_went_details_at_verbose(tmp_path):
+  # Both writers: the last line names every file and folder a run writes.
   args = [*TINY, '--config.train.steps=20', '--config.train.log_every=10',
-          '--config.train.steps_per_call=10', '--config.num_members=2']
+          '--config.train.steps_per_call=10', '--config.num_members=2',
+          "--config.writers=('jsonl', 'tensorboard')"]
   plain = _run(*args, f'--workdir={tmp_path / "plain"}')
   assert plain.returncode == 0, plain.stderr[-3000:]
   lines = plain.stderr.strip().splitlines()
@@ -155,11 +168,24 @@ def test_counts_take_the_noun_in_the_right_number():
   assert counted(3, 'process', 'processes') == '3 processes'
 
 
-def test_plan_json_reports_the_plan():
-  result = _run('plan', *TINY, '--json')
-  assert result.returncode == 0, result.stderr
-  plan = json.loads(result.stdout)
-  assert plan['num_members'] == 8 and plan['params_per_member'] == 40 * 8 + 8 + 8 * 10 + 10
+@pytest.fixture(scope='module')
+def plan_json():
+  """`dist-ens plan --json` of TINY with --config.model.widths given a second time, (16,)
+  after TINY's (8,): the plan of the last value, (16,), if it is taken (one plan, compiled
+  once, for both tests that read it)."""
+  result = _run('plan', *TINY, '--config.model.widths=(16,)', '--json')
+  assert result.returncode == 0, result.stderr[-2000:]
+  return json.loads(result.stdout)
+
+
+# MNIST-1D's 40 inputs and 10 classes through an MLP of these hidden widths.
+_PARAMS_16 = 40 * 16 + 16 + 16 * 10 + 10
+_PARAMS_8_16 = 40 * 8 + 8 + 8 * 16 + 16 + 16 * 10 + 10
+
+
+def test_plan_json_reports_the_plan(plan_json):
+  plan = plan_json
+  assert plan['num_members'] == 8 and plan['params_per_member'] == _PARAMS_16
   assert plan['step']['peak'] > 0
   assert plan['flops_per_example'] > 0 and 'XLA cost analysis' in plan['flops_measured']
   assert plan['train_steps'] > 0
@@ -369,14 +395,9 @@ def test_digits_without_scikit_learn_is_one_line_on_the_command_line(tmp_path):
   assert "needs scikit-learn" in line and "pip install 'dist_ens[digits]'" in line
 
 
-def test_a_field_given_twice_takes_the_last_value():
+def test_a_field_given_twice_takes_the_last_value(plan_json):
   # ml_collections joined a tuple field's values: (8,) then (16,) trained widths (8, 16).
-  def params(*widths):
-    result = _run('plan', '--config=configs/default.py', '--json', '--config.num_members=1',
-                  *(f'--config.model.widths={w}' for w in widths))
-    assert result.returncode == 0, result.stderr[-2000:]
-    return json.loads(result.stdout)['params_per_member']
-  assert params('(8,)', '(16,)') == params('(16,)') != params('(8,)')
+  assert plan_json['params_per_member'] == _PARAMS_16 != _PARAMS_8_16, plan_json
 
 
 def test_every_member_diverging_ends_non_zero_in_one_line(tmp_path):
@@ -384,7 +405,8 @@ def test_every_member_diverging_ends_non_zero_in_one_line(tmp_path):
                 '--config.optim.learning_rate=1e10', '--config.num_members=2',
                 '--config.model.widths=(8,)', '--config.train.steps=20',
                 '--config.train.log_every=10', '--config.train.eval_every=0',
-                '--config.checkpoint.every=20', "--config.writers=('jsonl',)")
+                '--config.checkpoint.every=20', "--config.writers=('jsonl',)",
+                '--config.eval.joint_tau=0')
   assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-2000:]
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith('dist-ens: error: all 2 members went non-finite'), last

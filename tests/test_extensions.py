@@ -26,13 +26,21 @@ def _config(**overrides):
   config.checkpoint.every = 40
   config.optim.learning_rate = 1e-2
   config.data.batch_size = 50
+  config.writers = ('jsonl',)  # What the tests read.
   return support.override(config, **overrides)
 
 
-def test_data_by_import_path_trains_and_loads(tmp_path):
-  final = dist_ens.train(_config(), str(tmp_path))
+@pytest.fixture(scope='module')
+def plain(tmp_path_factory):
+  """(workdir, final results) of _config() as it is: the run three tests read."""
+  workdir = tmp_path_factory.mktemp('plain')
+  return workdir, dist_ens.train(_config(), str(workdir))
+
+
+def test_data_by_import_path_trains_and_loads(plain):
+  workdir, final = plain
   assert final['ensemble']['accuracy'] > 0.8  # Two well separated blobs.
-  ensemble = dist_ens.Ensemble.load(tmp_path, devices=jax.devices()[:1])
+  ensemble = dist_ens.Ensemble.load(workdir, devices=jax.devices()[:1])
   assert ensemble.input_shape == (6,) and ensemble.num_classes == 2
 
 
@@ -47,13 +55,13 @@ def test_dataset_from_python_and_labels_checked(tmp_path):
     dist_ens.train(_config(data__name='ext_fixtures:nothing'), str(tmp_path / 'c'))
 
 
-def test_optimizer_by_import_path_equals_the_python_one(tmp_path):
+def test_optimizer_by_import_path_equals_the_python_one(tmp_path, plain):
   by_path = dist_ens.train(_config(optim__name='ext_fixtures:plain_sgd', optim__learning_rate=0.1),
                            str(tmp_path / 'a'))
   by_object = dist_ens.train(_config(), str(tmp_path / 'b'), optimizer=optax.sgd(0.1))
   # The same optimizer; the learning rate arrives traced in one, as a constant in the other.
   np.testing.assert_allclose(by_path['members']['nll'], by_object['members']['nll'], rtol=1e-5)
-  adam = dist_ens.train(_config(), str(tmp_path / 'c'))
+  _, adam = plain  # _config()'s own optimizer, Adam.
   assert not np.allclose(adam['members']['nll'], by_path['members']['nll'], rtol=1e-3)
 
 
@@ -67,8 +75,8 @@ def test_loss_doubling_equals_learning_rate_doubling_for_plain_sgd(tmp_path):
     dist_ens.train(_config(train__loss='hinge'), str(tmp_path / 'c'))
 
 
-def test_a_task_by_import_path_sets_outputs_metrics_and_results(tmp_path):
-  plain = dist_ens.train(_config(), str(tmp_path / 'plain'))
+def test_a_task_by_import_path_sets_outputs_metrics_and_results(tmp_path, plain):
+  _, plain = plain
   got = dist_ens.train(_config(task='ext_fixtures:margin_task'), str(tmp_path / 'task'))
   # Its finalize ran: the error rate it adds is one minus the accuracy.
   assert got['ensemble']['error'] == 1.0 - got['ensemble']['accuracy']

@@ -1,6 +1,7 @@
 """The loop and its actions: user actions, the per-leaf sharding rule, resume bookkeeping."""
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -90,8 +91,20 @@ def test_resume_keeps_training_time_and_labels_its_averages(tmp_path):
   assert [(e['step'], e['steps_averaged']) for e in train_events] == [(6, 6), (8, 2), (12, 4)]
 
 
-def test_missing_config_json_is_checked_against_the_checkpoint(tmp_path):
-  dist_ens.train(_config(train__steps=4), str(tmp_path))
+@pytest.fixture(scope='module')
+def four_steps(tmp_path_factory):
+  """A finished 4-step run that the tests below each damage on their own copy."""
+  workdir = tmp_path_factory.mktemp('four')
+  dist_ens.train(_config(train__steps=4), str(workdir))
+  return workdir
+
+
+def _copy(run, to):
+  shutil.copytree(run, to, dirs_exist_ok=True)
+
+
+def test_missing_config_json_is_checked_against_the_checkpoint(tmp_path, four_steps):
+  _copy(four_steps, tmp_path)
   (tmp_path / 'config.json').unlink()
   with pytest.raises(ConfigError, match='differs in optim.learning_rate'):
     dist_ens.train(_config(optim__learning_rate=0.5), str(tmp_path))
@@ -100,8 +113,8 @@ def test_missing_config_json_is_checked_against_the_checkpoint(tmp_path):
     dist_ens.train(_config(), str(tmp_path))
 
 
-def test_checkpoint_of_another_format_is_refused(tmp_path):
-  dist_ens.train(_config(train__steps=4), str(tmp_path))
+def test_checkpoint_of_another_format_is_refused(tmp_path, four_steps):
+  _copy(four_steps, tmp_path)
   meta = next((tmp_path / 'checkpoints').glob('*/meta/metadata'))
   saved = json.loads(meta.read_text())
   saved['format'] = 1
@@ -110,8 +123,8 @@ def test_checkpoint_of_another_format_is_refused(tmp_path):
     dist_ens.train(_config(), str(tmp_path))
 
 
-def test_loading_needs_neither_the_dataset_nor_config_json(tmp_path, monkeypatch):
-  dist_ens.train(_config(train__steps=4), str(tmp_path))
+def test_loading_needs_neither_the_dataset_nor_config_json(tmp_path, monkeypatch, four_steps):
+  _copy(four_steps, tmp_path)
   (tmp_path / 'config.json').unlink()
   from dist_ens import data  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(data, 'load_dataset', lambda *a, **k: pytest.fail('dataset loaded'))
@@ -127,6 +140,8 @@ def test_train_from_python_shows_progress_without_absl_settings(tmp_path):
           f"c = dist_ens.load_config({str(ROOT / 'configs' / 'default.py')!r})\n"
           'c.num_members, c.model.widths, c.train.steps = 2, (8,), 20\n'
           'c.train.log_every, c.train.eval_every, c.checkpoint.every = 10, 0, 20\n'
+          # No joint evaluation or tensorboardX: what this test reads is the console.
+          "c.eval.joint_tau, c.writers = 0, ('jsonl',)\n"
           f'dist_ens.train(c, {str(tmp_path)!r})\n')
   result = subprocess.run(['timeout', '-k', '5', '300', sys.executable, '-c', code],
                           capture_output=True, text=True, timeout=330, cwd=ROOT)

@@ -34,9 +34,15 @@ from dist_ens.configuration import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_SH = ROOT / 'launch' / 'local.sh'
-# Short runs: 20 steps of 8 members on a 4 x 2 mesh take a few seconds per process.
+# Short runs: 20 steps of 8 members on a 4 x 2 mesh take a few seconds per process. Each
+# process's time is mostly compiling: a (16,) MLP, no joint evaluation (its own programs)
+# and jsonl events only (no tensorboardX import) keep what no test here checks out of it,
+# and 5 steps per call (which every run's steps, logging and checkpoints here divide)
+# make every run's train step one program, compiled once into the persistent cache.
 SMALL = ['--config.train.steps=20', '--config.train.log_every=10', '--config.train.eval_every=0',
-         '--config.data.batch_size=64', '--config.mesh.member=4', '--config.mesh.data=2']
+         '--config.data.batch_size=64', '--config.mesh.member=4', '--config.mesh.data=2',
+         '--config.model.widths=(16,)', '--config.eval.joint_tau=0',
+         "--config.writers=('jsonl',)", '--config.train.steps_per_call=5']
 CONFIG = f'--config={ROOT / "configs" / "default.py"}'
 # Variables that would make a child process think it is part of some other job.
 _FOREIGN = re.compile(r'^(SLURM_|OMPI_|PMI_|KUBERNETES_|TPU_|MEGASCALE_|JAX_COORDINATOR|'
@@ -124,12 +130,12 @@ def one_process(tmp_path_factory):
 
 # hosts_along='data' (hosts split each batch) runs below, with several steps per call.
 @pytest.mark.parametrize('hosts_along', ['member'])
-def test_two_processes_match_one(tmp_path, one_process, hosts_along):
-  layout = [*SMALL, f'--config.mesh.hosts_along={hosts_along}']
-  [(status, out)] = _wait([_local_sh(tmp_path / 'two', *layout)], 240)
+def test_two_processes_match_one(slurm_run, one_process, hosts_along):
+  """The two processes of slurm_run (SMALL, hosts along 'member') end as one process does."""
+  status, out, workdir = slurm_run
   assert status == 0, out[-5000:]
-  assert re.search(r'^\[1\] .*\[process 1\] step 20/20', out, re.M), out[-3000:]
-  two = json.loads((tmp_path / 'two' / 'final_metrics.json').read_text())
+  assert re.search(r'^1: .*\[process 1\] step 20/20', out, re.M), out[-3000:]
+  two = json.loads((workdir / 'final_metrics.json').read_text())
   for metric in ('nll', 'accuracy', 'brier', 'ece'):
     # The same mesh shape, and each mesh position computes the same shard, in
     # either layout: only where the collectives run differs (across processes,
@@ -143,7 +149,7 @@ def test_two_processes_match_one(tmp_path, one_process, hosts_along):
 def test_two_processes_with_several_steps_per_call_match_one(tmp_path, hosts_along):
   """Each host feeds its block of K stacked per-member batches; results as one process."""
   config = _small_config(hosts_along)
-  config.data.member_order = 'shuffled'
+  config.data.member_order, config.train.steps_per_call = 'shuffled', 1
   reference = dist_ens.train(config, str(tmp_path / 'one'))  # 1 process, 1 step per call.
   layout = [*SMALL, f'--config.mesh.hosts_along={hosts_along}',
             '--config.data.member_order=shuffled', '--config.train.steps_per_call=5']
@@ -162,6 +168,8 @@ def _small_config(hosts_along: str):
   config.train.steps, config.train.log_every, config.train.eval_every = 20, 10, 0
   config.data.batch_size = 64
   config.mesh.member, config.mesh.data, config.mesh.hosts_along = 4, 2, hosts_along
+  config.model.widths, config.eval.joint_tau, config.writers = (16,), 0, ('jsonl',)
+  config.train.steps_per_call = 5
   return config
 
 
@@ -248,7 +256,7 @@ def _probe(out: str, port: str, num_processes: str, process_id: str, workdir: st
   result = {'process_index': jax.process_index(), 'layouts': {}}
   for hosts_along in ('member', 'data'):
     config = _small_config(hosts_along)
-    config.train.steps, config.train.log_every = 2, 1
+    config.train.steps, config.train.log_every, config.train.steps_per_call = 2, 1, 1
     mesh = mesh_lib.make_mesh(assemble.mesh_spec(config))
     sharding = mesh_lib.batch_sharding(mesh)
     rows = data.host_rows(sharding, (64,))
@@ -480,17 +488,6 @@ def test_process_that_errs_stops_the_other(tmp_path):
   assert re.fullmatch(_LOST_LINE.format(me=0, lost=1), out0.strip().splitlines()[-1]), out0[-3000:]
 
 
-def test_different_configs_fail_on_every_process_naming_fields(tmp_path):
-  port = _free_port()
-  results = _pair(lambda i: [CONFIG, f'--workdir={tmp_path / "w"}', *SMALL,
-                             *(['--config.seed=7'] if i == 1 else []), *_explicit(port, i)], 60)
-  for status, out in results:
-    assert status != 0, out[-3000:]
-    assert 'dist-ens: error: the 2 processes resolved different configs' in out, out[-3000:]
-    assert 'process 1: seed=7 (process 0: 0)' in out
-  assert not (tmp_path / 'w').exists()
-
-
 # Process 1 as dist_ens.main, but 3 s slower than process 0 between gathering the configs
 # and naming the difference: the race a loaded machine or a slow host makes.
 _SLOW_PROCESS_1 = (
@@ -500,19 +497,23 @@ _SLOW_PROCESS_1 = (
     'sys.argv[0] = "dist-ens"; from dist_ens import main; main.entry()')
 
 
-def test_config_mismatch_named_by_a_process_slower_than_the_others(tmp_path):
-  """Before its fix, process 0 exited as soon as it had said its line, and process 1,
-  still on its way to the same line, said "lost process 0" instead (2 runs in 6 on a
-  loaded machine; every time with this delay)."""
+def test_different_configs_fail_on_every_process_naming_fields(tmp_path):
+  """Every process names the differing fields, process 1 made 3 s slower than process 0
+  to reach them (_SLOW_PROCESS_1): before its fix, process 0 exited as soon as it had
+  said its line, and process 1, still on its way to the same line, said "lost process 0"
+  instead (2 runs in 6 on a loaded machine; every time with this delay). The delay makes
+  that order certain: the test is deterministic."""
   port = _free_port()
   args = lambda i: [CONFIG, f'--workdir={tmp_path / "w"}', *SMALL,
                     *(['--config.seed=7'] if i == 1 else []), *_explicit(port, i)]
   procs = [_start([sys.executable, '-m', 'dist_ens.main', *args(0)], _env()),
            _start([sys.executable, '-c', _SLOW_PROCESS_1, *args(1)], _env())]
-  for status, out in _wait(procs, 120):
+  for i, (status, out) in enumerate(_wait(procs, 120)):
     assert status != 0, out[-3000:]
+    assert 'dist-ens: error: the 2 processes resolved different configs' in out, out[-3000:]
     assert 'process 1: seed=7 (process 0: 0)' in out, out[-3000:]
-    assert 'lost process' not in out, out[-3000:]
+    assert 'lost process' not in out, f'process {i}: {out[-3000:]}'
+  assert not (tmp_path / 'w').exists()
 
 
 # ---------------------------------------------------------------------------------
@@ -550,20 +551,30 @@ def _slurm_job_id() -> int:
   pytest.skip('no free port in 61440..65535')
 
 
-def test_slurm_job_found_by_jax_detection(tmp_path):
+@pytest.fixture(scope='module')
+def slurm_run(tmp_path_factory):
+  """(status, output, workdir) of SMALL with hosts along 'member' as a SLURM job step of 2
+  tasks: launch/slurm.sbatch through a fake srun on localhost. One run for the two tests
+  that read it (JAX's detection of the job; two processes ending as one process does)."""
+  tmp_path = tmp_path_factory.mktemp('slurm')
   _fake_srun(tmp_path / 'bin')
   env = _env(SLURM_JOB_ID=str(_slurm_job_id()), SLURM_NTASKS='2', SLURM_JOB_NUM_NODES='1',
              SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost', SLURM_NTASKS_PER_NODE='2',
              PATH=f'{tmp_path / "bin"}{os.pathsep}{os.environ["PATH"]}')
   proc = _start(['bash', str(ROOT / 'launch' / 'slurm.sbatch'), CONFIG,
-                 f'--workdir={tmp_path / "w"}', *SMALL], env)
+                 f'--workdir={tmp_path / "w"}', *SMALL, '--config.mesh.hosts_along=member'], env)
   [(status, out)] = _wait([proc], 240)
+  return status, out, tmp_path / 'w'
+
+
+def test_slurm_job_found_by_jax_detection(slurm_run):
+  status, out, workdir = slurm_run
   assert status == 0, out[-5000:]
   assert re.search(r'^srun: \S*python\S* -m dist_ens.main --distributed --config=', out, re.M)
   for i in range(2):
     assert re.search(rf'^{i}: .*starting jax.distributed \(detected slurm job\)', out, re.M), out
     assert re.search(rf'^{i}: .*\[process {i}\] step 20/20', out, re.M), out[-3000:]
-  assert json.loads((tmp_path / 'w' / 'final_metrics.json').read_text())['step'] == 20
+  assert json.loads((workdir / 'final_metrics.json').read_text())['step'] == 20
 
 
 def test_slurm_one_process_per_node_sees_every_gpu(tmp_path):

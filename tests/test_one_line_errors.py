@@ -174,8 +174,16 @@ def _steps(workdir):
   return sorted(int(d.name) for d in (workdir / 'checkpoints').iterdir() if d.name.isdigit())
 
 
-def test_a_checkpoint_beyond_keep_left_by_a_kill_goes_at_the_next_save(tmp_path):
-  dist_ens.train(_checkpointed_config(6), str(tmp_path))
+@pytest.fixture(scope='module')
+def six_steps(tmp_path_factory):
+  """A finished 6-step run (checkpoints 4 and 6): each test below resumes its own copy."""
+  workdir = tmp_path_factory.mktemp('six')
+  dist_ens.train(_checkpointed_config(6), str(workdir))
+  return workdir
+
+
+def test_a_checkpoint_beyond_keep_left_by_a_kill_goes_at_the_next_save(tmp_path, six_steps):
+  shutil.copytree(six_steps, tmp_path, dirs_exist_ok=True)
   assert _steps(tmp_path) == [4, 6]
   # A kill after a save's commit and before the oldest is deleted leaves keep + 1.
   shutil.copytree(tmp_path / 'checkpoints' / '4', tmp_path / 'checkpoints' / '2')
@@ -189,8 +197,8 @@ def _warnings(caplog):
 
 
 @pytest.mark.parametrize('damage', ['deleted', 'truncated', 'intact'])
-def test_a_resume_without_the_events_before_it_warns_once(tmp_path, caplog, damage):
-  dist_ens.train(_checkpointed_config(6), str(tmp_path))
+def test_a_resume_without_the_events_before_it_warns_once(tmp_path, caplog, six_steps, damage):
+  shutil.copytree(six_steps, tmp_path, dirs_exist_ok=True)
   path = tmp_path / 'metrics.jsonl'
   if damage == 'deleted':
     path.unlink()

@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,22 @@ def _config(**overrides):
                         **overrides)
 
 
+# A finished _config() run keeping both its checkpoints (4 and 8): the workdir that the
+# tests which refuse, lock, extend or damage a finished run start from (each on a copy).
+KEEP3 = {'checkpoint__keep': 3}
+
+
+@pytest.fixture(scope='module')
+def finished(tmp_path_factory):
+  workdir = tmp_path_factory.mktemp('finished')
+  dist_ens.train(_config(**KEEP3), str(workdir))
+  return workdir
+
+
+def _copy(finished_run, to):
+  shutil.copytree(finished_run, to, dirs_exist_ok=True)
+
+
 @pytest.mark.parametrize('overrides,message', [
     (dict(optim__learning_rate=1e-300), 'config.optim.learning_rate'),
     (dict(optim__learning_rate=[1e-3, 1e39, 1e-3, 1e-3]), 'config.optim.learning_rate'),
@@ -50,13 +67,13 @@ def test_empty_workdir_is_refused(tmp_path, monkeypatch):
   assert not list(tmp_path.iterdir())
 
 
-def test_lowering_steps_below_the_checkpoint_is_refused(tmp_path):
-  dist_ens.train(_config(), str(tmp_path))
+def test_lowering_steps_below_the_checkpoint_is_refused(tmp_path, finished):
+  _copy(finished, tmp_path)
   with pytest.raises(ConfigError, match='checkpoint at step 8; train.steps cannot go back'):
-    dist_ens.train(_config(train__steps=4), str(tmp_path))
+    dist_ens.train(_config(train__steps=4, **KEEP3), str(tmp_path))
 
 
-def test_extending_a_decaying_schedule_must_be_allowed_explicitly(tmp_path):
+def test_extending_a_decaying_schedule_must_be_allowed_explicitly(tmp_path, finished):
   dist_ens.train(_config(optim__schedule='cosine'), str(tmp_path))
   with pytest.raises(ConfigError, match='train.steps shapes the learning-rate schedule'):
     dist_ens.train(_config(optim__schedule='cosine', train__steps=12), str(tmp_path))
@@ -64,8 +81,9 @@ def test_extending_a_decaying_schedule_must_be_allowed_explicitly(tmp_path):
                                  checkpoint__restore_incompatible='train.steps'), str(tmp_path))
   assert final['step'] == 12
   # A constant schedule does not depend on train.steps: extending it needs no permission.
-  dist_ens.train(_config(), str(tmp_path / 'constant'))
-  assert dist_ens.train(_config(train__steps=12), str(tmp_path / 'constant'))['step'] == 12
+  _copy(finished, tmp_path / 'constant')
+  extended = dist_ens.train(_config(train__steps=12, **KEEP3), str(tmp_path / 'constant'))
+  assert extended['step'] == 12
 
 
 def test_a_run_that_failed_before_its_first_checkpoint_binds_nothing(tmp_path):
@@ -89,15 +107,16 @@ def test_on_nonfinite_stop_holds_on_every_rerun(tmp_path):
   assert final['frozen_members'] == [3] and np.isfinite(final['ensemble']['nll'])
 
 
-def test_a_second_run_on_a_live_workdir_stops_naming_the_other_pid_and_writes_nothing(tmp_path):
+def test_a_second_run_on_a_live_workdir_stops_naming_the_other_pid_and_writes_nothing(
+    tmp_path, finished):
   workdir = tmp_path / 'w'
-  dist_ens.train(_config(), str(workdir))
+  _copy(finished, workdir)
   files = lambda: {p: p.read_bytes() for p in workdir.rglob('*') if p.is_file()}
   with WorkdirLock(workdir):  # Another live run: an flock on workdir/.lock.
     held, before = (workdir / '.lock').read_text(), files()
     with pytest.raises(WorkdirInUse, match=re.escape(
         f'{workdir} is in use by another run (pid {os.getpid()} on host ')):
-      dist_ens.train(_config(train__steps=12), str(workdir))
+      dist_ens.train(_config(train__steps=12, **KEEP3), str(workdir))
     assert files() == before and held
   assert (workdir / '.lock').read_text() == ''  # Released: the next run needs no takeover.
 
@@ -222,17 +241,18 @@ def test_python_stays_within_one_call_of_the_device(tmp_path):
     queued.append(jax.tree.leaves(ctx.metrics)[0])
     unfinished.append(sum(not m.is_ready() for m in queued[-100:]))
 
-  config = _config(model__widths=(512, 512), data__batch_size=256, train__steps=60,
-                   train__log_every=60, checkpoint__every=60)
+  # 30 slow steps, one log step at the end: the loop would queue all of them unwatched.
+  config = _config(model__widths=(512, 512), data__batch_size=256, train__steps=30,
+                   train__log_every=30, checkpoint__every=30)
   dist_ens.train(config, str(tmp_path), actions=[dist_ens.every(1, count_unfinished)])
   # At most the call just queued and the one before it, which the loop waits for next.
   assert max(unfinished) <= 2, unfinished
 
 
 @pytest.mark.parametrize('damage', [b'\xff\xfe{"step": 8}', b'[8]'])
-def test_a_checkpoint_with_damaged_metadata_is_skipped(tmp_path, damage):
+def test_a_checkpoint_with_damaged_metadata_is_skipped(tmp_path, finished, damage):
   # Non-UTF-8 bytes (a torn write) crashed the rerun with a UnicodeDecodeError traceback.
-  dist_ens.train(_config(checkpoint__keep=3), str(tmp_path))
+  _copy(finished, tmp_path)
   (tmp_path / 'checkpoints' / '8' / 'meta' / 'metadata').write_bytes(damage)
   (tmp_path / 'final_metrics.json').unlink()
   assert workdir_lib.newest_meta(tmp_path / 'checkpoints')['step'] == 4
