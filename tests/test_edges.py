@@ -262,7 +262,7 @@ def test_a_full_disks_unretrieved_future_prints_nothing(caplog):
 def test_the_flops_estimate_traces_token_models_with_their_int_inputs(monkeypatch):
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from dist_ens.parallel import strategy  # pylint: disable=import-outside-toplevel
-  from dist_ens.training import trainer  # pylint: disable=import-outside-toplevel
+  from dist_ens.training import cadence  # pylint: disable=import-outside-toplevel
   config = _config()
   config.model.name = 'token_transformer'
   config.model.vocab_size, config.model.hidden, config.model.depth = 16, 32, 1
@@ -271,7 +271,7 @@ def test_the_flops_estimate_traces_token_models_with_their_int_inputs(monkeypatc
   traced = []
   forward = strategy._abstract_forward  # pylint: disable=protected-access
   monkeypatch.setattr(strategy, '_abstract_forward', lambda *a: traced.append(a) or forward(*a))
-  assert trainer._step_flops(config, parts) is not None  # pylint: disable=protected-access
+  assert cadence.step_flops(config, parts) is not None
   assert [a[-1] for a in traced] == [jnp.int32]
 
 

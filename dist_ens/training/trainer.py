@@ -30,7 +30,6 @@ from dist_ens.training import (actions as actions_lib, decision_actions, distill
                                predictions as predictions_lib, workdir as workdir_lib)
 from dist_ens.training import cadence
 # Re-exported: tests reach the step's FLOPs estimate here.
-from dist_ens.training.cadence import step_flops as _step_flops  # noqa: F401
 from dist_ens.training.loop import Action, Context, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 from dist_ens.core.state import member_flags
