@@ -23,7 +23,6 @@ class GaussianPrediction(NamedTuple):
   member_mean: np.ndarray
   member_variance: np.ndarray
 
-
   @classmethod
   def mixture(cls, means: np.ndarray, variances: np.ndarray,
               included: np.ndarray) -> 'GaussianPrediction':
@@ -33,6 +32,7 @@ class GaussianPrediction(NamedTuple):
                aleatoric=np.asarray(moments.aleatoric),
                epistemic=np.asarray(moments.epistemic), member_mean=means,
                member_variance=variances)
+
 
 class Prediction(NamedTuple):
   """The ensemble's prediction for N inputs (numpy arrays on the host)."""
