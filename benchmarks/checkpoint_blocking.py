@@ -40,7 +40,7 @@ def measure(model_overrides, input_shape, repeats):
   mesh = assemble.build_mesh(config)
   parts = assemble.build_parts(config, mesh, input_shape, 10)
   state = assemble.init_sharded(parts)
-  # What a run saves beside the state (training.loop.Context.checkpoint_meta).
+  # What a run saves beside the state (training.loop.Session.checkpoint_meta).
   meta = {'train_seconds': 0.0, 'input_shape': list(parts.input_shape),
           'num_classes': parts.num_classes}
   num_bytes = sum(x.nbytes for x in jax.tree.leaves(state))

@@ -234,27 +234,27 @@ class Timer:
     self._last = None
     self._stats = None
 
-  def on_step(self, ctx: dist_ens.Context) -> None:
+  def on_step(self, call: dist_ens.Call) -> None:
     now = time.perf_counter()
     if self.start is not None and self.end is None:
       self.gaps.append(now - self._last)
     self._last = now
-    starts = self.start is None and ctx.step >= self.warmup  # The first call past warmup.
-    if starts or ctx.step == ctx.total_steps:
-      jax.block_until_ready((ctx.state, ctx.metrics))
+    starts = self.start is None and call.step >= self.warmup  # The first call past warmup.
+    if starts or call.step == call.session.total_steps:
+      jax.block_until_ready((call.state, call.metrics))
       now = self._last = time.perf_counter()
       if starts:
-        self.start, self.first, self._stats = now, ctx.step, ctx.batches.stats
+        self.start, self.first, self._stats = now, call.step, call.session.batches.stats
         self._cpu, self._busy = thread_cpu(), machine_busy()
       else:
-        self.end, self.steps_per_call = now, ctx.steps_per_call
-        self.cpu = cpu_per_step(self._cpu, thread_cpu(), ctx.step - self.first)
+        self.end, self.steps_per_call = now, call.session.steps_per_call
+        self.cpu = cpu_per_step(self._cpu, thread_cpu(), call.step - self.first)
         self.foreign = foreign_cores(self._busy, machine_busy())
-        stats = ctx.batches.stats
+        stats = call.session.batches.stats
         self.pipeline = (stats.examples - self._stats.examples,
                          stats.busy_seconds - self._stats.busy_seconds)
 
-  def on_end(self, ctx: dist_ens.Context) -> None:
+  def on_end(self, call: dist_ens.Call) -> None:
     pass
 
   def close(self) -> None:

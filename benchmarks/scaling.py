@@ -189,25 +189,25 @@ def _timed_actions(default_actions, seconds: dict[str, dict[str, float]]):
     def __getattr__(self, name):
       return getattr(self._action, name)
 
-    def _call(self, what: str, ctx) -> None:
+    def _call(self, what: str, call) -> None:
       start = time.perf_counter()
-      getattr(self._action, what)(ctx)
+      getattr(self._action, what)(call)
       entry = seconds.setdefault(self._name, {'on_step': 0.0, 'on_end': 0.0})
       entry[what] += time.perf_counter() - start
       if what == 'on_end':
         entry['rss_peak_after_end_bytes'] = host_memory.status_bytes('VmHWM')
 
-    def on_step(self, ctx) -> None:
-      self._call('on_step', ctx)
+    def on_step(self, call) -> None:
+      self._call('on_step', call)
 
-    def on_end(self, ctx) -> None:
-      self._call('on_end', ctx)
+    def on_end(self, call) -> None:
+      self._call('on_end', call)
 
     def close(self) -> None:
       self._action.close()
 
-  def wrapped(ctx, checkpointer, extra=()):
-    return [Timed(a) for a in default_actions(ctx, checkpointer, extra)]
+  def wrapped(call, checkpointer, extra=()):
+    return [Timed(a) for a in default_actions(call, checkpointer, extra)]
 
   return wrapped
 
@@ -259,13 +259,13 @@ def _make_probe(scratch: Path, out: dict[str, Any], log: _CompileLog):
       super().__init__(every)
       self.start, self.marks = start, []
 
-    def on_step(self, ctx) -> None:
-      if not self.marks or self.due(ctx.step) and ctx.step != ctx.total_steps:
-        jax.block_until_ready(ctx.metrics)
-        self.marks.append((ctx.step, time.perf_counter() - self.start))
+    def on_step(self, call) -> None:
+      if not self.marks or self.due(call.step) and call.step != call.session.total_steps:
+        jax.block_until_ready(call.metrics)
+        self.marks.append((call.step, time.perf_counter() - self.start))
         self.rss_peak = host_memory.status_bytes('VmHWM')
 
-    def on_end(self, ctx) -> None:
+    def on_end(self, call) -> None:
       pass
 
   class Probe(PeriodicAction):
@@ -273,34 +273,34 @@ def _make_probe(scratch: Path, out: dict[str, Any], log: _CompileLog):
     def __init__(self):
       super().__init__(0, at_end=True)
 
-    def run(self, ctx) -> None:
+    def run(self, call) -> None:
       log.phase = 'probe'
       out['ended_at'] = time.perf_counter()
-      out['steps_per_call'] = ctx.steps_per_call
-      out['mesh'] = dict(ctx.parts.mesh.shape)
+      out['steps_per_call'] = call.session.steps_per_call
+      out['mesh'] = dict(call.session.parts.mesh.shape)
       out['rss_peak_final_phase_bytes'] = host_memory.status_bytes('VmHWM')
       out['live_device_bytes'] = _live_device_bytes()
-      out['state_bytes'] = _tree_bytes(ctx.state)
-      test, validation = ctx.run_data.dataset.test, ctx.run_data.validation
+      out['state_bytes'] = _tree_bytes(call.state)
+      test, validation = call.session.run_data.dataset.test, call.session.run_data.validation
       warm, _ = _median_seconds(
-          lambda: ctx.evaluator.evaluate(ctx.state, test), 3)
+          lambda: call.session.evaluator.evaluate(call.state, test), 3)
       out['evaluate_test_s'] = warm
       out['evaluate_validation_s'], _ = _median_seconds(
-          lambda: ctx.evaluator.evaluate(ctx.state, validation), 3)
-      self._exploit(ctx)
-      self._checkpoint(ctx)
+          lambda: call.session.evaluator.evaluate(call.state, validation), 3)
+      self._exploit(call)
+      self._checkpoint(call)
       log.phase = 'end'
 
-    def _exploit(self, ctx) -> None:
-      m = ctx.config.num_members
+    def _exploit(self, call) -> None:
+      m = call.session.config.num_members
       sources = np.arange(m, dtype=np.int32)
       quarter = m // 4
       if quarter:
         sources[-quarter:] = np.arange(quarter)
       sources = jax.device_put(sources, jax.sharding.NamedSharding(
-          ctx.parts.mesh, jax.sharding.PartitionSpec()))
-      exploit = pbt.make_exploit(ctx.parts.state_shardings, ctx.parts.mesh)
-      state = jax.tree.map(jnp.copy, ctx.state)  # the run's own state stays as trained
+          call.session.parts.mesh, jax.sharding.PartitionSpec()))
+      exploit = pbt.make_exploit(call.session.parts.state_shardings, call.session.parts.mesh)
+      state = jax.tree.map(jnp.copy, call.state)  # the run's own state stays as trained
       start = time.perf_counter()
       state = jax.block_until_ready(exploit(state, sources))
       out['exploit_first_s'] = time.perf_counter() - start
@@ -312,19 +312,19 @@ def _make_probe(scratch: Path, out: dict[str, Any], log: _CompileLog):
       out['exploit_s'], out['exploit_all_s'] = statistics.median(times), times
       del state
 
-    def _checkpoint(self, ctx) -> None:
+    def _checkpoint(self, call) -> None:
       directory = scratch / 'checkpoint_bench'
       checkpointer = Checkpointer(directory, every=1, keep=1)
       saves, restores = [], []
       try:
         for i in range(1, 4):
           start = time.perf_counter()
-          checkpointer.save(i, ctx.state, ctx.batches.state, force=True,
-                            meta=ctx.checkpoint_meta())
+          checkpointer.save(i, call.state, call.session.batches.state, force=True,
+                            meta=call.session.checkpoint_meta())
           checkpointer.wait()
           saves.append(time.perf_counter() - start)
           start = time.perf_counter()
-          restored = checkpointer.restore(ctx.parts.abstract_state)
+          restored = checkpointer.restore(call.session.parts.abstract_state)
           jax.block_until_ready(restored.state)
           restores.append(time.perf_counter() - start)
           del restored

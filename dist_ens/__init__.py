@@ -10,8 +10,15 @@ from dist_ens.core.model import Model
 from dist_ens.ensembles.stacking import num_members, stack, unstack
 from dist_ens.errors import ConfigError, TrainingError
 from dist_ens.inference import Ensemble
-from dist_ens.training import Action, Context, PeriodicAction, every, train
+from dist_ens.training import Action, Call, PeriodicAction, Session, every, train
 
-__all__ = ['Action', 'ConfigError', 'Context', 'Ensemble', 'Model', 'PeriodicAction',
+__all__ = ['Action', 'Call', 'ConfigError', 'Ensemble', 'Model', 'PeriodicAction', 'Session',
            'TrainingError', 'every', 'load_config', 'num_members', 'stack', 'train', 'unstack']
 __version__ = '0.2.0'
+
+
+def __getattr__(name: str):
+  if name == 'Context':  # Deprecated: what actions received before Call and Session.
+    from dist_ens.training import loop  # pylint: disable=g-import-not-at-top
+    return loop.__getattr__(name)
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')

@@ -61,12 +61,12 @@ class PreemptAt:
   def __init__(self, step):
     self.step = step
 
-  def on_step(self, ctx):
-    if ctx.step == self.step:
+  def on_step(self, call):
+    if call.step == self.step:
       signal.raise_signal(signal.SIGTERM)
 
-  def on_end(self, ctx):
-    del ctx
+  def on_end(self, call):
+    del call
 
   def close(self):
     pass

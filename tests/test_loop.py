@@ -1,5 +1,6 @@
 """The loop and its actions: user actions, the per-leaf sharding rule, resume bookkeeping."""
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -30,19 +31,20 @@ def _events(workdir):
 def test_user_actions_run_when_due_and_add_results_and_events(tmp_path):
   seen = []
 
-  def norm(ctx):
-    seen.append(ctx.step)
-    norms = ctx.fetch(jax.vmap(lambda p: jax.numpy.sqrt(sum(
-        jax.numpy.sum(x ** 2) for x in jax.tree.leaves(p))))(ctx.state.params))
-    ctx.write({'step': ctx.step, 'split': 'train', 'members': {'param_norm': norms.tolist()}})
-    ctx.results['param_norm'] = norms.tolist()
+  def norm(call):
+    seen.append(call.step)
+    norms = call.session.fetch(jax.vmap(lambda p: jax.numpy.sqrt(sum(
+        jax.numpy.sum(x ** 2) for x in jax.tree.leaves(p))))(call.state.params))
+    call.session.write({'step': call.step, 'split': 'train',
+                        'members': {'param_norm': norms.tolist()}})
+    call.session.results['param_norm'] = norms.tolist()
 
   class CountSteps(dist_ens.PeriodicAction):
     calls, steps_per_call = 0, None
 
-    def on_step(self, ctx):
+    def on_step(self, call):
       CountSteps.calls += 1
-      CountSteps.steps_per_call = ctx.steps_per_call
+      CountSteps.steps_per_call = call.session.steps_per_call
 
   final = dist_ens.train(_config(), str(tmp_path), actions=[dist_ens.every(6, norm),
                                                             CountSteps()])
@@ -58,9 +60,40 @@ def test_user_actions_run_when_due_and_add_results_and_events(tmp_path):
   assert [e['step'] for e in norms] == [6, 12]
 
 
+def test_an_action_that_returns_a_new_state_is_what_the_rest_and_the_loop_go_on_with(tmp_path):
+  norm = lambda params: float(sum(jax.numpy.sum(x ** 2) for x in jax.tree.leaves(params)))
+  seen = {}
+
+  class Zero(dist_ens.PeriodicAction):  # As population-based training replaces the state.
+
+    def run(self, call):
+      seen['before'] = norm(call.state.params)
+      zeroed = jax.tree.map(jax.numpy.zeros_like, call.state.params)
+      return dataclasses.replace(call, state=call.state._replace(params=zeroed))
+
+    def on_end(self, call):  # (due at step 12 too)
+      pass
+
+  def after(call):
+    seen.setdefault('after', norm(call.state.params))
+
+  def old_style(ctx):  # The 17-field Context of 0.x: still read, with a warning.
+    seen['members'] = ctx.config.num_members
+
+  with pytest.warns(DeprecationWarning, match=r'call\.config is deprecated'):
+    dist_ens.train(_config(), str(tmp_path), actions=[
+        Zero(6), dist_ens.every(6, after), dist_ens.every(6, old_style, at_end=False)])
+  restored = dist_ens.Ensemble.load(tmp_path)
+  assert seen['before'] > 1 and seen['after'] == 0.0 and seen['members'] == 4
+  # Steps 7-12 trained from zeros: Adam moved only the last bias, by about lr a step.
+  assert norm(restored.params) < seen['before'] / 100
+  with pytest.warns(DeprecationWarning, match='dist_ens.Context is deprecated'):
+    assert dist_ens.Context is dist_ens.Call
+
+
 def test_every_rejects_a_negative_interval():
   with pytest.raises(ValueError, match='steps=-1'):
-    dist_ens.every(-1, lambda ctx: None)
+    dist_ens.every(-1, lambda call: None)
 
 
 def test_layout_decides_each_leaf(devices):

@@ -159,11 +159,11 @@ class _Stop:
   def __init__(self, step):
     self.step = step
 
-  def on_step(self, ctx):
-    if ctx.step > self.step:
+  def on_step(self, call):
+    if call.step > self.step:
       raise RuntimeError('injected fault')
 
-  def on_end(self, ctx):
+  def on_end(self, call):
     pass
 
   def close(self):

@@ -143,12 +143,12 @@ class _Capture:
   def __init__(self, step):
     self.step, self.seen = step, None
 
-  def on_step(self, ctx):
-    if ctx.step == self.step:
-      self.seen = (jax.device_get(ctx.state), jax.device_get(ctx.hparams),
-                   dict(ctx.results['pbt']))
+  def on_step(self, call):
+    if call.step == self.step:
+      self.seen = (jax.device_get(call.state), jax.device_get(call.session.hparams),
+                   dict(call.session.results['pbt']))
 
-  def on_end(self, ctx):
+  def on_end(self, call):
     pass
 
   def close(self):

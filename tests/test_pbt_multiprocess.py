@@ -85,8 +85,8 @@ def _train(workdir: str) -> tuple[dict, dict[int, dict[int, str]]]:
   """dist_ens.train with the member digests right after each round's step (and the last)."""
   digests = {}
 
-  def record(ctx):  # Runs after the step's PBT round (user actions come last).
-    digests[ctx.step] = _member_digests(ctx.state)
+  def record(call):  # Runs after the step's PBT round (user actions come last).
+    digests[call.step] = _member_digests(call.state)
 
   result = dist_ens.train(_config(), workdir, actions=[dist_ens.every(INTERVAL, record,
                                                                       at_end=False)])

@@ -262,11 +262,12 @@ def test_posthoc_actions_in_a_training_run(tmp_path, devices):
 
 def test_posthoc_fits_need_a_validation_split():
   # Checked at the first step, not after training.
-  ctx = types.SimpleNamespace(run_data=types.SimpleNamespace(validation=None))
+  call = types.SimpleNamespace(
+      session=types.SimpleNamespace(run_data=types.SimpleNamespace(validation=None)))
   for action in (posthoc.TemperatureScale(), posthoc.GreedySelect(4)):
     with pytest.raises(ConfigError, match=r'config\.data\.validation_size=0'):
-      action.on_step(ctx)
-  posthoc.McDropout(2).on_step(ctx)  # MC dropout needs no validation split.
+      action.on_step(call)
+  posthoc.McDropout(2).on_step(call)  # MC dropout needs no validation split.
   config = load_config(ROOT / 'configs' / 'default.py')
   config.select.method = 'best'
   with pytest.raises(ConfigError, match='config.select.method'):

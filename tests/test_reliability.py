@@ -164,11 +164,11 @@ def test_a_kill_during_an_evaluation_loses_no_event(tmp_path, monkeypatch, kill_
   # cleanup lets the checkpoint saves already started finish, as a kill lets orbax's.
   evaluate = dist_ens.training.actions.Evaluate.run
 
-  def dies_once(self, ctx):
-    if ctx.step == kill_at and not (tmp_path / 'died').exists():
+  def dies_once(self, call):
+    if call.step == kill_at and not (tmp_path / 'died').exists():
       (tmp_path / 'died').touch()
       raise Killed
-    evaluate(self, ctx)
+    evaluate(self, call)
 
   monkeypatch.setattr(dist_ens.training.actions.Evaluate, 'run', dies_once)
   with pytest.raises(Killed):
@@ -181,11 +181,11 @@ def test_a_kill_during_an_evaluation_loses_no_event(tmp_path, monkeypatch, kill_
 def test_a_kill_before_final_metrics_reruns_without_training(tmp_path, monkeypatch):
   finish = trainer._finish
 
-  def dies_once(ctx, *args):
+  def dies_once(call, *args):
     if not (tmp_path / 'died').exists():
       (tmp_path / 'died').touch()
       raise Killed
-    return finish(ctx, *args)
+    return finish(call, *args)
 
   monkeypatch.setattr(trainer, '_finish', dies_once)
   with pytest.raises(Killed):
@@ -237,8 +237,8 @@ def test_python_stays_within_one_call_of_the_device(tmp_path):
   # metrics are checked for readiness when Python gets control.
   queued, unfinished = [], []
 
-  def count_unfinished(ctx):
-    queued.append(jax.tree.leaves(ctx.metrics)[0])
+  def count_unfinished(call):
+    queued.append(jax.tree.leaves(call.metrics)[0])
     unfinished.append(sum(not m.is_ready() for m in queued[-100:]))
 
   # 30 slow steps, one log step at the end: the loop would queue all of them unwatched.

@@ -18,8 +18,8 @@ CPU_SYNC_EVERY = 8
 
 
 def steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
-                    run_data: assemble.RunData, start_step: int,
-                    actions: Sequence[Action]) -> int:
+                   run_data: assemble.RunData, start_step: int,
+                   actions: Sequence[Action]) -> int:
   # Examples the input pipeline delivers per step: one batch, or one per member.
   inputs = config.data.batch_size * (config.num_members if run_data.order.per_member else 1)
   platform = parts.mesh.devices.flat[0].platform

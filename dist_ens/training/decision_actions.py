@@ -20,7 +20,7 @@ from absl import logging
 from dist_ens import specs
 from dist_ens.data import Split, corruptions, tfds_corrupted
 from dist_ens.eval import decisions, mce, shift_spec
-from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
 
@@ -39,85 +39,89 @@ class EvaluateDecisions(PeriodicAction):
     super().__init__(0, at_end=True)
     self._predictions = predictions or SplitPredictions()
 
-  def run(self, ctx: Context) -> None:
-    config, run_data = ctx.config, ctx.run_data
+  def run(self, call: Call) -> None:
+    session = call.session
+    config, run_data = session.config, session.run_data
     sets = shift_spec.shift_sets(config.eval.shift, run_data.dataset.test.x.shape[1:],
                                  specs.data_spec(config))
-    if not sets and run_data.validation is None and ctx.parts.task.predict is not None:
+    if not sets and run_data.validation is None and session.parts.task.predict is not None:
       return  # a regression run without shift or validation: nothing to report
-    mask = ~np.asarray(member_flags(ctx.fetch(ctx.evaluator.view(ctx.state).frozen)), bool)
+    mask = ~np.asarray(member_flags(session.fetch(session.evaluator.view(call.state).frozen)), bool)
     if not mask.any():
       return  # every member diverged: no ensemble to decide with (the trainer says so)
     fit, test = None, run_data.dataset.test
-    with ctx.off_clock():
-      if run_data.validation is not None and ctx.parts.task.conformal:
-        val = self._predictions.predict(ctx, run_data.validation)
+    with session.off_clock():
+      if run_data.validation is not None and session.parts.task.conformal:
+        val = self._predictions.predict(call, run_data.validation)
         fit = decisions.fit_conformal(val.outputs, run_data.validation.y, mask,
                                       config.eval.conformal_alpha, _seed(config.seed, 0),
-                                      ctx.parts.task.predict)
-      clean = self._results(ctx, test, (0, 0), fit, mask, tag=1)
+                                      session.parts.task.predict)
+      clean = self._results(call, test, (0, 0), fit, mask, tag=1)
       shifted = {(s.corruption, s.severity): self._results(
-                     ctx, *self._shifted(ctx, s), fit, mask, tag=2 + i)
+                     call, *self._shifted(call, s), fit, mask, tag=2 + i)
                  for i, s in enumerate(sets)}
-    self._report(ctx, clean, fit, shifted, mask)
+    self._report(call, clean, fit, shifted, mask)
 
-  def _shifted(self, ctx: Context, shifted: shift_spec.ShiftSet
+  def _shifted(self, call: Call, shifted: shift_spec.ShiftSet
                ) -> tuple[Split, tuple[int, int]]:
     """(split, (corruption id, severity)) to predict: the test split with a corruption
     applied on device, or a prepared TFDS config's test split as it is."""
+    session = call.session
     if not shifted.tfds_config:
       ids = corruptions.corruption_id(shifted.corruption), shifted.severity
-      return ctx.run_data.dataset.test, ids
-    split = tfds_corrupted.load_test(shifted.tfds_config, specs.data_spec(ctx.config))
-    scale = ctx.run_data.scale
+      return session.run_data.dataset.test, ids
+    split = tfds_corrupted.load_test(shifted.tfds_config, specs.data_spec(session.config))
+    scale = session.run_data.scale
     if scale is not None:  # the inputs in the units the task standardised its own to
       split = Split(((split.x - scale.x_mean) / scale.x_std).astype(np.float32), split.y)
     return split, (0, 0)
 
-  def _results(self, ctx: Context, split: Split, shift: tuple[int, int],
+  def _results(self, call: Call, split: Split, shift: tuple[int, int],
                fit: decisions.ConformalFit | None, mask: np.ndarray, tag: int) -> dict[str, Any]:
     """The task's metrics of `split` under shift = (corruption id, severity), its
     selective prediction (classification) and conformal coverage (when fitted)."""
-    out = self._predictions.predict(ctx, split, *shift)
+    session = call.session
+    out = self._predictions.predict(call, split, *shift)
     found = {'members': out.metrics['members'], 'ensemble': out.metrics['ensemble']}
     if (chosen := decisions.selective_report(out.examples)) is not None:
       found['selective'] = chosen
     if fit is not None:
-      scale = ctx.run_data.scale
+      scale = session.run_data.scale
       found['conformal'] = decisions.conformal_report(
-          fit, out.outputs, split.y, mask, _seed(ctx.config.seed, tag), ctx.parts.task.predict,
-          1.0 if scale is None else scale.y_std)
+          fit, out.outputs, split.y, mask, _seed(session.config.seed, tag),
+          session.parts.task.predict, 1.0 if scale is None else scale.y_std)
     return found
 
-  def _report(self, ctx: Context, clean: dict[str, Any], fit: decisions.ConformalFit | None,
+  def _report(self, call: Call, clean: dict[str, Any], fit: decisions.ConformalFit | None,
               shifted: dict[tuple[str, int], dict[str, Any]], mask: np.ndarray) -> None:
-    """Puts the results in ctx.results (final_metrics.json), writes an event, logs."""
+    """Puts the results in call.session.results (final_metrics.json), writes an event, logs."""
+    session = call.session
     if 'selective' in clean:
       selective = clean['selective']
-      ctx.results['aurc'] = selective['aurc']
-      ctx.results['selective'] = {k: v for k, v in selective.items() if k != 'aurc'}
+      session.results['aurc'] = selective['aurc']
+      session.results['selective'] = {k: v for k, v in selective.items() if k != 'aurc'}
       logging.info('selective prediction: AURC %s; accuracy at 90/95/99%% coverage by '
                    'confidence %s', _rounded(selective['aurc']),
                    _rounded(selective['accuracy_at_coverage']['confidence']))
     if fit is not None:
-      ctx.results['conformal'] = {**fit._asdict(), **clean['conformal']}
+      session.results['conformal'] = {**fit._asdict(), **clean['conformal']}
       logging.info('conformal (%s, alpha %g, calibrated on %d validation examples): test %s',
                    fit.method, fit.alpha, fit.calibration_size, _rounded(clean['conformal']))
     if not shifted:
       return
-    summary = {'spec': ctx.config.eval.shift, 'seed': ctx.config.seed,
+    summary = {'spec': session.config.eval.shift, 'seed': session.config.seed,
                **decisions.shift_summary(shifted)}
     frame = self._predictions.frame
     if frame is not None:  # corrupted on device, in this range
       summary['value_range'] = list(frame.value_range)
-    baseline = mce.load_baseline(ctx.config.eval.get('shift_baseline', ''), list(shifted))
+    baseline = mce.load_baseline(session.config.eval.get('shift_baseline', ''), list(shifted))
     if baseline is not None:
       summary.update(mce.mce_report(baseline, shifted, clean, mask))
-    ctx.results['shift'] = summary
+    session.results['shift'] = summary
     mean = summary['mean']
-    if ctx.writes_final_events:
-      ctx.write({'step': ctx.step, 'split': 'test_shift', 'ensemble': _flat(mean['ensemble']),
-                 'members': _flat(mean['members'])})
+    if session.writes_final_events:
+      session.write({'step': call.step, 'split': 'test_shift', 'ensemble': _flat(mean['ensemble']),
+                     'members': _flat(mean['members'])})
     means = {k: summary[k] for k in decisions.SHIFT_MEANS if k in summary}
     means.update({f'mCE_{k}': v for k, v in summary.get('mCE', {}).items() if k != 'members'})
     logging.info('shift (%d corruption x severity pairs): %s; clean ensemble accuracy %.4f',

@@ -27,7 +27,7 @@ from dist_ens.eval import evaluate
 from dist_ens.io import student_file, writers
 from dist_ens.parallel import mesh as mesh_lib, strategy
 from dist_ens.training import posthoc
-from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.loop import Call, PeriodicAction
 
 # Examples per forward pass when the inference cost is counted (divided out again).
 _COST_BATCH = 64
@@ -40,65 +40,69 @@ class Distill(PeriodicAction):
     super().__init__(0, at_end=True)
     self.spec = spec
 
-  def run(self, ctx: Context) -> None:
-    included = posthoc.included(ctx)
+  def run(self, call: Call) -> None:
+    session = call.session
+    included = posthoc.included(call)
     if not included.any():  # Every member went non-finite: the run says so.
       logging.info('distillation skipped: no member is in the ensemble.')
       return
-    seed, parts = ctx.config.seed, ctx.parts
+    seed, parts = session.config.seed, session.parts
     net = students.make_student(self.spec.student, parts.model, parts.num_outputs,
                                 int(included.sum()))
-    train = ctx.run_data.dataset.train
-    with ctx.off_clock():
-      teacher = _train_logits(ctx)[included]
+    train = session.run_data.dataset.train
+    with session.off_clock():
+      teacher = _train_logits(call)[included]
       params, state, losses = distill.train_student(
           net, self.spec, students.student_key(seed), seed,
           lambda idx: np.asarray(train.read(idx)[0]), teacher)
       if writers.is_writer():
-        student_file.write(ctx.workdir, params, state, self._meta(ctx, net))
-      rows, ood_split = ctx.config.eval.batch_size, ctx.run_data.ood
-      log_probs = _log_probs(net, params, state, ctx.run_data.dataset.test.x, rows)
+        student_file.write(session.workdir, params, state, self._meta(call, net))
+      rows, ood_split = session.config.eval.batch_size, session.run_data.ood
+      log_probs = _log_probs(net, params, state, session.run_data.dataset.test.x, rows)
       ood = None if ood_split is None else _log_probs(net, params, state, ood_split.x, rows)
-    ctx.results['distill'] = self._results(ctx, net, params, losses, log_probs, included)
-    out = ctx.results['distill']
+    session.results['distill'] = self._results(call, net, params, losses, log_probs, included)
+    out = session.results['distill']
     if ood is not None:  # By its entropy: one network has no mutual information.
-      scored = ctx.evaluator.scorer.ood(log_probs[None], ood[None], ctx.run_data.dataset.test.y)
-      out['ood'] = {'dataset': ctx.config.eval.ood_dataset,
+      scored = session.evaluator.scorer.ood(log_probs[None], ood[None],
+                                            session.run_data.dataset.test.y)
+      out['ood'] = {'dataset': session.config.eval.ood_dataset,
                     **{k: v for k, v in scored['ensemble'].items() if k.endswith('_entropy')}}
-    if ctx.writes_final_events:
-      ctx.write({'step': ctx.step, 'split': 'test_distill',
-                 'ensemble': {k: out[k] for k in _METRICS if k in out}})
+    if session.writes_final_events:
+      session.write({'step': call.step, 'split': 'test_distill',
+                     'ensemble': {k: out[k] for k in _METRICS if k in out}})
     logging.info('distilled into a %r student (%d head(s), %d steps, T %g): it keeps %.3f of '
                  "the ensemble's NLL gain over the mean member at %.3g of its FLOPs:\n%s",
                  self.spec.student, net.num_heads, self.spec.steps, self.spec.temperature,
                  _number(out['nll_gain_kept']), _number(out['cost']['flops_ratio']),
-                 _table(ctx, out))
+                 _table(call, out))
 
-  def _meta(self, ctx: Context, net: students.StudentNet) -> dict[str, Any]:
+  def _meta(self, call: Call, net: students.StudentNet) -> dict[str, Any]:
+    session = call.session
     return {'format': student_file.__doc__.splitlines()[0], 'kind': net.kind,
-            'num_heads': net.num_heads, 'step': ctx.step,
-            'temperature': self.spec.temperature, 'input_shape': list(ctx.parts.input_shape),
-            'input_dtype': np.dtype(ctx.parts.input_dtype).name,
-            'num_outputs': ctx.parts.num_outputs}
+            'num_heads': net.num_heads, 'step': call.step,
+            'temperature': self.spec.temperature, 'input_shape': list(session.parts.input_shape),
+            'input_dtype': np.dtype(session.parts.input_dtype).name,
+            'num_outputs': session.parts.num_outputs}
 
-  def _results(self, ctx: Context, net: students.StudentNet, params: Any, losses: np.ndarray,
+  def _results(self, call: Call, net: students.StudentNet, params: Any, losses: np.ndarray,
                log_probs: np.ndarray, included: np.ndarray) -> dict[str, Any]:
-    test_y = ctx.run_data.dataset.test.y
-    scored = ctx.evaluator.scorer.metrics(log_probs[None], test_y)['members']
+    session = call.session
+    test_y = session.run_data.dataset.test.y
+    scored = session.evaluator.scorer.metrics(log_probs[None], test_y)['members']
     metrics = {k: float(np.asarray(v)[0]) for k, v in scored.items()
                if np.ndim(v) == 1 and len(v) == 1}
-    member_nll = float(np.mean(np.asarray(ctx.results['members']['nll'])[included]))
-    ensemble_nll = float(ctx.results['ensemble']['nll'])
+    member_nll = float(np.mean(np.asarray(session.results['members']['nll'])[included]))
+    ensemble_nll = float(session.results['ensemble']['nll'])
     gain = member_nll - ensemble_nll
     tail = max(1, len(losses) // 10)
     return {'student': self.spec.student, 'heads': net.num_heads,
             'members_distilled': int(included.sum()), 'steps': self.spec.steps,
             'temperature': self.spec.temperature, 'learning_rate': self.spec.learning_rate,
-            'batch_size': min(self.spec.batch_size, ctx.run_data.dataset.train.num_examples),
+            'batch_size': min(self.spec.batch_size, session.run_data.dataset.train.num_examples),
             'loss_first': float(losses[0]), 'loss_last': float(np.mean(losses[-tail:])),
             'nll_member_mean': member_nll, 'nll_ensemble': ensemble_nll,
             'nll_gain_kept': float((member_nll - metrics['nll']) / gain) if gain > 0 else None,
-            **metrics, 'cost': _cost(ctx, net, params, int(included.sum())),
+            **metrics, 'cost': _cost(call, net, params, int(included.sum())),
             'file': student_file.FILE}
 
 
@@ -110,21 +114,24 @@ def _number(value: float | None) -> float:
   return float('nan') if value is None else value
 
 
-def _table(ctx: Context, out: dict[str, Any]) -> str:
-  members = {k: float(np.nanmean(v)) for k, v in ctx.results['members'].items()
+def _table(call: Call, out: dict[str, Any]) -> str:
+  session = call.session
+  members = {k: float(np.nanmean(v)) for k, v in session.results['members'].items()
              if k in _METRICS}
-  rows = {'member mean': {'ensemble': members}, 'ensemble': {'ensemble': ctx.results['ensemble']},
+  rows = {'member mean': {'ensemble': members},
+          'ensemble': {'ensemble': session.results['ensemble']},
           f"student ({out['student']})": {'ensemble': out}}
-  return posthoc.ensembles_table(rows, ctx.parts.task)
+  return posthoc.ensembles_table(rows, session.parts.task)
 
 
-def _train_logits(ctx: Context) -> np.ndarray:
+def _train_logits(call: Call) -> np.ndarray:
   """[M, N, C] every member's logits on the whole training split, on the host."""
-  mesh, train = ctx.parts.mesh, ctx.run_data.dataset.train
-  step = evaluate.make_outputs_step(ctx.parts.predict_model, mesh)
+  session = call.session
+  mesh, train = session.parts.mesh, session.run_data.dataset.train
+  step = evaluate.make_outputs_step(session.parts.predict_model, mesh)
   d = mesh.shape[mesh_lib.DATA]
-  rows = -(-min(ctx.config.eval.batch_size, train.num_examples) // d) * d
-  variables, sharding, outs = (ctx.state.params, ctx.state.model_state), \
+  rows = -(-min(session.config.eval.batch_size, train.num_examples) // d) * d
+  variables, sharding, outs = (call.state.params, call.state.model_state), \
       mesh_lib.batch_sharding(mesh), []
   for start, valid in evaluate.padded_chunks(train.num_examples, rows):
     x = evaluate.pad_rows(np.asarray(train.read(np.arange(start, start + valid))[0]), rows)
@@ -143,9 +150,9 @@ def _log_probs(net: students.StudentNet, params: Any, state: Any, x: np.ndarray,
   return np.concatenate(out)
 
 
-def _cost(ctx: Context, net: students.StudentNet, params: Any, members: int) -> dict[str, Any]:
+def _cost(call: Call, net: students.StudentNet, params: Any, members: int) -> dict[str, Any]:
   """Parameters and forward FLOPs per example of the student and of the K members."""
-  parts = ctx.parts
+  parts = call.session.parts
   sample = jnp.zeros((1, *parts.input_shape), parts.input_dtype)
   member_params = jax.eval_shape(parts.model.init, jax.random.key(0), sample)[0]
   count = lambda tree: int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(tree)))

@@ -9,7 +9,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import member_groups
-from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
 
@@ -21,14 +21,15 @@ class GroupEnsembles(PeriodicAction):
     super().__init__(0, at_end=True)
     self._predictions = predictions
 
-  def run(self, ctx: Context) -> None:
-    test = ctx.run_data.dataset.test
-    outputs = self._predictions.predict(ctx, test).outputs
-    included = ~np.asarray(member_flags(ctx.fetch(ctx.state.frozen)), bool)
+  def run(self, call: Call) -> None:
+    session = call.session
+    test = session.run_data.dataset.test
+    outputs = self._predictions.predict(call, test).outputs
+    included = ~np.asarray(member_flags(session.fetch(call.state.frozen)), bool)
     out: dict[str, Any] = {}
-    for spec in member_groups.group_specs(ctx.config):
+    for spec in member_groups.group_specs(session.config):
       ids = spec.group.ids
-      ensemble = (ctx.evaluator.scorer.metrics(outputs[ids], test.y, included[ids])['ensemble']
+      ensemble = (session.evaluator.scorer.metrics(outputs[ids], test.y, included[ids])['ensemble']
                   if included[ids].any() else None)  # every member frozen: no ensemble
       out[spec.name] = {'members': list(range(ids.start, ids.stop)), 'model': spec.model,
                         'optim': spec.optim, 'ensemble': ensemble}
@@ -36,6 +37,6 @@ class GroupEnsembles(PeriodicAction):
         logging.info('group %s (members %d-%d): ensemble %s', spec.name, ids.start,
                      ids.stop - 1, ' '.join(f'{k} {ensemble[k]:.4f}' for k in
                                             ('accuracy', 'rmse', 'nll') if k in ensemble))
-    ctx.results['groups'] = out
-    if ctx.writes_final_events:
-      ctx.write({'step': ctx.step, 'split': 'test_groups', 'groups': out})
+    session.results['groups'] = out
+    if session.writes_final_events:
+      session.write({'step': call.step, 'split': 'test_groups', 'groups': out})

@@ -30,7 +30,7 @@ from dist_ens import assemble, data
 from dist_ens.data.member_split import aggregate
 from dist_ens.eval import evaluate
 from dist_ens.parallel.mesh import member_sharding
-from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.core.state import member_flags
 
 
@@ -38,29 +38,30 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
   return {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
 
 
-def evaluate_held_out(ctx: Context) -> dict[str, Any]:
-  """The 'member_split' results of the run in `ctx` (see the module doc)."""
-  splits: data.MemberSplits = ctx.run_data.member_splits
-  m, e = ctx.config.num_members, splits.members_per_split
-  frozen = np.asarray(member_flags(ctx.fetch(ctx.state.frozen)), bool)
-  train, ev = ctx.run_data.dataset.train, ctx.evaluator
+def evaluate_held_out(call: Call) -> dict[str, Any]:
+  """The 'member_split' results of the run in `call` (see the module doc)."""
+  session = call.session
+  splits: data.MemberSplits = session.run_data.member_splits
+  m, e = session.config.num_members, splits.members_per_split
+  frozen = np.asarray(member_flags(session.fetch(call.state.frozen)), bool)
+  train, ev = session.run_data.dataset.train, session.evaluator
   # One batch size for every part (smaller ones padded): one compiled program.
-  batch = min(ctx.config.eval.batch_size, max(map(len, splits.held_out)))
-  members_view = ev.view(ctx.state)
+  batch = min(session.config.eval.batch_size, max(map(len, splits.held_out)))
+  members_view = ev.view(call.state)
   variables = (members_view.params, members_view.model_state)
   members: dict[str, list[float]] = {}
   per_split = []
-  run = assemble.Run(ctx.config, ctx.parts, ctx.run_data, None)
+  run = assemble.Run(session.config, session.parts, session.run_data, None)
   for s, held in enumerate(splits.held_out):
     mask = np.zeros(m, bool)
     mask[s * e:(s + 1) * e] = True
     mask &= ~frozen
     split, finalize = data.Split(*train.read(held)), ev.finalize
-    if ctx.run_data.split_scales is not None:
-      scale = ctx.run_data.split_scales[s]
+    if session.run_data.split_scales is not None:
+      scale = session.run_data.split_scales[s]
       split, finalize = data.Split(*scale.apply(split.x, split.y)), run.finalize(scale)
     results = evaluate.evaluate(ev.eval_step, variables, split, batch, ev.mesh,
-                                jax.device_put(mask, member_sharding(ctx.parts.mesh)), finalize)
+                                jax.device_put(mask, member_sharding(session.parts.mesh)), finalize)
     for name, values in results['members'].items():
       if np.ndim(values) == 1 and len(values) == m:
         members.setdefault(name, []).extend(np.asarray(values, float)[s * e:(s + 1) * e])
@@ -76,17 +77,19 @@ def evaluate_held_out(ctx: Context) -> dict[str, Any]:
 
 
 class EvaluateHeldOut(PeriodicAction):
-  """After the last step: evaluate_held_out into ctx.results['member_split'] and a log line."""
+  """After the last step: evaluate_held_out into session.results['member_split'] and a
+  log line."""
 
   def __init__(self):
     super().__init__(0, at_end=True)
 
-  def run(self, ctx: Context) -> None:
-    with ctx.off_clock():
-      results = evaluate_held_out(ctx)
-    ctx.results['member_split'] = results
-    if ctx.writes_final_events:
-      ctx.write({'step': ctx.step, 'split': 'held_out', 'member_split': results})
+  def run(self, call: Call) -> None:
+    session = call.session
+    with session.off_clock():
+      results = evaluate_held_out(call)
+    session.results['member_split'] = results
+    if session.writes_final_events:
+      session.write({'step': call.step, 'split': 'held_out', 'member_split': results})
     shown = [k for k in ('accuracy', 'rmse', 'nll') if k in results['ensemble']]
     logging.info('held-out (%s, %d splits): ensemble %s', results['spec'], results['splits'],
                  ', '.join(f"{k} {results['ensemble'][k]['mean']:.4f} +- "

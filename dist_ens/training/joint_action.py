@@ -20,7 +20,7 @@ from absl import logging
 from dist_ens.ensembles import methods
 from dist_ens.eval import evaluate, joint
 from dist_ens.tasks import Task
-from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.training.posthoc import SplitOutputs
 from dist_ens.core.state import member_flags
 
@@ -34,26 +34,27 @@ class JointLogLoss(PeriodicAction):
     self.tau, self.num_batches, self.seed = tau, num_batches, seed
     self.cache = cache or SplitOutputs()
 
-  def run(self, ctx: Context) -> None:
-    task, test = ctx.parts.task, ctx.run_data.dataset.test
+  def run(self, call: Call) -> None:
+    session = call.session
+    task, test = session.parts.task, session.run_data.dataset.test
     batches = joint.dyadic_batches(len(test.y), self.tau, self.num_batches, self.seed)
-    included = ~np.asarray(member_flags(ctx.fetch(ctx.state.frozen)), bool)
+    included = ~np.asarray(member_flags(session.fetch(call.state.frozen)), bool)
     if not included.any():  # Every member went non-finite: the run ends saying so.
       logging.info('joint log-loss skipped: no member is in the ensemble.')
       return
-    loss = joint.joint_log_loss(_log_likelihood(ctx, self.cache.get(ctx, 'test')), batches,
+    loss = joint.joint_log_loss(_log_likelihood(call, self.cache.get(call, 'test')), batches,
                                 included)
     out: dict[str, Any] = {'tau': self.tau, 'kappa': joint.KAPPA, 'batches': self.num_batches,
                            'members': loss.members.tolist(), 'ensemble': loss.ensemble}
-    method = ctx.parts.method
+    method = session.parts.method
     if method.collects:
-      out[method.name] = _method_joint(ctx, batches)
-    ctx.results['joint'] = out
-    if ctx.writes_final_events:
-      ctx.write({'step': ctx.step, 'split': 'test_joint',
-                 'members': {'joint_nll': loss.members.tolist()},
-                 'ensemble': {'joint_nll': loss.ensemble}})
-    marginal = ctx.results.get('ensemble', {}).get('nll')
+      out[method.name] = _method_joint(call, batches)
+    session.results['joint'] = out
+    if session.writes_final_events:
+      session.write({'step': call.step, 'split': 'test_joint',
+                     'members': {'joint_nll': loss.members.tolist()},
+                     'ensemble': {'joint_nll': loss.ensemble}})
+    marginal = session.results.get('ensemble', {}).get('nll')
     logging.info('joint log-loss (tau %d, %d dyadic batches, nats per batch): member mean '
                  '%.4f, ensemble %.4f%s%s', self.tau, self.num_batches,
                  float(np.mean(loss.members[included])), loss.ensemble,
@@ -61,29 +62,31 @@ class JointLogLoss(PeriodicAction):
                  f"; {method.name} {out[method.name]['ensemble']:.4f}" if method.collects else '')
 
 
-def _log_likelihood(ctx: Context, outputs: np.ndarray) -> np.ndarray:
+def _log_likelihood(call: Call, outputs: np.ndarray) -> np.ndarray:
   """[M, N] float64 log-likelihood of the test targets, in the targets' own units: a task
   that trains on standardised targets (Task.unscale) has its density rescaled by the
   training targets' std, as its reported NLL is."""
-  ll = np.asarray(ctx.parts.task.log_likelihood(outputs, ctx.run_data.dataset.test.y),
+  session = call.session
+  ll = np.asarray(session.parts.task.log_likelihood(outputs, session.run_data.dataset.test.y),
                   np.float64)
-  scale = ctx.run_data.scale
-  if ctx.parts.task.unscale is not None and scale is not None:
+  scale = session.run_data.scale
+  if session.parts.task.unscale is not None and scale is not None:
     ll = ll - np.sum(np.log(np.asarray(scale.y_std, np.float64)))
   return ll
 
 
-def _method_joint(ctx: Context, batches: np.ndarray) -> dict[str, Any]:
+def _method_joint(call: Call, batches: np.ndarray) -> dict[str, Any]:
   """The joint log-loss of the members the run's method predicts with (its ensemble)."""
-  members = methods.predictive_members(ctx.parts.method, ctx.state, ctx.config.seed,
-                                       ctx.parts.mesh)
-  step = evaluate.make_outputs_step(ctx.parts.predict_model, ctx.parts.mesh)
-  with ctx.off_clock():
+  session = call.session
+  members = methods.predictive_members(session.parts.method, call.state, session.config.seed,
+                                       session.parts.mesh)
+  step = evaluate.make_outputs_step(session.parts.predict_model, session.parts.mesh)
+  with session.off_clock():
     outputs = evaluate.split_outputs(step, (members.params, members.model_state),
-                                     ctx.run_data.dataset.test, ctx.config.eval.batch_size,
-                                     ctx.parts.mesh)
-  included = ~np.asarray(member_flags(ctx.fetch(members.frozen)), bool)
-  loss = joint.joint_log_loss(_log_likelihood(ctx, outputs), batches, included)
+                                     session.run_data.dataset.test, session.config.eval.batch_size,
+                                     session.parts.mesh)
+  included = ~np.asarray(member_flags(session.fetch(members.frozen)), bool)
+  loss = joint.joint_log_loss(_log_likelihood(call, outputs), batches, included)
   return {'predicting_members': int(included.sum()), 'ensemble': loss.ensemble}
 
 

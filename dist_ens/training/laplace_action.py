@@ -32,7 +32,7 @@ from dist_ens.io import laplace_file
 from dist_ens.models.heads import head_paths
 from dist_ens.parallel.sharding_rules import path_str
 from dist_ens.training import posthoc
-from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.loop import Call, PeriodicAction
 
 # Rows per feature batch: the full form's Jacobians are [rows, P, C] per member.
 _ROWS = 128
@@ -68,82 +68,86 @@ class Laplace(PeriodicAction):
     super().__init__(0, at_end=True)
     self.kind, self.samples, self.joint = kind, samples, joint_batches
 
-  def run(self, ctx: Context) -> None:
-    if not posthoc.included(ctx).any():  # Every member went non-finite: the run says so.
+  def run(self, call: Call) -> None:
+    session = call.session
+    if not posthoc.included(call).any():  # Every member went non-finite: the run says so.
       logging.info('Laplace skipped: no member is in the ensemble.')
       return
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), ctx.state.params)
-    names = head_leaves(one, ctx.parts.num_outputs)
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), call.state.params)
+    names = head_leaves(one, session.parts.num_outputs)
     feats = jax.vmap(functools.partial(laplace_predictive.head_features,
-                                       ctx.parts.predict_model, names[0]), in_axes=(0, 0, None))
-    with ctx.off_clock():
-      fit, deltas, by, count = self._fit(ctx, feats, names)
-      laplace_file.write(ctx.workdir, fit)
+                                       session.parts.predict_model, names[0]), in_axes=(0, 0, None))
+    with session.off_clock():
+      fit, deltas, by, count = self._fit(call, feats, names)
+      laplace_file.write(session.workdir, fit)
       # What Ensemble.load builds from the file, so predict(laplace=True) gives these.
-      arrays = laplace_predictive.fitted_arrays(fit, ctx.config.seed, ctx.parts.num_outputs,
-                                                ctx.parts.mesh)
-      plain, laplaced, draws = self._log_probs(ctx, fit.kernel, arrays, ctx.run_data.dataset.test)
-      ood = (None if ctx.run_data.ood is None else
-             self._log_probs(ctx, fit.kernel, arrays, ctx.run_data.ood)[1])
-    self._report(ctx, plain, laplaced, deltas, by, count)
+      arrays = laplace_predictive.fitted_arrays(fit, session.config.seed, session.parts.num_outputs,
+                                                session.parts.mesh)
+      plain, laplaced, draws = self._log_probs(call, fit.kernel, arrays,
+                                               session.run_data.dataset.test)
+      ood = (None if session.run_data.ood is None else
+             self._log_probs(call, fit.kernel, arrays, session.run_data.ood)[1])
+    self._report(call, plain, laplaced, deltas, by, count)
     if self.samples and self.joint:
-      ctx.results['laplace']['joint'] = self._joint(ctx, draws)
+      session.results['laplace']['joint'] = self._joint(call, draws)
     if ood is not None:  # OOD AUROC/AUPR by the Laplace predictives' uncertainty.
-      ctx.results['laplace']['ood'] = {
-          'dataset': ctx.config.eval.ood_dataset,
-          **ctx.evaluator.scorer.ood(laplaced, ood, ctx.run_data.dataset.test.y,
-                                     posthoc.included(ctx))}
+      session.results['laplace']['ood'] = {
+          'dataset': session.config.eval.ood_dataset,
+          **session.evaluator.scorer.ood(laplaced, ood, session.run_data.dataset.test.y,
+                                         posthoc.included(call))}
 
-  def _fit(self, ctx: Context, feats: Any, names: tuple[str, str]
+  def _fit(self, call: Call, feats: Any, names: tuple[str, str]
            ) -> tuple[laplace_predictive.LaplaceFit, np.ndarray, str, int]:
     """(the fit, its [M] prior precisions in float64, how they were chosen, the training
     examples counted)."""
-    curvature, error, count = self._curvature(ctx, feats)
-    if error > _LINEAR_TOLERANCE.get(ctx.config.precision, 1e-3):
+    curvature, error, count = self._curvature(call, feats)
+    if error > _LINEAR_TOLERANCE.get(call.session.config.precision, 1e-3):
       raise ConfigError(f'config.eval.laplace: the output layer {names[0]} is not linear in '
                         f'its features (relative error {error:.2g}); set eval.laplace=\'\'.')
     post = jax.jit(jax.vmap(functools.partial(laplace.posterior, self.kind)))(curvature)
-    deltas, by = self._prior(ctx, feats, post, names)
-    fit = laplace_predictive.LaplaceFit(self.kind, self.samples, names[0], ctx.step,
-                                        np.asarray(deltas, np.float32), ctx.fetch(post))
+    deltas, by = self._prior(call, feats, post, names)
+    fit = laplace_predictive.LaplaceFit(self.kind, self.samples, names[0], call.step,
+                                        np.asarray(deltas, np.float32), call.session.fetch(post))
     return fit, deltas, by, count
 
-  def _joint(self, ctx: Context, draws: np.ndarray) -> dict[str, Any]:
+  def _joint(self, call: Call, draws: np.ndarray) -> dict[str, Any]:
     """The joint log-loss of the weight draws' label log-likelihoods [M, S, N]: member m's
     is its draws' mixture, the ensemble's that of every included member's draws."""
     tau, num_batches = self.joint
-    batches = joint.dyadic_batches(draws.shape[-1], tau, num_batches, ctx.config.seed)
+    batches = joint.dyadic_batches(draws.shape[-1], tau, num_batches, call.session.config.seed)
     members = [joint.joint_log_loss(d, batches).ensemble for d in draws]
-    kept = draws[posthoc.included(ctx)].reshape(-1, draws.shape[-1])
+    kept = draws[posthoc.included(call)].reshape(-1, draws.shape[-1])
     return {'tau': tau, 'kappa': joint.KAPPA, 'batches': num_batches, 'samples': self.samples,
             'members': members, 'ensemble': joint.joint_log_loss(kept, batches).ensemble}
 
-  def _report(self, ctx, plain, laplaced, deltas, by, count) -> None:
-    included, test_y = posthoc.included(ctx), ctx.run_data.dataset.test.y
-    before = ctx.evaluator.scorer.metrics(plain, test_y, included)
-    after = ctx.evaluator.scorer.metrics(laplaced, test_y, included)
+  def _report(self, call, plain, laplaced, deltas, by, count) -> None:
+    session = call.session
+    included, test_y = posthoc.included(call), session.run_data.dataset.test.y
+    before = session.evaluator.scorer.metrics(plain, test_y, included)
+    after = session.evaluator.scorer.metrics(laplaced, test_y, included)
     predictive = f'mc:{self.samples}' if self.samples else 'probit'
-    ctx.results['laplace'] = {'kind': self.kind, 'predictive': predictive,
-                              'prior_precision': [float(d) for d in deltas],
-                              'prior_precision_by': by, 'train_examples': count, **after}
-    if ctx.writes_final_events:
-      ctx.write({'step': ctx.step, 'split': 'test_laplace', **after})
+    session.results['laplace'] = {'kind': self.kind, 'predictive': predictive,
+                                  'prior_precision': [float(d) for d in deltas],
+                                  'prior_precision_by': by, 'train_examples': count, **after}
+    if session.writes_final_events:
+      session.write({'step': call.step, 'split': 'test_laplace', **after})
     logging.info('Laplace (%s, %s predictive; prior precision by %s: %s) test metrics:\n%s',
                  self.kind, predictive, by, np.round(deltas, 4).tolist(),
-                 posthoc.before_after_table(before, after, ctx.parts.task, ('plain', 'Laplace')))
+                 posthoc.before_after_table(before, after, session.parts.task,
+                                            ('plain', 'Laplace')))
 
-  def _batches(self, ctx: Context, split: Any):
+  def _batches(self, call: Call, split: Any):
     """(x, y, mask, valid) of equal-shaped batches of `split`, padding masked."""
-    rows = min(_ROWS, ctx.config.eval.batch_size)
+    rows = min(_ROWS, call.session.config.eval.batch_size)
     for start, valid in evaluate.padded_chunks(split.num_examples, rows):
       x, y = (np.asarray(a) for a in split.read(np.arange(start, start + valid)))
       yield (evaluate.pad_rows(x, rows), evaluate.pad_rows(y, rows),
              (np.arange(rows) < valid).astype(np.float32), valid)
 
-  def _curvature(self, ctx: Context, feats: Any) -> tuple[laplace.Curvature, float, int]:
+  def _curvature(self, call: Call, feats: Any) -> tuple[laplace.Curvature, float, int]:
     """Every member's Gauss-Newton sums over the training split, the largest relative
     error of the linear head, and the examples counted."""
-    kind, variables = self.kind, (ctx.state.params, ctx.state.model_state)
+    kind, variables = self.kind, (call.state.params, call.state.model_state)
 
     @jax.jit  # The state goes in as arguments: a constant cannot span processes.
     def step(variables, x, mask):  # mask: [M, rows], each member's own rows
@@ -152,28 +156,29 @@ class Laplace(PeriodicAction):
           psi, jax.nn.softmax(logits, -1), mask)
       return batch, error.max()
 
-    train, pools = ctx.run_data.dataset.train, _member_rows(ctx)
+    train, pools = call.session.run_data.dataset.train, _member_rows(call)
     total, worst, start = None, 0.0, 0
-    for x, _, mask, valid in self._batches(ctx, train):
+    for x, _, mask, valid in self._batches(call, train):
       rows = pools[:, start:start + len(mask)]
       rows = np.pad(rows, ((0, 0), (0, len(mask) - rows.shape[1]))) * mask
       batch, error = step(variables, x, rows.astype(np.float32))
       total = batch if total is None else jax.tree.map(jnp.add, total, batch)
       # fetch: one batch in flight
-      worst, start = max(worst, float(ctx.fetch(error))), start + valid
+      worst, start = max(worst, float(call.session.fetch(error))), start + valid
     return total, worst, int(pools.sum(1).min())
 
-  def _prior(self, ctx: Context, feats: Any, post: laplace.Posterior, names: tuple[str, str]
+  def _prior(self, call: Call, feats: Any, post: laplace.Posterior, names: tuple[str, str]
              ) -> tuple[np.ndarray, str]:
     """[M] prior precisions from PRIOR_GRID and how they were chosen."""
+    session = call.session
     grid, kind = jnp.asarray(laplace.PRIOR_GRID), self.kind
-    params, model_state = ctx.state.params, ctx.state.model_state
-    if ctx.run_data.validation is None:
+    params, model_state = call.state.params, call.state.model_state
+    if session.run_data.validation is None:
       norm2 = lambda p: sum(jnp.sum(jnp.square(laplace_predictive.leaf(p, n).astype(
           jnp.float32))) for n in names)
       evidence = jax.jit(jax.vmap(lambda q, p: laplace.log_marginal_likelihood(
           kind, q, norm2(p), grid)))(post, params)
-      return np.asarray(laplace.PRIOR_GRID)[np.argmax(ctx.fetch(evidence), 1)], \
+      return np.asarray(laplace.PRIOR_GRID)[np.argmax(session.fetch(evidence), 1)], \
           'marginal likelihood'
 
     def member_scores(logits, psi, q, y, mask):  # [D] validation log-likelihoods
@@ -188,16 +193,16 @@ class Laplace(PeriodicAction):
       logits, psi, _ = feats(params, model_state, x)
       return jax.vmap(member_scores, in_axes=(0, 0, 0, None, None))(logits, psi, post, y, mask)
 
-    total = sum(ctx.fetch(scores(params, model_state, post, x, y.astype(np.int32), mask))
-                for x, y, mask, _ in self._batches(ctx, ctx.run_data.validation))
+    total = sum(session.fetch(scores(params, model_state, post, x, y.astype(np.int32), mask))
+                for x, y, mask, _ in self._batches(call, session.run_data.validation))
     return np.asarray(laplace.PRIOR_GRID)[np.argmax(total, 1)], 'validation nll'
 
-  def _log_probs(self, ctx: Context, kernel: str, arrays: laplace_predictive.LaplaceArrays,
+  def _log_probs(self, call: Call, kernel: str, arrays: laplace_predictive.LaplaceArrays,
                  split: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[M, N, C] the members' plain log-probabilities and their Laplace predictive's, and
     [M, S, N] each weight draw's log-likelihood of the split's labels."""
-    model, kind, variables = ctx.parts.predict_model, self.kind, (ctx.state.params,
-                                                                  ctx.state.model_state)
+    model, kind, variables = call.session.parts.predict_model, self.kind, (call.state.params,
+                                                                           call.state.model_state)
 
     @jax.jit
     def step(variables, arrays, x, y):
@@ -206,19 +211,20 @@ class Laplace(PeriodicAction):
       return plain, laplaced, (draws * jax.nn.one_hot(y, draws.shape[-1])).sum(-1)
 
     plain, laplaced, draws = [], [], []
-    for x, y, _, valid in self._batches(ctx, split):
-      a, b, d = ctx.fetch(step(variables, arrays, x, y.astype(np.int32)))
+    for x, y, _, valid in self._batches(call, split):
+      a, b, d = call.session.fetch(step(variables, arrays, x, y.astype(np.int32)))
       plain.append(a[:, :valid])
       laplaced.append(b[:, :valid])
       draws.append(d[..., :valid])
     return np.concatenate(plain, 1), np.concatenate(laplaced, 1), np.concatenate(draws, -1)
 
 
-def _member_rows(ctx: Context) -> np.ndarray:
+def _member_rows(call: Call) -> np.ndarray:
   """[M, N] bool: the training rows each member's curvature counts (its member_split
   part; every row without one)."""
-  m, n = ctx.config.num_members, ctx.run_data.dataset.train.num_examples
-  splits = ctx.run_data.member_splits
+  session = call.session
+  m, n = session.config.num_members, session.run_data.dataset.train.num_examples
+  splits = session.run_data.member_splits
   if splits is None:
     return np.ones((m, n), bool)
   rows = np.zeros((m, n), bool)

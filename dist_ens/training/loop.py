@@ -1,15 +1,18 @@
 """The training loop, which only steps, and the interface of what it calls: actions.
 
-After every call of the compiled step the loop hands a `Context` to each action
-in turn; an action decides itself whether it is due (every N steps, at the end)
-and may read the state, evaluate, write events or put results in
-`context.results`. Logging, evaluation, OOD scoring, checkpoints, top-k
-selection and profiling are all actions (dist_ens.training.actions); a user adds
-their own from Python without editing the package:
+After every call of the compiled step the loop hands a `Call` (the step reached, the
+state, the call's metrics) to each action in turn; `call.session` is the run as this
+process holds it (config, parts, data, evaluator, writers, results), the same object for
+every call. An action decides itself whether it is due (every N steps, at the end) and
+may read the state, evaluate, write events or put results in `call.session.results`.
+Logging, evaluation, OOD scoring, checkpoints, top-k selection and profiling are all
+actions (dist_ens.training.actions); a user adds their own from Python without editing
+the package:
 
-  def log_norm(ctx):
-    norms = jax.vmap(optax.global_norm)(ctx.state.params)
-    ctx.write({'step': ctx.step, 'split': 'train', 'members': {'param_norm': norms.tolist()}})
+  def log_norm(call):
+    norms = call.session.fetch(jax.vmap(optax.global_norm)(call.state.params))
+    call.session.write({'step': call.step, 'split': 'train',
+                        'members': {'param_norm': norms.tolist()}})
 
   dist_ens.train(config, workdir, actions=[dist_ens.every(100, log_norm)])
 """
@@ -18,6 +21,7 @@ import contextlib
 import dataclasses
 import json
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -38,18 +42,18 @@ if TYPE_CHECKING:  # assemble builds the step, so it imports this package.
 
 
 @dataclasses.dataclass
-class Context:
-  """Where a run stands, and the parts an action may use.
+class Session:
+  """The run as this process holds it from its start (or resume) to its end: the same
+  object for every call of the step, and what an action reads besides the call.
 
   Attributes:
     config, parts, run_data, workdir: the run (see dist_ens.assemble).
-    state: the current train state (device arrays, sharded); do not keep a
-      reference across steps: the next step donates it.
-    step: the last step run (calls run steps_per_call steps each).
-    metrics: this call's StepMetrics (device arrays; [M], or [K, M] for K steps a call).
-    start_step, total_steps: where this run (re)started and where it ends.
-    hparams: the per-member hyperparameters on the mesh.
-    evaluator: evaluates the state on a split (see Evaluator).
+    start_step, total_steps: where this session (re)started and where the run ends.
+    steps_per_call: steps each call of the compiled step runs.
+    hparams: the per-member hyperparameters on the mesh (population-based training
+      replaces them between calls).
+    evaluator: evaluates a state on a split (see Evaluator).
+    writer: the run's event writers (`write` sends to them).
     results: what the run returns and writes to final_metrics.json; actions add to it.
     saved_meta: what the restored checkpoint carried beside the state ({} on a fresh run).
     meta_extras: what actions save beside the state in every checkpoint from now on
@@ -61,15 +65,12 @@ class Context:
   parts: 'Parts'
   run_data: 'RunData'
   workdir: Path
-  state: TrainState
-  step: int
   start_step: int
   total_steps: int
   steps_per_call: int
   hparams: dict[str, jax.Array]
   evaluator: Evaluator
   writer: EventWriter
-  metrics: StepMetrics | None = None
   results: dict[str, Any] = dataclasses.field(default_factory=dict)
   saved_meta: dict[str, Any] = dataclasses.field(default_factory=dict)
   meta_extras: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -133,6 +134,49 @@ class Context:
     finally:
       self._off_clock += time.perf_counter() - start
 
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """What one call of the compiled step gives the actions.
+
+  Attributes:
+    step: the last step run (a call runs session.steps_per_call steps).
+    state: the train state after it (device arrays, sharded); do not keep a reference
+      across calls: the next call donates it.
+    metrics: the call's StepMetrics (device arrays; [M], or [K, M] for K steps a call);
+      None before the first call.
+    session: the run (Session), the same for every call.
+
+  An action that replaces the state (population-based training copies members) returns
+  `dataclasses.replace(call, state=new_state)` from on_step; the actions after it and
+  the next call see that state.
+  """
+  step: int
+  state: TrainState
+  metrics: StepMetrics | None
+  session: Session
+
+  def __getattr__(self, name: str) -> Any:
+    # The deprecated view of the 17-field Context of 0.x: call.config was ctx.config.
+    if name in _SESSION_NAMES:
+      warnings.warn(f'call.{name} is deprecated (dist_ens.Context became Call + Session): '
+                    f'use call.session.{name}.', DeprecationWarning, stacklevel=2)
+      return getattr(self.session, name)
+    raise AttributeError(f'{type(self).__name__!r} object has no attribute {name!r}')
+
+
+_SESSION_NAMES = frozenset(
+    [f.name for f in dataclasses.fields(Session) if not f.name.startswith('_')] +
+    ['restored', 'writes_final_events', 'write', 'fetch', 'checkpoint_meta', 'train_seconds',
+     'train_clock', 'off_clock'])
+
+
+def __getattr__(name: str) -> Any:
+  if name == 'Context':  # The old name of what actions receive.
+    warnings.warn('dist_ens.Context is deprecated: actions receive a dist_ens.Call '
+                  '(step, state, metrics, session).', DeprecationWarning, stacklevel=2)
+    return Call
+  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
 
 _REPLICATORS: dict[Any, Callable[[Any], Any]] = {}
 
@@ -147,12 +191,16 @@ def _replicate(mesh: jax.sharding.Mesh) -> Callable[[Any], Any]:
 
 
 class Action(Protocol):
-  """What the loop calls. Subclass PeriodicAction, or wrap a function with `every`."""
+  """What the loop calls. Subclass PeriodicAction, or wrap a function with `every`.
 
-  def on_step(self, ctx: Context) -> None:
-    """After every call of the step (ctx.step advanced by steps_per_call)."""
+  on_step and on_end may return a Call (the same call with a new state, see Call) that
+  the actions after them and the loop go on with; None keeps the call.
+  """
 
-  def on_end(self, ctx: Context) -> None:
+  def on_step(self, call: Call) -> Call | None:
+    """After every call of the step (call.step advanced by steps_per_call)."""
+
+  def on_end(self, call: Call) -> Call | None:
     """Once, after the last step (not when the run stops early)."""
 
   def close(self) -> None:
@@ -160,7 +208,7 @@ class Action(Protocol):
 
 
 class PeriodicAction:
-  """An action that runs `run(ctx)` every `every` steps (0: never) and, if
+  """An action that runs `run(call)` every `every` steps (0: never) and, if
   `at_end`, once after the last step. Override `run`."""
 
   def __init__(self, every: int = 0, at_end: bool = False):
@@ -169,16 +217,18 @@ class PeriodicAction:
   def due(self, step: int) -> bool:
     return bool(self.every) and step % self.every == 0
 
-  def on_step(self, ctx: Context) -> None:
+  def on_step(self, call: Call) -> Call | None:
     # The last step belongs to on_end, so nothing runs twice there.
-    if self.due(ctx.step) and ctx.step != ctx.total_steps:
-      self.run(ctx)
+    if self.due(call.step) and call.step != call.session.total_steps:
+      return self.run(call)
+    return None
 
-  def on_end(self, ctx: Context) -> None:
-    if self.at_end or self.due(ctx.total_steps):
-      self.run(ctx)
+  def on_end(self, call: Call) -> Call | None:
+    if self.at_end or self.due(call.session.total_steps):
+      return self.run(call)
+    return None
 
-  def run(self, ctx: Context) -> None:
+  def run(self, call: Call) -> Call | None:
     raise NotImplementedError
 
   def close(self) -> None:
@@ -187,32 +237,34 @@ class PeriodicAction:
 
 class _Callback(PeriodicAction):
 
-  def __init__(self, every: int, fn: Callable[[Context], None], at_end: bool):
+  def __init__(self, every: int, fn: Callable[[Call], None], at_end: bool):
     super().__init__(every, at_end)
     self._fn = fn
 
-  def run(self, ctx: Context) -> None:
-    self._fn(ctx)
+  def run(self, call: Call) -> None:
+    self._fn(call)
 
 
-def every(steps: int, fn: Callable[[Context], None], *, at_end: bool = True) -> Action:
-  """An action that calls fn(ctx) every `steps` steps and after the last step.
+def every(steps: int, fn: Callable[[Call], None], *, at_end: bool = True) -> Action:
+  """An action that calls fn(call) every `steps` steps and after the last step.
 
   The loop sees only the steps between calls of the compiled step: with
   train.steps_per_call=0 (auto) the run picks a K that divides `steps` of every action
   passed to train; an explicit train.steps_per_call must divide `steps` itself.
 
   Example:
-    >>> act = every(100, lambda ctx: print(ctx.step))
+    >>> act = every(100, lambda call: print(call.step))
   """
   if not isinstance(steps, int) or steps < 0:
     raise ValueError(f'every(steps={steps!r}): steps must be an int >= 0.')
   return _Callback(steps, fn, at_end)
 
 
-def run_loop(ctx: Context, train_step: TrainStep, batches: Iterator[tuple[jax.Array, ...]],
-             actions: Sequence[Action], should_stop: Callable[[int], bool]) -> bool:
-  """Steps from ctx.start_step to ctx.total_steps, calling the actions after each call.
+def run_loop(first: Call, train_step: TrainStep, batches: Iterator[tuple[jax.Array, ...]],
+             actions: Sequence[Action], should_stop: Callable[[int], bool]
+             ) -> tuple[bool, Call]:
+  """Steps from first.step to the session's total_steps, calling the actions after each
+  call of the step.
 
   Python stays at most one call ahead of the device: after queueing a call it waits
   for the call before it. Otherwise it would queue calls up to the next action that
@@ -220,19 +272,27 @@ def run_loop(ctx: Context, train_step: TrainStep, batches: Iterator[tuple[jax.Ar
   device still always has the next call queued.
 
   Returns:
-    True if the run finished (every action's on_end ran), False if `should_stop`
-    asked it to stop first (the caller saves the state).
+    (finished, last): finished is True if the run finished (every action's on_end ran),
+    False if `should_stop` asked it to stop first (the caller saves last.state); last is
+    the last call the actions saw.
   """
-  k = ctx.steps_per_call
-  for step in range(ctx.start_step + k, ctx.total_steps + 1, k):
-    if should_stop(step - k):
-      return False
-    previous = ctx.metrics
-    ctx.state, ctx.metrics = train_step(ctx.state, ctx.hparams, *next(batches))
-    ctx.step = step
+  session, call = first.session, first
+  k = session.steps_per_call
+  for step in range(call.step + k, session.total_steps + 1, k):
+    if should_stop(call.step):
+      return False, call
+    previous = call.metrics
+    state, metrics = train_step(call.state, session.hparams, *next(batches))
+    call = Call(step, state, metrics, session)
     for action in actions:
-      action.on_step(ctx)
+      call = _kept(call, action.on_step(call))
     jax.block_until_ready(previous)  # (None before the first call: returns at once)
   for action in actions:
-    action.on_end(ctx)
-  return True
+    call = _kept(call, action.on_end(call))
+  return True, call
+
+
+def _kept(call: Call, returned: Any) -> Call:
+  # What an action returned replaces the call only if it is one (a user's run() may
+  # return anything).
+  return returned if isinstance(returned, Call) else call

@@ -19,25 +19,26 @@ from absl import logging
 
 from dist_ens import assemble, data, tasks
 from dist_ens.tasks.regression import dataset_target_dim
-from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.loop import Call, PeriodicAction
 
 
-def fitted_levels(ctx: Context) -> tuple[np.ndarray, str]:
+def fitted_levels(call: Call) -> tuple[np.ndarray, str]:
   """Each member's noise variance in standardised units [M], and the split it came from."""
-  split, name = ctx.run_data.validation, 'validation'
-  scale = ctx.run_data.scale
+  session = call.session
+  split, name = session.run_data.validation, 'validation'
+  scale = session.run_data.scale
   # rmse^2 in target units is the mean over dims of (residual * y_std_d)^2.
   y_var = 1.0 if scale is None else float(np.mean(np.square(scale.y_std)))
-  rmse = lambda split: np.asarray(ctx.evaluator.evaluate(ctx.state, split)['members']['rmse'],
+  rmse = lambda split: np.asarray(session.evaluator.evaluate(call.state, split)['members']['rmse'],
                                   np.float64)
   if split is not None:
     return np.square(rmse(split)) / y_var, name
-  train, splits = ctx.run_data.dataset.train, ctx.run_data.member_splits
-  if ctx.run_data.split_scales is None:
+  train, splits = session.run_data.dataset.train, session.run_data.member_splits
+  if session.run_data.split_scales is None:
     return np.square(rmse(data.Split(*train.read(np.arange(train.num_examples))))) / y_var, 'train'
   # Member splits: each member on its split's training rows, in the units it trained in.
-  levels, e = np.zeros(ctx.config.num_members), splits.members_per_split
-  for s, (rows, own) in enumerate(zip(splits.train, ctx.run_data.split_scales)):
+  levels, e = np.zeros(session.config.num_members), splits.members_per_split
+  for s, (rows, own) in enumerate(zip(splits.train, session.run_data.split_scales)):
     levels[s * e:(s + 1) * e] = np.square(rmse(data.Split(*own.apply(*train.read(rows)))))[
         s * e:(s + 1) * e] / y_var
   return levels, 'train'
@@ -50,17 +51,19 @@ class FitNoise(PeriodicAction):
   def __init__(self):
     super().__init__(0, at_end=True)
 
-  def run(self, ctx: Context) -> None:
-    with ctx.off_clock():
-      levels, split = fitted_levels(ctx)
-    target_dim = dataset_target_dim(ctx.run_data.dataset)
+  def run(self, call: Call) -> None:
+    session = call.session
+    with session.off_clock():
+      levels, split = fitted_levels(call)
+    target_dim = dataset_target_dim(session.run_data.dataset)
     per_member = np.repeat(levels[:, None], target_dim, axis=1).astype(np.float32)
     task = tasks.regression_homoscedastic(target_dim, noise_variance=per_member)
-    ctx.parts = ctx.parts._replace(task=task)
-    ctx.evaluator = assemble.Run(ctx.config, ctx.parts, ctx.run_data, None).evaluator()
-    scale = ctx.run_data.scale
+    session.parts = session.parts._replace(task=task)
+    session.evaluator = assemble.Run(session.config, session.parts, session.run_data,
+                                     None).evaluator()
+    scale = session.run_data.scale
     y_var = np.ones(target_dim) if scale is None else np.square(np.reshape(scale.y_std, -1))
-    ctx.results['noise_variance'] = {
+    session.results['noise_variance'] = {
         'fitted_on': split, 'standardised': levels.tolist(),
         'target_units': (levels[:, None] * y_var[None, :]).tolist()}
     logging.info('homoscedastic noise fitted on %s: std %s (target units)', split,

@@ -17,11 +17,12 @@ position and randomness. A run has one data position, the step, and member i's b
 drawn from (seed, i, step): a member that copies another goes on with its own stream
 rather than replaying its source's, so the two diverge from the next step on.
 
-The hyperparameters and the lineage live in every checkpoint's meta (Context.meta_extras),
+The hyperparameters and the lineage live in every checkpoint's meta (Session.meta_extras),
 so a resume continues with them; together with decisions that depend only on (seed,
 round, metric values), a resumed run equals an uninterrupted one.
 """
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +34,7 @@ from dist_ens.core import groups as groups_lib, hparams as hparams_lib
 from dist_ens.core.axes import MEMBER
 from dist_ens.ensembles import pbt as pbt_lib
 from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.loop import Call, PeriodicAction, Session
 from dist_ens.core.state import member_flags
 
 _META_KEY = 'pbt'
@@ -107,61 +108,64 @@ class PopulationBasedTraining(PeriodicAction):
   members before the round) and before the checkpoint (which saves them after it).
   """
 
-  def __init__(self, ctx: Context, spec: pbt_lib.PbtSpec):
+  def __init__(self, call: Call, spec: pbt_lib.PbtSpec):
+    session = call.session
     super().__init__(spec.interval)
     self.spec = spec
-    self._groups = _groups(ctx)
-    self._exploit = make_exploit(ctx.parts.state_shardings, ctx.parts.mesh,
-                                 self._groups if ctx.parts.groups else ())
+    self._groups = _groups(session)
+    self._exploit = make_exploit(session.parts.state_shardings, session.parts.mesh,
+                                 self._groups if session.parts.groups else ())
     self._rounds: list[dict[str, Any]] = []
-    saved = ctx.saved_meta.get(_META_KEY)
+    saved = session.saved_meta.get(_META_KEY)
     if saved is not None:  # A resume: the hyperparameters as the last round left them.
       self._rounds = list(saved['rounds'])
-      _set_hparams(ctx, {f: np.asarray(v, np.float32) for f, v in saved['hparams'].items()})
-    self._record(ctx)
+      _set_hparams(session, {f: np.asarray(v, np.float32) for f, v in saved['hparams'].items()})
+    self._record(session)
 
-  def on_end(self, ctx: Context) -> None:
+  def on_end(self, call: Call) -> None:
     pass  # No round at the last step: its copies would only duplicate members.
 
-  def run(self, ctx: Context) -> None:
-    spec, step = self.spec, ctx.step
-    with ctx.off_clock():
-      validation = ctx.evaluator.evaluate(ctx.state, ctx.run_data.validation)
-    frozen = member_flags(ctx.fetch(ctx.state.frozen))
+  def run(self, call: Call) -> Call:
+    session = call.session
+    spec, step = self.spec, call.step
+    with session.off_clock():
+      validation = session.evaluator.evaluate(call.state, session.run_data.validation)
+    frozen = member_flags(session.fetch(call.state.frozen))
     values = [float('nan') if frozen[i] else float(v)
               for i, v in enumerate(validation['members'][spec.metric])]
     round_index = step // spec.interval
-    decision = _decide(spec, round_index, values, ctx.parts.hparams, self._groups)
+    decision = _decide(spec, round_index, values, session.parts.hparams, self._groups)
     sources = jax.device_put(decision.sources.astype(np.int32),
-                             mesh_lib.replicated(ctx.parts.mesh))
-    ctx.state = self._exploit(ctx.state, sources)
-    _set_hparams(ctx, decision.hparams)
+                             mesh_lib.replicated(session.parts.mesh))
+    state = self._exploit(call.state, sources)
+    _set_hparams(session, decision.hparams)
     sources_list = decision.sources.tolist()
     self._rounds.append({'step': step, 'sources': sources_list})
     written = {f: hparams_lib.as_written(v) for f, v in decision.hparams.items()}
-    ctx.write({'step': step, 'split': 'pbt',
-               'members': {'source': sources_list, **{f: written[f] for f in spec.rules}},
-               'pbt': {'round': round_index, 'metric': spec.metric, 'values': values,
-                       'sources': sources_list, 'hparams': written}})
+    session.write({'step': step, 'split': 'pbt',
+                   'members': {'source': sources_list, **{f: written[f] for f in spec.rules}},
+                   'pbt': {'round': round_index, 'metric': spec.metric, 'values': values,
+                           'sources': sources_list, 'hparams': written}})
     logging.info('%s', round_line(round_index, step, spec.metric, values, sources_list))
-    self._record(ctx)
+    self._record(session)
+    return dataclasses.replace(call, state=state)
 
-  def _record(self, ctx: Context) -> None:
+  def _record(self, session: Session) -> None:
     """What checkpoints save (the hyperparameters now, the rounds so far) and what the
     run reports (final_metrics.json's 'pbt', members.csv's lineage column)."""
-    ctx.meta_extras[_META_KEY] = {
-        'hparams': {f: hparams_lib.as_written(v) for f, v in ctx.parts.hparams.items()},
+    session.meta_extras[_META_KEY] = {
+        'hparams': {f: hparams_lib.as_written(v) for f, v in session.parts.hparams.items()},
         'rounds': self._rounds}
-    ctx.results['pbt'] = {'interval': self.spec.interval, 'metric': self.spec.metric,
-                          'rounds': self._rounds,
-                          'lineage': lineage(self._rounds, ctx.config.num_members)}
+    session.results['pbt'] = {'interval': self.spec.interval, 'metric': self.spec.metric,
+                              'rounds': self._rounds,
+                              'lineage': lineage(self._rounds, session.config.num_members)}
 
 
-def _groups(ctx: Context) -> list[groups_lib.Group]:
+def _groups(session: Session) -> list[groups_lib.Group]:
   """The populations PBT ranks and copies within: each member group, or all members."""
-  if ctx.parts.groups:
-    return [groups_lib.Group(g.first_member, g.num_members) for g in ctx.parts.groups]
-  return [groups_lib.Group(0, ctx.config.num_members)]
+  if session.parts.groups:
+    return [groups_lib.Group(g.first_member, g.num_members) for g in session.parts.groups]
+  return [groups_lib.Group(0, session.config.num_members)]
 
 
 def _decide(spec: pbt_lib.PbtSpec, round_index: int, values: list[float],
@@ -178,12 +182,12 @@ def _decide(spec: pbt_lib.PbtSpec, round_index: int, values: list[float],
   return pbt_lib.Decision(sources, new)
 
 
-def _set_hparams(ctx: Context, values: dict[str, np.ndarray]) -> None:
+def _set_hparams(session: Session, values: dict[str, np.ndarray]) -> None:
   """The members' hyperparameters from now on: on the mesh for the step (same shapes and
-  sharding, so no retrace), and in ctx.parts (each group's too) for members.csv and
+  sharding, so no retrace), and in session.parts (each group's too) for members.csv and
   final_metrics.json."""
   values = {f: np.asarray(v, np.float32) for f, v in values.items()}
   groups = tuple(g._replace(hparams={f: v[g.first_member:g.first_member + g.num_members]
-                                     for f, v in values.items()}) for g in ctx.parts.groups)
-  ctx.parts = ctx.parts._replace(hparams=values, groups=groups)
-  ctx.hparams = ctx.parts.device_hparams()
+                                     for f, v in values.items()}) for g in session.parts.groups)
+  session.parts = session.parts._replace(hparams=values, groups=groups)
+  session.hparams = session.parts.device_hparams()

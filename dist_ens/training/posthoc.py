@@ -12,7 +12,7 @@
                      validation NLL, beside SelectTopK (config.select.method='greedy';
                      dist_ens.ensembles.selection)
 
-Each puts its results in ctx.results (so in final_metrics.json), writes an event and
+Each puts its results in call.session.results (so in final_metrics.json), writes an event and
 logs a table. `posthoc_actions(config, task)` builds those the config asks for; from
 Python:
 
@@ -20,7 +20,7 @@ Python:
 
 They evaluate whole splits to every member's outputs on the host
 (evaluate.split_outputs), computed once per split and shared by the actions built
-together, and score them with the task's metrics (ctx.evaluator.scorer): nothing here
+together, and score them with the task's metrics (call.session.evaluator.scorer): nothing here
 knows what the outputs mean.
 """
 
@@ -35,7 +35,7 @@ from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate
 from dist_ens.io import tables
 from dist_ens.tasks import Task, check_steps
-from dist_ens.training.loop import Context, PeriodicAction
+from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
 
@@ -50,38 +50,40 @@ class SplitOutputs:
     self._steps: dict[int, Any] = {}
     self._cache: dict[tuple[str, int, int], np.ndarray] = {}
 
-  def get(self, ctx: Context, split: str, mc_samples: int = 0) -> np.ndarray:
+  def get(self, call: Call, split: str, mc_samples: int = 0) -> np.ndarray:
     """split: 'validation', 'test' or 'ood'."""
+    session = call.session
     if self._predictions is not None and not mc_samples and split != 'ood':
-      return self._predictions.predict(ctx, _split(ctx, split)).outputs
-    key = (split, mc_samples, ctx.step)
+      return self._predictions.predict(call, _split(call, split)).outputs
+    key = (split, mc_samples, call.step)
     if key not in self._cache:
       if mc_samples not in self._steps:
         self._steps[mc_samples] = evaluate.make_outputs_step(
-            ctx.parts.predict_model, ctx.parts.mesh, mc_samples=mc_samples,
-            combine=ctx.parts.task.combine, seed=ctx.config.seed)
-      members = ctx.evaluator.view(ctx.state)
-      with ctx.off_clock():
+            session.parts.predict_model, session.parts.mesh, mc_samples=mc_samples,
+            combine=session.parts.task.combine, seed=session.config.seed)
+      members = session.evaluator.view(call.state)
+      with session.off_clock():
         self._cache[key] = evaluate.split_outputs(
             self._steps[mc_samples], (members.params, members.model_state),
-            _split(ctx, split), ctx.config.eval.batch_size, ctx.parts.mesh)
+            _split(call, split), session.config.eval.batch_size, session.parts.mesh)
     return self._cache[key]
 
 
-def _split(ctx: Context, name: str):
+def _split(call: Call, name: str):
+  session = call.session
   if name == 'test':
-    return ctx.run_data.dataset.test
+    return session.run_data.dataset.test
   if name == 'ood':
-    return ctx.run_data.ood
-  if ctx.run_data.validation is None:
+    return session.run_data.ood
+  if session.run_data.validation is None:
     raise ConfigError('post-hoc calibration and greedy selection fit on the validation split, '
                       'but config.data.validation_size=0; set it > 0 (e.g. 1000).')
-  return ctx.run_data.validation
+  return session.run_data.validation
 
 
-def included(ctx: Context) -> np.ndarray:
+def included(call: Call) -> np.ndarray:
   """[M] bool: the members in the ensemble (not frozen)."""
-  return ~np.asarray(member_flags(ctx.fetch(ctx.state.frozen)), bool)
+  return ~np.asarray(member_flags(call.session.fetch(call.state.frozen)), bool)
 
 
 def _prediction(results: dict[str, Any], task: Task) -> dict[str, float]:
@@ -98,10 +100,10 @@ class _Posthoc(PeriodicAction):
     self.cache = cache or SplitOutputs()
     self._checked = False
 
-  def on_step(self, ctx: Context) -> None:
+  def on_step(self, call: Call) -> None:
     # Fail at the first step, not after training, when there is nothing to fit on.
     if not self._checked and self.needs_validation:
-      _split(ctx, 'validation')
+      _split(call, 'validation')
     self._checked = True
 
 
@@ -121,25 +123,26 @@ class McDropout(_Posthoc):
     super().__init__(cache)
     self.samples = samples
 
-  def run(self, ctx: Context) -> None:
-    scorer, test = ctx.evaluator.scorer, ctx.run_data.dataset.test
-    outputs = self.cache.get(ctx, 'test', self.samples)
-    results = scorer.metrics(outputs, test.y, included(ctx))
-    plain = scorer.metrics(self.cache.get(ctx, 'test'), test.y, included(ctx))
+  def run(self, call: Call) -> None:
+    session = call.session
+    scorer, test = session.evaluator.scorer, session.run_data.dataset.test
+    outputs = self.cache.get(call, 'test', self.samples)
+    results = scorer.metrics(outputs, test.y, included(call))
+    plain = scorer.metrics(self.cache.get(call, 'test'), test.y, included(call))
     if _same(results, plain):
       logging.warning('MC dropout with %d samples equals plain evaluation: the model has no '
                       'dropout, or ignores rng when train=False (see docs/ensemble_methods.md).',
                       self.samples)
-    ctx.results['mc_dropout'] = {'samples': self.samples, **results}
-    if ctx.run_data.ood is not None:  # OOD AUROC/AUPR by the MC predictions' uncertainty.
-      ctx.results['mc_dropout']['ood'] = {
-          'dataset': ctx.config.eval.ood_dataset,
-          **scorer.ood(outputs, self.cache.get(ctx, 'ood', self.samples), test.y,
-                       included(ctx))}
-    if ctx.writes_final_events:
-      ctx.write({'step': ctx.step, 'split': 'test_mc_dropout', **results})
+    session.results['mc_dropout'] = {'samples': self.samples, **results}
+    if session.run_data.ood is not None:  # OOD AUROC/AUPR by the MC predictions' uncertainty.
+      session.results['mc_dropout']['ood'] = {
+          'dataset': session.config.eval.ood_dataset,
+          **scorer.ood(outputs, self.cache.get(call, 'ood', self.samples), test.y,
+                       included(call))}
+    if session.writes_final_events:
+      session.write({'step': call.step, 'split': 'test_mc_dropout', **results})
     logging.info('MC dropout (%d samples per member) test metrics:\n%s', self.samples,
-                 before_after_table(plain, results, ctx.parts.task,
+                 before_after_table(plain, results, session.parts.task,
                                     ('plain', f'MC dropout x{self.samples}')))
 
 
@@ -155,29 +158,31 @@ class MethodEnsemble(_Posthoc):
   beside the trained members' own."""
   needs_validation = False
 
-  def run(self, ctx: Context) -> None:
-    method, scorer, test = ctx.parts.method, ctx.evaluator.scorer, ctx.run_data.dataset.test
-    members = methods.predictive_members(method, ctx.state, ctx.config.seed, ctx.parts.mesh)
-    step = evaluate.make_outputs_step(ctx.parts.predict_model, ctx.parts.mesh)
+  def run(self, call: Call) -> None:
+    session = call.session
+    method, scorer, mesh = session.parts.method, session.evaluator.scorer, session.parts.mesh
+    test = session.run_data.dataset.test
+    members = methods.predictive_members(method, call.state, session.config.seed, mesh)
+    step = evaluate.make_outputs_step(session.parts.predict_model, mesh)
     variables, included = (members.params, members.model_state), ~np.asarray(
-        member_flags(ctx.fetch(members.frozen)), bool)
-    with ctx.off_clock():
-      outputs = {name: evaluate.split_outputs(step, variables, _split(ctx, name),
-                                              ctx.config.eval.batch_size, ctx.parts.mesh)
-                 for name in ('test', 'ood') if name == 'test' or ctx.run_data.ood is not None}
+        member_flags(session.fetch(members.frozen)), bool)
+    with session.off_clock():
+      outputs = {name: evaluate.split_outputs(step, variables, _split(call, name),
+                                              session.config.eval.batch_size, session.parts.mesh)
+                 for name in ('test', 'ood') if name == 'test' or session.run_data.ood is not None}
     results = scorer.metrics(outputs['test'], test.y, included)
-    ctx.results[method.name] = {'members_per_member': method.per_member,
-                                'predicting_members': int(included.sum()), **results}
+    session.results[method.name] = {'members_per_member': method.per_member,
+                                    'predicting_members': int(included.sum()), **results}
     if 'ood' in outputs:
-      ctx.results[method.name]['ood'] = {
-          'dataset': ctx.config.eval.ood_dataset,
+      session.results[method.name]['ood'] = {
+          'dataset': session.config.eval.ood_dataset,
           **scorer.ood(outputs['test'], outputs['ood'], test.y, included)}
-    if ctx.writes_final_events:
-      ctx.write({'step': ctx.step, 'split': f'test_{method.name}', **results})
+    if session.writes_final_events:
+      session.write({'step': call.step, 'split': f'test_{method.name}', **results})
     logging.info('%s: %d predicting members (%d per trained member), test metrics:\n%s',
                  method.name, included.sum(), method.per_member,
-                 ensembles_table({'trained members': {'ensemble': ctx.results['ensemble']},
-                                  method.name: results}, ctx.parts.task))
+                 ensembles_table({'trained members': {'ensemble': session.results['ensemble']},
+                                  method.name: results}, session.parts.task))
 
 
 def before_after_table(before: dict[str, Any], after: dict[str, Any], task: Task,
@@ -200,17 +205,18 @@ class TemperatureScale(_Posthoc):
   temperature per member and one for the ensemble), fitted on the validation split; test
   metrics before and after, under 'temperature_scaling'."""
 
-  def run(self, ctx: Context) -> None:
-    val_y, test_y = ctx.run_data.validation.y, ctx.run_data.dataset.test.y
-    out = ctx.parts.task.calibrate(ctx.evaluator.scorer, self.cache.get(ctx, 'validation'),
-                                   val_y, self.cache.get(ctx, 'test'), test_y, included(ctx))
-    ctx.results['temperature_scaling'] = out
-    if ctx.writes_final_events:
-      ctx.write({'step': ctx.step, 'split': 'test_temperature_scaled', **out['after']})
+  def run(self, call: Call) -> None:
+    session = call.session
+    val_y, test_y = session.run_data.validation.y, session.run_data.dataset.test.y
+    out = session.parts.task.calibrate(session.evaluator.scorer, self.cache.get(call, 'validation'),
+                                       val_y, self.cache.get(call, 'test'), test_y, included(call))
+    session.results['temperature_scaling'] = out
+    if session.writes_final_events:
+      session.write({'step': call.step, 'split': 'test_temperature_scaled', **out['after']})
     logging.info('temperature scaling fitted on validation: ensemble T %.3f, member T %s; '
                  'test metrics:\n%s', out['ensemble_temperature'],
                  tables.spread_text(out['member_temperatures']),
-                 before_after_table(out['before'], out['after'], ctx.parts.task))
+                 before_after_table(out['before'], out['after'], session.parts.task))
 
 
 class GreedySelect(_Posthoc):
@@ -223,30 +229,33 @@ class GreedySelect(_Posthoc):
     super().__init__(cache)
     self.size = size
 
-  def run(self, ctx: Context) -> None:
-    task, scorer = ctx.parts.task, ctx.evaluator.scorer
-    size = self.size or ctx.config.num_members
-    val, test = self.cache.get(ctx, 'validation'), self.cache.get(ctx, 'test')
-    val_y, test_y = ctx.run_data.validation.y, ctx.run_data.dataset.test.y
-    candidates = included(ctx)
+  def run(self, call: Call) -> None:
+    session = call.session
+    task, scorer = session.parts.task, session.evaluator.scorer
+    size = self.size or session.config.num_members
+    val, test = self.cache.get(call, 'validation'), self.cache.get(call, 'test')
+    val_y, test_y = session.run_data.validation.y, session.run_data.dataset.test.y
+    candidates = included(call)
     log_likelihood = np.asarray(task.log_likelihood(val, val_y), np.float64)  # [M, N]
     chosen = selection.greedy_select(log_likelihood, size, candidates=candidates)
     greedy = scorer.metrics(test[chosen.picks], test_y)
     every = scorer.metrics(test, test_y, candidates)
     pooled = np.logaddexp.reduce(log_likelihood[candidates], axis=0) - np.log(candidates.sum())
-    ctx.results['greedy'] = {
+    session.results['greedy'] = {
         'by': 'validation nll', 'max_size': size, 'picks': chosen.picks,
         'members': sorted(set(chosen.picks)), 'counts': chosen.counts.tolist(),
         'validation_nll': chosen.nll, 'validation_nll_by_size': chosen.nll_by_size,
         'validation_nll_all_members': float(-pooled.mean()),
         'ensemble': _prediction(greedy, task)}
-    if ctx.writes_final_events:
-      ctx.write({'step': ctx.step, 'split': 'test_greedy', 'ensemble': _prediction(greedy, task)})
+    if session.writes_final_events:
+      session.write({'step': call.step, 'split': 'test_greedy',
+                     'ensemble': _prediction(greedy, task)})
     rows = {'all members': every, 'greedy': greedy}
-    if 'selected' in ctx.results:
-      rows[f"top-{ctx.results['selected']['top_k']}"] = ctx.results['selected']
+    if 'selected' in session.results:
+      rows[f"top-{session.results['selected']['top_k']}"] = session.results['selected']
     logging.info('greedy selection (picks %s, validation NLL %.4f; all members %.4f):\n%s',
-                 _picks_text(chosen.picks), chosen.nll, ctx.results['greedy']['validation_nll_all_members'],
+                 _picks_text(chosen.picks), chosen.nll,
+                 session.results['greedy']['validation_nll_all_members'],
                  ensembles_table(rows, task))
 
 

@@ -22,7 +22,7 @@ class SplitPredictions:
 
   Example:
     predictions = SplitPredictions()
-    predictions.predict(ctx, ctx.run_data.dataset.test).metrics['ensemble']['nll']
+    predictions.predict(call, call.session.run_data.dataset.test).metrics['ensemble']['nll']
   """
 
   def __init__(self):
@@ -31,37 +31,38 @@ class SplitPredictions:
     self._state_id: tuple[int, int] | None = None
     self._clean: dict[int, tuple[Split, shift_lib.SplitPrediction]] = {}
 
-  def evaluator(self, ctx: Any) -> shift_lib.PredictionEvaluator:
+  def evaluator(self, call: Any) -> shift_lib.PredictionEvaluator:
     """Built once: the predict step corrupts only when config.eval.shift asks for it;
     it scores with the run's evaluator (the task's metrics and the config's own)."""
+    session = call.session
     if self._evaluator is None:
-      config, parts, test = ctx.config, ctx.parts, ctx.run_data.dataset.test
+      config, parts, test = session.config, session.parts, session.run_data.dataset.test
       if config.eval.shift and not shift_spec.tfds_name(config.eval.shift):
-        scale = ctx.run_data.scale
+        scale = session.run_data.scale
         if scale is not None:  # a task that standardises its inputs itself
           self.frame = shift_lib.InputFrame.fit(test.x, scale.x_std, scale.x_mean)
         else:
           self.frame = shift_lib.InputFrame.fit(test.x, config.data.std or 1.0,
                                                 config.data.mean or 0.0)
-      scorer = ctx.evaluator.scorer
+      scorer = session.evaluator.scorer
       step = shift_lib.make_predict_step(parts.predict_model, parts.mesh, scorer.eval_batch,
                                          seed=config.seed, frame=self.frame)
       self._evaluator = shift_lib.PredictionEvaluator(
-          step, parts.mesh, min(config.eval.batch_size, len(test.y)), ctx.evaluator.view,
+          step, parts.mesh, min(config.eval.batch_size, len(test.y)), session.evaluator.view,
           scorer.finalize)
     return self._evaluator
 
-  def predict(self, ctx: Any, split: Split, corruption: int = 0,
+  def predict(self, call: Any, split: Split, corruption: int = 0,
               severity: int = 0) -> shift_lib.SplitPrediction:
     """`split` (corrupted by `corruption` at `severity`; 0 = clean) through every member
-    of ctx.state; a clean split is predicted once per state."""
+    of call.state; a clean split is predicted once per state."""
     if corruption or severity:
-      return self.evaluator(ctx).predict(ctx.state, split, corruption, severity)
-    state_id = (ctx.step, id(ctx.state))  # an action that replaces the state (PBT) renews it
+      return self.evaluator(call).predict(call.state, split, corruption, severity)
+    state_id = (call.step, id(call.state))  # an action that replaces the state (PBT) renews it
     if state_id != self._state_id:
       self._state_id, self._clean = state_id, {}
     found = self._clean.get(id(split))
     if found is None or found[0] is not split:
-      found = (split, self.evaluator(ctx).predict(ctx.state, split))
+      found = (split, self.evaluator(call).predict(call.state, split))
       self._clean[id(split)] = found
     return found[1]

@@ -30,7 +30,7 @@ from dist_ens.training import (actions as actions_lib, decision_actions, distill
                                predictions as predictions_lib, workdir as workdir_lib)
 from dist_ens.training import cadence
 # Re-exported: tests reach the step's FLOPs estimate here.
-from dist_ens.training.loop import Action, Context, run_loop
+from dist_ens.training.loop import Action, Call, Session, run_loop
 from dist_ens.training.preemption import PreemptionWatcher
 from dist_ens.core.state import member_flags
 
@@ -86,7 +86,7 @@ def _restore_or_init(parts: assemble.Parts, checkpointer: Checkpointer) -> Resto
   return Restored(0, assemble.init_sharded(parts), data.IteratorState(), {})
 
 
-def default_actions(ctx: Context, checkpointer: Checkpointer,
+def default_actions(call: Call, checkpointer: Checkpointer,
                     extra: Sequence[Action] = ()) -> list[Action]:
   """The actions every run has, from the config, with `extra` (a user's) before the
   checkpoint, in the order they run.
@@ -95,42 +95,43 @@ def default_actions(ctx: Context, checkpointer: Checkpointer,
   of step N is written, so a run killed mid-evaluation resumes from the checkpoint
   before and redoes that evaluation, and no resume can skip an event.
   """
-  config = ctx.config
+  session = call.session
+  config = session.config
   sync_every = config.train.sync_every
-  mesh = ctx.parts.mesh
+  mesh = session.parts.mesh
   if not sync_every and mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1:
     sync_every = cadence.CPU_SYNC_EVERY
-  k = ctx.steps_per_call
+  k = session.steps_per_call
   checkpoint = actions_lib.Checkpoint(checkpointer, config.checkpoint.every)
   out: list[Action] = []
   if sync_every:  # In calls of the step: a call of K steps queues one program, not K.
     out.append(actions_lib.Sync(max(1, sync_every // k) * k))
-  out.append(actions_lib.TrainLog(ctx, checkpoint))
+  out.append(actions_lib.TrainLog(call, checkpoint))
   if config.task == 'regression_homoscedastic':  # Before the final evaluations use it.
     out.append(noise.FitNoise())
   # The clean test and validation splits through every member once after the last step.
   predictions = predictions_lib.SplitPredictions()
   out.append(actions_lib.Evaluate(config.train.eval_every, predictions))
-  if ctx.parts.groups:  # Each group's own ensemble, from the same test pass.
+  if session.parts.groups:  # Each group's own ensemble, from the same test pass.
     out.append(group_ensembles.GroupEnsembles(predictions))
-  if ctx.run_data.ood is not None:
+  if session.run_data.ood is not None:
     out.append(actions_lib.ScoreOod())
-  if ctx.run_data.validation is not None:
+  if session.run_data.validation is not None:
     out.append(actions_lib.Validate(predictions))
   # 'blocks:S' holds nothing out: nothing to evaluate there.
-  splits = ctx.run_data.member_splits
+  splits = session.run_data.member_splits
   if splits is not None and any(map(len, splits.held_out)):
     out.append(held_out.EvaluateHeldOut())
   if config.select.top_k and config.select.method == 'top_k':
     out.append(actions_lib.SelectTopK())
   if config.pbt.enabled:  # After the step's evaluations, before its checkpoint.
-    out.append(pbt.PopulationBasedTraining(ctx, specs.pbt_spec(config)))
+    out.append(pbt.PopulationBasedTraining(call, specs.pbt_spec(config)))
   outputs = posthoc.SplitOutputs(predictions)  # the post-hoc steps' and the joint log-loss'
-  out += posthoc.posthoc_actions(config, ctx.parts.task, ctx.parts.method, outputs)
-  out += laplace_action.laplace_actions(config, ctx.parts.task, ctx.parts.method)
+  out += posthoc.posthoc_actions(config, session.parts.task, session.parts.method, outputs)
+  out += laplace_action.laplace_actions(config, session.parts.task, session.parts.method)
   out += joint_action.joint_actions(config.eval.joint_tau, config.eval.joint_batches,
-                                    config.seed, ctx.parts.task, outputs)
-  out += distill_action.distill_actions(config, ctx.parts.task, ctx.parts.method)
+                                    config.seed, session.parts.task, outputs)
+  out += distill_action.distill_actions(config, session.parts.task, session.parts.method)
   out.append(decision_actions.EvaluateDecisions(predictions))  # selective, conformal, eval.shift
   if config.train.profile_steps:
     out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))
@@ -167,9 +168,9 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
 
 def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
            extra_writers: Sequence[writers.EventWriter],
-           actions: Sequence[Action]) -> tuple[Context, Any, Checkpointer]:
+           actions: Sequence[Action]) -> tuple[Call, Any, Checkpointer]:
   """Claims the workdir, restores or inits the state, and builds the step, the input
-  pipeline and the writers: the loop's Context."""
+  pipeline and the writers: the loop's Session, and its first Call (the restored step)."""
   config, parts, run_data, form = run
   mesh, dataset = parts.mesh, run_data.dataset
   _prepare_workdir(workdir, config)
@@ -187,7 +188,7 @@ def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
       logging.warning('%s', message)
   else:
     logging.debug('each device runs its members with %s%s', form[0],
-                 f' (chunks of {form[1]})' if form[1] else '')
+                  f' (chunks of {form[1]})' if form[1] else '')
   k = cadence.steps_per_call(config, parts, run_data, restored.step, actions)
   if k > 1:
     logging.debug('%d steps per call of the compiled step', k)
@@ -196,13 +197,12 @@ def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
   writer = writers.MultiWriter(
       writers.make_writer(config.writers, workdir, restored.step if restored.meta else None),
       *extra_writers)
-  ctx = Context(config=config, parts=parts, run_data=run_data, workdir=workdir,
-                state=restored.state, step=restored.step, start_step=restored.step,
-                total_steps=config.train.steps, steps_per_call=k,
-                hparams=parts.device_hparams(),
-                evaluator=run.evaluator(),
-                writer=writer, saved_meta=restored.meta, batches=batches)
-  return ctx, train_step, checkpointer
+  session = Session(config=config, parts=parts, run_data=run_data, workdir=workdir,
+                    start_step=restored.step, total_steps=config.train.steps,
+                    steps_per_call=k, hparams=parts.device_hparams(),
+                    evaluator=run.evaluator(), writer=writer, saved_meta=restored.meta,
+                    batches=batches)
+  return Call(restored.step, restored.state, None, session), train_step, checkpointer
 
 
 def train(config: ml_collections.ConfigDict, workdir: str, *,
@@ -279,25 +279,27 @@ def _train(config, workdir, devices, actions, extra_writers, dataset, optimizer,
 
 
 def _train_locked(run, workdir, actions, extra_writers, loss):
-  ctx, train_step, checkpointer = _start(run, workdir, loss, extra_writers, actions)
+  first, train_step, checkpointer = _start(run, workdir, loss, extra_writers, actions)
+  session = first.session
   all_actions: list[Action] = []
   watcher = PreemptionWatcher()
   failed = True
   try:
-    all_actions = default_actions(ctx, checkpointer, actions)
-    finished = run_loop(ctx, train_step, ctx.batches, all_actions, watcher.should_stop)
+    all_actions = default_actions(first, checkpointer, actions)
+    finished, last = run_loop(first, train_step, session.batches, all_actions,
+                              watcher.should_stop)
     if not finished:
-      result = _stop_early(ctx, checkpointer, watcher.signal_name)
+      result = _stop_early(last, checkpointer, watcher.signal_name)
     else:
       checkpointer.wait()
     failed = False
   finally:
-    _close_all([ctx.batches.close, ctx.writer.close, watcher.close,
+    _close_all([session.batches.close, session.writer.close, watcher.close,
                 *(action.close for action in all_actions), checkpointer.close],
                raise_first=not failed)
   if not finished:
     return result
-  return _finish(ctx, train_step.traces, checkpointer.blocking_seconds)
+  return _finish(last, train_step.traces, checkpointer.blocking_seconds)
 
 
 def _close_all(closers: Sequence[Any], raise_first: bool) -> None:
@@ -317,10 +319,10 @@ def _close_all(closers: Sequence[Any], raise_first: bool) -> None:
                     str(error).splitlines()[0][:300] if str(error) else '')
 
 
-def _stop_early(ctx: Context, checkpointer: Checkpointer, signal_name: str) -> dict[str, Any]:
-  done = ctx.step
-  checkpointer.save(done, ctx.state, ctx.batches.state, force=True,
-                    meta=ctx.checkpoint_meta())
+def _stop_early(call: Call, checkpointer: Checkpointer, signal_name: str) -> dict[str, Any]:
+  done = call.step
+  checkpointer.save(done, call.state, call.session.batches.state, force=True,
+                    meta=call.session.checkpoint_meta())
   checkpointer.wait()
   signal_name = signal_name or 'SIGTERM'
   logging.info('preempted (%s): saved the checkpoint at step %d and stopped; run the same '
@@ -329,24 +331,27 @@ def _stop_early(ctx: Context, checkpointer: Checkpointer, signal_name: str) -> d
   return {'preempted': True, 'step': done, 'signal': signal_name}
 
 
-def _finish(ctx: Context, traces: int, checkpoint_seconds: float) -> dict[str, Any]:
+def _finish(call: Call, traces: int, checkpoint_seconds: float) -> dict[str, Any]:
   """Writes final_metrics.json and members.csv, logs the tables, returns the results."""
-  config = ctx.config
-  frozen = np.flatnonzero(member_flags(ctx.fetch(ctx.state.frozen))).tolist()
-  results = dict(ctx.results)
+  session = call.session
+  config = session.config
+  frozen = np.flatnonzero(member_flags(session.fetch(call.state.frozen))).tolist()
+  results = dict(session.results)
   final = {'step': config.train.steps, 'num_members': config.num_members,
            'members': results.pop('members'), 'ensemble': results.pop('ensemble'),
            'frozen_members': frozen, 'train_step_traces': traces,
-           'train_seconds': ctx.train_seconds(), 'checkpoint_blocking_seconds': checkpoint_seconds}
-  varying = hparams_lib.varying(ctx.parts.hparams)
+           'train_seconds': session.train_seconds(),
+           'checkpoint_blocking_seconds': checkpoint_seconds}
+  varying = hparams_lib.varying(session.parts.hparams)
   if varying:
-    final['hyperparameters'] = {f: hparams_lib.as_written(ctx.parts.hparams[f]) for f in varying}
+    final['hyperparameters'] = {f: hparams_lib.as_written(session.parts.hparams[f])
+                                for f in varying}
   final.update(results)  # ood, validation, selected, and what user actions added.
   metric = config.select.metric
-  rows = tables.member_rows(final, ctx.parts.hparams, final.get('validation'), metric,
-                            ctx.parts.task.select_metrics[metric])
-  writers.write_json(ctx.workdir / 'final_metrics.json', final)
-  writers.write_members_csv(ctx.workdir / 'members.csv', rows)
+  rows = tables.member_rows(final, session.parts.hparams, final.get('validation'), metric,
+                            session.parts.task.select_metrics[metric])
+  writers.write_json(session.workdir / 'final_metrics.json', final)
+  writers.write_members_csv(session.workdir / 'members.csv', rows)
   logging.info('final test metrics:\n%s', tables.results_table(final))
   if varying or config.select.top_k:
     logging.info('members, best first by %s %s:\n%s',
@@ -355,6 +360,6 @@ def _finish(ctx: Context, traces: int, checkpoint_seconds: float) -> dict[str, A
   if len(frozen) == config.num_members:  # Nothing left to ensemble: not a success.
     raise TrainingError(
         f'all {config.num_members} members went non-finite (the log names the step by which '
-        f'each did) and the ensemble is undefined; {ctx.workdir / "final_metrics.json"} holds '
+        f'each did) and the ensemble is undefined; {session.workdir / "final_metrics.json"} holds '
         'what was measured. Lower optim.learning_rate, or check the data for NaN/inf.')
   return final
