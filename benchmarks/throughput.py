@@ -233,7 +233,7 @@ def build_loop(spec: ModelSpec, members: int, guard: bool = False) -> Callable[[
   from dist_ens.ensembles.stacking import unstack
   from dist_ens.core.gradients import BatchResult
   from dist_ens.tasks.classification import cross_entropy
-  from dist_ens.core.step import member_apply_fn
+  from dist_ens.core.step import Member, member_apply_fn
   model, tx, stacked = _plain_state(spec, members)
   guarded = member_apply_fn(lambda hp: tx)
 
@@ -249,10 +249,9 @@ def build_loop(spec: ModelSpec, members: int, guard: bool = False) -> Callable[[
       return cross_entropy(logits, y), new_state
     (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     if guard:
-      params, new_state, opt_state, _, _ = guarded(
-          params, model_state, opt_state, jnp.bool_(False), None,
-          BatchResult(loss, {}, grads, new_state))
-      return params, new_state, opt_state, loss
+      new, _ = guarded(Member(params, model_state, opt_state, jnp.bool_(False)), None,
+                       BatchResult(loss, {}, grads, new_state))
+      return new.params, new.model_state, new.opt_state, loss
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), new_state, opt_state, loss
   update = jax.jit(update, donate_argnums=(0, 1, 2))

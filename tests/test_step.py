@@ -274,13 +274,14 @@ def test_a_nonfinite_gradient_with_a_finite_loss_freezes_the_member(bad):
   """The guard reads each gradient leaf's sum: any NaN or infinity (opposite infinities
   included, whose sum is NaN) freezes the member before its state moves."""
   from dist_ens.core.gradients import BatchResult
-  from dist_ens.core.step import member_apply_fn
+  from dist_ens.core.step import Member, member_apply_fn
   params = {'w': jnp.ones((3, 4)), 'b': jnp.zeros(4)}
   tx = optax.adam(0.1)
   grads = {'w': jnp.full((3, 4), 0.5).at[0, :len(bad)].set(jnp.array(bad)), 'b': jnp.ones(4)}
   result = BatchResult(jnp.float32(1.0), jnp.float32(0.5), grads, {})
-  new_params, _, opt_state, frozen, metrics = member_apply_fn(lambda hp: tx)(
-      params, {}, tx.init(params), jnp.bool_(False), {}, result)
+  new, metrics = member_apply_fn(lambda hp: tx)(
+      Member(params, {}, tx.init(params), jnp.bool_(False)), {}, result)
+  new_params, opt_state, frozen = new.params, new.opt_state, new.frozen
   assert bool(frozen) and bool(metrics.nonfinite)
   jax.tree.map(np.testing.assert_array_equal, new_params, params)
   assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(opt_state))
@@ -289,12 +290,13 @@ def test_a_nonfinite_gradient_with_a_finite_loss_freezes_the_member(bad):
 def test_large_finite_half_precision_gradients_do_not_freeze():
   """A float16 leaf whose elements sum past float16's range (65504) is summed wider."""
   from dist_ens.core.gradients import BatchResult
-  from dist_ens.core.step import member_apply_fn
+  from dist_ens.core.step import Member, member_apply_fn
   params = {'w': jnp.ones(8, jnp.float16)}
   tx = optax.sgd(1e-6)
   result = BatchResult(jnp.float32(1.0), jnp.float32(0.5),
                        {'w': jnp.full(8, 60000.0, jnp.float16)}, {})
-  new_params, _, _, frozen, _ = member_apply_fn(lambda hp: tx)(
-      params, {}, tx.init(params), jnp.bool_(False), {}, result)
+  new, _ = member_apply_fn(lambda hp: tx)(
+      Member(params, {}, tx.init(params), jnp.bool_(False)), {}, result)
+  new_params, frozen = new.params, new.frozen
   assert not bool(frozen)
   assert not np.array_equal(np.asarray(new_params['w']), np.asarray(params['w']))

@@ -18,9 +18,9 @@ class MethodHooks(NamedTuple):
       one shared weight and rank-1 factors per member).
     init_opt_state: (optimizer, params, hparams) -> the optimizer state of those params.
     members_update: (results, apply, optimizer, parallelism, batch_axis, map_batch_size) ->
-      update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over a
-      device's block of members, from one member's `results` and `apply`
-      (core.step.member_results_fn / member_apply_fn).
+      update(members, hp, member_ids, step, batch) -> (members, metrics) over a device's
+      block of members (a core.step.Member of [m, ...] leaves, a core.step.Batch), from one
+      member's `results` and `apply` (core.step.member_results_fn / member_apply_fn).
     init_collected: (params, model_state) -> what ONE member collects while training.
     collect: (collected, params, model_state, step) -> collected, ONE member's, after
       every step (snapshots, SWAG moments).

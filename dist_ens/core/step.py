@@ -80,6 +80,30 @@ class TrainStep:
     return self.fn(state, hparams, *batch)
 
 
+class Member(NamedTuple):
+  """One member's trained state, every leaf without the member axis; over a device's
+  block of members (hooks.members_update), every leaf with it."""
+  params: PyTree
+  model_state: PyTree
+  opt_state: PyTree
+  frozen: jax.Array  # bool: the member went non-finite and stopped training
+
+
+class Batch(NamedTuple):
+  """A train batch: inputs, targets and (with augmentation) the examples' indices in the
+  training split, shaped like y."""
+  x: jax.Array
+  y: jax.Array
+  index: jax.Array | None = None
+
+
+def update_axes(batch_axis: int | None) -> tuple[int | None, ...]:
+  """vmap's in_axes of update(member, hp, member_id, step, batch): the member's state,
+  hyperparameters and id stacked on axis 0, the step shared, and the batch stacked on
+  `batch_axis` (each member its own batch) or shared (None)."""
+  return (0, 0, 0, None, batch_axis)
+
+
 class StepOptions(NamedTuple):
   """How one member's update treats its batch (config fields in brackets)."""
   augment: BatchAugment | None = None  # [data.augment]
@@ -91,11 +115,9 @@ class StepOptions(NamedTuple):
 def member_results_fn(model: Model, seed: int, objective: gradients.Objective,
                       options: StepOptions = StepOptions(),
                       data_size: int = 1) -> Callable[..., gradients.BatchResult]:
-  """results(params, model_state, hp, member, step, x, y, index) for ONE member: its loss,
-  batch metrics, gradients and new model state on its batch (core.gradients.BatchResult).
-
-  `index` holds the examples' indices in the training split (used by augmentation
-  only; None without it).
+  """results(params, model_state, hp, member_id, step, batch) for ONE member: its loss,
+  batch metrics, gradients and new model state on its Batch (core.gradients.BatchResult).
+  The batch's `index` is read by augmentation only.
   """
   one_batch = gradients.batch_fn(precision.with_precision(model, options.precision), objective)
   if options.reproducible:
@@ -103,18 +125,18 @@ def member_results_fn(model: Model, seed: int, objective: gradients.Objective,
   else:
     batch_results = gradients.accumulate(one_batch, options.micro_batches)
 
-  def results(params, model_state, hp, member, step, x, y, index=None):
+  def results(params, model_state, hp, member_id, step, batch: Batch):
+    x = batch.x
     if options.augment is not None:
-      x = options.augment(x, member, step, index)
-    return batch_results(params, model_state, x, y, rng_lib.train_key(seed, member, step), hp)
+      x = options.augment(x, member_id, step, batch.index)
+    return batch_results(params, model_state, x, batch.y,
+                         rng_lib.train_key(seed, member_id, step), hp)
 
   return results
 
 
 def member_apply_fn(optimizer: Optimizer) -> Callable[..., Any]:
-  """apply(params, model_state, opt_state, frozen, hp, result) for ONE member.
-
-  Returns (params, model_state, opt_state, frozen, StepMetrics) after the optimizer
+  """apply(member, hp, result) -> (member, StepMetrics) for ONE Member: its optimizer
   step on `result` (member_results_fn's). A member whose loss or gradient is not
   finite is frozen: from then on its optimizer sees zero gradients (its state stays
   finite), its parameters zero updates and its model state is kept. Masking
@@ -124,8 +146,7 @@ def member_apply_fn(optimizer: Optimizer) -> Callable[..., Any]:
   """
 
   unless = _apply_unless(optimizer)
-  return lambda params, model_state, opt_state, frozen, hp, result: unless(
-      params, model_state, opt_state, frozen, hp, result, _nonfinite(result))
+  return lambda member, hp, result: unless(member, hp, result, _nonfinite(result))
 
 
 def _nonfinite(result: gradients.BatchResult) -> jax.Array:
@@ -135,14 +156,14 @@ def _nonfinite(result: gradients.BatchResult) -> jax.Array:
 def _apply_unless(optimizer: Optimizer) -> Callable[..., Any]:
   """member_apply_fn's apply with the member's `nonfinite` flag given (_nonfinite(result))."""
 
-  def apply(params, model_state, opt_state, frozen, hp, result, nonfinite):
-    keep = frozen | nonfinite
-    updates, new_opt_state = optimizer(hp).update(_zero_where(keep, result.grads), opt_state,
-                                                  params)
-    new_params = optax.apply_updates(params, _zero_where(keep, updates))
-    new_model_state = jax.tree.map(lambda old, new: jnp.where(keep, old, new), model_state,
-                                   result.model_state)
-    return (new_params, new_model_state, new_opt_state, keep,
+  def apply(member: Member, hp, result, nonfinite):
+    keep = member.frozen | nonfinite
+    updates, opt_state = optimizer(hp).update(_zero_where(keep, result.grads), member.opt_state,
+                                              member.params)
+    params = optax.apply_updates(member.params, _zero_where(keep, updates))
+    model_state = jax.tree.map(lambda old, new: jnp.where(keep, old, new), member.model_state,
+                               result.model_state)
+    return (Member(params, model_state, opt_state, keep),
             StepMetrics(result.loss, result.metrics, nonfinite))
 
   return apply
@@ -151,27 +172,27 @@ def _apply_unless(optimizer: Optimizer) -> Callable[..., Any]:
 def member_update_fn(model: Model, optimizer: Optimizer, seed: int,
                      objective: gradients.Objective,
                      options: StepOptions = StepOptions(), data_size: int = 1) -> Callable[..., Any]:
-  """update(params, model_state, opt_state, frozen, hp, member, step, x, y, index) for ONE
-  member: member_results_fn then member_apply_fn."""
-  results, apply = member_results_fn(model, seed, objective, options, data_size), member_apply_fn(
-      optimizer)
+  """update(member, hp, member_id, step, batch) -> (member, StepMetrics) for ONE Member:
+  member_results_fn then member_apply_fn."""
+  results = member_results_fn(model, seed, objective, options, data_size)
+  apply = member_apply_fn(optimizer)
 
-  def update(params, model_state, opt_state, frozen, hp, member, step, x, y, index=None):
-    result = results(params, model_state, hp, member, step, x, y, index)
-    return apply(params, model_state, opt_state, frozen, hp, result)
+  def update(member: Member, hp, member_id, step, batch: Batch):
+    return apply(member, hp, results(member.params, member.model_state, hp, member_id, step,
+                                     batch))
 
   return update
 
 
-# member_update_fn's first results (params, model state, optimizer state, frozen) replace its
-# first arguments: 'map' writes them back into the donated state (over_members' in_place).
-_STATE_RESULTS = 4
+# The new Member replaces the first argument, the member's state: 'map' writes it back into
+# the donated state's buffers (over_members' in_place counts such leading arguments).
+_NEW_MEMBER = 1
 
 
 def _members_update(model, optimizer, seed, objective, options, data_size, parallelism,
                     map_batch_size, batch_axis, hooks):
-  """update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over a
-  device's block of members.
+  """update(members, hp, member_ids, step, batch) -> (members, StepMetrics) over a device's
+  block of members (a Member whose leaves are [m, ...]).
 
   Reproducible mode runs each member's whole update (forward, backward, optimizer)
   one member at a time ('map'): one fixed per-member program whatever the block's
@@ -179,7 +200,6 @@ def _members_update(model, optimizer, seed, objective, options, data_size, paral
   `m / broadcast(1 - b1**t)` differently at member widths 1 and M (measured: 3e-8 after
   one Adam step), whereas a member-shaped body compiles alike everywhere.
   """
-  batch_axes = (batch_axis,) * 3
   if hooks.members_update is not None:  # BatchEnsemble (reproducible mode refused), own.
     return hooks.members_update(
         member_results_fn(model, seed, objective, options, data_size), member_apply_fn(optimizer),
@@ -188,14 +208,14 @@ def _members_update(model, optimizer, seed, objective, options, data_size, paral
   if options.reproducible or parallelism != 'vmap':
     return over_members(member_update_fn(model, optimizer, seed, objective, options, data_size),
                         'map' if options.reproducible else parallelism,
-                        in_axes=(0, 0, 0, 0, 0, 0, None) + batch_axes,
+                        in_axes=update_axes(batch_axis),
                         map_batch_size=None if options.reproducible else map_batch_size,
-                        in_place=_STATE_RESULTS)
+                        in_place=_NEW_MEMBER)
   return _vmapped_update(member_results_fn(model, seed, objective, options, data_size),
-                         _apply_unless(optimizer), batch_axes)
+                         _apply_unless(optimizer), batch_axis)
 
 
-def _vmapped_update(results, apply, batch_axes):
+def _vmapped_update(results, apply, batch_axis):
   """The 'vmap' form: every member's forward and backward pass (and its non-finite flag)
   vmapped by over_members, then the optimizer step vmapped over the state as it is
   stored. Both are one vmap of the whole update where a device holds several members;
@@ -208,21 +228,22 @@ def _vmapped_update(results, apply, batch_axes):
   plain per-member updates (BENCHMARKS.md, "Today's figures").
   """
 
-  def checked(*args):
-    result = results(*args)
+  def checked(params, model_state, hp, member_id, step, batch):
+    result = results(params, model_state, hp, member_id, step, batch)
     return result, _nonfinite(result)
 
-  member_results = over_members(checked, 'vmap', in_axes=(0, 0, 0, 0, None) + batch_axes)
+  member_results = over_members(checked, 'vmap', in_axes=(0, 0) + update_axes(batch_axis)[1:])
 
-  def update(params, model_state, opt_state, frozen, hp, members, step, x, y, index=None):
-    result, nonfinite = member_results(params, model_state, hp, members, step, x, y, index)
-    return jax.vmap(apply)(params, model_state, opt_state, frozen, hp, result, nonfinite)
+  def update(members: Member, hp, member_ids, step, batch: Batch):
+    result, nonfinite = member_results(members.params, members.model_state, hp, member_ids,
+                                       step, batch)
+    return jax.vmap(apply)(members, hp, result, nonfinite)
 
   return update
 
 
 def _state_update(members_update, hooks: MethodHooks, reproducible: bool):
-  """update(state, hparams, members, x, y, index) -> (state, metrics) for a device's
+  """update(state, hparams, member_ids, batch) -> (state, metrics) for a device's
   block of members: every member's update (_members_update), then what the ensemble
   method collects from the new parameters (nothing for independent members)."""
   collect = None
@@ -230,14 +251,14 @@ def _state_update(members_update, hooks: MethodHooks, reproducible: bool):
     collect = over_members(hooks.collect, 'map' if reproducible else 'vmap',
                            in_axes=(0, 0, 0, None))
 
-  def update(state, hparams, members, x, y, index):
-    params, model_state, opt_state, frozen, metrics = members_update(
-        state.params, state.model_state, state.opt_state, state.frozen, hparams, members,
-        state.step, x, y, index)
+  def update(state, hparams, member_ids, batch: Batch):
+    members, metrics = members_update(
+        Member(state.params, state.model_state, state.opt_state, state.frozen), hparams,
+        member_ids, state.step, batch)
     step = state.step + 1
     collected = state.method_state if collect is None else collect(
-        state.method_state, params, model_state, step)
-    return TrainState(params, model_state, opt_state, frozen, step, collected), metrics
+        state.method_state, members.params, members.model_state, step)
+    return TrainState(**members._asdict(), step=step, method_state=collected), metrics
 
   return update
 
@@ -288,13 +309,12 @@ def _local_step(update, steps_per_call: int, first_member: int = 0):
 
   def local_step(state, hparams, *batch):
     local_members = state.frozen.shape[0]
-    members = jax.lax.axis_index(MEMBER) * local_members + jnp.arange(local_members)
+    member_ids = jax.lax.axis_index(MEMBER) * local_members + jnp.arange(local_members)
     if first_member:
-      members = members + first_member
+      member_ids = member_ids + first_member
 
-    def one_step(state, batch):
-      x, y, *index = batch
-      return update(state, hparams, members, x, y, index[0] if index else None)
+    def one_step(state, arrays):
+      return update(state, hparams, member_ids, Batch(*arrays))
 
     if steps_per_call == 1:
       return one_step(state, batch)

@@ -38,6 +38,7 @@ import optax
 from dist_ens.core.axes import MEMBER
 from dist_ens.core.members import over_members
 from dist_ens.core.model import is_kernel
+from dist_ens.core.step import Batch, Member, update_axes
 from dist_ens.ensembles import lora
 from dist_ens.ensembles.method import Method, MethodSpec, refuse_reproducible
 
@@ -146,28 +147,28 @@ def init_opt_state(optimizer, params: PyTree, hparams: dict[str, jax.Array]) -> 
 def members_update(results: Callable[..., Any], apply: Callable[..., Any], optimizer,
                    parallelism: str, batch_axis: int | None,
                    map_batch_size: int | None = None, mean: bool = True) -> Callable[..., Any]:
-  """update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over
-  a device's block of members (step.member_results_fn's `results`, member_apply_fn's
+  """update(members, hp, member_ids, step, batch) -> (members, metrics) over a device's
+  block of members (core.step.Member; step.member_results_fn's `results`, member_apply_fn's
   `apply`): each member's own leaves step as a deep member's; W by the mean gradient
   (mean=False: the sum, the gradient of the members' summed losses)."""
 
-  def one(shared, own, model_state, hp, member, step, x, y, index):
+  def one(shared, own, model_state, hp, member_id, step, batch):
     params, vjp = jax.vjp(lambda s, o: member_params(merge(s, o)), shared, own)
-    result = results(params, model_state, hp, member, step, x, y, index)
+    result = results(params, model_state, hp, member_id, step, batch)
     grad_shared, grad_own = vjp(result.grads)
     return result._replace(grads=grad_own), grad_shared
 
-  batch = (batch_axis,) * 3
-  member_results = over_members(one, parallelism, in_axes=(None, 0, 0, 0, 0, None) + batch,
+  member_results = over_members(one, parallelism, in_axes=(None, 0) + update_axes(batch_axis),
                                 map_batch_size=map_batch_size)
   member_apply = over_members(apply, parallelism, map_batch_size=map_batch_size)
 
-  def update(params, model_state, opt_state, frozen, hp, members, step, x, y, index):
-    shared, own = split(params)
-    result, grad_shared = member_results(shared, own, model_state, hp, members, step, x, y,
-                                         index)
-    own, model_state, own_opt, frozen, metrics = member_apply(
-        own, model_state, opt_state['members'], frozen, hp, result)
+  def update(members: Member, hp, member_ids, step, batch: Batch):
+    shared, own = split(members.params)
+    result, grad_shared = member_results(shared, own, members.model_state, hp, member_ids,
+                                         step, batch)
+    new, metrics = member_apply(
+        members._replace(params=own, opt_state=members.opt_state['members']), hp, result)
+    frozen = new.frozen
     # The sum (or mean) over members still training, on every device: frozen members'
     # (maybe non-finite) gradients are left out with a select, not multiplied by zero.
     count = jax.lax.psum(jnp.sum(~frozen), MEMBER)
@@ -178,10 +179,10 @@ def members_update(results: Callable[..., Any], apply: Callable[..., Any], optim
         _trained(grad_shared))
     first = jax.tree.map(lambda a: a[0], hp)
     weights = _trained(shared)
-    updates, shared_opt = optimizer(first).update(grad, opt_state[SHARED], weights)
+    updates, shared_opt = optimizer(first).update(grad, members.opt_state[SHARED], weights)
     shared = merge(shared, optax.apply_updates(weights, updates))
-    return (merge(shared, own), model_state, {SHARED: shared_opt, 'members': own_opt}, frozen,
-            metrics)
+    return new._replace(params=merge(shared, new.params),
+                        opt_state={SHARED: shared_opt, 'members': new.opt_state}), metrics
 
   return update
 

@@ -40,6 +40,7 @@ import jax
 
 from dist_ens.core.hooks import MethodHooks
 from dist_ens.core.members import over_members
+from dist_ens.core.step import Batch, Member, update_axes
 from dist_ens.ensembles import batchensemble, lora as lora_lib
 from dist_ens.errors import ConfigError
 from dist_ens.models.heads import head_paths
@@ -128,29 +129,28 @@ def init_opt_state(optimizer, params: PyTree, hparams: dict[str, jax.Array]) -> 
 def members_update(results: Callable[..., Any], apply: Callable[..., Any], optimizer,
                    parallelism: str, batch_axis: int | None,
                    map_batch_size: int | None = None) -> Callable[..., Any]:
-  """update(params, model_state, opt_state, frozen, hp, members, step, x, y, index) over
-  a device's block of members (core.hooks.MethodHooks.members_update): each member's
+  """update(members, hp, member_ids, step, batch) -> (members, metrics) over a device's
+  block of members (core.step.Member; core.hooks.MethodHooks.members_update): each member's
   forward and backward pass on its params formed from the shared leaves (unbatched)
   and its own, and its optimizer step on its own leaves only."""
   del optimizer
 
-  def one(own, model_state, opt_state, frozen, hp, member, step, x, y, index, shared):
+  def one(member: Member, hp, member_id, step, batch: Batch, shared):
     # Only the own leaves' cotangents are read: XLA drops the shared ones' gradients.
     params, vjp = jax.vjp(lambda o: batchensemble.member_params(batchensemble.merge(shared, o)),
-                          own)
-    result = results(params, model_state, hp, member, step, x, y, index)
+                          member.params)
+    result = results(params, member.model_state, hp, member_id, step, batch)
     (grads,) = vjp(result.grads)
-    return apply(own, model_state, opt_state, frozen, hp, result._replace(grads=grads))
+    return apply(member, hp, result._replace(grads=grads))
 
-  batch = (batch_axis,) * 3
-  members = over_members(one, parallelism, in_axes=(0, 0, 0, 0, 0, 0, None) + batch + (None,),
-                         map_batch_size=map_batch_size, in_place=4)
+  # The new Member (its own leaves) replaces the first argument: in place under 'map'.
+  per_member = over_members(one, parallelism, in_axes=update_axes(batch_axis) + (None,),
+                            map_batch_size=map_batch_size, in_place=1)
 
-  def update(params, model_state, opt_state, frozen, hp, member_ids, step, x, y, index):
-    shared, own = batchensemble.split(params)
-    own, model_state, opt_state, frozen, metrics = members(
-        own, model_state, opt_state, frozen, hp, member_ids, step, x, y, index, shared)
-    return batchensemble.merge(shared, own), model_state, opt_state, frozen, metrics
+  def update(members: Member, hp, member_ids, step, batch: Batch):
+    shared, own = batchensemble.split(members.params)
+    new, metrics = per_member(members._replace(params=own), hp, member_ids, step, batch, shared)
+    return new._replace(params=batchensemble.merge(shared, new.params)), metrics
 
   return update
 
