@@ -29,6 +29,7 @@ from absl import logging
 from dist_ens import data, member_groups, saved_run, student as student_lib, tasks
 from dist_ens.data import uci
 from dist_ens.io import member_files
+from dist_ens.core import groups as groups_lib
 from dist_ens.core.state import member_flags
 from dist_ens.io.member_files import load_member  # noqa: F401  (API)
 from dist_ens.core.model import Model
@@ -87,6 +88,8 @@ class Ensemble:
     self.model_state = {} if model_state is None else model_state
     self.frozen, self.step, self.mesh = np.asarray(frozen, bool), step, mesh
     self.input_shape, self.num_classes = tuple(input_shape), num_classes
+    # config.ensemble.groups: where each group's members sit ((): no groups).
+    self._groups = tuple(spec.group for spec in member_groups.group_specs(config))
     self.preprocess = preprocess or preprocess_for(config, input_shape)
     if self.frozen.all():
       logging.warning('every member of this ensemble is frozen (non-finite); its mean '
@@ -366,9 +369,11 @@ class Ensemble:
       params = ens.member(0)
       logits = ens.model.apply(params, x)  # one member, as trained
     """
-    member_groups.refuse(self.config, 'Ensemble.member')
     if not 0 <= i < self.num_members:
       raise IndexError(f'member({i}): this ensemble has members 0..{self.num_members - 1}.')
+    if self._groups:  # Whole members (groups are deep ensembles): a row of its group's stack.
+      g, row = groups_lib.locate(self._groups, i)
+      return jax.tree.map(np.asarray, self._take_state(self._stored[g], np.int32(row)))
     return jax.tree.map(np.asarray, self._take(self._stored, np.int32(i)))
 
   def member_state(self, i: int) -> PyTree:
@@ -378,11 +383,30 @@ class Ensemble:
     Example:
       logits, _ = ens.model.apply(ens.member(0), ens.member_state(0), x, train=False)
     """
-    member_groups.refuse(self.config, 'Ensemble.member_state')
     if not 0 <= i < self.num_members:
       raise IndexError(f'member_state({i}): this ensemble has members 0..'
                        f'{self.num_members - 1}.')
-    return jax.tree.map(np.asarray, self._take_state(self.model_state, np.int32(i)))
+    state, row = self.model_state, i
+    if self._groups:
+      g, row = groups_lib.locate(self._groups, i)
+      state = state[g]
+    return jax.tree.map(np.asarray, self._take_state(state, np.int32(row)))
+
+  def member_config(self, i: int) -> ml_collections.ConfigDict:
+    """The config member i was built from: the run's, with its group's model and optim
+    overrides where config.ensemble.groups gives members different architectures.
+
+    Example:
+      spec = dist_ens.specs.model_spec(ens.member_config(5))
+      model = dist_ens.models.get_model(spec, ens.num_classes)   # member 5's architecture
+    """
+    if not 0 <= i < self.num_members:
+      raise IndexError(f'member_config({i}): this ensemble has members 0..'
+                       f'{self.num_members - 1}.')
+    for spec in member_groups.group_specs(self.config):
+      if spec.group.first <= i < spec.group.first + spec.group.count:
+        return member_groups.group_config(self.config, spec)
+    return self.config
 
   def export(self, directory: str | os.PathLike) -> list[Path]:
     """Writes each member as its own .npz file (member_{i}.npz, member_{i}_state.npz where
@@ -396,5 +420,8 @@ class Ensemble:
     Returns:
       The member files' paths, in member order.
     """
-    member_groups.refuse(self.config, 'Ensemble.export')
-    return member_files.export_members(self, Path(directory))
+    groups = [{'name': spec.name, 'members': list(range(spec.group.first,
+                                                        spec.group.first + spec.group.count)),
+               'model': member_groups.group_config(self.config, spec).model.to_dict()}
+              for spec in member_groups.group_specs(self.config)]
+    return member_files.export_members(self, Path(directory), groups)

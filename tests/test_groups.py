@@ -13,10 +13,11 @@ import pytest
 import support
 
 import dist_ens
-from dist_ens import specs
+from dist_ens import models, specs
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.data import load_dataset
 from dist_ens.ensembles import pbt as pbt_lib
+from dist_ens.inference import load_member
 
 # Two groups of two members: ids 0-1 an MLP of one hidden layer, ids 2-3 one of two with
 # its own learning rate. A tiny run (support.config: 4 steps, batch 32).
@@ -92,9 +93,22 @@ def test_load_and_predict_combine_every_group(grouped):
   np.testing.assert_allclose(out.probs, out.member_probs.mean(0), rtol=1e-5, atol=1e-6)
   accuracy = (out.member_probs.argmax(-1) == test.y[:50]).mean(-1)
   assert accuracy.shape == (4,)
-  # Export and per-member access are refused in one line, not a traceback.
-  message = support.one_line_refusal(lambda: ensemble.export(workdir / 'members'))
-  assert 'Ensemble.export' in message and 'ensemble.groups' in message
+  # Each member on its own: its group's row, exported with its architecture, and that
+  # architecture applied to its files gives predict's member probabilities.
+  stored = _stored(workdir)
+  paths = ensemble.export(workdir / 'members')
+  meta = json.loads((workdir / 'members' / 'ensemble.json').read_text())
+  assert [g['members'] for g in meta['groups']] == [[0, 1], [2, 3]]
+  assert [list(g['model']['widths']) for g in meta['groups']] == [[16], [8, 8]]
+  x = ensemble.preprocess(test.x[:50])
+  for i, (g, row) in enumerate([(0, 0), (0, 1), (1, 0), (1, 1)]):
+    params = load_member(paths[i])
+    support.assert_trees_equal(params, jax.tree.map(lambda a, r=row: a[r], stored[g]))
+    support.assert_trees_equal(params, ensemble.member(i))
+    model = models.get_model(specs.model_spec(ensemble.member_config(i)), 10)
+    logits, _ = model.apply(params, ensemble.member_state(i), x, train=False)
+    np.testing.assert_allclose(jax.nn.softmax(logits), out.member_probs[i], rtol=1e-5,
+                               atol=1e-6)
   # Loaded onto one device: the same predictions.
   one = dist_ens.Ensemble.load(workdir, devices=jax.devices()[:1])
   np.testing.assert_allclose(one.predict(test.x[:50]).probs, out.probs, rtol=1e-5, atol=1e-6)

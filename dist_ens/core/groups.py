@@ -36,6 +36,14 @@ class Group(NamedTuple):
     return slice(self.first, self.first + self.count)
 
 
+def locate(groups: Sequence[Group], member: int) -> tuple[int, int]:
+  """(the group holding `member`, its index within that group's stack)."""
+  for g, group in enumerate(groups):
+    if group.first <= member < group.first + group.count:
+      return g, member - group.first
+  raise IndexError(f'member {member} is in no group of {list(groups)}.')
+
+
 def split_state(state: TrainState) -> list[TrainState]:
   """The joined state as one TrainState per group, in group order."""
   return [TrainState(params, model_state, opt_state, frozen, state.step, method_state)

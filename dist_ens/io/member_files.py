@@ -4,6 +4,7 @@ with numpy alone (Ensemble.export writes them; load_member reads one back)."""
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,8 @@ def standardizer_dict(scale: Any) -> dict[str, list[float]]:
   return {k: np.asarray(v).tolist() for k, v in scale._asdict().items()}
 
 
-def export_members(ensemble: Any, directory: Path) -> list[Path]:
+def export_members(ensemble: Any, directory: Path,
+                   groups: Sequence[dict[str, Any]] = ()) -> list[Path]:
   """Writes `ensemble` (an inference.Ensemble) member by member under `directory`
   (created if missing; existing member files are replaced); only process 0 writes.
 
@@ -83,7 +85,9 @@ def export_members(ensemble: Any, directory: Path) -> list[Path]:
   (e.g. '0/w', 'convs/1/b', 'head/w'; integer parts are list indices);
   `member_{i}_state.npz`, the same for its model state (BatchNorm statistics, a
   randomized prior's network) where the model has one; and `ensemble.json` with the
-  model config, input shape, class count, step and the frozen members. Read one back
+  model config, input shape, class count, step and the frozen members, and `groups`
+  (config.ensemble.groups: each group's name, member ids and whole model config, the
+  architecture of those members' files) where given. Read one back
   with numpy alone (`np.load(path)`) or as the original pytree with `load_member(path)`.
   Returns the member files' paths, in member order.
   """
@@ -104,6 +108,8 @@ def export_members(ensemble: Any, directory: Path) -> list[Path]:
           'input_shape': list(ensemble.input_shape), 'num_classes': ensemble.num_classes,
           'data': config.data.name, 'model': config.model.to_dict(), 'task': config.task,
           'model_state_files': len(files) > len(paths)}  # member_{i}_state.npz
+  if groups:  # Members of different architectures: which model each member's file is.
+    meta['groups'] = list(groups)
   if ensemble.scale is not None:  # A standardising task's members predict standardised units.
     meta['standardizer'] = standardizer_dict(ensemble.scale)
   if ensemble.split_scales is not None:  # Member splits: member i uses split i // per_split's.
