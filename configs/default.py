@@ -29,15 +29,15 @@ def get_config() -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   # Everything random (init, data order, dropout, random sweep values) derives from the
   # seed and the member index.
-  config.seed = 0
-  config.num_members = 8  # M, the ensemble size; must be divisible by mesh.member
+  config.seed = 0  # [int >= 0]
+  config.num_members = 8  # M, the ensemble size; must be divisible by mesh.member [int >= 1]
   # 'float32', or 'bfloat16': the model computes in bf16 while parameters, optimizer
   # state, BatchNorm statistics, the loss and metrics (and checkpoints) stay float32.
   config.precision = 'float32'
   # True: member i's whole trajectory is bit-identical whatever M, the mesh, the data
   # split (a divisor of train.micro_batches) and the process count, at some speed cost
   # (docs/reproducibility.md). False: fast; such changes drift by rounding.
-  config.reproducible = False
+  config.reproducible = False  # [bool]
   # What the members learn (dist_ens/tasks): 'classification' (logits over classes,
   # cross-entropy, the ensemble the mean of the members' probabilities),
   # 'regression', 'token_classification' (a class per position, targets [N, T] with -1
@@ -50,8 +50,8 @@ def get_config() -> ml_collections.ConfigDict:
   # of member and data runs across processes in a multi-host run ('model' is innermost:
   # its devices are neighbours on one host).
   config.mesh = ml_collections.ConfigDict()
-  config.mesh.member = -1  # devices along the member axis: members are split over them
-  config.mesh.data = 1  # devices along the data axis: each member's batch is split over them
+  config.mesh.member = -1  # devices along the member axis: members are split over them [int]
+  config.mesh.data = 1  # devices along the data axis: each member's batch is split over them [int]
   config.mesh.hosts_along = 'member'  # the axis laid out across processes (docs/multihost.md)
   # model > 1: each member's leaves are split over a third mesh axis of this many devices
   # (members larger than one device; docs/mesh.md): by the model's own Flax partition
@@ -192,11 +192,11 @@ def get_config() -> ml_collections.ConfigDict:
   # example index): 'none', 'crop_flip' (pad 4, random crop; mirror for images) or
   # your own fn(key, x_example) -> x_example by import path, 'my_pkg.aug:fn'.
   config.data.augment = 'none'
-  config.data.prefetch = 2  # batches prepared ahead on a background thread
-  config.data.batch_size = 128  # each member's global batch, whatever the mesh
+  config.data.prefetch = 2  # batches prepared ahead on a background thread [int >= 0]
+  config.data.batch_size = 128  # each member's global batch, whatever the mesh [int >= 1]
   # Examples carved from the end of a fixed shuffle of train for validation (used by
   # select.top_k); 0 = no validation split, train on all of it.
-  config.data.validation_size = 0
+  config.data.validation_size = 0  # [int >= 0]
   # Tokenised text, data.name='text:PATH' (docs/data.md): a folder with train and test
   # .jsonl ('input_ids' or 'text' per line, 'label') or .npz files. Each sequence is
   # cut or padded to text_length ids (0: the longest training sequence) with pad_id
@@ -219,26 +219,27 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.weight_decay = per_member(0.1)
   config.optim.decay_mask = 'kernels'  # the leaves weight_decay applies to (above)
   config.optim.b1 = per_member(0.9)  # adam
-  config.optim.b2 = 0.999  # adam's second-moment decay
-  config.optim.eps = 1e-8  # adam's epsilon
+  config.optim.b2 = 0.999  # adam's second-moment decay [number in [0, 1)]
+  config.optim.eps = 1e-8  # adam's epsilon [number > 0]
   config.optim.momentum = per_member(0.9)  # sgd only; 0 for plain SGD
   config.optim.nesterov = False  # Nesterov momentum for sgd
-  config.optim.grad_clip_norm = 0.0  # 0 = no clipping
+  config.optim.grad_clip_norm = 0.0  # 0 = no clipping [number >= 0]
   # Learning-rate multiplier after warmup_steps of linear warm-up: 'constant', 'cosine'
   # or 'linear' decay to 0, or 'step': x decay_factor at each of decay_boundaries,
   # fractions of train.steps (0.3, 0.6, 0.8 = epochs 60/120/160 of 200).
   config.optim.schedule = 'constant'
-  config.optim.warmup_steps = 0  # linear warm-up from 0 to the peak rate first
-  config.optim.warmup_epochs = 0.0  # the warm-up in epochs instead (sets warmup_steps)
+  config.optim.warmup_steps = 0  # linear warm-up from 0 to the peak rate first [int >= 0]
+  # The warm-up in epochs instead (sets warmup_steps).
+  config.optim.warmup_epochs = 0.0  # [number >= 0]
   config.optim.decay_boundaries = (0.3, 0.6, 0.8)  # schedule='step' only
   config.optim.decay_factor = 0.2  # schedule='step' only
 
   config.train = ml_collections.ConfigDict()
-  config.train.steps = 2000  # each member sees data.batch_size examples a step
+  config.train.steps = 2000  # each member sees data.batch_size examples a step [int >= 1]
   # > 0: train this many epochs instead, steps = epochs * (train examples // batch_size)
   # (the last partial batch of an epoch is dropped), set once the data set's size is
   # known; train.steps is then ignored. 0: train.steps counts.
-  config.train.epochs = 0
+  config.train.epochs = 0  # [int >= 0]
   # '' = config.task's own loss (classification: softmax cross-entropy with
   # label_smoothing; regression: the Gaussian NLL), a name in dist_ens.tasks.LOSSES
   # ('cross_entropy', 'gaussian_nll', 'mse'), or your own by import path,
@@ -248,21 +249,21 @@ def get_config() -> ml_collections.ConfigDict:
   # Each member's batch is cut into this many micro-batches whose gradients are summed
   # (in a fixed order when config.reproducible): activations take 1/micro_batches of
   # the memory. BatchNorm normalises each micro-batch by its own statistics.
-  config.train.micro_batches = 1
-  config.train.log_every = 250  # steps between train log lines and metrics events
-  config.train.eval_every = 500  # 0: evaluate only at the end
+  config.train.micro_batches = 1  # [int >= 1]
+  config.train.log_every = 250  # steps between train log lines and metrics events [int >= 1]
+  config.train.eval_every = 500  # 0: evaluate only at the end [int >= 0]
   # Wait for the step every this many steps; 0 = automatic (8 on multi-device CPU,
   # whose collectives deadlock when ~30 steps are queued; else at log steps only).
-  config.train.sync_every = 0
+  config.train.sync_every = 0  # [int >= 0]
   # Steps run per call of the compiled step (a lax.scan on the device): small steps are
   # limited by the host's per-call work (a batch transfer, a dispatch). 0 = auto: the
   # largest divisor of steps, log_every, eval_every and checkpoint.every up to 100, on a
   # CPU also holding at most 1e10 training FLOPs per device a call
   # (dist_ens/parallel/strategy.py). A value K > 0 needs those to be multiples of K.
-  config.train.steps_per_call = 0
+  config.train.steps_per_call = 0  # [int >= 0]
   # A member whose loss or gradient goes non-finite: 'freeze' it and train the
   # others on, or 'stop' (save, then exit with an error).
-  config.train.on_nonfinite = 'freeze'
+  config.train.on_nonfinite = 'freeze'  # [one of 'freeze', 'stop']
   # Trace this many steps with jax.profiler after the first log_every steps, to
   # workdir/profile (open with TensorBoard's profile plugin); 0 = off.
   config.train.profile_steps = 0
@@ -273,8 +274,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.writers = ('jsonl', 'tensorboard')
 
   config.checkpoint = ml_collections.ConfigDict()
-  config.checkpoint.every = 500  # steps between (asynchronous) checkpoints; also at the end
-  config.checkpoint.keep = 2  # newest checkpoints kept
+  # Steps between (asynchronous) checkpoints; also at the end.
+  config.checkpoint.every = 500  # [int >= 1]
+  config.checkpoint.keep = 2  # newest checkpoints kept [int >= 1]
   # Comma-separated fields (or prefixes, e.g. 'optim') allowed to differ from the
   # workdir's saved config on resume. Steps, logging, eval and mesh always may.
   config.checkpoint.restore_incompatible = ''
@@ -283,7 +285,7 @@ def get_config() -> ml_collections.ConfigDict:
   # also reports the ensemble of the k best (needs data.validation_size > 0).
   config.select = ml_collections.ConfigDict()
   config.select.metric = 'nll'  # the validation metric members are ranked by
-  config.select.top_k = 0  # the selected ensemble's size; 0 = no selection
+  config.select.top_k = 0  # the selected ensemble's size; 0 = no selection [int >= 0]
   # 'top_k' (the top_k best by select.metric, each once; results 'selected') or 'greedy'
   # (Caruana: add, with replacement, the member that most lowers the validation NLL of the
   # averaged probabilities, greedy_size picks, best prefix kept; results 'greedy').
@@ -296,7 +298,7 @@ def get_config() -> ml_collections.ConfigDict:
   # worst pbt.quantile copy the whole train state of one of the best (exploit) and take its
   # hyperparameters perturbed (explore). Needs per-member hyperparameters to explore.
   config.pbt = ml_collections.ConfigDict()
-  config.pbt.enabled = False  # True: the rounds above run
+  config.pbt.enabled = False  # True: the rounds above run [bool]
   config.pbt.interval = 500  # steps between exploit/explore rounds (never at the last step)
   config.pbt.metric = 'nll'  # validation metric ranked by ('nll', 'accuracy', 'brier', 'ece')
   config.pbt.quantile = 0.25  # fraction of members replaced each round, in (0, 0.5]
@@ -310,7 +312,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.pbt.seed = 0  # the decisions depend only on (pbt.seed, round, the metric values)
 
   config.eval = ml_collections.ConfigDict()
-  config.eval.batch_size = 1000  # rounded up to a multiple of mesh.data; last batch masked
+  # Rounded up to a multiple of mesh.data; the last batch is masked.
+  config.eval.batch_size = 1000  # [int >= 1]
   # Your own metrics by import path, fn(outputs [B, ...], targets [B]) -> [B] per example:
   # averaged per member and for the ensemble like the built-in ones (docs/evaluation.md).
   config.eval.metrics = ()
@@ -351,14 +354,14 @@ def get_config() -> ml_collections.ConfigDict:
   # Conformal prediction: with data.validation_size > 0, sets (classification, APS) or
   # intervals (regression) calibrated on the validation split to hold the label with
   # probability 1 - alpha; test (and shifted) coverage and size under 'conformal'.
-  config.eval.conformal_alpha = 0.1
+  config.eval.conformal_alpha = 0.1  # [number in (0, 1)]
   # Joint predictions (the Neural Testbed's dyadic sampling, docs/evaluation.md): the
   # members' and the ensemble's mean negative log-likelihood of tau test labels at once,
   # each batch of tau drawn from 2 anchor examples, under 'joint' in final_metrics.json
   # (nats per batch, not divided by tau). Any task with Task.log_likelihood; 0 = off.
-  config.eval.joint_tau = 10
+  config.eval.joint_tau = 10  # [int >= 0]
   # How many dyadic batches are averaged (drawn from (seed, the test split) only).
-  config.eval.joint_batches = 1000
+  config.eval.joint_batches = 1000  # [int >= 1]
 
   # Distillation after the last step (docs/ensemble_methods.md; classification, method
   # 'deep'): the members' mean probabilities at distill.temperature on the training

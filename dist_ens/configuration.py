@@ -8,14 +8,13 @@ fails with one message that names the field, and nothing is compiled or written.
 import copy
 import importlib.util
 import json
-import math
 from pathlib import Path
 from typing import Any
 
 import ml_collections
 from absl import logging
 
-from dist_ens import importing, member_groups, specs, tasks
+from dist_ens import config_schema, importing, member_groups, specs, tasks
 # Re-exported: main and commands read the override diagnostics from here.
 from dist_ens.config_flags import (config_fields, define_config_flag,  # noqa: F401
                                    field_hint, last_overrides, unknown_field_message,
@@ -26,8 +25,6 @@ from dist_ens.data.pipeline import MEMBER_ORDERS
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec as shift_lib
 
-# What to do when a member goes non-finite (see train.py).
-ON_NONFINITE = ('freeze', 'stop')
 # config.precision: what the model computes in (parameters stay float32 either way).
 PRECISIONS = ('float32', 'bfloat16')
 
@@ -78,33 +75,27 @@ def _require(ok: bool, field: str, value: Any, what: str) -> None:
     raise ConfigError(f'config.{field}={value!r} is invalid: {what}.')
 
 
-def _is_number(v: Any) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _is_int(v: Any) -> bool:
-  return isinstance(v, int) and not isinstance(v, bool)
+def check_declared(config: ml_collections.ConfigDict) -> None:
+  """Every check configs/default.py declares beside a field ('[int >= 1]', see
+  dist_ens.config_schema), on this config's value of that field."""
+  if not DEFAULT_CONFIG.is_file():  # An installed package without the repository's configs.
+    return
+  for path, field in config_schema.declared(DEFAULT_CONFIG).items():
+    if field.check is not None:
+      value = _get(config, path)
+      _require(field.check.holds(value), path, value, field.check.requirement)
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks the fields every run reads; raises ConfigError naming the first bad one.
 
-  Names that live in registries (model, optimizer, dataset, schedule) are checked
-  where the registry is, with the list of valid names.
+  A field's own type and range are declared beside it in configs/default.py
+  (check_declared); what is checked here depends on other fields or on code. Names that
+  live in registries (model, optimizer, dataset, schedule) are checked where the
+  registry is, with the list of valid names.
   """
-  for field in ('seed', 'num_members', 'data.batch_size', 'train.steps', 'train.log_every',
-                'train.eval_every', 'train.sync_every', 'train.steps_per_call', 'eval.batch_size',
-                'mesh.member', 'mesh.data', 'optim.warmup_steps', 'checkpoint.every',
-                'checkpoint.keep', 'data.prefetch'):
-    value = _get(config, field)
-    _require(_is_int(value), field, value, 'must be an int')
-  _require(config.num_members >= 1, 'num_members', config.num_members, 'must be >= 1')
-  _require(config.seed >= 0, 'seed', config.seed, 'must be >= 0')
-  for field in ('data.batch_size', 'train.steps', 'train.log_every', 'eval.batch_size',
-                'checkpoint.every', 'checkpoint.keep'):
-    _require(_get(config, field) >= 1, field, _get(config, field), 'must be >= 1')
+  check_declared(config)
   calls = config.train.steps_per_call
-  _require(calls >= 0, 'train.steps_per_call', calls, 'must be >= 1, or 0 for automatic')
   # With train.epochs, train.steps is set (and this checked again) by resolve_epochs.
   by_epochs = _validate_run_fields(config)
   for field in ('train.log_every', 'train.eval_every', 'checkpoint.every',
@@ -112,11 +103,6 @@ def validate(config: ml_collections.ConfigDict) -> None:
     _require(calls == 0 or _get(config, field) % calls == 0, field, _get(config, field),
              f'must be a multiple of train.steps_per_call={calls} (a call runs that many '
              'steps; logs, evaluations and checkpoints happen between calls)')
-  for field in ('train.eval_every', 'train.sync_every', 'optim.warmup_steps', 'data.prefetch'):
-    _require(_get(config, field) >= 0, field, _get(config, field), 'must be >= 0')
-  value = config.optim.grad_clip_norm
-  _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-           and value >= 0, 'optim.grad_clip_norm', value, 'must be a finite number >= 0')
   _require(_get(config, 'data.member_order') in MEMBER_ORDERS, 'data.member_order',
            config.data.member_order, f'use one of {list(MEMBER_ORDERS)}')
   for field in ('data.mean', 'data.std'):
@@ -128,20 +114,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
   for field in ('data.mean', 'data.std'):
     _require(hparams.float32_normal(_get(config, field)), field, _get(config, field),
              'must be 0 or of float32 size (between 1.2e-38 and 3.4e38), as inputs are float32')
-  eps, b2 = config.optim.eps, config.optim.b2
-  _require(_is_number(eps) and eps > 0 and hparams.float32_normal(eps), 'optim.eps', eps,
+  eps = config.optim.eps
+  _require(hparams.float32_normal(eps), 'optim.eps', eps,
            'must be a number > 0 of float32 size, e.g. 1e-8')
-  _require(_is_number(b2) and 0 <= b2 < 1, 'optim.b2', b2, 'must be a number in [0, 1), '
-           'e.g. 0.999')
-  value = _get(config, 'data.validation_size')
-  _require(_is_int(value) and value >= 0, 'data.validation_size', value, 'must be an int >= 0')
   # Groups first: a pairing they refuse is named as theirs, not as the other field's.
   for spec in member_groups.check(config):  # Each group's own fields and overrides.
     hparams.resolve(specs.hparams_spec(member_groups.group_config(config, spec)))
   _validate_select(config)
   _validate_eval(config)
-  _require(_get(config, 'train.on_nonfinite') in ON_NONFINITE, 'train.on_nonfinite',
-           config.train.on_nonfinite, f'use one of {list(ON_NONFINITE)}')
   # Per-member fields: numbers, lists of M numbers or specs.
   resolved = hparams.resolve(specs.hparams_spec(config))
   _validate_pbt(config, by_epochs)
@@ -164,8 +144,8 @@ def _validate_select(config: ml_collections.ConfigDict) -> None:
   _require(_get(config, 'select.metric') in task.select_metrics, 'select.metric',
            config.select.metric, f'use one of {list(task.select_metrics)} (config.task='
            f'{task.name!r})')
-  value = _get(config, 'select.top_k')
-  _require(_is_int(value) and 0 <= value <= config.num_members, 'select.top_k', value,
+  value = config.select.top_k
+  _require(value <= config.num_members, 'select.top_k', value,
            f'must be an int in [0, num_members={config.num_members}]')
   _require(value == 0 or config.data.validation_size > 0, 'select.top_k', value,
            'selects members on a validation split; set data.validation_size > 0 (e.g. 500)')
@@ -173,8 +153,7 @@ def _validate_select(config: ml_collections.ConfigDict) -> None:
 
 def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
   """config.pbt: its own fields (specs.pbt_spec), and what it needs of the rest of the run."""
-  enabled = _get(config, 'pbt.enabled')
-  _require(isinstance(enabled, bool), 'pbt.enabled', enabled, 'must be True or False')
+  enabled = config.pbt.enabled
   if not enabled:
     return
   _require(config.data.validation_size > 0, 'pbt.enabled', enabled,
@@ -195,45 +174,28 @@ def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
 
 def _validate_eval(config: ml_collections.ConfigDict) -> None:
   """eval.shift names known corruptions and severities (or 'tfds:NAME'), with
-  eval.shift_baseline a string; eval.joint_tau >= 0 and eval.joint_batches >= 1 are
-  ints; eval.conformal_alpha is in (0, 1)."""
+  eval.shift_baseline a string."""
   shift_lib.check_fields(_get(config, 'eval.shift'), _get(config, 'eval.shift_baseline'))
-  for field, least in (('eval.joint_tau', 0), ('eval.joint_batches', 1)):
-    value = _get(config, field)
-    _require(_is_int(value) and value >= least, field, value,
-             f'must be an int >= {least}' + (' (0: no joint log-loss)' if not least else ''))
-  value = _get(config, 'eval.conformal_alpha')
-  _require(_is_number(value) and 0 < value < 1, 'eval.conformal_alpha', value,
-           'must be a number in (0, 1), the miscoverage (0.1: sets hold the label 90% of the '
-           'time)')
 
 
 def _validate_run_fields(config: ml_collections.ConfigDict) -> bool:
-  """Checks precision, reproducible, data.augment, train.micro_batches and
-  train.epochs; returns whether the run's length is given in epochs."""
+  """Checks precision, data.augment, train.micro_batches against the batch and the two
+  ways of giving the warm-up; returns whether the run's length is given in epochs."""
   value = _get(config, 'precision')
   _require(value in PRECISIONS, 'precision', value, f'use one of {list(PRECISIONS)}')
-  value = _get(config, 'reproducible')
-  _require(isinstance(value, bool), 'reproducible', value, 'must be True or False')
   value = _get(config, 'data.augment')
   _require(value in AUGMENTATIONS or importing.is_import_path(value), 'data.augment', value,
            f"use one of {sorted(AUGMENTATIONS)}, or your own fn(key, x_example) -> x_example "
            "by import path, 'my_pkg.aug:fn'")
-  value, batch = _get(config, 'train.micro_batches'), config.data.batch_size
-  _require(_is_int(value) and value >= 1, 'train.micro_batches', value, 'must be an int >= 1')
+  value, batch = config.train.micro_batches, config.data.batch_size
   _require(batch % value == 0, 'train.micro_batches', value,
            f'must divide data.batch_size={batch}, e.g. '
            f'{max(d for d in range(1, min(value, batch) + 1) if batch % d == 0)}')
   warmup_epochs = config.optim.warmup_epochs
-  _require(_is_number(warmup_epochs) and warmup_epochs >= 0, 'optim.warmup_epochs', warmup_epochs,
-           'must be a number >= 0 (0: optim.warmup_steps counts instead)')
   _require(not (warmup_epochs and config.optim.warmup_steps), 'optim.warmup_epochs',
            warmup_epochs, f'and optim.warmup_steps={config.optim.warmup_steps} are both set; '
            'give the warm-up in one of them and set the other to 0')
-  value = _get(config, 'train.epochs')
-  _require(_is_int(value) and value >= 0, 'train.epochs', value,
-           'must be an int >= 0 (0: train.steps counts instead)')
-  return value > 0
+  return config.train.epochs > 0
 
 
 def steps_per_epoch(config: ml_collections.ConfigDict, num_train_examples: int) -> int:

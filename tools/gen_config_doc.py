@@ -4,23 +4,23 @@
   python tools/gen_config_doc.py --check    # exit 1 if docs/config.md is stale
 
 Every field that get_config() assigns becomes a row: its dotted name, its default (the
-value get_config() returns) and its comment (the comment lines right above the
-assignment, then the one beside it). A comment above a section's assignment
+value get_config() returns), its comment (the comment lines right above the
+assignment, then the one beside it) and the check declared at the comment's end
+('[int >= 1]', which configuration.validate applies: dist_ens/config_schema.py). A comment above a section's assignment
 (`config.mesh = ...`) introduces the section. Fields built with `per_member(...)`
 are marked "per member". tests/test_config_doc.py fails when the committed file
 differs from what this prints, so the reference cannot go stale: edit the comments in
 configs/default.py and rerun this script.
 
 Only the standard library and ml_collections are needed: the config file is loaded
-as a module, never through dist_ens.
+as a module, and dist_ens/config_schema.py (the comments' parser, standard library only)
+by its path, never through the dist_ens package (which imports jax).
 """
 
 import argparse
 import ast
 import importlib.util
-import io
 import sys
-import tokenize
 from pathlib import Path
 from typing import Any
 
@@ -44,48 +44,26 @@ _HEADER = (
     'refused in one line with the closest names ("did you mean"), before anything runs; '
     'the exceptions are the fields only some models read (`model.depth`, `model.heads`, '
     '... in [models.md](models.md)), the TFDS-only `data.train_split`, '
-    '`data.test_split` and `data.add_channel`, and anything under `model.kwargs`.', '')
+    '`data.test_split` and `data.add_channel`, and anything under `model.kwargs`. The last '
+    'column is what a field\'s value must be where it stands alone, declared beside the '
+    'field in `configs/default.py` (`[int >= 1]`); any other value is refused in one line '
+    'naming the field. Checks that involve other fields are in '
+    '[how-it-works.md](how-it-works.md#the-architecture).', '')
+
+
+def _load_module(name: str, path: Path) -> Any:
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[name] = module  # (dataclasses look their module up while defining)
+  spec.loader.exec_module(module)
+  return module
+
+
+schema = _load_module('_dist_ens_config_schema', ROOT / 'dist_ens' / 'config_schema.py')
 
 
 def _load_config(path: Path) -> ml_collections.ConfigDict:
-  spec = importlib.util.spec_from_file_location('_dist_ens_default_config', path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
-
-
-def _comments(source: str) -> dict[int, tuple[str, bool]]:
-  """line -> (comment text, whether the line holds only the comment)."""
-  out = {}
-  lines = source.splitlines()
-  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-    if tok.type == tokenize.COMMENT:
-      row, col = tok.start
-      alone = not lines[row - 1][:col].strip()
-      out[row] = (tok.string.lstrip('#').strip(), alone)
-  return out
-
-
-def _dotted(node: ast.expr) -> str | None:
-  """'model.name' for `config.model.name`; None for anything else."""
-  parts = []
-  while isinstance(node, ast.Attribute):
-    parts.append(node.attr)
-    node = node.value
-  if isinstance(node, ast.Name) and node.id == 'config' and parts:
-    return '.'.join(reversed(parts))
-  return None
-
-
-def _comment_for(stmt: ast.stmt, comments: dict[int, tuple[str, bool]]) -> str:
-  above = []
-  row = stmt.lineno - 1
-  while row in comments and comments[row][1]:
-    above.insert(0, comments[row][0])
-    row -= 1
-  beside = [comments[r][0] for r in range(stmt.lineno, stmt.end_lineno + 1)
-            if r in comments and not comments[r][1]]
-  return ' '.join(above + beside).strip()
+  return _load_module('_dist_ens_default_config', path).get_config()
 
 
 def _inline_keys(value: ast.expr) -> set[str]:
@@ -130,20 +108,12 @@ def _cell(text: str) -> str:
 def generate(config_path: Path = CONFIG) -> str:
   """The Markdown of docs/config.md for the config file at `config_path`."""
   source = config_path.read_text()
-  tree = ast.parse(source)
-  comments = _comments(source)
   config = _load_config(config_path)
-  get_config = next(n for n in tree.body
-                    if isinstance(n, ast.FunctionDef) and n.name == 'get_config')
+  declared = schema.fields(source)
   sections: dict[str, dict[str, Any]] = {'': {'intro': '', 'rows': []}}
-  for stmt in get_config.body:
-    if not isinstance(stmt, ast.Assign) or len(stmt.targets) != 1:
-      continue
-    name = _dotted(stmt.targets[0])
-    if name is None:
-      continue
-    comment = _comment_for(stmt, comments)
-    per_member = 'per_member(' in ast.get_source_segment(source, stmt.value)
+  for name, stmt, _ in schema.assignments(source):
+    field = declared[name]
+    comment, per_member, check = field.meaning, field.per_member, field.check
     value = _get(config, name)
     if '.' not in name and isinstance(value, ml_collections.ConfigDict):
       section = sections.setdefault(name, {'intro': '', 'rows': []})
@@ -153,15 +123,15 @@ def generate(config_path: Path = CONFIG) -> str:
       inline = _inline_keys(stmt.value)
       for leaf, leaf_value in _leaves(value, name):
         if leaf.split('.')[1] in inline:
-          section['rows'].append((leaf, leaf_value, '', False))
+          section['rows'].append((leaf, leaf_value, '', False, None))
       continue
     if isinstance(value, ml_collections.ConfigDict) and len(value):
       continue  # A subgroup (config.ensemble.swag = ConfigDict()): its fields are the rows.
     section = name.split('.')[0] if '.' in name else ''
     sections.setdefault(section, {'intro': '', 'rows': []})['rows'].append(
-        (name, value, comment, per_member))
+        (name, value, comment, per_member, check))
 
-  doc = ast.get_docstring(tree) or ''
+  doc = ast.get_docstring(ast.parse(source)) or ''
   out = list(_HEADER)
   if doc:
     out += ['From the file\'s docstring:', '', '```', doc, '```', '']
@@ -171,10 +141,11 @@ def generate(config_path: Path = CONFIG) -> str:
     out += [f'## `{key}`' if key else '## Top level', '']
     if section['intro']:
       out += [section['intro'], '']
-    out += ['| field | default | meaning |', '|---|---|---|']
-    for name, value, comment, per_member in section['rows']:
+    out += ['| field | default | meaning | must be |', '|---|---|---|---|']
+    for name, value, comment, per_member, check in section['rows']:
       meaning = ('**per member.** ' if per_member else '') + comment
-      out.append(f'| `{name}` | {_cell(_format(value))} | {_cell(meaning)} |')
+      must = '' if check is None else f'`{check.text}`'
+      out.append(f'| `{name}` | {_cell(_format(value))} | {_cell(meaning)} | {_cell(must)} |')
     out.append('')
   return '\n'.join(out)
 

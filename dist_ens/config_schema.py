@@ -1,0 +1,171 @@
+"""What configs/default.py declares of each field: its meaning and its check, read from
+the file's comments, so a field is declared in one place.
+
+A field's comment (the comment lines right above its assignment, then the one beside
+it) is its meaning; a check in brackets at the comment's end is what its value must be:
+
+  config.train.steps = 1000  # steps to train [int >= 1]
+  config.optim.b2 = 0.999  # Adam's second-moment decay [number in [0, 1)]
+  config.reproducible = False  # ... [bool]
+
+Checks: `int`, `number` (finite, not a bool) or `bool`, an int or number optionally
+bounded (`>= 1`, `> 0`, or an interval `in [0, 1)` / `in (0, 1)`), or `one of 'a', 'b'`
+(names no registry holds; a registry's names are checked where it is). configuration.validate
+applies every declared check (the refusal names the field and reads "must be an int >=
+1"), tools/gen_config_doc.py shows them in docs/config.md. What depends on other fields
+(a multiple of train.steps_per_call, top_k at most num_members) stays in validate.
+
+Only the standard library is used: tools read the file without importing jax.
+"""
+
+import ast
+import dataclasses
+import functools
+import io
+import math
+import re
+import tokenize
+from pathlib import Path
+from typing import Any
+
+_CHECK = re.compile(r'\s*\[((?:int|number|bool|one of)\b[^\n]*)\]\s*$')
+_BOUND = re.compile(r'^(int|number)\s*(?:(>=|>)\s*(\S+)|in\s*([\[(])\s*(\S+)\s*,\s*(\S+)\s*([\])]))?$')
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+  """What a field's value must be: kind 'int', 'number', 'bool' or 'one of' (`choices`),
+  with optional bounds."""
+  text: str  # as declared: 'int >= 1'
+  kind: str
+  low: float | None = None
+  low_closed: bool = True
+  high: float | None = None
+  high_closed: bool = True
+  choices: tuple[Any, ...] = ()
+
+  def holds(self, value: Any) -> bool:
+    if self.kind == 'bool':
+      return isinstance(value, bool)
+    if self.kind == 'one of':
+      return isinstance(value, str) and value in self.choices
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      return False
+    if self.kind == 'int' and not isinstance(value, int):
+      return False
+    if not math.isfinite(value):
+      return False
+    if self.low is not None and not (value >= self.low if self.low_closed else value > self.low):
+      return False
+    return self.high is None or (value <= self.high if self.high_closed else value < self.high)
+
+  @property
+  def requirement(self) -> str:
+    """'must be an int >= 1', as a refusal says it."""
+    if self.kind == 'bool':
+      return 'must be True or False'
+    if self.kind == 'one of':
+      return f'use one of {list(self.choices)}'
+    return f"must be {'an' if self.kind == 'int' else 'a'} {self.text}"
+
+
+def parse_check(text: str) -> Check:
+  """A Check from its declaration ('int >= 1', 'number in [0, 1)', 'bool')."""
+  text = ' '.join(text.split())
+  if text == 'bool':
+    return Check(text, 'bool')
+  if text.startswith('one of '):
+    choices = ast.literal_eval(f'({text[len("one of "):]},)')
+    return Check(text, 'one of', choices=tuple(choices))
+  match = _BOUND.match(text)
+  if match is None:
+    raise ValueError(f'check [{text}]: use int, number or bool, optionally bounded, or one '
+                     "of: 'int >= 1', 'number > 0', 'number in [0, 1)', \"one of 'a', 'b'\".")
+  kind, op, bound, left, low, high, right = match.groups()
+  if op is not None:
+    return Check(text, kind, float(bound), op == '>=')
+  if left is not None:
+    return Check(text, kind, float(low), left == '[', float(high), right == ']')
+  return Check(text, kind)
+
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+  """One field of the config file: its dotted path, meaning, check, and whether it is a
+  per-member field (assigned with per_member(...))."""
+  path: str
+  meaning: str
+  check: Check | None
+  per_member: bool
+  line: int
+
+
+def _comments(source: str) -> dict[int, tuple[str, bool]]:
+  """line -> (comment text, whether the line holds only the comment)."""
+  out, lines = {}, source.splitlines()
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type == tokenize.COMMENT:
+      row, col = tok.start
+      out[row] = (tok.string.lstrip('#').strip(), not lines[row - 1][:col].strip())
+  return out
+
+
+def dotted(node: ast.expr) -> str | None:
+  """'model.name' for `config.model.name`; None for anything else."""
+  parts = []
+  while isinstance(node, ast.Attribute):
+    parts.append(node.attr)
+    node = node.value
+  if isinstance(node, ast.Name) and node.id == 'config' and parts:
+    return '.'.join(reversed(parts))
+  return None
+
+
+def comment_for(stmt: ast.stmt, comments: dict[int, tuple[str, bool]]) -> str:
+  """The comment lines right above `stmt`, then the ones beside it, as one text."""
+  above, row = [], stmt.lineno - 1
+  while row in comments and comments[row][1]:
+    above.insert(0, comments[row][0])
+    row -= 1
+  beside = [comments[r][0] for r in range(stmt.lineno, stmt.end_lineno + 1)
+            if r in comments and not comments[r][1]]
+  return ' '.join(above + beside).strip()
+
+
+def split_check(comment: str) -> tuple[str, Check | None]:
+  """(the meaning, the check declared at the comment's end, or None)."""
+  match = _CHECK.search(comment)
+  if match is None:
+    return comment, None
+  return comment[:match.start()].rstrip(), parse_check(match.group(1))
+
+
+def assignments(source: str) -> list[tuple[str, ast.Assign, str]]:
+  """(dotted path, statement, comment) of every `config.x = ...` in get_config(), in order."""
+  tree = ast.parse(source)
+  comments = _comments(source)
+  get_config = next(n for n in tree.body
+                    if isinstance(n, ast.FunctionDef) and n.name == 'get_config')
+  out = []
+  for stmt in get_config.body:
+    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+      path = dotted(stmt.targets[0])
+      if path is not None:
+        out.append((path, stmt, comment_for(stmt, comments)))
+  return out
+
+
+def fields(source: str) -> dict[str, Field]:
+  """Every field assigned in the file's get_config(), by dotted path."""
+  out = {}
+  for path, stmt, comment in assignments(source):
+    meaning, check = split_check(comment)
+    per_member = 'per_member(' in (ast.get_source_segment(source, stmt.value) or '')
+    out[path] = Field(path, meaning, check, per_member, stmt.lineno)
+  return out
+
+
+@functools.cache
+def declared(path: Path) -> dict[str, Field]:
+  """fields() of the config file at `path` (read once)."""
+  return fields(Path(path).read_text())
