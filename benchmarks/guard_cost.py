@@ -12,18 +12,17 @@ only (`loss_only`), and times, side by side in one run of benchmarks/throughput.
   vmap, vmap@loss_only    the same for 'vmap'.
 The candidate is for measurement only: a gradient can be NaN or infinite while the loss
 is finite (tests/test_step.py has such cases), and the full check is what dist_ens runs.
-Writes benchmarks/results/guard_cost.json (throughput.py's format).
+Writes benchmarks/results/guard_cost.json (throughput.py's format, with harness.run_header's
+fields).
 """
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks import throughput
 
-import throughput  # pylint: disable=wrong-import-position
+ROOT = Path(__file__).resolve().parents[1]
 
 FULL_CHECK = '  return ~(jnp.isfinite(result.loss) & _all_finite(result.grads))\n'
 LOSS_ONLY = '  return ~jnp.isfinite(result.loss)\n'

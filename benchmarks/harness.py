@@ -62,12 +62,22 @@ def machine() -> dict[str, Any]:
           'cores': os.cpu_count(), 'memory_gib': memory_gb, 'python': platform.python_version()}
 
 
+def command(argv: Sequence[str] | None = None) -> str:
+  """The command line that ran this process, as a reader would retype it: under
+  `python -m benchmarks.NAME` sys.argv[0] is the file's absolute path, so it is given back
+  as `-m benchmarks.NAME` (the path differs between checkouts, the module name does not)."""
+  argv = list(sys.argv if argv is None else argv)
+  spec = getattr(sys.modules.get('__main__'), '__spec__', None)
+  if argv and argv[0] == sys.argv[0] and spec is not None and spec.name != '__main__':
+    argv[0] = '-m ' + spec.name
+  return 'python ' + ' '.join(argv)
+
+
 def run_header(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """date (UTC), commit, load average at the start, machine and the command line."""
-  argv = sys.argv if argv is None else argv
   return {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
           **git_commit(), 'load_average_start': load_average(), 'machine': machine(),
-          'command': 'python ' + ' '.join(argv)}
+          'command': command(argv)}
 
 
 def write_results(path: str | Path, results: dict[str, Any]) -> Path:

@@ -54,10 +54,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-try:  # python -m benchmarks.scaling (from the repository root)
-  from benchmarks import harness
-except ImportError:  # python benchmarks/scaling.py: this file's folder is on sys.path
-  import harness  # type: ignore[no-redef]
+from benchmarks import harness  # python -m benchmarks.scaling, from the repository root
 
 ROOT = harness.ROOT
 

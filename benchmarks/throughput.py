@@ -57,16 +57,16 @@ throughput_quick.json, so a quick run never overwrites the full grid's figures).
 
 import argparse
 import dataclasses
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 128
@@ -706,7 +706,7 @@ def main(argv: list[str] | None = None) -> None:
         f'{os.cpu_count()} cores), torch {torch_version or "not installed (column skipped)"}'
         + (f' on {torch_device}' + (f' with {args.threads} threads' if torch_device == 'cpu'
                                     else '') if torch_version else ''), flush=True)
-  load_before = os.getloadavg()  # 1/5/15-minute load averages: how busy the machine was
+  header = harness.run_header()  # With the load average at the start: how busy the machine was
   peaks = build_peaks(bool(torch_version), torch_device)
   peak_times = {name: [] for name in peaks}
   cells = []
@@ -726,12 +726,10 @@ def main(argv: list[str] | None = None) -> None:
   peak = {name: 2 * n**3 / statistics.median(t) for name, t in peak_times.items()}
   _add_fractions(cells, peak)
   result = dict(
-      jax=jax.__version__, torch=torch_version, torch_threads=args.threads if torch_version
+      header, jax=jax.__version__, torch=torch_version, torch_threads=args.threads if torch_version
       else None, torch_device=torch_device if torch_version else None,
-      device=f'1 {device.platform} device ({device.device_kind})', cores=os.cpu_count(),
-      machine=platform.processor() or platform.machine(),
-      xla_flags=os.environ.get('XLA_FLAGS', ''),
-      load_average=dict(before=load_before, after=os.getloadavg()),
+      device=f'1 {device.platform} device ({device.device_kind})',
+      xla_flags=os.environ.get('XLA_FLAGS', ''), load_average_end=harness.load_average(),
       candidates=dict(c.split('=', 1) for c in args.candidate),
       batch_per_member=BATCH, conv_impl=CONV_IMPL or 'auto', repeats=repeats,
       min_time=min_time, quick=args.quick, peak_matmul_size=n, peak_flops=peak,
@@ -743,8 +741,7 @@ def main(argv: list[str] | None = None) -> None:
   print_table(result)
   out = Path(args.out or ROOT / 'benchmarks' / 'results' /
              ('throughput_quick.json' if args.quick else 'throughput.json'))
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1))
+  harness.write_results(out, result)
   print(f'wrote {out}')
 
 
