@@ -79,13 +79,11 @@ def main(argv: list[str] | None = None) -> None:
   cells = [(m, members, label, form, module) for m in models for members in member_counts
            for label, form, module in forms]
   times = {(m, members, label): [] for m, members, label, _, _ in cells}
-  for r in range(repeats):
-    order = cells[r % len(cells):] + cells[:r % len(cells)]
-    for m, members, label, form, module in order:
-      times[(m, members, label)].append(
-          time_first_step(throughput.MODELS[m], members, form, module))
-      print(f'{m} M={members} {label}: {times[(m, members, label)][-1]["total"]:.2f} s',
-            flush=True)
+  for _, (m, members, label, form, module) in harness.rotating_rounds(cells, repeats):
+    times[(m, members, label)].append(
+        time_first_step(throughput.MODELS[m], members, form, module))
+    print(f'{m} M={members} {label}: {times[(m, members, label)][-1]["total"]:.2f} s',
+          flush=True)
 
   rows = []
   lo, hi = min(member_counts), max(member_counts)

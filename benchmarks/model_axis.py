@@ -251,10 +251,9 @@ def speed_worker(args: argparse.Namespace) -> dict[str, Any]:
     v['compile_seconds'] = compile_seconds
     once = steps(v, 1)
     counts[name] = max(1, round(args.min_time / max(once, 1e-4)))
-  names, per_round = list(variants), {name: [] for name in variants}
-  for r in range(args.rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      per_round[name].append(steps(variants[name], counts[name]) / counts[name])
+  per_round = {name: [] for name in variants}
+  for _, name in harness.rotating_rounds(variants, args.rounds):
+    per_round[name].append(steps(variants[name], counts[name]) / counts[name])
   base = per_round['model=1']
   return dict(size=dict(hidden=hidden, depth=depth, heads=heads, mlp_dim=mlp),
               rounds=args.rounds, min_time=args.min_time, steps_per_round=counts,

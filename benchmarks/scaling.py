@@ -479,19 +479,17 @@ def step_rounds(members: dict[int, int], seconds: float, rounds: int, out_path: 
                 'batch': config.data.batch_size,
                 'sync': max(1, 8 // k), 'calls': max(4, round(seconds / per_call)),
                 'times': []}
-  order = list(members)
-  for r in range(rounds):
-    for m in order[r % len(order):] + order[:r % len(order)]:
-      cell = cells[m]
-      state = cell['state']
-      start = time.perf_counter()
-      for i in range(cell['calls']):
-        state, metrics = cell['step'](state, cell['hparams'], *next(cell['batches']))
-        if (i + 1) % cell['sync'] == 0:
-          jax.block_until_ready(metrics)
-      jax.block_until_ready(metrics)
-      cell['times'].append((time.perf_counter() - start) / (cell['calls'] * cell['k']))
-      cell['state'] = state
+  for _, m in harness.rotating_rounds(members, rounds):
+    cell = cells[m]
+    state = cell['state']
+    start = time.perf_counter()
+    for i in range(cell['calls']):
+      state, metrics = cell['step'](state, cell['hparams'], *next(cell['batches']))
+      if (i + 1) % cell['sync'] == 0:
+        jax.block_until_ready(metrics)
+    jax.block_until_ready(metrics)
+    cell['times'].append((time.perf_counter() - start) / (cell['calls'] * cell['k']))
+    cell['state'] = state
   out = {}
   for m, cell in cells.items():
     cell['batches'].close()

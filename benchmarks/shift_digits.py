@@ -17,7 +17,6 @@ Markdown tables and writes benchmarks/results/shift_digits.json:
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 import dist_ens
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / 'benchmarks' / 'results' / 'shift_digits.json'
@@ -101,13 +101,14 @@ def main() -> None:
   if args.table:
     print(tables(json.loads(OUT.read_text())))
     return
+  header = harness.run_header()
   final, wall = train(args.steps)
-  result = {**summary(final), 'steps': final['step'], 'wall_seconds': wall,
+  result = {**header, **summary(final), 'steps': final['step'], 'wall_seconds': wall,
             'devices': f'{jax.device_count()} x {jax.devices()[0].platform}',
-            'machine': platform.processor() or platform.machine()}
+            'load_average_end': harness.load_average()}
   print(tables(result))
   if not args.steps:
-    OUT.write_text(json.dumps(result, indent=1) + '\n')
+    harness.write_results(OUT, result)
     print(f'wrote {OUT}')
 
 

@@ -476,17 +476,15 @@ def time_side_by_side(runs: dict[str, Callable[[], Any]], repeats: int,
     calls[name] = max(1, min(1000, round(min_time / once)))
     slow[name] = once > SLOW_SECONDS
   times = {name: [] for name in runs}
-  names = list(runs)
-  for r in range(repeats):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      run, n = runs[name], calls[name]
-      if r >= SLOW_REPEATS and slow[name]:
-        continue
-      start = time.perf_counter()
-      for _ in range(n):
-        out = run()
-      _block(out)
-      times[name].append((time.perf_counter() - start) / n)
+  for r, name in harness.rotating_rounds(runs, repeats):
+    run, n = runs[name], calls[name]
+    if r >= SLOW_REPEATS and slow[name]:
+      continue
+    start = time.perf_counter()
+    for _ in range(n):
+      out = run()
+    _block(out)
+    times[name].append((time.perf_counter() - start) / n)
   return times, first
 
 
