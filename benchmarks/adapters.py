@@ -1,6 +1,6 @@
 """Step time of users' framework models through dist_ens's adapters vs the built-in MLP.
 
-  python benchmarks/adapters.py [--members 8] [--batch 128] [--widths 256,256]
+  python -m benchmarks.adapters [--members 8] [--batch 128] [--widths 256,256]
       [--steps 50] [--repeats 5] [--out PATH]
 
 The same MLP (flatten, [dense, relu] per width, dense to 10 logits; no BatchNorm or

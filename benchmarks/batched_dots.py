@@ -1,8 +1,8 @@
 """XLA:CPU's batched matmuls against the same products as single matmuls: the big MLP's
 (784-512-512-10, batch 128) dots for M members, one program each, side by side.
 
-  python benchmarks/batched_dots.py              # M=16, ~1 min on 2 cores
-  python benchmarks/batched_dots.py --members 64
+  python -m benchmarks.batched_dots              # M=16, ~1 min on 2 cores
+  python -m benchmarks.batched_dots --members 64
 
 Each batched case is one jitted program over all M members (jax.vmap of the product, as
 dist_ens's vmapped step holds it); each single case is one member's product, timed and

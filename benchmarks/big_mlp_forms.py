@@ -1,8 +1,8 @@
 """Why the big MLP at M >= 16 runs slower as one program than as a Python loop on a CPU:
 candidate one-program forms of a bare per-member Adam step, side by side.
 
-  python benchmarks/big_mlp_forms.py                 # M=16, 5 rounds, ~3 min on 2 cores
-  python benchmarks/big_mlp_forms.py --members 64 --rounds 3
+  python -m benchmarks.big_mlp_forms                 # M=16, 5 rounds, ~3 min on 2 cores
+  python -m benchmarks.big_mlp_forms --members 64 --rounds 3
 
 The model is throughput.py's mlp_big (784-512-512-10, batch 128 per member, one shared
 batch, Adam 1e-3), written here in plain JAX so that only the way members run differs:

@@ -1,6 +1,6 @@
 """How long a checkpoint save blocks the training loop, for two ensemble sizes.
 
-  python benchmarks/checkpoint_blocking.py [--repeats 5] [--out PATH]
+  python -m benchmarks.checkpoint_blocking [--repeats 5] [--out PATH]
 
 Saves are asynchronous: the loop waits only for the device-to-host copy (the
 `save` call); writing to disk overlaps with training. The state is the one training

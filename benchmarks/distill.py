@@ -2,8 +2,8 @@
 ensemble trained once, then distilled into a 'same' student and, by rerunning the
 finished run's command, into a 'hydra' student; the 'distill' sections side by side.
 
-  python benchmarks/distill.py                         # 4 members, T = 1000, 2000 student steps
-  python benchmarks/distill.py --steps 200 --distill_steps 300   # a quick look
+  python -m benchmarks.distill                         # 4 members, T = 1000, 2000 student steps
+  python -m benchmarks.distill --steps 200 --distill_steps 300   # a quick look
 
 configs/default.py (MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0), --members members on
 this machine's devices; students at T = --temperature, Adam --lr. Writes

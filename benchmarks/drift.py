@@ -1,7 +1,7 @@
 """How far the same members drift apart when only the mesh or M changes, over a full run.
 
-  python benchmarks/drift.py                  # default mode: 3 full default runs (~10 min)
-  python benchmarks/drift.py --reproducible   # and the same 3 with config.reproducible=True
+  python -m benchmarks.drift                  # default mode: 3 full default runs (~10 min)
+  python -m benchmarks.drift --reproducible   # and the same 3 with config.reproducible=True
 
 Trains configs/default.py (2,000 steps, 8 MLP members on MNIST-1D) three times with the
 dist-ens command, each in its own process:

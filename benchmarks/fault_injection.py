@@ -1,6 +1,6 @@
 """Fault injection: interrupt and damage small CLI runs, run them again, check what survives.
 
-  python benchmarks/fault_injection.py [--quick] [--trials N] [--seed S] [--cases a,b]
+  python -m benchmarks.fault_injection [--quick] [--trials N] [--seed S] [--cases a,b]
 
 Each case runs `dist-ens` (as `python -m dist_ens.main`) on configs/default.py made
 small (200 steps of 4 tiny MLP members; a log every 20 steps, a test evaluation at

@@ -1,8 +1,8 @@
 """Ensembles fine-tuned from one pretrained ViT on a shifted task, at equal training compute.
 
-  python benchmarks/finetune.py               # T = 110 (10 epochs), ~4 min on 2 shared cores
-  python benchmarks/finetune.py --steps 11 --pretrain-steps 55 --out /tmp/ft.json  # a quick look
-  python benchmarks/finetune.py --methods deep --full-lr 3e-4 --out /tmp/ft.json    # one method
+  python -m benchmarks.finetune               # T = 110 (10 epochs), ~4 min on 2 shared cores
+  python -m benchmarks.finetune --steps 11 --pretrain-steps 55 --out /tmp/ft.json  # a quick look
+  python -m benchmarks.finetune --methods deep --full-lr 3e-4 --out /tmp/ft.json    # one method
 
 The recipe of docs/finetune.md (issue 36, item 5), every run on ONE device:
 

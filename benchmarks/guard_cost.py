@@ -1,7 +1,7 @@
 """What dist_ens's non-finite guard costs each member form, against the Python loop.
 
-  python benchmarks/guard_cost.py                       # big MLP, M = 16 and 64 (~2 min)
-  python benchmarks/guard_cost.py --models mlp_small --members 16
+  python -m benchmarks.guard_cost                       # big MLP, M = 16 and 64 (~2 min)
+  python -m benchmarks.guard_cost --models mlp_small --members 16
 
 dist_ens's step freezes a member whose loss or gradient is not finite (core/step.py,
 _nonfinite): before the optimizer runs, every gradient is read once more to check it.

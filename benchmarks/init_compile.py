@@ -1,8 +1,8 @@
 """The init program's compile time at XLA:CPU's default LLVM -O2 against
 dist_ens.assemble.INIT_COMPILER_OPTIONS (-O1), and whether the two give the same state.
 
-  python benchmarks/init_compile.py               # every shipped config, ~2 min on 2 cores
-  python benchmarks/init_compile.py --members 8 --configs default,mnist1d_cnn
+  python -m benchmarks.init_compile               # every shipped config, ~2 min on 2 cores
+  python -m benchmarks.init_compile --members 8 --configs default,mnist1d_cnn
 
 For each config in configs/ (config.num_members = --members; a sweep config keeps its own M,
 which its grid fixes), on one CPU device: builds the parts as training does, then per

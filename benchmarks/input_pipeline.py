@@ -1,6 +1,6 @@
 """Input pipeline throughput against what the train step consumes.
 
-  python benchmarks/input_pipeline.py [--steps 30] [--step_repeats 3] [--examples 2048]
+  python -m benchmarks.input_pipeline [--steps 30] [--step_repeats 3] [--examples 2048]
       [--out PATH]
 
 For the default run (MNIST-1D in memory) and CIFAR-10-shaped data (32x32x3 PNG

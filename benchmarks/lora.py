@@ -1,8 +1,8 @@
 """config.ensemble.own: 'all' vs 'head' vs 'lora' for M=4 ViT members on one device
 (issue 36): the train state's bytes, XLA's memory and FLOPs of the compiled step.
 
-  python benchmarks/lora.py                      # ~2 min on a shared 2-core CPU
-  python benchmarks/lora.py --depth 12 --out /tmp/lora.json
+  python -m benchmarks.lora                      # ~2 min on a shared 2-core CPU
+  python -m benchmarks.lora --depth 12 --out /tmp/lora.json
 
 Each row builds the run as `dist-ens plan` does (assemble.build_run with shapes, no data)
 for M=4 members of a ViT (width --hidden, --depth pre-norm blocks, heads of 64, MLP 4x,

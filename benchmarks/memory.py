@@ -1,9 +1,9 @@
 """`dist-ens plan`'s predicted peak memory per device against the measured peak, on this CPU.
 
-  python benchmarks/memory.py              # 3 models x 2-3 M, 2 processes a cell (~2.5 min on
+  python -m benchmarks.memory              # 3 models x 2-3 M, 2 processes a cell (~2.5 min on
                                            # a shared 2-core CPU; results/memory.json)
-  python benchmarks/memory.py --warm       # also with the programs from a cache (~20 min)
-  python benchmarks/memory.py --models mlp --members 4,16 --out /tmp/m.json
+  python -m benchmarks.memory --warm       # also with the programs from a cache (~20 min)
+  python -m benchmarks.memory --models mlp --members 4,16 --out /tmp/m.json
 
 Three configs as shipped, on ONE CPU device (jax.devices()[:1]), each at a few
 ensemble sizes M (config.num_members; member_parallelism 'auto', as the configs say):

@@ -1,8 +1,8 @@
 """Ensemble methods compared at equal training compute on the embedded MNIST-1D data.
 
-  python benchmarks/methods.py               # budget 4 x 1000 member-steps, 35 min on 2 cores at load 8-11
-  python benchmarks/methods.py --steps 200   # a quick look
-  python benchmarks/methods.py --config configs/digits_resnet20.py   # ResNet-20 on digits,
+  python -m benchmarks.methods               # budget 4 x 1000 member-steps, 35 min on 2 cores at load 8-11
+  python -m benchmarks.methods --steps 200   # a quick look
+  python -m benchmarks.methods --config configs/digits_resnet20.py   # ResNet-20 on digits,
       # T = the config's train.steps (110), OOD set digits_noise; writes methods_digits_resnet20.json
 
 Every run is --config (configs/default.py: MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0)

@@ -1,9 +1,9 @@
 """The 'model' mesh axis (issue 34): the largest ViT member that trains at M=4 with Adam
 under a per-device memory budget, model = 1, 2, 4, 8, and what model=2 costs in step time.
 
-  python benchmarks/model_axis.py            # ~13 min on a shared 2-core CPU
-  python benchmarks/model_axis.py --quick    # ~2 min: 3 sizes, model 1 and 8, fewer rounds
-  python benchmarks/model_axis.py --budgets_gb 2,8 --models 1,2,4,8 --out /tmp/m.json
+  python -m benchmarks.model_axis            # ~13 min on a shared 2-core CPU
+  python -m benchmarks.model_axis --quick    # ~2 min: 3 sizes, model 1 and 8, fewer rounds
+  python -m benchmarks.model_axis --budgets_gb 2,8 --models 1,2,4,8 --out /tmp/m.json
 
 Memory (what is measured: XLA:CPU's buffer assignment of the compiled train step,
 `compiled.memory_analysis()`, per device; fake CPU devices have no device memory, so

@@ -1,9 +1,9 @@
 """End-to-end overhead: a whole dist_ens.train run's member-examples/s against its bare step's.
 
-  python benchmarks/overhead.py                       # M=16, 5 rounds, default run
-  python benchmarks/overhead.py --members 16,4 --rounds 5 --steps 800
-  python benchmarks/overhead.py --variants 'default;train.sync_every=1;data.prefetch=0'
-  python benchmarks/overhead.py --profile 'default'   # cProfile of one whole run's loop
+  python -m benchmarks.overhead                       # M=16, 5 rounds, default run
+  python -m benchmarks.overhead --members 16,4 --rounds 5 --steps 800
+  python -m benchmarks.overhead --variants 'default;train.sync_every=1;data.prefetch=0'
+  python -m benchmarks.overhead --profile 'default'   # cProfile of one whole run's loop
 
 For configs/default.py (MLP 40-256-256-10 on MNIST-1D, batch 128, Adam) on ONE device
 (jax.devices()[:1]), in one process, it times side by side:

@@ -1,7 +1,7 @@
 """Population-based training vs the static sweep vs the best single configuration, at equal compute.
 
-  python benchmarks/pbt.py [--steps 1000] [--seeds 0 1 2] [--out PATH]
-  python benchmarks/pbt.py --config configs/digits_resnet20.py   # ResNet-20 on digits:
+  python -m benchmarks.pbt [--steps 1000] [--seeds 0 1 2] [--out PATH]
+  python -m benchmarks.pbt --config configs/digits_resnet20.py   # ResNet-20 on digits:
       # 8 members, 110 steps, seeds 0 1; writes benchmarks/results/pbt_digits.json
 
 The default MLP on MNIST-1D, 16 members, a learning-rate x weight-decay sweep, each run

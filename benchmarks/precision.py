@@ -1,8 +1,8 @@
 """Mixed precision: the speed and accuracy effect of config.precision='bfloat16'.
 
-  python benchmarks/precision.py            # speed + accuracy (~30 min on 2 CPU cores)
-  python benchmarks/precision.py --quick    # speed only, fewer repeats (a smoke test)
-  python benchmarks/precision.py --configs mnist1d_resnet --models resnet20
+  python -m benchmarks.precision            # speed + accuracy (~30 min on 2 CPU cores)
+  python -m benchmarks.precision --quick    # speed only, fewer repeats (a smoke test)
+  python -m benchmarks.precision --configs mnist1d_resnet --models resnet20
 
 With precision='bfloat16' the model's forward and backward pass run in bf16 while
 parameters, optimizer state, BatchNorm statistics, loss, metrics and checkpoints stay

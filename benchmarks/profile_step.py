@@ -1,7 +1,7 @@
 """Where a step's time goes on a CPU: dist_ens's step against the Python loop, by kind of work.
 
-  python benchmarks/profile_step.py                       # big MLP, M=16, 'map' (~1 min)
-  python benchmarks/profile_step.py --model cnn2d --members 4 --form map
+  python -m benchmarks.profile_step                       # big MLP, M=16, 'map' (~1 min)
+  python -m benchmarks.profile_step --model cnn2d --members 4 --form map
 
 Runs --steps steps of dist_ens's step (built as training builds it, in the given form)
 and of the loop (benchmarks/throughput.py's: one jitted optax update per member) under

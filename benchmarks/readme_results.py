@@ -2,9 +2,9 @@
 configs/mnist1d_cnn.py, and the ResNet recipes configs/digits_resnet20.py and
 configs/mnist1d_resnet.py) as they are, with the current code, and print one Markdown table.
 
-  python benchmarks/readme_results.py                 # every config, ~30 min on 2 CPU cores
-  python benchmarks/readme_results.py --configs digits_resnet20,mnist1d_resnet   # the ResNets
-  python benchmarks/readme_results.py --configs default --steps 200   # a quick look
+  python -m benchmarks.readme_results                 # every config, ~30 min on 2 CPU cores
+  python -m benchmarks.readme_results --configs digits_resnet20,mnist1d_resnet   # the ResNets
+  python -m benchmarks.readme_results --configs default --steps 200   # a quick look
 
 Each config is trained by `dist_ens.train` into a fresh /tmp workdir on whatever devices
 exist (seed 0, nothing overridden unless --steps is given). Per config the table has the

@@ -1,7 +1,7 @@
 """What reproducible mode (config.reproducible=True) costs in member-examples per second.
 
-  python benchmarks/reproducible.py           # 3 models x M=8, about 5 min on 2 cores
-  python benchmarks/reproducible.py --quick   # fewer repeats
+  python -m benchmarks.reproducible           # 3 models x M=8, about 5 min on 2 cores
+  python -m benchmarks.reproducible --quick   # fewer repeats
 
 For each model (benchmarks/throughput.py's MLP 40-256-256-10, MLP 784-512-512-10 and
 1-D CNN), M members, batch 128 per member, Adam, one device, it times one training step

@@ -1,7 +1,7 @@
 """Reproducible mode with members split over a 'model' axis: bit-identical across meshes
 for a fixed mesh.model, not across model sizes.
 
-  python benchmarks/reproducible_model_axis.py      # ~2 min on 8 fake CPU devices
+  python -m benchmarks.reproducible_model_axis      # ~2 min on 8 fake CPU devices
 
 Trains M=4 MLPs 40-64-64-10 (dropout 0.1, 'shuffled' orders, Adam, 20 steps, batch 128,
 two micro-batches, leaves of 1,024+ elements split by FSDP) with config.reproducible=True

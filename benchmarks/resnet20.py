@@ -1,7 +1,7 @@
 """ResNet-20 ensembles on this CPU: vmap, lax.map, a Python loop and PyTorch, by conv path.
 
-  python benchmarks/resnet20.py            # M = 1, 4, 8 (45 min on a shared 2-core CPU)
-  python benchmarks/resnet20.py --quick    # M = 1, 4, 3 repeats, no plan cross-check
+  python -m benchmarks.resnet20            # M = 1, 4, 8 (45 min on a shared 2-core CPU)
+  python -m benchmarks.resnet20 --quick    # M = 1, 4, 3 repeats, no plan cross-check
                                            # (still ~20 min: every variant compiles a ResNet)
 
 The model is dist_ens's built-in CIFAR ResNet-20 (config.model.name='resnet',

@@ -2,7 +2,7 @@
 
   python -m benchmarks.scaling            # from the repository root; ~20 min on 2 cores
   python -m benchmarks.scaling --quick    # M = 1, 8, 64, 256 (~5 min)
-  python benchmarks/scaling.py [--members 64,256] [--out PATH]   # the same, as a script
+  python -m benchmarks.scaling [--members 64,256] [--out PATH]   # the same, as a script
 
 For each M, one fresh process (`timeout -k`-bounded, so its peak RSS is its own) with 8
 fake CPU devices trains configs/default.py's MLP narrowed to one hidden layer of 8 units

@@ -1,9 +1,9 @@
 """Clean and corrupted test metrics of configs/digits_resnet20.py, as uncertainty-baselines'
 tables put them side by side: the table in docs/evaluation.md.
 
-  python benchmarks/shift_digits.py                 # ~5 min on 2 CPU cores
-  python benchmarks/shift_digits.py --steps 20      # a quick look
-  python benchmarks/shift_digits.py --table         # the tables of the saved results
+  python -m benchmarks.shift_digits                 # ~5 min on 2 CPU cores
+  python -m benchmarks.shift_digits --steps 20      # a quick look
+  python -m benchmarks.shift_digits --table         # the tables of the saved results
 
 Trains the config as it is with eval.shift='all' (12 corruption families x 5 severities on
 8x8 grey digits; saturate needs colour) and data.validation_size=300 (carved from the

@@ -1,7 +1,7 @@
 """Whole training runs (dist_ens.train, input pipeline and logging included) for several
 config.train.steps_per_call values, side by side.
 
-  python benchmarks/steps_per_call.py [--values 1,10,100] [--members 8] [--steps 2000]
+  python -m benchmarks.steps_per_call [--values 1,10,100] [--members 8] [--steps 2000]
       [--repeats 3] [--config configs/default.py] [--out PATH]
 
 The compiled step is not the only cost of a step: the host hands over a batch,

@@ -1,6 +1,6 @@
 """Step time of a hyperparameter sweep vs a plain ensemble of the same M.
 
-  python benchmarks/sweep_overhead.py [--members 16] [--steps 200] [--repeats 5] [--out PATH]
+  python -m benchmarks.sweep_overhead [--members 16] [--steps 200] [--repeats 5] [--out PATH]
 
 Per-member learning rates and weight decays are data: the per-member hyperparameters
 ({field: [M]}, parts.device_hparams()) that every call of the step takes beside the

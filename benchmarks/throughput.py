@@ -1,8 +1,8 @@
 """Member-examples per second of every way to train M models, against the matmul peak.
 
-  python benchmarks/throughput.py            # the full grid (about 20 min on 2 cores)
-  python benchmarks/throughput.py --quick    # 5 cells, under 5 min
-  python benchmarks/throughput.py --candidate p=PATH   # also an A/B of a dist_ens change
+  python -m benchmarks.throughput            # the full grid (about 20 min on 2 cores)
+  python -m benchmarks.throughput --quick    # 5 cells, under 5 min
+  python -m benchmarks.throughput --candidate p=PATH   # also an A/B of a dist_ens change
 
 For each model and member count M (batch 128 per member, Adam, one shared batch),
 it times one training step of all M members done as

@@ -1,8 +1,8 @@
 """The UCI regression benchmark (Lakshminarayanan et al. 2017, Table 1) with member_split:
 every data set's 20 splits x 5 members train as ONE run of 100 members.
 
-  python benchmarks/uci.py                       # six sets, 20 splits, both schedules
-  python benchmarks/uci.py --sets energy,yacht --splits 5 --separate 1 --out /tmp/u.json
+  python -m benchmarks.uci                       # six sets, 20 splits, both schedules
+  python -m benchmarks.uci --sets energy,yacht --splits 5 --separate 1 --out /tmp/u.json
 
 Protocol (../shared/data/uci/README.md): 20 random 90% / 10% splits of the whole set (the
 splits of dist_ens.data.uci.uci_split, seed 0); one hidden layer of 50 ReLUs predicting a
