@@ -39,8 +39,9 @@ Many cases are expected to fail while known defects are being fixed: the script
 reports, it does not judge. Prints a table and writes
 benchmarks/results/fault_injection.json: harness.run_header's fields (this script's command,
 its checkout's commit, date, load averages, machine), the CLI command under test
-(cli_command) and the commit of the checkout it ran (source_commit). Signals go to the Python process itself,
-not to `timeout` (which would forward SIGTERM and then SIGKILL it 5 s later).
+(cli_command) and the commit of the checkout it ran (source_commit). Signals go to the
+Python process itself, not to `timeout` (which would forward SIGTERM and then SIGKILL it
+5 s later).
 """
 
 import argparse
@@ -600,7 +601,8 @@ def main() -> None:
   harness.write_results(args.out, {
       **header,
       'cli_command': ' '.join(['dist-ens --config=configs/default.py --workdir=W', *OVERRIDES]),
-      'source': str(source), 'source_commit': _commit(source), 'seed': args.seed, 'trials_per_case': trials, 'reference_seconds': round(ref_seconds, 1),
+      'source': str(source), 'source_commit': _commit(source), 'seed': args.seed,
+      'trials_per_case': trials, 'reference_seconds': round(ref_seconds, 1),
       'child_limit_s': limit_s, 'total_seconds': round(time.monotonic() - started, 1),
       'cases': summary, 'load_average_end': harness.load_average()})
   print(f'wrote {args.out}')

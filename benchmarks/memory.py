@@ -502,8 +502,8 @@ def main(argv: list[str] | None = None) -> None:
             for m in args.members or MEMBERS[model]]
   finally:
     shutil.rmtree(cache_dir, ignore_errors=True)
-  result = dict(header, **machine_info(), steps=args.steps, tolerance=TOLERANCE, notes=NOTES, rows=rows,
-                memory_gb=args.memory_gb, growth=growth(rows, args.memory_gb * 1e9),
+  result = dict(header, **machine_info(), steps=args.steps, tolerance=TOLERANCE, notes=NOTES,
+                rows=rows, memory_gb=args.memory_gb, growth=growth(rows, args.memory_gb * 1e9),
                 seconds=time.perf_counter() - start, load_average_end=harness.load_average())
   print_tables(result)
   misses = [f'{r["model"]}@{r["members"]}' for r in rows for k in ('measured', 'measured_clean')

@@ -453,8 +453,9 @@ def main(argv: list[str] | None = None) -> None:
             '--speed_size', ','.join(map(str, args.speed_size)), '--rounds', str(args.rounds),
             '--min_time', str(args.min_time), '--device', args.device,
             '--run_steps', str(args.run_steps)] + (['--check_opt'] if args.check_opt else [])
-  result = dict(machine_info(args.device), notes=NOTES, members=MEMBERS, batch=BATCH, input_shape=INPUT_SHAPE,
-                patch=PATCH, config=str(CONFIG.relative_to(ROOT)), rules=args.rules,
+  result = dict(machine_info(args.device), notes=NOTES, members=MEMBERS, batch=BATCH,
+                input_shape=INPUT_SHAPE, patch=PATCH, config=str(CONFIG.relative_to(ROOT)),
+                rules=args.rules,
                 models=list(args.models), budgets_gb=list(args.budgets_gb),
                 ladder=[list(s) for s in args.ladder])
   if args.memory:
