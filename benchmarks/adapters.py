@@ -1,6 +1,6 @@
 """Step time of users' framework models through dist_ens's adapters vs the built-in MLP.
 
-  python benchmarks/adapters.py [--members 8] [--batch 128] [--widths 256,256]
+  python -m benchmarks.adapters [--members 8] [--batch 128] [--widths 256,256]
       [--steps 50] [--repeats 5] [--out PATH]
 
 The same MLP (flatten, [dense, relu] per width, dense to 10 logits; no BatchNorm or
@@ -15,7 +15,6 @@ benchmarks/results/adapters.json.
 """
 
 import argparse
-import json
 import math
 import statistics
 import time
@@ -25,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import harness
 from dist_ens import assemble
 from dist_ens.configuration import load_config
 from dist_ens.core.model import Model
@@ -163,14 +163,13 @@ def main():
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'adapters.json'))
   args = parser.parse_args()
+  header = harness.run_header()
   args.widths = tuple(int(w) for w in args.widths.split(','))
   built = {name: build(factory, args) for name, factory in FACTORIES.items()}
   seconds = {name: [] for name in FACTORIES}
-  names = list(FACTORIES)
-  for r in range(args.repeats):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      s, built[name] = time_steps(built[name], args.steps)
-      seconds[name].append(s)
+  for _, name in harness.rotating_rounds(FACTORIES, args.repeats):
+    s, built[name] = time_steps(built[name], args.steps)
+    seconds[name].append(s)
   median = {name: statistics.median(v) for name, v in seconds.items()}
   base = median['builtin mlp']
   print(f'M={args.members}, batch {args.batch}, widths {args.widths}, one {jax.devices()[0].platform}'
@@ -178,12 +177,11 @@ def main():
   print('| model | step ms | vs built-in |\n|---|---|---|')
   for name, s in median.items():
     print(f'| {name} | {s * 1e3:.3f} | {s / base:.3f} |')
-  result = {'members': args.members, 'batch': args.batch, 'widths': list(args.widths),
+  result = {**header, 'members': args.members, 'batch': args.batch, 'widths': list(args.widths),
             'platform': jax.devices()[0].platform, 'steps': args.steps, 'repeats': args.repeats,
             'step_seconds': median, 'ratio_to_builtin': {n: s / base for n, s in median.items()},
-            'all_step_seconds': seconds}
-  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
+            'all_step_seconds': seconds, 'load_average_end': harness.load_average()}
+  harness.write_results(args.out, result)
 
 
 if __name__ == '__main__':

@@ -1,8 +1,8 @@
 """XLA:CPU's batched matmuls against the same products as single matmuls: the big MLP's
 (784-512-512-10, batch 128) dots for M members, one program each, side by side.
 
-  python benchmarks/batched_dots.py              # M=16, ~1 min on 2 cores
-  python benchmarks/batched_dots.py --members 64
+  python -m benchmarks.batched_dots              # M=16, ~1 min on 2 cores
+  python -m benchmarks.batched_dots --members 64
 
 Each batched case is one jitted program over all M members (jax.vmap of the product, as
 dist_ens's vmapped step holds it); each single case is one member's product, timed and
@@ -11,14 +11,14 @@ calls in --rounds rotating rounds (medians). Writes benchmarks/results/batched_d
 """
 
 import argparse
-import datetime
-import json
 import statistics
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 128
@@ -64,16 +64,15 @@ def main():
   parser.add_argument('--rounds', type=int, default=7)
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'batched_dots.json'))
   args = parser.parse_args()
+  header = harness.run_header()
   timed = {f'{name}|{kind}': program for name, pair in cases(args.members).items()
            for kind, program in zip(('batched', 'single'), pair)}
   for fn, *fn_args in timed.values():
     jax.block_until_ready(fn(*fn_args))  # Compile outside the timing.
   times = {key: [] for key in timed}
-  keys = list(timed)
-  for r in range(args.rounds):
-    for key in keys[r % len(keys):] + keys[:r % len(keys)]:
-      fn, *fn_args = timed[key]
-      times[key].append(seconds(fn, fn_args, args.calls))
+  for _, key in harness.rotating_rounds(timed, args.rounds):
+    fn, *fn_args = timed[key]
+    times[key].append(seconds(fn, fn_args, args.calls))
   ms = {key: 1e3 * statistics.median(v) for key, v in times.items()}
   print(f'M={args.members}, ms per call (single: one member x M), medians of {args.rounds}')
   rows = []
@@ -82,10 +81,10 @@ def main():
     rows.append(dict(product=name, batched_ms=batched, single_times_m_ms=single,
                      batched_over_single=batched / single))
     print(f'{name:44s} {batched:8.2f} {single:8.2f}  {batched / single:5.2f}x')
-  Path(args.out).write_text(json.dumps(dict(
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
-      device=str(jax.devices()[0].device_kind), members=args.members, calls=args.calls,
-      rounds=args.rounds, rows=rows, times=times), indent=1))
+  harness.write_results(args.out, dict(
+      header, jax=jax.__version__, device=str(jax.devices()[0].device_kind),
+      members=args.members, calls=args.calls, rounds=args.rounds, rows=rows, times=times,
+      load_average_end=harness.load_average()))
   print(f'wrote {args.out}')
 
 

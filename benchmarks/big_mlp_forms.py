@@ -1,8 +1,8 @@
 """Why the big MLP at M >= 16 runs slower as one program than as a Python loop on a CPU:
 candidate one-program forms of a bare per-member Adam step, side by side.
 
-  python benchmarks/big_mlp_forms.py                 # M=16, 5 rounds, ~3 min on 2 cores
-  python benchmarks/big_mlp_forms.py --members 64 --rounds 3
+  python -m benchmarks.big_mlp_forms                 # M=16, 5 rounds, ~3 min on 2 cores
+  python -m benchmarks.big_mlp_forms --members 64 --rounds 3
 
 The model is throughput.py's mlp_big (784-512-512-10, batch 128 per member, one shared
 batch, Adam 1e-3), written here in plain JAX so that only the way members run differs:
@@ -36,8 +36,6 @@ runs once per iteration).
 """
 
 import argparse
-import datetime
-import json
 import os
 import re
 import statistics
@@ -51,6 +49,7 @@ import optax
 from jax.experimental.layout import Format, Layout
 from jax.sharding import SingleDeviceSharding
 
+from benchmarks import harness
 from dist_ens.parallel.strategy import over_members
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -204,24 +203,23 @@ def main():
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'big_mlp_forms.json'))
   args = parser.parse_args()
+  header = harness.run_header()
   runs, copies = build(args.members)
   rates = {name: [] for name in runs}
-  names = list(runs)
-  for r in range(args.rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      start = time.perf_counter()
-      runs[name](args.steps)
-      rates[name].append(args.members * BATCH * args.steps / (time.perf_counter() - start))
+  for _, name in harness.rotating_rounds(runs, args.rounds):
+    start = time.perf_counter()
+    runs[name](args.steps)
+    rates[name].append(args.members * BATCH * args.steps / (time.perf_counter() - start))
   medians = {name: statistics.median(v) for name, v in rates.items()}
   print(f'mlp_big, M={args.members}, {args.rounds} rounds; member-examples/s, x the loop, '
         f'whole-stack copy instructions in the program')
   for name, rate in medians.items():
     print(f'{name:9s} {rate:9,.0f} {rate / medians["loop"]:6.2f}  {copies.get(name, "-")}')
-  Path(args.out).write_text(json.dumps(dict(
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
-      device=str(jax.devices()[0].device_kind), members=args.members, rounds=args.rounds,
-      steps=args.steps, xla_flags=os.environ.get('XLA_FLAGS', ''), rates=rates,
-      medians=medians, whole_stack_copies=copies), indent=1))
+  harness.write_results(args.out, dict(
+      header, jax=jax.__version__, device=str(jax.devices()[0].device_kind),
+      members=args.members, rounds=args.rounds, steps=args.steps,
+      xla_flags=os.environ.get('XLA_FLAGS', ''), rates=rates, medians=medians,
+      whole_stack_copies=copies, load_average_end=harness.load_average()))
   print(f'wrote {args.out}')
 
 

@@ -1,6 +1,6 @@
 """How long a checkpoint save blocks the training loop, for two ensemble sizes.
 
-  python benchmarks/checkpoint_blocking.py [--repeats 5] [--out PATH]
+  python -m benchmarks.checkpoint_blocking [--repeats 5] [--out PATH]
 
 Saves are asynchronous: the loop waits only for the device-to-host copy (the
 `save` call); writing to disk overlaps with training. The state is the one training
@@ -10,7 +10,6 @@ benchmarks/results/checkpoint_blocking.json (or --out).
 """
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import jax
 
+from benchmarks import harness
 from dist_ens import assemble, data
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.configuration import load_config
@@ -66,16 +66,15 @@ def main():
   parser.add_argument('--out',
                       default=str(ROOT / 'benchmarks' / 'results' / 'checkpoint_blocking.json'))
   args = parser.parse_args()
-  rows = []
+  header, rows = harness.run_header(), []
   print(f'{"ensemble":45s} {"state MB":>9s} {"blocks loop ms":>15s} {"full save ms":>13s}')
   for name, overrides, shape in CASES:
     num_bytes, block, total = measure(overrides, shape, args.repeats)
     rows.append(dict(ensemble=name, state_bytes=num_bytes, blocking_s=block, total_s=total))
     print(f'{name:45s} {num_bytes / 1e6:9.1f} {block * 1e3:15.1f} {total * 1e3:13.1f}')
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(dict(devices=str(jax.devices()[0].platform), count=jax.device_count(),
-                                 repeats=args.repeats, rows=rows), indent=2))
+  out = harness.write_results(args.out, dict(
+      header, devices=str(jax.devices()[0].platform), count=jax.device_count(),
+      repeats=args.repeats, rows=rows, load_average_end=harness.load_average()))
   print(f'wrote {out}')
 
 

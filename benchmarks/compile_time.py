@@ -1,6 +1,6 @@
 """Time to the first train step, M=1 against M=64: does compile time grow with M?
 
-  python benchmarks/compile_time.py [--members 1,64] [--repeats 3] [--quick]
+  python -m benchmarks.compile_time [--members 1,64] [--repeats 3] [--quick]
 
 For each model of benchmarks/throughput.py and each member parallelism, builds a
 fresh step (a new jax.jit, so it traces and compiles again) and times, on one
@@ -14,14 +14,11 @@ Prints a table and writes benchmarks/results/compile_time.json.
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # noqa: E402  # pylint: disable=g-import-not-at-top
+from benchmarks import harness, throughput
 
 ROOT = throughput.ROOT
 
@@ -68,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
                       'forms are timed as FORM@NAME')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'compile_time.json'))
   args = parser.parse_args(argv)
+  header = harness.run_header()
   models = ['mlp_small', 'cnn1d'] if args.quick else args.models.split(',')
   repeats = 2 if args.quick else args.repeats
   member_counts = [int(m) for m in args.members.split(',')]
@@ -81,13 +79,11 @@ def main(argv: list[str] | None = None) -> None:
   cells = [(m, members, label, form, module) for m in models for members in member_counts
            for label, form, module in forms]
   times = {(m, members, label): [] for m, members, label, _, _ in cells}
-  for r in range(repeats):
-    order = cells[r % len(cells):] + cells[:r % len(cells)]
-    for m, members, label, form, module in order:
-      times[(m, members, label)].append(
-          time_first_step(throughput.MODELS[m], members, form, module))
-      print(f'{m} M={members} {label}: {times[(m, members, label)][-1]["total"]:.2f} s',
-            flush=True)
+  for _, (m, members, label, form, module) in harness.rotating_rounds(cells, repeats):
+    times[(m, members, label)].append(
+        time_first_step(throughput.MODELS[m], members, form, module))
+    print(f'{m} M={members} {label}: {times[(m, members, label)][-1]["total"]:.2f} s',
+          flush=True)
 
   rows = []
   lo, hi = min(member_counts), max(member_counts)
@@ -109,10 +105,9 @@ def main(argv: list[str] | None = None) -> None:
       cols = ' '.join(f'{d["total"]:6.2f} ({d["trace_lower"]:.2f}/{d["compile"]:.2f}/'
                       f'{d["first_run"]:.2f})'.rjust(26) for d in med.values())
       print(f'{m:10s} {label:12s} {cols} {ratio:12.2f} {compile_ratio:14.2f}')
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(dict(jax=jax.__version__, device=f'1 {jax.devices()[0].platform} '
-                                 'device', repeats=repeats, rows=rows), indent=1))
+  out = harness.write_results(args.out, dict(
+      header, jax=jax.__version__, device=f'1 {jax.devices()[0].platform} device',
+      repeats=repeats, rows=rows, load_average_end=harness.load_average()))
   print(f'wrote {out}')
 
 

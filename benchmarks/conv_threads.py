@@ -1,7 +1,7 @@
 """Reproducible mode and 2-D convolutions on XLA:CPU: do results depend on the devices
 (and cores) a process has? (issue 39, item 15; docs/reproducibility.md)
 
-  python benchmarks/conv_threads.py            # 3 one-step runs, ~2 min on 2 cores
+  python -m benchmarks.conv_threads            # 3 one-step runs, ~2 min on 2 cores
 
 Trains one step of a 2-member ResNet-8 on 8x8 digits (BatchNorm, 2 micro-batches,
 config.reproducible=True with its XLA flags), always on a 1x1 mesh, each run in its own

@@ -2,8 +2,8 @@
 ensemble trained once, then distilled into a 'same' student and, by rerunning the
 finished run's command, into a 'hydra' student; the 'distill' sections side by side.
 
-  python benchmarks/distill.py                         # 4 members, T = 1000, 2000 student steps
-  python benchmarks/distill.py --steps 200 --distill_steps 300   # a quick look
+  python -m benchmarks.distill                         # 4 members, T = 1000, 2000 student steps
+  python -m benchmarks.distill --steps 200 --distill_steps 300   # a quick look
 
 configs/default.py (MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0), --members members on
 this machine's devices; students at T = --temperature, Adam --lr. Writes
@@ -11,13 +11,13 @@ benchmarks/results/distill.json (--out: another name).
 """
 
 import argparse
-import json
 import platform
 import tempfile
 import time
 from pathlib import Path
 
 import dist_ens
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 KEYS = ('nll_gain_kept', 'accuracy', 'nll', 'ece', 'nll_member_mean', 'nll_ensemble',
@@ -42,7 +42,9 @@ def main() -> None:
   parser.add_argument('--lr', type=float, default=1e-3)
   parser.add_argument('--out', default='distill.json', help='under benchmarks/results/')
   args = parser.parse_args()
-  out = {'args': vars(args), 'machine': platform.platform(), 'students': {}}
+  # platform.platform(): the OS and libc, which this file recorded before the header did.
+  out = {**harness.run_header(), 'args': vars(args), 'platform': platform.platform(),
+         'students': {}}
   with tempfile.TemporaryDirectory() as workdir:
     for student in ('same', 'hydra'):  # The second distils the finished run again.
       start = time.perf_counter()
@@ -55,8 +57,8 @@ def main() -> None:
             f"accuracy {d['accuracy']:.4f}; ECE {d['ece']:.4f}; "
             f"FLOPs {d['cost']['flops_ratio']:.3f} and params {d['cost']['params_ratio']:.3f} "
             "of the ensemble's")
-  path = ROOT / 'benchmarks' / 'results' / args.out
-  path.write_text(json.dumps(out, indent=2) + '\n')
+  path = harness.write_results(ROOT / 'benchmarks' / 'results' / args.out,
+                               {**out, 'load_average_end': harness.load_average()})
   print('wrote', path)
 
 

@@ -1,7 +1,7 @@
 """How far the same members drift apart when only the mesh or M changes, over a full run.
 
-  python benchmarks/drift.py                  # default mode: 3 full default runs (~10 min)
-  python benchmarks/drift.py --reproducible   # and the same 3 with config.reproducible=True
+  python -m benchmarks.drift                  # default mode: 3 full default runs (~10 min)
+  python -m benchmarks.drift --reproducible   # and the same 3 with config.reproducible=True
 
 Trains configs/default.py (2,000 steps, 8 MLP members on MNIST-1D) three times with the
 dist-ens command, each in its own process:
@@ -26,7 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+
+ROOT = harness.ROOT
 RUNS = {'1x1 M=8': (8, 1, 1), '8x1 M=8': (8, 8, 8), '1x1 M=3': (3, 1, 1)}
 PAIRS = (('1x1 M=8', '8x1 M=8', 8), ('1x1 M=8', '1x1 M=3', 3))
 
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--steps', type=int, default=0, help='train.steps (default: the config)')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'drift.json'))
   args = parser.parse_args(argv)
+  header = harness.run_header()
   extra = ["--config.writers=('jsonl',)"]
   if args.steps:
     extra += [f'--config.train.steps={args.steps}', f'--config.train.log_every={args.steps}',
@@ -86,9 +89,9 @@ def main(argv: list[str] | None = None) -> None:
       for a, b, count in PAIRS:
         rows.append({'mode': mode, 'a': a, 'b': b,
                      **_compare(Path(tmp) / f'{mode} {a}', Path(tmp) / f'{mode} {b}', count)})
-  result = {'config': 'configs/default.py', 'steps': args.steps or 2000, 'rows': rows}
-  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
+  harness.write_results(args.out, {**header, 'config': 'configs/default.py',
+                                   'steps': args.steps or 2000, 'rows': rows,
+                                   'load_average_end': harness.load_average()})
   print('| mode | runs compared | members | max param diff | max member NLL diff | '
         'max member acc diff | ensemble acc | ensemble NLL |')
   print('|---|---|---:|---:|---:|---:|---|---|')

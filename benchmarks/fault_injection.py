@@ -1,6 +1,6 @@
 """Fault injection: interrupt and damage small CLI runs, run them again, check what survives.
 
-  python benchmarks/fault_injection.py [--quick] [--trials N] [--seed S] [--cases a,b]
+  python -m benchmarks.fault_injection [--quick] [--trials N] [--seed S] [--cases a,b]
 
 Each case runs `dist-ens` (as `python -m dist_ens.main`) on configs/default.py made
 small (200 steps of 4 tiny MLP members; a log every 20 steps, a test evaluation at
@@ -37,8 +37,11 @@ re-run).
 
 Many cases are expected to fail while known defects are being fixed: the script
 reports, it does not judge. Prints a table and writes
-benchmarks/results/fault_injection.json. Signals go to the Python process itself,
-not to `timeout` (which would forward SIGTERM and then SIGKILL it 5 s later).
+benchmarks/results/fault_injection.json: harness.run_header's fields (this script's command,
+its checkout's commit, date, load averages, machine), the CLI command under test
+(cli_command) and the commit of the checkout it ran (source_commit). Signals go to the
+Python process itself, not to `timeout` (which would forward SIGTERM and then SIGKILL it
+5 s later).
 """
 
 import argparse
@@ -57,7 +60,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+
+ROOT = harness.ROOT
 RESULTS = ROOT / 'benchmarks' / 'results' / 'fault_injection.json'
 
 STEPS, LOG_EVERY, EVAL_EVERY, CHECKPOINT_EVERY = 200, 20, 100, 50
@@ -565,8 +570,11 @@ def main() -> None:
   if unknown:
     sys.exit(f'fault_injection: unknown case(s) {unknown}; valid: {", ".join(CASES)}')
   trials = 1 if args.quick else args.trials
-  source = args.source.resolve()
-  sys.path.insert(0, str(source))  # Ensemble.load from the code under test.
+  header, source = harness.run_header(), args.source.resolve()
+  # Deliberate: --source picks which checkout's dist_ens is under test; the CLI children
+  # get it by cwd and PYTHONPATH, and this process's Ensemble.load (load_params, imported
+  # lazily) must read their checkpoints with that same checkout's code, not this one's.
+  sys.path.insert(0, str(source))
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')
   root = Path(tempfile.mkdtemp(prefix='fault_injection_'))
   started = time.monotonic()
@@ -590,13 +598,13 @@ def main() -> None:
     else:
       shutil.rmtree(root, ignore_errors=True)
   print_table(summary)
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps({
-      'command': ' '.join(['dist-ens --config=configs/default.py --workdir=W', *OVERRIDES]),
-      'date': time.strftime('%Y-%m-%d'), 'commit': _commit(source),
-      'seed': args.seed, 'trials_per_case': trials, 'reference_seconds': round(ref_seconds, 1),
+  harness.write_results(args.out, {
+      **header,
+      'cli_command': ' '.join(['dist-ens --config=configs/default.py --workdir=W', *OVERRIDES]),
+      'source': str(source), 'source_commit': _commit(source), 'seed': args.seed,
+      'trials_per_case': trials, 'reference_seconds': round(ref_seconds, 1),
       'child_limit_s': limit_s, 'total_seconds': round(time.monotonic() - started, 1),
-      'cases': summary}, indent=2) + '\n')
+      'cases': summary, 'load_average_end': harness.load_average()})
   print(f'wrote {args.out}')
 
 

@@ -1,8 +1,8 @@
 """Ensembles fine-tuned from one pretrained ViT on a shifted task, at equal training compute.
 
-  python benchmarks/finetune.py               # T = 110 (10 epochs), ~4 min on 2 shared cores
-  python benchmarks/finetune.py --steps 11 --pretrain-steps 55 --out /tmp/ft.json  # a quick look
-  python benchmarks/finetune.py --methods deep --full-lr 3e-4 --out /tmp/ft.json    # one method
+  python -m benchmarks.finetune               # T = 110 (10 epochs), ~4 min on 2 shared cores
+  python -m benchmarks.finetune --steps 11 --pretrain-steps 55 --out /tmp/ft.json  # a quick look
+  python -m benchmarks.finetune --methods deep --full-lr 3e-4 --out /tmp/ft.json    # one method
 
 The recipe of docs/finetune.md (issue 36, item 5), every run on ONE device:
 
@@ -43,27 +43,22 @@ corruption family, command, machine) and prints a Markdown table.
 
 import argparse
 import functools
-import json
-import os
-import platform
-import sys
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # config.data.augment imports 'benchmarks.finetune:...'
-  sys.path.insert(0, str(ROOT))
+import dist_ens
+from benchmarks import harness
+from dist_ens import Ensemble, data
+from dist_ens.data import corruptions
+from dist_ens.eval import ood, ranks
 
-import dist_ens  # noqa: E402  pylint: disable=g-import-not-at-top
-from dist_ens import Ensemble, data  # noqa: E402
-from dist_ens.data import corruptions  # noqa: E402
-from dist_ens.eval import ood, ranks  # noqa: E402
-from benchmarks import harness  # noqa: E402
+# config.data.augment names 'benchmarks.finetune:...': dist_ens imports it by that path,
+# which resolves because `python -m benchmarks.finetune` runs from the repository root.
+ROOT = harness.ROOT
 
 BASE = ROOT / 'configs' / 'digits_vit.py'
 MEMBERS = 4
@@ -220,22 +215,19 @@ def main(argv: list[str] | None = None) -> None:
   names = [n for n in args.methods.split(',') if n] or list(chosen)
   if unknown := sorted(set(names) - set(chosen)):
     parser.error(f'unknown methods {unknown}; use some of {list(chosen)}')
-  start = time.perf_counter()
+  header, start = harness.run_header(), time.perf_counter()
   pretrained = tempfile.mkdtemp(prefix='finetune_pretrain_')
   pretrain_steps = args.pretrain_steps or dist_ens.load_config(BASE).train.steps
   row, families = pretrain(pretrained, pretrain_steps, args.shift)
   rows = [row] + [finetune(n, chosen[n], pretrained, args.shift) for n in names]
   print(table(rows))
-  out = {'command': ' '.join(['python', 'benchmarks/finetune.py'] + sys.argv[1:]),
-         'config': BASE.name, 'pretrain_steps': pretrain_steps, 'shift': args.shift,
+  out = {**header, 'config': BASE.name, 'pretrain_steps': pretrain_steps, 'shift': args.shift,
          'steps': args.steps, 'members': MEMBERS,
          'shift_matches_training': check_shift_matches(args.shift),
          'pretrained_accuracy_by_family': families, 'rows': rows, 'markdown': table(rows),
          'wall_seconds': time.perf_counter() - start, 'devices': '1 x cpu',
-         'machine': platform.machine(), 'cpu_count': os.cpu_count(),
-         'python': sys.version.split()[0], 'jax': jax.__version__,
-         'date': time.strftime('%Y-%m-%d')}
-  Path(args.out).write_text(json.dumps(out, indent=1))
+         'jax': jax.__version__, 'load_average_end': harness.load_average()}
+  harness.write_results(args.out, out)
   print(f"wrote {args.out} ({out['wall_seconds']:.0f} s)")
 
 

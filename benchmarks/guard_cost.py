@@ -1,7 +1,7 @@
 """What dist_ens's non-finite guard costs each member form, against the Python loop.
 
-  python benchmarks/guard_cost.py                       # big MLP, M = 16 and 64 (~2 min)
-  python benchmarks/guard_cost.py --models mlp_small --members 16
+  python -m benchmarks.guard_cost                       # big MLP, M = 16 and 64 (~2 min)
+  python -m benchmarks.guard_cost --models mlp_small --members 16
 
 dist_ens's step freezes a member whose loss or gradient is not finite (core/step.py,
 _nonfinite): before the optimizer runs, every gradient is read once more to check it.
@@ -12,18 +12,17 @@ only (`loss_only`), and times, side by side in one run of benchmarks/throughput.
   vmap, vmap@loss_only    the same for 'vmap'.
 The candidate is for measurement only: a gradient can be NaN or infinite while the loss
 is finite (tests/test_step.py has such cases), and the full check is what dist_ens runs.
-Writes benchmarks/results/guard_cost.json (throughput.py's format).
+Writes benchmarks/results/guard_cost.json (throughput.py's format, with harness.run_header's
+fields).
 """
 
 import argparse
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks import throughput
 
-import throughput  # pylint: disable=wrong-import-position
+ROOT = Path(__file__).resolve().parents[1]
 
 FULL_CHECK = '  return ~(jnp.isfinite(result.loss) & _all_finite(result.grads))\n'
 LOSS_ONLY = '  return ~jnp.isfinite(result.loss)\n'

@@ -2,6 +2,8 @@
 
   from benchmarks import harness          # python -m benchmarks.NAME, from the repository root
   header = harness.run_header()           # date, commit, load average, machine, command
+  for r, name in harness.rotating_rounds(variants, rounds):
+    times[name].append(measure(name))
   ...
   harness.write_results(path, {**header, 'rows': rows, 'load_average_end': harness.load_average()})
 
@@ -17,11 +19,12 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar('T')
 
 
 def git_commit() -> dict[str, Any]:
@@ -62,12 +65,33 @@ def machine() -> dict[str, Any]:
           'cores': os.cpu_count(), 'memory_gib': memory_gb, 'python': platform.python_version()}
 
 
+def command(argv: Sequence[str] | None = None) -> str:
+  """The command line that ran this process, as a reader would retype it: under
+  `python -m benchmarks.NAME` sys.argv[0] is the file's absolute path, so it is given back
+  as `-m benchmarks.NAME` (the path differs between checkouts, the module name does not)."""
+  argv = list(sys.argv if argv is None else argv)
+  spec = getattr(sys.modules.get('__main__'), '__spec__', None)
+  if argv and argv[0] == sys.argv[0] and spec is not None and spec.name != '__main__':
+    argv[0] = '-m ' + spec.name
+  return 'python ' + ' '.join(argv)
+
+
 def run_header(argv: Sequence[str] | None = None) -> dict[str, Any]:
   """date (UTC), commit, load average at the start, machine and the command line."""
-  argv = sys.argv if argv is None else argv
   return {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
           **git_commit(), 'load_average_start': load_average(), 'machine': machine(),
-          'command': 'python ' + ' '.join(argv)}
+          'command': command(argv)}
+
+
+def rotating_rounds(names: Iterable[T], rounds: int) -> Iterator[tuple[int, T]]:
+  """(round, name) for `rounds` rounds that each visit every name once, round r starting
+  at name r (mod their count): every name is measured early in some rounds and late in
+  others, so a change in the machine's load, or a cache the previous name warmed, does not
+  favour one of them."""
+  names = list(names)
+  for r in range(rounds if names else 0):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+      yield r, name
 
 
 def write_results(path: str | Path, results: dict[str, Any]) -> Path:

@@ -1,8 +1,8 @@
 """The init program's compile time at XLA:CPU's default LLVM -O2 against
 dist_ens.assemble.INIT_COMPILER_OPTIONS (-O1), and whether the two give the same state.
 
-  python benchmarks/init_compile.py               # every shipped config, ~2 min on 2 cores
-  python benchmarks/init_compile.py --members 8 --configs default,mnist1d_cnn
+  python -m benchmarks.init_compile               # every shipped config, ~2 min on 2 cores
+  python -m benchmarks.init_compile --members 8 --configs default,mnist1d_cnn
 
 For each config in configs/ (config.num_members = --members; a sweep config keeps its own M,
 which its grid fixes), on one CPU device: builds the parts as training does, then per
@@ -15,8 +15,6 @@ benchmarks/results/init_compile.json.
 """
 
 import argparse
-import datetime
-import json
 import statistics
 import time
 from pathlib import Path
@@ -26,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dist_ens import assemble, configuration
+from benchmarks import harness
 from dist_ens.plan import data_shape
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,10 +56,9 @@ def measure(name: str, members: int, rounds: int) -> dict:
   variants = {'default': None, 'init options': assemble.INIT_COMPILER_OPTIONS}
   seconds = {k: [] for k in variants}
   programs = {}
-  for r in range(rounds):
-    for key in list(variants)[r % 2:] + list(variants)[:r % 2]:
-      s, programs[key] = compile_seconds(parts, variants[key], f'{key[0]}{r}')
-      seconds[key].append(s)
+  for r, key in harness.rotating_rounds(variants, rounds):
+    s, programs[key] = compile_seconds(parts, variants[key], f'{key[0]}{r}')
+    seconds[key].append(s)
   a, b = (jax.tree.leaves(programs[k]()) for k in variants)
   same = len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y))
                                   for x, y in zip(a, b))
@@ -78,6 +76,7 @@ def main():
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'init_compile.json'))
   args = parser.parse_args()
+  header = harness.run_header()
   names = [n for n in args.configs.split(',') if n] or sorted(
       p.stem for p in (ROOT / 'configs').glob('*.py'))
   jax.block_until_ready(jax.jit(lambda v: v + 1)(jnp.zeros(8)))  # XLA's one-time set-up.
@@ -91,10 +90,10 @@ def main():
     med = row['median']
     print(f'| {name} | {row["members"]} | {med["default"]:.2f} | {med["init options"]:.2f} | '
           f'{row["speedup"]:.2f}x | {"yes" if row["bit_identical"] else "NO"} |', flush=True)
-  Path(args.out).write_text(json.dumps(dict(
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(), jax=jax.__version__,
-      device=str(jax.devices()[0].device_kind), options=assemble.INIT_COMPILER_OPTIONS,
-      rounds=args.rounds, rows=rows), indent=1))
+  harness.write_results(args.out, dict(
+      header, jax=jax.__version__, device=str(jax.devices()[0].device_kind),
+      options=assemble.INIT_COMPILER_OPTIONS, rounds=args.rounds, rows=rows,
+      load_average_end=harness.load_average()))
   print(f'wrote {args.out}')
 
 

@@ -1,6 +1,6 @@
 """Input pipeline throughput against what the train step consumes.
 
-  python benchmarks/input_pipeline.py [--steps 30] [--step_repeats 3] [--examples 2048]
+  python -m benchmarks.input_pipeline [--steps 30] [--step_repeats 3] [--examples 2048]
       [--out PATH]
 
 For the default run (MNIST-1D in memory) and CIFAR-10-shaped data (32x32x3 PNG
@@ -18,7 +18,6 @@ benchmarks/results/input_pipeline.json (or --out).
 
 import argparse
 import io
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from benchmarks import harness
 from dist_ens import assemble, data
 from dist_ens.configuration import load_config
 from dist_ens.parallel import mesh as mesh_lib
@@ -106,6 +106,7 @@ def main():
                       help='CIFAR-10-shaped PNGs written for the second case')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'input_pipeline.json'))
   args = parser.parse_args()
+  header = harness.run_header()
   default = load_config(ROOT / 'configs' / 'default.py')
   mesh = mesh_lib.make_mesh(assemble.mesh_spec(default), jax.devices()[:1])
   rows = []
@@ -129,9 +130,8 @@ def main():
                          step_examples_per_s=demand, ratio=supply / demand))
         print(f'{name:38s} {kind:9s} pipeline {supply:12,.0f} ex/s   step consumes '
               f'{demand:10,.0f} ex/s   ratio {supply / demand:7.1f}', flush=True)
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(dict(device=jax.devices()[0].platform, rows=rows), indent=2))
+  out = harness.write_results(args.out, dict(header, device=jax.devices()[0].platform,
+                                             rows=rows, load_average_end=harness.load_average()))
   print(f'wrote {out}')
 
 

@@ -1,8 +1,8 @@
 """config.ensemble.own: 'all' vs 'head' vs 'lora' for M=4 ViT members on one device
 (issue 36): the train state's bytes, XLA's memory and FLOPs of the compiled step.
 
-  python benchmarks/lora.py                      # ~2 min on a shared 2-core CPU
-  python benchmarks/lora.py --depth 12 --out /tmp/lora.json
+  python -m benchmarks.lora                      # ~2 min on a shared 2-core CPU
+  python -m benchmarks.lora --depth 12 --out /tmp/lora.json
 
 Each row builds the run as `dist-ens plan` does (assemble.build_run with shapes, no data)
 for M=4 members of a ViT (width --hidden, --depth pre-norm blocks, heads of 64, MLP 4x,
@@ -16,21 +16,17 @@ Per device:
           (activations, gradients, LoRA's formed kernels);
   flops   compiled.cost_analysis()['flops'] of one step.
 Nothing is run: fake CPU devices have no device memory, and the figures are the compiled
-program's. Writes benchmarks/results/lora.json with the command, date, machine and jax.
+program's. Writes benchmarks/results/lora.json with harness.run_header's fields (command,
+date, commit, load averages, machine) and jax's version.
 """
 
 import argparse
-import datetime
-import json
 import os
-import platform
-import sys
-from pathlib import Path
+
+from benchmarks import harness  # Imports no jax: XLA_FLAGS below is still in time.
 
 os.environ.setdefault('XLA_FLAGS', '--xla_force_host_platform_device_count=1')
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / 'benchmarks'))
+ROOT = harness.ROOT
 
 MEMBERS, OWNS = 4, ('all', 'head', 'lora')
 MB = 2 ** 20
@@ -39,7 +35,7 @@ MB = 2 ** 20
 def row(own: str, hidden: int, depth: int, rank: int) -> dict:
   import jax
   from dist_ens.parallel import placement
-  from model_axis import abstract_args, build, vit_config
+  from benchmarks.model_axis import abstract_args, build, vit_config
   config = vit_config(hidden, depth, hidden // 64, 4 * hidden, 1, 1, 1, '', members=MEMBERS)
   config.ensemble.own, config.ensemble.lora_rank = own, rank
   config.ensemble.member_parallelism = 'vmap'
@@ -66,6 +62,7 @@ def main() -> None:
   parser.add_argument('--rank', type=int, default=8)
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'lora.json'))
   args = parser.parse_args()
+  header = harness.run_header()
   import jax
   rows = [row(own, args.hidden, args.depth, args.rank) for own in OWNS]
   print(f'M={MEMBERS} ViT (hidden {args.hidden}, depth {args.depth}) on one device, '
@@ -75,11 +72,8 @@ def main() -> None:
   for r in rows:
     print(f"| {r['own']} | {r['params_bytes'] / MB:.1f} | {r['state'] / MB:.1f} | "
           f"{r['temp'] / MB:.1f} | {r['flops'] / 1e9:.1f} |")
-  Path(args.out).write_text(json.dumps(dict(
-      command=' '.join(['python', 'benchmarks/lora.py'] + sys.argv[1:]),
-      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-      machine=platform.machine(), processor=platform.processor(), jax=jax.__version__,
-      rows=rows), indent=2))
+  harness.write_results(args.out, dict(header, jax=jax.__version__, rows=rows,
+                                       load_average_end=harness.load_average()))
 
 
 if __name__ == '__main__':

@@ -1,9 +1,9 @@
 """`dist-ens plan`'s predicted peak memory per device against the measured peak, on this CPU.
 
-  python benchmarks/memory.py              # 3 models x 2-3 M, 2 processes a cell (~2.5 min on
+  python -m benchmarks.memory              # 3 models x 2-3 M, 2 processes a cell (~2.5 min on
                                            # a shared 2-core CPU; results/memory.json)
-  python benchmarks/memory.py --warm       # also with the programs from a cache (~20 min)
-  python benchmarks/memory.py --models mlp --members 4,16 --out /tmp/m.json
+  python -m benchmarks.memory --warm       # also with the programs from a cache (~20 min)
+  python -m benchmarks.memory --models mlp --members 4,16 --out /tmp/m.json
 
 Three configs as shipped, on ONE CPU device (jax.devices()[:1]), each at a few
 ensemble sizes M (config.num_members; member_parallelism 'auto', as the configs say):
@@ -53,29 +53,27 @@ Prints the table (model, M, form, predicted MB, measured MB, measured / predicte
 within 20%, and the parts above), the growth per added member between consecutive M (the
 fixed parts cancel) against plan's bytes_per_member, with the largest M that fits
 --memory_gb by plan and by the line through the measured peaks, and writes
-benchmarks/results/memory.json: every reading, each cell's plan, the machine
-(platform.machine(), os.cpu_count()), jax's version and the date. MB = 1e6 bytes.
+benchmarks/results/memory.json: every reading, each cell's plan, jax's version and
+harness.run_header's fields (date, commit, load averages, machine). MB = 1e6 bytes.
 """
 
 import argparse
 import ctypes
-import datetime
 import gc
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks import harness
 # benchmarks/resnet20.py: VmRSS/VmHWM from /proc, the VmHWM reset and the compilation cache.
-from resnet20 import _reset_peak, _status_bytes, enable_cache  # noqa: E402
+from benchmarks.resnet20 import _reset_peak, _status_bytes, enable_cache
+
+ROOT = harness.ROOT
 
 MODELS = {'mlp': 'configs/default.py', 'cnn': 'configs/mnist1d_cnn.py',
           'resnet20': 'configs/digits_resnet20.py'}
@@ -142,10 +140,14 @@ def predict(model: str, members: int, args: argparse.Namespace) -> dict[str, Any
 
 
 def _subprocess(flags: list[str], timeout: int, env: dict[str, str]) -> dict[str, Any]:
-  """This script in a fresh process with `flags`: the JSON line it prints, or an error."""
-  command = ['timeout', '-k', '10', str(timeout), sys.executable, __file__, *flags]
+  """This script in a fresh process with `flags`: the JSON line it prints, or an error.
+  The child runs as `-m benchmarks.memory` from the repository root (cwd), which puts the
+  root on its sys.path for `from benchmarks import ...`."""
+  command = ['timeout', '-k', '10', str(timeout), sys.executable, '-m', 'benchmarks.memory',
+             *flags]
   start = time.perf_counter()
-  done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+  done = subprocess.run(command, capture_output=True, text=True, check=False, env=env,
+                        cwd=ROOT)
   lines = [l for l in done.stdout.splitlines() if l.startswith('{')]
   if done.returncode or not lines:
     return dict(error=f'rc {done.returncode}' + (' (timed out)' if done.returncode in (124, 137)
@@ -424,15 +426,11 @@ def print_growth(result: dict) -> None:
 
 
 def machine_info() -> dict[str, Any]:
+  """jax, its device and XLA_FLAGS (harness.run_header has the date, commit and machine)."""
   import jax
   device = jax.devices()[0]
-  commit = subprocess.run(['git', '-C', str(ROOT), 'rev-parse', 'HEAD'], capture_output=True,
-                          text=True, check=False).stdout.strip() or None
-  return dict(date=datetime.datetime.now().isoformat(timespec='seconds'), jax=jax.__version__,
-              device=f'1 {device.platform} device ({device.device_kind})',
-              machine=platform.machine(), processor=platform.processor(),
-              cores=os.cpu_count(), python=platform.python_version(),
-              xla_flags=os.environ.get('XLA_FLAGS', ''), commit=commit)
+  return dict(jax=jax.__version__, device=f'1 {device.platform} device ({device.device_kind})',
+              xla_flags=os.environ.get('XLA_FLAGS', ''))
 
 
 NOTES = dict(
@@ -494,7 +492,7 @@ def main(argv: list[str] | None = None) -> None:
   if args._predict:
     print(json.dumps(predict_worker(args._predict, args.members[0], args.memory_gb * 1e9)))
     return
-  start = time.perf_counter()
+  header, start = harness.run_header(), time.perf_counter()
   cache_dir = tempfile.mkdtemp(prefix='memory_xla_cache_')
   try:
     import jax
@@ -504,18 +502,15 @@ def main(argv: list[str] | None = None) -> None:
             for m in args.members or MEMBERS[model]]
   finally:
     shutil.rmtree(cache_dir, ignore_errors=True)
-  result = dict(machine_info(), command=' '.join(['python benchmarks/memory.py', *argv]),
-                steps=args.steps, tolerance=TOLERANCE, notes=NOTES, rows=rows,
-                memory_gb=args.memory_gb, growth=growth(rows, args.memory_gb * 1e9),
-                seconds=time.perf_counter() - start)
+  result = dict(header, **machine_info(), steps=args.steps, tolerance=TOLERANCE, notes=NOTES,
+                rows=rows, memory_gb=args.memory_gb, growth=growth(rows, args.memory_gb * 1e9),
+                seconds=time.perf_counter() - start, load_average_end=harness.load_average())
   print_tables(result)
   misses = [f'{r["model"]}@{r["members"]}' for r in rows for k in ('measured', 'measured_clean')
             if (r[k] or {}).get('compilation_cache', {}).get('cache_misses')]
   print(f'\nwarm runs with a compilation-cache miss (their peak includes a compile): '
         f'{", ".join(misses) or "none"}; {result["seconds"]:.0f} s in all')
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1))
+  out = harness.write_results(args.out, result)
   print(f'wrote {out}')
 
 

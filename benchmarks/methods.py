@@ -1,8 +1,8 @@
 """Ensemble methods compared at equal training compute on the embedded MNIST-1D data.
 
-  python benchmarks/methods.py               # budget 4 x 1000 member-steps, 35 min on 2 cores at load 8-11
-  python benchmarks/methods.py --steps 200   # a quick look
-  python benchmarks/methods.py --config configs/digits_resnet20.py   # ResNet-20 on digits,
+  python -m benchmarks.methods               # budget 4 x 1000 member-steps, 35 min on 2 cores at load 8-11
+  python -m benchmarks.methods --steps 200   # a quick look
+  python -m benchmarks.methods --config configs/digits_resnet20.py   # ResNet-20 on digits,
       # T = the config's train.steps (110), OOD set digits_noise; writes methods_digits_resnet20.json
 
 Every run is --config (configs/default.py: MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0)
@@ -49,11 +49,8 @@ ECE per method (benchmarks/results/methods.png and .svg, as a run's report draws
 """
 
 import argparse
-import json
 import os
-import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -64,6 +61,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 import dist_ens
+from benchmarks import harness
 from dist_ens import Ensemble, assemble, data
 from dist_ens.eval.ood import load_ood_split
 from dist_ens.eval import evaluate
@@ -306,6 +304,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--methods', default='', help='comma-separated subset')
   parser.add_argument('--out', default='', help='default: benchmarks/results/methods[_CONFIG].json')
   args = parser.parse_args(argv)
+  header = harness.run_header()
   base = Path(args.config)
   suffix = '' if base.stem == 'default' else f'_{base.stem}'
   args.out = args.out or str(ROOT / 'benchmarks' / 'results' / f'methods{suffix}.json')
@@ -318,12 +317,9 @@ def main(argv: list[str] | None = None) -> None:
   rows = [run(base, name, chosen[name]) for name in names]
   add_dee(rows)
   print(table(rows))
-  out = {'config': base.name, 'rows': rows, 'markdown': table(rows), 'steps': steps,
-         'members': MEMBERS,
-         'machine': platform.machine(), 'cpu_count': os.cpu_count(),
-         'python': sys.version.split()[0],
-         'jax': jax.__version__, 'date': time.strftime('%Y-%m-%d')}
-  Path(args.out).write_text(json.dumps(out, indent=1))
+  out = {**header, 'config': base.name, 'rows': rows, 'markdown': table(rows), 'steps': steps,
+         'members': MEMBERS, 'jax': jax.__version__, 'load_average_end': harness.load_average()}
+  harness.write_results(args.out, out)
   # The same bars as a run's report (dist_ens.io.report_scatter), the single model first.
   report_scatter.plot_methods(Path(args.out).parent, {r['method']: r for r in rows},
                             name=Path(args.out).stem)

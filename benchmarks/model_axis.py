@@ -1,9 +1,9 @@
 """The 'model' mesh axis (issue 34): the largest ViT member that trains at M=4 with Adam
 under a per-device memory budget, model = 1, 2, 4, 8, and what model=2 costs in step time.
 
-  python benchmarks/model_axis.py            # ~13 min on a shared 2-core CPU
-  python benchmarks/model_axis.py --quick    # ~2 min: 3 sizes, model 1 and 8, fewer rounds
-  python benchmarks/model_axis.py --budgets_gb 2,8 --models 1,2,4,8 --out /tmp/m.json
+  python -m benchmarks.model_axis            # ~13 min on a shared 2-core CPU
+  python -m benchmarks.model_axis --quick    # ~2 min: 3 sizes, model 1 and 8, fewer rounds
+  python -m benchmarks.model_axis --budgets_gb 2,8 --models 1,2,4,8 --out /tmp/m.json
 
 Memory (what is measured: XLA:CPU's buffer assignment of the compiled train step,
 `compiled.memory_analysis()`, per device; fake CPU devices have no device memory, so
@@ -40,25 +40,25 @@ cores, so model=2 adds no compute: the ratio is the price of the collectives and
 partitioned program on a CPU, not what a second GPU gives.
 
 Prints the tables and writes benchmarks/results/model_axis.json (--quick:
-model_axis_quick.json) with the command, date, machine and jax version.
+model_axis_quick.json) with harness.run_header's fields (command, date, commit, load
+averages, machine) and jax's version.
 """
 
 import argparse
-import datetime
 import json
 import math
 import os
-import platform
 import re
 import statistics
 import subprocess
 import sys
 import time
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import harness
+
+ROOT = harness.ROOT
 CONFIG = ROOT / 'configs' / 'cifar10_vit_ti.py'
 MEMBERS, BATCH, INPUT_SHAPE, NUM_CLASSES, PATCH = 4, 64, (32, 32, 3), 10, 4
 # (name, hidden, depth): heads = hidden / 64, MLP 4 x hidden. Depth 12 throughout: a
@@ -251,10 +251,9 @@ def speed_worker(args: argparse.Namespace) -> dict[str, Any]:
     v['compile_seconds'] = compile_seconds
     once = steps(v, 1)
     counts[name] = max(1, round(args.min_time / max(once, 1e-4)))
-  names, per_round = list(variants), {name: [] for name in variants}
-  for r in range(args.rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      per_round[name].append(steps(variants[name], counts[name]) / counts[name])
+  per_round = {name: [] for name in variants}
+  for _, name in harness.rotating_rounds(variants, args.rounds):
+    per_round[name].append(steps(variants[name], counts[name]) / counts[name])
   base = per_round['model=1']
   return dict(size=dict(hidden=hidden, depth=depth, heads=heads, mlp_dim=mlp),
               rounds=args.rounds, min_time=args.min_time, steps_per_round=counts,
@@ -281,8 +280,10 @@ def _subprocess(flags: list[str], devices: int, timeout: int) -> dict[str, Any]:
     env['XLA_FLAGS'] = f'{flags_env} --xla_force_host_platform_device_count={devices}'.strip()
     env['JAX_PLATFORMS'] = 'cpu'
   env['PYTHONPATH'] = os.pathsep.join(p for p in (str(ROOT), env.get('PYTHONPATH')) if p)
-  command = ['timeout', '-k', '10', str(timeout), sys.executable, __file__, *flags]
-  done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False, env=env)
+  command = ['timeout', '-k', '10', str(timeout), sys.executable, '-m', 'benchmarks.model_axis',
+             *flags]
+  done = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False, env=env,
+                        cwd=ROOT)
   lines = [l for l in done.stdout.splitlines() if l.startswith('{')]
   if done.returncode or not lines:
     raise RuntimeError(f'{" ".join(flags)}: rc {done.returncode}'
@@ -368,12 +369,9 @@ def print_memory(result: dict[str, Any]) -> None:
 
 
 def machine_info(device: str) -> dict[str, Any]:
-  commit = subprocess.run(['git', '-C', str(ROOT), 'rev-parse', 'HEAD'], capture_output=True,
-                          text=True, check=False).stdout.strip() or None
-  return dict(date=datetime.datetime.now().isoformat(timespec='seconds'),
-              jax=metadata.version('jax'), jaxlib=metadata.version('jaxlib'),
-              machine=platform.machine(), processor=platform.processor(),
-              cores=os.cpu_count(), python=platform.python_version(), commit=commit,
+  """harness.run_header's date, commit, load average and machine, with jax and the devices."""
+  return dict(harness.run_header(), jax=metadata.version('jax'),
+              jaxlib=metadata.version('jaxlib'),
               device=f'fake CPU devices (--xla_force_host_platform_device_count): '
               f'{MEMORY_DEVICES} for memory, {SPEED_DEVICES} for speed' if device == 'cpu'
               else 'the default backend\'s first device (see jax_devices)')
@@ -455,9 +453,9 @@ def main(argv: list[str] | None = None) -> None:
             '--speed_size', ','.join(map(str, args.speed_size)), '--rounds', str(args.rounds),
             '--min_time', str(args.min_time), '--device', args.device,
             '--run_steps', str(args.run_steps)] + (['--check_opt'] if args.check_opt else [])
-  result = dict(machine_info(args.device), command=' '.join(['python benchmarks/model_axis.py', *argv]),
-                notes=NOTES, members=MEMBERS, batch=BATCH, input_shape=INPUT_SHAPE,
-                patch=PATCH, config=str(CONFIG.relative_to(ROOT)), rules=args.rules,
+  result = dict(machine_info(args.device), notes=NOTES, members=MEMBERS, batch=BATCH,
+                input_shape=INPUT_SHAPE, patch=PATCH, config=str(CONFIG.relative_to(ROOT)),
+                rules=args.rules,
                 models=list(args.models), budgets_gb=list(args.budgets_gb),
                 ladder=[list(s) for s in args.ladder])
   if args.memory:
@@ -472,11 +470,10 @@ def main(argv: list[str] | None = None) -> None:
           f'devices, {args.rounds} rounds', flush=True)
     result['speed'] = _subprocess(['--_speed', *passed], SPEED_DEVICES, args.timeout)
   result['seconds'] = time.perf_counter() - start
+  result['load_average_end'] = harness.load_average()
   print_tables(result)
   print(f'\n{result["seconds"]:.0f} s in all')
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1))
+  out = harness.write_results(args.out, result)
   print(f'wrote {out}')
 
 

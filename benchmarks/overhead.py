@@ -1,9 +1,9 @@
 """End-to-end overhead: a whole dist_ens.train run's member-examples/s against its bare step's.
 
-  python benchmarks/overhead.py                       # M=16, 5 rounds, default run
-  python benchmarks/overhead.py --members 16,4 --rounds 5 --steps 800
-  python benchmarks/overhead.py --variants 'default;train.sync_every=1;data.prefetch=0'
-  python benchmarks/overhead.py --profile 'default'   # cProfile of one whole run's loop
+  python -m benchmarks.overhead                       # M=16, 5 rounds, default run
+  python -m benchmarks.overhead --members 16,4 --rounds 5 --steps 800
+  python -m benchmarks.overhead --variants 'default;train.sync_every=1;data.prefetch=0'
+  python -m benchmarks.overhead --profile 'default'   # cProfile of one whole run's loop
 
 For configs/default.py (MLP 40-256-256-10 on MNIST-1D, batch 128, Adam) on ONE device
 (jax.devices()[:1]), in one process, it times side by side:
@@ -28,18 +28,16 @@ rotating order; the ratio run/bare of every round and its median are printed.
 host's time between calls of the loop and the input pipeline's busy time, for the
 diagnosis.
 
-Writes benchmarks/results/overhead.json (--out to change): machine, jax version, date
-and one row per (M, variant) with every round's figures.
+Writes benchmarks/results/overhead.json (--out to change): harness.run_header's fields
+(date, commit, load averages, machine), the device and jax version, and one row per
+(M, variant) with every round's figures.
 """
 
 import argparse
 import ast
 import cProfile
-import datetime
 import itertools
-import json
 import os
-import platform
 import pstats
 import shutil
 import statistics
@@ -54,6 +52,7 @@ import numpy as np
 from absl import logging
 
 import dist_ens
+from benchmarks import harness
 from dist_ens import assemble, data
 from dist_ens.configuration import load_config
 
@@ -310,13 +309,11 @@ def measure(members: int, variants: dict[str, dict[str, Any]], args: Any) -> lis
     jobs[name] = lambda o=overrides: time_run(make_config(members, args.steps, o), args.warmup)
     base[name] = bare_key(overrides)
   results = {name: [] for name in jobs}
-  names = list(jobs)
-  for r in range(args.rounds):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      results[name].append(jobs[name]())
-      got = results[name][-1]
-      print(f'M={members} round {r} {name}: {got["rate"]:,.0f} member-ex/s; other processes '
-            f'{got["foreign_cores"]:.2f} cores; CPU ms/step {got["cpu_ms_per_step"]}', flush=True)
+  for r, name in harness.rotating_rounds(jobs, args.rounds):
+    results[name].append(jobs[name]())
+    got = results[name][-1]
+    print(f'M={members} round {r} {name}: {got["rate"]:,.0f} member-ex/s; other processes '
+          f'{got["foreign_cores"]:.2f} cores; CPU ms/step {got["cpu_ms_per_step"]}', flush=True)
   rows = []
   for name, key in base.items():
     bare = [x['rate'] for x in results[f'bare[{key}]']]
@@ -365,17 +362,6 @@ def profile_run(members: int, overrides: dict[str, Any], args: Any) -> None:
   stats.sort_stats('cumulative').print_stats(40)
 
 
-def machine() -> dict[str, Any]:
-  device = jax.devices()[0]
-  cpu = ''
-  try:
-    cpu = next(line.split(':', 1)[1].strip() for line in open('/proc/cpuinfo')
-               if line.startswith('model name'))
-  except (OSError, StopIteration):
-    pass
-  return dict(node=platform.node(), cpu=cpu, cores=os.cpu_count(),
-              device=f'1 {device.platform} device ({device.device_kind})',
-              python=platform.python_version(), jax=jax.__version__)
 
 
 def main():
@@ -394,6 +380,7 @@ def main():
   parser.add_argument('--profile', default='', help='a variant to cProfile instead of timing')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'overhead.json'))
   args = parser.parse_args()
+  header = harness.run_header()
   members = [int(m) for m in args.members.split(',')]
   args.pipeline = [int(p) for p in args.pipeline.split(',') if p]
   if args.profile:
@@ -403,12 +390,11 @@ def main():
   variants = parse_variants(args.variants)
   rows = [row for m in members for row in measure(m, variants, args)]
   print_rows(rows)
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(dict(
-      machine=machine(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+  device = jax.devices()[0]
+  out = harness.write_results(args.out, dict(
+      header, device=f'1 {device.platform} device ({device.device_kind})', jax=jax.__version__,
       config='configs/default.py', steps=args.steps, warmup=args.warmup, rounds=args.rounds,
-      rows=rows), indent=1))
+      rows=rows, load_average_end=harness.load_average()))
   print(f'wrote {out}')
 
 

@@ -1,7 +1,7 @@
 """Population-based training vs the static sweep vs the best single configuration, at equal compute.
 
-  python benchmarks/pbt.py [--steps 1000] [--seeds 0 1 2] [--out PATH]
-  python benchmarks/pbt.py --config configs/digits_resnet20.py   # ResNet-20 on digits:
+  python -m benchmarks.pbt [--steps 1000] [--seeds 0 1 2] [--out PATH]
+  python -m benchmarks.pbt --config configs/digits_resnet20.py   # ResNet-20 on digits:
       # 8 members, 110 steps, seeds 0 1; writes benchmarks/results/pbt_digits.json
 
 The default MLP on MNIST-1D, 16 members, a learning-rate x weight-decay sweep, each run
@@ -29,13 +29,13 @@ selected ensemble, PBT every 11 steps; the separate run uses the config's own 0.
 """
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
 import dist_ens
+from benchmarks import harness
 from dist_ens.configuration import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,6 +109,7 @@ def main():
   parser.add_argument('--seeds', type=int, nargs='+', default=None)
   parser.add_argument('--out', default='')
   args = parser.parse_args()
+  header = harness.run_header()
   stem = Path(args.config).stem
   if stem not in SETUPS:
     parser.error(f'--config={args.config}: the setups are ' + ', '.join(
@@ -143,11 +144,10 @@ def main():
     print(f'| {kind} | ' + ' | '.join(cells) + ' |')
   print(f'one separate 1-member run of {args.steps} steps: {separate:.1f} s wall '
         f'(x {members} = {members * separate:.0f} s for the same member-steps)')
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({'config': setup['sweep'], 'members': members,
-                             'steps': args.steps, 'seeds': args.seeds, 'runs': runs,
-                             'mean': mean, 'separate_run_seconds': separate}, indent=2))
+  out = harness.write_results(args.out, {
+      **header, 'config': setup['sweep'], 'members': members, 'steps': args.steps,
+      'seeds': args.seeds, 'runs': runs, 'mean': mean, 'separate_run_seconds': separate,
+      'load_average_end': harness.load_average()})
   print(f'wrote {out}')
 
 

@@ -1,8 +1,8 @@
 """Mixed precision: the speed and accuracy effect of config.precision='bfloat16'.
 
-  python benchmarks/precision.py            # speed + accuracy (~30 min on 2 CPU cores)
-  python benchmarks/precision.py --quick    # speed only, fewer repeats (a smoke test)
-  python benchmarks/precision.py --configs mnist1d_resnet --models resnet20
+  python -m benchmarks.precision            # speed + accuracy (~30 min on 2 CPU cores)
+  python -m benchmarks.precision --quick    # speed only, fewer repeats (a smoke test)
+  python -m benchmarks.precision --configs mnist1d_resnet --models resnet20
 
 With precision='bfloat16' the model's forward and backward pass run in bf16 while
 parameters, optimizer state, BatchNorm statistics, loss, metrics and checkpoints stay
@@ -28,14 +28,14 @@ float32 (dist_ens/core/precision.py). Measured here:
    time, compile included, evaluation left out). The runs are sequential, so on a
    shared machine their times carry its load; the speed table is the fair ratio.
 
-Prints Markdown tables and writes benchmarks/results/precision.json (machine, jax
-version, date, every number); --quick writes only where --out says.
+Prints Markdown tables and writes benchmarks/results/precision.json (harness.run_header's
+date, commit, load averages and machine, jax's version, every number); --quick writes only
+where --out says.
 """
 
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -43,10 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import throughput  # pylint: disable=g-import-not-at-top  # benchmarks/throughput.py
-from throughput import ModelSpec
+from benchmarks import harness, throughput
+from benchmarks.throughput import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 PRECISIONS = ('float32', 'bfloat16')
@@ -175,7 +173,7 @@ def train_config(name: str, precision: str) -> dict[str, Any]:
   benchmarks/readme_results.py scores its rows."""
   import math
   import dist_ens
-  import readme_results
+  from benchmarks import readme_results
   config = dist_ens.load_config(readme_results.CONFIGS[name])
   config.precision = precision
   workdir = tempfile.mkdtemp(prefix=f'precision_{name}_{precision}_')
@@ -244,20 +242,20 @@ def accuracy_table(rows: list[dict[str, Any]]) -> str:
 
 
 def machine_info() -> dict[str, Any]:
+  """jax, its device and the CPU's SIMD extensions (bf16 speed depends on them), next to
+  harness.run_header's date, commit, load averages and machine."""
   import jax
-  model, flags = platform.processor() or platform.machine(), ''
+  flags = ''
   try:
     cpuinfo = Path('/proc/cpuinfo').read_text().splitlines()
-    model = next(l.split(':', 1)[1].strip() for l in cpuinfo if l.startswith('model name'))
     flags = next(l.split(':', 1)[1] for l in cpuinfo if l.startswith('flags'))
   except (OSError, StopIteration):
     pass
   device = jax.devices()[0]
-  return dict(jax=jax.__version__, device=f'1 {device.platform} device ({device.device_kind})',
-              cpu=model, cores=os.cpu_count(), machine=platform.machine(),
-              python=sys.version.split()[0],
+  return dict(harness.run_header(), jax=jax.__version__,
+              device=f'1 {device.platform} device ({device.device_kind})',
               simd=sorted({f for f in flags.split() if f.startswith(('avx', 'amx'))}),
-              xla_flags=os.environ.get('XLA_FLAGS', ''), date=time.strftime('%Y-%m-%d'))
+              xla_flags=os.environ.get('XLA_FLAGS', ''))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -286,7 +284,8 @@ def main(argv: list[str] | None = None) -> None:
   throughput.SLOW_SECONDS = float('inf')
   result = dict(machine_info(), members=args.members, repeats=repeats, min_time=min_time,
                 quick=args.quick, speed=[], accuracy=[])
-  print(f'jax {result["jax"]} on {result["device"]}, {result["cpu"]}, {result["cores"]} cores, '
+  print(f'jax {result["jax"]} on {result["device"]}, {result["machine"]["cpu"]}, '
+        f'{result["machine"]["cores"]} cores, '
         f'SIMD {" ".join(result["simd"])}', flush=True)
   result['matmul'] = matmul_cell(repeats, min_time)
   for name in filter(None, args.models.split(',')):
@@ -309,8 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     print('\n' + result['accuracy_markdown'])
   out = args.out or (None if args.quick else ROOT / 'benchmarks' / 'results' / 'precision.json')
   if out:
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    Path(out).write_text(json.dumps(result, indent=1) + '\n')
+    harness.write_results(out, {**result, 'load_average_end': harness.load_average()})
     print(f'wrote {out}')
 
 

@@ -1,7 +1,7 @@
 """Where a step's time goes on a CPU: dist_ens's step against the Python loop, by kind of work.
 
-  python benchmarks/profile_step.py                       # big MLP, M=16, 'map' (~1 min)
-  python benchmarks/profile_step.py --model cnn2d --members 4 --form map
+  python -m benchmarks.profile_step                       # big MLP, M=16, 'map' (~1 min)
+  python -m benchmarks.profile_step --model cnn2d --members 4 --form map
 
 Runs --steps steps of dist_ens's step (built as training builds it, in the given form)
 and of the loop (benchmarks/throughput.py's: one jitted optax update per member) under
@@ -29,19 +29,15 @@ Prints a table and writes benchmarks/results/profile_step.json.
 
 import argparse
 import collections
-import datetime
 import glob
 import gzip
 import json
 import re
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput  # noqa: E402  # pylint: disable=g-import-not-at-top
+from benchmarks import harness, throughput
 
 ROOT = throughput.ROOT
 KINDS = ('matmul', 'reduction', 'elementwise', 'write-back', 'slice-out', 'copy', 'control')
@@ -165,6 +161,7 @@ def main(argv=None):
                       'instead (a changed copy of core/step.py, or a folder; see throughput.py)')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'profile_step.json'))
   args = parser.parse_args(argv)
+  header = harness.run_header()
   import jax
   spec = throughput.MODELS[args.model]
   name, _, chunk = args.form.partition('/')
@@ -194,12 +191,11 @@ def main(argv=None):
   print(f'wall time without the profiler: dist_ens {wall["dist_ens"]:.2f} ms, loop '
         f'{wall["loop"]:.2f} ms; thunk time (without control) / wall time: dist_ens '
         f'{work["dist_ens"] / wall["dist_ens"]:.2f}, loop {work["loop"] / wall["loop"]:.2f}')
-  Path(args.out).write_text(json.dumps(dict(
-      date=datetime.datetime.now().isoformat(timespec='seconds'), jax=jax.__version__,
-      device=str(jax.devices()[0].device_kind), model=args.model, members=args.members,
-      form=args.form, candidate=args.candidate or None, steps=args.steps, ms_per_step=rows, wall_ms_per_step=wall,
-      kinds=list(KINDS),
-      command='python benchmarks/profile_step.py ' + ' '.join(argv or sys.argv[1:])), indent=1))
+  harness.write_results(args.out, dict(
+      header, jax=jax.__version__, device=str(jax.devices()[0].device_kind), model=args.model,
+      members=args.members, form=args.form, candidate=args.candidate or None, steps=args.steps,
+      ms_per_step=rows, wall_ms_per_step=wall, kinds=list(KINDS),
+      load_average_end=harness.load_average()))
   print(f'wrote {args.out}')
 
 

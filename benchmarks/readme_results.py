@@ -2,9 +2,9 @@
 configs/mnist1d_cnn.py, and the ResNet recipes configs/digits_resnet20.py and
 configs/mnist1d_resnet.py) as they are, with the current code, and print one Markdown table.
 
-  python benchmarks/readme_results.py                 # every config, ~30 min on 2 CPU cores
-  python benchmarks/readme_results.py --configs digits_resnet20,mnist1d_resnet   # the ResNets
-  python benchmarks/readme_results.py --configs default --steps 200   # a quick look
+  python -m benchmarks.readme_results                 # every config, ~30 min on 2 CPU cores
+  python -m benchmarks.readme_results --configs digits_resnet20,mnist1d_resnet   # the ResNets
+  python -m benchmarks.readme_results --configs default --steps 200   # a quick look
 
 Each config is trained by `dist_ens.train` into a fresh /tmp workdir on whatever devices
 exist (seed 0, nothing overridden unless --steps is given). Per config the table has the
@@ -17,8 +17,6 @@ configs run replace theirs, the others' rows stay, and the table is remade from 
 import argparse
 import json
 import os
-import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,6 +27,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 import dist_ens
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {name: ROOT / 'configs' / f'{name}.py'
@@ -100,18 +99,17 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=0, help='override train.steps (0: the config\'s)')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'readme_results.json'))
   args = parser.parse_args()
+  header = harness.run_header()
   rows = _merge(_saved_rows(Path(args.out)), [run(name, args.steps)
                                              for name in args.configs.split(',')])
   devices = jax.devices()
-  out = {'rows': rows, 'markdown': table(rows),
+  out = {**header, 'rows': rows, 'markdown': table(rows),
          'devices': f'{len(devices)} x {devices[0].platform} ({devices[0].device_kind})',
-         'cpu_count': os.cpu_count(), 'machine': platform.machine(), 'python': sys.version.split()[0],
          'jax': jax.__version__, 'dist_ens': dist_ens.__version__,
-         'date': time.strftime('%Y-%m-%d')}
-  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(out, indent=2) + '\n')
+         'load_average_end': harness.load_average()}
+  harness.write_results(args.out, out)
   print(out['markdown'])
-  print(f'\n{out["devices"]}, {out["cpu_count"]} CPU cores; wrote {args.out}')
+  print(f'\n{out["devices"]}, {out["machine"]["cores"]} CPU cores; wrote {args.out}')
 
 
 if __name__ == '__main__':

@@ -1,6 +1,6 @@
 """docs/report_regression_calibration.png: the report's calibration figure of configs/uci.py.
 
-  python benchmarks/regression_report_figure.py [--workdir /tmp/uci_report]
+  python -m benchmarks.regression_report_figure [--workdir /tmp/uci_report]
 
 Trains configs/uci.py (5 members on the shipped energy set, about 15 s on 2 CPU cores),
 runs `dist-ens report` on it, and writes the report's calibration.png into docs/, shrunk and

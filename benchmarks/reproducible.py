@@ -1,7 +1,7 @@
 """What reproducible mode (config.reproducible=True) costs in member-examples per second.
 
-  python benchmarks/reproducible.py           # 3 models x M=8, about 5 min on 2 cores
-  python benchmarks/reproducible.py --quick   # fewer repeats
+  python -m benchmarks.reproducible           # 3 models x M=8, about 5 min on 2 cores
+  python -m benchmarks.reproducible --quick   # fewer repeats
 
 For each model (benchmarks/throughput.py's MLP 40-256-256-10, MLP 784-512-512-10 and
 1-D CNN), M members, batch 128 per member, Adam, one device, it times one training step
@@ -22,15 +22,13 @@ Prints a table and writes benchmarks/results/reproducible.json.
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / 'benchmarks'))
+from benchmarks import harness  # Imports no jax: a child's XLA flags are still in time.
+
+ROOT = harness.ROOT
 
 MODELS = ('mlp_small', 'mlp_big', 'cnn1d')
 
@@ -38,7 +36,7 @@ MODELS = ('mlp_small', 'mlp_big', 'cnn1d')
 def _child(model: str, members: int, variants: list[str], repeats: int) -> dict:
   """Times `variants` of one cell in this process; returns {variant: median s/step}."""
   import jax
-  import throughput
+  from benchmarks import throughput
   from dist_ens import assemble
   from dist_ens.parallel import mesh as mesh_lib
   spec = throughput.MODELS[model]
@@ -69,9 +67,10 @@ def _run_child(model: str, members: int, variants: list[str], repeats: int,
                flags: bool) -> dict:
   env = dict(os.environ)
   env.pop('XLA_FLAGS', None)
-  code = ('import sys, json; sys.path.insert(0, %r); import reproducible as r; '
+  # `python -c` puts its working directory, the repository root (cwd=ROOT), on sys.path.
+  code = ('import json; from benchmarks import reproducible as r; '
           'print("RESULT", json.dumps(r._child(%r, %d, %r, %d)))'
-          % (str(ROOT / 'benchmarks'), model, members, variants, repeats))
+          % (model, members, variants, repeats))
   if flags:
     code = 'from dist_ens.parallel import xla_flags; xla_flags.set_flags(); ' + code
   out = subprocess.run([sys.executable, '-c', code], env=env, capture_output=True, text=True,
@@ -87,7 +86,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--models', default=','.join(MODELS))
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'reproducible.json'))
   args = parser.parse_args(argv)
-  import throughput
+  header = harness.run_header()
+  from benchmarks import throughput
   from dist_ens.parallel import xla_flags
   repeats = 5 if args.quick else 9
   rows = []
@@ -99,11 +99,9 @@ def main(argv: list[str] | None = None) -> None:
     rows.append({'model': model, 'title': throughput.MODELS[model].title,
                  'members': args.members, 'seconds_per_step': seconds,
                  'member_examples_per_s': rate})
-  result = {'machine': platform.machine(), 'cpus': os.cpu_count(),
-            'flags': list(xla_flags.flags_for()), 'batch': throughput.BATCH,
-            'repeats': repeats, 'rows': rows}
-  Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-  Path(args.out).write_text(json.dumps(result, indent=2) + '\n')
+  result = {**header, 'flags': list(xla_flags.flags_for()), 'batch': throughput.BATCH,
+            'repeats': repeats, 'rows': rows, 'load_average_end': harness.load_average()}
+  harness.write_results(args.out, result)
   print(f'M={args.members}, batch {throughput.BATCH}/member, 1 device; member-examples/s '
         '(ratio to the variant before it in brackets)')
   print(f'| model | default | default+flags | reproducible | reproducible, 4 micro-batches |')

@@ -1,7 +1,7 @@
 """ResNet-20 ensembles on this CPU: vmap, lax.map, a Python loop and PyTorch, by conv path.
 
-  python benchmarks/resnet20.py            # M = 1, 4, 8 (45 min on a shared 2-core CPU)
-  python benchmarks/resnet20.py --quick    # M = 1, 4, 3 repeats, no plan cross-check
+  python -m benchmarks.resnet20            # M = 1, 4, 8 (45 min on a shared 2-core CPU)
+  python -m benchmarks.resnet20 --quick    # M = 1, 4, 3 repeats, no plan cross-check
                                            # (still ~20 min: every variant compiles a ResNet)
 
 The model is dist_ens's built-in CIFAR ResNet-20 (config.model.name='resnet',
@@ -81,11 +81,9 @@ resnet20_quick.json).
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -98,8 +96,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import throughput as tp  # noqa: E402  (benchmarks/throughput.py: timing, setup, peaks)
+from benchmarks import harness
+from benchmarks import throughput as tp  # Timing, setup, peaks.
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 32
@@ -401,13 +399,16 @@ def memory_worker(name: str, members: int, steps: int, threads: int,
 
 
 def measure_memory(name: str, members: int, args: argparse.Namespace) -> dict[str, Any]:
-  """memory_worker in a subprocess, bounded by --memory_timeout."""
-  command = [sys.executable, __file__, '--_memory_worker', name, '--members', str(members),
+  """memory_worker in a subprocess, bounded by --memory_timeout. The child runs as
+  `-m benchmarks.resnet20` from the repository root (cwd): that puts the root on its
+  sys.path for `from benchmarks import ...`."""
+  command = [sys.executable, '-m', 'benchmarks.resnet20', '--_memory_worker', name,
+             '--members', str(members),
              '--batch', str(tp.BATCH), '--threads', str(args.threads),
              '--memory_steps', str(args.memory_steps), '--_cache_dir', args._cache_dir]
   start = time.perf_counter()
   try:
-    done = subprocess.run(command, capture_output=True, text=True,
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT,
                           timeout=args.memory_timeout, check=False)
   except subprocess.TimeoutExpired:
     return dict(variant=name, members=members, error=f'timed out ({args.memory_timeout} s)')
@@ -480,18 +481,14 @@ def fastest(cell: dict[str, Any]) -> dict[str, Any]:
 
 
 def machine_info(args: argparse.Namespace, torch_version: str | None) -> dict[str, Any]:
+  """jax, torch, the device and which dist_ens ran (run_and_write adds harness.run_header's
+  date, commit, load averages and machine)."""
   import jax
   device = jax.devices()[0]
-  try:
-    commit = subprocess.run(['git', '-C', str(ROOT), 'rev-parse', 'HEAD'], capture_output=True,
-                            text=True, check=False).stdout.strip() or None
-  except OSError:
-    commit = None
-  return dict(date=datetime.datetime.now().isoformat(timespec='seconds'), jax=jax.__version__,
+  return dict(jax=jax.__version__,
               torch=torch_version, torch_threads=args.threads if torch_version else None,
-              device=f'1 {device.platform} device ({device.device_kind})', cores=os.cpu_count(),
-              machine=platform.processor() or platform.machine(), python=platform.python_version(),
-              xla_flags=os.environ.get('XLA_FLAGS', ''), commit=commit,
+              device=f'1 {device.platform} device ({device.device_kind})',
+              xla_flags=os.environ.get('XLA_FLAGS', ''),
               dist_ens_path=str(Path(sys.modules['dist_ens'].__file__).parent)
               if 'dist_ens' in sys.modules else None)
 
@@ -682,6 +679,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run_and_write(args: argparse.Namespace) -> None:
+  header = harness.run_header()
   enable_cache(args._cache_dir)
   torch_version = None if args.no_torch else tp.torch_available()
   if torch_version:
@@ -692,12 +690,10 @@ def run_and_write(args: argparse.Namespace) -> None:
         f'{torch_version or "not installed (torch rows skipped)"}'
         + (f' with {args.threads} threads' if torch_version else '')
         + f'; batch {args.batch} per member; M = {args.members}', flush=True)
-  result = run_all(args, torch_version)
+  result = {**header, **run_all(args, torch_version), 'load_average_end': harness.load_average()}
   print_tables(result)
-  out = Path(args.out or ROOT / 'benchmarks' / 'results' /
-             ('resnet20_quick.json' if args.quick else 'resnet20.json'))
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1))
+  out = harness.write_results(args.out or ROOT / 'benchmarks' / 'results' /
+                              ('resnet20_quick.json' if args.quick else 'resnet20.json'), result)
   print(f'wrote {out}')
 
 

@@ -2,7 +2,7 @@
 
   python -m benchmarks.scaling            # from the repository root; ~20 min on 2 cores
   python -m benchmarks.scaling --quick    # M = 1, 8, 64, 256 (~5 min)
-  python benchmarks/scaling.py [--members 64,256] [--out PATH]   # the same, as a script
+  python -m benchmarks.scaling [--members 64,256] [--out PATH]   # the same, as a script
 
 For each M, one fresh process (`timeout -k`-bounded, so its peak RSS is its own) with 8
 fake CPU devices trains configs/default.py's MLP narrowed to one hidden layer of 8 units
@@ -54,10 +54,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-try:  # python -m benchmarks.scaling (from the repository root)
-  from benchmarks import harness
-except ImportError:  # python benchmarks/scaling.py: this file's folder is on sys.path
-  import harness  # type: ignore[no-redef]
+from benchmarks import harness  # python -m benchmarks.scaling, from the repository root
 
 ROOT = harness.ROOT
 
@@ -482,19 +479,17 @@ def step_rounds(members: dict[int, int], seconds: float, rounds: int, out_path: 
                 'batch': config.data.batch_size,
                 'sync': max(1, 8 // k), 'calls': max(4, round(seconds / per_call)),
                 'times': []}
-  order = list(members)
-  for r in range(rounds):
-    for m in order[r % len(order):] + order[:r % len(order)]:
-      cell = cells[m]
-      state = cell['state']
-      start = time.perf_counter()
-      for i in range(cell['calls']):
-        state, metrics = cell['step'](state, cell['hparams'], *next(cell['batches']))
-        if (i + 1) % cell['sync'] == 0:
-          jax.block_until_ready(metrics)
-      jax.block_until_ready(metrics)
-      cell['times'].append((time.perf_counter() - start) / (cell['calls'] * cell['k']))
-      cell['state'] = state
+  for _, m in harness.rotating_rounds(members, rounds):
+    cell = cells[m]
+    state = cell['state']
+    start = time.perf_counter()
+    for i in range(cell['calls']):
+      state, metrics = cell['step'](state, cell['hparams'], *next(cell['batches']))
+      if (i + 1) % cell['sync'] == 0:
+        jax.block_until_ready(metrics)
+    jax.block_until_ready(metrics)
+    cell['times'].append((time.perf_counter() - start) / (cell['calls'] * cell['k']))
+    cell['state'] = state
   out = {}
   for m, cell in cells.items():
     cell['batches'].close()

@@ -1,9 +1,9 @@
 """Clean and corrupted test metrics of configs/digits_resnet20.py, as uncertainty-baselines'
 tables put them side by side: the table in docs/evaluation.md.
 
-  python benchmarks/shift_digits.py                 # ~5 min on 2 CPU cores
-  python benchmarks/shift_digits.py --steps 20      # a quick look
-  python benchmarks/shift_digits.py --table         # the tables of the saved results
+  python -m benchmarks.shift_digits                 # ~5 min on 2 CPU cores
+  python -m benchmarks.shift_digits --steps 20      # a quick look
+  python -m benchmarks.shift_digits --table         # the tables of the saved results
 
 Trains the config as it is with eval.shift='all' (12 corruption families x 5 severities on
 8x8 grey digits; saturate needs colour) and data.validation_size=300 (carved from the
@@ -17,7 +17,6 @@ Markdown tables and writes benchmarks/results/shift_digits.json:
 import argparse
 import json
 import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ import jax  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 import dist_ens
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / 'benchmarks' / 'results' / 'shift_digits.json'
@@ -101,13 +101,14 @@ def main() -> None:
   if args.table:
     print(tables(json.loads(OUT.read_text())))
     return
+  header = harness.run_header()
   final, wall = train(args.steps)
-  result = {**summary(final), 'steps': final['step'], 'wall_seconds': wall,
+  result = {**header, **summary(final), 'steps': final['step'], 'wall_seconds': wall,
             'devices': f'{jax.device_count()} x {jax.devices()[0].platform}',
-            'machine': platform.processor() or platform.machine()}
+            'load_average_end': harness.load_average()}
   print(tables(result))
   if not args.steps:
-    OUT.write_text(json.dumps(result, indent=1) + '\n')
+    harness.write_results(OUT, result)
     print(f'wrote {OUT}')
 
 

@@ -1,7 +1,7 @@
 """Whole training runs (dist_ens.train, input pipeline and logging included) for several
 config.train.steps_per_call values, side by side.
 
-  python benchmarks/steps_per_call.py [--values 1,10,100] [--members 8] [--steps 2000]
+  python -m benchmarks.steps_per_call [--values 1,10,100] [--members 8] [--steps 2000]
       [--repeats 3] [--config configs/default.py] [--out PATH]
 
 The compiled step is not the only cost of a step: the host hands over a batch,
@@ -16,8 +16,6 @@ benchmarks/results/steps_per_call_<platform>.json.
 """
 
 import argparse
-import json
-import os
 import shutil
 import statistics
 import tempfile
@@ -27,6 +25,7 @@ import jax
 from absl import logging
 
 import dist_ens
+from benchmarks import harness
 from dist_ens.configuration import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,27 +41,27 @@ def main():
   parser.add_argument('--repeats', type=int, default=3)
   parser.add_argument('--out', default=None)
   args = parser.parse_args()
+  header = harness.run_header()
   logging.set_verbosity(logging.WARNING)
   values = [int(v) for v in args.values.split(',')]
   device = jax.devices()[0]
   seconds = {k: [] for k in values}
   nll = {}
-  for r in range(args.repeats):
-    for k in values[r % len(values):] + values[:r % len(values)]:
-      config = load_config(args.config)
-      config.num_members = args.members
-      config.train.steps = args.steps
-      config.train.log_every = config.checkpoint.every = args.steps
-      config.train.eval_every = 0
-      config.train.steps_per_call = k
-      workdir = tempfile.mkdtemp(prefix='dist_ens_spc_')
-      try:
-        final = dist_ens.train(config, workdir, devices=[device])
-      finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-      seconds[k].append(final['train_seconds'])
-      nll[k] = final['ensemble']['nll']
-      print(f'repeat {r} steps_per_call={k}: {final["train_seconds"]:.2f} s', flush=True)
+  for r, k in harness.rotating_rounds(values, args.repeats):
+    config = load_config(args.config)
+    config.num_members = args.members
+    config.train.steps = args.steps
+    config.train.log_every = config.checkpoint.every = args.steps
+    config.train.eval_every = 0
+    config.train.steps_per_call = k
+    workdir = tempfile.mkdtemp(prefix='dist_ens_spc_')
+    try:
+      final = dist_ens.train(config, workdir, devices=[device])
+    finally:
+      shutil.rmtree(workdir, ignore_errors=True)
+    seconds[k].append(final['train_seconds'])
+    nll[k] = final['ensemble']['nll']
+    print(f'repeat {r} steps_per_call={k}: {final["train_seconds"]:.2f} s', flush=True)
   examples = args.members * load_config(args.config).data.batch_size * args.steps
   base = statistics.median(seconds[values[0]])
   rows = []
@@ -77,11 +76,10 @@ def main():
                      ensemble_nll=nll[k]))
     print(f'{k:14d} {med:8.2f} {examples / med:12,.0f} {base / med:9.2f} {nll[k]:13.6f}')
   out = Path(args.out or ROOT / 'benchmarks' / 'results' / f'steps_per_call_{device.platform}.json')
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(dict(jax=jax.__version__, device=f'1 {device.platform} device '
-                                 f'({device.device_kind})', cores=os.cpu_count(),
-                                 config=args.config, members=args.members, steps=args.steps,
-                                 repeats=args.repeats, rows=rows), indent=1))
+  harness.write_results(out, dict(
+      header, jax=jax.__version__, device=f'1 {device.platform} device ({device.device_kind})',
+      config=args.config, members=args.members, steps=args.steps, repeats=args.repeats,
+      rows=rows, load_average_end=harness.load_average()))
   print(f'wrote {out}')
 
 

@@ -1,6 +1,6 @@
 """Step time of a hyperparameter sweep vs a plain ensemble of the same M.
 
-  python benchmarks/sweep_overhead.py [--members 16] [--steps 200] [--repeats 5] [--out PATH]
+  python -m benchmarks.sweep_overhead [--members 16] [--steps 200] [--repeats 5] [--out PATH]
 
 Per-member learning rates and weight decays are data: the per-member hyperparameters
 ({field: [M]}, parts.device_hparams()) that every call of the step takes beside the
@@ -11,13 +11,13 @@ benchmarks/results/sweep_overhead.json (or --out).
 """
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import jax
 
+from benchmarks import harness
 from dist_ens import assemble, data
 from dist_ens.configuration import load_config
 from dist_ens.parallel import mesh as mesh_lib
@@ -41,6 +41,7 @@ def main():
   parser.add_argument('--repeats', type=int, default=5)
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'sweep_overhead.json'))
   args = parser.parse_args()
+  header = harness.run_header()
   dataset = data.load_dataset('mnist1d')
   plain = load_config(ROOT / 'configs' / 'default.py')
   plain.num_members = args.members
@@ -72,10 +73,9 @@ def main():
   for name, t in med.items():
     print(f'{name:8s} {t * 1e3:8.3f}')
   print(f'sweep / plain step time: {ratio:.3f}')
-  out = Path(args.out)
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(dict(members=args.members, steps=args.steps, repeats=args.repeats,
-                                 step_seconds=med, ratio=ratio), indent=2))
+  out = harness.write_results(args.out, dict(
+      header, members=args.members, steps=args.steps, repeats=args.repeats, step_seconds=med,
+      ratio=ratio, load_average_end=harness.load_average()))
   print(f'wrote {out}')
 
 

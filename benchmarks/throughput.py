@@ -1,8 +1,8 @@
 """Member-examples per second of every way to train M models, against the matmul peak.
 
-  python benchmarks/throughput.py            # the full grid (about 20 min on 2 cores)
-  python benchmarks/throughput.py --quick    # 5 cells, under 5 min
-  python benchmarks/throughput.py --candidate p=PATH   # also an A/B of a dist_ens change
+  python -m benchmarks.throughput            # the full grid (about 20 min on 2 cores)
+  python -m benchmarks.throughput --quick    # 5 cells, under 5 min
+  python -m benchmarks.throughput --candidate p=PATH   # also an A/B of a dist_ens change
 
 For each model and member count M (batch 128 per member, Adam, one shared batch),
 it times one training step of all M members done as
@@ -57,16 +57,16 @@ throughput_quick.json, so a quick run never overwrites the full grid's figures).
 
 import argparse
 import dataclasses
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benchmarks import harness
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 128
@@ -476,17 +476,15 @@ def time_side_by_side(runs: dict[str, Callable[[], Any]], repeats: int,
     calls[name] = max(1, min(1000, round(min_time / once)))
     slow[name] = once > SLOW_SECONDS
   times = {name: [] for name in runs}
-  names = list(runs)
-  for r in range(repeats):
-    for name in names[r % len(names):] + names[:r % len(names)]:
-      run, n = runs[name], calls[name]
-      if r >= SLOW_REPEATS and slow[name]:
-        continue
-      start = time.perf_counter()
-      for _ in range(n):
-        out = run()
-      _block(out)
-      times[name].append((time.perf_counter() - start) / n)
+  for r, name in harness.rotating_rounds(runs, repeats):
+    run, n = runs[name], calls[name]
+    if r >= SLOW_REPEATS and slow[name]:
+      continue
+    start = time.perf_counter()
+    for _ in range(n):
+      out = run()
+    _block(out)
+    times[name].append((time.perf_counter() - start) / n)
   return times, first
 
 
@@ -706,7 +704,7 @@ def main(argv: list[str] | None = None) -> None:
         f'{os.cpu_count()} cores), torch {torch_version or "not installed (column skipped)"}'
         + (f' on {torch_device}' + (f' with {args.threads} threads' if torch_device == 'cpu'
                                     else '') if torch_version else ''), flush=True)
-  load_before = os.getloadavg()  # 1/5/15-minute load averages: how busy the machine was
+  header = harness.run_header()  # With the load average at the start: how busy the machine was
   peaks = build_peaks(bool(torch_version), torch_device)
   peak_times = {name: [] for name in peaks}
   cells = []
@@ -726,12 +724,10 @@ def main(argv: list[str] | None = None) -> None:
   peak = {name: 2 * n**3 / statistics.median(t) for name, t in peak_times.items()}
   _add_fractions(cells, peak)
   result = dict(
-      jax=jax.__version__, torch=torch_version, torch_threads=args.threads if torch_version
+      header, jax=jax.__version__, torch=torch_version, torch_threads=args.threads if torch_version
       else None, torch_device=torch_device if torch_version else None,
-      device=f'1 {device.platform} device ({device.device_kind})', cores=os.cpu_count(),
-      machine=platform.processor() or platform.machine(),
-      xla_flags=os.environ.get('XLA_FLAGS', ''),
-      load_average=dict(before=load_before, after=os.getloadavg()),
+      device=f'1 {device.platform} device ({device.device_kind})',
+      xla_flags=os.environ.get('XLA_FLAGS', ''), load_average_end=harness.load_average(),
       candidates=dict(c.split('=', 1) for c in args.candidate),
       batch_per_member=BATCH, conv_impl=CONV_IMPL or 'auto', repeats=repeats,
       min_time=min_time, quick=args.quick, peak_matmul_size=n, peak_flops=peak,
@@ -743,8 +739,7 @@ def main(argv: list[str] | None = None) -> None:
   print_table(result)
   out = Path(args.out or ROOT / 'benchmarks' / 'results' /
              ('throughput_quick.json' if args.quick else 'throughput.json'))
-  out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps(result, indent=1))
+  harness.write_results(out, result)
   print(f'wrote {out}')
 
 

@@ -1,6 +1,6 @@
 """The 1-D toy of Lakshminarayanan et al. (2017), with a gap: docs/regression_toy.png.
 
-  python benchmarks/toy_regression.py [--workdir /tmp/toy_regression]
+  python -m benchmarks.toy_regression [--workdir /tmp/toy_regression]
 
 Trains 5 members (one hidden layer of 100 ReLUs, Gaussian NLL) on y = x^3 + N(0, 3^2) with x
 drawn uniformly from [-4, -1] U [1, 4], predicts on [-6, 6], and plots the ensemble's mean

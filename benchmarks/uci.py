@@ -1,8 +1,8 @@
 """The UCI regression benchmark (Lakshminarayanan et al. 2017, Table 1) with member_split:
 every data set's 20 splits x 5 members train as ONE run of 100 members.
 
-  python benchmarks/uci.py                       # six sets, 20 splits, both schedules
-  python benchmarks/uci.py --sets energy,yacht --splits 5 --separate 1 --out /tmp/u.json
+  python -m benchmarks.uci                       # six sets, 20 splits, both schedules
+  python -m benchmarks.uci --sets energy,yacht --splits 5 --separate 1 --out /tmp/u.json
 
 Protocol (../shared/data/uci/README.md): 20 random 90% / 10% splits of the whole set (the
 splits of dist_ens.data.uci.uci_split, seed 0); one hidden layer of 50 ReLUs predicting a
@@ -40,14 +40,11 @@ error, two-sided ('better' below -1, 'within' inside +-1, 'worse' above +1; the 
 prints kin8nm's RMSE s.e. as 0.00, so there the difference is given in units).
 
 Wall times include compilation. Prints a table and writes benchmarks/results/uci.json
-with the command, date, machine and jax version.
+with harness.run_header's fields (command, date, commit, load averages, machine) and jax's
+version.
 """
 
 import argparse
-import datetime
-import json
-import platform
-import sys
 import tempfile
 import time
 from importlib import metadata
@@ -55,12 +52,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import dist_ens
+from benchmarks import harness
+from dist_ens import data
+from dist_ens.data import uci
 
-import dist_ens  # noqa: E402
-from dist_ens import data  # noqa: E402
-from dist_ens.data import uci  # noqa: E402
+ROOT = harness.ROOT
 
 SETS = ('concrete', 'energy', 'yacht', 'wine-quality-red', 'power-plant', 'kin8nm')
 # Table 1 of the paper, deep ensembles (RMSE, NLL), each (mean, s.e.).
@@ -175,7 +172,7 @@ def main() -> None:
   parser.add_argument('--data_dir', type=Path, default=ROOT.parent / 'shared' / 'data' / 'uci')
   parser.add_argument('--out', type=Path, default=ROOT / 'benchmarks' / 'results' / 'uci.json')
   args = parser.parse_args()
-  results = {}
+  header, results = harness.run_header(), {}
   total = time.perf_counter()
   schedules = ('paper', 'long') if args.schedule == 'both' else (args.schedule,)
   reproducible = not args.default_mode
@@ -196,13 +193,11 @@ def main() -> None:
   # A schedule that reuses the paper schedule's run counts once.
   one_runs = sum(r['seconds'] for r in {id(r): r for r in results.values()}.values())
   print(f'all sets as one run each: {one_runs:.0f} s; whole script {total:.0f} s')
-  args.out.parent.mkdir(parents=True, exist_ok=True)
-  args.out.write_text(json.dumps({
-      'command': ' '.join(sys.argv), 'date': datetime.date.today().isoformat(),
-      'machine': platform.processor() or platform.machine(), 'jax': metadata.version('jax'),
-      'splits': args.splits, 'reproducible': reproducible, 'min_steps': MIN_STEPS,
-      'one_run_seconds_all_sets': one_runs, 'results': results},
-      indent=1) + '\n')
+  harness.write_results(args.out, {
+      **header, 'jax': metadata.version('jax'), 'splits': args.splits,
+      'reproducible': reproducible, 'min_steps': MIN_STEPS,
+      'one_run_seconds_all_sets': one_runs, 'results': results,
+      'load_average_end': harness.load_average()})
 
 
 if __name__ == '__main__':
