@@ -280,7 +280,8 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
   # group's: what reads them for all members (plan, PBT, init_from) refuses groups.
   first = groups[0]
   return first._replace(
-      config=config, model=groups_lib.members_model([g.predict_model for g in groups]),
+      config=config, model=groups_lib.members_model([g.predict_model for g in groups],
+                                                    [s.group for s in specs]),
       hparams=hparams, abstract_state=abstract,
       init=groups_lib.join_inits([g.init for g in groups]), groups=groups)
 

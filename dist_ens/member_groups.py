@@ -116,7 +116,6 @@ def group_config(config: ml_collections.ConfigDict,
 # in one line naming both fields (docs/groups.md says how to go on).
 _REFUSED = (
     ('ensemble.own', lambda v: v != 'all', "use ensemble.own='all'"),
-    ('eval.mc_samples', bool, 'set eval.mc_samples=0'),
     ('eval.laplace', bool, "set eval.laplace=''"),
     ('distill.student', bool, "set distill.student=''"),
     ('model.init_from', bool, "set model.init_from='' (also in every group)"),

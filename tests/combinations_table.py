@@ -154,7 +154,7 @@ REFUSED: dict[frozenset[str], str] = {
                                    'on the mesh',
     **{_pair('groups', o): 'member groups are deep ensembles of whole members so far '
                            '(docs/groups.md)'
-       for o in (*_NOT_DEEP, 'prior', 'epinet', 'mc_dropout', 'own=head', 'own=lora')},
+       for o in (*_NOT_DEEP, 'prior', 'epinet', 'own=head', 'own=lora')},
     **{_pair('groups', o): 'not built for member groups yet (docs/groups.md)'
        for o in ('model=2', 'member_split', 'laplace', 'distill')},
     **{_pair('distill', t): "the student learns a classifier's soft targets over classes"

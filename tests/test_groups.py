@@ -26,6 +26,11 @@ GROUPS = ({'count': 2, 'model': {'widths': (16,)}},
            'name': 'deep'})
 
 
+# The shared run's members train with dropout and are also scored with 2 MC dropout
+# samples each (eval.mc_samples), every draw keyed by the member's id.
+MC = {'model__dropout': 0.1, 'eval__mc_samples': 2}
+
+
 def _config(groups=GROUPS, **fields):
   config = support.config(**{'reproducible': True, **fields})
   config.ensemble.groups = groups
@@ -49,7 +54,7 @@ def _stored(workdir):
 @pytest.fixture(scope='module')
 def grouped(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('grouped')
-  return workdir, dist_ens.train(_config(), str(workdir))
+  return workdir, dist_ens.train(_config(**MC), str(workdir))
 
 
 def test_a_groups_members_equal_the_same_members_without_groups(grouped, tmp_path):
@@ -58,13 +63,17 @@ def test_a_groups_members_equal_the_same_members_without_groups(grouped, tmp_pat
   assert isinstance(stored, tuple) and len(stored) == 2
   first = 0
   for g, group in enumerate(GROUPS):
-    single = dist_ens.train(_single(group), str(tmp_path / f'single{g}'))
+    single = dist_ens.train(_single(group, **MC), str(tmp_path / f'single{g}'))
     ids = slice(first, first + group['count'])
     # Bit for bit: parameters, and the test metrics computed from them.
     support.assert_trees_equal(stored[g], jax.tree.map(lambda a, i=ids: a[i],
                                                        _stored(tmp_path / f'single{g}')))
     for metric in ('nll', 'accuracy'):
       assert results['members'][metric][ids] == single['members'][metric][ids]
+      # MC dropout: each group's model samples its members' dropout, keyed by their ids.
+      assert (results['mc_dropout']['members'][metric][ids]
+              == single['mc_dropout']['members'][metric][ids])
+      assert results['mc_dropout']['members'][metric][ids] != results['members'][metric][ids]
     first += group['count']
 
 
@@ -116,7 +125,7 @@ def test_load_and_predict_combine_every_group(grouped):
 
 def test_an_interrupted_run_resumes_to_the_uninterrupted_state(grouped, tmp_path):
   workdir, results = grouped
-  config = _config()
+  config = _config(**MC)
   stopped = dist_ens.train(config, str(tmp_path), actions=[support.PreemptAt(2)])
   assert stopped['preempted'] and stopped['step'] == 2
   resumed = dist_ens.train(config, str(tmp_path))
@@ -194,7 +203,7 @@ def test_pbt_copies_within_each_group_bit_for_bit_and_resumes_exactly(tmp_path):
 @pytest.mark.parametrize('field, value', [
     ('ensemble.method', 'prior'),
     ('ensemble.own', 'head'),
-    ('eval.mc_samples', 2), ('eval.laplace', 'last_layer_diag'), ('mesh.model', 2), ('data.member_split', 'kfold:2'),
+    ('eval.laplace', 'last_layer_diag'), ('mesh.model', 2), ('data.member_split', 'kfold:2'),
 ])
 def test_what_groups_do_not_support_yet_is_refused_in_one_line(field, value, tmp_path):
   config = _config(**{field.replace('.', '__'): value})

@@ -80,18 +80,18 @@ def _not_one_model(*args, **kwargs):
                             'no single member init or apply (use each group\'s model).')
 
 
-def members_model(models: Sequence[Model]) -> Model:
-  """A Model whose members_apply gives every group's members' evaluation outputs,
-  concatenated in id order [M, B, ...]: each group vmaps its own model."""
+def members_model(models: Sequence[Model], groups: Sequence[Group]) -> Model:
+  """A Model whose members_map runs a function on each group's stack with the group's
+  own model and member ids, joining the results in id order [M, ...] (core.model's
+  over_stacks: evaluation, MC dropout)."""
 
-  def members_apply(params, model_state, x):
-    outs = [jax.vmap(lambda p, s, model=model: model.apply(p, s, x, train=False)[0],
-                     in_axes=(stacked_axes(model, p_g), 0))(p_g, s_g)
-            for model, p_g, s_g in zip(models, params, model_state)]
+  def members_map(fn, params, model_state):
+    outs = [fn(model, p_g, s_g, jnp.arange(group.first, group.first + group.count))
+            for model, group, p_g, s_g in zip(models, groups, params, model_state)]
     dtype = jnp.result_type(*outs)
     return jnp.concatenate([o.astype(dtype) for o in outs])
 
-  return Model(init=_not_one_model, apply=_not_one_model, members_apply=members_apply)
+  return Model(init=_not_one_model, apply=_not_one_model, members_map=members_map)
 
 
 def _group_batch(batch: tuple[jax.Array, ...], group: Group, member_axis: int,

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 Params = Any
 State = Any
@@ -49,22 +50,33 @@ class Model(NamedTuple):
   ensembles.stored.predicting_model sets both for a method whose members share leaves.
   `features`, where set, is apply with the last hidden features beside the logits (the
   module doc); None: the model does not expose them.
-  `members_apply(params, state, x)`, where set, gives every stacked member's evaluation
-  outputs [M, B, ...] at once, for members one vmap cannot run (member groups of
-  different architectures, dist_ens.core.groups); evaluation calls it instead of
-  vmapping apply.
+  `members_map(fn, params, state)`, where set, runs fn(model, params, state, member_ids)
+  on each stack of members one vmap cannot run together (member groups of different
+  architectures, dist_ens.core.groups: each group's own model, stacked params and state,
+  and its members' ids) and joins the results [M, ...] in id order; over_stacks calls it
+  (evaluation, MC dropout) instead of fn on the whole stack.
   """
   init: Callable[[jax.Array, jax.Array], tuple[Params, State]]
   apply: Callable[..., tuple[jax.Array, State]]
   member_axes: Callable[[Params], Any] | None = None
   member_params: Callable[[Params], Params] | None = None
   features: Callable[..., tuple[jax.Array, jax.Array, State]] | None = None
-  members_apply: Callable[..., jax.Array] | None = None
+  members_map: Callable[..., jax.Array] | None = None
 
 
 def stacked_axes(model: Model, params: Params) -> Any:
   """The vmap in_axes of `params` stacked over members: model.member_axes's, or 0."""
   return 0 if model.member_axes is None else model.member_axes(params)
+
+
+def over_stacks(model: Model, fn: Callable[..., jax.Array], params: Params,
+                state: State) -> jax.Array:
+  """fn(model, params, state, member_ids) -> [m, ...] on every stack of members, joined
+  [M, ...] in id order: the whole stack (ids 0..M-1), or each member group's
+  (model.members_map)."""
+  if model.members_map is not None:
+    return model.members_map(fn, params, state)
+  return fn(model, params, state, jnp.arange(num_stacked(params, stacked_axes(model, params))))
 
 
 def num_stacked(params: Params, axes: Any) -> int:

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dist_ens.core import rng as rng_lib
-from dist_ens.core.model import num_stacked, stacked_axes
+from dist_ens.core.model import over_stacks, stacked_axes
 from dist_ens.core.state import member_flags
 from dist_ens.eval import metrics
 from dist_ens.data import Split, to_global
@@ -61,11 +61,12 @@ def member_logits(model: Model, variables: Any, x: jax.Array) -> jax.Array:
   `variables` is (params, model_state), both stacked [M, ...] (params as model.member_axes
   says: leaves shared by every member are stored once and not copied M times).
   """
-  params, model_state = variables
-  if model.members_apply is not None:  # Member groups: each group vmaps its own.
-    return model.members_apply(params, model_state, x)
-  return jax.vmap(lambda p, s: model.apply(p, s, x, train=False)[0],
-                  in_axes=(stacked_axes(model, params), 0))(params, model_state)
+  def stack_logits(model, params, model_state, member_ids):
+    del member_ids
+    return jax.vmap(lambda p, s: model.apply(p, s, x, train=False)[0],
+                    in_axes=(stacked_axes(model, params), 0))(params, model_state)
+
+  return over_stacks(model, stack_logits, *variables)  # Member groups: each its own vmap.
 
 
 def mc_key(seed: int, member: jax.Array) -> jax.Array:
@@ -104,16 +105,17 @@ def member_outputs(model: Model, variables: Any, x: jax.Array, *, mc_samples: in
     return member_logits(model, variables, x).astype(jnp.float32)
   if combine is None:
     raise ValueError('member_outputs(mc_samples > 0) needs the task\'s combine.')
-  params, model_state = variables
-  axes = stacked_axes(model, params)
-  members = jnp.arange(num_stacked(params, axes))
   every_sample = jnp.ones((mc_samples,), bool)
 
-  def one_member(p, s, member):
-    samples = mc_sample_logits(model, p, s, x, mc_key(seed, member), offset, mc_samples)
-    return combine(samples.astype(jnp.float32), every_sample)
+  def stack_samples(model, params, model_state, member_ids):
+    def one_member(p, s, member):  # Keyed by the member's id: the same in any stack.
+      samples = mc_sample_logits(model, p, s, x, mc_key(seed, member), offset, mc_samples)
+      return combine(samples.astype(jnp.float32), every_sample)
 
-  return jax.vmap(one_member, in_axes=(axes, 0, 0))(params, model_state, members)
+    return jax.vmap(one_member, in_axes=(stacked_axes(model, params), 0, 0))(
+        params, model_state, member_ids)
+
+  return over_stacks(model, stack_samples, *variables)
 
 
 def make_eval_step(model: Model, mesh: Mesh,
