@@ -121,7 +121,6 @@ _REFUSED = (
     ('model.init_from', bool, "set model.init_from='' (also in every group)"),
     ('mesh.model', lambda v: v != 1, 'set mesh.model=1'),
     ('mesh.fsdp_over_data', bool, 'set mesh.fsdp_over_data=False'),
-    ('data.member_split', bool, "set data.member_split=''"),
     ('task', lambda v: v == 'regression_homoscedastic', "use task='regression'"),
 )
 

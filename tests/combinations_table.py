@@ -156,7 +156,7 @@ REFUSED: dict[frozenset[str], str] = {
                            '(docs/groups.md)'
        for o in (*_NOT_DEEP, 'prior', 'epinet', 'own=head', 'own=lora')},
     **{_pair('groups', o): 'not built for member groups yet (docs/groups.md)'
-       for o in ('model=2', 'member_split', 'laplace', 'distill')},
+       for o in ('model=2', 'laplace', 'distill')},
     **{_pair('distill', t): "the student learns a classifier's soft targets over classes"
        for t in ('regression', 'regression [N, D]', 'token_classification')},
     **{_pair('distill', m): "the student learns from independently trained members of the "
