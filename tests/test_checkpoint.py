@@ -26,30 +26,30 @@ from dist_ens.errors import ConfigError, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
-# A short run that checkpoints often; mesh 4x2 so resume is checked with sharded data.
-# No joint evaluation and jsonl events only: programs and imports no test here reads.
-FLAGS = [f'--config.train.steps={STEPS}', '--config.train.log_every=1',
-         '--config.train.eval_every=0', '--config.data.batch_size=32',
-         '--config.model.widths=(32,32)', '--config.checkpoint.every=5',
-         '--config.mesh.member=4', '--config.mesh.data=2', '--config.eval.joint_tau=0',
-         "--config.writers=('jsonl',)"]
 
 
 def _config(**overrides):
-  config = load_config(ROOT / 'configs' / 'default.py')
-  for flag in FLAGS:
-    dotted, value = flag[len('--config.'):].split('=')
-    _set(config, dotted, eval(value))  # pylint: disable=eval-used  # Test-only literals.
-  for dotted, value in overrides.items():
-    _set(config, dotted.replace('__', '.'), value)
-  return config
+  """support.config's tiny run (4 members of a (16,) MLP, batch 32), saved every 5 of 40
+  steps and logged every step, so the kill and SIGTERM tests can stop it between saves;
+  on a 4 x 2 mesh so resume is checked with each member's batch split over 'data'. No
+  joint evaluation: a program no test here reads."""
+  return support.config({'train.steps': STEPS, 'train.log_every': 1, 'checkpoint.every': 5,
+                         'mesh.member': 4, 'mesh.data': 2, 'eval.joint_tau': 0}, **overrides)
 
 
-def _set(config, dotted, value):
-  *parents, leaf = dotted.split('.')
-  for p in parents:
-    config = config[p]
-  config[leaf] = value
+def _leaves(tree, prefix=''):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _leaves(value, f'{prefix}{key}.')
+    else:
+      yield prefix + key, value
+
+
+def _flags(config):
+  """`config` as the command line's overrides of configs/default.py: the fields it sets."""
+  default = dict(_leaves(load_config(ROOT / 'configs' / 'default.py').to_dict()))
+  return [f'--config.{k}={v if isinstance(v, str) else repr(v)}'
+          for k, v in _leaves(config.to_dict()) if default[k] != v]
 
 
 def _final_state(workdir):
@@ -94,7 +94,7 @@ def _start(workdir):
              JAX_PLATFORMS='cpu')
   return subprocess.Popen(
       [sys.executable, '-m', 'dist_ens.main', '--config=configs/default.py',
-       f'--workdir={workdir}', *FLAGS], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+       f'--workdir={workdir}', *_flags(_config())], cwd=ROOT, env=env, stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT, text=True)
 
 
@@ -194,7 +194,7 @@ def test_incompatible_config_is_refused_and_nothing_overwritten(tmp_path, twenty
                                         r'optim.learning_rate'):
     dist_ens.train(_config(**TWENTY, optim__learning_rate=0.1), str(tmp_path))
   with pytest.raises(ConfigError, match=r'different ensemble \(differing fields: num_members'):
-    dist_ens.train(_config(**TWENTY, num_members=4,
+    dist_ens.train(_config(**TWENTY, num_members=8,
                            checkpoint__restore_incompatible='num_members'), str(tmp_path))
   assert {p: p.read_bytes() for p in tmp_path.rglob('*') if p.is_file()} == before
 
@@ -231,13 +231,14 @@ def test_restore_onto_another_mesh_gives_the_same_values(tmp_path, twenty, unint
   _copy(twenty, tmp_path)
   written = _restore(tmp_path, 4, 2)  # The mesh that wrote it.
   assert written.step == 20 and written.data_state == data.IteratorState(epoch=0, index=20)
-  for member, data_axis in ((8, 1), (1, 8)):
+  # support.config's own mesh (-1 fits 4 x 1: the batch whole), and all members on one device.
+  for member, data_axis in ((-1, 1), (1, 8)):
     restored = _restore(tmp_path, member, data_axis)
     assert restored.step == 20 and restored.data_state == written.data_state
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  restored.state, written.state)
   # Training on from there on a new mesh: the same run to float tolerance.
-  final = dist_ens.train(_config(mesh__member=8, mesh__data=1, checkpoint__keep=3),
+  final = dist_ens.train(_config(mesh__member=-1, mesh__data=1, checkpoint__keep=3),
                          str(tmp_path))
   np.testing.assert_allclose(final['members']['nll'], uninterrupted[0]['members']['nll'],
                              atol=1e-4)
@@ -258,7 +259,7 @@ def test_nonfinite_member_is_frozen_reported_and_excluded(tmp_path, monkeypatch,
   _poison_member(monkeypatch, 3)
   final = dist_ens.train(_config(), str(tmp_path))
   assert final['frozen_members'] == [3]
-  others = [i for i in range(8) if i != 3]
+  others = [i for i in range(4) if i != 3]
   for metric in ('accuracy', 'nll'):
     got, clean = np.array(final['members'][metric]), np.array(uninterrupted[0]['members'][metric])
     np.testing.assert_array_equal(got[others], clean[others])
@@ -268,8 +269,8 @@ def test_nonfinite_member_is_frozen_reported_and_excluded(tmp_path, monkeypatch,
 
 
 def test_on_nonfinite_stop_saves_and_raises(tmp_path, monkeypatch):
-  _poison_member(monkeypatch, 5)
-  with pytest.raises(TrainingError, match=r"members \[5\] went non-finite by step 1 .*'stop'"):
+  _poison_member(monkeypatch, 2)
+  with pytest.raises(TrainingError, match=r"members \[2\] went non-finite by step 1 .*'stop'"):
     dist_ens.train(_config(train__on_nonfinite='stop'), str(tmp_path))
   assert _final_state(tmp_path)[0] == 1
   with pytest.raises(ConfigError, match='on_nonfinite'):

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import support
 import test_laplace
 
 import dist_ens
@@ -32,9 +33,8 @@ DATASET = test_laplace.DATASET
 def _config(kind, samples=0, validation=64):
   """test_laplace's run, with `samples` weight draws and the joint log-loss on."""
   config = test_laplace._config(kind, validation)  # pylint: disable=protected-access
-  config.eval.laplace_samples = samples
-  config.eval.joint_tau, config.eval.joint_batches = 4, 50
-  return config
+  return support.override(config, {'eval.laplace_samples': samples, 'eval.joint_tau': 4,
+                                   'eval.joint_batches': 50})
 
 
 def _scores(member_probs, y):

@@ -4,7 +4,6 @@ checkpoints, resume, Ensemble.load and export, and added to the trained network'
 
 import json
 import logging
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -20,7 +19,6 @@ from dist_ens.errors import ConfigError
 from dist_ens.inference import load_member
 from dist_ens.parallel import mesh as mesh_lib
 
-ROOT = Path(__file__).resolve().parents[1]
 M, SCALE, WIDTHS, PRIOR_WIDTHS = 8, 2.5, (8,), (4,)
 
 
@@ -34,17 +32,19 @@ DATASET = data.from_arrays(*_toy(128, 0), *_toy(32, 1), name='classes')
 
 
 def _config(member=8, data_size=1, method='prior', **prior):
-  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
-  config.num_members, config.model.widths = M, WIDTHS
-  config.data.batch_size, config.data.prefetch, config.eval.batch_size = 16, 0, 64
-  config.data.member_order = 'bootstrap'
-  config.train.steps, config.train.log_every, config.train.eval_every = 4, 4, 0
-  config.checkpoint.every, config.writers, config.eval.joint_tau = 2, ('jsonl',), 0
-  config.mesh.member, config.mesh.data = member, data_size
-  config.ensemble.method = method
-  config.ensemble.prior.scale = prior.get('scale', SCALE)
-  config.ensemble.prior.widths = prior.get('widths', PRIOR_WIDTHS)
-  return config
+  """support.config's run on DATASET with randomized priors (scale SCALE, widths
+  PRIOR_WIDTHS unless `prior` says), 4 steps saved every 2 (a preempted run resumes from
+  step 2), on a member x data mesh. Kept: M = 8 members of a (8,) MLP (8 x 1 puts one
+  member on each device; DATASET's 3 classes make these programs this file's own at any
+  size), batch 16 and eval batch 64 (DATASET's 128 and 32 examples), bootstrap member
+  orders (each member reads its own batches through resume)."""
+  return support.config({
+      'num_members': M, 'model.widths': WIDTHS, 'data.batch_size': 16,
+      'eval.batch_size': 64, 'data.member_order': 'bootstrap', 'train.steps': 4,
+      'train.log_every': 4, 'checkpoint.every': 2, 'eval.joint_tau': 0,
+      'mesh.member': member, 'mesh.data': data_size, 'ensemble.method': method,
+      'ensemble.prior.scale': prior.get('scale', SCALE),
+      'ensemble.prior.widths': prior.get('widths', PRIOR_WIDTHS)})
 
 
 @pytest.fixture(scope='module')

@@ -8,11 +8,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import support
+
 import dist_ens
 from dist_ens import data
 from dist_ens.errors import ConfigError
-
-DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
 
 
 def _curve(n, seed):
@@ -23,16 +23,15 @@ def _curve(n, seed):
 
 
 def _config():
-  config = dist_ens.load_config(DEFAULT)
-  config.task = 'regression'
-  config.num_members = 4
-  config.model.widths = (32,)
-  config.optim.learning_rate, config.optim.weight_decay = 1e-2, 0.0
-  config.data.batch_size = 64
-  config.train.steps, config.train.log_every, config.train.eval_every = 300, 100, 0
-  config.checkpoint.every = 300
-  config.writers = ('jsonl',)
-  return config
+  """support.config's run (4 members, jsonl events) as a regression ensemble. Kept: a (32,)
+  MLP at learning rate 1e-2 without weight decay, batch 64, 300 steps (logged every 100,
+  saved at the end): what the tests check it learned (an RMSE under 0.25 on the curve,
+  the homoscedastic noise level and coverage) needs them, and the curve's 1-D inputs and
+  the regression head make these programs this file's own at any size."""
+  return support.config({
+      'task': 'regression', 'model.widths': (32,), 'optim.learning_rate': 1e-2,
+      'optim.weight_decay': 0.0, 'data.batch_size': 64, 'train.steps': 300,
+      'train.log_every': 100, 'checkpoint.every': 300})
 
 
 @pytest.fixture(scope='module')
