@@ -38,10 +38,9 @@ def reference(tmp_path_factory):
 
 
 # The 4 x 2 mesh is compared with the reference in the steps_per_call test below. 4 x 1
-# runs on 4 of the devices (an explicit mesh uses them all, and M = 4 allows no 8 x 1):
-# slow, as 8 x 1 was (tests/conftest.py's _SLOW_TIER still names [8-1]), like [1-8].
-@pytest.mark.parametrize('member,data', [pytest.param(4, 1, marks=pytest.mark.slow),
-                                         (2, 4), (1, 8)])
+# runs on 4 of the devices (an explicit mesh uses them all, and M = 4 allows no 8 x 1);
+# it and [1-8] are in the slow tier (tests/conftest.py).
+@pytest.mark.parametrize('member,data', [(4, 1), (2, 4), (1, 8)])
 def test_topology_does_not_change_results(tmp_path, reference, member, data):
   result = _run(tmp_path, 'w', devices=jax.devices()[:member * data], mesh__member=member,
                 mesh__data=data)
