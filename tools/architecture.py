@@ -21,7 +21,7 @@ from pathlib import Path
 
 # Ground floor first: a module may import its own layer and those before it.
 LAYERS = [
-    ('errors', 'importing'),
+    ('errors', 'importing', 'config_schema'),
     ('core',),
     ('parallel', 'models', 'data'),
     ('eval', 'ensembles', 'tasks'),
