@@ -110,7 +110,7 @@ def _comments(source: str) -> dict[int, tuple[str, bool]]:
   return out
 
 
-def dotted(node: ast.expr) -> str | None:
+def _dotted(node: ast.expr) -> str | None:
   """'model.name' for `config.model.name`; None for anything else."""
   parts = []
   while isinstance(node, ast.Attribute):
@@ -121,7 +121,7 @@ def dotted(node: ast.expr) -> str | None:
   return None
 
 
-def comment_for(stmt: ast.stmt, comments: dict[int, tuple[str, bool]]) -> str:
+def _comment_for(stmt: ast.stmt, comments: dict[int, tuple[str, bool]]) -> str:
   """The comment lines right above `stmt`, then the ones beside it, as one text."""
   above, row = [], stmt.lineno - 1
   while row in comments and comments[row][1]:
@@ -132,7 +132,7 @@ def comment_for(stmt: ast.stmt, comments: dict[int, tuple[str, bool]]) -> str:
   return ' '.join(above + beside).strip()
 
 
-def split_check(comment: str) -> tuple[str, Check | None]:
+def _split_check(comment: str) -> tuple[str, Check | None]:
   """(the meaning, the check declared at the comment's end, or None)."""
   match = _CHECK.search(comment)
   if match is None:
@@ -149,9 +149,9 @@ def assignments(source: str) -> list[tuple[str, ast.Assign, str]]:
   out = []
   for stmt in get_config.body:
     if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-      path = dotted(stmt.targets[0])
+      path = _dotted(stmt.targets[0])
       if path is not None:
-        out.append((path, stmt, comment_for(stmt, comments)))
+        out.append((path, stmt, _comment_for(stmt, comments)))
   return out
 
 
@@ -159,7 +159,7 @@ def fields(source: str) -> dict[str, Field]:
   """Every field assigned in the file's get_config(), by dotted path."""
   out = {}
   for path, stmt, comment in assignments(source):
-    meaning, check = split_check(comment)
+    meaning, check = _split_check(comment)
     per_member = 'per_member(' in (ast.get_source_segment(source, stmt.value) or '')
     out[path] = Field(path, meaning, check, per_member, stmt.lineno)
   return out

@@ -26,10 +26,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import data, member_groups, saved_run, student as student_lib, tasks
+from dist_ens import (data, ensemble_members, member_groups, saved_run, student as student_lib,
+                      tasks)
 from dist_ens.data import uci
-from dist_ens.io import member_files
-from dist_ens.core import groups as groups_lib
 from dist_ens.core.state import member_flags
 from dist_ens.io.member_files import load_member  # noqa: F401  (API)
 from dist_ens.core.model import Model
@@ -44,7 +43,7 @@ from dist_ens.prediction import (GaussianPrediction, Prediction, Preprocess,  # 
 PyTree = Any
 
 
-class Ensemble:
+class Ensemble(ensemble_members.MemberAccess):
   """A trained ensemble on the present devices: predict, inspect and export members.
 
   Build it with `Ensemble.load(workdir)`. Members are sharded over the mesh's
@@ -173,20 +172,6 @@ class Ensemble:
                    laplace=saved_run.laplace_from(workdir, restored.step))
     ensemble.workdir = workdir  # what export_adapters reads the factors from
     return ensemble
-
-  def export_adapters(self, directory: str | os.PathLike) -> list[Path]:
-    """A LoRA ensemble on a Hugging Face model (init_from='hf:PATH', own='lora') as PEFT
-    adapters, directory/member_{i}/ (adapter_config.json, adapter_model.safetensors):
-    `peft.PeftModel.from_pretrained(transformers_model, directory / 'member_0')` gives
-    member 0's outputs (dist_ens.io.peft_adapters; docs/pretrained.md). Only process 0
-    writes."""
-    member_groups.refuse(self.config, 'Ensemble.export_adapters')
-    if getattr(self, 'workdir', None) is None:
-      raise ValueError('export_adapters needs an Ensemble from Ensemble.load(workdir).')
-    if jax.process_index() != 0:
-      return [Path(directory) / f'member_{i}' for i in range(self.num_members)]
-    from dist_ens.io import peft_adapters  # pylint: disable=import-outside-toplevel
-    return peft_adapters.export_peft(self.workdir, directory)
 
   @property
   def num_members(self) -> int:
@@ -361,67 +346,3 @@ class Ensemble:
       raise ValueError('student() needs an Ensemble from Ensemble.load(workdir).')
     return student_lib.load_student(self.workdir, self.model, self.preprocess,
                                     self.config.eval.batch_size)
-
-  def member(self, i: int) -> PyTree:
-    """Member i's parameters as a plain pytree of numpy arrays (no member axis).
-
-    Example:
-      params = ens.member(0)
-      logits = ens.model.apply(params, x)  # one member, as trained
-    """
-    if not 0 <= i < self.num_members:
-      raise IndexError(f'member({i}): this ensemble has members 0..{self.num_members - 1}.')
-    if self._groups:  # Whole members (groups are deep ensembles): a row of its group's stack.
-      g, row = groups_lib.locate(self._groups, i)
-      return jax.tree.map(np.asarray, self._take_state(self._stored[g], np.int32(row)))
-    return jax.tree.map(np.asarray, self._take(self._stored, np.int32(i)))
-
-  def member_state(self, i: int) -> PyTree:
-    """Member i's model state as a plain pytree of numpy arrays (no member axis): its
-    BatchNorm statistics, a randomized prior's network; {} for a model without one.
-
-    Example:
-      logits, _ = ens.model.apply(ens.member(0), ens.member_state(0), x, train=False)
-    """
-    if not 0 <= i < self.num_members:
-      raise IndexError(f'member_state({i}): this ensemble has members 0..'
-                       f'{self.num_members - 1}.')
-    state, row = self.model_state, i
-    if self._groups:
-      g, row = groups_lib.locate(self._groups, i)
-      state = state[g]
-    return jax.tree.map(np.asarray, self._take_state(state, np.int32(row)))
-
-  def member_config(self, i: int) -> ml_collections.ConfigDict:
-    """The config member i was built from: the run's, with its group's model and optim
-    overrides where config.ensemble.groups gives members different architectures.
-
-    Example:
-      spec = dist_ens.specs.model_spec(ens.member_config(5))
-      model = dist_ens.models.get_model(spec, ens.num_classes)   # member 5's architecture
-    """
-    if not 0 <= i < self.num_members:
-      raise IndexError(f'member_config({i}): this ensemble has members 0..'
-                       f'{self.num_members - 1}.')
-    for spec in member_groups.group_specs(self.config):
-      if spec.group.first <= i < spec.group.first + spec.group.count:
-        return member_groups.group_config(self.config, spec)
-    return self.config
-
-  def export(self, directory: str | os.PathLike) -> list[Path]:
-    """Writes each member as its own .npz file (member_{i}.npz, member_{i}_state.npz where
-    the model has a state, ensemble.json), usable without dist_ens or JAX; the files'
-    format: dist_ens.io.member_files.export_members. Only process 0 writes.
-
-    Example:
-      paths = ens.export('/tmp/members')
-      params = load_member(paths[0])        # == ens.member(0)
-
-    Returns:
-      The member files' paths, in member order.
-    """
-    groups = [{'name': spec.name, 'members': list(range(spec.group.first,
-                                                        spec.group.first + spec.group.count)),
-               'model': member_groups.group_config(self.config, spec).model.to_dict()}
-              for spec in member_groups.group_specs(self.config)]
-    return member_files.export_members(self, Path(directory), groups)

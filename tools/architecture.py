@@ -26,7 +26,7 @@ LAYERS = [
     ('parallel', 'models', 'data'),
     ('eval', 'ensembles', 'tasks'),
     ('checkpoint', 'io', 'configuration', 'config_flags', 'specs', 'run_data', 'saved_run', 'assemble', 'member_forms', 'member_groups', 'mesh_layout', 'prediction', 'plan', 'dry_run', 'host_memory'),
-    ('training', 'inference', 'student', 'main', 'commands', '__init__'),
+    ('training', 'inference', 'ensemble_members', 'student', 'main', 'commands', '__init__'),
 ]
 _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|data)'")
 
