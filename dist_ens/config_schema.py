@@ -160,7 +160,8 @@ def fields(source: str) -> dict[str, Field]:
   out = {}
   for path, stmt, comment in assignments(source):
     meaning, check = _split_check(comment)
-    per_member = 'per_member(' in (ast.get_source_segment(source, stmt.value) or '')
+    per_member = any(isinstance(n, ast.Call) and getattr(n.func, 'id', None) == 'per_member'
+                     for n in ast.walk(stmt.value))
     out[path] = Field(path, meaning, check, per_member, stmt.lineno)
   return out
 
