@@ -41,7 +41,7 @@ from dist_ens.eval.evaluate import Evaluator, Scorer, make_eval_step
 from dist_ens.member_forms import (form_key, member_form,  # noqa: F401  (re-exported)
                                    members_per_device)
 from dist_ens.mesh_layout import build_layout, build_mesh  # noqa: F401  (re-exported)
-from dist_ens.parallel import mesh as mesh_lib, sharding_rules, strategy
+from dist_ens.parallel import mesh as mesh_lib, once, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
 from dist_ens.data import augment as augment_lib
@@ -329,18 +329,17 @@ def _check_shared_optimizer(member_hparams: dict[str, np.ndarray], name: str) ->
                       "them with method='deep', or fix them.")
 
 
-# The init program runs once per run, so on a CPU it is compiled at LLVM -O1: its random
-# draws (large unrolled integer kernels) compile much faster there than at XLA's default
-# -O2, to the same bits (BENCHMARKS.md, "The init program"; tests/test_step.py checks two).
-INIT_COMPILER_OPTIONS = {'xla_backend_optimization_level': 1}
+# The init program runs once per run: on a CPU it compiles at LLVM -O1 (parallel/once.py:
+# its random draws compile much faster there, to the same bits; BENCHMARKS.md, "The init
+# program"; tests/test_step.py checks two).
+INIT_COMPILER_OPTIONS = once.ONCE_COMPILER_OPTIONS
 
 
 def compile_init(parts: Parts, *pretrained: Pretrained) -> jax.stages.Compiled:
   """The init program (parts.init with the state's shardings), compiled; on a CPU with
   INIT_COMPILER_OPTIONS. Given Pretrained leaves it takes them as its argument."""
   lowered = jax.jit(parts.init, out_shardings=parts.state_shardings).lower(*pretrained)
-  on_cpu = parts.mesh.devices.flat[0].platform == 'cpu'
-  return lowered.compile(compiler_options=INIT_COMPILER_OPTIONS if on_cpu else None)
+  return once.compile_once(lowered, parts.mesh.devices.flat[0].platform)
 
 
 def init_sharded(parts: Parts) -> TrainState:

@@ -7,6 +7,7 @@ sharded (each process writes its own shards), and restored straight into the
 shardings of the current mesh, whatever mesh wrote them.
 """
 
+import functools
 import logging as logging_std
 import os
 import sys
@@ -21,6 +22,7 @@ from absl import logging
 
 from dist_ens.data import IteratorState
 from dist_ens.errors import ConfigError
+from dist_ens.parallel import once
 
 # Fields that may change between a run and its resume without being asked for:
 # they change how long or how verbosely a run goes, or the topology (restores
@@ -104,7 +106,6 @@ def _words(leaf: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(leaf, jnp.uint32).ravel()  # 8 bytes: [..., 2] words.
 
 
-@jax.jit
 def _checksums(leaves: list[jax.Array]) -> list[jax.Array]:
   # Each word times an odd, position-dependent factor (invertible mod 2**32), summed with
   # wrap-around: any changed word changes the sum, and so does a moved one.
@@ -120,7 +121,16 @@ def checksums(tree: Any) -> list[int]:
   """One uint32 per leaf of `tree` (device arrays, any sharding): saved beside a
   checkpoint and compared on restore, since a checkpoint's data files carry no
   checksum and orbax reads corrupted bytes back as values without an error."""
-  return [int(c) for c in jax.device_get(_checksums(jax.tree.leaves(tree)))]
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return []
+  return [int(c) for c in jax.device_get(_checksums_program(once.platform_of(leaves))(leaves))]
+
+
+@functools.cache
+def _checksums_program(platform: str) -> Any:
+  # Integer arithmetic: -O1 gives the same sums, compiled faster (parallel/once.py).
+  return jax.jit(_checksums, compiler_options=once.options_for(platform))
 
 
 class CorruptCheckpoint(Exception):
