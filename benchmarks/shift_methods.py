@@ -35,8 +35,6 @@ Writes benchmarks/results/shift_methods.json (default.py) or shift_methods_<conf
 
 import argparse
 import json
-import os
-import platform
 import tempfile
 import time
 from pathlib import Path
@@ -46,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import dist_ens
+from benchmarks import harness
 from dist_ens import Ensemble, assemble, data
 from dist_ens.data import corruptions
 from dist_ens.eval import evaluate, shift, shift_spec
@@ -208,11 +207,9 @@ def main() -> None:
           for name in names]
   print(table(rows))
   if steps == default_steps and not args.methods:
-    out.write_text(json.dumps({'config': base.name, 'rows': rows, 'steps': steps,
-                               'seeds': seeds, 'pairs': len(pairs),
-                               'markdown': table(rows), 'machine': platform.machine(),
-                               'cpu_count': os.cpu_count(), 'jax': jax.__version__,
-                               'date': time.strftime('%Y-%m-%d')}, indent=1) + '\n')
+    harness.write_results(out, {**harness.run_header(), 'config': base.name, 'rows': rows,
+                                'steps': steps, 'seeds': seeds, 'pairs': len(pairs),
+                                'markdown': table(rows), 'jax': jax.__version__})
     print(f'wrote {out}')
 
 
