@@ -67,8 +67,11 @@ def _local_sh(workdir: Path, processes: int, devices: int, fields: dict,
   if reads_dir is not None:
     reads_dir.mkdir(parents=True, exist_ok=True)
     python = reads_dir / 'python'
-    python.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(__file__)} '
-                      'count-reads "$@"\n')
+    # local.sh's other use of $PYTHON (-c: its free port) goes to Python itself, not
+    # through this file, whose imports (jax, dist_ens) would cost it seconds.
+    exe = shlex.quote(sys.executable)
+    python.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {exe} "$@"; fi\n'
+                      f'exec {exe} {shlex.quote(__file__)} count-reads "$@"\n')
     python.chmod(0o755)
     extra.update(PYTHON=str(python), **{_READS_DIR: str(reads_dir)})
   return mh._start(['bash', str(mh.LOCAL_SH), '--processes', str(processes),

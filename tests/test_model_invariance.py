@@ -21,7 +21,7 @@ if str(ROOT) not in sys.path:  # examples/ is importable from the repository roo
 TOL = 2e-4  # Rounding from other vmap widths and data splits, after 12 steps.
 
 
-def _run(tmp_path, name, members, member, data, dropout=0.1):
+def _run(tmp_path, name, members, member, data, dropout=0.1, load=True):
   config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
   config.model.factory = 'examples.flax_linen_resnet:make_model'
   config.model.kwargs = ml_collections.ConfigDict(dict(channels=4, num_blocks=1,
@@ -30,8 +30,12 @@ def _run(tmp_path, name, members, member, data, dropout=0.1):
   config.optim.learning_rate = 1e-2
   config.train.steps, config.train.log_every, config.train.eval_every = 12, 6, 0
   config.checkpoint.every = 12
+  # No joint evaluation (its own programs) and jsonl events only: nothing here reads them.
+  config.eval.joint_tau, config.writers = 0, ('jsonl',)
   config.mesh.member, config.mesh.data = member, data
   final = dist_ens.train(config, str(tmp_path / name), devices=jax.devices()[:member * data])
+  if not load:
+    return final, None
   ensemble = dist_ens.Ensemble.load(tmp_path / name, devices=jax.devices()[:1])
   return final, jax.tree.map(np.asarray, ensemble.model_state)
 
@@ -47,8 +51,9 @@ def test_batchnorm_and_dropout_members_do_not_depend_on_m_or_the_mesh(tmp_path):
   reference = _run(tmp_path, 'ref', 4, 1, 1)
   stats = jax.tree.leaves(reference[1])
   assert stats and not np.allclose(stats[0][0], stats[0][1])  # Per-member running stats.
-  _assert_members_match(_run(tmp_path, 'three', 3, 1, 1), reference, slice(0, 3))
-  _assert_members_match(_run(tmp_path, '2x2', 4, 2, 2), reference, slice(None))
+  # One run for both: M = 6 (3 members a device, not 4) on a 2 x 2 mesh (each member's
+  # batch split over 'data'); its members 0-3 are the reference's.
+  _assert_members_match(_run(tmp_path, 'six', 6, 2, 2), reference, slice(0, 4))
   # Dropout is on in training: without it the members end elsewhere.
-  plain = _run(tmp_path, 'nodrop', 4, 1, 1, dropout=0.0)
+  plain = _run(tmp_path, 'nodrop', 4, 1, 1, dropout=0.0, load=False)  # nll only
   assert not np.allclose(plain[0]['members']['nll'], reference[0]['members']['nll'], atol=1e-3)

@@ -207,11 +207,12 @@ _CLI_WITH_SMALL_FILES = (
 
 
 def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_path):
-  # Widths 32: the step-8 checkpoint's data files are well over the 8 KiB limit (with
+  # support.config's (16,) MLP, whose programs `finished` compiled: the step-8 checkpoint's
+  # optimizer data file is ~25 KiB, 3x the 8 KiB limit, and the model's ~10 KiB (with
   # widths 8 they are 7-8.5 KiB, over it or not by chance).
-  dist_ens.train(_config(train__steps=4, model__widths=(32,)), str(tmp_path))
+  dist_ens.train(_config(train__steps=4), str(tmp_path))
   kept = {p: p.read_bytes() for p in (tmp_path / 'checkpoints' / '4').rglob('*') if p.is_file()}
-  tiny = ['--config.num_members=4', '--config.model.widths=(32,)', '--config.train.steps=8',
+  tiny = ['--config.num_members=4', '--config.model.widths=(16,)', '--config.train.steps=8',
           '--config.train.log_every=4', '--config.train.eval_every=0',
           '--config.checkpoint.every=4', '--config.data.batch_size=32',
           '--config.eval.joint_tau=0']
@@ -226,7 +227,7 @@ def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_pa
       'a file-size limit is full); the checkpoint at step 4 is intact: free some space and '
       'run the same command again to resume.')
   assert kept == {p: p.read_bytes() for p in kept}
-  assert dist_ens.train(_config(model__widths=(32,)), str(tmp_path))['step'] == 8  # resumes
+  assert dist_ens.train(_config(), str(tmp_path))['step'] == 8  # resumes
   assert _events(tmp_path) == SCHEDULED  # (4, 'test'): the 4-step run's final evaluation.
 
 
