@@ -28,9 +28,10 @@ def config(overrides=(), /, **fields):
 
   One config for every test that needs "a small run" and not a particular one: the
   steps, evaluations and checkpoints a test sets do not change the compiled programs
-  (the default schedule is constant),
-  so its runs read them from the persistent compilation cache (tests/conftest.py) that
-  another test filled. 4 members of a (16,) MLP on MNIST-1D, batch 32, 4 steps, logged
+  (the default schedule is constant) while train.steps_per_call's automatic choice
+  stays 2 (it divides every cadence: an odd one, or a resume from an odd step, makes it
+  1, a second train program), so its runs read them from the persistent compilation
+  cache (tests/conftest.py) that another test filled. 4 members of a (16,) MLP on MNIST-1D, batch 32, 4 steps, logged
   every 2, evaluated at the end, checkpointed at the end, events in jsonl only.
   """
   import dist_ens  # pylint: disable=g-import-not-at-top  (jax after conftest's XLA_FLAGS)
