@@ -37,18 +37,34 @@ def one_device():
   return jax.devices()[:1]
 
 
-def test_parameter_and_state_counts_match_the_model_by_hand(one_device):
+@pytest.fixture(scope='module')
+def plans():
+  """plans(devices, memory_bytes=None, **overrides): make_plan of _config(**overrides),
+  made once in this module. Each make_plan compiles the step at M and 2M and dry-runs it;
+  the tests that only read a plan (nothing patched) share one. The dry-run test and the
+  tests that patch plan's parts call make_plan themselves."""
+  made = {}
+
+  def plan(devices, memory_bytes=None, **overrides):
+    key = (len(devices), memory_bytes, tuple(sorted(overrides.items())))
+    if key not in made:
+      made[key] = plan_lib.make_plan(_config(**overrides), devices, memory_bytes=memory_bytes)
+    return made[key]
+
+  return plan
+
+
+def test_parameter_and_state_counts_match_the_model_by_hand(one_device, plans):
   for overrides, params in (({}, MLP_PARAMS), ({'model__name': 'cnn'}, CNN_PARAMS)):
-    plan = plan_lib.make_plan(_config(num_members=4, **overrides), one_device)
+    plan = plans(one_device, num_members=4, **overrides)
     assert plan.params_per_member == params
     # Adam keeps two moments: parameters + mu + nu in float32 = 12 bytes each, plus a
     # few scalars (step counts, the frozen flag).
     assert 0 < plan.state_bytes_per_member - 12 * params <= 64
 
 
-def test_more_members_take_proportionally_more_memory(one_device):
-  plans = {m: plan_lib.make_plan(_config(num_members=m), one_device) for m in (4, 16)}
-  small, big = plans[4], plans[16]
+def test_more_members_take_proportionally_more_memory(one_device, plans):
+  small, big = (plans(one_device, num_members=m) for m in (4, 16))
   assert small.params_per_member == big.params_per_member
   assert small.state_bytes_per_member == big.state_bytes_per_member
   # The arguments are the state, the per-member hyperparameters the step reads (Adam's
@@ -118,8 +134,9 @@ def test_a_cpu_plan_predicts_the_dry_runs_peak_shared_by_the_processs_devices(
   _dry_run_of(monkeypatch, host)
   one = plan_lib.make_plan(_config(num_members=8), one_device)
   assert (one.program_bytes, one.dry_run_peak_bytes, one.peak_bytes) == (40e6, 64e6, 64e6)
-  # Eight CPU devices of one process share its programs and its host memory.
-  eight = plan_lib.make_plan(_config(num_members=8, mesh__member=8), devices)
+  # Eight CPU devices of one process share its programs and its host memory (the 4 x 2
+  # mesh of _split: its step's programs, from the cache).
+  eight = plan_lib.make_plan(_config(num_members=8, mesh__member=4, mesh__data=2), devices)
   assert eight.peak_bytes == pytest.approx(64e6 / 8)
   text = plan_lib.format_plan(one, _config(num_members=8))
   assert re.search(r'compiled programs +40,000,000 ', text)
@@ -174,9 +191,13 @@ def test_resident_memory_readings_see_memory_written_and_its_peak():
   assert status('VmHWM') - before >= 45e6  # The peak stays after the memory is freed.
 
 
-def test_members_split_over_devices_are_counted_per_device(devices):
-  plan = plan_lib.make_plan(_config(num_members=8, mesh__member=4, mesh__data=2), devices,
-                            memory_bytes=50e6)
+def _split(devices, plans):
+  """8 members over a 4 x 2 mesh of 8 devices, planned for 50 MB a device."""
+  return plans(devices, 50e6, num_members=8, mesh__member=4, mesh__data=2)
+
+
+def test_members_split_over_devices_are_counted_per_device(devices, plans):
+  plan = _split(devices, plans)
   assert plan.step.members_per_device == 2
   # Each device holds its 2 members' state; the batch is split over 'data'.
   assert plan.step.argument >= 2 * plan.state_bytes_per_member
@@ -184,12 +205,13 @@ def test_members_split_over_devices_are_counted_per_device(devices):
   assert plan.max_members % 4 == 0  # Whole members on each of the 4 member shards.
 
 
-def test_flops_per_example_count_a_training_step_whatever_the_mesh(one_device, devices):
-  small = plan_lib.make_plan(_config(num_members=4), one_device)
+def test_flops_per_example_count_a_training_step_whatever_the_mesh(one_device, devices,
+                                                                   plans):
+  small = plans(one_device, num_members=4)
   # Training an MLP costs about 6 FLOPs per weight and example: 2 forward, 4 backward
   # (a little less without the input's gradient, a little more for biases and the loss).
   assert 5.5 * MLP_PARAMS < small.flops_per_example < 6.5 * MLP_PARAMS
-  split = plan_lib.make_plan(_config(num_members=8, mesh__member=4, mesh__data=2), devices)
+  split = _split(devices, plans)  # The memory budget changes only the largest M.
   # Per member and example: neither M nor the mesh changes it (the optimizer update,
   # paid once per member and step, is ~2% of it here, and is spread over half the
   # examples per device when the batch is split in two).
@@ -223,7 +245,9 @@ def test_command_line_prints_the_plan(capsys):
 
 
 def test_command_line_on_a_cpu_without_memory_asks_for_it(capsys):
-  code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8'])
+  # The mesh of test_command_line_prints_the_plan: its programs, from the cache.
+  code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8',
+                        '--config.mesh.member=4', '--config.mesh.data=2'])
   assert code == 0
   assert 'pass --memory_gb=G' in capsys.readouterr().out
 

@@ -110,9 +110,12 @@ def test_input_frame_undoes_standardisation_and_picks_the_value_range():
   signals = np.linspace(-3, 5, 40, dtype=np.float32).reshape(1, 40, 1)
   assert shift.InputFrame.fit(signals).value_range == (-3.0, 5.0)
   # Contrast at severity 5 in raw units, brought back: the same as corrupting the raw images.
+  # Jitted with the corruption and severity as constants, XLA folds the switch to contrast's
+  # branch; eager, each call compiled the switch of every family (this test alone, with
+  # pytest's start: 22 -> 6 CPU s).
   index, ids = jnp.arange(10), (corruptions.corruption_id('contrast'), 5)
-  got = frame.corrupt(jnp.asarray((images - mean) / std), index, *ids, 0)
-  want = corruptions.corrupt_batch(jnp.asarray(images), index, *ids, 0)
+  got = jax.jit(lambda x: frame.corrupt(x, index, *ids, 0))((images - mean) / std)
+  want = jax.jit(lambda x: corruptions.corrupt_batch(x, index, *ids, 0))(images)
   np.testing.assert_allclose(np.asarray(got) * std + mean, want, atol=1e-5)
 
 
