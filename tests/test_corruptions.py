@@ -193,3 +193,21 @@ def test_families_against_numpy_formulas():
   # impulse: about `amount` of the values become 0 or 1, the rest unchanged.
   out = _family('impulse_noise', rng.uniform(0.1, 0.9, (64, 64, 3)).astype(np.float32), 0.05)
   assert abs(np.isin(out, (0.0, 1.0)).mean() - 0.05) < 0.01
+
+
+def test_a_program_of_the_named_families_gives_each_familys_bits():
+  """A run compiles only the families eval.shift names (corrupt_batch's families): each
+  gives the bits it gives in the program of every family, for every severity."""
+  x, index = _images(), jnp.arange(B)
+  named = ('gaussian_noise', 'contrast', 'zoom_blur')
+  ids = tuple(cor.corruption_id(n) for n in named)
+  alone = jax.jit(lambda x, c, s: cor.corrupt_batch(x, index, c, s, 0, families=ids))
+  for name in named:
+    for s in SEVERITIES:
+      want = _corrupt(x, index, cor.corruption_id(name), s, 0)  # every family's program
+      np.testing.assert_array_equal(alone(x, jnp.int32(cor.corruption_id(name)), jnp.int32(s)),
+                                    want, err_msg=f'{name}:{s}')
+  # A concrete id compiles its own family alone, to the same bits.
+  np.testing.assert_array_equal(
+      jax.jit(lambda x: cor.corrupt_batch(x, index, ids[1], 2, 0))(x),
+      _corrupt(x, index, ids[1], 2, 0))

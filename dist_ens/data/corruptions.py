@@ -196,7 +196,8 @@ def _branch(name: str, example_shape: tuple[int, ...]) -> Callable:
 
 def corrupt_batch(x: jax.Array, example_index: jax.Array, corruption: int | jax.Array,
                   severity: int | jax.Array, seed: int | jax.Array,
-                  value_range: tuple[float, float] = (0.0, 1.0)) -> jax.Array:
+                  value_range: tuple[float, float] = (0.0, 1.0),
+                  families: Sequence[int] | None = None) -> jax.Array:
   """Corruption `corruption` at `severity` applied to every example of x.
 
   Args:
@@ -208,6 +209,10 @@ def corrupt_batch(x: jax.Array, example_index: jax.Array, corruption: int | jax.
       negative severity indexes from the end), so check them with `resolve` first.
     seed: the evaluation's seed.
     value_range: (lo, hi) of the raw data, mapped to the families' [0, 1].
+    families: the corruption ids a traced `corruption` can take (None: every family).
+      The program holds a branch for each of these only: each branch is a large
+      program of its own to compile, and a run evaluates the few eval.shift names.
+      A concrete id needs only its own. Each branch gives the bits it gives among all.
 
   Returns:
     The corrupted batch, x's shape and dtype, clipped to value_range. NaN if the
@@ -224,7 +229,13 @@ def corrupt_batch(x: jax.Array, example_index: jax.Array, corruption: int | jax.
   u = (x.reshape(x.shape[:1] + shape).astype(jnp.float32) - lo) / (hi - lo)
   level = jnp.asarray(_LEVELS)[corruption, severity]
   keys = corruption_keys(seed, corruption, severity, example_index)
-  out = jax.lax.switch(corruption, [_branch(n, shape) for n in CORRUPTIONS], keys, u, level)
+  if not isinstance(corruption, jax.core.Tracer):
+    families = (int(corruption),)
+  ids = tuple(range(len(CORRUPTIONS))) if families is None else tuple(sorted(set(families)))
+  position = np.zeros(len(CORRUPTIONS), np.int32)  # corruption id -> its branch
+  position[list(ids)] = np.arange(len(ids))
+  out = jax.lax.switch(jnp.asarray(position)[corruption],
+                       [_branch(CORRUPTIONS[i], shape) for i in ids], keys, u, level)
   out = (lo + jnp.clip(out, 0.0, 1.0) * (hi - lo)).reshape(x.shape).astype(x.dtype)
   # Severity 0 is x itself, bitwise: no rescaling round trip, no clip.
   return jnp.where(severity == 0, x, out)

@@ -25,7 +25,7 @@ Example:
   out.metrics['ensemble']['accuracy'], out.outputs.shape  # [M, N, C]
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -47,24 +47,28 @@ class InputFrame(NamedTuple):
   scale: np.ndarray  # broadcasts against one example (per channel, or per feature)
   offset: np.ndarray
   value_range: tuple[float, float]
+  families: tuple[int, ...] | None = None  # the corruption ids corrupt() takes (None: all)
 
   @classmethod
-  def fit(cls, x: np.ndarray, scale: Any = 1.0, offset: Any = 0.0) -> 'InputFrame':
+  def fit(cls, x: np.ndarray, scale: Any = 1.0, offset: Any = 0.0,
+          families: Sequence[int] | None = None) -> 'InputFrame':
     """The frame of model inputs x (a split): (0, 1) if its raw values lie in [0, 1]
-    (images), else their (min, max)."""
+    (images), else their (min, max). `families`: the corruption ids it will be asked
+    for (a run's eval.shift), compiled alone (corruptions.corrupt_batch)."""
     scale, offset = np.asarray(scale, np.float32), np.asarray(offset, np.float32)
     raw = np.asarray(x, np.float32) * scale + offset
     lo, hi = float(raw.min()), float(raw.max())
     if lo >= 0.0 and hi <= 1.0:
       lo, hi = 0.0, 1.0
-    return cls(scale, offset, (lo, hi if hi > lo else lo + 1.0))
+    return cls(scale, offset, (lo, hi if hi > lo else lo + 1.0),
+               None if families is None else tuple(families))
 
   def corrupt(self, x: jax.Array, index: jax.Array, corruption: jax.Array,
               severity: jax.Array, seed: int) -> jax.Array:
     """x corrupted in raw units and brought back; x itself (bitwise) at severity 0."""
     scale, offset = jnp.asarray(self.scale), jnp.asarray(self.offset)
     raw = corruptions.corrupt_batch(x * scale + offset, index, corruption, severity, seed,
-                                    self.value_range)
+                                    self.value_range, self.families)
     return jnp.where(severity == 0, x, (raw - offset) / scale)
 
 

@@ -13,7 +13,7 @@ one evaluation program at its end instead of three, and passes over the test spl
 
 from typing import Any
 
-from dist_ens.data import Split
+from dist_ens.data import Split, corruptions
 from dist_ens.eval import shift as shift_lib, shift_spec
 
 
@@ -38,12 +38,15 @@ class SplitPredictions:
     if self._evaluator is None:
       config, parts, test = session.config, session.parts, session.run_data.dataset.test
       if config.eval.shift and not shift_spec.tfds_name(config.eval.shift):
+        # The program holds the corruptions eval.shift names, no other.
+        families = {corruptions.corruption_id(name) for name, _ in
+                    shift_spec.resolve_shift(config.eval.shift, test.x.shape[1:])}
         scale = session.run_data.scale
         if scale is not None:  # a task that standardises its inputs itself
-          self.frame = shift_lib.InputFrame.fit(test.x, scale.x_std, scale.x_mean)
+          self.frame = shift_lib.InputFrame.fit(test.x, scale.x_std, scale.x_mean, families)
         else:
           self.frame = shift_lib.InputFrame.fit(test.x, config.data.std or 1.0,
-                                                config.data.mean or 0.0)
+                                                config.data.mean or 0.0, families)
       scorer = session.evaluator.scorer
       step = shift_lib.make_predict_step(parts.predict_model, parts.mesh, scorer.eval_batch,
                                          seed=config.seed, frame=self.frame)
