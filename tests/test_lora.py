@@ -62,9 +62,16 @@ def test_every_members_first_forward_is_the_pretrained_models(tmp_path):
   np.testing.assert_array_equal(before[0]['w']['lora_b'], np.zeros((4, 4, 16)))
 
 
-def test_training_moves_only_the_factors_and_heads(tmp_path):
-  source, file = _model_file(tmp_path)
-  before, after, _, _, state = _steps(_lora_config(source, from_file=False), 5)
+@pytest.fixture(scope='module')
+def vmapped(tmp_path_factory):
+  """3 steps of the 4 members (vmapped) adapting the file's layer 0 with A and the heads
+  drawn fresh: (source, file, _steps' result), read by two tests."""
+  source, file = _model_file(tmp_path_factory.mktemp('lora'))
+  return source, file, _steps(_lora_config(source, from_file=False), 3)
+
+
+def test_training_moves_only_the_factors_and_heads(vmapped):
+  _, file, (before, after, _, _, state) = vmapped
   layer0, head = after
   np.testing.assert_array_equal(layer0['w']['shared'], file['0/w'])
   np.testing.assert_array_equal(layer0['b']['shared'], file['0/b'])
@@ -133,13 +140,27 @@ def test_resume_is_exact_and_members_are_merged(tmp_path):
                              ens.member(2)[0]['w'], rtol=1e-5, atol=1e-6)
 
 
+def _linen_value(path, shape, r):
+  """A linen ResNet variable's value: kernels drawn as fan-in-scaled normals, BatchNorm
+  scales and variances ones, biases and means zeros."""
+  if path.endswith("['kernel']"):
+    return (r.normal(size=shape) / np.sqrt(np.prod(shape[:-1]))).astype(np.float32)
+  ones = path.endswith("['scale']") or path.endswith("['var']")
+  return (np.ones if ones else np.zeros)(shape, np.float32)
+
+
 def test_a_conv_kernel_is_adapted_as_a_matrix(tmp_path):
   """The linen ResNet (examples/): lora_targets picks its 3-D conv kernels, each adapted
   as [width * in, out]; BatchNorm scales stay shared and the Dense head owned."""
   from flax import serialization
   from examples.flax_linen_resnet import make_model
 
-  variables = make_model(channels=8).init(jax.random.key(7), np.zeros((1, 40, 1)))
+  # The file's values drawn by numpy on linen's shapes: linen's own init, jitted or
+  # eager, compiles its initializers' draws (XLA:CPU's slowest compile in this test).
+  shapes = jax.eval_shape(make_model(channels=8).init, jax.random.key(7), np.zeros((1, 40, 1)))
+  r = np.random.default_rng(7)
+  variables = jax.tree_util.tree_map_with_path(lambda path, s: _linen_value(
+      jax.tree_util.keystr(path), s.shape, r), shapes)
   (tmp_path / 'v.msgpack').write_bytes(serialization.to_bytes(variables))
   config = _lora_config(str(tmp_path / 'v.msgpack'), targets='Conv_.*/kernel')
   config.model.factory, config.model.kwargs.channels = 'examples.flax_linen_resnet:make_model', 8
@@ -165,13 +186,12 @@ def test_bad_fields_give_one_line_naming_the_field(fields, match):
   assert 'config.ensemble.lora_' in str(e.value) and '\n' not in str(e.value)
 
 
-def test_the_member_loop_steps_as_the_vmap(tmp_path):
-  source, _ = _model_file(tmp_path)
-  _, vmapped, _, _, _ = _steps(_lora_config(source, from_file=False), 3)
+def test_the_member_loop_steps_as_the_vmap(vmapped):
+  source, _, (_, stepped, _, _, _) = vmapped
   _, looped, _, _, _ = _steps(_lora_config(source, from_file=False), 3, form=('map', None))
   # Two compiled programs (vmap and a loop) may order a sum differently: 3 Adam steps
   # differ in the last bits (up to 4e-7 on values of ~1e-3 seen), nothing more.
-  for a, b in zip(jax.tree.leaves(vmapped), jax.tree.leaves(looped)):
+  for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(looped)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 

@@ -46,8 +46,7 @@ def _train(workdir: Path) -> None:
   dist_ens.train(config, str(workdir), dataset=dataset)
 
 
-def _member_logits(workdir: Path) -> np.ndarray:
-  ens = dist_ens.Ensemble.load(str(workdir))
+def _member_logits(ens: dist_ens.Ensemble) -> np.ndarray:
   x = np.load(DATA / 'llama' / 'reference.npz')['inputs']
   apply = jax.jit(lambda p: ens.model.apply(p, {}, x, train=False)[0])
   return np.stack([np.asarray(apply(ens.member(i))) for i in range(ens.num_members)])
@@ -62,7 +61,8 @@ def export(out: Path) -> None:
 
 def test_exported_adapters_give_peft_the_members_outputs(tmp_path):
   _train(tmp_path / 'run')
-  members = dist_ens.Ensemble.load(str(tmp_path / 'run')).export_adapters(tmp_path / 'peft')
+  ens = dist_ens.Ensemble.load(str(tmp_path / 'run'))  # loaded once: exported and applied
+  members = ens.export_adapters(tmp_path / 'peft')
   assert [m.name for m in members] == ['member_0', 'member_1']
   for member in members:
     config = json.loads((member / 'adapter_config.json').read_text())
@@ -77,7 +77,7 @@ def test_exported_adapters_give_peft_the_members_outputs(tmp_path):
                                  atol=1e-5, err_msg=name)
   peft_logits = np.load(FIXTURE / 'peft_logits.npz')['logits']
   base = np.load(DATA / 'llama' / 'reference.npz')['logits']
-  logits = _member_logits(tmp_path / 'run')
+  logits = _member_logits(ens)
   assert logits.shape == peft_logits.shape == (2, *base.shape)
   assert np.abs(logits - peft_logits).max() <= 1e-4
   assert np.abs(peft_logits - base).max() > 0.1  # the adapters change the model

@@ -196,7 +196,7 @@ def test_lora_members_of_a_tied_decoder_own_their_factors_alone(tmp_path):
   results = dist_ens.train(config, str(tmp_path / 'run'), devices=jax.devices()[:2])
   # Trained through the config on raw text's next tokens, as the decoder test's run.
   assert results['step'] == 2 and np.isfinite(results['members']['nll']).all()
-  ens = dist_ens.Ensemble.load(tmp_path / 'run', devices=jax.devices()[:1])
+  ens = dist_ens.Ensemble.load(tmp_path / 'run', devices=jax.devices()[:2])  # as trained
   stored = jax.device_get(ens._stored)  # pylint: disable=protected-access
   _, file = from_hf(str(tmp_path / 'gpt2'))
   np.testing.assert_array_equal(stored['tokens']['shared'], file['tokens'])
