@@ -117,6 +117,10 @@ _SLOW_TIER = (
     # train_shared under a frozen-base epinet; fast: test_own_shared's train_shared tests
     # (the same summed-gradient path) and the epinet's frozen-base tests.
     "test_epinet_frozen_base.py::test_train_shared_trains_the_one_base_by_the_members_summed",
+    # A causal token_transformer's SGD steps reduce its loss; fast: test_token_task's
+    # next-token run (a causal token_transformer trained through dist_ens, its loss falls
+    # below 0.7x the first) and test_causal_mask_hides_later_tokens.
+    "test_token_transformer.py::test_sgd_steps_reduce_the_loss[True]",
     # own='head' from a BERT file; fast: test_own's heads-train-and-the-backbone-is-the-file
     # and backbone-stored-once tests, and this file's BERT run from hf:.
     "test_seq_classification.py::test_own_head_keeps_the_encoder_the_files_and_stored_once",
