@@ -1,5 +1,6 @@
 """Test setup: fake 8 CPU devices before anything imports jax."""
 
+import functools
 import os
 import tempfile
 
@@ -151,3 +152,7 @@ def pytest_collection_modifyitems(items):
     name = item.path.name + item.nodeid[item.nodeid.index("::"):]
     if name.startswith(_SLOW_TIER):
       item.add_marker(pytest.mark.slow)
+    # Tests of bits that only XLA's default optimisation keeps run in a child process
+    # compiled at it (support.FAST_COMPILE says why the suite compiles at -O0).
+    if item.get_closest_marker("xla_default") and not os.environ.get(support.AT_XLA_DEFAULT):
+      item.runtest = functools.partial(support.run_at_xla_default, item.nodeid)

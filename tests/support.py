@@ -2,24 +2,53 @@
 runs with, the tiny run of the tests that need "a small run" (config), and small helpers:
 override, PreemptAt, assert_trees_equal, one_line_refusal."""
 
+import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 # Tests compile hundreds of small programs and run each for a few steps: XLA:CPU's
-# compilation is most of the suite's time (a two-step regression run: 18 s of its 23 s).
-# XLA:CPU's older (non-MLIR) fusion emitters compile them faster (that run: 20.7 s ->
-# 16.5 s), and every bit-exact comparison across meshes and processes still holds.
-# LLVM at -O0 (--xla_backend_optimization_level=0) would add more (12.0 s with both) but
-# changes bits those comparisons check, so it is left out. Runs and benchmarks outside
-# the tests keep XLA's defaults.
-FAST_COMPILE = ('--xla_cpu_use_fusion_emitters=false',)
+# compilation is most of the suite's time. Two flags make it cheaper (docs/testing.md,
+# "Compiling at -O0"): XLA:CPU's older (non-MLIR) fusion emitters, and LLVM at -O0
+# instead of XLA's default level 3 (a third of the fast tier's test time on the files
+# measured: 939 -> 544 s). Every bit-exact comparison the tests make, across meshes,
+# layouts, processes and resumes, slow tier included, holds at -O0 too: both sides of
+# each compile alike. A test that compares against XLA's default code compiles that
+# side with XLA_DEFAULT (test_step, test_once). Runs and benchmarks outside the tests
+# keep XLA's defaults.
+FAST_COMPILE = ('--xla_cpu_use_fusion_emitters=false', '--xla_backend_optimization_level=0')
+# Compiler options of XLA's own default optimisation, for a test's reference program.
+XLA_DEFAULT = {'xla_backend_optimization_level': 3}
+
+
+# Set in a test process that compiles at XLA's default level (run_at_xla_default).
+AT_XLA_DEFAULT = 'DIST_ENS_TEST_AT_XLA_DEFAULT'
 
 
 def xla_flags(devices: int) -> str:
-  """XLA_FLAGS for a test process with `devices` fake CPU devices."""
-  return ' '.join((f'--xla_force_host_platform_device_count={devices}', *FAST_COMPILE))
+  """XLA_FLAGS for a test process with `devices` fake CPU devices (at XLA's default
+  optimisation level where AT_XLA_DEFAULT is set)."""
+  flags = FAST_COMPILE
+  if os.environ.get(AT_XLA_DEFAULT):
+    flags = tuple(f for f in flags if not f.startswith('--xla_backend_optimization_level'))
+  return ' '.join((f'--xla_force_host_platform_device_count={devices}', *flags))
+
+
+def run_at_xla_default(nodeid: str) -> None:
+  """Runs the test `nodeid` in a child pytest whose programs compile at XLA's default
+  level (the `xla_default` marker, tests/conftest.py): for tests of bits that the
+  product's own compilation keeps and -O0 does not (whether two differently built
+  programs agree to the last bit). Fails with the child's output."""
+  env = {k: v for k, v in os.environ.items() if k not in ('PYTEST_ADDOPTS', 'XLA_FLAGS')}
+  env[AT_XLA_DEFAULT] = '1'
+  command = [sys.executable, '-m', 'pytest', '-q', '-n', '0', '-p', 'no:randomly',
+             '-p', 'no:cacheprovider', '-m', 'xla_default', nodeid]
+  child = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900, check=False)
+  assert child.returncode == 0, f'{nodeid} at XLA\'s default level:\n{child.stdout[-6000:]}'
 
 
 def config(overrides=(), /, **fields):

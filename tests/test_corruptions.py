@@ -89,6 +89,8 @@ def test_keys_depend_on_seed_corruption_severity_and_index_only():
   np.testing.assert_array_equal(data(0, 1, 2, jnp.asarray(3)), base)
 
 
+# Bits of two differently built programs: XLA's default level keeps them, -O0 not.
+@pytest.mark.xla_default
 def test_corrupted_examples_ignore_batch_sharding_order_and_members():
   """Bitwise: the same examples under any sharding, order, batch or member count."""
   x, index = _images(), jnp.arange(100, 100 + B)
@@ -195,6 +197,8 @@ def test_families_against_numpy_formulas():
   assert abs(np.isin(out, (0.0, 1.0)).mean() - 0.05) < 0.01
 
 
+# Bits of two differently built programs: XLA's default level keeps them, -O0 not.
+@pytest.mark.xla_default
 def test_a_program_of_the_named_families_gives_each_familys_bits():
   """A run compiles only the families eval.shift names (corrupt_batch's families): each
   gives the bits it gives in the program of every family, for every severity."""

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from dist_ens import importing
 
@@ -12,6 +13,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/, as 
 from benchmarks import finetune  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
+# Bits of two differently built programs: XLA's default level keeps them, -O0 not.
+@pytest.mark.xla_default
 def test_the_contrast_augmentation_is_the_shifted_test_transform_bit_for_bit():
   assert finetune.check_shift_matches('contrast:3')
 
