@@ -117,7 +117,10 @@ def group_config(config: ml_collections.ConfigDict,
 _REFUSED = (
     ('ensemble.own', lambda v: v != 'all', "use ensemble.own='all'"),
     ('eval.laplace', bool, "set eval.laplace=''"),
-    ('distill.student', bool, "set distill.student=''"),
+    # 'same' and 'hydra' are students of the members' one architecture; groups have several.
+    ('distill.student', lambda v: v in ('same', 'hydra'),
+     "give the student as an import path, distill.student='pkg.mod:make' "
+     '(make(num_outputs) -> a dist_ens.Model)'),
     ('model.init_from', bool, "set model.init_from='' (also in every group)"),
     ('mesh.model', lambda v: v != 1, 'set mesh.model=1'),
     ('mesh.fsdp_over_data', bool, 'set mesh.fsdp_over_data=False'),

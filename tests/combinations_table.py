@@ -105,8 +105,14 @@ _FEATURES = (
     Option('distill', {'distill.student': 'same', 'distill.steps': 2}, ('distill.student',),
            label='distillation'),
 )
+# The student as the user's own network (an import path): the one form member groups
+# take, whose members have no one architecture to copy.
+_STUDENTS = (Option('distill=path', {'distill.student': 'support:linear_student',
+                                     'distill.steps': 2}, ('distill.student',),
+                    label='distillation into your own network'),)
 for _option in _FEATURES:
   AXES[_option.key] = (Option(f'no {_option.key}', {}, ()), _option)
+AXES['distill'] += _STUDENTS
 
 OPTIONS: dict[str, Option] = {o.key: o for options in AXES.values() for o in options}
 AXIS_OF: dict[str, str] = {o.key: axis for axis, options in AXES.items() for o in options}
@@ -156,11 +162,15 @@ REFUSED: dict[frozenset[str], str] = {
                            '(docs/groups.md)'
        for o in (*_NOT_DEEP, 'prior', 'epinet', 'own=head', 'own=lora')},
     **{_pair('groups', o): 'not built for member groups yet (docs/groups.md)'
-       for o in ('model=2', 'laplace', 'distill')},
-    **{_pair('distill', t): "the student learns a classifier's soft targets over classes"
+       for o in ('model=2', 'laplace')},
+    _pair('groups', 'distill'): "a student of the members' architecture: the groups have "
+                                'several (give the student as an import path)',
+    **{_pair(d, t): "the student learns a classifier's soft targets over classes"
+       for d in ('distill', 'distill=path')
        for t in ('regression', 'regression [N, D]', 'token_classification')},
-    **{_pair('distill', m): "the student learns from independently trained members of the "
-                            "run's model, not shared leaves or other predicting weights"
+    **{_pair(d, m): "the student learns from independently trained members of the "
+                    "run's model, not shared leaves or other predicting weights"
+       for d in ('distill', 'distill=path')
        for m in (*_NOT_DEEP, 'prior', 'epinet', 'own=head', 'own=lora')},
 }
 

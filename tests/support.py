@@ -121,3 +121,23 @@ def one_line_refusal(call, error=None) -> str:
   message = str(raised.value)
   assert '\n' not in message, message
   return message
+
+
+def linear_student(num_outputs):
+  """A user's own network given by import path (distill.student='support:linear_student'):
+  one linear layer on the flattened input, 10 * (features + 1) parameters for 10 classes."""
+  import jax  # pylint: disable=g-import-not-at-top  (after conftest's XLA_FLAGS)
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import dist_ens  # pylint: disable=g-import-not-at-top
+
+  def init(rng, x):
+    n = int(np.prod(x.shape[1:]))
+    return {'w': 0.01 * jax.random.normal(rng, (n, num_outputs)),
+            'b': jnp.zeros((num_outputs,))}, {}
+
+  def apply(params, state, x, *, train=False, rng=None):
+    del train, rng
+    return x.reshape(x.shape[0], -1) @ params['w'] + params['b'], state
+
+  return dist_ens.Model(init, apply)

@@ -6,7 +6,6 @@ Hydra student, and the refusals. Two trainings of the tests' shared tiny run."""
 import shutil
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -136,24 +135,10 @@ def test_no_student_without_distill_and_a_rerun_distils_into_hydra(plain_then_hy
   assert _nll(pred.probs, test.y) == pytest.approx(d['nll'], abs=1e-5)
 
 
-def linear_student(num_outputs):
-  """A user's own student (distill.student='test_distill:linear_student'): one linear layer."""
-  def init(rng, x):
-    n = int(np.prod(x.shape[1:]))
-    return {'w': 0.01 * jax.random.normal(rng, (n, num_outputs)),
-            'b': jnp.zeros((num_outputs,))}, {}
-
-  def apply(params, state, x, *, train=False, rng=None):
-    del train, rng
-    return x.reshape(x.shape[0], -1) @ params['w'] + params['b'], state
-
-  return dist_ens.Model(init, apply)
-
-
 def test_a_student_given_by_import_path_is_trained_saved_and_loaded(plain_then_hydra, tmp_path):
   workdir = tmp_path / 'copy'
   shutil.copytree(plain_then_hydra[0], workdir)
-  out = dist_ens.train(_config(distill__student='test_distill:linear_student',
+  out = dist_ens.train(_config(distill__student='support:linear_student',
                                distill__steps=20), str(workdir))
   d = out['distill']
   assert d['heads'] == 1 and d['cost']['student_params'] == 40 * 10 + 10

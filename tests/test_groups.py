@@ -13,7 +13,7 @@ import pytest
 import support
 
 import dist_ens
-from dist_ens import data, models, specs
+from dist_ens import assemble, data, models, specs
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.data import load_dataset
 from dist_ens.ensembles import pbt as pbt_lib
@@ -286,6 +286,30 @@ def test_plan_prices_each_group_and_measures_the_joint_step():
   text = plan.groups_plan.format_groups_plan(result, _config())
   assert '4 members in 2 groups' in text and "widths=(8, 8)" in text
   assert 'fits 1.00 GB per device' in text
+
+
+def test_a_finished_grouped_run_distils_every_group_into_a_student_of_its_own(grouped,
+                                                                              tmp_path):
+  """distill.student as an import path: the teacher is every group's members, the cost
+  counts each group at its architecture's parameters, and the saved student loads and
+  predicts the reported NLL ('same' and 'hydra' name no one architecture: refused)."""
+  workdir = tmp_path / 'copy'
+  shutil.copytree(grouped[0], workdir)
+  out = dist_ens.train(_config(**MC, distill__student='support:linear_student',
+                               distill__steps=20), str(workdir))['distill']
+  assert out['members_distilled'] == 4 and out['loss_last'] < out['loss_first']
+  # MNIST-1D: 40 inputs, 10 classes. Widths (16,): 40*16+16 + 16*10+10; (8, 8): 40*8+8 +
+  # 8*8+8 + 8*10+10; two members each. The student: 40*10+10.
+  assert out['cost']['ensemble_params'] == 2 * 826 + 2 * 490
+  assert out['cost']['student_params'] == 410
+  ensemble = dist_ens.Ensemble.load(workdir)
+  test = load_dataset(ensemble.config.data.name, assemble.data_spec(ensemble.config)).test
+  probs = np.asarray(ensemble.student().predict(test.x, preprocessed=True).probs, np.float64)
+  nll = -np.mean(np.log(probs[np.arange(len(test.y)), test.y]))
+  assert nll == pytest.approx(out['nll'], abs=1e-5)
+  message = support.one_line_refusal(lambda: dist_ens.train(
+      _config(**MC, distill__student='same'), str(tmp_path / 'same')))
+  assert 'config.ensemble.groups' in message and 'distill.student' in message, message
 
 
 def test_the_report_shows_every_groups_ensemble_beside_the_whole(grouped):

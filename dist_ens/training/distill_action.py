@@ -102,7 +102,7 @@ class Distill(PeriodicAction):
             'loss_first': float(losses[0]), 'loss_last': float(np.mean(losses[-tail:])),
             'nll_member_mean': member_nll, 'nll_ensemble': ensemble_nll,
             'nll_gain_kept': float((member_nll - metrics['nll']) / gain) if gain > 0 else None,
-            **metrics, 'cost': _cost(call, net, params, int(included.sum())),
+            **metrics, 'cost': _cost(call, net, params, included),
             'file': student_file.FILE}
 
 
@@ -150,24 +150,32 @@ def _log_probs(net: students.StudentNet, params: Any, state: Any, x: np.ndarray,
   return np.concatenate(out)
 
 
-def _cost(call: Call, net: students.StudentNet, params: Any, members: int) -> dict[str, Any]:
-  """Parameters and forward FLOPs per example of the student and of the K members."""
+def _cost(call: Call, net: students.StudentNet, params: Any, included: np.ndarray
+          ) -> dict[str, Any]:
+  """Parameters and forward FLOPs per example of the student and of the included members
+  (with config.ensemble.groups, each group's members at their own architecture's cost)."""
   parts = call.session.parts
-  sample = jnp.zeros((1, *parts.input_shape), parts.input_dtype)
-  member_params = jax.eval_shape(parts.model.init, jax.random.key(0), sample)[0]
   count = lambda tree: int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(tree)))
   flops = lambda model: strategy.forward_flops(model, parts.input_shape, _COST_BATCH,
                                                parts.input_dtype)
-  student_flops, member_flops = flops(net.as_model()), flops(parts.model)
-  ratio = (student_flops / (members * member_flops)
-           if student_flops and member_flops else None)
+  sample = jnp.zeros((1, *parts.input_shape), parts.input_dtype)
+  ensemble_params, ensemble_flops = 0, 0
+  for stack in parts.groups or (parts,):
+    members = int(included[stack.first_member:stack.first_member + stack.num_members].sum())
+    if members:
+      ensemble_params += members * count(
+          jax.eval_shape(stack.model.init, jax.random.key(0), sample)[0])
+      member_flops = flops(stack.model)
+      ensemble_flops = (None if ensemble_flops is None or member_flops is None
+                        else ensemble_flops + members * member_flops)
+  student_flops = flops(net.as_model())
   return {'by': 'parameters; XLA cost-analysis FLOPs of one forward pass per example',
-          'student_params': count(params), 'ensemble_params': members * count(member_params),
-          'params_ratio': count(params) / (members * count(member_params)),
+          'student_params': count(params), 'ensemble_params': ensemble_params,
+          'params_ratio': count(params) / ensemble_params,
           'student_flops': None if student_flops is None else student_flops / _COST_BATCH,
-          'ensemble_flops': None if member_flops is None
-          else members * member_flops / _COST_BATCH,
-          'flops_ratio': ratio}
+          'ensemble_flops': None if ensemble_flops is None else ensemble_flops / _COST_BATCH,
+          'flops_ratio': (student_flops / ensemble_flops
+                          if student_flops and ensemble_flops else None)}
 
 
 def distill_actions(config: Any, task: Any, method: Any) -> list[PeriodicAction]:
