@@ -215,3 +215,13 @@ def test_a_program_of_the_named_families_gives_each_familys_bits():
   np.testing.assert_array_equal(
       jax.jit(lambda x: cor.corrupt_batch(x, index, ids[1], 2, 0))(x),
       _corrupt(x, index, ids[1], 2, 0))
+
+
+def test_a_traced_id_outside_the_named_families_gives_nan_not_another_family():
+  """corrupt_batch's families: the program holds their branches only; an id it does not
+  hold cannot be answered, and says so with NaN instead of running the first branch."""
+  x, index = _images(), jnp.arange(B)
+  ids = (cor.corruption_id('contrast'), cor.corruption_id('brightness'))
+  run = jax.jit(lambda c: cor.corrupt_batch(x, index, c, 3, 0, families=ids))
+  assert np.isfinite(np.asarray(run(jnp.int32(ids[0])))).all()
+  assert np.isnan(np.asarray(run(jnp.int32(cor.corruption_id('gaussian_noise'))))).all()

@@ -212,7 +212,8 @@ def corrupt_batch(x: jax.Array, example_index: jax.Array, corruption: int | jax.
     families: the corruption ids a traced `corruption` can take (None: every family).
       The program holds a branch for each of these only: each branch is a large
       program of its own to compile, and a run evaluates the few eval.shift names.
-      A concrete id needs only its own. Each branch gives the bits it gives among all.
+      A concrete id needs only its own. Each branch gives the bits it gives among all;
+      a traced id outside `families` gives NaN (not another family's output).
 
   Returns:
     The corrupted batch, x's shape and dtype, clipped to value_range. NaN if the
@@ -237,5 +238,7 @@ def corrupt_batch(x: jax.Array, example_index: jax.Array, corruption: int | jax.
   out = jax.lax.switch(jnp.asarray(position)[corruption],
                        [_branch(CORRUPTIONS[i], shape) for i in ids], keys, u, level)
   out = (lo + jnp.clip(out, 0.0, 1.0) * (hi - lo)).reshape(x.shape).astype(x.dtype)
+  if isinstance(corruption, jax.core.Tracer) and len(ids) < len(CORRUPTIONS):
+    out = jnp.where(jnp.isin(corruption, jnp.asarray(ids)), out, jnp.nan)
   # Severity 0 is x itself, bitwise: no rescaling round trip, no clip.
   return jnp.where(severity == 0, x, out)
