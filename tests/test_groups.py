@@ -288,7 +288,7 @@ def test_plan_prices_each_group_and_measures_the_joint_step():
   assert 'fits 1.00 GB per device' in text
 
 
-def test_a_finished_grouped_run_distils_every_group_into_a_student_of_its_own(grouped,
+def test_a_finished_grouped_run_distils_all_groups_into_the_users_own_student(grouped,
                                                                               tmp_path):
   """distill.student as an import path: the teacher is every group's members, the cost
   counts each group at its architecture's parameters, and the saved student loads and
