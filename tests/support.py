@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # each compile alike. A test that compares against XLA's default code compiles that
 # side with XLA_DEFAULT (test_step, test_once). Runs and benchmarks outside the tests
 # keep XLA's defaults.
-FAST_COMPILE = ('--xla_cpu_use_fusion_emitters=false', '--xla_backend_optimization_level=0')
+LLVM_O0 = '--xla_backend_optimization_level=0'
+FAST_COMPILE = ('--xla_cpu_use_fusion_emitters=false', LLVM_O0)
 # Compiler options of XLA's own default optimisation, for a test's reference program.
 XLA_DEFAULT = {'xla_backend_optimization_level': 3}
 
@@ -31,9 +32,7 @@ AT_XLA_DEFAULT = 'DIST_ENS_TEST_AT_XLA_DEFAULT'
 def xla_flags(devices: int) -> str:
   """XLA_FLAGS for a test process with `devices` fake CPU devices (at XLA's default
   optimisation level where AT_XLA_DEFAULT is set)."""
-  flags = FAST_COMPILE
-  if os.environ.get(AT_XLA_DEFAULT):
-    flags = tuple(f for f in flags if not f.startswith('--xla_backend_optimization_level'))
+  flags = [f for f in FAST_COMPILE if not (f == LLVM_O0 and os.environ.get(AT_XLA_DEFAULT))]
   return ' '.join((f'--xla_force_host_platform_device_count={devices}', *flags))
 
 

@@ -220,7 +220,8 @@ def corrupt_batch(x: jax.Array, example_index: jax.Array, corruption: int | jax.
     family does not apply to x's examples and the id is traced (a concrete id raises).
   """
   shape = _channels_last(x.shape[1:])
-  if not isinstance(corruption, jax.core.Tracer):
+  traced = isinstance(corruption, jax.core.Tracer)
+  if not traced:
     if reason := refusal(CORRUPTIONS[int(corruption)], shape):
       raise ConfigError(f'corruption does not apply: {reason}.')
   if example_index.shape != x.shape[:1]:
@@ -230,7 +231,7 @@ def corrupt_batch(x: jax.Array, example_index: jax.Array, corruption: int | jax.
   u = (x.reshape(x.shape[:1] + shape).astype(jnp.float32) - lo) / (hi - lo)
   level = jnp.asarray(_LEVELS)[corruption, severity]
   keys = corruption_keys(seed, corruption, severity, example_index)
-  if not isinstance(corruption, jax.core.Tracer):
+  if not traced:
     families = (int(corruption),)
   ids = tuple(range(len(CORRUPTIONS))) if families is None else tuple(sorted(set(families)))
   position = np.zeros(len(CORRUPTIONS), np.int32)  # corruption id -> its branch
@@ -238,7 +239,7 @@ def corrupt_batch(x: jax.Array, example_index: jax.Array, corruption: int | jax.
   out = jax.lax.switch(jnp.asarray(position)[corruption],
                        [_branch(CORRUPTIONS[i], shape) for i in ids], keys, u, level)
   out = (lo + jnp.clip(out, 0.0, 1.0) * (hi - lo)).reshape(x.shape).astype(x.dtype)
-  if isinstance(corruption, jax.core.Tracer) and len(ids) < len(CORRUPTIONS):
+  if traced and len(ids) < len(CORRUPTIONS):
     out = jnp.where(jnp.isin(corruption, jnp.asarray(ids)), out, jnp.nan)
   # Severity 0 is x itself, bitwise: no rescaling round trip, no clip.
   return jnp.where(severity == 0, x, out)
