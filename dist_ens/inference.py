@@ -62,7 +62,8 @@ class Ensemble(ensemble_members.MemberAccess):
     input_shape, num_classes: the model's input shape and number of classes.
     mesh: the ('member', 'data'[, 'model']) mesh the parameters live on.
     laplace: the members' last-layer Laplace posteriors the run fitted
-      (config.eval.laplace; workdir/laplace.npz, dist_ens.io.laplace_file), or None.
+      (config.eval.laplace; workdir/laplace.npz, dist_ens.io.laplace_file): a tuple of
+      LaplaceFit, one (with config.ensemble.groups one per group), or None.
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model: Model, params: PyTree,
@@ -72,12 +73,15 @@ class Ensemble(ensemble_members.MemberAccess):
                conformal: decisions.ConformalFit | None = None,
                noise_variance: np.ndarray | None = None, predict_model: Model | None = None,
                split_scales: tuple[uci.Standardizer, ...] | None = None,
-               laplace: laplace_predictive.LaplaceFit | None = None):
+               laplace: tuple[laplace_predictive.LaplaceFit, ...] | None = None,
+               group_models: tuple[Model, ...] = ()):
     # `predict_model` reads `params` as stored (stored.predicting_model); default `model`.
+    # With config.ensemble.groups, `group_models` are each group's (its stack of params).
     self.config, self.model, self._stored = config, model, params
     self._predict_model = model = predict_model or model
     self.conformal = conformal  # what predict_sets calibrates with (None: not fitted)
     self.laplace = laplace  # what predict(laplace=True) uses (None: not fitted)
+    self._group_models = tuple(group_models)
     self.task, self.scale = tasks.get_task(config.task), scale
     # config.data.member_split's per-split statistics: split s's members predict in their
     # own units, so predict standardises and converts back per split (None: one `scale`).
@@ -169,7 +173,8 @@ class Ensemble(ensemble_members.MemberAccess):
                    noise_variance=saved_run.noise_from(workdir, config, parts.num_outputs),
                    predict_model=parts.predict_model,
                    split_scales=saved_run.split_scales_from(meta),
-                   laplace=saved_run.laplace_from(workdir, restored.step))
+                   laplace=saved_run.laplace_from(workdir, restored.step),
+                   group_models=tuple(g.predict_model for g in parts.groups))
     ensemble.workdir = workdir  # what export_adapters reads the factors from
     return ensemble
 
@@ -248,8 +253,10 @@ class Ensemble(ensemble_members.MemberAccess):
     laplace_predictive.check_predictable(self.laplace, self.config, self.task.name,
                                          self.step, draws)
     if not hasattr(self, '_laplace_forwards'):
+      models = self._group_models or (self._predict_model,)
       self._laplace_forwards = laplace_predictive.Forwards(
-          self._predict_model, self.laplace, self.config.seed, self.num_classes, self.mesh)
+          models, self.laplace, self.config.seed, self.num_classes, self.mesh,
+          grouped=bool(self._group_models))
     return self._laplace_forwards.draws if draws else self._laplace_forwards.predict
 
   def predict_sets(self, x: np.ndarray, batch_size: int | None = None, *,

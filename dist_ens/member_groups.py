@@ -116,7 +116,6 @@ def group_config(config: ml_collections.ConfigDict,
 # in one line naming both fields (docs/groups.md says how to go on).
 _REFUSED = (
     ('ensemble.own', lambda v: v != 'all', "use ensemble.own='all'"),
-    ('eval.laplace', bool, "set eval.laplace=''"),
     # 'same' and 'hydra' are students of the members' one architecture; groups have several.
     ('distill.student', lambda v: v in ('same', 'hydra'),
      "give the student as an import path, distill.student='pkg.mod:make' "

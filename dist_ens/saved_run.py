@@ -88,17 +88,17 @@ def noise_from(workdir: Path, config: ml_collections.ConfigDict,
   return np.repeat(levels[:, None], num_outputs, axis=1)
 
 
-def laplace_from(workdir: Path, step: int) -> LaplaceFit | None:
+def laplace_from(workdir: Path, step: int) -> tuple[LaplaceFit, ...] | None:
   """The last-layer Laplace posteriors the run fitted after training (config.eval.laplace;
-  io/laplace_file.py), or None: none fitted, or fitted on another checkpoint than the
-  restored one at `step` (a warning)."""
-  fit = laplace_file.read(workdir)
-  if fit is not None and fit.step != step:
+  io/laplace_file.py; one fit, or one per member group), or None: none fitted, or fitted
+  on another checkpoint than the restored one at `step` (a warning)."""
+  fits = laplace_file.read(workdir)
+  if fits is not None and fits[0].step != step:
     logging.warning('%s was fitted at step %d, the restored checkpoint is at step %d: its '
-                    'Laplace posteriors are not used.', workdir / laplace_file.FILE, fit.step,
-                    step)
+                    'Laplace posteriors are not used.', workdir / laplace_file.FILE,
+                    fits[0].step, step)
     return None
-  return fit
+  return fits
 
 
 def open_checkpoints(workdir: Path) -> Checkpointer:

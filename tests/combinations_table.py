@@ -162,7 +162,7 @@ REFUSED: dict[frozenset[str], str] = {
                            '(docs/groups.md)'
        for o in (*_NOT_DEEP, 'prior', 'epinet', 'own=head', 'own=lora')},
     **{_pair('groups', o): 'not built for member groups yet (docs/groups.md)'
-       for o in ('model=2', 'laplace')},
+       for o in ('model=2',)},
     _pair('groups', 'distill'): "a student of the members' architecture: the groups have "
                                 'several (give the student as an import path)',
     **{_pair(d, t): "the student learns a classifier's soft targets over classes"

@@ -26,9 +26,12 @@ GROUPS = ({'count': 2, 'model': {'widths': (16,)}},
            'name': 'deep'})
 
 
-# The shared run's members train with dropout and are also scored with 2 MC dropout
-# samples each (eval.mc_samples), every draw keyed by the member's id.
-MC = {'model__dropout': 0.1, 'eval__mc_samples': 2}
+# The shared run's members train with dropout, are also scored with 2 MC dropout samples
+# each (eval.mc_samples) and fit a last-layer Laplace with 3 weight draws each
+# (eval.laplace: each group's head has its own width, so its own fit), every draw keyed
+# by the member's id.
+POSTHOC = {'model__dropout': 0.1, 'eval__mc_samples': 2, 'eval__laplace': 'last_layer_kron',
+           'eval__laplace_samples': 3}
 
 
 def _config(groups=GROUPS, **fields):
@@ -54,7 +57,7 @@ def _stored(workdir):
 @pytest.fixture(scope='module')
 def grouped(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('grouped')
-  return workdir, dist_ens.train(_config(**MC), str(workdir))
+  return workdir, dist_ens.train(_config(**POSTHOC), str(workdir))
 
 
 def test_a_groups_members_equal_the_same_members_without_groups(grouped, tmp_path):
@@ -63,7 +66,7 @@ def test_a_groups_members_equal_the_same_members_without_groups(grouped, tmp_pat
   assert isinstance(stored, tuple) and len(stored) == 2
   first = 0
   for g, group in enumerate(GROUPS):
-    single = dist_ens.train(_single(group, **MC), str(tmp_path / f'single{g}'))
+    single = dist_ens.train(_single(group, **POSTHOC), str(tmp_path / f'single{g}'))
     ids = slice(first, first + group['count'])
     # Bit for bit: parameters, and the test metrics computed from them.
     support.assert_trees_equal(stored[g], jax.tree.map(lambda a, i=ids: a[i],
@@ -74,6 +77,11 @@ def test_a_groups_members_equal_the_same_members_without_groups(grouped, tmp_pat
       assert (results['mc_dropout']['members'][metric][ids]
               == single['mc_dropout']['members'][metric][ids])
       assert results['mc_dropout']['members'][metric][ids] != results['members'][metric][ids]
+      # Laplace: each group's fit is that of the same members without groups.
+      assert (results['laplace']['members'][metric][ids]
+              == single['laplace']['members'][metric][ids])
+    assert (results['laplace']['prior_precision'][ids]
+            == single['laplace']['prior_precision'][ids])
     first += group['count']
 
 
@@ -123,9 +131,33 @@ def test_load_and_predict_combine_every_group(grouped):
   np.testing.assert_allclose(one.predict(test.x[:50]).probs, out.probs, rtol=1e-5, atol=1e-6)
 
 
+def test_laplace_fits_each_group_and_a_loaded_run_predicts_what_it_reported(grouped):
+  """eval.laplace with groups: one fit per group in laplace.npz (its head's own feature
+  width), each group's Laplace ensemble reported, and Ensemble.load(...).predict(x,
+  laplace=True) reproducing the reported members' NLL from the file."""
+  workdir, results = grouped
+  with np.load(workdir / 'laplace.npz') as saved:
+    assert int(saved['groups']) == 2
+    # K-FAC's input factor: the features + 1 of each group's head, per member.
+    assert saved['group0/q_a'].shape == (2, 17, 17) and saved['group1/q_a'].shape == (2, 9, 9)
+    assert int(saved['group1/first_member']) == 2
+  laplace = results['laplace']
+  assert laplace['groups']['deep']['members'] == [2, 3]
+  plain = results['groups']['deep']['ensemble']['nll']
+  assert np.isfinite(plain) and laplace['groups']['deep']['ensemble']['nll'] != plain
+  ensemble = dist_ens.Ensemble.load(workdir)
+  test = load_dataset(ensemble.config.data.name, assemble.data_spec(ensemble.config)).test
+  probs = ensemble.predict(test.x, preprocessed=True, laplace=True).member_probs
+  nll = -np.log(np.asarray(probs, np.float64)[:, np.arange(len(test.y)), test.y]).mean(1)
+  np.testing.assert_allclose(nll, laplace['members']['nll'], rtol=1e-5)
+  draws = ensemble.laplace_samples(test.x[:16], preprocessed=True)
+  assert draws.shape == (4, 3, 16, 10)
+  np.testing.assert_allclose(draws.mean(1), probs[:, :16], rtol=1e-5, atol=1e-7)
+
+
 def test_an_interrupted_run_resumes_to_the_uninterrupted_state(grouped, tmp_path):
   workdir, results = grouped
-  config = _config(**MC)
+  config = _config(**POSTHOC)
   stopped = dist_ens.train(config, str(tmp_path), actions=[support.PreemptAt(2)])
   assert stopped['preempted'] and stopped['step'] == 2
   resumed = dist_ens.train(config, str(tmp_path))
@@ -235,7 +267,7 @@ def test_member_splits_cross_groups_and_each_member_keeps_its_splits_statistics(
 @pytest.mark.parametrize('field, value', [
     ('ensemble.method', 'prior'),
     ('ensemble.own', 'head'),
-    ('eval.laplace', 'last_layer_diag'), ('mesh.model', 2),
+    ('mesh.model', 2),
 ])
 def test_what_groups_do_not_support_yet_is_refused_in_one_line(field, value, tmp_path):
   config = _config(**{field.replace('.', '__'): value})
@@ -295,7 +327,7 @@ def test_a_finished_grouped_run_distils_all_groups_into_the_users_own_student(gr
   predicts the reported NLL ('same' and 'hydra' name no one architecture: refused)."""
   workdir = tmp_path / 'copy'
   shutil.copytree(grouped[0], workdir)
-  out = dist_ens.train(_config(**MC, distill__student='support:linear_student',
+  out = dist_ens.train(_config(**POSTHOC, distill__student='support:linear_student',
                                distill__steps=20), str(workdir))['distill']
   assert out['members_distilled'] == 4 and out['loss_last'] < out['loss_first']
   # MNIST-1D: 40 inputs, 10 classes. Widths (16,): 40*16+16 + 16*10+10; (8, 8): 40*8+8 +
@@ -308,7 +340,7 @@ def test_a_finished_grouped_run_distils_all_groups_into_the_users_own_student(gr
   nll = -np.mean(np.log(probs[np.arange(len(test.y)), test.y]))
   assert nll == pytest.approx(out['nll'], abs=1e-5)
   message = support.one_line_refusal(lambda: dist_ens.train(
-      _config(**MC, distill__student='same'), str(tmp_path / 'same')))
+      _config(**POSTHOC, distill__student='same'), str(tmp_path / 'same')))
   assert 'config.ensemble.groups' in message and 'distill.student' in message, message
 
 

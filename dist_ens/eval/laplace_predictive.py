@@ -8,11 +8,15 @@ exactly what its final_metrics.json 'laplace' section was computed from.
   plain, laplaced, draws = members_predictive(model, fit.kind, fit.kernel,
                                               (params, model_state), arrays, x)
 
-Weight draws depend only on (seed, member, draw): not on the inputs, their batching,
-the mesh or M. `Forwards` holds the jitted forwards Ensemble.predict calls on its mesh.
+A fit covers one stack of members that one vmap runs: the whole ensemble, or with
+config.ensemble.groups one group (its own head width, so its own fit; a run's fits are
+one per group, in group order). Weight draws depend only on (seed, member id, draw):
+not on the inputs, their batching, the mesh, M or the groups. `Forwards` holds the
+jitted forwards Ensemble.predict calls on its mesh.
 """
 
 import functools
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -33,7 +37,9 @@ class LaplaceFit(NamedTuple):
 
   kind: a laplace.KINDS value; samples: weight draws per member (0: probit); kernel: the
   output kernel's '/'-joined path in a member's params; step: the checkpoint step it was
-  fitted on; prior_precision: [M] float32; posterior: laplace.Posterior, fields [M, ...].
+  fitted on; prior_precision: [m] float32; posterior: laplace.Posterior, fields [m, ...];
+  first_member: the id of the stack's first member (a member group's place; 0 without
+  groups), which keys its members' weight draws.
   """
   kind: str
   samples: int
@@ -41,6 +47,7 @@ class LaplaceFit(NamedTuple):
   step: int
   prior_precision: np.ndarray
   posterior: laplace.Posterior
+  first_member: int = 0
 
 
 class LaplaceArrays(NamedTuple):
@@ -95,12 +102,12 @@ def _member_noise(kind: str, samples: int, num_classes: int, post: laplace.Poste
 
 def fitted_arrays(fit: LaplaceFit, seed: int, num_classes: int, mesh: jax.sharding.Mesh
                   ) -> LaplaceArrays:
-  """The fit's arrays and every member's weight draws (member m's from (seed, m)), on
-  `mesh`'s member axis: every process computes them alike from the fit's numpy arrays
-  and places them as numpy, as other host values go onto the mesh."""
-  members = len(fit.prior_precision)
+  """The fit's arrays and every member's weight draws (member m's from (seed, m), m its
+  id), on `mesh`'s member axis: every process computes them alike from the fit's numpy
+  arrays and places them as numpy, as other host values go onto the mesh."""
+  ids = fit.first_member + np.arange(len(fit.prior_precision))
   keys = jax.vmap(lambda k: jax.random.fold_in(k, _LAPLACE_STREAM))(
-      rng.member_keys(seed, jnp.arange(members, dtype=jnp.uint32)))
+      rng.member_keys(seed, jnp.asarray(ids, jnp.uint32)))
   post = jax.tree.map(lambda a: jnp.asarray(a, jnp.float32), fit.posterior)
   deltas = jnp.asarray(fit.prior_precision, jnp.float32)
   noise = jax.jit(jax.vmap(functools.partial(
@@ -135,12 +142,26 @@ def members_predictive(model: Any, kind: str, kernel: str, variables: Any,
   return jax.nn.log_softmax(logits, -1), log_probs, draws
 
 
-def _ensemble_step(model: Any, fit: LaplaceFit, with_draws: bool, variables: Any,
-                   x: jax.Array, member_mask: jax.Array, arrays: LaplaceArrays) -> Any:
+def _stacks_predictive(models: Sequence[Any], fits: Sequence[LaplaceFit], grouped: bool,
+                       variables: Any, arrays: Sequence[LaplaceArrays], x: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+  """Every member's Laplace predictive [M, B, C] and weight draws [M, S, B, C], in id
+  order: each stack's (models[i] with fits[i]) joined. `grouped` (member groups):
+  `variables` holds a tuple of params and one of model states, one per group."""
+  params, state = variables
+  stacks = zip(params, state) if grouped else [variables]
+  outs = [members_predictive(model, fit.kind, fit.kernel, stack, a, x)[1:]
+          for model, fit, stack, a in zip(models, fits, stacks, arrays)]
+  return tuple(jnp.concatenate(parts) for parts in zip(*outs))
+
+
+def _ensemble_step(models: Sequence[Any], fits: Sequence[LaplaceFit], grouped: bool,
+                   with_draws: bool, variables: Any, x: jax.Array, member_mask: jax.Array,
+                   arrays: Sequence[LaplaceArrays]) -> Any:
   """Ensemble.predict's outputs (ensemble probs, member probs, entropy, mutual
   information) of the members' Laplace predictives, or (with_draws) each weight draw's
   probabilities [M, S, B, C]."""
-  _, log_probs, draws = members_predictive(model, fit.kind, fit.kernel, variables, arrays, x)
+  log_probs, draws = _stacks_predictive(models, fits, grouped, variables, arrays, x)
   if with_draws:
     return jnp.exp(draws)
   uncertainty = metrics.member_uncertainty(log_probs, member_mask)
@@ -149,15 +170,21 @@ def _ensemble_step(model: Any, fit: LaplaceFit, with_draws: bool, variables: Any
 
 
 class Forwards:
-  """A fit's jitted forwards on `mesh`, each (variables, x, member_mask) -> outputs with
-  the fit's arrays on the member axis: `predict` (see _ensemble_step) and `draws`."""
+  """A run's fits' jitted forwards on `mesh`, each (variables, x, member_mask) ->
+  outputs with the fits' arrays on the member axis: `predict` (see _ensemble_step) and
+  `draws`. models[i] is the predicting model of the stack fits[i] covers (one model and
+  fit without groups; `grouped`: each group's, and `variables` the joined state's)."""
 
-  def __init__(self, model: Any, fit: LaplaceFit, seed: int, num_classes: int,
-               mesh: jax.sharding.Mesh):
-    arrays = fitted_arrays(fit, seed, num_classes, mesh)
+  def __init__(self, models: Sequence[Any], fits: Sequence[LaplaceFit], seed: int,
+               num_classes: int, mesh: jax.sharding.Mesh, grouped: bool = False):
+    if len(models) != len(fits):
+      raise ValueError(f'{len(fits)} Laplace fits for {len(models)} stacks of members: '
+                       'laplace.npz is not this run\'s.')
+    arrays = tuple(fitted_arrays(fit, seed, num_classes, mesh) for fit in fits)
+    models, fits = tuple(models), tuple(fits)
 
     def forward(with_draws):
-      step = jax.jit(functools.partial(_ensemble_step, model, fit, with_draws),
+      step = jax.jit(functools.partial(_ensemble_step, models, fits, grouped, with_draws),
                      in_shardings=(None, mesh_lib.batch_sharding(mesh), None, None),
                      out_shardings=mesh_lib.replicated(mesh))
       return lambda variables, x, member_mask: step(variables, x, member_mask, arrays)
@@ -165,7 +192,7 @@ class Forwards:
     self.predict, self.draws = forward(False), forward(True)
 
 
-def check_predictable(fit: LaplaceFit | None, config: Any, task: str, step: int,
+def check_predictable(fits: Sequence[LaplaceFit] | None, config: Any, task: str, step: int,
                       draws: bool) -> None:
   """Refuses in one line a Laplace prediction (draws: laplace_samples()) the run cannot
   give: another task than classification, no fit for `step`, or draws from a probit fit."""
@@ -174,13 +201,13 @@ def check_predictable(fit: LaplaceFit | None, config: Any, task: str, step: int,
     raise ValueError(f'{what}: config.task={config.task!r} has no Laplace predictive '
                      "(eval.laplace fits a classifier's softmax output layer); call "
                      'predict(x) for its own.')
-  if fit is None:
+  if not fits:
     raise ValueError(f'{what}: this run has no Laplace fit for step {step} '
                      f'(config.eval.laplace={config.eval.laplace!r}; none in '
                      "laplace.npz): train with eval.laplace='last_layer_kron' (or "
                      "'last_layer_diag', 'last_layer_full'; rerunning a finished run's "
                      'command refits), or call predict(x).')
-  if draws and not fit.samples:
+  if draws and not fits[0].samples:
     raise ValueError(f'{what}: the run\'s Laplace predictive is the probit approximation '
                      '(config.eval.laplace_samples=0), which draws no weights; train with '
                      'eval.laplace_samples=k > 0, or call predict(x, laplace=True).')

@@ -19,9 +19,15 @@ classes, P = F1 C):
   q_a, lam_a        kron: [M, F1, F1], [M, F1] the eigenbasis of A = sum psi psi^T
   q_g, lam_g        kron: [M, C, C], [M, C] that of G, the mean softmax Hessian
 The posterior precision is (the GGN + delta I); dist_ens/eval/laplace.py has the math.
+
+With config.ensemble.groups each group has its own fit (its head has its own width):
+`groups` holds their number G, format/kind/samples/step are shared, and the per-member
+keys (kernel, prior_precision, the posterior's) are given per group as `group{g}/kernel`
+..., [count] of group g's members, with `group{g}/first_member`, its first member's id.
 """
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -35,23 +41,41 @@ _FORMAT = ('dist_ens last-layer Laplace: per member, precision = GGN (eigenbasis
            'q_a/lam_a kron q_g/lam_g) + prior_precision * I; see dist_ens/io/laplace_file.py')
 
 
-def write(workdir: str | os.PathLike, fit: LaplaceFit) -> None:
-  """Writes `fit` to workdir/laplace.npz (process 0 only; numpy arrays on every host)."""
+def write(workdir: str | os.PathLike, fits: Sequence[LaplaceFit]) -> None:
+  """Writes a run's fits (one; with member groups one per group, in group order) to
+  workdir/laplace.npz (process 0 only; numpy arrays on every host)."""
+  shared = {'format': np.asarray(_FORMAT), 'kind': np.asarray(fits[0].kind),
+            'samples': np.asarray(fits[0].samples, np.int64),
+            'step': np.asarray(fits[0].step, np.int64)}
+  if len(fits) == 1 and not fits[0].first_member:
+    write_npz(Path(workdir) / FILE, {**shared, **_stack_arrays(fits[0])})
+    return
+  grouped = {f'group{g}/{k}': v for g, fit in enumerate(fits)
+             for k, v in {**_stack_arrays(fit), 'first_member': np.asarray(
+                 fit.first_member, np.int64)}.items()}
+  write_npz(Path(workdir) / FILE, {**shared, 'groups': np.asarray(len(fits), np.int64),
+                                   **grouped})
+
+
+def _stack_arrays(fit: LaplaceFit) -> dict[str, np.ndarray]:
+  """The keys of one stack's fit (its members' kernel name, prior precisions, posterior)."""
   arrays = {name: np.asarray(a, np.float32) for name, a in fit.posterior._asdict().items()}
-  write_npz(Path(workdir) / FILE, {
-      'format': np.asarray(_FORMAT), 'kind': np.asarray(fit.kind),
-      'samples': np.asarray(fit.samples, np.int64), 'kernel': np.asarray(fit.kernel),
-      'step': np.asarray(fit.step, np.int64),
-      'prior_precision': np.asarray(fit.prior_precision, np.float32), **arrays})
+  return {'kernel': np.asarray(fit.kernel),
+          'prior_precision': np.asarray(fit.prior_precision, np.float32), **arrays}
 
 
-def read(workdir: str | os.PathLike) -> LaplaceFit | None:
-  """workdir/laplace.npz as a LaplaceFit, or None where the run wrote none."""
+def read(workdir: str | os.PathLike) -> tuple[LaplaceFit, ...] | None:
+  """workdir/laplace.npz as the run's fits (one per group with member groups, else one),
+  or None where the run wrote none."""
   path = Path(workdir) / FILE
   if not path.is_file():
     return None
   with np.load(path, allow_pickle=False) as saved:
-    return LaplaceFit(
-        kind=str(saved['kind']), samples=int(saved['samples']), kernel=str(saved['kernel']),
-        step=int(saved['step']), prior_precision=saved['prior_precision'],
-        posterior=laplace.Posterior(*(saved[f] for f in laplace.Posterior._fields)))
+    prefixes = ([f'group{g}/' for g in range(int(saved['groups']))] if 'groups' in saved
+                else [''])
+    return tuple(LaplaceFit(
+        kind=str(saved['kind']), samples=int(saved['samples']),
+        kernel=str(saved[p + 'kernel']), step=int(saved['step']),
+        prior_precision=saved[p + 'prior_precision'],
+        posterior=laplace.Posterior(*(saved[p + f] for f in laplace.Posterior._fields)),
+        first_member=int(saved[p + 'first_member']) if p else 0) for p in prefixes)

@@ -9,7 +9,9 @@ their eigenbasis, the prior precision (validation log-likelihood by the probit
 predictive over dist_ens.eval.laplace.PRIOR_GRID, else the marginal likelihood) and the
 predictive. The curvature uses each member's own training examples: the whole training
 split, or with config.data.member_split its split's part (a bootstrap resample is not
-singled out: every member counts the whole split).
+singled out: every member counts the whole split). With config.ensemble.groups each
+group is fitted on its own (_Stack: its model, head and members), one file entry per
+group, and the metrics join every group's members in id order.
 
 The fit is saved to workdir/laplace.npz (dist_ens.io.laplace_file) and the test split is
 scored by dist_ens.eval.laplace_predictive from the arrays that file gives back, which
@@ -19,13 +21,15 @@ is what Ensemble.load(workdir).predict(x, laplace=True) computes. With weight dr
 """
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
+from dist_ens import member_groups
+from dist_ens.core import groups as groups_lib
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate, joint, laplace, laplace_predictive
 from dist_ens.io import laplace_file
@@ -60,6 +64,38 @@ def head_leaves(params: Any, num_outputs: int) -> tuple[str, str]:
   return kernels[0], biases[0]
 
 
+class _Stack(NamedTuple):
+  """Members one vmap fits: the whole ensemble, or one member group (its own model and
+  head width)."""
+  model: Any  # the stack's predicting model
+  variables: tuple[Any, Any]  # (params, model_state), leaves [m, ...]
+  rows: np.ndarray  # [m, N] bool: the training rows each member's curvature counts
+  first: int  # the id of its first member
+  names: tuple[str, str]  # its output layer's (kernel, bias)
+
+  @property
+  def feats(self) -> Any:
+    """(params, model_state, x) -> every member's (logits, psi, head error)."""
+    return jax.vmap(functools.partial(laplace_predictive.head_features, self.model,
+                                      self.names[0]), in_axes=(0, 0, None))
+
+
+def _stacks(call: Call) -> list[_Stack]:
+  """The stacks the fit runs on, in id order: the ensemble, or each member group."""
+  parts, state, rows = call.session.parts, call.state, _member_rows(call)
+
+  def stack(model, params, model_state, first, num_outputs):
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), params)
+    count = jax.tree.leaves(params)[0].shape[0]
+    return _Stack(model, (params, model_state), rows[first:first + count], first,
+                  head_leaves(one, num_outputs))
+
+  if not parts.groups:
+    return [stack(parts.predict_model, state.params, state.model_state, 0, parts.num_outputs)]
+  return [stack(g.predict_model, s.params, s.model_state, g.first_member, g.num_outputs)
+          for g, s in zip(parts.groups, groups_lib.split_state(state))]
+
+
 class Laplace(PeriodicAction):
   """The fit, its file (workdir/laplace.npz, io/laplace_file.py) and its test metrics (see
   the module doc); with weight draws and `joint` = (tau, batches), their joint log-loss."""
@@ -73,41 +109,42 @@ class Laplace(PeriodicAction):
     if not posthoc.included(call).any():  # Every member went non-finite: the run says so.
       logging.info('Laplace skipped: no member is in the ensemble.')
       return
-    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), call.state.params)
-    names = head_leaves(one, session.parts.num_outputs)
-    feats = jax.vmap(functools.partial(laplace_predictive.head_features,
-                                       session.parts.predict_model, names[0]), in_axes=(0, 0, None))
+    stacks, data = _stacks(call), session.run_data
     with session.off_clock():
-      fit, deltas, by, count = self._fit(call, feats, names)
-      laplace_file.write(session.workdir, fit)
+      fitted = [self._fit(call, stack) for stack in stacks]
+      fits = [fit for fit, _, _, _ in fitted]
+      laplace_file.write(session.workdir, fits)
       # What Ensemble.load builds from the file, so predict(laplace=True) gives these.
-      arrays = laplace_predictive.fitted_arrays(fit, session.config.seed, session.parts.num_outputs,
-                                                session.parts.mesh)
-      plain, laplaced, draws = self._log_probs(call, fit.kernel, arrays,
-                                               session.run_data.dataset.test)
-      ood = (None if session.run_data.ood is None else
-             self._log_probs(call, fit.kernel, arrays, session.run_data.ood)[1])
-    self._report(call, plain, laplaced, deltas, by, count)
+      arrays = [laplace_predictive.fitted_arrays(fit, session.config.seed,
+                                                 session.parts.num_outputs, session.parts.mesh)
+                for fit in fits]
+      plain, laplaced, draws = self._log_probs(call, stacks, arrays, data.dataset.test)
+      ood = (None if data.ood is None else
+             self._log_probs(call, stacks, arrays, data.ood)[1])
+    deltas = np.concatenate([d for _, d, _, _ in fitted])
+    self._report(call, plain, laplaced, deltas, fitted[0][2], min(c for *_, c in fitted))
     if self.samples and self.joint:
       session.results['laplace']['joint'] = self._joint(call, draws)
     if ood is not None:  # OOD AUROC/AUPR by the Laplace predictives' uncertainty.
       session.results['laplace']['ood'] = {
           'dataset': session.config.eval.ood_dataset,
-          **session.evaluator.scorer.ood(laplaced, ood, session.run_data.dataset.test.y,
+          **session.evaluator.scorer.ood(laplaced, ood, data.dataset.test.y,
                                          posthoc.included(call))}
 
-  def _fit(self, call: Call, feats: Any, names: tuple[str, str]
+  def _fit(self, call: Call, stack: _Stack
            ) -> tuple[laplace_predictive.LaplaceFit, np.ndarray, str, int]:
-    """(the fit, its [M] prior precisions in float64, how they were chosen, the training
-    examples counted)."""
-    curvature, error, count = self._curvature(call, feats)
+    """(the stack's fit, its [m] prior precisions in float64, how they were chosen, the
+    training examples counted)."""
+    curvature, error, count = self._curvature(call, stack)
     if error > _LINEAR_TOLERANCE.get(call.session.config.precision, 1e-3):
-      raise ConfigError(f'config.eval.laplace: the output layer {names[0]} is not linear in '
-                        f'its features (relative error {error:.2g}); set eval.laplace=\'\'.')
+      raise ConfigError(f'config.eval.laplace: the output layer {stack.names[0]} is not '
+                        f'linear in its features (relative error {error:.2g}); set '
+                        "eval.laplace=''.")
     post = jax.jit(jax.vmap(functools.partial(laplace.posterior, self.kind)))(curvature)
-    deltas, by = self._prior(call, feats, post, names)
-    fit = laplace_predictive.LaplaceFit(self.kind, self.samples, names[0], call.step,
-                                        np.asarray(deltas, np.float32), call.session.fetch(post))
+    deltas, by = self._prior(call, stack, post)
+    fit = laplace_predictive.LaplaceFit(self.kind, self.samples, stack.names[0], call.step,
+                                        np.asarray(deltas, np.float32), call.session.fetch(post),
+                                        stack.first)
     return fit, deltas, by, count
 
   def _joint(self, call: Call, draws: np.ndarray) -> dict[str, Any]:
@@ -129,6 +166,8 @@ class Laplace(PeriodicAction):
     session.results['laplace'] = {'kind': self.kind, 'predictive': predictive,
                                   'prior_precision': [float(d) for d in deltas],
                                   'prior_precision_by': by, 'train_examples': count, **after}
+    if session.parts.groups:
+      session.results['laplace']['groups'] = _group_ensembles(call, laplaced)
     if session.writes_final_events:
       session.write({'step': call.step, 'split': 'test_laplace', **after})
     logging.info('Laplace (%s, %s predictive; prior precision by %s: %s) test metrics:\n%s',
@@ -144,10 +183,10 @@ class Laplace(PeriodicAction):
       yield (evaluate.pad_rows(x, rows), evaluate.pad_rows(y, rows),
              (np.arange(rows) < valid).astype(np.float32), valid)
 
-  def _curvature(self, call: Call, feats: Any) -> tuple[laplace.Curvature, float, int]:
+  def _curvature(self, call: Call, stack: _Stack) -> tuple[laplace.Curvature, float, int]:
     """Every member's Gauss-Newton sums over the training split, the largest relative
     error of the linear head, and the examples counted."""
-    kind, variables = self.kind, (call.state.params, call.state.model_state)
+    kind, variables, feats = self.kind, stack.variables, stack.feats
 
     @jax.jit  # The state goes in as arguments: a constant cannot span processes.
     def step(variables, x, mask):  # mask: [M, rows], each member's own rows
@@ -156,7 +195,7 @@ class Laplace(PeriodicAction):
           psi, jax.nn.softmax(logits, -1), mask)
       return batch, error.max()
 
-    train, pools = call.session.run_data.dataset.train, _member_rows(call)
+    train, pools = call.session.run_data.dataset.train, stack.rows
     total, worst, start = None, 0.0, 0
     for x, _, mask, valid in self._batches(call, train):
       rows = pools[:, start:start + len(mask)]
@@ -167,12 +206,13 @@ class Laplace(PeriodicAction):
       worst, start = max(worst, float(call.session.fetch(error))), start + valid
     return total, worst, int(pools.sum(1).min())
 
-  def _prior(self, call: Call, feats: Any, post: laplace.Posterior, names: tuple[str, str]
+  def _prior(self, call: Call, stack: _Stack, post: laplace.Posterior
              ) -> tuple[np.ndarray, str]:
-    """[M] prior precisions from PRIOR_GRID and how they were chosen."""
+    """[m] prior precisions from PRIOR_GRID and how they were chosen."""
     session = call.session
-    grid, kind = jnp.asarray(laplace.PRIOR_GRID), self.kind
-    params, model_state = call.state.params, call.state.model_state
+    grid, kind, names, feats = (jnp.asarray(laplace.PRIOR_GRID), self.kind, stack.names,
+                                stack.feats)
+    params, model_state = stack.variables
     if session.run_data.validation is None:
       norm2 = lambda p: sum(jnp.sum(jnp.square(laplace_predictive.leaf(p, n).astype(
           jnp.float32))) for n in names)
@@ -197,26 +237,47 @@ class Laplace(PeriodicAction):
                 for x, y, mask, _ in self._batches(call, session.run_data.validation))
     return np.asarray(laplace.PRIOR_GRID)[np.argmax(total, 1)], 'validation nll'
 
-  def _log_probs(self, call: Call, kernel: str, arrays: laplace_predictive.LaplaceArrays,
-                 split: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def _log_probs(self, call: Call, stacks: list[_Stack],
+                 arrays: list[laplace_predictive.LaplaceArrays], split: Any
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[M, N, C] the members' plain log-probabilities and their Laplace predictive's, and
-    [M, S, N] each weight draw's log-likelihood of the split's labels."""
-    model, kind, variables = call.session.parts.predict_model, self.kind, (call.state.params,
-                                                                           call.state.model_state)
-
-    @jax.jit
-    def step(variables, arrays, x, y):
-      plain, laplaced, draws = laplace_predictive.members_predictive(
-          model, kind, kernel, variables, arrays, x)
-      return plain, laplaced, (draws * jax.nn.one_hot(y, draws.shape[-1])).sum(-1)
-
+    [M, S, N] each weight draw's log-likelihood of the split's labels, in id order."""
     plain, laplaced, draws = [], [], []
-    for x, y, _, valid in self._batches(call, split):
-      a, b, d = call.session.fetch(step(variables, arrays, x, y.astype(np.int32)))
-      plain.append(a[:, :valid])
-      laplaced.append(b[:, :valid])
-      draws.append(d[..., :valid])
-    return np.concatenate(plain, 1), np.concatenate(laplaced, 1), np.concatenate(draws, -1)
+    for stack, stack_arrays in zip(stacks, arrays):
+      step = _predictive_step(self.kind, stack)
+      outs = [(call.session.fetch(step(stack.variables, stack_arrays, x, y.astype(np.int32))),
+               valid) for x, y, _, valid in self._batches(call, split)]
+      plain.append(np.concatenate([a[:, :k] for (a, _, _), k in outs], 1))
+      laplaced.append(np.concatenate([b[:, :k] for (_, b, _), k in outs], 1))
+      draws.append(np.concatenate([d[..., :k] for (_, _, d), k in outs], -1))
+    return np.concatenate(plain), np.concatenate(laplaced), np.concatenate(draws)
+
+
+def _predictive_step(kind: str, stack: _Stack) -> Any:
+  """jit((params, model_state), arrays, x, y) -> the stack's plain and Laplace
+  log-probabilities [m, B, C] and its weight draws' label log-likelihoods [m, S, B]."""
+
+  @jax.jit
+  def step(variables, arrays, x, y):
+    plain, laplaced, draws = laplace_predictive.members_predictive(
+        stack.model, kind, stack.names[0], variables, arrays, x)
+    return plain, laplaced, (draws * jax.nn.one_hot(y, draws.shape[-1])).sum(-1)
+
+  return step
+
+
+def _group_ensembles(call: Call, laplaced: np.ndarray) -> dict[str, Any]:
+  """Each member group's name -> its members and the ensemble metrics of their Laplace
+  predictives (as results['groups'] gives their plain ones)."""
+  session, included = call.session, posthoc.included(call)
+  out = {}
+  for spec in member_groups.group_specs(session.config):
+    ids = spec.group.ids
+    out[spec.name] = {'members': list(range(ids.start, ids.stop)), 'ensemble': (
+        session.evaluator.scorer.metrics(laplaced[ids], session.run_data.dataset.test.y,
+                                         included[ids])['ensemble']
+        if included[ids].any() else None)}
+  return out
 
 
 def _member_rows(call: Call) -> np.ndarray:
