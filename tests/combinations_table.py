@@ -18,6 +18,10 @@ class Option(NamedTuple):
   fields: tuple[str, ...]  # a refusal names at least one of these
   label: str = ''  # the docs' name; '' = key
   dataset: str = ''  # task options: which toy dataset the test builds
+  # The key of the one option of another axis this one goes with (own=epinet names an
+  # epinet's leaves: method=epinet). Its pairs with that axis's other options are
+  # 'excluded', and with_defaults puts it in place of that axis's default.
+  requires: str = ''
 
   @property
   def title(self) -> str:
@@ -70,6 +74,11 @@ AXES: dict[str, tuple[Option, ...]] = {
         Option('own=head', {'ensemble.own': 'head'}, ('ensemble.own',)),
         Option('own=lora', {'ensemble.own': 'lora', 'ensemble.lora_rank': 2},
                ('ensemble.own',)),
+        # Every member's epinet over one shared base network (tests/test_epinet_frozen_base.py
+        # covers the base from model.init_from, frozen).
+        # Its pairs are refused by either field (it implies method=epinet).
+        Option('own=epinet', {'ensemble.own': 'epinet'}, ('ensemble.own', 'ensemble.method'),
+               label='own=epinet (epinets on one base)', requires='epinet'),
     ),
     'layout': (
         Option('model=1', {}, ('mesh.model',)),
@@ -173,15 +182,26 @@ REFUSED: dict[frozenset[str], str] = {
        for d in ('distill', 'distill=path')
        for m in (*_NOT_DEEP, 'prior', 'epinet', 'own=head', 'own=lora')},
 }
+# own=epinet is an epinet's option: what an epinet is refused with, it is too; and its base
+# is shared, which PBT cannot copy.
+REFUSED.update({frozenset({'own=epinet', *(pair - {'epinet'})}): why
+                for pair, why in list(REFUSED.items()) if 'epinet' in pair})
+REFUSED[frozenset({'own=epinet', 'pbt'})] = ("PBT copies whole members; a shared base is no "
+                                             "member's to copy")
 
 # Pairs that should work and do not yet: the test expects them to fail (xfail strict).
 KNOWN_FAILURES: dict[frozenset[str], str] = {}
 
 
 def outcome(a: str, b: str) -> str:
-  """'same axis', 'refused', 'known failure' or 'valid' for two option keys."""
+  """'same axis', 'excluded' (one requires another option of the other's axis),
+  'refused', 'known failure' or 'valid' for two option keys."""
   if AXIS_OF[a] == AXIS_OF[b]:
     return 'same axis'
+  for x, y in ((a, b), (b, a)):
+    need = OPTIONS[x].requires
+    if need and AXIS_OF[need] == AXIS_OF[y] and y != need:
+      return 'excluded'
   pair = _pair(a, b)
   if pair in REFUSED:
     return 'refused'
@@ -237,8 +257,10 @@ def valid_cases() -> list[tuple[Option, ...]]:
 
 
 def with_defaults(*options: Option) -> tuple[Option, ...]:
-  """`options` with every other axis at its default."""
-  given = {AXIS_OF[o.key]: o for o in options}
+  """`options` with every other axis at its default, or at the option one of them
+  requires."""
+  required = [OPTIONS[o.requires] for o in options if o.requires]
+  given = {AXIS_OF[o.key]: o for o in (*required, *options)}
   return tuple(given.get(axis, opts[0]) for axis, opts in AXES.items())
 
 

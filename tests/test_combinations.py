@@ -112,8 +112,9 @@ def _train_resume_load_predict(case, workdir, caplog, straight_dir=None):
 _CASES = table.valid_cases()
 # Options the fast tier leaves to the slow one: what they hold, a fast case holds too
 # (epinet: a frozen network in the model state as 'prior', a loss over an extra output
-# axis as 'mimo'; tests/test_epinet.py covers its resume and predictions).
-_SLOW_ONLY = frozenset({'epinet'})
+# axis as 'mimo'; tests/test_epinet.py covers its resume and predictions; own=epinet, a
+# shared base as own=head: tests/test_epinet_frozen_base.py).
+_SLOW_ONLY = frozenset({'epinet', 'own=epinet'})
 # Resumed and uninterrupted runs compared bit for bit (a third run each, so only where
 # state crosses the resume: a PBT round at step 1, SWAG's and FGE's collected weights).
 _COMPARED = [next(c for c in _CASES if table.OPTIONS[key] in c

@@ -17,7 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TABLE = ROOT / 'tests' / 'combinations_table.py'
 OUT = ROOT / 'docs' / 'combinations.md'
-_CELL = {'valid': '✓', 'refused': '✗', 'known failure': '!', 'same axis': '·'}
+_CELL = {'valid': '✓', 'refused': '✗', 'known failure': '!', 'same axis': '·',
+         'excluded': '–'}
 
 
 def _table():
@@ -48,7 +49,8 @@ def generate() -> str:
       'other; the others are switches.',
       '',
       '✓ works, ✗ refused (why: below), ! should work and does not yet (below), '
-      '· same axis.',
+      '· same axis, – not a pair: one option goes with another of the other\'s axis '
+      '(below).',
       '',
       '| | option | ' + ' | '.join(str(i + 1) for i in range(len(shown))) + ' |',
       '|---|---|' + '---|' * len(shown),
@@ -58,7 +60,9 @@ def generate() -> str:
     lines.append(f'| {i + 1} | {row.title} | ' + ' | '.join(cells) + ' |')
   lines += ['', '## The options', '', '| | option | axis | config |', '|---|---|---|---|']
   for i, option in enumerate(shown):
-    lines.append(f'| {i + 1} | {option.title} | {t.AXIS_OF[option.key]} | {_fields(option)} |')
+    goes = f' (with {t.OPTIONS[option.requires].title})' if option.requires else ''
+    lines.append(f'| {i + 1} | {option.title} | {t.AXIS_OF[option.key]} | '
+                 f'{_fields(option)}{goes} |')
   lines += ['', '## Refused pairs', '', '| pair | why |', '|---|---|']
   title = lambda pair: ' + '.join(t.OPTIONS[k].title for k in sorted(
       pair, key=lambda k: [o.key for o in shown].index(k)))
