@@ -119,8 +119,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.ensemble.method = 'deep'
   config.ensemble.options = ml_collections.ConfigDict()  # your method's own fields
   # Members of different architectures in one program (docs/groups.md): a list of
-  # groups, each a dict {'count': n, 'model': {...}, 'optim': {...}[, 'name': str]} of
-  # config.model / config.optim overrides; the counts sum to num_members, member ids run
+  # groups, each a dict {'count': n, 'model': {...}, 'optim': {...}, 'ensemble': {...}[,
+  # 'name': str]} of config.model / config.optim / config.ensemble overrides (a group's
+  # own method: 'method', 'own', ...); the counts sum to num_members, member ids run
   # across groups in order. In a config file, or on the command line as one Python
   # literal. () = one group of config.model.
   config.ensemble.groups = untyped(())

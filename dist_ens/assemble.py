@@ -85,8 +85,9 @@ class Parts(NamedTuple):
 
   @property
   def predict_model(self) -> Model:
-    """The model that evaluation runs on the stacked params as the state stores them."""
-    return stored.predicting_model(self.method, self.model)
+    """The model that evaluation runs on the stacked params as the state stores them
+    (with groups, the joined model: each group's own predicting model on its stack)."""
+    return self.model if self.groups else stored.predicting_model(self.method, self.model)
 
   def device_hparams(self) -> dict[str, jax.Array] | tuple[dict[str, jax.Array], ...]:
     """The per-member hyperparameters on the mesh, sharded over 'member' like the state;
@@ -276,8 +277,9 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
                  for s in specs)
   abstract = groups_lib.join_states([g.abstract_state for g in groups])
   hparams = {k: np.concatenate([g.hparams[k] for g in groups]) for k in groups[0].hparams}
-  # The method, task and input are every group's; the optimizer and layout the first
-  # group's: what reads them for all members (plan, PBT, init_from) refuses groups.
+  # The task and input are every group's; the method (each group's gives one predicting
+  # member per trained member, none collects), optimizer and layout the first group's:
+  # what reads those for all members (plan --calibrate, init_from) refuses groups.
   first = groups[0]
   return first._replace(
       config=config, model=groups_lib.members_model([g.predict_model for g in groups],

@@ -158,9 +158,10 @@ def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
     return
   _require(config.data.validation_size > 0, 'pbt.enabled', enabled,
            'ranks members on a validation split; set data.validation_size > 0 (e.g. 500)')
-  _require(config.ensemble.own == 'all', 'pbt.enabled', enabled,
-           f'copies whole members, so it needs ensemble.own=\'all\' (not '
-           f'{config.ensemble.own!r}, whose shared leaves are no member\'s to copy)')
+  for one in member_groups.group_configs(config):  # A member group may have its own `own`.
+    _require(one.ensemble.own == 'all', 'pbt.enabled', enabled,
+             f'copies whole members, so it needs ensemble.own=\'all\' (not '
+             f'{one.ensemble.own!r}, whose shared leaves are no member\'s to copy)')
   _require(not config.data.member_split, 'pbt.enabled', enabled,
            f'copies members between data.member_split={config.data.member_split!r}\'s splits, '
            'whose members train on different data; use one or the other')

@@ -4,8 +4,9 @@ and the files that carry members out of dist_ens (npz, PEFT adapters).
 MemberAccess is the part of inference.Ensemble that reads single members; Ensemble
 sets what it reads: config, num_members, model_state, workdir (after load), the stored
 params `_stored`, the jitted row takers `_take` (a member formed from the stored
-params, shared leaves included) and `_take_state` (one row of a stack), and `_groups`
-(config.ensemble.groups' places; () without groups).
+params, shared leaves included), `_take_in_group` (each member group's, from its stack)
+and `_take_state` (one row of a stack), and `_groups` (config.ensemble.groups' places;
+() without groups).
 """
 
 import os
@@ -28,7 +29,7 @@ class MemberAccess:
 
   def _row(self, tree: PyTree, i: int, what: str) -> tuple[PyTree, int]:
     """(the stack of `tree` that holds member i, its row there): with groups, its group's
-    stack (groups train whole, deep members); else the whole tree and i."""
+    stack; else the whole tree and i."""
     if not 0 <= i < self.num_members:
       raise IndexError(f'{what}({i}): this ensemble has members 0..{self.num_members - 1}.')
     if not self._groups:
@@ -44,7 +45,8 @@ class MemberAccess:
       logits = ens.model.apply(params, x)  # one member, as trained
     """
     stack, row = self._row(self._stored, i, 'member')
-    take = self._take_state if self._groups else self._take
+    take = (self._take_in_group[groups_lib.locate(self._groups, i)[0]] if self._groups
+            else self._take)
     return jax.tree.map(np.asarray, take(stack, np.int32(row)))
 
   def member_state(self, i: int) -> PyTree:
@@ -81,10 +83,13 @@ class MemberAccess:
     Returns:
       The member files' paths, in member order.
     """
-    groups = [{'name': spec.name, 'members': list(range(spec.group.first,
-                                                        spec.group.first + spec.group.count)),
-               'model': member_groups.group_config(self.config, spec).model.to_dict()}
-              for spec in member_groups.group_specs(self.config)]
+    groups = []
+    for spec in member_groups.group_specs(self.config):
+      one = member_groups.group_config(self.config, spec)
+      groups.append({'name': spec.name, 'members': list(range(spec.group.first,
+                                                              spec.group.first + spec.group.count)),
+                     'model': one.model.to_dict(), 'method': one.ensemble.method,
+                     'own': one.ensemble.own})
     return member_files.export_members(self, Path(directory), groups)
 
   def export_adapters(self, directory: str | os.PathLike) -> list[Path]:

@@ -115,11 +115,17 @@ class Ensemble(ensemble_members.MemberAccess):
                          out_shardings=mesh_lib.replicated(mesh))
     self._take_state = jax.jit(lambda state, i: jax.tree.map(lambda a: a[i], state),
                                out_shardings=mesh_lib.replicated(mesh))
+    self._take_in_group = [jax.jit(functools.partial(stored.take_member, m),
+                                   out_shardings=mesh_lib.replicated(mesh))
+                           for m in self._group_models]
 
   @property
   def params(self) -> PyTree:
     if not hasattr(self, '_formed'):
-      self._formed = stored.form_all(self._predict_model, self._stored, self.mesh)
+      self._formed = (tuple(stored.form_all(m, p, self.mesh)
+                            for m, p in zip(self._group_models, self._stored))
+                      if self._group_models else
+                      stored.form_all(self._predict_model, self._stored, self.mesh))
     return self._formed
 
   @classmethod

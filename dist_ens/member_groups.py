@@ -27,16 +27,18 @@ from dist_ens.errors import ConfigError
 
 FIELD = 'config.ensemble.groups'
 # What a group may set, besides its count (and a name for the tables).
-OVERRIDABLE = ('model', 'optim')
+OVERRIDABLE = ('model', 'optim', 'ensemble')
 _EXAMPLE = "({'count': 4, 'model': {'widths': (32,)}}, {'count': 4, 'model': {'name': 'cnn'}})"
 
 
 class GroupSpec(NamedTuple):
-  """One group: its members' ids (first .. first + count - 1) and its overrides."""
+  """One group: its members' ids (first .. first + count - 1) and its overrides
+  (`ensemble`: its own method, e.g. {'method': 'batchensemble'} or {'own': 'head'})."""
   name: str
   group: Group
   model: dict[str, Any]
   optim: dict[str, Any]
+  ensemble: dict[str, Any] = {}
 
 
 def _plain(value: Any) -> Any:
@@ -68,7 +70,8 @@ def _one(raw: Any, index: int, first: int) -> GroupSpec:
   name = raw.get('name', f'group{index}')
   if not isinstance(name, str) or not name:
     raise ConfigError(f'{where}.name={name!r} must be a non-empty string.')
-  return GroupSpec(name, Group(first, count), overrides['model'], overrides['optim'])
+  return GroupSpec(name, Group(first, count), overrides['model'], overrides['optim'],
+                   overrides['ensemble'])
 
 
 def group_specs(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
@@ -88,18 +91,24 @@ def group_specs(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
 
 def group_config(config: ml_collections.ConfigDict,
                  spec: GroupSpec) -> ml_collections.ConfigDict:
-  """The config a group's members are built from: the ensemble's with the group's model
-  and optim overrides, no groups, and num_members still M (per-member lists and sweeps
-  are resolved over all M members, and the group takes its ids' values)."""
+  """The config a group's members are built from: the ensemble's with the group's model,
+  optim and ensemble overrides (a dict for a sub-config, e.g. 'prior', updates its
+  fields), no groups, and num_members still M (per-member lists and sweeps are resolved
+  over all M members, and the group takes its ids' values)."""
   out = copy.deepcopy(config)
   with out.unlocked():
     out.ensemble.groups = ()
     for key in OVERRIDABLE:
       overrides = getattr(spec, key)
       for field, value in overrides.items():
-        if field not in out[key]:
+        if field not in out[key] or (key, field) == ('ensemble', 'groups'):
+          known = sorted(set(out[key]) - {'groups'})
           raise ConfigError(f'{FIELD} group {spec.name!r} sets {key}.{field}, which is no '
-                            f'config.{key} field; use one of {sorted(out[key])}.')
+                            f'config.{key} field a group sets; use one of {known}.')
+        if isinstance(value, Mapping) and isinstance(out[key][field],
+                                                     ml_collections.ConfigDict):
+          out[key][field].update(dict(value))  # a sub-config: the fields given
+          continue
         if isinstance(value, (list, tuple)) and field in _PER_MEMBER.get(key, ()):
           raise ConfigError(
               f'{FIELD} group {spec.name!r} sets {key}.{field}={value!r}: a group takes one '
@@ -115,7 +124,6 @@ def group_config(config: ml_collections.ConfigDict,
 # (field, test of its value, what it is): pairings groups do not support yet, each refused
 # in one line naming both fields (docs/groups.md says how to go on).
 _REFUSED = (
-    ('ensemble.own', lambda v: v != 'all', "use ensemble.own='all'"),
     # 'same' and 'hydra' are students of the members' one architecture; groups have several.
     ('distill.student', lambda v: v in ('same', 'hydra'),
      "give the student as an import path, distill.student='pkg.mod:make' "
@@ -145,9 +153,9 @@ def check(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
     counts = ' + '.join(str(s.group.count) for s in specs)
     raise ConfigError(f'config.num_members={config.num_members} but {FIELD} counts {total} '
                       f'members ({counts}); set num_members={total}.')
-  _check_method(config)
   for spec in specs:
     one = group_config(config, spec)
+    _check_method(one, spec)
     for field, refused, fix in _REFUSED:
       if refused(_get(one, field)):
         raise ConfigError(f'{FIELD} does not support config.{field}={_get(one, field)!r} '
@@ -162,19 +170,27 @@ def fitted_members(config: ml_collections.ConfigDict) -> int:
   return math.gcd(*(s.group.count for s in specs)) if specs else config.num_members
 
 
-def _check_method(config: ml_collections.ConfigDict) -> None:
-  """Groups train independent, whole members (a deep ensemble's): a method that wraps the
-  model or loss, collects, shares leaves or predicts with other members is refused, by
-  what the method declares, not by its name."""
-  method = methods.from_spec(specs.method_spec(config))
-  plain = (method.copyable and not method.collects and not method.shares
-           and method.wrap_model is None and method.wrap_loss is None
-           and method.per_member == 1 and method.outputs_per_output == 1 and method.cycles == 1)
-  if not plain:
-    raise ConfigError(f'{FIELD} does not support config.ensemble.method='
-                      f'{config.ensemble.method!r} yet (docs/groups.md): groups train '
-                      'independent whole members; use the deep ensemble\'s method, or train '
-                      'without groups.')
+def _check_method(one: ml_collections.ConfigDict, spec: GroupSpec) -> None:
+  """A group's method must give one predicting member per trained member, each trained
+  on its own outputs: deep members, shared leaves (BatchEnsemble, ensemble.own) or a
+  frozen prior network are the group's own business; a method that collects, cycles,
+  adds outputs or wraps the loss (snapshots, SWAG, MIMO, epinets) is refused, by what
+  it declares, not by its name. What the group's method refuses without groups (PBT,
+  Laplace, distillation with shared leaves) it refuses with them: the run checks each
+  group's config as its own (configuration.validate, training.trainer)."""
+  method = methods.from_spec(specs.method_spec(one))
+  if (method.collects or method.wrap_loss is not None or method.per_member != 1
+      or method.outputs_per_output != 1 or method.cycles != 1):
+    raise ConfigError(f'{FIELD} group {spec.name!r} does not support config.ensemble.method='
+                      f"{one.ensemble.method!r} yet (docs/groups.md): a group's members "
+                      "predict one-to-one from their own outputs; use 'deep', "
+                      "'batchensemble', 'prior' or ensemble.own, or train without groups.")
+
+
+def group_configs(config: ml_collections.ConfigDict) -> list[ml_collections.ConfigDict]:
+  """Each group's config (group_config) in group order; [config] without groups."""
+  specs_ = group_specs(config)
+  return [group_config(config, s) for s in specs_] if specs_ else [config]
 
 
 def check_divides(specs: Sequence[GroupSpec], member_devices: int) -> None:

@@ -167,9 +167,10 @@ REFUSED: dict[frozenset[str], str] = {
                                             'devices in a mesh-dependent order',
     _pair('reproducible', 'mimo'): "the heads' shuffles of a batch split over data depend "
                                    'on the mesh',
-    **{_pair('groups', o): 'member groups are deep ensembles of whole members so far '
-                           '(docs/groups.md)'
-       for o in (*_NOT_DEEP, 'prior', 'epinet', 'own=head', 'own=lora')},
+    **{_pair('groups', o): "a group's members predict one-to-one from their own outputs: "
+                           'a method that collects, cycles or adds outputs is not built for '
+                           'groups (docs/groups.md)'
+       for o in ('mimo', 'snapshot', 'fge', 'multiswag', 'epinet')},
     **{_pair('groups', o): 'not built for member groups yet (docs/groups.md)'
        for o in ('model=2',)},
     _pair('groups', 'distill'): "a student of the members' architecture: the groups have "

@@ -16,7 +16,7 @@ import dist_ens
 from dist_ens import assemble, data, models, specs
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.data import load_dataset
-from dist_ens.ensembles import pbt as pbt_lib
+from dist_ens.ensembles import pbt as pbt_lib, stored as stored_lib
 from dist_ens.inference import load_member
 
 # Two groups of two members: ids 0-1 an MLP of one hidden layer, ids 2-3 one of two with
@@ -264,9 +264,58 @@ def test_member_splits_cross_groups_and_each_member_keeps_its_splits_statistics(
   assert np.all(np.isfinite(out.member_mean)) and abs(float(out.mean.mean()) - 5) < 3
 
 
+# Group-level methods: a group sharing its hidden layer (own='head'; the shared leaves are
+# the group's first member's init, so member 0's here as without groups) and a group of
+# members with a frozen randomized prior network each, in reproducible mode.
+METHOD_GROUPS = ({'count': 2, 'model': {'widths': (16,)}, 'ensemble': {'own': 'head'},
+                  'name': 'shared'},
+                 {'count': 2, 'model': {'widths': (8, 8)},
+                  'ensemble': {'method': 'prior', 'prior': {'scale': 2.0}}})
+
+
+def _rows(tree, ids):
+  """Members `ids` of stored params: the rows of stacked leaves, shared leaves whole."""
+  return jax.tree.map(lambda a, axis: a if axis is None else a[ids], tree,
+                      stored_lib.stored_axes(tree))
+
+
+def test_a_group_with_its_own_method_equals_that_method_without_groups(tmp_path):
+  """Each group's members (params, the prior's frozen network, test metrics, loaded
+  predictions, member(i) with shared leaves formed) equal the members of the same ids in
+  a run without groups whose model and method are the group's."""
+  results = dist_ens.train(_config(METHOD_GROUPS), str(tmp_path / 'grouped'))
+  assert results['groups']['shared']['own'] == 'head'
+  assert results['groups']['group1']['method'] == 'prior'
+  grouped = dist_ens.Ensemble.load(tmp_path / 'grouped')
+  x = load_dataset('mnist1d').test.x[:20]
+  out = grouped.predict(x)
+  first = 0
+  for g, group in enumerate(METHOD_GROUPS):
+    single_config = _single(group)
+    for field, value in group['ensemble'].items():
+      if isinstance(value, dict):
+        single_config.ensemble[field].update(value)
+      else:
+        single_config.ensemble[field] = value
+    single = dist_ens.train(single_config, str(tmp_path / f'single{g}'))
+    ids = slice(first, first + group['count'])
+    loaded = dist_ens.Ensemble.load(tmp_path / f'single{g}')
+    # pylint: disable=protected-access
+    support.assert_trees_equal(jax.device_get(grouped._stored[g]),
+                               _rows(jax.device_get(loaded._stored), ids))
+    support.assert_trees_equal(jax.device_get(grouped.model_state[g]),
+                               jax.tree.map(lambda a, i=ids: a[i], loaded.model_state))
+    assert results['members']['nll'][ids] == single['members']['nll'][ids]
+    np.testing.assert_allclose(out.member_probs[ids], loaded.predict(x).member_probs[ids],
+                               rtol=1e-6, atol=1e-7)
+    for i in range(ids.start, ids.stop):
+      support.assert_trees_equal(grouped.member(i), loaded.member(i))
+    first += group['count']
+  assert len(grouped.export(tmp_path / 'members')) == 4
+
+
 @pytest.mark.parametrize('field, value', [
-    ('ensemble.method', 'prior'),
-    ('ensemble.own', 'head'),
+    ('ensemble.method', 'epinet'),
     ('mesh.model', 2),
 ])
 def test_what_groups_do_not_support_yet_is_refused_in_one_line(field, value, tmp_path):
@@ -274,6 +323,44 @@ def test_what_groups_do_not_support_yet_is_refused_in_one_line(field, value, tmp
   message = support.one_line_refusal(lambda: dist_ens.train(config, str(tmp_path)))
   assert 'config.ensemble.groups' in message and field in message, message
   assert not any(tmp_path.iterdir())  # refused before anything is written
+
+
+def test_a_batchensemble_group_predicts_as_without_groups(tmp_path):
+  """A BatchEnsemble group (ids 0-1) beside a deep one: its shared weights are trained by
+  its own members alone, so it is the BatchEnsemble run of those two members without
+  groups (on the same 2 x 4 mesh): loaded predictions and member(i) (the shared weight
+  times each member's rank-1 factors) equal to float rounding (reproducible mode refuses
+  BatchEnsemble)."""
+  group = {**GROUPS[1], 'ensemble': {'method': 'batchensemble'}}
+  dist_ens.train(_config((group, GROUPS[0]), reproducible=False), str(tmp_path / 'grouped'))
+  single = _single(group, reproducible=False, num_members=2, ensemble__method='batchensemble')
+  dist_ens.train(single, str(tmp_path / 'single'))
+  x = load_dataset('mnist1d').test.x[:20]
+  grouped, alone = (dist_ens.Ensemble.load(tmp_path / name) for name in ('grouped', 'single'))
+  np.testing.assert_allclose(grouped.predict(x).member_probs[:2], alone.predict(x).member_probs,
+                             rtol=1e-5, atol=1e-7)
+  for i in (0, 1):
+    mine, theirs = grouped.member(i), alone.member(i)
+    assert jax.tree.structure(mine) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize('own_method, fields, words', [
+    ({'method': 'mimo'}, {}, ('ensemble.method',)),
+    ({'own': 'head'}, {'pbt__enabled': True, 'pbt__interval': 1, 'data__validation_size': 32,
+                       'optim__learning_rate': 'loguniform(1e-4,1e-2)'},
+     ('pbt.enabled', "ensemble.own='all'")),
+    ({'method': 'batchensemble'}, {'eval__laplace': 'last_layer_kron', 'reproducible': False},
+     ('eval.laplace', "'batchensemble'")),
+])
+def test_a_groups_own_method_refuses_what_it_refuses_without_groups(own_method, fields, words,
+                                                                   tmp_path):
+  groups = (GROUPS[0], {**GROUPS[1], 'ensemble': own_method})
+  message = support.one_line_refusal(lambda: dist_ens.train(_config(groups, **fields),
+                                                            str(tmp_path)))
+  assert all(word in message for word in words), message
+  assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize('groups, num_members, words', [

@@ -15,7 +15,8 @@ from dist_ens.core.state import member_flags
 
 
 class GroupEnsembles(PeriodicAction):
-  """results['groups'][name]: the group's member ids, overrides and ensemble metrics."""
+  """results['groups'][name]: the group's member ids, model and optim overrides, method
+and own (config.ensemble's, or the group's own), and ensemble metrics."""
 
   def __init__(self, predictions: SplitPredictions):
     super().__init__(0, at_end=True)
@@ -31,8 +32,10 @@ class GroupEnsembles(PeriodicAction):
       ids = spec.group.ids
       ensemble = (session.evaluator.scorer.metrics(outputs[ids], test.y, included[ids])['ensemble']
                   if included[ids].any() else None)  # every member frozen: no ensemble
+      own = member_groups.group_config(session.config, spec).ensemble
       out[spec.name] = {'members': list(range(ids.start, ids.stop)), 'model': spec.model,
-                        'optim': spec.optim, 'ensemble': ensemble}
+                        'optim': spec.optim, 'method': own.method, 'own': own.own,
+                        'ensemble': ensemble}
       if ensemble is not None:
         logging.info('group %s (members %d-%d): ensemble %s', spec.name, ids.start,
                      ids.stop - 1, ' '.join(f'{k} {ensemble[k]:.4f}' for k in

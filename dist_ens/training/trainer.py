@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, configuration, data, specs, tasks
+from dist_ens import assemble, configuration, data, member_groups, specs, tasks
 from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
@@ -152,8 +152,10 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   distributed.check_same_config(configuration.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
   posthoc.check(run.config, run.parts.task)
-  laplace_action.laplace_actions(run.config, run.parts.task, run.parts.method)  # refusals
-  distill_action.distill_actions(run.config, run.parts.task, run.parts.method)  # refusals
+  # Refusals, of each member group's method where the groups have their own.
+  for one, parts in zip(member_groups.group_configs(run.config), run.parts.groups or [run.parts]):
+    laplace_action.laplace_actions(one, parts.task, parts.method)
+    distill_action.distill_actions(one, parts.task, parts.method)
   test = run.data.dataset.test
   if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
     raise configuration.ConfigError(
