@@ -82,3 +82,23 @@ def test_plan_calibrate_prints_every_form_and_where_it_cached(cache):
   text = plan_lib.calibrate(config, jax.devices()[:1])
   assert f'cache: {cache}' in text and text.count('<- cached for member_parallelism=auto') == 1
   assert cache.exists() and 'map (chunks of 2)' in text
+
+
+def test_plan_calibrate_times_and_caches_each_member_group(cache, monkeypatch):
+  """With config.ensemble.groups, each group's own step is timed, and its fastest form is
+  the one member_parallelism='auto' then gives that group (its model, members per device)."""
+  from dist_ens import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  timings = iter([{('vmap', None): 1.0, ('map', None): 2.0, ('map', 2): 3.0},
+                  {('vmap', None): 3.0, ('map', None): 2.0, ('map', 2): 1.0}])
+  monkeypatch.setattr(calibration, 'time_forms', lambda *a, **k: next(timings))
+  config = dist_ens.load_config(DEFAULT)
+  config.num_members, config.data.batch_size = 8, 32
+  config.mesh.member, config.mesh.data = 1, 1
+  config.ensemble.groups = ({'count': 4, 'model': {'widths': (16,)}},
+                            {'count': 4, 'model': {'widths': (8, 8)}, 'name': 'deep'})
+  text = plan_lib.calibrate(config, jax.devices()[:1])
+  assert "group 'group0' (4 members)" in text and "group 'deep' (4 members)" in text
+  assert text.count('<- cached for member_parallelism=auto') == 2
+  groups = assemble.build_run(config, devices=jax.devices()[:1],
+                              shapes=plan_lib.data_shape(config)).parts.groups
+  assert [assemble.member_form(g, 32) for g in groups] == [('vmap', None), ('map', 2)]

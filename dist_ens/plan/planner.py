@@ -241,20 +241,25 @@ def _peak(step: StepMemory, host: dry_run.HostMemory | None, devices: int) -> fl
 def calibrate(config: ml_collections.ConfigDict,
               devices: Sequence[jax.Device] | None = None) -> str:
   """Times every member form of the config's step on these devices, caches the fastest
-  for 'auto' (dist_ens.plan.calibration) and returns the table it measured."""
+  for 'auto' (dist_ens.plan.calibration) and returns the table it measured. With member
+  groups, each group's own step (its model, method and members per device) is timed and
+  cached on its own: a run's joined step runs each group in the form cached for it."""
   configuration.check_known_fields(config)
   configuration.validate(config)
-  member_groups.refuse(config, 'dist-ens plan --calibrate')
   config, _ = _resolve_steps(config)
   parts = assemble.build_run(config, devices=devices, shapes=data_shape(config)).parts
-  best, seconds = calibration.calibrate(parts, config.data.batch_size)
-  fastest = min(seconds.values())
-  per_device = counted(calibration.members_per_device(parts), 'member')
-  lines = [f'calibrated on {parts.mesh.devices.flat[0].device_kind}, {per_device} per device '
-           '(seconds per step, median of 3 rounds of 5):']
-  lines += [f'  {calibration.label(form):<24} {s:10.5f}  {s / fastest:5.2f}x'
-            + ('  <- cached for member_parallelism=auto' if form == best else '')
-            for form, s in seconds.items()]
+  names = [spec.name for spec in member_groups.group_specs(config)]
+  lines = []
+  for name, stack in zip(names or [None], parts.groups or [parts]):
+    best, seconds = calibration.calibrate(stack, config.data.batch_size)
+    fastest = min(seconds.values())
+    per_device = counted(calibration.members_per_device(stack), 'member')
+    where = f'group {name!r} ({stack.num_members} members), ' if name else ''
+    lines.append(f'{where}calibrated on {stack.mesh.devices.flat[0].device_kind}, '
+                 f'{per_device} per device (seconds per step, median of 3 rounds of 5):')
+    lines += [f'  {calibration.label(form):<24} {s:10.5f}  {s / fastest:5.2f}x'
+              + ('  <- cached for member_parallelism=auto' if form == best else '')
+              for form, s in seconds.items()]
   return '\n'.join(lines + [f'cache: {calibration.cache_path()}'])
 
 
