@@ -346,7 +346,10 @@ def compile_init(parts: Parts, *pretrained: Pretrained) -> jax.stages.Compiled:
 
 def init_sharded(parts: Parts) -> TrainState:
   """The initial state, born sharded: each device materialises only its own members,
-  from config.model.init_from's leaves where it names a file (io/init_from.py)."""
+  from config.model.init_from's leaves where it names a file (io/init_from.py). With
+  member groups, each group's own (its init_from, model and layout), joined."""
+  if parts.groups:
+    return groups_lib.join_states([init_sharded(g) for g in parts.groups])
   pretrained = init_from.pretrained_leaves(
       init_from_spec(parts.config), parts.model, parts.input_shape,
       parts.num_outputs * parts.method.outputs_per_output, parts.mesh, parts.layout,

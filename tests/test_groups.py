@@ -325,6 +325,35 @@ def test_what_groups_do_not_support_yet_is_refused_in_one_line(field, value, tmp
   assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
+def test_each_group_adapts_its_own_pretrained_backbone(tmp_path):
+  """model.init_from per group: group 0 LoRA factors over member 0 of a (16,) run, group
+  1 its own heads over member 1 of an (8, 8) run. Group 1's backbone is its source's bit
+  for bit after training, and group 0's members are the members 0-1 of the same LoRA run
+  without groups (reproducible mode)."""
+  dist_ens.train(support.config(reproducible=True), str(tmp_path / 'a'))
+  dist_ens.train(support.config(reproducible=True, model__widths=(8, 8)), str(tmp_path / 'b'))
+  lora = {'count': 2, 'model': {'widths': (16,), 'init_from': f'{tmp_path / "a"}#0'},
+          'ensemble': {'own': 'lora', 'lora_rank': 2}}
+  heads = {'count': 2, 'model': {'widths': (8, 8), 'init_from': f'{tmp_path / "b"}#1'},
+           'ensemble': {'own': 'head'}}
+  dist_ens.train(_config((lora, heads)), str(tmp_path / 'grouped'))
+  grouped = dist_ens.Ensemble.load(tmp_path / 'grouped')
+  base = jax.tree.leaves(dist_ens.Ensemble.load(tmp_path / 'b').member(1))
+  for i in (2, 3):  # own='head': every leaf but the head's (b, w) is the source's
+    leaves = jax.tree.leaves(grouped.member(i))
+    for mine, theirs in zip(leaves[:-2], base[:-2]):
+      np.testing.assert_array_equal(mine, theirs)
+    assert not np.array_equal(leaves[-1], base[-1])  # its own head, trained
+  single = _single(lora, ensemble__own='lora', ensemble__lora_rank=2)
+  dist_ens.train(single, str(tmp_path / 'single'))
+  alone = dist_ens.Ensemble.load(tmp_path / 'single')
+  for i in (0, 1):
+    support.assert_trees_equal(grouped.member(i), alone.member(i))
+  x = load_dataset('mnist1d').test.x[:20]
+  np.testing.assert_array_equal(grouped.predict(x).member_probs[:2],
+                                alone.predict(x).member_probs[:2])
+
+
 def test_a_batchensemble_group_predicts_as_without_groups(tmp_path):
   """A BatchEnsemble group (ids 0-1) beside a deep one: its shared weights are trained by
   its own members alone, so it is the BatchEnsemble run of those two members without
