@@ -171,8 +171,6 @@ REFUSED: dict[frozenset[str], str] = {
                            'a method that collects, cycles or adds outputs is not built for '
                            'groups (docs/groups.md)'
        for o in ('mimo', 'snapshot', 'fge', 'multiswag', 'epinet')},
-    **{_pair('groups', o): 'not built for member groups yet (docs/groups.md)'
-       for o in ('model=2',)},
     _pair('groups', 'distill'): "a student of the members' architecture: the groups have "
                                 'several (give the student as an import path)',
     **{_pair(d, t): "the student learns a classifier's soft targets over classes"

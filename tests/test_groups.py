@@ -316,7 +316,7 @@ def test_a_group_with_its_own_method_equals_that_method_without_groups(tmp_path)
 
 @pytest.mark.parametrize('field, value', [
     ('ensemble.method', 'epinet'),
-    ('mesh.model', 2),
+    ('mesh.fsdp_over_data', True),
 ])
 def test_what_groups_do_not_support_yet_is_refused_in_one_line(field, value, tmp_path):
   config = _config(**{field.replace('.', '__'): value})
@@ -352,6 +352,24 @@ def test_each_group_adapts_its_own_pretrained_backbone(tmp_path):
   x = load_dataset('mnist1d').test.x[:20]
   np.testing.assert_array_equal(grouped.predict(x).member_probs[:2],
                                 alone.predict(x).member_probs[:2])
+
+
+def test_groups_split_members_over_a_model_axis(grouped, tmp_path):
+  """mesh.model=2: every group's kernels are split over the model axis (FSDP), in training
+  and when loaded; the members are the shared run's (model=1) to float rounding
+  (reproducible mode is bit-exact per mesh.model size), so are the loaded predictions."""
+  split = _config(**POSTHOC, mesh__model=2, mesh__fsdp_min_size=16)
+  results = dist_ens.train(split, str(tmp_path))
+  np.testing.assert_allclose(results['members']['nll'], grouped[1]['members']['nll'],
+                             rtol=1e-5)
+  ensemble = dist_ens.Ensemble.load(tmp_path)
+  assert ensemble.mesh.shape['model'] == 2
+  kernel = ensemble._stored[1][0]['w']  # pylint: disable=protected-access
+  assert kernel.shape == (2, 40, 8) and kernel.sharding.shard_shape(kernel.shape)[1] == 20
+  x = load_dataset('mnist1d').test.x[:20]
+  np.testing.assert_allclose(ensemble.predict(x).member_probs,
+                             dist_ens.Ensemble.load(grouped[0]).predict(x).member_probs,
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_a_batchensemble_group_predicts_as_without_groups(tmp_path):
