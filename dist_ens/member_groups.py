@@ -128,7 +128,6 @@ _REFUSED = (
     ('distill.student', lambda v: v in ('same', 'hydra'),
      "give the student as an import path, distill.student='pkg.mod:make' "
      '(make(num_outputs) -> a dist_ens.Model)'),
-    ('mesh.fsdp_over_data', bool, 'set mesh.fsdp_over_data=False'),
     ('task', lambda v: v == 'regression_homoscedastic', "use task='regression'"),
 )
 

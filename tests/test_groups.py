@@ -316,7 +316,7 @@ def test_a_group_with_its_own_method_equals_that_method_without_groups(tmp_path)
 
 @pytest.mark.parametrize('field, value', [
     ('ensemble.method', 'epinet'),
-    ('mesh.fsdp_over_data', True),
+    ('task', 'regression_homoscedastic'),
 ])
 def test_what_groups_do_not_support_yet_is_refused_in_one_line(field, value, tmp_path):
   config = _config(**{field.replace('.', '__'): value})
@@ -354,18 +354,23 @@ def test_each_group_adapts_its_own_pretrained_backbone(tmp_path):
                                 alone.predict(x).member_probs[:2])
 
 
-def test_groups_split_members_over_a_model_axis(grouped, tmp_path):
-  """mesh.model=2: every group's kernels are split over the model axis (FSDP), in training
-  and when loaded; the members are the shared run's (model=1) to float rounding
-  (reproducible mode is bit-exact per mesh.model size), so are the loaded predictions."""
-  split = _config(**POSTHOC, mesh__model=2, mesh__fsdp_min_size=16)
+@pytest.mark.parametrize('layout, parts', [
+    ({'mesh__model': 2}, 2),
+    ({'mesh__fsdp_over_data': True, 'reproducible': False}, 4),  # member 2 x data 4
+])
+def test_groups_split_members_over_a_model_axis_or_the_data_axis(grouped, layout, parts,
+                                                                   tmp_path):
+  """mesh.model=2, or FSDP over the data axis: every group's kernels are split over that
+  axis, in training and when loaded; the members are the shared run's (whole members) to
+  float rounding (reproducible mode is bit-exact per layout), so are loaded predictions."""
+  split = _config(**POSTHOC, **layout, mesh__fsdp_min_size=16)
   results = dist_ens.train(split, str(tmp_path))
   np.testing.assert_allclose(results['members']['nll'], grouped[1]['members']['nll'],
                              rtol=1e-5)
   ensemble = dist_ens.Ensemble.load(tmp_path)
-  assert ensemble.mesh.shape['model'] == 2
   kernel = ensemble._stored[1][0]['w']  # pylint: disable=protected-access
-  assert kernel.shape == (2, 40, 8) and kernel.sharding.shard_shape(kernel.shape)[1] == 20
+  assert kernel.shape == (2, 40, 8)
+  assert kernel.sharding.shard_shape(kernel.shape)[1] == 40 // parts
   x = load_dataset('mnist1d').test.x[:20]
   np.testing.assert_allclose(ensemble.predict(x).member_probs,
                              dist_ens.Ensemble.load(grouped[0]).predict(x).member_probs,
