@@ -381,3 +381,23 @@ def test_a_group_sets_a_field_only_its_model_reads_that_the_ensembles_config_lac
   assert np.isfinite(results['groups']['resnet']['ensemble']['nll'])
   assert dist_ens.Ensemble.load(tmp_path).member_config(3).model.depth == 8
 
+
+@pytest.mark.parametrize('group, source, left_out', [
+    ('resnet20', 'digits_resnet20.py', ()), ('vit', 'digits_vit.py', ()),
+    ('cnn', 'fashion_mnist_cnn.py', ('optim.warmup_steps',)), ('mlp', 'mnist_mlp.py', ()),
+])
+def test_the_digits_recipes_groups_are_their_configs_models_and_optimizers(group, source,
+                                                                            left_out):
+  """configs/digits_groups.py states each group's recipe by hand (a reader sees it); it
+  must stay the model and optimizer fields its source config changes from the default."""
+  root = support.ROOT / 'configs'
+  recipe = dist_ens.load_config(root / 'digits_groups.py')
+  default, config = (dist_ens.load_config(root / name) for name in ('default.py', source))
+  overrides = next(g for g in recipe.ensemble.groups if g['name'] == group)
+  for key in ('model', 'optim'):
+    changed = {f: config[key][f] for f in config[key]
+               if f not in default[key] or config[key][f] != default[key][f]}
+    changed = {f: v for f, v in changed.items() if f'{key}.{f}' not in left_out}
+    given = {f: v for f, v in overrides[key].items() if f not in default[key]
+             or v != default[key][f]}
+    assert {f: tuple(v) if isinstance(v, list) else v for f, v in given.items()} == changed
