@@ -101,11 +101,14 @@ def group_config(config: ml_collections.ConfigDict,
     for key in OVERRIDABLE:
       overrides = getattr(spec, key)
       for field, value in overrides.items():
-        if field not in out[key] or (key, field) == ('ensemble', 'groups'):
-          known = sorted(set(out[key]) - {'groups'})
+        # A field only some models read (model.depth, model.patch_size, ...) may be absent
+        # from the ensemble's config, as it may from any config: the group adds it.
+        if ((field not in out[key] and f'{key}.{field}' not in specs.OPTIONAL_FIELDS)
+            or (key, field) == ('ensemble', 'groups')):
+          known = sorted({*out[key], *_optional(key)} - {'groups'})
           raise ConfigError(f'{FIELD} group {spec.name!r} sets {key}.{field}, which is no '
                             f'config.{key} field a group sets; use one of {known}.')
-        if isinstance(value, Mapping) and isinstance(out[key][field],
+        if isinstance(value, Mapping) and isinstance(out[key].get(field),
                                                      ml_collections.ConfigDict):
           out[key][field].update(dict(value))  # a sub-config: the fields given
           continue
@@ -119,6 +122,11 @@ def group_config(config: ml_collections.ConfigDict,
         with out[key].ignore_type():  # a config.json read back types a spec field as str
           out[key][field] = value
   return out
+
+
+def _optional(key: str) -> tuple[str, ...]:
+  """The fields of config.<key> a config may leave out (specs.OPTIONAL_FIELDS)."""
+  return tuple(f.split('.', 1)[1] for f in specs.OPTIONAL_FIELDS if f.startswith(f'{key}.'))
 
 
 # (field, test of its value, what it is): pairings groups do not support yet, each refused
@@ -200,6 +208,22 @@ def check_divides(specs: Sequence[GroupSpec], member_devices: int) -> None:
           f'{member_devices} member devices (config.mesh.member) do not divide: every group '
           f'is split over all of them; use counts that are multiples of {member_devices}, '
           'or a smaller mesh.member.')
+
+
+def describe(config: ml_collections.ConfigDict) -> str:
+  """'8 x mlp', or with groups '16 members in 2 groups (8 x mlp, 8 x resnet (deep))':
+  each group's count, model and name where it is not the model's."""
+  def model(c: ml_collections.ConfigDict) -> str:
+    return c.model.factory or c.model.name
+
+  groups = group_specs(config)
+  if not groups:
+    return f'{config.num_members} x {model(config)}'
+  text = []
+  for spec in groups:
+    name = model(group_config(config, spec))
+    text.append(f'{spec.group.count} x {name}' + (f' ({spec.name})' if spec.name != name else ''))
+  return f'{config.num_members} members in {len(groups)} groups ({", ".join(text)})'
 
 
 _PER_MEMBER = {'optim': ('learning_rate', 'weight_decay', 'b1', 'momentum'),

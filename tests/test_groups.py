@@ -4,6 +4,7 @@ reproducible mode, as the members of the same ids in a run without groups whose 
 and optimizer are the group's."""
 
 import json
+import logging
 import shutil
 
 import jax
@@ -13,7 +14,7 @@ import pytest
 import support
 
 import dist_ens
-from dist_ens import assemble, data, models, specs
+from dist_ens import assemble, data, member_groups, models, specs
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.data import load_dataset
 from dist_ens.ensembles import pbt as pbt_lib, stored as stored_lib
@@ -529,3 +530,45 @@ def test_a_cnn_group_beside_an_mlp_group(tmp_path):
   assert set(results['groups']) == {'group0', 'group1'}
   assert np.isfinite(results['ensemble']['nll'])
   shutil.rmtree(tmp_path / 'checkpoints')
+
+
+def test_a_group_sets_a_field_only_its_model_reads_that_the_ensembles_config_lacks(
+    tmp_path, caplog):
+  """model.depth (resnet's) is absent from configs/default.py, as from any config whose
+  model does not read it; a ResNet group beside MLPs sets it, as a config file would
+  (configs/digits_groups.py). A misspelt field is still refused (above)."""
+  groups = ({'count': 2, 'model': {'widths': (16,)}},
+            {'count': 2, 'model': {'name': 'resnet', 'depth': 8}, 'name': 'resnet'})
+  config = _config(groups, reproducible=False, train__steps=2, train__log_every=2,
+                   checkpoint__every=2)
+  assert 'depth' not in config.model
+  spec = specs.model_spec(member_groups.group_config(config, member_groups.check(config)[1]))
+  assert (spec.name, spec.depth) == ('resnet', 8)
+  caplog.set_level(logging.INFO)
+  results = dist_ens.train(config, str(tmp_path))
+  # The run's first line names each group's architecture, not config.model's alone.
+  assert '4 members in 2 groups (2 x mlp (group0), 2 x resnet) on mnist1d' in caplog.text
+  assert results['groups']['resnet']['model'] == {'name': 'resnet', 'depth': 8}
+  assert np.isfinite(results['groups']['resnet']['ensemble']['nll'])
+  assert dist_ens.Ensemble.load(tmp_path).member_config(3).model.depth == 8
+
+
+@pytest.mark.parametrize('group, source, left_out', [
+    ('resnet20', 'digits_resnet20.py', ()), ('vit', 'digits_vit.py', ()),
+    ('cnn', 'fashion_mnist_cnn.py', ('optim.warmup_steps',)), ('mlp', 'mnist_mlp.py', ()),
+])
+def test_the_digits_recipes_groups_are_their_configs_models_and_optimizers(group, source,
+                                                                            left_out):
+  """configs/digits_groups.py states each group's recipe by hand (a reader sees it); it
+  must stay the model and optimizer fields its source config changes from the default."""
+  root = support.ROOT / 'configs'
+  recipe = dist_ens.load_config(root / 'digits_groups.py')
+  default, config = (dist_ens.load_config(root / name) for name in ('default.py', source))
+  overrides = next(g for g in recipe.ensemble.groups if g['name'] == group)
+  for key in ('model', 'optim'):
+    changed = {f: config[key][f] for f in config[key]
+               if f not in default[key] or config[key][f] != default[key][f]}
+    changed = {f: v for f, v in changed.items() if f'{key}.{f}' not in left_out}
+    given = {f: v for f, v in overrides[key].items() if f not in default[key]
+             or v != default[key][f]}
+    assert {f: tuple(v) if isinstance(v, list) else v for f, v in given.items()} == changed

@@ -176,10 +176,10 @@ def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
   config, parts, run_data, form = run
   mesh, dataset = parts.mesh, run_data.dataset
   _prepare_workdir(workdir, config)
-  logging.info('mesh %s over %d of %s, %s; %d x %s on %s', dict(mesh.shape), mesh.size,
+  logging.info('mesh %s over %d of %s, %s; %s on %s', dict(mesh.shape), mesh.size,
                tables.counted(jax.device_count(), f'{mesh.devices.flat[0].platform} device'),
-               tables.counted(jax.process_count(), 'process', 'processes'), config.num_members,
-               config.model.factory or config.model.name, dataset.name)
+               tables.counted(jax.process_count(), 'process', 'processes'),
+               member_groups.describe(config), dataset.name)
   checkpointer = run.checkpointer(workdir)
   restored = _restore_or_init(parts, checkpointer)
   if restored.meta and 'jsonl' in config.writers and writers.is_writer():
