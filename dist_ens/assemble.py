@@ -278,8 +278,8 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
   abstract = groups_lib.join_states([g.abstract_state for g in groups])
   hparams = {k: np.concatenate([g.hparams[k] for g in groups]) for k in groups[0].hparams}
   # The task and input are every group's; the method (each group's gives one predicting
-  # member per trained member, none collects), optimizer and layout the first group's:
-  # what reads those for all members (plan --calibrate, init_from) refuses groups.
+  # member per trained member, none collects), optimizer and layout are the first group's:
+  # whatever needs a group's own (the step, init, calibration, Laplace) reads parts.groups.
   first = groups[0]
   return first._replace(
       config=config, model=groups_lib.members_model([g.predict_model for g in groups],
