@@ -38,7 +38,7 @@ class GroupSpec(NamedTuple):
   group: Group
   model: dict[str, Any]
   optim: dict[str, Any]
-  ensemble: dict[str, Any] = {}
+  ensemble: dict[str, Any]
 
 
 def _plain(value: Any) -> Any:
