@@ -6,7 +6,9 @@
       # T = the config's train.steps (110), OOD set digits_noise; writes methods_digits_resnet20.json
 
 Every run is --config (configs/default.py: MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0)
-on ONE device, with config.eval.ood_dataset='<data.name>_noise'. The budget is B = 4 x T member-steps
+on ONE device, with config.eval.ood_dataset='<data.name>_noise' and a validation split
+(data.validation_size: --validation_size, 500 of MNIST-1D's 4,000 training examples, 300 of
+the digits' 1,437) that every method trains without and the calibrated NLL is fitted on. The budget is B = 4 x T member-steps
 (a member-step is one update of one member on its batch of 128), so each method trains for
 the same number of forward/backward passes:
 
@@ -39,9 +41,9 @@ predict, train time (`train_seconds`: the loop, compilation included, evaluation
 out) and inference time (the predicting members' log-probabilities on the 1,000 test
 examples, median of 5 after a warm-up; MC dropout's K samples included), and as the
 literature compares methods (Ashukha et al. 2020): the calibrated NLL, the test NLL after
-temperature scaling with test-time cross-validation (one temperature on the ensemble's
-log-probabilities fitted on one half of the test split, scored on the other, and the
-halves swapped; the mean), and the deep-ensemble equivalent (DEE): the number of deep16's
+temperature scaling (one temperature on the log of the method's predictive, fitted on the
+validation split by dist_ens.eval.calibration.fit_temperature, the run's own
+eval.temperature_scaling fit; the table shows it), and the deep-ensemble equivalent (DEE): the number of deep16's
 members (the first k, interpolated linearly between whole k) whose calibrated NLL equals
 the method's ('<1' and '>16' outside the curve). Writes
 benchmarks/results/methods.json, prints a Markdown table and draws accuracy, NLL and
@@ -64,15 +66,13 @@ import dist_ens
 from benchmarks import harness
 from dist_ens import Ensemble, assemble, data
 from dist_ens.eval.ood import load_ood_split
-from dist_ens.eval import evaluate
+from dist_ens.eval import calibration, evaluate
 from dist_ens.io import report_scatter
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMBERS = 4
 MC_SAMPLES = 16
 CURVE_MEMBERS = 16  # deep16: the deep-ensemble curve DEE reads
-# Temperatures searched for the calibrated NLL: log-spaced, then refined around the best.
-TEMPERATURES = np.exp(np.linspace(np.log(0.05), np.log(20.0), 401))
 
 
 def methods(steps: int) -> dict[str, dict]:
@@ -101,7 +101,7 @@ def methods(steps: int) -> dict[str, dict]:
       # Randomized prior functions (Osband et al. 2018; the Testbed's ensemble+).
       'ensemble+': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'prior'},
       # A deep ensemble's members each with a last-layer K-FAC Laplace (mixture of
-      # Laplaces); prior precision by marginal likelihood (no validation split here).
+      # Laplaces); prior precision chosen on the validation split.
       'laplace': {'num_members': MEMBERS, 'train.steps': steps,
                   'eval.laplace': 'last_layer_kron'},
       'epinet': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'epinet'},
@@ -111,9 +111,10 @@ def methods(steps: int) -> dict[str, dict]:
   }
 
 
-def _config(base: Path, overrides: dict):
+def _config(base: Path, overrides: dict, validation_size: int):
   config = dist_ens.load_config(base)
   config.eval.ood_dataset = f'{config.data.name}_noise'
+  config.data.validation_size = validation_size
   config.mesh.member, config.mesh.data = 1, 1
   config.update_from_flattened_dict(overrides)
   steps = config.train.steps
@@ -175,30 +176,26 @@ def _nll(logits: np.ndarray, y: np.ndarray) -> float:
   return float(np.mean(log_z - logits[np.arange(len(y)), y]))
 
 
-def _fitted_temperature(log_probs: np.ndarray, y: np.ndarray) -> float:
-  """The temperature minimising the NLL of softmax(log_probs / T): a log-spaced grid, then
-  a finer one between the best point's neighbours."""
-  nll = lambda t: _nll(log_probs / t, y)
-  best = int(np.argmin([nll(t) for t in TEMPERATURES]))
-  lo, hi = TEMPERATURES[max(best - 1, 0)], TEMPERATURES[min(best + 1, len(TEMPERATURES) - 1)]
-  fine = np.exp(np.linspace(np.log(lo), np.log(hi), 41))
-  return float(fine[int(np.argmin([nll(t) for t in fine]))])
+def _mixture(member_log_probs: np.ndarray) -> np.ndarray:
+  """[N, C] log of the members' mean probabilities (float64)."""
+  probs = np.exp(np.asarray(member_log_probs, np.float64)).mean(0)
+  return np.log(np.maximum(probs, 1e-30))
 
 
-def calibrated_nll(member_log_probs: np.ndarray, y: np.ndarray, seed: int = 0) -> float:
-  """The test NLL of the members' mixture after temperature scaling with test-time
-  cross-validation (Ashukha et al. 2020): T fitted on one random half, scored on the
-  other, then the other way round; the mean of the two."""
-  mixture = np.log(np.maximum(np.exp(member_log_probs).mean(0), 1e-30))
-  halves = np.array_split(np.random.default_rng(seed).permutation(len(y)), 2)
-  scores = [_nll(mixture[score] / _fitted_temperature(mixture[fit], y[fit]), y[score])
-            for fit, score in (halves, halves[::-1])]
-  return float(np.mean(scores))
+def calibrated(val_log_probs: np.ndarray, val_y: np.ndarray, test_log_probs: np.ndarray,
+               test_y: np.ndarray) -> tuple[float, float]:
+  """(test NLL after temperature scaling, T): one temperature on the log of the members'
+  mixture, fitted on the validation split (Ashukha et al. 2020) by the run's own fit
+  (dist_ens.eval.calibration.fit_temperature, T in [T_MIN, T_MAX]), scored on test."""
+  t = float(calibration.fit_temperature(_mixture(val_log_probs).astype(np.float32), val_y))
+  return _nll(_mixture(test_log_probs) / t, test_y), t
 
 
-def deep_curve(member_log_probs: np.ndarray, y: np.ndarray) -> list[float]:
+def deep_curve(val_log_probs: np.ndarray, val_y: np.ndarray, test_log_probs: np.ndarray,
+               test_y: np.ndarray) -> list[float]:
   """Calibrated NLL of the first k members' ensemble, k = 1..K."""
-  return [calibrated_nll(member_log_probs[:k], y) for k in range(1, len(member_log_probs) + 1)]
+  return [calibrated(val_log_probs[:k], val_y, test_log_probs[:k], test_y)[0]
+          for k in range(1, len(test_log_probs) + 1)]
 
 
 def dee(value: float, curve: list[float]) -> float | str:
@@ -233,13 +230,21 @@ def _timed(fn) -> float:
   return statistics.median(times[1:])
 
 
-def run(base: Path, name: str, overrides: dict) -> dict:
-  config = _config(base, overrides)
+def _splits(config) -> tuple:
+  """(validation, test): the run's validation split (data.split_validation) and test."""
+  dataset = data.load_dataset(config.data.name, assemble.data_spec(config))
+  return data.split_validation(dataset.train, config.data.validation_size)[1], dataset.test
+
+
+def run(base: Path, name: str, overrides: dict, validation_size: int) -> dict:
+  config = _config(base, overrides, validation_size)
   workdir = tempfile.mkdtemp(prefix=f'methods_{name}_')
   results = dist_ens.train(config, workdir, devices=jax.devices()[:1])
   ens = Ensemble.load(workdir, devices=jax.devices()[:1])
-  test = data.load_dataset(config.data.name, assemble.data_spec(config)).test
+  val, test = _splits(config)
   log_probs = _member_log_probs(ens, name, test)
+  val_log_probs = _member_log_probs(ens, name, val)
+  calibrated_nll, temperature = calibrated(val_log_probs, val.y, log_probs, test.y)
   per_member = sum(int(np.prod(a.shape[1:])) for a in jax.tree.leaves(ens.params))
   mc = config.eval.get('mc_samples', 0)
   heads = config.ensemble.mimo.heads if config.ensemble.method == 'mimo' else 1
@@ -249,7 +254,7 @@ def run(base: Path, name: str, overrides: dict) -> dict:
          'predicting_members': ens.num_members * max(mc, 1) * heads,
          'predicting_parameters': per_member * ens.num_members,
          'train_seconds': results['train_seconds'],
-         'calibrated_nll': calibrated_nll(log_probs, test.y)}
+         'calibrated_nll': calibrated_nll, 'temperature': temperature}
   if name == 'distilled':
     ensemble, auroc = _student_scores(ens, log_probs, test)
     student = ens.student()
@@ -260,7 +265,7 @@ def run(base: Path, name: str, overrides: dict) -> dict:
     ensemble, auroc = _scores(name, results)
     row['inference_seconds'] = _inference_seconds(ens, mc)
   if name == 'deep16':
-    row['curve'] = deep_curve(log_probs, test.y)
+    row['curve'] = deep_curve(val_log_probs, val.y, log_probs, test.y)
   row.update(accuracy=ensemble['accuracy'], nll=ensemble['nll'], brier=ensemble['brier'],
              ece=ensemble['ece'], ood_auroc=auroc)
   return row
@@ -272,15 +277,16 @@ def _dee_text(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  head = ('| method | member-steps | predicting members | accuracy | NLL | calibrated NLL | DEE '
-          '| Brier | ECE | OOD AUROC | parameters trained / predicting | train s | inference ms |')
+  head = ('| method | member-steps | predicting members | accuracy | NLL | calibrated NLL (T) '
+          '| DEE | Brier | ECE | OOD AUROC | parameters trained / predicting | train s '
+          '| inference ms |')
   lines = [head, '|---' * 13 + '|']
   for r in rows:
     steps = f"{r['member_steps']:,}" + (f" + {r['student_steps']:,}" if 'student_steps' in r
                                          else '')
     lines.append(
         f"| {r['method']} | {steps} | {r['predicting_members']} | "
-        f"{r['accuracy']:.3f} | {r['nll']:.3f} | {r['calibrated_nll']:.3f} | {_dee_text(r)} | "
+        f"{r['accuracy']:.3f} | {r['nll']:.3f} | {r['calibrated_nll']:.3f} ({r['temperature']:.2f}) | {_dee_text(r)} | "
         f"{r['brier']:.3f} | {r['ece']:.3f} | "
         f"{r['ood_auroc']:.3f} | {r['trained_parameters']:,} / {r['predicting_parameters']:,} | "
         f"{r['train_seconds']:.1f} | {1000 * r['inference_seconds']:.0f} |")
@@ -302,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
                       help="T: steps of a 4-member run (0: 1000 for default.py, else the config's "
                            'train.steps)')
   parser.add_argument('--methods', default='', help='comma-separated subset')
+  parser.add_argument('--validation_size', type=int, default=0,
+                      help='data.validation_size (0: 500 for default.py, else 300)')
   parser.add_argument('--out', default='', help='default: benchmarks/results/methods[_CONFIG].json')
   args = parser.parse_args(argv)
   header = harness.run_header()
@@ -314,11 +322,12 @@ def main(argv: list[str] | None = None) -> None:
   unknown = sorted(set(names) - set(chosen))
   if unknown:
     parser.error(f'unknown methods {unknown}; use some of {list(chosen)}')
-  rows = [run(base, name, chosen[name]) for name in names]
+  args.validation_size = args.validation_size or (500 if base.stem == 'default' else 300)
+  rows = [run(base, name, chosen[name], args.validation_size) for name in names]
   add_dee(rows)
   print(table(rows))
   out = {**header, 'config': base.name, 'rows': rows, 'markdown': table(rows), 'steps': steps,
-         'members': MEMBERS, 'jax': jax.__version__, 'load_average_end': harness.load_average()}
+         'members': MEMBERS, 'validation_size': args.validation_size, 'jax': jax.__version__, 'load_average_end': harness.load_average()}
   harness.write_results(args.out, out)
   # The same bars as a run's report (dist_ens.io.report_scatter), the single model first.
   report_scatter.plot_methods(Path(args.out).parent, {r['method']: r for r in rows},

@@ -1,5 +1,5 @@
-"""benchmarks/methods.py's comparison columns: the calibrated NLL (temperature scaling with
-test-time cross-validation) and the deep-ensemble equivalent (Ashukha et al. 2020)."""
+"""benchmarks/methods.py's comparison columns: the calibrated NLL (temperature scaling fitted
+on the validation split) and the deep-ensemble equivalent (Ashukha et al. 2020)."""
 
 import numpy as np
 import pytest
@@ -17,26 +17,48 @@ def _calibrated_problem(n=4000, classes=5, seed=0):
   return z, y
 
 
-def test_temperature_scaling_undoes_overconfidence_on_held_out_halves():
-  z, y = _calibrated_problem()
-  log_softmax = lambda a: a - np.log(np.exp(a).sum(-1, keepdims=True))
-  overconfident = log_softmax(3.0 * z)[None]  # one member, logits tripled
-  assert methods._fitted_temperature(overconfident[0], y) == pytest.approx(3.0, rel=0.1)
-  truth = methods._nll(z, y)
-  calibrated = methods.calibrated_nll(overconfident, y)
-  assert methods._nll(overconfident[0], y) > truth + 0.3  # tripled logits: much worse
-  assert calibrated == pytest.approx(truth, abs=0.02)
+def _log_softmax(a):
+  return a - np.log(np.exp(a).sum(-1, keepdims=True))
+
+
+def test_a_temperature_fitted_on_validation_undoes_overconfidence_on_test():
+  z, y = _calibrated_problem(n=6000)
+  val, test = slice(0, 2000), slice(2000, None)
+  overconfident = _log_softmax(3.0 * z)[None]  # one member, logits tripled
+  nll, t = methods.calibrated(overconfident[:, val], y[val], overconfident[:, test], y[test])
+  assert t == pytest.approx(3.0, rel=0.1)
+  truth = methods._nll(z[test], y[test])
+  assert methods._nll(overconfident[0, test], y[test]) > truth + 0.3  # tripled: much worse
+  assert nll == pytest.approx(truth, abs=0.02)
   # Already calibrated: scaling changes (almost) nothing.
-  assert methods.calibrated_nll(log_softmax(z)[None], y) == pytest.approx(truth, abs=0.01)
+  calibrated = _log_softmax(z)[None]
+  nll, t = methods.calibrated(calibrated[:, val], y[val], calibrated[:, test], y[test])
+  assert t == pytest.approx(1.0, abs=0.1)
+  assert nll == pytest.approx(truth, abs=0.01)
+
+
+def test_the_temperature_comes_from_validation_alone():
+  """Test labels that disagree with everything leave T alone: it is fitted on validation."""
+  z, y = _calibrated_problem(n=3000, seed=2)
+  members = _log_softmax(2.0 * z)[None]
+  _, t = methods.calibrated(members[:, :1000], y[:1000], members[:, 1000:], y[1000:])
+  _, t_flipped = methods.calibrated(members[:, :1000], y[:1000], members[:, 1000:],
+                                    (y[1000:] + 1) % 5)
+  assert t_flipped == t
 
 
 def test_the_mixture_of_members_is_what_is_calibrated():
   z, y = _calibrated_problem(seed=1)
-  log_softmax = lambda a: a - np.log(np.exp(a).sum(-1, keepdims=True))
-  members = np.stack([log_softmax(z + 2.0 * np.eye(5)[k]) for k in range(5)])
+  members = np.stack([_log_softmax(z + 2.0 * np.eye(5)[k]) for k in range(5)])
   mixture = np.log(np.exp(members).mean(0))
-  assert methods.calibrated_nll(members, y) == pytest.approx(
-      methods.calibrated_nll(mixture[None], y), abs=1e-9)
+  split = lambda a: (a[:, :2000], y[:2000], a[:, 2000:], y[2000:])
+  got, want = methods.calibrated(*split(members)), methods.calibrated(*split(mixture[None]))
+  assert got[0] == pytest.approx(want[0], abs=1e-6)
+  assert got[1] == pytest.approx(want[1], rel=1e-5)
+  # The deep-ensemble curve: the first k members' calibrated NLL, k = 1..K.
+  curve = methods.deep_curve(*split(members))
+  assert len(curve) == 5
+  assert curve[2] == pytest.approx(methods.calibrated(*split(members[:3]))[0], abs=1e-9)
 
 
 def test_dee_interpolates_the_deep_ensemble_curve():
