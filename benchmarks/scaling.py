@@ -16,7 +16,7 @@ plan`. It measures:
   step           median seconds per step over the middle of the run (a timing action waits
                  for the device every steps/20 steps), per member-example
   memory         the process's peak RSS (VmHWM) after training; the bytes of every live
-                 device buffer (all 8 devices) and of the train state, at the end
+                 device buffer (every device) and of the train state, at the end
   final phase    each built-in action's time after the last step (final test evaluation,
                  validation, joint predictions, selective/conformal decisions, temperature
                  scaling, greedy selection, the final checkpoint's start), by class
@@ -107,7 +107,8 @@ def _child_env() -> dict[str, str]:
   if PLATFORM == 'cpu':
     env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') +
                         f' --xla_force_host_platform_device_count={DEVICES}').strip()
-  env['JAX_PLATFORMS'] = PLATFORM
+  # jax's 'gpu' also asks for ROCm and fails where only CUDA is installed (jax 0.11.2).
+  env['JAX_PLATFORMS'] = 'cuda' if PLATFORM == 'gpu' else PLATFORM
   # Every compile is a real one: no persistent cache, no calibration cache.
   env.pop('JAX_COMPILATION_CACHE_DIR', None)
   env['DIST_ENS_CALIBRATION'] = os.path.join(tempfile.gettempdir(), 'scaling_no_calibration.json')
@@ -621,7 +622,7 @@ PARTS = [
      lambda r: _after_last_step(r)),
     ('rss_steps', 'host peak RSS: training steps', 'MB', lambda r: r['rss_peak_steps_bytes'] / 1e6),
     ('rss_peak', 'host peak RSS: whole run', 'MB', lambda r: r['rss_peak_bytes'] / 1e6),
-    ('live_bytes', 'live device buffers (8 devices)', 'MB',
+    ('live_bytes', 'live device buffers (every device)', 'MB',
      lambda r: r['live_device_bytes']['total'] / 1e6),
     ('state_bytes', 'train state', 'MB', lambda r: r['state_bytes'] / 1e6),
     ('checkpoint_save', 'checkpoint save', 's', lambda r: r['checkpoint_save_s']),
