@@ -2,6 +2,7 @@
 
   python -m benchmarks.methods               # budget 4 x 1000 member-steps, 35 min on 2 cores at load 8-11
   python -m benchmarks.methods --steps 200   # a quick look
+  python -m benchmarks.methods --seeds 0,1,2  # every method at 3 seeds: mean +- sd, DEE per seed
   python -m benchmarks.methods --config configs/digits_resnet20.py   # ResNet-20 on digits,
       # T = the config's train.steps (110), OOD set digits_noise; writes methods_digits_resnet20.json
 
@@ -272,8 +273,16 @@ def run(base: Path, name: str, overrides: dict, validation_size: int) -> dict:
 
 
 def _dee_text(r: dict) -> str:
-  value = r.get('dee', '-')
-  return f'{value:.1f}' if isinstance(value, float) else value
+  """The DEE, or each seed's ('4.0 / 3.8 / 4.2') over several seeds."""
+  values = r.get('dee', '-')
+  text = lambda v: f'{v:.1f}' if isinstance(v, float) else v
+  return ' / '.join(map(text, values)) if isinstance(values, list) else text(values)
+
+
+def _cell(r: dict, metric: str, digits: int = 3) -> str:
+  """A metric's value, or its mean +- the seeds' standard deviation over several seeds."""
+  sd = r.get(f'{metric}_sd')
+  return f'{r[metric]:.{digits}f}' + (f' +- {sd:.{digits}f}' if sd is not None else '')
 
 
 def table(rows: list[dict]) -> str:
@@ -286,18 +295,39 @@ def table(rows: list[dict]) -> str:
                                          else '')
     lines.append(
         f"| {r['method']} | {steps} | {r['predicting_members']} | "
-        f"{r['accuracy']:.3f} | {r['nll']:.3f} | {r['calibrated_nll']:.3f} ({r['temperature']:.2f}) | {_dee_text(r)} | "
-        f"{r['brier']:.3f} | {r['ece']:.3f} | "
-        f"{r['ood_auroc']:.3f} | {r['trained_parameters']:,} / {r['predicting_parameters']:,} | "
+        f"{_cell(r, 'accuracy')} | {_cell(r, 'nll')} | {_cell(r, 'calibrated_nll')} "
+        f"({r['temperature']:.2f}) | {_dee_text(r)} | {_cell(r, 'brier')} | {_cell(r, 'ece')} | "
+        f"{_cell(r, 'ood_auroc')} | {r['trained_parameters']:,} / {r['predicting_parameters']:,} | "
         f"{r['train_seconds']:.1f} | {1000 * r['inference_seconds']:.0f} |")
   return '\n'.join(lines)
 
 
 def add_dee(rows: list[dict]) -> None:
-  """Each row's DEE on deep16's curve (rows without that run get none)."""
-  curve = next((r['curve'] for r in rows if 'curve' in r), None)
-  for r in rows if curve else ():
-    r['dee'] = dee(r['calibrated_nll'], curve)
+  """Each row's DEE on deep16's curve of its own seed (rows without that run get none)."""
+  curves = {r.get('seed'): r['curve'] for r in rows if 'curve' in r}
+  for r in rows:
+    if r.get('seed') in curves:
+      r['dee'] = dee(r['calibrated_nll'], curves[r.get('seed')])
+
+
+# The metrics a row averages over seeds.
+METRICS = ('accuracy', 'nll', 'calibrated_nll', 'temperature', 'brier', 'ece', 'ood_auroc',
+           'train_seconds', 'inference_seconds')
+
+
+def over_seeds(rows: list[dict]) -> dict:
+  """One method's per-seed rows -> one row: each metric's mean over the seeds and, with
+  several, '<metric>_sd' (the seeds' sample standard deviation) and each seed's DEE; the
+  per-seed rows kept under 'per_seed'. One seed: its row as it is."""
+  if len(rows) == 1:
+    return rows[0]
+  out = {k: v for k, v in rows[0].items() if k not in ('curve', 'seed', 'dee')}
+  for metric in METRICS:
+    values = [r[metric] for r in rows]
+    out[metric], out[f'{metric}_sd'] = float(np.mean(values)), float(np.std(values, ddof=1))
+  out.update(dee=[r.get('dee', '-') for r in rows], seeds=[r['seed'] for r in rows],
+             per_seed=rows)
+  return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -308,6 +338,8 @@ def main(argv: list[str] | None = None) -> None:
                       help="T: steps of a 4-member run (0: 1000 for default.py, else the config's "
                            'train.steps)')
   parser.add_argument('--methods', default='', help='comma-separated subset')
+  parser.add_argument('--seeds', default='0',
+                      help='comma-separated config.seed values; several: mean +- sd per metric')
   parser.add_argument('--validation_size', type=int, default=0,
                       help='data.validation_size (0: 500 for default.py, else 300)')
   parser.add_argument('--out', default='', help='default: benchmarks/results/methods[_CONFIG].json')
@@ -323,11 +355,14 @@ def main(argv: list[str] | None = None) -> None:
   if unknown:
     parser.error(f'unknown methods {unknown}; use some of {list(chosen)}')
   args.validation_size = args.validation_size or (500 if base.stem == 'default' else 300)
-  rows = [run(base, name, chosen[name], args.validation_size) for name in names]
-  add_dee(rows)
+  seeds = [int(seed) for seed in args.seeds.split(',')]
+  runs = [run(base, name, {**chosen[name], 'seed': seed}, args.validation_size) | {'seed': seed}
+          for seed in seeds for name in names]
+  add_dee(runs)
+  rows = [over_seeds([r for r in runs if r['method'] == name]) for name in names]
   print(table(rows))
   out = {**header, 'config': base.name, 'rows': rows, 'markdown': table(rows), 'steps': steps,
-         'members': MEMBERS, 'validation_size': args.validation_size, 'jax': jax.__version__, 'load_average_end': harness.load_average()}
+         'members': MEMBERS, 'seeds': seeds, 'validation_size': args.validation_size, 'jax': jax.__version__, 'load_average_end': harness.load_average()}
   harness.write_results(args.out, out)
   # The same bars as a run's report (dist_ens.io.report_scatter), the single model first.
   report_scatter.plot_methods(Path(args.out).parent, {r['method']: r for r in rows},

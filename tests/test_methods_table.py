@@ -70,3 +70,20 @@ def test_dee_interpolates_the_deep_ensemble_curve():
   assert methods.dee(0.6, curve) == '>4'
   # A curve that is not monotone: the first k that reaches the value.
   assert methods.dee(0.72, [1.0, 0.7, 0.75, 0.6]) == pytest.approx(1 + 0.28 / 0.3)
+
+
+def test_over_seeds_gives_mean_and_spread_and_each_seeds_dee():
+  rows = [{'method': 'deep', 'seed': seed, 'calibrated_nll': nll, 'curve': curve,
+           **{m: float(seed) for m in methods.METRICS if m != 'calibrated_nll'}}
+          for seed, nll, curve in ((0, 0.8, [1.0, 0.8]), (1, 0.9, [1.0, 0.7]),
+                                   (2, 1.1, [1.0, 0.9]))]
+  methods.add_dee(rows)  # each seed's row on its own seed's curve
+  assert [r['dee'] for r in rows] == [2.0, pytest.approx(1 + 0.1 / 0.3), '<1']
+  row = methods.over_seeds(rows)
+  assert row['calibrated_nll'] == pytest.approx(0.9333333)
+  assert row['calibrated_nll_sd'] == pytest.approx(np.std([0.8, 0.9, 1.1], ddof=1))
+  assert row['accuracy'] == 1.0 and row['accuracy_sd'] == 1.0
+  assert row['seeds'] == [0, 1, 2] and len(row['per_seed']) == 3 and 'curve' not in row
+  assert methods._dee_text(row) == '2.0 / 1.3 / <1'
+  assert methods._cell(row, 'accuracy') == '1.000 +- 1.000'
+  assert methods.over_seeds(rows[:1]) is rows[0]  # one seed: its row as it is
