@@ -1,17 +1,18 @@
 """Ensemble methods compared at equal training compute on the embedded MNIST-1D data.
 
-  python -m benchmarks.methods               # budget 4 x 1000 member-steps, 35 min on 2 cores at load 8-11
+  python -m benchmarks.methods               # budget 4 x 1000 member-steps, 6 min on 2 cores at load 1-2
   python -m benchmarks.methods --steps 200   # a quick look
-  python -m benchmarks.methods --seeds 0,1,2  # every method at 3 seeds: mean +- sd, DEE per seed
+  python -m benchmarks.methods --seeds 0,1,2  # every method at 3 seeds: mean +- sd, DEE per seed (16 min)
   python -m benchmarks.methods --config configs/digits_resnet20.py   # ResNet-20 on digits,
       # T = the config's train.steps (110), OOD set digits_noise; writes methods_digits_resnet20.json
+      # (49 min for one seed at load 2-4)
 
 Every run is --config (configs/default.py: MLP 40-256-256-10, Adam 1e-3, batch 128, seed 0)
 on ONE device, with config.eval.ood_dataset='<data.name>_noise' and a validation split
 (data.validation_size: --validation_size, 500 of MNIST-1D's 4,000 training examples, 300 of
-the digits' 1,437) that every method trains without and the calibrated NLL is fitted on. The budget is B = 4 x T member-steps
-(a member-step is one update of one member on its batch of 128), so each method trains for
-the same number of forward/backward passes:
+the digits' 1,437) that every method trains without and the calibrated NLL is fitted on.
+The budget is B = 4 x T member-steps (a member-step is one update of one member on its
+batch of 128), so each method trains for the same number of forward/backward passes:
 
   single      1 member, T steps (a quarter of the budget: the baseline)
   deep        4 independent members, T steps
@@ -44,9 +45,9 @@ examples, median of 5 after a warm-up; MC dropout's K samples included), and as 
 literature compares methods (Ashukha et al. 2020): the calibrated NLL, the test NLL after
 temperature scaling (one temperature on the log of the method's predictive, fitted on the
 validation split by dist_ens.eval.calibration.fit_temperature, the run's own
-eval.temperature_scaling fit; the table shows it), and the deep-ensemble equivalent (DEE): the number of deep16's
-members (the first k, interpolated linearly between whole k) whose calibrated NLL equals
-the method's ('<1' and '>16' outside the curve). Writes
+eval.temperature_scaling fit; the table shows it), and the deep-ensemble equivalent (DEE):
+the number of deep16's members (the first k, interpolated linearly between whole k) whose
+calibrated NLL equals the method's ('<1' and '>16' outside the curve), per seed. Writes
 benchmarks/results/methods.json, prints a Markdown table and draws accuracy, NLL and
 ECE per method (benchmarks/results/methods.png and .svg, as a run's report draws them).
 """
