@@ -20,9 +20,10 @@
 #               device: model=1's program per device), 3 steps of each run for the
 #               allocator's peak (model > 1 needs more GPUs than one)
 #   scaling     benchmarks/scaling.py's ResNet-20 sweep on the GPU (M = 1 to 256, as many
-#               as fit; every part of a run against M) with MFU from XLA's cost analysis
-#               over the H100/H200's dense TF32 peak (494 TFLOP/s; XLA:GPU runs float32
-#               dots as TF32), then the MLP sweep's --quick list
+#               as fit; every part of a run against M), then the MLP sweep's --quick list;
+#               without `dist-ens plan`, so without MFU (a longer lease can add plans and
+#               --peak_tflops 494, the H100/H200's dense TF32 peak: XLA:GPU runs float32
+#               dots as TF32)
 #   lm          benchmarks/lm_recipe.py at GPT-2 small's shape (768 wide, 12 blocks, GPT-2's
 #               50,257-id vocabulary, output layer untied: 163M parameters): a LoRA ensemble
 #               of 4 against one LoRA fine-tune and 4 full fine-tunes at equal member-steps.
@@ -84,7 +85,7 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
     # With plans, M = 1, 8, 64, 256 took over 400 s on an H100 (2026-11-27: each M's process
     # 54-83 s, each plan about as long): plans are left out.
     timeout -k 10 400 python3 -m benchmarks.scaling --model resnet20 --platform gpu \
-      --members 1,8,64,256 --no_plan --peak_tflops 494 --child_timeout 150 \
+      --members 1,8,64,256 --no_plan --child_timeout 150 \
       --out "$out/scaling_resnet20_gpu.json" 2>&1 \
       | tee "$out/scaling.log"
     timeout -k 10 150 python3 -m benchmarks.scaling --quick --platform gpu --no_plan \
