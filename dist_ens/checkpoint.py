@@ -106,15 +106,12 @@ def _words(leaf: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(leaf, jnp.uint32).ravel()  # 8 bytes: [..., 2] words.
 
 
-def _checksums(leaves: list[jax.Array]) -> list[jax.Array]:
+def _checksum(leaf: jax.Array) -> jax.Array:
   # Each word times an odd, position-dependent factor (invertible mod 2**32), summed with
   # wrap-around: any changed word changes the sum, and so does a moved one.
-  sums = []
-  for leaf in leaves:
-    words = _words(leaf)
-    factors = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2654435761) | jnp.uint32(1)
-    sums.append(jnp.sum(words * factors, dtype=jnp.uint32))
-  return sums
+  words = _words(leaf)
+  factors = jnp.arange(words.size, dtype=jnp.uint32) * jnp.uint32(2654435761) | jnp.uint32(1)
+  return jnp.sum(words * factors, dtype=jnp.uint32)
 
 
 def checksums(tree: Any) -> list[int]:
@@ -124,13 +121,21 @@ def checksums(tree: Any) -> list[int]:
   leaves = jax.tree.leaves(tree)
   if not leaves:
     return []
-  return [int(c) for c in jax.device_get(_checksums_program(once.platform_of(leaves))(leaves))]
+  program = _checksum_program(_hashable(once.options_for(once.platform_of(leaves))))
+  return [int(c) for c in jax.device_get([program(leaf) for leaf in leaves])]
+
+
+def _hashable(options: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+  return None if options is None else tuple(sorted(options.items()))
 
 
 @functools.cache
-def _checksums_program(platform: str) -> Any:
+def _checksum_program(options: tuple[tuple[str, Any], ...] | None) -> Any:
+  # One small program per leaf's shape, dtype and sharding, not one per tree: every run
+  # in a process with a leaf like it (and, through the persistent compilation cache, in
+  # other processes) reuses it, where a whole-tree program is new for every model.
   # Integer arithmetic: -O1 gives the same sums, compiled faster (parallel/once.py).
-  return jax.jit(_checksums, compiler_options=once.options_for(platform))
+  return jax.jit(_checksum, compiler_options=None if options is None else dict(options))
 
 
 class CorruptCheckpoint(Exception):

@@ -253,9 +253,11 @@ def test_bfloat16_computes_in_bf16_and_keeps_float32_state(mnist1d):
 
 
 @pytest.mark.parametrize('model', ['mlp', 'cnn'])
-def test_init_compiled_faster_on_a_cpu_gives_xlas_default_bits(model):
+def test_init_compiled_faster_on_a_cpu_gives_xlas_default_bits(model, monkeypatch):
   """init_sharded compiles the init program with INIT_COMPILER_OPTIONS on a CPU; the state
-  is the one XLA's default optimisation gives, bit for bit (on 8 devices: sharded)."""
+  is the one XLA's default optimisation gives, bit for bit (on 8 devices: sharded). The
+  tests' XLA_FLAGS set -O0, which once-run programs keep: not here."""
+  monkeypatch.setenv('XLA_FLAGS', support.xla_flags(8).replace(support.LLVM_O0, ''))
   config = dist_ens.load_config(DEFAULT)
   config.model.name, config.num_members = model, 8
   parts = assemble.build_parts(config, assemble.build_mesh(config), (40, 1), 10)

@@ -11,16 +11,21 @@ do the training step and the evaluation programs (they run many times, and their
 floating-point reductions are what the cross-mesh comparisons check).
 """
 
+import os
 from typing import Any
 
 import jax
 
 ONCE_COMPILER_OPTIONS = {'xla_backend_optimization_level': 1}
+_LEVEL_FLAG = '--xla_backend_optimization_level'
 
 
 def options_for(platform: str) -> dict[str, Any] | None:
-  """The compiler options of a once-run program on `platform` (None: XLA's defaults)."""
-  return ONCE_COMPILER_OPTIONS if platform == 'cpu' else None
+  """The compiler options of a once-run program on `platform` (None: XLA's defaults, or
+  the level XLA_FLAGS sets: a level the user chose there wins, as the tests' -O0 does)."""
+  if platform != 'cpu' or _LEVEL_FLAG in os.environ.get('XLA_FLAGS', ''):
+    return None
+  return ONCE_COMPILER_OPTIONS
 
 
 def compile_once(lowered: jax.stages.Lowered, platform: str) -> jax.stages.Compiled:
