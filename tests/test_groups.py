@@ -61,17 +61,27 @@ def grouped(tmp_path_factory):
   return workdir, dist_ens.train(_config(**POSTHOC), str(workdir))
 
 
-def test_a_groups_members_equal_the_same_members_without_groups(grouped, tmp_path):
+@pytest.fixture(scope='module')
+def singles(tmp_path_factory):
+  """For each of GROUPS, the shared run's config without groups whose model and optimizer
+  are the group's (_single): [(workdir, results)]. Also the pretrained sources of
+  test_each_group_adapts_its_own_pretrained_backbone (a (16,) and an (8, 8) run)."""
+  workdirs = [tmp_path_factory.mktemp(f'single{g}') for g in range(len(GROUPS))]
+  return [(workdir, dist_ens.train(_single(group, **POSTHOC), str(workdir)))
+          for workdir, group in zip(workdirs, GROUPS)]
+
+
+def test_a_groups_members_equal_the_same_members_without_groups(grouped, singles):
   workdir, results = grouped
   stored = _stored(workdir)
   assert isinstance(stored, tuple) and len(stored) == 2
   first = 0
   for g, group in enumerate(GROUPS):
-    single = dist_ens.train(_single(group, **POSTHOC), str(tmp_path / f'single{g}'))
+    single_dir, single = singles[g]
     ids = slice(first, first + group['count'])
     # Bit for bit: parameters, and the test metrics computed from them.
     support.assert_trees_equal(stored[g], jax.tree.map(lambda a, i=ids: a[i],
-                                                       _stored(tmp_path / f'single{g}')))
+                                                       _stored(single_dir)))
     for metric in ('nll', 'accuracy'):
       assert results['members'][metric][ids] == single['members'][metric][ids]
       # MC dropout: each group's model samples its members' dropout, keyed by their ids.
@@ -326,20 +336,19 @@ def test_what_groups_do_not_support_yet_is_refused_in_one_line(field, value, tmp
   assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
-def test_each_group_adapts_its_own_pretrained_backbone(tmp_path):
+def test_each_group_adapts_its_own_pretrained_backbone(singles, tmp_path):
   """model.init_from per group: group 0 LoRA factors over member 0 of a (16,) run, group
-  1 its own heads over member 1 of an (8, 8) run. Group 1's backbone is its source's bit
-  for bit after training, and group 0's members are the members 0-1 of the same LoRA run
-  without groups (reproducible mode)."""
-  dist_ens.train(support.config(reproducible=True), str(tmp_path / 'a'))
-  dist_ens.train(support.config(reproducible=True, model__widths=(8, 8)), str(tmp_path / 'b'))
-  lora = {'count': 2, 'model': {'widths': (16,), 'init_from': f'{tmp_path / "a"}#0'},
+  1 its own heads over member 1 of an (8, 8) run (the finished runs without groups of
+  `singles`). Group 1's backbone is its source's bit for bit after training, and group 0's
+  members are the members 0-1 of the same LoRA run without groups (reproducible mode)."""
+  (a, _), (b, _) = singles
+  lora = {'count': 2, 'model': {'widths': (16,), 'init_from': f'{a}#0'},
           'ensemble': {'own': 'lora', 'lora_rank': 2}}
-  heads = {'count': 2, 'model': {'widths': (8, 8), 'init_from': f'{tmp_path / "b"}#1'},
+  heads = {'count': 2, 'model': {'widths': (8, 8), 'init_from': f'{b}#1'},
            'ensemble': {'own': 'head'}}
   dist_ens.train(_config((lora, heads)), str(tmp_path / 'grouped'))
   grouped = dist_ens.Ensemble.load(tmp_path / 'grouped')
-  base = jax.tree.leaves(dist_ens.Ensemble.load(tmp_path / 'b').member(1))
+  base = jax.tree.leaves(dist_ens.Ensemble.load(b).member(1))
   for i in (2, 3):  # own='head': every leaf but the head's (b, w) is the source's
     leaves = jax.tree.leaves(grouped.member(i))
     for mine, theirs in zip(leaves[:-2], base[:-2]):
