@@ -512,8 +512,10 @@ def test_the_report_shows_every_groups_ensemble_beside_the_whole(grouped):
 @pytest.mark.parametrize('fields', [
     {'data__member_order': 'shuffled'},
     {'data__member_order': 'bootstrap', 'train__steps_per_call': 2},
-    {'mesh__member': 2, 'mesh__data': 4, 'train__micro_batches': 4,
-     'data__augment': 'crop_flip'},
+    # The grouped and the single run build their augmentation differently: their bits
+    # agree at XLA's default level, not at the tests' -O0 (1 ulp in 5 of 32 elements).
+    pytest.param({'mesh__member': 2, 'mesh__data': 4, 'train__micro_batches': 4,
+                  'data__augment': 'crop_flip'}, marks=pytest.mark.xla_default),
 ], ids=['shuffled', 'bootstrap-2-per-call', 'data-axis-augment'])
 def test_groups_equal_single_runs_with_per_member_data_and_other_meshes(fields, tmp_path):
   """Per-member data orders (each group takes its ids' batches), K steps per call and a
