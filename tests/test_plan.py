@@ -41,16 +41,27 @@ def one_device():
 def plans():
   """plans(devices, memory_bytes=None, **overrides): make_plan of _config(**overrides),
   made once in this module. Each make_plan compiles the step at M and 2M and dry-runs it;
-  the tests that only read a plan (nothing patched) share one. The dry-run test and the
-  tests that patch plan's parts call make_plan themselves."""
-  made = {}
+  the tests that only read a plan (nothing patched) share one, and
+  plans.arrays_left(devices, ...) is how many more live arrays there were after that
+  make_plan than before it. The tests that patch plan's parts call make_plan themselves."""
+  made, left = {}, {}
+
+  def key(devices, memory_bytes, overrides):
+    return (len(devices), memory_bytes, tuple(sorted(overrides.items())))
 
   def plan(devices, memory_bytes=None, **overrides):
-    key = (len(devices), memory_bytes, tuple(sorted(overrides.items())))
-    if key not in made:
-      made[key] = plan_lib.make_plan(_config(**overrides), devices, memory_bytes=memory_bytes)
-    return made[key]
+    k = key(devices, memory_bytes, overrides)
+    if k not in made:
+      before = len(jax.live_arrays())
+      made[k] = plan_lib.make_plan(_config(**overrides), devices, memory_bytes=memory_bytes)
+      left[k] = len(jax.live_arrays()) - before
+    return made[k]
 
+  def arrays_left(devices, memory_bytes=None, **overrides):
+    plan(devices, memory_bytes, **overrides)
+    return left[key(devices, memory_bytes, overrides)]
+
+  plan.arrays_left = arrays_left
   return plan
 
 
@@ -125,7 +136,11 @@ def test_the_devices_own_memory_is_the_default_budget(one_device, monkeypatch):
   assert plan.memory_bytes == 80e6
   at = lambda m: plan.peak_bytes + (m - 4) * plan.bytes_per_member
   assert at(plan.max_members) <= 80e6 < at(plan.max_members + 1)
-  assert 'largest M that fits 0.08 GB per device' in plan_lib.format_plan(plan, _config())
+  text = plan_lib.format_plan(plan, _config())
+  assert 'largest M that fits 0.08 GB per device' in text
+  # No /proc (the dry run gave nothing): said so, and the peak is the step's.
+  assert plan.peak_bytes == plan.step.peak
+  assert 'compiled programs              not measured' in text
 
 
 def test_a_cpu_plan_predicts_the_dry_runs_peak_shared_by_the_processs_devices(
@@ -141,22 +156,16 @@ def test_a_cpu_plan_predicts_the_dry_runs_peak_shared_by_the_processs_devices(
   text = plan_lib.format_plan(one, _config(num_members=8))
   assert re.search(r'compiled programs +40,000,000 ', text)
   assert re.search(r"predicted peak per device +64,000,000  \(a dry run's peak", text)
-  # Too big for a dry run: the step's peak + the programs, and said so.
-  _dry_run_of(monkeypatch, host._replace(peak=None))
-  big = plan_lib.make_plan(_config(num_members=8), one_device)
-  assert big.peak_bytes == big.step.peak + 40e6
-  assert 'no dry run' in plan_lib.format_plan(big, _config(num_members=8))
-  _dry_run_of(monkeypatch, None)  # No /proc: said so, and the peak is the step's.
-  unknown = plan_lib.make_plan(_config(num_members=8), one_device)
-  assert unknown.peak_bytes == unknown.step.peak
-  assert 'compiled programs              not measured' in plan_lib.format_plan(
-      unknown, _config(num_members=8))
+  # Too big for a dry run (the step's peak + the programs, and said so): the real path,
+  # test_no_dry_run_where_it_would_not_fit_the_host. No /proc: that of
+  # test_the_devices_own_memory_is_the_default_budget (its dry run gives nothing).
 
 
-def test_the_dry_run_frees_everything(one_device):
-  before = len(jax.live_arrays())
-  plan = plan_lib.make_plan(_config(num_members=16), one_device)
-  assert len(jax.live_arrays()) == before
+def test_the_dry_run_frees_everything(one_device, plans):
+  # Counted around the make_plan of this plan (a real dry run; shared with
+  # test_more_members_take_proportionally_more_memory).
+  plan = plans(one_device, num_members=16)
+  assert plans.arrays_left(one_device, num_members=16) == 0
   assert plan.dry_run_peak_bytes is not None and plan.peak_bytes == plan.dry_run_peak_bytes
 
 
@@ -179,6 +188,7 @@ def test_no_dry_run_where_it_would_not_fit_the_host(one_device, monkeypatch):
   plan = plan_lib.make_plan(_config(num_members=4), one_device)
   assert plan.program_bytes > 0 and plan.dry_run_peak_bytes is None
   assert plan.peak_bytes == plan.step.peak + plan.program_bytes
+  assert 'no dry run' in plan_lib.format_plan(plan, _config(num_members=4))
 
 
 def test_resident_memory_readings_see_memory_written_and_its_peak():
