@@ -16,7 +16,7 @@ from dist_ens.parallel import once
 def _leaves():
   return [jax.random.normal(jax.random.key(1), (37, 5)), jnp.arange(9, dtype=jnp.int32),
           jnp.ones((3,), jnp.bfloat16), jnp.array([True, False]),
-          jnp.arange(6, dtype=jnp.float64 if jax.config.jax_enable_x64 else jnp.int32)]
+          jnp.arange(6, dtype=jnp.uint8)]
 
 
 def _numpy_checksum(leaf) -> int:

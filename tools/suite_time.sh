@@ -23,7 +23,7 @@ wall=$(( $(date +%s) - start ))
 kill "$sampler" "${loops[@]}" 2>/dev/null
 python3 - "$samples" "$wall" "$status" "$busy" <<'EOF'
 import sys
-loads = [float(x) for x in open(sys.argv[1]).read().split()]
+loads = [float(x) for x in open(sys.argv[1]).read().split()] or [float('nan')]
 wall, status, busy = int(sys.argv[2]), sys.argv[3], sys.argv[4]
 print(f'suite_time: exit {status}, {wall} s ({wall / 60:.1f} min) with {busy} busy loop(s) '
       f'beside; 1-minute load average min {min(loads):.2f} mean {sum(loads) / len(loads):.2f} '
