@@ -288,11 +288,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.select.metric = 'nll'  # the validation metric members are ranked by
   config.select.top_k = 0  # the selected ensemble's size; 0 = no selection [int >= 0]
   # 'top_k' (the top_k best by select.metric, each once; results 'selected') or 'greedy'
-  # (Caruana: add, with replacement, the member that most lowers the validation NLL of the
-  # averaged probabilities, greedy_size picks, best prefix kept; results 'greedy').
+  # (Caruana: add, with replacement unless greedy_replacement=False, the member that most
+  # lowers the validation NLL of the averaged probabilities, greedy_size picks, best prefix
+  # kept; results 'greedy').
   # Both need data.validation_size > 0 (docs/ensemble_methods.md).
   config.select.method = 'top_k'
   config.select.greedy_size = 0  # picks for 'greedy'; 0 = num_members
+  # False: 'greedy' picks each member at most once (distinct members, for a budget of K at
+  # prediction time); True: Caruana's, with replacement (a member picked twice counts twice).
+  config.select.greedy_replacement = True  # [bool]
 
   # Population-based training over the members (docs/sweeps.md): every pbt.interval steps
   # the members are ranked on the validation split (needs data.validation_size > 0); the

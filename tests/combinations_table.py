@@ -119,9 +119,15 @@ _FEATURES = (
 _STUDENTS = (Option('distill=path', {'distill.student': 'support:linear_student',
                                      'distill.steps': 2}, ('distill.student',),
                     label='distillation into your own network'),)
+# Greedy selection of distinct members (each picked at most once).
+_DISTINCT = (Option('greedy distinct', {'select.method': 'greedy', 'select.greedy_size': 3,
+                                        'select.greedy_replacement': False, **_VALIDATION},
+                    ('select.method', 'select.greedy_replacement'),
+                    label='select greedy without replacement'),)
 for _option in _FEATURES:
   AXES[_option.key] = (Option(f'no {_option.key}', {}, ()), _option)
 AXES['distill'] += _STUDENTS
+AXES['greedy'] += _DISTINCT
 
 OPTIONS: dict[str, Option] = {o.key: o for options in AXES.values() for o in options}
 AXIS_OF: dict[str, str] = {o.key: axis for axis, options in AXES.items() for o in options}

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from dist_ens import data, tasks
+import support
+
+from dist_ens import Ensemble, data, tasks
 from dist_ens.configuration import load_config
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
@@ -115,20 +117,23 @@ def test_member_temperatures_are_fitted_in_chunks_of_flat_memory():
   assert scratch(1024) < 1.5 * scratch(64)
 
 
-def _caruana_reference(log_probs, labels, size, candidates):
-  """Caruana's greedy selection, written out: full probability vectors, a loop per candidate."""
+def _caruana_reference(log_probs, labels, size, candidates, replacement=True):
+  """Caruana's greedy selection, written out: full probability vectors, a loop per candidate
+  (without replacement: each member at most once, until none is left)."""
   probs = np.exp(log_probs.astype(np.float64))
   probs /= probs.sum(-1, keepdims=True)
   chosen, path = [], []
   for _ in range(size):
     best, best_nll = None, np.inf
     for m in range(len(probs)):
-      if not candidates[m]:
+      if not candidates[m] or (not replacement and m in chosen):
         continue
       mean = np.mean([probs[i] for i in chosen + [m]], axis=0)
       nll = -np.mean(np.log(mean[np.arange(len(labels)), labels]))
       if nll < best_nll:
         best, best_nll = m, nll
+    if best is None:
+      break
     chosen.append(best)
     path.append(best_nll)
   keep = int(np.argmin(path)) + 1
@@ -152,6 +157,37 @@ def test_greedy_selection_equals_caruana(seed):
   assert got.nll <= min(single) and got.nll == pytest.approx(min(path), rel=1e-12)
   # With replacement: the greedy ensemble repeats a member here.
   assert len(set(got.picks)) < len(got.picks)
+
+
+@pytest.mark.parametrize('size', [3, 10])
+def test_greedy_selection_without_replacement_picks_distinct_members(size):
+  labels, logits = _logits(0, n=300, members=7, sharpness=2.0)
+  logits *= np.linspace(0.3, 3.0, 7)[:, None, None]
+  candidates = np.arange(7) != 5
+  log_likelihood = classification_lib.log_likelihood(logits, labels)
+  got = greedy_select(log_likelihood, size=size, candidates=candidates, replacement=False)
+  picks, path = _caruana_reference(logits, labels, size, candidates, replacement=False)
+  assert got.picks == picks and len(set(got.picks)) == len(got.picks) and 5 not in got.picks
+  np.testing.assert_allclose(got.nll_by_size, path, rtol=1e-10)
+  assert len(got.nll_by_size) == min(size, 6)  # 10 picks stop when the 6 candidates are used
+  assert set(np.unique(got.counts)) <= {0, 1} and got.counts.sum() == len(picks)
+  # The first pick is the best member either way; with replacement this pool repeats one.
+  assert got.picks[0] == greedy_select(log_likelihood, size=size, candidates=candidates).picks[0]
+
+
+def test_greedy_selection_without_replacement_in_a_run_scores_its_members_mixture(tmp_path):
+  config = support.config({'data.validation_size': 64, 'select.method': 'greedy',
+                           'select.greedy_size': 4, 'select.greedy_replacement': False})
+  final = train(config, str(tmp_path))
+  dataset = data.load_dataset('mnist1d')
+  greedy = final['greedy']
+  assert not greedy['replacement'] and len(set(greedy['picks'])) == len(greedy['picks'])
+  assert greedy['validation_nll'] == min(greedy['validation_nll_by_size'])
+  # Its test NLL is the mixture of the picked members' predictions, each counted once.
+  test = Ensemble.load(str(tmp_path)).predict(dataset.test.x)
+  probs = test.member_probs[greedy['picks']].astype(np.float64).mean(0)
+  nll = -np.mean(np.log(probs[np.arange(len(dataset.test.y)), dataset.test.y]))
+  assert greedy['ensemble']['nll'] == pytest.approx(nll, rel=1e-4)
 
 
 # --- MC dropout -----------------------------------------------------------------------

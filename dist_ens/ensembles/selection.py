@@ -9,6 +9,12 @@ the shortest prefix of the picks with the lowest validation NLL (Caruana's "retu
 the best of the nested ensembles"), so it is never worse on validation than the best
 single member, which is always the first pick. Ties go to the lowest member index.
 
+Without replacement (`replacement=False`, config.select.greedy_replacement) each member is
+picked at most once: forward selection of distinct members, for a budget of K members at
+prediction time (with replacement, K picks can be as few as 2 distinct members weighted
+unevenly; docs/groups.md's recipe measured that). The picks stop when no candidate is
+left; the best prefix is kept as above.
+
 Beside it sits today's top-k (dist_ens.training.actions.SelectTopK): the k best
 members by a validation metric, each counted once.
 
@@ -26,9 +32,12 @@ class Selection(NamedTuple):
   """A greedy selection.
 
   Attributes:
-    picks: the member chosen at each kept step, in order (repeats allowed).
-    counts: [M] how many times each member was picked (its weight in the ensemble).
-    nll_by_size: validation NLL after each of the `size` picks (kept or not).
+    picks: the member chosen at each kept step, in order (repeats allowed unless the
+      selection was without replacement).
+    counts: [M] how many times each member was picked (its weight in the ensemble; 0
+      or 1 without replacement).
+    nll_by_size: validation NLL after each pick made (kept or not): `size` of them, or
+      as many as there were candidates without replacement.
     nll: validation NLL of the kept ensemble (= min of nll_by_size).
   """
   picks: list[int]
@@ -38,8 +47,10 @@ class Selection(NamedTuple):
 
 
 def greedy_select(log_likelihood: np.ndarray, size: int,
-                  candidates: np.ndarray | None = None) -> Selection:
-  """Caruana's greedy selection with replacement by validation NLL (see the module doc).
+                  candidates: np.ndarray | None = None, *,
+                  replacement: bool = True) -> Selection:
+  """Caruana's greedy selection by validation NLL (see the module doc), with replacement
+  or, `replacement=False`, of distinct members.
 
   The ensemble's likelihood of an example is the mean of its members' (a mixture, for
   any task), so the search needs each member's log-likelihood of each example's target
@@ -49,12 +60,16 @@ def greedy_select(log_likelihood: np.ndarray, size: int,
     >>> ll = np.log(np.array([[.9, .4], [.4, .8]]))  # [M=2, N=2]: p_m(y_n)
     >>> greedy_select(ll, size=3).picks
     [0, 1, 0]
+    >>> greedy_select(ll, size=3, replacement=False).picks
+    [0, 1]
 
   Args:
     log_likelihood: [M, N] each member's log-likelihood of each validation example.
     size: the number of picks to make (>= 1).
     candidates: [M] bool, members that may be picked (default all); members with
       non-finite predictions are never picked.
+    replacement: whether a member may be picked again (Caruana's default); without,
+      at most min(size, candidates) picks are made.
 
   Returns:
     The Selection.
@@ -70,7 +85,7 @@ def greedy_select(log_likelihood: np.ndarray, size: int,
   if not allowed.any():
     raise ValueError('greedy_select(): no candidate member has finite predictions.')
   total, picks, path = np.zeros(true_probs.shape[1]), [], []
-  for n in range(1, size + 1):
+  for n in range(1, (size if replacement else min(size, int(allowed.sum()))) + 1):
     with np.errstate(divide='ignore', invalid='ignore'):
       nlls = -np.mean(np.log((total[None] + true_probs) / n), axis=1)
     nlls[~allowed] = np.inf
@@ -78,6 +93,8 @@ def greedy_select(log_likelihood: np.ndarray, size: int,
     picks.append(best)
     path.append(float(nlls[best]))
     total = total + true_probs[best]
+    if not replacement:
+      allowed[best] = False
   keep = int(np.argmin(path)) + 1  # The shortest best prefix.
   counts = np.bincount(picks[:keep], minlength=true_probs.shape[0])
   return Selection(picks[:keep], counts, path, path[keep - 1])

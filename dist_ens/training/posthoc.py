@@ -8,7 +8,7 @@
                      and after
   MethodEnsemble     test metrics of the members config.ensemble.method predicts
                      with (snapshots, SWAG samples; dist_ens.ensembles.methods)
-  GreedySelect       Caruana's greedy ensemble selection with replacement by
+  GreedySelect       Caruana's greedy ensemble selection (with replacement or not) by
                      validation NLL, beside SelectTopK (config.select.method='greedy';
                      dist_ens.ensembles.selection)
 
@@ -220,14 +220,16 @@ class TemperatureScale(_Posthoc):
 
 
 class GreedySelect(_Posthoc):
-  """Caruana's greedy ensemble selection by validation NLL, with replacement, of up to
-  `size` picks (0: num_members); its test metrics under 'greedy'."""
+  """Caruana's greedy ensemble selection by validation NLL, with replacement (or, with
+  `replacement=False`, of distinct members), of up to `size` picks (0: num_members); its
+  test metrics under 'greedy'."""
 
-  def __init__(self, size: int = 0, cache: SplitOutputs | None = None):
+  def __init__(self, size: int = 0, cache: SplitOutputs | None = None, *,
+               replacement: bool = True):
     if size < 0:
       raise ConfigError(f'config.select.greedy_size={size} must be >= 0 (0: num_members).')
     super().__init__(cache)
-    self.size = size
+    self.size, self.replacement = size, replacement
 
   def run(self, call: Call) -> None:
     session = call.session
@@ -237,12 +239,14 @@ class GreedySelect(_Posthoc):
     val_y, test_y = session.run_data.validation.y, session.run_data.dataset.test.y
     candidates = included(call)
     log_likelihood = np.asarray(task.log_likelihood(val, val_y), np.float64)  # [M, N]
-    chosen = selection.greedy_select(log_likelihood, size, candidates=candidates)
+    chosen = selection.greedy_select(log_likelihood, size, candidates=candidates,
+                                     replacement=self.replacement)
     greedy = scorer.metrics(test[chosen.picks], test_y)
     every = scorer.metrics(test, test_y, candidates)
     pooled = np.logaddexp.reduce(log_likelihood[candidates], axis=0) - np.log(candidates.sum())
     session.results['greedy'] = {
-        'by': 'validation nll', 'max_size': size, 'picks': chosen.picks,
+        'by': 'validation nll', 'max_size': size, 'replacement': self.replacement,
+        'picks': chosen.picks,
         'members': sorted(set(chosen.picks)), 'counts': chosen.counts.tolist(),
         'validation_nll': chosen.nll, 'validation_nll_by_size': chosen.nll_by_size,
         'validation_nll_all_members': float(-pooled.mean()),
@@ -253,7 +257,8 @@ class GreedySelect(_Posthoc):
     rows = {'all members': every, 'greedy': greedy}
     if 'selected' in session.results:
       rows[f"top-{session.results['selected']['top_k']}"] = session.results['selected']
-    logging.info('greedy selection (picks %s, validation NLL %.4f; all members %.4f):\n%s',
+    logging.info('greedy selection%s (picks %s, validation NLL %.4f; all members %.4f):\n%s',
+                 '' if self.replacement else ' without replacement',
                  _picks_text(chosen.picks), chosen.nll,
                  session.results['greedy']['validation_nll_all_members'],
                  ensembles_table(rows, task))
@@ -308,5 +313,6 @@ def posthoc_actions(config: ml_collections.ConfigDict, task: Task, method: Any,
   if config.eval.temperature_scaling:
     out.append(TemperatureScale(cache))
   if config.select.method == 'greedy':
-    out.append(GreedySelect(config.select.greedy_size, cache))
+    out.append(GreedySelect(config.select.greedy_size, cache,
+                            replacement=config.select.greedy_replacement))
   return out
