@@ -37,6 +37,9 @@ AXES: dict[str, tuple[Option, ...]] = {
         Option('classification', {}, ('task',), dataset='classes'),
         Option('regression', {'task': 'regression'}, ('task',), dataset='targets'),
         Option('regression [N, D]', {'task': 'regression'}, ('task',), dataset='vectors'),
+        # D means on the MSE; one noise level per member, fitted after training.
+        Option('regression_homoscedastic', {'task': 'regression_homoscedastic'}, ('task',),
+               dataset='targets', label='homoscedastic regression'),
         # Next-token prediction with the built-in causal transformer (a class per position).
         Option('token_classification', {
             'task': 'token_classification', 'model.name': 'token_transformer',
@@ -139,6 +142,7 @@ def _pair(a: str, b: str) -> frozenset[str]:
 
 
 _NOT_DEEP = ('batchensemble', 'mimo', 'snapshot', 'fge', 'multiswag')
+_REGRESSION = ('regression', 'regression [N, D]', 'regression_homoscedastic')
 
 # Pairs refused before anything runs, each with why (the docs show the reason).
 REFUSED: dict[frozenset[str], str] = {
@@ -156,9 +160,9 @@ REFUSED: dict[frozenset[str], str] = {
     _pair('token_classification', 'epinet'): "the epinet's index term is a [batch, units] "
                                               "output's, not per-position ones",
     **{_pair('temperature', t): 'temperature scaling is a classifier\'s (Task.calibrate)'
-       for t in ('regression', 'regression [N, D]')},
+       for t in _REGRESSION},
     **{_pair('laplace', t): "the last-layer Laplace is the softmax cross-entropy's"
-       for t in ('regression', 'regression [N, D]')},
+       for t in _REGRESSION},
     **{_pair('laplace', m): "Laplace fits each independently trained member's output layer"
        for m in (*_NOT_DEEP, 'own=head', 'own=lora')},
     _pair('laplace', 'epinet'): "an epinet's output is not linear in the base network's "
@@ -181,7 +185,14 @@ REFUSED: dict[frozenset[str], str] = {
                                 'several (give the student as an import path)',
     **{_pair(d, t): "the student learns a classifier's soft targets over classes"
        for d in ('distill', 'distill=path')
-       for t in ('regression', 'regression [N, D]', 'token_classification')},
+       for t in (*_REGRESSION, 'token_classification')},
+    # One noise level per trained member (Task.any_members): no other members to score.
+    **{_pair('regression_homoscedastic', o): 'its noise is one fitted level per trained '
+                                            'member: members chosen, sampled or collected '
+                                            'have none (Task.any_members)'
+       for o in ('greedy', 'greedy distinct', 'mc_dropout', 'snapshot', 'fge', 'multiswag')},
+    _pair('regression_homoscedastic', 'groups'): 'the fitted noise levels are not built for '
+                                                 "member groups (use task='regression')",
     **{_pair(d, m): "the student learns from independently trained members of the "
                     "run's model, not shared leaves or other predicting weights"
        for d in ('distill', 'distill=path')

@@ -283,7 +283,9 @@ def _gaussian_task(name: str, target_dim: int | None, means_only: bool, loss: Lo
       unscale=sums_to_original_units,
       predict=functools.partial(predictive, noise_variance=noise_variance),
       combine=functools.partial(combine, means_only=means_only, noise_variance=noise_variance),
-      log_likelihood=functools.partial(log_likelihood, noise_variance=noise_variance))
+      log_likelihood=functools.partial(log_likelihood, noise_variance=noise_variance),
+      # The homoscedastic noise is one fitted level per trained member (training/noise.py).
+      any_members=not means_only)
 
 
 def regression(target_dim: int | None = None) -> Task:

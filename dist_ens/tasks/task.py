@@ -68,6 +68,10 @@ class Task(NamedTuple):
     conformal: whether a run with a validation split fits conformal sets (a classifier's
       APS over [N, C] probabilities) or intervals (predict's mean and variance) on it;
       False: none are fitted (token classification: no per-position sets yet).
+    any_members: whether the outputs of members chosen, repeated, sampled or collected
+      after training can be scored. False where the task holds a constant per trained
+      member (regression_homoscedastic's noise levels, fitted after training): greedy
+      selection, MC dropout and methods that collect members are refused.
   """
   name: str
   output_units: Callable[[Any], int]
@@ -85,6 +89,7 @@ class Task(NamedTuple):
   calibrate: Callable[..., dict[str, Any]] | None = None
   output_shape: Callable[[int, tuple[int, ...]], tuple[int, ...]] | None = None
   conformal: bool = True
+  any_members: bool = True
 
   def example_outputs(self, num_outputs: int, input_shape: tuple[int, ...]) -> tuple[int, ...]:
     """One example's output shape (see output_shape)."""
@@ -99,6 +104,12 @@ _NEEDS = (('eval.temperature_scaling', 'calibrate', 'a recalibration'),
           ("select.method='greedy'", 'log_likelihood', "members' likelihoods"),
           ('eval.mc_samples', 'combine', 'a way to combine samples'),
           ('eval.metrics', 'combine', "the ensemble's outputs in a member's format"))
+
+
+# The steps that score members other than the trained ones, one each (Task.any_members).
+_OTHER_MEMBERS = (("select.method='greedy'", 'chosen and repeated'),
+                  ('eval.mc_samples', 'sampled'),
+                  ('ensemble.method', 'collected while training'))
 
 
 def check_steps(task: Task, asked: Mapping[str, bool], task_field: str = 'config.task') -> None:
@@ -116,6 +127,12 @@ def check_steps(task: Task, asked: Mapping[str, bool], task_field: str = 'config
     if asked.get(field) and getattr(task, needs) is None:
       raise ConfigError(f'config.{field} needs {what} (Task.{needs}), which {task_field}='
                         f'{task.name!r} does not give; turn it off for this task.')
+  for field, what in _OTHER_MEMBERS:
+    if asked.get(field) and not task.any_members:
+      raise ConfigError(f'config.{field} scores members {what}, and {task_field}='
+                        f"{task.name!r} holds one constant per trained member (Task."
+                        "any_members); turn it off, or use a task without one "
+                        "(task='regression' for Gaussian targets).")
 
 
 def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int,

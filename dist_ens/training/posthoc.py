@@ -285,16 +285,18 @@ def ensembles_table(rows: dict[str, dict[str, Any]], task: Task) -> str:
 SELECT_METHODS = ('top_k', 'greedy')
 
 
-def check(config: ml_collections.ConfigDict, task: Task) -> None:
+def check(config: ml_collections.ConfigDict, task: Task, method: Any = None) -> None:
   """One line, before training, for a post-hoc step the config asks for and `task`
-  cannot do (tasks.check_steps), or an unknown select.method."""
+  cannot do (tasks.check_steps; with `method`, its collected members too), or an
+  unknown select.method."""
   select = config.select.method
   if select not in SELECT_METHODS:
     raise ConfigError(f'config.select.method={select!r}; use one of {SELECT_METHODS}.')
   check_steps(task, {'eval.temperature_scaling': config.eval.temperature_scaling,
                      "select.method='greedy'": select == 'greedy',
                      'eval.mc_samples': config.eval.mc_samples > 0,
-                     'eval.metrics': bool(config.eval.metrics)})
+                     'eval.metrics': bool(config.eval.metrics),
+                     'ensemble.method': method is not None and method.collects})
 
 
 def posthoc_actions(config: ml_collections.ConfigDict, task: Task, method: Any,
@@ -302,7 +304,7 @@ def posthoc_actions(config: ml_collections.ConfigDict, task: Task, method: Any,
   """The post-hoc actions config asks for (config.eval.mc_samples,
   config.eval.temperature_scaling, config.select.method='greedy', and the members
   `method` collects), sharing their split outputs (`cache`, or their own)."""
-  check(config, task)
+  check(config, task, method)
   cache, out = cache or SplitOutputs(), []
   # Snapshots and SWAG samples predict beside the trained members; a BatchEnsemble's
   # members are the trained members (evaluated as such).
