@@ -117,7 +117,8 @@ def check_steps(task: Task, asked: Mapping[str, bool], task_field: str = 'config
 
   Args:
     task: the run's task.
-    asked: {config field (as _NEEDS names it): whether the config asks for that step}.
+    asked: {config field (as _NEEDS and _OTHER_MEMBERS name it): whether the config asks
+      for that step}.
     task_field: the config field that named the task.
 
   Raises:
