@@ -190,9 +190,8 @@ REFUSED: dict[frozenset[str], str] = {
     **{_pair('regression_homoscedastic', o): 'its noise is one fitted level per trained '
                                             'member: members chosen, sampled or collected '
                                             'have none (Task.any_members)'
-       for o in ('greedy', 'greedy distinct', 'mc_dropout', 'snapshot', 'fge', 'multiswag')},
-    _pair('regression_homoscedastic', 'groups'): 'the fitted noise levels are not built for '
-                                                 "member groups (use task='regression')",
+       for o in ('greedy', 'greedy distinct', 'mc_dropout', 'snapshot', 'fge', 'multiswag',
+                 'groups')},
     **{_pair(d, m): "the student learns from independently trained members of the "
                     "run's model, not shared leaves or other predicting weights"
        for d in ('distill', 'distill=path')

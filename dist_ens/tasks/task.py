@@ -71,7 +71,7 @@ class Task(NamedTuple):
     any_members: whether the outputs of members chosen, repeated, sampled or collected
       after training can be scored. False where the task holds a constant per trained
       member (regression_homoscedastic's noise levels, fitted after training): greedy
-      selection, MC dropout and methods that collect members are refused.
+      selection, MC dropout, methods that collect members and member groups are refused.
   """
   name: str
   output_units: Callable[[Any], int]
@@ -109,7 +109,8 @@ _NEEDS = (('eval.temperature_scaling', 'calibrate', 'a recalibration'),
 # The steps that score members other than the trained ones, one each (Task.any_members).
 _OTHER_MEMBERS = (("select.method='greedy'", 'chosen and repeated'),
                   ('eval.mc_samples', 'sampled'),
-                  ('ensemble.method', 'collected while training'))
+                  ('ensemble.method', 'collected while training'),
+                  ('ensemble.groups', "of each group as that group's ensemble"))
 
 
 def check_steps(task: Task, asked: Mapping[str, bool], task_field: str = 'config.task') -> None:

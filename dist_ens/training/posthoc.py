@@ -285,10 +285,11 @@ def ensembles_table(rows: dict[str, dict[str, Any]], task: Task) -> str:
 SELECT_METHODS = ('top_k', 'greedy')
 
 
-def check(config: ml_collections.ConfigDict, task: Task, method: Any = None) -> None:
+def check(config: ml_collections.ConfigDict, task: Task, method: Any = None,
+          grouped: bool = False) -> None:
   """One line, before training, for a post-hoc step the config asks for and `task`
-  cannot do (tasks.check_steps; with `method`, its collected members too), or an
-  unknown select.method."""
+  cannot do (tasks.check_steps; with `method`, its collected members too; `grouped`:
+  member groups' own ensembles), or an unknown select.method."""
   select = config.select.method
   if select not in SELECT_METHODS:
     raise ConfigError(f'config.select.method={select!r}; use one of {SELECT_METHODS}.')
@@ -296,7 +297,8 @@ def check(config: ml_collections.ConfigDict, task: Task, method: Any = None) -> 
                      "select.method='greedy'": select == 'greedy',
                      'eval.mc_samples': config.eval.mc_samples > 0,
                      'eval.metrics': bool(config.eval.metrics),
-                     'ensemble.method': method is not None and method.collects})
+                     'ensemble.method': method is not None and method.collects,
+                     'ensemble.groups': grouped})
 
 
 def posthoc_actions(config: ml_collections.ConfigDict, task: Task, method: Any,

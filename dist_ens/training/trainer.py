@@ -151,7 +151,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   workdir_lib.check_workdir(workdir)
   distributed.check_same_config(configuration.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
-  posthoc.check(run.config, run.parts.task, run.parts.method)
+  posthoc.check(run.config, run.parts.task, run.parts.method, grouped=bool(run.parts.groups))
   # Refusals, of each member group's method where the groups have their own.
   for one, parts in zip(member_groups.group_configs(run.config), run.parts.groups or [run.parts]):
     laplace_action.laplace_actions(one, parts.task, parts.method)
