@@ -20,7 +20,7 @@ import test_laplace
 
 import dist_ens
 from dist_ens import assemble, data
-from dist_ens.eval import joint, laplace
+from dist_ens.eval import joint, laplace, laplace_predictive
 from dist_ens.io import laplace_file
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +75,21 @@ def test_weight_draws_have_the_posterior_covariance(kind):
   empirical = np.einsum('sbc,sbd->bcd', logit_noise, logit_noise) / len(noise)
   expected = np.asarray(laplace.logit_covariance(kind, post, psi[:3], 0.5))
   np.testing.assert_allclose(empirical, expected, atol=0.03 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize('kind', laplace.KINDS)
+def test_no_weight_draws_is_an_empty_stack_for_every_form(kind):
+  """eval.laplace_samples=0 (the default, the probit predictive) draws nothing: every form
+  gives [0, F1, C] (diag and full once crashed after training on a reshape of no draws)."""
+  f1, c, n = 4, 3, 10
+  rng = np.random.default_rng(4)
+  psi = jnp.asarray(np.concatenate([rng.normal(size=(n, f1 - 1)), np.ones((n, 1))], 1),
+                    jnp.float32)
+  probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(n, c)), jnp.float32))
+  post = laplace.posterior(kind, laplace.batch_curvature(kind, psi, probs, jnp.ones(n)))
+  noise = laplace_predictive._member_noise(kind, 0, c, post, jnp.float32(0.5),
+                                           jax.random.key(0))
+  assert noise.shape == (0, f1, c)
 
 
 @pytest.fixture(scope='module')

@@ -157,7 +157,8 @@ def weight_noise(kind: str, post: Posterior, delta: jax.Array, eps: jax.Array) -
   if kind == 'last_layer_kron':
     scale = jax.lax.rsqrt(jnp.outer(post.lam_a, post.lam_g) + delta)  # [F1, C]
     return jnp.einsum('fi,sij,cj->sfc', post.q_a, eps * scale, post.q_g)
-  flat = eps.reshape(eps.shape[0], -1) * jax.lax.rsqrt(post.lam + delta)  # [S, P]
+  # The size of P spelled out: with no draws (S = 0) a -1 has nothing to divide.
+  flat = eps.reshape(eps.shape[0], post.lam.shape[0]) * jax.lax.rsqrt(post.lam + delta)
   if kind == 'last_layer_diag':
     return flat.reshape(eps.shape)
   return (flat @ post.q.T).reshape(eps.shape)
