@@ -2,7 +2,9 @@
 
 import dataclasses
 import json
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import jax
@@ -127,6 +129,27 @@ def test_resume_keeps_training_time_and_labels_its_averages(tmp_path):
   train_events = [e for e in _events(tmp_path) if e['split'] == 'train']
   # Resumed at 6 with log_every=4: the event at 8 averages steps 7-8 and says so.
   assert [(e['step'], e['steps_averaged']) for e in train_events] == [(6, 6), (8, 2), (12, 4)]
+
+
+def test_a_stop_between_log_steps_keeps_the_intervals_losses(tmp_path):
+  """SIGTERM at step 6 of 8, logging every 4: the checkpoint carries steps 5-6's metrics, so
+  the resumed run's record at 8 is the uninterrupted run's (they once never reached
+  metrics.jsonl and the record averaged the resumed steps alone)."""
+  config = _config(train__steps=8, checkpoint__every=2, train__steps_per_call=1)
+  dist_ens.train(config, str(tmp_path / 'whole'))
+
+  def sigterm_at_6(call):
+    if call.step == 6:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  stopped = dist_ens.train(config, str(tmp_path / 'stopped'),
+                           actions=[dist_ens.every(1, sigterm_at_6, at_end=False)])
+  assert stopped['preempted'] and stopped['step'] in (6, 7)
+  dist_ens.train(config, str(tmp_path / 'stopped'))
+  whole, resumed = ([e for e in _events(tmp_path / run) if e['split'] == 'train']
+                    for run in ('whole', 'stopped'))
+  assert [(e['step'], e['steps_averaged']) for e in resumed] == [(4, 4), (8, 4)]
+  assert resumed[-1]['members'] == whole[-1]['members']  # bit for bit, on this topology
 
 
 @pytest.fixture(scope='module')

@@ -28,6 +28,10 @@ from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.groups import metrics_in_id_order
 from dist_ens.core.state import member_flags
+from dist_ens.core.step import StepMetrics
+
+# A checkpoint's entry for the train metrics of the steps since the last log step.
+INTERVAL_META = 'train_interval'
 
 
 class Sync(PeriodicAction):
@@ -80,7 +84,14 @@ class TrainLog(PeriodicAction):
     session = call.session
     super().__init__(session.config.train.log_every)
     self._checkpoint = checkpoint
-    self._interval: list[Any] = []
+    self._session = session
+    self._interval: list[Any] = []  # This interval's step metrics, on the device.
+    # Its earlier steps as numpy: those a checkpoint saved between two log steps (a
+    # resumed run's first record averages them too, as an uninterrupted run's would),
+    # then whatever a save had to fetch.
+    self._fetched = _interval_from_meta(session.saved_meta.get(INTERVAL_META))
+    self._steps_here = 0  # Steps this session ran in the interval (its speed's count).
+    session.meta_extras[INTERVAL_META] = self._interval_meta
     self._mark = session.train_clock()
     self._progress = progress_lib.Progress(session.total_steps, session.start_step)
     self._reported = set(np.flatnonzero(member_flags(session.fetch(call.state.frozen))).tolist())
@@ -93,6 +104,7 @@ class TrainLog(PeriodicAction):
 
   def on_step(self, call: Call) -> None:
     self._interval.append(call.metrics)
+    self._steps_here += call.session.steps_per_call
     self._progress.update(call.step)
     if self.due(call.step) or call.step == call.session.total_steps:
       self._flush(call)
@@ -103,21 +115,18 @@ class TrainLog(PeriodicAction):
   def _flush(self, call: Call) -> None:
     session = call.session
     m = session.config.num_members
-    # Every step's metrics since the last log, [steps, M] (a call gives [K, M]).
-    fetched = jax.tree.map(lambda *calls: np.concatenate([c.reshape(-1, m) for c in calls]),
-                           *[metrics_in_id_order(session.fetch(metrics_))
-                             for metrics_ in self._interval])
+    fetched, self._fetched = self._drain(session), None
     now = session.train_clock()
-    elapsed, self._mark, self._interval = now - self._mark, now, []
-    steps = len(fetched.loss)
+    elapsed, self._mark = now - self._mark, now
+    steps, steps_here, self._steps_here = len(fetched.loss), self._steps_here, 0
     loss = fetched.loss.mean(axis=0)
     batch_metrics = {k: v.mean(axis=0) for k, v in fetched.metrics.items()}
-    rate = m * session.config.data.batch_size * steps / elapsed
+    rate = m * session.config.data.batch_size * steps_here / elapsed
     # Examples the input pipeline delivered per step (one batch, or one per member) and
     # could deliver (per second of its busy time; none when its thread made no batch in
     # the interval, having run ahead: an infinite figure is noise in every writer).
     per_step = (m if session.run_data.order.per_member else 1) * session.config.data.batch_size
-    demand = per_step * steps / elapsed
+    demand = per_step * steps_here / elapsed
     stats, mark = session.batches.stats, self._pipeline_mark
     busy = stats.busy_seconds - mark.busy_seconds
     supply = (stats.examples - mark.examples) / busy if busy > 0 else None
@@ -136,6 +145,26 @@ class TrainLog(PeriodicAction):
                 f'{rate:,.0f} member-ex/s')
     self._check_nonfinite(call, fetched.nonfinite)
 
+  def _drain(self, session) -> Any:
+    """Every step's metrics since the last log as numpy, [steps, M] each (a call gives
+    [K, M]), in member id order."""
+    m = session.config.num_members
+    fetched = [metrics_in_id_order(session.fetch(metrics_)) for metrics_ in self._interval]
+    earlier = [] if self._fetched is None else [self._fetched]
+    self._interval = []
+    self._fetched = jax.tree.map(
+        lambda *parts: np.concatenate([p.reshape(-1, m) for p in parts]), *earlier, *fetched)
+    return self._fetched
+
+  def _interval_meta(self) -> dict[str, Any] | None:
+    """What a checkpoint saves of the interval so far (None at a log step): the exact
+    float32 values, which JSON's doubles hold without rounding."""
+    if not self._interval and self._fetched is None:
+      return None
+    fetched = self._drain(self._session)
+    return {'loss': fetched.loss.tolist(), 'nonfinite': fetched.nonfinite.tolist(),
+            'metrics': {k: v.tolist() for k, v in fetched.metrics.items()}}
+
   def _check_nonfinite(self, call: Call, nonfinite: np.ndarray) -> None:
     newly_bad = sorted(set(np.flatnonzero(np.any(nonfinite, axis=0)).tolist()) - self._reported)
     if not newly_bad:
@@ -151,6 +180,14 @@ class TrainLog(PeriodicAction):
 
   def close(self) -> None:
     self._progress.close()
+
+
+def _interval_from_meta(saved: dict[str, Any] | None) -> StepMetrics | None:
+  if not saved:
+    return None
+  return StepMetrics(np.asarray(saved['loss'], np.float32),
+                     {k: np.asarray(v, np.float32) for k, v in saved['metrics'].items()},
+                     np.asarray(saved['nonfinite'], bool))
 
 
 class Evaluate(PeriodicAction):

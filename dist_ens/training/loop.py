@@ -57,7 +57,9 @@ class Session:
     results: what the run returns and writes to final_metrics.json; actions add to it.
     saved_meta: what the restored checkpoint carried beside the state ({} on a fresh run).
     meta_extras: what actions save beside the state in every checkpoint from now on
-      (population-based training's hyperparameters and lineage), read back from saved_meta.
+      (population-based training's hyperparameters and lineage), read back from saved_meta;
+      a value that is a function is called at each save (the train metrics since the
+      last log step).
     batches: the input pipeline (dist_ens.data.Batches): its .state is the data position
       a checkpoint must save, its .stats what it has read.
   """
@@ -106,7 +108,7 @@ class Session:
             'num_classes': self.parts.num_outputs,  # the model's outputs (format 2's name)
             'config': json.loads(self.config.to_json()),
             'mesh': dict(self.parts.mesh.shape),  # The layout Ensemble.load keeps.
-            **self.meta_extras}
+            **{k: v() if callable(v) else v for k, v in self.meta_extras.items()}}
     scale = self.run_data.scale
     if scale is not None:  # What predict needs to take raw inputs and give target units.
       meta['standardizer'] = member_files.standardizer_dict(scale)
