@@ -272,9 +272,13 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
     raise ConfigError(f'{member_groups.FIELD}: planning another num_members than the '
                       f'config\'s ({config.num_members}) is not supported with groups.')
   member_groups.check_divides(specs, mesh.shape[mesh_lib.MEMBER])
-  groups = tuple(build_parts(member_groups.group_config(config, s), mesh, input_shape,
-                             num_outputs, s.group.count, optimizer, input_dtype, s.group.first)
-                 for s in specs)
+  built = []
+  for s in specs:
+    with member_groups.in_group(s):
+      built.append(build_parts(member_groups.group_config(config, s), mesh, input_shape,
+                               num_outputs, s.group.count, optimizer, input_dtype,
+                               s.group.first))
+  groups = tuple(built)
   abstract = groups_lib.join_states([g.abstract_state for g in groups])
   hparams = {k: np.concatenate([g.hparams[k] for g in groups]) for k in groups[0].hparams}
   # The task and input are every group's; the method (each group's gives one predicting

@@ -119,7 +119,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
            'must be a number > 0 of float32 size, e.g. 1e-8')
   # Groups first: a pairing they refuse is named as theirs, not as the other field's.
   for spec in member_groups.check(config):  # Each group's own fields and overrides.
-    hparams.resolve(specs.hparams_spec(member_groups.group_config(config, spec)))
+    with member_groups.in_group(spec):
+      hparams.resolve(specs.hparams_spec(member_groups.group_config(config, spec)))
   _validate_select(config)
   _validate_eval(config)
   # Per-member fields: numbers, lists of M numbers or specs.

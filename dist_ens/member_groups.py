@@ -13,9 +13,10 @@ dropout and hyperparameters depend on (seed, i) only, so a group's members are t
 members of the same ids in a run without groups whose model is the group's.
 """
 
+import contextlib
 import copy
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import ml_collections
@@ -161,12 +162,26 @@ def check(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
                       f'members ({counts}); set num_members={total}.')
   for spec in specs:
     one = group_config(config, spec)
-    _check_method(one, spec)
+    with in_group(spec):
+      _check_method(one, spec)
     for field, refused, fix in _REFUSED:
       if refused(_get(one, field)):
         raise ConfigError(f'{FIELD} does not support config.{field}={_get(one, field)!r} '
                           f'yet (docs/groups.md); {fix}, or train without groups.')
   return specs
+
+
+@contextlib.contextmanager
+def in_group(spec: GroupSpec) -> Iterator[None]:
+  """A ConfigError about a group's own config (its model.name, say) names the group: the
+  same field may hold another value in the run's config or in another group."""
+  try:
+    yield
+  except ConfigError as e:
+    if FIELD in str(e):  # Already the group's own refusal.
+      raise
+    raise ConfigError(f'{FIELD} group {spec.name!r} (members {spec.group.first}-'
+                      f'{spec.group.first + spec.group.count - 1}): {e}') from None
 
 
 def fitted_members(config: ml_collections.ConfigDict) -> int:

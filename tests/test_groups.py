@@ -433,6 +433,9 @@ def test_a_groups_own_method_refuses_what_it_refuses_without_groups(own_method, 
     (({'count': 4, 'optim': {'learning_rate': [1e-3, 2e-3, 3e-3, 4e-3]}},), 4,
      ('optim.learning_rate', 'per-member lists')),
     ('[{"count": 4}]', 4, ('string', 'config file')),
+    # A group's own field names the group: the run's config may hold another value.
+    (({'count': 2}, {'count': 2, 'model': {'name': 'mlpp'}}), 4,
+     ("group 'group1' (members 2-3)", "model.name='mlpp'", "'mlp'")),
 ])
 def test_bad_groups_are_refused_naming_the_field(groups, num_members, words, tmp_path):
   config = _config(groups, num_members=num_members)
