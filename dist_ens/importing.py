@@ -5,6 +5,7 @@ code, never anything stored in a workdir (dist_ens writes no pickles).
 """
 
 import importlib
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def load_object(path: str, field: str) -> Any:
   """
   module_name, _, attr = path.partition(':')
   try:
-    obj = importlib.import_module(module_name)
+    obj = _import_here_too(module_name)
   except ImportError as e:
     raise ConfigError(f'{field}={path!r} cannot be imported: {type(e).__name__}: {e} '
                       f'({_where_to_import_from(module_name, e)})') from None
@@ -41,6 +42,38 @@ def load_object(path: str, field: str) -> Any:
       raise ConfigError(f'{field}={path!r}: module {module_name!r} has no attribute {attr!r}.')
     obj = getattr(obj, part)
   return obj
+
+
+def _import_here_too(module_name: str) -> Any:
+  """`module_name` imported from sys.path, else from the current directory as well.
+
+  `python -m`, `python -c` and a notebook put the current directory on sys.path; a script
+  (`python /elsewhere/train.py`) and the `dist-ens` command put their own folder there
+  instead, so 'examples.plain_jax:make_model' or 'my_pkg.data:load' failed from exactly
+  the directory that holds them (issue 62 item 8). The directory is appended, so it never
+  shadows an installed module, and kept, so the user's module can import its siblings later.
+  """
+  before = set(sys.modules)
+  try:
+    return importlib.import_module(module_name)
+  except ImportError as e:
+    # Only where the module itself (or a package above it) was not found: a module found
+    # that fails to import something of its own fails the same way from anywhere.
+    missing, here, top = e.name or '', Path.cwd(), module_name.split('.')[0]
+    if (not (missing and f'{module_name}.'.startswith(f'{missing}.'))
+        or not ((here / top).is_dir() or (here / f'{top}.py').is_file())
+        or here in {Path(p or '.').resolve() for p in sys.path}):
+      raise
+  # What the failed attempt left: e.g. dm-haiku's namespace package 'examples' (found on
+  # sys.path before the directory is) would stand for the directory's regular one.
+  for name in list(sys.modules):
+    if name == top or name.startswith(f'{top}.'):
+      namespace = getattr(sys.modules[name], '__file__', None) is None
+      if name not in before or namespace:
+        del sys.modules[name]
+  sys.path.append(str(here))
+  importlib.invalidate_caches()
+  return importlib.import_module(module_name)
 
 
 # The repository's examples/ (e.g. 'examples.plain_jax:make_model' in the README): a
