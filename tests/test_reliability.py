@@ -222,6 +222,9 @@ def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_pa
       env=dict(os.environ, JAX_PLATFORMS='cpu', PYTHONDONTWRITEBYTECODE='1',
                XLA_FLAGS=support.xla_flags(8)))
   assert proc.returncode == 1 and 'Traceback' not in proc.stderr, proc.stderr[-3000:]
+  # Said once, by dist_ens: not also by orbax's error lines before it.
+  assert not [line for line in proc.stderr.splitlines() if line.startswith('error:')], (
+      proc.stderr[-3000:])
   assert proc.stderr.splitlines()[-1] == (
       f'dist-ens: error: writing into {tmp_path} failed: File too large (the disk, a quota or '
       'a file-size limit is full); the checkpoint at step 4 is intact: free some space and '

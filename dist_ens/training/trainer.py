@@ -262,8 +262,8 @@ def _info_logs() -> Iterator[None]:
   if before < logging.INFO:
     logging.set_verbosity(logging.INFO)
   try:
-    with console.plain_lines_unless_configured():  # Not 'INFO:absl:' on every line.
-      yield
+    with console.plain_lines_unless_configured(), workdir_lib.quiet_orbax_on_full_disk():
+      yield  # Lines plain, not 'INFO:absl:' each; a full disk said once, by disk_full.
   finally:
     logging.set_verbosity(before)
 

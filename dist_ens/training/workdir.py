@@ -21,8 +21,10 @@ import datetime
 import errno
 import fcntl
 import json
+import logging as std_logging
 import os
 import socket
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -202,6 +204,30 @@ def _out_of_space(error: BaseException) -> str | None:
         return full
     error = error.__cause__ or error.__context__
   return None
+
+
+class _OrbaxFullDisk(std_logging.Filter):
+  """Drops orbax's own error lines (with their tracebacks) about a write that ran out of
+  space: the run ends with disk_full's one line, which says what they say and what to do."""
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    # The record's exc_info stays empty on this path (absl); the filter runs inside the
+    # logging call, in the handler of the error it reports.
+    error = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+    return not ('orbax' in record.pathname and error is not None
+                and _out_of_space(error) is not None)
+
+
+@contextlib.contextmanager
+def quiet_orbax_on_full_disk() -> Iterator[None]:
+  """While open, orbax's error lines about a full disk are not printed (absl's logger,
+  which orbax logs to)."""
+  quiet, absl_logger = _OrbaxFullDisk(), std_logging.getLogger('absl')
+  absl_logger.addFilter(quiet)
+  try:
+    yield
+  finally:
+    absl_logger.removeFilter(quiet)
 
 
 def newest_meta(directory: Path) -> dict[str, Any] | None:
