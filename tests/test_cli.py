@@ -150,15 +150,40 @@ def test_the_console_shows_progress_results_and_where_they_went_details_at_verbo
   assert not [line for line in lines if re.match(r'[IWEF]\d{4} ', line)], plain.stderr
   assert not [d for d in _DETAILS if d in plain.stderr], plain.stderr
   assert re.search(r'^step 20/20  loss mean', plain.stderr, re.M), plain.stderr
-  assert '| **ensemble** |' in plain.stderr
-  assert lines[-1] == (f'results in {tmp_path / "plain"}: final_metrics.json, members.csv, '
-                       'metrics.jsonl, tensorboard/, checkpoints/; `dist-ens report '
-                       f'--workdir={tmp_path / "plain"}` draws the figures.'), lines[-1]
+  # Results on stdout (`> results.md` keeps them), progress on stderr (issue 62 item 8).
+  results = plain.stdout.strip().splitlines()
+  assert results[0] == 'final test metrics:', plain.stdout
+  assert '| **ensemble: all 2 members** |' in plain.stdout
+  assert results[-1] == (f'results in {tmp_path / "plain"}: final_metrics.json, members.csv, '
+                         'metrics.jsonl, tensorboard/, checkpoints/; `dist-ens report '
+                         f'--workdir={tmp_path / "plain"}` draws the figures.'), results[-1]
+  assert 'final test metrics' not in plain.stderr and 'results in' not in plain.stderr
   verbose = _run(*args, f'--workdir={tmp_path / "verbose"}', '--verbose')
   assert verbose.returncode == 0, verbose.stderr[-3000:]
   assert all(d in verbose.stderr for d in _DETAILS), verbose.stderr
   assert re.search(r'^I\d{4} .*progress.py:\d+\] step 20/20', verbose.stderr, re.M)
   assert 'PERSISTENT COMPILATION CACHE' not in verbose.stderr  # No JAX debug lines.
+
+
+def test_the_results_tables_ensemble_rows_say_which_members_they_average():
+  # A sweep's bold ensemble row was all 16 members, while its top-k (the result the sweep
+  # config is for) was printed once, above the tables (issue 62 item 8).
+  from dist_ens.io.tables import results_table  # pylint: disable=g-import-not-at-top
+  members = {'accuracy': [.5, .7, .6, .4], 'nll': [1.0, .8, .9, 1.2]}
+  final = {'members': members, 'ensemble': {'accuracy': .65, 'nll': .85},
+           'selected': {'top_k': 2, 'by': 'validation nll', 'members': [1, 2],
+                        'ensemble': {'accuracy': .7, 'nll': .8}},
+           'greedy': {'by': 'validation nll', 'picks': [1, 1, 2], 'members': [1, 2],
+                      'ensemble': {'accuracy': .68, 'nll': .79}}}
+  rows = [line for line in results_table(final).splitlines() if 'ensemble' in line]
+  assert rows == ['| **ensemble: all 4 members** | **0.6500** | **0.8500** |',
+                  '| **ensemble: top-2 by validation nll, members [1, 2]** | **0.7000** | '
+                  '**0.8000** |',
+                  '| **ensemble: greedy by validation nll, 3 picks of 2 members** | **0.6800** | '
+                  '**0.7900** |']
+  final = {'members': members, 'ensemble': {'accuracy': .6, 'nll': .9}, 'frozen_members': [3]}
+  assert '| **ensemble: 3 members (1 frozen left out)** | **0.6000** | **0.9000** |' in (
+      results_table(final).splitlines())
 
 
 def test_counts_take_the_noun_in_the_right_number():

@@ -90,8 +90,11 @@ def results_table(final: dict[str, Any]) -> str:
           f'{float(np.nanquantile(members[k], q)):.4f}' for k, _ in columns) + ' |')
   lines.append('| member mean | ' + ' | '.join(f'{float(np.mean(members[k])):.4f}'
                                                for k, _ in columns) + ' |')
-  lines.append('| **ensemble** | ' + ' | '.join(f'**{ens[k]:.4f}**' if k in ens else ''
-                                                for k, _ in columns) + ' |')
+  # Each ensemble row says which members it averages: a sweep's whole ensemble (every
+  # member, most of them badly tuned) is not its top-k, which the row after it holds.
+  for label, averaged in _ensembles(final, num_members, frozen):
+    lines.append(f'| **ensemble: {label}** | ' + ' | '.join(
+        f'**{averaged[k]:.4f}**' if k in averaged else '' for k, _ in columns) + ' |')
   if 'disagreement' in ens:
     lines.append(f'\nensemble disagreement: {ens["disagreement"]:.4f}')
   if 'mutual_information' in ens:
@@ -99,6 +102,28 @@ def results_table(final: dict[str, Any]) -> str:
                  f'{ens["expected_entropy"]:.4f} + mutual information (epistemic) '
                  f'{ens["mutual_information"]:.4f}; mean pairwise KL {ens["pairwise_kl"]:.4f}')
   return '\n'.join(lines)
+
+
+def _ensembles(final: dict[str, Any], num_members: int,
+               frozen: set[int]) -> list[tuple[str, dict[str, Any]]]:
+  """(what it averages, its metrics) for the whole ensemble and the selected ones.
+
+  Example:
+    >>> [label for label, _ in _ensembles({'ensemble': {}, 'selected': {'top_k': 4,
+    ...     'by': 'validation nll', 'members': [0, 3, 5, 9], 'ensemble': {}}}, 16, {2})]
+    ['15 members (1 frozen left out)', 'top-4 by validation nll, members [0, 3, 5, 9]']
+  """
+  rows = [(f'{counted(num_members - len(frozen), "member")} ({len(frozen)} frozen left out)'
+           if frozen else f'all {counted(num_members, "member")}', final['ensemble'])]
+  if 'selected' in final:  # config.select.top_k (training/actions.py SelectTopK)
+    selected = final['selected']
+    rows.append((f'top-{selected["top_k"]} by {selected["by"]}, members '
+                 f'{short_list(selected["members"])}', selected['ensemble']))
+  if 'greedy' in final:  # select.method='greedy' (training/posthoc.py)
+    greedy = final['greedy']
+    rows.append((f'greedy by {greedy["by"]}, {counted(len(greedy["picks"]), "pick")} of '
+                 f'{counted(len(greedy["members"]), "member")}', greedy['ensemble']))
+  return rows
 
 
 def member_rows(final: dict[str, Any], member_hparams: dict[str, np.ndarray],
