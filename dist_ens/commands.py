@@ -144,6 +144,7 @@ def _console_logging(verbose: bool) -> None:
   std_logging.getLogger('absl').setLevel(std_logging.DEBUG if verbose else std_logging.INFO)
   if not verbose:
     logging.get_absl_handler().setFormatter(console.PlainFormatter())
+  console.results_to_stdout(logging.get_absl_handler())  # The final tables; the rest: stderr.
 
 
 def _say_where_things_went(workdir: str) -> None:
@@ -154,8 +155,9 @@ def _say_where_things_went(workdir: str) -> None:
            'checkpoints')
   found = [n + ('/' if (Path(workdir) / n).is_dir() else '') for n in names
            if (Path(workdir) / n).exists()]
-  logging.info('results in %s: %s; `dist-ens report --workdir=%s` draws the figures.', workdir,
-               ', '.join(found), workdir)
+  # A result, so stdout (console.RESULT_MESSAGES says why); flushed after the tables.
+  print(f'results in {workdir}: {", ".join(found)}; `dist-ens report --workdir={workdir}` '
+        'draws the figures.', flush=True)
 
 
 def _first_line(error: BaseException) -> str:

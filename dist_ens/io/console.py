@@ -3,6 +3,7 @@ prints them, also when `dist_ens.train` is called from a Python script."""
 
 import contextlib
 import logging as std_logging
+import sys
 from collections.abc import Iterator
 
 
@@ -48,3 +49,41 @@ def plain_lines_unless_configured() -> Iterator[None]:
   finally:
     for h, formatter in zip(basic, formatters):
       h.setFormatter(formatter)
+
+
+# The log lines that are a run's results, by their format strings: the final tables
+# (dist_ens/training/trainer.py's _finish). The command line prints them on stdout and the
+# rest (progress, warnings, errors) on stderr, so `dist-ens ... > results.md` keeps the
+# results and the terminal still shows the progress (issue 62 item 8).
+RESULT_MESSAGES = ('final test metrics:\n%s', 'members, best first by %s %s:\n%s')
+
+
+def is_result(record: std_logging.LogRecord) -> bool:
+  """Whether `record` is one of a run's results (RESULT_MESSAGES). Decided once per record
+  and kept on it: a later filter (a process's '[process i] ' prefix) rewrites its msg."""
+  if not hasattr(record, 'dist_ens_result'):
+    record.dist_ens_result = record.msg in RESULT_MESSAGES
+  return record.dist_ens_result
+
+
+class _StdoutResults(std_logging.StreamHandler):
+  """Results on stdout, as PlainFormatter prints them."""
+
+  def __init__(self):
+    super().__init__(sys.stdout)
+    self.setFormatter(PlainFormatter())
+    self.addFilter(is_result)
+
+
+def _not_result(record: std_logging.LogRecord) -> bool:
+  return not is_result(record)
+
+
+def results_to_stdout(handler: std_logging.Handler) -> None:
+  """From now on, results go to stdout and not through `handler` (the console's stderr
+  handler: absl's); idempotent."""
+  if _not_result not in handler.filters:
+    handler.filters.insert(0, _not_result)  # First: before any filter that rewrites msg.
+  root = std_logging.getLogger()
+  if not any(isinstance(h, _StdoutResults) for h in root.handlers):
+    root.addHandler(_StdoutResults())
