@@ -17,7 +17,7 @@
 #   --project PROJECT  GCP project (default: gcloud's configured one)
 #   --repo-dir DIR     where the code lives on the workers (default: dist_ens)
 #   --setup            first copy this checkout to DIR on every worker and
-#                      pip install it with jax[tpu]
+#                      pip install it with its tpu extra (jax[tpu], the supported versions)
 #   --dry-run          print the gcloud commands instead of running them
 #
 # The workdir must be one every worker reaches (a gs:// bucket or an NFS mount):
@@ -84,8 +84,10 @@ if [[ $setup == 1 ]]; then
   checkout="$(cd "$(dirname "$0")/.." && pwd)"
   run gcloud compute tpus tpu-vm scp --recurse "$checkout" "${name}:${repo_dir}" \
     "${where[@]}" --worker=all
+  # The package's own tpu extra (pyproject.toml): the jax versions dist_ens supports, one
+  # pin for every install, not a second one here to fall behind it.
   run gcloud compute tpus tpu-vm ssh "$name" "${where[@]}" --worker=all \
-    --command="pip install -e $(quote "$repo_dir") 'jax[tpu]>=0.10,<0.11'"
+    --command="pip install -e $(quote "${repo_dir}[tpu]")"
 fi
 
 # One string for the remote shell; quoting keeps each flag one word there.

@@ -15,6 +15,7 @@ cluster, a TPU pod, a TFDS dataset). Shell blocks are never run; the CLI has its
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -151,3 +152,15 @@ def test_every_repository_path_the_readme_names_exists():
                                'gs://b/r.json, members.csv')
   missing = sorted(p for p in named if not (ROOT / p).exists())
   assert not missing, f'README.md names paths the repository does not have: {missing}'
+
+
+def test_the_tpu_launcher_installs_the_jax_the_readme_supports():
+  # It pinned jax[tpu]>=0.10,<0.11 of its own while the README supports 0.10.2 to 0.12
+  # (issue 62 item 8): it installs the package's tpu extra, whose pin the test above checks.
+  done = subprocess.run(['bash', str(ROOT / 'launch' / 'tpu_pod.sh'), '--name', 'pod', '--zone',
+                         'z', '--repo-dir', 'my dir', '--setup', '--dry-run', '--',
+                         '--workdir=x'], capture_output=True, text=True, timeout=30)
+  assert done.returncode == 0, done.stderr
+  [install] = [line for line in done.stdout.splitlines() if 'pip install' in line]
+  command = shlex.split(install)[-1].removeprefix('--command=')
+  assert shlex.split(command) == ['pip', 'install', '-e', 'my dir[tpu]'], install
