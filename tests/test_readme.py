@@ -164,3 +164,38 @@ def test_the_tpu_launcher_installs_the_jax_the_readme_supports():
   [install] = [line for line in done.stdout.splitlines() if 'pip install' in line]
   command = shlex.split(install)[-1].removeprefix('--command=')
   assert shlex.split(command) == ['pip', 'install', '-e', 'my dir[tpu]'], install
+
+
+def test_readme_results_writes_the_tracked_file_only_when_asked_and_removes_its_runs(
+    tmp_path, monkeypatch, capsys):
+  # It rewrote benchmarks/results/readme_results.json on every run, a quick --steps look
+  # too, and left its workdirs (14 MB) in /tmp (issue 62 item 8). Training is faked: what is
+  # tested is where things are written.
+  import json  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  from benchmarks import readme_results  # pylint: disable=g-import-not-at-top
+  tracked = ROOT / 'benchmarks' / 'results' / 'readme_results.json'
+  before, workdirs = tracked.read_bytes(), []
+
+  def train(config, workdir):
+    workdirs.append(Path(workdir))
+    (Path(workdir) / 'checkpoints').mkdir()  # What a run leaves.
+    metrics = readme_results.METRICS
+    return {'train_seconds': 1.0, 'frozen_members': [],
+            'members': {m: [0.5] * config.num_members for m in metrics},
+            'ensemble': {m: 0.6 for m in metrics}}
+
+  monkeypatch.setattr(readme_results.dist_ens, 'train', train)
+  (tmp_path / 'tmp').mkdir()
+  monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path / 'tmp'))
+  monkeypatch.setattr(sys, 'argv', ['readme_results', '--configs', 'default', '--steps', '5'])
+  readme_results.main()
+  assert tracked.read_bytes() == before
+  assert workdirs and not list((tmp_path / 'tmp').iterdir())
+  assert 'left as it was (--write updates it)' in capsys.readouterr().out
+  out = tmp_path / 'readme_results.json'
+  monkeypatch.setattr(sys, 'argv', [*sys.argv, '--write', '--out', str(out)])
+  readme_results.main()
+  assert [(r['config'], r['steps']) for r in json.loads(out.read_text())['rows']] == [
+      ('configs/default.py', 5)]
+  assert len(workdirs) == 2 and not list((tmp_path / 'tmp').iterdir())
