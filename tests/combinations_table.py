@@ -132,6 +132,32 @@ for _option in _FEATURES:
 AXES['distill'] += _STUDENTS
 AXES['greedy'] += _DISTINCT
 
+# One case each for the values of a closed set that no option above sets (a Laplace form,
+# a member order, ...): every value of every such field runs in at least one case, with
+# the other axes at their defaults (test_combinations checks that none is missing).
+# `requires`: the option of an axis the value goes with (a regression loss: regression).
+VALUES: tuple[Option, ...] = (
+    Option('laplace diag', {'eval.laplace': 'last_layer_diag', **_VALIDATION},
+           ('eval.laplace',)),
+    Option('laplace full', {'eval.laplace': 'last_layer_full', **_VALIDATION},
+           ('eval.laplace',)),
+    Option('own=batchensemble', {'ensemble.own': 'batchensemble'}, ('ensemble.own',)),
+    Option('order shuffled', {'data.member_order': 'shuffled'}, ('data.member_order',)),
+    Option('order bootstrap', {'data.member_order': 'bootstrap'}, ('data.member_order',)),
+    Option('holdout', {'data.member_split': 'holdout:2'}, ('data.member_split',)),
+    Option('blocks', {'data.member_split': 'blocks:2'}, ('data.member_split',)),
+    Option('hydra student', {'distill.student': 'hydra', 'distill.steps': 2},
+           ('distill.student',)),
+    Option('sgd', {'optim.name': 'sgd'}, ('optim.name',)),
+    Option('linear schedule', {'optim.schedule': 'linear'}, ('optim.schedule',)),
+    Option('step schedule', {'optim.schedule': 'step'}, ('optim.schedule',)),
+    Option('cross_entropy', {'train.loss': 'cross_entropy'}, ('train.loss',)),
+    Option('mse', {'train.loss': 'mse'}, ('train.loss',),
+           requires='regression_homoscedastic'),
+    Option('gaussian_nll', {'train.loss': 'gaussian_nll'}, ('train.loss',),
+           requires='regression'),
+)
+
 OPTIONS: dict[str, Option] = {o.key: o for options in AXES.values() for o in options}
 AXIS_OF: dict[str, str] = {o.key: axis for axis, options in AXES.items() for o in options}
 DEFAULTS: tuple[Option, ...] = tuple(options[0] for options in AXES.values())
@@ -277,6 +303,11 @@ def with_defaults(*options: Option) -> tuple[Option, ...]:
   required = [OPTIONS[o.requires] for o in options if o.requires]
   given = {AXIS_OF[o.key]: o for o in (*required, *options)}
   return tuple(given.get(axis, opts[0]) for axis, opts in AXES.items())
+
+
+def value_case(option: Option) -> tuple[Option, ...]:
+  """A VALUES option's case: the defaults (or the option it requires), then the value."""
+  return (*with_defaults(*([OPTIONS[option.requires]] if option.requires else [])), option)
 
 
 def shown(option: Option) -> bool:

@@ -11,6 +11,7 @@ refused pair, with every other axis at its default, must raise ConfigError in on
 naming both fields before the workdir exists. docs/combinations.md is the same table.
 """
 
+import functools
 import importlib.util
 import logging
 import math
@@ -23,8 +24,13 @@ import combinations_table as table
 import support
 
 import dist_ens
-from dist_ens import data
+from dist_ens import configuration, data, tasks
+from dist_ens.core import optim
+from dist_ens.data import member_split, pipeline
+from dist_ens.ensembles import methods, own, students
 from dist_ens.errors import ConfigError
+from dist_ens.eval import laplace
+from dist_ens.training import posthoc
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +75,7 @@ def _config(case):
 
 
 def _dataset(case):
-  [task] = [o for o in case if table.AXIS_OF[o.key] == 'task']
+  [task] = [o for o in case if table.AXIS_OF.get(o.key) == 'task']
   return DATASETS[task.dataset]
 
 
@@ -182,6 +188,67 @@ def test_the_cases_hold_every_valid_pair_and_no_other():
     assert (pair in covered) == (outcome == 'valid'), (pair, outcome)
   for pair in (*table.REFUSED, *table.KNOWN_FAILURES):
     assert len({table.AXIS_OF[k] for k in pair}) == 2, pair  # known options, two axes
+
+
+# Every closed set of values an option of the matrix takes (and the member orders), read
+# from the package: a value added there without a case here fails the test below.
+CLOSED = {
+    'task': tuple(tasks.TASKS),
+    'ensemble.method': tuple(methods.METHODS),
+    'ensemble.own': (*own.NAMED, *methods.METHOD_OWN),
+    'eval.laplace': laplace.KINDS,
+    'data.member_order': pipeline.MEMBER_ORDERS,
+    'data.member_split': member_split.KINDS,
+    'select.method': posthoc.SELECT_METHODS,
+    'precision': configuration.PRECISIONS,
+    'distill.student': students.KINDS,
+    'optim.name': tuple(optim.OPTIMIZERS),
+    'optim.schedule': optim.SCHEDULES,
+    'train.loss': tuple(tasks.LOSSES),
+}
+
+
+def _value(field, value):
+  # A member split's form is its name before the first ':' ('kfold:2' is 'kfold').
+  return value.split(':')[0] if field == 'data.member_split' and value else value
+
+
+def test_every_value_of_a_closed_option_is_in_some_case():
+  config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
+  default = lambda field: _value(field, functools.reduce(getattr, field.split('.'), config))
+  options = [*table.OPTIONS.values(), *table.VALUES]  # Every case holds the defaults too.
+  missing = [(field, value) for field, values in CLOSED.items() for value in values
+             if value != default(field)
+             and not any(_value(field, o.overrides.get(field)) == value for o in options)]
+  assert not missing, f'give these a case in tests/combinations_table.py VALUES: {missing}'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('option', table.VALUES, ids=[o.key for o in table.VALUES])
+def test_each_value_trains_resumes_loads_and_predicts(option, tmp_path, caplog):
+  caplog.set_level(logging.INFO, logger='absl')
+  _train_resume_load_predict(table.value_case(option), tmp_path / 'w', caplog)
+
+
+_TASK_OPTIONS = [o for o in table.AXES['task'] if o.key in tasks.TASKS]
+
+
+@pytest.mark.parametrize('loss', [o for o in table.VALUES if 'train.loss' in o.overrides],
+                         ids=lambda o: o.key)
+def test_a_loss_is_refused_with_the_tasks_whose_outputs_it_cannot_read(loss, tmp_path):
+  """Each built-in loss trains with its task (test_each_value_trains...) and is refused,
+  in one line naming both fields, with every other built-in task (it crashed in the
+  step's trace: 'mse' with task='regression' met [B, 2] outputs)."""
+  own_task = loss.requires or 'classification'
+  for task in _TASK_OPTIONS:
+    if task.key == own_task or (loss.key == 'cross_entropy' and 'classification' in task.key):
+      continue
+    case = (*table.with_defaults(task), loss)
+    with pytest.raises(ConfigError) as refused:
+      dist_ens.train(_config(case), str(tmp_path / 'w'), dataset=_dataset(case))
+    message = str(refused.value)
+    assert '\n' not in message and 'train.loss' in message and 'config.task' in message
+    assert not (tmp_path / 'w').exists()
 
 
 def test_committed_combinations_doc_is_current():

@@ -63,6 +63,16 @@ def generate() -> str:
     goes = f' (with {t.OPTIONS[option.requires].title})' if option.requires else ''
     lines.append(f'| {i + 1} | {option.title} | {t.AXIS_OF[option.key]} | '
                  f'{_fields(option)}{goes} |')
+  lines += ['', '## Every other value, once', '',
+            'The values of a closed set (a Laplace form, a member order, a loss, ...) that no '
+            'option above sets each run one case too, with every other axis at its default '
+            '(or the option named): it trains, resumes, loads and predicts. A value added to '
+            'dist_ens without a case fails tests/test_combinations.py. A built-in '
+            "`train.loss` with another task than its own is refused in one line.",
+            '', '| value | config |', '|---|---|']
+  for option in t.VALUES:
+    goes = f' (with {t.OPTIONS[option.requires].title})' if option.requires else ''
+    lines.append(f'| {option.title} | {_fields(option)}{goes} |')
   lines += ['', '## Refused pairs', '', '| pair | why |', '|---|---|']
   title = lambda pair: ' + '.join(t.OPTIONS[k].title for k in sorted(
       pair, key=lambda k: [o.key for o in shown].index(k)))

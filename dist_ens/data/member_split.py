@@ -30,7 +30,7 @@ import numpy as np
 from dist_ens.data import uci
 from dist_ens.errors import ConfigError
 
-_KINDS = ('kfold', 'holdout', 'blocks')
+KINDS = ('kfold', 'holdout', 'blocks')  # The forms' names, before the first ':'.
 _DEFAULT_HOLDOUT = 0.1
 # Keeps the k-fold permutation's random stream apart from the batch orders' streams.
 _KFOLD_STREAM = 11
@@ -66,7 +66,7 @@ def parse(spec: str) -> tuple[str, int, float]:
            "'blocks:S'")
   bad = ConfigError(f'config.data.member_split={spec!r}; use {forms}, or \'\' for none.')
   parts = spec.split(':')
-  if parts[0] not in _KINDS or not 2 <= len(parts) <= (3 if parts[0] == 'holdout' else 2):
+  if parts[0] not in KINDS or not 2 <= len(parts) <= (3 if parts[0] == 'holdout' else 2):
     raise bad
   try:
     count = int(parts[1])

@@ -48,6 +48,8 @@ from dist_ens.parallel.sharding_rules import path_str
 
 PyTree = Any
 FIELD = 'config.ensemble.own'
+# The values with a name (besides a method's own, methods.METHOD_OWN); any other is a regex.
+NAMED = ('all', 'head', 'lora', 'batchensemble')
 
 
 def owned_names(own: Any, params: PyTree, num_outputs: int) -> frozenset[str] | None:

@@ -28,6 +28,10 @@ TASKS: dict[str, Callable[[], Task]] = {
 # loss of one member's batch.
 LOSSES: dict[str, Loss] = {'cross_entropy': smoothed_cross_entropy,
                            'gaussian_nll': gaussian_nll_loss, 'mse': mse_loss}
+# The built-in tasks whose outputs each built-in loss reads: class scores, a mean and a
+# variance per target, or the means alone. Another pairing fails inside the step's trace.
+_LOSS_TASKS = {'cross_entropy': ('classification', 'token_classification'),
+               'gaussian_nll': ('regression',), 'mse': ('regression_homoscedastic',)}
 
 
 def loss_for(name: str, task: Task | None = None) -> Loss:
@@ -39,6 +43,11 @@ def loss_for(name: str, task: Task | None = None) -> Loss:
   if name not in LOSSES:
     raise ConfigError(f'config.train.loss={name!r}; use one of {sorted(LOSSES)}, or your own '
                       "by import path, 'my_pkg.losses:my_loss'.")
+  fits = _LOSS_TASKS[name]
+  if task is not None and task.name in TASKS and task.name not in fits:
+    raise ConfigError(f'config.train.loss={name!r} does not fit config.task={task.name!r}, '
+                      f'whose outputs it cannot read; use it with task {" or ".join(fits)}, '
+                      "or train.loss='' (the task's own loss).")
   return LOSSES[name]
 
 

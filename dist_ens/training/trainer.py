@@ -164,7 +164,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   cadence.check_sync_every(run.config, run.parts.mesh)
   writers.check_writer_names(config.writers)
   if loss is None:
-    tasks.loss_for(config.train.loss)
+    tasks.loss_for(config.train.loss, run.parts.task)
   return run
 
 
