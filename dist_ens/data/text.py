@@ -181,7 +181,13 @@ class _Sources:
       except ImportError:
         raise ConfigError(f"{asking} has 'text' lines, which need the tokenizers package: "
                           "pip install 'dist_ens[text]'.") from None
-      self._tokenizer = Tokenizer.from_file(str(found))
+      try:
+        self._tokenizer = Tokenizer.from_file(str(found))
+      except Exception as e:  # pylint: disable=broad-except  # the Rust library's: one line
+        detail = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ConfigError(f"{found} is not a tokenizer the tokenizers package reads ({detail}); "
+                          'replace it with one that tokenizer.save() or save_pretrained() '
+                          'wrote, or set config.data.tokenizer to one.') from None
       self.tokenizer_padding = (self._tokenizer.padding or {}).get('pad_id')
       self._tokenizer.no_padding()  # cut and padded here, to one length for all splits
       self._tokenizer.no_truncation()
@@ -219,8 +225,20 @@ def _check_spec(spec: DataSpec, where: str) -> None:
 
 
 def _read(folder: Path, split: str, sources: _Sources, where: str) -> Sequences:
+  """A split's sequences, refused in one line naming its file where that file does not
+  read or holds none (else an empty train split surfaces as a batch too large for it)."""
   path = split_file(folder, split, where)
-  return read_jsonl(path, sources.tokenizer) if path.suffix == '.jsonl' else read_npz(path)
+  try:
+    read = read_jsonl(path, sources.tokenizer) if path.suffix == '.jsonl' else read_npz(path)
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # a torn .npz, bytes not UTF-8: one line
+    detail = str(e).splitlines()[0][:200] if str(e) else ''
+    raise ConfigError(f'{where}: {path} cannot be read: {type(e).__name__}: {detail}') from None
+  if not read.ids:
+    raise ConfigError(f'{where}: {path} holds no examples; the {split} split needs at '
+                      'least one sequence.')
+  return read
 
 
 def _targets(splits: dict[str, Sequences], folder: Path) -> tuple[dict[str, np.ndarray], int]:
