@@ -6,6 +6,8 @@ epinets differ; Ensemble.load(workdir).predict is the mean softmax over each mem
 stored indices, recomputed in numpy; resume is exact; export and the report work; what
 cannot work is refused in one line naming both fields."""
 
+import logging
+
 import jax
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import pytest
 import dist_ens
 import support
 from dist_ens import assemble, data
+from dist_ens.ensembles import own
 from dist_ens.io import report
 from dist_ens.io.member_files import load_member
 from dist_ens.io.pretrained import load_pretrained, read_orbax
@@ -152,6 +155,19 @@ def test_train_shared_trains_the_one_base_by_the_members_summed_gradient(runs, t
   kernel = saved['params']['base'][0]['w']['shared']  # Still one array...
   assert kernel.shape == runs['base']['params/0/w'].shape
   assert not np.array_equal(kernel, runs['base']['params/0/w'])  # ...that trained.
+
+
+def test_a_random_frozen_base_is_said_in_one_warning(tmp_path, caplog):
+  """own='epinet' with no model.init_from trains epinets on the seed's random base: legal
+  (a random-features baseline), and said, once, at the start (it once went unsaid)."""
+  caplog.set_level(logging.WARNING, logger='absl')
+  dist_ens.train(_config('', train__steps=2, checkpoint__every=2), str(tmp_path / 'w'))
+  said = [r.getMessage() for r in caplog.records if 'random initialisation' in r.getMessage()]
+  assert len(said) == 1 and "own='epinet' shares the base network" in said[0], said
+  assert own.random_frozen_base('epinet', 'base#1', False) is None  # a file gives it
+  assert own.random_frozen_base('epinet', '', True) is None  # the members train it
+  assert own.random_frozen_base('all', '', False) is None  # nothing is shared
+  assert 'every leaf the members do not own' in own.random_frozen_base('head', '', False)
 
 
 @pytest.mark.parametrize('fields, names', [

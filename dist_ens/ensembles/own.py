@@ -52,6 +52,19 @@ FIELD = 'config.ensemble.own'
 NAMED = ('all', 'head', 'lora', 'batchensemble')
 
 
+def random_frozen_base(own: Any, init_from: str, train_shared: bool) -> str | None:
+  """The warning for shared leaves that nothing will train and no file gives (None if
+  there are none): they stay the seed's random initialisation, frozen, so the members
+  train on random features. Kept a warning, not a refusal: random features are a
+  baseline some study on purpose (and the combination matrix's cheap shared backbone)."""
+  if own in ('all', 'batchensemble') or init_from or train_shared:
+    return None
+  what = 'the base network' if own == 'epinet' else 'every leaf the members do not own'
+  return (f'{FIELD}={own!r} shares {what}, frozen, and config.model.init_from is empty: it '
+          "stays the seed's random initialisation. Set model.init_from to a trained network "
+          '(docs/pretrained.md), or ensemble.train_shared=True to train it.')
+
+
 def owned_names(own: Any, params: PyTree, num_outputs: int) -> frozenset[str] | None:
   """The names of the params leaves each member owns; None for 'all' (every leaf).
 

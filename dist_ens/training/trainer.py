@@ -21,7 +21,7 @@ from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
-from dist_ens.ensembles import methods
+from dist_ens.ensembles import methods, own as own_lib
 from dist_ens.io import console, tables, writers
 from dist_ens.parallel import distributed, xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, distill_action,
@@ -182,6 +182,10 @@ def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
                member_groups.describe(config), dataset.name)
   checkpointer = run.checkpointer(workdir)
   restored = _restore_or_init(parts, checkpointer)
+  for one in member_groups.group_configs(config) if not restored.meta else ():
+    if (warning := own_lib.random_frozen_base(one.ensemble.own, one.model.init_from,
+                                             one.ensemble.train_shared)) is not None:
+      logging.warning('%s', warning)
   if restored.meta and 'jsonl' in config.writers and writers.is_writer():
     workdir_lib.warn_missing_events(workdir, restored.step, config.train.log_every)
   if config.reproducible:
