@@ -3,6 +3,7 @@
   spec = specs.init_from_spec(config)            # InitFrom(source, init_map, owned_from_file)
   pretrained = pretrained_leaves(spec, model, sample_x, num_outputs, mesh, layout)
   init_state(..., pretrained=pretrained)         # assemble.init_sharded does both
+  check_pretrained(spec, model, ...)             # its refusals from headers, before training
 
 Names. The model's leaves are named by their '/'-joined paths within one member's
 params or model_state ('head/w', 'batch_stats/BatchNorm_0/mean'); the file's by
@@ -38,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from dist_ens.core.model import Model
 from dist_ens.core.state import Pretrained
 from dist_ens.errors import ConfigError
-from dist_ens.io.pretrained import FIELD, load_pretrained
+from dist_ens.io.pretrained import FIELD, leaf_shapes, load_pretrained
 from dist_ens.models.heads import head_paths
 from dist_ens.parallel.layout import Layout
 from dist_ens.parallel.sharding_rules import path_str
@@ -121,7 +122,7 @@ def _few(names: list[str]) -> str:
 
 
 def match(flat: Mapping[str, np.ndarray], params: PyTree, model_state: PyTree,
-          spec: InitFrom, owned: frozenset[str], under: str = '') -> Matched:
+          spec: InitFrom, owned: frozenset[str], under: str = '', log: bool = True) -> Matched:
   """The file's values (cast to the model's dtypes) for every leaf they start.
 
   Args:
@@ -132,6 +133,7 @@ def match(flat: Mapping[str, np.ndarray], params: PyTree, model_state: PyTree,
     under: where a method keeps the model's leaves (Method.wrapped_under, an epinet's
       'base'): the file's names reach them with or without it, and the leaves beside
       them (the method's) start per member, whatever the file holds.
+    log: say which leaves start from the file and which per member.
 
   Raises:
     ConfigError, one line naming the leaf: a file leaf that names no model leaf, a
@@ -172,7 +174,8 @@ def match(flat: Mapping[str, np.ndarray], params: PyTree, model_state: PyTree,
     raise ConfigError(f'{FIELD}={spec.source!r} has no leaf for the model\'s params '
                       f'{_few(missing)}; name them with config.model.init_map (the file\'s '
                       f'leaves: {_few(sorted(flat))}).')
-  _log_fresh(spec, sorted(fresh_owned), sorted(fresh_state), len(out.params))
+  if log:
+    _log_fresh(spec, sorted(fresh_owned), sorted(fresh_state), len(out.params))
   return out
 
 
@@ -217,6 +220,20 @@ def place(matched: Matched, params: PyTree, model_state: PyTree, mesh: Mesh,
                     tree('model_state', model_state, matched.model_state))
 
 
+def _one_member(model: Model, input_shape: tuple[int, ...], num_outputs: int,
+                owned: frozenset[str] | None, under: str) -> tuple[PyTree, PyTree, frozenset[str]]:
+  """One member's params and model state (ShapeDtypeStructs), and the params leaves it
+  owns (pretrained_leaves' `owned`, resolved)."""
+  sample_x = jax.ShapeDtypeStruct((1, *input_shape), np.float32)
+  params, model_state = jax.eval_shape(model.init, jax.random.key(0), sample_x)
+  if owned is None and under:
+    wrapped = params[under] if isinstance(params, Mapping) else getattr(params, under)
+    owned = frozenset(f'{under}/{n}' for n in head_paths(wrapped, num_outputs))
+  elif owned is None:
+    owned = head_paths(params, num_outputs)
+  return params, model_state, owned
+
+
 def pretrained_leaves(spec: InitFrom, model: Model, input_shape: tuple[int, ...],
                       num_outputs: int, mesh: Mesh, layout: Layout,
                       owned: frozenset[str] | None = None,
@@ -231,12 +248,27 @@ def pretrained_leaves(spec: InitFrom, model: Model, input_shape: tuple[int, ...]
   """
   if not spec.source:
     return None
-  sample_x = jax.ShapeDtypeStruct((1, *input_shape), np.float32)
-  params, model_state = jax.eval_shape(model.init, jax.random.key(0), sample_x)
-  if owned is None and under:
-    wrapped = params[under] if isinstance(params, Mapping) else getattr(params, under)
-    owned = frozenset(f'{under}/{n}' for n in head_paths(wrapped, num_outputs))
-  elif owned is None:
-    owned = head_paths(params, num_outputs)
+  params, model_state, owned = _one_member(model, input_shape, num_outputs, owned, under)
   matched = match(load_pretrained(spec.source), params, model_state, spec, owned, under)
   return place(matched, params, model_state, mesh, layout)
+
+
+def check_pretrained(spec: InitFrom, model: Model, input_shape: tuple[int, ...],
+                     num_outputs: int, owned: frozenset[str] | None = None,
+                     under: str = '') -> None:
+  """Refuses, reading no tensor, what pretrained_leaves (the same arguments, less the
+  mesh) would: a path that does not exist or of no known format, and, for the formats
+  with a header (a Hugging Face checkpoint, a .safetensors file; io/pretrained.leaf_shapes),
+  a file cut short, a dtype not read, and a leaf missing, unexpected or misshapen. The
+  other formats are read only whole, when the state is made.
+
+  Training calls it before it claims the workdir: pretrained_leaves runs only once the
+  state is made, after the workdir holds its lock, config.json and checkpoints/.
+  """
+  if not spec.source:
+    return
+  shapes = leaf_shapes(spec.source)
+  if shapes is None:
+    return
+  params, model_state, owned = _one_member(model, input_shape, num_outputs, owned, under)
+  match(shapes, params, model_state, spec, owned, under, log=False)

@@ -15,30 +15,24 @@ Leaf names are the '/'-joined key paths the project uses everywhere
 io/init_from.py's business; this module only reads.
 """
 
-import json
+import math
 import os
 import re
-import struct
 from pathlib import Path
 from typing import Any
 
 import jax
-import ml_dtypes
 from absl import logging
 import numpy as np
 
 from dist_ens.ensembles import batchensemble
 from dist_ens.errors import ConfigError
+from dist_ens.io import safetensors_file
 from dist_ens.parallel.sharding_rules import path_str
 
 FIELD = 'config.model.init_from'
 FORMATS = ('an .npz, a Flax .msgpack or a .safetensors file, an orbax checkpoint directory, '
            "or a dist_ens workdir ('PATH#i' for its member i)")
-_SAFETENSORS_DTYPES = {
-    'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16,
-    'F8_E4M3': ml_dtypes.float8_e4m3fn, 'F8_E5M2': ml_dtypes.float8_e5m2,
-    'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8,
-    'U64': np.uint64, 'U32': np.uint32, 'U16': np.uint16, 'U8': np.uint8, 'BOOL': np.bool_}
 
 
 def flatten(tree: Any) -> dict[str, np.ndarray]:
@@ -63,9 +57,56 @@ def load_pretrained(source: str | os.PathLike) -> dict[str, np.ndarray]:
     ConfigError: (one line, naming config.model.init_from) the path does not exist,
       is of no known format, or cannot be read.
   """
-  if isinstance(source, str) and source.startswith('hf:'):  # a Hugging Face checkpoint
-    from dist_ens.models import hf  # pylint: disable=import-outside-toplevel  # models import io
-    return hf.load_leaves(source, where=f'{FIELD}={source!r}')
+  if _is_hf(source):
+    return _hf_leaves(source, log=True)
+  path, member = _checked_path(source)
+  try:
+    if path.is_dir():
+      return _read_directory(path, member or 0)
+    return _READERS[path.suffix.lower()](path)
+  except ConfigError:
+    raise
+  except Exception as e:  # pylint: disable=broad-except  # Any reader's failure: one line.
+    detail = str(e).splitlines()[0][:300] if str(e) else ''
+    raise ConfigError(f'{FIELD}={os.fspath(source)!r} cannot be read: {type(e).__name__}: '
+                      f'{detail}') from None
+
+
+def leaf_shapes(source: str | os.PathLike) -> dict[str, Any] | None:
+  """{leaf name: an object with the leaf's .shape}, from headers alone, for the formats
+  that have one: a Hugging Face checkpoint (its lazy leaves, each checked against the
+  architecture and its file) and a .safetensors file (checked against its header).
+  None for the others, which are read only whole; their path and format are checked.
+
+  Cheap (no tensor is read): training calls it before it claims the workdir, so a file
+  that load_pretrained would refuse is refused before anything is written.
+
+  Raises:
+    ConfigError: as load_pretrained, for what the headers and paths show.
+  """
+  if _is_hf(source):
+    return _hf_leaves(source, log=False)
+  path, _ = _checked_path(source)
+  if path.is_dir() or path.suffix.lower() != '.safetensors':
+    return None
+  where = f'{FIELD}={str(path)!r}'
+  return {name: jax.ShapeDtypeStruct(entry.shape, safetensors_file.numpy_dtype(entry, name, where))
+          for name, entry in safetensors_file.read_header(path, where).items()}
+
+
+def _is_hf(source: str | os.PathLike) -> bool:
+  return isinstance(source, str) and source.startswith('hf:')
+
+
+def _hf_leaves(source: str, log: bool) -> dict[str, Any]:
+  """A Hugging Face checkpoint's lazy leaves (dist_ens.models.hf.load_leaves)."""
+  from dist_ens.models import hf  # pylint: disable=import-outside-toplevel  # models import io
+  return hf.load_leaves(source, where=f'{FIELD}={source!r}', log=log)
+
+
+def _checked_path(source: str | os.PathLike) -> tuple[Path, int | None]:
+  """(the path, the member 'PATH#i' picks), refused where the path does not exist, '#i'
+  follows no workdir, or a file has no known format."""
   path, member = split_member(os.fspath(source))
   p = Path(path)
   if not p.exists():
@@ -74,20 +115,10 @@ def load_pretrained(source: str | os.PathLike) -> dict[str, np.ndarray]:
   if member is not None and not (p / 'checkpoints').is_dir():
     raise ConfigError(f"{FIELD}={os.fspath(source)!r}: '#{member}' picks a member of a dist_ens "
                       f'workdir, but {path} is not one (it has no checkpoints/ directory).')
-  try:
-    if p.is_dir():
-      return _read_directory(p, member or 0)
-    suffix = p.suffix.lower()
-    if suffix not in _READERS:
-      raise ConfigError(f'{FIELD}={path!r}: unknown format {suffix or "(no suffix)"!r}; '
-                        f'give {FORMATS}.')
-    return _READERS[suffix](p)
-  except ConfigError:
-    raise
-  except Exception as e:  # pylint: disable=broad-except  # Any reader's failure: one line.
-    detail = str(e).splitlines()[0][:300] if str(e) else ''
-    raise ConfigError(f'{FIELD}={os.fspath(source)!r} cannot be read: {type(e).__name__}: '
-                      f'{detail}') from None
+  if not p.is_dir() and p.suffix.lower() not in _READERS:
+    raise ConfigError(f'{FIELD}={path!r}: unknown format {p.suffix.lower() or "(no suffix)"!r}; '
+                      f'give {FORMATS}.')
+  return p, member
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
@@ -105,22 +136,15 @@ def _read_msgpack(path: Path) -> dict[str, np.ndarray]:
 
 
 def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
-  """The safetensors layout: an 8-byte little-endian header size, a JSON header of
-  {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes."""
+  """Every tensor of a safetensors file, its header checked against the file first (a
+  file cut short is refused naming the tensor: safetensors_file.read_header)."""
+  where = f'{FIELD}={str(path)!r}'
+  entries = safetensors_file.read_header(path, where)
   raw = path.read_bytes()
-  (size,) = struct.unpack('<Q', raw[:8])
-  header = json.loads(raw[8:8 + size])
-  body = memoryview(raw)[8 + size:]
   out = {}
-  for name, entry in header.items():
-    if name == '__metadata__':
-      continue
-    if entry['dtype'] not in _SAFETENSORS_DTYPES:
-      raise ValueError(f'tensor {name!r} has dtype {entry["dtype"]}, which this reader does '
-                       f'not know ({", ".join(_SAFETENSORS_DTYPES)})')
-    begin, end = entry['data_offsets']
-    dtype = np.dtype(_SAFETENSORS_DTYPES[entry['dtype']]).newbyteorder('<')
-    array = np.frombuffer(body[begin:end], dtype=dtype).reshape(entry['shape'])
+  for name, entry in entries.items():
+    dtype = safetensors_file.numpy_dtype(entry, name, where)
+    array = np.frombuffer(raw, dtype, math.prod(entry.shape), entry.begin).reshape(entry.shape)
     out[name] = array.astype(array.dtype.newbyteorder('='))
   return out
 

@@ -22,7 +22,7 @@ from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import methods, own as own_lib
-from dist_ens.io import console, tables, writers
+from dist_ens.io import console, init_from, tables, writers
 from dist_ens.parallel import distributed, xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, distill_action,
                                group_ensembles, held_out, joint_action, laplace_action,
@@ -156,6 +156,12 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   for one, parts in zip(member_groups.group_configs(run.config), run.parts.groups or [run.parts]):
     laplace_action.laplace_actions(one, parts.task, parts.method)
     distill_action.distill_actions(one, parts.task, parts.method)
+    # init_sharded reads config.model.init_from's file only when the state is made, after
+    # the workdir is claimed: what its headers show is refused now, from the same arguments.
+    init_from.check_pretrained(specs.init_from_spec(parts.config), parts.model,
+                               parts.input_shape,
+                               parts.num_outputs * parts.method.outputs_per_output,
+                               owned=parts.method.owned, under=parts.method.wrapped_under)
   test = run.data.dataset.test
   if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
     raise configuration.ConfigError(

@@ -68,14 +68,15 @@ def build(source: str, num_classes: int | None = None, dropout: float = 0.0,
   return make_model(family, arch, dropout)
 
 
-def load_leaves(source: str, where: str = 'hf') -> dict[str, Lazy]:
+def load_leaves(source: str, where: str = 'hf', log: bool = True) -> dict[str, Lazy]:
   """Every weight of the checkpoint as {params leaf name: Lazy leaf} (read where
   indexed, np.asarray for all of it), each checked against the architecture's table
-  (one line naming the first that is missing or misshapen)."""
+  and its file (one line naming the first that is missing, misshapen or cut short);
+  only headers are read. `log`: say which of the file's tensors are unused."""
   folder, name, family, arch = describe(source, where)
   tensors = Tensors.open(folder, where)
   return load(tensors, family.weights(arch), family.prefix, where,
-              f"config.json's {name}")
+              f"config.json's {name}", log=log)
 
 
 def from_hf(path: str) -> tuple[Model, Any]:
@@ -90,8 +91,8 @@ def from_hf(path: str) -> tuple[Model, Any]:
     outputs for config.json's architecture (see ARCHITECTURES).
 
   Raises:
-    ConfigError: (one line) an architecture dist_ens does not build, or a weight the
-      file lacks or has in another shape.
+    ConfigError: (one line) an architecture dist_ens does not build, a weight the
+      file lacks or has in another shape, or a file cut short (naming it and the tensor).
 
   Example:
     >>> model, params = from_hf('tests/data/hf/gpt2')

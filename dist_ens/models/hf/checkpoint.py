@@ -20,23 +20,18 @@ the network allows, else taken from its local cache.
 import json
 import mmap
 import os
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from dist_ens.errors import ConfigError
+from dist_ens.io.safetensors_file import Entry, numpy_dtype, read_header
 
 PREFIX = 'hf:'
 INDEX = 'model.safetensors.index.json'
 SINGLE = 'model.safetensors'
-DTYPES = {
-    'F64': np.float64, 'F32': np.float32, 'F16': np.float16, 'BF16': ml_dtypes.bfloat16,
-    'I64': np.int64, 'I32': np.int32, 'I16': np.int16, 'I8': np.int8, 'U8': np.uint8,
-    'BOOL': np.bool_}
 # What a hub download needs (tokenizer.json: data.name='text:PATH' tokenises with it); a
 # repository's other files (PyTorch .bin copies, other tokenizer data, images) stay there.
 HUB_FILES = ['config.json', '*.safetensors', INDEX, 'tokenizer.json']
@@ -93,28 +88,11 @@ def read_config(folder: Path, where: str = 'hf') -> dict[str, Any]:
     raise ConfigError(f'{where}: {folder / "config.json"} cannot be read: {e}') from None
 
 
-class _Entry:
-  """One tensor of one file: its dtype, shape and byte range in the file."""
-
-  def __init__(self, file: Path, dtype: str, shape: list[int], begin: int, end: int):
-    self.file, self.dtype, self.shape, self.begin, self.end = file, dtype, tuple(shape), begin, end
-
-
-def _header(file: Path) -> dict[str, _Entry]:
-  with open(file, 'rb') as f:
-    (size,) = struct.unpack('<Q', f.read(8))
-    header = json.loads(f.read(size))
-  start = 8 + size
-  return {name: _Entry(file, e['dtype'], e['shape'], start + e['data_offsets'][0],
-                       start + e['data_offsets'][1])
-          for name, e in header.items() if name != '__metadata__'}
-
-
 class Tensors:
   """The tensors of a checkpoint folder (one safetensors file or a sharded index), by
   name; only headers are read until a tensor (or a slice of one) is asked for."""
 
-  def __init__(self, entries: dict[str, _Entry], where: str = 'hf'):
+  def __init__(self, entries: dict[str, Entry], where: str = 'hf'):
     self._entries = entries
     self._maps: dict[Path, tuple[mmap.mmap, np.ndarray]] = {}
     self._where = where
@@ -125,26 +103,25 @@ class Tensors:
     one .safetensors file.
 
     Raises:
-      ConfigError: no safetensors weights in the folder, or a file that does not read.
+      ConfigError: no safetensors weights in the folder, or a file that does not read
+        or is cut short (naming the file and the tensor: safetensors_file.read_header).
     """
-    try:
-      if (folder / INDEX).is_file():
-        weight_map = json.loads((folder / INDEX).read_text())['weight_map']
-        entries = {}
-        for file in sorted(set(weight_map.values())):
-          entries.update(_header(folder / file))
-        return cls(entries, where)
-      files = [folder / SINGLE] if (folder / SINGLE).is_file() else sorted(
-          folder.glob('*.safetensors'))
-      if len(files) != 1:
-        raise ConfigError(f'{where}: {folder} has {len(files)} .safetensors files and no '
-                          f'{INDEX}; save the model with save_pretrained (safetensors).')
-      return cls(_header(files[0]), where)
-    except ConfigError:
-      raise
-    except Exception as e:  # pylint: disable=broad-except  # a torn or foreign file: one line
-      raise ConfigError(f'{where}: the safetensors weights in {folder} cannot be read: '
-                        f'{type(e).__name__}: {str(e)[:200]}') from None
+    if (folder / INDEX).is_file():
+      try:
+        files = sorted(set(json.loads((folder / INDEX).read_text())['weight_map'].values()))
+      except Exception as e:  # pylint: disable=broad-except  # a torn or foreign index: one line
+        raise ConfigError(f'{where}: {folder / INDEX} cannot be read: {type(e).__name__}: '
+                          f'{str(e)[:200]}') from None
+      entries = {}
+      for file in files:
+        entries.update(read_header(folder / file, where))
+      return cls(entries, where)
+    files = [folder / SINGLE] if (folder / SINGLE).is_file() else sorted(
+        folder.glob('*.safetensors'))
+    if len(files) != 1:
+      raise ConfigError(f'{where}: {folder} has {len(files)} .safetensors files and no '
+                        f'{INDEX}; save the model with save_pretrained (safetensors).')
+    return cls(read_header(files[0], where), where)
 
   def __contains__(self, name: str) -> bool:
     return name in self._entries
@@ -162,14 +139,11 @@ class Tensors:
   def view(self, name: str) -> np.ndarray:
     """The tensor as a read-only view of the mapped file (nothing read yet)."""
     entry = self._entries[name]
-    if entry.dtype not in DTYPES:
-      raise ConfigError(f'{self._where}: tensor {name!r} has dtype {entry.dtype}, which '
-                        f'this reader does not know ({", ".join(DTYPES)}).')
+    dtype = numpy_dtype(entry, name, self._where)
     if entry.file not in self._maps:
       with open(entry.file, 'rb') as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
       self._maps[entry.file] = (mapped, np.frombuffer(mapped, np.uint8))
-    dtype = np.dtype(DTYPES[entry.dtype]).newbyteorder('<')
     return self._maps[entry.file][1][entry.begin:entry.end].view(dtype).reshape(entry.shape)
 
   def read(self, name: str, index: Any = (), convert: Any = None) -> np.ndarray:

@@ -161,9 +161,9 @@ class Lazy:
 
 
 def load(tensors: Tensors, weights: Sequence[Weight], prefix: str, where: str,
-         what: str) -> dict[str, Lazy]:
+         what: str, log: bool = True) -> dict[str, Lazy]:
   """{params path: Lazy leaf} of every weight in the table, found in `tensors` (only
-  the headers are read here).
+  the headers are read here); `log`: say which of the file's tensors are unused.
 
   Raises:
     ConfigError: (one line) a weight the file lacks, or has in another shape; `what`
@@ -181,7 +181,7 @@ def load(tensors: Tensors, weights: Sequence[Weight], prefix: str, where: str,
     used.add(name)
     out[w.path] = Lazy(tensors, name, w.convert)
   unused = sorted(set(tensors) - used)
-  if unused:
+  if unused and log:
     logging.info('%s: %d tensors of the file are not used by %s: %s%s', where, len(unused),
                  what, ', '.join(unused[:4]), ' ...' if len(unused) > 4 else '')
   return out
