@@ -152,16 +152,18 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   distributed.check_same_config(configuration.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
   posthoc.check(run.config, run.parts.task, run.parts.method, grouped=bool(run.parts.groups))
+  fresh = workdir_lib.newest_intact_step(workdir) is None  # A resume reads no init_from.
   # Refusals, of each member group's method where the groups have their own.
   for one, parts in zip(member_groups.group_configs(run.config), run.parts.groups or [run.parts]):
     laplace_action.laplace_actions(one, parts.task, parts.method)
     distill_action.distill_actions(one, parts.task, parts.method)
     # init_sharded reads config.model.init_from's file only when the state is made, after
     # the workdir is claimed: what its headers show is refused now, from the same arguments.
-    init_from.check_pretrained(specs.init_from_spec(parts.config), parts.model,
-                               parts.input_shape,
-                               parts.num_outputs * parts.method.outputs_per_output,
-                               owned=parts.method.owned, under=parts.method.wrapped_under)
+    if fresh:
+      init_from.check_pretrained(specs.init_from_spec(parts.config), parts.model,
+                                 parts.input_shape,
+                                 parts.num_outputs * parts.method.outputs_per_output,
+                                 owned=parts.method.owned, under=parts.method.wrapped_under)
   test = run.data.dataset.test
   if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
     raise configuration.ConfigError(
