@@ -145,7 +145,8 @@ def test_a_misspelt_embedded_dataset_gets_did_you_mean_in_one_line(tmp_path, mon
     data.load_dataset('mnist1')
 
 
-def test_the_repositorys_examples_say_where_they_import_from(monkeypatch):
+def test_the_repositorys_examples_say_where_they_import_from(monkeypatch, tmp_path):
+  monkeypatch.chdir(tmp_path)  # From the repository root they import (importing.py).
   monkeypatch.setattr(sys, 'path', [p for p in sys.path if Path(p or '.').resolve() != ROOT])
   examples = lambda: [m for m in sys.modules if m == 'examples' or m.startswith('examples.')]
   for name in examples():

@@ -609,7 +609,7 @@ def test_tpu_pod_dry_run_prints_the_commands():
   assert lines[0] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'scp', '--recurse', str(ROOT),
                       'pod:dist_ens', *where]
   assert lines[1] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod', *where,
-                      "--command=pip install -e dist_ens 'jax[tpu]>=0.10,<0.11'"]
+                      "--command=pip install -e 'dist_ens[tpu]'"]
   assert lines[2][:-1] == ['gcloud', 'compute', 'tpus', 'tpu-vm', 'ssh', 'pod', *where]
   command = lines[2][-1].removeprefix('--command=')
   assert shlex.split(command) == [
