@@ -155,7 +155,7 @@ def _say_where_things_went(workdir: str) -> None:
            'checkpoints')
   found = [n + ('/' if (Path(workdir) / n).is_dir() else '') for n in names
            if (Path(workdir) / n).exists()]
-  # A result, so stdout (console.RESULT_MESSAGES says why); flushed after the tables.
+  # A result, so stdout (console.RESULT says why); flushed after the tables.
   print(f'results in {workdir}: {", ".join(found)}; `dist-ens report --workdir={workdir}` '
         'draws the figures.', flush=True)
 

@@ -51,19 +51,16 @@ def plain_lines_unless_configured() -> Iterator[None]:
       h.setFormatter(formatter)
 
 
-# The log lines that are a run's results, by their format strings: the final tables
-# (dist_ens/training/trainer.py's _finish). The command line prints them on stdout and the
-# rest (progress, warnings, errors) on stderr, so `dist-ens ... > results.md` keeps the
-# results and the terminal still shows the progress (issue 62 item 8).
-RESULT_MESSAGES = ('final test metrics:\n%s', 'members, best first by %s %s:\n%s')
+# The log lines that are a run's results (the final tables) carry this, as `extra=RESULT`
+# of their logging call. The command line prints them on stdout and the rest (progress,
+# warnings, errors) on stderr, so `dist-ens ... > results.md` keeps the results and the
+# terminal still shows the progress.
+RESULT = {'dist_ens_result': True}
 
 
 def is_result(record: std_logging.LogRecord) -> bool:
-  """Whether `record` is one of a run's results (RESULT_MESSAGES). Decided once per record
-  and kept on it: a later filter (a process's '[process i] ' prefix) rewrites its msg."""
-  if not hasattr(record, 'dist_ens_result'):
-    record.dist_ens_result = record.msg in RESULT_MESSAGES
-  return record.dist_ens_result
+  """Whether `record` is one of a run's results (logged with extra=RESULT)."""
+  return getattr(record, 'dist_ens_result', False)
 
 
 class _StdoutResults(std_logging.StreamHandler):

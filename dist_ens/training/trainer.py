@@ -366,11 +366,11 @@ def _finish(call: Call, traces: int, checkpoint_seconds: float) -> dict[str, Any
                             session.parts.task.select_metrics[metric])
   writers.write_json(session.workdir / 'final_metrics.json', final)
   writers.write_members_csv(session.workdir / 'members.csv', rows)
-  logging.info('final test metrics:\n%s', tables.results_table(final))
+  logging.info('final test metrics:\n%s', tables.results_table(final), extra=console.RESULT)
   if varying or config.select.top_k:
     logging.info('members, best first by %s %s:\n%s',
                  'validation' if 'validation' in final else 'test', metric,
-                 tables.members_table(rows, varying))
+                 tables.members_table(rows, varying), extra=console.RESULT)
   if len(frozen) == config.num_members:  # Nothing left to ensemble: not a success.
     raise TrainingError(
         f'all {config.num_members} members went non-finite (the log names the step by which '
