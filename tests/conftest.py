@@ -23,6 +23,10 @@ os.environ["DIST_ENS_CALIBRATION"] = os.path.join(
     os.environ["JAX_COMPILATION_CACHE_DIR"], "no_calibration.json")
 
 import shutil  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
@@ -33,6 +37,127 @@ assert jax.device_count() == 8, "XLA_FLAGS was set too late: jax saw %d devices"
 @pytest.fixture(scope="session")
 def devices():
   return jax.devices()
+
+
+# A stuck test (a deadlock in C++ code, a child waited on forever) fails after this many
+# seconds instead of holding the suite: pytest-timeout's thread method dumps every thread's
+# stack and ends the worker, which xdist reports as a crash of that test and replaces. 34
+# times the longest test (35 s idle, docs/testing.md) and above support.run_at_xla_default's
+# own 900 s, so no test that is only slow under load reaches it. `--timeout`, PYTEST_TIMEOUT
+# or an ini `timeout` overrides it; without pytest-timeout installed nothing changes.
+TEST_TIMEOUT_S = 1200
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-timeout's own pytest_configure reads these
+def pytest_configure(config):
+  if config.pluginmanager.hasplugin("timeout"):
+    if (config.getoption("timeout") is None and not os.environ.get("PYTEST_TIMEOUT")
+        and not config.getini("timeout")):
+      config.option.timeout = TEST_TIMEOUT_S
+    if config.getoption("timeout_method") is None and not config.getini("timeout_method"):
+      # 'signal' raises in the main thread only when it runs Python again: a thread stuck
+      # in XLA never would. 'thread' ends the process from a watchdog thread.
+      config.option.timeout_method = "thread"
+  if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+    config.pluginmanager.register(DeadWorkerWatch(), "dist_ens_dead_worker_watch")
+
+
+class DeadWorkerWatch:
+  """In the xdist controller: a worker whose process has exited is reported as crashed
+  within seconds, even when its pipe to the controller stays open.
+
+  xdist learns that a worker died from the end of the worker's pipe: its read returns EOF
+  when the last process holding the pipe's write end exits. A process the worker forked
+  without exec (os.fork, a fork-start multiprocessing pool, a C library's fork) holds that
+  write end too, so after an abort of the worker the controller and the other worker
+  waited on their queues for as long as that process lived: the whole suite hung (issue 62
+  item 7; tests/test_conftest_crash.py reproduces it). This watch polls each worker's
+  process; when one has been gone for GRACE_S and xdist has not seen it go, the processes
+  still holding its pipe (leaked descendants of the dead worker) are killed, which gives
+  xdist its EOF and its usual crash report and worker replacement; where none can be
+  found (no /proc), xdist is told the worker is down directly."""
+
+  GRACE_S = 2.0  # xdist's own EOF comes within milliseconds of a worker's exit.
+  POLL_S = 1.0
+
+  def __init__(self):
+    self._nodes = []
+    self._lock = threading.Lock()
+    self._thread = None
+
+  @pytest.hookimpl
+  def pytest_testnodeready(self, node):
+    popen = getattr(getattr(node.gateway, "_io", None), "popen", None)
+    if popen is None:  # not a local popen worker (ssh, socket): nothing to poll
+      return
+    with self._lock:
+      self._nodes.append((node, popen))
+      if self._thread is None:
+        self._thread = threading.Thread(target=self._watch, name="dead-worker-watch", daemon=True)
+        self._thread.start()
+
+  def _watch(self):
+    gone_since = {}
+    while True:
+      time.sleep(self.POLL_S)
+      with self._lock:
+        nodes = list(self._nodes)
+      for node, popen in nodes:
+        if getattr(node, "_down", False):  # finished or reported down: not ours to watch
+          self._forget(node)
+          continue
+        if popen.poll() is None:
+          continue
+        first = gone_since.setdefault(id(node), time.monotonic())
+        if time.monotonic() - first >= self.GRACE_S:
+          self._forget(node)
+          self._report(node, popen)
+
+  def _forget(self, node):
+    with self._lock:
+      self._nodes = [(n, p) for n, p in self._nodes if n is not node]
+
+  @staticmethod
+  def _report(node, popen):
+    holders = pipe_holders(popen.stdout.fileno())
+    sys.stderr.write(
+        f"\n[{node.gateway.id}] worker pid {popen.pid} exited (status {popen.returncode}) but "
+        f"its pipe stays open in {len(holders)} process(es) it started "
+        f"({', '.join(f'{pid}: {cmd}' for pid, cmd in holders) or 'none found'}): "
+        "killing them so xdist reports the crash\n")
+    for pid, _ in holders:
+      try:
+        os.kill(pid, signal.SIGKILL)
+      except OSError:
+        pass
+    if not holders and not node._down:  # pylint: disable=protected-access
+      # xdist's own handler of a closed pipe does the same; _down keeps a later EOF
+      # from reporting the node down twice.
+      node._down = True  # pylint: disable=protected-access
+      node.notify_inproc("errordown", node=node,
+                         error=f"worker pid {popen.pid} exited with status {popen.returncode}")
+
+
+def pipe_holders(fd):
+  """(pid, command line) of the other processes that hold the pipe `fd` is one end of
+  (Linux /proc; empty elsewhere)."""
+  target = "pipe:[%d]" % os.fstat(fd).st_ino
+  found = []
+  try:
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+  except OSError:
+    return found
+  for pid in pids:
+    if pid == os.getpid():
+      continue
+    try:
+      fds = os.listdir(f"/proc/{pid}/fd")
+      if any(os.readlink(f"/proc/{pid}/fd/{f}") == target for f in fds):
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+          found.append((pid, f.read().replace(b"\0", b" ").decode(errors="replace")[:120]))
+    except OSError:  # gone meanwhile, or not ours to read
+      continue
+  return found
 
 
 def pytest_sessionfinish(session):
