@@ -42,6 +42,10 @@ def run_at_xla_default(nodeid: str) -> None:
   product's own compilation keeps and -O0 does not (whether two differently built
   programs agree to the last bit). Fails with the child's output."""
   env = {k: v for k, v in os.environ.items() if k not in ('PYTEST_ADDOPTS', 'XLA_FLAGS')}
+  # The caller's own XLA flags (--xla_cpu_max_isa=AVX2, say) go on; the child's conftest
+  # adds the test flags again, at XLA's default level this time.
+  ours = set(xla_flags(8).split())
+  env['XLA_FLAGS'] = ' '.join(f for f in os.environ.get('XLA_FLAGS', '').split() if f not in ours)
   env[AT_XLA_DEFAULT] = '1'
   command = [sys.executable, '-m', 'pytest', '-q', '-n', '0', '-p', 'no:randomly',
              '-p', 'no:cacheprovider', '-m', 'xla_default', nodeid]
@@ -140,3 +144,37 @@ def linear_student(num_outputs):
     return x.reshape(x.shape[0], -1) @ params['w'] + params['b'], state
 
   return dist_ens.Model(init, apply)
+
+
+# float_tolerance's factor: two orders of summing n float terms differ by about
+# eps * sqrt(n) relative to the terms' magnitude (each partial sum's rounding is a random
+# walk of n steps of at most eps/2); 4 of those covers the tail of that spread and the few
+# elementwise operations (each half an ulp) around a sum.
+TOLERANCE_FACTOR = 4
+
+
+def float_tolerance(dtype, reduction_size: int) -> float:
+  """The relative tolerance for two forms of one float computation (vmap and a loop, two
+  meshes, two CPUs' vector widths) whose largest sum has `reduction_size` terms: they may
+  add in different orders, so results agree to TOLERANCE_FACTOR * eps * sqrt(n) of the
+  values' magnitude, not to the last bit. Multiply by the compared values' scale (e.g. the
+  leaf's largest magnitude) for an absolute tolerance. Not for results that go through a
+  normalisation that amplifies rounding (Adam's update of a near-zero gradient)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  return TOLERANCE_FACTOR * float(np.finfo(dtype).eps) * float(np.sqrt(reduction_size))
+
+
+def assert_trees_close(a, b, reduction_size: int):
+  """The two pytrees have the same structure and float leaves within float_tolerance of
+  each leaf's largest magnitude (non-float leaves equal)."""
+  import jax  # pylint: disable=g-import-not-at-top  (after conftest's XLA_FLAGS)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    x, y = np.asarray(x), np.asarray(y)
+    if not np.issubdtype(x.dtype, np.floating):
+      np.testing.assert_array_equal(x, y)
+      continue
+    scale = float(max(np.abs(x).max(initial=0), np.abs(y).max(initial=0)))
+    np.testing.assert_allclose(x, y, rtol=0,
+                               atol=float_tolerance(x.dtype, reduction_size) * scale)

@@ -515,8 +515,10 @@ def test_the_report_shows_every_groups_ensemble_beside_the_whole(grouped):
 @pytest.mark.parametrize('fields', [
     {'data__member_order': 'shuffled'},
     {'data__member_order': 'bootstrap', 'train__steps_per_call': 2},
-    # The grouped and the single run build their augmentation differently: their bits
-    # agree at XLA's default level, not at the tests' -O0 (1 ulp in 5 of 32 elements).
+    # The grouped and the single run build their augmentation differently: XLA may vectorise
+    # their sums differently (1 ulp in 5 of 32 elements at -O0; 17 of 640 elements 3e-8
+    # apart at its default level on an AVX-512 EPYC), so this case compares within
+    # support.float_tolerance instead of bit for bit.
     pytest.param({'mesh__member': 2, 'mesh__data': 4, 'train__micro_batches': 4,
                   'data__augment': 'crop_flip'}, marks=pytest.mark.xla_default),
 ], ids=['shuffled', 'bootstrap-2-per-call', 'data-axis-augment'])
@@ -528,8 +530,12 @@ def test_groups_equal_single_runs_with_per_member_data_and_other_meshes(fields, 
   for g, group in enumerate(GROUPS):
     dist_ens.train(_single(group, **fields), str(tmp_path / f'single{g}'))
     ids = slice(first, first + group['count'])
-    support.assert_trees_equal(stored[g], jax.tree.map(lambda a, i=ids: a[i],
-                                                       _stored(tmp_path / f'single{g}')))
+    single = jax.tree.map(lambda a, i=ids: a[i], _stored(tmp_path / f'single{g}'))
+    if fields.get('data__augment'):
+      # The gradient's largest sum: over the global batch's examples.
+      support.assert_trees_close(stored[g], single, _config(**fields).data.batch_size)
+    else:
+      support.assert_trees_equal(stored[g], single)
     first += group['count']
   assert grouped['train_step_traces'] == 1
 

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dist_ens
+import support
 from dist_ens import Ensemble, data
 from dist_ens.ensembles import lora, stored
 from dist_ens.errors import ConfigError
@@ -187,12 +188,17 @@ def test_bad_fields_give_one_line_naming_the_field(fields, match):
 
 
 def test_the_member_loop_steps_as_the_vmap(vmapped):
-  source, _, (_, stepped, _, _, _) = vmapped
-  _, looped, _, _, _ = _steps(_lora_config(source, from_file=False), 3, form=('map', None))
-  # Two compiled programs (vmap and a loop) may order a sum differently: 3 Adam steps
-  # differ in the last bits (up to 4e-7 on values of ~1e-3 seen), nothing more.
-  for a, b in zip(jax.tree.leaves(stepped), jax.tree.leaves(looped)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  source = vmapped[0]
+  # Two compiled programs (vmap and a loop) may order a sum differently, so they agree to
+  # support.float_tolerance, not bit for bit. With SGD, not the fixture's Adam: Adam divides
+  # each update by the gradient's own size, so an element whose gradient is at rounding
+  # level takes a step of up to the learning rate either way (1 of 640 elements 1.8e-6
+  # apart on an AVX-512 EPYC, past any float tolerance); SGD passes rounding on as is.
+  sgd = lambda: support.override(_lora_config(source, from_file=False), optim__name='sgd')
+  _, stepped, _, _, _ = _steps(sgd(), 3)
+  _, looped, _, _, _ = _steps(sgd(), 3, form=('map', None))
+  # The gradient's largest sum: over the batch's examples.
+  support.assert_trees_close(stepped, looped, BATCH)
 
 
 def test_on_a_model_axis_w_is_split_once_and_the_factors_per_member(tmp_path):
