@@ -163,11 +163,11 @@ def test_a_random_frozen_base_is_said_in_one_warning(tmp_path, caplog):
   caplog.set_level(logging.WARNING, logger='absl')
   dist_ens.train(_config('', train__steps=2, checkpoint__every=2), str(tmp_path / 'w'))
   said = [r.getMessage() for r in caplog.records if 'random initialisation' in r.getMessage()]
-  assert len(said) == 1 and "own='epinet' shares the base network" in said[0], said
+  assert len(said) == 1 and "own='epinet' shares every leaf" in said[0], said
   assert own.random_frozen_base('epinet', 'base#1', False) is None  # a file gives it
   assert own.random_frozen_base('epinet', '', True) is None  # the members train it
   assert own.random_frozen_base('all', '', False) is None  # nothing is shared
-  assert 'every leaf the members do not own' in own.random_frozen_base('head', '', False)
+  assert "own='head' shares every leaf" in own.random_frozen_base('head', '', False)
 
 
 @pytest.mark.parametrize('fields, names', [

@@ -59,10 +59,10 @@ def random_frozen_base(own: Any, init_from: str, train_shared: bool) -> str | No
   baseline some study on purpose (and the combination matrix's cheap shared backbone)."""
   if own in ('all', 'batchensemble') or init_from or train_shared:
     return None
-  what = 'the base network' if own == 'epinet' else 'every leaf the members do not own'
-  return (f'{FIELD}={own!r} shares {what}, frozen, and config.model.init_from is empty: it '
-          "stays the seed's random initialisation. Set model.init_from to a trained network "
-          '(docs/pretrained.md), or ensemble.train_shared=True to train it.')
+  return (f'{FIELD}={own!r} shares every leaf the members do not own (a backbone, an '
+          "epinet's base), frozen, and config.model.init_from is empty: they stay the seed's "
+          'random initialisation. Set model.init_from to a trained network '
+          '(docs/pretrained.md), or ensemble.train_shared=True to train them.')
 
 
 def owned_names(own: Any, params: PyTree, num_outputs: int) -> frozenset[str] | None:
