@@ -246,7 +246,7 @@ COMMANDS: dict[str, Command] = {
                       _define_report_flags, _report_main),
 }
 
-# What each group of configs/default.py holds, for --help (a group without a line here
+# What each group of the config holds, for --help (a group without a line here
 # is still listed, by name).
 GROUP_HELP: dict[str, str] = {
     'mesh': 'how the devices are split between members, data and a model axis',
@@ -265,12 +265,8 @@ _DEFAULT_CONFIG = configuration.DEFAULT_CONFIG
 
 
 def config_groups() -> list[str]:
-  """The groups (sub-ConfigDicts) of configs/default.py, or GROUP_HELP's where the
-  package is installed without the repository's configs/."""
-  try:
-    config = configuration.load_config(_DEFAULT_CONFIG)
-  except ConfigError:
-    return list(GROUP_HELP)
+  """The groups (sub-ConfigDicts) of the package's defaults."""
+  config = configuration.load_config(_DEFAULT_CONFIG)
   return [k for k, v in config.items() if isinstance(v, ml_collections.ConfigDict)]
 
 

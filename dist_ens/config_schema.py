@@ -1,5 +1,5 @@
-"""What configs/default.py declares of each field: its meaning and its check, read from
-the file's comments, so a field is declared in one place.
+"""What dist_ens/config/defaults.py declares of each field: its meaning and its check,
+read from the file's comments, so a field is declared in one place.
 
 A field's comment (the comment lines right above its assignment, then the one beside
 it) is its meaning; a check in brackets at the comment's end is what its value must be:

@@ -44,13 +44,13 @@ def load_config(path: str | Path, arg: str | None = None) -> ml_collections.Conf
   return module.get_config(arg) if arg is not None else module.get_config()
 
 
-# The config every field is checked against (check_known_fields); a checkout's, as the
-# configs/ folder ships beside the package, not inside it.
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / 'configs' / 'default.py'
+# The config every field is checked against (check_known_fields), inside the package: an
+# installed wheel checks as a checkout does.
+DEFAULT_CONFIG = Path(__file__).resolve().parent / 'config' / 'defaults.py'
 
 
 def check_known_fields(config: ml_collections.ConfigDict) -> None:
-  """Refuses a field configs/default.py does not have (a misspelt one would be ignored).
+  """Refuses a field the package's defaults do not have (a misspelt one would be ignored).
 
   For a config from a file or from Python, as --config.x overrides are refused on the
   command line. A workdir's saved config is not checked: a field that a later version
@@ -59,15 +59,13 @@ def check_known_fields(config: ml_collections.ConfigDict) -> None:
   Raises:
     ConfigError: naming the first unknown field (or group) and the closest known ones.
   """
-  if not DEFAULT_CONFIG.is_file():  # An installed package without the repository's configs.
-    return
   known = config_fields(load_config(DEFAULT_CONFIG))
   allowed = {*known, *specs.OPTIONAL_FIELDS}
   for path in config_fields(config):  # A group comes before its fields.
     if path in allowed or any(path.startswith(f'{free}.') for free in specs.FREE_FORM_FIELDS):
       continue
-    raise ConfigError(f'config.{path} is not a field of configs/default.py, so nothing would '
-                      f'read it; {field_hint(path, known)}')
+    raise ConfigError(f'config.{path} is not a config field (dist_ens/config/defaults.py), so '
+                      f'nothing would read it; {field_hint(path, known)}')
 
 
 def _require(ok: bool, field: str, value: Any, what: str) -> None:
@@ -76,10 +74,8 @@ def _require(ok: bool, field: str, value: Any, what: str) -> None:
 
 
 def check_declared(config: ml_collections.ConfigDict) -> None:
-  """Every check configs/default.py declares beside a field ('[int >= 1]', see
+  """Every check the package's defaults declare beside a field ('[int >= 1]', see
   dist_ens.config_schema), on this config's value of that field."""
-  if not DEFAULT_CONFIG.is_file():  # An installed package without the repository's configs.
-    return
   for path, field in config_schema.declared(DEFAULT_CONFIG).items():
     if field.check is not None:
       value = _get(config, path)
@@ -89,7 +85,7 @@ def check_declared(config: ml_collections.ConfigDict) -> None:
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks the fields every run reads; raises ConfigError naming the first bad one.
 
-  A field's own type and range are declared beside it in configs/default.py
+  A field's own type and range are declared beside it in dist_ens/config/defaults.py
   (check_declared); what is checked here depends on other fields or on code. Names that
   live in registries (model, optimizer, dataset, schedule) are checked where the
   registry is, with the list of valid names.
@@ -248,8 +244,8 @@ def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
   node = config
   for part in dotted.split('.'):
     if part not in node:
-      raise ConfigError(f'config.{dotted} is missing; start from configs/default.py, which '
-                        'has every field.')
+      raise ConfigError(f'config.{dotted} is missing; start from dist_ens.config.defaults.'
+                        'get_config() (or configs/default.py), which has every field.')
     node = node[part]
   return node
 
@@ -260,15 +256,15 @@ def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 # An old workdir's config lacks the fields added since it was saved. upgrade() gives
-# each configs/default.py's default, except where runs before the field behaved as
+# each field the package's default, except where runs before the field behaved as
 # another value would: {group: {field: the value runs had before}}. A new field needs
 # an entry here only when its default changes what an old run did.
 OLD_BEHAVIOUR = {'eval': {'joint_tau': 0}}  # No joint log-loss was computed.
 
 
 def _defaults() -> dict[str, Any]:
-  """configs/default.py as a plain dict ({} for an installed package without it)."""
-  return to_dict(load_config(DEFAULT_CONFIG)) if DEFAULT_CONFIG.is_file() else {}
+  """The package's defaults as a plain dict."""
+  return to_dict(load_config(DEFAULT_CONFIG))
 
 
 def _fill(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
@@ -284,7 +280,7 @@ def _fill(saved: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
 
 def upgrade(saved: dict[str, Any]) -> dict[str, Any]:
   """A config saved by an earlier version, with the fields added since at the values its
-  run had (OLD_BEHAVIOUR's, else configs/default.py's), and train.loss 'cross_entropy'
+  run had (OLD_BEHAVIOUR's, else the package's defaults), and train.loss 'cross_entropy'
   written as '' (the classification task's own loss: the same function, now the
   default)."""
   out = dict(saved)

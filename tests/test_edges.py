@@ -56,8 +56,8 @@ def test_a_config_files_misspelt_field_is_refused_in_one_line(tmp_path):
                   f'  c.optim.learing_rate = 0.5\n'
                   f'  return c\n')
   line = _one_line(_cli(f'--config={path}', f'--workdir={tmp_path / "run"}'))
-  assert line == ('dist-ens: error: config.optim.learing_rate is not a field of '
-                  'configs/default.py, so nothing would read it; did you mean '
+  assert line == ('dist-ens: error: config.optim.learing_rate is not a config field '
+                  '(dist_ens/config/defaults.py), so nothing would read it; did you mean '
                   'config.optim.learning_rate?')
   assert not (tmp_path / 'run').exists()
 
@@ -65,8 +65,9 @@ def test_a_config_files_misspelt_field_is_refused_in_one_line(tmp_path):
 def test_an_unknown_group_from_python_is_refused_before_anything_is_written(tmp_path):
   config = _config()
   config.augmentation = ml_collections.ConfigDict(dict(kind='flip'))
-  with pytest.raises(ConfigError, match=r'^config.augmentation is not a field of configs/'
-                     r'default.py, so nothing would read it; config has checkpoint, data, '):
+  with pytest.raises(ConfigError, match=r'^config.augmentation is not a config field '
+                     r'\(dist_ens/config/defaults.py\), so nothing would read it; config has '
+                     r'checkpoint, data, '):
     dist_ens.train(config, str(tmp_path / 'run'))
   assert not (tmp_path / 'run').exists()
 
