@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks import harness
 from dist_ens import assemble
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.core.model import Model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 
 from benchmarks import harness  # noqa: E402
 from dist_ens import assemble, data  # noqa: E402
-from dist_ens.configuration import load_config  # noqa: E402
+from dist_ens.config.loading import load_config  # noqa: E402
 from dist_ens.parallel import mesh as mesh_lib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -56,7 +56,8 @@ import numpy as np
 
 import dist_ens
 from benchmarks import harness
-from dist_ens import models, run_data, specs
+from dist_ens import models, run_data
+from dist_ens.config import specs
 from dist_ens.data import corruptions
 from dist_ens.eval import metrics, shift as shift_lib, shift_spec
 from dist_ens.parallel import strategy

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dist_ens import assemble, configuration
+from dist_ens import assemble
+from dist_ens.config import loading
 from benchmarks import harness
 from dist_ens.plan import data_shape
 
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def parts_of(name: str, members: int):
-  config = configuration.load_config(ROOT / 'configs' / f'{name}.py')
+  config = loading.load_config(ROOT / 'configs' / f'{name}.py')
   if 'grid(' not in repr(config):  # A sweep's grid fixes its M.
     config.num_members = members
   config.mesh.member = config.mesh.data = 1

@@ -94,7 +94,7 @@ NO_YNN_FLAG = '--xla_cpu_experimental_ynn_fusion_type='
 
 def load(model: str, members: int) -> Any:
   """The shipped config of `model` with num_members = members."""
-  from dist_ens.configuration import load_config
+  from dist_ens.config.loading import load_config
   config = load_config(ROOT / MODELS[model])
   config.num_members = members
   return config

@@ -82,7 +82,7 @@ def vit_config(hidden: int, depth: int, heads: int, mlp: int, member: int, data:
                model: int, rules: str = 'fsdp', members: int = MEMBERS) -> Any:
   """configs/cifar10_vit_ti.py at this size and mesh, steps counted (no data to count
   epochs by), no augmentation (it needs per-example indices), one shared batch."""
-  from dist_ens.configuration import load_config
+  from dist_ens.config.loading import load_config
   config = load_config(CONFIG)
   config.num_members = members
   config.data.batch_size, config.data.augment, config.data.member_order = BATCH, 'none', 'shared'

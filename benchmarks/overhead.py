@@ -54,7 +54,7 @@ from absl import logging
 import dist_ens
 from benchmarks import harness
 from dist_ens import assemble, data
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 BARE_BATCHES = 64  # distinct device-resident batches the bare step cycles through

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import dist_ens
 from benchmarks import harness
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -75,7 +75,7 @@ def build_step(spec: ModelSpec, members: int, batch: int, precision: str):
   import jax
   import numpy as np
   from dist_ens import assemble
-  from dist_ens.configuration import load_config
+  from dist_ens.config.loading import load_config
   from dist_ens.parallel import mesh as mesh_lib
   config = load_config(ROOT / 'configs' / 'default.py')
   config.num_members = members

@@ -143,7 +143,7 @@ def plan_flops(conv_impl: str) -> float | None:
   """dist_ens.plan's flops_per_example (XLA cost analysis of the step) at M=1."""
   import jax
   from dist_ens import plan
-  from dist_ens.configuration import load_config
+  from dist_ens.config.loading import load_config
   config = load_config(ROOT / 'configs' / 'default.py')
   config.num_members = 1
   config.data.name, config.data.batch_size = 'cifar10', tp.BATCH

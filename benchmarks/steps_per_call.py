@@ -26,7 +26,7 @@ from absl import logging
 
 import dist_ens
 from benchmarks import harness
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -19,7 +19,7 @@ import jax
 
 from benchmarks import harness
 from dist_ens import assemble, data
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.parallel import mesh as mesh_lib
 
 ROOT = Path(__file__).resolve().parents[1]

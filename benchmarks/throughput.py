@@ -142,7 +142,7 @@ def _jax_setup(spec: ModelSpec, members: int = 1, precision: str = 'float32'):
   """(config, parts) of this cell, built as training builds them (dist_ens.assemble)."""
   import jax
   from dist_ens import assemble
-  from dist_ens.configuration import load_config
+  from dist_ens.config.loading import load_config
   config = load_config(ROOT / 'configs' / 'default.py')
   config.num_members = members
   config.precision = precision

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import ml_collections
 
-from dist_ens.configuration import load_config
+from dist_ens import load_config
 
 SEEDS = 4  # members per architecture
 

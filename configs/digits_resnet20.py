@@ -14,7 +14,7 @@ from pathlib import Path
 
 import ml_collections
 
-from dist_ens.configuration import load_config
+from dist_ens import load_config
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -14,7 +14,7 @@ concrete, energy, yacht, wine-quality-red (dist_ens/data/uci_data/README.md).
 
 from pathlib import Path
 
-from dist_ens.configuration import load_config
+from dist_ens import load_config
 
 
 def get_config():

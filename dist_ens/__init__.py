@@ -5,7 +5,7 @@
   ensemble = dist_ens.Ensemble.load('/tmp/run')
 """
 
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.core.model import Model
 from dist_ens.ensembles.stacking import num_members, stack, unstack
 from dist_ens.errors import ConfigError, TrainingError

@@ -28,7 +28,8 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from dist_ens import configuration, data, member_groups, models, tasks
+from dist_ens import data, member_groups, models, tasks
+from dist_ens.config import checks
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.core import gradients, groups as groups_lib, hparams as hparams_lib
 from dist_ens.core.model import Model
@@ -49,8 +50,8 @@ from dist_ens.importing import is_import_path, load_object
 from dist_ens.io import init_from
 from dist_ens.run_data import RunData, build_data  # noqa: F401  (re-exported)
 # Re-exported: tests and benchmarks build parts' specs through assemble.
-from dist_ens.specs import (data_spec, hparams_spec, init_from_spec,  # noqa: F401
-                            mesh_spec, method_spec, model_spec, optim_spec)
+from dist_ens.config.specs import (data_spec, hparams_spec, init_from_spec,  # noqa: F401
+                                   mesh_spec, method_spec, model_spec, optim_spec)
 
 
 class Parts(NamedTuple):
@@ -173,7 +174,7 @@ def build_run(config: ml_collections.ConfigDict, *,
   Raises:
     ConfigError: naming the field and what would work.
   """
-  configuration.validate(config)
+  checks.validate(config)
   mesh = mesh or build_mesh(config, devices)
   run_data = None
   metrics = user_metrics.load_metrics(config.eval.metrics)  # Fails here, before any work.
@@ -181,7 +182,7 @@ def build_run(config: ml_collections.ConfigDict, *,
     run_data = build_data(config, dataset)
     dataset = run_data.dataset
     # An epoch is one pass over a member's training examples (all of train, or its split's).
-    config = configuration.resolve_epochs(config, run_data.order.examples_per_epoch)
+    config = checks.resolve_epochs(config, run_data.order.examples_per_epoch)
     if config.eval.shift and data.is_token_ids(dataset.test.x):
       raise ConfigError(f'config.eval.shift={config.eval.shift!r} corrupts images and signals; '
                         f'{dataset.name!r} has integer token inputs (config.task='

@@ -19,7 +19,8 @@ from typing import NamedTuple, NoReturn
 import ml_collections
 from absl import app, flags, logging
 
-from dist_ens import configuration, importing
+from dist_ens import importing
+from dist_ens.config import command_line, loading
 from dist_ens.io import console
 from dist_ens.errors import AgreedConfigError, ConfigError, TrainingError
 from dist_ens.parallel import distributed, xla_flags
@@ -37,7 +38,7 @@ class Command(NamedTuple):
 
 
 def _define_train_flags(fv: flags.FlagValues) -> None:
-  configuration.define_config_flag(fv)
+  command_line.define_config_flag(fv)
   flags.DEFINE_string('workdir', None, 'Directory for config, metrics, checkpoints and '
                       'results; rerunning with the same one resumes.', flag_values=fv)
   # None (neither --distributed nor --nodistributed): start it if a cluster is detected.
@@ -66,7 +67,7 @@ def _define_train_flags(fv: flags.FlagValues) -> None:
 
 
 def _define_plan_flags(fv: flags.FlagValues) -> None:
-  configuration.define_config_flag(fv)
+  command_line.define_config_flag(fv)
   flags.DEFINE_float('memory_gb', None, 'Memory of ONE device in GB (1e9 bytes); default: '
                      'what the device reports (accelerators), else none.', flag_values=fv)
   flags.DEFINE_bool('json', False, 'Print the plan as one JSON object instead of a table.',
@@ -183,7 +184,7 @@ def _user_code_field(error: BaseException, config) -> str | None:
   raised it. dist_ens calls into the user's module first at the outermost of its
   frames; several fields naming one module are told apart by the function's name."""
   try:
-    paths = list(_import_paths(configuration.to_dict(config)))
+    paths = list(_import_paths(loading.to_dict(config)))
   except Exception:  # pylint: disable=broad-except  # (a config that did not load)
     return None
   by_file: dict[str, list[tuple[str, str]]] = {}
@@ -261,12 +262,12 @@ GROUP_HELP: dict[str, str] = {
     'pbt': 'population-based training over the members (exploit and explore)',
     'distill': 'after training, the ensemble distilled into one student (same, hydra, yours)',
 }
-_DEFAULT_CONFIG = configuration.DEFAULT_CONFIG
+_DEFAULT_CONFIG = loading.DEFAULT_CONFIG
 
 
 def config_groups() -> list[str]:
   """The groups (sub-ConfigDicts) of the package's defaults."""
-  config = configuration.load_config(_DEFAULT_CONFIG)
+  config = loading.load_config(_DEFAULT_CONFIG)
   return [k for k, v in config.items() if isinstance(v, ml_collections.ConfigDict)]
 
 

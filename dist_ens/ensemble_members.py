@@ -64,7 +64,7 @@ class MemberAccess:
     overrides where config.ensemble.groups gives members different architectures.
 
     Example:
-      spec = dist_ens.specs.model_spec(ens.member_config(5))
+      spec = dist_ens.config.specs.model_spec(ens.member_config(5))
       model = dist_ens.models.get_model(spec, ens.num_classes)   # member 5's architecture
     """
     specs = member_groups.group_specs(self.config)

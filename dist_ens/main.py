@@ -33,7 +33,8 @@ import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 
-from dist_ens import commands, configuration
+from dist_ens import commands
+from dist_ens.config import command_line
 
 FLAGS = flags.FLAGS
 
@@ -49,10 +50,10 @@ def _parse_flags(argv: list[str], prog: str) -> list[str]:
   try:
     rest = FLAGS(argv)
   except flags.Error as e:
-    message = configuration.unknown_field_message(argv) or str(e)
+    message = command_line.unknown_field_message(argv) or str(e)
   except (KeyError, AttributeError, TypeError, ValueError):
     # ml_collections raises these for an override of a field that does not exist.
-    message = configuration.unknown_field_message(argv)
+    message = command_line.unknown_field_message(argv)
     if message is None:
       raise
   else:
@@ -75,7 +76,7 @@ def _config_problem(argv: Sequence[str]) -> str | None:
     except Exception as e:  # pylint: disable=broad-except
       reason = str(e).strip().splitlines()[-1].strip()  # The most specific line.
       return f'--config={config_flags.get_config_filename(FLAGS["config"])}: {reason}'
-  return configuration.wrong_type_message(argv, config)
+  return command_line.wrong_type_message(argv, config)
 
 
 def _quiet_other_loggers() -> None:
@@ -134,7 +135,7 @@ def entry(argv: Sequence[str] | None = None) -> None:
     signal.signal(signum, functools.partial(_stop_at_once, prog))
   commands.COMMANDS[name].define_flags(FLAGS)
   # config_flags reads the --config.x overrides from sys.argv, without the command.
-  sys.argv = [argv[0], *configuration.last_overrides(rest)]
+  sys.argv = [argv[0], *command_line.last_overrides(rest)]
   try:
     app.run(commands.COMMANDS[name].main, argv=sys.argv,
             flags_parser=lambda args: _parse_flags(args, prog))

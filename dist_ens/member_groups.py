@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
-from dist_ens import specs
+from dist_ens.config import specs
 from dist_ens.core.groups import Group
 from dist_ens.ensembles import methods
 from dist_ens.errors import ConfigError
@@ -198,7 +198,7 @@ def _check_method(one: ml_collections.ConfigDict, spec: GroupSpec) -> None:
   adds outputs or wraps the loss (snapshots, SWAG, MIMO, epinets) is refused, by what
   it declares, not by its name. What the group's method refuses without groups (PBT,
   Laplace, distillation with shared leaves) it refuses with them: the run checks each
-  group's config as its own (configuration.validate, training.trainer)."""
+  group's config as its own (config.checks.validate, training.trainer)."""
   method = methods.from_spec(specs.method_spec(one))
   if (method.collects or method.wrap_loss is not None or method.per_member != 1
       or method.outputs_per_output != 1 or method.cycles != 1):

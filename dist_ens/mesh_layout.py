@@ -17,7 +17,7 @@ from dist_ens.ensembles import batchensemble, methods
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib, sharding_rules
 from dist_ens.parallel.layout import Layout
-from dist_ens.specs import mesh_spec
+from dist_ens.config.specs import mesh_spec
 
 
 def build_mesh(config: ml_collections.ConfigDict,

@@ -11,7 +11,7 @@ from dist_ens import data, tasks
 from dist_ens.data import uci
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood
-from dist_ens.specs import data_spec
+from dist_ens.config.specs import data_spec
 
 
 class RunData(NamedTuple):

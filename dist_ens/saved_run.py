@@ -12,7 +12,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, configuration, data, member_groups, tasks
+from dist_ens import assemble, data, member_groups, tasks
+from dist_ens.config import loading
 from dist_ens.checkpoint import Checkpointer
 from dist_ens.data import uci
 from dist_ens.ensembles import methods
@@ -21,7 +22,7 @@ from dist_ens.eval import decisions
 from dist_ens.eval.laplace_predictive import LaplaceFit
 from dist_ens.io import laplace_file
 from dist_ens.parallel import load_mesh
-from dist_ens.specs import data_spec, method_spec
+from dist_ens.config.specs import data_spec, method_spec
 
 
 def data_shape(config: ml_collections.ConfigDict,
@@ -122,7 +123,7 @@ def saved_config(checkpointer: Checkpointer,
   if config_dict is None:
     raise FileNotFoundError(f'{workdir / "checkpoints"} holds no readable checkpoint with a '
                             f'config, and {config_path} does not exist.')
-  return ml_collections.ConfigDict(configuration.upgrade(config_dict)), meta
+  return ml_collections.ConfigDict(loading.upgrade(config_dict)), meta
 
 
 def parts_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],

@@ -8,14 +8,15 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from dist_ens import assemble, configuration, models
+from dist_ens import assemble, models
+from dist_ens.config import loading
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / 'configs' / 'default.py'
 
 
 @functools.cache
 def _default() -> models.ModelSpec:
-  return assemble.model_spec(configuration.load_config(DEFAULT_CONFIG))
+  return assemble.model_spec(loading.load_config(DEFAULT_CONFIG))
 
 
 def model_spec(**fields) -> models.ModelSpec:

@@ -21,7 +21,7 @@ import support
 
 from dist_ens import checkpoint
 import dist_ens
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.errors import ConfigError, TrainingError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -110,9 +110,10 @@ def test_each_command_has_help_listing_its_flags(command, flags, capsys):
 
 
 def test_help_lists_the_config_groups_and_points_to_the_config_reference(capsys):
-  from dist_ens import commands, configuration  # pylint: disable=g-import-not-at-top
+  from dist_ens import commands  # pylint: disable=g-import-not-at-top
+  from dist_ens.config import loading  # pylint: disable=g-import-not-at-top
   import ml_collections  # pylint: disable=g-import-not-at-top
-  default = configuration.load_config(ROOT / 'configs' / 'default.py')
+  default = loading.load_config(ROOT / 'configs' / 'default.py')
   groups = [k for k, v in default.items() if isinstance(v, ml_collections.ConfigDict)]
   assert {'data', 'model', 'optim', 'train', 'mesh'} <= set(groups)
   for command in ('train', 'plan'):

@@ -24,7 +24,8 @@ import combinations_table as table
 import support
 
 import dist_ens
-from dist_ens import configuration, data, tasks
+from dist_ens import data, tasks
+from dist_ens.config import checks
 from dist_ens.core import optim
 from dist_ens.data import member_split, pipeline
 from dist_ens.ensembles import methods, own, students
@@ -200,7 +201,7 @@ CLOSED = {
     'data.member_order': pipeline.MEMBER_ORDERS,
     'data.member_split': member_split.KINDS,
     'select.method': posthoc.SELECT_METHODS,
-    'precision': configuration.PRECISIONS,
+    'precision': checks.PRECISIONS,
     'distill.student': students.KINDS,
     'optim.name': tuple(optim.OPTIMIZERS),
     'optim.schedule': optim.SCHEDULES,

@@ -68,13 +68,14 @@ def _breaking(check):
 def test_each_declared_check_is_what_validation_applies():
   # A field's check is declared once, beside it in configs/default.py ('[int >= 1]'):
   # validation refuses a value that breaks it in one line naming the field and the rule.
-  from dist_ens import config_schema, configuration  # pylint: disable=g-import-not-at-top
+
+  from dist_ens.config import checks, loading, schema  # pylint: disable=g-import-not-at-top
   from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
-  declared = {path: field.check for path, field in config_schema.declared(
-      configuration.DEFAULT_CONFIG).items() if field.check is not None}
+  declared = {path: field.check for path, field in schema.declared(
+      loading.DEFAULT_CONFIG).items() if field.check is not None}
   assert {'train.steps', 'optim.b2', 'reproducible', 'train.on_nonfinite'} <= set(declared)
   for path, check in declared.items():
-    config = configuration.load_config(configuration.DEFAULT_CONFIG)
+    config = loading.load_config(loading.DEFAULT_CONFIG)
     *parents, leaf = path.split('.')
     node = config
     for name in parents:
@@ -84,7 +85,7 @@ def test_each_declared_check_is_what_validation_applies():
     with node.ignore_type():
       node[leaf] = bad
     try:
-      configuration.validate(config)
+      checks.validate(config)
     except ConfigError as e:
       assert str(e) == f'config.{path}={bad!r} is invalid: {check.requirement}.', str(e)
     else:

@@ -17,9 +17,9 @@ from jax.experimental import multihost_utils
 
 import support
 
-from dist_ens import configuration
+from dist_ens.config import loading
 from dist_ens.parallel import distributed
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +46,7 @@ def slurm_job(monkeypatch, no_cluster):
 
 def _config_dict(**overrides):
   config = load_config(ROOT / 'configs' / 'default.py')
-  return configuration.to_dict(support.override(config, **overrides))
+  return loading.to_dict(support.override(config, **overrides))
 
 
 def test_describe_differences_names_fields_and_values():

@@ -19,7 +19,8 @@ import pytest
 import support
 
 import dist_ens
-from dist_ens import assemble, configuration, data, importing, run_data
+from dist_ens import assemble, data, importing, run_data
+from dist_ens.config import loading
 from dist_ens.data import pipeline
 from dist_ens.errors import ConfigError
 
@@ -74,11 +75,11 @@ def test_an_unknown_group_from_python_is_refused_before_anything_is_written(tmp_
 
 def test_fields_only_some_models_data_sets_or_factories_read_are_known():
   for path in sorted((ROOT / 'configs').glob('*.py')):  # resnet's depth, vit's heads, ...
-    configuration.check_known_fields(configuration.load_config(path))
+    loading.check_known_fields(loading.load_config(path))
   config = _config()
   config.data.add_channel = False  # TFDS only
   config.model.kwargs = ml_collections.ConfigDict(dict(anything=1, nested=dict(x=2)))
-  configuration.check_known_fields(config)
+  loading.check_known_fields(config)
 
 
 # Item 7: no noise in a normal run.

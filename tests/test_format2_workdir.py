@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 
 import dist_ens
-from dist_ens import configuration
+from dist_ens.config import command_line, loading
 
 FIXTURE = Path(__file__).parent / 'data' / 'format2_workdir'
 DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
@@ -45,12 +45,12 @@ def test_an_old_workdir_resumes_with_todays_config(tmp_path):
 
 def test_a_field_added_later_takes_its_default_or_the_old_behaviour():
   """upgrade() fills what an old config lacks from configs/default.py, except the fields
-  whose default would change what the old run did (configuration.OLD_BEHAVIOUR)."""
+  whose default would change what the old run did (loading.OLD_BEHAVIOUR)."""
   saved = json.loads((FIXTURE / 'config.json').read_text())
-  upgraded = configuration.upgrade(saved)
-  defaults = configuration.to_dict(dist_ens.load_config(DEFAULT))
-  assert configuration.differences(upgraded, defaults)  # The old run's own values stay...
-  assert set(configuration.config_fields(ml_collections.ConfigDict(upgraded))) >= set(
-      configuration.config_fields(ml_collections.ConfigDict(defaults)))  # ...and none lacks.
+  upgraded = loading.upgrade(saved)
+  defaults = loading.to_dict(dist_ens.load_config(DEFAULT))
+  assert loading.differences(upgraded, defaults)  # The old run's own values stay...
+  assert set(command_line.config_fields(ml_collections.ConfigDict(upgraded))) >= set(
+      command_line.config_fields(ml_collections.ConfigDict(defaults)))  # ...and none lacks.
   assert upgraded['eval']['joint_tau'] == 0 != defaults['eval']['joint_tau']
   assert upgraded['eval']['laplace'] == defaults['eval']['laplace']

@@ -14,7 +14,8 @@ import pytest
 import support
 
 import dist_ens
-from dist_ens import assemble, data, member_groups, models, specs
+from dist_ens import assemble, data, member_groups, models
+from dist_ens.config import specs
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.data import load_dataset
 from dist_ens.ensembles import pbt as pbt_lib, stored as stored_lib

@@ -11,7 +11,7 @@ import pytest
 from dist_ens import data
 from dist_ens.parallel import mesh as mesh_lib
 import dist_ens
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.eval.evaluate import evaluate_split, make_eval_step
 from dist_ens.inference import Ensemble, load_member
 

@@ -11,7 +11,9 @@ import support
 
 import dist_ens
 from dist_ens import data, tasks
-from dist_ens.configuration import ConfigError, load_config, validate
+from dist_ens.errors import ConfigError
+from dist_ens.config.loading import load_config
+from dist_ens.config.checks import validate
 from dist_ens.eval import evaluate, joint
 from dist_ens.inference import Ensemble
 from dist_ens.training import joint_action

@@ -236,7 +236,7 @@ def test_mesh_rules_take_an_import_path_from_python():
 
 def test_mesh_rules_take_an_import_path_from_the_command_line():
   from absl import flags  # pylint: disable=import-outside-toplevel
-  from dist_ens.config_flags import define_config_flag  # pylint: disable=import-outside-toplevel
+  from dist_ens.config.command_line import define_config_flag  # pylint: disable=import-outside-toplevel
   argv = ['dist-ens', f'--config={DEFAULT}', f'--config.mesh.rules={VIT_RULES_PATH}']
   fv = flags.FlagValues()
   define_config_flag(fv, sys_argv=argv)

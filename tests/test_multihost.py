@@ -26,11 +26,12 @@ import pytest
 
 import support
 
-from dist_ens import configuration, data
+from dist_ens import data
+from dist_ens.config import loading
 from dist_ens.parallel import distributed
 from dist_ens.parallel import mesh as mesh_lib
 import dist_ens
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL_SH = ROOT / 'launch' / 'local.sh'
@@ -474,7 +475,7 @@ def test_process_that_errs_stops_the_other(tmp_path):
   stale.mkdir()
   other = _small_config('member')
   other.num_members = 3
-  (stale / 'config.json').write_text(json.dumps(configuration.to_dict(other)))
+  (stale / 'config.json').write_text(json.dumps(loading.to_dict(other)))
   # A checkpoint's metadata, so the stale run binds the workdir (one without checkpoints
   # binds nothing: there is nothing to resume).
   (stale / 'checkpoints' / '5' / 'meta').mkdir(parents=True)

@@ -10,7 +10,7 @@ import optax
 import pytest
 
 from dist_ens import assemble
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.core import optim
 from dist_ens.errors import ConfigError
 

@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dist_ens
-from dist_ens import Ensemble, assemble, configuration, data
+from dist_ens import Ensemble, assemble, data
+from dist_ens.config import checks, loading
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import load_pretrained, read_orbax
 from dist_ens.parallel import mesh as mesh_lib, placement, sharding_rules
@@ -180,7 +181,7 @@ def test_a_regex_owns_what_it_matches_and_all_changes_nothing(tmp_path):
   # A config saved before ensemble.own existed reads as 'all'.
   saved = _own_config('', own='all').to_dict()
   del saved['ensemble']['own']
-  assert configuration.upgrade(saved)['ensemble']['own'] == 'all'
+  assert loading.upgrade(saved)['ensemble']['own'] == 'all'
 
 
 @pytest.mark.parametrize('own,fields,match', [
@@ -200,7 +201,7 @@ def test_pbt_is_refused_with_shared_leaves():
   config = _own_config('', own='head')
   config.pbt.enabled, config.data.validation_size = True, 500
   with pytest.raises(ConfigError, match="needs ensemble.own='all'"):
-    configuration.validate(config)
+    checks.validate(config)
 
 
 def test_path_rules_split_shared_and_own_leaves_over_model(tmp_path):

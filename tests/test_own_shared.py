@@ -17,7 +17,8 @@ import optax
 import pytest
 
 import dist_ens
-from dist_ens import assemble, configuration, data, plan as plan_lib
+from dist_ens import assemble, data, plan as plan_lib
+from dist_ens.config import checks
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import read_orbax
 from dist_ens.parallel import mesh as mesh_lib
@@ -195,7 +196,7 @@ def test_plan_counts_the_shared_part_and_its_optimizer_state_once(tmp_path):
 
 def test_a_swept_learning_rate_is_said_to_reach_the_owned_leaves_only(caplog):
   config = _sgd(_own_config('', **{'ensemble.train_shared': True}))
-  configuration.validate(config)
+  checks.validate(config)
   assert "member 0's optim.learning_rate" in caplog.text
 
 

@@ -110,7 +110,7 @@ def test_a_bad_map_batch_size_is_rejected_naming_the_field(value):
 
 def _train_config(**train):
   from pathlib import Path
-  from dist_ens.configuration import load_config
+  from dist_ens.config.loading import load_config
   config = load_config(Path(__file__).resolve().parents[1] / 'configs' / 'default.py')
   config.train.update(train)
   return config

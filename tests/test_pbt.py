@@ -13,8 +13,8 @@ import support
 
 import dist_ens
 from test_methods import _Stop  # An action that fails after a step's checkpoint: a kill.
-from dist_ens import specs
-from dist_ens.configuration import load_config
+from dist_ens.config import specs
+from dist_ens.config.loading import load_config
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import pbt as pbt_lib
 from dist_ens.errors import ConfigError

@@ -27,7 +27,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 import dist_ens
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.core.axes import MEMBER
 from dist_ens.io.pretrained import read_orbax
 from dist_ens.parallel import distributed

@@ -14,7 +14,7 @@ import pytest
 import support
 
 from dist_ens import plan as plan_lib
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
 DEFAULT = CONFIGS / 'default.py'

@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 import support
 
 from dist_ens import Ensemble, data, tasks
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
 from dist_ens.ensembles.selection import greedy_select

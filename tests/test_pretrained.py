@@ -13,7 +13,7 @@ import pytest
 
 import dist_ens
 from dist_ens import assemble
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.core import rng
 from dist_ens.errors import ConfigError
 from dist_ens.inference import Ensemble

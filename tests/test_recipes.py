@@ -14,7 +14,8 @@ import tensorflow_datasets as tfds  # In the test extra: these tests must run, n
 from PIL import Image
 
 import dist_ens
-from dist_ens import assemble, configuration, plan as plan_lib
+from dist_ens import assemble, plan as plan_lib
+from dist_ens.config import checks, loading
 from dist_ens.core import optim
 from dist_ens.errors import ConfigError
 
@@ -80,15 +81,15 @@ RECIPES = {  # file: (data set, classes, train examples, steps at full size, par
 @pytest.mark.parametrize('name', sorted(RECIPES))
 def test_recipe_is_the_published_one_at_full_size(name):
   dataset, classes, examples, steps, params, members = RECIPES[name]
-  config = configuration.load_config(CONFIGS / name)
-  configuration.validate(config)
+  config = loading.load_config(CONFIGS / name)
+  checks.validate(config)
   assert (config.data.name, config.num_members, config.data.batch_size) == (dataset, members, 512)
   assert (config.optim.name, config.optim.nesterov, config.optim.momentum) == ('sgd', True, 0.9)
   assert config.optim.learning_rate == pytest.approx(0.1 * 512 / 128)
   # L2 2e-4 (gradient 4e-4 w) through momentum 0.9 = decoupled decay 4e-3 on everything.
   assert config.optim.weight_decay == pytest.approx(4e-3) and config.optim.decay_mask == 'all'
   assert config.data.augment == ('crop_flip' if 'cifar' in name else 'none')
-  resolved = configuration.resolve_epochs(config, examples)
+  resolved = checks.resolve_epochs(config, examples)
   assert resolved.train.steps == steps and config.train.epochs == 200
   multiplier = optim.schedule(assemble.optim_spec(resolved), resolved.train.steps)
   per_epoch = steps // 200
@@ -106,7 +107,7 @@ def test_recipe_is_the_published_one_at_full_size(name):
 # trains here through it; its own data set is read in the next test.
 @pytest.mark.parametrize('name', ['cifar100_wrn28_10.py', 'mnist_lenet5.py'])
 def test_recipe_trains_on_locally_written_tfds_data(tmp_path, data_dir, name):
-  config = configuration.load_config(CONFIGS / name)
+  config = loading.load_config(CONFIGS / name)
   config.data.data_dir = data_dir
   # Small enough for a CPU test; data set, preprocessing, optimizer, schedule and the
   # model family are the recipe's (the full-size model is built in the test above).
@@ -127,7 +128,7 @@ def test_recipe_trains_on_locally_written_tfds_data(tmp_path, data_dir, name):
 
 
 def test_cifar10_recipe_reads_its_data_set(data_dir):
-  config = configuration.load_config(CONFIGS / 'cifar10_wrn28_10.py')
+  config = loading.load_config(CONFIGS / 'cifar10_wrn28_10.py')
   config.data.data_dir, config.data.batch_size = data_dir, 16
   run_data = assemble.build_data(config)
   assert (run_data.dataset.input_shape, run_data.dataset.num_classes) == ((32, 32, 3), 10)
@@ -139,7 +140,7 @@ def test_cifar10_recipe_reads_its_data_set(data_dir):
 
 
 def test_plan_needs_no_data_on_disk_and_resolves_epochs(tmp_path):
-  config = configuration.load_config(CONFIGS / 'mnist_lenet5.py')
+  config = loading.load_config(CONFIGS / 'mnist_lenet5.py')
   config.data.data_dir = str(tmp_path / 'nothing here')
   config.num_members, config.mesh.member, config.data.batch_size = 2, 1, 500
   config.model.conv_impl = 'xla'  # Compiles faster than patches on a CPU.
@@ -164,46 +165,46 @@ def test_plan_needs_no_data_on_disk_and_resolves_epochs(tmp_path):
     ('train.epochs', -1, 'config.train.epochs=-1 is invalid: must be an int >= 0'),
 ])
 def test_bad_fields_are_one_line_naming_the_field(field, value, match):
-  config = configuration.load_config(CONFIGS / 'default.py')
+  config = loading.load_config(CONFIGS / 'default.py')
   section, _, key = field.rpartition('.')
   (config[section] if section else config)[key] = value
   with pytest.raises(ConfigError, match=match):
-    configuration.validate(config)
+    checks.validate(config)
 
 
 def test_good_fields_pass():
-  config = configuration.load_config(CONFIGS / 'default.py')
+  config = loading.load_config(CONFIGS / 'default.py')
   config.precision, config.reproducible = 'bfloat16', True
   config.data.augment, config.train.micro_batches = 'my_pkg.aug:fn', 4
-  configuration.validate(config)
+  checks.validate(config)
 
 
 def test_epochs_set_steps_once_the_data_size_is_known():
-  config = configuration.load_config(CONFIGS / 'default.py')
+  config = loading.load_config(CONFIGS / 'default.py')
   config.lock()
-  assert configuration.resolve_epochs(config, 4000) is config  # epochs=0: steps count.
+  assert checks.resolve_epochs(config, 4000) is config  # epochs=0: steps count.
   config.train.epochs = 3
-  configuration.validate(config)  # train.steps no longer has to suit steps_per_call.
-  resolved = configuration.resolve_epochs(config, 4000 + 127)
+  checks.validate(config)  # train.steps no longer has to suit steps_per_call.
+  resolved = checks.resolve_epochs(config, 4000 + 127)
   assert resolved.train.steps == 3 * 32 and config.train.steps == 2000  # A copy.
   assert resolved.is_locked
   config.train.steps_per_call, config.train.log_every = 10, 250
   with pytest.raises(ConfigError, match=r'config.train.epochs=3 is invalid: gives '
                                         r'train.steps=96 \(32 steps an epoch\), not a multiple '
                                         r'of train.steps_per_call=10'):
-    configuration.resolve_epochs(config, 4000 + 127)
+    checks.resolve_epochs(config, 4000 + 127)
 
 
 def test_warmup_in_epochs_sets_warmup_steps_in_step_and_epoch_runs():
-  config = configuration.load_config(CONFIGS / 'default.py')
+  config = loading.load_config(CONFIGS / 'default.py')
   config.optim.schedule, config.optim.warmup_epochs = 'cosine', 2.5
-  configuration.validate(config)
+  checks.validate(config)
   # 4000 examples at batch 128: 31 steps an epoch, so 2.5 epochs are 78 steps.
-  assert configuration.resolve_epochs(config, 4000).optim.warmup_steps == 78
+  assert checks.resolve_epochs(config, 4000).optim.warmup_steps == 78
   config.train.epochs = 10
-  resolved = configuration.resolve_epochs(config, 4000)
+  resolved = checks.resolve_epochs(config, 4000)
   assert (resolved.train.steps, resolved.optim.warmup_steps) == (310, 78)
   config.optim.warmup_steps = 5
   with pytest.raises(ConfigError, match=r'optim.warmup_epochs=2.5 is invalid: and '
                                         r'optim.warmup_steps=5 are both set'):
-    configuration.validate(config)
+    checks.validate(config)

@@ -54,7 +54,7 @@ RUNS = {
 
 
 def _config(overrides, members, member, data):
-  from dist_ens.configuration import load_config  # pylint: disable=g-import-not-at-top
+  from dist_ens.config.loading import load_config  # pylint: disable=g-import-not-at-top
   config = load_config(ROOT / 'configs' / 'default.py')
   config.reproducible = True
   config.num_members = members

@@ -15,7 +15,7 @@ from support import one_line_refusal as _refusal
 
 import dist_ens
 from dist_ens import assemble, data
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.io.pretrained import flatten
 from dist_ens.models import from_hf, hf
 from dist_ens.models.hf import load_leaves

@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dist_ens import assemble, data
-from dist_ens.configuration import load_config, validate
+from dist_ens.config.loading import load_config
+from dist_ens.config.checks import validate
 from dist_ens.data import corruptions
 from dist_ens.errors import ConfigError
 from dist_ens.inference import Ensemble

@@ -10,7 +10,7 @@ import pytest
 import support
 
 from dist_ens import data
-from dist_ens.configuration import validate
+from dist_ens.config.checks import validate
 from dist_ens.errors import ConfigError
 from dist_ens.training.trainer import train
 

@@ -14,7 +14,8 @@ import tensorflow_datasets as tfds  # In the test extra: these tests must run, n
 from PIL import Image  # pylint: disable=g-import-not-at-top
 
 from dist_ens import data
-from dist_ens.configuration import load_config, validate
+from dist_ens.config.loading import load_config
+from dist_ens.config.checks import validate
 from dist_ens.errors import ConfigError
 from dist_ens.inference import Ensemble
 from dist_ens.training.trainer import train

@@ -15,7 +15,7 @@ import numpy as np
 
 import dist_ens
 from dist_ens import assemble, data, tasks
-from dist_ens.configuration import load_config
+from dist_ens.config.loading import load_config
 from dist_ens.data import DataSpec
 from dist_ens.models import from_hf
 from support import one_line_refusal as _one_line

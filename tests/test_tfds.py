@@ -17,7 +17,7 @@ from PIL import Image  # pylint: disable=g-import-not-at-top
 
 from dist_ens import assemble, data
 import dist_ens  # pylint: disable=g-import-not-at-top
-from dist_ens.configuration import load_config  # pylint: disable=g-import-not-at-top
+from dist_ens.config.loading import load_config  # pylint: disable=g-import-not-at-top
 from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,7 +12,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dist_ens
-from dist_ens import assemble, configuration
+from dist_ens import assemble
+from dist_ens.config import checks, loading
 from dist_ens.core.axes import DATA, MEMBER, MODEL
 from dist_ens.errors import ConfigError
 from dist_ens.models import get_model
@@ -175,15 +176,15 @@ CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
     ('cifar10_vit_ti.py', (1, 32, 32, 3), 5_362_378),  # ViT-Ti: 5.4M
 ])
 def test_configs_load_validate_and_build_at_full_size(name, sample, params):
-  config = configuration.load_config(CONFIGS / name)
-  configuration.validate(config)
+  config = loading.load_config(CONFIGS / name)
+  checks.validate(config)
   model = get_model(assemble.model_spec(config), 10)
   abstract, _ = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample))
   assert sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract)) == params
 
 
 def test_digits_vit_trains_through_dist_ens(tmp_path):
-  config = configuration.load_config(CONFIGS / 'digits_vit.py')
+  config = loading.load_config(CONFIGS / 'digits_vit.py')
   # Shrunk for a CPU test; data, optimizer, dropout and the model family are the config's.
   config.num_members, config.mesh.member, config.model.depth = 2, 1, 1
   config.train.steps, config.train.log_every, config.checkpoint.every = 2, 2, 2
@@ -195,7 +196,7 @@ def test_digits_vit_trains_through_dist_ens(tmp_path):
 
 def test_digits_vit_splits_its_blocks_by_vit_rules_on_a_model_axis():
   """Its docstring promises VIT_RULES' tensor-parallel split, not FSDP's (issue 45 item 9)."""
-  config = configuration.load_config(CONFIGS / 'digits_vit.py')
+  config = loading.load_config(CONFIGS / 'digits_vit.py')
   config.mesh.member, config.mesh.data, config.mesh.model = 4, 1, 2
   parts = assemble.build_parts(config, assemble.build_mesh(config), (8, 8, 1), 10)
   block = parts.abstract_state.params['blocks'][0]

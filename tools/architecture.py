@@ -21,11 +21,11 @@ from pathlib import Path
 
 # Ground floor first: a module may import its own layer and those before it.
 LAYERS = [
-    ('errors', 'importing', 'config_schema'),
+    ('errors', 'importing'),
     ('core',),
     ('parallel', 'models', 'data'),
     ('eval', 'ensembles', 'tasks'),
-    ('checkpoint', 'io', 'configuration', 'config_flags', 'specs', 'run_data', 'saved_run', 'assemble', 'member_forms', 'member_groups', 'mesh_layout', 'prediction', 'plan', 'dry_run', 'host_memory'),
+    ('checkpoint', 'io', 'config', 'run_data', 'saved_run', 'assemble', 'member_forms', 'member_groups', 'mesh_layout', 'prediction', 'plan', 'dry_run', 'host_memory'),
     ('training', 'inference', 'ensemble_members', 'student', 'main', 'commands', '__init__'),
 ]
 _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|data)'")

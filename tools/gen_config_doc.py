@@ -7,14 +7,15 @@
 Every field that get_config() assigns becomes a row: its dotted name, its default (the
 value get_config() returns), its comment (the comment lines right above the
 assignment, then the one beside it) and the check declared at the comment's end
-('[int >= 1]', which configuration.validate applies: dist_ens/config_schema.py). A comment above a section's assignment
+('[int >= 1]', which dist_ens.config.checks.validate applies; dist_ens/config/schema.py
+reads them). A comment above a section's assignment
 (`config.mesh = ...`) introduces the section. Fields built with `per_member(...)`
 are marked "per member". tests/test_config_doc.py fails when the committed file
 differs from what this prints, so the reference cannot go stale: edit the comments in
 dist_ens/config/defaults.py and rerun this script.
 
 Only the standard library and ml_collections are needed: the config file is loaded
-as a module, and dist_ens/config_schema.py (the comments' parser, standard library only)
+as a module, and dist_ens/config/schema.py (the comments' parser, standard library only)
 by its path, never through the dist_ens package (which imports jax).
 """
 
@@ -61,7 +62,7 @@ def _load_module(name: str, path: Path) -> Any:
   return module
 
 
-schema = _load_module('_dist_ens_config_schema', ROOT / 'dist_ens' / 'config_schema.py')
+schema = _load_module('_dist_ens_config_schema', ROOT / 'dist_ens' / 'config' / 'schema.py')
 
 
 def _load_config(path: Path) -> ml_collections.ConfigDict:

@@ -1,4 +1,8 @@
-"""The config: every field's default, meaning and check, declared once (defaults.py), and
-read from it (dist_ens.config_schema). It ships inside the package, so a wheel install
-checks a config as a checkout does; configs/ holds presets that start from it.
+"""The config, read once at the edge: every field's default, meaning and check declared
+once (defaults.py; schema.py reads the declarations), config files loaded and their
+fields checked against the defaults (loading.py), the checks that span fields
+(checks.py), the --config flag and its overrides (command_line.py), and the typed specs
+the rest of the package takes instead of a ConfigDict (specs.py). It ships inside the
+package, so a wheel install checks a config as a checkout does; configs/ holds presets
+that start from the defaults.
 """

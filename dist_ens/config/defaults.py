@@ -1,6 +1,6 @@
 """Every field of a dist_ens config: its default, and in the comment above or beside it,
 its meaning and (in brackets) its check, e.g. `config.train.steps = 1000  # ... [int >= 1]`
-(dist_ens.config_schema reads them; docs/config.md shows them). The default run: 8 MLP
+(dist_ens.config.schema reads them; docs/config.md shows them). The default run: 8 MLP
 members on MNIST-1D (generated offline), on whatever devices exist.
 
 Every field that any model, optimizer or schedule reads is present, so any of them

@@ -35,7 +35,7 @@ class OptimSpec(NamedTuple):
   learning_rate, weight_decay, b1 and momentum are per-member fields, held as
   configured; the optimizer takes each member's own value from its hyperparameters and
   falls back to the spec's only where that is one number. warmup_steps is in steps
-  (configuration.resolve_epochs turns optim.warmup_epochs into it first).
+  (config.checks.resolve_epochs turns optim.warmup_epochs into it first).
   """
   name: str  # 'adam', 'sgd', or your own by import path
   learning_rate: PerMember  # peak learning rate

@@ -1,6 +1,6 @@
 """config.eval.shift -> the (corruption, severity) pairs a shift evaluation runs.
 
-Read once at the edge (configuration.validate checks names and severities; build_run
+Read once at the edge (config.checks.validate checks names and severities; build_run
 checks them against the data's input shape, finds the prepared TFDS configs of a
 'tfds:NAME' spec and reads eval.shift_baseline's pairs), so a typo fails before anything
 is compiled or written, with the list of what works.
@@ -32,7 +32,7 @@ def tfds_name(spec: Any) -> str:
 
 
 def check_fields(spec: Any, baseline: Any) -> None:
-  """configuration.validate's check of eval.shift and eval.shift_baseline (no I/O)."""
+  """config.checks.validate's check of eval.shift and eval.shift_baseline (no I/O)."""
   if isinstance(spec, str) and spec.strip().startswith(TFDS):
     if not tfds_name(spec) or ',' in spec or '/' in tfds_name(spec):
       raise ConfigError(f"{FIELD}={spec!r}: 'tfds:NAME' takes one TFDS dataset name and "

@@ -13,7 +13,7 @@ import numpy as np
 
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.io import report_plots as plots
-from dist_ens.specs import hparams_spec
+from dist_ens.config.specs import hparams_spec
 
 
 def schedules(config: Any, events: list[dict[str, Any]]) -> dict[str, Any]:

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from dist_ens import configuration
+from dist_ens.config import loading
 from dist_ens.errors import AgreedConfigError, ConfigError
 from dist_ens.parallel import peer_watch
 
@@ -316,7 +316,7 @@ def describe_differences(config_dicts: list[dict[str, Any]]) -> str:
   """
   lines = []
   for i, other in enumerate(config_dicts[1:], start=1):
-    fields = configuration.differences(config_dicts[0], other)
+    fields = loading.differences(config_dicts[0], other)
     if fields:
       shown = '; '.join(f'{f}={_lookup(other, f)!r} (process 0: {_lookup(config_dicts[0], f)!r})'
                         for f in fields)
@@ -341,7 +341,7 @@ def check_same_config(config_dict: dict[str, Any]) -> None:
   error can name the fields.
 
   Args:
-    config_dict: this process's resolved config (configuration.to_dict).
+    config_dict: this process's resolved config (config.loading.to_dict).
 
   Raises:
     AgreedConfigError: on every process, naming each differing field and its values.

@@ -39,7 +39,8 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import assemble, configuration, data, member_groups, tasks
+from dist_ens import assemble, data, member_groups, tasks
+from dist_ens.config import checks, loading
 from dist_ens.parallel import mesh as mesh_lib, placement
 from dist_ens.plan import calibration, dry_run, groups_plan, sizes
 from dist_ens.plan.dry_run import StepMemory, step_memory
@@ -144,8 +145,8 @@ def _resolve_steps(config: ml_collections.ConfigDict
                         f'{config.data.name!r}, which dist-ens plan does not know; plan with '
                         'train.epochs=0 (steps do not change memory or FLOPs).')
     return config, None
-  return (configuration.resolve_epochs(config, examples),
-          configuration.steps_per_epoch(config, examples))
+  return (checks.resolve_epochs(config, examples),
+          checks.steps_per_epoch(config, examples))
 
 
 def device_memory_bytes(device: jax.Device) -> float | None:
@@ -175,8 +176,8 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   Raises:
     ConfigError: for an invalid config or a mesh that does not fit the devices.
   """
-  configuration.check_known_fields(config)
-  configuration.validate(config)
+  loading.check_known_fields(config)
+  checks.validate(config)
   config, per_epoch = _resolve_steps(config)
   input_shape, num_outputs = data_shape(config)
   run = assemble.build_run(config, devices=devices, shapes=(input_shape, num_outputs))
@@ -244,8 +245,8 @@ def calibrate(config: ml_collections.ConfigDict,
   for 'auto' (dist_ens.plan.calibration) and returns the table it measured. With member
   groups, each group's own step (its model, method and members per device) is timed and
   cached on its own: a run's joined step runs each group in the form cached for it."""
-  configuration.check_known_fields(config)
-  configuration.validate(config)
+  loading.check_known_fields(config)
+  checks.validate(config)
   config, _ = _resolve_steps(config)
   parts = assemble.build_run(config, devices=devices, shapes=data_shape(config)).parts
   names = [spec.name for spec in member_groups.group_specs(config)]

@@ -8,7 +8,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from dist_ens import assemble, configuration
+from dist_ens import assemble
+from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib, strategy
 from dist_ens.training.loop import Action, PeriodicAction
 
@@ -32,7 +33,7 @@ def steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
       inputs * int(np.prod(parts.input_shape)) * 4,  # float32
       step_flops=lambda: step_flops(config, parts))
   if start_step % k:
-    raise configuration.ConfigError(
+    raise ConfigError(
         f'config.train.steps_per_call={k} does not divide the checkpoint\'s step '
         f'{start_step}; resume with a steps_per_call that divides it (e.g. 1), or 0 (auto).')
   return k
@@ -56,7 +57,7 @@ CPU_MAX_SYNC_EVERY = 16
 def check_sync_every(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
   if (mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
       and config.train.sync_every > CPU_MAX_SYNC_EVERY):
-    raise configuration.ConfigError(
+    raise ConfigError(
         f'config.train.sync_every={config.train.sync_every} on a {mesh.size}-device CPU mesh: '
         f"XLA's CPU collectives deadlock when ~30 steps are queued; use at most "
         f'{CPU_MAX_SYNC_EVERY}, or 0 (automatic: {CPU_SYNC_EVERY}).')

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from dist_ens import specs
+from dist_ens.config import specs
 from dist_ens.data import Split, corruptions, tfds_corrupted
 from dist_ens.eval import decisions, mce, shift_spec
 from dist_ens.training.loop import Call, PeriodicAction

@@ -16,7 +16,9 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, configuration, data, member_groups, specs, tasks
+from dist_ens import assemble, data, member_groups, tasks
+from dist_ens.config import checks, loading, specs
+from dist_ens.errors import ConfigError
 from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
 from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
@@ -52,20 +54,20 @@ def _saved_run(workdir: Path) -> tuple[dict[str, Any] | None, int | None]:
   try:
     return json.loads(path.read_text()), meta['step']
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise configuration.ConfigError(
+    raise ConfigError(
         f'{path} is not valid JSON ({e}); delete it (the run then reads the config saved in '
         'its newest checkpoint), or use a new --workdir.') from None
 
 
 def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
   """Refuses a workdir whose run cannot be resumed with this config; saves the config."""
-  config_dict = configuration.to_dict(config)
+  config_dict = loading.to_dict(config)
   saved, step = _saved_run(workdir)
   if saved is not None:
-    differing = configuration.differences(configuration.upgrade(saved),
-                                          configuration.upgrade(config_dict))
+    differing = loading.differences(loading.upgrade(saved),
+                                          loading.upgrade(config_dict))
     if step > config.train.steps:
-      raise configuration.ConfigError(
+      raise ConfigError(
           f'config.train.steps={config.train.steps} but the workdir holds a checkpoint at step '
           f'{step}; train.steps cannot go back (use a new --workdir, or train.steps >= {step}).')
     # A schedule's decay, snapshot cycles and SWAG's start all scale with train.steps.
@@ -143,13 +145,13 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
                      dataset: data.Dataset | None, optimizer: Any, loss: Loss | None
                      ) -> assemble.Run:
   """Everything that can be wrong with the input, found before anything is written."""
-  configuration.check_known_fields(config)
-  configuration.validate(config)
+  loading.check_known_fields(config)
+  checks.validate(config)
   if not str(workdir).strip():
-    raise configuration.ConfigError("--workdir is empty; name a directory for the run's files "
+    raise ConfigError("--workdir is empty; name a directory for the run's files "
                                     '(e.g. --workdir=/tmp/run).')
   workdir_lib.check_workdir(workdir)
-  distributed.check_same_config(configuration.to_dict(config))
+  distributed.check_same_config(loading.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
   posthoc.check(run.config, run.parts.task, run.parts.method, grouped=bool(run.parts.groups))
   fresh = workdir_lib.newest_intact_step(workdir) is None  # A resume reads no init_from.
@@ -166,7 +168,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
                                  owned=parts.method.owned, under=parts.method.wrapped_under)
   test = run.data.dataset.test
   if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
-    raise configuration.ConfigError(
+    raise ConfigError(
         f'dataset {run.data.dataset.name!r} (config.data.name={config.data.name!r}) has an '
         'empty test split: the run is evaluated on it; give it at least one example.')
   cadence.check_sync_every(run.config, run.parts.mesh)
