@@ -3,6 +3,8 @@
   python tools/architecture.py [PACKAGE_DIR]   # default: dist_ens next to this file
 
 Prints, for the package's modules:
+  root_modules    modules at the package's root (its __init__ included);
+  lines           lines of the package's Python files;
   raw_config      modules that take or read a raw ml_collections config (they import
                   ml_collections or name ConfigDict);
   import_cycles   groups of modules that import each other, directly or not (module
@@ -10,7 +12,9 @@ Prints, for the package's modules:
   back_arrows     imports from a lower layer to a higher one (LAYERS, ground floor first);
   num_classes     modules naming `num_classes`;
   mesh_axes       modules naming the mesh's axes (MEMBER / DATA, or 'member' / 'data'
-                  as a PartitionSpec or axis name).
+                  as a PartitionSpec or axis name);
+  member_groups   modules that name member groups (config.ensemble.groups, the
+                  member_groups module, a Parts' .groups or core/groups.py).
 """
 
 import ast
@@ -29,6 +33,8 @@ LAYERS = [
     ('training', 'inference', 'ensemble_members', 'student', 'main', 'commands', '__init__'),
 ]
 _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|data)'")
+_GROUPS = re.compile(r"\bmember_groups\b|ensemble\.groups\b|\.groups\b|\bgroups_lib\b|"
+                     r"dist_ens\.core\.groups\b|from dist_ens\.core import [^\n]*\bgroups\b")
 
 
 def _layer(module: str) -> int:
@@ -108,12 +114,15 @@ def measure(root: Path) -> dict:
   back = sorted(f'{v} -> {w}' for v, ws in deps.items() for w in ws if _layer(v) < _layer(w))
   return {
       'modules': len(mods),
+      'root_modules': sum(1 for path in mods.values() if path.parent == root),
+      'lines': sum(text.count('\n') for text in texts.values()),
       'raw_config': sorted(n for n, t in texts.items()
                            if 'ml_collections' in t or 'ConfigDict' in t),
       'import_cycles': _cycles(deps),
       'back_arrows': back,
       'num_classes': sorted(n for n, t in texts.items() if 'num_classes' in t),
       'mesh_axes': sorted(n for n, t in texts.items() if _AXES.search(t)),
+      'member_groups': sorted(n for n, t in texts.items() if _GROUPS.search(t)),
   }
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from dist_ens.ensembles import batchensemble
 from dist_ens.errors import ConfigError
-from dist_ens.io import safetensors_file
+from dist_ens.models.hf import safetensors_file
 from dist_ens.parallel.sharding_rules import path_str
 
 FIELD = 'config.model.init_from'

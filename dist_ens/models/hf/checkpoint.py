@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from dist_ens.errors import ConfigError
-from dist_ens.io.safetensors_file import Entry, numpy_dtype, read_header
+from dist_ens.models.hf.safetensors_file import Entry, numpy_dtype, read_header
 
 PREFIX = 'hf:'
 INDEX = 'model.safetensors.index.json'
