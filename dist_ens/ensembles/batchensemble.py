@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from dist_ens.core.axes import MEMBER
+from dist_ens.core.hooks import MethodHooks
 from dist_ens.core.members import over_members
 from dist_ens.core.model import is_kernel
 from dist_ens.core.step import Batch, Member, update_axes
@@ -191,4 +192,6 @@ def make(spec: MethodSpec) -> Method:
   """BatchEnsemble (config.ensemble.method='batchensemble', or ensemble.own='batchensemble')."""
   refuse_reproducible(spec, "the shared weights' gradient is a sum over devices, whose order "
                             'depends on the mesh')
-  return Method('batchensemble', shares=True)
+  return Method('batchensemble', sharing=MethodHooks(
+      init_params=from_members, init_opt_state=init_opt_state,
+      members_update=members_update, shared=is_shared))

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 import jax
 
+from dist_ens.core.hooks import MethodHooks
 from dist_ens.errors import ConfigError
 
 PyTree = Any
@@ -81,7 +82,6 @@ class Method(NamedTuple):
   # What the method makes of train.steps changes with it (cycles, SWAG's start), so a
   # resumed run may not change train.steps.
   scales_with_steps: bool = False
-  shares: bool = False  # params have leaves shared by all members (batchensemble)
   outputs_per_output: int = 1  # the model gives this many outputs per task output (MIMO)
   # (model, task) -> the model members train and predict with (MIMO's slots and heads).
   wrap_model: Callable[[Any, Any], Any] | None = None
@@ -102,19 +102,21 @@ class Method(NamedTuple):
   # 'base'): config.model.init_from's file is read as the model's, and the method's
   # leaves beside them start per member. '': the model's leaves are the params.
   wrapped_under: str = ''
+  # How members are born and updated where they share leaves (BatchEnsemble's W, the
+  # leaves ensemble.own does not give them): set by the method that shares, or by
+  # methods.with_owned. None: each member its own params and optimizer state.
+  sharing: MethodHooks | None = None
 
   @property
-  def hooks(self):
+  def shares(self) -> bool:
+    """Whether params have leaves shared by all members (BatchEnsemble, ensemble.own)."""
+    return self.sharing is not None
+
+  @property
+  def hooks(self) -> MethodHooks:
     """What this method changes in core: how members are born, updated, collect."""
-    from dist_ens.core.hooks import MethodHooks  # pylint: disable=g-import-not-at-top
-    from dist_ens.ensembles import batchensemble, own as own_lib  # pylint: disable=g-import-not-at-top
-    if self.owned is not None:
-      return own_lib.hooks(self.owned, self.lora, self.train_shared)
-    if self.shares:
-      return MethodHooks(init_params=batchensemble.from_members,
-                         init_opt_state=batchensemble.init_opt_state,
-                         members_update=batchensemble.members_update,
-                         shared=batchensemble.is_shared)
+    if self.sharing is not None:
+      return self.sharing
     if self.collects:
       return MethodHooks(init_collected=self.init, collect=self.collect)
     return MethodHooks()

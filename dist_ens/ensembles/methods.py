@@ -125,7 +125,8 @@ def with_owned(method: Method, params: PyTree, num_outputs: int) -> Method:
   owned, lora = resolve(method.own, method.lora, params, num_outputs)
   if owned is None:
     return method
-  return method._replace(shares=True, owned=owned, lora=lora)
+  return method._replace(owned=owned, lora=lora,
+                         sharing=own_lib.hooks(owned, lora, method.train_shared))
 
 
 class Members(NamedTuple):
