@@ -254,7 +254,7 @@ def load_params(workdir: Path) -> tuple[int, list[Any]]:
   """The newest checkpoint's step and parameter leaves (numpy), via the public API."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from dist_ens.inference import Ensemble  # pylint: disable=import-outside-toplevel
+  from dist_ens import Ensemble  # pylint: disable=import-outside-toplevel
   ensemble = Ensemble.load(workdir)
   return ensemble.step, [np.asarray(leaf) for leaf in jax.tree.leaves(ensemble.params)]
 

@@ -9,11 +9,13 @@ from dist_ens.config.loading import load_config
 from dist_ens.core.model import Model
 from dist_ens.ensembles.stacking import num_members, stack, unstack
 from dist_ens.errors import ConfigError, TrainingError
-from dist_ens.inference import Ensemble
+from dist_ens.inference.ensemble import Ensemble
+from dist_ens.io.member_files import load_member
 from dist_ens.training import Action, Call, PeriodicAction, Session, every, train
 
 __all__ = ['Action', 'Call', 'ConfigError', 'Ensemble', 'Model', 'PeriodicAction', 'Session',
-           'TrainingError', 'every', 'load_config', 'num_members', 'stack', 'train', 'unstack']
+           'TrainingError', 'every', 'load_config', 'load_member', 'num_members', 'stack',
+           'train', 'unstack']
 __version__ = '0.2.0'
 
 

@@ -19,7 +19,7 @@ from dist_ens.config import specs
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.data import load_dataset
 from dist_ens.ensembles import pbt as pbt_lib, stored as stored_lib
-from dist_ens.inference import load_member
+from dist_ens import load_member
 
 # Two groups of two members: ids 0-1 an MLP of one hidden layer, ids 2-3 one of two with
 # its own learning rate. A tiny run (support.config: 4 steps, batch 32).

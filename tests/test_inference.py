@@ -13,7 +13,7 @@ from dist_ens.parallel import mesh as mesh_lib
 import dist_ens
 from dist_ens.config.loading import load_config
 from dist_ens.eval.evaluate import evaluate_split, make_eval_step
-from dist_ens.inference import Ensemble, load_member
+from dist_ens import Ensemble, load_member
 
 ROOT = Path(__file__).resolve().parents[1]
 M = 8

@@ -20,7 +20,7 @@ from dist_ens.errors import ConfigError
 from dist_ens.eval import metrics
 from dist_ens.io.pretrained import flatten
 from dist_ens.models import from_hf
-from dist_ens.prediction import Prediction
+from dist_ens.inference.prediction import Prediction
 
 
 def _texts(folder, split):

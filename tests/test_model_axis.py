@@ -325,7 +325,7 @@ def test_a_run_split_over_model_loads_predicts_and_exports_split(split_run, tmp_
                              atol=1e-6)
   np.testing.assert_allclose(split_out.probs, whole_out.probs, rtol=1e-5, atol=1e-6)
   paths = ens.export(tmp_path / 'members')
-  exported = dist_ens.inference.load_member(paths[1])
+  exported = dist_ens.load_member(paths[1])
   for got, want_leaf in zip(jax.tree.leaves(exported), jax.tree.leaves(whole.member(1))):
     np.testing.assert_array_equal(got, want_leaf)
 

@@ -16,7 +16,7 @@ from dist_ens import assemble
 from dist_ens.config.loading import load_config
 from dist_ens.core import rng
 from dist_ens.errors import ConfigError
-from dist_ens.inference import Ensemble
+from dist_ens import Ensemble
 from dist_ens.io.pretrained import load_pretrained
 from dist_ens.models.heads import head_paths
 

@@ -16,7 +16,7 @@ from dist_ens import assemble, data, models
 from dist_ens.core import rng
 from dist_ens.ensembles import prior as prior_lib
 from dist_ens.errors import ConfigError
-from dist_ens.inference import load_member
+from dist_ens import load_member
 from dist_ens.parallel import mesh as mesh_lib
 
 M, SCALE, WIDTHS, PRIOR_WIDTHS = 8, 2.5, (8,), (4,)

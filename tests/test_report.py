@@ -16,7 +16,7 @@ import support
 from dist_ens import data
 from dist_ens.io import report, report_data, report_plots, report_scatter
 from dist_ens.training import train
-from dist_ens.inference import Ensemble
+from dist_ens import Ensemble
 
 PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 

@@ -11,7 +11,7 @@ from scipy import optimize, stats
 
 import dist_ens
 from dist_ens import data
-from dist_ens.inference import GaussianPrediction
+from dist_ens.inference.prediction import GaussianPrediction
 from dist_ens.io import report, report_pages, report_regression
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,7 +17,7 @@ from dist_ens.config.loading import load_config
 from dist_ens.config.checks import validate
 from dist_ens.data import corruptions
 from dist_ens.errors import ConfigError
-from dist_ens.inference import Ensemble
+from dist_ens import Ensemble
 from dist_ens.eval import metrics, shift, shift_spec
 from dist_ens.training.trainer import train
 

@@ -17,7 +17,7 @@ from dist_ens import data
 from dist_ens.config.loading import load_config
 from dist_ens.config.checks import validate
 from dist_ens.errors import ConfigError
-from dist_ens.inference import Ensemble
+from dist_ens import Ensemble
 from dist_ens.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,8 +29,8 @@ LAYERS = [
     ('core',),
     ('parallel', 'models', 'data'),
     ('eval', 'ensembles', 'tasks'),
-    ('checkpoint', 'io', 'config', 'run_data', 'saved_run', 'assemble', 'member_forms', 'member_groups', 'mesh_layout', 'prediction', 'plan', 'dry_run', 'host_memory'),
-    ('training', 'inference', 'ensemble_members', 'student', 'main', 'commands', '__init__'),
+    ('checkpoint', 'io', 'config', 'run_data', 'assemble', 'member_forms', 'member_groups', 'mesh_layout', 'plan', 'dry_run', 'host_memory'),
+    ('training', 'inference', 'main', 'commands', '__init__'),
 ]
 _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|data)'")
 _GROUPS = re.compile(r"\bmember_groups\b|ensemble\.groups\b|\.groups\b|\bgroups_lib\b|"

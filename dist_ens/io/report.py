@@ -25,7 +25,7 @@ against true with intervals, and RMSE and NLL in the others (dist_ens.io.report_
 
 Tables come from final_metrics.json and metrics.jsonl; the figures that need
 predictions (reliability, ensemble size) load the final checkpoint with
-dist_ens.inference.Ensemble and predict the test split, on whatever devices exist.
+dist_ens.Ensemble and predict the test split, on whatever devices exist.
 Non-finite metrics (members frozen when they diverged) are drawn apart and printed as NaN.
 
 The pieces: report_data reads the workdir, report_stats computes from the predictions,
@@ -44,7 +44,8 @@ import numpy as np
 
 from dist_ens import assemble, data
 from dist_ens.errors import ConfigError
-from dist_ens.inference import Ensemble, GaussianPrediction, Prediction
+from dist_ens.inference.ensemble import Ensemble
+from dist_ens.inference.prediction import GaussianPrediction, Prediction
 from dist_ens.io import report_plots as plots, report_scatter
 from dist_ens.io import report_pbt, report_regression
 from dist_ens.io.report_data import finite_mean, method_rows, read_events, read_final_metrics

@@ -30,7 +30,7 @@ import numpy as np
 from scipy.special import logsumexp, ndtr
 
 from dist_ens.eval import regression as reg
-from dist_ens.prediction import GaussianPrediction
+from dist_ens.inference.prediction import GaussianPrediction
 from dist_ens.io import report_plots as plots
 from dist_ens.io.report_data import finite_mean, read_events
 from dist_ens.io.report_pages import Figure

@@ -26,19 +26,17 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import (data, ensemble_members, member_groups, saved_run, student as student_lib,
-                      tasks)
+from dist_ens import data, member_groups, tasks
 from dist_ens.data import uci
 from dist_ens.core.state import member_flags
-from dist_ens.io.member_files import load_member  # noqa: F401  (API)
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
 from dist_ens.eval import conformal as conformal_lib, decisions, laplace_predictive, metrics
 from dist_ens.eval.evaluate import member_logits, pad_rows, padded_chunks
 from dist_ens.parallel import load_mesh, mesh as mesh_lib
-# The prediction types and preprocess_for are part of this module's API, as before.
-from dist_ens.prediction import (GaussianPrediction, Prediction, Preprocess,  # noqa: F401
-                                 model_inputs, preprocess_for)
+from dist_ens.inference import members as ensemble_members, saved_run, student as student_lib
+from dist_ens.inference.prediction import (GaussianPrediction, Prediction, Preprocess,
+                                           model_inputs, preprocess_for)
 
 PyTree = Any
 

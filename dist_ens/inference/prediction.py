@@ -1,5 +1,5 @@
 """What a trained ensemble's predictions are, and how raw inputs become model inputs
-(dist_ens.inference.Ensemble.predict gives these; the report and the student read them)."""
+(dist_ens.Ensemble.predict gives these; the report and the student read them)."""
 
 from collections.abc import Callable
 from typing import NamedTuple
