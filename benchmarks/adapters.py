@@ -7,7 +7,7 @@ The same MLP (flatten, [dense, relu] per width, dense to 10 logits; no BatchNorm
 dropout, so every version computes the same thing) is written in Flax linen, Flax
 NNX, Equinox, Haiku and plain JAX (a dist_ens.Model), named by config.model.factory
 as a user would, and compared with config.model.name='mlp'. Each is built by the
-chain training uses (dist_ens.assemble) on ONE device with M members vmapped, and
+chain training uses (dist_ens.run.assemble) on ONE device with M members vmapped, and
 its compiled train step (Adam) is timed on MNIST-1D-shaped inputs [B, 40, 1]: after
 a warm-up, `--steps` steps, then a block. Repeats rotate the order; the median step
 time and its ratio to the built-in MLP's are printed and written to
@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
-from dist_ens import assemble
+from dist_ens.run import mesh_layout
+from dist_ens.run import assemble
 from dist_ens.config.loading import load_config
 from dist_ens.core.model import Model
 
@@ -132,7 +133,7 @@ def build(factory, args):
   if factory:
     config.model.kwargs.widths = args.widths
   device = jax.devices()[0]
-  mesh = assemble.build_mesh(config, [device])
+  mesh = mesh_layout.build_mesh(config, [device])
   parts = assemble.build_parts(config, mesh, (40, 1), NUM_CLASSES)
   step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
   rng = np.random.default_rng(0)

@@ -27,11 +27,11 @@ def time_first_step(spec: throughput.ModelSpec, members: int, form: str,
                     step_module) -> dict[str, float]:
   """Seconds to trace+lower, compile and run the first step of a fresh step function.
 
-  The step is built as training builds it (dist_ens.assemble), with `step_module`'s
+  The step is built as training builds it (dist_ens.run.assemble), with `step_module`'s
   make_train_step for a candidate (None: the installed dist_ens.core.step).
   """
   import jax
-  from dist_ens import assemble
+  from dist_ens.run import assemble
   from dist_ens.parallel import mesh as mesh_lib
   _, parts = throughput._jax_setup(spec, members)  # pylint: disable=protected-access
   state = assemble.init_sharded(parts)

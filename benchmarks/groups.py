@@ -6,7 +6,7 @@
 Two figures, measured side by side on the current code:
   step: the median time of one call of the joined step (every group updated in turn in one
     jitted program) against the sum of the four same-shape steps' medians, the steps built
-    as training builds them (dist_ens.assemble), alternated round by round;
+    as training builds them (dist_ens.run.assemble), alternated round by round;
   end to end: `dist-ens` as one grouped run against four runs one after another, each its
     own process (Python start, import, data, compile, train --steps, evaluation and
     checkpoint included), as a user would run them.
@@ -29,7 +29,10 @@ os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
 import jax  # noqa: E402  (after XLA_FLAGS)
 
 from benchmarks import harness  # noqa: E402
-from dist_ens import assemble, data  # noqa: E402
+from dist_ens.run import mesh_layout
+from dist_ens.run import member_forms
+from dist_ens import data  # noqa: E402
+from dist_ens.run import assemble
 from dist_ens.config.loading import load_config  # noqa: E402
 from dist_ens.parallel import mesh as mesh_lib  # noqa: E402
 
@@ -51,10 +54,10 @@ def _config(widths=None):
 
 def _built(config, dataset):
   """(step, state, hparams, batch sharding), as training builds them."""
-  mesh = assemble.build_mesh(config)
+  mesh = mesh_layout.build_mesh(config)
   parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
   step = assemble.build_step(parts, per_member_batches=False,
-                             form=assemble.member_form(parts.groups[0] if parts.groups else parts,
+                             form=member_forms.member_form(parts.groups[0] if parts.groups else parts,
                                                        config.data.batch_size))
   return step, assemble.init_sharded(parts), parts.device_hparams(), mesh_lib.batch_sharding(mesh)
 

@@ -56,7 +56,8 @@ import numpy as np
 
 import dist_ens
 from benchmarks import harness
-from dist_ens import models, run_data
+from dist_ens import models
+from dist_ens.run.run_data import build_data
 from dist_ens.config import specs
 from dist_ens.data import corruptions
 from dist_ens.eval import metrics, shift as shift_lib, shift_spec
@@ -100,7 +101,7 @@ def _member_predictions(workdir: Path) -> dict:
   """Every member's probabilities on validation, test and each corrupted test split."""
   ensemble = dist_ens.Ensemble.load(workdir)
   config = ensemble.config
-  data = run_data.build_data(config)
+  data = build_data(config)
   test = data.dataset.test
   predict = lambda x: ensemble.predict(np.asarray(x), preprocessed=True).member_probs
   pairs = shift_spec.resolve_shift(config.eval.shift, test.x.shape[1:])

@@ -141,10 +141,13 @@ def state_size(config: Any) -> tuple[int, int]:
   """(parameters trained, train-state bytes on one device) of a run of `config`, as
   `dist-ens plan` lays the state out: a trained leaf is one with Adam moments (mu)."""
   import jax  # pylint: disable=g-import-not-at-top  (the results header needs neither)
-  from dist_ens import assemble, data  # pylint: disable=g-import-not-at-top
+  from dist_ens.run import mesh_layout
+  from dist_ens.config import specs
+  from dist_ens import data  # pylint: disable=g-import-not-at-top
+  from dist_ens.run import assemble
   from dist_ens.parallel import placement  # pylint: disable=g-import-not-at-top
-  dataset = data.load_dataset(config.data.name, assemble.data_spec(config))
-  parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]),
+  dataset = data.load_dataset(config.data.name, specs.data_spec(config))
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:1]),
                                dataset.input_shape, dataset.num_classes)
   state = parts.abstract_state
   moments = jax.tree_util.tree_flatten_with_path(state.opt_state)[0]

@@ -1,5 +1,5 @@
 """The init program's compile time at XLA:CPU's default LLVM -O2 against
-dist_ens.assemble.INIT_COMPILER_OPTIONS (-O1), and whether the two give the same state.
+dist_ens.run.assemble.INIT_COMPILER_OPTIONS (-O1), and whether the two give the same state.
 
   python -m benchmarks.init_compile               # every shipped config, ~2 min on 2 cores
   python -m benchmarks.init_compile --members 8 --configs default,mnist1d_cnn
@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dist_ens import assemble
+from dist_ens.run import mesh_layout
+from dist_ens.run import assemble
 from dist_ens.config import loading
 from benchmarks import harness
 from dist_ens.plan import data_shape
@@ -36,7 +37,7 @@ def parts_of(name: str, members: int):
   if 'grid(' not in repr(config):  # A sweep's grid fixes its M.
     config.num_members = members
   config.mesh.member = config.mesh.data = 1
-  mesh = assemble.build_mesh(config, jax.devices()[:1])
+  mesh = mesh_layout.build_mesh(config, jax.devices()[:1])
   return config.num_members, assemble.build_parts(config, mesh, *data_shape(config))
 
 

@@ -11,7 +11,7 @@ tfds.data_source as a real 'cifar10' would be), measures on one device:
   * step: examples/s the train step consumes (one batch per step for 'shared',
     one per member for 'shuffled').
 A ratio above 1 means the pipeline keeps up (with prefetching, the step never
-waits). The step is built as training builds it (dist_ens.assemble, with
+waits). The step is built as training builds it (dist_ens.run.assemble, with
 config.ensemble's 'auto' resolved). Prints a table and writes
 benchmarks/results/input_pipeline.json (or --out).
 """
@@ -26,7 +26,10 @@ import jax
 import numpy as np
 
 from benchmarks import harness
-from dist_ens import assemble, data
+from dist_ens.config import specs
+from dist_ens.run import member_forms
+from dist_ens import data
+from dist_ens.run import assemble
 from dist_ens.config.loading import load_config
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -74,12 +77,12 @@ def pipeline_rate(dataset, order_kind, batch, members, mesh, steps):
 def step_rate(config, dataset, mesh, per_member, steps):
   """Examples/s the step consumes from the pipeline.
 
-  The step is the one training builds (dist_ens.assemble), with config.ensemble's
+  The step is the one training builds (dist_ens.run.assemble), with config.ensemble's
   member parallelism resolved as a run resolves it, one step per call.
   """
   parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
   step = assemble.build_step(parts, per_member_batches=per_member,
-                             form=assemble.member_form(parts, config.data.batch_size))
+                             form=member_forms.member_form(parts, config.data.batch_size))
   state = assemble.init_sharded(parts)
   hparams = parts.device_hparams()
   order = data.Order('shuffled' if per_member else 'shared', dataset.train.num_examples,
@@ -108,7 +111,7 @@ def main():
   args = parser.parse_args()
   header = harness.run_header()
   default = load_config(ROOT / 'configs' / 'default.py')
-  mesh = mesh_lib.make_mesh(assemble.mesh_spec(default), jax.devices()[:1])
+  mesh = mesh_lib.make_mesh(specs.mesh_spec(default), jax.devices()[:1])
   rows = []
   with tempfile.TemporaryDirectory() as data_dir:
     write_cifar_shaped(data_dir, args.examples)
@@ -118,7 +121,7 @@ def main():
     cifar = load_config(ROOT / 'configs' / 'cifar10_cnn.py')
     cifar.data.name, cifar.data.data_dir = 'cifar_shaped', data_dir
     cases.append(('CIFAR-10-shaped PNGs, cifar10_cnn', cifar,
-                  data.load_dataset('cifar_shaped', assemble.data_spec(cifar))))
+                  data.load_dataset('cifar_shaped', specs.data_spec(cifar))))
     for name, config, dataset in cases:
       for kind in ('shared', 'shuffled'):
         per_member = kind != 'shared'

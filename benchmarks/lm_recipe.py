@@ -54,7 +54,8 @@ import numpy as np
 
 import dist_ens
 from benchmarks import harness, lm_checkpoint
-from dist_ens import Ensemble, assemble, data
+from dist_ens.config import specs
+from dist_ens import Ensemble, data
 
 ROOT = harness.ROOT
 CORPUS = ROOT / 'tests' / 'data' / 'text'
@@ -121,7 +122,7 @@ def uncertainty(workdir: str, config) -> dict[str, float]:
   """token_means of the run's ensemble on the test split ('test_...') and the OOD set's
   test split ('ood_...'), both tokenised as the run reads them."""
   ens = Ensemble.load(workdir, devices=jax.devices()[:1])
-  spec = assemble.data_spec(config)
+  spec = specs.data_spec(config)
   out = {}
   for prefix, name in (('test', config.data.name), ('ood', config.eval.ood_dataset)):
     split = data.load_dataset(name, spec).test

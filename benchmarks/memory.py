@@ -110,12 +110,13 @@ def predict_worker(model: str, members: int, memory_bytes: float) -> dict[str, A
   peak of its dry run in this process (compile, init, two steps on zeros). Also
   returns XLA's analysis of the init program."""
   import jax
-  from dist_ens import assemble, plan
+  from dist_ens import plan
+  from dist_ens.run import assemble, mesh_layout
   config = load(model, members)
   start = time.perf_counter()
   p = plan.make_plan(config, jax.devices()[:1], memory_bytes=memory_bytes)
   seconds = time.perf_counter() - start
-  mesh = assemble.build_mesh(config, jax.devices()[:1])
+  mesh = mesh_layout.build_mesh(config, jax.devices()[:1])
   parts = assemble.build_parts(config, mesh, *plan.data_shape(config))
   init = assemble.compile_init(parts)
   stats = init.memory_analysis()
@@ -164,13 +165,14 @@ def _subprocess(flags: list[str], timeout: int, env: dict[str, str]) -> dict[str
 def _setup(model: str, members: int) -> tuple[Any, Any, Any, Any]:
   """(run data, parts, form, step) as training builds them; nothing on the device yet."""
   import jax
-  from dist_ens import assemble
+  from dist_ens.run import assemble, member_forms, mesh_layout
+  from dist_ens.run.run_data import build_data
   config = load(model, members)
-  run_data = assemble.build_data(config)
-  mesh = assemble.build_mesh(config, jax.devices()[:1])
+  run_data = build_data(config)
+  mesh = mesh_layout.build_mesh(config, jax.devices()[:1])
   parts = assemble.build_parts(config, mesh, run_data.dataset.input_shape,
                                run_data.dataset.num_classes)
-  form = assemble.member_form(parts, config.data.batch_size)
+  form = member_forms.member_form(parts, config.data.batch_size)
   step = assemble.build_step(parts, per_member_batches=run_data.order.per_member, form=form)
   return run_data, parts, form, step
 
@@ -224,7 +226,7 @@ def _load_programs(parts: Any, step: Any, hparams: Any, batch: Any) -> tuple[Any
   """(the step compiled as plan compiles it (step.fn.lower(...).compile()), the init
   program as init_sharded compiles it (assemble.compile_init)): from the cache, or
   compiled here."""
-  from dist_ens import assemble
+  from dist_ens.run import assemble
   compiled = step.fn.lower(parts.abstract_state, hparams, *batch).compile()
   init = assemble.compile_init(parts)
   gc.collect()

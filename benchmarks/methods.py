@@ -66,7 +66,10 @@ import numpy as np
 
 import dist_ens
 from benchmarks import harness
-from dist_ens import Ensemble, assemble, data
+from dist_ens.run import mesh_layout
+from dist_ens.config import specs
+from dist_ens import Ensemble, data
+from dist_ens.run import assemble
 from dist_ens.eval.ood import load_ood_split
 from dist_ens.eval import calibration, evaluate
 from dist_ens.io import report_scatter
@@ -136,7 +139,7 @@ def _scores(name: str, results: dict) -> tuple[dict, float]:
 def _inference_seconds(ens: Ensemble, mc_samples: int) -> float:
   """Median wall time of the predicting members' outputs on the test split (a run with
   eval.laplace: the members' Laplace predictives, by Ensemble.predict)."""
-  test = data.load_dataset(ens.config.data.name, assemble.data_spec(ens.config)).test
+  test = data.load_dataset(ens.config.data.name, specs.data_spec(ens.config)).test
   step = evaluate.make_outputs_step(ens.model, ens.mesh, mc_samples=mc_samples,
                                    combine=ens.task.combine, seed=ens.config.seed)
   variables = (ens.params, ens.model_state)
@@ -149,8 +152,8 @@ def _inference_seconds(ens: Ensemble, mc_samples: int) -> float:
 
 def _trained_parameters(config) -> int:
   """All parameters the optimizer trains (a BatchEnsemble's shared weights once)."""
-  dataset = data.load_dataset(config.data.name, assemble.data_spec(config))
-  parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]),
+  dataset = data.load_dataset(config.data.name, specs.data_spec(config))
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:1]),
                                dataset.input_shape, dataset.num_classes)
   return sum(leaf.size for leaf in jax.tree.leaves(parts.abstract_state.params))
 
@@ -215,7 +218,7 @@ def _student_scores(ens: Ensemble, log_probs: np.ndarray, test) -> tuple[dict, f
   """The student's test metrics and OOD AUROC by entropy, by the task's own scorer."""
   scorer = evaluate.Scorer.of(ens.task)
   ensemble = scorer.metrics(log_probs, test.y)['ensemble']
-  spec = assemble.data_spec(ens.config)
+  spec = specs.data_spec(ens.config)
   ood = load_ood_split(ens.config.eval.ood_dataset, data.load_dataset(ens.config.data.name, spec),
                        spec)
   ood_log_probs = _member_log_probs(ens, 'distilled', ood)
@@ -234,7 +237,7 @@ def _timed(fn) -> float:
 
 def _splits(config) -> tuple:
   """(validation, test): the run's validation split (data.split_validation) and test."""
-  dataset = data.load_dataset(config.data.name, assemble.data_spec(config))
+  dataset = data.load_dataset(config.data.name, specs.data_spec(config))
   return data.split_validation(dataset.train, config.data.validation_size)[1], dataset.test
 
 

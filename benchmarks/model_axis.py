@@ -99,7 +99,7 @@ def vit_config(hidden: int, depth: int, heads: int, mlp: int, member: int, data:
 def build(config: Any) -> Any:
   """The run as `dist-ens plan` wires it: shapes given, no data loaded."""
   import jax
-  from dist_ens import assemble
+  from dist_ens.run import assemble
   mesh = config.mesh
   devices = jax.devices()[:mesh.member * mesh.data * mesh.model]
   return assemble.build_run(config, devices=devices, shapes=(INPUT_SHAPE, NUM_CLASSES))
@@ -162,7 +162,8 @@ def run_steps(cell: dict[str, Any], steps: int) -> None:
   after a smaller one reads its own peak). Records 'error' (e.g. out of memory) instead."""
   import jax
   import numpy as np
-  from dist_ens import assemble, data
+  from dist_ens import data
+  from dist_ens.run import assemble
   from dist_ens.parallel import mesh as mesh_lib
   run, step = cell.pop('_run')
   parts = run.parts
@@ -222,7 +223,8 @@ def speed_worker(args: argparse.Namespace) -> dict[str, Any]:
   """Seconds per step of each SPEED_MESHES variant, timed side by side in rounds."""
   import jax
   import numpy as np
-  from dist_ens import assemble, data
+  from dist_ens import data
+  from dist_ens.run import assemble
   from dist_ens.parallel import mesh as mesh_lib
   hidden, depth, heads, mlp = args.speed_size
   rng = np.random.default_rng(0)

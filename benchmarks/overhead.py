@@ -53,7 +53,11 @@ from absl import logging
 
 import dist_ens
 from benchmarks import harness
-from dist_ens import assemble, data
+from dist_ens.run.run_data import build_data
+from dist_ens.run import mesh_layout
+from dist_ens.run import member_forms
+from dist_ens import data
+from dist_ens.run import assemble
 from dist_ens.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,11 +155,11 @@ class Bare:
 
   def __init__(self, config: Any):
     device = jax.devices()[:1]
-    mesh = assemble.build_mesh(config, device)
-    run_data = assemble.build_data(config)
+    mesh = mesh_layout.build_mesh(config, device)
+    run_data = build_data(config)
     dataset = run_data.dataset
     parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
-    form = assemble.member_form(parts, config.data.batch_size)
+    form = member_forms.member_form(parts, config.data.batch_size)
     self.step = assemble.build_step(parts, per_member_batches=run_data.order.per_member,
                                     form=form)
     self.state = assemble.init_sharded(parts)

@@ -74,7 +74,9 @@ def build_step(spec: ModelSpec, members: int, batch: int, precision: str):
   """
   import jax
   import numpy as np
-  from dist_ens import assemble
+  from dist_ens.run import mesh_layout
+  from dist_ens.run import member_forms
+  from dist_ens.run import assemble
   from dist_ens.config.loading import load_config
   from dist_ens.parallel import mesh as mesh_lib
   config = load_config(ROOT / 'configs' / 'default.py')
@@ -84,9 +86,9 @@ def build_step(spec: ModelSpec, members: int, batch: int, precision: str):
   config.model.update(spec.model)
   config.optim.learning_rate = LEARNING_RATE
   config.optim.weight_decay = 0.0
-  mesh = assemble.build_mesh(config, jax.devices()[:1])
+  mesh = mesh_layout.build_mesh(config, jax.devices()[:1])
   parts = assemble.build_parts(config, mesh, spec.input_shape, NUM_CLASSES)
-  form = assemble.member_form(parts, batch)
+  form = member_forms.member_form(parts, batch)
   step = throughput.make_step(parts, form)
   state = assemble.init_sharded(parts)
   hparams = parts.device_hparams()

@@ -134,7 +134,7 @@ def _dist_ens_run(spec, members: int, form: tuple[str, int | None], step_module=
   """(run, compiled HLO text) of dist_ens's step, built as training builds it (with
   `step_module`'s make_train_step: a candidate, see throughput.load_candidate)."""
   import jax
-  from dist_ens import assemble
+  from dist_ens.run import assemble
   from dist_ens.parallel import mesh as mesh_lib
   _, parts = throughput._jax_setup(spec, members)  # pylint: disable=protected-access
   step = throughput.make_step(parts, form, step_module)

@@ -37,7 +37,9 @@ def _child(model: str, members: int, variants: list[str], repeats: int) -> dict:
   """Times `variants` of one cell in this process; returns {variant: median s/step}."""
   import jax
   from benchmarks import throughput
-  from dist_ens import assemble
+  from dist_ens.run import mesh_layout
+  from dist_ens.run import member_forms
+  from dist_ens.run import assemble
   from dist_ens.parallel import mesh as mesh_lib
   spec = throughput.MODELS[model]
 
@@ -45,10 +47,10 @@ def _child(model: str, members: int, variants: list[str], repeats: int) -> dict:
     config, _ = throughput._jax_setup(spec, members)  # pylint: disable=protected-access
     config.reproducible = reproducible
     config.train.micro_batches = micro_batches
-    mesh = assemble.build_mesh(config, jax.devices()[:1])
+    mesh = mesh_layout.build_mesh(config, jax.devices()[:1])
     parts = assemble.build_parts(config, mesh, spec.input_shape, throughput.NUM_CLASSES)
     step = assemble.build_step(parts, per_member_batches=False,
-                               form=assemble.member_form(parts, config.data.batch_size))
+                               form=member_forms.member_form(parts, config.data.batch_size))
     holder, hparams = [assemble.init_sharded(parts)], parts.device_hparams()
     x, y = (jax.device_put(a, mesh_lib.batch_sharding(mesh)) for a in throughput._batch(spec))  # pylint: disable=protected-access
 

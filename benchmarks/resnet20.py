@@ -166,7 +166,7 @@ class Built(NamedTuple):
 def build_dist_ens(members: int, parallelism: str, conv_impl: str) -> Built:
   """dist_ens's step as training builds it, on a 1-device mesh (throughput.build_dist_ens)."""
   import jax
-  from dist_ens import assemble
+  from dist_ens.run import assemble
   from dist_ens.parallel import mesh as mesh_lib
   spec = spec_for(conv_impl)
   _, parts = tp._jax_setup(spec, members)
@@ -370,7 +370,7 @@ def memory_worker(name: str, members: int, steps: int, threads: int,
     torch.set_num_threads(threads)
   else:
     import jax
-    import dist_ens.assemble  # noqa: F401  (imports before the baseline)
+    import dist_ens.run.assemble  # noqa: F401  (imports before the baseline)
     if cache_dir:
       cache = enable_cache(cache_dir)
     jax.devices()

@@ -33,7 +33,7 @@ import optax
 
 import dist_ens
 from benchmarks import harness, overhead
-from dist_ens import assemble
+from dist_ens.run.run_data import build_data
 
 ROOT = Path(__file__).resolve().parents[1]
 WIDTHS = (1024, 1024)
@@ -77,7 +77,7 @@ class Loop:
 
   def __init__(self, members: int):
     config = make_config(members, 1)
-    dataset = assemble.build_data(config).dataset
+    dataset = build_data(config).dataset
     sizes = (int(np.prod(dataset.input_shape)), *WIDTHS, dataset.num_classes)
     self.tx = optax.adam(1e-3)
     device = jax.devices()[0]

@@ -244,7 +244,7 @@ def _make_probe(scratch: Path, out: dict[str, Any], log: _CompileLog):
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from dist_ens.checkpoint import Checkpointer
+  from dist_ens.io.checkpoint import Checkpointer
   from dist_ens.plan import host_memory
   from dist_ens.training import pbt
   from dist_ens.training.loop import PeriodicAction
@@ -460,7 +460,8 @@ def step_rounds(members: dict[int, int], seconds: float, rounds: int, out_path: 
   M, waiting for the device every 8 steps (or call) as the trainer does on a
   multi-device CPU; medians over rounds."""
   import jax
-  from dist_ens import assemble, data
+  from dist_ens import data
+  from dist_ens.run import assemble
   _check_devices(jax)
   cells = {}
   for m, k in members.items():

@@ -45,7 +45,8 @@ import numpy as np
 
 import dist_ens
 from benchmarks import harness
-from dist_ens import Ensemble, assemble, data
+from dist_ens.config import specs
+from dist_ens import Ensemble, data
 from dist_ens.data import corruptions
 from dist_ens.eval import evaluate, shift, shift_spec
 
@@ -95,7 +96,7 @@ def shifted_metrics(workdir: str, pairs: list[tuple[str, int]]) -> dict:
   """Clean and per-pair metrics of the loaded (predicting) ensemble on corrupted test sets."""
   ens = Ensemble.load(workdir, devices=jax.devices()[:1])
   config = ens.config
-  test = data.load_dataset(config.data.name, assemble.data_spec(config)).test
+  test = data.load_dataset(config.data.name, specs.data_spec(config)).test
   frame = shift.InputFrame.fit(test.x, config.data.std or 1.0, config.data.mean or 0.0)
   corrupt = jax.jit(lambda x, i, c, s: frame.corrupt(x, i, c, s, config.seed))
   step = evaluate.make_outputs_step(ens.model, ens.mesh, mc_samples=config.eval.mc_samples,

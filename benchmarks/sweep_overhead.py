@@ -5,7 +5,7 @@
 Per-member learning rates and weight decays are data: the per-member hyperparameters
 ({field: [M]}, parts.device_hparams()) that every call of the step takes beside the
 state, so a sweep should cost what a plain ensemble costs. Both steps are built as
-training builds them (dist_ens.assemble) and run side by side, alternating, on the
+training builds them (dist_ens.run.assemble) and run side by side, alternating, on the
 first device; prints the median step times and their ratio and writes
 benchmarks/results/sweep_overhead.json (or --out).
 """
@@ -18,7 +18,10 @@ from pathlib import Path
 import jax
 
 from benchmarks import harness
-from dist_ens import assemble, data
+from dist_ens.run import mesh_layout
+from dist_ens.run import member_forms
+from dist_ens import data
+from dist_ens.run import assemble
 from dist_ens.config.loading import load_config
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -27,10 +30,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def build(config, dataset):
   """(step, state, per-member hyperparameters, batch sharding), built as training builds them."""
-  mesh = assemble.build_mesh(config, jax.devices()[:1])
+  mesh = mesh_layout.build_mesh(config, jax.devices()[:1])
   parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
   step = assemble.build_step(parts, per_member_batches=False,
-                             form=assemble.member_form(parts, config.data.batch_size))
+                             form=member_forms.member_form(parts, config.data.batch_size))
   return step, assemble.init_sharded(parts), parts.device_hparams(), mesh_lib.batch_sharding(mesh)
 
 

@@ -33,7 +33,7 @@ it times one training step of all M members done as
   FORM@NAME a form of a candidate change of dist_ens given by --candidate NAME=PATH
             (a changed copy of dist_ens/core/step.py, or a folder with changed copies
             of core/step.py and/or core/members.py; see load_candidate).
-Every dist_ens variant is built as training builds it: dist_ens.assemble.build_parts,
+Every dist_ens variant is built as training builds it: dist_ens.run.assemble.build_parts,
 init_sharded and build_step, called as step(state, parts.device_hparams(), x, y).
 Everything runs on ONE device (jax.devices()[:1]): on a CPU, fake devices split the
 same cores, so they add overhead, not compute.
@@ -139,9 +139,9 @@ def train_flops(spec: ModelSpec) -> tuple[int, int]:
 
 
 def _jax_setup(spec: ModelSpec, members: int = 1, precision: str = 'float32'):
-  """(config, parts) of this cell, built as training builds them (dist_ens.assemble)."""
+  """(config, parts) of this cell, built as training builds them (dist_ens.run.assemble)."""
   import jax
-  from dist_ens import assemble
+  from dist_ens.run import assemble, mesh_layout
   from dist_ens.config.loading import load_config
   config = load_config(ROOT / 'configs' / 'default.py')
   config.num_members = members
@@ -152,7 +152,7 @@ def _jax_setup(spec: ModelSpec, members: int = 1, precision: str = 'float32'):
     config.model.conv_impl = CONV_IMPL
   config.optim.learning_rate = LEARNING_RATE
   config.optim.weight_decay = 0.0  # Plain Adam, as torch.optim.Adam.
-  mesh = assemble.build_mesh(config, jax.devices()[:1])
+  mesh = mesh_layout.build_mesh(config, jax.devices()[:1])
   return config, assemble.build_parts(config, mesh, spec.input_shape, NUM_CLASSES)
 
 
@@ -172,7 +172,7 @@ def make_step(parts: Any, form: tuple[str, int | None], step_module: Any = None)
   candidate is built exactly as training builds the installed step.
   """
   from unittest import mock
-  from dist_ens import assemble
+  from dist_ens.run import assemble
   if step_module is None:
     return assemble.build_step(parts, per_member_batches=False, form=form)
   with mock.patch.object(assemble, 'make_train_step', step_module.make_train_step):
@@ -189,7 +189,7 @@ def build_dist_ens(spec: ModelSpec, members: int, parallelism: str,
   `precision`: config.precision.
   """
   import jax
-  from dist_ens import assemble
+  from dist_ens.run import assemble
   from dist_ens.parallel import mesh as mesh_lib
   _, parts = _jax_setup(spec, members, precision)
   step = make_step(parts, (parallelism, map_batch_size), step_module)
@@ -206,9 +206,9 @@ def build_dist_ens(spec: ModelSpec, members: int, parallelism: str,
 
 def build_auto(spec: ModelSpec, members: int, precision: str = 'float32') -> Callable[[], Any]:
   """The step that config.ensemble.member_parallelism='auto' gives this cell."""
-  from dist_ens import assemble
+  from dist_ens.run import member_forms
   config, parts = _jax_setup(spec, members, precision)
-  form, chunk = assemble.member_form(parts, config.data.batch_size)
+  form, chunk = member_forms.member_form(parts, config.data.batch_size)
   return build_dist_ens(spec, members, form, chunk, precision=precision)
 
 

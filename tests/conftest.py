@@ -71,7 +71,7 @@ class DeadWorkerWatch:
   without exec (os.fork, a fork-start multiprocessing pool, a C library's fork) holds that
   write end too, so after an abort of the worker the controller and the other worker
   waited on their queues for as long as that process lived: the whole suite hung (issue 62
-  item 7; tests/test_conftest_crash.py reproduces it). This watch polls each worker's
+  item 7; tests/test_crashed_worker.py reproduces it). This watch polls each worker's
   process; when one has been gone for GRACE_S and xdist has not seen it go, the processes
   still holding its pipe (leaked descendants of the dead worker) are killed, which gives
   xdist its EOF and its usual crash report and worker replacement; where none can be

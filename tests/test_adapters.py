@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import assemble, data, models
+from dist_ens.config import specs
+from dist_ens import data, models
 from dist_ens.core import adapters, rng as rng_lib
 from dist_ens.errors import ConfigError
 from model_specs import model_spec
@@ -59,7 +60,7 @@ def _differs(a, b):
 @pytest.fixture(scope='module')
 def mnist1d():
   config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
-  return data.load_dataset('mnist1d', assemble.data_spec(config))
+  return data.load_dataset('mnist1d', specs.data_spec(config))
 
 
 @pytest.mark.parametrize('kind', PARAMS)

@@ -14,7 +14,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dist_ens import Ensemble, assemble, data
+from dist_ens.run import mesh_layout
+from dist_ens import Ensemble, data
+from dist_ens.run import assemble
 from dist_ens.ensembles import batchensemble
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
@@ -32,7 +34,7 @@ def _sgd_config(**fields):
 
 
 def _one_step(config):
-  parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:4]), (40, 1),
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:4]), (40, 1),
                                10)
   step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
   state = assemble.init_sharded(parts)
@@ -109,11 +111,11 @@ def test_refused_with_reproducible_mode_or_a_swept_optimizer():
   config = _config('batchensemble')
   config.reproducible = True
   with pytest.raises(ConfigError, match="reproducible=True with config.ensemble.method="):
-    assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]), (40, 1), 10)
+    assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:1]), (40, 1), 10)
   config = _config('batchensemble')
   config.optim.learning_rate = [1e-3, 2e-3, 3e-3, 4e-3]
   with pytest.raises(ConfigError, match=r"varies \['optim.learning_rate'\]"):
-    assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]), (40, 1), 10)
+    assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:1]), (40, 1), 10)
 
 
 def test_member_params_form_w_times_the_outer_product():

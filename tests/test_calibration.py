@@ -8,7 +8,9 @@ import jax
 import pytest
 
 import dist_ens
-from dist_ens import assemble
+from dist_ens.run import mesh_layout
+from dist_ens.run import member_forms
+from dist_ens.run import assemble
 from dist_ens.plan import calibration
 
 DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
@@ -26,7 +28,7 @@ def _parts(members=4, parallelism='auto', batch=32):
   config.num_members, config.model.widths, config.data.batch_size = members, (16,), batch
   config.mesh.member, config.mesh.data = 1, 1
   config.ensemble.member_parallelism = parallelism
-  return assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:1]), (40, 1),
+  return assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:1]), (40, 1),
                               10)
 
 
@@ -55,14 +57,14 @@ def test_the_cached_form_drives_auto_for_the_same_shape_only(cache, monkeypatch)
   measured = {('vmap', None): 3.0, ('map', None): 2.0, ('map', 2): 1.0}
   monkeypatch.setattr(calibration, 'time_forms', lambda *a, **k: measured)
   parts = _parts()
-  assert assemble.member_form(parts, 32) == ('vmap', None)  # The CPU rule for an MLP.
+  assert member_forms.member_form(parts, 32) == ('vmap', None)  # The CPU rule for an MLP.
   best, _ = calibration.calibrate(parts, 32)
   assert best == ('map', 2) and cache.exists()
-  assert assemble.member_form(parts, 32) == ('map', 2)
-  assert assemble.member_form(_parts(), 32) == ('map', 2)  # A new build of the same run.
-  assert assemble.member_form(_parts(batch=64), 64) == ('vmap', None)  # Another batch.
-  assert assemble.member_form(_parts(members=8), 32) == ('vmap', None)  # Another M.
-  assert assemble.member_form(_parts(parallelism='vmap'), 32) == ('vmap', None)  # Explicit.
+  assert member_forms.member_form(parts, 32) == ('map', 2)
+  assert member_forms.member_form(_parts(), 32) == ('map', 2)  # A new build of the same run.
+  assert member_forms.member_form(_parts(batch=64), 64) == ('vmap', None)  # Another batch.
+  assert member_forms.member_form(_parts(members=8), 32) == ('vmap', None)  # Another M.
+  assert member_forms.member_form(_parts(parallelism='vmap'), 32) == ('vmap', None)  # Explicit.
 
 
 def test_calibrating_a_real_step_times_every_candidate(cache):
@@ -101,4 +103,4 @@ def test_plan_calibrate_times_and_caches_each_member_group(cache, monkeypatch):
   assert text.count('<- cached for member_parallelism=auto') == 2
   groups = assemble.build_run(config, devices=jax.devices()[:1],
                               shapes=plan_lib.data_shape(config)).parts.groups
-  assert [assemble.member_form(g, 32) for g in groups] == [('vmap', None), ('map', 2)]
+  assert [member_forms.member_form(g, 32) for g in groups] == [('vmap', None), ('map', 2)]

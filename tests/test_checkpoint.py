@@ -19,7 +19,8 @@ import pytest
 
 import support
 
-from dist_ens import checkpoint
+from dist_ens.run import mesh_layout
+from dist_ens.io import checkpoint
 import dist_ens
 from dist_ens.config.loading import load_config
 from dist_ens.errors import ConfigError, TrainingError
@@ -220,10 +221,10 @@ def test_allowed_changes_resume(tmp_path, twenty):
 
 
 def _restore(workdir, member, data_axis):
-  from dist_ens import assemble  # pylint: disable=g-import-not-at-top
+  from dist_ens.run import assemble  # pylint: disable=g-import-not-at-top
   from dist_ens.parallel import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
   config = _config(mesh__member=member, mesh__data=data_axis)
-  mesh = assemble.build_mesh(config)
+  mesh = mesh_layout.build_mesh(config)
   abstract = assemble.build_parts(config, mesh, (40, 1), 10).abstract_state
   restored = checkpoint.Checkpointer(Path(workdir) / 'checkpoints', 5, 2).restore(abstract)
   assert jax.tree.leaves(restored.state.params)[0].sharding == mesh_lib.member_sharding(mesh)
@@ -249,7 +250,7 @@ def test_restore_onto_another_mesh_gives_the_same_values(tmp_path, twenty, unint
 
 
 def _poison_member(monkeypatch, member):
-  from dist_ens import assemble  # pylint: disable=g-import-not-at-top
+  from dist_ens.run import assemble  # pylint: disable=g-import-not-at-top
   original = assemble.init_state
 
   def poisoned(*args, **kwargs):

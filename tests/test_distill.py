@@ -11,7 +11,8 @@ import pytest
 
 import dist_ens
 import support
-from dist_ens import assemble, data
+from dist_ens.config import specs
+from dist_ens import data
 from dist_ens.ensembles import distill, students
 from dist_ens.errors import ConfigError
 from dist_ens.io import student_file
@@ -25,7 +26,7 @@ def _config(**fields):
 
 
 def _test_split(config):
-  return data.load_dataset(config.data.name, assemble.data_spec(config)).test
+  return data.load_dataset(config.data.name, specs.data_spec(config)).test
 
 
 def _nll(probs, y):

@@ -19,7 +19,10 @@ import pytest
 import support
 
 import dist_ens
-from dist_ens import assemble, data, importing, run_data
+from dist_ens.run import mesh_layout
+from dist_ens import data, importing
+from dist_ens.run import assemble
+from dist_ens.run.run_data import build_data
 from dist_ens.config import loading
 from dist_ens.data import pipeline
 from dist_ens.errors import ConfigError
@@ -121,7 +124,7 @@ def test_class_ids_as_regression_targets_get_one_warning(caplog):
   config = _config()
   config.task = 'regression'
   with caplog.at_level(logging.WARNING):
-    run_data.build_data(config)
+    build_data(config)
   warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert warnings == ["dataset 'mnist1d' has integer labels 0..9, the class ids of a "
                       "classification data set, and config.task='regression' fits them as "
@@ -129,7 +132,7 @@ def test_class_ids_as_regression_targets_get_one_warning(caplog):
   caplog.clear()
   config.task = 'classification'
   with caplog.at_level(logging.WARNING):
-    run_data.build_data(config)
+    build_data(config)
   assert not [r for r in caplog.records if r.levelno == logging.WARNING]
 
 
@@ -191,7 +194,7 @@ def test_idle_devices_that_only_the_fixed_axis_leaves_idle_say_what_to_set(caplo
   config = _config()
   config.num_members = 4  # mesh.member=-1, data=1: 4 x 1 on 8 devices; 4 x 2 uses them all.
   with caplog.at_level(logging.WARNING):
-    mesh = assemble.build_mesh(config, jax.devices())
+    mesh = mesh_layout.build_mesh(config, jax.devices())
   assert mesh.size == 4
   warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert warned == ['4 of 8 devices stay idle: config.mesh.data=1 leaves no mesh over all of '
@@ -242,7 +245,7 @@ def test_a_workdir_component_over_255_bytes_is_one_line(tmp_path):
 def test_a_full_disks_unretrieved_future_prints_nothing(caplog):
   import asyncio  # pylint: disable=import-outside-toplevel
   import gc  # pylint: disable=import-outside-toplevel
-  import dist_ens.checkpoint  # noqa: F401  (its filters)  pylint: disable=import-outside-toplevel,unused-import
+  import dist_ens.io.checkpoint  # noqa: F401  (its filters)  pylint: disable=import-outside-toplevel,unused-import
 
   def drop_failed_future(error):
     loop = asyncio.new_event_loop()

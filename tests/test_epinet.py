@@ -12,7 +12,9 @@ import pytest
 
 import dist_ens
 import support
-from dist_ens import assemble, data, models
+from dist_ens.config import specs
+from dist_ens import data, models
+from dist_ens.run import assemble
 from dist_ens.ensembles import epinet as epinet_lib
 from dist_ens.errors import ConfigError
 
@@ -129,7 +131,7 @@ def test_predict_is_the_mean_softmax_over_the_members_indices(loaded):
 
 
 def test_the_base_network_learns_from_its_logits_only_and_the_loss_averages_the_indices():
-  spec = assemble.model_spec(support.config(model__widths=(4,)))
+  spec = specs.model_spec(support.config(model__widths=(4,)))
   options = epinet_lib.Options(index_dim=2, widths=(3,), samples=4, eval_samples=2,
                                prior_scale=2.0)
   base = models.get_model(spec, 3)
@@ -181,7 +183,7 @@ def test_bad_fields_are_refused_in_one_line_naming_them(field, value, match, tmp
       'model.heads': 2, 'model.mlp_dim': 16}, (2, 8, 1)),
 ])
 def test_built_in_models_expose_the_features_their_logits_are_linear_in(fields, x_shape):
-  model = models.get_model(assemble.model_spec(support.config(fields)), 4)
+  model = models.get_model(specs.model_spec(support.config(fields)), 4)
   x = jax.random.normal(jax.random.key(1), x_shape)
   params, state = jax.jit(model.init)(jax.random.key(0), x)  # one compile, not one an op
   logits, features, _ = model.features(params, state, x, train=False)

@@ -14,8 +14,9 @@ import pytest
 
 import dist_ens
 import support
-from dist_ens import assemble, data
-from dist_ens.ensembles import own
+from dist_ens import data
+from dist_ens.run import assemble
+from dist_ens.ensembles import own as own_lib
 from dist_ens.io import report
 from dist_ens.io.member_files import load_member
 from dist_ens.io.pretrained import load_pretrained, read_orbax
@@ -164,10 +165,10 @@ def test_a_random_frozen_base_is_said_in_one_warning(tmp_path, caplog):
   dist_ens.train(_config('', train__steps=2, checkpoint__every=2), str(tmp_path / 'w'))
   said = [r.getMessage() for r in caplog.records if 'random initialisation' in r.getMessage()]
   assert len(said) == 1 and "own='epinet' shares every leaf" in said[0], said
-  assert own.random_frozen_base('epinet', 'base#1', False) is None  # a file gives it
-  assert own.random_frozen_base('epinet', '', True) is None  # the members train it
-  assert own.random_frozen_base('all', '', False) is None  # nothing is shared
-  assert "own='head' shares every leaf" in own.random_frozen_base('head', '', False)
+  assert own_lib.random_frozen_base('epinet', 'base#1', False) is None  # a file gives it
+  assert own_lib.random_frozen_base('epinet', '', True) is None  # the members train it
+  assert own_lib.random_frozen_base('all', '', False) is None  # nothing is shared
+  assert "own='head' shares every leaf" in own_lib.random_frozen_base('head', '', False)
 
 
 @pytest.mark.parametrize('fields, names', [

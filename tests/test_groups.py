@@ -14,7 +14,8 @@ import pytest
 import support
 
 import dist_ens
-from dist_ens import assemble, data, member_groups, models
+from dist_ens import data, models
+from dist_ens.config import groups as member_groups
 from dist_ens.config import specs
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.data import load_dataset
@@ -158,7 +159,7 @@ def test_laplace_fits_each_group_and_a_loaded_run_predicts_what_it_reported(grou
   plain = results['groups']['deep']['ensemble']['nll']
   assert np.isfinite(plain) and laplace['groups']['deep']['ensemble']['nll'] != plain
   ensemble = dist_ens.Ensemble.load(workdir)
-  test = load_dataset(ensemble.config.data.name, assemble.data_spec(ensemble.config)).test
+  test = load_dataset(ensemble.config.data.name, specs.data_spec(ensemble.config)).test
   probs = ensemble.predict(test.x, preprocessed=True, laplace=True).member_probs
   nll = -np.log(np.asarray(probs, np.float64)[:, np.arange(len(test.y)), test.y]).mean(1)
   np.testing.assert_allclose(nll, laplace['members']['nll'], rtol=1e-5)
@@ -488,7 +489,7 @@ def test_a_finished_grouped_run_distils_all_groups_into_the_users_own_student(gr
   assert out['cost']['ensemble_params'] == 2 * 826 + 2 * 490
   assert out['cost']['student_params'] == 410
   ensemble = dist_ens.Ensemble.load(workdir)
-  test = load_dataset(ensemble.config.data.name, assemble.data_spec(ensemble.config)).test
+  test = load_dataset(ensemble.config.data.name, specs.data_spec(ensemble.config)).test
   probs = np.asarray(ensemble.student().predict(test.x, preprocessed=True).probs, np.float64)
   nll = -np.mean(np.log(probs[np.arange(len(test.y)), test.y]))
   assert nll == pytest.approx(out['nll'], abs=1e-5)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import assemble
+from dist_ens.run import assemble
 from dist_ens.config.loading import load_config
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import flatten

@@ -11,7 +11,8 @@ from ml_collections import config_flags
 
 import support
 
-from dist_ens import assemble, data
+from dist_ens.config import specs
+from dist_ens import data
 from dist_ens.core import hparams
 import dist_ens
 from dist_ens.errors import ConfigError
@@ -29,7 +30,7 @@ def _config(**overrides):
 
 
 def _resolve(config):
-  return hparams.resolve(assemble.hparams_spec(config))
+  return hparams.resolve(specs.hparams_spec(config))
 
 
 def test_scalars_lists_and_spaced_specs():

@@ -19,7 +19,8 @@ import support
 import test_laplace
 
 import dist_ens
-from dist_ens import assemble, data
+from dist_ens.config import specs
+from dist_ens import data
 from dist_ens.eval import joint, laplace, laplace_predictive
 from dist_ens.io import laplace_file
 
@@ -203,6 +204,6 @@ def test_a_two_process_run_writes_the_fit_once_and_it_loads_in_one(tmp_path):
   assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
   reported = json.loads((tmp_path / 'w' / 'final_metrics.json').read_text())['laplace']
   ens = dist_ens.Ensemble.load(tmp_path / 'w')
-  test = data.load_dataset(ens.config.data.name, assemble.data_spec(ens.config)).test
+  test = data.load_dataset(ens.config.data.name, specs.data_spec(ens.config)).test
   out = ens.predict(test.x, preprocessed=True, laplace=True)
   _assert_reported(reported, out.member_probs, out.probs, np.asarray(test.y))

@@ -15,7 +15,8 @@ from jax.sharding import PartitionSpec as P
 import support
 
 import dist_ens
-from dist_ens import assemble
+from dist_ens.run import mesh_layout
+from dist_ens.run import assemble
 from dist_ens.parallel.layout import Layout
 from dist_ens.errors import ConfigError
 
@@ -100,7 +101,7 @@ def test_every_rejects_a_negative_interval():
 
 def test_layout_decides_each_leaf(devices):
   config = _config()
-  mesh = assemble.build_mesh(config, devices)
+  mesh = mesh_layout.build_mesh(config, devices)
   parts = assemble.build_parts(config, mesh, (40, 1), 10)
   specs = parts.layout.state_specs(parts.abstract_state)
   assert specs.step == P() and specs.frozen == P('member')

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import assemble, data
+from dist_ens import data
+from dist_ens.run import assemble
 from dist_ens.data import member_split, uci
 from dist_ens.errors import ConfigError
 

@@ -6,6 +6,7 @@ import jax
 import numpy as np
 import pytest
 
+from dist_ens.run import mesh_layout
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.errors import ConfigError
 
@@ -114,15 +115,14 @@ def test_explicit_shapes_are_not_fitted():
 
 def test_idle_devices_get_one_warning_saying_what_to_set(caplog):
   import dist_ens
-  from dist_ens import assemble
   from pathlib import Path
   config = dist_ens.load_config(Path(__file__).parent.parent / 'configs' / 'default.py')
   with caplog.at_level('WARNING'):
-    mesh = assemble.build_mesh(config, jax.devices()[:6])  # 8 members on 6 devices
+    mesh = mesh_layout.build_mesh(config, jax.devices()[:6])  # 8 members on 6 devices
   assert mesh.size == 4
   warned = [r.getMessage() for r in caplog.records if r.levelname == 'WARNING']
   assert any('2 of 6 devices stay idle' in w and 'num_members=12' in w for w in warned), warned
   with caplog.at_level('WARNING'):
     caplog.clear()
-    assemble.build_mesh(config, jax.devices()[:4])
+    mesh_layout.build_mesh(config, jax.devices()[:4])
   assert not [r for r in caplog.records if r.levelname == 'WARNING']

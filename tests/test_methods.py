@@ -13,7 +13,10 @@ import pytest
 import support
 
 import dist_ens
-from dist_ens import Ensemble, assemble, data
+from dist_ens.config import specs
+from dist_ens.run import mesh_layout
+from dist_ens import Ensemble, data
+from dist_ens.run import assemble
 from dist_ens.core import optim
 from dist_ens.ensembles import methods, swag
 from dist_ens.errors import ConfigError
@@ -38,7 +41,7 @@ def _config(method, member=1, data_axis=1, **fields):
 def _iterates(config):
   """(final state, every member's params after each step [STEPS+1 entries], parts)."""
   devices = jax.devices()[:config.mesh.member * config.mesh.data]
-  parts = assemble.build_parts(config, assemble.build_mesh(config, devices), (40, 1), 10)
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, devices), (40, 1), 10)
   step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
   state, sharding = assemble.init_sharded(parts), mesh_lib.batch_sharding(parts.mesh)
   batches = data.BatchIterator(data.load_dataset('mnist1d').train, BATCH, seed=0)
@@ -88,7 +91,7 @@ def test_snapshots_are_the_iterates_at_the_ends_of_the_cycles_and_the_rate_resta
                members.params, snap_params)
   assert not members.frozen.any() and members.frozen.shape == (12,)
   # The rate restarts: plain SGD with a unit gradient moves by the rate multiplier.
-  sgd = assemble.optim_spec(config)._replace(
+  sgd = specs.optim_spec(config)._replace(
       name='sgd', learning_rate=1.0, weight_decay=0.0, momentum=0.0, nesterov=False,
       grad_clip_norm=0.0, schedule='cosine', warmup_steps=0)
   tx = optim.make_optimizer(sgd, STEPS, cycles=3)()
@@ -103,14 +106,14 @@ def test_snapshots_are_the_iterates_at_the_ends_of_the_cycles_and_the_rate_resta
 def test_fast_geometric_cycles_begin_at_snapshot_start_at_the_cycle_rate():
   config = _config('snapshot', **{'ensemble.snapshot.start': 0.5,
                                   'ensemble.snapshot.cycle_rate': 0.05})
-  method = methods.from_spec(assemble.method_spec(config))  # 24 steps: 12 of the schedule, then 3 cycles of 4.
+  method = methods.from_spec(specs.method_spec(config))  # 24 steps: 12 of the schedule, then 3 cycles of 4.
   collected = method.init({'w': jnp.zeros(())}, {})
   for step in range(1, STEPS + 1):  # The "weights" after each step are the step's number.
     collected = method.collect(collected, {'w': jnp.float32(step)}, {}, jnp.int32(step))
   np.testing.assert_array_equal(collected[0]['w'], [16, 20, 24])
   _, _, filled = method.members(collected, None, None, jnp.int32(20), None)
   np.testing.assert_array_equal(filled, [True, True, False])
-  sgd = assemble.optim_spec(config)._replace(
+  sgd = specs.optim_spec(config)._replace(
       name='sgd', learning_rate=1.0, weight_decay=0.0, momentum=0.0, nesterov=False,
       grad_clip_norm=0.0, schedule='cosine', warmup_steps=0)
   tx = optim.make_optimizer(sgd, STEPS, cycles=3, cycles_from=12, cycle_rate=0.05)()
@@ -191,11 +194,11 @@ def test_swag_samples_have_the_swag_mean_and_covariance():
 def test_bad_method_fields_are_refused_naming_the_field(fields, match):
   config = support.override(_config('deep'), {f'ensemble.{k}': v for k, v in fields.items()})
   with pytest.raises(ConfigError, match=match):
-    methods.from_spec(assemble.method_spec(config))
+    methods.from_spec(specs.method_spec(config))
 
 
 def test_snapshot_refuses_a_constant_schedule():
   config = _config('snapshot')
   config.optim.schedule = 'constant'
   with pytest.raises(ConfigError, match="'constant' has nothing to restart"):
-    methods.from_spec(assemble.method_spec(config))
+    methods.from_spec(specs.method_spec(config))

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dist_ens import Ensemble, assemble, data
+from dist_ens.config import specs
+from dist_ens import Ensemble, data
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, mimo
 from dist_ens.errors import ConfigError
@@ -93,4 +94,4 @@ def test_bad_fields_are_refused(field, value, match):
   else:
     config.ensemble.mimo.heads = value
   with pytest.raises(ConfigError, match=match):
-    methods.from_spec(assemble.method_spec(config))
+    methods.from_spec(specs.method_spec(config))

@@ -16,7 +16,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dist_ens
-from dist_ens import assemble, data
+from dist_ens.run import mesh_layout
+from dist_ens import data
+from dist_ens.run import assemble
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -37,7 +39,7 @@ def _config(member, data_axis, model, num_members=8, widths=(64, 64)):
 
 
 def _parts(config):
-  return assemble.build_parts(config, assemble.build_mesh(config), (40, 1), 10)
+  return assemble.build_parts(config, mesh_layout.build_mesh(config), (40, 1), 10)
 
 
 def _train(parts, batches):
@@ -97,7 +99,7 @@ def test_the_compiled_step_holds_a_quarter_of_the_state_per_device():
   def argument_bytes(model):
     config = _config(2, 1, model, num_members=2, widths=(512, 512))
     config.data.batch_size = 8
-    parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:2 * model]),
+    parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:2 * model]),
                                  (40, 1), 10)
     step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
     x = jax.ShapeDtypeStruct((8, 40, 1), np.float32, sharding=mesh_lib.batch_sharding(parts.mesh))
@@ -192,9 +194,9 @@ def test_reproducible_mode_refuses_fsdp_over_data():
   config.reproducible, config.train.micro_batches = True, 2
   config.mesh.fsdp_over_data = True
   with pytest.raises(ConfigError, match='reproducible=True .* fsdp_over_data=False'):
-    assemble.build_mesh(config)
+    mesh_layout.build_mesh(config)
   config.mesh.fsdp_over_data, config.mesh.data, config.mesh.model = False, 1, 2
-  assert assemble.build_mesh(config).shape['model'] == 2
+  assert mesh_layout.build_mesh(config).shape['model'] == 2
 
 
 def test_model_groups_that_span_processes_are_named():

@@ -26,6 +26,7 @@ import pytest
 
 import support
 
+from dist_ens.config import specs
 from dist_ens import data
 from dist_ens.config import loading
 from dist_ens.parallel import distributed
@@ -239,7 +240,7 @@ def _probe(out: str, port: str, num_processes: str, process_id: str, workdir: st
   class Captured(Exception):
     """Ends dist_ens.train once its train step is compiled: the rest is not needed here."""
 
-  from dist_ens import assemble  # pylint: disable=g-import-not-at-top
+  from dist_ens.run import assemble  # pylint: disable=g-import-not-at-top
   make_train_step = assemble.make_train_step
 
   def capturing_make_train_step(*args, **kwargs):
@@ -259,7 +260,7 @@ def _probe(out: str, port: str, num_processes: str, process_id: str, workdir: st
     # SMALL itself (5 steps a call): with hosts along 'member' its programs are
     # slurm_run's, read from the persistent cache where that ran first.
     config = _small_config(hosts_along)
-    mesh = mesh_lib.make_mesh(assemble.mesh_spec(config))
+    mesh = mesh_lib.make_mesh(specs.mesh_spec(config))
     sharding = mesh_lib.batch_sharding(mesh)
     rows = data.host_rows(sharding, (64,))
     batch = np.arange(64 * 3, dtype=np.float32).reshape(64, 3)
@@ -325,9 +326,19 @@ _LOST_LINE = (r'dist-ens: error: \[process {me}\] lost process {lost} of 2 \(it 
               r'start again\.')
 
 
+def _committed_steps(workdir):
+  return [int(d.name) for d in (workdir / 'checkpoints').iterdir() if d.name.isdigit()
+          and (d / 'meta' / 'metadata').is_file()] if (workdir / 'checkpoints').is_dir() else []
+
+
 def test_killed_process_stops_the_other_with_one_line(tmp_path):
   launcher, lines, reader = _launch_and_wait_for_step_10(tmp_path, '--config.checkpoint.every=5',
                                                          '--config.checkpoint.keep=3')
+  # The kill must come after a checkpoint is committed (saves are asynchronous: under load
+  # step 5's can still be in flight at step 10), for the line to have one to name.
+  deadline = time.monotonic() + 60
+  while not _committed_steps(tmp_path / 'w') and time.monotonic() < deadline:
+    time.sleep(0.2)
   victim = _python_pid_of(launcher, 1)
   assert victim is not None, ''.join(lines[-50:])
   os.kill(victim, signal.SIGKILL)

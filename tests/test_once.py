@@ -9,7 +9,7 @@ import numpy as np
 
 import support
 
-from dist_ens import checkpoint
+from dist_ens.io import checkpoint
 from dist_ens.parallel import once
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from dist_ens import assemble
+from dist_ens.config import specs
 from dist_ens.config.loading import load_config
 from dist_ens.core import optim
 from dist_ens.errors import ConfigError
@@ -130,9 +130,9 @@ def test_bad_names():
 
 def test_optim_spec_reads_every_field_of_config_optim_and_names_a_missing_one():
   config = load_config(Path(__file__).parents[1] / 'configs' / 'default.py')
-  spec = assemble.optim_spec(config)
+  spec = specs.optim_spec(config)
   assert spec == optim.OptimSpec(**{f: config.optim[f] for f in optim.OptimSpec._fields})
   del config.optim['decay_factor']
   with pytest.raises(ConfigError, match=r'^config.optim.decay_factor is missing; start from '
                                         r'configs/default.py'):
-    assemble.optim_spec(config)
+    specs.optim_spec(config)

@@ -12,7 +12,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dist_ens
-from dist_ens import Ensemble, assemble, data
+from dist_ens.run import mesh_layout
+from dist_ens import Ensemble, data
+from dist_ens.run import assemble
 from dist_ens.config import checks, loading
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import load_pretrained, read_orbax
@@ -41,7 +43,7 @@ def _own_config(source, own='head', members=4, **fields):
 
 def _parts(config):
   devices = jax.devices()[:config.mesh.member * config.mesh.data * config.mesh.model]
-  return assemble.build_parts(config, assemble.build_mesh(config, devices), (40, 1), 10)
+  return assemble.build_parts(config, mesh_layout.build_mesh(config, devices), (40, 1), 10)
 
 
 def _steps(config, steps, form=('vmap', None)):

@@ -17,7 +17,9 @@ import optax
 import pytest
 
 import dist_ens
-from dist_ens import assemble, data, plan as plan_lib
+from dist_ens.run import mesh_layout
+from dist_ens import data, plan as plan_lib
+from dist_ens.run import assemble
 from dist_ens.config import checks
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import read_orbax
@@ -110,7 +112,7 @@ def test_one_device_and_eight_train_alike(tmp_path):
 
 def _trace(config, steps=3):
   """Every leaf of the train state after `steps` steps on a 2 x 2 mesh."""
-  parts = assemble.build_parts(config, assemble.build_mesh(config, jax.devices()[:4]), (40, 1),
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:4]), (40, 1),
                                10)
   step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
   state = assemble.init_sharded(parts)

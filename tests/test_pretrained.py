@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import assemble
+from dist_ens.run import assemble
 from dist_ens.config.loading import load_config
 from dist_ens.core import rng
 from dist_ens.errors import ConfigError

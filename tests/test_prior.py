@@ -12,7 +12,9 @@ import pytest
 import support
 
 import dist_ens
-from dist_ens import assemble, data, models
+from dist_ens.config import specs
+from dist_ens import data, models
+from dist_ens.run import assemble
 from dist_ens.core import rng
 from dist_ens.ensembles import prior as prior_lib
 from dist_ens.errors import ConfigError
@@ -99,7 +101,7 @@ def _drawn_priors(config):
   widths = tuple(config.ensemble.prior.widths) or tuple(config.model.widths)
   config = _config()
   config.model.widths = widths
-  net = models.get_model(assemble.model_spec(config), 3)
+  net = models.get_model(specs.model_spec(config), 3)
   keys = rng.member_keys(config.seed, np.arange(M))
   sample = np.zeros((1, 8, 1), np.float32)
   init = jax.jit(net.init)  # one compile for the M draws, not one an operation

@@ -14,7 +14,11 @@ import tensorflow_datasets as tfds  # In the test extra: these tests must run, n
 from PIL import Image
 
 import dist_ens
-from dist_ens import assemble, plan as plan_lib
+from dist_ens.run.run_data import build_data
+from dist_ens.run import mesh_layout
+from dist_ens.config import specs
+from dist_ens import plan as plan_lib
+from dist_ens.run import assemble
 from dist_ens.config import checks, loading
 from dist_ens.core import optim
 from dist_ens.errors import ConfigError
@@ -91,14 +95,14 @@ def test_recipe_is_the_published_one_at_full_size(name):
   assert config.data.augment == ('crop_flip' if 'cifar' in name else 'none')
   resolved = checks.resolve_epochs(config, examples)
   assert resolved.train.steps == steps and config.train.epochs == 200
-  multiplier = optim.schedule(assemble.optim_spec(resolved), resolved.train.steps)
+  multiplier = optim.schedule(specs.optim_spec(resolved), resolved.train.steps)
   per_epoch = steps // 200
   lr = {epoch: float(multiplier(epoch * per_epoch)) for epoch in (0, 1, 59, 60, 120, 160, 199)}
   assert lr[0] == 0 and lr[1] == lr[59] == 1  # One epoch of warm-up, then the peak.
   np.testing.assert_allclose([lr[60], lr[120], lr[160], lr[199]], [0.2, 0.04, 0.008, 0.008],
                              rtol=1e-5)
   # The full-size model, abstractly (eval_shape: no parameters materialised).
-  mesh = assemble.build_mesh(config, jax.devices()[:1])
+  mesh = mesh_layout.build_mesh(config, jax.devices()[:1])
   parts = assemble.build_parts(config, mesh, *plan_lib.data_shape(config))
   assert sum(x.size for x in jax.tree.leaves(parts.abstract_state.params)) == members * params
 
@@ -130,7 +134,7 @@ def test_recipe_trains_on_locally_written_tfds_data(tmp_path, data_dir, name):
 def test_cifar10_recipe_reads_its_data_set(data_dir):
   config = loading.load_config(CONFIGS / 'cifar10_wrn28_10.py')
   config.data.data_dir, config.data.batch_size = data_dir, 16
-  run_data = assemble.build_data(config)
+  run_data = build_data(config)
   assert (run_data.dataset.input_shape, run_data.dataset.num_classes) == ((32, 32, 3), 10)
   x, y = run_data.dataset.train.read(np.arange(10))
   # Pixels 20 * label / 255, standardised with the recipe's CIFAR-10 statistics.

@@ -14,7 +14,9 @@ import pytest
 from support import one_line_refusal as _refusal
 
 import dist_ens
-from dist_ens import assemble, data
+from dist_ens.config import specs
+from dist_ens import data
+from dist_ens.run import assemble
 from dist_ens.config.loading import load_config
 from dist_ens.io.pretrained import flatten
 from dist_ens.models import from_hf, hf
@@ -70,7 +72,7 @@ def test_members_start_from_the_file_train_and_predict(straight):
   a = dist_ens.Ensemble.load(workdir)
   trained = [_heads(a.member(m))['head/w'] for m in range(4)]
   assert not np.allclose(trained[0], trained[1])
-  test = data.load_dataset(f'text:{CORPUS}', assemble.data_spec(config)).test
+  test = data.load_dataset(f'text:{CORPUS}', specs.data_spec(config)).test
   out = a.predict(test.x)
   assert out.member_probs.shape == (4, len(test.x), CLASSES)
   assert out.probs.shape == (len(test.x), CLASSES)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens import Ensemble, assemble, data
+from dist_ens import Ensemble, data
+from dist_ens.run import assemble
 from dist_ens.parallel import sharding_rules
 from test_own import _backbone_file, _own_config
 

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dist_ens import assemble, data
+from dist_ens import data
+from dist_ens.run import assemble
 from dist_ens.config.loading import load_config
 from dist_ens.config.checks import validate
 from dist_ens.data import corruptions

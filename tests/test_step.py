@@ -12,7 +12,9 @@ import pytest
 import support
 
 import dist_ens
-from dist_ens import assemble, data
+from dist_ens.run import mesh_layout
+from dist_ens import data
+from dist_ens.run import assemble
 from dist_ens.tasks.classification import cross_entropy
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -21,7 +23,7 @@ DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
 
 
 def _setup(member, data_axis, optimizer='adam'):
-  """The parts of an 8-member MLP run on a member x data mesh (dist_ens.assemble)."""
+  """The parts of an 8-member MLP run on a member x data mesh (dist_ens.run.assemble)."""
   config = dist_ens.load_config(DEFAULT)
   config.num_members = NUM_MEMBERS
   config.model.widths = (64, 64)
@@ -32,7 +34,7 @@ def _setup(member, data_axis, optimizer='adam'):
   config.train.steps = STEPS
   config.mesh.member, config.mesh.data = member, data_axis
   config.data.batch_size = BATCH
-  mesh = assemble.build_mesh(config)
+  mesh = mesh_layout.build_mesh(config)
   return assemble.build_parts(config, mesh, (40, 1), 10)
 
 
@@ -260,7 +262,7 @@ def test_init_compiled_faster_on_a_cpu_gives_xlas_default_bits(model, monkeypatc
   monkeypatch.setenv('XLA_FLAGS', support.xla_flags(8).replace(support.LLVM_O0, ''))
   config = dist_ens.load_config(DEFAULT)
   config.model.name, config.num_members = model, 8
-  parts = assemble.build_parts(config, assemble.build_mesh(config), (40, 1), 10)
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config), (40, 1), 10)
   fast = assemble.init_sharded(parts)
   default = jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile(
       compiler_options=support.XLA_DEFAULT)()

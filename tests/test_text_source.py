@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import dist_ens
-from dist_ens import assemble, data, tasks
+from dist_ens.config import specs
+from dist_ens import data, tasks
 from dist_ens.config.loading import load_config
 from dist_ens.data import DataSpec
 from dist_ens.models import from_hf
@@ -204,7 +205,7 @@ def test_lora_members_of_a_tied_decoder_own_their_factors_alone(tmp_path):
              if 'lora_b' in jax.tree_util.keystr(path)]
   assert factors and all(f.shape[0] == 2 for f in factors)  # every member's own
   assert any(not np.allclose(f[0], f[1]) for f in factors)
-  ids = data.load_dataset(config.data.name, assemble.data_spec(config)).test.x[:3]
+  ids = data.load_dataset(config.data.name, specs.data_spec(config)).test.x[:3]
   out = ens.predict(ids)
   assert np.isfinite(out.member_probs).all() and not np.allclose(out.member_probs[0],
                                                                  out.member_probs[1])

@@ -15,7 +15,8 @@ import support
 import tensorflow_datasets as tfds  # In the test extra: these tests must run, not skip.
 from PIL import Image  # pylint: disable=g-import-not-at-top
 
-from dist_ens import assemble, data
+from dist_ens.config import specs
+from dist_ens import data
 import dist_ens  # pylint: disable=g-import-not-at-top
 from dist_ens.config.loading import load_config  # pylint: disable=g-import-not-at-top
 from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
@@ -82,7 +83,7 @@ def _data_config(data_dir, name='tiny_mnist', **kw):
 
 def test_reads_array_record_without_tensorflow(data_dir):
   config = _data_config(data_dir)
-  ds = data.load_dataset('tiny_mnist', assemble.data_spec(config))
+  ds = data.load_dataset('tiny_mnist', specs.data_spec(config))
   assert 'tensorflow' not in sys.modules
   assert ds.input_shape == (28, 28, 1) and ds.num_classes == 10
   assert ds.train.num_examples == 256 and ds.test.x.shape == (64, 28, 28, 1)
@@ -104,8 +105,8 @@ def test_reads_array_record_without_tensorflow(data_dir):
 
 def test_normalisation_applies_to_tfds_images(data_dir):
   config = _data_config(data_dir, 'tiny_cifar', mean=(0.5, 0.5, 0.5), std=(0.5, 0.25, 0.5))
-  ds = data.load_dataset('tiny_cifar', assemble.data_spec(config))
-  raw = data.load_dataset('tiny_cifar', assemble.data_spec(_data_config(data_dir, 'tiny_cifar')))
+  ds = data.load_dataset('tiny_cifar', specs.data_spec(config))
+  raw = data.load_dataset('tiny_cifar', specs.data_spec(_data_config(data_dir, 'tiny_cifar')))
   x, _ = ds.train.read(np.array([3]))
   expected = (raw.train.read(np.array([3]))[0][0, 0, 0] - 0.5) / np.array([0.5, 0.25, 0.5])
   np.testing.assert_allclose(x[0, 0, 0], expected, rtol=1e-5)

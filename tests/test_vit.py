@@ -12,7 +12,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dist_ens
-from dist_ens import assemble
+from dist_ens.run import mesh_layout
+from dist_ens.config import specs
+from dist_ens.run import assemble
 from dist_ens.config import checks, loading
 from dist_ens.core.axes import DATA, MEMBER, MODEL
 from dist_ens.errors import ConfigError
@@ -178,7 +180,7 @@ CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
 def test_configs_load_validate_and_build_at_full_size(name, sample, params):
   config = loading.load_config(CONFIGS / name)
   checks.validate(config)
-  model = get_model(assemble.model_spec(config), 10)
+  model = get_model(specs.model_spec(config), 10)
   abstract, _ = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample))
   assert sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract)) == params
 
@@ -198,7 +200,7 @@ def test_digits_vit_splits_its_blocks_by_vit_rules_on_a_model_axis():
   """Its docstring promises VIT_RULES' tensor-parallel split, not FSDP's (issue 45 item 9)."""
   config = loading.load_config(CONFIGS / 'digits_vit.py')
   config.mesh.member, config.mesh.data, config.mesh.model = 4, 1, 2
-  parts = assemble.build_parts(config, assemble.build_mesh(config), (8, 8, 1), 10)
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config), (8, 8, 1), 10)
   block = parts.abstract_state.params['blocks'][0]
   assert block['attn']['out']['w'].sharding.spec == P(MEMBER, MODEL, None)  # FSDP: columns.
   assert block['mlp']['fc1']['b'].sharding.spec == P(MEMBER, MODEL)  # FSDP: whole (small).

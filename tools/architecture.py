@@ -29,7 +29,7 @@ LAYERS = [
     ('core',),
     ('parallel', 'models', 'data'),
     ('eval', 'ensembles', 'tasks'),
-    ('checkpoint', 'io', 'config', 'run_data', 'assemble', 'member_forms', 'member_groups', 'mesh_layout', 'plan', 'dry_run', 'host_memory'),
+    ('io', 'config', 'run', 'plan'),
     ('training', 'inference', 'main', 'commands', '__init__'),
 ]
 _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|data)'")

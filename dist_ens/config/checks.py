@@ -10,7 +10,8 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from dist_ens import importing, member_groups, tasks
+from dist_ens import importing, tasks
+from dist_ens.config import groups as member_groups
 from dist_ens.config import schema, specs
 from dist_ens.config.loading import DEFAULT_CONFIG
 from dist_ens.core import hparams

@@ -20,7 +20,7 @@ member's scalar from the same dict: the optimizer (optim.*, core/optim.py), the 
 (train.label_smoothing, core/losses.py) and init (model.init_scale, core/state.py).
 Adding a per-member hyperparameter is one entry in FIELDS (plus its config field)
 and a read of hparams['section.name'] where it is used. resolve takes an HparamsSpec,
-those fields as configured (dist_ens.assemble.hparams_spec reads them).
+those fields as configured (dist_ens.config.specs.hparams_spec reads them).
 """
 
 import ast

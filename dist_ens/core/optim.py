@@ -30,7 +30,7 @@ PerMember = float | tuple[float, ...] | list[float] | str
 
 class OptimSpec(NamedTuple):
   """config.optim: every field the optimizer and its schedule read (configs/default.py
-  documents each, and holds them all; dist_ens.assemble.optim_spec reads them).
+  documents each, and holds them all; dist_ens.config.specs.optim_spec reads them).
 
   learning_rate, weight_decay, b1 and momentum are per-member fields, held as
   configured; the optimizer takes each member's own value from its hyperparameters and
@@ -125,7 +125,7 @@ def schedule(spec: OptimSpec, total_steps: int) -> optax.Schedule:
   total_steps); 'cosine' with warmup_steps > 0 is warm-up then cosine.
 
   Example:
-    >>> spec = assemble.optim_spec(config)._replace(schedule='step', warmup_steps=0,
+    >>> spec = specs.optim_spec(config)._replace(schedule='step', warmup_steps=0,
     ...     decay_boundaries=(0.3, 0.6, 0.8), decay_factor=0.2)
     >>> round(float(schedule(spec, total_steps=200)(130)), 6)  # past step 120: 0.2 ** 2
     0.04
@@ -207,7 +207,7 @@ def make_optimizer(spec: OptimSpec, total_steps: int, cycles: int = 1, cycles_fr
   depends on the values, so one member's state layout is every member's.
 
   Example:
-    >>> optimizer = make_optimizer(assemble.optim_spec(config), total_steps=10)
+    >>> optimizer = make_optimizer(specs.optim_spec(config), total_steps=10)
     >>> tx = optimizer({'optim.learning_rate': 0.5, ...})  # this member's values
 
   Raises:

@@ -1,4 +1,4 @@
-"""What loading a data set reads of config.data, as a frozen spec (assemble.data_spec)."""
+"""What loading a data set reads of config.data, as a frozen spec (specs.data_spec)."""
 
 import dataclasses
 

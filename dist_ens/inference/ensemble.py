@@ -9,7 +9,7 @@
   student = ens.student()                     # the distilled student (config.distill)
 
 The abstract train state is built from the workdir's config.json by the same chain
-training uses (dist_ens.assemble), so the orbax checkpoint restores straight into
+training uses (dist_ens.run.assemble), so the orbax checkpoint restores straight into
 this machine's shardings, whatever mesh wrote it. The input shape and class count
 come from the checkpoint itself, so no dataset is needed.
 """
@@ -26,7 +26,8 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import data, member_groups, tasks
+from dist_ens import data, tasks
+from dist_ens.config import groups as member_groups
 from dist_ens.data import uci
 from dist_ens.core.state import member_flags
 from dist_ens.core.model import Model

@@ -17,7 +17,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from dist_ens import member_groups
+from dist_ens.config import groups as member_groups
 from dist_ens.core import groups as groups_lib
 from dist_ens.io import member_files
 

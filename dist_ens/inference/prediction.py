@@ -7,7 +7,8 @@ from typing import NamedTuple
 import ml_collections
 import numpy as np
 
-from dist_ens import assemble, data
+from dist_ens.config import specs
+from dist_ens import data
 from dist_ens.eval import regression
 
 Preprocess = Callable[[np.ndarray], np.ndarray]
@@ -63,7 +64,7 @@ def preprocess_for(config: ml_collections.ConfigDict,
   Returns:
     A function from a batch of raw inputs to the model's inputs.
   """
-  spec = assemble.data_spec(config)
+  spec = specs.data_spec(config)
   input_shape = tuple(input_shape)
 
   def preprocess(x: np.ndarray) -> np.ndarray:

@@ -12,9 +12,11 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, data, member_groups, tasks
+from dist_ens import data, tasks
+from dist_ens.run import assemble
+from dist_ens.config import groups as member_groups
 from dist_ens.config import loading
-from dist_ens.checkpoint import Checkpointer
+from dist_ens.io.checkpoint import Checkpointer
 from dist_ens.data import uci
 from dist_ens.ensembles import methods
 from dist_ens.errors import ConfigError

@@ -47,7 +47,7 @@ from dist_ens.parallel.sharding_rules import path_str
 PyTree = Any
 PARTS = ('params', 'model_state')
 # config.model's fields read here: where the weights start, not how fast a step runs (a
-# run's measured member form, assemble.form_key, leaves them out).
+# run's measured member form, member_forms.form_key, leaves them out).
 FIELDS = ('init_from', 'init_map', 'init_owned_from_file')
 
 

@@ -42,7 +42,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from dist_ens import assemble, data
+from dist_ens.config import specs
+from dist_ens import data
 from dist_ens.errors import ConfigError
 from dist_ens.inference.ensemble import Ensemble
 from dist_ens.inference.prediction import GaussianPrediction, Prediction
@@ -94,7 +95,7 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
                       ) from None
   ensemble = Ensemble.load(workdir, devices=devices)
   test = data.load_dataset(ensemble.config.data.name,
-                           assemble.data_spec(ensemble.config)).test
+                           specs.data_spec(ensemble.config)).test
   prediction = ensemble.predict(test.x, preprocessed=True)
   frozen = set(final.get('frozen_members', []))
   active = [m for m in range(final['num_members']) if m not in frozen]

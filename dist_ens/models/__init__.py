@@ -9,7 +9,7 @@ config.model.init_from='hf:PATH' builds the model a Hugging Face checkpoint's
 config.json describes (dist_ens.models.hf; `from_hf(path)` outside training).
 
 Models read config.model as a ModelSpec (dist_ens.models.spec), which
-dist_ens.assemble.model_spec builds once; nothing here takes the raw config.
+dist_ens.config.specs.model_spec builds once; nothing here takes the raw config.
 """
 
 import dataclasses
@@ -104,7 +104,7 @@ def get_model(spec: ModelSpec, num_classes: int) -> Model:
   """
   if not isinstance(spec, ModelSpec):  # callers that still pass config.model itself
     raise TypeError(f'get_model takes a ModelSpec, not a {type(spec).__name__}; build one '
-                    'with dist_ens.assemble.model_spec(config).')
+                    'with dist_ens.config.specs.model_spec(config).')
   if spec.hf:
     return _hf_model(spec, num_classes)
   if spec.factory:

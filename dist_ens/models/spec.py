@@ -1,4 +1,4 @@
-"""ModelSpec: config.model as the models read it, built once by dist_ens.assemble.model_spec.
+"""ModelSpec: config.model as the models read it, built once by dist_ens.config.specs.model_spec.
 
 The models take this typed, frozen record instead of the raw config, so nothing in
 dist_ens.models depends on the config's library or on fields it does not read.
@@ -50,6 +50,6 @@ class ModelSpec:
     object.__setattr__(self, 'kwargs', types.MappingProxyType(dict(self.kwargs)))
 
 
-# The fields a config may leave out (None: the model's own default); assemble.model_spec
+# The fields a config may leave out (None: the model's own default); specs.model_spec
 # reads these with .get, the others as required.
 OPTIONAL_FIELDS = tuple(f.name for f in dataclasses.fields(ModelSpec) if f.default is None)

@@ -34,7 +34,7 @@ def key(run_fields: Mapping[str, Any], device: jax.Device, members_per_device: i
         batch_per_device: int) -> str:
   """What a step's speed depends on, as a short stable hash: `run_fields` (the run's
   model config, data set, precision, optimizer, method and whether each member has
-  its own batches: assemble.form_key), the device, and how much each device holds."""
+  its own batches: member_forms.form_key), the device, and how much each device holds."""
   fields = {'platform': device.platform, 'device_kind': device.device_kind, **run_fields,
             'members_per_device': members_per_device, 'batch_per_device': batch_per_device,
             'jax': jax.__version__}

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from dist_ens.assemble import form_key as run_key, members_per_device
+from dist_ens.run.member_forms import form_key as run_key, members_per_device
 from dist_ens.parallel.form_cache import CACHE_ENV, cache_path, lookup, store
 from dist_ens.parallel.mesh import batch_sharding
 from dist_ens.parallel.strategy import Form
@@ -70,7 +70,8 @@ def time_forms(run_step: Callable[[Form], Callable[[], Any]], forms: list[Form],
 def step_runner(parts: Any, batch_size: int, per_member_batches: bool
                 ) -> Callable[[Form], Callable[[], Any]]:
   """run_step(form) for time_forms: the run's own step on zero batches."""
-  from dist_ens import assemble, data  # pylint: disable=g-import-not-at-top
+  from dist_ens import data  # pylint: disable=g-import-not-at-top
+  from dist_ens.run import assemble
   mesh, m = parts.mesh, parts.abstract_state.frozen.shape[0]
   lead = (m, batch_size) if per_member_batches else (batch_size,)
   sharding = batch_sharding(mesh, per_member_batches)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from dist_ens import assemble
+from dist_ens.run import assemble
 from dist_ens.plan import host_memory
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib

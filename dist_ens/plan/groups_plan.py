@@ -14,7 +14,9 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
-from dist_ens import assemble, member_groups
+from dist_ens.run import member_forms
+from dist_ens.run import assemble
+from dist_ens.config import groups as member_groups
 from dist_ens.io.tables import counted
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.plan import dry_run, sizes
@@ -78,7 +80,7 @@ def make_groups_plan(config: ml_collections.ConfigDict, run: assemble.Run,
 
 
 def _group_plan(spec: member_groups.GroupSpec, parts: assemble.Parts) -> GroupPlan:
-  form = assemble.member_form(parts, parts.config.data.batch_size)
+  form = member_forms.member_form(parts, parts.config.data.batch_size)
   compiled, _ = dry_run.compile_step(parts, parts.config, form)
   params, state_bytes = sizes.per_member_sizes(parts.abstract_state, spec.group.count)
   return GroupPlan(

@@ -39,7 +39,10 @@ import ml_collections
 from absl import flags
 from ml_collections import config_flags
 
-from dist_ens import assemble, data, member_groups, tasks
+from dist_ens.config import specs
+from dist_ens import data, tasks
+from dist_ens.run import assemble
+from dist_ens.config import groups as member_groups
 from dist_ens.config import checks, loading
 from dist_ens.parallel import mesh as mesh_lib, placement
 from dist_ens.plan import calibration, dry_run, groups_plan, sizes
@@ -118,7 +121,7 @@ def data_shape(config: ml_collections.ConfigDict) -> tuple[tuple[int, ...], int]
   name = config.data.name
   if name in KNOWN_SHAPES and name not in data.SOURCES:
     return KNOWN_SHAPES[name]
-  dataset = data.load_dataset(name, assemble.data_spec(config))
+  dataset = data.load_dataset(name, specs.data_spec(config))
   return tuple(dataset.input_shape), tasks.get_task(config.task).output_units(dataset)
 
 
@@ -127,7 +130,7 @@ def train_examples(config: ml_collections.ConfigDict) -> int | None:
   reading a TFDS data set (an embedded data set is loaded: it is small)."""
   name = config.data.name
   if name in data.SOURCES:
-    total = data.load_dataset(name, assemble.data_spec(config)).train.num_examples
+    total = data.load_dataset(name, specs.data_spec(config)).train.num_examples
   elif name in KNOWN_TRAIN_EXAMPLES:
     total = KNOWN_TRAIN_EXAMPLES[name]
   else:

@@ -7,7 +7,7 @@ from typing import Any
 import jax
 import ml_collections
 
-from dist_ens import assemble
+from dist_ens.run import assemble
 from dist_ens.parallel import mesh as mesh_lib, placement
 from dist_ens.plan import dry_run
 

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from dist_ens.checkpoint import Checkpointer
+from dist_ens.io.checkpoint import Checkpointer
 from dist_ens.errors import TrainingError
 from dist_ens.io import progress as progress_lib, tables
 from dist_ens.parallel import mesh as mesh_lib

@@ -8,7 +8,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from dist_ens import assemble
+from dist_ens.run.run_data import RunData
+from dist_ens.run import member_forms
+from dist_ens.run import assemble
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib, strategy
 from dist_ens.training.loop import Action, PeriodicAction
@@ -19,7 +21,7 @@ CPU_SYNC_EVERY = 8
 
 
 def steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
-                   run_data: assemble.RunData, start_step: int,
+                   run_data: RunData, start_step: int,
                    actions: Sequence[Action]) -> int:
   # Examples the input pipeline delivers per step: one batch, or one per member.
   inputs = config.data.batch_size * (config.num_members if run_data.order.per_member else 1)
@@ -45,7 +47,7 @@ def step_flops(config: ml_collections.ConfigDict, parts: assemble.Parts) -> floa
   forward = strategy.forward_flops(parts.model, parts.input_shape,
                                    config.data.batch_size // parts.mesh.shape[mesh_lib.DATA],
                                    parts.input_dtype)
-  return None if forward is None else 3 * forward * assemble.members_per_device(parts)
+  return None if forward is None else 3 * forward * member_forms.members_per_device(parts)
 
 
 # On a multi-device CPU mesh too many queued steps deadlock XLA's collectives; 16 leaves a

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from dist_ens import member_groups
+from dist_ens.config import groups as member_groups
 from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.state import member_flags

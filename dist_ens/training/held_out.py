@@ -26,7 +26,8 @@ import jax
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, data
+from dist_ens import data
+from dist_ens.run import assemble
 from dist_ens.data.member_split import aggregate
 from dist_ens.eval import evaluate
 from dist_ens.parallel.mesh import member_sharding

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dist_ens import member_groups
+from dist_ens.config import groups as member_groups
 from dist_ens.core import groups as groups_lib
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate, joint, laplace, laplace_predictive

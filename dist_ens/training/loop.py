@@ -38,7 +38,8 @@ from dist_ens.io.writers import EventWriter
 from dist_ens.core.step import StepMetrics, TrainStep
 
 if TYPE_CHECKING:  # assemble builds the step, so it imports this package.
-  from dist_ens.assemble import Parts, RunData
+  from dist_ens.run.assemble import Parts
+  from dist_ens.run.run_data import RunData
 
 
 @dataclasses.dataclass
@@ -47,7 +48,7 @@ class Session:
   object for every call of the step, and what an action reads besides the call.
 
   Attributes:
-    config, parts, run_data, workdir: the run (see dist_ens.assemble).
+    config, parts, run_data, workdir: the run (see dist_ens.run.assemble).
     start_step, total_steps: where this session (re)started and where the run ends.
     steps_per_call: steps each call of the compiled step runs.
     hparams: the per-member hyperparameters on the mesh (population-based training

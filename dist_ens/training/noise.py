@@ -17,7 +17,8 @@ targets [N, D] it is the mean over dimensions of the squared standardised residu
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, data, tasks
+from dist_ens import data, tasks
+from dist_ens.run import assemble
 from dist_ens.tasks.regression import dataset_target_dim
 from dist_ens.training.loop import Call, PeriodicAction
 

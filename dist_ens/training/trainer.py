@@ -2,7 +2,7 @@
 write the results.
 
 Everything that can be wrong with the input is checked before anything is
-compiled or written (dist_ens.assemble traces the state abstractly first).
+compiled or written (dist_ens.run.assemble traces the state abstractly first).
 """
 
 import contextlib
@@ -16,12 +16,14 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import assemble, data, member_groups, tasks
+from dist_ens import data, tasks
+from dist_ens.run import assemble
+from dist_ens.config import groups as member_groups
 from dist_ens.config import checks, loading, specs
 from dist_ens.errors import ConfigError
 from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
-from dist_ens.checkpoint import Checkpointer, Restored, check_compatible
+from dist_ens.io.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import methods, own as own_lib
 from dist_ens.io import console, init_from, tables, writers

@@ -32,7 +32,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from dist_ens.checkpoint import FULL_DISK_TEXTS
+from dist_ens.io.checkpoint import FULL_DISK_TEXTS
 from dist_ens.errors import ConfigError, TrainingError
 
 LOCK_NAME = '.lock'

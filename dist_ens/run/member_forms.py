@@ -1,7 +1,7 @@
 """How each device runs its members (vmap, or map in chunks): config.ensemble's
 member_parallelism resolved for a run's parts, by `dist-ens plan --calibrate`'s
 measurement where there is one (parallel/form_cache.py), else by parallel/strategy.py's
-rules. dist_ens.assemble uses it and exports its names."""
+rules. dist_ens.run.assemble uses it and exports its names."""
 
 from typing import Any
 

@@ -28,9 +28,10 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from dist_ens import data, member_groups, models, tasks
+from dist_ens import data, models, tasks
+from dist_ens.config import groups as member_groups
 from dist_ens.config import checks
-from dist_ens.checkpoint import Checkpointer
+from dist_ens.io.checkpoint import Checkpointer
 from dist_ens.core import gradients, groups as groups_lib, hparams as hparams_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
@@ -39,19 +40,17 @@ from dist_ens.ensembles import methods, stored
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec, user_metrics
 from dist_ens.eval.evaluate import Evaluator, Scorer, make_eval_step
-from dist_ens.member_forms import (form_key, member_form,  # noqa: F401  (re-exported)
-                                   members_per_device)
-from dist_ens.mesh_layout import build_layout, build_mesh  # noqa: F401  (re-exported)
+from dist_ens.run.member_forms import member_form
+from dist_ens.run.mesh_layout import build_layout, build_mesh
 from dist_ens.parallel import mesh as mesh_lib, once, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import StepOptions, TrainStep, make_train_step
 from dist_ens.data import augment as augment_lib
 from dist_ens.importing import is_import_path, load_object
 from dist_ens.io import init_from
-from dist_ens.run_data import RunData, build_data  # noqa: F401  (re-exported)
-# Re-exported: tests and benchmarks build parts' specs through assemble.
-from dist_ens.config.specs import (data_spec, hparams_spec, init_from_spec,  # noqa: F401
-                                   mesh_spec, method_spec, model_spec, optim_spec)
+from dist_ens.run.run_data import RunData, build_data
+from dist_ens.config.specs import (data_spec, hparams_spec, init_from_spec, method_spec,
+                                   model_spec, optim_spec)
 
 
 class Parts(NamedTuple):

@@ -11,7 +11,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from dist_ens import member_groups
+from dist_ens.config import groups as member_groups
 from dist_ens.core import gradients
 from dist_ens.ensembles import batchensemble, methods
 from dist_ens.errors import ConfigError
