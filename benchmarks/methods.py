@@ -72,7 +72,7 @@ from dist_ens import Ensemble, data
 from dist_ens.run import assemble
 from dist_ens.eval.ood import load_ood_split
 from dist_ens.eval import calibration, evaluate
-from dist_ens.io import report_scatter
+from dist_ens.report import scatter as report_scatter
 
 ROOT = Path(__file__).resolve().parents[1]
 MEMBERS = 4
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> None:
   out = {**header, 'config': base.name, 'rows': rows, 'markdown': table(rows), 'steps': steps,
          'members': MEMBERS, 'seeds': seeds, 'validation_size': args.validation_size, 'jax': jax.__version__, 'load_average_end': harness.load_average()}
   harness.write_results(args.out, out)
-  # The same bars as a run's report (dist_ens.io.report_scatter), the single model first.
+  # The same bars as a run's report (dist_ens.report.scatter), the single model first.
   report_scatter.plot_methods(Path(args.out).parent, {r['method']: r for r in rows},
                             name=Path(args.out).stem)
   print(f'wrote {args.out} and its .png / .svg figure beside it')

@@ -15,7 +15,7 @@ from pathlib import Path
 from PIL import Image
 
 import dist_ens
-from dist_ens.io import report, report_regression
+from dist_ens.report import build as report, regression as report_regression
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / 'docs' / 'report_regression_calibration.png'

@@ -8,7 +8,7 @@ For each M, one fresh process (`timeout -k`-bounded, so its peak RSS is its own)
 fake CPU devices trains configs/default.py's MLP narrowed to one hidden layer of 8 units
 (418 parameters a member) on the embedded MNIST-1D, with a 500-example validation split,
 temperature scaling and greedy selection on, through `dist_ens.train` as a user calls it;
-then the report (`dist_ens.io.report.make_report`) and, in another process, `dist-ens
+then the report (`dist_ens.report.build.make_report`) and, in another process, `dist-ens
 plan`. It measures:
 
   compile        trace + lower + XLA compile of the init program, the train step and the
@@ -341,7 +341,7 @@ def _make_probe(scratch: Path, out: dict[str, Any], log: _CompileLog):
 def _replay_events(workdir: Path, scratch: Path) -> dict[str, Any]:
   """The run's events written again through each writer: seconds per event."""
   from dist_ens.io import file_sinks
-  from dist_ens.io.report_data import read_events
+  from dist_ens.report.data import read_events
   from dist_ens.io.tensorboard_writer import TensorBoardWriter
   events = read_events(workdir / 'metrics.jsonl')
   out: dict[str, Any] = {'events': len(events)}
@@ -363,7 +363,7 @@ def _tables(workdir: Path, scratch: Path) -> dict[str, Any]:
   """The console's results table and members.csv, made again from final_metrics.json."""
   import numpy as np
   from dist_ens.io import tables, writers
-  from dist_ens.io.report_data import read_final_metrics
+  from dist_ens.report.data import read_final_metrics
   final = read_final_metrics(workdir)
   start = time.perf_counter()
   table = tables.results_table(final)
@@ -379,7 +379,7 @@ def _tables(workdir: Path, scratch: Path) -> dict[str, Any]:
 
 
 def _report(workdir: Path) -> dict[str, Any]:
-  from dist_ens.io import report
+  from dist_ens.report import build as report
   start = time.perf_counter()
   out_dir = report.make_report(workdir)
   seconds = time.perf_counter() - start

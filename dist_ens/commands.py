@@ -220,7 +220,7 @@ def _plan_main(argv: list[str]) -> None:
 def _report_main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  from dist_ens.io import report  # pylint: disable=g-import-not-at-top
+  from dist_ens.report import build as report  # pylint: disable=g-import-not-at-top
   try:
     out = report.make_report(FLAGS.workdir)
   except (FileNotFoundError, ImportError, ConfigError) as e:

@@ -3,7 +3,7 @@
   dist-ens --config=configs/default.py --workdir=DIR [--config.a.b=value ...]   (train)
   dist-ens train ...                     the same
   dist-ens plan --config=FILE [--memory_gb=G] [--json] [--calibrate]   needs and speed (plan.py)
-  dist-ens report --workdir=DIR          writes DIR/report/ (dist_ens/io/report.py)
+  dist-ens report --workdir=DIR          writes DIR/report/ (dist_ens/report/build.py)
   python -m dist_ens.main ...            the same as dist-ens
 
 Training parses flags, starts jax.distributed when this is one process of several,

@@ -177,7 +177,7 @@ def _pbt_config():
 
 
 def test_pbt_says_each_round_in_one_line_and_its_report_draws_no_false_step(tmp_path, caplog):
-  from dist_ens.io import report_pbt  # pylint: disable=import-outside-toplevel
+  from dist_ens.report import pbt as report_pbt  # pylint: disable=import-outside-toplevel
   with caplog.at_level(logging.INFO):
     dist_ens.train(_pbt_config(), str(tmp_path))
   lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith('pbt round')]
@@ -219,7 +219,7 @@ def test_log_lines_from_python_carry_no_absl_prefix(tmp_path):
 def test_report_on_a_missing_or_foreign_workdir_says_so(tmp_path):
   # The command line once, on a foreign workdir (test_cli's test_missing_report_workdir_is_one_line
   # runs it on a missing one); the messages it prefixes, from report.make_report itself.
-  from dist_ens.io import report  # pylint: disable=import-outside-toplevel
+  from dist_ens.report import build as report  # pylint: disable=import-outside-toplevel
   line = _one_line(_cli('report', f'--workdir={tmp_path}'))
   assert line == (f'dist-ens report: error: {tmp_path} is not a dist_ens workdir (it has no '
                   'config.json, checkpoints/ or final_metrics.json); name the workdir of a '

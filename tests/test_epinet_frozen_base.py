@@ -17,7 +17,7 @@ import support
 from dist_ens import data
 from dist_ens.run import assemble
 from dist_ens.ensembles import own as own_lib
-from dist_ens.io import report
+from dist_ens.report import build as report
 from dist_ens.io.member_files import load_member
 from dist_ens.io.pretrained import load_pretrained, read_orbax
 from test_epinet import member_probs

@@ -500,7 +500,7 @@ def test_a_finished_grouped_run_distils_all_groups_into_the_users_own_student(gr
 
 def test_the_report_shows_every_groups_ensemble_beside_the_whole(grouped):
   pytest.importorskip('matplotlib')
-  from dist_ens.io import report  # pylint: disable=g-import-not-at-top
+  from dist_ens.report import build as report  # pylint: disable=g-import-not-at-top
   workdir, results = grouped
   out = report.make_report(workdir)
   text = (out / 'report.md').read_text()

@@ -354,7 +354,7 @@ def test_a_mesh_that_cannot_split_the_members_is_refused_in_one_line(split_run):
 
 def test_the_report_loads_a_split_run_split(split_run, monkeypatch):
   pytest.importorskip('matplotlib')
-  from dist_ens.io import report  # pylint: disable=import-outside-toplevel
+  from dist_ens.report import build as report  # pylint: disable=import-outside-toplevel
   _, workdir = split_run
   load, seen = dist_ens.Ensemble.load.__func__, []
 

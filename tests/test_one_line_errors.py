@@ -19,7 +19,7 @@ import support
 import dist_ens
 from dist_ens import commands, data
 from dist_ens.errors import ConfigError
-from dist_ens.io import report
+from dist_ens.report import build as report
 from dist_ens.training import workdir as workdir_lib
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -302,7 +302,7 @@ def test_the_report_draws_each_members_schedule_and_copies(pbt_run):
   """report_pbt.schedules: starts at the sweep's values, marks exactly the members the
   lineage names at each round, and a member's values change only where it copied."""
   pytest.importorskip('matplotlib')
-  from dist_ens.io import report, report_pbt  # pylint: disable=import-outside-toplevel
+  from dist_ens.report import build as report, pbt as report_pbt  # pylint: disable=import-outside-toplevel
   workdir, result, _ = pbt_run
   s = report_pbt.schedules(_config(), _events(workdir))
   initial = hparams_lib.resolve(specs.hparams_spec(_config()))

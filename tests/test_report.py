@@ -14,7 +14,8 @@ import pytest
 import support
 
 from dist_ens import data
-from dist_ens.io import report, report_data, report_plots, report_scatter
+from dist_ens.report import (build as report, data as report_data, plots as report_plots,
+                             scatter as report_scatter, stats as report_stats)
 from dist_ens.training import train
 from dist_ens import Ensemble
 
@@ -191,10 +192,10 @@ def test_method_rows_list_every_way_a_run_predicted():
 
 
 def test_colour_scale_is_log_only_when_values_span_over_10x():
-  assert report._color_norm(np.array([1e-3, 4e-3, 2e-2]))[1] == 'log'
-  assert report._color_norm(np.array([1e-3, 5e-3, 1e-2]))[1] == 'linear'
-  assert report._color_norm(np.array([0.0, 0.01, 0.3]))[1] == 'symlog'
-  assert report._color_norm(np.array([np.nan]))[1] == 'linear'
+  assert report_scatter._color_norm(np.array([1e-3, 4e-3, 2e-2]))[1] == 'log'
+  assert report_scatter._color_norm(np.array([1e-3, 5e-3, 1e-2]))[1] == 'linear'
+  assert report_scatter._color_norm(np.array([0.0, 0.01, 0.3]))[1] == 'symlog'
+  assert report_scatter._color_norm(np.array([np.nan]))[1] == 'linear'
 
 
 def _acc_nll(probs, labels):
@@ -239,10 +240,10 @@ def test_size_spread_draws_distinct_random_subsets_reproducibly():
   np.testing.assert_array_equal(a.nll, b.nll)
   np.testing.assert_array_equal(a.num_subsets, [6] * 8 + [1])  # C(9, 8) = 9 > 6.
   assert np.isnan(a.nll[-1, 1:]).all() and np.isfinite(a.nll[:-1]).all()
-  picked = report._subsets(9, 4, 6, np.random.default_rng(0))
+  picked = report_stats._subsets(9, 4, 6, np.random.default_rng(0))
   assert len(set(picked)) == 6 and all(len(set(s)) == 4 for s in picked)
   # Large ensembles: log-spaced sizes, 1 and M included.
-  sizes = report._spread_sizes(256, 24)
+  sizes = report_stats._spread_sizes(256, 24)
   assert sizes[0] == 1 and sizes[-1] == 256 and len(sizes) <= 24
 
 
@@ -250,7 +251,7 @@ def test_ensemble_size_curve_ends_at_the_ensemble_and_starts_at_member_0(workdir
   final = json.loads((workdir / 'final_metrics.json').read_text())
   test = data.load_dataset('mnist1d').test
   out = Ensemble.load(workdir).predict(test.x)
-  curve = report.ensemble_size_curve(out.member_probs, test.y, range(4))
+  curve = report_stats.ensemble_size_curve(out.member_probs, test.y, range(4))
   np.testing.assert_array_equal(curve['size'], [1, 2, 3, 4])
   np.testing.assert_allclose(curve['accuracy'][0], final['members']['accuracy'][0])
   np.testing.assert_allclose(curve['nll'][0], final['members']['nll'][0], rtol=1e-5)
@@ -263,21 +264,21 @@ def test_ensemble_size_curve_ends_at_the_ensemble_and_starts_at_member_0(workdir
   np.testing.assert_allclose(spread.stat('nll', 'mean')[-1], final['ensemble']['nll'],
                              rtol=1e-5)
   # The diagrams' bins are those of the metric: the same ECE as training reported.
-  rel = report.reliability(out.probs, test.y)
+  rel = report_stats.reliability(out.probs, test.y)
   np.testing.assert_allclose(rel.ece, final['ensemble']['ece'], atol=1e-5)
   assert rel.count.sum() == len(test.y)
 
 
 def test_non_finite_predictions_do_not_break_the_numbers():
   probs = np.array([[0.9, 0.1], [np.nan, np.nan], [0.2, 0.8]])
-  rel = report.reliability(probs, np.array([0, 0, 1]), num_bins=2)
+  rel = report_stats.reliability(probs, np.array([0, 0, 1]), num_bins=2)
   assert rel.count.sum() == 2 and np.isnan(rel.ece)
   member_probs = np.stack([probs, np.array([[0.6, 0.4]] * 3)])
   spread = report.ensemble_size_spread(member_probs, np.array([0, 0, 1]), range(2))
   assert np.isnan(spread.stat('nll', 'mean')[-1])
   assert spread.stat('nll', 'min')[0] == pytest.approx(-np.mean(np.log([0.6, 0.6, 0.4])))
-  assert report._limits([np.nan, np.inf], 0.0, 1.0) == (0.0, 1.0)
-  low, high = report._limits([0.91, 0.93, np.nan], 0.0, 1.0)
+  assert report_plots._limits([np.nan, np.inf], 0.0, 1.0) == (0.0, 1.0)
+  low, high = report_plots._limits([0.91, 0.93, np.nan], 0.0, 1.0)
   assert 0.85 < low < 0.91 and 0.93 < high < 0.99  # Not from 0: the differences show.
 
 

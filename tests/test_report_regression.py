@@ -12,7 +12,7 @@ from scipy import optimize, stats
 import dist_ens
 from dist_ens import data
 from dist_ens.inference.prediction import GaussianPrediction
-from dist_ens.io import report, report_pages, report_regression
+from dist_ens.report import build as report, pages as report_pages, regression as report_regression
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ('calibration', 'predicted_vs_true', 'members_vs_ensemble', 'learning_curves',

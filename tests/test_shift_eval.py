@@ -198,7 +198,7 @@ def test_a_digits_run_with_shift_writes_every_section(tmp_path, devices):
 
 def test_report_draws_metrics_against_severity(tmp_path):
   pytest.importorskip('matplotlib')
-  from dist_ens.io import report_plots  # pylint: disable=g-import-not-at-top
+  from dist_ens.report import plots as report_plots  # pylint: disable=g-import-not-at-top
   result = lambda acc: {'members': {'accuracy': [acc - 0.1, acc - 0.2, 9.0],
                                     'nll': [1.0, 2.0, 3.0], 'ece': [0.1, 0.2, 0.3]},
                         'ensemble': {'accuracy': acc, 'nll': 1 - acc, 'ece': 0.1}}

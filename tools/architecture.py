@@ -30,7 +30,7 @@ LAYERS = [
     ('parallel', 'models', 'data'),
     ('eval', 'ensembles', 'tasks'),
     ('io', 'config', 'run', 'plan'),
-    ('training', 'inference', 'main', 'commands', '__init__'),
+    ('training', 'inference', 'report', 'main', 'commands', '__init__'),
 ]
 _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|data)'")
 _GROUPS = re.compile(r"\bmember_groups\b|ensemble\.groups\b|\.groups\b|\bgroups_lib\b|"

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 
 from dist_ens.eval.metrics import NUM_ECE_BINS
-from dist_ens.io.report_data import floats
-from dist_ens.io.report_stats import Reliability, SizeSpread, reliability
+from dist_ens.report.data import floats
+from dist_ens.report.stats import Reliability, SizeSpread, reliability
 from dist_ens.io.tables import MAX_ROWS
 
 DPI = 150

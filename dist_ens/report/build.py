@@ -1,6 +1,6 @@
 """`dist-ens report --workdir DIR`: plots, a Markdown report and one self-contained HTML page.
 
-  python -m dist_ens.io.report --workdir /tmp/run     # the same as `dist-ens report ...`
+  python -m dist_ens.report.build --workdir /tmp/run     # the same as `dist-ens report ...`
 
 Writes DIR/report/ (every figure as NAME.png at 150 dpi and NAME.svg):
   reliability              reliability diagrams with bin counts: the ensemble, its best and
@@ -21,15 +21,15 @@ Writes DIR/report/ (every figure as NAME.png at 150 dpi and NAME.svg):
 
 A regression run (config.task='regression') gets its own figures instead of reliability
 and the classification metrics: a calibration curve of its central intervals, predicted
-against true with intervals, and RMSE and NLL in the others (dist_ens.io.report_regression).
+against true with intervals, and RMSE and NLL in the others (dist_ens.report.regression).
 
 Tables come from final_metrics.json and metrics.jsonl; the figures that need
 predictions (reliability, ensemble size) load the final checkpoint with
 dist_ens.Ensemble and predict the test split, on whatever devices exist.
 Non-finite metrics (members frozen when they diverged) are drawn apart and printed as NaN.
 
-The pieces: report_data reads the workdir, report_stats computes from the predictions,
-report_plots and report_scatter draw the figures, report_pages writes report.md and report.html.
+The pieces: data.py reads the workdir, stats.py computes from the predictions, plots.py
+and scatter.py draw the figures, pages.py writes report.md and report.html.
 """
 
 import argparse
@@ -47,17 +47,10 @@ from dist_ens import data
 from dist_ens.errors import ConfigError
 from dist_ens.inference.ensemble import Ensemble
 from dist_ens.inference.prediction import GaussianPrediction, Prediction
-from dist_ens.io import report_plots as plots, report_scatter
-from dist_ens.io import report_pbt, report_regression
-from dist_ens.io.report_data import finite_mean, method_rows, read_events, read_final_metrics
-from dist_ens.io.report_pages import Figure, Run, html_page, markdown, report_figures
-from dist_ens.io.report_stats import SizeSpread, ensemble_size_spread
-# Importable from here, as before the report had modules of its own (tests/test_report.py
-# reaches the private helpers here too).
-from dist_ens.io.report_plots import _limits  # noqa: F401
-from dist_ens.io.report_scatter import _color_norm  # noqa: F401
-from dist_ens.io.report_stats import (  # noqa: F401
-    Reliability, _spread_sizes, _subsets, ensemble_size_curve, reliability)
+from dist_ens.report import pbt, plots, regression, scatter
+from dist_ens.report.data import finite_mean, method_rows, read_events, read_final_metrics
+from dist_ens.report.pages import Figure, Run, html_page, markdown, report_figures
+from dist_ens.report.stats import SizeSpread, ensemble_size_spread
 
 FIGURES = ('reliability.png', 'members_vs_ensemble.png', 'learning_curves.png',
            'ensemble_size.png')
@@ -103,12 +96,12 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
   out.mkdir(parents=True, exist_ok=True)
 
   if isinstance(prediction, GaussianPrediction):  # A regression task's mixture.
-    figures = report_regression.draw(out, workdir, final, prediction, test.y, frozen, active)
+    figures = regression.draw(out, workdir, final, prediction, test.y, frozen, active)
   else:
     figures = report_figures(final, _draw_figures(out, workdir, final, prediction, test.y,
                                                   frozen, active), active)
   config = ensemble.config
-  if final.get('pbt') and report_pbt.plot_pbt(out, config, read_events(workdir / 'metrics.jsonl')):
+  if final.get('pbt') and pbt.plot_pbt(out, config, read_events(workdir / 'metrics.jsonl')):
     figures.append(Figure('pbt', 'Population-based training', PBT_CAPTION))
   summary = (f'{_members_text(config, final)} on {config.data.name}, step '
              f'{ensemble.step} of {config.train.steps}, test split of {len(test.y)} examples'
@@ -146,17 +139,17 @@ def _draw_figures(out: Path, workdir: Path, final: dict[str, Any], prediction: P
   plots.plot_ensemble_size(out, spread, {k: finite_mean(final['members'][k], active)
                                          for k in ('accuracy', 'nll')})
   if final.get('hyperparameters'):
-    report_scatter.plot_sweep(out, final)
+    scatter.plot_sweep(out, final)
   if final.get('shift'):
     plots.plot_shift(out, final)
   rows = method_rows(final)
   if len(rows) > 1:
-    report_scatter.plot_methods(out, rows)
+    scatter.plot_methods(out, rows)
   return spread
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  """Command line: `dist-ens report --workdir DIR`, or `python -m dist_ens.io.report ...`."""
+  """Command line: `dist-ens report --workdir DIR`, or `python -m dist_ens.report.build ...`."""
   parser = argparse.ArgumentParser(
       prog='dist-ens report',
       description='Write WORKDIR/report/: reliability diagrams, member-vs-ensemble bars, '

@@ -1,14 +1,14 @@
 """The report's scatter figures: a sweep's members coloured by a hyperparameter, and
 methods' operating points (NLL against accuracy), with labels placed apart
-(report_plots' conventions: NAME.png and NAME.svg, Agg canvas, non-finite drawn apart)."""
+(plots' conventions: NAME.png and NAME.svg, Agg canvas, non-finite drawn apart)."""
 
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from dist_ens.io.report_data import floats
-from dist_ens.io.report_plots import (_ENSEMBLE_COLOR, _MEMBER_COLOR, _SELECTED_COLOR,
+from dist_ens.report.data import floats
+from dist_ens.report.plots import (_ENSEMBLE_COLOR, _MEMBER_COLOR, _SELECTED_COLOR,
                                       _figure, _limits, _save)
 
 
@@ -107,7 +107,7 @@ def _star(ax: Any, metrics: dict[str, Any], color: str, label: str) -> tuple[flo
 
 
 def plot_methods(out: Path, rows: dict[str, dict[str, Any]], name: str = 'methods') -> None:
-  """Accuracy, NLL and ECE of every way the run predicted (report_data.method_rows), one
+  """Accuracy, NLL and ECE of every way the run predicted (data.method_rows), one
   horizontal bar each, the trained members' ensemble first."""
   labels = list(rows)
   fig, axes = _figure(12, 1.2 + 0.4 * len(labels), 3)

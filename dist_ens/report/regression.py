@@ -31,10 +31,10 @@ from scipy.special import logsumexp, ndtr
 
 from dist_ens.eval import regression as reg
 from dist_ens.inference.prediction import GaussianPrediction
-from dist_ens.io import report_plots as plots
-from dist_ens.io.report_data import finite_mean, read_events
-from dist_ens.io.report_pages import Figure
-from dist_ens.io.report_stats import over_subsets, subset_stat
+from dist_ens.report import plots as plots
+from dist_ens.report.data import finite_mean, read_events
+from dist_ens.report.pages import Figure
+from dist_ens.report.stats import over_subsets, subset_stat
 
 LEVELS = np.array(reg.CALIBRATION_LEVELS)  # 0.05, 0.10, ..., 0.95
 SCATTER_LEVEL = 0.9
@@ -105,7 +105,7 @@ def mixture_rmse_nll(means: np.ndarray, variances: np.ndarray,
 
 
 class SizeCurves(NamedTuple):
-  """RMSE and NLL of ensembles of k members over member subsets (as report_stats.SizeSpread:
+  """RMSE and NLL of ensembles of k members over member subsets (as stats.SizeSpread:
   row i is size[i], its first num_subsets[i] columns one subset each, the rest NaN)."""
   size: np.ndarray  # [K]
   num_subsets: np.ndarray  # [K]
@@ -123,7 +123,7 @@ def ensemble_size_curves(member_mean: np.ndarray, member_variance: np.ndarray, y
                          members: Sequence[int], num_subsets: int = 20, seed: int = 0,
                          max_sizes: int = 24) -> SizeCurves:
   """RMSE and NLL of the mixtures of k of `members`, k = 1..len(members), with the subsets
-  report_stats.ensemble_size_spread draws (every one when there are at most num_subsets)."""
+  stats.ensemble_size_spread draws (every one when there are at most num_subsets)."""
   means = _per_value(member_mean, members=True)
   variances = _per_value(member_variance, members=True)
   y = _per_value(y, members=False)

@@ -14,9 +14,9 @@ import numpy as np
 
 from dist_ens.eval.metrics import METRICS, NUM_ECE_BINS
 from dist_ens.io import tables
-from dist_ens.io.report_data import finite_mean, floats, method_rows
-from dist_ens.io.report_plots import learning_curves_members
-from dist_ens.io.report_stats import SizeSpread
+from dist_ens.report.data import finite_mean, floats, method_rows
+from dist_ens.report.plots import learning_curves_members
+from dist_ens.report.stats import SizeSpread
 
 # Above this an SVG is embedded in report.html as its PNG instead (e.g. learning curves of
 # hundreds of members), to keep the page light.

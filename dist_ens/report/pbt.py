@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from dist_ens.core import hparams as hparams_lib
-from dist_ens.io import report_plots as plots
+from dist_ens.report import plots as plots
 from dist_ens.config.specs import hparams_spec
 
 
