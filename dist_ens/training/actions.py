@@ -115,7 +115,7 @@ class TrainLog(PeriodicAction):
   def _flush(self, call: Call) -> None:
     session = call.session
     m = session.config.num_members
-    fetched, self._fetched = self._drain(session), None
+    fetched, self._fetched = self._drain(), None
     now = session.train_clock()
     elapsed, self._mark = now - self._mark, now
     steps, steps_here, self._steps_here = len(fetched.loss), self._steps_here, 0
@@ -145,11 +145,11 @@ class TrainLog(PeriodicAction):
                 f'{rate:,.0f} member-ex/s')
     self._check_nonfinite(call, fetched.nonfinite)
 
-  def _drain(self, session) -> Any:
+  def _drain(self) -> StepMetrics:
     """Every step's metrics since the last log as numpy, [steps, M] each (a call gives
     [K, M]), in member id order."""
-    m = session.config.num_members
-    fetched = [metrics_in_id_order(session.fetch(metrics_)) for metrics_ in self._interval]
+    m = self._session.config.num_members
+    fetched = [metrics_in_id_order(self._session.fetch(metrics_)) for metrics_ in self._interval]
     earlier = [] if self._fetched is None else [self._fetched]
     self._interval = []
     self._fetched = jax.tree.map(
@@ -161,7 +161,7 @@ class TrainLog(PeriodicAction):
     float32 values, which JSON's doubles hold without rounding."""
     if not self._interval and self._fetched is None:
       return None
-    fetched = self._drain(self._session)
+    fetched = self._drain()
     return {'loss': fetched.loss.tolist(), 'nonfinite': fetched.nonfinite.tolist(),
             'metrics': {k: v.tolist() for k, v in fetched.metrics.items()}}
 
