@@ -2,6 +2,7 @@
 runs with, the tiny run of the tests that need "a small run" (config), and small helpers:
 override, PreemptAt, assert_trees_equal, one_line_refusal."""
 
+import importlib.util
 import os
 import signal
 import subprocess
@@ -187,3 +188,12 @@ def assert_trees_close(a, b, reduction_size: int):
     scale = float(max(np.abs(x).max(initial=0), np.abs(y).max(initial=0)))
     np.testing.assert_allclose(x, y, rtol=0,
                                atol=float_tolerance(x.dtype, reduction_size) * scale)
+
+
+def load_tool(name: str):
+  """tools/NAME.py as a module, by its path (the tools are scripts, not a package)."""
+  path = Path(__file__).resolve().parents[1] / 'tools' / f'{name}.py'
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module

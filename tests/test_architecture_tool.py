@@ -1,17 +1,11 @@
 """tools/architecture.py measures what it says, on a package written here (its figures for
 dist_ens itself are in docs/how-it-works.md)."""
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+import support
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location('architecture', ROOT / 'tools' / 'architecture.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return support.load_tool('architecture')
 
 
 def test_it_counts_root_modules_cycles_raw_configs_and_group_mentions(tmp_path):

@@ -1,18 +1,16 @@
-"""docs/config.md is what tools/gen_config_doc.py generates from configs/default.py now."""
+"""docs/config.md is what tools/gen_config_doc.py generates from the package's defaults now."""
 
-import importlib.util
 from pathlib import Path
 
 import ml_collections
+
+import support
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _tool():
-  spec = importlib.util.spec_from_file_location('gen_config_doc', ROOT / 'tools' / 'gen_config_doc.py')
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return support.load_tool('gen_config_doc')
 
 
 def test_committed_config_doc_is_current():
