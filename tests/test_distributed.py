@@ -17,7 +17,7 @@ from jax.experimental import multihost_utils
 
 import support
 
-from dist_ens.config import loading
+from dist_ens.config import agreement, loading
 from dist_ens.parallel import distributed
 from dist_ens.config.loading import load_config
 from dist_ens.errors import ConfigError
@@ -52,7 +52,7 @@ def _config_dict(**overrides):
 def test_describe_differences_names_fields_and_values():
   base = _config_dict()
   other = _config_dict(train__steps=30, mesh__hosts_along='data')
-  message = distributed.describe_differences([base, base, other])
+  message = agreement.describe_differences([base, base, other])
   assert message == ("process 2: mesh.hosts_along='data' (process 0: 'member'); "
                      'train.steps=30 (process 0: 2000)')
 
@@ -61,23 +61,23 @@ def test_describe_differences_missing_field_and_equal_configs():
   base = _config_dict()
   other = json.loads(json.dumps(base))
   del other['train']['steps']
-  assert distributed.describe_differences([base, other]) == (
+  assert agreement.describe_differences([base, other]) == (
       "process 1: train.steps='<missing>' (process 0: 2000)")
-  assert distributed.describe_differences([base, base]) == ''
+  assert agreement.describe_differences([base, base]) == ''
 
 
 def test_config_hash_ignores_key_order_not_values():
   base = _config_dict()
   reordered = dict(reversed(list(base.items())))
-  assert distributed.config_hash(reordered) == distributed.config_hash(base)
-  assert distributed.config_hash(_config_dict(seed=1)) != distributed.config_hash(base)
+  assert agreement.config_hash(reordered) == agreement.config_hash(base)
+  assert agreement.config_hash(_config_dict(seed=1)) != agreement.config_hash(base)
 
 
 def test_check_same_config_one_process_uses_no_collective(monkeypatch):
   def no_collective(*args, **kwargs):
     raise AssertionError('a single process must not run a collective')
   monkeypatch.setattr(multihost_utils, 'process_allgather', no_collective)
-  distributed.check_same_config(_config_dict())
+  agreement.check_same_config(_config_dict())
 
 
 def _fake_other_process(monkeypatch, other: dict):
@@ -94,7 +94,7 @@ def _fake_other_process(monkeypatch, other: dict):
     step = len(calls)
     calls.append(x)
     if step == 0:
-      theirs = np.frombuffer(distributed.config_hash(other), np.uint8)
+      theirs = np.frombuffer(agreement.config_hash(other), np.uint8)
     elif step == 1:
       theirs = np.int32(len(other_bytes))
     else:
@@ -109,14 +109,14 @@ def _fake_other_process(monkeypatch, other: dict):
 
 def test_check_same_config_equal_configs_gathers_only_the_hash(monkeypatch):
   calls = _fake_other_process(monkeypatch, _config_dict())
-  distributed.check_same_config(_config_dict())
+  agreement.check_same_config(_config_dict())
   assert len(calls) == 1 and calls[0].shape == (32,)
 
 
 def test_check_same_config_names_differing_fields(monkeypatch):
   _fake_other_process(monkeypatch, _config_dict(seed=3, optim__learning_rate=0.1))
   with pytest.raises(ConfigError) as error:
-    distributed.check_same_config(_config_dict())
+    agreement.check_same_config(_config_dict())
   message = str(error.value)
   assert 'processes resolved different configs' in message
   assert 'optim.learning_rate=0.1 (process 0: 0.001)' in message

@@ -19,7 +19,7 @@ from absl import logging
 from dist_ens import data, tasks
 from dist_ens.run import assemble
 from dist_ens.config import groups as member_groups
-from dist_ens.config import checks, loading, specs
+from dist_ens.config import agreement, checks, loading, specs
 from dist_ens.errors import ConfigError
 from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
@@ -27,7 +27,7 @@ from dist_ens.io.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import methods, own as own_lib
 from dist_ens.io import console, init_from, tables, writers
-from dist_ens.parallel import distributed, xla_flags
+from dist_ens.parallel import xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, distill_action,
                                group_ensembles, held_out, joint_action, laplace_action,
                                noise, pbt, posthoc,
@@ -153,7 +153,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
     raise ConfigError("--workdir is empty; name a directory for the run's files "
                                     '(e.g. --workdir=/tmp/run).')
   workdir_lib.check_workdir(workdir)
-  distributed.check_same_config(loading.to_dict(config))
+  agreement.check_same_config(loading.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
   posthoc.check(run.config, run.parts.task, run.parts.method, grouped=bool(run.parts.groups))
   fresh = workdir_lib.newest_intact_step(workdir) is None  # A resume reads no init_from.
