@@ -504,7 +504,7 @@ def test_process_that_errs_stops_the_other(tmp_path):
 # Process 1 as dist_ens.main, but 3 s slower than process 0 between gathering the configs
 # and naming the difference: the race a loaded machine or a slow host makes.
 _SLOW_PROCESS_1 = (
-    'import sys, time; from dist_ens.parallel import distributed as d; '
+    'import sys, time; from dist_ens.config import agreement as d; '
     'name = d.describe_differences; '
     'd.describe_differences = lambda c: (time.sleep(3), name(c))[1]; '
     'sys.argv[0] = "dist-ens"; from dist_ens import main; main.entry()')
