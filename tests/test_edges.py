@@ -245,7 +245,8 @@ def test_a_workdir_component_over_255_bytes_is_one_line(tmp_path):
 def test_a_full_disks_unretrieved_future_prints_nothing(caplog):
   import asyncio  # pylint: disable=import-outside-toplevel
   import gc  # pylint: disable=import-outside-toplevel
-  import dist_ens.io.checkpoint  # noqa: F401  (its filters)  pylint: disable=import-outside-toplevel,unused-import
+  # Imported for its filters.  pylint: disable-next=import-outside-toplevel,unused-import
+  import dist_ens.io.checkpoint  # noqa: F401
 
   def drop_failed_future(error):
     loop = asyncio.new_event_loop()

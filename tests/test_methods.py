@@ -106,7 +106,8 @@ def test_snapshots_are_the_iterates_at_the_ends_of_the_cycles_and_the_rate_resta
 def test_fast_geometric_cycles_begin_at_snapshot_start_at_the_cycle_rate():
   config = _config('snapshot', **{'ensemble.snapshot.start': 0.5,
                                   'ensemble.snapshot.cycle_rate': 0.05})
-  method = methods.from_spec(specs.method_spec(config))  # 24 steps: 12 of the schedule, then 3 cycles of 4.
+  # 24 steps: 12 of the schedule, then 3 cycles of 4.
+  method = methods.from_spec(specs.method_spec(config))
   collected = method.init({'w': jnp.zeros(())}, {})
   for step in range(1, STEPS + 1):  # The "weights" after each step are the step's number.
     collected = method.collect(collected, {'w': jnp.float32(step)}, {}, jnp.int32(step))

@@ -26,6 +26,7 @@ def untyped(value):
 
 
 def get_config() -> ml_collections.ConfigDict:
+  """The defaults: the run-wide fields here, each group's in a function of its own."""
   config = ml_collections.ConfigDict()
   # Everything random (init, data order, dropout, random sweep values) derives from the
   # seed and the member index.
@@ -45,7 +46,25 @@ def get_config() -> ml_collections.ConfigDict:
   # model.pool='tokens'; docs/models.md), or your own task by import path,
   # 'my_pkg.tasks:my_task'.
   config.task = 'classification'
+  _mesh(config)
+  _model(config)
+  _ensemble(config)
+  _data(config)
+  _optim(config)
+  _train(config)
+  # Where events go: 'jsonl' (metrics.jsonl), 'csv' (csv/<split>.csv), 'tensorboard',
+  # 'wandb' (pip install wandb; WANDB_MODE=offline keeps it local) or your own writer
+  # class by import path, 'my_pkg.sinks:MyWriter' (dist_ens/io/writers.py).
+  config.writers = ('jsonl', 'tensorboard')
+  _checkpoint(config)
+  _select(config)
+  _pbt(config)
+  _eval(config)
+  _distill(config)
+  return config
 
+
+def _mesh(config: ml_collections.ConfigDict) -> None:
   # Devices as member x data x model; -1 fills the remaining devices. hosts_along: which
   # of member and data runs across processes in a multi-host run ('model' is innermost:
   # its devices are neighbours on one host).
@@ -71,6 +90,8 @@ def get_config() -> ml_collections.ConfigDict:
   # 'model'), ('mlp', None)).
   config.mesh.logical_rules = ()
 
+
+def _model(config: ml_collections.ConfigDict) -> None:
   config.model = ml_collections.ConfigDict()
   config.model.name = 'mlp'  # a built-in model (dist_ens/models), used when factory is ''
   # Your own model by import path, 'my_pkg.nets:make_net', called with model.kwargs
@@ -99,6 +120,8 @@ def get_config() -> ml_collections.ConfigDict:
   # the diversity of an ensemble of fine-tuned heads; True: from the file too.
   config.model.init_owned_from_file = False
 
+
+def _ensemble(config: ml_collections.ConfigDict) -> None:
   # How each device runs its block of members: 'vmap' (batched into wide ops), 'map'
   # (one member after another in a loop inside the compiled step, each member's new state
   # written back into the donated state's buffers; map_batch_size > 1 vmaps chunks of
@@ -141,6 +164,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.ensemble.lora_alpha = 0.0  # the factors' scale is alpha / rank; 0 = rank (scale 1)
   # A regex of the kernels to adapt ('attn/|mlp/'); '' = every 2-D kernel but the head.
   config.ensemble.lora_targets = ''
+  _method_fields(config)
+
+
+def _method_fields(config: ml_collections.ConfigDict) -> None:
+  """Each built-in method's own fields: config.ensemble.<its name>."""
   config.ensemble.snapshot = ml_collections.ConfigDict()
   config.ensemble.snapshot.cycles = 4  # must divide the steps from snapshot.start on
   # > 0: fast geometric ensembling, short cycles over the last (1 - start) of training
@@ -175,6 +203,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.ensemble.epinet.eval_samples = 32
   config.ensemble.epinet.prior_scale = 1.0  # >= 0; 0: no prior epinet
 
+
+def _data(config: ml_collections.ConfigDict) -> None:
   config.data = ml_collections.ConfigDict()
   config.data.name = 'mnist1d'  # embedded ('mnist1d', 'digits') or any prepared TFDS name
   config.data.data_dir = ''  # TFDS data_dir; '' = TFDS's default (~/tensorflow_datasets)
@@ -211,6 +241,8 @@ def get_config() -> ml_collections.ConfigDict:
   # of model.init_from='hf:PATH', else PATH/tokenizer.json.
   config.data.tokenizer = ''
 
+
+def _optim(config: ml_collections.ConfigDict) -> None:
   config.optim = ml_collections.ConfigDict()
   config.optim.name = 'adam'  # 'adam' (AdamW when weight_decay > 0) or 'sgd'
   config.optim.learning_rate = per_member(1e-3)  # peak learning rate
@@ -235,6 +267,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.optim.decay_boundaries = (0.3, 0.6, 0.8)  # schedule='step' only
   config.optim.decay_factor = 0.2  # schedule='step' only
 
+
+def _train(config: ml_collections.ConfigDict) -> None:
   config.train = ml_collections.ConfigDict()
   config.train.steps = 2000  # each member sees data.batch_size examples a step [int >= 1]
   # > 0: train this many epochs instead, steps = epochs * (train examples // batch_size)
@@ -269,11 +303,8 @@ def get_config() -> ml_collections.ConfigDict:
   # workdir/profile (open with TensorBoard's profile plugin); 0 = off.
   config.train.profile_steps = 0
 
-  # Where events go: 'jsonl' (metrics.jsonl), 'csv' (csv/<split>.csv), 'tensorboard',
-  # 'wandb' (pip install wandb; WANDB_MODE=offline keeps it local) or your own writer
-  # class by import path, 'my_pkg.sinks:MyWriter' (dist_ens/io/writers.py).
-  config.writers = ('jsonl', 'tensorboard')
 
+def _checkpoint(config: ml_collections.ConfigDict) -> None:
   config.checkpoint = ml_collections.ConfigDict()
   # Steps between (asynchronous) checkpoints; also at the end.
   config.checkpoint.every = 500  # [int >= 1]
@@ -282,6 +313,8 @@ def get_config() -> ml_collections.ConfigDict:
   # workdir's saved config on resume. Steps, logging, eval and mesh always may.
   config.checkpoint.restore_incompatible = ''
 
+
+def _select(config: ml_collections.ConfigDict) -> None:
   # Members ranked by a validation metric ('nll', 'accuracy', 'brier' or 'ece'); top_k > 0
   # also reports the ensemble of the k best (needs data.validation_size > 0).
   config.select = ml_collections.ConfigDict()
@@ -298,6 +331,8 @@ def get_config() -> ml_collections.ConfigDict:
   # prediction time); True: Caruana's, with replacement (a member picked twice counts twice).
   config.select.greedy_replacement = True  # [bool]
 
+
+def _pbt(config: ml_collections.ConfigDict) -> None:
   # Population-based training over the members (docs/sweeps.md): every pbt.interval steps
   # the members are ranked on the validation split (needs data.validation_size > 0); the
   # worst pbt.quantile copy the whole train state of one of the best (exploit) and take its
@@ -316,6 +351,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.pbt.resample_probability = 0.25
   config.pbt.seed = 0  # the decisions depend only on (pbt.seed, round, the metric values)
 
+
+def _eval(config: ml_collections.ConfigDict) -> None:
   config.eval = ml_collections.ConfigDict()
   # Rounded up to a multiple of mesh.data; the last batch is masked.
   config.eval.batch_size = 1000  # [int >= 1]
@@ -368,6 +405,8 @@ def get_config() -> ml_collections.ConfigDict:
   # How many dyadic batches are averaged (drawn from (seed, the test split) only).
   config.eval.joint_batches = 1000  # [int >= 1]
 
+
+def _distill(config: ml_collections.ConfigDict) -> None:
   # Distillation after the last step (docs/ensemble_methods.md; classification, method
   # 'deep'): the members' mean probabilities at distill.temperature on the training
   # inputs taught to a student, whose test metrics and inference cost go under 'distill'
@@ -381,4 +420,3 @@ def get_config() -> ml_collections.ConfigDict:
   config.distill.temperature = 2.0  # T of the soft targets; the loss is scaled by T^2
   config.distill.learning_rate = 1e-3  # the student's Adam learning rate
   config.distill.batch_size = 0  # training examples per student step; 0 = data.batch_size
-  return config

@@ -141,17 +141,25 @@ def _split_check(comment: str) -> tuple[str, Check | None]:
 
 
 def assignments(source: str) -> list[tuple[str, ast.Assign, str]]:
-  """(dotted path, statement, comment) of every `config.x = ...` in get_config(), in order."""
+  """(dotted path, statement, comment) of every `config.x = ...` that get_config() makes,
+  in order: its own, and those of the file's functions it calls as `_group(config)` (one
+  per group of fields)."""
   tree = ast.parse(source)
   comments = _comments(source)
-  get_config = next(n for n in tree.body
-                    if isinstance(n, ast.FunctionDef) and n.name == 'get_config')
+  functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
   out = []
-  for stmt in get_config.body:
-    if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
-      path = _dotted(stmt.targets[0])
-      if path is not None:
-        out.append((path, stmt, _comment_for(stmt, comments)))
+
+  def walk(function: ast.FunctionDef) -> None:
+    for stmt in function.body:
+      if isinstance(stmt, ast.Assign) and len(stmt.targets) == 1:
+        path = _dotted(stmt.targets[0])
+        if path is not None:
+          out.append((path, stmt, _comment_for(stmt, comments)))
+      elif (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call)
+            and getattr(stmt.value.func, 'id', None) in functions):
+        walk(functions[stmt.value.func.id])
+
+  walk(functions['get_config'])
   return out
 
 

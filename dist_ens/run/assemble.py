@@ -354,12 +354,26 @@ def init_sharded(parts: Parts) -> TrainState:
   member groups, each group's own (its init_from, model and layout), joined."""
   if parts.groups:
     return groups_lib.join_states([init_sharded(g) for g in parts.groups])
-  pretrained = init_from.pretrained_leaves(
-      init_from_spec(parts.config), parts.model, parts.input_shape,
-      parts.num_outputs * parts.method.outputs_per_output, parts.mesh, parts.layout,
-      owned=parts.method.owned, under=parts.method.wrapped_under)
+  pretrained = init_from.pretrained_leaves(*_init_from_args(parts), parts.mesh, parts.layout,
+                                           owned=parts.method.owned,
+                                           under=parts.method.wrapped_under)
   args = () if pretrained is None else (pretrained,)
   return compile_init(parts, *args)(*args)
+
+
+def check_init_from(parts: Parts) -> None:
+  """What config.model.init_from's file headers show that init_sharded would refuse (a
+  cut file, a missing or misshapen weight), refused now: init_sharded reads the file
+  only once the workdir is claimed."""
+  for one in parts.groups or (parts,):
+    init_from.check_pretrained(*_init_from_args(one), owned=one.method.owned,
+                               under=one.method.wrapped_under)
+
+
+def _init_from_args(parts: Parts) -> tuple[Any, ...]:
+  """(spec, model, input shape, outputs per example) of a member's init from a file."""
+  return (init_from_spec(parts.config), parts.model, parts.input_shape,
+          parts.num_outputs * parts.method.outputs_per_output)
 
 
 def step_options(config: ml_collections.ConfigDict) -> StepOptions:

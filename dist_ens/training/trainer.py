@@ -26,7 +26,7 @@ from dist_ens.tasks import Loss
 from dist_ens.io.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import methods, own as own_lib
-from dist_ens.io import console, init_from, tables, writers
+from dist_ens.io import console, tables, writers
 from dist_ens.parallel import xla_flags
 from dist_ens.training import (actions as actions_lib, decision_actions, distill_action,
                                group_ensembles, held_out, joint_action, laplace_action,
@@ -151,23 +151,17 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   checks.validate(config)
   if not str(workdir).strip():
     raise ConfigError("--workdir is empty; name a directory for the run's files "
-                                    '(e.g. --workdir=/tmp/run).')
+                      '(e.g. --workdir=/tmp/run).')
   workdir_lib.check_workdir(workdir)
   agreement.check_same_config(loading.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
   posthoc.check(run.config, run.parts.task, run.parts.method, grouped=bool(run.parts.groups))
-  fresh = workdir_lib.newest_intact_step(workdir) is None  # A resume reads no init_from.
   # Refusals, of each member group's method where the groups have their own.
   for one, parts in zip(member_groups.group_configs(run.config), run.parts.groups or [run.parts]):
     laplace_action.laplace_actions(one, parts.task, parts.method)
     distill_action.distill_actions(one, parts.task, parts.method)
-    # init_sharded reads config.model.init_from's file only when the state is made, after
-    # the workdir is claimed: what its headers show is refused now, from the same arguments.
-    if fresh:
-      init_from.check_pretrained(specs.init_from_spec(parts.config), parts.model,
-                                 parts.input_shape,
-                                 parts.num_outputs * parts.method.outputs_per_output,
-                                 owned=parts.method.owned, under=parts.method.wrapped_under)
+  if workdir_lib.newest_intact_step(workdir) is None:  # A resume reads no init_from.
+    assemble.check_init_from(run.parts)
   test = run.data.dataset.test
   if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
     raise ConfigError(
