@@ -224,6 +224,20 @@ def _data(config: ml_collections.ConfigDict) -> None:
   # your own fn(key, x_example) -> x_example by import path, 'my_pkg.aug:fn'.
   config.data.augment = 'none'
   config.data.prefetch = 2  # batches prepared ahead on a background thread [int >= 0]
+  # The training split on the devices (docs/data.md, "Resident data"): put there once,
+  # each step's batches gathered on the devices from the host's indices, the same bits as
+  # the host pipeline's. 'auto': when it fits data.resident_budget_mb; True: always
+  # (refused if it does not fit); False: the host pipeline reads every batch.
+  config.data.resident = untyped('auto')
+  # The most memory a resident training split may take on each device, in MB (2^20
+  # bytes). It is replicated (every device holds all of it, x and y as read; with a
+  # data.member_split of a standardising task one copy per split), so it is per device,
+  # not divided by the mesh. A fixed figure, not a fraction of the device's memory, so
+  # that every process decides alike and a CPU (which reports none) too: 1024 MB is
+  # about 1% of an H100's 80 GB and 1/16 of a 16 GB TPU chip, the rest left to the
+  # members' state and activations (MNIST-1D takes 0.6 MB, CIFAR-10 as float32 600 MB).
+  # Fake CPU devices each hold their own copy in host memory.
+  config.data.resident_budget_mb = 1024.0  # [number >= 0]
   config.data.batch_size = 128  # each member's global batch, whatever the mesh [int >= 1]
   # Examples carved from the end of a fixed shuffle of train for validation (used by
   # select.top_k); 0 = no validation split, train on all of it.

@@ -198,6 +198,7 @@ class Batches:
   leading [M] axis) each member's rows are standardised with its own statistics as they
   are read, on the host: the step and its one compiled program do not change, and a
   member's values depend on its member index alone, not on the mesh or the process.
+  A resident source (data/resident.py) gives the same items, gathered on the devices.
   """
 
   def __init__(self, source: Source, order: Order, mesh: Mesh, num_members: int,
@@ -220,6 +221,10 @@ class Batches:
       spec, probe = P(None, *spec), (steps_per_call, *probe)
     self.sharding = NamedSharding(mesh, spec)
     self._global_lead = probe
+    # A resident split (data/resident.py: config.data.resident) gathers each batch on the
+    # devices from the same indices: only they cross from the host.
+    self._gather = (source.gatherer(mesh, self.sharding, probe, member_scale, with_index)
+                    if hasattr(source, 'gatherer') else None)
     self._examples, self._busy = 0, 0.0
     self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
     self._stop = threading.Event()
@@ -238,6 +243,11 @@ class Batches:
       blocks.append(local_indices(self._order, state, self._block))
       state = self._order.advance(state)
     local = np.stack(blocks) if self._steps > 1 else blocks[0]
+    if self._gather is not None:
+      arrays = self._gather(local)
+      self._examples += local.size
+      self._busy += time.perf_counter() - start
+      return arrays, state
     x, y = self._source.read(local.reshape(-1))
     x = x.reshape(*local.shape, *x.shape[1:])
     y = y.reshape(*local.shape, *y.shape[1:])  # [N, D] targets keep their D

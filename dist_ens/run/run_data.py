@@ -8,7 +8,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import data, tasks
-from dist_ens.data import uci
+from dist_ens.data import resident, uci
 from dist_ens.errors import ConfigError
 from dist_ens.eval import ood
 from dist_ens.config.specs import data_spec
@@ -16,7 +16,9 @@ from dist_ens.config.specs import data_spec
 
 class RunData(NamedTuple):
   """The data of a training run."""
-  dataset: data.Dataset  # train (possibly without its validation examples) and test
+  # train (possibly without its validation examples; a data.resident.ResidentSource where
+  # config.data.resident puts it on the devices) and test
+  dataset: data.Dataset
   validation: data.Split | None  # config.data.validation_size examples, or None
   ood: data.Split | None  # config.eval.ood_dataset's split, or None
   order: data.Order  # which examples each step's batch holds
@@ -79,7 +81,17 @@ def build_data(config: ml_collections.ConfigDict, dataset: data.Dataset | None =
                      pools=splits and splits.train,
                      member_pool=splits and [splits.split_of(m) for m in range(config.num_members)])
   run_data = RunData(dataset, validation, ood_split, order, member_splits=splits)
-  return run_data if task.unscale is None else _standardized(run_data)
+  return _resident(config, run_data if task.unscale is None else _standardized(run_data))
+
+
+def _resident(config: ml_collections.ConfigDict, run_data: RunData) -> RunData:
+  """run_data with its training split resident on the devices (data/resident.py) where
+  config.data.resident and its budget say so: data.Batches then gathers each batch there."""
+  copies = 1 if run_data.split_scales is None else len(run_data.split_scales)
+  train = resident.choose(config.data.get('resident', 'auto'),
+                          config.data.get('resident_budget_mb', 1024.0),
+                          run_data.dataset.train, copies)
+  return run_data._replace(dataset=run_data.dataset._replace(train=train))
 
 
 def _warn_class_ids_as_targets(config: ml_collections.ConfigDict, task: tasks.Task,

@@ -1,0 +1,199 @@
+"""Resident data: the training split on the devices once, each batch gathered there.
+
+config.data.resident = 'auto' (the default), True or False. When the training split fits
+config.data.resident_budget_mb, run_data.build_data wraps it in a ResidentSource; data.Batches
+(pipeline.py) then sends each step only the int32 indices its host block of the batch holds
+(Order and local_indices, exactly as the host pipeline computes them) and gathers x and y on
+the devices by those indices, in one small compiled program whose outputs carry the host
+pipeline's shardings. So the batches are the host pipeline's bit for bit, for every member
+order, member pool, steps per call and process count (a gather copies values), the data
+position (IteratorState) is the same, and augmentation, which happens in the step, is
+unchanged.
+
+Layout (first cut): the whole split is replicated on every device of the mesh, so a gather
+needs no communication whatever the order (any example can land on any device, on any
+member). The cost is the split's bytes on every device (and on every process, which reads
+it once); sharding it over 'data' would divide that by the data axis at the price of a
+collective per step, left for later.
+
+Per-member standardisation (member_scale: config.data.member_split with a standardising
+task) stays bit-identical: the host computes, in numpy as the host pipeline does per batch,
+one standardised copy of the split per distinct set of statistics (one per member split,
+S), element by element the same arithmetic; each member gathers from its split's copy. The
+budget counts those S copies.
+
+The source must read row by row ( read(indices)[i] depends on indices[i] alone), as every
+Source here does: the split is read once, whole, and never again for training.
+"""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from dist_ens.data.sources import Source
+from dist_ens.errors import ConfigError
+
+SETTINGS = ('auto', True, False)
+FIELD = 'config.data.resident'
+BUDGET_FIELD = 'config.data.resident_budget_mb'
+_MB = 2 ** 20
+
+
+def split_bytes(source: Source) -> int:
+  """The bytes of one copy of the whole split as the pipeline reads it (x and y)."""
+  n = source.num_examples
+  if not n:
+    return 0
+  x, y = source.read(np.arange(1))
+  return n * (np.asarray(x).nbytes + np.asarray(y).nbytes)
+
+
+class ResidentSource:
+  """A training split that data.Batches gathers on the devices.
+
+  It reads like `source` (every other reader of the training split, held-out evaluation,
+  distillation or noise fits, sees no difference); `copies` and `bytes_per_device` are the
+  decision's figures (bytes_per_device: what each device holds).
+  """
+
+  def __init__(self, source: Source, copies: int = 1, bytes_per_device: int | None = None):
+    self.source, self.copies = source, copies
+    self.bytes_per_device = (copies * split_bytes(source) if bytes_per_device is None
+                             else bytes_per_device)
+    self._placed: tuple[Any, tuple[jax.Array, ...]] | None = None
+
+  @property
+  def num_examples(self) -> int:
+    return self.source.num_examples
+
+  def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return self.source.read(indices)
+
+  def gatherer(self, mesh: Mesh, sharding: NamedSharding, global_lead: tuple[int, ...],
+               member_scale: Any = None, with_index: bool = False) -> 'Gather':
+    """What data.Batches calls with each host block of indices (see Gather)."""
+    copy_of, arrays = self._place(mesh, member_scale)
+    copy = None
+    if copy_of is not None:  # [M] int32, each member's copy, sharded like its members.
+      member_sharding = NamedSharding(mesh, P(sharding.spec[-2]))
+      copy = jax.make_array_from_callback(copy_of.shape, member_sharding,
+                                          lambda index: copy_of[index])
+    return Gather(mesh, sharding, global_lead, arrays, copy, with_index)
+
+  def _place(self, mesh: Mesh, member_scale: Any) -> tuple[np.ndarray | None,
+                                                           tuple[jax.Array, ...]]:
+    """(each member's copy or None, (x, y) replicated on every device of `mesh`), made
+    once per mesh and member_scale (the last one is kept: a run builds one pipeline)."""
+    scale = None if member_scale is None else tuple(np.asarray(a) for a in member_scale)
+    key = (mesh, None if scale is None else tuple((a.dtype.str, a.shape, a.tobytes())
+                                                   for a in scale))
+    if self._placed is not None and self._placed[0] == key:
+      return self._placed[1]
+    self._placed = None  # Free the old copy before the new one is made.
+    x, y = self.source.read(np.arange(self.num_examples))
+    x, y = np.asarray(x), np.asarray(y)
+    copy_of = None
+    if scale is not None:
+      x, y, copy_of = _standardised_copies(x, y, scale)
+    replicated = NamedSharding(mesh, P())
+    arrays = tuple(jax.make_array_from_callback(a.shape, replicated, lambda index, a=a: a[index])
+                   for a in (x, y))
+    self._placed = (key, (copy_of, arrays))
+    return self._placed[1]
+
+
+def _standardised_copies(x: np.ndarray, y: np.ndarray, scale: tuple[np.ndarray, ...]
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+  """The split standardised once per distinct member statistics: ([C, N, ...] x and y,
+  [M] each member's copy), or ([N, ...], [N, ...], None) where every member shares one.
+
+  The arithmetic is the host pipeline's (pipeline.Batches._make), element by element:
+  ((x - x_mean) / x_std).astype(float32) on the same dtypes, so each value is the same.
+  """
+  x_mean, x_std, y_mean, y_std = scale
+  keys = [b''.join(a[m].tobytes() for a in scale) for m in range(len(x_mean))]
+  first: dict[bytes, int] = {}
+  for m, key in enumerate(keys):
+    first.setdefault(key, m)
+  copy_of = np.asarray([list(first).index(k) for k in keys], np.int32)
+  xs = [((x - x_mean[m]) / x_std[m]).astype(np.float32) for m in first.values()]
+  ys = [((y - y_mean[m]) / y_std[m]).astype(np.float32) for m in first.values()]
+  if len(xs) == 1:
+    return xs[0], ys[0], None
+  return np.stack(xs), np.stack(ys), copy_of
+
+
+class Gather:
+  """Host blocks of indices -> the global (x, y[, index]) arrays of the host pipeline.
+
+  Called with this process's block of the batch's indices ([rows], [members, rows], or
+  either with K stacked steps first), it sends them as one int32 global array and gathers
+  on each device its own rows from its resident copy: no communication.
+  """
+
+  def __init__(self, mesh: Mesh, sharding: NamedSharding, global_lead: tuple[int, ...],
+               arrays: tuple[jax.Array, jax.Array], copy: jax.Array | None,
+               with_index: bool):
+    self._sharding, self._lead, self._with_index = sharding, global_lead, with_index
+    self._arrays, self._copy = arrays, copy
+    spec = sharding.spec
+    member_axis = len(global_lead) - 2  # With copies the order is per member: [(K,) M, B].
+
+    def take(x, y, index, *copy):
+      if not copy:
+        return x[index], y[index]
+      shape = [1] * index.ndim
+      shape[member_axis] = -1
+      which = copy[0].reshape(shape)
+      return x[which, index], y[which, index]
+
+    in_specs = (P(), P(), spec) + (() if copy is None else (P(spec[member_axis]),))
+    self._take = jax.jit(jax.shard_map(take, mesh=mesh, in_specs=in_specs,
+                                       out_specs=(spec, spec)))
+
+  def __call__(self, local: np.ndarray) -> tuple[jax.Array, ...]:
+    index = jax.make_array_from_process_local_data(
+        self._sharding, np.asarray(local, np.int32), self._lead)
+    x, y = self._take(*self._arrays, index, *(() if self._copy is None else (self._copy,)))
+    return (x, y, index) if self._with_index else (x, y)
+
+
+def choose(setting: Any, budget_mb: float, source: Source, copies: int = 1) -> Source:
+  """`source` as the run's training split: a ResidentSource where config.data.resident
+  (`setting`) and the budget say so, else `source` itself (the host pipeline).
+
+  Args:
+    copies: the copies of the split each device would hold (the member splits' standardised
+      copies, else 1).
+
+  Raises:
+    ConfigError: a setting other than 'auto', True or False, or True for a split that
+      does not fit the budget (one line naming the field and the bytes).
+  """
+  if not any(setting is s or (isinstance(s, str) and setting == s) for s in SETTINGS):
+    raise ConfigError(f"{FIELD}={setting!r}; use 'auto', True or False.")
+  if setting is False or isinstance(source, ResidentSource):
+    return source
+  need = copies * split_bytes(source)
+  budget = int(budget_mb * _MB)
+  what = (f'the training split takes {need} bytes ({need / _MB:.1f} MB'
+          + (f', {copies} standardised copies' if copies > 1 else '') + ') on every device')
+  if need > budget:
+    if setting is True:
+      raise ConfigError(f'{FIELD}=True but {what}, over {BUDGET_FIELD}={budget_mb:g} '
+                        f'({budget} bytes); raise the budget or set {FIELD}=\'auto\'.')
+    logging.info('host input pipeline: %s, over %s=%g', what, BUDGET_FIELD, budget_mb)
+    return source
+  logging.info('resident data: %s (%s=%g)', what, BUDGET_FIELD, budget_mb)
+  return ResidentSource(source, copies, need)
+
+
+def is_resident(source: Source) -> bool:
+  return isinstance(source, ResidentSource)
+
+
+__all__ = ['SETTINGS', 'Gather', 'ResidentSource', 'choose', 'is_resident', 'split_bytes']

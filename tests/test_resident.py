@@ -1,0 +1,246 @@
+"""Resident data (dist_ens/data/resident.py): batches gathered on the devices are the host
+pipeline's bit for bit, for every member order, member pool, steps per call, with indices,
+resumed, in two processes and in a whole run; 'auto' and True against the budget.
+
+This file is also the probe each process of the two-process test runs:
+`python tests/test_resident.py probe OUT PORT NUM_PROCESSES PROCESS_ID HOSTS_ALONG`.
+"""
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import support
+
+import dist_ens
+from dist_ens import data
+from dist_ens.data import resident, uci
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.run import run_data as run_data_lib
+
+BATCH, MEMBERS = 16, 8
+
+
+@pytest.fixture(scope='module')
+def train():
+  """200 MNIST-1D examples: 12 batches of 16 an epoch, so a few steps cross epochs."""
+  full = data.load_dataset('mnist1d').train
+  return data.Split(full.x[:200], full.y[:200])
+
+
+def _order(kind, n, split_spec=''):
+  if not split_spec:
+    return data.Order(kind, n, BATCH, seed=3)
+  splits = data.make_member_splits(split_spec, n, MEMBERS, 3)
+  return data.Order(kind, n, BATCH, seed=3, pools=splits.train,
+                    member_pool=[splits.split_of(m) for m in range(MEMBERS)])
+
+
+def _mesh(kind):
+  return mesh_lib.make_mesh(mesh_lib.MeshSpec(member=4, data=2) if kind == 'shared'
+                            else mesh_lib.MeshSpec(member=2, data=4))
+
+
+def _items(batches, count):
+  items = [tuple(np.asarray(a) for a in next(batches)) for _ in range(count)]
+  return items, batches.state
+
+
+def _assert_same(host, device):
+  """The same items: values, dtypes, shapes and bits (NaN-safe: compared as bytes)."""
+  assert len(host) == len(device)
+  for a, b in zip(host, device):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+      assert u.dtype == v.dtype and u.shape == v.shape
+      assert u.tobytes() == v.tobytes()
+
+
+def _both(source, order, mesh, count, **kwargs):
+  """(host items, resident items, their states, the resident pipeline's arrays' shardings)."""
+  host = data.Batches(source, order, mesh, MEMBERS, **kwargs)
+  device = data.Batches(resident.ResidentSource(source), order, mesh, MEMBERS, **kwargs)
+  try:
+    first = next(device)
+    want_shardings = [a.sharding for a in next(host)]
+    assert [a.sharding for a in first] == want_shardings
+    got, got_state = _items(device, count)
+    want, want_state = _items(host, count)
+  finally:
+    host.close()
+    device.close()
+  assert got_state == want_state
+  return want, got
+
+
+@pytest.mark.parametrize('split_spec', ['', 'kfold:2'])
+@pytest.mark.parametrize('kind', data.MEMBER_ORDERS)
+@pytest.mark.parametrize('k,with_index', [(1, False), (3, True)])
+def test_batches_equal_the_host_pipelines_bit_for_bit(train, kind, split_spec, k, with_index):
+  order = _order(kind, train.num_examples, split_spec)
+  # 5 items of K=3 steps cross the 12-batch epoch; prefetching runs ahead of the state.
+  want, got = _both(train, order, _mesh(kind), 5, steps_per_call=k, with_index=with_index,
+                    prefetch=2)
+  _assert_same(want, got)
+  assert len(got[0]) == (3 if with_index else 2)
+
+
+def test_member_scale_copies_are_the_host_arithmetic_bit_for_bit(train):
+  """Per-member standardisation (member_split with a standardising task): one copy per
+  split, computed as the host computes each batch; members gather from their split's."""
+  splits = data.make_member_splits('kfold:4', train.num_examples, MEMBERS, 3)
+  x = train.x.reshape(len(train.x), -1)
+  y = train.y.astype(np.float32)  # regression-like targets
+  source = data.Split(x, y)
+  scales = [uci.Standardizer.fit(x[rows], y[rows]) for rows in splits.train]
+  member_scale = uci.Standardizer(*(np.stack([scales[splits.split_of(m)][i]
+                                              for m in range(MEMBERS)]) for i in range(4)))
+  order = _order('shuffled', train.num_examples, 'kfold:4')
+  for k in (1, 3):
+    want, got = _both(source, order, _mesh('shuffled'), 4, steps_per_call=k,
+                      member_scale=member_scale, prefetch=0)
+    _assert_same(want, got)
+  # One shared set of statistics: one copy, no per-member index.
+  same = uci.Standardizer(*(np.repeat(a[:1], MEMBERS, 0) for a in member_scale))
+  want, got = _both(source, order, _mesh('shuffled'), 2, member_scale=same, prefetch=0)
+  _assert_same(want, got)
+
+
+@pytest.mark.parametrize('kind', ['shared', 'bootstrap'])
+def test_resume_mid_epoch_is_exact(train, kind):
+  order = _order(kind, train.num_examples, 'kfold:2' if kind == 'bootstrap' else '')
+  mesh, source = _mesh(kind), resident.ResidentSource(train)
+  whole = data.Batches(source, order, mesh, MEMBERS, prefetch=2, steps_per_call=2)
+  first, saved = _items(whole, 2)  # 4 batches in: mid-epoch
+  after, end = _items(whole, 5)  # crosses into the next epoch (12, or 6 a pool of 100)
+  whole.close()
+  assert saved == data.IteratorState(0, 4)
+  assert end == (data.IteratorState(1, 2) if kind == 'shared' else data.IteratorState(2, 2))
+  resumed = data.Batches(source, order, mesh, MEMBERS, state=saved, prefetch=0,
+                         steps_per_call=2)
+  again, again_end = _items(resumed, 5)
+  _assert_same(after, again)
+  assert again_end == end
+  host = data.Batches(train, order, mesh, MEMBERS, state=saved, prefetch=0, steps_per_call=2)
+  _assert_same(after, _items(host, 5)[0])
+  assert resumed.stats.examples == 5 * 2 * BATCH * (1 if kind == 'shared' else MEMBERS)
+  del first
+
+
+def test_auto_picks_the_host_pipeline_over_the_budget_and_true_is_refused(train):
+  need = resident.split_bytes(train)
+  assert need == train.x.nbytes + train.y.nbytes
+  fits = need / 2 ** 20
+  assert isinstance(resident.choose('auto', fits, train), resident.ResidentSource)
+  assert resident.choose('auto', fits * 0.99, train) is train
+  assert resident.choose('auto', fits, train, copies=2) is train  # copies count
+  assert resident.choose(False, 1e9, train) is train
+  message = support.one_line_refusal(lambda: resident.choose(True, fits * 0.5, train))
+  assert 'config.data.resident=True' in message and str(need) in message
+  assert 'config.data.resident_budget_mb' in message
+  assert 'config.data.resident' in support.one_line_refusal(
+      lambda: resident.choose('yes', 1e9, train))
+
+
+def test_build_data_decides_from_the_config():
+  config = support.config()
+  assert config.data.resident == 'auto'
+  built = run_data_lib.build_data(config)
+  assert isinstance(built.dataset.train, resident.ResidentSource)
+  assert built.dataset.train.num_examples == 4000
+  config.data.resident_budget_mb = 0.1  # MNIST-1D takes 0.63 MB
+  assert isinstance(run_data_lib.build_data(config).dataset.train, data.Split)
+  config.data.resident = True
+  message = support.one_line_refusal(lambda: run_data_lib.build_data(config))
+  assert 'config.data.resident=True' in message and '656000 bytes' in message
+  config.data.resident = False
+  config.data.resident_budget_mb = 1e6
+  assert isinstance(run_data_lib.build_data(config).dataset.train, data.Split)
+
+
+@pytest.mark.parametrize('overrides', [
+    {},
+    {'data.member_order': 'bootstrap', 'data.augment': 'crop_flip', 'train.steps_per_call': 2},
+], ids=['shared', 'bootstrap_augmented'])
+def test_a_whole_run_ends_the_same_resident_or_not(tmp_path, caplog, overrides):
+  caplog.set_level(logging.INFO, logger='absl')
+  results = {}
+  for setting in (True, False):
+    config = support.config({**overrides, 'data.resident': setting})
+    caplog.clear()
+    results[setting] = dist_ens.train(config, str(tmp_path / str(setting)))
+    assert ('resident data:' in caplog.text) == setting
+  metrics = lambda r: json.dumps({k: v for k, v in r.items() if 'seconds' not in k},
+                                 sort_keys=True)  # Everything but the clocks.
+  assert metrics(results[True]) == metrics(results[False])
+  assert 'nll' in results[True]['ensemble']
+
+
+# ---------------------------------------------------------------------------------
+# Two processes (jax.distributed on CPU, 4 fake devices each): each builds its block of
+# every batch both ways; the gathered global batches equal one process's.
+
+
+def _probe_batches(hosts_along):
+  """The items of both pipelines on a 4 x 2 mesh laid out with `hosts_along` across
+  processes: a per-member order with K = 2 and indices, and the shared order."""
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(member=4, data=2, hosts_along=hosts_along))
+  full = data.load_dataset('mnist1d').train
+  train = data.Split(full.x[:200], full.y[:200])
+  out = {}
+  for kind, kwargs in (('shuffled', {'steps_per_call': 2, 'with_index': True}),
+                       ('shared', {})):
+    order = data.Order(kind, train.num_examples, BATCH, seed=3)
+    for name, source in (('host', train), ('resident', resident.ResidentSource(train))):
+      batches = data.Batches(source, order, mesh, 4, prefetch=1, **kwargs)
+      out[kind, name] = [next(batches) for _ in range(7)]
+      batches.close()
+  return out
+
+
+def _probe(out: str, port: str, num_processes: str, process_id: str, hosts_along: str) -> None:
+  from dist_ens.parallel import distributed  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  distributed.initialize(distributed.Launch(
+      coordinator_address=f'localhost:{port}', num_processes=int(num_processes),
+      process_id=int(process_id)))
+  items = _probe_batches(hosts_along)
+  result = {}
+  for kind in ('shuffled', 'shared'):
+    for a, b in zip(items[kind, 'host'], items[kind, 'resident']):
+      for u, v in zip(a, b):  # This process's shards: the same bytes, the same places.
+        assert u.sharding == v.sharding
+        for su, sv in zip(u.addressable_shards, v.addressable_shards):
+          assert su.index == sv.index and su.device == sv.device
+          assert np.asarray(su.data).tobytes() == np.asarray(sv.data).tobytes()
+    gathered = [[multihost_utils.process_allgather(a, tiled=True) for a in item]
+                for item in items[kind, 'resident']]
+    result[kind] = [[np.asarray(a).tobytes().hex() for a in item] for item in gathered]
+  Path(out).write_text(json.dumps(result))
+
+
+@pytest.mark.parametrize('hosts_along', ['data', 'member'])
+def test_two_processes_gather_the_same_batches(tmp_path, hosts_along):
+  import test_multihost as mh  # pylint: disable=g-import-not-at-top  # its process helpers
+  port = mh._free_port()  # pylint: disable=protected-access
+  outs = [tmp_path / f'probe_{i}.json' for i in range(2)]
+  procs = [mh._start(['timeout', '-k', '10', '150', sys.executable, __file__, 'probe',  # pylint: disable=protected-access
+                      str(outs[i]), str(port), '2', str(i), hosts_along], mh._env())  # pylint: disable=protected-access
+           for i in range(2)]
+  for status, out in mh._wait(procs, 180):  # pylint: disable=protected-access
+    assert status == 0, out[-5000:]
+  probes = [json.loads(p.read_text()) for p in outs]
+  assert probes[0] == probes[1]
+  one = _probe_batches(hosts_along)  # this process: 8 devices, the same mesh shape
+  for kind in ('shuffled', 'shared'):
+    want = [[np.asarray(a).tobytes().hex() for a in item] for item in one[kind, 'host']]
+    assert probes[0][kind] == want, kind
+
+
+if __name__ == '__main__' and sys.argv[1:2] == ['probe']:
+  _probe(*sys.argv[2:7])
