@@ -29,7 +29,6 @@ Source here does: the split is read once, whole, and never again for training.
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -131,35 +130,43 @@ class Gather:
   """Host blocks of indices -> the global (x, y[, index]) arrays of the host pipeline.
 
   Called with this process's block of the batch's indices ([rows], [members, rows], or
-  either with K stacked steps first), it sends them as one int32 global array and gathers
-  on each device its own rows from its resident copy: no communication.
+  either with K stacked steps first), it sends them as int32 and gathers on each device
+  its own rows from its resident copy: no communication. In one process the indices go
+  to the compiled gather as a numpy array (the jit's own transfer, its fastest path);
+  across processes as the global array of every process's block.
   """
 
   def __init__(self, mesh: Mesh, sharding: NamedSharding, global_lead: tuple[int, ...],
                arrays: tuple[jax.Array, jax.Array], copy: jax.Array | None,
                with_index: bool):
     self._sharding, self._lead, self._with_index = sharding, global_lead, with_index
-    self._arrays, self._copy = arrays, copy
+    self._arrays = arrays + (() if copy is None else (copy,))
+    self._one_process = jax.process_count() == 1
     spec = sharding.spec
     member_axis = len(global_lead) - 2  # With copies the order is per member: [(K,) M, B].
 
-    def take(x, y, index, *copy):
-      if not copy:
-        return x[index], y[index]
-      shape = [1] * index.ndim
-      shape[member_axis] = -1
-      which = copy[0].reshape(shape)
-      return x[which, index], y[which, index]
+    def take(x, y, *rest):
+      index = rest[-1]
+      if len(rest) == 1:
+        out = x[index], y[index]
+      else:
+        shape = [1] * index.ndim
+        shape[member_axis] = -1
+        which = rest[0].reshape(shape)
+        out = x[which, index], y[which, index]
+      return out + ((index,) if with_index else ())
 
-    in_specs = (P(), P(), spec) + (() if copy is None else (P(spec[member_axis]),))
-    self._take = jax.jit(jax.shard_map(take, mesh=mesh, in_specs=in_specs,
-                                       out_specs=(spec, spec)))
+    specs = (P(), P()) + (() if copy is None else (P(spec[member_axis]),)) + (spec,)
+    outs = (spec,) * (3 if with_index else 2)
+    self._take = jax.jit(jax.shard_map(take, mesh=mesh, in_specs=specs, out_specs=outs),
+                         in_shardings=tuple(NamedSharding(mesh, s) for s in specs),
+                         out_shardings=tuple(NamedSharding(mesh, s) for s in outs))
 
   def __call__(self, local: np.ndarray) -> tuple[jax.Array, ...]:
-    index = jax.make_array_from_process_local_data(
-        self._sharding, np.asarray(local, np.int32), self._lead)
-    x, y = self._take(*self._arrays, index, *(() if self._copy is None else (self._copy,)))
-    return (x, y, index) if self._with_index else (x, y)
+    index = np.asarray(local, np.int32)
+    if not self._one_process:
+      index = jax.make_array_from_process_local_data(self._sharding, index, self._lead)
+    return self._take(*self._arrays, index)
 
 
 def choose(setting: Any, budget_mb: float, source: Source, copies: int = 1) -> Source:
