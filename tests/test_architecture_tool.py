@@ -27,3 +27,44 @@ def test_it_counts_root_modules_cycles_raw_configs_and_group_mentions(tmp_path):
   assert found['raw_config'] == ['dist_ens.a']
   assert found['member_groups'] == ['dist_ens.core.step']
   assert found['back_arrows'] == ['dist_ens.core.step -> dist_ens.b']
+
+
+def test_config_readers_below_the_edge_are_the_ones_that_read_fields_or_pass_a_config_on(
+    tmp_path):
+  package = tmp_path / 'dist_ens'
+  for folder in ('config', 'training', 'models'):
+    (package / folder).mkdir(parents=True)
+  files = {
+      '__init__.py': '',
+      'config/__init__.py': '',
+      'config/defaults.py': 'def get_config(config):\n  config.seed = 0\n  config.eval = 1\n',
+      'config/specs.py': 'def spec(config):\n  return config.seed\n',  # the edge may
+      'training/__init__.py': '',
+      'training/loop.py': 'def f(session):\n  return session.config.eval.batch_size\n',
+      'training/pbt.py': 'def f(session):\n  return g(session.config)\n',  # passed on
+      'training/typed.py': 'def f(config: "ml_collections.ConfigDict"):\n  pass\n',
+      'training/clean.py': 'def f(session):\n  return session.spec.seed\n',
+      # Another object named config with other fields (a Hugging Face model's).
+      'models/__init__.py': '',
+      'models/hf.py': 'def f(config):\n  return config.hidden_size\n',
+  }
+  for name, text in files.items():
+    (package / name).write_text(text)
+  found = _tool().measure(package)
+  assert found['config_readers'] == ['dist_ens.config.defaults', 'dist_ens.config.specs',
+                                     'dist_ens.training.loop', 'dist_ens.training.pbt',
+                                     'dist_ens.training.typed']
+  assert found['config_below'] == ['dist_ens.training.loop', 'dist_ens.training.pbt',
+                                   'dist_ens.training.typed']
+
+
+def test_the_files_one_step_needs_are_the_ones_its_tracing_enters():
+  files = _tool().step_files(support.ROOT / 'configs' / 'default.py')
+  step = files['step']
+  # The step's own module and the default model's, in the order first entered; none of
+  # the harness (plan/dry_run.py) nor of what runs around a step (the loop, the pipeline).
+  assert step[0] == 'dist_ens/run/assemble.py' and 'dist_ens/core/step.py' in step
+  assert 'dist_ens/models/mlp.py' in step and 'dist_ens/plan/dry_run.py' not in step
+  assert not [f for f in step if f.startswith(('dist_ens/training/', 'dist_ens/data/pipe'))]
+  assert len(set(step)) == len(step) and 'dist_ens/config/specs.py' in files['wiring']
+

@@ -278,7 +278,7 @@ def test_the_flops_estimate_traces_token_models_with_their_int_inputs(monkeypatc
   traced = []
   forward = strategy._abstract_forward  # pylint: disable=protected-access
   monkeypatch.setattr(strategy, '_abstract_forward', lambda *a: traced.append(a) or forward(*a))
-  assert cadence.step_flops(config, parts) is not None
+  assert cadence.step_flops(config.data.batch_size, parts) is not None
   assert [a[-1] for a in traced] == [jnp.int32]
 
 

@@ -15,6 +15,7 @@ from jax.sharding import Mesh
 import support
 
 from dist_ens import Ensemble, data, tasks
+from dist_ens.config import specs
 from dist_ens.config.loading import load_config
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
@@ -282,7 +283,7 @@ def test_posthoc_actions_in_a_training_run(tmp_path, devices):
     config.eval.mc_samples, config.eval.temperature_scaling = 2, True
     config.select.method, config.select.greedy_size = 'greedy', 6
   train(config, str(tmp_path), devices=devices[:4],
-        actions=posthoc.posthoc_actions(config, tasks.get_task('classification'),
+        actions=posthoc.posthoc_actions(specs.run_spec(config), tasks.get_task('classification'),
                                         types.SimpleNamespace(collects=False)))
   final = json.loads((tmp_path / 'final_metrics.json').read_text())
   ts, greedy, mc = final['temperature_scaling'], final['greedy'], final['mc_dropout']
@@ -307,7 +308,7 @@ def test_posthoc_fits_need_a_validation_split():
   config = load_config(ROOT / 'configs' / 'default.py')
   config.select.method = 'best'
   with pytest.raises(ConfigError, match='config.select.method'):
-    posthoc.check(config, tasks.get_task('classification'))
+    posthoc.check(specs.run_spec(config), tasks.get_task('classification'))
 
 
 def test_log_lines_of_thousands_of_members_stay_one_screen_line():

@@ -1,19 +1,22 @@
 """config -> typed, frozen specs: where the ConfigDict is read, once per part.
 
-assemble builds every part from these; nothing below it takes a ConfigDict. A spec has
-no defaults for what configs/default.py holds (that file is where every default lives);
-a field only some configs set is optional in its spec, with its default there.
+assemble builds every part from these and the run's RunSpec (what the loop and its
+actions read: the loop's cadences, evaluation, selection, distillation), so nothing below
+build_run reads a ConfigDict. A spec has no defaults for what the package's defaults hold
+(dist_ens/config/defaults.py is where every default lives); a field only some configs
+set is optional in its spec, with its default there.
 """
 
 import functools
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import ml_collections
 
 from dist_ens import data, models, tasks
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.core.optim import OptimSpec
-from dist_ens.ensembles import methods, pbt
+from dist_ens.ensembles import distill, methods, pbt, students
 from dist_ens.errors import ConfigError
 from dist_ens.io.init_from import InitFrom
 from dist_ens.models import hf as hf_models
@@ -131,3 +134,103 @@ def model_spec(config: ml_collections.ConfigDict) -> models.ModelSpec:
       kwargs=kwargs.to_dict() if isinstance(kwargs, ml_collections.ConfigDict) else kwargs,
       widths=tuple(m.widths), channels=tuple(m.channels), kernel_sizes=tuple(m.kernel_sizes),
       strides=tuple(m.strides), conv_impl=m.conv_impl, dropout=m.dropout, **optional)
+
+
+class TrainSpec(NamedTuple):
+  """config.train's fields the loop reads (defaults.py says what each means)."""
+  steps: int  # resolved from train.epochs where that is set
+  log_every: int
+  eval_every: int
+  sync_every: int
+  steps_per_call: int
+  on_nonfinite: str
+  profile_steps: int
+
+
+class EvalSpec(NamedTuple):
+  """config.eval: what the evaluations after (and during) training read."""
+  batch_size: int
+  metrics: tuple[str, ...]
+  ood_dataset: str
+  mc_samples: int
+  temperature_scaling: bool
+  laplace: str
+  laplace_samples: int
+  shift: str
+  shift_baseline: str
+  conformal_alpha: float
+  joint_tau: int
+  joint_batches: int
+
+
+class SelectSpec(NamedTuple):
+  """config.select: member selection on the validation split."""
+  metric: str
+  top_k: int
+  method: str
+  greedy_size: int
+  greedy_replacement: bool
+
+
+class RunSpec(NamedTuple):
+  """What the loop and its actions read of a run's config, read once by build_run."""
+  num_members: int
+  seed: int
+  precision: str
+  reproducible: bool
+  task: str
+  batch_size: int  # config.data.batch_size: each member's examples a step
+  data: data.DataSpec
+  train: TrainSpec
+  eval: EvalSpec
+  select: SelectSpec
+  checkpoint_every: int
+  checkpoint_keep: int
+  pbt: pbt.PbtSpec | None  # None: population-based training is off
+  distill: distill.DistillSpec | None  # None: no student
+  writers: tuple[str, ...]
+  # config.ensemble.groups (config.groups.GroupSpec each: that module reads this one's
+  # specs, so build_run passes them in); () without.
+  groups: tuple[Any, ...]
+
+
+def run_spec(config: ml_collections.ConfigDict, groups: Sequence[Any] = ()) -> RunSpec:
+  """The run-wide spec of a checked config (train.steps already resolved from epochs),
+  with its member groups' specs (config.groups.group_specs)."""
+  return RunSpec(
+      num_members=config.num_members, seed=config.seed, precision=config.precision,
+      reproducible=config.reproducible, task=config.task,
+      batch_size=config.data.batch_size, data=data_spec(config),
+      train=_section(config.train, TrainSpec), eval=_section(config.eval, EvalSpec),
+      select=_section(config.select, SelectSpec), checkpoint_every=config.checkpoint.every,
+      checkpoint_keep=config.checkpoint.keep, pbt=pbt_spec(config),
+      distill=distill_spec(config), writers=tuple(config.writers),
+      groups=tuple(groups))
+
+
+def distill_spec(config: ml_collections.ConfigDict) -> distill.DistillSpec | None:
+  """config.distill, its student's kind (for config.model) and numbers checked; None
+  without a student."""
+  d = config.distill
+  if not d.student:
+    return None
+  students.check_kind(d.student, config.model.name == 'mlp' and not config.model.factory)
+  field = f'config.distill.student={d.student!r}'
+  for name, least in (('steps', 1), ('batch_size', 0)):
+    value = d[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+      raise ConfigError(f'config.distill.{name}={value!r} must be an int >= {least} with '
+                        f'{field} (e.g. {1000 if name == "steps" else 0}).')
+  for name in ('temperature', 'learning_rate'):
+    value = d[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+      raise ConfigError(f'config.distill.{name}={value!r} must be a number > 0 with {field} '
+                        f'(e.g. {2.0 if name == "temperature" else 1e-3}).')
+  return distill.DistillSpec(d.student, d.steps, float(d.temperature),
+                             float(d.learning_rate), d.batch_size or config.data.batch_size)
+
+
+def _section(section: ml_collections.ConfigDict, spec: type) -> Any:
+  """spec's fields read from a config section, sequences as tuples."""
+  plain = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v
+  return spec(**{name: plain(section[name]) for name in spec._fields})

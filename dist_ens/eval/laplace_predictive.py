@@ -192,18 +192,19 @@ class Forwards:
     self.predict, self.draws = forward(False), forward(True)
 
 
-def check_predictable(fits: Sequence[LaplaceFit] | None, config: Any, task: str, step: int,
+def check_predictable(fits: Sequence[LaplaceFit] | None, laplace: str, task: str, step: int,
                       draws: bool) -> None:
   """Refuses in one line a Laplace prediction (draws: laplace_samples()) the run cannot
-  give: another task than classification, no fit for `step`, or draws from a probit fit."""
+  give: another task than classification, no fit for `step` (the run's eval.laplace is
+  `laplace`), or draws from a probit fit."""
   what = 'laplace_samples()' if draws else 'predict(laplace=True)'
   if task != 'classification':
-    raise ValueError(f'{what}: config.task={config.task!r} has no Laplace predictive '
+    raise ValueError(f'{what}: config.task={task!r} has no Laplace predictive '
                      "(eval.laplace fits a classifier's softmax output layer); call "
                      'predict(x) for its own.')
   if not fits:
     raise ValueError(f'{what}: this run has no Laplace fit for step {step} '
-                     f'(config.eval.laplace={config.eval.laplace!r}; none in '
+                     f'(config.eval.laplace={laplace!r}; none in '
                      "laplace.npz): train with eval.laplace='last_layer_kron' (or "
                      "'last_layer_diag', 'last_layer_full'; rerunning a finished run's "
                      'command refits), or call predict(x).')

@@ -54,11 +54,12 @@ def shift_sets(spec: str, example_shape: Sequence[int], data_spec: Any) -> list[
   return [ShiftSet(name, severity) for name, severity in resolve_shift(spec, example_shape)]
 
 
-def check_run(config: Any, example_shape: Sequence[int], data_spec: Any) -> list[ShiftSet]:
-  """build_run's check, before training: the shifted sets exist for these inputs and
-  eval.shift_baseline (if set) has every one of their pairs."""
-  sets = shift_sets(config.eval.shift, example_shape, data_spec)
-  mce.load_baseline(config.eval.get('shift_baseline', ''), [s[:2] for s in sets])
+def check_run(spec: str, baseline: str, example_shape: Sequence[int],
+              data_spec: Any) -> list[ShiftSet]:
+  """build_run's check, before training: the shifted sets of eval.shift (`spec`) exist
+  for these inputs and eval.shift_baseline (if set) has every one of their pairs."""
+  sets = shift_sets(spec, example_shape, data_spec)
+  mce.load_baseline(baseline, [s[:2] for s in sets])
   return sets
 
 

@@ -27,7 +27,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import data, tasks
-from dist_ens.config import groups as member_groups
+from dist_ens.config import groups as member_groups, specs
 from dist_ens.data import uci
 from dist_ens.core.state import member_flags
 from dist_ens.core.model import Model
@@ -92,7 +92,7 @@ class Ensemble(ensemble_members.MemberAccess):
     self.input_shape, self.num_classes = tuple(input_shape), num_classes
     # config.ensemble.groups: where each group's members sit ((): no groups).
     self._groups = tuple(spec.group for spec in member_groups.group_specs(config))
-    self.preprocess = preprocess or preprocess_for(config, input_shape)
+    self.preprocess = preprocess or preprocess_for(specs.data_spec(config), input_shape)
     if self.frozen.all():
       logging.warning('every member of this ensemble is frozen (non-finite); its mean '
                       'prediction is undefined (NaN).')
@@ -150,7 +150,7 @@ class Ensemble(ensemble_members.MemberAccess):
         ('member', 'data'[, 'model']).
       memory_gb: the memory of one device (1e9 bytes, as `dist-ens plan --memory_gb`);
         default: what the device reports (GPUs, TPUs; a CPU reports none).
-      preprocess: replaces preprocess_for(config, input_shape) on predict's raw inputs.
+      preprocess: replaces preprocess_for(specs.data_spec(config), input_shape) on predict's raw inputs.
 
     Returns:
       The Ensemble; its `step` is the checkpoint's step (a warning is logged when
@@ -255,7 +255,7 @@ class Ensemble(ensemble_members.MemberAccess):
   def _laplace_forward(self, draws: bool) -> Callable[..., Any]:
     """The Laplace forward of this ensemble's fit (laplace_predictive.Forwards), refusing
     in one line a run without one."""
-    laplace_predictive.check_predictable(self.laplace, self.config, self.task.name,
+    laplace_predictive.check_predictable(self.laplace, self.config.eval.laplace, self.task.name,
                                          self.step, draws)
     if not hasattr(self, '_laplace_forwards'):
       models = self._group_models or (self._predict_model,)

@@ -90,7 +90,9 @@ class MemberAccess:
                                                               spec.group.first + spec.group.count)),
                      'model': one.model.to_dict(), 'method': one.ensemble.method,
                      'own': one.ensemble.own})
-    return member_files.export_members(self, Path(directory), groups)
+    about = {'data': self.config.data.name, 'model': self.config.model.to_dict(),
+             'task': self.config.task}
+    return member_files.export_members(self, Path(directory), about, groups)
 
   def export_adapters(self, directory: str | os.PathLike) -> list[Path]:
     """A LoRA ensemble on a Hugging Face model (init_from='hf:PATH', own='lora') as PEFT

@@ -4,10 +4,8 @@
 from collections.abc import Callable
 from typing import NamedTuple
 
-import ml_collections
 import numpy as np
 
-from dist_ens.config import specs
 from dist_ens import data
 from dist_ens.eval import regression
 
@@ -43,28 +41,26 @@ class Prediction(NamedTuple):
   mutual_information: np.ndarray  # [N] H[probs] - mean_m H[member_probs[m]]
 
 
-def preprocess_for(config: ml_collections.ConfigDict,
-                   input_shape: tuple[int, ...]) -> Preprocess:
+def preprocess_for(spec: data.DataSpec, input_shape: tuple[int, ...]) -> Preprocess:
   """The preprocessing a run's raw inputs get between the dataset and the model.
 
   The data pipeline's own `data.preprocess` (uint8 images / 255, then
-  config.data.mean / std per channel; a float32 cast), then the trailing channel
+  spec.mean / std per channel, config.data's; a float32 cast), then the trailing channel
   axis the pipeline adds to single-channel data, so raw MNIST-1D [N, 40] signals or
   [N, 28, 28] uint8 images are accepted as well as [N, ..., 1].
 
   Example:
-    >>> prep = preprocess_for(ml_collections.ConfigDict({'data': {'name': 'mnist1d'}}), (40, 1))
+    >>> prep = preprocess_for(data.DataSpec('mnist1d'), (40, 1))
     >>> prep(np.zeros((3, 40))).shape
     (3, 40, 1)
 
   Args:
-    config: the run's config (config.data holds the preprocessing fields).
+    spec: the run's data spec (dist_ens.config.specs.data_spec of its config).
     input_shape: the model's input shape, without the batch axis.
 
   Returns:
     A function from a batch of raw inputs to the model's inputs.
   """
-  spec = specs.data_spec(config)
   input_shape = tuple(input_shape)
 
   def preprocess(x: np.ndarray) -> np.ndarray:

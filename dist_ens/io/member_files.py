@@ -76,7 +76,7 @@ def standardizer_dict(scale: Any) -> dict[str, list[float]]:
   return {k: np.asarray(v).tolist() for k, v in scale._asdict().items()}
 
 
-def export_members(ensemble: Any, directory: Path,
+def export_members(ensemble: Any, directory: Path, about: dict[str, Any],
                    groups: Sequence[dict[str, Any]] = ()) -> list[Path]:
   """Writes `ensemble` (an inference.Ensemble) member by member under `directory`
   (created if missing; existing member files are replaced); only process 0 writes.
@@ -100,13 +100,12 @@ def export_members(ensemble: Any, directory: Path,
   if jax.process_index() != 0:
     return paths
   write_members(files)
-  config = ensemble.config
   meta = {'format': 'dist_ens member .npz: leaves under "/"-joined pytree paths; integer '
                     'parts are list indices',
           'num_members': m, 'step': ensemble.step,
           'frozen_members': np.flatnonzero(ensemble.frozen).tolist(),
           'input_shape': list(ensemble.input_shape), 'num_classes': ensemble.num_classes,
-          'data': config.data.name, 'model': config.model.to_dict(), 'task': config.task,
+          **about,  # the run's data set, model config and task
           'model_state_files': len(files) > len(paths)}  # member_{i}_state.npz
   if groups:  # Members of different architectures: which model each member's file is.
     meta['groups'] = list(groups)

@@ -93,17 +93,18 @@ def step_runner(parts: Any, batch_size: int, per_member_batches: bool
   return run_step
 
 
-def calibrate(parts: Any, batch_size: int, steps: int = 5, rounds: int = 3,
-              clock: Callable[[], float] = time.perf_counter
+def calibrate(parts: Any, batch_size: int, per_member: bool = False, model_name: str = '',
+              steps: int = 5, rounds: int = 3, clock: Callable[[], float] = time.perf_counter
               ) -> tuple[Form, dict[Form, float]]:
-  """Times every candidate form of this run's step and caches the fastest (see the
-  module doc). Returns (the fastest form, seconds per step of each)."""
-  per_member = parts.config.data.member_order != 'shared'
+  """Times every candidate form of this run's step (`batch_size` examples per member,
+  one batch per member where `per_member`, i.e. a member order other than 'shared') and
+  caches the fastest (see the module doc), noted as `model_name`'s. Returns (the fastest
+  form, seconds per step of each)."""
   seconds = time_forms(step_runner(parts, batch_size, per_member),
                        candidates(members_per_device(parts)), steps, rounds, clock)
   best = min(seconds, key=seconds.get)
   device = parts.mesh.devices.flat[0]
   store(run_key(parts, batch_size), best, {label(f): s for f, s in seconds.items()},
-        about=f'{parts.config.model.name} on {device.device_kind}, '
+        about=f'{model_name or "model"} on {device.device_kind}, '
               f'{members_per_device(parts)} members per device')
   return best, seconds

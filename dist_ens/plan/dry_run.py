@@ -15,7 +15,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from dist_ens.run import assemble
@@ -62,13 +61,17 @@ class HostMemory(NamedTuple):
   # STEPS steps; None where the dry run was not run (it would not fit HOST_SHARE).
 
 
-def step_arguments(parts: assemble.Parts, config: ml_collections.ConfigDict,
-                   uses_index: bool) -> tuple:
+class StepBatch(NamedTuple):
+  """What a run's step takes: `size` examples per member, one batch or (`per_member`:
+  any member order but 'shared') one per member."""
+  size: int
+  per_member: bool
+
+
+def step_arguments(parts: assemble.Parts, batch: StepBatch, uses_index: bool) -> tuple:
   """The step's abstract arguments (state, hparams, x, y[, index]), sharded as in a run."""
-  mesh, num_members = parts.mesh, parts.num_members
-  batch = config.data.batch_size
-  per_member = config.data.member_order != 'shared'
-  lead = (num_members, batch) if per_member else (batch,)
+  mesh, num_members, per_member = parts.mesh, parts.num_members, batch.per_member
+  lead = (num_members, batch.size) if per_member else (batch.size,)
   x_shape, y_shape = (*lead, *parts.input_shape), lead
   batch_sharding = mesh_lib.batch_sharding(mesh, per_member)
   x = jax.ShapeDtypeStruct(x_shape, jnp.float32, sharding=batch_sharding)
@@ -86,28 +89,26 @@ def step_arguments(parts: assemble.Parts, config: ml_collections.ConfigDict,
   return (parts.abstract_state, hparams, x, y, *(index if uses_index else ()))
 
 
-def compile_step(parts: assemble.Parts, config: ml_collections.ConfigDict,
+def compile_step(parts: assemble.Parts, batch: StepBatch,
                  form) -> tuple[jax.stages.Compiled, tuple]:
   """(the train step for `parts`, compiled abstractly (nothing is materialised), its
   abstract arguments)."""
-  step = assemble.build_step(parts, per_member_batches=config.data.member_order != 'shared',
-                             form=form)
-  args = step_arguments(parts, config, step.uses_index)
+  step = assemble.build_step(parts, per_member_batches=batch.per_member, form=form)
+  args = step_arguments(parts, batch, step.uses_index)
   return step.fn.lower(*args).compile(), args
 
 
-def compile_and_measure(parts: assemble.Parts, config: ml_collections.ConfigDict, form,
+def compile_and_measure(parts: assemble.Parts, batch: StepBatch, form,
                         measure: bool) -> tuple[jax.stages.Compiled, HostMemory | None]:
   """(the compiled step, a dry run's HostMemory where `measure` and the mesh is one
   process's CPU devices, else None)."""
   on_cpu = parts.mesh.devices.flat[0].platform == 'cpu'
   if measure and on_cpu and jax.process_count() == 1:
-    return dry_run(parts, config, form)
-  return compile_step(parts, config, form)[0], None
+    return dry_run(parts, batch, form)
+  return compile_step(parts, batch, form)[0], None
 
 
-def dry_run(parts: assemble.Parts, config: ml_collections.ConfigDict,
-            form) -> tuple[jax.stages.Compiled, HostMemory | None]:
+def dry_run(parts: assemble.Parts, batch: StepBatch, form) -> tuple[jax.stages.Compiled, HostMemory | None]:
   """(the compiled step, what running it took on this CPU host; None where resident
   memory cannot be read). Meaningful in a fresh process: a heap that earlier work left
   free is reused, and the growth then reads low."""
@@ -115,8 +116,8 @@ def dry_run(parts: assemble.Parts, config: ml_collections.ConfigDict,
   gc.collect()
   base = host_memory.status_bytes()
   if base is None or not host_memory.reset_peak():
-    return compile_step(parts, config, form)[0], None
-  compiled, args = compile_step(parts, config, form)
+    return compile_step(parts, batch, form)[0], None
+  compiled, args = compile_step(parts, batch, form)
   init = assemble.compile_init(parts)
   gc.collect()
   programs = max(0, host_memory.status_bytes() - base)

@@ -62,13 +62,17 @@ class GroupsPlan(NamedTuple):
 
 
 def make_groups_plan(config: ml_collections.ConfigDict, run: assemble.Run,
-                     memory_bytes: float | None) -> GroupsPlan:
-  """The plan of a run with groups, built by assemble.build_run."""
+                     memory_bytes: float | None, batch: dry_run.StepBatch) -> GroupsPlan:
+  """The plan of a run with groups, built by assemble.build_run, whose step takes `batch`."""
   parts, mesh = run.parts, run.parts.mesh
   per_device = config.num_members // mesh.shape[mesh_lib.MEMBER]
-  compiled, _ = dry_run.compile_step(parts, config, run.form)
-  groups = [_group_plan(spec, g)
-            for spec, g in zip(member_groups.group_specs(config), parts.groups)]
+  compiled, _ = dry_run.compile_step(parts, batch, run.form)
+  groups = []
+  for spec, g in zip(member_groups.group_specs(config), parts.groups):
+    one = member_groups.group_config(config, spec)
+    rebuild = lambda m, one=one, g=g: assemble.build_parts(
+        one, g.mesh, g.input_shape, g.num_outputs, num_members=m)
+    groups.append(_group_plan(spec, g, batch, rebuild))
   return GroupsPlan(
       num_members=config.num_members, mesh_shape=dict(mesh.shape),
       platform=mesh.devices.flat[0].platform, groups=groups,
@@ -79,16 +83,17 @@ def make_groups_plan(config: ml_collections.ConfigDict, run: assemble.Run,
       train_steps=config.train.steps)
 
 
-def _group_plan(spec: member_groups.GroupSpec, parts: assemble.Parts) -> GroupPlan:
-  form = member_forms.member_form(parts, parts.config.data.batch_size)
-  compiled, _ = dry_run.compile_step(parts, parts.config, form)
+def _group_plan(spec: member_groups.GroupSpec, parts: assemble.Parts, batch: dry_run.StepBatch,
+                rebuild: Any) -> GroupPlan:
+  form = member_forms.member_form(parts, batch.size)
+  compiled, _ = dry_run.compile_step(parts, batch, form)
   params, state_bytes = sizes.per_member_sizes(parts.abstract_state, spec.group.count)
   return GroupPlan(
       name=spec.name, first_member=spec.group.first, count=spec.group.count,
       model=dict(spec.model), parallelism=form[0], params_per_member=params,
       state_bytes_per_member=state_bytes,
       state_bytes_per_device=sizes.placement_of(parts)['state_bytes_per_device'],
-      flops_per_example=sizes.flops_per_example(compiled, parts, parts.config, form))
+      flops_per_example=sizes.flops_per_example(compiled, parts, batch, form, rebuild))
 
 
 def format_groups_plan(plan: GroupsPlan, config: ml_collections.ConfigDict) -> str:

@@ -49,7 +49,7 @@ from dist_ens.plan import calibration, dry_run, groups_plan, sizes
 from dist_ens.plan.dry_run import StepMemory, step_memory
 from dist_ens.errors import ConfigError
 from dist_ens.io.tables import counted
-from dist_ens.plan.text import FLOPS_MEASURED, GB, format_plan  # noqa: F401 (re-exported)
+from dist_ens.plan.text import FLOPS_MEASURED, GB, plan_lines
 
 
 # Input shape and classes of TFDS datasets this project ships configs for, so that
@@ -188,18 +188,20 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   if memory_bytes is None:
     memory_bytes = device_memory_bytes(mesh.devices.flat[0])
   if parts.groups:  # Each group priced on its own, the joint step measured whole.
-    return groups_plan.make_groups_plan(config, run, memory_bytes)
+    return groups_plan.make_groups_plan(config, run, memory_bytes, step_batch(config))
   platform = mesh.devices.flat[0].platform
   shards = mesh.shape[mesh_lib.MEMBER]
   per_device = config.num_members // shards
   # The same form at twice the members ('auto' held fixed, so that the two compiles
   # differ only in M); the values of per-member hyperparameters do not change sizes.
   parallelism, map_batch_size = form
-  doubled = assemble.build_parts(config, mesh, input_shape, num_outputs,
-                                 num_members=2 * config.num_members)
-  compiled, host = dry_run.compile_and_measure(parts, config, form, measure_programs)
+  rebuild = lambda m: assemble.build_parts(config, mesh, input_shape, num_outputs,
+                                           num_members=m)
+  batch = step_batch(config)
+  compiled, host = dry_run.compile_and_measure(parts, batch, form, measure_programs)
   step = step_memory(compiled, per_device)
-  step_doubled = step_memory(dry_run.compile_step(doubled, config, form)[0], 2 * per_device)
+  step_doubled = step_memory(dry_run.compile_step(rebuild(2 * config.num_members), batch,
+                                                  form)[0], 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
   # Below zero where the peak more than doubles from M to 2M (XLA chose other fusions):
   # the line then overstates the growth, and no part of the peak is fixed.
@@ -216,11 +218,23 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       state_bytes_per_member=state_bytes_per_member, step=step, step_doubled=step_doubled,
       bytes_per_member=bytes_per_member, fixed_bytes=fixed, memory_bytes=memory_bytes,
       max_members=max_members,
-      flops_per_example=sizes.flops_per_example(compiled, parts, config, form),
+      flops_per_example=sizes.flops_per_example(compiled, parts, batch, form, rebuild),
       train_steps=config.train.steps, steps_per_epoch=per_epoch,
       program_bytes=host.programs if host else None,
       dry_run_peak_bytes=host.peak if host else None,
       peak_bytes=peak, **sizes.placement_of(parts))
+
+
+def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
+  """The plan of `config` as the lines `dist-ens plan` prints."""
+  return plan_lines(plan, f'{plan.num_members} x {config.model.name} on {config.data.name}, '
+                    f'batch {config.data.batch_size} per member, optimizer {config.optim.name}')
+
+
+def step_batch(config: ml_collections.ConfigDict) -> dry_run.StepBatch:
+  """The batch the config's step takes: config.data.batch_size per member, one per member
+  unless config.data.member_order is 'shared'."""
+  return dry_run.StepBatch(config.data.batch_size, config.data.member_order != 'shared')
 
 
 def _max_members(memory_bytes: float | None, peak: float, bytes_per_member: float,
@@ -255,7 +269,9 @@ def calibrate(config: ml_collections.ConfigDict,
   names = [spec.name for spec in member_groups.group_specs(config)]
   lines = []
   for name, stack in zip(names or [None], parts.groups or [parts]):
-    best, seconds = calibration.calibrate(stack, config.data.batch_size)
+    best, seconds = calibration.calibrate(stack, config.data.batch_size,
+                                          config.data.member_order != 'shared',
+                                          stack.config.model.name)
     fastest = min(seconds.values())
     per_device = counted(calibration.members_per_device(stack), 'member')
     where = f'group {name!r} ({stack.num_members} members), ' if name else ''

@@ -2,10 +2,10 @@
 bytes per member, the state's bytes per device by its layout, and the compiled step's train
 FLOPs per member-example (the planner's and, per group, groups_plan's)."""
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_collections
 
 from dist_ens.run import assemble
 from dist_ens.parallel import mesh as mesh_lib, placement
@@ -29,17 +29,17 @@ def placement_of(parts: assemble.Parts) -> dict:
           'param_leaves': placement.describe(specs.params, state.params, shape)}
 
 
-def flops_per_example(compiled, parts, config: ml_collections.ConfigDict,
-                      form) -> float | None:
+def flops_per_example(compiled, parts, batch: dry_run.StepBatch, form,
+                      rebuild: Callable[[int], Any]) -> float | None:
   """FLOPs of the compiled (per-device) step / the member-examples one device runs. XLA's
   cost analysis counts a loop's body once, so a step whose members run in a loop ('map')
-  is counted on a vmapped step of one member per device instead."""
+  is counted on a vmapped step of one member per device instead (`rebuild(M)`: the run's
+  Parts with M members)."""
   mesh = parts.mesh
   members_per_device = parts.abstract_state.frozen.shape[0] // mesh.shape[mesh_lib.MEMBER]
   if form[0] != 'vmap' and members_per_device > 1:
-    one = assemble.build_parts(config, mesh, parts.input_shape, parts.num_outputs,
-                               num_members=mesh.shape[mesh_lib.MEMBER])
-    compiled, members_per_device = dry_run.compile_step(one, config, ('vmap', None))[0], 1
+    one = rebuild(mesh.shape[mesh_lib.MEMBER])
+    compiled, members_per_device = dry_run.compile_step(one, batch, ('vmap', None))[0], 1
   try:
     cost = compiled.cost_analysis()
   except Exception:  # pylint: disable=broad-except  # Not implemented on some backends.
@@ -48,5 +48,5 @@ def flops_per_example(compiled, parts, config: ml_collections.ConfigDict,
     cost = cost[0] if cost else None
   if not cost or cost.get('flops', -1) <= 0:
     return None
-  examples = config.data.batch_size // mesh.shape[mesh_lib.DATA]
+  examples = batch.size // mesh.shape[mesh_lib.DATA]
   return float(cost['flops']) / (members_per_device * examples)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import ml_collections
 
 from dist_ens.io.tables import counted
 from dist_ens.parallel import mesh as mesh_lib
@@ -17,14 +16,13 @@ FLOPS_MEASURED = ('XLA cost analysis of the compiled train step (forward + backw
 Plan = Any  # planner.Plan (not imported: planner imports this module)
 
 
-def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
-  """The plan as the lines `dist-ens plan` prints."""
+def plan_lines(plan: Plan, title: str) -> str:
+  """The plan as the lines `dist-ens plan` prints, after `title` (what runs on what)."""
   s = plan.step
   form = plan.parallelism + (f' (chunks of {plan.map_batch_size})' if plan.map_batch_size else '')
   devices = math.prod(plan.mesh_shape.values())
   lines = [
-      f'{plan.num_members} x {config.model.name} on {config.data.name}, batch '
-      f'{config.data.batch_size} per member, optimizer {config.optim.name}',
+      title,
       f'mesh {plan.mesh_shape} over {counted(devices, f"{plan.platform} device")}: '
       f'{counted(s.members_per_device, "member")} per device, run with {form}',
       f'parameters per member          {plan.params_per_member:>16,}',

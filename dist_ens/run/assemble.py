@@ -49,8 +49,8 @@ from dist_ens.data import augment as augment_lib
 from dist_ens.importing import is_import_path, load_object
 from dist_ens.io import init_from
 from dist_ens.run.run_data import RunData, build_data
-from dist_ens.config.specs import (data_spec, hparams_spec, init_from_spec, method_spec,
-                                   model_spec, optim_spec)
+from dist_ens.config.specs import (EvalSpec, RunSpec, data_spec, hparams_spec, init_from_spec,
+                                   method_spec, model_spec, optim_spec, run_spec)
 
 
 class Parts(NamedTuple):
@@ -100,7 +100,8 @@ class Parts(NamedTuple):
 
 class Run(NamedTuple):
   """A run wired from its config (build_run): what train, plan and Ensemble.load consume."""
-  config: ml_collections.ConfigDict  # checked; train.steps resolved from epochs
+  config: ml_collections.ConfigDict  # checked; train.steps resolved from epochs (saved as is)
+  spec: RunSpec  # what the loop and its actions read of it
   parts: Parts
   data: RunData | None  # None where no dataset was loaded (shapes given)
   form: strategy.Form  # how each device runs its members
@@ -115,38 +116,42 @@ class Run(NamedTuple):
               with_index: bool) -> data.Batches:
     """The input pipeline from `data_state` (a checkpoint's data position)."""
     return data.Batches(self.data.dataset.train, self.data.order, self.parts.mesh,
-                        self.config.num_members, data_state, prefetch=self.config.data.prefetch,
+                        self.spec.num_members, data_state, prefetch=self.config.data.prefetch,
                         steps_per_call=steps_per_call, with_index=with_index,
                         member_scale=self.data.member_scale)
 
   def evaluator(self) -> Evaluator:
     """The sharded evaluator of every member and the ensemble, by the run's task."""
-    parts, mesh = self.parts, self.parts.mesh
-    task, eval_batch = parts.task, parts.task.eval_batch
-    finalize = self.finalize(self.data.scale if self.data is not None else None)
-    if self.config.eval.metrics:
-      eval_batch = user_metrics.with_metrics(
-          eval_batch, user_metrics.load_metrics(self.config.eval.metrics), task.combine)
-    # The state as it is: predict_model reads its params as stored, a shared leaf once.
-    return Evaluator(make_eval_step(parts.predict_model, mesh, eval_batch), mesh,
-                     self.config.eval.batch_size,
-                     scorer=Scorer(eval_batch, finalize, task.ood_metrics))
-
-  def finalize(self, scale: Any) -> Callable[..., dict[str, Any]]:
-    """The task's finalize, in the targets' own units for sums standardised with `scale`
-    (a uci.Standardizer, or None), with the config's own metrics."""
-    task, finalize = self.parts.task, self.parts.task.finalize
-    if scale is not None:
-      finalize = lambda sums, examples: task.finalize(task.unscale(sums, scale.y_std), examples)
-    if self.config.eval.metrics:
-      finalize = user_metrics.with_results(
-          finalize, user_metrics.load_metrics(self.config.eval.metrics))
-    return finalize
+    return build_evaluator(self.spec.eval, self.parts, self.data)
 
   def checkpointer(self, workdir: Path) -> Checkpointer:
     """The run's checkpoints under workdir/checkpoints."""
-    return Checkpointer(Path(workdir) / 'checkpoints', self.config.checkpoint.every,
-                        self.config.checkpoint.keep)
+    return Checkpointer(Path(workdir) / 'checkpoints', self.spec.checkpoint_every,
+                        self.spec.checkpoint_keep)
+
+
+def build_evaluator(spec: EvalSpec, parts: Parts, run_data: RunData | None) -> Evaluator:
+  """The sharded evaluator of every member and the ensemble by parts.task, with
+  eval.metrics' own metrics, in the targets' units (run_data.scale)."""
+  mesh, task, eval_batch = parts.mesh, parts.task, parts.task.eval_batch
+  finalize = finalizer(spec, task, run_data.scale if run_data is not None else None)
+  if spec.metrics:
+    eval_batch = user_metrics.with_metrics(
+        eval_batch, user_metrics.load_metrics(spec.metrics), task.combine)
+  # The state as it is: predict_model reads its params as stored, a shared leaf once.
+  return Evaluator(make_eval_step(parts.predict_model, mesh, eval_batch), mesh,
+                   spec.batch_size, scorer=Scorer(eval_batch, finalize, task.ood_metrics))
+
+
+def finalizer(spec: EvalSpec, task: tasks.Task, scale: Any) -> Callable[..., dict[str, Any]]:
+  """task's finalize, in the targets' own units for sums standardised with `scale`
+  (a uci.Standardizer, or None), with eval.metrics' own metrics."""
+  finalize = task.finalize
+  if scale is not None:
+    finalize = lambda sums, examples: task.finalize(task.unscale(sums, scale.y_std), examples)
+  if spec.metrics:
+    finalize = user_metrics.with_results(finalize, user_metrics.load_metrics(spec.metrics))
+  return finalize
 
 
 def build_run(config: ml_collections.ConfigDict, *,
@@ -186,7 +191,8 @@ def build_run(config: ml_collections.ConfigDict, *,
       raise ConfigError(f'config.eval.shift={config.eval.shift!r} corrupts images and signals; '
                         f'{dataset.name!r} has integer token inputs (config.task='
                         f'{config.task!r}). Set eval.shift=\'\'.')
-    shift_spec.check_run(config, dataset.input_shape, data_spec(config))  # sets, mCE baseline
+    shift_spec.check_run(config.eval.shift, config.eval.shift_baseline,  # sets, mCE baseline
+                         dataset.input_shape, data_spec(config))
     shapes = (dataset.input_shape, tasks.get_task(config.task).output_units(dataset),
               jnp.int32 if data.is_token_ids(dataset.test.x) else jnp.float32)
   input_shape, num_outputs, *dtype = shapes
@@ -195,7 +201,7 @@ def build_run(config: ml_collections.ConfigDict, *,
   if metrics and run_data is not None:
     user_metrics.check_metrics(metrics, shapes[1], np.asarray(dataset.test.y))
   # With groups each group picks its own form (build_step); the first's stands for the run.
-  return Run(config, parts, run_data,
+  return Run(config, run_spec(config, member_groups.group_specs(config)), parts, run_data,
              member_form(parts.groups[0] if parts.groups else parts, config.data.batch_size))
 
 

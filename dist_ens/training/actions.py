@@ -82,7 +82,7 @@ class TrainLog(PeriodicAction):
 
   def __init__(self, call: Call, checkpoint: Checkpoint):
     session = call.session
-    super().__init__(session.config.train.log_every)
+    super().__init__(session.spec.train.log_every)
     self._checkpoint = checkpoint
     self._session = session
     self._interval: list[Any] = []  # This interval's step metrics, on the device.
@@ -95,7 +95,7 @@ class TrainLog(PeriodicAction):
     self._mark = session.train_clock()
     self._progress = progress_lib.Progress(session.total_steps, session.start_step)
     self._reported = set(np.flatnonzero(member_flags(session.fetch(call.state.frozen))).tolist())
-    if self._reported and session.config.train.on_nonfinite == 'stop':
+    if self._reported and session.spec.train.on_nonfinite == 'stop':
       # A resumed run whose members froze before: 'stop' holds every time, not only once.
       raise TrainingError(
           f'members {sorted(self._reported)} went non-finite before step {call.step} and '
@@ -114,18 +114,18 @@ class TrainLog(PeriodicAction):
 
   def _flush(self, call: Call) -> None:
     session = call.session
-    m = session.config.num_members
+    m = session.spec.num_members
     fetched, self._fetched = self._drain(), None
     now = session.train_clock()
     elapsed, self._mark = now - self._mark, now
     steps, steps_here, self._steps_here = len(fetched.loss), self._steps_here, 0
     loss = fetched.loss.mean(axis=0)
     batch_metrics = {k: v.mean(axis=0) for k, v in fetched.metrics.items()}
-    rate = m * session.config.data.batch_size * steps_here / elapsed
+    rate = m * session.spec.batch_size * steps_here / elapsed
     # Examples the input pipeline delivered per step (one batch, or one per member) and
     # could deliver (per second of its busy time; none when its thread made no batch in
     # the interval, having run ahead: an infinite figure is noise in every writer).
-    per_step = (m if session.run_data.order.per_member else 1) * session.config.data.batch_size
+    per_step = (m if session.run_data.order.per_member else 1) * session.spec.batch_size
     demand = per_step * steps_here / elapsed
     stats, mark = session.batches.stats, self._pipeline_mark
     busy = stats.busy_seconds - mark.busy_seconds
@@ -148,7 +148,7 @@ class TrainLog(PeriodicAction):
   def _drain(self) -> StepMetrics:
     """Every step's metrics since the last log as numpy, [steps, M] each (a call gives
     [K, M]), in member id order."""
-    m = self._session.config.num_members
+    m = self._session.spec.num_members
     fetched = [metrics_in_id_order(self._session.fetch(metrics_)) for metrics_ in self._interval]
     earlier = [] if self._fetched is None else [self._fetched]
     self._interval = []
@@ -172,7 +172,7 @@ class TrainLog(PeriodicAction):
     self._reported.update(newly_bad)
     logging.warning('members %s hit a non-finite loss or gradient by step %d and are frozen at '
                     'their last finite parameters.', newly_bad, call.step)
-    if call.session.config.train.on_nonfinite == 'stop':  # Once this step's events are written.
+    if call.session.spec.train.on_nonfinite == 'stop':  # Once this step's events are written.
       self._checkpoint.stop_after_save(TrainingError(
           f'members {newly_bad} went non-finite by step {call.step} and '
           "config.train.on_nonfinite='stop'; saved the checkpoint at step "
@@ -233,7 +233,7 @@ class ScoreOod(PeriodicAction):
     results = session.evaluator.ood(call.state, session.run_data.dataset.test, session.run_data.ood)
     if session.writes_final_events:
       session.write({'step': call.step, 'split': 'ood', **results})
-    name = session.config.eval.ood_dataset
+    name = session.spec.eval.ood_dataset
     session.results['ood'] = {'dataset': name, **results}
     ens = results['ensemble']
     logging.info('OOD %s by ensemble entropy: AUROC %.4f AUPR %.4f; by mutual information: '
@@ -266,14 +266,14 @@ class SelectTopK(PeriodicAction):
 
   def run(self, call: Call) -> None:
     session = call.session
-    k, metric = session.config.select.top_k, session.config.select.metric
+    k, metric = session.spec.select.top_k, session.spec.select.metric
     frozen = set(np.flatnonzero(member_flags(session.fetch(call.state.frozen))).tolist())
     rows = tables.member_rows({**session.results, 'frozen_members': sorted(frozen),
-                               'num_members': session.config.num_members}, session.parts.hparams,
+                               'num_members': session.spec.num_members}, session.parts.hparams,
                               session.results.get('validation'), metric,
                               session.parts.task.select_metrics[metric])
     chosen = sorted(r['member'] for r in rows[:k] if not r['frozen'])
-    mask = np.zeros(session.config.num_members, bool)
+    mask = np.zeros(session.spec.num_members, bool)
     mask[chosen] = True
     selected = session.evaluator.evaluate(
         call.state, session.run_data.dataset.test,

@@ -5,9 +5,9 @@ the step's FLOPs) and train.sync_every's bounds on a CPU mesh."""
 from collections.abc import Sequence
 
 import jax
-import ml_collections
 import numpy as np
 
+from dist_ens.config.specs import RunSpec
 from dist_ens.run.run_data import RunData
 from dist_ens.run import member_forms
 from dist_ens.run import assemble
@@ -20,20 +20,20 @@ from dist_ens.training.loop import Action, PeriodicAction
 CPU_SYNC_EVERY = 8
 
 
-def steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
+def steps_per_call(spec: RunSpec, parts: assemble.Parts,
                    run_data: RunData, start_step: int,
                    actions: Sequence[Action]) -> int:
   # Examples the input pipeline delivers per step: one batch, or one per member.
-  inputs = config.data.batch_size * (config.num_members if run_data.order.per_member else 1)
+  inputs = spec.batch_size * (spec.num_members if run_data.order.per_member else 1)
   platform = parts.mesh.devices.flat[0].platform
-  train = config.train
-  cadences = (train.steps, train.log_every, train.eval_every, config.checkpoint.every,
-              start_step, config.pbt.interval if config.pbt.enabled else 0,
+  train = spec.train
+  cadences = (train.steps, train.log_every, train.eval_every, spec.checkpoint_every,
+              start_step, spec.pbt.interval if spec.pbt is not None else 0,
               *(a.every for a in actions if isinstance(a, PeriodicAction)))
   k = strategy.steps_per_call(
       train.steps_per_call, cadences, platform,
       inputs * int(np.prod(parts.input_shape)) * 4,  # float32
-      step_flops=lambda: step_flops(config, parts))
+      step_flops=lambda: step_flops(spec.batch_size, parts))
   if start_step % k:
     raise ConfigError(
         f'config.train.steps_per_call={k} does not divide the checkpoint\'s step '
@@ -41,11 +41,12 @@ def steps_per_call(config: ml_collections.ConfigDict, parts: assemble.Parts,
   return k
 
 
-def step_flops(config: ml_collections.ConfigDict, parts: assemble.Parts) -> float | None:
-  """Training FLOPs of one step per device (3x the forward: the backward pass costs two
-  forwards), for steps_per_call 'auto' on a CPU; None when not known."""
+def step_flops(batch_size: int, parts: assemble.Parts) -> float | None:
+  """Training FLOPs of one step per device with `batch_size` examples per member (3x the
+  forward: the backward pass costs two forwards), for steps_per_call 'auto' on a CPU;
+  None when not known."""
   forward = strategy.forward_flops(parts.model, parts.input_shape,
-                                   config.data.batch_size // parts.mesh.shape[mesh_lib.DATA],
+                                   batch_size // parts.mesh.shape[mesh_lib.DATA],
                                    parts.input_dtype)
   return None if forward is None else 3 * forward * member_forms.members_per_device(parts)
 
@@ -56,10 +57,11 @@ def step_flops(config: ml_collections.ConfigDict, parts: assemble.Parts) -> floa
 CPU_MAX_SYNC_EVERY = 16
 
 
-def check_sync_every(config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh) -> None:
+def check_sync_every(sync_every: int, mesh: jax.sharding.Mesh) -> None:
+  """train.sync_every, refused where it would deadlock a multi-device CPU mesh."""
   if (mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
-      and config.train.sync_every > CPU_MAX_SYNC_EVERY):
+      and sync_every > CPU_MAX_SYNC_EVERY):
     raise ConfigError(
-        f'config.train.sync_every={config.train.sync_every} on a {mesh.size}-device CPU mesh: '
+        f'config.train.sync_every={sync_every} on a {mesh.size}-device CPU mesh: '
         f"XLA's CPU collectives deadlock when ~30 steps are queued; use at most "
         f'{CPU_MAX_SYNC_EVERY}, or 0 (automatic: {CPU_SYNC_EVERY}).')

@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from dist_ens.config import specs
 from dist_ens.data import Split, corruptions, tfds_corrupted
 from dist_ens.eval import decisions, mce, shift_spec
 from dist_ens.training.loop import Call, PeriodicAction
@@ -41,9 +40,8 @@ class EvaluateDecisions(PeriodicAction):
 
   def run(self, call: Call) -> None:
     session = call.session
-    config, run_data = session.config, session.run_data
-    sets = shift_spec.shift_sets(config.eval.shift, run_data.dataset.test.x.shape[1:],
-                                 specs.data_spec(config))
+    spec, run_data = session.spec, session.run_data
+    sets = shift_spec.shift_sets(spec.eval.shift, run_data.dataset.test.x.shape[1:], spec.data)
     if not sets and run_data.validation is None and session.parts.task.predict is not None:
       return  # a regression run without shift or validation: nothing to report
     mask = ~np.asarray(member_flags(session.fetch(session.evaluator.view(call.state).frozen)), bool)
@@ -54,7 +52,7 @@ class EvaluateDecisions(PeriodicAction):
       if run_data.validation is not None and session.parts.task.conformal:
         val = self._predictions.predict(call, run_data.validation)
         fit = decisions.fit_conformal(val.outputs, run_data.validation.y, mask,
-                                      config.eval.conformal_alpha, _seed(config.seed, 0),
+                                      spec.eval.conformal_alpha, _seed(spec.seed, 0),
                                       session.parts.task.predict)
       clean = self._results(call, test, (0, 0), fit, mask, tag=1)
       shifted = {(s.corruption, s.severity): self._results(
@@ -70,7 +68,7 @@ class EvaluateDecisions(PeriodicAction):
     if not shifted.tfds_config:
       ids = corruptions.corruption_id(shifted.corruption), shifted.severity
       return session.run_data.dataset.test, ids
-    split = tfds_corrupted.load_test(shifted.tfds_config, specs.data_spec(session.config))
+    split = tfds_corrupted.load_test(shifted.tfds_config, session.spec.data)
     scale = session.run_data.scale
     if scale is not None:  # the inputs in the units the task standardised its own to
       split = Split(((split.x - scale.x_mean) / scale.x_std).astype(np.float32), split.y)
@@ -88,7 +86,7 @@ class EvaluateDecisions(PeriodicAction):
     if fit is not None:
       scale = session.run_data.scale
       found['conformal'] = decisions.conformal_report(
-          fit, out.outputs, split.y, mask, _seed(session.config.seed, tag),
+          fit, out.outputs, split.y, mask, _seed(session.spec.seed, tag),
           session.parts.task.predict, 1.0 if scale is None else scale.y_std)
     return found
 
@@ -109,12 +107,12 @@ class EvaluateDecisions(PeriodicAction):
                    fit.method, fit.alpha, fit.calibration_size, _rounded(clean['conformal']))
     if not shifted:
       return
-    summary = {'spec': session.config.eval.shift, 'seed': session.config.seed,
+    summary = {'spec': session.spec.eval.shift, 'seed': session.spec.seed,
                **decisions.shift_summary(shifted)}
     frame = self._predictions.frame
     if frame is not None:  # corrupted on device, in this range
       summary['value_range'] = list(frame.value_range)
-    baseline = mce.load_baseline(session.config.eval.get('shift_baseline', ''), list(shifted))
+    baseline = mce.load_baseline(session.spec.eval.shift_baseline, list(shifted))
     if baseline is not None:
       summary.update(mce.mce_report(baseline, shifted, clean, mask))
     session.results['shift'] = summary

@@ -46,7 +46,7 @@ class Distill(PeriodicAction):
     if not included.any():  # Every member went non-finite: the run says so.
       logging.info('distillation skipped: no member is in the ensemble.')
       return
-    seed, parts = session.config.seed, session.parts
+    seed, parts = session.spec.seed, session.parts
     net = students.make_student(self.spec.student, parts.model, parts.num_outputs,
                                 int(included.sum()))
     train = session.run_data.dataset.train
@@ -57,7 +57,7 @@ class Distill(PeriodicAction):
           lambda idx: np.asarray(train.read(idx)[0]), teacher)
       if writers.is_writer():
         student_file.write(session.workdir, params, state, self._meta(call, net))
-      rows, ood_split = session.config.eval.batch_size, session.run_data.ood
+      rows, ood_split = session.spec.eval.batch_size, session.run_data.ood
       log_probs = _log_probs(net, params, state, session.run_data.dataset.test.x, rows)
       ood = None if ood_split is None else _log_probs(net, params, state, ood_split.x, rows)
     session.results['distill'] = self._results(call, net, params, losses, log_probs, included)
@@ -65,7 +65,7 @@ class Distill(PeriodicAction):
     if ood is not None:  # By its entropy: one network has no mutual information.
       scored = session.evaluator.scorer.ood(log_probs[None], ood[None],
                                             session.run_data.dataset.test.y)
-      out['ood'] = {'dataset': session.config.eval.ood_dataset,
+      out['ood'] = {'dataset': session.spec.eval.ood_dataset,
                     **{k: v for k, v in scored['ensemble'].items() if k.endswith('_entropy')}}
     if session.writes_final_events:
       session.write({'step': call.step, 'split': 'test_distill',
@@ -130,7 +130,7 @@ def _train_logits(call: Call) -> np.ndarray:
   mesh, train = session.parts.mesh, session.run_data.dataset.train
   step = evaluate.make_outputs_step(session.parts.predict_model, mesh)
   d = mesh.shape[mesh_lib.DATA]
-  rows = -(-min(session.config.eval.batch_size, train.num_examples) // d) * d
+  rows = -(-min(session.spec.eval.batch_size, train.num_examples) // d) * d
   variables, sharding, outs = (call.state.params, call.state.model_state), \
       mesh_lib.batch_sharding(mesh), []
   for start, valid in evaluate.padded_chunks(train.num_examples, rows):
@@ -178,19 +178,18 @@ def _cost(call: Call, net: students.StudentNet, params: Any, included: np.ndarra
                           if student_flops and ensemble_flops else None)}
 
 
-def distill_actions(config: Any, task: Any, method: Any) -> list[PeriodicAction]:
-  """[Distill] when config.distill.student is set, after refusing in one line what
-  cannot work: another task than classification, a method whose members share leaves or
-  predict with other weights, 'hydra' for a model that is not the built-in MLP, and
-  non-positive steps, temperature, learning rate or a negative batch size."""
-  spec = config.distill
-  if not spec.student:
+def distill_actions(spec: distill.DistillSpec | None, task: Any,
+                    method: Any) -> list[PeriodicAction]:
+  """[Distill] when a student is asked for (config.distill, its fields checked by
+  dist_ens.config.specs.distill_spec), after refusing in one line what cannot work:
+  another task than classification, a method whose members share leaves or predict with
+  other weights."""
+  if spec is None:
     return []
-  students.check_kind(spec.student, config.model.name == 'mlp' and not config.model.factory)
   field = f'config.distill.student={spec.student!r}'
   if task.name != 'classification':
     raise ConfigError(f"{field} distils a classifier's predictive (soft targets over classes); "
-                      f"config.task={config.task!r} is not classification: set "
+                      f"config.task={task.name!r} is not classification: set "
                       "distill.student=''.")
   if (method.shares or method.collects or method.outputs_per_output != 1
       or method.wrap_loss is not None or method.wrap_model is not None):
@@ -198,15 +197,4 @@ def distill_actions(config: Any, task: Any, method: Any) -> list[PeriodicAction]
                       f'config.ensemble.method={method.name!r} (or ensemble.own) shares leaves '
                       "or predicts with other weights: use method='deep' with own='all', or "
                       "distill.student=''.")
-  for name, value, least in (('steps', spec.steps, 1), ('batch_size', spec.batch_size, 0)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-      raise ConfigError(f'config.distill.{name}={value!r} must be an int >= {least} with '
-                        f'{field} (e.g. {1000 if name == "steps" else 0}).')
-  for name in ('temperature', 'learning_rate'):
-    value = spec[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-      raise ConfigError(f'config.distill.{name}={value!r} must be a number > 0 with {field} '
-                        f'(e.g. {2.0 if name == "temperature" else 1e-3}).')
-  return [Distill(distill.DistillSpec(
-      spec.student, spec.steps, float(spec.temperature), float(spec.learning_rate),
-      spec.batch_size or config.data.batch_size))]
+  return [Distill(spec)]

@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 from absl import logging
 
-from dist_ens.config import groups as member_groups
 from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
@@ -28,13 +27,13 @@ and own (config.ensemble's, or the group's own), and ensemble metrics."""
     outputs = self._predictions.predict(call, test).outputs
     included = ~np.asarray(member_flags(session.fetch(call.state.frozen)), bool)
     out: dict[str, Any] = {}
-    for spec in member_groups.group_specs(session.config):
+    for spec, parts in zip(session.spec.groups, session.parts.groups):
       ids = spec.group.ids
       ensemble = (session.evaluator.scorer.metrics(outputs[ids], test.y, included[ids])['ensemble']
                   if included[ids].any() else None)  # every member frozen: no ensemble
-      own = member_groups.group_config(session.config, spec).ensemble
       out[spec.name] = {'members': list(range(ids.start, ids.stop)), 'model': spec.model,
-                        'optim': spec.optim, 'method': own.method, 'own': own.own,
+                        'optim': spec.optim, 'method': parts.method.name,
+                        'own': parts.method.own,
                         'ensemble': ensemble}
       if ensemble is not None:
         logging.info('group %s (members %d-%d): ensemble %s', spec.name, ids.start,

@@ -43,16 +43,15 @@ def evaluate_held_out(call: Call) -> dict[str, Any]:
   """The 'member_split' results of the run in `call` (see the module doc)."""
   session = call.session
   splits: data.MemberSplits = session.run_data.member_splits
-  m, e = session.config.num_members, splits.members_per_split
+  m, e = session.spec.num_members, splits.members_per_split
   frozen = np.asarray(member_flags(session.fetch(call.state.frozen)), bool)
   train, ev = session.run_data.dataset.train, session.evaluator
   # One batch size for every part (smaller ones padded): one compiled program.
-  batch = min(session.config.eval.batch_size, max(map(len, splits.held_out)))
+  batch = min(session.spec.eval.batch_size, max(map(len, splits.held_out)))
   members_view = ev.view(call.state)
   variables = (members_view.params, members_view.model_state)
   members: dict[str, list[float]] = {}
   per_split = []
-  run = assemble.Run(session.config, session.parts, session.run_data, None)
   for s, held in enumerate(splits.held_out):
     mask = np.zeros(m, bool)
     mask[s * e:(s + 1) * e] = True
@@ -60,7 +59,8 @@ def evaluate_held_out(call: Call) -> dict[str, Any]:
     split, finalize = data.Split(*train.read(held)), ev.finalize
     if session.run_data.split_scales is not None:
       scale = session.run_data.split_scales[s]
-      split, finalize = data.Split(*scale.apply(split.x, split.y)), run.finalize(scale)
+      split = data.Split(*scale.apply(split.x, split.y))
+      finalize = assemble.finalizer(session.spec.eval, session.parts.task, scale)
     results = evaluate.evaluate(ev.eval_step, variables, split, batch, ev.mesh,
                                 jax.device_put(mask, member_sharding(session.parts.mesh)), finalize)
     for name, values in results['members'].items():

@@ -78,12 +78,12 @@ def _log_likelihood(call: Call, outputs: np.ndarray) -> np.ndarray:
 def _method_joint(call: Call, batches: np.ndarray) -> dict[str, Any]:
   """The joint log-loss of the members the run's method predicts with (its ensemble)."""
   session = call.session
-  members = methods.predictive_members(session.parts.method, call.state, session.config.seed,
+  members = methods.predictive_members(session.parts.method, call.state, session.spec.seed,
                                        session.parts.mesh)
   step = evaluate.make_outputs_step(session.parts.predict_model, session.parts.mesh)
   with session.off_clock():
     outputs = evaluate.split_outputs(step, (members.params, members.model_state),
-                                     session.run_data.dataset.test, session.config.eval.batch_size,
+                                     session.run_data.dataset.test, session.spec.eval.batch_size,
                                      session.parts.mesh)
   included = ~np.asarray(member_flags(session.fetch(members.frozen)), bool)
   loss = joint.joint_log_loss(_log_likelihood(call, outputs), batches, included)

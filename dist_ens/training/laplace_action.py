@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from dist_ens.config import groups as member_groups
+from dist_ens.config.specs import EvalSpec
 from dist_ens.core import groups as groups_lib
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate, joint, laplace, laplace_predictive
@@ -115,7 +115,7 @@ class Laplace(PeriodicAction):
       fits = [fit for fit, _, _, _ in fitted]
       laplace_file.write(session.workdir, fits)
       # What Ensemble.load builds from the file, so predict(laplace=True) gives these.
-      arrays = [laplace_predictive.fitted_arrays(fit, session.config.seed,
+      arrays = [laplace_predictive.fitted_arrays(fit, session.spec.seed,
                                                  session.parts.num_outputs, session.parts.mesh)
                 for fit in fits]
       plain, laplaced, draws = self._log_probs(call, stacks, arrays, data.dataset.test)
@@ -127,7 +127,7 @@ class Laplace(PeriodicAction):
       session.results['laplace']['joint'] = self._joint(call, draws)
     if ood is not None:  # OOD AUROC/AUPR by the Laplace predictives' uncertainty.
       session.results['laplace']['ood'] = {
-          'dataset': session.config.eval.ood_dataset,
+          'dataset': session.spec.eval.ood_dataset,
           **session.evaluator.scorer.ood(laplaced, ood, data.dataset.test.y,
                                          posthoc.included(call))}
 
@@ -136,7 +136,7 @@ class Laplace(PeriodicAction):
     """(the stack's fit, its [m] prior precisions in float64, how they were chosen, the
     training examples counted)."""
     curvature, error, count = self._curvature(call, stack)
-    if error > _LINEAR_TOLERANCE.get(call.session.config.precision, 1e-3):
+    if error > _LINEAR_TOLERANCE.get(call.session.spec.precision, 1e-3):
       raise ConfigError(f'config.eval.laplace: the output layer {stack.names[0]} is not '
                         f'linear in its features (relative error {error:.2g}); set '
                         "eval.laplace=''.")
@@ -151,7 +151,7 @@ class Laplace(PeriodicAction):
     """The joint log-loss of the weight draws' label log-likelihoods [M, S, N]: member m's
     is its draws' mixture, the ensemble's that of every included member's draws."""
     tau, num_batches = self.joint
-    batches = joint.dyadic_batches(draws.shape[-1], tau, num_batches, call.session.config.seed)
+    batches = joint.dyadic_batches(draws.shape[-1], tau, num_batches, call.session.spec.seed)
     members = [joint.joint_log_loss(d, batches).ensemble for d in draws]
     kept = draws[posthoc.included(call)].reshape(-1, draws.shape[-1])
     return {'tau': tau, 'kappa': joint.KAPPA, 'batches': num_batches, 'samples': self.samples,
@@ -177,7 +177,7 @@ class Laplace(PeriodicAction):
 
   def _batches(self, call: Call, split: Any):
     """(x, y, mask, valid) of equal-shaped batches of `split`, padding masked."""
-    rows = min(_ROWS, call.session.config.eval.batch_size)
+    rows = min(_ROWS, call.session.spec.eval.batch_size)
     for start, valid in evaluate.padded_chunks(split.num_examples, rows):
       x, y = (np.asarray(a) for a in split.read(np.arange(start, start + valid)))
       yield (evaluate.pad_rows(x, rows), evaluate.pad_rows(y, rows),
@@ -271,7 +271,7 @@ def _group_ensembles(call: Call, laplaced: np.ndarray) -> dict[str, Any]:
   predictives (as results['groups'] gives their plain ones)."""
   session, included = call.session, posthoc.included(call)
   out = {}
-  for spec in member_groups.group_specs(session.config):
+  for spec in session.spec.groups:
     ids = spec.group.ids
     out[spec.name] = {'members': list(range(ids.start, ids.stop)), 'ensemble': (
         session.evaluator.scorer.metrics(laplaced[ids], session.run_data.dataset.test.y,
@@ -284,7 +284,7 @@ def _member_rows(call: Call) -> np.ndarray:
   """[M, N] bool: the training rows each member's curvature counts (its member_split
   part; every row without one)."""
   session = call.session
-  m, n = session.config.num_members, session.run_data.dataset.train.num_examples
+  m, n = session.spec.num_members, session.run_data.dataset.train.num_examples
   splits = session.run_data.member_splits
   if splits is None:
     return np.ones((m, n), bool)
@@ -294,16 +294,16 @@ def _member_rows(call: Call) -> np.ndarray:
   return rows
 
 
-def laplace_actions(config: Any, task: Any, method: Any) -> list[PeriodicAction]:
-  """[Laplace] when config.eval.laplace is set, after refusing, in one line, what it
+def laplace_actions(spec: EvalSpec, task: Any, method: Any) -> list[PeriodicAction]:
+  """[Laplace] when config.eval.laplace (spec.laplace) is set, after refusing, in one line, what it
   cannot fit: a task without softmax outputs, a method whose members share leaves or
   predict with more than their trained weights."""
-  kind = config.eval.laplace
+  kind = spec.laplace
   if not kind:
     return []
   if kind not in laplace.KINDS:
     raise ConfigError(f'config.eval.laplace={kind!r}; use one of {laplace.KINDS}, or \'\' (off).')
-  samples = config.eval.laplace_samples
+  samples = spec.laplace_samples
   if isinstance(samples, bool) or not isinstance(samples, int) or samples < 0:
     raise ConfigError(f'config.eval.laplace_samples={samples!r} must be an int >= 0 (0: the '
                       'probit approximation; k: k logit draws per example).')
@@ -319,5 +319,5 @@ def laplace_actions(config: Any, task: Any, method: Any) -> list[PeriodicAction]
                       f'member\'s output layer; config.ensemble.method={method.name!r} (or '
                       "ensemble.own) shares leaves or predicts with other weights: use "
                       "method='deep' with own='all', or eval.laplace=''.")
-  tau = config.eval.joint_tau
-  return [Laplace(kind, samples, (tau, config.eval.joint_batches) if tau else None)]
+  tau = spec.joint_tau
+  return [Laplace(kind, samples, (tau, spec.joint_batches) if tau else None)]

@@ -38,6 +38,7 @@ from dist_ens.io.writers import EventWriter
 from dist_ens.core.step import StepMetrics, TrainStep
 
 if TYPE_CHECKING:  # assemble builds the step, so it imports this package.
+  from dist_ens.config.specs import RunSpec
   from dist_ens.run.assemble import Parts
   from dist_ens.run.run_data import RunData
 
@@ -48,7 +49,10 @@ class Session:
   object for every call of the step, and what an action reads besides the call.
 
   Attributes:
-    config, parts, run_data, workdir: the run (see dist_ens.run.assemble).
+    config: the run's config as given (saved in every checkpoint; for users' actions:
+      dist_ens's own read `spec`).
+    spec, parts, run_data, workdir: the run (see dist_ens.run.assemble): spec holds what
+      the loop and its actions read of the config (dist_ens.config.specs.RunSpec).
     start_step, total_steps: where this session (re)started and where the run ends.
     steps_per_call: steps each call of the compiled step runs.
     hparams: the per-member hyperparameters on the mesh (population-based training
@@ -65,6 +69,7 @@ class Session:
       a checkpoint must save, its .stats what it has read.
   """
   config: ml_collections.ConfigDict
+  spec: 'RunSpec'
   parts: 'Parts'
   run_data: 'RunData'
   workdir: Path

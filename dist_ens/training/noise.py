@@ -38,7 +38,7 @@ def fitted_levels(call: Call) -> tuple[np.ndarray, str]:
   if session.run_data.split_scales is None:
     return np.square(rmse(data.Split(*train.read(np.arange(train.num_examples))))) / y_var, 'train'
   # Member splits: each member on its split's training rows, in the units it trained in.
-  levels, e = np.zeros(session.config.num_members), splits.members_per_split
+  levels, e = np.zeros(session.spec.num_members), splits.members_per_split
   for s, (rows, own) in enumerate(zip(splits.train, session.run_data.split_scales)):
     levels[s * e:(s + 1) * e] = np.square(rmse(data.Split(*own.apply(*train.read(rows)))))[
         s * e:(s + 1) * e] / y_var
@@ -60,8 +60,8 @@ class FitNoise(PeriodicAction):
     per_member = np.repeat(levels[:, None], target_dim, axis=1).astype(np.float32)
     task = tasks.regression_homoscedastic(target_dim, noise_variance=per_member)
     session.parts = session.parts._replace(task=task)
-    session.evaluator = assemble.Run(session.config, session.parts, session.run_data,
-                                     None).evaluator()
+    session.evaluator = assemble.build_evaluator(session.spec.eval, session.parts,
+                                                 session.run_data)
     scale = session.run_data.scale
     y_var = np.ones(target_dim) if scale is None else np.square(np.reshape(scale.y_std, -1))
     session.results['noise_variance'] = {

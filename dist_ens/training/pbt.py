@@ -158,14 +158,14 @@ class PopulationBasedTraining(PeriodicAction):
         'rounds': self._rounds}
     session.results['pbt'] = {'interval': self.spec.interval, 'metric': self.spec.metric,
                               'rounds': self._rounds,
-                              'lineage': lineage(self._rounds, session.config.num_members)}
+                              'lineage': lineage(self._rounds, session.spec.num_members)}
 
 
 def _groups(session: Session) -> list[groups_lib.Group]:
   """The populations PBT ranks and copies within: each member group, or all members."""
   if session.parts.groups:
     return [groups_lib.Group(g.first_member, g.num_members) for g in session.parts.groups]
-  return [groups_lib.Group(0, session.config.num_members)]
+  return [groups_lib.Group(0, session.spec.num_members)]
 
 
 def _decide(spec: pbt_lib.PbtSpec, round_index: int, values: list[float],

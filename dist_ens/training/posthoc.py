@@ -26,10 +26,10 @@ knows what the outputs mean.
 
 from typing import Any
 
-import ml_collections
 import numpy as np
 from absl import logging
 
+from dist_ens.config.specs import RunSpec
 from dist_ens.ensembles import methods, selection
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate
@@ -60,12 +60,12 @@ class SplitOutputs:
       if mc_samples not in self._steps:
         self._steps[mc_samples] = evaluate.make_outputs_step(
             session.parts.predict_model, session.parts.mesh, mc_samples=mc_samples,
-            combine=session.parts.task.combine, seed=session.config.seed)
+            combine=session.parts.task.combine, seed=session.spec.seed)
       members = session.evaluator.view(call.state)
       with session.off_clock():
         self._cache[key] = evaluate.split_outputs(
             self._steps[mc_samples], (members.params, members.model_state),
-            _split(call, split), session.config.eval.batch_size, session.parts.mesh)
+            _split(call, split), session.spec.eval.batch_size, session.parts.mesh)
     return self._cache[key]
 
 
@@ -136,7 +136,7 @@ class McDropout(_Posthoc):
     session.results['mc_dropout'] = {'samples': self.samples, **results}
     if session.run_data.ood is not None:  # OOD AUROC/AUPR by the MC predictions' uncertainty.
       session.results['mc_dropout']['ood'] = {
-          'dataset': session.config.eval.ood_dataset,
+          'dataset': session.spec.eval.ood_dataset,
           **scorer.ood(outputs, self.cache.get(call, 'ood', self.samples), test.y,
                        included(call))}
     if session.writes_final_events:
@@ -162,20 +162,20 @@ class MethodEnsemble(_Posthoc):
     session = call.session
     method, scorer, mesh = session.parts.method, session.evaluator.scorer, session.parts.mesh
     test = session.run_data.dataset.test
-    members = methods.predictive_members(method, call.state, session.config.seed, mesh)
+    members = methods.predictive_members(method, call.state, session.spec.seed, mesh)
     step = evaluate.make_outputs_step(session.parts.predict_model, mesh)
     variables, included = (members.params, members.model_state), ~np.asarray(
         member_flags(session.fetch(members.frozen)), bool)
     with session.off_clock():
       outputs = {name: evaluate.split_outputs(step, variables, _split(call, name),
-                                              session.config.eval.batch_size, session.parts.mesh)
+                                              session.spec.eval.batch_size, session.parts.mesh)
                  for name in ('test', 'ood') if name == 'test' or session.run_data.ood is not None}
     results = scorer.metrics(outputs['test'], test.y, included)
     session.results[method.name] = {'members_per_member': method.per_member,
                                     'predicting_members': int(included.sum()), **results}
     if 'ood' in outputs:
       session.results[method.name]['ood'] = {
-          'dataset': session.config.eval.ood_dataset,
+          'dataset': session.spec.eval.ood_dataset,
           **scorer.ood(outputs['test'], outputs['ood'], test.y, included)}
     if session.writes_final_events:
       session.write({'step': call.step, 'split': f'test_{method.name}', **results})
@@ -234,7 +234,7 @@ class GreedySelect(_Posthoc):
   def run(self, call: Call) -> None:
     session = call.session
     task, scorer = session.parts.task, session.evaluator.scorer
-    size = self.size or session.config.num_members
+    size = self.size or session.spec.num_members
     val, test = self.cache.get(call, 'validation'), self.cache.get(call, 'test')
     val_y, test_y = session.run_data.validation.y, session.run_data.dataset.test.y
     candidates = included(call)
@@ -285,38 +285,37 @@ def ensembles_table(rows: dict[str, dict[str, Any]], task: Task) -> str:
 SELECT_METHODS = ('top_k', 'greedy')
 
 
-def check(config: ml_collections.ConfigDict, task: Task, method: Any = None,
-          grouped: bool = False) -> None:
+def check(spec: RunSpec, task: Task, method: Any = None, grouped: bool = False) -> None:
   """One line, before training, for a post-hoc step the config asks for and `task`
   cannot do (tasks.check_steps; with `method`, its collected members too; `grouped`:
   member groups' own ensembles), or an unknown select.method."""
-  select = config.select.method
+  select = spec.select.method
   if select not in SELECT_METHODS:
     raise ConfigError(f'config.select.method={select!r}; use one of {SELECT_METHODS}.')
-  check_steps(task, {'eval.temperature_scaling': config.eval.temperature_scaling,
+  check_steps(task, {'eval.temperature_scaling': spec.eval.temperature_scaling,
                      "select.method='greedy'": select == 'greedy',
-                     'eval.mc_samples': config.eval.mc_samples > 0,
-                     'eval.metrics': bool(config.eval.metrics),
+                     'eval.mc_samples': spec.eval.mc_samples > 0,
+                     'eval.metrics': bool(spec.eval.metrics),
                      'ensemble.method': method is not None and method.collects,
                      'ensemble.groups': grouped})
 
 
-def posthoc_actions(config: ml_collections.ConfigDict, task: Task, method: Any,
+def posthoc_actions(spec: RunSpec, task: Task, method: Any,
                     cache: SplitOutputs | None = None) -> list[PeriodicAction]:
-  """The post-hoc actions config asks for (config.eval.mc_samples,
+  """The post-hoc actions the run asks for (config.eval.mc_samples,
   config.eval.temperature_scaling, config.select.method='greedy', and the members
   `method` collects), sharing their split outputs (`cache`, or their own)."""
-  check(config, task, method)
+  check(spec, task, method)
   cache, out = cache or SplitOutputs(), []
   # Snapshots and SWAG samples predict beside the trained members; a BatchEnsemble's
   # members are the trained members (evaluated as such).
   if method.collects:
     out.append(MethodEnsemble(cache))
-  if config.eval.mc_samples:
-    out.append(McDropout(config.eval.mc_samples, cache))
-  if config.eval.temperature_scaling:
+  if spec.eval.mc_samples:
+    out.append(McDropout(spec.eval.mc_samples, cache))
+  if spec.eval.temperature_scaling:
     out.append(TemperatureScale(cache))
-  if config.select.method == 'greedy':
-    out.append(GreedySelect(config.select.greedy_size, cache,
-                            replacement=config.select.greedy_replacement))
+  if spec.select.method == 'greedy':
+    out.append(GreedySelect(spec.select.greedy_size, cache,
+                            replacement=spec.select.greedy_replacement))
   return out

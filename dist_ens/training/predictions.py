@@ -36,22 +36,22 @@ class SplitPredictions:
     it scores with the run's evaluator (the task's metrics and the config's own)."""
     session = call.session
     if self._evaluator is None:
-      config, parts, test = session.config, session.parts, session.run_data.dataset.test
-      if config.eval.shift and not shift_spec.tfds_name(config.eval.shift):
+      spec, parts, test = session.spec, session.parts, session.run_data.dataset.test
+      if spec.eval.shift and not shift_spec.tfds_name(spec.eval.shift):
         # The program holds the corruptions eval.shift names, no other.
         families = {corruptions.corruption_id(name) for name, _ in
-                    shift_spec.resolve_shift(config.eval.shift, test.x.shape[1:])}
+                    shift_spec.resolve_shift(spec.eval.shift, test.x.shape[1:])}
         scale = session.run_data.scale
         if scale is not None:  # a task that standardises its inputs itself
           self.frame = shift_lib.InputFrame.fit(test.x, scale.x_std, scale.x_mean, families)
         else:
-          self.frame = shift_lib.InputFrame.fit(test.x, config.data.std or 1.0,
-                                                config.data.mean or 0.0, families)
+          self.frame = shift_lib.InputFrame.fit(test.x, spec.data.std or 1.0,
+                                                spec.data.mean or 0.0, families)
       scorer = session.evaluator.scorer
       step = shift_lib.make_predict_step(parts.predict_model, parts.mesh, scorer.eval_batch,
-                                         seed=config.seed, frame=self.frame)
+                                         seed=spec.seed, frame=self.frame)
       self._evaluator = shift_lib.PredictionEvaluator(
-          step, parts.mesh, min(config.eval.batch_size, len(test.y)), session.evaluator.view,
+          step, parts.mesh, min(spec.eval.batch_size, len(test.y)), session.evaluator.view,
           scorer.finalize)
     return self._evaluator
 

@@ -100,22 +100,22 @@ def default_actions(call: Call, checkpointer: Checkpointer,
   before and redoes that evaluation, and no resume can skip an event.
   """
   session = call.session
-  config = session.config
-  sync_every = config.train.sync_every
+  spec = session.spec
+  sync_every = spec.train.sync_every
   mesh = session.parts.mesh
   if not sync_every and mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1:
     sync_every = cadence.CPU_SYNC_EVERY
   k = session.steps_per_call
-  checkpoint = actions_lib.Checkpoint(checkpointer, config.checkpoint.every)
+  checkpoint = actions_lib.Checkpoint(checkpointer, spec.checkpoint_every)
   out: list[Action] = []
   if sync_every:  # In calls of the step: a call of K steps queues one program, not K.
     out.append(actions_lib.Sync(max(1, sync_every // k) * k))
   out.append(actions_lib.TrainLog(call, checkpoint))
-  if config.task == 'regression_homoscedastic':  # Before the final evaluations use it.
+  if spec.task == 'regression_homoscedastic':  # Before the final evaluations use it.
     out.append(noise.FitNoise())
   # The clean test and validation splits through every member once after the last step.
   predictions = predictions_lib.SplitPredictions()
-  out.append(actions_lib.Evaluate(config.train.eval_every, predictions))
+  out.append(actions_lib.Evaluate(spec.train.eval_every, predictions))
   if session.parts.groups:  # Each group's own ensemble, from the same test pass.
     out.append(group_ensembles.GroupEnsembles(predictions))
   if session.run_data.ood is not None:
@@ -126,19 +126,20 @@ def default_actions(call: Call, checkpointer: Checkpointer,
   splits = session.run_data.member_splits
   if splits is not None and any(map(len, splits.held_out)):
     out.append(held_out.EvaluateHeldOut())
-  if config.select.top_k and config.select.method == 'top_k':
+  if spec.select.top_k and spec.select.method == 'top_k':
     out.append(actions_lib.SelectTopK())
-  if config.pbt.enabled:  # After the step's evaluations, before its checkpoint.
-    out.append(pbt.PopulationBasedTraining(call, specs.pbt_spec(config)))
+  if spec.pbt is not None:  # After the step's evaluations, before its checkpoint.
+    out.append(pbt.PopulationBasedTraining(call, spec.pbt))
   outputs = posthoc.SplitOutputs(predictions)  # the post-hoc steps' and the joint log-loss'
-  out += posthoc.posthoc_actions(config, session.parts.task, session.parts.method, outputs)
-  out += laplace_action.laplace_actions(config, session.parts.task, session.parts.method)
-  out += joint_action.joint_actions(config.eval.joint_tau, config.eval.joint_batches,
-                                    config.seed, session.parts.task, outputs)
-  out += distill_action.distill_actions(config, session.parts.task, session.parts.method)
+  task, method = session.parts.task, session.parts.method
+  out += posthoc.posthoc_actions(spec, task, method, outputs)
+  out += laplace_action.laplace_actions(spec.eval, task, method)
+  out += joint_action.joint_actions(spec.eval.joint_tau, spec.eval.joint_batches, spec.seed,
+                                    task, outputs)
+  out += distill_action.distill_actions(spec.distill, task, method)
   out.append(decision_actions.EvaluateDecisions(predictions))  # selective, conformal, eval.shift
-  if config.train.profile_steps:
-    out.append(actions_lib.Profile(config.train.log_every, config.train.profile_steps))
+  if spec.train.profile_steps:
+    out.append(actions_lib.Profile(spec.train.log_every, spec.train.profile_steps))
   return [*out, *extra, checkpoint]
 
 
@@ -155,11 +156,11 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   workdir_lib.check_workdir(workdir)
   agreement.check_same_config(loading.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
-  posthoc.check(run.config, run.parts.task, run.parts.method, grouped=bool(run.parts.groups))
+  posthoc.check(run.spec, run.parts.task, run.parts.method, grouped=bool(run.parts.groups))
   # Refusals, of each member group's method where the groups have their own.
   for one, parts in zip(member_groups.group_configs(run.config), run.parts.groups or [run.parts]):
-    laplace_action.laplace_actions(one, parts.task, parts.method)
-    distill_action.distill_actions(one, parts.task, parts.method)
+    laplace_action.laplace_actions(run.spec.eval, parts.task, parts.method)
+    distill_action.distill_actions(specs.distill_spec(one), parts.task, parts.method)
   if workdir_lib.newest_intact_step(workdir) is None:  # A resume reads no init_from.
     assemble.check_init_from(run.parts)
   test = run.data.dataset.test
@@ -167,7 +168,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
     raise ConfigError(
         f'dataset {run.data.dataset.name!r} (config.data.name={config.data.name!r}) has an '
         'empty test split: the run is evaluated on it; give it at least one example.')
-  cadence.check_sync_every(run.config, run.parts.mesh)
+  cadence.check_sync_every(run.spec.train.sync_every, run.parts.mesh)
   writers.check_writer_names(config.writers)
   if loss is None:
     tasks.loss_for(config.train.loss, run.parts.task)
@@ -179,7 +180,7 @@ def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
            actions: Sequence[Action]) -> tuple[Call, Any, Checkpointer]:
   """Claims the workdir, restores or inits the state, and builds the step, the input
   pipeline and the writers: the loop's Session, and its first Call (the restored step)."""
-  config, parts, run_data, form = run
+  config, spec, parts, run_data, form = run
   mesh, dataset = parts.mesh, run_data.dataset
   _prepare_workdir(workdir, config)
   logging.info('mesh %s over %d of %s, %s; %s on %s', dict(mesh.shape), mesh.size,
@@ -192,25 +193,25 @@ def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
     if (warning := own_lib.random_frozen_base(one.ensemble.own, one.model.init_from,
                                              one.ensemble.train_shared)) is not None:
       logging.warning('%s', warning)
-  if restored.meta and 'jsonl' in config.writers and writers.is_writer():
-    workdir_lib.warn_missing_events(workdir, restored.step, config.train.log_every)
-  if config.reproducible:
+  if restored.meta and 'jsonl' in spec.writers and writers.is_writer():
+    workdir_lib.warn_missing_events(workdir, restored.step, spec.train.log_every)
+  if spec.reproducible:
     logging.debug('reproducible mode: each device runs its members one at a time')
     if (message := xla_flags.warning(mesh.devices.flat[0].platform)) is not None:
       logging.warning('%s', message)
   else:
     logging.debug('each device runs its members with %s%s', form[0],
                   f' (chunks of {form[1]})' if form[1] else '')
-  k = cadence.steps_per_call(config, parts, run_data, restored.step, actions)
+  k = cadence.steps_per_call(spec, parts, run_data, restored.step, actions)
   if k > 1:
     logging.debug('%d steps per call of the compiled step', k)
   train_step = run.step(k, loss)
   batches = run.batches(restored.data_state, k, with_index=train_step.uses_index)
   writer = writers.MultiWriter(
-      writers.make_writer(config.writers, workdir, restored.step if restored.meta else None),
+      writers.make_writer(spec.writers, workdir, restored.step if restored.meta else None),
       *extra_writers)
-  session = Session(config=config, parts=parts, run_data=run_data, workdir=workdir,
-                    start_step=restored.step, total_steps=config.train.steps,
+  session = Session(config=config, spec=spec, parts=parts, run_data=run_data, workdir=workdir,
+                    start_step=restored.step, total_steps=spec.train.steps,
                     steps_per_call=k, hparams=parts.device_hparams(),
                     evaluator=run.evaluator(), writer=writer, saved_meta=restored.meta,
                     batches=batches)
@@ -346,10 +347,10 @@ def _stop_early(call: Call, checkpointer: Checkpointer, signal_name: str) -> dic
 def _finish(call: Call, traces: int, checkpoint_seconds: float) -> dict[str, Any]:
   """Writes final_metrics.json and members.csv, logs the tables, returns the results."""
   session = call.session
-  config = session.config
+  spec = session.spec
   frozen = np.flatnonzero(member_flags(session.fetch(call.state.frozen))).tolist()
   results = dict(session.results)
-  final = {'step': config.train.steps, 'num_members': config.num_members,
+  final = {'step': spec.train.steps, 'num_members': spec.num_members,
            'members': results.pop('members'), 'ensemble': results.pop('ensemble'),
            'frozen_members': frozen, 'train_step_traces': traces,
            'train_seconds': session.train_seconds(),
@@ -359,19 +360,19 @@ def _finish(call: Call, traces: int, checkpoint_seconds: float) -> dict[str, Any
     final['hyperparameters'] = {f: hparams_lib.as_written(session.parts.hparams[f])
                                 for f in varying}
   final.update(results)  # ood, validation, selected, and what user actions added.
-  metric = config.select.metric
+  metric = spec.select.metric
   rows = tables.member_rows(final, session.parts.hparams, final.get('validation'), metric,
                             session.parts.task.select_metrics[metric])
   writers.write_json(session.workdir / 'final_metrics.json', final)
   writers.write_members_csv(session.workdir / 'members.csv', rows)
   logging.info('final test metrics:\n%s', tables.results_table(final), extra=console.RESULT)
-  if varying or config.select.top_k:
+  if varying or spec.select.top_k:
     logging.info('members, best first by %s %s:\n%s',
                  'validation' if 'validation' in final else 'test', metric,
                  tables.members_table(rows, varying), extra=console.RESULT)
-  if len(frozen) == config.num_members:  # Nothing left to ensemble: not a success.
+  if len(frozen) == spec.num_members:  # Nothing left to ensemble: not a success.
     raise TrainingError(
-        f'all {config.num_members} members went non-finite (the log names the step by which '
+        f'all {spec.num_members} members went non-finite (the log names the step by which '
         f'each did) and the ensemble is undefined; {session.workdir / "final_metrics.json"} holds '
         'what was measured. Lower optim.learning_rate, or check the data for NaN/inf.')
   return final
