@@ -62,7 +62,8 @@ def _items_rate(source: Any, order: data.Order, mesh: Any, members: int,
     seconds = time.perf_counter() - start
   finally:
     batches.close()
-  per_item = order._batch_size * (members if order.per_member else 1)  # pylint: disable=protected-access
+  batch = order._batch_size  # pylint: disable=protected-access
+  per_item = batch * (members if order.per_member else 1)
   return dict(rate=items / seconds, examples_per_s=items * per_item / seconds,
               resident=resident.is_resident(source),
               foreign_cores=overhead.foreign_cores(busy, overhead.machine_busy()))

@@ -226,13 +226,15 @@ def _probe(out: str, port: str, num_processes: str, process_id: str, hosts_along
 
 @pytest.mark.parametrize('hosts_along', ['data', 'member'])
 def test_two_processes_gather_the_same_batches(tmp_path, hosts_along):
-  import test_multihost as mh  # pylint: disable=g-import-not-at-top  # its process helpers
-  port = mh._free_port()  # pylint: disable=protected-access
+  # test_multihost's process helpers: environment (4 fake devices), start, deadline, kill.
+  # pylint: disable=g-import-not-at-top,protected-access
+  import test_multihost as mh
+  port = mh._free_port()
   outs = [tmp_path / f'probe_{i}.json' for i in range(2)]
-  procs = [mh._start(['timeout', '-k', '10', '150', sys.executable, __file__, 'probe',  # pylint: disable=protected-access
-                      str(outs[i]), str(port), '2', str(i), hosts_along], mh._env())  # pylint: disable=protected-access
+  procs = [mh._start(['timeout', '-k', '10', '150', sys.executable, __file__, 'probe',
+                      str(outs[i]), str(port), '2', str(i), hosts_along], mh._env())
            for i in range(2)]
-  for status, out in mh._wait(procs, 180):  # pylint: disable=protected-access
+  for status, out in mh._wait(procs, 180):
     assert status == 0, out[-5000:]
   probes = [json.loads(p.read_text()) for p in outs]
   assert probes[0] == probes[1]
