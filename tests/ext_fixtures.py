@@ -51,6 +51,31 @@ def margin_task():
                        select_metrics={'nll': False})
 
 
+def confident_share(run):
+  """A user's evaluator (docs/how-it-works.md, "An evaluator of your own"): after the last
+  step, the share of test examples the members' mean probability puts at >= 0.9 on one
+  class, under 'confident' in the results and as a 'test_confident' event."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from dist_ens.training.loop import PeriodicAction  # pylint: disable=g-import-not-at-top
+
+  class ConfidentShare(PeriodicAction):
+
+    def __init__(self):
+      super().__init__(0, at_end=True)  # after the last step only
+
+    def run(self, call):
+      session = call.session
+      test = session.run_data.dataset.test
+      logits = run.predictions.predict(call, test).outputs  # [M, N, C], predicted once
+      probs = np.asarray(jax.nn.softmax(logits, axis=-1)).mean(axis=0)
+      share = float(np.mean(probs.max(axis=-1) >= 0.9))
+      session.results['confident'] = share
+      if session.writes_final_events:
+        session.write({'step': call.step, 'split': 'test_confident', 'ensemble': {'share': share}})
+
+  return [ConfidentShare()] if run.task.name == 'classification' else []
+
+
 def annotated_linen_mlp(num_classes=10):
   """A Flax linen MLP whose hidden kernel carries its own partition annotation: split
   over 'model' on its INPUT dimension, where FSDP would pick the output one."""

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 
+import ext_fixtures
 import support
 
 import dist_ens
@@ -86,6 +87,26 @@ def test_a_task_by_import_path_sets_outputs_metrics_and_results(tmp_path, plain)
                    str(tmp_path / 'c'))
   with pytest.raises(ConfigError, match=r"config.task='ranking'.*classification"):
     dist_ens.train(_config(task='ranking'), str(tmp_path / 'd'))
+
+
+def test_an_evaluator_by_import_path_runs_after_the_built_in_ones(tmp_path):
+  workdir = tmp_path / 'e'
+  got = dist_ens.train(_config(eval__evaluators=('ext_fixtures:confident_share',)),
+                       str(workdir))
+  # Its share is the loaded ensemble's, computed here from its predictions.
+  x, _ = ext_fixtures.blobs()[2:]
+  probs = dist_ens.Ensemble.load(str(workdir)).predict(x).probs
+  assert got['confident'] == pytest.approx(np.mean(probs.max(axis=-1) >= 0.9), abs=1e-9)
+  assert 0 < got['confident'] <= 1
+  events = [json.loads(line) for line in (workdir / 'metrics.jsonl').open()]
+  assert [e['ensemble']['share'] for e in events if e['split'] == 'test_confident'] == [
+      got['confident']]
+  for path, match in (('ext_fixtures:no_such', "config.eval.evaluators.*no_such"),
+                      ('ext_fixtures:np', "config.eval.evaluators names 'ext_fixtures:np', a "
+                                          "module: name a function")):
+    with pytest.raises(ConfigError, match=match):
+      dist_ens.train(_config(eval__evaluators=(path,)), str(tmp_path / 'bad'))
+    assert not (tmp_path / 'bad').exists()  # Refused before anything is written.
 
 
 @pytest.mark.parametrize('factory,shape', [('ext_fixtures:thirteen_logits', r'\(2, 13\)'),

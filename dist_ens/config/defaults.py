@@ -373,6 +373,10 @@ def _eval(config: ml_collections.ConfigDict) -> None:
   # Your own metrics by import path, fn(outputs [B, ...], targets [B]) -> [B] per example:
   # averaged per member and for the ensemble like the built-in ones (docs/evaluation.md).
   config.eval.metrics = ()
+  # Your own evaluators by import path, fn(run: dist_ens.training.evaluator.EvalRun) ->
+  # list of loop actions (none where the run does not ask for it): they run after the
+  # built-in ones at every step (docs/how-it-works.md, "An evaluator of your own").
+  config.eval.evaluators = ()
   # Out-of-distribution inputs scored at the end by the ensemble's uncertainty (AUROC/AUPR
   # by predictive entropy and by mutual information, under 'ood' in final_metrics.json):
   # '' = none; 'mnist1d_noise' or 'mnist1d_shuffled' (dist_ens/ood.py), or any dataset

@@ -151,6 +151,7 @@ class EvalSpec(NamedTuple):
   """config.eval: what the evaluations after (and during) training read."""
   batch_size: int
   metrics: tuple[str, ...]
+  evaluators: tuple[str, ...]
   ood_dataset: str
   mc_samples: int
   temperature_scaling: bool

@@ -25,6 +25,7 @@ from dist_ens.errors import TrainingError
 from dist_ens.io import progress as progress_lib, tables
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.training.loop import Call, PeriodicAction
+from dist_ens.training.evaluator import EvalRun
 from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.groups import metrics_in_id_order
 from dist_ens.core.state import member_flags
@@ -318,3 +319,24 @@ class Profile(PeriodicAction):
     if self._active:
       jax.profiler.stop_trace()
       self._active = False
+
+
+def evaluate(run: EvalRun) -> list[PeriodicAction]:
+  """[Evaluate]: the test split every train.eval_every steps and after the last."""
+  return [Evaluate(run.spec.train.eval_every, run.predictions)]
+
+
+def score_ood(run: EvalRun) -> list[PeriodicAction]:
+  """[ScoreOod] with eval.ood_dataset."""
+  return [ScoreOod()] if run.session.run_data.ood is not None else []
+
+
+def validate(run: EvalRun) -> list[PeriodicAction]:
+  """[Validate] with data.validation_size > 0."""
+  return [Validate(run.predictions)] if run.session.run_data.validation is not None else []
+
+
+def select_top_k(run: EvalRun) -> list[PeriodicAction]:
+  """[SelectTopK] with select.top_k > 0 and select.method='top_k'."""
+  select = run.spec.select
+  return [SelectTopK()] if select.top_k and select.method == 'top_k' else []

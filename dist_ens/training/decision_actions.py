@@ -20,6 +20,7 @@ from absl import logging
 from dist_ens.data import Split, corruptions, tfds_corrupted
 from dist_ens.eval import decisions, mce, shift_spec
 from dist_ens.training.loop import Call, PeriodicAction
+from dist_ens.training.evaluator import EvalRun
 from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
 
@@ -133,3 +134,8 @@ def _flat(metrics: dict[str, Any]) -> dict[str, Any]:
 
 def _rounded(values: dict[str, float]) -> dict[str, float]:
   return {k: round(v, 4) for k, v in values.items()}
+
+
+def evaluator(run: EvalRun) -> list[PeriodicAction]:
+  """[EvaluateDecisions]: selective prediction, conformal sets and eval.shift."""
+  return [EvaluateDecisions(run.predictions)]

@@ -28,6 +28,7 @@ from dist_ens.io import student_file, writers
 from dist_ens.parallel import mesh as mesh_lib, strategy
 from dist_ens.training import posthoc
 from dist_ens.training.loop import Call, PeriodicAction
+from dist_ens.training.evaluator import EvalRun
 
 # Examples per forward pass when the inference cost is counted (divided out again).
 _COST_BATCH = 64
@@ -198,3 +199,8 @@ def distill_actions(spec: distill.DistillSpec | None, task: Any,
                       "or predicts with other weights: use method='deep' with own='all', or "
                       "distill.student=''.")
   return [Distill(spec)]
+
+
+def evaluator(run: EvalRun) -> list[PeriodicAction]:
+  """[Distill] with distill.student (distill_actions)."""
+  return distill_actions(run.spec.distill, run.task, run.method)

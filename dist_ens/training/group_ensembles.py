@@ -9,6 +9,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens.training.loop import Call, PeriodicAction
+from dist_ens.training.evaluator import EvalRun
 from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
 
@@ -42,3 +43,8 @@ and own (config.ensemble's, or the group's own), and ensemble metrics."""
     session.results['groups'] = out
     if session.writes_final_events:
       session.write({'step': call.step, 'split': 'test_groups', 'groups': out})
+
+
+def evaluator(run: EvalRun) -> list[PeriodicAction]:
+  """[GroupEnsembles] with member groups: each group's ensemble, from the same test pass."""
+  return [GroupEnsembles(run.predictions)] if run.session.parts.groups else []

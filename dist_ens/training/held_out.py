@@ -32,6 +32,7 @@ from dist_ens.data.member_split import aggregate
 from dist_ens.eval import evaluate
 from dist_ens.parallel.mesh import member_sharding
 from dist_ens.training.loop import Call, PeriodicAction
+from dist_ens.training.evaluator import EvalRun
 from dist_ens.core.state import member_flags
 
 
@@ -95,3 +96,9 @@ class EvaluateHeldOut(PeriodicAction):
     logging.info('held-out (%s, %d splits): ensemble %s', results['spec'], results['splits'],
                  ', '.join(f"{k} {results['ensemble'][k]['mean']:.4f} +- "
                            f"{results['ensemble'][k]['se']:.4f}" for k in shown))
+
+
+def evaluator(run: EvalRun) -> list[PeriodicAction]:
+  """[EvaluateHeldOut] where member splits hold rows out ('blocks:S' holds none)."""
+  splits = run.session.run_data.member_splits
+  return [EvaluateHeldOut()] if splits is not None and any(map(len, splits.held_out)) else []

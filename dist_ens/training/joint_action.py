@@ -21,6 +21,7 @@ from dist_ens.ensembles import methods
 from dist_ens.eval import evaluate, joint
 from dist_ens.tasks import Task
 from dist_ens.training.loop import Call, PeriodicAction
+from dist_ens.training.evaluator import EvalRun
 from dist_ens.training.posthoc import SplitOutputs
 from dist_ens.core.state import member_flags
 
@@ -102,3 +103,9 @@ def joint_actions(tau: int, num_batches: int, seed: int, task: Task,
                  'log-loss is skipped.', tau, task.name)
     return []
   return [JointLogLoss(tau, num_batches, seed, cache)]
+
+
+def evaluator(run: EvalRun) -> list[PeriodicAction]:
+  """[JointLogLoss] with eval.joint_tau (joint_actions), on run.outputs."""
+  e = run.spec.eval
+  return joint_actions(e.joint_tau, e.joint_batches, run.spec.seed, run.task, run.outputs)

@@ -37,6 +37,7 @@ from dist_ens.models.heads import head_paths
 from dist_ens.parallel.sharding_rules import path_str
 from dist_ens.training import posthoc
 from dist_ens.training.loop import Call, PeriodicAction
+from dist_ens.training.evaluator import EvalRun
 
 # Rows per feature batch: the full form's Jacobians are [rows, P, C] per member.
 _ROWS = 128
@@ -321,3 +322,8 @@ def laplace_actions(spec: EvalSpec, task: Any, method: Any) -> list[PeriodicActi
                       "method='deep' with own='all', or eval.laplace=''.")
   tau = spec.joint_tau
   return [Laplace(kind, samples, (tau, spec.joint_batches) if tau else None)]
+
+
+def evaluator(run: EvalRun) -> list[PeriodicAction]:
+  """[Laplace] with eval.laplace (laplace_actions)."""
+  return laplace_actions(run.spec.eval, run.task, run.method)

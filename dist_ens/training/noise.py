@@ -21,6 +21,7 @@ from dist_ens import data, tasks
 from dist_ens.run import assemble
 from dist_ens.tasks.regression import dataset_target_dim
 from dist_ens.training.loop import Call, PeriodicAction
+from dist_ens.training.evaluator import EvalRun
 
 
 def fitted_levels(call: Call) -> tuple[np.ndarray, str]:
@@ -69,3 +70,8 @@ class FitNoise(PeriodicAction):
         'target_units': (levels[:, None] * y_var[None, :]).tolist()}
     logging.info('homoscedastic noise fitted on %s: std %s (target units)', split,
                  np.round(np.sqrt(levels[:, None] * y_var[None, :])[:, 0], 4).tolist())
+
+
+def evaluator(run: EvalRun) -> list[PeriodicAction]:
+  """[FitNoise] for task='regression_homoscedastic', before the final evaluations use it."""
+  return [FitNoise()] if run.spec.task == 'regression_homoscedastic' else []

@@ -35,6 +35,7 @@ from dist_ens.core.axes import MEMBER
 from dist_ens.ensembles import pbt as pbt_lib
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.training.loop import Call, PeriodicAction, Session
+from dist_ens.training.evaluator import EvalRun
 from dist_ens.core.state import member_flags
 
 _META_KEY = 'pbt'
@@ -191,3 +192,9 @@ def _set_hparams(session: Session, values: dict[str, np.ndarray]) -> None:
                                      for f, v in values.items()}) for g in session.parts.groups)
   session.parts = session.parts._replace(hparams=values, groups=groups)
   session.hparams = session.parts.device_hparams()
+
+
+def evaluator(run: EvalRun) -> list[PeriodicAction]:
+  """[PopulationBasedTraining] with pbt.enabled: after the step's evaluations, before its
+  checkpoint."""
+  return [] if run.spec.pbt is None else [PopulationBasedTraining(run.call, run.spec.pbt)]

@@ -36,6 +36,7 @@ from dist_ens.eval import evaluate
 from dist_ens.io import tables
 from dist_ens.tasks import Task, check_steps
 from dist_ens.training.loop import Call, PeriodicAction
+from dist_ens.training.evaluator import EvalRun
 from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
 
@@ -319,3 +320,8 @@ def posthoc_actions(spec: RunSpec, task: Task, method: Any,
     out.append(GreedySelect(spec.select.greedy_size, cache,
                             replacement=spec.select.greedy_replacement))
   return out
+
+
+def evaluator(run: EvalRun) -> list[PeriodicAction]:
+  """The post-hoc steps the run asks for (posthoc_actions), sharing run.outputs."""
+  return posthoc_actions(run.spec, run.task, run.method, run.outputs)

@@ -28,10 +28,10 @@ from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import methods, own as own_lib
 from dist_ens.io import console, tables, writers
 from dist_ens.parallel import xla_flags
-from dist_ens.training import (actions as actions_lib, decision_actions, distill_action,
-                               group_ensembles, held_out, joint_action, laplace_action,
-                               noise, pbt, posthoc,
-                               predictions as predictions_lib, workdir as workdir_lib)
+from dist_ens.training import (actions as actions_lib, distill_action,
+                               evaluator as evaluator_lib, evaluators, laplace_action,
+                               posthoc, predictions as predictions_lib,
+                               workdir as workdir_lib)
 from dist_ens.training import cadence
 # Re-exported: tests reach the step's FLOPs estimate here.
 from dist_ens.training.loop import Action, Call, Session, run_loop
@@ -92,7 +92,9 @@ def _restore_or_init(parts: assemble.Parts, checkpointer: Checkpointer) -> Resto
 
 def default_actions(call: Call, checkpointer: Checkpointer,
                     extra: Sequence[Action] = ()) -> list[Action]:
-  """The actions every run has, from the config, with `extra` (a user's) before the
+  """The actions every run has: waiting for the device, the train log, the built-in
+  evaluators the run asks for (dist_ens.training.evaluators, in their order) and
+  config.eval.evaluators' own, a profile if asked for, then `extra` (a user's) and the
   checkpoint, in the order they run.
 
   The checkpoint comes last: a checkpoint at step N then exists only once every event
@@ -111,33 +113,12 @@ def default_actions(call: Call, checkpointer: Checkpointer,
   if sync_every:  # In calls of the step: a call of K steps queues one program, not K.
     out.append(actions_lib.Sync(max(1, sync_every // k) * k))
   out.append(actions_lib.TrainLog(call, checkpoint))
-  if spec.task == 'regression_homoscedastic':  # Before the final evaluations use it.
-    out.append(noise.FitNoise())
-  # The clean test and validation splits through every member once after the last step.
+  # The clean test and validation splits through every member once after the last step,
+  # for every evaluator; the post-hoc steps' and the joint log-loss' outputs likewise.
   predictions = predictions_lib.SplitPredictions()
-  out.append(actions_lib.Evaluate(spec.train.eval_every, predictions))
-  if session.parts.groups:  # Each group's own ensemble, from the same test pass.
-    out.append(group_ensembles.GroupEnsembles(predictions))
-  if session.run_data.ood is not None:
-    out.append(actions_lib.ScoreOod())
-  if session.run_data.validation is not None:
-    out.append(actions_lib.Validate(predictions))
-  # 'blocks:S' holds nothing out: nothing to evaluate there.
-  splits = session.run_data.member_splits
-  if splits is not None and any(map(len, splits.held_out)):
-    out.append(held_out.EvaluateHeldOut())
-  if spec.select.top_k and spec.select.method == 'top_k':
-    out.append(actions_lib.SelectTopK())
-  if spec.pbt is not None:  # After the step's evaluations, before its checkpoint.
-    out.append(pbt.PopulationBasedTraining(call, spec.pbt))
-  outputs = posthoc.SplitOutputs(predictions)  # the post-hoc steps' and the joint log-loss'
-  task, method = session.parts.task, session.parts.method
-  out += posthoc.posthoc_actions(spec, task, method, outputs)
-  out += laplace_action.laplace_actions(spec.eval, task, method)
-  out += joint_action.joint_actions(spec.eval.joint_tau, spec.eval.joint_batches, spec.seed,
-                                    task, outputs)
-  out += distill_action.distill_actions(spec.distill, task, method)
-  out.append(decision_actions.EvaluateDecisions(predictions))  # selective, conformal, eval.shift
+  run = evaluator_lib.EvalRun(call, predictions, posthoc.SplitOutputs(predictions))
+  for build in [*evaluators.EVALUATORS.values(), *evaluator_lib.load(spec.eval.evaluators)]:
+    out += build(run)
   if spec.train.profile_steps:
     out.append(actions_lib.Profile(spec.train.log_every, spec.train.profile_steps))
   return [*out, *extra, checkpoint]
@@ -157,6 +138,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   agreement.check_same_config(loading.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
   posthoc.check(run.spec, run.parts.task, run.parts.method, grouped=bool(run.parts.groups))
+  evaluator_lib.load(run.spec.eval.evaluators)  # Each loads, before any work.
   # Refusals, of each member group's method where the groups have their own.
   for one, parts in zip(member_groups.group_configs(run.config), run.parts.groups or [run.parts]):
     laplace_action.laplace_actions(run.spec.eval, parts.task, parts.method)
