@@ -215,13 +215,11 @@ def test_steps_per_call_must_be_positive(mnist1d):
     _step(_setup(8, 1), steps_per_call=0)
 
 
-def _with(parts, **fields):
-  """The same parts with config.train / top-level fields changed (the step reads them)."""
-  config = parts.config.copy_and_resolve_references()
-  for key, value in fields.items():
-    section, _, field = key.rpartition('.')
-    (config[section] if section else config)[field] = value
-  return parts._replace(config=config)
+def _with(parts, **options):
+  """The same parts with step options changed (core.step.StepOptions: what the config's
+  precision, train.micro_batches and reproducible set)."""
+  stack = parts.stack
+  return parts._replace(stack=stack._replace(options=stack.options._replace(**options)))
 
 
 @pytest.mark.parametrize('reproducible', [False, True])
@@ -231,10 +229,9 @@ def test_micro_batches_give_the_full_batch_update(mnist1d, reproducible):
   parts = _setup(2, 4, 'sgd')
   batches = _batches(mnist1d, 3)
   whole, whole_losses, _ = _train_sharded(_with(parts, reproducible=reproducible,
-                                                **{'train.micro_batches': 1 + 3 * reproducible}),
-                                          batches)
-  cut, cut_losses, _ = _train_sharded(_with(parts, reproducible=reproducible,
-                                            **{'train.micro_batches': 8}), batches)
+                                                micro_batches=1 + 3 * reproducible), batches)
+  cut, cut_losses, _ = _train_sharded(_with(parts, reproducible=reproducible, micro_batches=8),
+                                      batches)
   np.testing.assert_allclose(cut_losses, whole_losses, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), cut.params, whole.params)
   moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),

@@ -16,8 +16,12 @@ import ml_collections
 from dist_ens import data, models, tasks
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.core.optim import OptimSpec
+from dist_ens.core.step import StepOptions
+from dist_ens.data import augment as augment_lib
 from dist_ens.ensembles import distill, methods, pbt, students
 from dist_ens.errors import ConfigError
+from dist_ens.importing import is_import_path, load_object
+from dist_ens.io import init_from as init_from_lib
 from dist_ens.io.init_from import InitFrom
 from dist_ens.models import hf as hf_models
 from dist_ens.parallel import mesh as mesh_lib
@@ -235,3 +239,46 @@ def _section(section: ml_collections.ConfigDict, spec: type) -> Any:
   """spec's fields read from a config section, sequences as tuples."""
   plain = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v
   return spec(**{name: plain(section[name]) for name in spec._fields})
+
+
+class StackSpec(NamedTuple):
+  """What one stack of members (the run's, or a member group's with its overrides) builds
+  its step, initial state and member form from, read once by build_parts."""
+  seed: int
+  loss: str  # config.train.loss: '' = the task's own
+  options: StepOptions  # augmentation, precision, micro-batches, reproducible mode
+  batch_size: int  # config.data.batch_size: each member's examples a step
+  init_from: InitFrom
+  member_parallelism: str  # config.ensemble's 'auto', 'vmap' or 'map'
+  map_batch_size: int
+  model_name: str
+  # What the measured member forms' cache keys this stack by (run.member_forms.form_key):
+  # its model (less where it starts from), data set, precision, optimizer, method.
+  form_fields: dict[str, Any]
+
+
+def stack_spec(config: ml_collections.ConfigDict) -> StackSpec:
+  """The stack spec of a checked config (a member group's own config for a group)."""
+  e = config.ensemble
+  model = {k: v for k, v in config.model.to_dict().items() if k not in init_from_lib.FIELDS}
+  form_fields = {'model': model, 'data': config.data.name, 'precision': config.precision,
+                 'optim': config.optim.name, 'method': e.method,
+                 'per_member_batches': config.data.member_order != 'shared'}
+  if e.own != 'all':  # (Absent otherwise: the keys measured before stay.)
+    form_fields['own'] = e.own
+  return StackSpec(seed=config.seed, loss=config.train.loss, options=step_options(config),
+                   batch_size=config.data.batch_size, init_from=init_from_spec(config),
+                   member_parallelism=e.member_parallelism, map_batch_size=e.map_batch_size,
+                   model_name=config.model.name, form_fields=form_fields)
+
+
+def step_options(config: ml_collections.ConfigDict) -> StepOptions:
+  """Augmentation, precision, micro-batches and reproducible mode, as the config says."""
+  augment = config.data.augment
+  if is_import_path(augment):
+    augment = load_object(augment, 'config.data.augment')
+  augment = augment_lib.get_augmentation(augment, 'config.data.augment')
+  return StepOptions(augment=None if augment is augment_lib.identity
+                     else augment_lib.member_augmentation(augment, config.seed),
+                     precision=config.precision, micro_batches=config.train.micro_batches,
+                     reproducible=config.reproducible)

@@ -271,7 +271,7 @@ def calibrate(config: ml_collections.ConfigDict,
   for name, stack in zip(names or [None], parts.groups or [parts]):
     best, seconds = calibration.calibrate(stack, config.data.batch_size,
                                           config.data.member_order != 'shared',
-                                          stack.config.model.name)
+                                          stack.stack.model_name)
     fastest = min(seconds.values())
     per_device = counted(calibration.members_per_device(stack), 'member')
     where = f'group {name!r} ({stack.num_members} members), ' if name else ''

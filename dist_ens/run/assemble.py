@@ -44,18 +44,16 @@ from dist_ens.run.member_forms import member_form
 from dist_ens.run.mesh_layout import build_layout, build_mesh
 from dist_ens.parallel import mesh as mesh_lib, once, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
-from dist_ens.core.step import StepOptions, TrainStep, make_train_step
-from dist_ens.data import augment as augment_lib
-from dist_ens.importing import is_import_path, load_object
+from dist_ens.core.step import TrainStep, make_train_step
 from dist_ens.io import init_from
 from dist_ens.run.run_data import RunData, build_data
-from dist_ens.config.specs import (EvalSpec, RunSpec, data_spec, hparams_spec, init_from_spec,
-                                   method_spec, model_spec, optim_spec, run_spec)
+from dist_ens.config.specs import (EvalSpec, RunSpec, StackSpec, data_spec, hparams_spec,
+                                   method_spec, model_spec, optim_spec, run_spec, stack_spec)
 
 
 class Parts(NamedTuple):
   """A run's parts, before any state exists (all shapes, no arrays)."""
-  config: ml_collections.ConfigDict
+  stack: StackSpec  # what the step, init and member form read of the config
   mesh: Mesh
   model: Model
   optimizer: Optimizer
@@ -262,8 +260,9 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
       [sharding_rules.path_str(layout.rule_path(p))
        for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]])
   abstract = layout.place(state, mesh)
-  return Parts(config, mesh, model, optimizer, member_hparams, input_shape, num_outputs,
-               abstract, init, method, task, layout, input_dtype, first_member=first_member)
+  return Parts(stack_spec(config), mesh, model, optimizer, member_hparams, input_shape,
+               num_outputs, abstract, init, method, task, layout, input_dtype,
+               first_member=first_member)
 
 
 def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],
@@ -292,7 +291,7 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
   # whatever needs a group's own (the step, init, calibration, Laplace) reads parts.groups.
   first = groups[0]
   return first._replace(
-      config=config, model=groups_lib.members_model([g.predict_model for g in groups],
+      stack=stack_spec(config), model=groups_lib.members_model([g.predict_model for g in groups],
                                                     [s.group for s in specs]),
       hparams=hparams, abstract_state=abstract,
       init=groups_lib.join_inits([g.init for g in groups]), groups=groups)
@@ -378,20 +377,8 @@ def check_init_from(parts: Parts) -> None:
 
 def _init_from_args(parts: Parts) -> tuple[Any, ...]:
   """(spec, model, input shape, outputs per example) of a member's init from a file."""
-  return (init_from_spec(parts.config), parts.model, parts.input_shape,
+  return (parts.stack.init_from, parts.model, parts.input_shape,
           parts.num_outputs * parts.method.outputs_per_output)
-
-
-def step_options(config: ml_collections.ConfigDict) -> StepOptions:
-  """Augmentation, precision, micro-batches and reproducible mode, as the config says."""
-  augment = config.data.augment
-  if is_import_path(augment):
-    augment = load_object(augment, 'config.data.augment')
-  augment = augment_lib.get_augmentation(augment, 'config.data.augment')
-  return StepOptions(augment=None if augment is augment_lib.identity
-                     else augment_lib.member_augmentation(augment, config.seed),
-                     precision=config.precision, micro_batches=config.train.micro_batches,
-                     reproducible=config.reproducible)
 
 
 def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
@@ -400,20 +387,20 @@ def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
   replaces config.train.loss."""
   if parts.groups:  # Each group's own step (and member form), one after another.
     steps = [build_step(g, per_member_batches=per_member_batches,
-                        form=member_form(g, g.config.data.batch_size),
+                        form=member_form(g, g.stack.batch_size),
                         steps_per_call=steps_per_call, loss=loss) for g in parts.groups]
     return groups_lib.join_steps(steps, [groups_lib.Group(g.first_member, g.num_members)
                                          for g in parts.groups], parts.state_shardings,
                                  per_member_batches=per_member_batches,
                                  steps_per_call=steps_per_call)
   parallelism, map_batch_size = form
-  loss = loss or tasks.loss_for(parts.config.train.loss, parts.task)
+  loss = loss or tasks.loss_for(parts.stack.loss, parts.task)
   if parts.method.wrap_loss is not None:  # e.g. MIMO: the sum of its heads' losses
     loss = parts.method.wrap_loss(loss)
   objective = gradients.Objective(loss, parts.task.batch_metrics)
   return make_train_step(parts.model, parts.optimizer, parts.mesh, parts.abstract_state,
-                         seed=parts.config.seed, objective=objective,
+                         seed=parts.stack.seed, objective=objective,
                          per_member_batches=per_member_batches,
                          member_parallelism=parallelism, map_batch_size=map_batch_size,
-                         steps_per_call=steps_per_call, options=step_options(parts.config),
+                         steps_per_call=steps_per_call, options=parts.stack.options,
                          hooks=parts.method.hooks, first_member=parts.first_member)

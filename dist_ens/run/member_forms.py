@@ -1,13 +1,12 @@
 """How each device runs its members (vmap, or map in chunks): config.ensemble's
 member_parallelism resolved for a run's parts, by `dist-ens plan --calibrate`'s
 measurement where there is one (parallel/form_cache.py), else by parallel/strategy.py's
-rules. dist_ens.run.assemble uses it and exports its names."""
+rules. dist_ens.run.assemble uses it."""
 
 from typing import Any
 
 import jax
 
-from dist_ens.io import init_from
 from dist_ens.parallel import form_cache, mesh as mesh_lib, strategy
 
 # `parts` below: an assemble.Parts (not imported: assemble builds on this module).
@@ -20,15 +19,8 @@ def members_per_device(parts: Any) -> int:
 def form_key(parts: Any, batch_size: int) -> str:
   """The key of the measured member forms' cache (parallel/form_cache.py) for this run
   with this global batch per member."""
-  config = parts.config
-  model = {k: v for k, v in config.model.to_dict().items() if k not in init_from.FIELDS}
-  fields = {'model': model, 'data': config.data.name,
-            'precision': config.precision, 'optim': config.optim.name,
-            'method': config.ensemble.method,
-            'per_member_batches': config.data.member_order != 'shared'}
-  if config.ensemble.own != 'all':  # (Absent otherwise: the keys measured before stay.)
-    fields['own'] = config.ensemble.own
-  return form_cache.key(fields, parts.mesh.devices.flat[0], members_per_device(parts),
+  return form_cache.key(parts.stack.form_fields, parts.mesh.devices.flat[0],
+                        members_per_device(parts),
                         batch_size // parts.mesh.shape[mesh_lib.DATA])
 
 
@@ -36,14 +28,14 @@ def member_form(parts: Any, batch_size: int) -> strategy.Form:
   """(member parallelism, map chunk) for this mesh, with config.ensemble's 'auto' resolved:
   by `dist-ens plan --calibrate`'s measurement when it has one for this run's shape
   (parallel/form_cache.py), else by the rules of parallel/strategy.py."""
-  config, mesh = parts.config, parts.mesh
+  stack, mesh = parts.stack, parts.mesh
   # Only a single process trusts its cache: every process must compile the same program.
-  if config.ensemble.member_parallelism == 'auto' and jax.process_count() == 1:
+  if stack.member_parallelism == 'auto' and jax.process_count() == 1:
     calibrated = form_cache.lookup(form_key(parts, batch_size))
     if calibrated is not None:
       return calibrated
   return strategy.resolve(
-      config.ensemble.member_parallelism, config.ensemble.map_batch_size, config.model.name,
+      stack.member_parallelism, stack.map_batch_size, stack.model_name,
       mesh.devices.flat[0].platform,
       members_per_device=members_per_device(parts),
       sizes=lambda: strategy.member_size(

@@ -1,0 +1,68 @@
+"""Member orders as pure functions of (seed, member, epoch): data.pipeline.Order, no device.
+
+The properties the mutation run (docs/testing.md, "Mutation kill rates") found unchecked:
+where a saved end-of-epoch position resumes, that pooled orders are drawn from the seed,
+that a bootstrap resample can draw every example, and the largest batch allowed.
+"""
+
+import numpy as np
+import pytest
+
+from dist_ens.data.pipeline import MEMBER_ORDERS, IteratorState, Order
+
+
+def _epoch(order: Order, epoch: int, members: range) -> np.ndarray:
+  """[members, examples of the epoch] in batch order."""
+  batches = [order.indices(IteratorState(epoch, i), members)
+             for i in range(order.batches_per_epoch)]
+  return np.concatenate(batches, axis=-1)
+
+
+def test_a_position_saved_at_an_epochs_end_resumes_at_the_next_epochs_start():
+  order = Order('shared', 10, 3, seed=0)  # 3 batches an epoch, the last example dropped
+  assert order.batches_per_epoch == 3
+  assert order.normalize(IteratorState(2, 3)) == IteratorState(3, 0)
+  assert order.normalize(IteratorState(2, 4)) == IteratorState(3, 0)
+  for inside in (IteratorState(0, 0), IteratorState(2, 2)):
+    assert order.normalize(inside) == inside
+  # advance rolls over at the same place, so a normalised state is the next batch's.
+  assert order.advance(IteratorState(2, 2)) == IteratorState(3, 0)
+
+
+def test_the_largest_batch_is_one_epoch():
+  assert Order('shuffled', 4, 4, seed=0).batches_per_epoch == 1
+  with pytest.raises(ValueError, match='batch_size=5 exceeds the 4 training examples'):
+    Order('shuffled', 4, 5, seed=0)
+  with pytest.raises(ValueError, match="of a member's pool"):
+    Order('shuffled', 8, 4, seed=0, pools=[np.arange(3), np.arange(3, 8)], member_pool=[0, 1])
+
+
+@pytest.mark.parametrize('kind', MEMBER_ORDERS)
+@pytest.mark.parametrize('pooled', [False, True])
+def test_every_order_is_drawn_from_the_seed_alone(kind, pooled):
+  pools = dict(pools=[np.arange(0, 12), np.arange(12, 24)], member_pool=[0, 1, 0, 1])
+  make = lambda seed: Order(kind, 24, 4, seed, **(pools if pooled else {}))
+  members = range(4)
+  for epoch in (0, 3):
+    first, again = make(7), make(7)  # two objects: nothing carried between them
+    np.testing.assert_array_equal(first.indices(IteratorState(epoch, 1), members),
+                                  again.indices(IteratorState(epoch, 1), members))
+  assert not np.array_equal(_epoch(make(7), 0, members), _epoch(make(8), 0, members))
+  if pooled:  # each member draws only from its own pool
+    rows = _epoch(make(7), 0, members)
+    assert (rows[[0, 2]] < 12).all() and (rows[[1, 3]] >= 12).all()
+
+
+@pytest.mark.parametrize('pooled', [False, True])
+def test_a_bootstrap_bag_can_hold_every_example_and_stays_the_members_across_epochs(pooled):
+  n = 5
+  pools = dict(pools=[np.arange(n)], member_pool=[0] * 64) if pooled else {}
+  order = Order('bootstrap', n, n, seed=3, **pools)
+  members = range(64)
+  bags = _epoch(order, 0, members)
+  # 64 resamples of 5: every example, the first and the last included, is drawn.
+  assert set(bags.ravel().tolist()) == set(range(n))
+  # A member's bag is drawn once: each epoch visits the same multiset in a new order.
+  later = _epoch(order, 1, members)
+  np.testing.assert_array_equal(np.sort(bags, axis=1), np.sort(later, axis=1))
+  assert not np.array_equal(bags, later)
