@@ -187,17 +187,15 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   parts, form, mesh = run.parts, run.form, run.parts.mesh
   if memory_bytes is None:
     memory_bytes = device_memory_bytes(mesh.devices.flat[0])
+  batch = step_batch(config)
   if parts.groups:  # Each group priced on its own, the joint step measured whole.
-    return groups_plan.make_groups_plan(config, run, memory_bytes, step_batch(config))
-  platform = mesh.devices.flat[0].platform
+    return groups_plan.make_groups_plan(config, run, memory_bytes, batch)
   shards = mesh.shape[mesh_lib.MEMBER]
   per_device = config.num_members // shards
   # The same form at twice the members ('auto' held fixed, so that the two compiles
   # differ only in M); the values of per-member hyperparameters do not change sizes.
-  parallelism, map_batch_size = form
   rebuild = lambda m: assemble.build_parts(config, mesh, input_shape, num_outputs,
                                            num_members=m)
-  batch = step_batch(config)
   compiled, host = dry_run.compile_and_measure(parts, batch, form, measure_programs)
   step = step_memory(compiled, per_device)
   step_doubled = step_memory(dry_run.compile_step(rebuild(2 * config.num_members), batch,
@@ -206,15 +204,13 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   # Below zero where the peak more than doubles from M to 2M (XLA chose other fusions):
   # the line then overstates the growth, and no part of the peak is fixed.
   fixed = max(0.0, step.peak - bytes_per_member * per_device)
-  state = parts.abstract_state
-
   m = config.num_members
-  params_per_member, state_bytes_per_member = sizes.per_member_sizes(state, m)
+  params_per_member, state_bytes_per_member = sizes.per_member_sizes(parts.abstract_state, m)
   peak = _peak(step, host, len(mesh.local_devices))
   max_members = _max_members(memory_bytes, peak, bytes_per_member, per_device, shards)
   return Plan(
-      num_members=m, mesh_shape=dict(mesh.shape), platform=platform, parallelism=parallelism,
-      map_batch_size=map_batch_size, params_per_member=params_per_member,
+      num_members=m, mesh_shape=dict(mesh.shape), platform=mesh.devices.flat[0].platform,
+      parallelism=form[0], map_batch_size=form[1], params_per_member=params_per_member,
       state_bytes_per_member=state_bytes_per_member, step=step, step_doubled=step_doubled,
       bytes_per_member=bytes_per_member, fixed_bytes=fixed, memory_bytes=memory_bytes,
       max_members=max_members,
