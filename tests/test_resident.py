@@ -6,6 +6,7 @@ This file is also the probe each process of the two-process test runs:
 `python tests/test_resident.py probe OUT PORT NUM_PROCESSES PROCESS_ID HOSTS_ALONG`.
 """
 
+import functools
 import json
 import logging
 import sys
@@ -19,6 +20,7 @@ import support
 
 import dist_ens
 from dist_ens import data
+from dist_ens.config import checks
 from dist_ens.data import resident, uci
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.run import run_data as run_data_lib
@@ -161,6 +163,15 @@ def test_build_data_decides_from_the_config():
   config.data.resident = False
   config.data.resident_budget_mb = 1e6
   assert isinstance(run_data_lib.build_data(config).dataset.train, data.Split)
+
+
+def test_a_setting_other_than_auto_true_or_false_is_refused_by_the_config_check():
+  for bad in ('yes', 1, 0, None):
+    config = support.config({'data.resident': bad})
+    message = support.one_line_refusal(functools.partial(checks.validate, config))
+    assert f'config.data.resident={bad!r}' in message and "'auto', True or False" in message
+  for good in ('auto', True, False):
+    checks.validate(support.config({'data.resident': good}))
 
 
 @pytest.mark.parametrize('overrides', [

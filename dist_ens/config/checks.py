@@ -16,6 +16,7 @@ from dist_ens.config import schema, specs
 from dist_ens.config.loading import DEFAULT_CONFIG
 from dist_ens.core import hparams
 from dist_ens.data.augment import AUGMENTATIONS
+from dist_ens.data import resident
 from dist_ens.data.pipeline import MEMBER_ORDERS
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec as shift_lib
@@ -57,6 +58,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
              'steps; logs, evaluations and checkpoints happen between calls)')
   _require(_get(config, 'data.member_order') in MEMBER_ORDERS, 'data.member_order',
            config.data.member_order, f'use one of {list(MEMBER_ORDERS)}')
+  _require(resident.is_setting(_get(config, 'data.resident')), 'data.resident',
+           config.data.resident, "use 'auto', True or False")
   for field in ('data.mean', 'data.std'):
     value = _get(config, field)
     _require(isinstance(value, (tuple, list)) and all(

@@ -181,7 +181,7 @@ def choose(setting: Any, budget_mb: float, source: Source, copies: int = 1) -> S
     ConfigError: a setting other than 'auto', True or False, or True for a split that
       does not fit the budget (one line naming the field and the bytes).
   """
-  if not any(setting is s or (isinstance(s, str) and setting == s) for s in SETTINGS):
+  if not is_setting(setting):
     raise ConfigError(f"{FIELD}={setting!r}; use 'auto', True or False.")
   if setting is False or isinstance(source, ResidentSource):
     return source
@@ -197,6 +197,11 @@ def choose(setting: Any, budget_mb: float, source: Source, copies: int = 1) -> S
     return source
   logging.info('resident data: %s (%s=%g)', what, BUDGET_FIELD, budget_mb)
   return ResidentSource(source, copies, need)
+
+
+def is_setting(value: Any) -> bool:
+  """Whether `value` is one of SETTINGS (True and False themselves, not 1 or 0)."""
+  return any(value is s or (isinstance(s, str) and value == s) for s in SETTINGS)
 
 
 def is_resident(source: Source) -> bool:

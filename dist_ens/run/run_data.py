@@ -88,8 +88,7 @@ def _resident(config: ml_collections.ConfigDict, run_data: RunData) -> RunData:
   """run_data with its training split resident on the devices (data/resident.py) where
   config.data.resident and its budget say so: data.Batches then gathers each batch there."""
   copies = 1 if run_data.split_scales is None else len(run_data.split_scales)
-  train = resident.choose(config.data.get('resident', 'auto'),
-                          config.data.get('resident_budget_mb', 1024.0),
+  train = resident.choose(config.data.resident, config.data.resident_budget_mb,
                           run_data.dataset.train, copies)
   return run_data._replace(dataset=run_data.dataset._replace(train=train))
 
