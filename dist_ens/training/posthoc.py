@@ -13,8 +13,8 @@
                      dist_ens.ensembles.selection)
 
 Each puts its results in call.session.results (so in final_metrics.json), writes an event and
-logs a table. `posthoc_actions(config, task)` builds those the config asks for; from
-Python:
+logs a table. `posthoc_actions(run_spec, task, method)` builds those the config asks for
+(the 'posthoc' evaluator, dist_ens.training.evaluators); from Python:
 
   dist_ens.train(config, workdir, actions=[posthoc.TemperatureScale(), posthoc.GreedySelect(8)])
 
