@@ -19,7 +19,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -92,6 +92,17 @@ def rotating_rounds(names: Iterable[T], rounds: int) -> Iterator[tuple[int, T]]:
   for r in range(rounds if names else 0):
     for name in names[r % len(names):] + names[:r % len(names)]:
       yield r, name
+
+
+def run_rounds(jobs: dict[str, Callable[[], T]], rounds: int,
+               line: Callable[[int, str, T], str]) -> dict[str, list[T]]:
+  """{name: its results, one a round}: every job once a round, in rotating_rounds' order,
+  printing `line(round, name, result)` as each ends (a long benchmark shows its progress)."""
+  results: dict[str, list[T]] = {name: [] for name in jobs}
+  for r, name in rotating_rounds(jobs, rounds):
+    results[name].append(jobs[name]())
+    print(line(r, name, results[name][-1]), flush=True)
+  return results
 
 
 def write_results(path: str | Path, results: dict[str, Any]) -> Path:

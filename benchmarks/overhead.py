@@ -312,12 +312,9 @@ def measure(members: int, variants: dict[str, dict[str, Any]], args: Any) -> lis
   for name, overrides in variants.items():
     jobs[name] = lambda o=overrides: time_run(make_config(members, args.steps, o), args.warmup)
     base[name] = bare_key(overrides)
-  results = {name: [] for name in jobs}
-  for r, name in harness.rotating_rounds(jobs, args.rounds):
-    results[name].append(jobs[name]())
-    got = results[name][-1]
-    print(f'M={members} round {r} {name}: {got["rate"]:,.0f} member-ex/s; other processes '
-          f'{got["foreign_cores"]:.2f} cores; CPU ms/step {got["cpu_ms_per_step"]}', flush=True)
+  results = harness.run_rounds(jobs, args.rounds, lambda r, name, got: (
+      f'M={members} round {r} {name}: {got["rate"]:,.0f} member-ex/s; other processes '
+      f'{got["foreign_cores"]:.2f} cores; CPU ms/step {got["cpu_ms_per_step"]}'))
   rows = []
   for name, key in base.items():
     bare = [x['rate'] for x in results[f'bare[{key}]']]

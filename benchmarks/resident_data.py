@@ -80,11 +80,8 @@ def image_pipeline(examples: int, members: int, args: Any) -> dict[str, Any]:
   jobs = {'resident': lambda: _items_rate(resident.ResidentSource(split), order, mesh, members,
                                           args.items),
           'host': lambda: _items_rate(split, order, mesh, members, args.items)}
-  results = {name: [] for name in jobs}
-  for r, name in harness.rotating_rounds(jobs, args.rounds):
-    results[name].append(jobs[name]())
-    print(f'images M={members} round {r} {name}: {results[name][-1]["rate"]:,.1f} batches/s',
-          flush=True)
+  results = harness.run_rounds(jobs, args.rounds, lambda r, name, got: (
+      f'images M={members} round {r} {name}: {got["rate"]:,.1f} batches/s'))
   ratios = [a['rate'] / b['rate'] for a, b in zip(results['resident'], results['host'])]
   return dict(examples=examples, members=members, member_order='shuffled', batch=128,
               medians={k: statistics.median(x['rate'] for x in v) for k, v in results.items()},
@@ -100,12 +97,9 @@ def measure(members: int, order: str, args: Any) -> dict[str, Any]:
   for resident, name in ((True, 'resident'), (False, 'host')):
     jobs[f'pipeline[{name}]'] = lambda r=resident: pipeline_rate(config(r), args.items)
     jobs[f'run[{name}]'] = lambda r=resident: overhead.time_run(config(r), args.warmup)
-  results = {name: [] for name in jobs}
-  for r, name in harness.rotating_rounds(jobs, args.rounds):
-    results[name].append(jobs[name]())
-    got = results[name][-1]
-    print(f'M={members} {order} round {r} {name}: {got["rate"]:,.1f}/s '
-          f'(other processes {got["foreign_cores"]:.2f} cores)', flush=True)
+  results = harness.run_rounds(jobs, args.rounds, lambda r, name, got: (
+      f'M={members} {order} round {r} {name}: {got["rate"]:,.1f}/s '
+      f'(other processes {got["foreign_cores"]:.2f} cores)'))
   med = {name: statistics.median(x['rate'] for x in got) for name, got in results.items()}
   ratio = lambda a, b: [x['rate'] / y['rate'] for x, y in zip(results[a], results[b])]
   return dict(

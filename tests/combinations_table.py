@@ -144,6 +144,9 @@ VALUES: tuple[Option, ...] = (
     Option('own=batchensemble', {'ensemble.own': 'batchensemble'}, ('ensemble.own',)),
     Option('order shuffled', {'data.member_order': 'shuffled'}, ('data.member_order',)),
     Option('order bootstrap', {'data.member_order': 'bootstrap'}, ('data.member_order',)),
+    # 'auto' (the default: every case above) puts these small splits on the devices.
+    Option('host pipeline', {'data.resident': False}, ('data.resident',)),
+    Option('resident', {'data.resident': True}, ('data.resident',)),
     Option('holdout', {'data.member_split': 'holdout:2'}, ('data.member_split',)),
     Option('blocks', {'data.member_split': 'blocks:2'}, ('data.member_split',)),
     Option('hydra student', {'distill.student': 'hydra', 'distill.steps': 2},

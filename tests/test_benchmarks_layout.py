@@ -80,3 +80,13 @@ def test_a_script_runs_as_a_module():
                         env=env, capture_output=True, text=True, timeout=120, check=False)
   assert done.returncode == 0, done.stderr[-2000:]
   assert 'usage:' in done.stdout
+
+
+def test_run_rounds_measures_each_job_once_a_round_in_rotating_order(capsys):
+  from benchmarks import harness  # pylint: disable=import-outside-toplevel
+  order = []
+  jobs = {name: (lambda n=name: order.append(n) or len(order)) for name in 'abc'}
+  results = harness.run_rounds(jobs, 2, lambda r, name, got: f'{r}:{name}={got}')
+  assert order == ['a', 'b', 'c', 'b', 'c', 'a']
+  assert results == {'a': [1, 6], 'b': [2, 4], 'c': [3, 5]}
+  assert capsys.readouterr().out.split() == ['0:a=1', '0:b=2', '0:c=3', '1:b=4', '1:c=5', '1:a=6']

@@ -27,7 +27,7 @@ import dist_ens
 from dist_ens import data, tasks
 from dist_ens.config import checks
 from dist_ens.core import optim
-from dist_ens.data import member_split, pipeline
+from dist_ens.data import member_split, pipeline, resident
 from dist_ens.ensembles import methods, own, students
 from dist_ens.errors import ConfigError
 from dist_ens.eval import laplace
@@ -200,6 +200,7 @@ CLOSED = {
     'eval.laplace': laplace.KINDS,
     'data.member_order': pipeline.MEMBER_ORDERS,
     'data.member_split': member_split.KINDS,
+    'data.resident': resident.SETTINGS,
     'select.method': posthoc.SELECT_METHODS,
     'precision': checks.PRECISIONS,
     'distill.student': students.KINDS,

@@ -204,8 +204,9 @@ def measure(root: Path) -> dict:
   }
 
 
-def _entered(root: Path, fn) -> list[str]:
-  """The files under `root` whose functions `fn()` enters, in the order first entered."""
+def _entered(root: Path, fn) -> tuple[list[str], object]:
+  """(the files under `root` whose functions `fn()` enters, in the order first entered,
+  what fn returned)."""
   seen: dict[str, None] = {}
   prefix = str(root) + '/'
 
@@ -214,10 +215,10 @@ def _entered(root: Path, fn) -> list[str]:
       seen.setdefault(f'{root.name}/{frame.f_code.co_filename[len(prefix):]}', None)
   sys.setprofile(profile)
   try:
-    fn()
+    result = fn()
   finally:
     sys.setprofile(None)
-  return list(seen)
+  return list(seen), result
 
 
 def step_files(config_path: Path) -> dict[str, list[str]]:
@@ -234,19 +235,16 @@ def step_files(config_path: Path) -> dict[str, list[str]]:
   root = Path(dist_ens.__file__).parent
   config = load_config(str(config_path))
   shapes = planner.data_shape(config)
-  built = {}
-  wiring = _entered(root, lambda: built.setdefault(
-      'run', assemble.build_run(config, devices=jax.devices()[:1], shapes=shapes)))
-  run = built['run']
+  wiring, run = _entered(
+      root, lambda: assemble.build_run(config, devices=jax.devices()[:1], shapes=shapes))
   batch = planner.step_batch(config)
-
-  for uses_index in (False, True):  # The harness's own calls, made outside the count.
-    built[uses_index] = dry_run.step_arguments(run.parts, batch, uses_index)
+  # The harness's own calls, made outside the count.
+  arguments = {i: dry_run.step_arguments(run.parts, batch, i) for i in (False, True)}
 
   def trace():
     step = assemble.build_step(run.parts, per_member_batches=batch.per_member, form=run.form)
-    step.fn.lower(*built[step.uses_index])
-  return {'step': _entered(root, trace), 'wiring': wiring}
+    step.fn.lower(*arguments[step.uses_index])
+  return {'step': _entered(root, trace)[0], 'wiring': wiring}
 
 
 def main() -> None:
