@@ -16,7 +16,7 @@ from dist_ens.config import schema, specs
 from dist_ens.config.loading import DEFAULT_CONFIG
 from dist_ens.core import hparams
 from dist_ens.data.augment import AUGMENTATIONS
-from dist_ens.data import resident
+from dist_ens.data import grain_loader, resident
 from dist_ens.data.pipeline import MEMBER_ORDERS
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec as shift_lib
@@ -60,6 +60,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
            config.data.member_order, f'use one of {list(MEMBER_ORDERS)}')
   _require(resident.is_setting(_get(config, 'data.resident')), 'data.resident',
            config.data.resident, "use 'auto', True or False")
+  grain_loader.check_config(_get(config, 'data.loader'), config.data.name, config.data.resident)
   for field in ('data.mean', 'data.std'):
     value = _get(config, field)
     _require(isinstance(value, (tuple, list)) and all(

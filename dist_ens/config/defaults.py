@@ -224,6 +224,13 @@ def _data(config: ml_collections.ConfigDict) -> None:
   # your own fn(key, x_example) -> x_example by import path, 'my_pkg.aug:fn'.
   config.data.augment = 'none'
   config.data.prefetch = 2  # batches prepared ahead on a background thread [int >= 0]
+  # Who reads and decodes the host pipeline's batches (docs/data.md, "Decoding in worker
+  # processes"): 'threads' (the background thread) or 'grain' (grain's worker processes,
+  # for TFDS datasets: pip install 'dist_ens[grain]'). The batches and the saved data
+  # position are the same either way.
+  config.data.loader = 'threads'  # [one of 'threads', 'grain']
+  # grain's worker processes per host (data.loader='grain'); 0 = one per CPU core.
+  config.data.grain_workers = 0  # [int >= 0]
   # The training split on the devices (docs/data.md, "Resident data"): put there once,
   # each step's batches gathered on the devices from the host's indices, the same bits as
   # the host pipeline's. 'auto': when it fits data.resident_budget_mb; True: always

@@ -19,6 +19,7 @@ from its own pool of indices: 'shared' gives the members of one pool the same ba
 as above but over the pool; batches are then always [M, B, ...].
 """
 
+import math
 import queue
 import threading
 import time
@@ -29,6 +30,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dist_ens.data import grain_loader
 from dist_ens.data.sources import Source
 
 MEMBER_ORDERS = ('shared', 'shuffled', 'bootstrap')
@@ -113,6 +115,17 @@ class Order:
     # A position saved at the end of an epoch is the start of the next one.
     return IteratorState(state.epoch + 1, 0) if state.index >= self.batches_per_epoch else state
 
+  def skip(self, state: IteratorState, batches: int) -> IteratorState:
+    """The position `batches` batches after `state` (advance, that many times)."""
+    index = state.index + batches
+    return IteratorState(state.epoch + index // self.batches_per_epoch,
+                         index % self.batches_per_epoch)
+
+  def __getstate__(self) -> dict[str, Any]:
+    # Pickled into grain's worker processes (data/grain_loader.py): the epoch orders are
+    # drawn again there from the same seeds; the cache may hold M of them.
+    return {**self.__dict__, '_cache': {}}
+
 
 class BatchIterator(Iterator[tuple[np.ndarray, np.ndarray]]):
   """Whole shared batches (x, y) in host memory; for tests, tools and benchmarks."""
@@ -179,6 +192,42 @@ def to_global(batch: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
   return jax.make_array_from_process_local_data(sharding, local, batch.shape)
 
 
+class HostReader(NamedTuple):
+  """One process's block of the item at a position, read into host memory.
+
+  What the thread pipeline does in its thread, and grain's worker processes in theirs
+  (data/grain_loader.py, config.data.loader='grain'): the same function of the same
+  position, so both give the same arrays bit for bit. It is pickled into those workers.
+  """
+  source: Source
+  order: Order
+  block: tuple[slice, ...]  # host_block of the batch: (rows,) or (members, rows)
+  steps: int = 1  # K consecutive batches per item, stacked on a leading axis when K > 1
+  member_scale: Any = None  # see Batches
+  with_index: bool = False
+
+  def indices(self, state: IteratorState) -> np.ndarray:
+    """The block's example indices at `state`: [(K,) (members,) rows]."""
+    blocks = []
+    for _ in range(self.steps):  # K consecutive batches: one read, one transfer.
+      blocks.append(local_indices(self.order, state, self.block))
+      state = self.order.advance(state)
+    return np.stack(blocks) if self.steps > 1 else blocks[0]
+
+  def __call__(self, state: IteratorState) -> tuple[np.ndarray, ...]:
+    """(x, y) of the item at `state`, and its indices (int32, shaped like y's leading
+    axes) with `with_index`."""
+    local = self.indices(state)
+    x, y = self.source.read(local.reshape(-1))
+    x = x.reshape(*local.shape, *x.shape[1:])
+    y = y.reshape(*local.shape, *y.shape[1:])  # [N, D] targets keep their D
+    if self.member_scale is not None:  # [(K,) members, rows, ...]: this block's members.
+      x_mean, x_std, y_mean, y_std = (a[self.block[0]][:, None] for a in self.member_scale)
+      x = ((x - x_mean) / x_std).astype(np.float32)
+      y = ((y - y_mean) / y_std).astype(np.float32)
+    return (x, y, local.astype(np.int32)) if self.with_index else (x, y)
+
+
 class PipelineStats(NamedTuple):
   examples: int  # Examples this process read.
   busy_seconds: float  # Time spent reading, preprocessing and transferring them.
@@ -199,16 +248,18 @@ class Batches:
   are read, on the host: the step and its one compiled program do not change, and a
   member's values depend on its member index alone, not on the mesh or the process.
   A resident source (data/resident.py) gives the same items, gathered on the devices.
+  With `loader='grain'` (config.data.loader; a TFDS source only) grain's `workers`
+  worker processes read and decode the items (data/grain_loader.py); the items, their
+  order and `state` are the same as with the default 'threads'.
   """
 
   def __init__(self, source: Source, order: Order, mesh: Mesh, num_members: int,
                state: IteratorState = IteratorState(), prefetch: int = 2,
                steps_per_call: int = 1, with_index: bool = False,
-               member_scale: Any = None):
+               member_scale: Any = None, loader: str = 'threads', workers: int = 0):
     if member_scale is not None and not order.per_member:
       raise ValueError('Batches(member_scale=...) needs a per-member order.')
-    self._source, self._order, self._with_index = source, order, with_index
-    self._member_scale = member_scale
+    self._order = order
     self.state = order.normalize(state)
     self._steps = steps_per_call
     batch = order._batch_size  # pylint: disable=protected-access
@@ -216,15 +267,22 @@ class Batches:
       spec, probe = P('member', 'data'), (num_members, batch)
     else:
       spec, probe = P('data'), (batch,)
-    self._block = host_block(NamedSharding(mesh, spec), probe, len(probe))
+    block = host_block(NamedSharding(mesh, spec), probe, len(probe))
     if steps_per_call > 1:
       spec, probe = P(None, *spec), (steps_per_call, *probe)
     self.sharding = NamedSharding(mesh, spec)
     self._global_lead = probe
+    self._reader = HostReader(source, order, block, steps_per_call, member_scale, with_index)
     # A resident split (data/resident.py: config.data.resident) gathers each batch on the
     # devices from the same indices: only they cross from the host.
     self._gather = (source.gatherer(mesh, self.sharding, probe, member_scale, with_index)
                     if hasattr(source, 'gatherer') else None)
+    if loader not in grain_loader.LOADERS:
+      raise ValueError(f'Batches(loader={loader!r}): use one of {grain_loader.LOADERS}.')
+    # With grain, its worker processes read the items from self.state on, in order (a
+    # resident split reads none).
+    self._reads = (grain_loader.Reads(self._reader, self.state, workers)
+                   if loader == 'grain' and self._gather is None else None)
     self._examples, self._busy = 0, 0.0
     self._queue: queue.Queue = queue.Queue(maxsize=max(prefetch, 1))
     self._stop = threading.Event()
@@ -238,29 +296,20 @@ class Batches:
   def _make(self, state: IteratorState) -> tuple[tuple[jax.Array, ...], IteratorState]:
     """The item at `state` (K batches stacked when K > 1) and the state after it."""
     start = time.perf_counter()
-    blocks = []
-    for _ in range(self._steps):  # K consecutive batches: one read, one transfer.
-      blocks.append(local_indices(self._order, state, self._block))
-      state = self._order.advance(state)
-    local = np.stack(blocks) if self._steps > 1 else blocks[0]
+    after = self._order.skip(state, self._steps)
     if self._gather is not None:
+      local = self._reader.indices(state)
       arrays = self._gather(local)
       self._examples += local.size
       self._busy += time.perf_counter() - start
-      return arrays, state
-    x, y = self._source.read(local.reshape(-1))
-    x = x.reshape(*local.shape, *x.shape[1:])
-    y = y.reshape(*local.shape, *y.shape[1:])  # [N, D] targets keep their D
-    if self._member_scale is not None:  # [(K,) members, rows, ...]: this block's members.
-      x_mean, x_std, y_mean, y_std = (a[self._block[0]][:, None] for a in self._member_scale)
-      x = ((x - x_mean) / x_std).astype(np.float32)
-      y = ((y - y_mean) / y_std).astype(np.float32)
-    batch = (x, y, local.astype(np.int32)) if self._with_index else (x, y)
+      return arrays, after
+    batch = self._reader(state) if self._reads is None else next(self._reads)
+    lead = batch[1].shape[:len(self._global_lead)]  # the block's (K,) (members,) rows
     arrays = tuple(jax.make_array_from_process_local_data(
-        self.sharding, a, self._global_lead + a.shape[local.ndim:]) for a in batch)
-    self._examples += local.size
+        self.sharding, a, self._global_lead + a.shape[len(lead):]) for a in batch)
+    self._examples += math.prod(lead)
     self._busy += time.perf_counter() - start
-    return arrays, state
+    return arrays, after
 
   def _produce(self, state: IteratorState) -> None:
     try:
@@ -298,3 +347,5 @@ class Batches:
     self._stop.set()
     if self._thread is not None:
       self._thread.join(timeout=10)
+    if self._reads is not None:
+      self._reads.close()

@@ -1,0 +1,105 @@
+"""CIFAR-shaped PNGs through the host pipeline: the thread against grain's worker processes.
+
+  python -m benchmarks.grain_pipeline [--examples 2048] [--members 8] [--items 24]
+      [--rounds 3] [--workers 1,2] [--out PATH]
+
+Writes a TFDS dataset of random 32x32x3 PNG images as ArrayRecord (as
+benchmarks/input_pipeline.py does) and times data.Batches on one device, as a run builds
+it (prefetch 2), reading it with config.data.loader='threads' and with 'grain' at each
+--workers count, for the 'shared' order (one batch of 128 an item) and 'shuffled' (one
+per member, --members of them). Each round starts every pipeline afresh (its start-up,
+worker processes included, is reported apart), takes a few items to drain what it
+prepared while starting, then times --items items: examples/s delivered, the consumer
+doing nothing else. Rounds rotate the order of the pipelines; the ratios to the thread
+are medians of each round's ratio. Writes benchmarks/results/grain_pipeline.json (or --out).
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+from benchmarks import harness
+from benchmarks.input_pipeline import write_cifar_shaped
+from dist_ens import data
+from dist_ens.data import grain_loader
+from dist_ens.parallel import mesh as mesh_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH = 128
+WARM_ITEMS = 4  # more than prefetch (2) plus what two workers prepare ahead
+
+
+def measure(source, order, mesh, members, loader, workers, items):
+  """(seconds to the first item, examples/s over `items` items after the warm ones)."""
+  start = time.perf_counter()
+  batches = data.Batches(source, order, mesh, members, prefetch=2, loader=loader,
+                         workers=workers)
+  try:
+    jax.block_until_ready(next(batches))
+    startup = time.perf_counter() - start
+    for _ in range(WARM_ITEMS - 1):
+      jax.block_until_ready(next(batches))
+    start = time.perf_counter()
+    for _ in range(items):
+      jax.block_until_ready(next(batches))
+    # Examples handed out in the timed items (stats also counts what was prefetched).
+    examples = items * (BATCH * members if order.per_member else BATCH)
+    return startup, examples / (time.perf_counter() - start)
+  finally:
+    batches.close()
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument('--examples', type=int, default=2048, help='PNGs in the train split')
+  parser.add_argument('--members', type=int, default=8, help="members of the 'shuffled' case")
+  parser.add_argument('--items', type=int, default=24, help='items timed per pipeline a round')
+  parser.add_argument('--rounds', type=int, default=3)
+  parser.add_argument('--workers', default='1,2', help="grain's worker counts, comma-separated")
+  parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'grain_pipeline.json'))
+  args = parser.parse_args()
+  header = harness.run_header()
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(member=1, data=1), jax.devices()[:1])
+  variants = {'threads': ('threads', 0)}
+  variants.update({f'grain, {w} worker{"s" * (w > 1)}': ('grain', w)
+                   for w in map(int, args.workers.split(','))})
+  rows = []
+  with tempfile.TemporaryDirectory() as data_dir:
+    write_cifar_shaped(data_dir, args.examples)
+    source = data.load_dataset('cifar_shaped',
+                               data.DataSpec('cifar_shaped', data_dir=data_dir)).train
+    for kind in ('shared', 'shuffled'):
+      members = args.members if kind == 'shuffled' else 1
+      order = data.Order(kind, source.num_examples, BATCH, 0)
+      jobs = {name: (lambda v=v: measure(source, order, mesh, members, *v, args.items))
+              for name, v in variants.items()}
+      results = harness.run_rounds(
+          jobs, args.rounds, lambda r, name, res, kind=kind: (
+              f'round {r} {kind:9s} {name:17s} start {res[0]:5.1f} s  {res[1]:9,.0f} ex/s'))
+      threads = results['threads']
+      for name, (loader, workers) in variants.items():
+        rates = [rate for _, rate in results[name]]
+        ratios = [rate / base for (_, rate), (_, base) in zip(results[name], threads)]
+        rows.append(dict(member_order=kind, members=members, batch=BATCH, loader=loader,
+                         workers=workers, examples_per_s=statistics.median(rates),
+                         examples_per_s_rounds=rates, ratio_to_threads=statistics.median(ratios),
+                         ratio_to_threads_rounds=ratios,
+                         startup_s=statistics.median(s for s, _ in results[name])))
+  print(f'\n{"order":9s} {"pipeline":17s} {"ex/s (median)":>14s} {"x threads":>10s} '
+        f'{"start s":>8s}')
+  for row, name in zip(rows, list(variants) * 2):
+    print(f'{row["member_order"]:9s} {name:17s} {row["examples_per_s"]:14,.0f} '
+          f'{row["ratio_to_threads"]:10.2f} {row["startup_s"]:8.1f}')
+  out = harness.write_results(args.out, dict(
+      header, device=jax.devices()[0].platform, examples=args.examples, items=args.items,
+      rounds=args.rounds, cpu_cores=grain_loader.default_workers(), rows=rows,
+      load_average_end=harness.load_average()))
+  print(f'wrote {out}')
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,225 @@
+"""config.data.loader='grain' (dist_ens/data/grain_loader.py): grain's worker processes
+give the thread pipeline's batches bit for bit, on a TFDS CIFAR-shaped set of PNGs
+written here, for every member order and member pools, K steps per call, the example
+indices, each process's block of the batch (two processes simulated by their devices),
+and resumed mid-epoch; a config or source it cannot serve is refused in one line."""
+
+import io
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tensorflow_datasets as tfds  # In the test extra, as grain is: these tests run.
+from jax.sharding import NamedSharding, PartitionSpec as P
+from PIL import Image
+
+from dist_ens import data
+from dist_ens.config import checks
+from dist_ens.config.loading import load_config
+from dist_ens.data import grain_loader, pipeline
+from dist_ens.errors import ConfigError
+from dist_ens.parallel import mesh as mesh_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+BATCH, MEMBERS, WORKERS = 16, 2, 2  # 200 examples: 12 batches an epoch
+
+
+def _png(array):
+  buffer = io.BytesIO()
+  Image.fromarray(array).save(buffer, 'PNG')
+  return buffer.getvalue()
+
+
+class GrainCifar(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """CIFAR-shaped: 32x32x3 PNGs of random pixels, so a wrong or misplaced decode shows."""
+  VERSION = tfds.core.Version('1.0.0')
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        'image': tfds.features.Image(shape=(32, 32, 3)),
+        'label': tfds.features.ClassLabel(num_classes=10)}), supervised_keys=('image', 'label'))
+
+  def _split_generators(self, dl_manager):
+    del dl_manager
+    return {'train': self._generate_examples(0, 200), 'test': self._generate_examples(200, 16)}
+
+  def _generate_examples(self, offset, n):
+    for i in range(offset, offset + n):
+      pixels = np.random.default_rng(i).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+      yield i, {'image': _png(pixels), 'label': i % 10}
+
+
+@pytest.fixture(scope='module')
+def train(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp('tfds'))
+  GrainCifar(data_dir=path, file_format='array_record').download_and_prepare()
+  return data.load_dataset('grain_cifar', data.DataSpec('grain_cifar', data_dir=path)).train
+
+
+def _order(kind, n, split_spec=''):
+  if not split_spec:
+    return data.Order(kind, n, BATCH, seed=3)
+  splits = data.make_member_splits(split_spec, n, MEMBERS, 3)
+  return data.Order(kind, n, BATCH, seed=3, pools=splits.train,
+                    member_pool=[splits.split_of(m) for m in range(MEMBERS)])
+
+
+def _mesh(kind):
+  spec = mesh_lib.MeshSpec(member=1, data=8) if kind == 'shared' else mesh_lib.MeshSpec(
+      member=2, data=4)
+  return mesh_lib.make_mesh(spec)
+
+
+def _items(batches, count):
+  items = [tuple(np.asarray(a) for a in next(batches)) for _ in range(count)]
+  return items, batches.state
+
+
+def _assert_same(want, got):
+  """The same items: values, dtypes, shapes and bits."""
+  assert len(want) == len(got)
+  for a, b in zip(want, got):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+      assert u.dtype == v.dtype and u.shape == v.shape
+      assert u.tobytes() == v.tobytes()
+
+
+def _both(source, order, mesh, count, **kwargs):
+  """(thread items, grain items) and their states, with the same arguments."""
+  threads = data.Batches(source, order, mesh, MEMBERS, **kwargs)
+  grained = data.Batches(source, order, mesh, MEMBERS, loader='grain', workers=WORKERS,
+                         **kwargs)
+  try:
+    first = next(grained)
+    assert [a.sharding for a in first] == [a.sharding for a in next(threads)]
+    got, got_state = _items(grained, count)
+    want, want_state = _items(threads, count)
+  finally:
+    threads.close()
+    grained.close()
+  assert got_state == want_state
+  return want, got
+
+
+@pytest.mark.parametrize('kind,split_spec,k,with_index', [
+    ('shared', '', 1, False),
+    ('shuffled', '', 3, True),
+    ('bootstrap', 'kfold:2', 1, True),
+])
+def test_batches_equal_the_thread_pipelines_bit_for_bit(train, kind, split_spec, k, with_index):
+  order = _order(kind, train.num_examples, split_spec)
+  # 5 items after the first cross the epoch (12 batches; 6 for a kfold:2 pool of 100);
+  # prefetching runs ahead of the state.
+  want, got = _both(train, order, _mesh(kind), 5, steps_per_call=k, with_index=with_index,
+                    prefetch=2)
+  _assert_same(want, got)
+  assert len(got[0]) == (3 if with_index else 2)
+  assert got[0][0].dtype == np.float32 and got[0][0].shape[-3:] == (32, 32, 3)
+
+
+@pytest.mark.parametrize('kind', ['shared', 'shuffled'])
+def test_each_simulated_process_reads_its_own_block(train, kind):
+  """Two processes, each holding half the mesh's devices: grain's workers read each
+  one's block as the thread pipeline's function does, and the blocks tile the batch."""
+  mesh, order = _mesh(kind), _order(kind, train.num_examples)
+  spec, lead = ((P('data'), (BATCH,)) if kind == 'shared'
+                else (P('member', 'data'), (MEMBERS, BATCH)))
+  sharding = NamedSharding(mesh, spec)
+  devices = list(mesh.devices.flat)
+  whole = pipeline.HostReader(train, order, pipeline.host_block(sharding, lead, len(lead)))
+  start = data.IteratorState(0, 10)  # 4 items: into the next epoch
+  parts = []
+  for process in range(2):
+    mine = devices[process * 4:(process + 1) * 4]
+    block = pipeline.host_block(sharding, lead, len(lead), devices=mine)
+    reader = pipeline.HostReader(train, order, block, with_index=True)
+    reads = grain_loader.Reads(reader, start, workers=1)  # (test_batches_* runs 2)
+    try:
+      got = [next(reads) for _ in range(4)]
+    finally:
+      reads.close()
+    want = [reader(order.skip(start, t)) for t in range(4)]
+    _assert_same(want, got)
+    parts.append((block, got))
+  axis = len(lead) - 1 if kind == 'shared' else 0  # rows over 'data'; members over 'member'
+  assert parts[0][0][axis].stop == parts[1][0][axis].start  # two halves, in order
+  for t in range(4):
+    tiled = [np.concatenate([p[1][t][i] for p in parts], axis=axis) for i in range(2)]
+    _assert_same([whole(order.skip(start, t))], [tuple(tiled)])
+
+
+def test_resume_mid_epoch_is_exact(train):
+  """A run stopped after 3 items (the state a checkpoint saves) and started again there
+  reads what an uninterrupted one reads next, across the epoch."""
+  order, mesh = _order('shuffled', train.num_examples), _mesh('shuffled')
+  whole = data.Batches(train, order, mesh, MEMBERS, prefetch=2, steps_per_call=2,
+                       loader='grain', workers=WORKERS)
+  try:
+    _, saved = _items(whole, 3)  # 6 batches in: mid-epoch
+    after, end = _items(whole, 4)  # into the next epoch
+  finally:
+    whole.close()
+  assert saved == data.IteratorState(0, 6) and end == data.IteratorState(1, 2)
+  resumed = data.Batches(train, order, mesh, MEMBERS, state=saved, prefetch=0,
+                         steps_per_call=2, loader='grain', workers=1)
+  try:
+    again, again_end = _items(resumed, 4)
+  finally:
+    resumed.close()
+  _assert_same(after, again)
+  assert again_end == end
+  threads = data.Batches(train, order, mesh, MEMBERS, state=saved, prefetch=0, steps_per_call=2)
+  _assert_same(after, _items(threads, 4)[0])
+  assert resumed.stats.examples == 4 * 2 * BATCH * MEMBERS
+
+
+def _config(**data_fields):
+  config = load_config(ROOT / 'configs' / 'default.py')
+  config.data.update(data_fields)
+  return config
+
+
+def _refusal(config):
+  with pytest.raises(ConfigError) as refused:
+    checks.validate(config)
+  message = str(refused.value)
+  assert '\n' not in message and 'data.loader' in message
+  return message
+
+
+def test_a_bad_loader_is_refused_naming_what_works():
+  message = _refusal(_config(loader='processes'))
+  assert "'threads'" in message and "'grain'" in message
+  checks.validate(_config(name='cifar10', loader='grain'))  # a TFDS name: accepted
+
+
+@pytest.mark.parametrize('name', ['mnist1d', 'uci:energy', 'text:/tmp/x'])
+def test_grain_refuses_data_held_in_memory(name):
+  assert "data.loader='threads'" in _refusal(_config(name=name, loader='grain'))
+
+
+def test_grain_refuses_resident_true():
+  message = _refusal(_config(name='cifar10', loader='grain', resident=True))
+  assert 'data.resident' in message
+
+
+def test_grain_refuses_a_source_it_cannot_read(train):
+  """An in-memory or user's source (e.g. from an import path loader) has no files."""
+  split = data.Split(*train.read(np.arange(32)))
+  with pytest.raises(ConfigError, match="data.loader='grain' reads TFDS"):
+    data.Batches(split, data.Order('shared', 32, BATCH, 0), _mesh('shared'), MEMBERS,
+                 loader='grain')
+  # A validation split carved from a TFDS split still reads its files.
+  assert grain_loader.is_tfds(data.Subset(train, np.arange(10)))
+
+
+def test_without_grain_installed_it_says_how_to_install(train, monkeypatch):
+  monkeypatch.setitem(sys.modules, 'grain', None)  # `import grain` raises ImportError
+  message = _refusal(_config(name='cifar10', loader='grain'))
+  assert "pip install 'dist_ens[grain]'" in message
+  with pytest.raises(ConfigError, match=r'dist_ens\[grain\]'):
+    data.Batches(train, data.Order('shared', train.num_examples, BATCH, 0), _mesh('shared'),
+                 MEMBERS, loader='grain')
