@@ -5,7 +5,9 @@ indices, each process's block of the batch (two processes simulated by their dev
 and resumed mid-epoch; a config or source it cannot serve is refused in one line."""
 
 import io
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -52,10 +54,15 @@ class GrainCifar(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 
 @pytest.fixture(scope='module')
-def train(tmp_path_factory):
+def data_dir(tmp_path_factory):
   path = str(tmp_path_factory.mktemp('tfds'))
   GrainCifar(data_dir=path, file_format='array_record').download_and_prepare()
-  return data.load_dataset('grain_cifar', data.DataSpec('grain_cifar', data_dir=path)).train
+  return path
+
+
+@pytest.fixture(scope='module')
+def train(data_dir):
+  return data.load_dataset('grain_cifar', data.DataSpec('grain_cifar', data_dir=data_dir)).train
 
 
 def _order(kind, n, split_spec=''):
@@ -174,6 +181,47 @@ def test_resume_mid_epoch_is_exact(train):
   threads = data.Batches(train, order, mesh, MEMBERS, state=saved, prefetch=0, steps_per_call=2)
   _assert_same(after, _items(threads, 4)[0])
   assert resumed.stats.examples == 4 * 2 * BATCH * MEMBERS
+
+
+_KILLED_PARENT = """
+import multiprocessing, sys, time
+import numpy as np
+from dist_ens import data
+from dist_ens.data import grain_loader, pipeline
+train = data.load_dataset('grain_cifar', data.DataSpec('grain_cifar', data_dir=sys.argv[1])).train
+order = data.Order('shared', train.num_examples, 16, 0)
+reads = grain_loader.Reads(pipeline.HostReader(train, order, (slice(0, 16),)),
+                           data.IteratorState(), workers=1)
+next(reads)
+print(*[p.pid for p in multiprocessing.active_children()], flush=True)
+time.sleep(120)
+"""
+
+
+def test_workers_exit_when_their_parent_is_killed(data_dir):
+  """kill -9 closes nothing: the workers notice their parent is gone and exit."""
+  parent = subprocess.Popen([sys.executable, '-c', _KILLED_PARENT, data_dir], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
+  try:
+    workers = [int(p) for p in parent.stdout.readline().split()]
+    assert workers
+  finally:
+    parent.kill()
+    parent.wait()
+  deadline = time.monotonic() + 30
+  alive = workers
+  while alive and time.monotonic() < deadline:
+    time.sleep(0.2)
+    alive = [p for p in alive if _running(p)]
+  assert not alive, f'grain workers {alive} outlived their killed parent'
+
+
+def _running(pid):
+  try:
+    with open(f'/proc/{pid}/stat') as f:
+      return f.read().split(')')[-1].split()[0] != 'Z'  # a zombie has exited
+  except FileNotFoundError:
+    return False
 
 
 def _config(**data_fields):

@@ -11,7 +11,10 @@ for bit, and the position a checkpoint saves is the pipeline's IteratorState, no
 iterator state: resuming starts a new stream at that position.
 """
 
+import functools
 import os
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +92,20 @@ def _let_grain_read_its_flags() -> None:
     flags.FLAGS.mark_as_parsed()
 
 
+def _exit_with(parent: int, worker: int, workers: int) -> None:
+  """In each worker: exit when the process that started it is gone. grain stops its
+  workers when the iterator is closed, but a parent killed outright (kill -9, the
+  out-of-memory killer) closes nothing, and its workers would wait on forever."""
+  del worker, workers
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(1.0)
+    os._exit(1)  # pylint: disable=protected-access
+
+  threading.Thread(target=watch, daemon=True).start()
+
+
 class _ReadAt:
   """Position t of the stream -> the item t items after `start` (in a worker process)."""
 
@@ -113,7 +130,8 @@ class Reads(Iterator[tuple[np.ndarray, ...]]):
     dataset = (grain.MapDataset.range(_ENDLESS).map(_ReadAt(reader, start))
                .to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
                .mp_prefetch(grain.MultiprocessingOptions(
-                   num_workers=workers or default_workers(), per_worker_buffer_size=1)))
+                   num_workers=workers or default_workers(), per_worker_buffer_size=1),
+                            worker_init_fn=functools.partial(_exit_with, os.getpid())))
     self._iterator = iter(dataset)
 
   def __next__(self) -> tuple[np.ndarray, ...]:
