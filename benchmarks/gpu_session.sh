@@ -30,12 +30,17 @@
 #               The host has no network, so there is no pretrained GPT-2 here either: the
 #               base is trained from random init on tests/data/text first, as on the CPU
 #               (docs/pretrained.md); needs the tokenizers wheel
+#   mfu         benchmarks/mfu.py (issue 65, item 4): WRN-28-10, ViT-S (4x4 patches) and
+#               ResNet-18 ensembles on CIFAR-shaped synthetic data in bfloat16, dist_ens
+#               whole runs with resident data against torch.func + torch.compile, MFU by
+#               XLA's cost analysis; the most important cells first, the results file
+#               rewritten after each cell, so a stop at the limit keeps what ran
 # Each stage is bounded at 560 s or less (all eight: at most 58 min). Run on an H100
 # (2026-11-27): check and run (50 s together), scaling's ResNet-20 part (M = 64, 256 in
 # 158 s); the others have not run since they were written. A session
 # lent less device time runs the stages owed first: scaling, then resnet.
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|run|tests|throughput|resnet|model_axis|scaling|lm}
+stage=${1:?usage: gpu_session.sh check|run|tests|throughput|resnet|model_axis|scaling|lm|mfu}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -99,8 +104,20 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
       --steps 40 --batch 8 --workdir /tmp/lm_recipe --out "$out/lm_recipe_gpu.json" 2>&1 \
       | tee "$out/lm.log"
     ;;
+  mfu)
+    # One cell per process, each capped at 180 s and at what is left of the 430 s budget;
+    # torch.compile's first step (the compile) is most of a torch cell's time.
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit \
+      --format=csv 2>&1 | tee "$out/mfu.log" || true
+    python3 -c 'import torch, torchvision; print("torch", torch.__version__,
+"torchvision", torchvision.__version__, "(not used)")' 2>&1 | tail -1 | tee -a "$out/mfu.log" \
+      || true
+    set -o pipefail
+    timeout -k 10 450 python3 -m benchmarks.mfu --budget_s 430 --out "$out/mfu_gpu.json" \
+      2>&1 | tee -a "$out/mfu.log"
+    ;;
   *)
-    echo "unknown stage $stage: check, run, tests, throughput, resnet, model_axis, scaling or lm" >&2
+    echo "unknown stage $stage: check, run, tests, throughput, resnet, model_axis, scaling, lm or mfu" >&2
     exit 2
     ;;
 esac
