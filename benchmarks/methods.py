@@ -30,6 +30,8 @@ batch of 128), so each method trains for the same number of forward/backward pas
   mc_dropout  1 member with dropout 0.2, 4T steps -> 16 MC dropout samples
   deep_dropout  4 members with dropout 0.2, T steps, evaluated without MC
 
+  masksembles  4 members, T steps: one shared network, each member its fixed masks on the
+              hidden units (scale 2)
   epinet      4 members, T steps, each with an epinet on its last features (index dim 8,
               8 index draws a step; 16 index samples predict)
   distilled   deep's 4 members distilled into one network of their architecture (soft
@@ -110,6 +112,8 @@ def methods(steps: int) -> dict[str, dict]:
       'laplace': {'num_members': MEMBERS, 'train.steps': steps,
                   'eval.laplace': 'last_layer_kron'},
       'epinet': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'epinet'},
+      'masksembles': {'num_members': MEMBERS, 'train.steps': steps,
+                      'ensemble.method': 'masksembles', 'ensemble.masksembles.scale': 2.0},
       'distilled': {'num_members': MEMBERS, 'train.steps': steps, 'distill.student': 'same',
                     'distill.steps': 2 * steps, 'distill.temperature': 2.0},
       'deep16': {'num_members': CURVE_MEMBERS, 'train.steps': steps},

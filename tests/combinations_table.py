@@ -69,6 +69,8 @@ AXES: dict[str, tuple[Option, ...]] = {
         Option('epinet', {'ensemble.method': 'epinet', 'ensemble.epinet.index_dim': 2,
                           'ensemble.epinet.widths': (4,), 'ensemble.epinet.samples': 2,
                           'ensemble.epinet.eval_samples': 3}, ('ensemble.method',)),
+        # Fixed masks per member on one shared MLP (tests/test_masksembles.py).
+        Option('masksembles', {'ensemble.method': 'masksembles'}, ('ensemble.method',)),
         Option('mc_dropout', {'model.dropout': 0.1, 'eval.mc_samples': 2},
                ('eval.mc_samples', 'model.dropout'), label='MC dropout'),
     ),
@@ -170,7 +172,7 @@ def _pair(a: str, b: str) -> frozenset[str]:
   return frozenset((a, b))
 
 
-_NOT_DEEP = ('batchensemble', 'mimo', 'snapshot', 'fge', 'multiswag')
+_NOT_DEEP = ('batchensemble', 'mimo', 'snapshot', 'fge', 'multiswag', 'masksembles')
 _REGRESSION = ('regression', 'regression [N, D]', 'regression_homoscedastic')
 
 # Pairs refused before anything runs, each with why (the docs show the reason).
@@ -206,6 +208,10 @@ REFUSED: dict[frozenset[str], str] = {
                                             'devices in a mesh-dependent order',
     _pair('reproducible', 'mimo'): "the heads' shuffles of a batch split over data depend "
                                    'on the mesh',
+    _pair('reproducible', 'masksembles'): "the shared weights' gradient is a sum over "
+                                          'devices in a mesh-dependent order',
+    _pair('token_classification', 'masksembles'): "its masks are the MLP's and the CNN's "
+                                                  'hidden layers, not a transformer\'s',
     **{_pair('groups', o): "a group's members predict one-to-one from their own outputs: "
                            'a method that collects, cycles or adds outputs is not built for '
                            'groups (docs/groups.md)'

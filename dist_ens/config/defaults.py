@@ -135,8 +135,9 @@ def _ensemble(config: ml_collections.ConfigDict) -> None:
   # 'snapshot' (each member's schedule restarts snapshot.cycles times; every cycle's end
   # predicts), 'multiswag' (SWAG per member: swag.samples weight samples predict),
   # 'prior' (randomized priors: each member adds prior.scale times a frozen random network)
-  # or 'epinet' (each member's network gets an epinet: a small network of its features and
-  # a random index, sampled epinet.samples times per example; ensemble.epinet).
+  # 'epinet' (each member's network gets an epinet: a small network of its features and
+  # a random index, sampled epinet.samples times per example; ensemble.epinet) or
+  # 'masksembles' (one shared network, each member's fixed masks on its hidden layers).
   # Or your own method by import path, 'my_pkg.methods:make' (docs/how-it-works.md), with
   # its fields in ensemble.options (anything; the method checks them).
   config.ensemble.method = 'deep'
@@ -202,6 +203,12 @@ def _method_fields(config: ml_collections.ConfigDict) -> None:
   # Fixed indices per member (drawn at init) whose mean softmax a member predicts with.
   config.ensemble.epinet.eval_samples = 32
   config.ensemble.epinet.prior_scale = 1.0  # >= 0; 0: no prior epinet
+  # Masksembles (Durasov et al. 2021): one shared network; each member's fixed binary
+  # masks on its hidden layers (the MLP's units, the CNN's channels), drawn at init.
+  config.ensemble.masksembles = ml_collections.ConfigDict()
+  # In (1, 6]: two masks share 1/scale of their units; each has
+  # width / (scale * (1 - (1 - 1/scale)**num_members)) ones (1: one network)
+  config.ensemble.masksembles.scale = 2.0
 
 
 def _data(config: ml_collections.ConfigDict) -> None:

@@ -86,7 +86,9 @@ def method_spec(config: ml_collections.ConfigDict,
       options=options.to_dict() if options is not None else {}, own=ensemble.own,
       lora_rank=ensemble.lora_rank, lora_alpha=ensemble.lora_alpha,
       lora_targets=ensemble.lora_targets,
-      train_shared=_field(config, 'ensemble.train_shared'), build_model=build_model)
+      train_shared=_field(config, 'ensemble.train_shared'), build_model=build_model,
+      seed=config.seed, model='' if config.model.factory or model_spec(config).hf
+      else config.model.name)
 
 
 def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:

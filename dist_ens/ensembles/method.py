@@ -18,7 +18,7 @@ method's group of config.ensemble) and refuses, in one line, what it cannot do w
 run (`spec.reproducible`, the task in `wrap_model`, ...).
 
 Built-ins live one per file (deep.py, batchensemble.py, mimo.py, snapshot.py, swag.py,
-prior.py, epinet.py)
+prior.py, epinet.py, masksembles.py)
 and are registered by name in dist_ens.ensembles.methods; a user's is an import path,
 `config.ensemble.method = 'my_pkg.methods:make'`, whose fields are
 `config.ensemble.options` (docs/how-it-works.md shows one).
@@ -55,6 +55,9 @@ class MethodSpec(NamedTuple):
   # ('config.ensemble.prior.widths=(32,)'). None where no model is built (a spec read
   # only to check the method's fields): call it in wrap_model, not in make.
   build_model: Callable[[Mapping[str, Any], str], Any] | None = None
+  seed: int = 0  # config.seed
+  # config.model.name ('' where config.model.factory or a Hugging Face checkpoint makes it)
+  model: str = ''
 
 
 def _no_collect(collected: PyTree, params: PyTree, state: PyTree, step: jax.Array) -> PyTree:

@@ -1,0 +1,220 @@
+"""Masksembles (config.ensemble.method='masksembles').
+
+The masks against the paper's definition, worked out here by hand and by an independent
+numpy draw of the paper's procedure: m = int(c / (s (1 - (1 - 1/s)^M))) ones per mask,
+every unit used, two masks sharing about m/s units, fixed, distinct and drawn from the
+seed. Then a 2-member run: members differ only through their masks (one shared W and
+bias per layer, member m's kernel W * mask_m), resume is exact, and Ensemble.load
+predicts what the run evaluated; the refusals.
+"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+
+import support
+
+import dist_ens
+from dist_ens import Ensemble, data
+from dist_ens.config import specs
+from dist_ens.ensembles import masksembles, methods, stored
+from dist_ens.errors import ConfigError
+from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.report import build as report
+from dist_ens.run import assemble, mesh_layout
+
+
+def _draw(width, count, scale, seed):
+  return masksembles.generate(width, count, scale, np.random.default_rng(seed))
+
+
+def _overlap(masks):
+  """The mean number of units two masks of a set share."""
+  n = len(masks)
+  return np.mean([masks[i] @ masks[j] for i in range(n) for j in range(i + 1, n)])
+
+
+def _paper(width, count, scale, rng):
+  """The paper's own procedure (its code's generation_wrapper): m ones per mask among
+  int(m * s) positions for s near `scale`, drawn until exactly `width` positions are used
+  (and, as dist_ens asks, the masks differ); the unused positions dropped."""
+  m = int(width / (scale * (1 - (1 - 1 / scale) ** count)))
+  while True:
+    for s in np.linspace(0.8 * scale, 1.2 * scale, 41):
+      if int(m * s) < width:
+        continue
+      masks = rng.random((count, int(m * s))).argsort(-1).argsort(-1) < m
+      used = masks.any(0)
+      if used.sum() == width and len({row.tobytes() for row in masks}) == count:
+        return masks[:, used].astype(np.float32)
+
+
+# (scale, m): 64 / (2 (1 - 1/2^4)) = 64 / 1.875 = 34.1; 64 / (3 (1 - (2/3)^4)) =
+# 64 / (3 * 65/81) = 26.6; 64 / (4 (1 - (3/4)^4)) = 64 / (4 * 175/256) = 23.4.
+@pytest.mark.parametrize('scale, ones', [(2.0, 34), (3.0, 26), (4.0, 23)])
+def test_each_mask_has_the_papers_number_of_ones_and_together_they_use_every_unit(scale, ones):
+  for seed in range(5):
+    masks = _draw(64, 4, scale, seed)
+    assert masks.shape == (4, 64) and set(np.unique(masks)) == {0.0, 1.0}
+    np.testing.assert_array_equal(masks.sum(1), [ones] * 4)
+    assert masks.any(0).all()
+  assert masksembles.ones_per_mask(64, 4, scale) == ones
+
+
+def test_two_masks_share_about_m_over_scale_units_as_the_papers_draw_does():
+  rng = np.random.default_rng(123)
+  overlaps = []
+  for scale, ones in ((1.5, 43), (2.0, 34), (4.0, 23)):  # 64 / (1.5 (1 - 3^-4)) = 43.2
+    ours = np.mean([_overlap(_draw(64, 4, scale, seed)) for seed in range(200)])
+    paper = np.mean([_overlap(_paper(64, 4, scale, rng)) for _ in range(200)])
+    # Two independent m-subsets of m*s positions share m^2 / (m s) = m/s on average; the
+    # draws' spread is about 0.6 units, 0.04 over 200 draws.
+    assert ours == pytest.approx(ones / scale, rel=0.06)
+    assert abs(ours - paper) < 0.25, (scale, ours, paper)
+    overlaps.append(ours / ones)
+  assert overlaps == sorted(overlaps, reverse=True)  # A larger scale, less overlap.
+
+
+def test_masks_are_fixed_by_the_seed_distinct_and_refused_where_they_cannot_cover():
+  np.testing.assert_array_equal(_draw(32, 4, 2.0, 7), _draw(32, 4, 2.0, 7))
+  assert not np.array_equal(_draw(32, 4, 2.0, 7), _draw(32, 4, 2.0, 8))
+  for seed in range(20):  # 8 units, 4 masks of 4 ones (8 / 1.875 = 4.3): few sets.
+    masks = _draw(8, 4, 2.0, seed)
+    assert len({row.tobytes() for row in masks}) == 4 and masks.any(0).all()
+  np.testing.assert_array_equal(masksembles.layer_masks(0, 1, 32, 4, 2.0),
+                                masksembles.layer_masks(0, 1, 32, 4, 2.0))
+  assert not np.array_equal(masksembles.layer_masks(0, 0, 32, 4, 2.0),
+                            masksembles.layer_masks(0, 1, 32, 4, 2.0))
+  # 3 units, 4 masks: int(3 / 1.875) = 1 one each, 4 distinct masks of 1 of 3 units: none.
+  message = support.one_line_refusal(lambda: _draw(3, 4, 2.0, 0))
+  assert 'masksembles.scale=2.0' in message and '3 units' in message
+
+
+STEPS = 8
+
+
+def _config(**fields):
+  config = support.config({
+      'ensemble.method': 'masksembles', 'num_members': 2, 'model.widths': (32, 16),
+      'train.steps': STEPS, 'optim.learning_rate': 1e-2, 'mesh.member': 2,
+      'train.log_every': 4, 'checkpoint.every': 4})
+  return support.override(config, fields)
+
+
+def _stored(ens):
+  """The params as the run stores them: BatchEnsemble's entries."""
+  return jax.device_get(ens._stored)  # pylint: disable=protected-access
+
+
+def _train(config, workdir, actions=()):
+  return dist_ens.train(config, str(workdir), devices=jax.devices()[:2], actions=actions)
+
+
+def test_members_differ_only_through_their_masks_and_resume_is_exact(tmp_path):
+  config = _config()
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:2]),
+                               (40, 1), 10)
+  born = jax.tree.map(np.asarray, jax.jit(lambda s: s.params, out_shardings=mesh_lib.replicated(
+      parts.mesh))(assemble.init_sharded(parts)))
+  straight = _train(_config(), tmp_path / 'a')
+  stopped = _train(_config(), tmp_path / 'b', actions=[support.PreemptAt(4)])
+  assert stopped['preempted'] and stopped['step'] == 4
+  resumed = _train(_config(), tmp_path / 'b')
+  assert resumed['step'] == STEPS
+  assert resumed['ensemble'] == straight['ensemble']
+  trained = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
+  support.assert_trees_equal(_stored(trained),
+                             _stored(Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])))
+
+  params = _stored(trained)
+  # One W and one bias per layer (no member axis), the masks per member, unchanged.
+  assert params[0] == {'w': {'shared': params[0]['w']['shared']},
+                       'b': {'shared': params[0]['b']['shared']}}
+  for i, width in ((1, 32), (2, 16)):
+    w = params[i]['w']
+    assert w['shared'].shape == (width, (16, 10)[i - 1]) and w['r'].shape == (2, width)
+    np.testing.assert_array_equal(w['r'], born[i]['w']['r'])
+    np.testing.assert_array_equal(w['s'], np.ones((2, w['shared'].shape[1])))
+    assert set(np.unique(w['r'])) == {0.0, 1.0} and w['r'].any(0).all()
+    assert not np.array_equal(w['r'][0], w['r'][1])
+  assert not np.array_equal(params[1]['w']['shared'], born[1]['w']['shared'])  # It trained.
+  # Each member's own params: the shared W with its input rows masked, the same biases.
+  members = jax.tree.map(np.asarray, trained.params)
+  for m in range(2):
+    np.testing.assert_array_equal(members[0]['w'][m], params[0]['w']['shared'])
+    for i in (1, 2):
+      np.testing.assert_array_equal(members[i]['w'][m], params[i]['w']['shared']
+                                    * params[i]['w']['r'][m][:, None])
+      np.testing.assert_array_equal(members[i]['b'][m], params[i]['b']['shared'])
+
+
+def test_ensemble_load_predicts_the_members_mean_of_their_masked_networks_and_exports(
+    tmp_path):
+  result = _train(_config(**{'eval.shift': 'gaussian_noise:1'}), tmp_path)
+  assert result['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0  # Shift,
+  assert result['joint']['ensemble'] > 0  # and jointly (eval.joint_tau's dyadic batches).
+  ens = Ensemble.load(tmp_path, devices=jax.devices()[:1])
+  test = data.load_dataset('mnist1d').test
+  prediction = ens.predict(test.x, preprocessed=True)
+  accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
+  assert accuracy == pytest.approx(result['ensemble']['accuracy'], abs=2e-3)
+  # By hand: member m's MLP with its masks on the hidden units, softmax, mean.
+  p = _stored(ens)
+  probs = []
+  for m in range(2):
+    h = test.x.reshape(len(test.x), -1)
+    for i in range(3):
+      w = p[i]['w']['shared'] * (p[i]['w']['r'][m][:, None] if 'r' in p[i]['w'] else 1)
+      h = h @ w + p[i]['b']['shared']
+      h = np.maximum(h, 0) if i < 2 else h
+    e = np.exp(h - h.max(-1, keepdims=True))
+    probs.append(e / e.sum(-1, keepdims=True))
+  np.testing.assert_allclose(prediction.probs, np.mean(probs, 0), atol=1e-5)
+  # Each member exported as its own plain MLP, its masks in its kernels.
+  paths = ens.export(tmp_path / 'members')
+  for m in range(2):
+    jax.tree.map(np.testing.assert_array_equal, dist_ens.load_member(paths[m]), ens.member(m))
+    np.testing.assert_array_equal(dist_ens.load_member(paths[m])[1]['w'],
+                                  p[1]['w']['shared'] * p[1]['w']['r'][m][:, None])
+  assert report.make_report(tmp_path) == tmp_path / 'report'
+  assert '2 x mlp on mnist1d' in (tmp_path / 'report' / 'report.md').read_text()
+
+
+def test_the_cnns_channels_are_masked_and_its_head_reads_them_per_position():
+  config = _config(**{'model.name': 'cnn', 'model.channels': (12, 12), 'model.kernel_sizes': (3, 3),
+                      'model.strides': (2, 2), 'mesh.member': 1})
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:1]),
+                               (40, 1), 10)
+  params = jax.tree.map(np.asarray, assemble.init_sharded(parts).params)
+  assert 'r' not in params['convs'][0]['w']
+  conv, head = params['convs'][1]['w'], params['head']['w']
+  assert conv['r'].shape == (2, 12) and head['r'].shape == (2, head['shared'].shape[0])
+  last = masksembles.layer_masks(config.seed, 1, 12, 2, 2.0)
+  # [positions, channels] flattened: feature p * 12 + c reads channel c.
+  np.testing.assert_array_equal(head['r'], np.tile(last, (1, head['r'].shape[1] // 12)))
+  assert stored.stored_axes(params)['head']['w'] == {'shared': None, 'r': 0, 's': 0}
+
+
+@pytest.mark.parametrize('fields, match', [
+    ({'ensemble.masksembles.scale': 1.0}, r'masksembles.scale=1.0 must be a number in \(1, 6\]'),
+    ({'ensemble.masksembles.scale': 7.0}, r'masksembles.scale=7.0 must be a number in \(1, 6\]'),
+    ({'ensemble.masksembles.scale': 0.5}, r'masksembles.scale=0.5 must be a number in'),
+    ({'reproducible': True}, "reproducible=True with config.ensemble.method='masksembles'"),
+])
+def test_bad_fields_are_refused_naming_the_field(fields, match):
+  config = _config(**fields)
+  message = support.one_line_refusal(lambda: methods.from_spec(specs.method_spec(config)))
+  assert re.search(match, message), message
+
+
+def test_other_models_and_narrow_layers_are_refused_before_anything(tmp_path):
+  config = _config(**{'model.name': 'resnet', 'model.depth': 8})
+  message = support.one_line_refusal(lambda: _train(config, tmp_path / 'r'))
+  assert "config.model.name='mlp' or 'cnn', not 'resnet'" in message
+  # 2 members, a 3-unit layer: int(3 / (6 (1 - (5/6)^2))) = int(1.6) = 1 one each.
+  config = _config(**{'model.widths': (3,), 'ensemble.masksembles.scale': 6.0})
+  message = support.one_line_refusal(lambda: _train(config, tmp_path / 'n'))
+  assert 'masksembles.scale=6.0' in message and '3 units' in message
+  assert not (tmp_path / 'r').exists() and not (tmp_path / 'n').exists()
