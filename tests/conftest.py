@@ -39,6 +39,10 @@ def devices():
   return jax.devices()
 
 
+# Finished runs that tests which only read a run share (tests/runs.py).
+from runs import tiny_run, uci_run  # noqa: E402,F401  pylint: disable=g-import-not-at-top,unused-import
+
+
 # A stuck test (a deadlock in C++ code, a child waited on forever) fails after this many
 # seconds instead of holding the suite: pytest-timeout's thread method dumps every thread's
 # stack and ends the worker, which xdist reports as a crash of that test and replaces. 34

@@ -1,7 +1,8 @@
 """Distillation (config.distill; dist_ens.ensembles.distill, training/distill_action.py):
 the objective against numpy, a run's 'distill' results and saved student against
 recomputations from the student it saved, a rerun that distils a finished run into a
-Hydra student, and the refusals. Two trainings of the tests' shared tiny run."""
+Hydra student, and the refusals. A training of the tests' shared tiny run, and a rerun of
+the session's shared finished run (tests/runs.py)."""
 
 import shutil
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import dist_ens
+import runs
 import support
 from dist_ens.config import specs
 from dist_ens import data
@@ -43,13 +45,15 @@ def same(tmp_path_factory):
 
 
 @pytest.fixture(scope='module')
-def plain_then_hydra(tmp_path_factory):
-  """A run without distillation, then the same command with distill.student='hydra',
-  which distils the finished run without training it again."""
-  workdir = tmp_path_factory.mktemp('hydra')
-  plain = dist_ens.train(_config(), str(workdir))
+def plain_then_hydra(tmp_path_factory, tiny_run):
+  """A run without distillation (a copy of the session's shared finished run,
+  tests/runs.py), then the same command with distill.student='hydra', which distils the
+  finished run without training it again."""
+  workdir = runs.copy(tiny_run, tmp_path_factory.mktemp('hydra'))
+  plain = tiny_run[1]
   had_student = (workdir / student_file.FILE).exists()
-  hydra = dist_ens.train(_config(distill__student='hydra', distill__steps=20), str(workdir))
+  hydra = dist_ens.train(runs.tiny_config(distill__student='hydra', distill__steps=20),
+                         str(workdir))
   return workdir, plain, had_student, hydra
 
 
@@ -139,8 +143,8 @@ def test_no_student_without_distill_and_a_rerun_distils_into_hydra(plain_then_hy
 def test_a_student_given_by_import_path_is_trained_saved_and_loaded(plain_then_hydra, tmp_path):
   workdir = tmp_path / 'copy'
   shutil.copytree(plain_then_hydra[0], workdir)
-  out = dist_ens.train(_config(distill__student='support:linear_student',
-                               distill__steps=20), str(workdir))
+  out = dist_ens.train(runs.tiny_config(distill__student='support:linear_student',
+                                       distill__steps=20), str(workdir))
   d = out['distill']
   assert d['heads'] == 1 and d['cost']['student_params'] == 40 * 10 + 10
   ens = dist_ens.Ensemble.load(workdir)

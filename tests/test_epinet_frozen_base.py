@@ -35,13 +35,13 @@ def _config(source, **fields):
 
 
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-  """{'base': the source's leaves, 'straight': (workdir, final metrics)} of 4 steps over
-  'base#1'."""
+def runs(tmp_path_factory, tiny_run):
+  """{'source': 'base#1', 'base': the source's leaves, 'straight': (workdir, final metrics)}
+  of 4 steps over it. The base is member 1 of the session's shared finished run of
+  support.config (tests/runs.py), read, not written."""
   root = tmp_path_factory.mktemp('epinet_frozen_base')
-  # The suite's shared tiny run (support.config): its programs are other tests' too.
-  dist_ens.train(support.config(), str(root / 'base'))
-  source, out = f'{root / "base"}#1', {'base': load_pretrained(f'{root / "base"}#1')}
+  source = f'{tiny_run[0]}#1'
+  out = {'source': source, 'base': load_pretrained(source)}
   out['straight'] = (root / 'straight', dist_ens.train(_config(source), str(root / 'straight')))
   return out
 
@@ -56,7 +56,7 @@ def resumed(runs):
   """(final metrics, loaded ensemble) of the straight run preempted after step 2 and
   resumed to 4 (only the resume test reads it)."""
   workdir = runs['straight'][0].parent / 'resumed'
-  source = f'{runs["straight"][0].parent / "base"}#1'
+  source = runs['source']
   stopped = dist_ens.train(_config(source), str(workdir), actions=[support.PreemptAt(2)])
   assert stopped['preempted'] and stopped['step'] == 2
   return dist_ens.train(_config(source), str(workdir)), dist_ens.Ensemble.load(str(workdir))
@@ -95,7 +95,7 @@ def test_each_member_trains_its_own_epinet_with_its_own_prior_and_indices(runs, 
 
 
 def _initial(runs):
-  source = f'{runs["straight"][0].parent / "base"}#1'
+  source = runs['source']
   parts = assemble.build_run(_config(source)).parts
   return jax.tree.map(np.asarray, assemble.init_sharded(parts))
 
@@ -136,7 +136,7 @@ def test_own_all_and_head_read_the_base_from_a_deep_run_and_start_the_rest_per_m
   the deep run's file; the epinets, priors and indices start per member, even from an
   epinet run's file (whose member 0's would make every member alike)."""
   root = runs['straight'][0].parent
-  for own, source in (('all', f'{root / "base"}#1'), ('head', f'{root / "straight"}#0')):
+  for own, source in (('all', runs['source']), ('head', f'{root / "straight"}#0')):
     parts = assemble.build_run(_config(source, ensemble__own=own)).parts
     state = jax.tree.map(np.asarray, assemble.init_sharded(parts))
     body = state.params.base[0]['w']
@@ -149,7 +149,7 @@ def test_own_all_and_head_read_the_base_from_a_deep_run_and_start_the_rest_per_m
 
 
 def test_train_shared_trains_the_one_base_by_the_members_summed_gradient(runs, tmp_path):
-  source = f'{runs["straight"][0].parent / "base"}#1'
+  source = runs['source']
   config = _config(source, ensemble__train_shared=True, train__steps=2, checkpoint__every=2)
   dist_ens.train(config, str(tmp_path / 'w'))
   saved = read_orbax(tmp_path / 'w' / 'checkpoints' / '2' / 'model')

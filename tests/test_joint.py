@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-import support
+import runs
 
 import dist_ens
 from dist_ens import data, tasks
@@ -132,11 +132,12 @@ def test_snapshot_joint_is_of_its_predicting_members(tmp_path):
   assert len(final['joint']['members']) == 2  # the trained members
 
 
-def test_joint_tau_zero_leaves_it_out(tmp_path):
-  # The suite's shared tiny run (support.config), whose programs other tests compile.
-  final = dist_ens.train(support.config(eval__joint_tau=0), str(tmp_path))
+def test_joint_tau_zero_leaves_it_out(tiny_run):
+  # The session's shared finished run (tests/runs.py): support.config with eval.joint_tau=0.
+  workdir, final = tiny_run
+  assert runs.TINY['eval.joint_tau'] == 0
   assert 'joint' not in final
-  assert 'joint' not in json.loads((tmp_path / 'final_metrics.json').read_text())
+  assert 'joint' not in json.loads((workdir / 'final_metrics.json').read_text())
 
 
 def test_joint_fields_are_checked_and_a_task_without_likelihoods_is_skipped():

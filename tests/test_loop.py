@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import os
-import shutil
 import signal
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import runs
 import support
 
 import dist_ens
@@ -154,19 +154,20 @@ def test_a_stop_between_log_steps_keeps_the_intervals_losses(tmp_path):
 
 
 @pytest.fixture(scope='module')
-def four_steps(tmp_path_factory):
-  """A finished 4-step run that the tests below each damage on their own copy."""
-  workdir = tmp_path_factory.mktemp('four')
-  dist_ens.train(_config(train__steps=4), str(workdir))
-  return workdir
+def finished(tiny_run):
+  """A finished run of support.config's model (the session's shared run, tests/runs.py:
+  8 steps, checkpoints 4 and 8) that the tests below each damage on their own copy; it
+  differs from _config() only in fields a resume may change (steps, eval and checkpoint
+  fields)."""
+  return tiny_run[0]
 
 
 def _copy(run, to):
-  shutil.copytree(run, to, dirs_exist_ok=True)
+  runs.copy(run, to)
 
 
-def test_missing_config_json_is_checked_against_the_checkpoint(tmp_path, four_steps):
-  _copy(four_steps, tmp_path)
+def test_missing_config_json_is_checked_against_the_checkpoint(tmp_path, finished):
+  _copy(finished, tmp_path)
   (tmp_path / 'config.json').unlink()
   with pytest.raises(ConfigError, match='differs in optim.learning_rate'):
     dist_ens.train(_config(optim__learning_rate=0.5), str(tmp_path))
@@ -175,18 +176,20 @@ def test_missing_config_json_is_checked_against_the_checkpoint(tmp_path, four_st
     dist_ens.train(_config(), str(tmp_path))
 
 
-def test_checkpoint_of_another_format_is_refused(tmp_path, four_steps):
-  _copy(four_steps, tmp_path)
-  meta = next((tmp_path / 'checkpoints').glob('*/meta/metadata'))
-  saved = json.loads(meta.read_text())
-  saved['format'] = 1
-  meta.write_text(json.dumps(saved))
+def test_checkpoint_of_another_format_is_refused(tmp_path, finished):
+  _copy(finished, tmp_path)
+  metas = sorted((tmp_path / 'checkpoints').glob('*/meta/metadata'))
+  assert metas
+  for meta in metas:  # Every checkpoint, as a run of that format leaves them.
+    saved = json.loads(meta.read_text())
+    saved['format'] = 1
+    meta.write_text(json.dumps(saved))
   with pytest.raises(ConfigError, match='format 1'):
     dist_ens.train(_config(), str(tmp_path))
 
 
-def test_loading_needs_neither_the_dataset_nor_config_json(tmp_path, monkeypatch, four_steps):
-  _copy(four_steps, tmp_path)
+def test_loading_needs_neither_the_dataset_nor_config_json(tmp_path, monkeypatch, finished):
+  _copy(finished, tmp_path)
   (tmp_path / 'config.json').unlink()
   from dist_ens import data  # pylint: disable=g-import-not-at-top
   monkeypatch.setattr(data, 'load_dataset', lambda *a, **k: pytest.fail('dataset loaded'))

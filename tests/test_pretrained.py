@@ -159,14 +159,10 @@ def test_a_flax_msgpack_starts_params_and_batchnorm_statistics(tmp_path):
 
 
 @pytest.fixture(scope='module')
-def trained(tmp_path_factory):
-  """A 2-member MLP run of a few steps: a dist_ens workdir to start from."""
-  config = _config()
-  config.num_members, config.mesh.member, config.mesh.data = 2, 2, 4
-  config.train.steps, config.train.log_every, config.train.eval_every = 4, 2, 0
-  workdir = tmp_path_factory.mktemp('source')
-  dist_ens.train(config, str(workdir))
-  return workdir
+def trained(tiny_run):
+  """A dist_ens workdir to start from: the session's shared finished run (tests/runs.py),
+  4 members of a (16,) MLP, read, not written."""
+  return tiny_run[0]
 
 
 def test_a_workdir_member_is_a_source(trained, tmp_path):
@@ -216,7 +212,7 @@ def test_bad_files_give_one_line_naming_the_leaf(tmp_path, trained):
   assert 'no such file' in _error(_config(init_from=str(tmp_path / 'nope.npz')))
   (tmp_path / 'w.pt').write_bytes(b'x')
   assert "unknown format '.pt'" in _error(_config(init_from=str(tmp_path / 'w.pt')))
-  assert 'members 0..1' in _error(_config(init_from=f'{trained}#5'))
+  assert 'members 0..3' in _error(_config(init_from=f'{trained}#5'))
   (tmp_path / 'torn.npz').write_bytes(b'PK\x03\x04 not a zip')
   assert 'cannot be read' in _error(_config(init_from=str(tmp_path / 'torn.npz')))
 

@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import jax
 import numpy as np
 import pytest
 
+import runs
 import support
 
 import dist_ens
@@ -29,20 +29,22 @@ def _config(**overrides):
                         **overrides)
 
 
-# A finished _config() run keeping both its checkpoints (4 and 8): the workdir that the
-# tests which refuse, lock, extend or damage a finished run start from (each on a copy).
+# The session's shared finished run (tests/runs.py): _config() keeping both its
+# checkpoints (4 and 8), and evaluated at both (a field a resume may change), the workdir
+# that the tests which refuse, lock, extend or damage a finished run start from (each on
+# a copy).
 KEEP3 = {'checkpoint__keep': 3}
+assert runs.TINY == {'train.steps': 8, 'train.log_every': 4, 'train.eval_every': 4,
+                     'eval.joint_tau': 0, 'checkpoint.keep': 3}  # _config(**KEEP3)
 
 
 @pytest.fixture(scope='module')
-def finished(tmp_path_factory):
-  workdir = tmp_path_factory.mktemp('finished')
-  dist_ens.train(_config(**KEEP3), str(workdir))
-  return workdir
+def finished(tiny_run):
+  return tiny_run[0]
 
 
 def _copy(finished_run, to):
-  shutil.copytree(finished_run, to, dirs_exist_ok=True)
+  runs.copy(finished_run, to)
 
 
 @pytest.mark.parametrize('overrides,message', [

@@ -11,6 +11,7 @@ from xml.etree import ElementTree
 import numpy as np
 import pytest
 
+import runs
 import support
 
 from dist_ens import data
@@ -23,17 +24,18 @@ PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
 
 
 def _config(**overrides):
-  """support.config's tiny run (4 members of a (16,) MLP, batch 32, on its own mesh): 20
-  steps logged and evaluated every 10 (the report's curves have two points), saved at the
-  end. No joint evaluation: the report does not read it."""
+  """The sweep's run: support.config's tiny run (4 members of a (16,) MLP, batch 32, on its
+  own mesh): 20 steps logged and evaluated every 10 (the report's curves have two points),
+  saved at the end. No joint evaluation: the report does not read it."""
   return support.config({'train.steps': 20, 'train.log_every': 10, 'train.eval_every': 10,
                          'checkpoint.every': 20, 'eval.joint_tau': 0}, **overrides)
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  path = tmp_path_factory.mktemp('report')
-  train(_config(), str(path))
+def workdir(tmp_path_factory, tiny_run):
+  """A copy of the session's shared finished run (tests/runs.py: support.config's tiny run,
+  8 steps logged and evaluated every 4, so the report's curves have two points), reported."""
+  path = runs.copy(tiny_run, tmp_path_factory.mktemp('report'))
   assert report.main(['--workdir', str(path)]) == 0
   return path
 
@@ -124,7 +126,8 @@ def test_report_md_embeds_the_figures_and_the_final_table(workdir):
     assert f']({name})' in text and f'({name[:-4]}.svg)' in text
   assert f'**{final["ensemble"]["accuracy"]:.4f}**' in text
   assert '| 3 |' in text and 'adaptive ECE' in text and 'mutual information' in text
-  assert 'step 20 of 20' in text  # Which checkpoint the figures describe.
+  steps = runs.TINY['train.steps']
+  assert f'step {steps} of {steps}' in text  # Which checkpoint the figures describe.
   assert '(report.html)' in text
 
 
