@@ -3,7 +3,6 @@ targets stay float, the step trains on the task's Gaussian NLL, the evaluator re
 the task's metrics, and the tables and members.csv show them."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -81,11 +80,9 @@ def test_targets_are_standardised_and_metrics_reported_in_their_units(runs):
     assert b['coverage_90'] == pytest.approx(a['coverage_90'], abs=0.01)
 
 
-def test_the_uci_config_trains_on_a_shipped_set(tmp_path):
-  config = dist_ens.load_config(Path(__file__).parent.parent / 'configs' / 'uci.py')
-  config.data.name, config.train.epochs = 'uci:yacht', 4
-  config.train.log_every = config.checkpoint.every = 4
-  final = dist_ens.train(config, str(tmp_path))
+def test_the_uci_config_trains_on_a_shipped_set(uci_run):
+  # configs/uci.py on uci:yacht for 4 epochs: the session's shared run (tests/runs.py).
+  _, final = uci_run
   train, test = data.load_dataset('uci:yacht').train, data.load_dataset('uci:yacht').test
   assert (train.num_examples, test.num_examples) == (277, 31)
   assert final['num_members'] == 5 and np.isfinite(final['ensemble']['nll'])

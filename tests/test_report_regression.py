@@ -3,32 +3,28 @@ calibration curve and the ensemble-size curve equal independent computations (th
 central intervals by root finding on its CDF; final_metrics.json's RMSE and NLL)."""
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import optimize, stats
+
+import runs
 
 import dist_ens
 from dist_ens import data
 from dist_ens.inference.prediction import GaussianPrediction
 from dist_ens.report import build as report, pages as report_pages, regression as report_regression
 
-ROOT = Path(__file__).resolve().parents[1]
 FIGURES = ('calibration', 'predicted_vs_true', 'members_vs_ensemble', 'learning_curves',
            'ensemble_size')
 
 
 @pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
+def workdir(tmp_path_factory, uci_run):
   """configs/uci.py on the shipped yacht set (31 test examples), a few steps, with test
-  events for the learning curves."""
-  path = tmp_path_factory.mktemp('regression_report')
-  config = dist_ens.load_config(ROOT / 'configs' / 'uci.py')
-  config.data.name, config.train.epochs = 'uci:yacht', 4
-  config.train.log_every = config.train.eval_every = config.checkpoint.every = 4
-  config.writers = ('jsonl',)
-  dist_ens.train(config, str(path))
+  events for the learning curves: a copy of the session's shared run (tests/runs.py),
+  reported."""
+  path = runs.copy(uci_run, tmp_path_factory.mktemp('regression_report'))
   assert report.main(['--workdir', str(path)]) == 0
   return path
 
