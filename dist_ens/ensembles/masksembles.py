@@ -202,7 +202,8 @@ def make(spec: MethodSpec) -> Method:
                             'depends on the mesh')
   scale = check_scale(spec.options['scale'])
 
-  def wrap_model(model, task):
+  def wrap_model(model, task):  # The model as it is (its masks are in the params): the
+    # refusal is here, where the task it names is known.
     if spec.model not in MODELS:
       raise ConfigError(f"config.ensemble.method='masksembles' masks the hidden layers of "
                         f"config.model.name='mlp' or 'cnn', not {spec.model!r} (config.task="
