@@ -10,11 +10,14 @@ it (prefetch 2), reading it with config.data.loader='threads' and with 'grain' a
 per member, --members of them). Each round starts every pipeline afresh (its start-up,
 worker processes included, is reported apart), takes a few items to drain what it
 prepared while starting, then times --items items: examples/s delivered, the consumer
-doing nothing else. Rounds rotate the order of the pipelines; the ratios to the thread
-are medians of each round's ratio. Writes benchmarks/results/grain_pipeline.json (or --out).
+doing nothing else, and the CPU time an example took (this process's threads and grain's
+workers: what the machine spends, however busy it is). Rounds rotate the order of the
+pipelines; the ratios to the thread are medians of each round's ratio. Writes benchmarks/results/grain_pipeline.json (or --out).
 """
 
 import argparse
+import multiprocessing
+import os
 import statistics
 import tempfile
 import time
@@ -33,8 +36,23 @@ BATCH = 128
 WARM_ITEMS = 4  # more than prefetch (2) plus what two workers prepare ahead
 
 
+def cpu_seconds() -> float:
+  """CPU time of this process (all its threads) and of its live child processes (grain's
+  workers), user and system."""
+  total = time.process_time()
+  for child in multiprocessing.active_children():
+    try:
+      with open(f'/proc/{child.pid}/stat') as f:
+        fields = f.read().rsplit(')', 1)[1].split()
+      total += (int(fields[11]) + int(fields[12])) / os.sysconf('SC_CLK_TCK')
+    except (OSError, IndexError, ValueError):
+      pass
+  return total
+
+
 def measure(source, order, mesh, members, loader, workers, items):
-  """(seconds to the first item, examples/s over `items` items after the warm ones)."""
+  """(seconds to the first item, examples/s and CPU microseconds an example (this process
+  and grain's workers) over `items` items after the warm ones)."""
   start = time.perf_counter()
   batches = data.Batches(source, order, mesh, members, prefetch=2, loader=loader,
                          workers=workers)
@@ -43,12 +61,13 @@ def measure(source, order, mesh, members, loader, workers, items):
     startup = time.perf_counter() - start
     for _ in range(WARM_ITEMS - 1):
       jax.block_until_ready(next(batches))
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), cpu_seconds()
     for _ in range(items):
       jax.block_until_ready(next(batches))
     # Examples handed out in the timed items (stats also counts what was prefetched).
     examples = items * (BATCH * members if order.per_member else BATCH)
-    return startup, examples / (time.perf_counter() - start)
+    return (startup, examples / (time.perf_counter() - start),
+            1e6 * (cpu_seconds() - cpu) / examples)
   finally:
     batches.close()
 
@@ -79,21 +98,27 @@ def main():
               for name, v in variants.items()}
       results = harness.run_rounds(
           jobs, args.rounds, lambda r, name, res, kind=kind: (
-              f'round {r} {kind:9s} {name:17s} start {res[0]:5.1f} s  {res[1]:9,.0f} ex/s'))
+              f'round {r} {kind:9s} {name:17s} start {res[0]:5.1f} s  {res[1]:9,.0f} ex/s  '
+              f'{res[2]:6.0f} CPU us/ex'))
       threads = results['threads']
       for name, (loader, workers) in variants.items():
-        rates = [rate for _, rate in results[name]]
-        ratios = [rate / base for (_, rate), (_, base) in zip(results[name], threads)]
+        rates = [rate for _, rate, _ in results[name]]
+        ratios = [rate / base for (_, rate, _), (_, base, _) in zip(results[name], threads)]
+        cpu = [us for _, _, us in results[name]]
         rows.append(dict(member_order=kind, members=members, batch=BATCH, loader=loader,
                          workers=workers, examples_per_s=statistics.median(rates),
                          examples_per_s_rounds=rates, ratio_to_threads=statistics.median(ratios),
                          ratio_to_threads_rounds=ratios,
-                         startup_s=statistics.median(s for s, _ in results[name])))
+                         cpu_us_per_example=statistics.median(cpu),
+                         cpu_ratio_to_threads=statistics.median(
+                             us / base for us, (_, _, base) in zip(cpu, threads)),
+                         startup_s=statistics.median(s for s, _, _ in results[name])))
   print(f'\n{"order":9s} {"pipeline":17s} {"ex/s (median)":>14s} {"x threads":>10s} '
-        f'{"start s":>8s}')
+        f'{"CPU us/ex":>10s} {"x threads":>10s} {"start s":>8s}')
   for row, name in zip(rows, list(variants) * 2):
     print(f'{row["member_order"]:9s} {name:17s} {row["examples_per_s"]:14,.0f} '
-          f'{row["ratio_to_threads"]:10.2f} {row["startup_s"]:8.1f}')
+          f'{row["ratio_to_threads"]:10.2f} {row["cpu_us_per_example"]:10.0f} '
+          f'{row["cpu_ratio_to_threads"]:10.2f} {row["startup_s"]:8.1f}')
   out = harness.write_results(args.out, dict(
       header, device=jax.devices()[0].platform, examples=args.examples, items=args.items,
       rounds=args.rounds, cpu_cores=grain_loader.default_workers(), rows=rows,
