@@ -20,7 +20,7 @@ from PIL import Image
 from dist_ens import data
 from dist_ens.config import checks
 from dist_ens.config.loading import load_config
-from dist_ens.data import grain_loader, pipeline
+from dist_ens.data import grain_loader, pipeline, resident
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -187,7 +187,7 @@ _KILLED_PARENT = """
 import multiprocessing, sys, time
 import numpy as np
 from dist_ens import data
-from dist_ens.data import grain_loader, pipeline
+from dist_ens.data import grain_loader, pipeline, resident
 train = data.load_dataset('grain_cifar', data.DataSpec('grain_cifar', data_dir=sys.argv[1])).train
 order = data.Order('shared', train.num_examples, 16, 0)
 reads = grain_loader.Reads(pipeline.HostReader(train, order, (slice(0, 16),)),
@@ -262,6 +262,16 @@ def test_grain_refuses_a_source_it_cannot_read(train):
                  loader='grain')
   # A validation split carved from a TFDS split still reads its files.
   assert grain_loader.is_tfds(data.Subset(train, np.arange(10)))
+
+
+def test_a_resident_split_reads_nothing_on_the_host(train):
+  """data.resident='auto' put the split on the devices: grain has no batch to read."""
+  split = data.Split(*train.read(np.arange(64)))
+  order, mesh = data.Order('shared', 64, BATCH, 0), _mesh('shared')
+  batches = data.Batches(resident.ResidentSource(split), order, mesh, MEMBERS, prefetch=0,
+                         loader='grain')
+  threads = data.Batches(split, order, mesh, MEMBERS, prefetch=0)
+  _assert_same(_items(threads, 2)[0], _items(batches, 2)[0])
 
 
 def test_without_grain_installed_it_says_how_to_install(train, monkeypatch):

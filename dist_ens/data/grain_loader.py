@@ -27,7 +27,6 @@ from dist_ens.errors import ConfigError
 
 LOADERS = ('threads', 'grain')
 FIELD = 'config.data.loader'
-WORKERS_FIELD = 'config.data.grain_workers'
 # The positions grain may read: more items than any run takes.
 _ENDLESS = 2 ** 40
 _INSTALL = "pip install 'dist_ens[grain]'"
