@@ -54,11 +54,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # `python benchmarks/mfu.py` as well as `-m benchmarks.mfu`
-  sys.path.insert(0, str(ROOT))
+from benchmarks import harness
 
-from benchmarks import harness  # noqa: E402  (after the path fix above)
+ROOT = Path(__file__).resolve().parents[1]
 
 # The most important cells first: a stage cut short by its time limit keeps these.
 # torch.compile's first step (its compile) may take minutes: the JAX cell of every
@@ -126,22 +124,30 @@ def jax_config(net: str, members: int, args: Any):
 
 def step_flops(config: Any, dataset: Any) -> dict[str, Any]:
   """XLA's cost analysis of dist_ens's one-step train program for this config (per-member
-  batches, 'vmap'), as lowered; and as compiled too with --compiled_flops."""
+  batches, 'vmap'), lowered for the CPU backend (XLA:GPU gives none for a lowered program,
+  and its count of a compiled one leaves out most of the GEMMs it hands to cuBLAS: 1.1
+  GFLOP per member-example of ResNet-18 on an H200, the forward pass's share); with
+  --compiled_flops also compiled for the run's device, for that comparison."""
   import jax
+  out = {'flops_lowered': _flops(_lowered_step(config, dataset, jax.devices('cpu')[:1])
+                                 .cost_analysis())}
+  if ARGS is not None and ARGS.compiled_flops:
+    start = time.perf_counter()
+    lowered = _lowered_step(config, dataset, jax.devices()[:1])
+    out['flops_compiled_on_device'] = _flops(lowered.compile().cost_analysis())
+    out['compile_for_flops_s'] = round(time.perf_counter() - start, 1)
+  return out
+
+
+def _lowered_step(config: Any, dataset: Any, devices: list) -> Any:
   from dist_ens.plan import dry_run
   from dist_ens.run import assemble, mesh_layout
-  mesh = mesh_layout.build_mesh(config, jax.devices()[:1])
+  mesh = mesh_layout.build_mesh(config, devices)
   parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
   step = assemble.build_step(parts, per_member_batches=True, form=('vmap', None))
   args = dry_run.step_arguments(parts, dry_run.StepBatch(config.data.batch_size, True),
                                 step.uses_index)
-  lowered = step.fn.lower(*args)
-  out = {'flops_lowered': _flops(lowered.cost_analysis())}
-  if ARGS.compiled_flops:
-    start = time.perf_counter()
-    out['flops_compiled'] = _flops(lowered.compile().cost_analysis())
-    out['compile_for_flops_s'] = round(time.perf_counter() - start, 1)
-  return out
+  return step.fn.lower(*args)
 
 
 def _flops(cost: Any) -> float | None:
@@ -166,7 +172,7 @@ def jax_cell(net: str, members: int, args: Any) -> dict[str, Any]:
   workdir = tempfile.mkdtemp(prefix='dist_ens_mfu_')
   start = time.perf_counter()
   try:
-    final = dist_ens.train(config, workdir, devices=jax.devices()[:1], actions=[timer],
+    dist_ens.train(config, workdir, devices=jax.devices()[:1], actions=[timer],
                            dataset=dataset)
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
@@ -175,13 +181,11 @@ def jax_cell(net: str, members: int, args: Any) -> dict[str, Any]:
   seconds = timer.end - timer.start
   batch = config.data.batch_size
   flops = step_flops(config, dataset)
-  members_loss = final.get('members', {}).get('loss') if isinstance(final, dict) else None
   return dict(timed_steps=steps, seconds=seconds, step_s=seconds / steps,
               rate=members * batch * steps / seconds, run_wall_s=round(wall, 1),
               steps_per_call=timer.steps_per_call, **flops,
               flops_per_member_example=(flops['flops_lowered'] / (members * batch)
                                         if flops['flops_lowered'] else None),
-              final_member_losses=members_loss,
               model=config.model.to_dict())
 
 
@@ -446,7 +450,7 @@ def summarise(cells: list[dict], peak: float | None, measured: float | None) -> 
   for c in cells:
     if 'rate' not in c or c['framework'] == 'peak':
       continue
-    fpe = per_example.get(c['net'])
+    fpe = c.get('flops_per_member_example') or per_example.get(c['net'])
     c['tflops'] = fpe * c['rate'] / 1e12 if fpe else None
     c['mfu'] = c['tflops'] / peak if c['tflops'] and peak else None
     c['of_measured_matmul'] = c['tflops'] / measured if c['tflops'] and measured else None
@@ -545,6 +549,54 @@ def driver(args: Any) -> None:
   print(f'wrote {args.out}')
 
 
+def recount(args: Any) -> None:
+  """Merges the results files of --recount (device calls: a cell measured in a later file
+  replaces one skipped or failed in an earlier) and counts each measured cell's FLOPs here,
+  by XLA's cost analysis of the lowered step for the CPU backend (the count step_flops
+  makes in a cell; files from before it counted there have none)."""
+  from dist_ens import data
+  runs = [json.loads(Path(f).read_text()) for f in args.recount.split(',')]
+  first = runs[0]
+  args.tiny, args.batch = first['tiny'], first['batch']
+  args.examples, args.test_examples = 64, 16  # only the input's shape matters here
+  dataset = data.from_arrays(*synthetic(args), num_classes=CLASSES)
+  cells: dict[str, dict] = {}
+  for i, run in enumerate(runs):
+    for c in run['cells']:
+      if c['cell'] not in cells or 'rate' in c or 'tflops_median' in c:
+        cells[c['cell']] = dict(c, call=i)
+  counted: dict[tuple, float | None] = {}
+  for c in cells.values():
+    if 'rate' not in c or c['framework'] == 'peak':
+      continue
+    key = (c['net'], c['members'], (c.get('model') or {}).get('conv_impl', args.conv_impl))
+    if key not in counted:
+      args.conv_impl = key[2]
+      flops = step_flops(jax_config(c['net'], c['members'], args), dataset)['flops_lowered']
+      counted[key] = flops
+      print(f'{key}: {flops / (c["members"] * args.batch) / 1e9:.3f} GFLOP per member-example')
+    flops = counted[key]
+    c['flops_lowered'] = flops
+    c['flops_per_member_example'] = flops / (c['members'] * args.batch) if flops else None
+  cells_list = list(cells.values())
+  measured = next((c['tflops_median'] for c in cells_list if c['cell'] == 'peak'
+                   and 'tflops_median' in c), None)
+  peak = first['peak_tflops']
+  summarise(cells_list, peak, measured)
+  keep = ('date', 'commit', 'dirty', 'command', 'machine', 'platform', 'device_kind', 'jax',
+          'budget_s', 'cells_asked', 'measured_matmul_tflops')
+  harness.write_results(args.out, dict(
+      harness.run_header(), device_kind=first['device_kind'], jax=first['jax'],
+      peak_tflops=peak, peak_source=first['peak_source'], measured_matmul_tflops=measured,
+      flops_source='XLA cost analysis of the lowered one-step program, CPU backend, counted '
+      'by this command', tiny=first['tiny'], batch=first['batch'],
+      image_side=first['image_side'], train_examples=first['train_examples'],
+      steps=first['steps'], warmup=first['warmup'],
+      calls=[{k: r.get(k) for k in keep} for r in runs], cells=cells_list))
+  print_table(cells_list, peak)
+  print(f'wrote {args.out}')
+
+
 ARGS: Any = None
 
 
@@ -577,6 +629,9 @@ def main() -> None:
   parser.add_argument('--cell_timeout_s', type=float, default=180.0)
   parser.add_argument('--min_cell_s', type=float, default=40.0)
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'mfu.json'))
+  parser.add_argument('--recount', default='',
+                      help='comma-separated results files (device calls) to merge into --out, '
+                      'their FLOPs counted here')
   parser.add_argument('--cell', default='', help=argparse.SUPPRESS)
   parser.add_argument('--result', default='', help=argparse.SUPPRESS)
   args = parser.parse_args()
@@ -587,7 +642,9 @@ def main() -> None:
     args.torch_warmup, args.torch_blocks, args.matmul_reps = 2, 1, 3
     args.min_cell_s = min(args.min_cell_s, 5.0)
   ARGS = args
-  if args.cell:
+  if args.recount:
+    recount(args)
+  elif args.cell:
     child(args)
   else:
     driver(args)
