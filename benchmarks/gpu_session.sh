@@ -35,10 +35,14 @@
 #               whole runs with resident data against torch.func + torch.compile, MFU by
 #               XLA's cost analysis; the most important cells first, the results file
 #               rewritten after each cell, so a stop at the limit keeps what ran
-# Each stage is bounded at 560 s or less (all eight: at most 58 min). Run on an H100
+# Each stage is bounded at 560 s or less (all nine: at most 66 min). Run on an H100
 # (2026-11-27): check and run (50 s together), scaling's ResNet-20 part (M = 64, 256 in
-# 158 s); the others have not run since they were written. A session
-# lent less device time runs the stages owed first: scaling, then resnet.
+# 158 s). Run on an H200 (2026-11-27): mfu, 418 s for 5 of its 15 cells (its ViT cell
+# timed out in XLA:GPU's compile of the members' init), then `python3 -m benchmarks.mfu
+# --cells ...` in a second call (301 s) for 5 more: BENCHMARKS.md, "MFU of real-sized
+# members on a GPU"; ResNet-18 at M = 16 and 64 and dist_ens's ViT are still owed. The
+# others have not run since they were written. A session lent less device time runs the
+# stages owed first: scaling, then resnet.
 set -euo pipefail
 stage=${1:?usage: gpu_session.sh check|run|tests|throughput|resnet|model_axis|scaling|lm|mfu}
 out=${OUT:-/tmp/gpu_session}
