@@ -1,10 +1,16 @@
 """config.data.loader='grain' (dist_ens/data/grain_loader.py): grain's worker processes
 give the thread pipeline's batches bit for bit, on a TFDS CIFAR-shaped set of PNGs
 written here, for every member order and member pools, K steps per call, the example
-indices, each process's block of the batch (two processes simulated by their devices),
-and resumed mid-epoch; a config or source it cannot serve is refused in one line."""
+indices, each process's block of the batch (two processes simulated by their devices,
+and two real ones), and resumed mid-epoch; a config or source it cannot serve is refused
+in one line.
+
+This file is also the probe each process of the two-process test runs:
+`python tests/test_grain.py probe OUT PORT NUM_PROCESSES PROCESS_ID HOSTS_ALONG DATA_DIR`.
+"""
 
 import io
+import json
 import subprocess
 import sys
 import time
@@ -281,3 +287,72 @@ def test_without_grain_installed_it_says_how_to_install(train, monkeypatch):
   with pytest.raises(ConfigError, match=r'dist_ens\[grain\]'):
     data.Batches(train, data.Order('shared', train.num_examples, BATCH, 0), _mesh('shared'),
                  MEMBERS, loader='grain')
+
+
+# ---------------------------------------------------------------------------------
+# Two processes (jax.distributed on CPU, 4 fake devices each), each with its own grain
+# workers: each reads its block both ways; the gathered global batches equal one process's.
+
+
+def _probe_batches(data_dir, hosts_along):
+  """The items of both loaders on a 4 x 2 mesh laid out with `hosts_along` across
+  processes: a per-member order with K = 2 and indices, and the shared order."""
+  train = data.load_dataset('grain_cifar', data.DataSpec('grain_cifar', data_dir=data_dir)).train
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(member=4, data=2, hosts_along=hosts_along))
+  out = {}
+  for kind, kwargs in (('shuffled', {'steps_per_call': 2, 'with_index': True}),
+                       ('shared', {})):
+    order = data.Order(kind, train.num_examples, BATCH, seed=3)
+    for loader in ('threads', 'grain'):
+      batches = data.Batches(train, order, mesh, 4, prefetch=1, loader=loader, workers=1,
+                             **kwargs)
+      out[kind, loader] = [next(batches) for _ in range(7)]  # 14 batches of K=2: 2 epochs
+      batches.close()
+  return out
+
+
+def _probe(out, port, num_processes, process_id, hosts_along, data_dir):
+  from dist_ens.parallel import distributed  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  distributed.initialize(distributed.Launch(
+      coordinator_address=f'localhost:{port}', num_processes=int(num_processes),
+      process_id=int(process_id)))
+  items = _probe_batches(data_dir, hosts_along)
+  result = {}
+  for kind in ('shuffled', 'shared'):
+    for a, b in zip(items[kind, 'threads'], items[kind, 'grain']):
+      for u, v in zip(a, b):  # This process's shards: the same bytes, the same places.
+        assert u.sharding == v.sharding
+        for su, sv in zip(u.addressable_shards, v.addressable_shards):
+          assert su.index == sv.index and su.device == sv.device
+          assert np.asarray(su.data).tobytes() == np.asarray(sv.data).tobytes()
+    gathered = [[multihost_utils.process_allgather(a, tiled=True) for a in item]
+                for item in items[kind, 'grain']]
+    result[kind] = [[np.asarray(a).tobytes().hex() for a in item] for item in gathered]
+  Path(out).write_text(json.dumps(result))
+
+
+@pytest.mark.slow  # Two jax processes and their workers: tens of seconds; the fast tier
+# has the simulated processes above.
+@pytest.mark.parametrize('hosts_along', ['data', 'member'])
+def test_two_processes_read_the_same_batches(tmp_path, data_dir, hosts_along):
+  # test_multihost's process helpers: environment (4 fake devices), start, deadline, kill.
+  # pylint: disable=g-import-not-at-top,protected-access
+  import test_multihost as mh
+  port = mh._free_port()
+  outs = [tmp_path / f'probe_{i}.json' for i in range(2)]
+  procs = [mh._start(['timeout', '-k', '10', '300', sys.executable, __file__, 'probe',
+                      str(outs[i]), str(port), '2', str(i), hosts_along, data_dir], mh._env())
+           for i in range(2)]
+  for status, out in mh._wait(procs, 330):
+    assert status == 0, out[-5000:]
+  probes = [json.loads(p.read_text()) for p in outs]
+  assert probes[0] == probes[1]
+  one = _probe_batches(data_dir, hosts_along)  # this process: 8 devices, the same mesh shape
+  for kind in ('shuffled', 'shared'):
+    want = [[np.asarray(a).tobytes().hex() for a in item] for item in one[kind, 'threads']]
+    assert probes[0][kind] == want, kind
+
+
+if __name__ == '__main__' and sys.argv[1:2] == ['probe']:
+  _probe(*sys.argv[2:8])
