@@ -58,7 +58,7 @@ def _built(config, dataset):
   parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
   step = assemble.build_step(parts, per_member_batches=False,
                              form=member_forms.member_form(
-                                 parts.groups[0] if parts.groups else parts,
+                                 parts.stacks[0],
                                  config.data.batch_size))
   return step, assemble.init_sharded(parts), parts.device_hparams(), mesh_lib.batch_sharding(mesh)
 

@@ -102,5 +102,5 @@ def test_plan_calibrate_times_and_caches_each_member_group(cache, monkeypatch):
   assert "group 'group0' (4 members)" in text and "group 'deep' (4 members)" in text
   assert text.count('<- cached for member_parallelism=auto') == 2
   groups = assemble.build_run(config, devices=jax.devices()[:1],
-                              shapes=plan_lib.data_shape(config)).parts.groups
+                              shapes=plan_lib.data_shape(config)).parts.stacks
   assert [member_forms.member_form(g, 32) for g in groups] == [('vmap', None), ('map', 2)]

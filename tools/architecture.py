@@ -57,7 +57,7 @@ CONFIG_EDGE = ('dist_ens.config', 'dist_ens.run', 'dist_ens.main', 'dist_ens.com
                'dist_ens.inference.members',
                'dist_ens.report')  # a finished run's config.json
 _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|data)'")
-_GROUPS = re.compile(r"\bmember_groups\b|ensemble\.groups\b|\.groups\b|\bgroups_lib\b|"
+_GROUPS = re.compile(r"\bmember_groups\b|ensemble\.groups\b|\.groups\b(?!\()|\bgroups_lib\b|"
                      r"dist_ens\.core\.groups\b|from dist_ens\.core import [^\n]*\bgroups\b")
 
 

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 import ml_collections
 
 from dist_ens.config import specs
-from dist_ens.core.groups import Group
+from dist_ens.core.stacks import Place
 from dist_ens.ensembles import methods
 from dist_ens.errors import ConfigError
 
@@ -36,7 +36,7 @@ class GroupSpec(NamedTuple):
   """One group: its members' ids (first .. first + count - 1) and its overrides
   (`ensemble`: its own method, e.g. {'method': 'batchensemble'} or {'own': 'head'})."""
   name: str
-  group: Group
+  group: Place  # where its members sit among the ensemble's
   model: dict[str, Any]
   optim: dict[str, Any]
   ensemble: dict[str, Any]
@@ -71,7 +71,7 @@ def _one(raw: Any, index: int, first: int) -> GroupSpec:
   name = raw.get('name', f'group{index}')
   if not isinstance(name, str) or not name:
     raise ConfigError(f'{where}.name={name!r} must be a non-empty string.')
-  return GroupSpec(name, Group(first, count), overrides['model'], overrides['optim'],
+  return GroupSpec(name, Place(first, count), overrides['model'], overrides['optim'],
                    overrides['ensemble'])
 
 
@@ -212,6 +212,15 @@ def group_configs(config: ml_collections.ConfigDict) -> list[ml_collections.Conf
   """Each group's config (group_config) in group order; [config] without groups."""
   specs_ = group_specs(config)
   return [group_config(config, s) for s in specs_] if specs_ else [config]
+
+
+def member_config(config: ml_collections.ConfigDict, member: int) -> ml_collections.ConfigDict:
+  """The config member `member` was built from: its group's (group_config), or the
+  run's without groups."""
+  for spec in group_specs(config):
+    if spec.group.first <= member < spec.group.first + spec.group.count:
+      return group_config(config, spec)
+  return config
 
 
 def check_divides(specs: Sequence[GroupSpec], member_devices: int) -> None:

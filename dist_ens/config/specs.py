@@ -18,7 +18,7 @@ from dist_ens.core import hparams as hparams_lib
 from dist_ens.core.optim import OptimSpec
 from dist_ens.core.step import StepOptions
 from dist_ens.data import augment as augment_lib
-from dist_ens.ensembles import distill, methods, pbt, students
+from dist_ens.ensembles import distill, methods, own as own_lib, pbt, students
 from dist_ens.errors import ConfigError
 from dist_ens.importing import is_import_path, load_object
 from dist_ens.io import init_from as init_from_lib
@@ -199,11 +199,13 @@ class RunSpec(NamedTuple):
   # config.ensemble.groups (config.groups.GroupSpec each: that module reads this one's
   # specs, so build_run passes them in); () without.
   groups: tuple[Any, ...]
+  members_text: str  # '8 x mlp', or each group's count and model (config.groups.describe)
 
 
-def run_spec(config: ml_collections.ConfigDict, groups: Sequence[Any] = ()) -> RunSpec:
+def run_spec(config: ml_collections.ConfigDict, groups: Sequence[Any] = (),
+             members_text: str = '') -> RunSpec:
   """The run-wide spec of a checked config (train.steps already resolved from epochs),
-  with its member groups' specs (config.groups.group_specs)."""
+  with its member groups' specs (config.groups.group_specs) and their description."""
   return RunSpec(
       num_members=config.num_members, seed=config.seed, precision=config.precision,
       reproducible=config.reproducible, task=config.task,
@@ -212,7 +214,9 @@ def run_spec(config: ml_collections.ConfigDict, groups: Sequence[Any] = ()) -> R
       select=_section(config.select, SelectSpec), checkpoint_every=config.checkpoint.every,
       checkpoint_keep=config.checkpoint.keep, pbt=pbt_spec(config),
       distill=distill_spec(config), writers=tuple(config.writers),
-      groups=tuple(groups))
+      groups=tuple(groups),
+      members_text=members_text or
+      f'{config.num_members} x {config.model.factory or config.model.name}')
 
 
 def distill_spec(config: ml_collections.ConfigDict) -> distill.DistillSpec | None:
@@ -257,6 +261,9 @@ class StackSpec(NamedTuple):
   # What the measured member forms' cache keys this stack by (run.member_forms.form_key):
   # its model (less where it starts from), data set, precision, optimizer, method.
   form_fields: dict[str, Any]
+  distill: distill.DistillSpec | None  # config.distill as this stack's model checks it
+  # Logged when the run starts fresh: shared leaves nothing trains (own.random_frozen_base).
+  warning: str | None
 
 
 def stack_spec(config: ml_collections.ConfigDict) -> StackSpec:
@@ -271,7 +278,10 @@ def stack_spec(config: ml_collections.ConfigDict) -> StackSpec:
   return StackSpec(seed=config.seed, loss=config.train.loss, options=step_options(config),
                    batch_size=config.data.batch_size, init_from=init_from_spec(config),
                    member_parallelism=e.member_parallelism, map_batch_size=e.map_batch_size,
-                   model_name=config.model.name, form_fields=form_fields)
+                   model_name=config.model.name, form_fields=form_fields,
+                   distill=distill_spec(config),
+                   warning=own_lib.random_frozen_base(e.own, config.model.init_from,
+                                                      e.train_shared))
 
 
 def step_options(config: ml_collections.ConfigDict) -> StepOptions:

@@ -51,8 +51,8 @@ class Model(NamedTuple):
   `features`, where set, is apply with the last hidden features beside the logits (the
   module doc); None: the model does not expose them.
   `members_map(fn, params, state)`, where set, runs fn(model, params, state, member_ids)
-  on each stack of members one vmap cannot run together (member groups of different
-  architectures, dist_ens.core.groups: each group's own model, stacked params and state,
+  on each stack of members one vmap cannot run together (stacks of different
+  architectures, dist_ens.core.stacks: each stack's own model, stacked params and state,
   and its members' ids) and joins the results [M, ...] in id order; over_stacks calls it
   (evaluation, MC dropout) instead of fn on the whole stack.
   """

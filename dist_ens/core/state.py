@@ -34,7 +34,7 @@ class TrainState(NamedTuple):
 
 def member_flags(frozen: Any) -> Any:
   """A state's frozen flags [M] in id order: `frozen` itself, or, where members come in
-  groups (core/groups.py: one [count] array per group), their concatenation; numpy in,
+  several stacks (core/stacks.py: one [count] array per stack), their concatenation; numpy in,
   numpy out."""
   if not isinstance(frozen, (tuple, list)):
     return frozen
@@ -87,8 +87,8 @@ def init_state(model: Model, optimizer: Optimizer, seed: int, num_members: int,
     pretrained: leaves every member starts from, exactly (model.init_scale applies only
       to the leaves initialised here, from rng.fresh_keys); the method's hooks and the
       optimizer's init then see them as the members' initial params.
-    first_member: the id of the first of these members (a member group's place in the
-      ensemble, dist_ens.core.groups): member first_member + i is keyed as that id.
+    first_member: the id of the first of these members (a stack's place in the
+      ensemble, dist_ens.core.stacks): member first_member + i is keyed as that id.
   """
   keys = rng.member_keys(seed, jnp.arange(first_member, first_member + num_members,
                                                dtype=jnp.uint32))

@@ -8,10 +8,10 @@ exactly what its final_metrics.json 'laplace' section was computed from.
   plain, laplaced, draws = members_predictive(model, fit.kind, fit.kernel,
                                               (params, model_state), arrays, x)
 
-A fit covers one stack of members that one vmap runs: the whole ensemble, or with
-config.ensemble.groups one group (its own head width, so its own fit; a run's fits are
-one per group, in group order). Weight draws depend only on (seed, member id, draw):
-not on the inputs, their batching, the mesh, M or the groups. `Forwards` holds the
+A fit covers one stack of members that one vmap runs (core/stacks.py): the whole
+ensemble, or one of several stacks of different architectures (its own head width, so
+its own fit; a run's fits are one per stack, in id order). Weight draws depend only on
+(seed, member id, draw): not on the inputs, their batching, the mesh, M or the stacks. `Forwards` holds the
 jitted forwards Ensemble.predict calls on its mesh.
 """
 
@@ -38,8 +38,8 @@ class LaplaceFit(NamedTuple):
   kind: a laplace.KINDS value; samples: weight draws per member (0: probit); kernel: the
   output kernel's '/'-joined path in a member's params; step: the checkpoint step it was
   fitted on; prior_precision: [m] float32; posterior: laplace.Posterior, fields [m, ...];
-  first_member: the id of the stack's first member (a member group's place; 0 without
-  groups), which keys its members' weight draws.
+  first_member: the id of the stack's first member (its place; 0 for
+  the one stack), which keys its members' weight draws.
   """
   kind: str
   samples: int
@@ -142,26 +142,26 @@ def members_predictive(model: Any, kind: str, kernel: str, variables: Any,
   return jax.nn.log_softmax(logits, -1), log_probs, draws
 
 
-def _stacks_predictive(models: Sequence[Any], fits: Sequence[LaplaceFit], grouped: bool,
+def _stacks_predictive(models: Sequence[Any], fits: Sequence[LaplaceFit], joined: bool,
                        variables: Any, arrays: Sequence[LaplaceArrays], x: jax.Array
                        ) -> tuple[jax.Array, jax.Array]:
   """Every member's Laplace predictive [M, B, C] and weight draws [M, S, B, C], in id
-  order: each stack's (models[i] with fits[i]) joined. `grouped` (member groups):
-  `variables` holds a tuple of params and one of model states, one per group."""
+  order: each stack's (models[i] with fits[i]) joined. `joined` (several stacks):
+  `variables` holds a tuple of params and one of model states, one per stack."""
   params, state = variables
-  stacks = zip(params, state) if grouped else [variables]
+  stacks = zip(params, state) if joined else [variables]
   outs = [members_predictive(model, fit.kind, fit.kernel, stack, a, x)[1:]
           for model, fit, stack, a in zip(models, fits, stacks, arrays)]
   return tuple(jnp.concatenate(parts) for parts in zip(*outs))
 
 
-def _ensemble_step(models: Sequence[Any], fits: Sequence[LaplaceFit], grouped: bool,
+def _ensemble_step(models: Sequence[Any], fits: Sequence[LaplaceFit], joined: bool,
                    with_draws: bool, variables: Any, x: jax.Array, member_mask: jax.Array,
                    arrays: Sequence[LaplaceArrays]) -> Any:
   """Ensemble.predict's outputs (ensemble probs, member probs, entropy, mutual
   information) of the members' Laplace predictives, or (with_draws) each weight draw's
   probabilities [M, S, B, C]."""
-  log_probs, draws = _stacks_predictive(models, fits, grouped, variables, arrays, x)
+  log_probs, draws = _stacks_predictive(models, fits, joined, variables, arrays, x)
   if with_draws:
     return jnp.exp(draws)
   uncertainty = metrics.member_uncertainty(log_probs, member_mask)
@@ -173,10 +173,10 @@ class Forwards:
   """A run's fits' jitted forwards on `mesh`, each (variables, x, member_mask) ->
   outputs with the fits' arrays on the member axis: `predict` (see _ensemble_step) and
   `draws`. models[i] is the predicting model of the stack fits[i] covers (one model and
-  fit without groups; `grouped`: each group's, and `variables` the joined state's)."""
+  fit for one stack; `joined`: each stack's, and `variables` the joined state's)."""
 
   def __init__(self, models: Sequence[Any], fits: Sequence[LaplaceFit], seed: int,
-               num_classes: int, mesh: jax.sharding.Mesh, grouped: bool = False):
+               num_classes: int, mesh: jax.sharding.Mesh, joined: bool = False):
     if len(models) != len(fits):
       raise ValueError(f'{len(fits)} Laplace fits for {len(models)} stacks of members: '
                        'laplace.npz is not this run\'s.')
@@ -184,7 +184,7 @@ class Forwards:
     models, fits = tuple(models), tuple(fits)
 
     def forward(with_draws):
-      step = jax.jit(functools.partial(_ensemble_step, models, fits, grouped, with_draws),
+      step = jax.jit(functools.partial(_ensemble_step, models, fits, joined, with_draws),
                      in_shardings=(None, mesh_lib.batch_sharding(mesh), None, None),
                      out_shardings=mesh_lib.replicated(mesh))
       return lambda variables, x, member_mask: step(variables, x, member_mask, arrays)

@@ -27,8 +27,9 @@ import numpy as np
 from absl import logging
 
 from dist_ens import data, tasks
-from dist_ens.config import groups as member_groups, specs
+from dist_ens.config import specs
 from dist_ens.data import uci
+from dist_ens.core import stacks as stacks_lib
 from dist_ens.core.state import member_flags
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
@@ -62,7 +63,9 @@ class Ensemble(ensemble_members.MemberAccess):
     mesh: the ('member', 'data'[, 'model']) mesh the parameters live on.
     laplace: the members' last-layer Laplace posteriors the run fitted
       (config.eval.laplace; workdir/laplace.npz, dist_ens.io.laplace_file): a tuple of
-      LaplaceFit, one (with config.ensemble.groups one per group), or None.
+      LaplaceFit, one per stack, or None.
+    places, stack_models: where each stack's members sit and its predicting model, for
+      an ensemble of several stacks (core/stacks.py; default one stack of `model`).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model: Model, params: PyTree,
@@ -73,14 +76,14 @@ class Ensemble(ensemble_members.MemberAccess):
                noise_variance: np.ndarray | None = None, predict_model: Model | None = None,
                split_scales: tuple[uci.Standardizer, ...] | None = None,
                laplace: tuple[laplace_predictive.LaplaceFit, ...] | None = None,
-               group_models: tuple[Model, ...] = ()):
+               places: stacks_lib.Places | None = None,
+               stack_models: tuple[Model, ...] = ()):
     # `predict_model` reads `params` as stored (stored.predicting_model); default `model`.
-    # With config.ensemble.groups, `group_models` are each group's (its stack of params).
     self.config, self.model, self._stored = config, model, params
     self._predict_model = model = predict_model or model
     self.conformal = conformal  # what predict_sets calibrates with (None: not fitted)
     self.laplace = laplace  # what predict(laplace=True) uses (None: not fitted)
-    self._group_models = tuple(group_models)
+    self._stack_models = tuple(stack_models) or (self._predict_model,)
     self.task, self.scale = tasks.get_task(config.task), scale
     # config.data.member_split's per-split statistics: split s's members predict in their
     # own units, so predict standardises and converts back per split (None: one `scale`).
@@ -90,8 +93,7 @@ class Ensemble(ensemble_members.MemberAccess):
     self.model_state = {} if model_state is None else model_state
     self.frozen, self.step, self.mesh = np.asarray(frozen, bool), step, mesh
     self.input_shape, self.num_classes = tuple(input_shape), num_classes
-    # config.ensemble.groups: where each group's members sit ((): no groups).
-    self._groups = tuple(spec.group for spec in member_groups.group_specs(config))
+    self._places = places or stacks_lib.Places.one(len(self.frozen))
     self.preprocess = preprocess or preprocess_for(specs.data_spec(config), input_shape)
     if self.frozen.all():
       logging.warning('every member of this ensemble is frozen (non-finite); its mean '
@@ -110,21 +112,18 @@ class Ensemble(ensemble_members.MemberAccess):
     # The params as they lie (None): a shared leaf is replicated, not split over 'member'.
     self._forward = jax.jit(forward, in_shardings=(None, mesh_lib.batch_sharding(mesh), members),
                             out_shardings=mesh_lib.replicated(mesh))
-    self._take = jax.jit(functools.partial(stored.take_member, model),
-                         out_shardings=mesh_lib.replicated(mesh))
+    # Each stack's member taker: a member formed from its stack's stored params.
+    self._takes = [jax.jit(functools.partial(stored.take_member, m),
+                           out_shardings=mesh_lib.replicated(mesh)) for m in self._stack_models]
     self._take_state = jax.jit(lambda state, i: jax.tree.map(lambda a: a[i], state),
                                out_shardings=mesh_lib.replicated(mesh))
-    self._take_in_group = [jax.jit(functools.partial(stored.take_member, m),
-                                   out_shardings=mesh_lib.replicated(mesh))
-                           for m in self._group_models]
 
   @property
   def params(self) -> PyTree:
     if not hasattr(self, '_formed'):
-      self._formed = (tuple(stored.form_all(m, p, self.mesh)
-                            for m, p in zip(self._group_models, self._stored))
-                      if self._group_models else
-                      stored.form_all(self._predict_model, self._stored, self.mesh))
+      self._formed = self._places.join_tree([
+          stored.form_all(m, p, self.mesh)
+          for m, p in zip(self._stack_models, self._places.split_tree(self._stored))])
     return self._formed
 
   @classmethod
@@ -179,7 +178,8 @@ class Ensemble(ensemble_members.MemberAccess):
                    predict_model=parts.predict_model,
                    split_scales=saved_run.split_scales_from(meta),
                    laplace=saved_run.laplace_from(workdir, restored.step),
-                   group_models=tuple(g.predict_model for g in parts.groups))
+                   places=parts.places,
+                   stack_models=tuple(s.predict_model for s in parts.stacks))
     ensemble.workdir = workdir  # what export_adapters reads the factors from
     return ensemble
 
@@ -258,10 +258,9 @@ class Ensemble(ensemble_members.MemberAccess):
     laplace_predictive.check_predictable(self.laplace, self.config.eval.laplace, self.task.name,
                                          self.step, draws)
     if not hasattr(self, '_laplace_forwards'):
-      models = self._group_models or (self._predict_model,)
       self._laplace_forwards = laplace_predictive.Forwards(
-          models, self.laplace, self.config.seed, self.num_classes, self.mesh,
-          grouped=bool(self._group_models))
+          self._stack_models, self.laplace, self.config.seed, self.num_classes, self.mesh,
+          joined=self._places.joined)
     return self._laplace_forwards.draws if draws else self._laplace_forwards.predict
 
   def predict_sets(self, x: np.ndarray, batch_size: int | None = None, *,

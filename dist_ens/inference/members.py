@@ -3,10 +3,9 @@ and the files that carry members out of dist_ens (npz, PEFT adapters).
 
 MemberAccess is the part of inference.Ensemble that reads single members; Ensemble
 sets what it reads: config, num_members, model_state, workdir (after load), the stored
-params `_stored`, the jitted row takers `_take` (a member formed from the stored
-params, shared leaves included), `_take_in_group` (each member group's, from its stack)
-and `_take_state` (one row of a stack), and `_groups` (config.ensemble.groups' places;
-() without groups).
+params `_stored`, the jitted row takers `_takes` (each stack's: a member formed from its
+stack's stored params, shared leaves included) and `_take_state` (one row of a stack),
+and `_places` (where each stack's members sit: core/stacks.py).
 """
 
 import os
@@ -18,7 +17,6 @@ import ml_collections
 import numpy as np
 
 from dist_ens.config import groups as member_groups
-from dist_ens.core import groups as groups_lib
 from dist_ens.io import member_files
 
 PyTree = Any
@@ -27,15 +25,15 @@ PyTree = Any
 class MemberAccess:
   """Ensemble's per-member methods (see the module doc for what Ensemble provides)."""
 
-  def _row(self, tree: PyTree, i: int, what: str) -> tuple[PyTree, int]:
-    """(the stack of `tree` that holds member i, its row there): with groups, its group's
-    stack; else the whole tree and i."""
+  def _row(self, tree: PyTree, i: int, what: str) -> tuple[PyTree, int, int]:
+    """(the stack of `tree` that holds member i, its row there, the stack's index)."""
+    self._check_member(i, what)
+    s, row = self._places.locate(i)
+    return self._places.split_tree(tree)[s], row, s
+
+  def _check_member(self, i: int, what: str) -> None:
     if not 0 <= i < self.num_members:
       raise IndexError(f'{what}({i}): this ensemble has members 0..{self.num_members - 1}.')
-    if not self._groups:
-      return tree, i
-    g, row = groups_lib.locate(self._groups, i)
-    return tree[g], row
 
   def member(self, i: int) -> PyTree:
     """Member i's parameters as a plain pytree of numpy arrays (no member axis).
@@ -44,10 +42,8 @@ class MemberAccess:
       params = ens.member(0)
       logits = ens.model.apply(params, x)  # one member, as trained
     """
-    stack, row = self._row(self._stored, i, 'member')
-    take = (self._take_in_group[groups_lib.locate(self._groups, i)[0]] if self._groups
-            else self._take)
-    return jax.tree.map(np.asarray, take(stack, np.int32(row)))
+    stack, row, s = self._row(self._stored, i, 'member')
+    return jax.tree.map(np.asarray, self._takes[s](stack, np.int32(row)))
 
   def member_state(self, i: int) -> PyTree:
     """Member i's model state as a plain pytree of numpy arrays (no member axis): its
@@ -56,7 +52,7 @@ class MemberAccess:
     Example:
       logits, _ = ens.model.apply(ens.member(0), ens.member_state(0), x, train=False)
     """
-    stack, row = self._row(self.model_state, i, 'member_state')
+    stack, row, _ = self._row(self.model_state, i, 'member_state')
     return jax.tree.map(np.asarray, self._take_state(stack, np.int32(row)))
 
   def member_config(self, i: int) -> ml_collections.ConfigDict:
@@ -67,9 +63,8 @@ class MemberAccess:
       spec = dist_ens.config.specs.model_spec(ens.member_config(5))
       model = dist_ens.models.get_model(spec, ens.num_classes)   # member 5's architecture
     """
-    specs = member_groups.group_specs(self.config)
-    spec, _ = self._row(specs, i, 'member_config')  # (specs, i) without groups
-    return member_groups.group_config(self.config, spec) if specs else self.config
+    self._check_member(i, 'member_config')
+    return member_groups.member_config(self.config, i)
 
   def export(self, directory: str | os.PathLike) -> list[Path]:
     """Writes each member as its own .npz file (member_{i}.npz, member_{i}_state.npz where

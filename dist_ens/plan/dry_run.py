@@ -82,8 +82,8 @@ def step_arguments(parts: assemble.Parts, batch: StepBatch, uses_index: bool) ->
     return {k: jax.ShapeDtypeStruct((p.num_members,), jnp.float32, sharding=member_sharding)
             for k in p.hparams}
 
-  # With member groups the step takes each group's hyperparameters (Parts.device_hparams).
-  hparams = tuple(map(hparams_of, parts.groups)) if parts.groups else hparams_of(parts)
+  # The step takes each stack's hyperparameters (Parts.device_hparams).
+  hparams = parts.places.join_tree([hparams_of(one) for one in parts.stacks])
   # With augmentation the step also takes the examples' indices (int32, shaped like y).
   index = (jax.ShapeDtypeStruct(y_shape, jnp.int32, sharding=batch_sharding),)
   return (parts.abstract_state, hparams, x, y, *(index if uses_index else ()))

@@ -68,7 +68,7 @@ def make_groups_plan(config: ml_collections.ConfigDict, run: assemble.Run,
   per_device = config.num_members // mesh.shape[mesh_lib.MEMBER]
   compiled, _ = dry_run.compile_step(parts, batch, run.form)
   groups = []
-  for spec, g in zip(member_groups.group_specs(config), parts.groups):
+  for spec, g in zip(member_groups.group_specs(config), parts.stacks):
     one = member_groups.group_config(config, spec)
     rebuild = lambda m, one=one, g=g: assemble.build_parts(
         one, g.mesh, g.input_shape, g.num_outputs, num_members=m)

@@ -188,7 +188,7 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   if memory_bytes is None:
     memory_bytes = device_memory_bytes(mesh.devices.flat[0])
   batch = step_batch(config)
-  if parts.groups:  # Each group priced on its own, the joint step measured whole.
+  if parts.places.joined:  # Each group priced on its own, the joint step measured whole.
     return groups_plan.make_groups_plan(config, run, memory_bytes, batch)
   shards = mesh.shape[mesh_lib.MEMBER]
   per_device = config.num_members // shards
@@ -264,7 +264,7 @@ def calibrate(config: ml_collections.ConfigDict,
   parts = assemble.build_run(config, devices=devices, shapes=data_shape(config)).parts
   names = [spec.name for spec in member_groups.group_specs(config)]
   lines = []
-  for name, stack in zip(names or [None], parts.groups or [parts]):
+  for name, stack in zip(names or [None], parts.stacks):
     best, seconds = calibration.calibrate(stack, config.data.batch_size,
                                           config.data.member_order != 'shared',
                                           stack.stack.model_name)

@@ -32,7 +32,7 @@ from dist_ens import data, models, tasks
 from dist_ens.config import groups as member_groups
 from dist_ens.config import checks
 from dist_ens.io.checkpoint import Checkpointer
-from dist_ens.core import gradients, groups as groups_lib, hparams as hparams_lib
+from dist_ens.core import gradients, hparams as hparams_lib, stacks as stacks_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
 from dist_ens.core.state import Pretrained, TrainState, init_state
@@ -68,10 +68,10 @@ class Parts(NamedTuple):
   task: tasks.Task  # config.task: the loss, metrics and what the outputs mean
   layout: Layout  # where every leaf of the state lives on the mesh
   input_dtype: Any = jnp.float32  # the model's inputs: float32, or int32 token ids
-  # config.ensemble.groups: each group's own Parts (their members are ids first_member ..
-  # of the ensemble); the joined state's params are a tuple of theirs (core/groups.py).
-  groups: tuple['Parts', ...] = ()
-  first_member: int = 0  # the id of this stack's first member (a group's place)
+  # The stacks this run joins (config.ensemble.groups: each group's own Parts, their
+  # members ids first_member ..); () where these parts are the one stack.
+  stacked: tuple['Parts', ...] = ()
+  first_member: int = 0  # the id of this stack's first member
 
   @property
   def state_shardings(self) -> Any:
@@ -82,18 +82,35 @@ class Parts(NamedTuple):
     return sum(f.shape[0] for f in jax.tree.leaves(self.abstract_state.frozen))
 
   @property
+  def stacks(self) -> tuple['Parts', ...]:
+    """Each stack's own parts (its model, method, optimizer, layout), in id order."""
+    return self.stacked or (self,)
+
+  @property
+  def places(self) -> stacks_lib.Places:
+    """Where each stack's members sit, and how the state holds them (core/stacks.py)."""
+    return stacks_lib.Places(tuple(stacks_lib.Place(s.first_member, s.num_members)
+                                   for s in self.stacks), joined=bool(self.stacked))
+
+  @property
   def predict_model(self) -> Model:
     """The model that evaluation runs on the stacked params as the state stores them
-    (with groups, the joined model: each group's own predicting model on its stack)."""
-    return self.model if self.groups else stored.predicting_model(self.method, self.model)
+    (of joined stacks, each stack's own predicting model on its stack)."""
+    return self.model if self.stacked else stored.predicting_model(self.method, self.model)
 
   def device_hparams(self) -> dict[str, jax.Array] | tuple[dict[str, jax.Array], ...]:
-    """The per-member hyperparameters on the mesh, sharded over 'member' like the state;
-    with groups, each group's own (what its step takes, with no resharding)."""
-    if self.groups:
-      return tuple(g.device_hparams() for g in self.groups)
-    return jax.device_put({k: np.asarray(v) for k, v in self.hparams.items()},
-                          mesh_lib.member_sharding(self.mesh))
+    """The per-member hyperparameters on the mesh, sharded over 'member' like the state:
+    each stack's own (what its step takes, with no resharding)."""
+    return self.places.join_tree([
+        jax.device_put({k: np.asarray(v) for k, v in s.hparams.items()},
+                       mesh_lib.member_sharding(s.mesh)) for s in self.stacks])
+
+  def with_hparams(self, values: dict[str, np.ndarray]) -> 'Parts':
+    """These parts with every member's hyperparameters [M] set to `values` (each
+    stack's its own members')."""
+    stacked = tuple(s._replace(hparams={f: v[s.first_member:s.first_member + s.num_members]
+                                        for f, v in values.items()}) for s in self.stacked)
+    return self._replace(hparams=values, stacked=stacked)
 
 
 class Run(NamedTuple):
@@ -198,9 +215,10 @@ def build_run(config: ml_collections.ConfigDict, *,
                       input_dtype=dtype[0] if dtype else jnp.float32)
   if metrics and run_data is not None:
     user_metrics.check_metrics(metrics, shapes[1], np.asarray(dataset.test.y))
-  # With groups each group picks its own form (build_step); the first's stands for the run.
-  return Run(config, run_spec(config, member_groups.group_specs(config)), parts, run_data,
-             member_form(parts.groups[0] if parts.groups else parts, config.data.batch_size))
+  # Each stack picks its own form (build_step); the first's stands for the run.
+  return Run(config, run_spec(config, member_groups.group_specs(config),
+                              member_groups.describe(config)), parts, run_data,
+             member_form(parts.stacks[0], config.data.batch_size))
 
 
 def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],
@@ -271,7 +289,7 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
                  input_dtype: Any) -> Parts:
   """config.ensemble.groups' parts: each group's own (its model and optim overrides, its
   members' ids), joined into one state whose params are a tuple of the groups'
-  (core/groups.py); the joined model predicts with every group's members in id order."""
+  (core/stacks.py); the joined model predicts with every group's members in id order."""
   specs = member_groups.check(config)
   if num_members not in (None, config.num_members):
     raise ConfigError(f'{member_groups.FIELD}: planning another num_members than the '
@@ -283,18 +301,18 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
       built.append(build_parts(member_groups.group_config(config, s), mesh, input_shape,
                                num_outputs, s.group.count, optimizer, input_dtype,
                                s.group.first))
-  groups = tuple(built)
-  abstract = groups_lib.join_states([g.abstract_state for g in groups])
-  hparams = {k: np.concatenate([g.hparams[k] for g in groups]) for k in groups[0].hparams}
+  stacks = tuple(built)
+  places = stacks_lib.Places(tuple(s.group for s in specs), joined=True)
+  abstract = stacks_lib.join_states([g.abstract_state for g in stacks])
+  hparams = {k: np.concatenate([g.hparams[k] for g in stacks]) for k in stacks[0].hparams}
   # The task and input are every group's; the method (each group's gives one predicting
   # member per trained member, none collects), optimizer and layout are the first group's:
-  # whatever needs a group's own (the step, init, calibration, Laplace) reads parts.groups.
-  first = groups[0]
-  return first._replace(
-      stack=stack_spec(config), model=groups_lib.members_model([g.predict_model for g in groups],
-                                                    [s.group for s in specs]),
+  # whatever needs a stack's own (the step, init, calibration, Laplace) reads parts.stacks.
+  return stacks[0]._replace(
+      stack=stack_spec(config),
+      model=stacks_lib.members_model([g.predict_model for g in stacks], places),
       hparams=hparams, abstract_state=abstract,
-      init=groups_lib.join_inits([g.init for g in groups]), groups=groups)
+      init=stacks_lib.join_inits([g.init for g in stacks]), stacked=stacks)
 
 
 def _optimizer(config: ml_collections.ConfigDict, method: methods.Method,
@@ -356,9 +374,12 @@ def compile_init(parts: Parts, *pretrained: Pretrained) -> jax.stages.Compiled:
 def init_sharded(parts: Parts) -> TrainState:
   """The initial state, born sharded: each device materialises only its own members,
   from config.model.init_from's leaves where it names a file (io/init_from.py). With
-  member groups, each group's own (its init_from, model and layout), joined."""
-  if parts.groups:
-    return groups_lib.join_states([init_sharded(g) for g in parts.groups])
+  joined stacks, each stack's own (its init_from, model and layout), joined."""
+  return parts.places.join([_init_stack(one) for one in parts.stacks])
+
+
+def _init_stack(parts: Parts) -> TrainState:
+  """init_sharded of one stack."""
   pretrained = init_from.pretrained_leaves(*_init_from_args(parts), parts.mesh, parts.layout,
                                            owned=parts.method.owned,
                                            under=parts.method.wrapped_under)
@@ -370,7 +391,7 @@ def check_init_from(parts: Parts) -> None:
   """What config.model.init_from's file headers show that init_sharded would refuse (a
   cut file, a missing or misshapen weight), refused now: init_sharded reads the file
   only once the workdir is claimed."""
-  for one in parts.groups or (parts,):
+  for one in parts.stacks:
     init_from.check_pretrained(*_init_from_args(one), owned=one.method.owned,
                                under=one.method.wrapped_under)
 
@@ -384,15 +405,21 @@ def _init_from_args(parts: Parts) -> tuple[Any, ...]:
 def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
                steps_per_call: int = 1, loss: tasks.Loss | None = None) -> TrainStep:
   """The compiled train step for these parts (traced at its first call); `loss`
-  replaces config.train.loss."""
-  if parts.groups:  # Each group's own step (and member form), one after another.
-    steps = [build_step(g, per_member_batches=per_member_batches,
-                        form=member_form(g, g.stack.batch_size),
-                        steps_per_call=steps_per_call, loss=loss) for g in parts.groups]
-    return groups_lib.join_steps(steps, [groups_lib.Group(g.first_member, g.num_members)
-                                         for g in parts.groups], parts.state_shardings,
-                                 per_member_batches=per_member_batches,
-                                 steps_per_call=steps_per_call)
+  replaces config.train.loss: each stack's own step (and member form), joined."""
+  if not parts.stacked:
+    return _stack_step(parts, per_member_batches=per_member_batches, form=form,
+                       steps_per_call=steps_per_call, loss=loss)
+  steps = [_stack_step(one, per_member_batches=per_member_batches,
+                       form=member_form(one, one.stack.batch_size),
+                       steps_per_call=steps_per_call, loss=loss) for one in parts.stacked]
+  return stacks_lib.join_steps(steps, parts.places, parts.state_shardings,
+                               per_member_batches=per_member_batches,
+                               steps_per_call=steps_per_call)
+
+
+def _stack_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
+                steps_per_call: int, loss: tasks.Loss | None) -> TrainStep:
+  """The train step of one stack."""
   parallelism, map_batch_size = form
   loss = loss or tasks.loss_for(parts.stack.loss, parts.task)
   if parts.method.wrap_loss is not None:  # e.g. MIMO: the sum of its heads' losses

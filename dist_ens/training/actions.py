@@ -27,7 +27,7 @@ from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.training.evaluator import EvalRun
 from dist_ens.training.predictions import SplitPredictions
-from dist_ens.core.groups import metrics_in_id_order
+from dist_ens.core.stacks import metrics_in_id_order
 from dist_ens.core.state import member_flags
 from dist_ens.core.step import StepMetrics
 

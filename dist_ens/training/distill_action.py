@@ -154,14 +154,14 @@ def _log_probs(net: students.StudentNet, params: Any, state: Any, x: np.ndarray,
 def _cost(call: Call, net: students.StudentNet, params: Any, included: np.ndarray
           ) -> dict[str, Any]:
   """Parameters and forward FLOPs per example of the student and of the included members
-  (with config.ensemble.groups, each group's members at their own architecture's cost)."""
+  (each stack's members at their own architecture's cost)."""
   parts = call.session.parts
   count = lambda tree: int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(tree)))
   flops = lambda model: strategy.forward_flops(model, parts.input_shape, _COST_BATCH,
                                                parts.input_dtype)
   sample = jnp.zeros((1, *parts.input_shape), parts.input_dtype)
   ensemble_params, ensemble_flops = 0, 0
-  for stack in parts.groups or (parts,):
+  for stack in parts.stacks:
     members = int(included[stack.first_member:stack.first_member + stack.num_members].sum())
     if members:
       ensemble_params += members * count(

@@ -9,9 +9,10 @@ their eigenbasis, the prior precision (validation log-likelihood by the probit
 predictive over dist_ens.eval.laplace.PRIOR_GRID, else the marginal likelihood) and the
 predictive. The curvature uses each member's own training examples: the whole training
 split, or with config.data.member_split its split's part (a bootstrap resample is not
-singled out: every member counts the whole split). With config.ensemble.groups each
-group is fitted on its own (_Stack: its model, head and members), one file entry per
-group, and the metrics join every group's members in id order.
+singled out: every member counts the whole split). Each stack (core/stacks.py:
+several where member groups have their own architectures) is fitted on its own (_Stack:
+its model, head and members), one file entry per stack, and the metrics join every
+stack's members in id order.
 
 The fit is saved to workdir/laplace.npz (dist_ens.io.laplace_file) and the test split is
 scored by dist_ens.eval.laplace_predictive from the arrays that file gives back, which
@@ -29,13 +30,12 @@ import numpy as np
 from absl import logging
 
 from dist_ens.config.specs import EvalSpec
-from dist_ens.core import groups as groups_lib
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate, joint, laplace, laplace_predictive
 from dist_ens.io import laplace_file
 from dist_ens.models.heads import head_paths
 from dist_ens.parallel.sharding_rules import path_str
-from dist_ens.training import posthoc
+from dist_ens.training import group_ensembles, posthoc
 from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.training.evaluator import EvalRun
 
@@ -82,7 +82,7 @@ class _Stack(NamedTuple):
 
 
 def _stacks(call: Call) -> list[_Stack]:
-  """The stacks the fit runs on, in id order: the ensemble, or each member group."""
+  """The stacks the fit runs on, in id order (each has its own model and head)."""
   parts, state, rows = call.session.parts, call.state, _member_rows(call)
 
   def stack(model, params, model_state, first, num_outputs):
@@ -91,10 +91,8 @@ def _stacks(call: Call) -> list[_Stack]:
     return _Stack(model, (params, model_state), rows[first:first + count], first,
                   head_leaves(one, num_outputs))
 
-  if not parts.groups:
-    return [stack(parts.predict_model, state.params, state.model_state, 0, parts.num_outputs)]
-  return [stack(g.predict_model, s.params, s.model_state, g.first_member, g.num_outputs)
-          for g, s in zip(parts.groups, groups_lib.split_state(state))]
+  return [stack(one.predict_model, s.params, s.model_state, one.first_member, one.num_outputs)
+          for one, s in zip(parts.stacks, parts.places.split(state))]
 
 
 class Laplace(PeriodicAction):
@@ -167,8 +165,8 @@ class Laplace(PeriodicAction):
     session.results['laplace'] = {'kind': self.kind, 'predictive': predictive,
                                   'prior_precision': [float(d) for d in deltas],
                                   'prior_precision_by': by, 'train_examples': count, **after}
-    if session.parts.groups:
-      session.results['laplace']['groups'] = _group_ensembles(call, laplaced)
+    if groups := group_ensembles.ensembles(call, laplaced):  # each group's, as 'groups' has
+      session.results['laplace']['groups'] = groups
     if session.writes_final_events:
       session.write({'step': call.step, 'split': 'test_laplace', **after})
     logging.info('Laplace (%s, %s predictive; prior precision by %s: %s) test metrics:\n%s',
@@ -265,20 +263,6 @@ def _predictive_step(kind: str, stack: _Stack) -> Any:
     return plain, laplaced, (draws * jax.nn.one_hot(y, draws.shape[-1])).sum(-1)
 
   return step
-
-
-def _group_ensembles(call: Call, laplaced: np.ndarray) -> dict[str, Any]:
-  """Each member group's name -> its members and the ensemble metrics of their Laplace
-  predictives (as results['groups'] gives their plain ones)."""
-  session, included = call.session, posthoc.included(call)
-  out = {}
-  for spec in session.spec.groups:
-    ids = spec.group.ids
-    out[spec.name] = {'members': list(range(ids.start, ids.stop)), 'ensemble': (
-        session.evaluator.scorer.metrics(laplaced[ids], session.run_data.dataset.test.y,
-                                         included[ids])['ensemble']
-        if included[ids].any() else None)}
-  return out
 
 
 def _member_rows(call: Call) -> np.ndarray:

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from dist_ens.core import groups as groups_lib, hparams as hparams_lib
+from dist_ens.core import hparams as hparams_lib, stacks as stacks_lib
 from dist_ens.core.axes import MEMBER
 from dist_ens.ensembles import pbt as pbt_lib
 from dist_ens.parallel import mesh as mesh_lib
@@ -43,15 +43,15 @@ _MAX_COPIES_LISTED = 8  # a round's log line names this many copies at most
 
 
 def make_exploit(state_shardings: Any, mesh: jax.sharding.Mesh,
-                 groups: Sequence[groups_lib.Group] = ()) -> Callable[..., Any]:
+                 places: stacks_lib.Places | None = None) -> Callable[..., Any]:
   """exploit(state, sources) -> the state whose member i is member sources[i]'s, bit for bit.
 
   Every leaf stacked over members (its first dimension sharded over 'member') is gathered
   along that axis; scalars (the step) stay. Compiled once per run, the state donated,
   with out_shardings = the state's shardings. The gather all-gathers each stacked leaf
   over 'member' before slicing: for a moment a device holds every member of one leaf.
-  With member groups (the joined state of core/groups.py) each group's stack is gathered
-  by its own members' sources, which name members of the same group.
+  Each stack (`places`, core/stacks.py; default one stack) is gathered by its own
+  members' sources, which name members of the same stack.
   """
   def take(leaf: jax.Array, sharding: jax.sharding.NamedSharding, sources: jax.Array):
     stacked = leaf.ndim > 0 and len(sharding.spec) > 0 and sharding.spec[0] == MEMBER
@@ -61,12 +61,11 @@ def make_exploit(state_shardings: Any, mesh: jax.sharding.Mesh,
     return jax.tree.map(lambda leaf, sharding: take(leaf, sharding, sources), state, shardings)
 
   def exploit(state: Any, sources: jax.Array) -> Any:
-    if not groups:
-      return one_stack(state, state_shardings, sources)
-    return groups_lib.join_states([
-        one_stack(s, shardings, sources[g.first:g.first + g.count] - g.first)
-        for s, shardings, g in zip(groups_lib.split_state(state),
-                                   groups_lib.split_state(state_shardings), groups)])
+    stacks = places or stacks_lib.Places.one(sources.shape[0])
+    return stacks.join([
+        one_stack(s, shardings, sources[p.first:p.first + p.count] - p.first)
+        for s, shardings, p in zip(stacks.split(state), stacks.split(state_shardings),
+                                   stacks)])
 
   return jax.jit(exploit, in_shardings=(state_shardings, mesh_lib.replicated(mesh)),
                  out_shardings=state_shardings, donate_argnums=0)
@@ -113,9 +112,9 @@ class PopulationBasedTraining(PeriodicAction):
     session = call.session
     super().__init__(spec.interval)
     self.spec = spec
-    self._groups = _groups(session)
+    self._places = session.parts.places  # PBT ranks and copies within each stack
     self._exploit = make_exploit(session.parts.state_shardings, session.parts.mesh,
-                                 self._groups if session.parts.groups else ())
+                                 self._places)
     self._rounds: list[dict[str, Any]] = []
     saved = session.saved_meta.get(_META_KEY)
     if saved is not None:  # A resume: the hyperparameters as the last round left them.
@@ -135,7 +134,7 @@ class PopulationBasedTraining(PeriodicAction):
     values = [float('nan') if frozen[i] else float(v)
               for i, v in enumerate(validation['members'][spec.metric])]
     round_index = step // spec.interval
-    decision = _decide(spec, round_index, values, session.parts.hparams, self._groups)
+    decision = _decide(spec, round_index, values, session.parts.hparams, self._places)
     sources = jax.device_put(decision.sources.astype(np.int32),
                              mesh_lib.replicated(session.parts.mesh))
     state = self._exploit(call.state, sources)
@@ -162,19 +161,13 @@ class PopulationBasedTraining(PeriodicAction):
                               'lineage': lineage(self._rounds, session.spec.num_members)}
 
 
-def _groups(session: Session) -> list[groups_lib.Group]:
-  """The populations PBT ranks and copies within: each member group, or all members."""
-  if session.parts.groups:
-    return [groups_lib.Group(g.first_member, g.num_members) for g in session.parts.groups]
-  return [groups_lib.Group(0, session.spec.num_members)]
-
-
 def _decide(spec: pbt_lib.PbtSpec, round_index: int, values: list[float],
-            hparams: dict[str, np.ndarray], groups: list[groups_lib.Group]) -> pbt_lib.Decision:
-  """pbt_lib.decide within each population; sources and hyperparameters in id order."""
+            hparams: dict[str, np.ndarray], places: stacks_lib.Places) -> pbt_lib.Decision:
+  """pbt_lib.decide within each stack's members; sources and hyperparameters in id
+  order."""
   sources = np.arange(len(values))
   new = {f: np.array(v, np.float32) for f, v in hparams.items()}
-  for g in groups:
+  for g in places:
     one = pbt_lib.decide(spec, round_index, list(np.asarray(values)[g.ids]),
                          {f: v[g.ids] for f, v in hparams.items()}, first_member=g.first)
     sources[g.ids] = one.sources + g.first
@@ -185,12 +178,10 @@ def _decide(spec: pbt_lib.PbtSpec, round_index: int, values: list[float],
 
 def _set_hparams(session: Session, values: dict[str, np.ndarray]) -> None:
   """The members' hyperparameters from now on: on the mesh for the step (same shapes and
-  sharding, so no retrace), and in session.parts (each group's too) for members.csv and
+  sharding, so no retrace), and in session.parts (each stack's too) for members.csv and
   final_metrics.json."""
-  values = {f: np.asarray(v, np.float32) for f, v in values.items()}
-  groups = tuple(g._replace(hparams={f: v[g.first_member:g.first_member + g.num_members]
-                                     for f, v in values.items()}) for g in session.parts.groups)
-  session.parts = session.parts._replace(hparams=values, groups=groups)
+  session.parts = session.parts.with_hparams(
+      {f: np.asarray(v, np.float32) for f, v in values.items()})
   session.hparams = session.parts.device_hparams()
 
 

@@ -18,14 +18,13 @@ from absl import logging
 
 from dist_ens import data, tasks
 from dist_ens.run import assemble
-from dist_ens.config import groups as member_groups
 from dist_ens.config import agreement, checks, loading, specs
 from dist_ens.errors import ConfigError
 from dist_ens.errors import TrainingError
 from dist_ens.tasks import Loss
 from dist_ens.io.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
-from dist_ens.ensembles import methods, own as own_lib
+from dist_ens.ensembles import methods
 from dist_ens.io import console, tables, writers
 from dist_ens.parallel import xla_flags
 from dist_ens.training import (actions as actions_lib, distill_action,
@@ -137,12 +136,12 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   workdir_lib.check_workdir(workdir)
   agreement.check_same_config(loading.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
-  posthoc.check(run.spec, run.parts.task, run.parts.method, grouped=bool(run.parts.groups))
+  posthoc.check(run.spec, run.parts.task, run.parts.method, grouped=run.parts.places.joined)
   evaluator_lib.load(run.spec.eval.evaluators)  # Each loads, before any work.
-  # Refusals, of each member group's method where the groups have their own.
-  for one, parts in zip(member_groups.group_configs(run.config), run.parts.groups or [run.parts]):
-    laplace_action.laplace_actions(run.spec.eval, parts.task, parts.method)
-    distill_action.distill_actions(specs.distill_spec(one), parts.task, parts.method)
+  # Refusals, of each stack's method (a member group may have its own).
+  for stack in run.parts.stacks:
+    laplace_action.laplace_actions(run.spec.eval, stack.task, stack.method)
+    distill_action.distill_actions(stack.stack.distill, stack.task, stack.method)
   if workdir_lib.newest_intact_step(workdir) is None:  # A resume reads no init_from.
     assemble.check_init_from(run.parts)
   test = run.data.dataset.test
@@ -168,13 +167,12 @@ def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
   logging.info('mesh %s over %d of %s, %s; %s on %s', dict(mesh.shape), mesh.size,
                tables.counted(jax.device_count(), f'{mesh.devices.flat[0].platform} device'),
                tables.counted(jax.process_count(), 'process', 'processes'),
-               member_groups.describe(config), dataset.name)
+               spec.members_text, dataset.name)
   checkpointer = run.checkpointer(workdir)
   restored = _restore_or_init(parts, checkpointer)
-  for one in member_groups.group_configs(config) if not restored.meta else ():
-    if (warning := own_lib.random_frozen_base(one.ensemble.own, one.model.init_from,
-                                             one.ensemble.train_shared)) is not None:
-      logging.warning('%s', warning)
+  for stack in parts.stacks if not restored.meta else ():
+    if stack.stack.warning is not None:
+      logging.warning('%s', stack.stack.warning)
   if restored.meta and 'jsonl' in spec.writers and writers.is_writer():
     workdir_lib.warn_missing_events(workdir, restored.step, spec.train.log_every)
   if spec.reproducible:
