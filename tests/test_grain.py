@@ -16,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -23,6 +24,7 @@ import tensorflow_datasets as tfds  # In the test extra, as grain is: these test
 from jax.sharding import NamedSharding, PartitionSpec as P
 from PIL import Image
 
+import dist_ens
 from dist_ens import data
 from dist_ens.config import checks
 from dist_ens.config.loading import load_config
@@ -356,3 +358,38 @@ def test_two_processes_read_the_same_batches(tmp_path, data_dir, hosts_along):
 
 if __name__ == '__main__' and sys.argv[1:2] == ['probe']:
   _probe(*sys.argv[2:8])
+
+
+def _train(workdir, data_dir, loader, steps, **fields):
+  """A short run of 2 MLPs on the PNG set; the members' params as numpy."""
+  config = _config(name='grain_cifar', data_dir=data_dir, loader=loader, grain_workers=WORKERS,
+                   resident=False, batch_size=BATCH, member_order='shuffled')
+  config.num_members, config.model.widths = MEMBERS, (16,)
+  config.train.steps, config.train.eval_every, config.checkpoint.every = steps, 0, 4
+  for field, value in fields.items():
+    config.train[field] = value
+  dist_ens.train(config, workdir)
+  loaded = dist_ens.Ensemble.load(workdir)
+  return [np.asarray(leaf) for leaf in jax.tree.leaves(loaded.params)]
+
+
+def test_a_run_with_grain_trains_the_thread_runs_members_and_resumes_with_either(
+    tmp_path, data_dir, monkeypatch):
+  """config.data.loader reaches the run (grain's reader is started): 14 steps (more than
+  an epoch of 12 batches) with grain end where the thread pipeline's run ends, bit for
+  bit; and a run stopped at step 8 with grain resumes with the threads (the loader may
+  change on resume: same batches)."""
+  started = []
+  reads = grain_loader.Reads
+  monkeypatch.setattr(grain_loader, 'Reads',
+                      lambda *args, **kwargs: started.append(1) or reads(*args, **kwargs))
+  threads = _train(tmp_path / 'threads', data_dir, 'threads', 14)
+  assert not started
+  grain = _train(tmp_path / 'grain', data_dir, 'grain', 14)
+  assert started
+  for a, b in zip(threads, grain, strict=True):
+    np.testing.assert_array_equal(a, b)
+  _train(tmp_path / 'switch', data_dir, 'grain', 8)
+  switched = _train(tmp_path / 'switch', data_dir, 'threads', 14)
+  for a, b in zip(threads, switched, strict=True):
+    np.testing.assert_array_equal(a, b)

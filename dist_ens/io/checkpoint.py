@@ -25,11 +25,12 @@ from dist_ens.errors import ConfigError
 from dist_ens.parallel import once
 
 # Fields that may change between a run and its resume without being asked for:
-# they change how long or how verbosely a run goes, or the topology (restores
-# reshard), not what is being trained.
+# they change how long or how verbosely a run goes, the topology (restores
+# reshard) or how the same batches reach the devices, not what is being trained.
 ALWAYS_COMPATIBLE = ('train.steps', 'train.epochs', 'train.log_every', 'train.eval_every', 'train.sync_every',
                      'train.steps_per_call', 'train.profile_steps', 'checkpoint', 'eval', 'mesh',
-                     'distill', 'writers')
+                     'distill', 'writers', 'data.loader', 'data.grain_workers', 'data.prefetch',
+                     'data.resident', 'data.resident_budget_mb')
 # Fields that define what the checkpoint holds: never restorable across a change.
 NEVER_COMPATIBLE = ('num_members', 'model', 'data.name', 'ensemble.method', 'ensemble.own',
                     'ensemble.lora_rank', 'ensemble.lora_alpha', 'ensemble.lora_targets',

@@ -133,7 +133,8 @@ class Run(NamedTuple):
     return data.Batches(self.data.dataset.train, self.data.order, self.parts.mesh,
                         self.spec.num_members, data_state, prefetch=self.config.data.prefetch,
                         steps_per_call=steps_per_call, with_index=with_index,
-                        member_scale=self.data.member_scale)
+                        member_scale=self.data.member_scale, loader=self.config.data.loader,
+                        workers=self.config.data.grain_workers)
 
   def evaluator(self) -> Evaluator:
     """The sharded evaluator of every member and the ensemble, by the run's task."""
