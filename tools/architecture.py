@@ -54,7 +54,6 @@ CONFIG_EDGE = ('dist_ens.config', 'dist_ens.run', 'dist_ens.main', 'dist_ens.com
                'dist_ens.plan.planner', 'dist_ens.plan.groups_plan',  # plan(config)
                # Ensemble.load(workdir): a saved run's config (Ensemble.config, public).
                'dist_ens.inference.saved_run', 'dist_ens.inference.ensemble',
-               'dist_ens.inference.members',
                'dist_ens.report')  # a finished run's config.json
 _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|data)'")
 _GROUPS = re.compile(r"\bmember_groups\b|ensemble\.groups\b|\.groups\b(?!\()|\bgroups_lib\b|"
