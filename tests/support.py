@@ -1,6 +1,7 @@
 """What tests share: the XLA flags every test process (this one and the children it starts)
 runs with, the tiny run of the tests that need "a small run" (config), and small helpers:
-override, PreemptAt, assert_trees_equal, one_line_refusal."""
+override, PreemptAt, assert_trees_equal, one_line_refusal, take_batches and
+assert_same_batches (two input pipelines' batches, bit for bit)."""
 
 import importlib.util
 import os
@@ -197,3 +198,20 @@ def load_tool(name: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def take_batches(batches, count):
+  """(count items of a data.Batches as numpy tuples, its data position after them)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  items = [tuple(np.asarray(a) for a in next(batches)) for _ in range(count)]
+  return items, batches.state
+
+
+def assert_same_batches(want, got):
+  """The same items: values, dtypes, shapes and bits (NaN-safe: compared as bytes)."""
+  assert len(want) == len(got)
+  for a, b in zip(want, got):
+    assert len(a) == len(b)
+    for u, v in zip(a, b):
+      assert u.dtype == v.dtype and u.shape == v.shape
+      assert u.tobytes() == v.tobytes()

@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+import support
 
 import tensorflow_datasets as tfds  # In the test extra, as grain is: these tests run.
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -87,21 +88,6 @@ def _mesh(kind):
   return mesh_lib.make_mesh(spec)
 
 
-def _items(batches, count):
-  items = [tuple(np.asarray(a) for a in next(batches)) for _ in range(count)]
-  return items, batches.state
-
-
-def _assert_same(want, got):
-  """The same items: values, dtypes, shapes and bits."""
-  assert len(want) == len(got)
-  for a, b in zip(want, got):
-    assert len(a) == len(b)
-    for u, v in zip(a, b):
-      assert u.dtype == v.dtype and u.shape == v.shape
-      assert u.tobytes() == v.tobytes()
-
-
 def _both(source, order, mesh, count, **kwargs):
   """(thread items, grain items) and their states, with the same arguments."""
   threads = data.Batches(source, order, mesh, MEMBERS, **kwargs)
@@ -110,8 +96,8 @@ def _both(source, order, mesh, count, **kwargs):
   try:
     first = next(grained)
     assert [a.sharding for a in first] == [a.sharding for a in next(threads)]
-    got, got_state = _items(grained, count)
-    want, want_state = _items(threads, count)
+    got, got_state = support.take_batches(grained, count)
+    want, want_state = support.take_batches(threads, count)
   finally:
     threads.close()
     grained.close()
@@ -130,7 +116,7 @@ def test_batches_equal_the_thread_pipelines_bit_for_bit(train, kind, split_spec,
   # prefetching runs ahead of the state.
   want, got = _both(train, order, _mesh(kind), 5, steps_per_call=k, with_index=with_index,
                     prefetch=2)
-  _assert_same(want, got)
+  support.assert_same_batches(want, got)
   assert len(got[0]) == (3 if with_index else 2)
   assert got[0][0].dtype == np.float32 and got[0][0].shape[-3:] == (32, 32, 3)
 
@@ -157,13 +143,13 @@ def test_each_simulated_process_reads_its_own_block(train, kind):
     finally:
       reads.close()
     want = [reader(order.skip(start, t)) for t in range(4)]
-    _assert_same(want, got)
+    support.assert_same_batches(want, got)
     parts.append((block, got))
   axis = len(lead) - 1 if kind == 'shared' else 0  # rows over 'data'; members over 'member'
   assert parts[0][0][axis].stop == parts[1][0][axis].start  # two halves, in order
   for t in range(4):
     tiled = [np.concatenate([p[1][t][i] for p in parts], axis=axis) for i in range(2)]
-    _assert_same([whole(order.skip(start, t))], [tuple(tiled)])
+    support.assert_same_batches([whole(order.skip(start, t))], [tuple(tiled)])
 
 
 def test_resume_mid_epoch_is_exact(train):
@@ -173,21 +159,21 @@ def test_resume_mid_epoch_is_exact(train):
   whole = data.Batches(train, order, mesh, MEMBERS, prefetch=2, steps_per_call=2,
                        loader='grain', workers=WORKERS)
   try:
-    _, saved = _items(whole, 3)  # 6 batches in: mid-epoch
-    after, end = _items(whole, 4)  # into the next epoch
+    _, saved = support.take_batches(whole, 3)  # 6 batches in: mid-epoch
+    after, end = support.take_batches(whole, 4)  # into the next epoch
   finally:
     whole.close()
   assert saved == data.IteratorState(0, 6) and end == data.IteratorState(1, 2)
   resumed = data.Batches(train, order, mesh, MEMBERS, state=saved, prefetch=0,
                          steps_per_call=2, loader='grain', workers=1)
   try:
-    again, again_end = _items(resumed, 4)
+    again, again_end = support.take_batches(resumed, 4)
   finally:
     resumed.close()
-  _assert_same(after, again)
+  support.assert_same_batches(after, again)
   assert again_end == end
   threads = data.Batches(train, order, mesh, MEMBERS, state=saved, prefetch=0, steps_per_call=2)
-  _assert_same(after, _items(threads, 4)[0])
+  support.assert_same_batches(after, support.take_batches(threads, 4)[0])
   assert resumed.stats.examples == 4 * 2 * BATCH * MEMBERS
 
 
@@ -279,7 +265,7 @@ def test_a_resident_split_reads_nothing_on_the_host(train):
   batches = data.Batches(resident.ResidentSource(split), order, mesh, MEMBERS, prefetch=0,
                          loader='grain')
   threads = data.Batches(split, order, mesh, MEMBERS, prefetch=0)
-  _assert_same(_items(threads, 2)[0], _items(batches, 2)[0])
+  support.assert_same_batches(support.take_batches(threads, 2)[0], support.take_batches(batches, 2)[0])
 
 
 def test_without_grain_installed_it_says_how_to_install(train, monkeypatch):

@@ -48,21 +48,6 @@ def _mesh(kind):
                             else mesh_lib.MeshSpec(member=2, data=4))
 
 
-def _items(batches, count):
-  items = [tuple(np.asarray(a) for a in next(batches)) for _ in range(count)]
-  return items, batches.state
-
-
-def _assert_same(host, device):
-  """The same items: values, dtypes, shapes and bits (NaN-safe: compared as bytes)."""
-  assert len(host) == len(device)
-  for a, b in zip(host, device):
-    assert len(a) == len(b)
-    for u, v in zip(a, b):
-      assert u.dtype == v.dtype and u.shape == v.shape
-      assert u.tobytes() == v.tobytes()
-
-
 def _both(source, order, mesh, count, **kwargs):
   """(host items, resident items, their states, the resident pipeline's arrays' shardings)."""
   host = data.Batches(source, order, mesh, MEMBERS, **kwargs)
@@ -71,8 +56,8 @@ def _both(source, order, mesh, count, **kwargs):
     first = next(device)
     want_shardings = [a.sharding for a in next(host)]
     assert [a.sharding for a in first] == want_shardings
-    got, got_state = _items(device, count)
-    want, want_state = _items(host, count)
+    got, got_state = support.take_batches(device, count)
+    want, want_state = support.take_batches(host, count)
   finally:
     host.close()
     device.close()
@@ -88,7 +73,7 @@ def test_batches_equal_the_host_pipelines_bit_for_bit(train, kind, split_spec, k
   # 5 items of K=3 steps cross the 12-batch epoch; prefetching runs ahead of the state.
   want, got = _both(train, order, _mesh(kind), 5, steps_per_call=k, with_index=with_index,
                     prefetch=2)
-  _assert_same(want, got)
+  support.assert_same_batches(want, got)
   assert len(got[0]) == (3 if with_index else 2)
 
 
@@ -106,11 +91,11 @@ def test_member_scale_copies_are_the_host_arithmetic_bit_for_bit(train):
   for k in (1, 3):
     want, got = _both(source, order, _mesh('shuffled'), 4, steps_per_call=k,
                       member_scale=member_scale, prefetch=0)
-    _assert_same(want, got)
+    support.assert_same_batches(want, got)
   # One shared set of statistics: one copy, no per-member index.
   same = uci.Standardizer(*(np.repeat(a[:1], MEMBERS, 0) for a in member_scale))
   want, got = _both(source, order, _mesh('shuffled'), 2, member_scale=same, prefetch=0)
-  _assert_same(want, got)
+  support.assert_same_batches(want, got)
 
 
 @pytest.mark.parametrize('kind', ['shared', 'bootstrap'])
@@ -118,18 +103,18 @@ def test_resume_mid_epoch_is_exact(train, kind):
   order = _order(kind, train.num_examples, 'kfold:2' if kind == 'bootstrap' else '')
   mesh, source = _mesh(kind), resident.ResidentSource(train)
   whole = data.Batches(source, order, mesh, MEMBERS, prefetch=2, steps_per_call=2)
-  first, saved = _items(whole, 2)  # 4 batches in: mid-epoch
-  after, end = _items(whole, 5)  # crosses into the next epoch (12, or 6 a pool of 100)
+  first, saved = support.take_batches(whole, 2)  # 4 batches in: mid-epoch
+  after, end = support.take_batches(whole, 5)  # crosses into the next epoch (12, or 6 a pool of 100)
   whole.close()
   assert saved == data.IteratorState(0, 4)
   assert end == (data.IteratorState(1, 2) if kind == 'shared' else data.IteratorState(2, 2))
   resumed = data.Batches(source, order, mesh, MEMBERS, state=saved, prefetch=0,
                          steps_per_call=2)
-  again, again_end = _items(resumed, 5)
-  _assert_same(after, again)
+  again, again_end = support.take_batches(resumed, 5)
+  support.assert_same_batches(after, again)
   assert again_end == end
   host = data.Batches(train, order, mesh, MEMBERS, state=saved, prefetch=0, steps_per_call=2)
-  _assert_same(after, _items(host, 5)[0])
+  support.assert_same_batches(after, support.take_batches(host, 5)[0])
   assert resumed.stats.examples == 5 * 2 * BATCH * (1 if kind == 'shared' else MEMBERS)
   del first
 
