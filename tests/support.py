@@ -215,3 +215,35 @@ def assert_same_batches(want, got):
     for u, v in zip(a, b):
       assert u.dtype == v.dtype and u.shape == v.shape
       assert u.tobytes() == v.tobytes()
+
+
+def process_batches_agree(items, want: str, got: str) -> dict:
+  """In one process of a multi-process test, for each order kind of items[kind, name]
+  (lists of batches from two pipelines): `got`'s batches hold `want`'s shards, the same
+  bytes on the same devices; returns {kind: `got`'s batches gathered over the processes,
+  as hex} for the parent to compare across processes."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  result = {}
+  for kind in sorted({k for k, _ in items}):
+    for a, b in zip(items[kind, want], items[kind, got]):
+      for u, v in zip(a, b):
+        assert u.sharding == v.sharding
+        for su, sv in zip(u.addressable_shards, v.addressable_shards):
+          assert su.index == sv.index and su.device == sv.device
+          assert np.asarray(su.data).tobytes() == np.asarray(sv.data).tobytes()
+    gathered = [[multihost_utils.process_allgather(a, tiled=True) for a in item]
+                for item in items[kind, got]]
+    result[kind] = [[np.asarray(a).tobytes().hex() for a in item] for item in gathered]
+  return result
+
+
+def member_order(kind: str, n: int, batch: int, members: int, split_spec: str = ''):
+  """A data.Order of `kind` over n examples (seed 3), with config.data.member_split's
+  member pools where split_spec names one."""
+  from dist_ens import data  # pylint: disable=g-import-not-at-top
+  if not split_spec:
+    return data.Order(kind, n, batch, seed=3)
+  splits = data.make_member_splits(split_spec, n, members, 3)
+  return data.Order(kind, n, batch, seed=3, pools=splits.train,
+                    member_pool=[splits.split_of(m) for m in range(members)])

@@ -75,11 +75,7 @@ def train(data_dir):
 
 
 def _order(kind, n, split_spec=''):
-  if not split_spec:
-    return data.Order(kind, n, BATCH, seed=3)
-  splits = data.make_member_splits(split_spec, n, MEMBERS, 3)
-  return data.Order(kind, n, BATCH, seed=3, pools=splits.train,
-                    member_pool=[splits.split_of(m) for m in range(MEMBERS)])
+  return support.member_order(kind, n, BATCH, MEMBERS, split_spec)
 
 
 def _mesh(kind):
@@ -301,22 +297,11 @@ def _probe_batches(data_dir, hosts_along):
 
 def _probe(out, port, num_processes, process_id, hosts_along, data_dir):
   from dist_ens.parallel import distributed  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   distributed.initialize(distributed.Launch(
       coordinator_address=f'localhost:{port}', num_processes=int(num_processes),
       process_id=int(process_id)))
   items = _probe_batches(data_dir, hosts_along)
-  result = {}
-  for kind in ('shuffled', 'shared'):
-    for a, b in zip(items[kind, 'threads'], items[kind, 'grain']):
-      for u, v in zip(a, b):  # This process's shards: the same bytes, the same places.
-        assert u.sharding == v.sharding
-        for su, sv in zip(u.addressable_shards, v.addressable_shards):
-          assert su.index == sv.index and su.device == sv.device
-          assert np.asarray(su.data).tobytes() == np.asarray(sv.data).tobytes()
-    gathered = [[multihost_utils.process_allgather(a, tiled=True) for a in item]
-                for item in items[kind, 'grain']]
-    result[kind] = [[np.asarray(a).tobytes().hex() for a in item] for item in gathered]
+  result = support.process_batches_agree(items, 'threads', 'grain')
   Path(out).write_text(json.dumps(result))
 
 

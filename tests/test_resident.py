@@ -36,11 +36,7 @@ def train():
 
 
 def _order(kind, n, split_spec=''):
-  if not split_spec:
-    return data.Order(kind, n, BATCH, seed=3)
-  splits = data.make_member_splits(split_spec, n, MEMBERS, 3)
-  return data.Order(kind, n, BATCH, seed=3, pools=splits.train,
-                    member_pool=[splits.split_of(m) for m in range(MEMBERS)])
+  return support.member_order(kind, n, BATCH, MEMBERS, split_spec)
 
 
 def _mesh(kind):
@@ -201,22 +197,11 @@ def _probe_batches(hosts_along):
 
 def _probe(out: str, port: str, num_processes: str, process_id: str, hosts_along: str) -> None:
   from dist_ens.parallel import distributed  # pylint: disable=g-import-not-at-top
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   distributed.initialize(distributed.Launch(
       coordinator_address=f'localhost:{port}', num_processes=int(num_processes),
       process_id=int(process_id)))
   items = _probe_batches(hosts_along)
-  result = {}
-  for kind in ('shuffled', 'shared'):
-    for a, b in zip(items[kind, 'host'], items[kind, 'resident']):
-      for u, v in zip(a, b):  # This process's shards: the same bytes, the same places.
-        assert u.sharding == v.sharding
-        for su, sv in zip(u.addressable_shards, v.addressable_shards):
-          assert su.index == sv.index and su.device == sv.device
-          assert np.asarray(su.data).tobytes() == np.asarray(sv.data).tobytes()
-    gathered = [[multihost_utils.process_allgather(a, tiled=True) for a in item]
-                for item in items[kind, 'resident']]
-    result[kind] = [[np.asarray(a).tobytes().hex() for a in item] for item in gathered]
+  result = support.process_batches_agree(items, 'host', 'resident')
   Path(out).write_text(json.dumps(result))
 
 
