@@ -32,6 +32,8 @@ batch of 128), so each method trains for the same number of forward/backward pas
 
   masksembles  4 members, T steps: one shared network, each member its fixed masks on the
               hidden units (scale 2)
+  packed      Packed-Ensembles, 4 members, T steps: alpha 2, gamma 1, each member the MLP
+              at width int(2 * 256) / 4 = 128 (40-128-128-10; 29% of deep's parameters)
   epinet      4 members, T steps, each with an epinet on its last features (index dim 8,
               8 index draws a step; 16 index samples predict)
   distilled   deep's 4 members distilled into one network of their architecture (soft
@@ -114,6 +116,8 @@ def methods(steps: int) -> dict[str, dict]:
       'epinet': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'epinet'},
       'masksembles': {'num_members': MEMBERS, 'train.steps': steps,
                       'ensemble.method': 'masksembles', 'ensemble.masksembles.scale': 2.0},
+      'packed': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'packed',
+                 'ensemble.packed.alpha': 2.0, 'ensemble.packed.gamma': 1},
       'distilled': {'num_members': MEMBERS, 'train.steps': steps, 'distill.student': 'same',
                     'distill.steps': 2 * steps, 'distill.temperature': 2.0},
       'deep16': {'num_members': CURVE_MEMBERS, 'train.steps': steps},

@@ -71,6 +71,11 @@ AXES: dict[str, tuple[Option, ...]] = {
                           'ensemble.epinet.eval_samples': 3}, ('ensemble.method',)),
         # Fixed masks per member on one shared MLP (tests/test_masksembles.py).
         Option('masksembles', {'ensemble.method': 'masksembles'}, ('ensemble.method',)),
+        # Members of width int(2 * 8) / 4 = 4, the hidden-to-hidden layer in 2 groups
+        # (tests/test_packed.py).
+        Option('packed', {'ensemble.method': 'packed', 'ensemble.packed.gamma': 2,
+                          'model.widths': (8, 8)}, ('ensemble.method',),
+               label='packed (Packed-Ensembles)'),
         Option('mc_dropout', {'model.dropout': 0.1, 'eval.mc_samples': 2},
                ('eval.mc_samples', 'model.dropout'), label='MC dropout'),
     ),
@@ -212,6 +217,11 @@ REFUSED: dict[frozenset[str], str] = {
                                           'devices in a mesh-dependent order',
     _pair('token_classification', 'masksembles'): "its masks are the MLP's and the CNN's "
                                                   'hidden layers, not a transformer\'s',
+    _pair('token_classification', 'packed'): "it packs the MLP's and the CNN's layers, not "
+                                             "a transformer's",
+    **{_pair(o, 'packed'): "a shared backbone works with method='deep' or 'epinet' (packed "
+                           "members' grouped layers are each member's own)"
+       for o in ('own=head', 'own=lora')},
     **{_pair('groups', o): "a group's members predict one-to-one from their own outputs: "
                            'a method that collects, cycles or adds outputs is not built for '
                            'groups (docs/groups.md)'
@@ -230,7 +240,7 @@ REFUSED: dict[frozenset[str], str] = {
     **{_pair(d, m): "the student learns from independently trained members of the "
                     "run's model, not shared leaves or other predicting weights"
        for d in ('distill', 'distill=path')
-       for m in (*_NOT_DEEP, 'prior', 'epinet', 'own=head', 'own=lora')},
+       for m in (*_NOT_DEEP, 'prior', 'epinet', 'packed', 'own=head', 'own=lora')},
 }
 # own=epinet is an epinet's option: what an epinet is refused with, it is too; and its base
 # is shared, which PBT cannot copy.

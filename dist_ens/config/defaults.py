@@ -136,8 +136,10 @@ def _ensemble(config: ml_collections.ConfigDict) -> None:
   # predicts), 'multiswag' (SWAG per member: swag.samples weight samples predict),
   # 'prior' (randomized priors: each member adds prior.scale times a frozen random network)
   # 'epinet' (each member's network gets an epinet: a small network of its features and
-  # a random index, sampled epinet.samples times per example; ensemble.epinet) or
-  # 'masksembles' (one shared network, each member's fixed masks on its hidden layers).
+  # a random index, sampled epinet.samples times per example; ensemble.epinet),
+  # 'masksembles' (one shared network, each member's fixed masks on its hidden layers) or
+  # 'packed' (Packed-Ensembles: each member the model at width packed.alpha * C /
+  # num_members, its hidden layers in packed.gamma groups).
   # Or your own method by import path, 'my_pkg.methods:make' (docs/how-it-works.md), with
   # its fields in ensemble.options (anything; the method checks them).
   config.ensemble.method = 'deep'
@@ -209,6 +211,13 @@ def _method_fields(config: ml_collections.ConfigDict) -> None:
   # In (1, 6]: two masks share 1/scale of their units; each has
   # width / (scale * (1 - (1 - 1/scale)**num_members)) ones (1: one network)
   config.ensemble.masksembles.scale = 2.0
+  # Packed-Ensembles (Laurent et al. 2023): the members packed into one network of
+  # int(alpha * C) units per layer of width C, in num_members * gamma groups; each member
+  # is the MLP or CNN at width int(alpha * C) / num_members (which num_members * gamma must
+  # divide), its hidden-to-hidden layers in gamma groups (the first and output layers not).
+  config.ensemble.packed = ml_collections.ConfigDict()
+  config.ensemble.packed.alpha = 2.0  # > 0: the packed network's width over the model's
+  config.ensemble.packed.gamma = 1  # int >= 1: groups in each member's hidden layers
 
 
 def _data(config: ml_collections.ConfigDict) -> None:

@@ -18,7 +18,7 @@ method's group of config.ensemble) and refuses, in one line, what it cannot do w
 run (`spec.reproducible`, the task in `wrap_model`, ...).
 
 Built-ins live one per file (deep.py, batchensemble.py, mimo.py, snapshot.py, swag.py,
-prior.py, epinet.py, masksembles.py)
+prior.py, epinet.py, masksembles.py, packed.py)
 and are registered by name in dist_ens.ensembles.methods; a user's is an import path,
 `config.ensemble.method = 'my_pkg.methods:make'`, whose fields are
 `config.ensemble.options` (docs/how-it-works.md shows one).
@@ -58,6 +58,7 @@ class MethodSpec(NamedTuple):
   seed: int = 0  # config.seed
   # config.model.name ('' where config.model.factory or a Hugging Face checkpoint makes it)
   model: str = ''
+  num_members: int = 1  # config.num_members (a member group's count: its own config's)
 
 
 def _no_collect(collected: PyTree, params: PyTree, state: PyTree, step: jax.Array) -> PyTree:

@@ -10,6 +10,8 @@ resolving config.ensemble.own, and the members a method predicts with.
   'epinet'     epistemic neural networks (Osband et al. 2023; ensembles/epinet.py)
   'masksembles'  fixed masks per member on shared weights (Durasov et al. 2021;
                ensembles/masksembles.py)
+  'packed'     Packed-Ensembles: members of width alpha*C/M in gamma groups (Laurent et
+               al. 2023; ensembles/packed.py)
 
 A method is a value (ensembles/method.py: Method, built by `make(spec: MethodSpec)`);
 yours is an import path, `config.ensemble.method = 'my_pkg.methods:make'`, and reads its
@@ -27,7 +29,7 @@ from jax.sharding import Mesh
 from dist_ens import importing
 from dist_ens.core import rng
 from dist_ens.ensembles import batchensemble, deep, mimo, own as own_lib
-from dist_ens.ensembles import epinet, masksembles, prior, snapshot, swag
+from dist_ens.ensembles import epinet, masksembles, packed, prior, snapshot, swag
 from dist_ens.ensembles.method import Method, MethodSpec
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
@@ -43,6 +45,7 @@ METHODS: dict[str, tuple[Callable[[MethodSpec], Method], str | None]] = {
     'prior': (prior.make, 'prior'),
     'epinet': (epinet.make, 'epinet'),
     'masksembles': (masksembles.make, 'masksembles'),
+    'packed': (packed.make, 'packed'),
 }
 # config.ensemble.own values that one method resolves itself (Method.resolve_own):
 # own -> that method. 'epinet': members own their epinets, the base network is shared.

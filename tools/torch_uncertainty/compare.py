@@ -51,12 +51,9 @@ draws the same masks. The procedure is theirs, unchanged. torch runs on one thre
 dist_ens's generator against without torch: ones per mask, units covered, and the mean
 pairwise overlap over many draws.
 
-Packed-Ensembles would go in the same way once dist_ens has `ensemble.method='packed'`: a
-variant built from torch_uncertainty.layers.PackedLinear (their models.mlp.packed_mlp(40, 10,
-[256, 256], num_estimators=4, alpha, gamma) is the whole MLP, input and output handled by its
-first/last flags), trained by the same loop (Packed-Ensembles need no batch repeat: the
-members are groups of one wide layer, and their output is already '(m b) c'), and its row
-beside benchmarks/methods.py's packed row.
+Packed-Ensembles are tools/torch_uncertainty/packed.py (PACKED=1 bash run.sh): their
+models.mlp.packed_mlp(40, 10, [256, 256], num_estimators=4, alpha=2, gamma=1), trained by
+this file's loop pieces beside benchmarks/methods.py's packed row.
 """
 
 import argparse

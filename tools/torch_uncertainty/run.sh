@@ -4,6 +4,7 @@
 #   bash tools/torch_uncertainty/run.sh            # ~10 min on 2 cores at load 7
 #   TEN_SEEDS=1 bash tools/torch_uncertainty/run.sh  # also seeds 0-9 of both, as 'ten_seeds' (+15 min)
 #   FIXTURE=1 bash tools/torch_uncertainty/run.sh  # also rewrite tests/data/masksembles_tu_masks.json
+#   PACKED=1 bash tools/torch_uncertainty/run.sh   # also Packed-Ensembles (packed.py; +8 min)
 #
 # 1. tools/.venv-tu (gitignored): torch and torch-uncertainty from PyPI, never in .venv.
 #    Their [cpu] extra (torch, torchvision, lightning, timm: torch_uncertainty's __init__
@@ -44,4 +45,13 @@ fi
 if [ "${FIXTURE:-0}" = 1 ]; then
   "$VENV/bin/python" tools/torch_uncertainty/compare.py \
     --masks_fixture tests/data/masksembles_tu_masks.json
+fi
+if [ "${PACKED:-0}" = 1 ]; then
+  # dist_ens's packed row beside deep and deep16 (its DEE), then their packed_mlp.
+  if [ ! -f "$WORK/methods_packed.json" ]; then
+    .venv/bin/python -m benchmarks.methods --methods deep,packed,deep16 --seeds 0,1,2 \
+      --out "$WORK/methods_packed.json" 2>&1 | tee "$WORK/methods_packed.log"
+  fi
+  "$VENV/bin/python" tools/torch_uncertainty/packed.py --data "$WORK/mnist1d_methods.npz" \
+    --dist_ens "$WORK/methods_packed.json" --dist_ens_log "$WORK/methods_packed.log"
 fi

@@ -1,0 +1,215 @@
+"""Packed-Ensembles (config.ensemble.method='packed'; ensembles/packed.py).
+
+The width and group arithmetic against the paper's (torch-uncertainty's) formula worked
+out here by hand; a grouped layer is the block-diagonal dense (and conv) layer numpy
+builds, so groups never mix; the parameter count is the paper's per-layer formula; then a
+2-member run: resume is exact, Ensemble.load predicts what a numpy forward of the stored
+grouped kernels gives, export and report; the refusals.
+"""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import support
+
+import dist_ens
+from dist_ens import Ensemble, data
+from dist_ens.config import specs
+from dist_ens.ensembles import methods, packed
+from dist_ens.errors import ConfigError
+from dist_ens.report import build as report
+from dist_ens.run import assemble, mesh_layout
+
+
+@pytest.mark.parametrize('width, members, alpha, gamma, want', [
+    (256, 4, 2.0, 1, 128),  # int(512) / 4
+    (256, 4, 2.0, 2, 128),  # 512 % (4 * 2) == 0
+    (25, 2, 2.0, 5, 25),  # int(50) / 2; 50 % 10 == 0
+    (25, 2, 2.5, 1, 31),  # int(62.5) = 62 (rounded down, as int() does), / 2
+    (32, 1, 1.0, 4, 32),  # one member: the model itself in 4 groups
+    (10, 3, 3.0, 1, 10),  # int(30) / 3
+])
+def test_a_members_width_is_int_alpha_c_over_m(width, members, alpha, gamma, want):
+  assert packed.member_width(width, members, alpha, gamma) == want
+
+
+@pytest.mark.parametrize('width, members, alpha, gamma, total, groups', [
+    (25, 2, 2.0, 2, 50, 4),  # 50 % 4 != 0
+    (25, 4, 1.0, 1, 25, 4),
+    (3, 4, 1.0, 1, 3, 4),  # fewer units than groups
+])
+def test_a_width_the_groups_do_not_divide_is_refused_naming_the_fields(
+    width, members, alpha, gamma, total, groups):
+  message = support.one_line_refusal(
+      lambda: packed.member_width(width, members, alpha, gamma, 'config.model.widths[0]=25'))
+  assert 'config.ensemble.packed.alpha' in message and f'= {total} units' in message
+  assert f'num_members * gamma = {groups}' in message and 'widths[0]' in message
+
+
+def _block_diag_numpy(blocks):
+  """scipy.linalg.block_diag by hand: [g, a, b] -> [g a, g b]."""
+  g, a, b = blocks.shape
+  out = np.zeros((g * a, g * b), blocks.dtype)
+  for i in range(g):
+    out[i * a:(i + 1) * a, i * b:(i + 1) * b] = blocks[i]
+  return out
+
+
+def test_a_grouped_dense_layer_is_the_block_diagonal_layer_and_groups_never_mix():
+  rng = np.random.default_rng(0)
+  kernel = rng.normal(size=(3, 4, 5)).astype(np.float32)  # 3 groups, 4 -> 5 units each
+  full = np.asarray(packed.block_diagonal(jnp.asarray(kernel)))
+  np.testing.assert_array_equal(full, _block_diag_numpy(kernel))
+  x = rng.normal(size=(6, 12)).astype(np.float32)
+  y = x @ full
+  for g in range(3):  # Group g's outputs: group g's inputs times its own block.
+    np.testing.assert_allclose(y[:, g * 5:(g + 1) * 5], x[:, g * 4:(g + 1) * 4] @ kernel[g],
+                               rtol=1e-5, atol=1e-5)
+  changed = x.copy()
+  changed[:, :4] += 1.0  # Group 0's inputs only: the other groups' outputs stay.
+  np.testing.assert_array_equal((changed @ full)[:, 5:], y[:, 5:])
+  assert not np.allclose((changed @ full)[:, :5], y[:, :5])
+  # grouped() is its inverse on the diagonal blocks (times sqrt(gamma): the group's fan-in).
+  np.testing.assert_allclose(np.asarray(packed.grouped(jnp.asarray(full), 3)),
+                             kernel * math.sqrt(3), rtol=1e-6)
+
+
+def test_a_grouped_conv_is_xlas_grouped_convolution():
+  rng = np.random.default_rng(1)
+  kernel = rng.normal(size=(2, 3, 4, 6)).astype(np.float32)  # 2 groups, k=3, 4 -> 6 each
+  x = rng.normal(size=(5, 10, 8)).astype(np.float32)  # [B, L, 2 * 4]
+  full = packed.block_diagonal(jnp.asarray(kernel))  # [3, 8, 12]
+  dense = jax.lax.conv_general_dilated(x, full, (1,), 'SAME',
+                                       dimension_numbers=('NWC', 'WIO', 'NWC'))
+  # XLA's grouped kernel: [k, in / groups, out], the groups' outputs side by side.
+  grouped = jax.lax.conv_general_dilated(
+      x, jnp.concatenate(list(kernel), axis=-1), (1,), 'SAME',
+      dimension_numbers=('NWC', 'WIO', 'NWC'), feature_group_count=2)
+  np.testing.assert_allclose(np.asarray(dense), np.asarray(grouped), rtol=1e-5, atol=1e-5)
+
+
+STEPS = 8
+
+
+def _config(**fields):
+  config = support.config({
+      'ensemble.method': 'packed', 'ensemble.packed.alpha': 2.0, 'ensemble.packed.gamma': 2,
+      'num_members': 2, 'model.widths': (64, 32), 'train.steps': STEPS,
+      'optim.learning_rate': 1e-2, 'mesh.member': 2, 'train.log_every': 4,
+      'checkpoint.every': 4})
+  return support.override(config, fields)
+
+
+def _init_params(config, devices=1):
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:devices]),
+                               (40, 1), 10)
+  return jax.tree.map(np.asarray, assemble.init_sharded(parts).params)
+
+
+def test_the_parameter_count_is_the_papers_formula():
+  # MNIST-1D's 40 inputs, widths (64, 32), 10 classes, M=2, alpha=2, gamma=2. By hand, the
+  # packed network (all members): first layer 40 x int(2*64)=128 ungrouped + 128 biases =
+  # 5248; hidden 128 x 64 / (M gamma = 4) + 64 = 2112; output 64 x 10 per member: 64 x 20
+  # / 2 + 20 = 660; 8020 in all. A deep ensemble of 2 of the base model: 2 x (40*64 + 64 +
+  # 64*32 + 32 + 32*10 + 10) = 9796.
+  config = _config(**{'mesh.member': 1})
+  params = _init_params(config)
+  count = sum(leaf.size for leaf in jax.tree.leaves(params))
+  formula = (packed.grouped_layer_params(40, 64, 2, 2.0, 2, first=True)
+             + packed.grouped_layer_params(64, 32, 2, 2.0, 2)
+             + packed.grouped_layer_params(32, 10, 2, 2.0, 2, last=True))
+  assert count == formula == 5248 + 2112 + 660
+  # Each member: [40, 64], grouped [2, 32, 16], head [32, 10].
+  assert params[0]['w'].shape == (2, 40, 64)
+  assert params[1]['w'].shape == (2, 2, 32, 16) and params[1]['b'].shape == (2, 32)
+  assert params[2]['w'].shape == (2, 32, 10)
+  # A grouped kernel starts He-normal at its group's fan-in (32): std sqrt(2 / 32).
+  assert np.std(params[1]['w']) == pytest.approx(math.sqrt(2 / 32), rel=0.1)
+
+
+def _forward(params, m, x):
+  """Member m's packed MLP in numpy: grouped kernels as their block-diagonal matrices."""
+  h = x.reshape(len(x), -1)
+  for i, layer in enumerate(params):
+    w = layer['w'][m]
+    w = _block_diag_numpy(w) if w.ndim == 3 else w
+    h = h @ w + layer['b'][m]
+    h = np.maximum(h, 0) if i < len(params) - 1 else h
+  e = np.exp(h - h.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def _train(config, workdir, actions=()):
+  return dist_ens.train(config, str(workdir), devices=jax.devices()[:2], actions=actions)
+
+
+def test_resume_is_exact_and_load_predicts_the_members_grouped_networks(tmp_path):
+  straight = _train(_config(**{'eval.shift': 'gaussian_noise:1'}), tmp_path / 'a')
+  stopped = _train(_config(**{'eval.shift': 'gaussian_noise:1'}), tmp_path / 'b',
+                   actions=[support.PreemptAt(4)])
+  assert stopped['preempted'] and stopped['step'] == 4
+  resumed = _train(_config(**{'eval.shift': 'gaussian_noise:1'}), tmp_path / 'b')
+  assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
+  assert straight['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
+  assert straight['joint']['ensemble'] > 0
+  ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
+  support.assert_trees_equal(ens.params, Ensemble.load(tmp_path / 'b',
+                                                       devices=jax.devices()[:1]).params)
+  params = jax.tree.map(np.asarray, ens.params)
+  assert params[1]['w'].shape == (2, 2, 32, 16)  # Stored grouped.
+  test = data.load_dataset('mnist1d').test
+  prediction = ens.predict(test.x, preprocessed=True)
+  accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
+  assert accuracy == pytest.approx(straight['ensemble']['accuracy'], abs=2e-3)
+  want = np.mean([_forward(params, m, test.x) for m in range(2)], 0)
+  np.testing.assert_allclose(prediction.probs, want, atol=1e-5)
+  paths = ens.export(tmp_path / 'members')
+  for m in range(2):
+    jax.tree.map(np.testing.assert_array_equal, dist_ens.load_member(paths[m]), ens.member(m))
+  assert report.make_report(tmp_path / 'a') == tmp_path / 'a' / 'report'
+  assert '2 x mlp on mnist1d' in (tmp_path / 'a' / 'report' / 'report.md').read_text()
+
+
+def test_the_cnns_convolutions_after_the_first_are_grouped(tmp_path):
+  config = _config(**{'model.name': 'cnn', 'model.channels': (12, 8), 'model.kernel_sizes': (3, 3),
+                      'model.strides': (2, 2), 'mesh.member': 1})
+  params = _init_params(config)
+  convs, head = params['convs'], params['head']['w']
+  # int(2 * 12) / 2 = 12 and int(2 * 8) / 2 = 8 channels per member; the first conv reads
+  # the input whole, the second is 2 groups of 6 -> 4 channels, the head reads 8 per position.
+  assert convs[0]['w'].shape == (2, 3, 1, 12)
+  assert convs[1]['w'].shape == (2, 2, 3, 6, 4) and convs[1]['b'].shape == (2, 8)
+  assert head.shape == (2, 10 * 8, 10)  # 40 -> 20 -> 10 positions, 8 channels.
+  result = dist_ens.train(support.override(config, **{'train.steps': 2}), str(tmp_path),
+                          devices=jax.devices()[:1])
+  assert np.isfinite(result['ensemble']['nll'])
+
+
+@pytest.mark.parametrize('fields, match', [
+    ({'ensemble.packed.alpha': 0.0}, r'packed.alpha=0.0 must be a finite number > 0'),
+    ({'ensemble.packed.alpha': -2.0}, r'packed.alpha=-2.0 must be a finite number > 0'),
+    ({'ensemble.packed.alpha': float('inf')}, r'packed.alpha=inf must be a finite number'),
+    ({'ensemble.packed.gamma': 0}, r'packed.gamma=0 must be an int >= 1'),
+])
+def test_bad_fields_are_refused_naming_the_field(fields, match):
+  config = _config(**fields)
+  message = support.one_line_refusal(lambda: methods.from_spec(specs.method_spec(config)))
+  assert re.search(match, message), message
+
+
+def test_other_models_and_undivided_widths_are_refused_before_anything(tmp_path):
+  config = _config(**{'model.name': 'resnet', 'model.depth': 8})
+  message = support.one_line_refusal(lambda: _train(config, tmp_path / 'r'))
+  assert "config.model.name='mlp' or 'cnn', not 'resnet'" in message
+  # int(2 * 25) = 50 units, 2 members * 4 groups = 8.
+  config = _config(**{'model.widths': (64, 25), 'ensemble.packed.gamma': 4})
+  message = support.one_line_refusal(lambda: _train(config, tmp_path / 'n'))
+  assert 'config.model.widths[1]=25' in message and 'gamma = 8' in message, message
+  assert not (tmp_path / 'r').exists() and not (tmp_path / 'n').exists()
+  with pytest.raises(ConfigError, match="ensemble.own='head'"):
+    methods.from_spec(specs.method_spec(_config(**{'ensemble.own': 'head'})))
