@@ -133,7 +133,7 @@ def config_for(members: int, steps: int):
 
 
 # The evaluation program's names: 'step', eval/shift.py's prediction program that the final
-# evaluation, validation and the decisions share (training/predictions.py); 'eval_step'
+# evaluation, validation and the decisions share (evaluators/predictions.py); 'eval_step'
 # before that sharing (the results of earlier runs).
 EVALUATION = ('step', 'eval_step')
 
@@ -246,7 +246,7 @@ def _make_probe(scratch: Path, out: dict[str, Any], log: _CompileLog):
   import numpy as np
   from dist_ens.io.checkpoint import Checkpointer
   from dist_ens.plan import host_memory
-  from dist_ens.training import pbt
+  from dist_ens.evaluators import pbt
   from dist_ens.training.loop import PeriodicAction
 
   class Marks(PeriodicAction):

@@ -31,7 +31,7 @@ from dist_ens.data import member_split, pipeline, resident
 from dist_ens.ensembles import methods, own, students
 from dist_ens.errors import ConfigError
 from dist_ens.eval import laplace
-from dist_ens.training import posthoc
+from dist_ens.evaluators import posthoc
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Distillation (config.distill; dist_ens.ensembles.distill, training/distill_action.py):
+"""Distillation (config.distill; dist_ens.ensembles.distill, evaluators/distill.py):
 the objective against numpy, a run's 'distill' results and saved student against
 recomputations from the student it saved, a rerun that distils a finished run into a
 Hydra student, and the refusals. A training of the tests' shared tiny run, and a rerun of

@@ -16,7 +16,7 @@ from dist_ens.config.loading import load_config
 from dist_ens.config.checks import validate
 from dist_ens.eval import evaluate, joint
 from dist_ens import Ensemble
-from dist_ens.training import joint_action
+from dist_ens.evaluators import joint as joint_action
 
 ROOT = Path(__file__).resolve().parents[1]
 

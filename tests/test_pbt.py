@@ -18,7 +18,7 @@ from dist_ens.config.loading import load_config
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import pbt as pbt_lib
 from dist_ens.errors import ConfigError
-from dist_ens.training import pbt as pbt_train
+from dist_ens.evaluators import pbt as pbt_train
 
 ROOT = Path(__file__).resolve().parents[1]
 LR = 'optim.learning_rate'

@@ -26,7 +26,7 @@ from dist_ens.io import tables
 from dist_ens.models import layers
 from dist_ens.models.base import dense_init
 from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.training import posthoc
+from dist_ens.evaluators import posthoc
 from dist_ens.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]

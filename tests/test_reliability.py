@@ -164,7 +164,7 @@ class Killed(BaseException):
 def test_a_kill_during_an_evaluation_loses_no_event(tmp_path, monkeypatch, kill_at):
   # Dying in the evaluation of step 4 (a checkpoint step) or of the last step; train's
   # cleanup lets the checkpoint saves already started finish, as a kill lets orbax's.
-  evaluate = dist_ens.training.actions.Evaluate.run
+  evaluate = dist_ens.evaluators.metrics.Evaluate.run
 
   def dies_once(self, call):
     if call.step == kill_at and not (tmp_path / 'died').exists():
@@ -172,7 +172,7 @@ def test_a_kill_during_an_evaluation_loses_no_event(tmp_path, monkeypatch, kill_
       raise Killed
     evaluate(self, call)
 
-  monkeypatch.setattr(dist_ens.training.actions.Evaluate, 'run', dies_once)
+  monkeypatch.setattr(dist_ens.evaluators.metrics.Evaluate, 'run', dies_once)
   with pytest.raises(Killed):
     dist_ens.train(_config(train__eval_every=4), str(tmp_path))
   final = dist_ens.train(_config(train__eval_every=4), str(tmp_path))

@@ -45,7 +45,7 @@ LAYERS = [
     ('parallel', 'models', 'data'),
     ('eval', 'ensembles', 'tasks'),
     ('io', 'config', 'run', 'plan'),
-    ('training', 'inference', 'report', 'main', 'commands', '__init__'),
+    ('training', 'evaluators', 'inference', 'report', 'main', 'commands', '__init__'),
 ]
 # Where a ConfigDict may be read: the config package, build_run's wiring, and the entry
 # points that are given a config (or load a saved run's) and call build_run.

@@ -396,7 +396,7 @@ def _eval(config: ml_collections.ConfigDict) -> None:
   # Your own metrics by import path, fn(outputs [B, ...], targets [B]) -> [B] per example:
   # averaged per member and for the ensemble like the built-in ones (docs/evaluation.md).
   config.eval.metrics = ()
-  # Your own evaluators by import path, fn(run: dist_ens.training.evaluator.EvalRun) ->
+  # Your own evaluators by import path, fn(run: dist_ens.evaluators.evaluator.EvalRun) ->
   # list of loop actions (none where the run does not ask for it): they run after the
   # built-in ones at every step (docs/how-it-works.md, "An evaluator of your own").
   config.eval.evaluators = ()

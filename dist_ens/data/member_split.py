@@ -15,7 +15,7 @@ split, after any validation examples are carved off):
 
 M = config.num_members must be a multiple of S: members [s * E, (s + 1) * E), E = M / S,
 form split s's ensemble. They train on split s's training part only (their batches come
-from it) and are evaluated on its held-out part (training/held_out.py); results are
+from it) and are evaluated on its held-out part (evaluators/held_out.py); results are
 aggregated over the S splits as mean and standard error. So 20 splits x 5 members of a UCI
 set train as one compiled run of 100 members.
 

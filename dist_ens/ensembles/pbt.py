@@ -3,7 +3,7 @@
 Pure numpy, no JAX and no state: a round's decisions depend only on (pbt.seed, the
 round's index, the members' validation metric values, their hyperparameters before the
 round), so a resumed run makes the same ones, and a test recomputes them from the values
-metrics.jsonl logged. dist_ens/training/pbt.py applies them to the train state.
+metrics.jsonl logged. dist_ens/evaluators/pbt.py applies them to the train state.
 
 A round (Jaderberg et al. 2017, "truncation selection" as in Ray Tune's
 PopulationBasedTraining): members ranked best first by the metric (non-finite values,

@@ -15,7 +15,7 @@ prediction time (with replacement, K picks can be as few as 2 distinct members w
 unevenly; docs/groups.md's recipe measured that). The picks stop when no candidate is
 left; the best prefix is kept as above.
 
-Beside it sits today's top-k (dist_ens.training.actions.SelectTopK): the k best
+Beside it sits today's top-k (dist_ens.evaluators.top_k.SelectTopK): the k best
 members by a validation metric, each counted once.
 
 Only each member's likelihood of the true target matters to the NLL, so the search

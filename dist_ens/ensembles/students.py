@@ -1,5 +1,5 @@
 """The students an ensemble is distilled into (config.distill.student; trained by
-dist_ens.ensembles.distill, after training by dist_ens.training.distill_action).
+dist_ens.ensembles.distill, after training by dist_ens.evaluators.distill).
 
 A student is one network whose forward pass gives H heads' logits [H, B, C] and which
 predicts with the mean of its heads' probabilities:

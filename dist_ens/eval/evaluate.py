@@ -7,7 +7,7 @@ partial batch is padded and masked, so every example counts exactly once: padded
 rows add nothing to the sums and are cut from the per-example values on the host.
 
 Post-hoc methods (temperature scaling, greedy selection, MC dropout; see
-dist_ens.training.posthoc) work on every member's log-probabilities of a whole
+dist_ens.evaluators.posthoc) work on every member's log-probabilities of a whole
 split, gathered to the host by `split_log_probs` ([M, N, C] float32: small for
 evaluation splits, 8 members x 10^4 examples x 10 classes is 3 MB), and score
 them with `metrics_from_log_probs`, which runs the same `metrics.eval_batch`.

@@ -1,5 +1,5 @@
 """The members' last-layer Laplace predictive (dist_ens.eval.laplace) on a batch of inputs:
-one function that the fit after training (training/laplace_action.py) scores the test
+one function that the fit after training (evaluators/laplace.py) scores the test
 split with and that Ensemble.predict(x, laplace=True) calls, so a loaded run predicts
 exactly what its final_metrics.json 'laplace' section was computed from.
 

@@ -89,7 +89,7 @@ class Ensemble:
     # config.data.member_split's per-split statistics: split s's members predict in their
     # own units, so predict standardises and converts back per split (None: one `scale`).
     self.split_scales = split_scales
-    if noise_variance is not None:  # The levels training fitted, [M, D] (training/noise.py).
+    if noise_variance is not None:  # The levels training fitted, [M, D] (evaluators/noise.py).
       self.task = tasks.regression_homoscedastic(noise_variance.shape[1], noise_variance)
     self.model_state = {} if model_state is None else model_state
     self.frozen, self.step, self.mesh = np.asarray(frozen, bool), step, mesh

@@ -78,7 +78,7 @@ def conformal_from(workdir: Path, config: ml_collections.ConfigDict
 
 def noise_from(workdir: Path, config: ml_collections.ConfigDict,
                 num_outputs: int) -> np.ndarray | None:
-  """The homoscedastic task's per-member noise levels the run fitted (training/noise.py),
+  """The homoscedastic task's per-member noise levels the run fitted (evaluators/noise.py),
   [M, D] in standardised units, or None."""
   path = workdir / 'final_metrics.json'
   if (config.task != 'regression_homoscedastic' or _collects(config)

@@ -119,7 +119,7 @@ def _ensembles(final: dict[str, Any], num_members: int,
     selected = final['selected']
     rows.append((f'top-{selected["top_k"]} by {selected["by"]}, members '
                  f'{short_list(selected["members"])}', selected['ensemble']))
-  if 'greedy' in final:  # select.method='greedy' (training/posthoc.py)
+  if 'greedy' in final:  # select.method='greedy' (evaluators/posthoc.py)
     greedy = final['greedy']
     rows.append((f'greedy by {greedy["by"]}, {counted(len(greedy["picks"]), "pick")} of '
                  f'{counted(len(greedy["members"]), "member")}', greedy['ensemble']))
@@ -148,7 +148,7 @@ def member_rows(final: dict[str, Any], member_hparams: dict[str, np.ndarray],
       row.update({f'shift_{name}': shifted['members'][name][i]
                   for name in _member_metrics(shifted, ranking_only=True)})
     row['frozen'] = i in frozen
-    if 'pbt' in final:  # Which members it copied, when (dist_ens/training/pbt.py).
+    if 'pbt' in final:  # Which members it copied, when (dist_ens/evaluators/pbt.py).
       row['lineage'] = final['pbt']['lineage'][i]
     rows.append(row)
   key = f'val_{metric}' if validation is not None and f'val_{metric}' in rows[0] else f'test_{metric}'

@@ -28,7 +28,7 @@ class RunData(NamedTuple):
   # ordinary test evaluation of all M members (see member_scale).
   scale: uci.Standardizer | None = None
   # config.data.member_split's splits of the training split (each member trains on its
-  # split's part, order draws from it; training/held_out.py evaluates the rest), or None.
+  # split's part, order draws from it; evaluators/held_out.py evaluates the rest), or None.
   member_splits: data.MemberSplits | None = None
   # With member_splits and a standardising task: one Standardizer per split, fitted on
   # that split's training rows alone (held-out rows never enter them). dataset.train then

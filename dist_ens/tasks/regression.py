@@ -19,7 +19,7 @@ the default, 1.0, is in STANDARDISED target units, where it is the variance of p
 training mean (a deliberately conservative level, never overconfident). Training fits it
 after the last step, one level per member on the validation split (else the training split),
 and builds the task again with `regression_homoscedastic(noise_variance=fitted)`
-(training/noise.py); Ensemble.load predicts with the fitted levels.
+(evaluators/noise.py); Ensemble.load predicts with the fitted levels.
 
 Targets are [N] (D = 1) or [N, D], integer or floating point, and are never cast to integers;
 NaN, infinite or non-numeric targets are refused (check_targets).
@@ -284,7 +284,7 @@ def _gaussian_task(name: str, target_dim: int | None, means_only: bool, loss: Lo
       predict=functools.partial(predictive, noise_variance=noise_variance),
       combine=functools.partial(combine, means_only=means_only, noise_variance=noise_variance),
       log_likelihood=functools.partial(log_likelihood, noise_variance=noise_variance),
-      # The homoscedastic noise is one fitted level per trained member (training/noise.py).
+      # The homoscedastic noise is one fitted level per trained member (evaluators/noise.py).
       any_members=not means_only)
 
 
@@ -304,7 +304,7 @@ def regression_homoscedastic(target_dim: int | None = None,
   Args:
     target_dim: D; None reads it from the dataset's targets.
     noise_variance: every prediction's variance, a scalar, one per target dim or [M, D]
-      (one per member: what training fits, training/noise.py), in the units the model
+      (one per member: what training fits, evaluators/noise.py), in the units the model
       predicts (1.0: the variance of standardised targets; see the module doc).
   """
   variance = np.asarray(noise_variance, np.float32)

@@ -1,4 +1,5 @@
-"""The built-in actions the loop calls (see dist_ens.training.loop for the interface).
+"""The loop's own actions (see dist_ens.training.loop for the interface); the evaluations
+are evaluators (dist_ens/evaluators/).
 
   Sync           waits for the device every N calls (multi-device CPU collectives
                  deadlock when ~30 steps are queued)
@@ -6,10 +7,6 @@
                  every other action, so a checkpoint never precedes its step's events
   TrainLog       train metrics every log_every steps: event, log line, progress bar,
                  and non-finite members (freeze or stop)
-  Evaluate       test metrics every eval_every steps and after the last
-  ScoreOod       OOD AUROC/AUPR after the last step
-  Validate       validation metrics after the last step
-  SelectTopK     the ensemble of the k best members by a validation metric
   Profile        a jax.profiler trace of a few steps
 """
 
@@ -22,11 +19,8 @@ from absl import logging
 
 from dist_ens.io.checkpoint import Checkpointer
 from dist_ens.errors import TrainingError
-from dist_ens.io import progress as progress_lib, tables
-from dist_ens.parallel import mesh as mesh_lib
+from dist_ens.io import progress as progress_lib
 from dist_ens.training.loop import Call, PeriodicAction
-from dist_ens.training.evaluator import EvalRun
-from dist_ens.training.predictions import SplitPredictions
 from dist_ens.core.stacks import metrics_in_id_order
 from dist_ens.core.state import member_flags
 from dist_ens.core.step import StepMetrics
@@ -191,103 +185,6 @@ def _interval_from_meta(saved: dict[str, Any] | None) -> StepMetrics | None:
                      np.asarray(saved['nonfinite'], bool))
 
 
-class Evaluate(PeriodicAction):
-  """Test metrics every `every` steps (an event and a log line) and after the last step
-  (also the run's results: 'members' and 'ensemble')."""
-
-  def __init__(self, every: int, predictions: SplitPredictions | None = None):
-    """`predictions`: the last step's test metrics come from it (shared with the
-    decisions after the last step: one pass, one program); None: the evaluator's."""
-    super().__init__(every, at_end=True)
-    self._predictions = predictions
-
-  def run(self, call: Call) -> None:
-    session = call.session
-    final = call.step == session.total_steps
-    test = session.run_data.dataset.test
-    with session.off_clock():
-      if final and self._predictions is not None:
-        results = self._predictions.predict(call, test).metrics
-      else:
-        results = session.evaluator.evaluate(call.state, test)
-    if final:
-      session.results.update(results)
-    if not final or session.writes_final_events:
-      session.write({'step': call.step, 'split': 'test', **results})
-    if not final:
-      # The task's headline metrics: accuracy for classification, RMSE for regression.
-      ens, members = results['ensemble'], results['members']
-      keys = [k for k in ('accuracy', 'rmse', 'nll') if k in ens]
-      logging.info('step %d test: ensemble %s; member mean %s', call.step,
-                   ' '.join(f'{k} {ens[k]:.4f}' for k in keys),
-                   ' '.join(f'{k} {np.mean(members[k]):.4f}' for k in keys if k in members))
-
-
-class ScoreOod(PeriodicAction):
-  """After the last step: how well the ensemble's uncertainty flags config.eval.ood_dataset."""
-
-  def __init__(self):
-    super().__init__(0, at_end=True)
-
-  def run(self, call: Call) -> None:
-    session = call.session
-    results = session.evaluator.ood(call.state, session.run_data.dataset.test, session.run_data.ood)
-    if session.writes_final_events:
-      session.write({'step': call.step, 'split': 'ood', **results})
-    name = session.spec.eval.ood_dataset
-    session.results['ood'] = {'dataset': name, **results}
-    ens = results['ensemble']
-    logging.info('OOD %s by ensemble entropy: AUROC %.4f AUPR %.4f; by mutual information: '
-                 'AUROC %.4f AUPR %.4f', name, ens['auroc_entropy'], ens['aupr_entropy'],
-                 ens['auroc_mi'], ens['aupr_mi'])
-
-
-class Validate(PeriodicAction):
-  """After the last step: every member's and the ensemble's validation metrics."""
-
-  def __init__(self, predictions: SplitPredictions | None = None):
-    """`predictions`: shared as for Evaluate (conformal sets calibrate on the same pass)."""
-    super().__init__(0, at_end=True)
-    self._predictions = predictions
-
-  def run(self, call: Call) -> None:
-    session = call.session
-    split = session.run_data.validation
-    session.results['validation'] = (session.evaluator.evaluate(call.state, split)
-                                     if self._predictions is None else
-                                     self._predictions.predict(call, split).metrics)
-
-
-class SelectTopK(PeriodicAction):
-  """After the last step: the test metrics of the ensemble of the k best members, ranked
-  by config.select.metric on validation (needs Validate to run first)."""
-
-  def __init__(self):
-    super().__init__(0, at_end=True)
-
-  def run(self, call: Call) -> None:
-    session = call.session
-    k, metric = session.spec.select.top_k, session.spec.select.metric
-    frozen = set(np.flatnonzero(member_flags(session.fetch(call.state.frozen))).tolist())
-    rows = tables.member_rows({**session.results, 'frozen_members': sorted(frozen),
-                               'num_members': session.spec.num_members}, session.parts.hparams,
-                              session.results.get('validation'), metric,
-                              session.parts.task.select_metrics[metric])
-    chosen = sorted(r['member'] for r in rows[:k] if not r['frozen'])
-    mask = np.zeros(session.spec.num_members, bool)
-    mask[chosen] = True
-    selected = session.evaluator.evaluate(
-        call.state, session.run_data.dataset.test,
-        member_mask=jax.device_put(mask, mesh_lib.member_sharding(session.parts.mesh)))
-    session.results['selected'] = {'top_k': k, 'by': f'validation {metric}', 'members': chosen,
-                                   'ensemble': selected['ensemble']}
-    ens = selected['ensemble']
-    shown = ' '.join(f'{name} {ens[name]:.4f}' for name in session.parts.task.select_metrics
-                     if name in ens)  # the task's own: accuracy for classes, rmse for values
-    logging.info('ensemble of the %d best members %s by validation %s: test %s', k, chosen,
-                 metric, shown)
-
-
 class Profile(PeriodicAction):
   """A jax.profiler trace (TensorBoard's profile plugin) of `steps` steps after `start`,
   written to workdir/profile."""
@@ -319,24 +216,3 @@ class Profile(PeriodicAction):
     if self._active:
       jax.profiler.stop_trace()
       self._active = False
-
-
-def evaluate(run: EvalRun) -> list[PeriodicAction]:
-  """[Evaluate]: the test split every train.eval_every steps and after the last."""
-  return [Evaluate(run.spec.train.eval_every, run.predictions)]
-
-
-def score_ood(run: EvalRun) -> list[PeriodicAction]:
-  """[ScoreOod] with eval.ood_dataset."""
-  return [ScoreOod()] if run.session.run_data.ood is not None else []
-
-
-def validate(run: EvalRun) -> list[PeriodicAction]:
-  """[Validate] with data.validation_size > 0."""
-  return [Validate(run.predictions)] if run.session.run_data.validation is not None else []
-
-
-def select_top_k(run: EvalRun) -> list[PeriodicAction]:
-  """[SelectTopK] with select.top_k > 0 and select.method='top_k'."""
-  select = run.spec.select
-  return [SelectTopK()] if select.top_k and select.method == 'top_k' else []

@@ -27,10 +27,9 @@ from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import methods
 from dist_ens.io import console, tables, writers
 from dist_ens.parallel import xla_flags
-from dist_ens.training import (actions as actions_lib, distill_action,
-                               evaluator as evaluator_lib, evaluators, laplace_action,
-                               posthoc, predictions as predictions_lib,
-                               workdir as workdir_lib)
+from dist_ens.evaluators import (distill, evaluator as evaluator_lib, laplace, posthoc,
+                                 predictions as predictions_lib, registry)
+from dist_ens.training import actions as actions_lib, workdir as workdir_lib
 from dist_ens.training import cadence
 # Re-exported: tests reach the step's FLOPs estimate here.
 from dist_ens.training.loop import Action, Call, Session, run_loop
@@ -92,7 +91,7 @@ def _restore_or_init(parts: assemble.Parts, checkpointer: Checkpointer) -> Resto
 def default_actions(call: Call, checkpointer: Checkpointer,
                     extra: Sequence[Action] = ()) -> list[Action]:
   """The actions every run has: waiting for the device, the train log, the built-in
-  evaluators the run asks for (dist_ens.training.evaluators, in their order) and
+  evaluators the run asks for (dist_ens.evaluators.registry, in their order) and
   config.eval.evaluators' own, a profile if asked for, then `extra` (a user's) and the
   checkpoint, in the order they run.
 
@@ -116,7 +115,7 @@ def default_actions(call: Call, checkpointer: Checkpointer,
   # for every evaluator; the post-hoc steps' and the joint log-loss' outputs likewise.
   predictions = predictions_lib.SplitPredictions()
   run = evaluator_lib.EvalRun(call, predictions, posthoc.SplitOutputs(predictions))
-  for build in [*evaluators.EVALUATORS.values(), *evaluator_lib.load(spec.eval.evaluators)]:
+  for build in [*registry.EVALUATORS.values(), *evaluator_lib.load(spec.eval.evaluators)]:
     out += build(run)
   if spec.train.profile_steps:
     out.append(actions_lib.Profile(spec.train.log_every, spec.train.profile_steps))
@@ -140,8 +139,8 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   evaluator_lib.load(run.spec.eval.evaluators)  # Each loads, before any work.
   # Refusals, of each stack's method (a member group may have its own).
   for stack in run.parts.stacks:
-    laplace_action.laplace_actions(run.spec.eval, stack.task, stack.method)
-    distill_action.distill_actions(stack.stack.distill, stack.task, stack.method)
+    laplace.laplace_actions(run.spec.eval, stack.task, stack.method)
+    distill.distill_actions(stack.stack.distill, stack.task, stack.method)
   if workdir_lib.newest_intact_step(workdir) is None:  # A resume reads no init_from.
     assemble.check_init_from(run.parts)
   test = run.data.dataset.test

@@ -20,8 +20,8 @@ from absl import logging
 from dist_ens.data import Split, corruptions, tfds_corrupted
 from dist_ens.eval import decisions, mce, shift_spec
 from dist_ens.training.loop import Call, PeriodicAction
-from dist_ens.training.evaluator import EvalRun
-from dist_ens.training.predictions import SplitPredictions
+from dist_ens.evaluators.evaluator import EvalRun
+from dist_ens.evaluators.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
 
 
@@ -34,7 +34,7 @@ class EvaluateDecisions(PeriodicAction):
   """See the module docstring; results under 'aurc', 'selective', 'conformal', 'shift'."""
 
   def __init__(self, predictions: SplitPredictions | None = None):
-    """`predictions` is shared with the final evaluations (actions.Evaluate, Validate):
+    """`predictions` is shared with the final evaluations (metrics.Evaluate, Validate):
     the clean test and validation splits are then predicted once for all of them."""
     super().__init__(0, at_end=True)
     self._predictions = predictions or SplitPredictions()

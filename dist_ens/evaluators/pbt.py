@@ -35,7 +35,7 @@ from dist_ens.core.axes import MEMBER
 from dist_ens.ensembles import pbt as pbt_lib
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.training.loop import Call, PeriodicAction, Session
-from dist_ens.training.evaluator import EvalRun
+from dist_ens.evaluators.evaluator import EvalRun
 from dist_ens.core.state import member_flags
 
 _META_KEY = 'pbt'

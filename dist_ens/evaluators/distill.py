@@ -26,9 +26,9 @@ from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate
 from dist_ens.io import student_file, writers
 from dist_ens.parallel import mesh as mesh_lib, strategy
-from dist_ens.training import posthoc
+from dist_ens.evaluators import posthoc
 from dist_ens.training.loop import Call, PeriodicAction
-from dist_ens.training.evaluator import EvalRun
+from dist_ens.evaluators.evaluator import EvalRun
 
 # Examples per forward pass when the inference cost is counted (divided out again).
 _COST_BATCH = 64

@@ -1,8 +1,8 @@
 """The clean splits through every member once per state, shared by the actions after
 the last step.
 
-The final test metrics (actions.Evaluate), validation (actions.Validate), selective
-prediction, conformal sets and the shift evaluation (decision_actions.EvaluateDecisions)
+The final test metrics (metrics.Evaluate), validation (metrics.Validate), selective
+prediction, conformal sets and the shift evaluation (decisions.EvaluateDecisions)
 all start from the same forward pass over a split. One compiled program
 (dist_ens.eval.shift.make_predict_step) serves every split, clean or corrupted, and a
 clean split already predicted from this state is not predicted again. The post-hoc

@@ -21,7 +21,7 @@ from dist_ens import data, tasks
 from dist_ens.run import assemble
 from dist_ens.tasks.regression import dataset_target_dim
 from dist_ens.training.loop import Call, PeriodicAction
-from dist_ens.training.evaluator import EvalRun
+from dist_ens.evaluators.evaluator import EvalRun
 
 
 def fitted_levels(call: Call) -> tuple[np.ndarray, str]:

@@ -6,7 +6,7 @@ does not ask for it.
   def my_evaluator(run: EvalRun) -> list[Action]:
     return [MyAction()] if run.spec.eval.ood_dataset else []
 
-The built-in evaluators are named in dist_ens/training/evaluators.py (one line each, in
+The built-in evaluators are named in dist_ens/evaluators/registry.py (one line each, in
 the order they run); yours go in config.eval.evaluators by import path
 ('my_pkg.evals:my_evaluator') and run after them (docs/how-it-works.md, "An evaluator of
 your own").
@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from dist_ens import importing
 from dist_ens.errors import ConfigError
 from dist_ens.training.loop import Action, Call, Session
-from dist_ens.training.predictions import SplitPredictions
+from dist_ens.evaluators.predictions import SplitPredictions
 
 
 class EvalRun(NamedTuple):
@@ -58,6 +58,6 @@ def load(paths: Sequence[str]) -> list[Evaluator]:
     fn = importing.load_object(path, FIELD)
     if not callable(fn):
       raise ConfigError(f'{FIELD} names {path!r}, a {type(fn).__name__}: name a function '
-                        'fn(run: dist_ens.training.evaluator.EvalRun) -> list of actions.')
+                        'fn(run: dist_ens.evaluators.evaluator.EvalRun) -> list of actions.')
     out.append(fn)
   return out

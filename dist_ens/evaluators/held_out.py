@@ -32,7 +32,7 @@ from dist_ens.data.member_split import aggregate
 from dist_ens.eval import evaluate
 from dist_ens.parallel.mesh import member_sharding
 from dist_ens.training.loop import Call, PeriodicAction
-from dist_ens.training.evaluator import EvalRun
+from dist_ens.evaluators.evaluator import EvalRun
 from dist_ens.core.state import member_flags
 
 

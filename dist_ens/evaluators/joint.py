@@ -21,8 +21,8 @@ from dist_ens.ensembles import methods
 from dist_ens.eval import evaluate, joint
 from dist_ens.tasks import Task
 from dist_ens.training.loop import Call, PeriodicAction
-from dist_ens.training.evaluator import EvalRun
-from dist_ens.training.posthoc import SplitOutputs
+from dist_ens.evaluators.evaluator import EvalRun
+from dist_ens.evaluators.posthoc import SplitOutputs
 from dist_ens.core.state import member_flags
 
 

@@ -9,8 +9,8 @@ import numpy as np
 from absl import logging
 
 from dist_ens.training.loop import Call, PeriodicAction
-from dist_ens.training.evaluator import EvalRun
-from dist_ens.training.predictions import SplitPredictions
+from dist_ens.evaluators.evaluator import EvalRun
+from dist_ens.evaluators.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
 
 

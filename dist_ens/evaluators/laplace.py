@@ -35,9 +35,9 @@ from dist_ens.eval import evaluate, joint, laplace, laplace_predictive
 from dist_ens.io import laplace_file
 from dist_ens.models.heads import head_paths
 from dist_ens.parallel.sharding_rules import path_str
-from dist_ens.training import group_ensembles, posthoc
+from dist_ens.evaluators import groups as group_ensembles, posthoc
 from dist_ens.training.loop import Call, PeriodicAction
-from dist_ens.training.evaluator import EvalRun
+from dist_ens.evaluators.evaluator import EvalRun
 
 # Rows per feature batch: the full form's Jacobians are [rows, P, C] per member.
 _ROWS = 128

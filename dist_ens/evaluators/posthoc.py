@@ -14,7 +14,7 @@
 
 Each puts its results in call.session.results (so in final_metrics.json), writes an event and
 logs a table. `posthoc_actions(run_spec, task, method)` builds those the config asks for
-(the 'posthoc' evaluator, dist_ens.training.evaluators); from Python:
+(the 'posthoc' evaluator, dist_ens.evaluators.registry); from Python:
 
   dist_ens.train(config, workdir, actions=[posthoc.TemperatureScale(), posthoc.GreedySelect(8)])
 
@@ -36,8 +36,8 @@ from dist_ens.eval import evaluate
 from dist_ens.io import tables
 from dist_ens.tasks import Task, check_steps
 from dist_ens.training.loop import Call, PeriodicAction
-from dist_ens.training.evaluator import EvalRun
-from dist_ens.training.predictions import SplitPredictions
+from dist_ens.evaluators.evaluator import EvalRun
+from dist_ens.evaluators.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
 
 

@@ -1,0 +1,25 @@
+"""The built-in evaluators by name, in the order they run at a step (each one line: the
+function that gives its actions for a run, dist_ens.evaluators.evaluator): the test metrics
+first, the post-hoc steps after the evaluations they read, PBT before the checkpoint.
+config.eval.evaluators' own run after them; the trainer puts the checkpoint last.
+"""
+
+from dist_ens.evaluators import (decisions, distill, groups, held_out, joint, laplace, metrics,
+                                 noise, pbt, posthoc, top_k)
+from dist_ens.evaluators.evaluator import Evaluator
+
+EVALUATORS: dict[str, Evaluator] = {
+    'noise': noise.evaluator,  # the homoscedastic noise, before the evaluations use it
+    'test': metrics.evaluate,
+    'groups': groups.evaluator,
+    'ood': metrics.score_ood,
+    'validation': metrics.validate,
+    'held_out': held_out.evaluator,
+    'top_k': top_k.select_top_k,
+    'pbt': pbt.evaluator,  # after the step's evaluations, before its checkpoint
+    'posthoc': posthoc.evaluator,  # MC dropout, temperature, greedy, collected members
+    'laplace': laplace.evaluator,
+    'joint': joint.evaluator,
+    'distill': distill.evaluator,
+    'decisions': decisions.evaluator,  # selective, conformal, eval.shift
+}
