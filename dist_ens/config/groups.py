@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import ml_collections
 
+from dist_ens import tasks
 from dist_ens.config import specs
 from dist_ens.core.stacks import Place
 from dist_ens.ensembles import methods
@@ -138,8 +139,6 @@ _REFUSED = (
      "give the student as an import path, distill.student='pkg.mod:make' "
      '(make(num_outputs) -> a dist_ens.Model)'),
 )
-# A task holding a constant per trained member (regression_homoscedastic) is refused with
-# groups by posthoc.check, through Task.any_members: each group's ensemble scores a subset.
 
 
 def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
@@ -160,6 +159,11 @@ def check(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
     counts = ' + '.join(str(s.group.count) for s in specs)
     raise ConfigError(f'config.num_members={config.num_members} but {FIELD} counts {total} '
                       f'members ({counts}); set num_members={total}.')
+  if not tasks.get_task(config.task).any_members:  # each group's ensemble scores a subset
+    raise ConfigError(f"{FIELD} scores each group's members as that group's ensemble, and "
+                      f'config.task={config.task!r} holds one constant per trained member '
+                      '(Task.any_members); train without groups, or use a task without one '
+                      "(task='regression' for Gaussian targets).")
   for spec in specs:
     one = group_config(config, spec)
     with in_group(spec):

@@ -286,10 +286,10 @@ def ensembles_table(rows: dict[str, dict[str, Any]], task: Task) -> str:
 SELECT_METHODS = ('top_k', 'greedy')
 
 
-def check(spec: RunSpec, task: Task, method: Any = None, grouped: bool = False) -> None:
+def check(spec: RunSpec, task: Task, method: Any = None) -> None:
   """One line, before training, for a post-hoc step the config asks for and `task`
-  cannot do (tasks.check_steps; with `method`, its collected members too; `grouped`:
-  member groups' own ensembles), or an unknown select.method."""
+  cannot do (tasks.check_steps; with `method`, its collected members too), or an unknown
+  select.method."""
   select = spec.select.method
   if select not in SELECT_METHODS:
     raise ConfigError(f'config.select.method={select!r}; use one of {SELECT_METHODS}.')
@@ -297,8 +297,7 @@ def check(spec: RunSpec, task: Task, method: Any = None, grouped: bool = False) 
                      "select.method='greedy'": select == 'greedy',
                      'eval.mc_samples': spec.eval.mc_samples > 0,
                      'eval.metrics': bool(spec.eval.metrics),
-                     'ensemble.method': method is not None and method.collects,
-                     'ensemble.groups': grouped})
+                     'ensemble.method': method is not None and method.collects})
 
 
 def posthoc_actions(spec: RunSpec, task: Task, method: Any,

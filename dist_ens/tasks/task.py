@@ -109,8 +109,7 @@ _NEEDS = (('eval.temperature_scaling', 'calibrate', 'a recalibration'),
 # The steps that score members other than the trained ones, one each (Task.any_members).
 _OTHER_MEMBERS = (("select.method='greedy'", 'chosen and repeated'),
                   ('eval.mc_samples', 'sampled'),
-                  ('ensemble.method', 'collected while training'),
-                  ('ensemble.groups', "of each group as that group's ensemble"))
+                  ('ensemble.method', 'collected while training'))
 
 
 def check_steps(task: Task, asked: Mapping[str, bool], task_field: str = 'config.task') -> None:

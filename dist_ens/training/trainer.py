@@ -135,7 +135,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
   workdir_lib.check_workdir(workdir)
   agreement.check_same_config(loading.to_dict(config))
   run = assemble.build_run(config, devices=devices, dataset=dataset, optimizer=optimizer)
-  posthoc.check(run.spec, run.parts.task, run.parts.method, grouped=run.parts.places.joined)
+  posthoc.check(run.spec, run.parts.task, run.parts.method)
   evaluator_lib.load(run.spec.eval.evaluators)  # Each loads, before any work.
   # Refusals, of each stack's method (a member group may have its own).
   for stack in run.parts.stacks:
