@@ -63,8 +63,9 @@ MODULES = {
                  # to_global (threads and device transfers) are left out.
                  ('xǁOrderǁ*', 'x_host_block__mutmut_*', 'x_local_indices__mutmut_*'),
                  # test_data.py tests Order, host_block and local_indices by name;
-                 # test_member_split.py the orders over member pools (Order's pools).
-                 ('tests/test_data.py', 'tests/test_member_split.py')),
+                 # test_member_split.py the orders over member pools (Order's pools);
+                 # test_orders.py the orders' properties as pure functions (issue 64).
+                 ('tests/test_data.py', 'tests/test_member_split.py', 'tests/test_orders.py')),
     'metrics': ('dist_ens/eval/metrics.py', ('*',),
                 # The files that call eval_batch / ensemble_log_probs / member_uncertainty
                 # / add_sums through `from dist_ens.eval import metrics`.
