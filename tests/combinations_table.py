@@ -76,6 +76,13 @@ AXES: dict[str, tuple[Option, ...]] = {
         Option('packed', {'ensemble.method': 'packed', 'ensemble.packed.gamma': 2,
                           'model.widths': (8, 8)}, ('ensemble.method',),
                label='packed (Packed-Ensembles)'),
+        # One cycle of the 2 steps: explore, then sample once (tests/test_sgmcmc.py checks
+        # the sampler's posterior, resume and the collected members).
+        Option('sgmcmc', {'ensemble.method': 'sgmcmc', 'ensemble.sgmcmc.sampler': 'sgld',
+                          'ensemble.sgmcmc.cycles': 1, 'ensemble.sgmcmc.beta': 0.5,
+                          'ensemble.sgmcmc.samples_per_cycle': 1,
+                          'ensemble.sgmcmc.data_size': 1000}, ('ensemble.method',),
+               label='sgmcmc (cyclical SG-MCMC)'),
         Option('mc_dropout', {'model.dropout': 0.1, 'eval.mc_samples': 2},
                ('eval.mc_samples', 'model.dropout'), label='MC dropout'),
     ),
@@ -177,7 +184,8 @@ def _pair(a: str, b: str) -> frozenset[str]:
   return frozenset((a, b))
 
 
-_NOT_DEEP = ('batchensemble', 'mimo', 'snapshot', 'fge', 'multiswag', 'masksembles')
+_NOT_DEEP = ('batchensemble', 'mimo', 'snapshot', 'fge', 'multiswag', 'masksembles',
+             'sgmcmc')
 _REGRESSION = ('regression', 'regression [N, D]', 'regression_homoscedastic')
 
 # Pairs refused before anything runs, each with why (the docs show the reason).
@@ -225,7 +233,7 @@ REFUSED: dict[frozenset[str], str] = {
     **{_pair('groups', o): "a group's members predict one-to-one from their own outputs: "
                            'a method that collects, cycles or adds outputs is not built for '
                            'groups (docs/groups.md)'
-       for o in ('mimo', 'snapshot', 'fge', 'multiswag', 'epinet')},
+       for o in ('mimo', 'snapshot', 'fge', 'multiswag', 'epinet', 'sgmcmc')},
     _pair('groups', 'distill'): "a student of the members' architecture: the groups have "
                                 'several (give the student as an import path)',
     **{_pair(d, t): "the student learns a classifier's soft targets over classes"
@@ -236,7 +244,7 @@ REFUSED: dict[frozenset[str], str] = {
                                             'member: members chosen, sampled or collected '
                                             'have none (Task.any_members)'
        for o in ('greedy', 'greedy distinct', 'mc_dropout', 'snapshot', 'fge', 'multiswag',
-                 'groups')},
+                 'sgmcmc', 'groups')},
     **{_pair(d, m): "the student learns from independently trained members of the "
                     "run's model, not shared leaves or other predicting weights"
        for d in ('distill', 'distill=path')

@@ -137,9 +137,10 @@ def _ensemble(config: ml_collections.ConfigDict) -> None:
   # 'prior' (randomized priors: each member adds prior.scale times a frozen random network)
   # 'epinet' (each member's network gets an epinet: a small network of its features and
   # a random index, sampled epinet.samples times per example; ensemble.epinet),
-  # 'masksembles' (one shared network, each member's fixed masks on its hidden layers) or
+  # 'masksembles' (one shared network, each member's fixed masks on its hidden layers),
   # 'packed' (Packed-Ensembles: each member the model at width packed.alpha * C /
-  # num_members, its hidden layers in packed.gamma groups).
+  # num_members, its hidden layers in packed.gamma groups) or 'sgmcmc' (each member a
+  # cyclical SGLD/SGHMC chain; its samples at each cycle's end predict).
   # Or your own method by import path, 'my_pkg.methods:make' (docs/how-it-works.md), with
   # its fields in ensemble.options (anything; the method checks them).
   config.ensemble.method = 'deep'
@@ -218,6 +219,22 @@ def _method_fields(config: ml_collections.ConfigDict) -> None:
   config.ensemble.packed = ml_collections.ConfigDict()
   config.ensemble.packed.alpha = 2.0  # > 0: the packed network's width over the model's
   config.ensemble.packed.gamma = 1  # int >= 1: groups in each member's hidden layers
+  # Cyclical SG-MCMC (Zhang et al. 2020): each member a chain under the cyclical cosine
+  # step size optim.learning_rate * (cos(pi mod(k-1, L) / L) + 1) / 2, L = train.steps /
+  # cycles; its own SGD (optim.name, momentum and schedule do not apply; learning_rate and
+  # weight_decay, the prior, do). Noise N(0, 2 a T / (lr_k N)) on the mean loss's gradient
+  # in each cycle's sampling phase: theta's sqrt(2 lr_k T / N) (docs/ensemble_methods.md).
+  config.ensemble.sgmcmc = ml_collections.ConfigDict()
+  config.ensemble.sgmcmc.sampler = 'sghmc'  # 'sgld' or 'sghmc'
+  config.ensemble.sgmcmc.cycles = 4  # must divide train.steps
+  # In [0, 1): the share of each cycle that explores (no noise); the rest samples
+  config.ensemble.sgmcmc.beta = 0.8
+  # Samples kept per cycle, evenly spaced over its sampling phase, the last at its end
+  config.ensemble.sgmcmc.samples_per_cycle = 3
+  config.ensemble.sgmcmc.temperature = 1.0  # T >= 0 (1: the posterior; 0: no noise)
+  config.ensemble.sgmcmc.friction = 0.1  # sghmc: in (0, 1], its momentum 1 - friction
+  # N, the training set's size (an int >= 1; the loss is a mean, the posterior's sum)
+  config.ensemble.sgmcmc.data_size = 0
 
 
 def _data(config: ml_collections.ConfigDict) -> None:

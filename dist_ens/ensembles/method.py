@@ -18,7 +18,7 @@ method's group of config.ensemble) and refuses, in one line, what it cannot do w
 run (`spec.reproducible`, the task in `wrap_model`, ...).
 
 Built-ins live one per file (deep.py, batchensemble.py, mimo.py, snapshot.py, swag.py,
-prior.py, epinet.py, masksembles.py, packed.py)
+prior.py, epinet.py, masksembles.py, packed.py, sgmcmc.py)
 and are registered by name in dist_ens.ensembles.methods; a user's is an import path,
 `config.ensemble.method = 'my_pkg.methods:make'`, whose fields are
 `config.ensemble.options` (docs/how-it-works.md shows one).
@@ -110,6 +110,12 @@ class Method(NamedTuple):
   # leaves ensemble.own does not give them): set by the method that shares, or by
   # methods.with_owned. None: each member its own params and optimizer state.
   sharing: MethodHooks | None = None
+  # (config.optim's OptimSpec, train.steps) -> optimizer(hp): the method's own update rule
+  # in place of config.optim's (SG-MCMC's samplers); None: core.optim.make_optimizer's.
+  optimizer: Callable[[Any, int], Any] | None = None
+  # core.hooks.MethodHooks.members_update for a method whose members own every leaf (SG-MCMC:
+  # Langevin noise on each member's gradient, keyed by its id and the step); None: core's.
+  members_update: Callable[..., Any] | None = None
 
   @property
   def shares(self) -> bool:
@@ -122,8 +128,9 @@ class Method(NamedTuple):
     if self.sharing is not None:
       return self.sharing
     if self.collects:
-      return MethodHooks(init_collected=self.init, collect=self.collect)
-    return MethodHooks()
+      return MethodHooks(init_collected=self.init, collect=self.collect,
+                         members_update=self.members_update)
+    return MethodHooks(members_update=self.members_update)
 
 
 def int_field(value: Any, field: str, low: int) -> int:

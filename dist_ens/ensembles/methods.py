@@ -29,7 +29,7 @@ from jax.sharding import Mesh
 from dist_ens import importing
 from dist_ens.core import rng
 from dist_ens.ensembles import batchensemble, deep, mimo, own as own_lib
-from dist_ens.ensembles import epinet, masksembles, packed, prior, snapshot, swag
+from dist_ens.ensembles import epinet, masksembles, packed, prior, sgmcmc, snapshot, swag
 from dist_ens.ensembles.method import Method, MethodSpec
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
@@ -46,6 +46,7 @@ METHODS: dict[str, tuple[Callable[[MethodSpec], Method], str | None]] = {
     'epinet': (epinet.make, 'epinet'),
     'masksembles': (masksembles.make, 'masksembles'),
     'packed': (packed.make, 'packed'),
+    'sgmcmc': (sgmcmc.make, 'sgmcmc'),
 }
 # config.ensemble.own values that one method resolves itself (Method.resolve_own):
 # own -> that method. 'epinet': members own their epinets, the base network is shared.

@@ -319,6 +319,8 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
 def _optimizer(config: ml_collections.ConfigDict, method: methods.Method,
                optimizer: Optimizer | optax.GradientTransformation | None) -> Optimizer:
   """The config's optimizer for `method`'s schedule, or the caller's as an Optimizer."""
+  if optimizer is None and method.optimizer is not None:  # its own rule (SG-MCMC's samplers)
+    return method.optimizer(optim_spec(config), config.train.steps)
   if optimizer is None:
     return make_optimizer(optim_spec(config), config.train.steps, cycles=method.cycles,
                           cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
