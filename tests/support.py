@@ -1,7 +1,9 @@
 """What tests share: the XLA flags every test process (this one and the children it starts)
 runs with, the tiny run of the tests that need "a small run" (config), and small helpers:
 override, PreemptAt, assert_trees_equal, one_line_refusal, take_batches and
-assert_same_batches (two input pipelines' batches, bit for bit)."""
+assert_same_batches (two input pipelines' batches, bit for bit), prepare_tfds_images (a
+TFDS image set written as TFDS prepares one), check_load_predict_export (a method's run
+loads, predicts and exports as it trained)."""
 
 import importlib.util
 import os
@@ -247,3 +249,74 @@ def member_order(kind: str, n: int, batch: int, members: int, split_spec: str = 
   splits = data.make_member_splits(split_spec, n, members, 3)
   return data.Order(kind, n, batch, seed=3, pools=splits.train,
                     member_pool=[splits.split_of(m) for m in range(members)])
+
+
+def prepare_tfds_images(data_dir, dataset_name: str, splits: dict, num_classes: int,
+                        config: str | None = None) -> None:
+  """Writes the TFDS image dataset `dataset_name` (its builder config `config`, where
+  given) into data_dir as TFDS prepares its own: ArrayRecord files of PNG-encoded Image
+  features (encoded with PIL, so no TensorFlow) and ClassLabel labels. `splits`:
+  {split: (uint8 images [N, H, W, C], labels[, first key])}; example i is stored under
+  key first + i (default 0), and TFDS orders a split's examples by their keys' hashes."""
+  import io  # pylint: disable=g-import-not-at-top
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  def png(array):
+    buffer = io.BytesIO()
+    Image.fromarray(array.squeeze(-1) if array.shape[-1] == 1 else array).save(buffer, 'PNG')
+    return buffer.getvalue()
+
+  class _Images(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+    name = dataset_name
+    VERSION = tfds.core.Version('1.0.0')
+    BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=config)] if config else []
+
+    def _info(self):
+      shape = next(iter(splits.values()))[0].shape[1:]
+      return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+          'image': tfds.features.Image(shape=shape),
+          'label': tfds.features.ClassLabel(num_classes=num_classes)}),
+                                   supervised_keys=('image', 'label'))
+
+    def _split_generators(self, dl_manager):
+      del dl_manager
+      return {split: self._generate_examples(*arrays) for split, arrays in splits.items()}
+
+    def _generate_examples(self, images, labels, first=0):
+      for i, (image, label) in enumerate(zip(images, labels)):
+        yield int(first) + i, {'image': png(image), 'label': int(label)}
+
+  _Images(config=config, data_dir=str(data_dir), file_format='array_record'
+          ).download_and_prepare()
+
+
+def check_load_predict_export(workdir, final, member_logits, members: int = 2):
+  """A method's MNIST-1D run of `members` members (`final` its result) loads and predicts
+  as it trained: Ensemble.load(workdir) on one device predicts the test split with the
+  run's ensemble accuracy (within 2e-3) and as the mean of the members' softmax of
+  member_logits(ens, m, x) (a numpy forward of member m's stored params; atol 1e-5); each
+  exported member's file holds ens.member(m); the report names the run. Returns the
+  loaded ensemble."""
+  import jax  # pylint: disable=g-import-not-at-top  (after conftest's XLA_FLAGS)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import dist_ens  # pylint: disable=g-import-not-at-top
+  from dist_ens import data  # pylint: disable=g-import-not-at-top
+  from dist_ens.report import build as report  # pylint: disable=g-import-not-at-top
+  ens = dist_ens.Ensemble.load(workdir, devices=jax.devices()[:1])
+  test = data.load_dataset('mnist1d').test
+  prediction = ens.predict(test.x, preprocessed=True)
+  accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
+  assert abs(accuracy - final['ensemble']['accuracy']) <= 2e-3
+  probs = []
+  for m in range(members):
+    logits = member_logits(ens, m, test.x)
+    e = np.exp(logits - logits.max(-1, keepdims=True))
+    probs.append(e / e.sum(-1, keepdims=True))
+  np.testing.assert_allclose(prediction.probs, np.mean(probs, 0), atol=1e-5)
+  paths = ens.export(Path(workdir) / 'members')
+  for m in range(members):
+    jax.tree.map(np.testing.assert_array_equal, dist_ens.load_member(paths[m]), ens.member(m))
+  assert report.make_report(workdir) == Path(workdir) / 'report'
+  assert f'{members} x mlp on mnist1d' in (Path(workdir) / 'report' / 'report.md').read_text()
+  return ens
