@@ -9,7 +9,6 @@ This file is also the probe each process of the two-process test runs:
 `python tests/test_grain.py probe OUT PORT NUM_PROCESSES PROCESS_ID HOSTS_ALONG DATA_DIR`.
 """
 
-import io
 import json
 import subprocess
 import sys
@@ -21,9 +20,7 @@ import numpy as np
 import pytest
 import support
 
-import tensorflow_datasets as tfds  # In the test extra, as grain is: these tests run.
 from jax.sharding import NamedSharding, PartitionSpec as P
-from PIL import Image
 
 import dist_ens
 from dist_ens import data
@@ -37,35 +34,16 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCH, MEMBERS, WORKERS = 16, 2, 2  # 200 examples: 12 batches an epoch
 
 
-def _png(array):
-  buffer = io.BytesIO()
-  Image.fromarray(array).save(buffer, 'PNG')
-  return buffer.getvalue()
-
-
-class GrainCifar(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """CIFAR-shaped: 32x32x3 PNGs of random pixels, so a wrong or misplaced decode shows."""
-  VERSION = tfds.core.Version('1.0.0')
-
-  def _info(self):
-    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-        'image': tfds.features.Image(shape=(32, 32, 3)),
-        'label': tfds.features.ClassLabel(num_classes=10)}), supervised_keys=('image', 'label'))
-
-  def _split_generators(self, dl_manager):
-    del dl_manager
-    return {'train': self._generate_examples(0, 200), 'test': self._generate_examples(200, 16)}
-
-  def _generate_examples(self, offset, n):
-    for i in range(offset, offset + n):
-      pixels = np.random.default_rng(i).integers(0, 256, (32, 32, 3), dtype=np.uint8)
-      yield i, {'image': _png(pixels), 'label': i % 10}
-
-
 @pytest.fixture(scope='module')
 def data_dir(tmp_path_factory):
+  """grain_cifar, CIFAR-shaped: 32x32x3 images of random pixels (so a wrong or misplaced
+  decode shows), labels i % 10; 200 train examples (keys 0..199), 16 test (200..215)."""
   path = str(tmp_path_factory.mktemp('tfds'))
-  GrainCifar(data_dir=path, file_format='array_record').download_and_prepare()
+  pixels = np.stack([np.random.default_rng(i).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+                     for i in range(216)])
+  labels = np.arange(216) % 10
+  support.prepare_tfds_images(path, 'grain_cifar', {
+      'train': (pixels[:200], labels[:200]), 'test': (pixels[200:], labels[200:], 200)}, 10)
   return path
 
 
