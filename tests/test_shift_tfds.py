@@ -2,7 +2,6 @@
 dataset, written here as ArrayRecord (as tests/test_tfds.py does), evaluated as shifted
 test sets without TensorFlow; and the errors when none is prepared or shapes differ."""
 
-import io
 import json
 import sys
 from pathlib import Path
@@ -10,8 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import tensorflow_datasets as tfds  # In the test extra: these tests must run, not skip.
-from PIL import Image  # pylint: disable=g-import-not-at-top
+import support
 
 from dist_ens import data
 from dist_ens.config.loading import load_config
@@ -22,35 +20,6 @@ from dist_ens.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = (8, 8, 3)
-
-
-def _png(array):
-  buffer = io.BytesIO()
-  Image.fromarray(array).save(buffer, 'PNG')
-  return buffer.getvalue()
-
-
-class TinyCorrupted(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """A -C style dataset: one builder config per corruption x severity, a test split each."""
-  VERSION = tfds.core.Version('1.0.0')
-  BUILDER_CONFIGS = [tfds.core.BuilderConfig(name=n)
-                     for n in ('contrast_1', 'gaussian_noise_2', 'pixelate_3')]
-  EXAMPLES: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # config -> (uint8 images, labels)
-
-  def _info(self):
-    x, _ = self.EXAMPLES[self.builder_config.name]
-    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-        'image': tfds.features.Image(shape=x.shape[1:]),
-        'label': tfds.features.ClassLabel(num_classes=4)}), supervised_keys=('image', 'label'))
-
-  def _split_generators(self, dl_manager):
-    del dl_manager
-    return {'test': self._generate_examples()}
-
-  def _generate_examples(self):
-    x, y = self.EXAMPLES[self.builder_config.name]
-    for i in range(len(y)):
-      yield i, {'image': _png(x[i]), 'label': int(y[i])}
 
 
 def _images(n, seed):
@@ -72,11 +41,9 @@ def prepared(tmp_path_factory):
   25 examples) prepared; pixelate_3 a folder without a prepared version."""
   path = tmp_path_factory.mktemp('tfds_c')
   test = _images(60, 2)
-  TinyCorrupted.EXAMPLES = {'contrast_1': test, 'gaussian_noise_2': (test[0][:25], test[1][:25]),
-                            'pixelate_3': test}
-  for name in ('contrast_1', 'gaussian_noise_2'):
-    TinyCorrupted(config=name, data_dir=str(path), file_format='array_record'
-                  ).download_and_prepare()
+  first_25 = (test[0][:25], test[1][:25])
+  for name, examples in (('contrast_1', test), ('gaussian_noise_2', first_25)):
+    support.prepare_tfds_images(path, 'tiny_corrupted', {'test': examples}, 4, config=name)
   for folder in ('not_a_config', 'pixelate_3'):
     (path / 'tiny_corrupted' / folder).mkdir()
   return path, test
