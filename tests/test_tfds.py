@@ -1,7 +1,6 @@
 """The TFDS path on real ArrayRecord files written here: reading without TensorFlow,
 training through the same code a user's 'mnist' takes, and the real configs."""
 
-import io
 import os
 import subprocess
 import sys
@@ -11,9 +10,6 @@ import numpy as np
 import pytest
 
 import support
-
-import tensorflow_datasets as tfds  # In the test extra: these tests must run, not skip.
-from PIL import Image  # pylint: disable=g-import-not-at-top
 
 from dist_ens.config import specs
 from dist_ens import data
@@ -30,47 +26,17 @@ def _pixel(i):
   return i % 256
 
 
-def _png(array):
-  buffer = io.BytesIO()
-  Image.fromarray(array.squeeze(-1) if array.shape[-1] == 1 else array).save(buffer, 'PNG')
-  return buffer.getvalue()
-
-
-class _TinyImages(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """A tiny image dataset stored like TFDS's own: PNG-encoded Image features."""
-  VERSION = tfds.core.Version('1.0.0')
-  SHAPE = (28, 28, 1)
-  SIZES = {'train': 256, 'test': 64}
-
-  def _info(self):
-    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
-        'image': tfds.features.Image(shape=self.SHAPE),
-        'label': tfds.features.ClassLabel(num_classes=10)}), supervised_keys=('image', 'label'))
-
-  def _split_generators(self, dl_manager):
-    del dl_manager
-    return {'train': self._generate_examples(0, self.SIZES['train']),
-            'test': self._generate_examples(12_800, self.SIZES['test'])}  # 12800 % 2560 == 0
-
-  def _generate_examples(self, offset, n):
-    for i in range(offset, offset + n):
-      # Encoded with PIL, so preparing needs no TensorFlow either.
-      yield i, {'image': _png(np.full(self.SHAPE, _pixel(i), np.uint8)), 'label': i % 10}
-
-
-class TinyMnist(_TinyImages):
-  SHAPE = (28, 28, 1)
-
-
-class TinyCifar(_TinyImages):
-  SHAPE = (32, 32, 3)
-
-
 @pytest.fixture(scope='module')
 def data_dir(tmp_path_factory):
+  """tiny_mnist (28x28x1) and tiny_cifar (32x32x3), stored like TFDS's own image sets:
+  256 train examples (keys 0..255) and 64 test (keys 12800..12863; 12800 % 2560 == 0),
+  each image filled with _pixel(key), its label key % 10."""
   path = tmp_path_factory.mktemp('tfds')
-  for cls in (TinyMnist, TinyCifar):
-    cls(data_dir=str(path), file_format='array_record').download_and_prepare()
+  for name, shape in (('tiny_mnist', (28, 28, 1)), ('tiny_cifar', (32, 32, 3))):
+    splits = {split: (np.stack([np.full(shape, _pixel(i), np.uint8) for i in keys]), keys % 10,
+                      keys[0]) for split, keys in (('train', np.arange(256)),
+                                                   ('test', 12_800 + np.arange(64)))}
+    support.prepare_tfds_images(path, name, splits, 10)
   return str(path)
 
 
