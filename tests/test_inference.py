@@ -1,7 +1,6 @@
 """Ensemble.load / predict / member / export against what training computed."""
 
 import json
-from pathlib import Path
 
 import jax
 import ml_collections
@@ -10,25 +9,16 @@ import pytest
 
 from dist_ens import data
 from dist_ens.parallel import mesh as mesh_lib
-import dist_ens
-from dist_ens.config.loading import load_config
 from dist_ens.eval.evaluate import evaluate_split, make_eval_step
 from dist_ens import Ensemble, load_member
 
-ROOT = Path(__file__).resolve().parents[1]
-M = 8
+M = 4  # tiny_run's members: 4 of a (16,) MLP, trained 8 steps on 4 devices (4 x 1)
 
 
 @pytest.fixture(scope='module')
-def run(tmp_path_factory):
-  """A short 8-member run on a 4 x 2 mesh; returns (workdir, final metrics)."""
-  config = load_config(ROOT / 'configs' / 'default.py')
-  config.train.steps, config.train.log_every, config.train.eval_every = 20, 10, 10
-  config.model.widths = (32, 32)
-  config.data.batch_size = 64
-  config.mesh.member, config.mesh.data = 4, 2
-  workdir = tmp_path_factory.mktemp('inference')
-  return workdir, dist_ens.train(config, str(workdir))
+def run(tiny_run):
+  """The session's shared tiny run (tests/runs.py): (workdir, final metrics); read only."""
+  return tiny_run
 
 
 @pytest.fixture(scope='module')
@@ -43,7 +33,9 @@ def test_split():
 
 def test_predict_reproduces_the_final_test_metrics(run, ensemble, test_split):
   _, final = run
-  assert ensemble.step == 20 and ensemble.mesh.shape == {'member': 8, 'data': 1}
+  # Loaded on all 8 devices, a layout training (mesh.data=1: 4 x 1) did not have.
+  assert ensemble.step == 8 and ensemble.mesh.shape == {'member': 4, 'data': 2}
+  assert ensemble.config.mesh.data == 1
   out = ensemble.predict(test_split.x)
   rows = np.arange(len(test_split.y))
   assert out.probs.shape == (1000, 10) and out.member_probs.shape == (M, 1000, 10)
@@ -66,7 +58,7 @@ def test_13_examples_on_8_devices_and_on_1_match_the_eval_step(run, ensemble, te
   one_device = Ensemble.load(run[0], devices=jax.devices()[:1])
   assert one_device.mesh.size == 1
   one = one_device.predict(x)
-  # Several padded chunks (8 + 5) on a member-and-data mesh (M=8 on 6 devices: 2 x 3).
+  # Several padded chunks (8 + 5) on a member-and-data mesh (M=4 on 6 devices: 2 x 3).
   six = Ensemble.load(run[0], devices=jax.devices()[:6])
   assert six.mesh.shape == {'member': 2, 'data': 3}
   chunked = six.predict(x, batch_size=8)
@@ -109,17 +101,17 @@ def test_predict_applies_the_configs_preprocessing(ensemble, test_split):
 def test_member_is_the_unstacked_params_and_applies_alone(ensemble, test_split):
   x = test_split.x[:7]
   member = ensemble.member(3)
-  assert isinstance(member, list) and member[0]['w'].shape == (40, 32)
+  assert isinstance(member, list) and member[0]['w'].shape == (40, 16)
   np.testing.assert_array_equal(member[1]['b'], np.asarray(ensemble.params[1]['b'])[3])
   probs = jax.nn.softmax(ensemble.model.apply(member, {}, x, train=False)[0])
   np.testing.assert_allclose(probs, ensemble.predict(x).member_probs[3], rtol=1e-5, atol=1e-7)
-  with pytest.raises(IndexError, match='0..7'):
-    ensemble.member(8)
+  with pytest.raises(IndexError, match='0..3'):
+    ensemble.member(4)
 
 
 def test_frozen_members_are_left_out_of_the_mean(ensemble, test_split):
   frozen = np.zeros(M, bool)
-  frozen[[2, 5]] = True
+  frozen[[1, 2]] = True
   partial = Ensemble(ensemble.config, ensemble.model, ensemble.params, frozen, ensemble.step,
                      ensemble.input_shape, ensemble.num_classes, ensemble.mesh)
   out = partial.predict(test_split.x[:9])
@@ -132,12 +124,12 @@ def test_export_writes_one_numpy_file_per_member(ensemble, tmp_path):
   assert [p.name for p in paths] == [f'member_{i}.npz' for i in range(M)]
   meta = json.loads((tmp_path / 'members' / 'ensemble.json').read_text())
   assert meta['num_members'] == M and meta['input_shape'] == [40, 1]
-  assert meta['model']['widths'] == [32, 32] and meta['frozen_members'] == []
-  for i in (0, 6):
+  assert meta['model']['widths'] == [16] and meta['frozen_members'] == []
+  for i in (0, 3):
     jax.tree.map(np.testing.assert_array_equal, load_member(paths[i]), ensemble.member(i))
-  with np.load(paths[6]) as f:  # numpy alone is enough to read it.
-    assert sorted(f.files) == ['0/b', '0/w', '1/b', '1/w', '2/b', '2/w']
-    np.testing.assert_array_equal(f['2/w'], ensemble.member(6)[2]['w'])
+  with np.load(paths[3]) as f:  # numpy alone is enough to read it.
+    assert sorted(f.files) == ['0/b', '0/w', '1/b', '1/w']
+    np.testing.assert_array_equal(f['1/w'], ensemble.member(3)[1]['w'])
 
 
 def test_load_explains_a_missing_run(tmp_path):
