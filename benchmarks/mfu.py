@@ -3,6 +3,8 @@
   python -m benchmarks.mfu --tiny                 # CPU smoke test: small nets, 2 members
   python -m benchmarks.mfu                        # the GPU list below, within --budget_s
   python -m benchmarks.mfu --cells jax:wrn:4,torch:wrn:4 --budget_s 300
+  python -m benchmarks.mfu --cells jax:vit:4,jax:vit:4:cpuinit --init_timeout_s 60
+  python -m benchmarks.mfu --cells jax:resnet18:64,jax:resnet18:64:map32
 
 Issue 65, item 4. On CIFAR-shaped synthetic data (32x32x3 float32 images, 10 classes,
 drawn once; every member its own batch of --batch examples a step, 'shuffled') in
@@ -36,6 +38,14 @@ resnet18 = the CIFAR ResNet-18 (11.2M); vit = ViT-S's widths (384 wide, 12 block
 heads, MLP 1536, mean pooling) over 4x4 patches of the 32x32 input, 64 tokens (ViT-S/16's
 16x16 patches would leave 4 tokens of a 32x32 image). --tiny: WRN-10-1, ResNet-18 on 8x8
 inputs, a 2-block ViT 32 wide; 2 members, batch 8, a few steps (figures meaningless).
+
+A JAX cell's init program (the members' initialisation) is compiled under a watch: its
+compile time is recorded (init_compile_s), and with --init_timeout_s the cell ends if it
+has not compiled by then. A cell named jax:NET:M:VARIANT is jax:NET:M's fallback, run only where
+jax:NET:M measured nothing before it: VARIANT 'cpuinit' compiles and runs the init
+program on the CPU and puts its state on the device (the timed steps are the same
+program); 'mapN' runs the members as member_parallelism='map' over chunks of N vmapped
+members (map_batch_size=N), for an M whose vmapped step does not fit the device.
 
 Each cell runs in a process of its own (JAX preallocates most of the GPU; a cell that runs
 out of memory or time fails alone), in the order given (the most important first), and
@@ -103,7 +113,9 @@ def synthetic(args: Any, seed: int = 0):
 # ---------------------------------------------------------------------------------- JAX
 
 
-def jax_config(net: str, members: int, args: Any):
+def jax_config(net: str, members: int, args: Any, variant: str = ''):
+  """The cell's config; variant 'mapN': member_parallelism 'map' over chunks of N members
+  (vmapped) instead of 'vmap'."""
   from dist_ens.config.loading import load_config
   _, batch, _ = shape(args)
   config = load_config(ROOT / 'configs' / 'default.py')
@@ -118,6 +130,9 @@ def jax_config(net: str, members: int, args: Any):
       'train.steps': args.steps, 'train.log_every': args.log_every, 'train.eval_every': 0,
       'checkpoint.every': args.steps, 'writers': ('jsonl',), 'eval.batch_size':
       args.test_examples, **net_fields(net, args.tiny)}
+  if variant.startswith('map'):
+    overrides.update({'ensemble.member_parallelism': 'map',
+                      'ensemble.map_batch_size': int(variant[3:] or 0)})
   config.update_from_flattened_dict(overrides)
   return config
 
@@ -157,7 +172,55 @@ def _flops(cost: Any) -> float | None:
   return float(flops) if flops and flops > 0 else None
 
 
-def jax_cell(net: str, members: int, args: Any) -> dict[str, Any]:
+def _watch_init_compile(init: dict[str, Any], on_cpu: bool, limit_s: float) -> None:
+  """Wraps assemble.compile_init (the run's init program) in this process: its compile
+  timed (init['compile_s'], and a line on stderr before and after, which a cell's error
+  keeps), the process ended (exit 3) if it has not compiled in `limit_s` seconds (0: no
+  limit), so that a fallback cell can run; with `on_cpu`, the program compiled and run
+  on the CPU backend and its state put on the run's devices with the run's shardings."""
+  import threading
+  import jax
+  from dist_ens.run import assemble
+  original = assemble.compile_init
+
+  def on_the_cpu(parts, *pretrained):
+    cpu = jax.devices('cpu')[0]
+    with jax.default_device(cpu):
+      compiled = jax.jit(parts.init).lower(*pretrained).compile()
+
+    def run(*a):
+      with jax.default_device(cpu):
+        state = compiled(*a)
+      return jax.device_put(state, parts.state_shardings)
+    return run
+
+  def timed(parts, *pretrained):
+    where = 'the CPU' if on_cpu else parts.mesh.devices.flat[0].platform
+    print(f'compiling the init program for {where}', file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    guard = None
+    if limit_s:
+      def give_up():
+        print(f'the init program had not compiled after {limit_s:g} s: giving up',
+              file=sys.stderr, flush=True)
+        os._exit(3)
+      guard = threading.Timer(limit_s, give_up)
+      guard.daemon = True
+      guard.start()
+    try:
+      compiled = (on_the_cpu if on_cpu else original)(parts, *pretrained)
+    finally:
+      if guard is not None:
+        guard.cancel()
+    init['compile_s'] = round(time.perf_counter() - start, 2)
+    init['on'] = where
+    print(f'init program compiled in {init["compile_s"]} s', file=sys.stderr, flush=True)
+    return compiled
+
+  assemble.compile_init = timed
+
+
+def jax_cell(net: str, members: int, args: Any, variant: str = '') -> dict[str, Any]:
   import shutil
   import jax
   from absl import logging
@@ -165,10 +228,13 @@ def jax_cell(net: str, members: int, args: Any) -> dict[str, Any]:
   from benchmarks import overhead
   from dist_ens import data
   logging.set_verbosity(logging.WARNING)
-  config = jax_config(net, members, args)
+  config = jax_config(net, members, args, variant)
   dataset = data.from_arrays(*synthetic(args), name='cifar_shaped_synthetic',
                              num_classes=CLASSES)
   timer = overhead.Timer(args.warmup)
+  init: dict[str, Any] = {}
+  _watch_init_compile(init, on_cpu=variant == 'cpuinit',
+                      limit_s=0 if variant == 'cpuinit' else args.init_timeout_s)
   workdir = tempfile.mkdtemp(prefix='dist_ens_mfu_')
   start = time.perf_counter()
   try:
@@ -183,10 +249,12 @@ def jax_cell(net: str, members: int, args: Any) -> dict[str, Any]:
   flops = step_flops(config, dataset)
   return dict(timed_steps=steps, seconds=seconds, step_s=seconds / steps,
               rate=members * batch * steps / seconds, run_wall_s=round(wall, 1),
-              steps_per_call=timer.steps_per_call, **flops,
+              steps_per_call=timer.steps_per_call, init_compile_s=init.get('compile_s'),
+              init_on=init.get('on'), **flops,
               flops_per_member_example=(flops['flops_lowered'] / (members * batch)
                                         if flops['flops_lowered'] else None),
-              model=config.model.to_dict())
+              member_parallelism=config.ensemble.member_parallelism,
+              map_batch_size=config.ensemble.map_batch_size, model=config.model.to_dict())
 
 
 def peak_cell(args: Any) -> dict[str, Any]:
@@ -438,7 +506,10 @@ def child(args: Any) -> None:
     result = peak_cell(args)
   else:
     net, members = rest[0], int(rest[1])
-    result = (jax_cell if kind == 'jax' else torch_cell)(net, members, args)
+    if kind == 'jax':
+      result = jax_cell(net, members, args, variant=rest[2] if len(rest) > 2 else '')
+    else:
+      result = torch_cell(net, members, args)
   result['process_s'] = round(time.perf_counter() - start, 1)
   Path(args.result).write_text(json.dumps(result))
 
@@ -508,12 +579,18 @@ def driver(args: Any) -> None:
   passthrough = [f'--{k}={v}' for k, v in vars(args).items()
                  if k in ('steps', 'warmup', 'log_every', 'batch', 'examples', 'test_examples',
                           'torch_warmup', 'torch_blocks', 'matmul_n', 'matmul_reps',
-                          'conv_impl')]
+                          'conv_impl', 'init_timeout_s')]
   for name in names:
     left = deadline - time.monotonic()
     kind, *rest = name.split(':')
     cell = dict(cell=name, framework=kind,
-                **({'net': rest[0], 'members': int(rest[1])} if rest else {}))
+                **({'net': rest[0], 'members': int(rest[1])} if rest else {}),
+                **({'variant': rest[2]} if len(rest) > 2 else {}))
+    plain = ':'.join([kind, *rest[:2]])
+    if len(rest) > 2 and any(c['cell'] == plain and 'rate' in c for c in cells):
+      cell['skipped'] = f'{plain} measured: this fallback was not needed'
+      cells.append(cell)
+      continue
     if left < args.min_cell_s:
       cell['skipped'] = f'{left:.0f} s of the budget left'
       cells.append(cell)
@@ -605,7 +682,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument('--cells', default=None,
-                      help=f'comma-separated jax:NET:M, torch:NET:M, peak (default: {DEFAULT_CELLS})')
+                      help='comma-separated jax:NET:M, jax:NET:M:cpuinit, jax:NET:M:mapN, '
+                      'torch:NET:M, peak '
+                      f'(default: {DEFAULT_CELLS})')
   parser.add_argument('--tiny', action='store_true', help='small nets, 2 members, 8x8 inputs')
   parser.add_argument('--batch', type=int, default=128, help='examples per member a step')
   parser.add_argument('--examples', type=int, default=10_000, help='training examples')
@@ -628,6 +707,9 @@ def main() -> None:
   parser.add_argument('--budget_s', type=float, default=430.0)
   parser.add_argument('--cell_timeout_s', type=float, default=180.0)
   parser.add_argument('--min_cell_s', type=float, default=40.0)
+  parser.add_argument('--init_timeout_s', type=float, default=0.0,
+                      help="a JAX cell ends (failed) if its init program has not compiled in "
+                      'this many seconds (0: no limit), so that its :cpuinit fallback runs')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'mfu.json'))
   parser.add_argument('--recount', default='',
                       help='comma-separated results files (device calls) to merge into --out, '

@@ -130,6 +130,11 @@ def he_normal_init(rng: jax.Array, tree: Any) -> Any:
   shapes = [leaf.shape for leaf in leaves if isinstance(leaf, jax.ShapeDtypeStruct)]
   sizes = [math.prod(shape) for shape in shapes]
   z = jax.random.normal(rng, (sum(sizes),), jnp.float32)
+  # The draw in one buffer, its pieces sliced from it: without the barrier XLA fuses the
+  # draw's arithmetic into every kernel's slice, a copy per kernel (74 for a ViT-S), and
+  # XLA:GPU compiled that for minutes (BENCHMARKS.md, "MFU of real-sized members").
+  # XLA:GPU keeps the barrier through fusion; XLA:CPU drops it first (the same program).
+  z = jax.lax.optimization_barrier(z)
   kernels, start = [], 0
   for shape, size in zip(shapes, sizes):
     fan_in = math.prod(shape[:-1])
