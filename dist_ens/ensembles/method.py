@@ -116,6 +116,9 @@ class Method(NamedTuple):
   # core.hooks.MethodHooks.members_update for a method whose members own every leaf (SG-MCMC:
   # Langevin noise on each member's gradient, keyed by its id and the step); None: core's.
   members_update: Callable[..., Any] | None = None
+  # Whether the post-hoc last-layer Laplace (config.eval.laplace) applies to each member's
+  # output layer; False where that layer has a posterior of its own (SNGP's GP layer).
+  last_layer_laplace: bool = True
 
   @property
   def shares(self) -> bool:

@@ -34,10 +34,10 @@ batches average to the batch's, so train.micro_batches does not change it) and t
 of training steps seen, so resume is exact and P is a function of them.
 
 Defaults: D = 1024 and ridge = 1 (the paper's and uncertainty-baselines'), lambda = pi/8
-(the paper's derivation; its CIFAR scripts tune it to 20), c = 0.95 (below 1, the paper's
+(the paper's derivation; uncertainty-baselines' scripts tune it, to 20 in some), c = 0.95 (below 1, the paper's
 condition; its 6 is for WRNs whose BatchNorm rescales each convolution: dist_ens's MLP and
-CNN have no normalisation, and He-normal kernels start with sigma near 2-3, so a bound of
-6 would never act and SNGP would be an unnormalised net with a GP head).
+CNN have no normalisation, and their He-normal kernels start with sigma 2.8 (the default
+MLP's 256 x 256) to 4.9 (its 40 x 256), so a bound of 6 would hardly act).
 """
 
 import functools
@@ -58,14 +58,14 @@ FIELDS = dict(
     features=1024,  # [int >= 1]
     # c, the bound on each hidden layer's spectral norm
     norm_bound=0.95,  # [number > 0]
-    # The output weights' prior precision: the precision's ridge I and the training
-    # penalty ridge / (2N) |beta|^2
+    # s, the output weights' prior precision: the precision's s I and the training
+    # penalty s / (2N) times beta's squared norm
     ridge=1.0,  # [number > 0]
     # lambda of logits / sqrt(1 + lambda var) at prediction (pi / 8; 0: no adjustment)
     mean_field_factor=0.39269908169872414,  # [number >= 0]
     # The last training steps whose batches make the precision (the paper: one epoch)
     cov_steps=32,  # [int >= 1]
-    # N, the training set's size (an int >= 1): the precision is ridge I + N E[phi phi']
+    # N, the training set's size (an int >= 1): the precision is s I + N E[phi phi']
     data_size=0,
 )
 
@@ -299,4 +299,6 @@ def make(spec: MethodSpec) -> Method:
     return wrap(model, spec.model, options, spec.total_steps)
 
   # The window is the last cov_steps of train.steps: a resumed run keeps train.steps.
-  return Method('sngp', wrap_model=wrap_model, copyable=True, scales_with_steps=True)
+  # Its GP layer has its own Laplace posterior: eval.laplace's is refused.
+  return Method('sngp', wrap_model=wrap_model, copyable=True, scales_with_steps=True,
+                last_layer_laplace=False)

@@ -297,9 +297,10 @@ def laplace_actions(spec: EvalSpec, task: Any, method: Any) -> list[PeriodicActi
                       f'and predictive; config.task={task.name!r} is not a classifier\'s: set '
                       "eval.laplace=''.")
   # wrap_loss: the members train on several outputs per example (MIMO's heads, an
-  # epinet's index samples), not one output layer's.
+  # epinet's index samples), not one output layer's; last_layer_laplace: the output layer
+  # has its own posterior (SNGP's).
   if (method.shares or method.collects or method.outputs_per_output != 1
-      or method.wrap_loss is not None):
+      or method.wrap_loss is not None or not method.last_layer_laplace):
     raise ConfigError(f'config.eval.laplace={kind!r} fits each independently trained '
                       f'member\'s output layer; config.ensemble.method={method.name!r} (or '
                       "ensemble.own) shares leaves or predicts with other weights: use "
