@@ -20,6 +20,7 @@ from dist_ens.models import layers
 from dist_ens.models.lenet import make_lenet5
 from dist_ens.models.resnet import make_resnet, make_resnet18, make_wide_resnet
 from model_specs import model_spec
+import support
 
 MAKERS = {'lenet5': make_lenet5, 'resnet': make_resnet, 'resnet18': make_resnet18,
           'wide_resnet': make_wide_resnet}
@@ -211,6 +212,24 @@ def test_he_normal_init_fills_kernels_only():
   assert not np.allclose(two[0], two[1])
   other = layers.he_normal_init(jax.random.key(1), [layers.kernel(4, 4), layers.kernel(4, 4)])
   assert not np.allclose(two[0], other[0])
+
+
+def test_he_normal_init_draws_once_where_the_compiler_keeps_the_barrier():
+  # XLA fuses the normal draw's arithmetic (erf_inv's polynomial) into every kernel's slice
+  # unless a barrier stops it; XLA:GPU keeps the barrier through fusion (a ViT-S's init
+  # compiled for minutes with 74 copies), XLA:CPU drops it first unless told not to.
+  # The same bits either way at XLA's default level, as runs compile (at the suite's -O0
+  # the two differ by an ulp here and there).
+  tree = [layers.kernel(64, 64) for _ in range(6)]
+  lowered = jax.jit(lambda key: layers.he_normal_init(key, tree)).lower(jax.random.key(0))
+  kept = {'xla_disable_hlo_passes': 'cse_barrier_expander'}
+  copies = lambda compiled: sum('constant(1.50140941)' in c  # a coefficient of erf_inv's
+                                for c in compiled.as_text().split('\n\n'))
+  dropped = lowered.compile(compiler_options=support.XLA_DEFAULT)
+  barrier = lowered.compile(compiler_options={**support.XLA_DEFAULT, **kept})
+  assert copies(dropped) == 6 and copies(barrier) == 1
+  for a, b in zip(dropped(jax.random.key(0)), barrier(jax.random.key(0))):
+    np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize('shape', [(2, 9, 7, 3), (2, 11, 4)])
