@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 import support
 
 from dist_ens import Ensemble, data, tasks
-from dist_ens.config import specs
+from dist_ens.config import groups as member_groups, specs
 from dist_ens.config.loading import load_config
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
@@ -26,13 +26,18 @@ from dist_ens.io import tables
 from dist_ens.models import layers
 from dist_ens.models.base import dense_init
 from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.evaluators import posthoc
+from dist_ens.evaluators import greedy, mc_dropout, posthoc
+from dist_ens.evaluators import temperature as temperature_step
 from dist_ens.training.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]
 # The module (dist_ens.tasks re-exports its task function under the same name).
 classification_lib = importlib.import_module('dist_ens.tasks.classification')
 C = 5
+
+
+def _run_spec(config):
+  return specs.run_spec(config, (), member_groups.describe(config))
 
 
 def _logits(seed, n=400, members=None, sharpness=3.0):
@@ -270,7 +275,7 @@ def test_mc_dropout_samples_differ_reproducibly_on_any_mesh(devices):
   assert not np.allclose(np.asarray(sample(8)), samples)
 
 
-def test_posthoc_actions_in_a_training_run(tmp_path, devices):
+def test_posthoc_steps_in_a_training_run(tmp_path, devices):
   config = load_config(ROOT / 'configs' / 'default.py')
   config.num_members, config.writers = 4, ('jsonl',)
   config.train.steps, config.train.log_every, config.train.eval_every = 30, 30, 0
@@ -279,18 +284,17 @@ def test_posthoc_actions_in_a_training_run(tmp_path, devices):
   config.model.kwargs = ml_collections.ConfigDict(dict(rate=0.3))
   config.mesh.member, config.mesh.data = 2, 2
   config.eval.ood_dataset = 'mnist1d_noise'
+  # MC dropout and temperature scaling as the config asks for them (their evaluators),
+  # greedy selection as an action passed in, as docs/ensemble_methods.md shows.
   with config.unlocked():
     config.eval.mc_samples, config.eval.temperature_scaling = 2, True
-    config.select.method, config.select.greedy_size = 'greedy', 6
-  train(config, str(tmp_path), devices=devices[:4],
-        actions=posthoc.posthoc_actions(specs.run_spec(config), tasks.get_task('classification'),
-                                        types.SimpleNamespace(collects=False)))
+  train(config, str(tmp_path), devices=devices[:4], actions=[greedy.GreedySelect(6)])
   final = json.loads((tmp_path / 'final_metrics.json').read_text())
-  ts, greedy, mc = final['temperature_scaling'], final['greedy'], final['mc_dropout']
+  ts, picked, mc = final['temperature_scaling'], final['greedy'], final['mc_dropout']
   assert ts['validation_nll']['ensemble_after'] <= ts['validation_nll']['ensemble_before']
   assert ts['before']['ensemble']['nll'] == pytest.approx(final['ensemble']['nll'], rel=1e-4)
-  assert greedy['validation_nll'] <= min(final['validation']['members']['nll']) + 1e-6
-  assert sum(greedy['counts']) == len(greedy['picks']) <= 6
+  assert picked['validation_nll'] <= min(final['validation']['members']['nll']) + 1e-6
+  assert sum(picked['counts']) == len(picked['picks']) <= 6
   assert mc['samples'] == 2 and mc['ensemble']['nll'] != pytest.approx(final['ensemble']['nll'])
   assert 0 <= mc['ood']['ensemble']['auroc_mi'] <= 1 and len(mc['ood']['members']['auroc_entropy']) == 4
   splits = {json.loads(line)['split'] for line in (tmp_path / 'metrics.jsonl').open()}
@@ -301,14 +305,14 @@ def test_posthoc_fits_need_a_validation_split():
   # Checked at the first step, not after training.
   call = types.SimpleNamespace(
       session=types.SimpleNamespace(run_data=types.SimpleNamespace(validation=None)))
-  for action in (posthoc.TemperatureScale(), posthoc.GreedySelect(4)):
+  for action in (temperature_step.TemperatureScale(), greedy.GreedySelect(4)):
     with pytest.raises(ConfigError, match=r'config\.data\.validation_size=0'):
       action.on_step(call)
-  posthoc.McDropout(2).on_step(call)  # MC dropout needs no validation split.
+  mc_dropout.McDropout(2).on_step(call)  # MC dropout needs no validation split.
   config = load_config(ROOT / 'configs' / 'default.py')
   config.select.method = 'best'
   with pytest.raises(ConfigError, match='config.select.method'):
-    posthoc.check(specs.run_spec(config), tasks.get_task('classification'))
+    posthoc.check(_run_spec(config), tasks.get_task('classification'))
 
 
 def test_log_lines_of_thousands_of_members_stay_one_screen_line():
@@ -318,9 +322,9 @@ def test_log_lines_of_thousands_of_members_stay_one_screen_line():
   rng = np.random.default_rng(0)
   temperatures = rng.uniform(0.5, 20.0, 4096)
   picks = rng.integers(0, 4096, 4096).tolist()
-  text, picked = tables.spread_text(temperatures), posthoc._picks_text(picks)
+  text, picked = tables.spread_text(temperatures), greedy._picks_text(picks)
   assert len(text) < 80 and len(picked) < 160
   assert text.startswith(f'min {temperatures.min():.3f}') and '4096 members' in text
   assert picked.startswith(f'4,096 of {len(set(picks)):,} distinct members: {picks[:8]}'[:-1])
   assert tables.spread_text([1.23456, 2.0]) == '[1.235, 2.0]'
-  assert posthoc._picks_text([3, 1, 3]) == '[3, 1, 3]'
+  assert greedy._picks_text([3, 1, 3]) == '[3, 1, 3]'

@@ -88,7 +88,8 @@ def method_spec(config: ml_collections.ConfigDict,
       lora_targets=ensemble.lora_targets,
       train_shared=_field(config, 'ensemble.train_shared'), build_model=build_model,
       seed=config.seed, model='' if config.model.factory or model_spec(config).hf
-      else config.model.name, num_members=config.num_members)
+      else config.model.name, num_members=config.num_members,
+      model_spec=model_spec(config))
 
 
 def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:
@@ -202,10 +203,11 @@ class RunSpec(NamedTuple):
   members_text: str  # '8 x mlp', or each group's count and model (config.groups.describe)
 
 
-def run_spec(config: ml_collections.ConfigDict, groups: Sequence[Any] = (),
-             members_text: str = '') -> RunSpec:
+def run_spec(config: ml_collections.ConfigDict, groups: Sequence[Any],
+             members_text: str) -> RunSpec:
   """The run-wide spec of a checked config (train.steps already resolved from epochs),
-  with its member groups' specs (config.groups.group_specs) and their description."""
+  with its member groups' specs (config.groups.group_specs) and their description
+  (config.groups.describe): that module reads this one's specs, so build_run passes them."""
   return RunSpec(
       num_members=config.num_members, seed=config.seed, precision=config.precision,
       reproducible=config.reproducible, task=config.task,
@@ -215,8 +217,7 @@ def run_spec(config: ml_collections.ConfigDict, groups: Sequence[Any] = (),
       checkpoint_keep=config.checkpoint.keep, pbt=pbt_spec(config),
       distill=distill_spec(config), writers=tuple(config.writers),
       groups=tuple(groups),
-      members_text=members_text or
-      f'{config.num_members} x {config.model.factory or config.model.name}')
+      members_text=members_text)
 
 
 def distill_spec(config: ml_collections.ConfigDict) -> distill.DistillSpec | None:

@@ -18,7 +18,7 @@ Members and the ensemble are scaled apart: each member m by its own T_m fitted o
 its log-probabilities, and the ensemble by one T fitted on log p_bar, the log of the
 members' mean probabilities (calibrate after pooling, which Rahaman & Thiery 2021
 and Wu & Gales 2021 find better for ensembles than pooling calibrated members;
-dist_ens.evaluators.posthoc reports both).
+dist_ens.evaluators.temperature reports both).
 """
 
 import jax

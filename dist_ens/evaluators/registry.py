@@ -4,8 +4,9 @@ first, the post-hoc steps after the evaluations they read, PBT before the checkp
 config.eval.evaluators' own run after them; the trainer puts the checkpoint last.
 """
 
-from dist_ens.evaluators import (decisions, distill, groups, held_out, joint, laplace, metrics,
-                                 noise, pbt, posthoc, top_k)
+from dist_ens.evaluators import (decisions, distill, greedy, groups, held_out, joint, laplace,
+                                 mc_dropout, method_members, metrics, noise, pbt, temperature,
+                                 top_k)
 from dist_ens.evaluators.evaluator import Evaluator
 
 EVALUATORS: dict[str, Evaluator] = {
@@ -17,7 +18,10 @@ EVALUATORS: dict[str, Evaluator] = {
     'held_out': held_out.evaluator,
     'top_k': top_k.select_top_k,
     'pbt': pbt.evaluator,  # after the step's evaluations, before its checkpoint
-    'posthoc': posthoc.evaluator,  # MC dropout, temperature, greedy, collected members
+    'method_members': method_members.evaluator,  # snapshots, SWAG samples
+    'mc_dropout': mc_dropout.evaluator,
+    'temperature': temperature.evaluator,
+    'greedy': greedy.evaluator,
     'laplace': laplace.evaluator,
     'joint': joint.evaluator,
     'distill': distill.evaluator,

@@ -119,7 +119,7 @@ def _ensembles(final: dict[str, Any], num_members: int,
     selected = final['selected']
     rows.append((f'top-{selected["top_k"]} by {selected["by"]}, members '
                  f'{short_list(selected["members"])}', selected['ensemble']))
-  if 'greedy' in final:  # select.method='greedy' (evaluators/posthoc.py)
+  if 'greedy' in final:  # select.method='greedy' (evaluators/greedy.py)
     greedy = final['greedy']
     rows.append((f'greedy by {greedy["by"]}, {counted(len(greedy["picks"]), "pick")} of '
                  f'{counted(len(greedy["members"]), "member")}', greedy['ensemble']))
