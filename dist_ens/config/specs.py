@@ -88,7 +88,8 @@ def method_spec(config: ml_collections.ConfigDict,
       lora_targets=ensemble.lora_targets,
       train_shared=_field(config, 'ensemble.train_shared'), build_model=build_model,
       seed=config.seed, model='' if config.model.factory or model_spec(config).hf
-      else config.model.name, num_members=config.num_members)
+      else config.model.name, num_members=config.num_members,
+      model_spec=model_spec(config))
 
 
 def optim_spec(config: ml_collections.ConfigDict) -> OptimSpec:

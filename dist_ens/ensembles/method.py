@@ -59,6 +59,9 @@ class MethodSpec(NamedTuple):
   # config.model.name ('' where config.model.factory or a Hugging Face checkpoint makes it)
   model: str = ''
   num_members: int = 1  # config.num_members (a member group's count: its own config's)
+  # config.model as models.spec.ModelSpec (None where the spec is read only for its fields):
+  # a method that computes the model's layers its own way (rank1's factorised forward)
+  model_spec: Any = None
 
 
 def _no_collect(collected: PyTree, params: PyTree, state: PyTree, step: jax.Array) -> PyTree:
