@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import custom_batching
 
 from dist_ens.core.model import Model
 from dist_ens.ensembles.method import Method, MethodSpec, int_field
@@ -148,6 +149,28 @@ def adjusted(logits: jax.Array, var: jax.Array, factor: float) -> jax.Array:
   return logits / jnp.sqrt(1.0 + factor * var)[:, None].astype(logits.dtype)
 
 
+@custom_batching.custom_vmap
+def accumulate(moment: jax.Array, phi: jax.Array, in_window: jax.Array) -> jax.Array:
+  """moment + phi'phi / B where in_window, else moment: computed only then (lax.cond), also
+  over vmapped members (the rule below: once any member of the batch is in its window;
+  every member counts the same steps), so the D x D product costs nothing before it."""
+  return jax.lax.cond(in_window, lambda: moment + (phi.T @ phi) / phi.shape[0],
+                      lambda: moment)
+
+
+@accumulate.def_vmap
+def _accumulate_vmap(axis_size, in_batched, moment, phi, in_window):
+  stacked = [a if batched else jnp.broadcast_to(a, (axis_size, *a.shape))
+             for a, batched in zip((moment, phi, in_window), in_batched)]
+  moment, phi, in_window = stacked
+
+  def add():
+    return moment + jnp.where(in_window[:, None, None],
+                              jnp.einsum('mbd,mbe->mde', phi, phi) / phi.shape[1], 0)
+
+  return jax.lax.cond(jnp.any(in_window), add, lambda: moment), True
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def ridged(beta: jax.Array, weight: float) -> jax.Array:
   """beta itself, whose gradient gets weight * beta added: the ridge (weight/2)|beta|^2 of
@@ -241,9 +264,7 @@ def wrap(model: Model, model_name: str, options: Options, total_steps: int) -> M
     if train:
       beta = ridged(params.output, options.ridge / options.data_size)
       logits = phi.astype(beta.dtype) @ beta
-      stopped = jax.lax.stop_gradient(phi)
-      in_window = (state.steps >= start).astype(jnp.float32)
-      moment = state.moment + in_window * (stopped.T @ stopped) / phi.shape[0]
+      moment = accumulate(state.moment, jax.lax.stop_gradient(phi), state.steps >= start)
       return logits, state._replace(base=base, vectors=vectors, moment=moment,
                                     steps=state.steps + 1)
     logits = phi.astype(params.output.dtype) @ params.output
