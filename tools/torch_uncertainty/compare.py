@@ -65,6 +65,7 @@ import platform
 import re
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -286,6 +287,25 @@ METRICS = ('accuracy', 'nll', 'member_nll', 'brier', 'ece', 'train_loss_last_250
            'train_member_nll', 'train_seconds')
 
 
+def train_variants(train: Callable[..., dict], data_path: str, variants: list[str], seeds: list[int],
+                   steps: int) -> dict[str, dict]:
+  """{variant: its rows over seeds}: `train(variant, seed, data, steps)` for each, each
+  run's figures printed as it ends (compare.py's and packed.py's loop)."""
+  with np.load(data_path) as f:
+    data = {k: f[k] for k in f.files}
+  rows = {}
+  for variant in variants:
+    per_seed = []
+    for seed in seeds:
+      per_seed.append(train(variant, seed, data, steps))
+      r = per_seed[-1]
+      print(f"{variant} seed {seed}: accuracy {r['accuracy']:.3f} nll {r['nll']:.3f} "
+            f"member nll {r['member_nll']:.3f} train loss {r['train_loss_last_250']:.3f} "
+            f"({r['train_seconds']:.0f} s)", flush=True)
+    rows[variant] = over_seeds(per_seed)
+  return rows
+
+
 def over_seeds(rows: list[dict]) -> dict:
   out = {'variant': rows[0]['variant'], 'seeds': [r['seed'] for r in rows],
          'trained_parameters': rows[0]['trained_parameters']}
@@ -415,19 +435,8 @@ def main() -> None:
     fixture(Path(args.masks_fixture), args.fixture_draws)
     return
   load_start = os.getloadavg()
-  with np.load(args.data) as f:
-    data = {k: f[k] for k in f.files}
   seeds = [int(s) for s in args.seeds.split(',')]
-  rows = {}
-  for variant in args.variants.split(','):
-    per_seed = []
-    for seed in seeds:
-      per_seed.append(train_one(variant, seed, data, args.steps))
-      r = per_seed[-1]
-      print(f"{variant} seed {seed}: accuracy {r['accuracy']:.3f} nll {r['nll']:.3f} "
-            f"member nll {r['member_nll']:.3f} train loss {r['train_loss_last_250']:.3f} "
-            f"({r['train_seconds']:.0f} s)", flush=True)
-    rows[variant] = over_seeds(per_seed)
+  rows = train_variants(train_one, args.data, args.variants.split(','), seeds, args.steps)
   dist_ens = dist_ens_row(Path(args.dist_ens)) if args.dist_ens else None
   if dist_ens and args.dist_ens_log:
     dist_ens.update(dist_ens_log(Path(args.dist_ens_log)))

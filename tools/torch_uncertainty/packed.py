@@ -144,19 +144,9 @@ def main() -> None:
   torch.set_num_threads(1)
   torch.set_num_interop_threads(1)
   load_start = os.getloadavg()
-  with np.load(args.data) as f:
-    data = {k: f[k] for k in f.files}
   seeds = [int(s) for s in args.seeds.split(',')]
-  rows = {}
-  for variant in args.variants.split(','):
-    per_seed = []
-    for seed in seeds:
-      per_seed.append(train_one(variant, seed, data, args.steps))
-      r = per_seed[-1]
-      print(f"{variant} seed {seed}: accuracy {r['accuracy']:.3f} nll {r['nll']:.3f} "
-            f"member nll {r['member_nll']:.3f} train loss {r['train_loss_last_250']:.3f} "
-            f"({r['train_seconds']:.0f} s)", flush=True)
-    rows[variant] = compare.over_seeds(per_seed)
+  rows = compare.train_variants(train_one, args.data, args.variants.split(','), seeds,
+                                args.steps)
   dist_ens = (dist_ens_row(Path(args.dist_ens),
                            Path(args.dist_ens_log) if args.dist_ens_log else None)
               if args.dist_ens else None)
