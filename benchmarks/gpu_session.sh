@@ -38,14 +38,15 @@
 #   mfu_owed    the mfu cells the first two calls left (issue 65 item 4): the matmul peak,
 #               dist_ens's ViT-S (its init program's compile timed and cut at 75 s, then
 #               the :cpuinit fallback where it was cut) beside torch.compile's again, then
-#               ResNet-18 at M = 16 and 64 (64 vmapped members may not fit: then 'map' over
+#               ResNet-18 at M = 16 and 64 (where 64 vmapped members do not fit: 'map' over
 #               two chunks of 32); mfu_gpu3.json, merged as BENCHMARKS.md says
 # Each stage is bounded at 560 s or less (all nine: at most 66 min). Run on an H100
 # (2026-11-27): check and run (50 s together), scaling's ResNet-20 part (M = 64, 256 in
 # 158 s). Run on an H200 (2026-11-27): mfu, 418 s for 5 of its 15 cells (its ViT cell
 # timed out in XLA:GPU's compile of the members' init), then `python3 -m benchmarks.mfu
 # --cells ...` in a second call (301 s) for 5 more: BENCHMARKS.md, "MFU of real-sized
-# members on a GPU"; ResNet-18 at M = 16 and 64 and dist_ens's ViT are still owed. The
+# members on a GPU"; then (another H200, 2026-11-27) mfu_owed, 381 s for the 7 cells owed
+# (dist_ens's ViT ran once its init drew behind a barrier: the init compiled in 1.3 s). The
 # others have not run since they were written. A session lent less device time runs the
 # stages owed first: scaling, then resnet.
 set -euo pipefail
@@ -126,7 +127,7 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
       2>&1 | tee -a "$out/mfu.log"
     ;;
   mfu_owed)
-    # About 6 minutes where the ViT's init compiles (8 more where it is cut and falls back).
+    # 381 s on an H200 (2026-11-27; about 2 minutes more where the ViT's init is cut).
     # JAX may take 92% of the GPU (its default 75% could be short for 64 ResNet-18s).
     nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,power.limit \
       --format=csv 2>&1 | tee "$out/mfu.log" || true

@@ -627,21 +627,38 @@ def driver(args: Any) -> None:
 
 
 def recount(args: Any) -> None:
-  """Merges the results files of --recount (device calls: a cell measured in a later file
-  replaces one skipped or failed in an earlier) and counts each measured cell's FLOPs here,
-  by XLA's cost analysis of the lowered step for the CPU backend (the count step_flops
-  makes in a cell; files from before it counted there have none)."""
+  """Merges the results files of --recount (device calls, or a file this command wrote
+  before, with its calls) and counts each measured cell's FLOPs here, by XLA's cost
+  analysis of the lowered step for the CPU backend (the count step_flops makes in a
+  cell; files from before it counted there have none). A cell measured in a later file
+  replaces the same cell from an earlier one; an earlier measurement it replaces is kept
+  in its 'earlier' list (call, rate, step). Each cell's share of the measured matmul rate
+  is against the peak cell of its own call, or of the latest call before it that ran one
+  (the calls of a session run one after another on one machine)."""
   from dist_ens import data
   runs = [json.loads(Path(f).read_text()) for f in args.recount.split(',')]
   first = runs[0]
   args.tiny, args.batch = first['tiny'], first['batch']
   args.examples, args.test_examples = 64, 16  # only the input's shape matters here
   dataset = data.from_arrays(*synthetic(args), num_classes=CLASSES)
+  keep = ('date', 'commit', 'dirty', 'command', 'machine', 'platform', 'device_kind', 'jax',
+          'budget_s', 'cells_asked', 'measured_matmul_tflops')
+  measured_in = lambda c: 'rate' in c or 'tflops_median' in c
+  calls: list[dict] = []
   cells: dict[str, dict] = {}
-  for i, run in enumerate(runs):
+  for run in runs:
+    base = len(calls)
+    merged = 'calls' in run
+    calls.extend(run['calls'] if merged else [{k: run.get(k) for k in keep}])
     for c in run['cells']:
-      if c['cell'] not in cells or 'rate' in c or 'tflops_median' in c:
-        cells[c['cell']] = dict(c, call=i)
+      c = dict(c, call=base + (c.get('call', 0) if merged else 0))
+      old = cells.get(c['cell'])
+      if old is not None and not measured_in(c):
+        continue
+      if old is not None and measured_in(old):
+        c['earlier'] = old.get('earlier', []) + [
+            {k: old[k] for k in ('call', 'rate', 'step_s', 'tflops_median') if k in old}]
+      cells[c['cell']] = c
   counted: dict[tuple, float | None] = {}
   for c in cells.values():
     if 'rate' not in c or c['framework'] == 'peak':
@@ -660,16 +677,18 @@ def recount(args: Any) -> None:
                    and 'tflops_median' in c), None)
   peak = first['peak_tflops']
   summarise(cells_list, peak, measured)
-  keep = ('date', 'commit', 'dirty', 'command', 'machine', 'platform', 'device_kind', 'jax',
-          'budget_s', 'cells_asked', 'measured_matmul_tflops')
+  for c in cells_list:
+    own = next((calls[i]['measured_matmul_tflops'] for i in range(c['call'], -1, -1)
+                if calls[i].get('measured_matmul_tflops')), None)
+    if c.get('tflops') and own:
+      c['of_measured_matmul'] = c['tflops'] / own
   harness.write_results(args.out, dict(
       harness.run_header(), device_kind=first['device_kind'], jax=first['jax'],
       peak_tflops=peak, peak_source=first['peak_source'], measured_matmul_tflops=measured,
       flops_source='XLA cost analysis of the lowered one-step program, CPU backend, counted '
       'by this command', tiny=first['tiny'], batch=first['batch'],
       image_side=first['image_side'], train_examples=first['train_examples'],
-      steps=first['steps'], warmup=first['warmup'],
-      calls=[{k: r.get(k) for k in keep} for r in runs], cells=cells_list))
+      steps=first['steps'], warmup=first['warmup'], calls=calls, cells=cells_list))
   print_table(cells_list, peak)
   print(f'wrote {args.out}')
 
