@@ -1,0 +1,178 @@
+"""Rank-1 BNNs (config.ensemble.method='rank1').
+
+The math against independent arithmetic: both KLs against numerical integration of the
+densities (scipy), the KL term's gradient against its derivative by hand, the annealing
+by hand, the factorised forward ((h o s) W) o r + b against the model's own apply on the
+formed kernels W o (s r^T), and a member's training outputs (each example its own draws)
+and evaluation (the mean over its fixed draws) against a numpy forward.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import integrate, stats
+
+from dist_ens.core.gradients import BatchResult
+from dist_ens.ensembles import rank1
+from dist_ens import models
+from dist_ens.models import mlp
+from dist_ens.models.spec import ModelSpec
+
+OPTIONS = rank1.Options(prior='gaussian', prior_mean=1.0, prior_scale=0.1, init='random_sign',
+                        init_scale=0.0316, train_samples=2, eval_samples=3, kl_annealing=0.5,
+                        data_size=100)
+
+
+def _kl_by_integration(q, p):
+  """KL(q || p) = int q log(q / p), over the real line (t = tan(u) spreads the tails)."""
+  f = lambda u: (lambda t: q.pdf(t) * (q.logpdf(t) - p.logpdf(t)) / math.cos(u)**2)(math.tan(u))
+  return integrate.quad(f, -math.pi / 2 + 1e-9, math.pi / 2 - 1e-9, limit=400)[0]
+
+
+@pytest.mark.parametrize('loc, scale, prior_loc, prior_scale', [
+    (1.0, 0.1, 1.0, 0.1), (-1.0, 0.03, 1.0, 0.1), (0.7, 0.5, 1.0, 0.2), (2.0, 0.05, -0.5, 1.0)])
+def test_both_kls_are_their_densities_integrated(loc, scale, prior_loc, prior_scale):
+  gauss = float(rank1.kl_gaussian(loc, scale, prior_loc, prior_scale))
+  cauchy = float(rank1.kl_cauchy(loc, scale, prior_loc, prior_scale))
+  assert gauss == pytest.approx(_kl_by_integration(stats.norm(loc, scale),
+                                                   stats.norm(prior_loc, prior_scale)),
+                                rel=1e-4, abs=1e-6)
+  assert cauchy == pytest.approx(_kl_by_integration(stats.cauchy(loc, scale),
+                                                    stats.cauchy(prior_loc, prior_scale)),
+                                 rel=1e-4, abs=1e-6)
+
+
+def _factors(rng, sizes):
+  return [{'s_loc': rng.normal(1, 0.5, a).astype(np.float32),
+           's_rho': rng.normal(-3, 0.5, a).astype(np.float32),
+           'r_loc': rng.normal(1, 0.5, b).astype(np.float32),
+           'r_rho': rng.normal(-3, 0.5, b).astype(np.float32)} for a, b in sizes]
+
+
+def _softplus(x):
+  return np.log1p(np.exp(x))
+
+
+def test_the_kl_term_and_its_gradient_are_added_to_the_loss_by_hand():
+  rng = np.random.default_rng(0)
+  factors = _factors(rng, [(5, 4), (4, 3)])
+  params = rank1.Rank1Params(base=[], factors=factors)
+  zero = jax.tree.map(jnp.zeros_like, params)
+  results = lambda *args: BatchResult(jnp.float32(2.0), {}, zero, {})
+  step, total = 9, 40  # weight min(1, 10 / (0.5 * 40)) = 0.5, over N = 100
+  out = rank1.with_kl(results, OPTIONS, total)(params, {}, {}, 0, jnp.int32(step), None)
+  weight = 0.5 / 100
+  kl, grads = 0.0, []
+  for f in factors:
+    g = {}
+    for side in ('s', 'r'):
+      m, rho = f[f'{side}_loc'].astype(np.float64), f[f'{side}_rho'].astype(np.float64)
+      s = _softplus(rho)
+      kl += np.sum(np.log(0.1 / s) + (s**2 + (m - 1)**2) / (2 * 0.01) - 0.5)
+      g[f'{side}_loc'] = weight * (m - 1) / 0.01
+      g[f'{side}_rho'] = weight * (s / 0.01 - 1 / s) / (1 + np.exp(-rho))
+    grads.append(g)
+  assert float(out.loss) == pytest.approx(2.0 + weight * kl, rel=1e-5)
+  for got, want in zip(out.grads.factors, grads):
+    for key in want:
+      np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-7)
+  weights = [float(rank1.kl_weight(jnp.int32(k), OPTIONS, total)) for k in (0, 9, 19, 30)]
+  assert weights == pytest.approx([1 / 20, 10 / 20, 1.0, 1.0])
+  full = OPTIONS._replace(kl_annealing=0.0)
+  assert float(rank1.kl_weight(jnp.int32(0), full, total)) == 1.0
+
+
+def _relu(x):
+  return np.maximum(x, 0)
+
+
+def _numpy_forward(base, values, x):
+  """The factorised MLP: h <- relu(((h o s) W) o r + b), the last layer without relu."""
+  h = x.reshape(len(x), -1).astype(np.float64)
+  for i, (layer, v) in enumerate(zip(base, values)):
+    h = ((h * v['s']) @ layer['w']) * v['r'] + layer['b']
+    h = _relu(h) if i < len(base) - 1 else h
+  return h
+
+
+def _log_softmax(z):
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def _draw(f, n):
+  return {side: np.clip(f[f'{side}_loc'] + _softplus(f[f'{side}_rho']) * n[side], -10, 10)
+          for side in ('s', 'r')}
+
+
+def test_a_member_predicts_the_factorised_forward_under_its_draws_each_example_its_own():
+  spec = ModelSpec(name='mlp', factory='', kwargs={}, widths=(8, 6), channels=(),
+                   kernel_sizes=(), strides=(), conv_impl='auto', dropout=0.0)
+  model = mlp.make_mlp(spec, 4)
+  combine = lambda outputs, mask: jax.nn.logsumexp(jax.nn.log_softmax(outputs), 0) - math.log(
+      outputs.shape[0])
+  wrapped = rank1.wrap(model, OPTIONS, combine, rank1.factorised('mlp', spec))
+  x = np.random.default_rng(1).normal(size=(5, 7)).astype(np.float32)
+  params, state = wrapped.init(jax.random.key(3), x)
+  params, state = jax.tree.map(np.asarray, (params, state))
+  apply = jax.jit(wrapped.apply, static_argnames=('train',))
+  assert [f['s_loc'].shape + f['r_loc'].shape for f in params.factors] == [(7, 8), (8, 6), (6, 4)]
+  assert set(np.unique(np.concatenate([f['s_loc'] for f in params.factors]))) == {-1.0, 1.0}
+  assert state.noise[0]['s'].shape == (3, 7)  # eval_samples fixed draws per factor
+  # Evaluation: the log of the mean softmax over the member's 3 fixed draws.
+  got = np.asarray(apply(params, state, x, train=False)[0])
+  probs = [np.exp(_log_softmax(_numpy_forward(
+      params.base, [_draw(f, {k: n[k][e] for k in n}) for f, n in zip(params.factors, state.noise)],
+      x))) for e in range(3)]
+  np.testing.assert_allclose(np.exp(got), np.mean(probs, 0), rtol=1e-4, atol=1e-6)
+  # Training: [B, train_samples, C], example b's sample j under its own draws.
+  key = jax.random.key(7)
+  out = np.asarray(apply(params, state, x, train=True, rng=key)[0])
+  assert out.shape == (5, 2, 4)
+  noise = jax.tree.map(np.asarray, rank1._draws(  # pylint: disable=protected-access
+      jax.random.fold_in(key, rank1._DRAW_STREAM), params.factors, (10,), 'gaussian'))  # pylint: disable=protected-access
+  for b in range(5):
+    for j in range(2):  # Example b's sample j: row b * 2 + j of the draws.
+      values = [_draw(f, {k: n[k][b * 2 + j] for k in n}) for f, n in zip(params.factors, noise)]
+      np.testing.assert_allclose(out[b, j], _numpy_forward(params.base, values, x[b:b + 1])[0],
+                                 rtol=1e-4, atol=1e-5)
+  same = np.repeat(x[:1], 5, 0)  # The same example 5 times: 5 different draws.
+  outs = np.asarray(apply(params, state, same, train=True, rng=key)[0])[:, 0]
+  assert len({row.tobytes() for row in outs}) == 5
+
+
+def _spec(**fields):
+  base = dict(name='mlp', factory='', kwargs={}, widths=(8, 6), channels=(5, 4),
+              kernel_sizes=(3, 3), strides=(2, 2), conv_impl='auto', dropout=0.0)
+  return ModelSpec(**{**base, **fields})
+
+
+@pytest.mark.parametrize('fields, input_shape', [
+    ({'name': 'mlp', 'dropout': 0.3}, (7,)),
+    ({'name': 'cnn', 'dropout': 0.2, 'conv_impl': 'patches'}, (12, 1)),
+    ({'name': 'cnn', 'conv_impl': 'xla'}, (6, 6, 2)),
+])
+def test_the_factorised_forward_is_the_models_own_on_the_formed_kernels(fields, input_shape):
+  """One draw for every example: ((h o s) W) o r layer by layer (dropout and strides as the
+  model's) equals the model's own apply with each kernel W o (s r^T)."""
+  spec = _spec(**fields)
+  model = models.get_model(spec, 4)
+  x = np.random.default_rng(2).normal(size=(3, *input_shape)).astype(np.float32)
+  base, state = model.init(jax.random.key(0), x)
+  rng = np.random.default_rng(5)
+  kernels = [leaf for leaf in jax.tree.leaves(base) if leaf.ndim >= 2]
+  values = [{'s': rng.normal(1, 0.5, k.shape[-2]).astype(np.float32),
+             'r': rng.normal(1, 0.5, k.shape[-1]).astype(np.float32)} for k in kernels]
+  key = jax.random.key(9)
+  explicit = model.apply(rank1.formed(base, values), state, x, train=True, rng=key)[0]
+  rows = [{k: np.repeat(v[k][None], 3, 0) for k in v} for v in values]
+  got = rank1.factorised(spec.name, spec)(base, rows, x, True, key)
+  np.testing.assert_allclose(got, explicit, rtol=2e-5, atol=2e-5)
+  # By hand for the first kernel: W o (s r^T) is W with row i times s_i, column j times r_j.
+  w = np.asarray(kernels[0])
+  np.testing.assert_allclose(jax.tree.leaves(rank1.formed(base, values))[
+      [i for i, leaf in enumerate(jax.tree.leaves(base)) if leaf.ndim >= 2][0]],
+      w * values[0]['s'][:, None] * values[0]['r'][None, :], rtol=1e-6)
