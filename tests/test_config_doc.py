@@ -88,3 +88,51 @@ def test_each_declared_check_is_what_validation_applies():
       assert str(e) == f'config.{path}={bad!r} is invalid: {check.requirement}.', str(e)
     else:
       raise AssertionError(f'config.{path}={bad!r} passed validation; it must be {check.text}')
+
+
+def test_a_method_declares_its_fields_in_its_own_file():
+  # A built-in method's fields are its file's FIELDS (config.ensemble.<file name>): the
+  # defaults carry what Python makes of each file's dict, the registry's option groups are
+  # exactly the registered files that declare them, and a mistyped one is refused like any
+  # other.
+  import importlib  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  from dist_ens.config import loading, schema  # pylint: disable=g-import-not-at-top
+  from dist_ens.ensembles import methods  # pylint: disable=g-import-not-at-top
+  from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  config = loading.load_config(loading.DEFAULT_CONFIG)
+  groups = {methods.options_group(name) for name in methods.METHODS} - {None}
+  assert groups == set(schema.method_defaults()) >= {'swag', 'sgmcmc', 'masksembles'}
+  for group in groups:
+    module = importlib.import_module(f'dist_ens.ensembles.{group}')
+    assert config.ensemble[group].to_dict() == module.FIELDS, group
+  assert schema.method_fields()['ensemble.swag.rank'].meaning.startswith('deviations kept')
+  config.ensemble.sgmcmc.sampelr = 'sgld'
+  with pytest.raises(ConfigError, match=r'config.ensemble.sgmcmc.sampelr is not a config '
+                     r'field.*ensemble.sgmcmc.sampler'):
+    loading.check_known_fields(config)
+
+
+def test_a_method_files_fields_are_read_with_their_checks(tmp_path, monkeypatch):
+  from dist_ens.config import schema  # pylint: disable=g-import-not-at-top
+  (tmp_path / 'mine.py').write_text(
+      'import jax\n\nFIELDS = dict(\n    # how many draws\n    draws=4,  # at evaluation [int >= 1]\n'
+      "    kind='a',  # [one of 'a', 'b']\n)\n")
+  (tmp_path / 'other.py').write_text('X = dict(a=1)\n')  # No FIELDS: no group.
+  (tmp_path / 'unused.py').write_text('FIELDS = dict(a=1)\n')  # Not registered: no group.
+  (tmp_path / 'methods.py').write_text(
+      'from pkg import mine as mine_lib, other\n\nMETHODS = {\'m\': mine_lib, \'o\': other}\n')
+  monkeypatch.setattr(schema, 'METHODS_DIR', tmp_path)
+  for cached in (schema.method_fields, schema.method_defaults):
+    cached.cache_clear()
+  try:
+    fields = schema.method_fields()
+    assert set(fields) == {'ensemble.mine.draws', 'ensemble.mine.kind'}
+    draws = fields['ensemble.mine.draws']
+    assert draws.meaning == 'how many draws at evaluation' and draws.check.text == 'int >= 1'
+    assert not draws.check.holds(0) and fields['ensemble.mine.kind'].check.holds('b')
+    assert schema.method_defaults() == {'mine': {'draws': 4, 'kind': 'a'}}
+  finally:
+    monkeypatch.undo()
+    for cached in (schema.method_fields, schema.method_defaults):
+      cached.cache_clear()

@@ -10,7 +10,9 @@ assignment, then the one beside it) and the check declared at the comment's end
 ('[int >= 1]', which dist_ens.config.checks.validate applies; dist_ens/config/schema.py
 reads them). A comment above a section's assignment
 (`config.mesh = ...`) introduces the section. Fields built with `per_member(...)`
-are marked "per member". tests/test_config_doc.py fails when the committed file
+are marked "per member". A built-in method's fields (config.ensemble.<method file's
+name>) come from the FIELDS dict its file declares, commented the same way.
+tests/test_config_doc.py fails when the committed file
 differs from what this prints, so the reference cannot go stale: edit the comments in
 dist_ens/config/defaults.py and rerun this script.
 
@@ -134,6 +136,9 @@ def generate(config_path: Path = CONFIG) -> str:
     section = name.split('.')[0] if '.' in name else ''
     sections.setdefault(section, {'intro': '', 'rows': []})['rows'].append(
         (name, value, comment, per_member, check))
+  for name, field in schema.method_fields().items():  # Declared in the methods' files.
+    sections['ensemble']['rows'].append(
+        (name, _get(config, name), field.meaning, field.per_member, field.check))
 
   doc = ast.get_docstring(ast.parse(source)) or ''
   out = list(_HEADER)

@@ -11,6 +11,10 @@ spec such as 'loguniform(1e-4,1e-2)' or 'grid(1e-3,1e-2)' (see dist_ens/core/hpa
   --config.optim.learning_rate='[0.001,0.002,0.003,0.004]'
 """
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -172,69 +176,22 @@ def _ensemble(config: ml_collections.ConfigDict) -> None:
 
 
 def _method_fields(config: ml_collections.ConfigDict) -> None:
-  """Each built-in method's own fields: config.ensemble.<its name>."""
-  config.ensemble.snapshot = ml_collections.ConfigDict()
-  config.ensemble.snapshot.cycles = 4  # must divide the steps from snapshot.start on
-  # > 0: fast geometric ensembling, short cycles over the last (1 - start) of training
-  # (e.g. start=0.8, cycle_rate=0.05), after optim.schedule ran over the first part
-  config.ensemble.snapshot.start = 0.0
-  config.ensemble.snapshot.cycle_rate = 1.0  # the cycles' peak rate / optim.learning_rate
-  config.ensemble.mimo = ml_collections.ConfigDict()
-  config.ensemble.mimo.heads = 3  # slots/heads per member network (Havasi et al. use 3)
-  config.ensemble.swag = ml_collections.ConfigDict()
-  config.ensemble.swag.start = 0.75  # collect from this fraction of train.steps on,
-  config.ensemble.swag.every = 10  # every this many steps
-  config.ensemble.swag.rank = 10  # deviations kept for the low-rank covariance (0: diagonal)
-  config.ensemble.swag.samples = 8  # weight samples per member at evaluation
-  # Randomized prior functions (Osband et al. 2018): member output = trained network's +
-  # scale * a frozen network's, initialised per member from (seed, member) and kept in the
-  # model state (never trained, no optimizer state; checkpointed and exported).
-  config.ensemble.prior = ml_collections.ConfigDict()
-  config.ensemble.prior.scale = 3.0  # >= 0; 3 as in Osband et al.'s own BootDQN+prior code
-  # The prior's hidden widths, for models that take config.model.widths (the MLP); () =
-  # the member's own architecture.
-  config.ensemble.prior.widths = ()
-  # Epinets (Osband et al. 2023): member output = base network's + epinet(x~, z) +
-  # prior_scale * a frozen prior epinet(x~, z), x~ the base's last hidden features
-  # (stop_gradient) and the input, z ~ N(0, I) an index; for models exposing their
-  # features (MLP, CNN, ResNets, ViT). Params and prior kept per member, checkpointed and
-  # exported.
-  config.ensemble.epinet = ml_collections.ConfigDict()
-  config.ensemble.epinet.index_dim = 8  # k, the index's dimension
-  config.ensemble.epinet.widths = (50,)  # the epinet's (and its prior's) hidden widths
-  config.ensemble.epinet.samples = 8  # index draws per example per training step
-  # Fixed indices per member (drawn at init) whose mean softmax a member predicts with.
-  config.ensemble.epinet.eval_samples = 32
-  config.ensemble.epinet.prior_scale = 1.0  # >= 0; 0: no prior epinet
-  # Masksembles (Durasov et al. 2021): one shared network; each member's fixed binary
-  # masks on its hidden layers (the MLP's units, the CNN's channels), drawn at init.
-  config.ensemble.masksembles = ml_collections.ConfigDict()
-  # In (1, 6]: two masks share 1/scale of their units; each has
-  # width / (scale * (1 - (1 - 1/scale)**num_members)) ones (1: one network)
-  config.ensemble.masksembles.scale = 2.0
-  # Packed-Ensembles (Laurent et al. 2023): the members packed into one network of
-  # int(alpha * C) units per layer of width C, in num_members * gamma groups; each member
-  # is the MLP or CNN at width int(alpha * C) / num_members (which num_members * gamma must
-  # divide), its hidden-to-hidden layers in gamma groups (the first and output layers not).
-  config.ensemble.packed = ml_collections.ConfigDict()
-  config.ensemble.packed.alpha = 2.0  # > 0: the packed network's width over the model's
-  config.ensemble.packed.gamma = 1  # int >= 1: groups in each member's hidden layers
-  # Cyclical SG-MCMC (Zhang et al. 2020): each member a chain under the cyclical cosine
-  # step size optim.learning_rate * (cos(pi mod(k-1, L) / L) + 1) / 2, L = train.steps /
-  # cycles; its own SGD (optim.name, momentum and schedule do not apply; learning_rate and
-  # weight_decay, the prior, do). Noise N(0, 2 a T / (lr_k N)) on the mean loss's gradient
-  # in each cycle's sampling phase: theta's sqrt(2 lr_k T / N) (docs/ensemble_methods.md).
-  config.ensemble.sgmcmc = ml_collections.ConfigDict()
-  config.ensemble.sgmcmc.sampler = 'sghmc'  # 'sgld' or 'sghmc'
-  config.ensemble.sgmcmc.cycles = 4  # must divide train.steps
-  # In [0, 1): the share of each cycle that explores (no noise); the rest samples
-  config.ensemble.sgmcmc.beta = 0.8
-  # Samples kept per cycle, evenly spaced over its sampling phase, the last at its end
-  config.ensemble.sgmcmc.samples_per_cycle = 3
-  config.ensemble.sgmcmc.temperature = 1.0  # T >= 0 (1: the posterior; 0: no noise)
-  config.ensemble.sgmcmc.friction = 0.1  # sghmc: in (0, 1], its momentum 1 - friction
-  # N, the training set's size (an int >= 1; the loss is a mean, the posterior's sum)
-  config.ensemble.sgmcmc.data_size = 0
+  """Each built-in method's own fields, config.ensemble.<its file's name>: declared in its
+  file (dist_ens/ensembles/<name>.py) as FIELDS, so a new method is one file and one
+  registry line."""
+  for group, values in _schema().method_defaults().items():
+    config.ensemble[group] = ml_collections.ConfigDict(values)
+
+
+def _schema():
+  """dist_ens/config/schema.py, loaded by its path: tools read this file without importing
+  the dist_ens package (which imports jax)."""
+  name = '_dist_ens_config_schema'
+  if name not in sys.modules:
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name('schema.py'))
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[name])
+  return sys.modules[name]
 
 
 def _data(config: ml_collections.ConfigDict) -> None:

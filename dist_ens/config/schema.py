@@ -1,5 +1,8 @@
 """What dist_ens/config/defaults.py declares of each field: its meaning and its check,
-read from the file's comments, so a field is declared in one place.
+read from the file's comments, so a field is declared in one place. A built-in method
+declares its own fields in its file (dist_ens/ensembles/<name>.py, registered in
+ensembles/methods.py's METHODS) as a module-level `FIELDS = dict(...)`, commented the same
+way: they are config.ensemble.<name>.* (`method_fields`, `method_defaults`).
 
 A field's comment (the comment lines right above its assignment, then the one beside
 it) is its meaning; a check in brackets at the comment's end is what its value must be:
@@ -174,7 +177,67 @@ def fields(source: str) -> dict[str, Field]:
   return out
 
 
+# Where the built-in methods' files are: each method that methods.py registers and whose
+# file declares FIELDS is a group of config.ensemble named after the file.
+METHODS_DIR = Path(__file__).resolve().parents[1] / 'ensembles'
+
+
+def _fields_dict(source: str) -> ast.Call | None:
+  """The `FIELDS = dict(...)` call at the module level of `source`, or None."""
+  for stmt in ast.parse(source).body:
+    if (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1
+        and getattr(stmt.targets[0], 'id', None) == 'FIELDS'):
+      if not (isinstance(stmt.value, ast.Call) and getattr(stmt.value.func, 'id', None) == 'dict'
+              and not stmt.value.args):
+        raise ValueError('FIELDS must be dict(name=default, ...), one keyword per field.')
+      return stmt.value
+  return None
+
+
+def registered_modules(source: str) -> list[str]:
+  """The module names the METHODS dict of methods.py's `source` maps names to, in order
+  ('swag' for `'multiswag': swag`, through `import x as y`)."""
+  tree = ast.parse(source)
+  aliases = {a.asname or a.name: a.name for node in tree.body
+             if isinstance(node, ast.ImportFrom) for a in node.names}
+  for stmt in tree.body:
+    target = stmt.targets[0] if isinstance(stmt, ast.Assign) else getattr(stmt, 'target', None)
+    if getattr(target, 'id', None) == 'METHODS' and isinstance(stmt.value, ast.Dict):
+      return [aliases.get(v.id, v.id) for v in stmt.value.values if isinstance(v, ast.Name)]
+  raise ValueError('methods.py has no METHODS = {name: module, ...}.')
+
+
+def _method_sources() -> dict[str, str]:
+  """group -> source of each registered method's file that declares FIELDS."""
+  out = {}
+  for name in registered_modules((METHODS_DIR / 'methods.py').read_text()):
+    source = (METHODS_DIR / f'{name}.py').read_text()
+    if _fields_dict(source) is not None:
+      out[name] = source
+  return out
+
+
+@functools.cache
+def method_fields() -> dict[str, Field]:
+  """Every field the method files declare, by dotted path ('ensemble.swag.rank')."""
+  out = {}
+  for group, source in _method_sources().items():
+    comments = _comments(source)
+    for keyword in _fields_dict(source).keywords:
+      meaning, check = _split_check(_comment_for(keyword, comments))
+      path = f'ensemble.{group}.{keyword.arg}'
+      out[path] = Field(path, meaning, check, False, keyword.lineno)
+  return out
+
+
+@functools.cache
+def method_defaults() -> dict[str, dict[str, Any]]:
+  """group -> {field: default} of every method file that declares FIELDS (literals only)."""
+  return {group: {k.arg: ast.literal_eval(k.value) for k in _fields_dict(source).keywords}
+          for group, source in _method_sources().items()}
+
+
 @functools.cache
 def declared(path: Path) -> dict[str, Field]:
-  """fields() of the config file at `path` (read once)."""
-  return fields(Path(path).read_text())
+  """fields() of the config file at `path` (read once), then the methods' fields."""
+  return {**fields(Path(path).read_text()), **method_fields()}

@@ -49,6 +49,18 @@ from dist_ens.models.base import dense_init
 from dist_ens.parallel.sharding_rules import path_str
 from dist_ens.tasks.task import Loss
 
+
+# config.ensemble.epinet: this method's fields, each one's meaning in the comments above
+# or beside it (dist_ens/config/schema.py reads them; docs/config.md shows them).
+FIELDS = dict(
+    index_dim=8,  # k, the index's dimension
+    widths=(50,),  # the epinet's (and its prior's) hidden widths
+    samples=8,  # index draws per example per training step
+    # Fixed indices per member (drawn at init) whose mean softmax a member predicts with.
+    eval_samples=32,
+    prior_scale=1.0,  # >= 0; 0: no prior epinet
+)
+
 PyTree = Any
 # Stream tags within a member's init key (rng.py's are 1, 2, 3, 5; prior.py's 7) and, for
 # the training indices, within a step's key (dropout uses the key itself; MIMO's 17).

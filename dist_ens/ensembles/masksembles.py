@@ -46,6 +46,15 @@ from dist_ens.ensembles import batchensemble
 from dist_ens.ensembles.method import Method, MethodSpec, refuse_reproducible
 from dist_ens.errors import ConfigError
 
+
+# config.ensemble.masksembles: this method's fields, each one's meaning in the comments above
+# or beside it (dist_ens/config/schema.py reads them; docs/config.md shows them).
+FIELDS = dict(
+    # In (1, 6]: two masks share 1/scale of their units; each has
+    # width / (scale * (1 - (1 - 1/scale)**num_members)) ones (1: one network)
+    scale=2.0,
+)
+
 PyTree = Any
 FIELD = 'config.ensemble.masksembles.scale'
 MODELS = ('mlp', 'cnn')  # config.model.name: the models whose hidden layers it masks

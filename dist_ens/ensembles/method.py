@@ -14,8 +14,9 @@ and, where it changes them, how it wraps the model and the loss (MIMO's heads), 
 outputs it asks the model for per task output, how the optimizer's schedule restarts
 (snapshot cycles), and whether members share leaves (BatchEnsemble). A factory
 `make(spec: MethodSpec) -> Method` checks its own config fields (`spec.options`, the
-method's group of config.ensemble) and refuses, in one line, what it cannot do with the
-run (`spec.reproducible`, the task in `wrap_model`, ...).
+method's group of config.ensemble, declared in its file as `FIELDS = dict(...)`, the
+group named after the file: dist_ens/config/schema.py) and refuses, in one line, what it
+cannot do with the run (`spec.reproducible`, the task in `wrap_model`, ...).
 
 Built-ins live one per file (deep.py, batchensemble.py, mimo.py, snapshot.py, swag.py,
 prior.py, epinet.py, masksembles.py, packed.py, sgmcmc.py)

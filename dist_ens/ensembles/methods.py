@@ -20,6 +20,7 @@ fields from config.ensemble.options. Nothing outside a method's own file tests i
 """
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import jax
@@ -35,18 +36,19 @@ from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
 PyTree = Any
-# Built-in methods: name -> (factory, the config.ensemble group of its fields, or None).
-METHODS: dict[str, tuple[Callable[[MethodSpec], Method], str | None]] = {
-    'deep': (deep.make, None),
-    'batchensemble': (batchensemble.make, None),
-    'mimo': (mimo.make, 'mimo'),
-    'snapshot': (snapshot.make, 'snapshot'),
-    'multiswag': (swag.make, 'swag'),
-    'prior': (prior.make, 'prior'),
-    'epinet': (epinet.make, 'epinet'),
-    'masksembles': (masksembles.make, 'masksembles'),
-    'packed': (packed.make, 'packed'),
-    'sgmcmc': (sgmcmc.make, 'sgmcmc'),
+# Built-in methods: name -> its module (its `make`, and its fields, config.ensemble.<the
+# module's name>, where it declares FIELDS).
+METHODS: dict[str, ModuleType] = {
+    'deep': deep,
+    'batchensemble': batchensemble,
+    'mimo': mimo,
+    'snapshot': snapshot,
+    'multiswag': swag,
+    'prior': prior,
+    'epinet': epinet,
+    'masksembles': masksembles,
+    'packed': packed,
+    'sgmcmc': sgmcmc,
 }
 # config.ensemble.own values that one method resolves itself (Method.resolve_own):
 # own -> that method. 'epinet': members own their epinets, the base network is shared.
@@ -61,7 +63,10 @@ def options_group(name: str) -> str | None:
   """The config.ensemble group holding method `name`'s fields."""
   if importing.is_import_path(name):
     return USER_OPTIONS
-  return METHODS[name][1] if name in METHODS else None
+  module = METHODS.get(name)
+  if module is None or not hasattr(module, 'FIELDS'):
+    return None
+  return module.__name__.rsplit('.', 1)[1]
 
 
 def from_spec(spec: MethodSpec) -> Method:
@@ -90,7 +95,7 @@ def _factory(name: str) -> Callable[[MethodSpec], Method]:
   if name not in METHODS:
     raise ConfigError(f'config.ensemble.method={name!r}; use one of {tuple(METHODS)}, or your '
                       "own by import path, 'my_pkg.methods:make'.")
-  return METHODS[name][0]
+  return METHODS[name].make
 
 
 def _check_own(spec: MethodSpec, method: Method, own_as_method: bool) -> None:

@@ -32,6 +32,13 @@ from dist_ens.ensembles.method import Method, MethodSpec, int_field, refuse_repr
 from dist_ens.errors import ConfigError
 from dist_ens.tasks.task import Loss
 
+
+# config.ensemble.mimo: this method's fields, each one's meaning in the comments above
+# or beside it (dist_ens/config/schema.py reads them; docs/config.md shows them).
+FIELDS = dict(
+    heads=3,  # slots/heads per member network (Havasi et al. use 3)
+)
+
 # Stream tag of the heads' permutations within a step's key (dropout uses the key itself).
 _PERMUTATION_STREAM = 17
 

@@ -48,6 +48,14 @@ from dist_ens.core.model import Model
 from dist_ens.ensembles.method import Method, MethodSpec, int_field
 from dist_ens.errors import ConfigError
 
+
+# config.ensemble.packed: this method's fields, each one's meaning in the comments above
+# or beside it (dist_ens/config/schema.py reads them; docs/config.md shows them).
+FIELDS = dict(
+    alpha=2.0,  # > 0: the packed network's width over the model's
+    gamma=1,  # int >= 1: groups in each member's hidden layers
+)
+
 PyTree = Any
 FIELD = 'config.ensemble.packed'
 MODELS = ('mlp', 'cnn')  # config.model.name: the models whose layers it packs

@@ -25,6 +25,16 @@ import jax
 from dist_ens.core.model import Model
 from dist_ens.ensembles.method import Method, MethodSpec, scale_field, widths_field
 
+
+# config.ensemble.prior: this method's fields, each one's meaning in the comments above
+# or beside it (dist_ens/config/schema.py reads them; docs/config.md shows them).
+FIELDS = dict(
+    scale=3.0,  # >= 0; 3 as in Osband et al.'s own BootDQN+prior code
+    # The prior's hidden widths, for models that take config.model.widths (the MLP); () =
+    # the member's own architecture.
+    widths=(),
+)
+
 PyTree = Any
 # Stream tag of the prior's init within a member's init key (rng.py's tags are 1, 2, 3, 5).
 _PRIOR_STREAM = 7

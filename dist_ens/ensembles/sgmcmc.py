@@ -33,6 +33,22 @@ from dist_ens.core.step import update_axes
 from dist_ens.ensembles.method import Method, MethodSpec, int_field, scale_field
 from dist_ens.errors import ConfigError
 
+
+# config.ensemble.sgmcmc: this method's fields, each one's meaning in the comments above
+# or beside it (dist_ens/config/schema.py reads them; docs/config.md shows them).
+FIELDS = dict(
+    sampler='sghmc',  # 'sgld' or 'sghmc'
+    cycles=4,  # must divide train.steps
+    # In [0, 1): the share of each cycle that explores (no noise); the rest samples
+    beta=0.8,
+    # Samples kept per cycle, evenly spaced over its sampling phase, the last at its end
+    samples_per_cycle=3,
+    temperature=1.0,  # T >= 0 (1: the posterior; 0: no noise)
+    friction=0.1,  # sghmc: in (0, 1], its momentum 1 - friction
+    # N, the training set's size (an int >= 1; the loss is a mean, the posterior's sum)
+    data_size=0,
+)
+
 FIELD = 'config.ensemble.sgmcmc'
 SAMPLERS = ('sgld', 'sghmc')
 _NOISE_STREAM = 0x5347  # folded into the member's training key: the Langevin noise's own

@@ -11,6 +11,17 @@ from dist_ens.errors import ConfigError
 from dist_ens.ensembles.method import Method, MethodSpec, fraction_field, int_field
 
 
+# config.ensemble.snapshot: this method's fields, each one's meaning in the comments above
+# or beside it (dist_ens/config/schema.py reads them; docs/config.md shows them).
+FIELDS = dict(
+    cycles=4,  # must divide the steps from snapshot.start on
+    # > 0: fast geometric ensembling, short cycles over the last (1 - start) of training
+    # (e.g. start=0.8, cycle_rate=0.05), after optim.schedule ran over the first part
+    start=0.0,
+    cycle_rate=1.0,  # the cycles' peak rate / optim.learning_rate
+)
+
+
 def snapshots(cycles: int, total_steps: int, start: int = 0, rate: float = 1.0) -> Method:
   """Snapshots at steps S + L, S + 2L, ..., S + cycles*L = total_steps, where the
   cycles begin at step S = `start` and L = (total_steps - S) / cycles."""

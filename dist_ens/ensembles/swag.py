@@ -11,6 +11,16 @@ from dist_ens.errors import ConfigError
 from dist_ens.ensembles.method import Method, MethodSpec, PyTree, fraction_field, int_field
 
 
+# config.ensemble.swag: this method's fields, each one's meaning in the comments above
+# or beside it (dist_ens/config/schema.py reads them; docs/config.md shows them).
+FIELDS = dict(
+    start=0.75,  # collect from this fraction of train.steps on,
+    every=10,  # every this many steps
+    rank=10,  # deviations kept for the low-rank covariance (0: diagonal)
+    samples=8,  # weight samples per member at evaluation
+)
+
+
 def swag_steps(start: int, every: int, total_steps: int) -> list[int]:
   """The steps (counted after the update) at which SWAG collects the weights."""
   return [s for s in range(max(start, 1), total_steps + 1) if (s - start) % every == 0]
