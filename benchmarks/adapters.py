@@ -26,7 +26,7 @@ import numpy as np
 
 from benchmarks import harness
 from dist_ens.run import mesh_layout
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config.loading import load_config
 from dist_ens.core.model import Model
 
@@ -139,7 +139,7 @@ def build(factory, args):
   rng = np.random.default_rng(0)
   x = jax.device_put(rng.normal(size=(args.batch, 40, 1)).astype(np.float32), device)
   y = jax.device_put(rng.integers(0, NUM_CLASSES, args.batch).astype(np.int32), device)
-  return step, assemble.init_sharded(parts), parts.device_hparams(), x, y
+  return step, initial_state.init_sharded(parts), parts.device_hparams(), x, y
 
 
 def time_steps(built, steps):

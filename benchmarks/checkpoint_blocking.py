@@ -4,7 +4,7 @@
 
 Saves are asynchronous: the loop waits only for the device-to-host copy (the
 `save` call); writing to disk overlaps with training. The state is the one training
-builds (dist_ens.run.assemble.init_sharded on the mesh of all devices) and is saved with
+builds (dist_ens.run.initial_state.init_sharded on the mesh of all devices) and is saved with
 the meta a run saves beside it. Prints a table and writes
 benchmarks/results/checkpoint_blocking.json (or --out).
 """
@@ -20,7 +20,7 @@ import jax
 from benchmarks import harness
 from dist_ens.run import mesh_layout
 from dist_ens import data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.io.checkpoint import Checkpointer
 from dist_ens.config.loading import load_config
 
@@ -41,7 +41,7 @@ def measure(model_overrides, input_shape, repeats):
   config.model.update(model_overrides)
   mesh = mesh_layout.build_mesh(config)
   parts = assemble.build_parts(config, mesh, input_shape, 10)
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   # What a run saves beside the state (training.loop.Session.checkpoint_meta).
   meta = {'train_seconds': 0.0, 'input_shape': list(parts.input_shape),
           'num_classes': parts.num_classes}

@@ -31,10 +31,10 @@ def time_first_step(spec: throughput.ModelSpec, members: int, form: str,
   make_train_step for a candidate (None: the installed dist_ens.core.step).
   """
   import jax
-  from dist_ens.run import assemble
+  from dist_ens.run import initial_state
   from dist_ens.parallel import mesh as mesh_lib
   _, parts = throughput._jax_setup(spec, members)  # pylint: disable=protected-access
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   hparams = parts.device_hparams()
   x, y = (jax.device_put(a, mesh_lib.batch_sharding(parts.mesh))
           for a in throughput._batch(spec))  # pylint: disable=protected-access

@@ -32,7 +32,7 @@ from benchmarks import harness  # noqa: E402
 from dist_ens.run import mesh_layout
 from dist_ens.run import member_forms
 from dist_ens import data  # noqa: E402
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config.loading import load_config  # noqa: E402
 from dist_ens.parallel import mesh as mesh_lib  # noqa: E402
 
@@ -60,7 +60,7 @@ def _built(config, dataset):
                              form=member_forms.member_form(
                                  parts.stacks[0],
                                  config.data.batch_size))
-  return step, assemble.init_sharded(parts), parts.device_hparams(), mesh_lib.batch_sharding(mesh)
+  return step, initial_state.init_sharded(parts), parts.device_hparams(), mesh_lib.batch_sharding(mesh)
 
 
 def step_times(rounds: int, calls: int) -> dict:

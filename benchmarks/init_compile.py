@@ -1,5 +1,5 @@
 """The init program's compile time at XLA:CPU's default LLVM -O2 against
-dist_ens.run.assemble.INIT_COMPILER_OPTIONS (-O1), and whether the two give the same state.
+dist_ens.run.initial_state.INIT_COMPILER_OPTIONS (-O1), and whether the two give the same state.
 
   python -m benchmarks.init_compile               # every shipped config, ~2 min on 2 cores
   python -m benchmarks.init_compile --members 8 --configs default,mnist1d_cnn
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dist_ens.run import mesh_layout
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config import loading
 from benchmarks import harness
 from dist_ens.plan import data_shape
@@ -55,7 +55,7 @@ def compile_seconds(parts, options, tag: str) -> tuple[float, object]:
 
 def measure(name: str, members: int, rounds: int) -> dict:
   m, parts = parts_of(name, members)
-  variants = {'default': None, 'init options': assemble.INIT_COMPILER_OPTIONS}
+  variants = {'default': None, 'init options': initial_state.INIT_COMPILER_OPTIONS}
   seconds = {k: [] for k in variants}
   programs = {}
   for r, key in harness.rotating_rounds(variants, rounds):
@@ -94,7 +94,7 @@ def main():
           f'{row["speedup"]:.2f}x | {"yes" if row["bit_identical"] else "NO"} |', flush=True)
   harness.write_results(args.out, dict(
       header, jax=jax.__version__, device=str(jax.devices()[0].device_kind),
-      options=assemble.INIT_COMPILER_OPTIONS, rounds=args.rounds, rows=rows,
+      options=initial_state.INIT_COMPILER_OPTIONS, rounds=args.rounds, rows=rows,
       load_average_end=harness.load_average()))
   print(f'wrote {args.out}')
 

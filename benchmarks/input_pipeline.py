@@ -29,7 +29,7 @@ from benchmarks import harness
 from dist_ens.config import specs
 from dist_ens.run import member_forms
 from dist_ens import data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config.loading import load_config
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -87,7 +87,7 @@ def step_rate(config, dataset, mesh, per_member, steps):
   parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
   step = assemble.build_step(parts, per_member_batches=per_member,
                              form=member_forms.member_form(parts, config.data.batch_size))
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   hparams = parts.device_hparams()
   order = data.Order('shuffled' if per_member else 'shared', dataset.train.num_examples,
                      config.data.batch_size, 0)

@@ -27,7 +27,7 @@ data set, building the abstract parts and the step function, and running a tiny 
 program (XLA:CPU's one-time set-up), it reads its RSS, the baseline, and resets VmHWM to
 it (5 > /proc/self/clear_refs; ru_maxrss is inherited across fork and useless here). It
 then puts a batch and the hyperparameters on the device, lowers and compiles the step as
-plan does (step.fn.lower(...).compile()) and the init program as assemble.init_sharded
+plan does (step.fn.lower(...).compile()) and the init program as initial_state.init_sharded
 compiles it, creates the state with that program and runs --steps train steps
 (TrainStep, as training calls it, each waited for; no evaluation step). VmHWM is reset
 after each phase, so each phase's peak is read apart:
@@ -111,14 +111,14 @@ def predict_worker(model: str, members: int, memory_bytes: float) -> dict[str, A
   returns XLA's analysis of the init program."""
   import jax
   from dist_ens import plan
-  from dist_ens.run import assemble, mesh_layout
+  from dist_ens.run import assemble, initial_state, mesh_layout
   config = load(model, members)
   start = time.perf_counter()
   p = plan.make_plan(config, jax.devices()[:1], memory_bytes=memory_bytes)
   seconds = time.perf_counter() - start
   mesh = mesh_layout.build_mesh(config, jax.devices()[:1])
   parts = assemble.build_parts(config, mesh, *plan.data_shape(config))
-  init = assemble.compile_init(parts)
+  init = initial_state.compile_init(parts)
   stats = init.memory_analysis()
   d = p.to_dict()
   return dict(peak=p.peak_bytes, step_peak=p.step.peak, program_bytes=p.program_bytes,
@@ -224,11 +224,11 @@ def _train(step: Any, state: Any, hparams: Any, batches: Any, steps: int
 
 def _load_programs(parts: Any, step: Any, hparams: Any, batch: Any) -> tuple[Any, Any]:
   """(the step compiled as plan compiles it (step.fn.lower(...).compile()), the init
-  program as init_sharded compiles it (assemble.compile_init)): from the cache, or
+  program as init_sharded compiles it (initial_state.compile_init)): from the cache, or
   compiled here."""
-  from dist_ens.run import assemble
+  from dist_ens.run import initial_state
   compiled = step.fn.lower(parts.abstract_state, hparams, *batch).compile()
-  init = assemble.compile_init(parts)
+  init = initial_state.compile_init(parts)
   gc.collect()
   return compiled, init
 
@@ -253,7 +253,7 @@ def worker(model: str, members: int, steps: int, cache_dir: str, trim: bool) -> 
   programs = _reading()
   trimmed = _reading() if trim and _malloc_trim() else programs
   _reset_peak()
-  state = jax.block_until_ready(init())  # What assemble.init_sharded(parts) runs.
+  state = jax.block_until_ready(init())  # What initial_state.init_sharded(parts) runs.
   time.sleep(SETTLE)
   initialised = _reading()
   _reset_peak()

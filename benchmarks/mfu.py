@@ -173,15 +173,15 @@ def _flops(cost: Any) -> float | None:
 
 
 def _watch_init_compile(init: dict[str, Any], on_cpu: bool, limit_s: float) -> None:
-  """Wraps assemble.compile_init (the run's init program) in this process: its compile
+  """Wraps initial_state.compile_init (the run's init program) in this process: its compile
   timed (init['compile_s'], and a line on stderr before and after, which a cell's error
   keeps), the process ended (exit 3) if it has not compiled in `limit_s` seconds (0: no
   limit), so that a fallback cell can run; with `on_cpu`, the program compiled and run
   on the CPU backend and its state put on the run's devices with the run's shardings."""
   import threading
   import jax
-  from dist_ens.run import assemble
-  original = assemble.compile_init
+  from dist_ens.run import initial_state
+  original = initial_state.compile_init
 
   def on_the_cpu(parts, *pretrained):
     cpu = jax.devices('cpu')[0]
@@ -217,7 +217,7 @@ def _watch_init_compile(init: dict[str, Any], on_cpu: bool, limit_s: float) -> N
     print(f'init program compiled in {init["compile_s"]} s', file=sys.stderr, flush=True)
     return compiled
 
-  assemble.compile_init = timed
+  initial_state.compile_init = timed
 
 
 def jax_cell(net: str, members: int, args: Any, variant: str = '') -> dict[str, Any]:

@@ -163,7 +163,7 @@ def run_steps(cell: dict[str, Any], steps: int) -> None:
   import jax
   import numpy as np
   from dist_ens import data
-  from dist_ens.run import assemble
+  from dist_ens.run import initial_state
   from dist_ens.parallel import mesh as mesh_lib
   run, step = cell.pop('_run')
   parts = run.parts
@@ -171,7 +171,7 @@ def run_steps(cell: dict[str, Any], steps: int) -> None:
     sharding = mesh_lib.batch_sharding(parts.mesh)
     x = data.to_global(np.zeros((BATCH, *INPUT_SHAPE), np.float32), sharding)
     y = data.to_global(np.zeros((BATCH,), np.int32), sharding)
-    state, hparams = assemble.init_sharded(parts), parts.device_hparams()
+    state, hparams = initial_state.init_sharded(parts), parts.device_hparams()
     for _ in range(steps):
       state, metrics = step(state, hparams, x, y)
     jax.block_until_ready(metrics.loss)
@@ -224,7 +224,7 @@ def speed_worker(args: argparse.Namespace) -> dict[str, Any]:
   import jax
   import numpy as np
   from dist_ens import data
-  from dist_ens.run import assemble
+  from dist_ens.run import initial_state
   from dist_ens.parallel import mesh as mesh_lib
   hidden, depth, heads, mlp = args.speed_size
   rng = np.random.default_rng(0)
@@ -236,7 +236,7 @@ def speed_worker(args: argparse.Namespace) -> dict[str, Any]:
     parts = run.parts
     sharding = mesh_lib.batch_sharding(parts.mesh)
     batch = data.to_global(x, sharding), data.to_global(y, sharding)
-    variants[name] = dict(step=run.step(), state=assemble.init_sharded(parts),
+    variants[name] = dict(step=run.step(), state=initial_state.init_sharded(parts),
                           hparams=parts.device_hparams(), batch=batch, form=list(run.form),
                           mesh=dict(parts.mesh.shape))
 

@@ -57,7 +57,7 @@ from dist_ens.run.run_data import build_data
 from dist_ens.run import mesh_layout
 from dist_ens.run import member_forms
 from dist_ens import data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,7 +162,7 @@ class Bare:
     form = member_forms.member_form(parts, config.data.batch_size)
     self.step = assemble.build_step(parts, per_member_batches=run_data.order.per_member,
                                     form=form)
-    self.state = assemble.init_sharded(parts)
+    self.state = initial_state.init_sharded(parts)
     self.hparams = parts.device_hparams()
     self._pipeline_args = (dataset.train, run_data.order, mesh, config.num_members)
     source = data.Batches(*self._pipeline_args, prefetch=0)

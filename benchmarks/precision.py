@@ -76,7 +76,7 @@ def build_step(spec: ModelSpec, members: int, batch: int, precision: str):
   import numpy as np
   from dist_ens.run import mesh_layout
   from dist_ens.run import member_forms
-  from dist_ens.run import assemble
+  from dist_ens.run import assemble, initial_state
   from dist_ens.config.loading import load_config
   from dist_ens.parallel import mesh as mesh_lib
   config = load_config(ROOT / 'configs' / 'default.py')
@@ -90,7 +90,7 @@ def build_step(spec: ModelSpec, members: int, batch: int, precision: str):
   parts = assemble.build_parts(config, mesh, spec.input_shape, NUM_CLASSES)
   form = member_forms.member_form(parts, batch)
   step = throughput.make_step(parts, form)
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   hparams = parts.device_hparams()
   rng = np.random.default_rng(0)
   x = rng.standard_normal((batch, *spec.input_shape)).astype(np.float32)

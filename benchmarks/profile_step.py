@@ -134,11 +134,11 @@ def _dist_ens_run(spec, members: int, form: tuple[str, int | None], step_module=
   """(run, compiled HLO text) of dist_ens's step, built as training builds it (with
   `step_module`'s make_train_step: a candidate, see throughput.load_candidate)."""
   import jax
-  from dist_ens.run import assemble
+  from dist_ens.run import initial_state
   from dist_ens.parallel import mesh as mesh_lib
   _, parts = throughput._jax_setup(spec, members)  # pylint: disable=protected-access
   step = throughput.make_step(parts, form, step_module)
-  holder = [assemble.init_sharded(parts)]
+  holder = [initial_state.init_sharded(parts)]
   hparams = parts.device_hparams()
   x, y = (jax.device_put(a, mesh_lib.batch_sharding(parts.mesh))
           for a in throughput._batch(spec))  # pylint: disable=protected-access

@@ -39,7 +39,7 @@ def _child(model: str, members: int, variants: list[str], repeats: int) -> dict:
   from benchmarks import throughput
   from dist_ens.run import mesh_layout
   from dist_ens.run import member_forms
-  from dist_ens.run import assemble
+  from dist_ens.run import assemble, initial_state
   from dist_ens.parallel import mesh as mesh_lib
   spec = throughput.MODELS[model]
 
@@ -51,7 +51,7 @@ def _child(model: str, members: int, variants: list[str], repeats: int) -> dict:
     parts = assemble.build_parts(config, mesh, spec.input_shape, throughput.NUM_CLASSES)
     step = assemble.build_step(parts, per_member_batches=False,
                                form=member_forms.member_form(parts, config.data.batch_size))
-    holder, hparams = [assemble.init_sharded(parts)], parts.device_hparams()
+    holder, hparams = [initial_state.init_sharded(parts)], parts.device_hparams()
     x, y = (jax.device_put(a, mesh_lib.batch_sharding(mesh)) for a in throughput._batch(spec))  # pylint: disable=protected-access
 
     def run():

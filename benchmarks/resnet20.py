@@ -166,14 +166,14 @@ class Built(NamedTuple):
 def build_dist_ens(members: int, parallelism: str, conv_impl: str) -> Built:
   """dist_ens's step as training builds it, on a 1-device mesh (throughput.build_dist_ens)."""
   import jax
-  from dist_ens.run import assemble
+  from dist_ens.run import initial_state
   from dist_ens.parallel import mesh as mesh_lib
   spec = spec_for(conv_impl)
   _, parts = tp._jax_setup(spec, members)
   step = tp.make_step(parts, (parallelism, None))
   hparams = parts.device_hparams()
   x, y = (jax.device_put(a, mesh_lib.batch_sharding(parts.mesh)) for a in tp._batch(spec))
-  holder = [assemble.init_sharded(parts)]
+  holder = [initial_state.init_sharded(parts)]
 
   def run():
     holder[0], metrics = step(holder[0], hparams, x, y)

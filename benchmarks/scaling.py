@@ -461,7 +461,7 @@ def step_rounds(members: dict[int, int], seconds: float, rounds: int, out_path: 
   multi-device CPU; medians over rounds."""
   import jax
   from dist_ens import data
-  from dist_ens.run import assemble
+  from dist_ens.run import assemble, initial_state
   _check_devices(jax)
   cells = {}
   for m, k in members.items():
@@ -469,7 +469,7 @@ def step_rounds(members: dict[int, int], seconds: float, rounds: int, out_path: 
     run = assemble.build_run(config)
     step = run.step(k)
     batches = run.batches(data.IteratorState(), k, with_index=step.uses_index)
-    state, hparams = assemble.init_sharded(run.parts), run.parts.device_hparams()
+    state, hparams = initial_state.init_sharded(run.parts), run.parts.device_hparams()
     state, metrics = step(state, hparams, *next(batches))  # compiles
     jax.block_until_ready(metrics)
     start = time.perf_counter()

@@ -21,7 +21,7 @@ from benchmarks import harness
 from dist_ens.run import mesh_layout
 from dist_ens.run import member_forms
 from dist_ens import data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config.loading import load_config
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -34,7 +34,7 @@ def build(config, dataset):
   parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
   step = assemble.build_step(parts, per_member_batches=False,
                              form=member_forms.member_form(parts, config.data.batch_size))
-  return step, assemble.init_sharded(parts), parts.device_hparams(), mesh_lib.batch_sharding(mesh)
+  return step, initial_state.init_sharded(parts), parts.device_hparams(), mesh_lib.batch_sharding(mesh)
 
 
 def main():

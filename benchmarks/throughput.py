@@ -189,11 +189,11 @@ def build_dist_ens(spec: ModelSpec, members: int, parallelism: str,
   `precision`: config.precision.
   """
   import jax
-  from dist_ens.run import assemble
+  from dist_ens.run import initial_state
   from dist_ens.parallel import mesh as mesh_lib
   _, parts = _jax_setup(spec, members, precision)
   step = make_step(parts, (parallelism, map_batch_size), step_module)
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   hparams = parts.device_hparams()
   x, y = (jax.device_put(a, mesh_lib.batch_sharding(parts.mesh)) for a in _batch(spec))
   holder = [state]

@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from dist_ens.run import mesh_layout
 from dist_ens import Ensemble, data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.ensembles import batchensemble
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
@@ -37,7 +37,7 @@ def _one_step(config):
   parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:4]), (40, 1),
                                10)
   step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   x, y = next(data.BatchIterator(data.load_dataset('mnist1d').train, 32, seed=0))
   fetch = lambda tree: jax.tree.map(np.asarray, tree)
   before = fetch(state.params)

@@ -14,7 +14,7 @@ import dist_ens
 import support
 from dist_ens.config import specs
 from dist_ens import data, models
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.ensembles import epinet as epinet_lib
 from dist_ens.errors import ConfigError
 
@@ -69,7 +69,7 @@ def test_final_metrics_have_the_usual_sections(runs):
 
 def test_the_prior_epinet_and_the_indices_never_change_and_get_no_optimizer_state(loaded):
   parts = assemble.build_run(_config()).parts
-  initial = jax.tree.map(np.asarray, assemble.init_sharded(parts))
+  initial = jax.tree.map(np.asarray, initial_state.init_sharded(parts))
   assert isinstance(initial.model_state, epinet_lib.EpinetState)
   end = loaded['straight']
   support.assert_trees_equal(end.model_state.prior, initial.model_state.prior)

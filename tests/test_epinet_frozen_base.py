@@ -15,7 +15,7 @@ import pytest
 import dist_ens
 import support
 from dist_ens import data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.ensembles import own as own_lib
 from dist_ens.report import build as report
 from dist_ens.io.member_files import load_member
@@ -97,7 +97,7 @@ def test_each_member_trains_its_own_epinet_with_its_own_prior_and_indices(runs, 
 def _initial(runs):
   source = runs['source']
   parts = assemble.build_run(_config(source)).parts
-  return jax.tree.map(np.asarray, assemble.init_sharded(parts))
+  return jax.tree.map(np.asarray, initial_state.init_sharded(parts))
 
 
 def test_resume_ends_bit_for_bit_where_an_uninterrupted_run_ends(runs, loaded, resumed):
@@ -138,7 +138,7 @@ def test_own_all_and_head_read_the_base_from_a_deep_run_and_start_the_rest_per_m
   root = runs['straight'][0].parent
   for own, source in (('all', runs['source']), ('head', f'{root / "straight"}#0')):
     parts = assemble.build_run(_config(source, ensemble__own=own)).parts
-    state = jax.tree.map(np.asarray, assemble.init_sharded(parts))
+    state = jax.tree.map(np.asarray, initial_state.init_sharded(parts))
     body = state.params.base[0]['w']
     body = body if own == 'all' else body['shared']
     np.testing.assert_array_equal(body, np.broadcast_to(runs['base']['params/0/w'], body.shape))

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config.loading import load_config
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import flatten
@@ -81,7 +81,7 @@ def test_missing_or_misshapen_weight_refused_in_one_line(tmp_path):
   assert f"'{key}' has shape (32, 16) in the file" in message and 'needs (32, 32)' in message
   # Through the config the message names config.model.init_from.
   config = _config(f'hf:{misshapen}')
-  message = _one_line(lambda: assemble.init_sharded(assemble.build_run(
+  message = _one_line(lambda: initial_state.init_sharded(assemble.build_run(
       config, shapes=((7,), 3, np.int32)).parts))
   assert message.startswith('config.model.init_from=') and key in message
 
@@ -118,7 +118,7 @@ def test_init_from_hf_trains_from_the_file(tmp_path):
   # The ViT of config.json whatever config.model.name says; with its classifier too.
   config = _config(f'hf:{DATA / "vit"}', init_owned_from_file=True)
   run = assemble.build_run(config, dataset=dataset)
-  state = flatten(jax.device_get(assemble.init_sharded(run.parts)).params)
+  state = flatten(jax.device_get(initial_state.init_sharded(run.parts)).params)
   file = load_leaves(str(DATA / 'vit'))
   assert set(state) == set(file)
   for path, value in file.items():

@@ -22,7 +22,7 @@ import dist_ens
 from dist_ens.config import specs
 from dist_ens import data
 from dist_ens.eval import joint, laplace, laplace_predictive
-from dist_ens.io import laplace_file
+from dist_ens.evaluators import laplace_file
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -53,7 +53,7 @@ def test_every_members_first_forward_is_the_pretrained_models(tmp_path):
                          np.asarray(x, np.float64), y)
   np.testing.assert_allclose(first_loss, [expected] * 4, rtol=2e-5)
   # The members evaluation forms: the file's kernel exactly (B = 0), A drawn per member.
-  state = jax.device_get(dist_ens.run.assemble.init_sharded(parts))
+  state = jax.device_get(dist_ens.run.initial_state.init_sharded(parts))
   formed = jax.device_get(stored.form_all(parts.predict_model, state.params, parts.mesh))
   for m in range(4):
     np.testing.assert_array_equal(formed[0]['w'][m], file['0/w'])

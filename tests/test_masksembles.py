@@ -22,7 +22,7 @@ from dist_ens.config import specs
 from dist_ens.ensembles import masksembles, methods, stored
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.run import assemble, mesh_layout
+from dist_ens.run import assemble, initial_state, mesh_layout
 
 
 def _draw(width, count, scale, seed):
@@ -121,7 +121,7 @@ def runs(tmp_path_factory):
   parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:2]),
                                (40, 1), 10)
   born = jax.tree.map(np.asarray, jax.jit(lambda s: s.params, out_shardings=mesh_lib.replicated(
-      parts.mesh))(assemble.init_sharded(parts)))
+      parts.mesh))(initial_state.init_sharded(parts)))
   straight = _train(_config(**{'eval.shift': 'gaussian_noise:1'}), root / 'a')
   stopped = _train(config, root / 'b', actions=[support.PreemptAt(4)])
   resumed = _train(config, root / 'b')
@@ -188,7 +188,7 @@ def test_the_cnns_channels_are_masked_and_its_head_reads_them_per_position():
                       'model.strides': (2, 2), 'mesh.member': 1})
   parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:1]),
                                (40, 1), 10)
-  params = jax.tree.map(np.asarray, assemble.init_sharded(parts).params)
+  params = jax.tree.map(np.asarray, initial_state.init_sharded(parts).params)
   assert 'r' not in params['convs'][0]['w']
   conv, head = params['convs'][1]['w'], params['head']['w']
   assert conv['r'].shape == (2, 12) and head['r'].shape == (2, head['shared'].shape[0])

@@ -16,7 +16,7 @@ import dist_ens
 from dist_ens.config import specs
 from dist_ens.run import mesh_layout
 from dist_ens import Ensemble, data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.core import optim
 from dist_ens.ensembles import methods, swag
 from dist_ens.errors import ConfigError
@@ -43,7 +43,7 @@ def _iterates(config):
   devices = jax.devices()[:config.mesh.member * config.mesh.data]
   parts = assemble.build_parts(config, mesh_layout.build_mesh(config, devices), (40, 1), 10)
   step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
-  state, sharding = assemble.init_sharded(parts), mesh_lib.batch_sharding(parts.mesh)
+  state, sharding = initial_state.init_sharded(parts), mesh_lib.batch_sharding(parts.mesh)
   batches = data.BatchIterator(data.load_dataset('mnist1d').train, BATCH, seed=0)
   fetch = lambda tree: jax.tree.map(np.asarray, jax.jit(
       lambda t: t, out_shardings=mesh_lib.replicated(parts.mesh))(tree))

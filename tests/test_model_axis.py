@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import dist_ens
 from dist_ens.run import mesh_layout
 from dist_ens import data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -43,7 +43,7 @@ def _parts(config):
 
 
 def _train(parts, batches):
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
   sharding, hparams, losses = mesh_lib.batch_sharding(parts.mesh), parts.device_hparams(), []
   for x, y in batches:
@@ -80,7 +80,7 @@ def test_members_follow_the_same_trajectory_on_every_mesh(batches, reference, sh
 
 def test_with_model_4_each_large_leaf_is_a_quarter_per_device():
   parts = _parts(_config(2, 1, 4))
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   large = 0
   for path, leaf in jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0]:
     member_size = leaf.size // leaf.shape[0]

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 import dist_ens
 from dist_ens.run import mesh_layout
 from dist_ens import Ensemble, data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config import checks, loading
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import load_pretrained, read_orbax
@@ -50,7 +50,7 @@ def _steps(config, steps, form=('vmap', None)):
   """(params before, params after, first step's losses [M], parts, final state)."""
   parts = _parts(config)
   step = assemble.build_step(parts, per_member_batches=False, form=form)
-  state, sharding = assemble.init_sharded(parts), mesh_lib.batch_sharding(parts.mesh)
+  state, sharding = initial_state.init_sharded(parts), mesh_lib.batch_sharding(parts.mesh)
   fetch = lambda tree: jax.tree.map(np.asarray, jax.jit(
       lambda t: t, out_shardings=mesh_lib.replicated(parts.mesh))(tree))
   before, losses = fetch(state.params), []
@@ -260,7 +260,7 @@ def test_batchnorm_statistics_stay_each_members_and_follow_its_batches(tmp_path)
   config.model.factory, config.model.kwargs.channels = 'examples.flax_linen_resnet:make_model', 8
   parts = _parts(config)
   assert parts.method.owned == frozenset({'Dense_0/kernel', 'Dense_0/bias'})
-  before = jax.device_get(assemble.init_sharded(parts))
+  before = jax.device_get(initial_state.init_sharded(parts))
   _, after, _, _, state = _steps(config, 2)
   np.testing.assert_array_equal(after['Conv_0']['kernel']['shared'],
                                 variables['params']['Conv_0']['kernel'])

@@ -19,7 +19,7 @@ import pytest
 import dist_ens
 from dist_ens.run import mesh_layout
 from dist_ens import data, plan as plan_lib
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config import checks
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import read_orbax
@@ -115,7 +115,7 @@ def _trace(config, steps=3):
   parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:4]), (40, 1),
                                10)
   step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   sharding = mesh_lib.batch_sharding(parts.mesh)
   batches = data.BatchIterator(data.load_dataset('mnist1d').train, BATCH, seed=0)
   for _ in range(steps):
@@ -141,7 +141,7 @@ def test_batchensemble_starts_w_from_the_file_and_factors_per_member(tmp_path, f
   source, body = _backbone_file(tmp_path)  # The MLP's first layer; its head is fresh.
   config = _config('deep', member=2, data_axis=2, **{'model.init_from': source, **fields})
   parts = _parts(config)
-  params = jax.device_get(assemble.init_sharded(parts)).params
+  params = jax.device_get(initial_state.init_sharded(parts)).params
   layer0, head = params
   np.testing.assert_array_equal(layer0['w']['shared'], body['0/w'])  # W once, the file's.
   for m in range(4):  # Biases are each member's own: the file's in every member.

@@ -22,7 +22,7 @@ from dist_ens import Ensemble
 from dist_ens.config import specs
 from dist_ens.ensembles import methods, packed
 from dist_ens.errors import ConfigError
-from dist_ens.run import assemble, mesh_layout
+from dist_ens.run import assemble, initial_state, mesh_layout
 
 
 @pytest.mark.parametrize('width, members, alpha, gamma, want', [
@@ -107,7 +107,7 @@ def _config(**fields):
 def _init_params(config, devices=1):
   parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:devices]),
                                (40, 1), 10)
-  return jax.tree.map(np.asarray, assemble.init_sharded(parts).params)
+  return jax.tree.map(np.asarray, initial_state.init_sharded(parts).params)
 
 
 def test_the_parameter_count_is_the_papers_formula():

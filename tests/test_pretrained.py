@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dist_ens
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config.loading import load_config
 from dist_ens.core import rng
 from dist_ens.errors import ConfigError
@@ -35,7 +35,7 @@ def _config(**model):
 
 def _init(config):
   parts = assemble.build_run(config, shapes=SHAPES).parts
-  return parts, jax.device_get(assemble.init_sharded(parts))
+  return parts, jax.device_get(initial_state.init_sharded(parts))
 
 
 def _mlp_file(seed=0):
@@ -268,7 +268,7 @@ def test_on_a_model_axis_loaded_leaves_are_born_split(tmp_path):
   config.mesh.member, config.mesh.data, config.mesh.model = 4, 1, 2
   config.mesh.fsdp_min_size = 64
   parts = assemble.build_run(config, shapes=SHAPES).parts
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   kernel = state.params[0]['w']
   assert 'model' in kernel.sharding.spec and kernel.sharding == parts.state_shardings.params[0]['w']
   np.testing.assert_array_equal(np.asarray(kernel), np.broadcast_to(file['0/w'], (M, 40, 16)))

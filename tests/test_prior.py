@@ -14,7 +14,7 @@ import support
 import dist_ens
 from dist_ens.config import specs
 from dist_ens import data, models
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.core import rng
 from dist_ens.ensembles import prior as prior_lib
 from dist_ens.errors import ConfigError
@@ -75,8 +75,8 @@ def _stepped(config, steps=3):
   step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
   sharding = mesh_lib.batch_sharding(parts.mesh)
   x, y = (data.to_global(a[:config.data.batch_size], sharding) for a in DATASET.train[:2])
-  initial = jax.tree.map(np.asarray, assemble.init_sharded(parts))
-  state = assemble.init_sharded(parts)
+  initial = jax.tree.map(np.asarray, initial_state.init_sharded(parts))
+  state = initial_state.init_sharded(parts)
   for _ in range(steps):
     state, _ = step(state, parts.device_hparams(), x, y)
   return initial, jax.tree.map(np.asarray, state)
@@ -111,7 +111,7 @@ def _drawn_priors(config):
 
 def _initial_priors(config):
   """The priors of the run's own initial state (its init program, on its mesh)."""
-  state = assemble.init_sharded(assemble.build_run(config, shapes=((8, 1), 3)).parts)
+  state = initial_state.init_sharded(assemble.build_run(config, shapes=((8, 1), 3)).parts)
   return jax.tree.map(np.asarray, state.model_state.prior_params)
 
 

@@ -16,7 +16,7 @@ from support import one_line_refusal as _refusal
 import dist_ens
 from dist_ens.config import specs
 from dist_ens import data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config.loading import load_config
 from dist_ens.io.pretrained import flatten
 from dist_ens.models import from_hf, hf
@@ -59,7 +59,7 @@ def test_members_start_from_the_file_train_and_predict(straight):
   checkpoint, workdir, results = straight
   config = _text_config(checkpoint, pool='mean')
   run = assemble.build_run(config)
-  initial = flatten(jax.device_get(assemble.init_sharded(run.parts)).params)
+  initial = flatten(jax.device_get(initial_state.init_sharded(run.parts)).params)
   for name, value in load_leaves(str(checkpoint)).items():
     if not name.startswith('head/'):  # the encoder starts from the file in every member
       for m in range(4):

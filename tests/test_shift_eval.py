@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dist_ens import data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config.loading import load_config
 from dist_ens.config.checks import validate
 from dist_ens.data import corruptions
@@ -39,7 +39,7 @@ def _run(num_members, devices, member=-1, data_axis=1):
   config.eval.shift = 'gaussian_noise:2,contrast:1-5,elastic_transform:4'
   run = assemble.build_run(config, devices=devices,
                            dataset=data.from_arrays(*_images(64, 0), *_images(37, 1)))
-  return run, assemble.init_sharded(run.parts)
+  return run, initial_state.init_sharded(run.parts)
 
 
 def _evaluator(run, eval_batch=metrics.eval_batch, batch_size=16):

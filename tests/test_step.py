@@ -14,7 +14,7 @@ import support
 import dist_ens
 from dist_ens.run import mesh_layout
 from dist_ens import data
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.tasks.classification import cross_entropy
 from dist_ens.parallel import mesh as mesh_lib
 
@@ -54,7 +54,7 @@ def mnist1d():
 
 
 def _train_sharded(parts, batches, state=None, **step_kw):
-  state = state or assemble.init_sharded(parts)
+  state = state or initial_state.init_sharded(parts)
   train_step = _step(parts, **step_kw)
   sharding = mesh_lib.batch_sharding(parts.mesh)
   hparams = parts.device_hparams()
@@ -124,7 +124,7 @@ def test_nonfinite_member_is_frozen_and_others_unaffected(mnist1d):
   parts = _setup(4, 2)
   batches = _batches(mnist1d, 6)
   clean, _, _ = _train_sharded(parts, batches)
-  poisoned = assemble.init_sharded(parts)
+  poisoned = initial_state.init_sharded(parts)
   # Member 3's weights become NaN: its loss and gradients are non-finite from step 1.
   bad_params = jax.tree.map(lambda p: p.at[3].set(jnp.nan), poisoned.params)
   poisoned = jax.device_put(poisoned._replace(params=bad_params), parts.state_shardings)
@@ -150,7 +150,7 @@ def test_one_member_per_device_updates_its_optimizer_state_where_it_lies():
   # the moments (and the new parameters) every step.
   parts = _setup(8, 1)
   step = _step(parts)
-  state = assemble.init_sharded(parts)
+  state = initial_state.init_sharded(parts)
   sharding = mesh_lib.batch_sharding(parts.mesh)
   x = jax.device_put(np.zeros((BATCH, 40, 1), np.float32), sharding)
   y = jax.device_put(np.zeros(BATCH, np.int32), sharding)
@@ -183,7 +183,7 @@ def test_steps_per_call_equals_that_many_calls(mnist1d, per_member):
   lead = (k * calls, NUM_MEMBERS, BATCH) if per_member else (k * calls, BATCH)
   xs = mnist1d.train.x[rng.integers(0, 1000, lead)]
   ys = mnist1d.train.y[rng.integers(0, 1000, lead)]
-  init = lambda: assemble.init_sharded(parts)
+  init = lambda: initial_state.init_sharded(parts)
   spec = ('member', 'data') if per_member else ('data',)
   one_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
   many_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec))
@@ -235,7 +235,7 @@ def test_micro_batches_give_the_full_batch_update(mnist1d, reproducible):
   np.testing.assert_allclose(cut_losses, whole_losses, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), cut.params, whole.params)
   moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                       cut.params, assemble.init_sharded(parts).params)
+                       cut.params, initial_state.init_sharded(parts).params)
   assert max(jax.tree.leaves(moved)) > 1e-3  # the steps did train
 
 
@@ -260,7 +260,7 @@ def test_init_compiled_faster_on_a_cpu_gives_xlas_default_bits(model, monkeypatc
   config = dist_ens.load_config(DEFAULT)
   config.model.name, config.num_members = model, 8
   parts = assemble.build_parts(config, mesh_layout.build_mesh(config), (40, 1), 10)
-  fast = assemble.init_sharded(parts)
+  fast = initial_state.init_sharded(parts)
   default = jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile(
       compiler_options=support.XLA_DEFAULT)()
   leaves = jax.tree.leaves(fast)

@@ -3,7 +3,7 @@ one function that the fit after training (evaluators/laplace.py) scores the test
 split with and that Ensemble.predict(x, laplace=True) calls, so a loaded run predicts
 exactly what its final_metrics.json 'laplace' section was computed from.
 
-  fit = LaplaceFit(...)                              # a run's fit (io/laplace_file.py)
+  fit = LaplaceFit(...)                              # a run's fit (evaluators/laplace_file.py)
   arrays = fitted_arrays(fit, seed, num_classes, mesh)   # + the weight draws, [M, ...]
   plain, laplaced, draws = members_predictive(model, fit.kind, fit.kernel,
                                               (params, model_state), arrays, x)

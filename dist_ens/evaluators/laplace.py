@@ -14,7 +14,7 @@ several where member groups have their own architectures) is fitted on its own (
 its model, head and members), one file entry per stack, and the metrics join every
 stack's members in id order.
 
-The fit is saved to workdir/laplace.npz (dist_ens.io.laplace_file) and the test split is
+The fit is saved to workdir/laplace.npz (dist_ens.evaluators.laplace_file) and the test split is
 scored by dist_ens.eval.laplace_predictive from the arrays that file gives back, which
 is what Ensemble.load(workdir).predict(x, laplace=True) computes. With weight draws
 (eval.laplace_samples > 0) and eval.joint_tau > 0, the draws' dyadic joint log-loss
@@ -32,7 +32,7 @@ from absl import logging
 from dist_ens.config.specs import EvalSpec
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate, joint, laplace, laplace_predictive
-from dist_ens.io import laplace_file
+from dist_ens.evaluators import laplace_file
 from dist_ens.models.heads import head_paths
 from dist_ens.parallel.sharding_rules import path_str
 from dist_ens.evaluators import groups as group_ensembles, posthoc
@@ -96,7 +96,7 @@ def _stacks(call: Call) -> list[_Stack]:
 
 
 class Laplace(PeriodicAction):
-  """The fit, its file (workdir/laplace.npz, io/laplace_file.py) and its test metrics (see
+  """The fit, its file (workdir/laplace.npz, evaluators/laplace_file.py) and its test metrics (see
   the module doc); with weight draws and `joint` = (tau, batches), their joint log-loss."""
 
   def __init__(self, kind: str, samples: int, joint_batches: tuple[int, int] | None = None):

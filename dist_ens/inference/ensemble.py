@@ -63,7 +63,7 @@ class Ensemble:
     input_shape, num_classes: the model's input shape and number of classes.
     mesh: the ('member', 'data'[, 'model']) mesh the parameters live on.
     laplace: the members' last-layer Laplace posteriors the run fitted
-      (config.eval.laplace; workdir/laplace.npz, dist_ens.io.laplace_file): a tuple of
+      (config.eval.laplace; workdir/laplace.npz, dist_ens.evaluators.laplace_file): a tuple of
       LaplaceFit, one per stack, or None.
     places, stack_models: where each stack's members sit and its predicting model, for
       an ensemble of several stacks (core/stacks.py; default one stack of `model`).

@@ -22,7 +22,7 @@ from dist_ens.ensembles import methods
 from dist_ens.errors import ConfigError
 from dist_ens.eval import decisions
 from dist_ens.eval.laplace_predictive import LaplaceFit
-from dist_ens.io import laplace_file
+from dist_ens.evaluators import laplace_file
 from dist_ens.parallel import load_mesh
 from dist_ens.config.specs import data_spec, method_spec
 
@@ -93,7 +93,7 @@ def noise_from(workdir: Path, config: ml_collections.ConfigDict,
 
 def laplace_from(workdir: Path, step: int) -> tuple[LaplaceFit, ...] | None:
   """The last-layer Laplace posteriors the run fitted after training (config.eval.laplace;
-  io/laplace_file.py; one fit, or one per member group), or None: none fitted, or fitted
+  evaluators/laplace_file.py; one fit, or one per member group), or None: none fitted, or fitted
   on another checkpoint than the restored one at `step` (a warning)."""
   fits = laplace_file.read(workdir)
   if fits is not None and fits[0].step != step:

@@ -2,7 +2,7 @@
 
   spec = specs.init_from_spec(config)            # InitFrom(source, init_map, owned_from_file)
   pretrained = pretrained_leaves(spec, model, sample_x, num_outputs, mesh, layout)
-  init_state(..., pretrained=pretrained)         # assemble.init_sharded does both
+  init_state(..., pretrained=pretrained)         # initial_state.init_sharded does both
   check_pretrained(spec, model, ...)             # its refusals from headers, before training
 
 Names. The model's leaves are named by their '/'-joined paths within one member's

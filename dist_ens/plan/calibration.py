@@ -71,7 +71,7 @@ def step_runner(parts: Any, batch_size: int, per_member_batches: bool
                 ) -> Callable[[Form], Callable[[], Any]]:
   """run_step(form) for time_forms: the run's own step on zero batches."""
   from dist_ens import data  # pylint: disable=g-import-not-at-top
-  from dist_ens.run import assemble
+  from dist_ens.run import assemble, initial_state
   mesh, m = parts.mesh, parts.abstract_state.frozen.shape[0]
   lead = (m, batch_size) if per_member_batches else (batch_size,)
   sharding = batch_sharding(mesh, per_member_batches)
@@ -81,7 +81,7 @@ def step_runner(parts: Any, batch_size: int, per_member_batches: bool
 
   def run_step(form: Form) -> Callable[[], Any]:
     step = assemble.build_step(parts, per_member_batches=per_member_batches, form=form)
-    state = [assemble.init_sharded(parts)]
+    state = [initial_state.init_sharded(parts)]
     index = (data.to_global(np.zeros(lead, np.int32), sharding),) if step.uses_index else ()
 
     def run():

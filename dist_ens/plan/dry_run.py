@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.plan import host_memory
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
@@ -118,7 +118,7 @@ def dry_run(parts: assemble.Parts, batch: StepBatch, form) -> tuple[jax.stages.C
   if base is None or not host_memory.reset_peak():
     return compile_step(parts, batch, form)[0], None
   compiled, args = compile_step(parts, batch, form)
-  init = assemble.compile_init(parts)
+  init = initial_state.compile_init(parts)
   gc.collect()
   programs = max(0, host_memory.status_bytes() - base)
   if not _fits(compiled, programs, len(parts.mesh.local_devices)):

@@ -35,17 +35,16 @@ from dist_ens.io.checkpoint import Checkpointer
 from dist_ens.core import gradients, hparams as hparams_lib, stacks as stacks_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, make_optimizer
-from dist_ens.core.state import Pretrained, TrainState, init_state
+from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, stored
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec, user_metrics
 from dist_ens.eval.evaluate import Evaluator, Scorer, make_eval_step
 from dist_ens.run.member_forms import member_form
 from dist_ens.run.mesh_layout import build_layout, build_mesh
-from dist_ens.parallel import mesh as mesh_lib, once, sharding_rules, strategy
+from dist_ens.parallel import mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import TrainStep, make_train_step
-from dist_ens.io import init_from
 from dist_ens.run.run_data import RunData, build_data
 from dist_ens.config.specs import (EvalSpec, RunSpec, StackSpec, data_spec, hparams_spec,
                                    method_spec, model_spec, optim_spec, run_spec, stack_spec)
@@ -359,50 +358,6 @@ def _check_shared_optimizer(member_hparams: dict[str, np.ndarray], name: str) ->
     raise ConfigError(f"config.ensemble.method={name!r} trains shared weights with one "
                       f'optimizer, but config.hparams varies {varying} over members; sweep '
                       "them with method='deep', or fix them.")
-
-
-# The init program runs once per run: on a CPU it compiles at LLVM -O1 (parallel/once.py:
-# its random draws compile much faster there, to the same bits; BENCHMARKS.md, "The init
-# program"; tests/test_step.py checks two).
-INIT_COMPILER_OPTIONS = once.ONCE_COMPILER_OPTIONS
-
-
-def compile_init(parts: Parts, *pretrained: Pretrained) -> jax.stages.Compiled:
-  """The init program (parts.init with the state's shardings), compiled; on a CPU with
-  INIT_COMPILER_OPTIONS. Given Pretrained leaves it takes them as its argument."""
-  lowered = jax.jit(parts.init, out_shardings=parts.state_shardings).lower(*pretrained)
-  return once.compile_once(lowered, parts.mesh.devices.flat[0].platform)
-
-
-def init_sharded(parts: Parts) -> TrainState:
-  """The initial state, born sharded: each device materialises only its own members,
-  from config.model.init_from's leaves where it names a file (io/init_from.py). With
-  joined stacks, each stack's own (its init_from, model and layout), joined."""
-  return parts.places.join([_init_stack(one) for one in parts.stacks])
-
-
-def _init_stack(parts: Parts) -> TrainState:
-  """init_sharded of one stack."""
-  pretrained = init_from.pretrained_leaves(*_init_from_args(parts), parts.mesh, parts.layout,
-                                           owned=parts.method.owned,
-                                           under=parts.method.wrapped_under)
-  args = () if pretrained is None else (pretrained,)
-  return compile_init(parts, *args)(*args)
-
-
-def check_init_from(parts: Parts) -> None:
-  """What config.model.init_from's file headers show that init_sharded would refuse (a
-  cut file, a missing or misshapen weight), refused now: init_sharded reads the file
-  only once the workdir is claimed."""
-  for one in parts.stacks:
-    init_from.check_pretrained(*_init_from_args(one), owned=one.method.owned,
-                               under=one.method.wrapped_under)
-
-
-def _init_from_args(parts: Parts) -> tuple[Any, ...]:
-  """(spec, model, input shape, outputs per example) of a member's init from a file."""
-  return (parts.stack.init_from, parts.model, parts.input_shape,
-          parts.num_outputs * parts.method.outputs_per_output)
 
 
 def build_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,

@@ -17,7 +17,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import data, tasks
-from dist_ens.run import assemble
+from dist_ens.run import assemble, initial_state
 from dist_ens.config import agreement, checks, loading, specs
 from dist_ens.errors import ConfigError
 from dist_ens.errors import TrainingError
@@ -85,7 +85,7 @@ def _restore_or_init(parts: assemble.Parts, checkpointer: Checkpointer) -> Resto
   if restored is not None:
     logging.info('resuming from the checkpoint at step %d', restored.step)
     return restored
-  return Restored(0, assemble.init_sharded(parts), data.IteratorState(), {})
+  return Restored(0, initial_state.init_sharded(parts), data.IteratorState(), {})
 
 
 def default_actions(call: Call, checkpointer: Checkpointer,
@@ -142,7 +142,7 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
     laplace.laplace_actions(run.spec.eval, stack.task, stack.method)
     distill.distill_actions(stack.stack.distill, stack.task, stack.method)
   if workdir_lib.newest_intact_step(workdir) is None:  # A resume reads no init_from.
-    assemble.check_init_from(run.parts)
+    initial_state.check_init_from(run.parts)
   test = run.data.dataset.test
   if test.num_examples == 0:  # Else evaluation fails after the first steps are trained.
     raise ConfigError(
