@@ -113,7 +113,8 @@ def init_params(weights: Sequence[Weight], rng: jax.Array) -> dict[str, Any]:
   """The params of a table, normal weights from ONE draw cut into pieces (one random
   kernel to compile, as models/layers.he_normal_init says why)."""
   sizes = [math.prod(w.shape) for w in weights if w.init == 'normal']
-  z = INIT_STD * jax.random.normal(rng, (sum(sizes),), jnp.float32)
+  # Behind a barrier, as there: else XLA:GPU fuses the draw into every piece's slice.
+  z = jax.lax.optimization_barrier(INIT_STD * jax.random.normal(rng, (sum(sizes),), jnp.float32))
   flat, start = {}, 0
   for w in weights:
     if w.init == 'normal':
