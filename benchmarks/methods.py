@@ -34,6 +34,9 @@ batch of 128), so each method trains for the same number of forward/backward pas
               hidden units (scale 2)
   packed      Packed-Ensembles, 4 members, T steps: alpha 2, gamma 1, each member the MLP
               at width int(2 * 256) / 4 = 128 (40-128-128-10; 29% of deep's parameters)
+  sngp        SNGP (Liu et al. 2020) on each of 4 members, T steps: hidden layers of
+              spectral norm <= 0.95, a GP output layer of 1,024 random features, its
+              Laplace precision over the last epoch, logits / sqrt(1 + pi/8 var)
   sgmcmc      cyclical SGHMC (Zhang et al. 2020), 4 chains, T steps: 4 cosine cycles (peak
               rate 0.05, friction 0.1, T = 1, N = the training split's size, weight decay
               5e-4), sampling the last 20% of each -> 4 x 4 samples predict
@@ -126,6 +129,10 @@ def methods(steps: int) -> dict[str, dict]:
                  'ensemble.sgmcmc.beta': 0.8, 'ensemble.sgmcmc.samples_per_cycle': 1,
                  'ensemble.sgmcmc.friction': 0.1, 'ensemble.sgmcmc.temperature': 1.0,
                  'optim.learning_rate': 0.05, 'optim.weight_decay': 5e-4},
+      # SNGP (Liu et al. 2020) per member: the precision over the last epoch, 28 steps of
+      # 128 of the 3,500 training examples (N set below, as sgmcmc's).
+      'sngp': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'sngp',
+               'ensemble.sngp.cov_steps': 28},
       'distilled': {'num_members': MEMBERS, 'train.steps': steps, 'distill.student': 'same',
                     'distill.steps': 2 * steps, 'distill.temperature': 2.0},
       'deep16': {'num_members': CURVE_MEMBERS, 'train.steps': steps},
@@ -141,6 +148,9 @@ def _config(base: Path, overrides: dict, validation_size: int):
   if config.ensemble.method == 'sgmcmc':  # N: the training split the chains sample over
     train = data.load_dataset(config.data.name, specs.data_spec(config)).train
     config.ensemble.sgmcmc.data_size = len(train.x) - validation_size
+  if config.ensemble.method == 'sngp':  # N: the training split of its precision
+    train = data.load_dataset(config.data.name, specs.data_spec(config)).train
+    config.ensemble.sngp.data_size = len(train.x) - validation_size
   steps = config.train.steps
   config.train.log_every = min(config.train.log_every, steps)
   config.train.eval_every, config.checkpoint.every = 0, steps

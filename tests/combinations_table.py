@@ -83,6 +83,11 @@ AXES: dict[str, tuple[Option, ...]] = {
                           'ensemble.sgmcmc.samples_per_cycle': 1,
                           'ensemble.sgmcmc.data_size': 1000}, ('ensemble.method',),
                label='sgmcmc (cyclical SG-MCMC)'),
+        # Each member an SNGP: 16 random features, the precision over the last step
+        # (tests/test_sngp.py checks its math, resume and the adjusted predictions).
+        Option('sngp', {'ensemble.method': 'sngp', 'ensemble.sngp.features': 16,
+                        'ensemble.sngp.cov_steps': 1, 'ensemble.sngp.data_size': 64},
+               ('ensemble.method',), label='sngp (SNGP)'),
         Option('mc_dropout', {'model.dropout': 0.1, 'eval.mc_samples': 2},
                ('eval.mc_samples', 'model.dropout'), label='MC dropout'),
     ),
@@ -250,6 +255,19 @@ REFUSED: dict[frozenset[str], str] = {
        for d in ('distill', 'distill=path')
        for m in (*_NOT_DEEP, 'prior', 'epinet', 'packed', 'own=head', 'own=lora')},
 }
+# SNGP: a softmax classifier of its members' own normalised MLP or CNN and GP layer.
+REFUSED.update({
+    **{_pair(t, 'sngp'): "its GP layer's logits and their mean-field adjustment are a softmax "
+                         "classifier's of one output vector per example"
+       for t in (*_REGRESSION, 'token_classification')},
+    **{_pair(o, 'sngp'): "a shared backbone works with method='deep' or 'epinet' (an SNGP "
+                         "member's normalised layers and GP layer are its own)"
+       for o in ('own=head', 'own=lora')},
+    _pair('laplace', 'sngp'): 'its GP output layer has a Laplace posterior of its own',
+    **{_pair(d, 'sngp'): "the student learns from independently trained members of the "
+                         "run's model, not shared leaves or other predicting weights"
+       for d in ('distill', 'distill=path')},
+})
 # own=epinet is an epinet's option: what an epinet is refused with, it is too; and its base
 # is shared, which PBT cannot copy.
 REFUSED.update({frozenset({'own=epinet', *(pair - {'epinet'})}): why

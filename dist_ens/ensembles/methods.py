@@ -31,6 +31,7 @@ from dist_ens import importing
 from dist_ens.core import rng
 from dist_ens.ensembles import batchensemble, deep, mimo, own as own_lib
 from dist_ens.ensembles import epinet, masksembles, packed, prior, sgmcmc, snapshot, swag
+from dist_ens.ensembles import sngp
 from dist_ens.ensembles.method import Method, MethodSpec
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
@@ -49,6 +50,7 @@ METHODS: dict[str, ModuleType] = {
     'masksembles': masksembles,
     'packed': packed,
     'sgmcmc': sgmcmc,
+    'sngp': sngp,
 }
 # config.ensemble.own values that one method resolves itself (Method.resolve_own):
 # own -> that method. 'epinet': members own their epinets, the base network is shared.

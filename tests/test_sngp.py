@@ -1,0 +1,340 @@
+"""SNGP (config.ensemble.method='sngp'; ensembles/sngp.py).
+
+The math against independent numpy: the power iteration's sigma and vector against
+numpy's SVD; the random features' inner products against the RBF kernel; the precision
+accumulated by training applies against the closed form (the Bayesian linear model's
+posterior, checked in weight space by numpy's inverse and in function space by the GP's
+kernel form); the mean-field adjustment against the probit integral it approximates; the
+ridge's gradient. Then a 2-member run: resume is exact, Ensemble.load predicts what a
+numpy forward of the stored params and state gives (the adjustment included), export and
+report; a CNN member and one member (the paper's single model); the refusals.
+"""
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import support
+
+import dist_ens
+from dist_ens import Ensemble, data
+from dist_ens.config import specs
+from dist_ens.ensembles import methods, sngp
+from dist_ens.errors import ConfigError
+from dist_ens.models.mlp import make_mlp
+from dist_ens.models.spec import ModelSpec
+from dist_ens.report import build as report
+
+_SPEC = ModelSpec('mlp', '', {}, (6, 5), (4, 3), (3, 3), (2, 2), 'xla', 0.0)
+
+
+def _options(**fields):
+  return sngp.Options(**{'features': 16, 'norm_bound': 0.95, 'ridge': 1.0,
+                         'mean_field_factor': math.pi / 8, 'cov_steps': 3, 'data_size': 12,
+                         **fields})
+
+
+def _numpy_power(matrix, u):
+  """One power-iteration step in numpy: (sigma, u')."""
+  v = matrix @ u
+  v /= np.linalg.norm(v)
+  u = matrix.T @ v
+  u /= np.linalg.norm(u)
+  return float(v @ matrix @ u), u
+
+
+@pytest.mark.parametrize('shape', [(20, 30), (30, 7), (3, 4, 6)])  # dense, dense, conv
+def test_power_iteration_reaches_numpys_largest_singular_value_and_vector(shape):
+  rng = np.random.default_rng(0)
+  kernel = rng.normal(size=shape).astype(np.float32)
+  matrix = kernel.reshape(-1, shape[-1]).astype(np.float64)
+  _, singular, vt = np.linalg.svd(matrix)
+  u = jnp.asarray(rng.normal(size=shape[-1]), jnp.float32)
+  u /= jnp.linalg.norm(u)
+  for _ in range(300):
+    sigma, u = sngp.power_step(jnp.asarray(kernel), u)
+  assert float(sigma) == pytest.approx(singular[0], rel=1e-4)
+  assert abs(float(np.asarray(u) @ vt[0])) == pytest.approx(1.0, abs=1e-4)
+  # The normalised kernel's spectral norm is the bound, where sigma exceeds it.
+  for bound in (0.95, 6.0, 100.0):
+    normalised, _ = sngp.normalised(jnp.asarray(kernel), u, bound)
+    got = np.linalg.svd(np.asarray(normalised, np.float64).reshape(-1, shape[-1]),
+                        compute_uv=False)[0]
+    assert got == pytest.approx(min(bound, singular[0]), rel=1e-4)
+
+
+def test_each_training_apply_is_one_power_step_on_each_hidden_kernel():
+  model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', _options(), 8)
+  x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 7, 1)), jnp.float32)
+  params, state = model.init(jax.random.key(0), x)
+  kernels = [np.asarray(layer['w'], np.float64) for layer in params.body]
+  vectors = [np.asarray(u, np.float64) for u in state.vectors]
+  for _ in range(3):
+    _, state = model.apply(params, state, x, train=True, rng=jax.random.key(2))
+    vectors = [_numpy_power(k, u)[1] for k, u in zip(kernels, vectors)]
+  for got, want in zip(state.vectors, vectors):
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+  # Evaluation reads the vectors and leaves them.
+  _, after = model.apply(params, state, x, train=False)
+  support.assert_trees_equal(after.vectors, state.vectors)
+  assert int(after.steps) == 3
+
+
+def test_the_random_features_approximate_the_rbf_kernel():
+  # D = 2**15 features of 5-d inputs: the Monte Carlo error of phi.phi' is about
+  # 1/sqrt(D) = 0.006 per pair; 6 sd is 0.033.
+  d = 2**15
+  model = sngp.wrap(make_mlp(dataclasses.replace(_SPEC, widths=(5,)), 3), 'mlp',
+                    _options(features=d), 8)
+  _, state = model.init(jax.random.key(3), jnp.zeros((1, 7, 1)))
+  projection, phase = np.asarray(state.projection), np.asarray(state.phase)
+  assert projection.shape == (5, d)
+  assert np.mean(projection) == pytest.approx(0, abs=0.02)
+  assert np.std(projection) == pytest.approx(1, abs=0.02)
+  assert phase.min() >= 0 and phase.max() <= 2 * math.pi
+  assert np.mean(phase) == pytest.approx(math.pi, abs=0.05)
+  h = np.random.default_rng(4).normal(size=(12, 5)) * 0.6
+  phi = np.asarray(sngp.random_features(jnp.asarray(h, jnp.float32), state.projection,
+                                        state.phase), np.float64)
+  distances = ((h[:, None] - h[None]) ** 2).sum(-1)
+  np.testing.assert_allclose(phi @ phi.T, np.exp(-distances / 2), atol=0.033)
+
+
+def _numpy_features(params, state, x, bound):
+  """A member's last hidden features h in numpy: its MLP's relu layers, each kernel divided
+  by max(1, sigma / bound) with sigma from one power step of the stored vector."""
+  h = np.asarray(x, np.float64).reshape(len(x), -1)
+  vectors = []
+  for layer, u in zip(params.body, state.vectors):
+    kernel = np.asarray(layer['w'], np.float64)
+    sigma, u = _numpy_power(kernel, np.asarray(u, np.float64))
+    vectors.append(u)
+    h = np.maximum(h @ (kernel / max(1.0, sigma / bound)) + np.asarray(layer['b']), 0)
+  return h, vectors
+
+
+def _numpy_phi(state, h):
+  d = state.phase.shape[0]
+  return math.sqrt(2 / d) * np.cos(h @ np.asarray(state.projection, np.float64)
+                                   + np.asarray(state.phase, np.float64))
+
+
+def test_the_precision_is_the_bayesian_linear_models_closed_form():
+  # 5 training applies, the last cov_steps=3 in the window, 4 examples each: with N = 12
+  # (the window's examples) the precision is ridge I + sum over those 12 of phi phi'.
+  options = _options(ridge=0.5)
+  model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', options, 5)
+  rng = np.random.default_rng(5)
+  batches = [rng.normal(size=(4, 7, 1)).astype(np.float32) for _ in range(5)]
+  params, state = model.init(jax.random.key(6), jnp.asarray(batches[0]))
+  phis = []
+  numpy_state = state
+  for i, x in enumerate(batches):
+    h, vectors = _numpy_features(params, numpy_state, x, options.norm_bound)
+    numpy_state = numpy_state._replace(vectors=vectors)
+    if i >= 2:
+      phis.append(_numpy_phi(state, h))
+    _, state = model.apply(params, state, jnp.asarray(x), train=True, rng=jax.random.key(i))
+  phi = np.concatenate(phis)  # [12, D]
+  want = 0.5 * np.eye(16) + phi.T @ phi
+  got = np.asarray(sngp.precision(state.moment, state.steps, options, 5))
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  # The predictive variance, weight space (numpy's inverse) and function space: the GP of
+  # kernel phi.phi' / ridge and unit noise, k** - k*' (K + I)^-1 k*.
+  test = rng.normal(size=(6, 7, 1)).astype(np.float32)
+  h, _ = _numpy_features(params, state, test, options.norm_bound)
+  star = _numpy_phi(state, h)
+  weight_space = np.einsum('bd,de,be->b', star, np.linalg.inv(want), star)
+  k_star = star @ phi.T / 0.5
+  function_space = (np.sum(star * star, -1) / 0.5
+                    - np.einsum('bn,nm,bm->b', k_star, np.linalg.inv(phi @ phi.T / 0.5 + np.eye(12)),
+                                k_star))
+  np.testing.assert_allclose(weight_space, function_space, rtol=1e-6)
+  got_var = np.asarray(sngp.variance(jnp.asarray(star, jnp.float32), jnp.asarray(got)))
+  np.testing.assert_allclose(got_var, weight_space, rtol=1e-3)
+  # And the member's logits at prediction: phi beta / sqrt(1 + pi/8 var).
+  logits, _ = model.apply(params, state, jnp.asarray(test), train=False)
+  want_logits = (star @ np.asarray(params.output, np.float64)
+                 / np.sqrt(1 + math.pi / 8 * weight_space)[:, None])
+  np.testing.assert_allclose(np.asarray(logits), want_logits, rtol=1e-4, atol=1e-6)
+
+
+def test_before_the_window_the_precision_is_the_ridge_alone():
+  options = _options(ridge=2.0)
+  model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', options, 10)
+  x = jnp.ones((4, 7, 1))
+  params, state = model.init(jax.random.key(0), x)
+  for _ in range(7):  # Steps 0..6; the window is 7..9.
+    _, state = model.apply(params, state, x, train=True, rng=jax.random.key(1))
+  np.testing.assert_array_equal(np.asarray(state.moment), 0)
+  np.testing.assert_array_equal(np.asarray(sngp.precision(state.moment, state.steps, options, 10)),
+                                2.0 * np.eye(16))
+
+
+def test_vmapped_members_add_their_batchs_mean_outer_product_only_in_their_window():
+  rng = np.random.default_rng(8)
+  moment = rng.normal(size=(3, 5, 5)).astype(np.float32)
+  phi = rng.normal(size=(3, 4, 5)).astype(np.float32)
+  for window in ([True, False, True], [False, False, False]):
+    got = np.asarray(jax.jit(jax.vmap(sngp.accumulate))(moment, phi, jnp.asarray(window)))
+    for m in range(3):
+      want = moment[m] + (phi[m].T @ phi[m] / 4 if window[m] else 0)
+      np.testing.assert_allclose(got[m], want, rtol=1e-5, atol=1e-6)
+      single = sngp.accumulate(jnp.asarray(moment[m]), jnp.asarray(phi[m]), window[m])
+      np.testing.assert_allclose(np.asarray(single), want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_mean_field_adjustment_approximates_the_probit_integral():
+  # Two classes with logits (m, 0): softmax is sigmoid(m), and logits / sqrt(1 + pi/8 var)
+  # is MacKay's approximation of E[sigmoid(m + sqrt(var) z)], z ~ N(0, 1), within 0.02
+  # for these (its known worst error is about 0.02); numpy's Gauss-Hermite gives the integral.
+  nodes, weights = np.polynomial.hermite_e.hermegauss(80)
+  weights = weights / weights.sum()
+  for m, var in [(0.5, 0.3), (2.0, 1.0), (3.0, 10.0), (-1.5, 4.0), (4.0, 0.0)]:
+    logits = jnp.asarray([[m, 0.0]], jnp.float32)
+    out = np.asarray(sngp.adjusted(logits, jnp.asarray([var], jnp.float32), math.pi / 8))
+    np.testing.assert_allclose(out, [[m / math.sqrt(1 + math.pi / 8 * var), 0.0]], rtol=1e-6)
+    sigmoid = 1 / (1 + np.exp(-(out[0, 0] - out[0, 1])))
+    integral = np.sum(weights / (1 + np.exp(-(m + math.sqrt(var) * nodes))))
+    assert sigmoid == pytest.approx(integral, abs=0.02)
+
+
+def test_the_ridge_adds_ridge_over_n_times_beta_to_betas_gradient():
+  x = jnp.asarray(np.random.default_rng(7).normal(size=(4, 7, 1)), jnp.float32)
+  y = jnp.asarray([0, 1, 2, 1])
+
+  def grad(ridge, data_size):
+    model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', _options(ridge=ridge, data_size=data_size), 8)
+    params, state = model.init(jax.random.key(0), x)
+
+    def loss(p):
+      logits, _ = model.apply(p, state, x, train=True, rng=jax.random.key(1))
+      return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(4), y])
+
+    return params.output, jax.grad(loss)(params).output
+
+  beta, g1 = grad(1.0, 10)
+  _, g3 = grad(3.0, 10)
+  _, g_big = grad(3.0, 10**9)  # The ridge's share vanishes: the loss's gradient alone.
+  np.testing.assert_allclose(np.asarray(g1 - g_big), np.asarray(beta) / 10, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(g3 - g_big), 3 * np.asarray(beta) / 10, atol=1e-6)
+
+
+STEPS = 8
+
+
+def _config(**fields):
+  config = support.config({
+      'ensemble.method': 'sngp', 'ensemble.sngp.features': 64, 'ensemble.sngp.cov_steps': 4,
+      'ensemble.sngp.data_size': 4000, 'num_members': 2, 'model.widths': (32, 16),
+      'train.steps': STEPS, 'optim.learning_rate': 1e-2, 'mesh.member': 2,
+      'train.log_every': 4, 'checkpoint.every': 4})
+  return support.override(config, fields)
+
+
+def _train(config, workdir, actions=(), devices=2):
+  return dist_ens.train(config, str(workdir), devices=jax.devices()[:devices], actions=actions)
+
+
+def _named(tree):
+  return {jax.tree_util.keystr(path, simple=True, separator='/'): np.asarray(leaf)
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _numpy_probs(ens, m, x, options):
+  """Member m's predictive in numpy from its stored params and model state."""
+  member = jax.tree.map(lambda a: np.asarray(a[m]), (ens.params, ens.model_state))
+  params, state = member
+  h, _ = _numpy_features(params, state, x, options.norm_bound)
+  phi = _numpy_phi(state, h)
+  counted = min(max(int(state.steps) - (STEPS - options.cov_steps), 0), options.cov_steps)
+  p = options.ridge * np.eye(len(phi[0])) + options.data_size * np.asarray(
+      state.moment, np.float64) / max(counted, 1)
+  var = np.einsum('bd,de,be->b', phi, np.linalg.inv(p), phi)
+  logits = phi @ np.asarray(params.output, np.float64) / np.sqrt(
+      1 + options.mean_field_factor * var)[:, None]
+  e = np.exp(logits - logits.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path):
+  config = lambda: _config(**{'eval.shift': 'gaussian_noise:1', 'mesh.data': 2})
+  straight = _train(config(), tmp_path / 'a', devices=4)  # 2 members x 2 data shards
+  stopped = _train(config(), tmp_path / 'b', actions=[support.PreemptAt(4)], devices=4)
+  assert stopped['preempted'] and stopped['step'] == 4
+  resumed = _train(config(), tmp_path / 'b', devices=4)
+  assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
+  assert straight['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
+  assert straight['joint']['ensemble'] > 0
+  ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
+  support.assert_trees_equal((ens.params, ens.model_state),
+                             (Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1]).params,
+                              Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1]).model_state))
+  state = jax.tree.map(np.asarray, ens.model_state)
+  assert state.steps.tolist() == [STEPS, STEPS] and state.moment.shape == (2, 64, 64)
+  assert not np.array_equal(state.moment[0], state.moment[1])  # Each member its own.
+  # Over the window's 4 steps each batch's mean |phi|^2 is about 1 (2/D sum cos^2).
+  assert np.trace(state.moment[0]) == pytest.approx(4, rel=0.15)
+  test = data.load_dataset('mnist1d').test
+  prediction = ens.predict(test.x, preprocessed=True)
+  accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
+  assert accuracy == pytest.approx(straight['ensemble']['accuracy'], abs=2e-3)
+  options = sngp.options_from(dict(config().ensemble.sngp), STEPS)
+  want = np.mean([_numpy_probs(ens, m, test.x, options) for m in range(2)], 0)
+  np.testing.assert_allclose(prediction.probs, want, atol=1e-5)
+  paths = ens.export(tmp_path / 'members')
+  for m in range(2):  # The files hold each leaf under its name ('output', 'moment', ...).
+    for file, tree in ((paths[m], ens.member(m)),
+                       (paths[m].with_name(f'member_{m}_state.npz'), ens.member_state(m))):
+      got, want = _named(dist_ens.load_member(file)), _named(tree)
+      assert sorted(got) == sorted(want)
+      for name, leaf in want.items():
+        np.testing.assert_array_equal(got[name], leaf)
+  assert report.make_report(tmp_path / 'a') == tmp_path / 'a' / 'report'
+  assert '2 x mlp on mnist1d' in (tmp_path / 'a' / 'report' / 'report.md').read_text()
+
+
+def test_a_cnn_member_normalises_its_convolutions_and_one_member_is_the_papers_model(tmp_path):
+  config = _config(**{'model.name': 'cnn', 'model.channels': (6, 4), 'model.kernel_sizes': (3, 3),
+                      'model.strides': (2, 2), 'num_members': 1, 'mesh.member': 1,
+                      'train.steps': 2, 'ensemble.sngp.cov_steps': 2})
+  result = _train(config, tmp_path, devices=1)
+  assert np.isfinite(result['ensemble']['nll'])
+  ens = Ensemble.load(tmp_path, devices=jax.devices()[:1])
+  params, state = jax.tree.map(np.asarray, (ens.params, ens.model_state))
+  assert [u.shape for u in state.vectors] == [(1, 6), (1, 4)]
+  assert 'head' not in params.body and params.output.shape == (1, 64, 10)
+  # The features: 40 -> 20 -> 10 positions of 4 channels.
+  assert state.projection.shape == (1, 40, 64)
+
+
+@pytest.mark.parametrize('fields, match', [
+    ({'ensemble.sngp.data_size': 0}, r"sngp.data_size=0 must be the training set's size"),
+    ({'ensemble.sngp.features': 0}, r'sngp.features=0 must be an int >= 1'),
+    ({'ensemble.sngp.norm_bound': 0.0}, r'sngp.norm_bound=0.0 must be a finite number > 0'),
+    ({'ensemble.sngp.ridge': -1.0}, r'sngp.ridge=-1.0 must be a finite number > 0'),
+    ({'ensemble.sngp.mean_field_factor': -0.1}, r'mean_field_factor=-0.1 must be a finite '
+                                                r'number >= 0'),
+    ({'ensemble.sngp.cov_steps': 9}, r'sngp.cov_steps=9 exceeds train.steps=8'),
+])
+def test_bad_fields_are_refused_naming_the_field(fields, match):
+  config = _config(**fields)
+  message = support.one_line_refusal(lambda: methods.from_spec(specs.method_spec(config)))
+  assert re.search(match, message), message
+
+
+def test_other_models_tasks_and_shared_leaves_are_refused_before_anything(tmp_path):
+  config = _config(**{'model.name': 'resnet', 'model.depth': 8})
+  message = support.one_line_refusal(lambda: _train(config, tmp_path / 'r'))
+  assert "config.model.name='mlp' or 'cnn', not 'resnet'" in message
+  config = _config(**{'task': 'regression'})
+  message = support.one_line_refusal(lambda: _train(config, tmp_path / 'g'))
+  assert "not config.task='regression'" in message, message
+  assert not (tmp_path / 'r').exists() and not (tmp_path / 'g').exists()
+  with pytest.raises(ConfigError, match="ensemble.own='head'"):
+    methods.from_spec(specs.method_spec(_config(**{'ensemble.own': 'head'})))
