@@ -37,6 +37,11 @@ batch of 128), so each method trains for the same number of forward/backward pas
   sngp        SNGP (Liu et al. 2020) on each of 4 members, T steps: hidden layers of
               spectral norm <= 0.95, a GP output layer of 1,024 random features, its
               Laplace precision over the last epoch, logits / sqrt(1 + pi/8 var)
+  rank1       rank-1 BNNs (Dusenberry et al. 2020), 4 members (mixture components), T
+              steps: one shared W per kernel, Gaussian factors (prior N(1, 0.1^2), random-sign
+              init), 1 draw per example in training, N = the training split's size, the KL
+              annealed over 80% of the steps -> 4 fixed draws per member predict
+  rank1_cauchy  the same with Cauchy priors and posteriors (the paper's best corrupted-data row)
   sgmcmc      cyclical SGHMC (Zhang et al. 2020), 4 chains, T steps: 4 cosine cycles (peak
               rate 0.05, friction 0.1, T = 1, N = the training split's size, weight decay
               5e-4), sampling the last 20% of each -> 4 x 4 samples predict
@@ -133,6 +138,10 @@ def methods(steps: int) -> dict[str, dict]:
       # 128 of the 3,500 training examples (N set below, as sgmcmc's).
       'sngp': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'sngp',
                'ensemble.sngp.cov_steps': 28},
+      # Rank-1 BNNs (Dusenberry et al. 2020) at the paper's defaults (N set below).
+      'rank1': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'rank1'},
+      'rank1_cauchy': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'rank1',
+                       'ensemble.rank1.prior': 'cauchy'},
       'distilled': {'num_members': MEMBERS, 'train.steps': steps, 'distill.student': 'same',
                     'distill.steps': 2 * steps, 'distill.temperature': 2.0},
       'deep16': {'num_members': CURVE_MEMBERS, 'train.steps': steps},
@@ -151,6 +160,9 @@ def _config(base: Path, overrides: dict, validation_size: int):
   if config.ensemble.method == 'sngp':  # N: the training split of its precision
     train = data.load_dataset(config.data.name, specs.data_spec(config)).train
     config.ensemble.sngp.data_size = len(train.x) - validation_size
+  if config.ensemble.method == 'rank1':  # N: the training split the ELBO is per example of
+    train = data.load_dataset(config.data.name, specs.data_spec(config)).train
+    config.ensemble.rank1.data_size = len(train.x) - validation_size
   steps = config.train.steps
   config.train.log_every = min(config.train.log_every, steps)
   config.train.eval_every, config.checkpoint.every = 0, steps

@@ -88,6 +88,12 @@ AXES: dict[str, tuple[Option, ...]] = {
         Option('sngp', {'ensemble.method': 'sngp', 'ensemble.sngp.features': 16,
                         'ensemble.sngp.cov_steps': 1, 'ensemble.sngp.data_size': 64},
                ('ensemble.method',), label='sngp (SNGP)'),
+        # Rank-1 BNNs: one shared W, each member a Gaussian posterior over rank-1 factors,
+        # 2 draws per example in training, 2 fixed draws at evaluation (tests/test_rank1.py
+        # checks the KLs, the factorised forward, resume and the mixture's predictions).
+        Option('rank1', {'ensemble.method': 'rank1', 'ensemble.rank1.data_size': 128,
+                         'ensemble.rank1.train_samples': 2, 'ensemble.rank1.eval_samples': 2},
+               ('ensemble.method',), label='rank1 (rank-1 BNN)'),
         Option('mc_dropout', {'model.dropout': 0.1, 'eval.mc_samples': 2},
                ('eval.mc_samples', 'model.dropout'), label='MC dropout'),
     ),
@@ -266,6 +272,27 @@ REFUSED.update({
     _pair('laplace', 'sngp'): 'its GP output layer has a Laplace posterior of its own',
     **{_pair(d, 'sngp'): "the student learns from independently trained members of the "
                          "run's model, not shared leaves or other predicting weights"
+       for d in ('distill', 'distill=path')},
+})
+# Rank-1 BNNs: one shared W per kernel (BatchEnsemble's entries), each member a mixture
+# component's posterior over its factors, predicting the mean over its factor draws.
+REFUSED.update({
+    _pair('pbt', 'rank1'): "PBT copies whole members; it needs ensemble.method='deep'",
+    **{_pair(o, 'rank1'): 'a shared backbone works with independent (deep) members only'
+       for o in ('own=head', 'own=lora')},
+    _pair('laplace', 'rank1'): "Laplace fits each independently trained member's output layer",
+    _pair('reproducible', 'rank1'): "the shared weights' gradient is a sum over devices in a "
+                                    'mesh-dependent order',
+    _pair('token_classification', 'rank1'): "its factors are on the MLP's and the CNN's "
+                                             "kernels, not a transformer's",
+    _pair('regression_homoscedastic', 'rank1'): 'its noise is one fitted level per trained '
+                                                "member: a member's mean over its factor draws "
+                                                'has none (Task.any_members)',
+    _pair('groups', 'rank1'): "a group's members predict one-to-one from their own outputs: "
+                              'a method that adds outputs (its factor draws) is not built for '
+                              'groups (docs/groups.md)',
+    **{_pair(d, 'rank1'): "the student learns from independently trained members of the "
+                          "run's model, not shared leaves or other predicting weights"
        for d in ('distill', 'distill=path')},
 })
 # own=epinet is an epinet's option: what an epinet is refused with, it is too; and its base

@@ -4,10 +4,14 @@ The math against independent arithmetic: both KLs against numerical integration 
 densities (scipy), the KL term's gradient against its derivative by hand, the annealing
 by hand, the factorised forward ((h o s) W) o r + b against the model's own apply on the
 formed kernels W o (s r^T), and a member's training outputs (each example its own draws)
-and evaluation (the mean over its fixed draws) against a numpy forward.
+and evaluation (the mean over its fixed draws) against a numpy forward. Then a 2-member run: one
+shared W per kernel, factors and biases per member, exact resume, Ensemble.load predicts
+the numpy mixture (mean over members and their fixed draws of the softmaxes), export and
+report; the refusals.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -15,11 +19,17 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 
+import support
+
+import dist_ens
+from dist_ens import Ensemble, data
+from dist_ens.config import specs
 from dist_ens.core.gradients import BatchResult
-from dist_ens.ensembles import rank1
+from dist_ens.ensembles import methods, rank1
 from dist_ens import models
 from dist_ens.models import mlp
 from dist_ens.models.spec import ModelSpec
+from dist_ens.report import build as report
 
 OPTIONS = rank1.Options(prior='gaussian', prior_mean=1.0, prior_scale=0.1, init='random_sign',
                         init_scale=0.0316, train_samples=2, eval_samples=3, kl_annealing=0.5,
@@ -176,3 +186,111 @@ def test_the_factorised_forward_is_the_models_own_on_the_formed_kernels(fields, 
   np.testing.assert_allclose(jax.tree.leaves(rank1.formed(base, values))[
       [i for i, leaf in enumerate(jax.tree.leaves(base)) if leaf.ndim >= 2][0]],
       w * values[0]['s'][:, None] * values[0]['r'][None, :], rtol=1e-6)
+
+
+STEPS = 8
+
+
+def _config(**fields):
+  config = support.config({
+      'ensemble.method': 'rank1', 'num_members': 2, 'model.widths': (32, 16),
+      'train.steps': STEPS, 'optim.learning_rate': 1e-2, 'mesh.member': 2,
+      'train.log_every': 4, 'checkpoint.every': 4, 'ensemble.rank1.data_size': 3500})
+  return support.override(config, fields)
+
+
+def _train(config, workdir, actions=()):
+  return dist_ens.train(config, str(workdir), devices=jax.devices()[:2], actions=actions)
+
+
+def _stored(ens):
+  return jax.device_get(ens._stored)  # pylint: disable=protected-access
+
+
+@pytest.fixture(scope='module')
+def runs(tmp_path_factory):
+  """A straight 8-step Cauchy run (with shift), and the same run preempted at step 4 and
+  resumed: the resume test and the load/predict test read them (3 runs, not 4)."""
+  root = tmp_path_factory.mktemp('rank1')
+  config = lambda: _config(**{'ensemble.rank1.prior': 'cauchy', 'eval.shift': 'gaussian_noise:1'})
+  straight = _train(config(), root / 'a')
+  stopped = _train(config(), root / 'b', actions=[support.PreemptAt(4)])
+  resumed = _train(config(), root / 'b')
+  return root, straight, stopped, resumed
+
+
+def test_one_shared_w_per_kernel_factors_per_member_and_resume_is_exact(runs):
+  root, straight, stopped, resumed = runs
+  assert stopped['preempted'] and stopped['step'] == 4
+  assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
+  trained = Ensemble.load(root / 'a', devices=jax.devices()[:1])
+  support.assert_trees_equal(_stored(trained),
+                             _stored(Ensemble.load(root / 'b', devices=jax.devices()[:1])))
+  p = _stored(trained)
+  for layer, (n_in, n_out) in zip(p.base, ((40, 32), (32, 16), (16, 10))):
+    assert set(layer['w']) == {'shared'} and layer['w']['shared'].shape == (n_in, n_out)
+    assert layer['b']['own'].shape == (2, n_out)
+  for f, (n_in, n_out) in zip(p.factors, ((40, 32), (32, 16), (16, 10))):
+    assert f['s_loc']['own'].shape == (2, n_in) and f['r_rho']['own'].shape == (2, n_out)
+    assert not np.array_equal(f['s_loc']['own'][0], f['s_loc']['own'][1])
+
+
+def test_ensemble_load_predicts_the_mixture_of_the_members_fixed_draws_and_exports(runs):
+  root, result = runs[0] / 'a', runs[1]
+  assert result['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
+  assert result['joint']['ensemble'] > 0
+  ens = Ensemble.load(root, devices=jax.devices()[:1])
+  test = data.load_dataset('mnist1d').test
+  prediction = ens.predict(test.x, preprocessed=True)
+  accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
+  assert accuracy == pytest.approx(result['ensemble']['accuracy'], abs=2e-3)
+  probs = []
+  for m in range(2):
+    params, state = ens.member(m), ens.member_state(m)
+    for e in range(4):  # eval_samples' default
+      values = [_draw(f, {k: n[k][e] for k in n}) for f, n in zip(params.factors, state.noise)]
+      probs.append(np.exp(_log_softmax(_numpy_forward(params.base, values, test.x))))
+  np.testing.assert_allclose(prediction.probs, np.mean(probs, 0), atol=2e-5)
+  paths = ens.export(root / 'members')
+  for m in range(2):  # Each member's posterior (W, its factors and biases) and its draws.
+    jax.tree.map(np.testing.assert_array_equal, dist_ens.load_member(paths[m]),
+                 ens.member(m)._asdict())
+    jax.tree.map(np.testing.assert_array_equal,
+                 dist_ens.load_member(paths[m].with_name(f'member_{m}_state.npz')),
+                 {'noise': ens.member_state(m).noise})
+  assert report.make_report(root) == root / 'report'
+  assert '2 x mlp on mnist1d' in (root / 'report' / 'report.md').read_text()
+
+
+@pytest.mark.slow  # The CNN's factorised forward is checked above without training.
+def test_the_cnns_convolutions_and_head_carry_factors(tmp_path):
+  config = _config(**{'model.name': 'cnn', 'model.channels': (6, 6), 'model.kernel_sizes': (3, 3),
+                      'model.strides': (2, 2), 'train.steps': 2, 'checkpoint.every': 2,
+                      'train.log_every': 2})
+  result = _train(config, tmp_path)
+  assert result['step'] == 2 and math.isfinite(result['ensemble']['nll'])
+  p = _stored(Ensemble.load(tmp_path, devices=jax.devices()[:1]))
+  assert [c['w']['shared'].shape for c in p.base['convs']] == [(3, 1, 6), (3, 6, 6)]
+  assert [f['s_loc']['own'].shape[1:] + f['r_loc']['own'].shape[1:] for f in p.factors] == [
+      (1, 6), (6, 6), (p.base['head']['w']['shared'].shape[0], 10)]
+
+
+@pytest.mark.parametrize('fields, match', [
+    ({'ensemble.rank1.prior': 'laplace'}, r"rank1.prior='laplace'; use one of \['gaussian'"),
+    ({'ensemble.rank1.data_size': 0}, r"rank1.data_size=0 must be the training set's size"),
+    ({'ensemble.rank1.eval_samples': 0}, r'rank1.eval_samples=0 must be an int >= 1'),
+    ({'ensemble.rank1.kl_annealing': 1.5}, r'rank1.kl_annealing=1.5 must be a number in \[0, 1\]'),
+    ({'ensemble.rank1.prior_scale': 0.0}, r'rank1.prior_scale=0.0 must be a number > 0'),
+    ({'reproducible': True}, "reproducible=True with config.ensemble.method='rank1'"),
+])
+def test_bad_fields_are_refused_naming_the_field(fields, match):
+  config = _config(**fields)
+  message = support.one_line_refusal(lambda: methods.from_spec(specs.method_spec(config)))
+  assert re.search(match, message), message
+
+
+def test_other_models_are_refused_before_anything(tmp_path):
+  config = _config(**{'model.name': 'resnet', 'model.depth': 8})
+  message = support.one_line_refusal(lambda: _train(config, tmp_path / 'r'))
+  assert "config.model.name='mlp' or 'cnn', not 'resnet'" in message
+  assert not (tmp_path / 'r').exists()

@@ -31,6 +31,7 @@ from dist_ens import importing
 from dist_ens.core import rng
 from dist_ens.ensembles import batchensemble, deep, mimo, own as own_lib
 from dist_ens.ensembles import epinet, masksembles, packed, prior, sgmcmc, snapshot, swag
+from dist_ens.ensembles import rank1
 from dist_ens.ensembles import sngp
 from dist_ens.ensembles.method import Method, MethodSpec
 from dist_ens.errors import ConfigError
@@ -50,6 +51,7 @@ METHODS: dict[str, ModuleType] = {
     'masksembles': masksembles,
     'packed': packed,
     'sgmcmc': sgmcmc,
+    'rank1': rank1,
     'sngp': sngp,
 }
 # config.ensemble.own values that one method resolves itself (Method.resolve_own):
