@@ -74,8 +74,9 @@ def test_each_training_apply_is_one_power_step_on_each_hidden_kernel():
   params, state = model.init(jax.random.key(0), x)
   kernels = [np.asarray(layer['w'], np.float64) for layer in params.body]
   vectors = [np.asarray(u, np.float64) for u in state.vectors]
+  train = jax.jit(lambda p, s: model.apply(p, s, x, train=True, rng=jax.random.key(2)))
   for _ in range(3):
-    _, state = model.apply(params, state, x, train=True, rng=jax.random.key(2))
+    _, state = train(params, state)
     vectors = [_numpy_power(k, u)[1] for k, u in zip(kernels, vectors)]
   for got, want in zip(state.vectors, vectors):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
@@ -86,9 +87,10 @@ def test_each_training_apply_is_one_power_step_on_each_hidden_kernel():
 
 
 def test_the_random_features_approximate_the_rbf_kernel():
-  # D = 2**15 features of 5-d inputs: the Monte Carlo error of phi.phi' is about
-  # 1/sqrt(D) = 0.006 per pair; 6 sd is 0.033.
-  d = 2**15
+  # D = 2**13 features of 5-d inputs: the Monte Carlo error of phi.phi' is about
+  # 1/sqrt(D) = 0.011 per pair; 4.5 sd is 0.05 (a length scale off by sqrt(2) is off by
+  # up to 0.25 here).
+  d = 2**13
   model = sngp.wrap(make_mlp(dataclasses.replace(_SPEC, widths=(5,)), 3), 'mlp',
                     _options(features=d), 8)
   _, state = model.init(jax.random.key(3), jnp.zeros((1, 7, 1)))
@@ -102,7 +104,7 @@ def test_the_random_features_approximate_the_rbf_kernel():
   phi = np.asarray(sngp.random_features(jnp.asarray(h, jnp.float32), state.projection,
                                         state.phase), np.float64)
   distances = ((h[:, None] - h[None]) ** 2).sum(-1)
-  np.testing.assert_allclose(phi @ phi.T, np.exp(-distances / 2), atol=0.033)
+  np.testing.assert_allclose(phi @ phi.T, np.exp(-distances / 2), atol=0.05)
 
 
 def _numpy_features(params, state, x, bound):
@@ -216,7 +218,7 @@ def test_the_ridge_adds_ridge_over_n_times_beta_to_betas_gradient():
       logits, _ = model.apply(p, state, x, train=True, rng=jax.random.key(1))
       return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(4), y])
 
-    return params.output, jax.grad(loss)(params).output
+    return params.output, jax.jit(jax.grad(loss))(params).output
 
   beta, g1 = grad(1.0, 10)
   _, g3 = grad(3.0, 10)
