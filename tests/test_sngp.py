@@ -265,10 +265,12 @@ def _numpy_probs(ens, m, x, options):
 
 
 def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path):
-  config = lambda: _config(**{'eval.shift': 'gaussian_noise:1', 'mesh.data': 2})
+  config = lambda: _config(**{'eval.shift': 'gaussian_noise:1', 'mesh.data': 2,
+                               'train.log_every': 2})  # Calls of 2 steps: step 6 is one's end.
   straight = _train(config(), tmp_path / 'a', devices=4)  # 2 members x 2 data shards
-  stopped = _train(config(), tmp_path / 'b', actions=[support.PreemptAt(4)], devices=4)
-  assert stopped['preempted'] and stopped['step'] == 4
+  # Stopped inside the precision's window (steps 4-7): its sums cross the checkpoint.
+  stopped = _train(config(), tmp_path / 'b', actions=[support.PreemptAt(6)], devices=4)
+  assert stopped['preempted'] and stopped['step'] == 6
   resumed = _train(config(), tmp_path / 'b', devices=4)
   assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
   assert straight['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
