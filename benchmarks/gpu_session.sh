@@ -40,6 +40,8 @@
 #               the :cpuinit fallback where it was cut) beside torch.compile's again, then
 #               ResNet-18 at M = 16 and 64 (where 64 vmapped members do not fit: 'map' over
 #               two chunks of 32); mfu_gpu3.json, merged as BENCHMARKS.md says
+#   overhead    benchmarks/overhead.py on the GPU (issue 65's whole run >= 0.95x its bare
+#               step with every member order): M = 8, 256, 64, one round each
 # Each stage is bounded at 560 s or less (all nine: at most 66 min). Run on an H100
 # (2026-11-27): check and run (50 s together), scaling's ResNet-20 part (M = 64, 256 in
 # 158 s). Run on an H200 (2026-11-27): mfu, 418 s for 5 of its 15 cells (its ViT cell
@@ -50,7 +52,7 @@
 # others have not run since they were written. A session lent less device time runs the
 # stages owed first: scaling, then resnet.
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|run|tests|throughput|resnet|model_axis|scaling|lm|mfu|mfu_owed}
+stage=${1:?usage: gpu_session.sh check|run|tests|throughput|resnet|model_axis|scaling|lm|mfu|mfu_owed|overhead}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -136,6 +138,17 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
       --cells peak,jax:vit:4,jax:vit:4:cpuinit,torch:vit:4,jax:resnet18:16,torch:resnet18:16,jax:resnet18:64,jax:resnet18:64:map32,torch:resnet18:64 \
       --init_timeout_s 75 --budget_s 480 --min_cell_s 35 --cell_timeout_s 170 \
       --out "$out/mfu_gpu3.json" 2>&1 | tee -a "$out/mfu.log"
+    ;;
+  overhead)
+    # Issue 65's whole run against its bare step on a GPU, every member order: the default
+    # run (resident data: 'auto' puts MNIST-1D on the GPU) at M = 8, 256, 64, one process
+    # per M, each its own results file (a cut keeps the Ms that ran).
+    for m in 8 256 64; do
+      timeout -k 10 150 python3 -m benchmarks.overhead --members $m --steps 600 --warmup 100 \
+        --rounds 1 --variants "default;data.member_order='shuffled';data.member_order='bootstrap'" \
+        --out "$out/overhead_gpu_m$m.json" 2>&1 | grep -v '^predictive\|^M=.*round' \
+        | tee -a "$out/overhead.log" || true
+    done
     ;;
   *)
     echo "unknown stage $stage: check, run, tests, throughput, resnet, model_axis, scaling, lm, mfu or mfu_owed" >&2
