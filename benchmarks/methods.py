@@ -42,6 +42,7 @@ batch of 128), so each method trains for the same number of forward/backward pas
               init), 1 draw per example in training, N = the training split's size, the KL
               annealed over 80% of the steps -> 4 fixed draws per member predict
   rank1_cauchy  the same with Cauchy priors and posteriors (the paper's best corrupted-data row)
+  rank1_normal  the same (Gaussian) with the factors' locations starting at N(1, 0.5^2)
   sgmcmc      cyclical SGHMC (Zhang et al. 2020), 4 chains, T steps: 4 cosine cycles (peak
               rate 0.05, friction 0.1, T = 1, N = the training split's size, weight decay
               5e-4), sampling the last 20% of each -> 4 x 4 samples predict
@@ -142,6 +143,8 @@ def methods(steps: int) -> dict[str, dict]:
       'rank1': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'rank1'},
       'rank1_cauchy': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'rank1',
                        'ensemble.rank1.prior': 'cauchy'},
+      'rank1_normal': {'num_members': MEMBERS, 'train.steps': steps, 'ensemble.method': 'rank1',
+                       'ensemble.rank1.init': 'normal'},
       'distilled': {'num_members': MEMBERS, 'train.steps': steps, 'distill.student': 'same',
                     'distill.steps': 2 * steps, 'distill.temperature': 2.0},
       'deep16': {'num_members': CURVE_MEMBERS, 'train.steps': steps},
