@@ -28,7 +28,6 @@ import jax
 import jax.numpy as jnp
 
 from dist_ens.core.model import Model
-from dist_ens.errors import ConfigError
 
 PyTree = Any
 
@@ -125,15 +124,15 @@ def tree_sum(tree: PyTree) -> PyTree:
   return jax.tree.map(pairwise, tree)
 
 
-def check_canonical(k: int, data_size: int) -> None:
-  """ConfigError unless k micro-batches can be summed canonically over `data_size` devices."""
+def canonical_split(k: int, data_size: int) -> str | None:
+  """Why k micro-batches cannot be summed canonically over `data_size` devices, or None:
+  both must be powers of two and `data_size` must divide k (the edge says it as the
+  config's fields: run/mesh_layout.py)."""
   if data_size & (data_size - 1):
-    raise ConfigError(f"config.mesh.data={data_size}: reproducible mode needs a data axis that "
-                      'is a power of two (1, 2, 4, ...), as train.micro_batches is one.')
+    return f'a data axis of {data_size} devices is not a power of two'
   if k & (k - 1) or k % data_size:
-    raise ConfigError(f'config.train.micro_batches={k} must be a power of two that the '
-                      f"mesh's data axis ({data_size}) divides, in reproducible mode: e.g. "
-                      f'{data_size} or {2 * data_size}.')
+    return f'{k} micro-batches are not a power of two that {data_size} devices divide'
+  return None
 
 
 def canonical(fn: BatchFn, k: int, data_axis: str, data_size: int) -> BatchFn:
@@ -142,7 +141,9 @@ def canonical(fn: BatchFn, k: int, data_axis: str, data_size: int) -> BatchFn:
   Runs inside a shard_map that is manual over `data_axis` (of `data_size` devices):
   x and y are this device's block of the member's batch, k / data_size micro-batches.
   """
-  check_canonical(k, data_size)
+  why = canonical_split(k, data_size)
+  if why is not None:
+    raise ValueError(f'canonical sums: {why}.')
   local = k // data_size
 
   def run(params, model_state, x, y, key, hp):

@@ -18,7 +18,16 @@ import optax
 
 from dist_ens import importing
 from dist_ens.core.model import is_kernel
-from dist_ens.errors import ConfigError
+
+
+class SpecError(ValueError):
+  """A field of an OptimSpec that cannot be used: `field`, its `value` and what would work.
+  The edge that built the spec from a config (run/assemble.py) says it as the config's
+  field; core names only its own spec's fields."""
+
+  def __init__(self, field: str, value: Any, remedy: str):
+    super().__init__(f'{field}={value!r}; {remedy}.')
+    self.field, self.value, self.remedy = field, value, remedy
 
 SCHEDULES = ('constant', 'cosine', 'linear', 'step')
 Hparams = Mapping[str, Any]
@@ -82,7 +91,7 @@ def _sgd(spec: OptimSpec, hp: dict[str, Any]) -> optax.GradientTransformation:
 def _decay_mask(spec: OptimSpec):
   name = spec.decay_mask
   if name not in DECAY_MASKS:
-    raise ConfigError(f'config.optim.decay_mask={name!r}; use one of {sorted(DECAY_MASKS)}.')
+    raise SpecError('decay_mask', name, f'use one of {sorted(DECAY_MASKS)}')
   return DECAY_MASKS[name]
 
 
@@ -103,10 +112,10 @@ def _step_decay(spec: OptimSpec, total_steps: int, warmup: int) -> optax.Schedul
   boundaries, factor = tuple(spec.decay_boundaries), spec.decay_factor
   if not all(isinstance(b, (int, float)) and not isinstance(b, bool) and 0 < b < 1
              for b in boundaries) or list(boundaries) != sorted(set(boundaries)):
-    raise ConfigError(f'config.optim.decay_boundaries={boundaries!r}; use increasing fractions '
-                      'of train.steps in (0, 1), e.g. (0.3, 0.6, 0.8) for epochs 60/120/160 of 200.')
+    raise SpecError('decay_boundaries', boundaries, 'use increasing fractions of the run\'s '
+                    'steps in (0, 1), e.g. (0.3, 0.6, 0.8) for epochs 60/120/160 of 200')
   if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-    raise ConfigError(f'config.optim.decay_factor={factor!r}; use a number in (0, 1], e.g. 0.2.')
+    raise SpecError('decay_factor', factor, 'use a number in (0, 1], e.g. 0.2')
   # The decay part of a schedule counts its steps from the end of warm-up; a boundary
   # is a step of the whole run, so shift it (one inside warm-up acts at its end).
   steps = [max(round(b * total_steps) - warmup, 0) for b in boundaries]
@@ -135,9 +144,10 @@ def schedule(spec: OptimSpec, total_steps: int) -> optax.Schedule:
   if importing.is_import_path(name):
     decay = importing.load_object(name, 'config.optim.schedule')
   elif name not in SCHEDULES:
-    raise ConfigError(f'config.optim.schedule={name!r}; use one of {SCHEDULES}.')
+    raise SpecError('schedule', name, f'use one of {SCHEDULES}')
   if not 0 <= warmup <= total_steps:
-    raise ConfigError(f'config.optim.warmup_steps={warmup} must be in [0, train.steps={total_steps}].')
+    raise SpecError('warmup_steps', warmup,
+                    f'use a number of steps in [0, {total_steps}], the run\'s')
   decay_steps = max(total_steps - warmup, 1)
   if name == 'step':
     decay = _step_decay(spec, total_steps, warmup)
@@ -178,8 +188,8 @@ def _builder(name: str):
     return (lambda spec, values: make(values)), ('learning_rate', 'weight_decay', 'b1',
                                                    'momentum')
   if name not in OPTIMIZERS:
-    raise ConfigError(f'config.optim.name={name!r}; use one of {sorted(OPTIMIZERS)}, or your '
-                      "own by import path, 'my_pkg.opt:make_optimizer'.")
+    raise SpecError('name', name, f'use one of {sorted(OPTIMIZERS)}, or your own by import '
+                    "path, 'my_pkg.opt:make_optimizer'")
   return OPTIMIZERS[name]
 
 
@@ -211,7 +221,7 @@ def make_optimizer(spec: OptimSpec, total_steps: int, cycles: int = 1, cycles_fr
     >>> tx = optimizer({'optim.learning_rate': 0.5, ...})  # this member's values
 
   Raises:
-    ConfigError: naming config.optim.name or schedule for an unknown one.
+    SpecError: naming the spec's field (name, schedule, ...) for a value it cannot take.
   """
   build, fields = _builder(spec.name)
   _decay_mask(spec)  # Validates the field before anything is built.

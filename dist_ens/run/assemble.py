@@ -34,7 +34,7 @@ from dist_ens.config import checks
 from dist_ens.io.checkpoint import Checkpointer
 from dist_ens.core import gradients, hparams as hparams_lib, stacks as stacks_lib
 from dist_ens.core.model import Model
-from dist_ens.core.optim import Optimizer, make_optimizer
+from dist_ens.core.optim import Optimizer, SpecError, make_optimizer
 from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, stored
 from dist_ens.errors import ConfigError
@@ -317,12 +317,16 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
 
 def _optimizer(config: ml_collections.ConfigDict, method: methods.Method,
                optimizer: Optimizer | optax.GradientTransformation | None) -> Optimizer:
-  """The config's optimizer for `method`'s schedule, or the caller's as an Optimizer."""
-  if optimizer is None and method.optimizer is not None:  # its own rule (SG-MCMC's samplers)
-    return method.optimizer(optim_spec(config), config.train.steps)
-  if optimizer is None:
-    return make_optimizer(optim_spec(config), config.train.steps, cycles=method.cycles,
-                          cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
+  """The config's optimizer for `method`'s schedule, or the caller's as an Optimizer; a
+  field of config.optim that core cannot use is refused as that config field."""
+  try:
+    if optimizer is None and method.optimizer is not None:  # its own (SG-MCMC's samplers)
+      return method.optimizer(optim_spec(config), config.train.steps)
+    if optimizer is None:
+      return make_optimizer(optim_spec(config), config.train.steps, cycles=method.cycles,
+                            cycles_from=method.cycles_from, cycle_rate=method.cycle_rate)
+  except SpecError as e:
+    raise ConfigError(f'config.optim.{e}') from None
   if isinstance(optimizer, optax.GradientTransformation):
     return functools.partial(lambda tx, hp=None: tx, optimizer)
   return optimizer

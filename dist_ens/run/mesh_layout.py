@@ -35,7 +35,7 @@ def build_mesh(config: ml_collections.ConfigDict,
     logging.warning('%s', mesh_lib.idle_devices_message(
         mesh_spec(config), mesh, len(devices), config.num_members, config.data.batch_size))
   if config.reproducible:
-    gradients.check_canonical(config.train.micro_batches, mesh.shape[mesh_lib.DATA])
+    check_canonical(config.train.micro_batches, mesh.shape[mesh_lib.DATA])
     if config.mesh.fsdp_over_data:  # Its split, so its sums, would follow mesh.data.
       raise ConfigError(
           'config.reproducible=True promises members bit-identical on any mesh, but '
@@ -69,3 +69,16 @@ def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections
   logical = tuple(tuple(pair) for pair in mesh_config.logical_rules) or None
   rule = sharding_rules.from_flax_metadata(member_params(), logical, default=rule)
   return Layout(axes=tuple(mesh.axis_names), rule=rule, **shared)
+
+
+def check_canonical(k: int, data_size: int) -> None:
+  """ConfigError unless config.train.micro_batches=k can be summed canonically over the
+  mesh's `data_size` devices (reproducible mode; core.gradients.canonical_split)."""
+  if gradients.canonical_split(k, data_size) is None:
+    return
+  if data_size & (data_size - 1):
+    raise ConfigError(f"config.mesh.data={data_size}: reproducible mode needs a data axis that "
+                      'is a power of two (1, 2, 4, ...), as train.micro_batches is one.')
+  raise ConfigError(f'config.train.micro_batches={k} must be a power of two that the '
+                    f"mesh's data axis ({data_size}) divides, in reproducible mode: e.g. "
+                    f'{data_size} or {2 * data_size}.')
