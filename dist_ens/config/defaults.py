@@ -11,6 +11,7 @@ spec such as 'loguniform(1e-4,1e-2)' or 'grid(1e-3,1e-2)' (see dist_ens/core/hpa
   --config.optim.learning_rate='[0.001,0.002,0.003,0.004]'
 """
 
+import copy
 import importlib.util
 import sys
 from pathlib import Path
@@ -179,8 +180,8 @@ def _method_fields(config: ml_collections.ConfigDict) -> None:
   """Each built-in method's own fields, config.ensemble.<its file's name>: declared in its
   file (dist_ens/ensembles/<name>.py) as FIELDS, so a new method is one file and one
   registry line."""
-  for group, values in _schema().method_defaults().items():
-    config.ensemble[group] = ml_collections.ConfigDict(values)
+  for group, values in _schema().method_defaults().items():  # (cached: each config its copy)
+    config.ensemble[group] = ml_collections.ConfigDict(copy.deepcopy(values))
 
 
 def _schema():
