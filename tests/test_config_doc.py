@@ -116,7 +116,8 @@ def test_a_method_declares_its_fields_in_its_own_file():
 def test_a_method_files_fields_are_read_with_their_checks(tmp_path, monkeypatch):
   from dist_ens.config import schema  # pylint: disable=g-import-not-at-top
   (tmp_path / 'mine.py').write_text(
-      'import jax\n\nFIELDS = dict(\n    # how many draws\n    draws=4,  # at evaluation [int >= 1]\n'
+      'import jax\n\nFIELDS = dict(\n    # how many draws\n'
+      '    draws=4,  # at evaluation [int >= 1]\n'
       "    kind='a',  # [one of 'a', 'b']\n)\n")
   (tmp_path / 'other.py').write_text('X = dict(a=1)\n')  # No FIELDS: no group.
   (tmp_path / 'unused.py').write_text('FIELDS = dict(a=1)\n')  # Not registered: no group.

@@ -127,7 +127,8 @@ def test_bad_names():
     optim.make_optimizer(_cfg(name='lion'), 10)
   with pytest.raises(optim.SpecError, match=r"^schedule='steps'; use one of"):
     optim.make_optimizer(_cfg(schedule='steps'), 10)
-  with pytest.raises(optim.SpecError, match=r'^warmup_steps=20; use a number of steps in \[0, 10\]'):
+  with pytest.raises(optim.SpecError,
+                     match=r'^warmup_steps=20; use a number of steps in \[0, 10\]'):
     optim.make_optimizer(_cfg(warmup_steps=20), 10)
   assert issubclass(optim.SpecError, ValueError) and not issubclass(optim.SpecError, ConfigError)
   from dist_ens.run import assemble  # pylint: disable=g-import-not-at-top

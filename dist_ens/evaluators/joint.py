@@ -37,7 +37,7 @@ class JointLogLoss(PeriodicAction):
 
   def run(self, call: Call) -> None:
     session = call.session
-    task, test = session.parts.task, session.run_data.dataset.test
+    test = session.run_data.dataset.test
     batches = joint.dyadic_batches(len(test.y), self.tau, self.num_batches, self.seed)
     included = ~np.asarray(member_flags(session.fetch(call.state.frozen)), bool)
     if not included.any():  # Every member went non-finite: the run ends saying so.

@@ -38,7 +38,7 @@ from dist_ens.io.run_files import write_npz
 
 FILE = 'laplace.npz'
 _FORMAT = ('dist_ens last-layer Laplace: per member, precision = GGN (eigenbasis q/lam, or '
-           'q_a/lam_a kron q_g/lam_g) + prior_precision * I; see dist_ens/evaluators/laplace_file.py')
+           'q_a/lam_a kron q_g/lam_g) + prior_precision * I; see evaluators/laplace_file.py')
 
 
 def write(workdir: str | os.PathLike, fits: Sequence[LaplaceFit]) -> None:

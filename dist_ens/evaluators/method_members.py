@@ -41,8 +41,9 @@ class MethodEnsemble(posthoc.Posthoc):
       session.write({'step': call.step, 'split': f'test_{method.name}', **results})
     logging.info('%s: %d predicting members (%d per trained member), test metrics:\n%s',
                  method.name, included.sum(), method.per_member,
-                 posthoc.ensembles_table({'trained members': {'ensemble': session.results['ensemble']},
-                                  method.name: results}, session.parts.task))
+                 posthoc.ensembles_table(
+                     {'trained members': {'ensemble': session.results['ensemble']},
+                      method.name: results}, session.parts.task))
 
 
 def evaluator(run: EvalRun) -> list[PeriodicAction]:

@@ -23,7 +23,7 @@ round, metric values), a resumed run equals an uninterrupted one.
 """
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax

@@ -18,8 +18,9 @@ class TemperatureScale(posthoc.Posthoc):
   def run(self, call: Call) -> None:
     session = call.session
     val_y, test_y = session.run_data.validation.y, session.run_data.dataset.test.y
-    out = session.parts.task.calibrate(session.evaluator.scorer, self.cache.get(call, 'validation'),
-                                       val_y, self.cache.get(call, 'test'), test_y, posthoc.included(call))
+    out = session.parts.task.calibrate(
+        session.evaluator.scorer, self.cache.get(call, 'validation'), val_y,
+        self.cache.get(call, 'test'), test_y, posthoc.included(call))
     session.results['temperature_scaling'] = out
     if session.writes_final_events:
       session.write({'step': call.step, 'split': 'test_temperature_scaled', **out['after']})

@@ -287,8 +287,8 @@ METRICS = ('accuracy', 'nll', 'member_nll', 'brier', 'ece', 'train_loss_last_250
            'train_member_nll', 'train_seconds')
 
 
-def train_variants(train: Callable[..., dict], data_path: str, variants: list[str], seeds: list[int],
-                   steps: int) -> dict[str, dict]:
+def train_variants(train: Callable[..., dict], data_path: str, variants: list[str],
+                   seeds: list[int], steps: int) -> dict[str, dict]:
   """{variant: its rows over seeds}: `train(variant, seed, data, steps)` for each, each
   run's figures printed as it ends (compare.py's and packed.py's loop)."""
   with np.load(data_path) as f:
