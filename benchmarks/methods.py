@@ -304,7 +304,8 @@ def run(base: Path, name: str, overrides: dict, validation_size: int) -> dict:
          'predicting_members': ens.num_members * max(mc, 1) * heads,
          'predicting_parameters': per_member * ens.num_members,
          'train_seconds': results['train_seconds'],
-         'calibrated_nll': calibrated_nll, 'temperature': temperature}
+         'calibrated_nll': calibrated_nll, 'temperature': temperature,
+         'validation_nll': _nll(_mixture(val_log_probs), val.y)}
   if name == 'distilled':
     ensemble, auroc = _student_scores(ens, log_probs, test)
     student = ens.student()
