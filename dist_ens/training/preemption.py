@@ -66,6 +66,7 @@ class PreemptionWatcher:
       for signum in STOP_SIGNALS:
         self._previous[signum] = signal.signal(signum, self._handle)
       self._watch_native()
+      _install_unraisable_hook()
 
   def _handle(self, signum, frame) -> None:
     del frame
@@ -150,6 +151,28 @@ class _StopVote:
     mine = jax.make_array_from_process_local_data(self._sharding, np.array([local], np.int32))
     pending, self._pending = self._pending, self._reduce(mine)
     return 0 if pending is None else int(np.asarray(pending.addressable_data(0)))
+
+
+def _install_unraisable_hook() -> None:
+  """Makes a StopRequested that Python cannot raise still stop the process at once.
+
+  A signal handler runs between any two bytecodes, also inside a garbage-collector
+  callback or a `__del__` (JAX registers one that runs at every collection); an exception
+  raised there is printed as "Exception ignored in ..." and the run goes on. Installed
+  once and kept: it acts only on StopRequested, which nothing but the watcher raises, and
+  such an exception may be swallowed after the watcher has closed.
+  """
+  previous = sys.unraisablehook
+  if getattr(previous, '_dist_ens_stop', False):
+    return
+
+  def hook(unraisable) -> None:
+    if isinstance(unraisable.exc_value, StopRequested):
+      _exit_now(unraisable.exc_value.signum)
+    previous(unraisable)
+
+  hook._dist_ens_stop = True  # pylint: disable=protected-access
+  sys.unraisablehook = hook
 
 
 def _jax_preemption_notice(check: int) -> bool:
