@@ -12,6 +12,15 @@ from typing import Any
 from dist_ens.errors import ConfigError
 
 
+class ImportPathError(ConfigError):
+  """An import path that does not load: `field`, the `path` and the `reason` ("cannot be
+  imported: ..."). core/, which names its own spec's fields, says it as its SpecError."""
+
+  def __init__(self, field: str, path: str, reason: str):
+    super().__init__(f'{field}={path!r} {reason}')
+    self.field, self.path, self.reason = field, path, reason
+
+
 def is_import_path(value: Any) -> bool:
   """Whether `value` names an object as 'module:attribute' (a TFDS name with a version,
   'mnist:3.0.1', is not one: its attribute part is not a Python name)."""
@@ -29,17 +38,18 @@ def load_object(path: str, field: str) -> Any:
     2.0
 
   Raises:
-    ConfigError: one line naming `field` and the import that failed.
+    ImportPathError (a ConfigError): one line naming `field` and the import that failed.
   """
   module_name, _, attr = path.partition(':')
   try:
     obj = _import_here_too(module_name)
   except ImportError as e:
-    raise ConfigError(f'{field}={path!r} cannot be imported: {type(e).__name__}: {e} '
-                      f'({_where_to_import_from(module_name, e)})') from None
+    raise ImportPathError(field, path, f'cannot be imported: {type(e).__name__}: {e} '
+                          f'({_where_to_import_from(module_name, e)})') from None
   for part in attr.split('.'):
     if not hasattr(obj, part):
-      raise ConfigError(f'{field}={path!r}: module {module_name!r} has no attribute {attr!r}.')
+      raise ImportPathError(field, path, f'cannot be loaded: module {module_name!r} has no '
+                            f'attribute {attr!r}.')
     obj = getattr(obj, part)
   return obj
 

@@ -3,7 +3,6 @@
 import csv
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 from absl import flags
@@ -30,7 +29,7 @@ def _config(**overrides):
 
 
 def _resolve(config):
-  return hparams.resolve(specs.hparams_spec(config))
+  return specs.resolve_hparams(config)
 
 
 def test_scalars_lists_and_spaced_specs():
@@ -72,8 +71,8 @@ def test_grid_is_a_cartesian_product_in_field_order():
 
 @pytest.mark.parametrize('overrides,message', [
     (dict(optim__learning_rate='grid(1,2,3)', optim__weight_decay='grid(0,1)'),
-     r'grid over optim.learning_rate, optim.weight_decay has 3 \(optim.learning_rate\) x 2 '
-     r'\(optim.weight_decay\) = 6 points but config.num_members=4; set num_members=6'),
+     r'config.num_members=4: the grid over optim.learning_rate, optim.weight_decay has 3 '
+     r'\(optim.learning_rate\) x 2 \(optim.weight_decay\) = 6 points; set num_members=6'),
     (dict(optim__learning_rate=[1e-3, 2e-3]), r'config.optim.learning_rate has 2 values.*'
                                               r'exactly num_members=4'),
     (dict(optim__learning_rate='cosine(1, 2)'), r"unknown spec 'cosine'"),
@@ -89,6 +88,18 @@ def test_grid_is_a_cartesian_product_in_field_order():
 def test_bad_values_name_the_field(overrides, message):
   with pytest.raises(ConfigError, match=message):
     _resolve(_config(**overrides))
+
+
+def test_core_names_its_own_fields_and_the_edge_the_configs():
+  # core/ raises a plain ValueError naming the field as core.hparams.FIELDS does; only the
+  # edge that read the config (config.specs.resolve_hparams) says `config.`.
+  fields = dict(specs.hparams_spec(_config()).fields, **{'optim.b1': 'loguniform(0, 1)'})
+  with pytest.raises(hparams.HparamsError) as raised:
+    hparams.resolve(hparams.HparamsSpec(4, 0, fields))
+  assert raised.value.field == 'optim.b1' and not isinstance(raised.value, ConfigError)
+  assert str(raised.value).startswith("optim.b1='loguniform(0, 1)': loguniform needs lo and hi")
+  with pytest.raises(ConfigError, match=r"^config\.optim\.b1='loguniform\(0, 1\)': loguniform"):
+    _resolve(_config(optim__b1='loguniform(0, 1)'))
 
 
 def test_command_line_forms_work_as_written():

@@ -137,6 +137,14 @@ def test_bad_names():
   with pytest.raises(ConfigError, match=r"^config.optim.name='lion'; use one of \['adam', "
                                         r"'sgd'\], or your own by import path"):
     assemble.build_run(config, shapes=((40,), 10))
+  # An import path that does not load: core says its own field, the edge the config's.
+  with pytest.raises(optim.SpecError, match=r"^schedule='no_such_pkg.s:decay'; cannot be "
+                                            r'imported: ModuleNotFoundError'):
+    optim.make_optimizer(_cfg(schedule='no_such_pkg.s:decay'), 10)
+  config.optim.name = 'optax:no_such_optimizer'
+  with pytest.raises(ConfigError, match=r"^config.optim.name='optax:no_such_optimizer'; cannot "
+                                        r"be loaded: module 'optax' has no attribute"):
+    assemble.build_run(config, shapes=((40,), 10))
 
 
 def test_optim_spec_reads_every_field_of_config_optim_and_names_a_missing_one():

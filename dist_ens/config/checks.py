@@ -76,11 +76,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   # Groups first: a pairing they refuse is named as theirs, not as the other field's.
   for spec in member_groups.check(config):  # Each group's own fields and overrides.
     with member_groups.in_group(spec):
-      hparams.resolve(specs.hparams_spec(member_groups.group_config(config, spec)))
+      specs.resolve_hparams(member_groups.group_config(config, spec))
   _validate_select(config)
   _validate_eval(config)
   # Per-member fields: numbers, lists of M numbers or specs.
-  resolved = hparams.resolve(specs.hparams_spec(config))
+  resolved = specs.resolve_hparams(config)
   _validate_pbt(config, by_epochs)
   _warn_shared_optimizer(config, resolved)
 

@@ -103,6 +103,15 @@ def hparams_spec(config: ml_collections.ConfigDict) -> hparams_lib.HparamsSpec:
                                  {field: _field(config, field) for field in hparams_lib.FIELDS})
 
 
+def resolve_hparams(config: ml_collections.ConfigDict) -> dict[str, Any]:
+  """Each member's value of every per-member field, [num_members] float32 each
+  (core.hparams.resolve); a value that cannot be resolved is said as its config field."""
+  try:
+    return hparams_lib.resolve(hparams_spec(config))
+  except hparams_lib.HparamsError as e:
+    raise ConfigError(f'config.{e}') from None
+
+
 def pbt_spec(config: ml_collections.ConfigDict) -> pbt.PbtSpec | None:
   """config.pbt, checked, each explored field's rule read from its sweep spec; None when
   population-based training is off."""
@@ -110,7 +119,7 @@ def pbt_spec(config: ml_collections.ConfigDict) -> pbt.PbtSpec | None:
   if not p.enabled:
     return None
   configured = {field: _field(config, field) for field in hparams_lib.FIELDS}
-  resolved = hparams_lib.resolve(hparams_spec(config))
+  resolved = resolve_hparams(config)
   return pbt.make_spec(
       interval=p.interval, metric=p.metric, quantile=p.quantile, fields=tuple(p.fields),
       perturb_factors=tuple(p.perturb_factors), resample_probability=p.resample_probability,

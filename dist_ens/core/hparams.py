@@ -33,7 +33,6 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dist_ens.errors import ConfigError
 
 # Fields that may vary per member, with the lowest value each accepts and whether
 # that bound is inclusive.
@@ -53,6 +52,17 @@ _RANDOM = ('uniform', 'loguniform')
 _SPACED = ('linspace', 'logspace')
 
 
+class HparamsError(ValueError):
+  """A per-member field's value that cannot be resolved. The message starts with the field
+  as FIELDS names it ('optim.learning_rate=...') or with num_members; the edge that built
+  the HparamsSpec from a config says it as the config's field (config.specs.resolve_hparams).
+  """
+
+  def __init__(self, field: str, message: str):
+    super().__init__(message)
+    self.field = field
+
+
 class HparamsSpec(NamedTuple):
   """What resolve reads: the ensemble's size, the seed that random specs draw from, and
   each of FIELDS ('section.name') as configured (a number, a list or a spec string)."""
@@ -64,26 +74,26 @@ class HparamsSpec(NamedTuple):
 def _parse_spec(field: str, value: str) -> tuple[str, list[float]]:
   match = _SPEC.match(value)
   if not match:
-    raise ConfigError(
-        f'config.{field}={value!r} is not a number, a list of numbers or a sweep spec; use '
+    raise HparamsError(
+        field, f'{field}={value!r} is not a number, a list of numbers or a sweep spec; use '
         "e.g. 1e-3, '[1e-3,3e-3]', 'logspace(1e-4,1e-2)', 'loguniform(1e-4,1e-2)' or "
         "'grid(1e-3,3e-3)'.")
   name, args = match.group(1), match.group(2)
   if name not in _RANDOM + _SPACED + ('grid',):
-    raise ConfigError(f'config.{field}={value!r}: unknown spec {name!r}; use one of '
-                      f'{list(_SPACED + _RANDOM + ("grid",))}.')
+    raise HparamsError(field, f'{field}={value!r}: unknown spec {name!r}; use one of '
+                       f'{list(_SPACED + _RANDOM + ("grid",))}.')
   try:
     parsed = ast.literal_eval(f'({args},)') if args.strip() else ()
     numbers = [float(a) for a in parsed]
   except (ValueError, SyntaxError, TypeError):
-    raise ConfigError(f'config.{field}={value!r}: the arguments of {name}(...) must be '
-                      'numbers.') from None
+    raise HparamsError(field, f'{field}={value!r}: the arguments of {name}(...) must be '
+                       'numbers.') from None
   if name != 'grid' and len(numbers) != 2:
-    raise ConfigError(f'config.{field}={value!r}: {name} takes two numbers, (lo, hi).')
+    raise HparamsError(field, f'{field}={value!r}: {name} takes two numbers, (lo, hi).')
   if name == 'grid' and not numbers:
-    raise ConfigError(f'config.{field}={value!r}: grid(...) needs at least one value.')
+    raise HparamsError(field, f'{field}={value!r}: grid(...) needs at least one value.')
   if name in ('logspace', 'loguniform') and min(numbers) <= 0:
-    raise ConfigError(f'config.{field}={value!r}: {name} needs lo and hi > 0.')
+    raise HparamsError(field, f'{field}={value!r}: {name} needs lo and hi > 0.')
   return name, numbers
 
 
@@ -92,7 +102,7 @@ def parse_spec(field: str, value: str) -> tuple[str, list[float]]:
   population-based training explores within it (dist_ens/ensembles/pbt.py).
 
   Raises:
-    ConfigError: naming the field, for a string that is not a known spec.
+    HparamsError: naming the field, for a string that is not a known spec.
   """
   return _parse_spec(field, value)
 
@@ -120,16 +130,16 @@ def float32_normal(values: Any) -> bool:
 def _check_range(field: str, values: np.ndarray, shown: Any) -> None:
   low, inclusive = FIELDS[field]
   if not float32_normal(values):
-    raise ConfigError(f'config.{field}={shown!r}: every value must be 0 or between '
-                      f'{np.finfo(np.float32).tiny:.2g} and {np.finfo(np.float32).max:.2g} in '
-                      'size (members train in float32).')
+    raise HparamsError(field, f'{field}={shown!r}: every value must be 0 or between '
+                       f'{np.finfo(np.float32).tiny:.2g} and {np.finfo(np.float32).max:.2g} in '
+                       'size (members train in float32).')
   ok = np.all(np.isfinite(values)) and (np.all(values >= low) if inclusive else np.all(values > low))
   high = _UPPER.get(field)
   if high is not None:
     ok = ok and np.all(values < high)
   if not ok:
     bound = f'{">=" if inclusive else ">"} {low}' + (f' and < {high}' if high is not None else '')
-    raise ConfigError(f'config.{field}={shown!r}: every value must be finite and {bound}.')
+    raise HparamsError(field, f'{field}={shown!r}: every value must be finite and {bound}.')
 
 
 def as_written(values: np.ndarray) -> list[float]:
@@ -142,9 +152,9 @@ def resolve(spec: HparamsSpec) -> dict[str, np.ndarray]:
   """Each of FIELDS as a float32 array [spec.num_members], sweep specs expanded.
 
   Raises:
-    ConfigError: naming the field, for a value that is not a number, a list of M
+    HparamsError: naming the field, for a value that is not a number, a list of M
       numbers or a known spec, for out-of-range values, or for a grid whose size
-      is not config.num_members.
+      is not num_members.
   """
   m, seed = spec.num_members, spec.seed
   values: dict[str, np.ndarray] = {}
@@ -152,14 +162,14 @@ def resolve(spec: HparamsSpec) -> dict[str, np.ndarray]:
   for field in FIELDS:
     value = spec.fields[field]
     if isinstance(value, bool):
-      raise ConfigError(f'config.{field}={value!r} must be a number, not a bool.')
+      raise HparamsError(field, f'{field}={value!r} must be a number, not a bool.')
     if isinstance(value, (int, float)):
       values[field] = np.full(m, float(value))
     elif isinstance(value, (list, tuple)):
       if len(value) != m or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                     for v in value):
-        raise ConfigError(
-            f'config.{field} has {len(value)} values {list(value)!r}; a per-member list needs '
+        raise HparamsError(
+            field, f'{field} has {len(value)} values {list(value)!r}; a per-member list needs '
             f'exactly num_members={m} numbers.')
       values[field] = np.asarray(value, float)
     elif isinstance(value, str):
@@ -178,15 +188,15 @@ def resolve(spec: HparamsSpec) -> dict[str, np.ndarray]:
         values[field] = np.exp(math.log(lo) + (math.log(hi) - math.log(lo))
                                * _member_uniform(seed, field, m))
     else:
-      raise ConfigError(f'config.{field}={value!r} ({type(value).__name__}) must be a number, '
-                        f'a list of num_members={m} numbers, or a sweep spec string.')
+      raise HparamsError(field, f'{field}={value!r} ({type(value).__name__}) must be a number, '
+                         f'a list of num_members={m} numbers, or a sweep spec string.')
     _check_range(field, values[field], value)
   if grids:
     size = math.prod(len(v) for v in grids.values())
     if size != m:
       shape = ' x '.join(f'{len(v)} ({f})' for f, v in grids.items())
-      raise ConfigError(f'the grid over {", ".join(grids)} has {shape} = {size} points but '
-                        f'config.num_members={m}; set num_members={size}.')
+      raise HparamsError('num_members', f'num_members={m}: the grid over {", ".join(grids)} '
+                         f'has {shape} = {size} points; set num_members={size}.')
     for field, column in zip(grids, zip(*itertools.product(*grids.values()))):
       values[field] = np.asarray(column, float)
       _check_range(field, values[field], spec.fields[field])

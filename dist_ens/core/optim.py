@@ -142,7 +142,7 @@ def schedule(spec: OptimSpec, total_steps: int) -> optax.Schedule:
   warmup = int(spec.warmup_steps)
   name = spec.schedule
   if importing.is_import_path(name):
-    decay = importing.load_object(name, 'config.optim.schedule')
+    decay = _user_object('schedule', name)
   elif name not in SCHEDULES:
     raise SpecError('schedule', name, f'use one of {SCHEDULES}')
   if not 0 <= warmup <= total_steps:
@@ -178,13 +178,22 @@ def _member_values(spec: OptimSpec, fields: tuple[str, ...],
   return values
 
 
+def _user_object(field: str, path: str) -> Any:
+  """The object at the import path a field of the spec holds; one that does not load is
+  refused as that field."""
+  try:
+    return importing.load_object(path, field)
+  except importing.ImportPathError as e:
+    raise SpecError(field, path, e.reason.rstrip('.')) from None
+
+
 def _builder(name: str):
   """(builder(spec, values) -> GradientTransformation, per-member fields) of a
   built-in optimizer, or of yours: 'my_pkg.opt:make' with make(values) ->
   GradientTransformation, values this member's {learning_rate, weight_decay, b1,
   momentum}."""
   if importing.is_import_path(name):
-    make = importing.load_object(name, 'config.optim.name')
+    make = _user_object('name', name)
     return (lambda spec, values: make(values)), ('learning_rate', 'weight_decay', 'b1',
                                                    'momentum')
   if name not in OPTIMIZERS:

@@ -13,7 +13,7 @@ import numpy as np
 
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.report import plots as plots
-from dist_ens.config.specs import hparams_spec
+from dist_ens.config.specs import resolve_hparams
 
 
 def schedules(config: Any, events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -21,7 +21,7 @@ def schedules(config: Any, events: list[dict[str, Any]]) -> dict[str, Any]:
   from the start and after each round}, 'metric': name, 'values': [M, R] the ranked metric,
   'copied': [M, R] bool, a member that copied another at that round}."""
   rounds = sorted((e for e in events if e.get('split') == 'pbt'), key=lambda e: e['step'])
-  start = hparams_lib.resolve(hparams_spec(config))
+  start = resolve_hparams(config)
   fields = list(rounds[0]['pbt']['hparams']) if rounds else []
   out = {'steps': np.array([0] + [e['step'] for e in rounds]),
          'fields': {}, 'metric': rounds[0]['pbt']['metric'] if rounds else '',

@@ -46,8 +46,9 @@ from dist_ens.parallel import mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import TrainStep, make_train_step
 from dist_ens.run.run_data import RunData, build_data
-from dist_ens.config.specs import (EvalSpec, RunSpec, StackSpec, data_spec, hparams_spec,
-                                   method_spec, model_spec, optim_spec, run_spec, stack_spec)
+from dist_ens.config.specs import (EvalSpec, RunSpec, StackSpec, data_spec, method_spec,
+                                   model_spec, optim_spec, resolve_hparams, run_spec,
+                                   stack_spec)
 
 
 class Parts(NamedTuple):
@@ -337,7 +338,7 @@ def _member_hparams(config: ml_collections.ConfigDict, method: methods.Method,
   """Each member's hyperparameters, [num_members] each: members first_member .. of the
   config's (a group's), or repeated where plan asks for more members than
   config.num_members."""
-  member_hparams = hparams_lib.resolve(hparams_spec(config))
+  member_hparams = resolve_hparams(config)
   if method.shares and method.owned is None:
     _check_shared_optimizer(member_hparams, method.name)
   if first_member:
