@@ -3,12 +3,21 @@
 `tfds.data_source` reads ArrayRecord files directly (images are decoded with PIL),
 so reading needs tensorflow-datasets but not TensorFlow; only preparing a dataset
 once does (see `prepare_command`).
+
+For the common image set (a PNG Image feature and a ClassLabel, as TFDS prepares
+MNIST, CIFAR and most others) this module also owns a shorter decode of the same
+records (`_PngRecords`): the same serialized examples, the same PIL decoder on the
+same compressed bytes, without TFDS's per-example Python around it. Any record it
+does not recognise as a plain 8-bit PNG goes through TFDS's own decoding, so the
+arrays are TFDS's bit for bit either way.
 """
 
 import contextlib
 import difflib
 import logging as std_logging
-from collections.abc import Iterator
+import struct
+import zlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -67,6 +76,154 @@ def _quiet_tfds() -> Iterator[None]:
     logger.setLevel(before)
 
 
+_PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
+# 8-bit PNG colour types -> the PIL mode PIL opens them in (its rawmode too): greyscale,
+# truecolour, truecolour with alpha. Others (palettes, 16-bit, grey with alpha) are
+# left to TFDS.
+_PNG_MODES = {0: 'L', 2: 'RGB', 6: 'RGBA'}
+
+
+def _plain_png(png: bytes) -> tuple[int, int, str, bytes] | None:
+  """(width, height, PIL mode, compressed pixel data) of a plain PNG, else None.
+
+  Plain: the signature, an IHDR (8 bits a sample, a mode in _PNG_MODES, compression
+  and filter method 0, not interlaced), one run of IDAT chunks, IEND, and no other
+  chunk; every chunk's CRC correct. These are the PNGs TFDS and PIL write for an
+  image array. Any other chunk (a palette, transparency, text PIL would parse) may
+  change what PIL gives or raises, so those are not plain.
+  """
+  if not png.startswith(_PNG_SIGNATURE):
+    return None
+  unpack, size = struct.unpack_from, len(png)
+  pos, header, data = 8, None, []
+  while pos + 12 <= size:
+    length, kind = unpack('>I4s', png, pos)
+    end = pos + 8 + length
+    if end + 4 > size or zlib.crc32(png[pos + 4:end]) != unpack('>I', png, end)[0]:
+      return None
+    if header is None:
+      if kind != b'IHDR' or length != 13:
+        return None
+      width, height, depth, colour, compression, filtering, interlace = unpack(
+          '>IIBBBBB', png, pos + 8)
+      if depth != 8 or colour not in _PNG_MODES or compression or filtering or interlace:
+        return None
+      header = (width, height, _PNG_MODES[colour])
+    elif kind == b'IDAT':
+      data.append(png[pos + 8:end])
+    elif kind == b'IEND':
+      return (*header, b''.join(data)) if data else None
+    else:
+      return None
+    pos = end + 4
+  return None
+
+
+def _png_pixels(png: bytes, channels: int) -> np.ndarray | None:
+  """The array TFDS's Image feature decodes from `png` with PIL (uint8, [H, W, C]), for
+  a plain PNG (see _plain_png); None for any other, or one PIL cannot decode whole.
+
+  PIL's PNG plugin hands the IDAT data to its 'zip' decoder with the IHDR's mode as
+  rawmode; Image.frombytes runs that decoder on the same bytes, and np.asarray (what
+  TFDS calls) reads the image through tobytes(), as here. Greyscale gets `channels`
+  copies on a last axis, as TFDS's _reshape_grayscale_image gives it.
+  """
+  from PIL import Image  # pylint: disable=g-import-not-at-top  # tfds's own dependency.
+  plain = _plain_png(png)
+  if plain is None:
+    return None
+  width, height, mode, data = plain
+  limit = Image.MAX_IMAGE_PIXELS  # Image.open warns or refuses above it: TFDS's path.
+  if not width or not height or (limit is not None and width * height > limit):
+    return None
+  try:
+    image = Image.frombytes(mode, (width, height), data, 'zip', mode)
+  except (ValueError, OSError):  # Truncated or corrupt data: TFDS's path says what.
+    return None
+  if mode == 'L':
+    pixels = np.frombuffer(image.tobytes(), np.uint8).reshape(height, width)
+    return np.repeat(pixels[..., None], channels, axis=-1)
+  return np.frombuffer(image.tobytes(), np.uint8).reshape(height, width, len(mode))
+
+
+def _field(features: Any, key: str, kind: str) -> Any:
+  """The value of tf.train.Example feature `key` if it holds exactly one, of `kind`
+  ('bytes_list', 'int64_list'); else None."""
+  if key not in features:
+    return None
+  feature = features[key]
+  if feature.WhichOneof('kind') != kind:
+    return None
+  values = getattr(feature, kind).value
+  return values[0] if len(values) == 1 else None
+
+
+class _PngRecords:
+  """(inputs, labels) of records whose input feature is a TFDS Image holding PNGs and
+  whose label is a ClassLabel, decoded as TFDS decodes them but with less Python an
+  example: the serialized tf.train.Example is parsed once, the label taken from it and
+  the PNG decoded by PIL (_png_pixels); a record that is not a plain PNG and one label
+  goes through TFDS's own deserialize_example_np, as `__getitems__` would.
+
+  Features other than the input and label are neither decoded nor checked.
+  """
+
+  def __init__(self, data_source: Any, input_key: str, label_key: str, channels: int):
+    self._source, self._input_key, self._label_key = data_source, input_key, label_key
+    self._channels = channels
+
+  @classmethod
+  def for_source(cls, data_source: Any, input_key: str, label_key: str) -> '_PngRecords | None':
+    """A decoder for `data_source` (a tfds.data_source), or None where TFDS would decode
+    otherwise than this does: another file format or decoders, an input that is not a
+    uint8 Image, a label that is not a ClassLabel, or TFDS decoding images with OpenCV
+    (it does whenever cv2 is installed)."""
+    try:
+      import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+      from tensorflow_datasets.core import decode  # pylint: disable=g-import-not-at-top
+      from tensorflow_datasets.core.data_sources import array_record  # pylint: disable=g-import-not-at-top
+      from tensorflow_datasets.core.features import image_feature  # pylint: disable=g-import-not-at-top
+      from tensorflow_datasets.proto import tf_example_pb2  # pylint: disable=g-import-not-at-top,unused-import
+      if not (isinstance(data_source, array_record.ArrayRecordDataSource)
+              and data_source.decoders is None
+              and data_source.deserialize_method
+              == decode.DeserializeMethod.DESERIALIZE_AND_DECODE
+              and image_feature.cv2 is None and image_feature.PIL_Image is not None):
+        return None
+      features = data_source.dataset_info.features
+      image, label = features[input_key], features[label_key]
+      if not (isinstance(features, tfds.features.FeaturesDict)
+              and type(image) is tfds.features.Image  # pylint: disable=unidiomatic-typecheck
+              and image.np_dtype == np.uint8 and len(image.shape) == 3
+              and isinstance(image.shape[-1], int)
+              and type(label) is tfds.features.ClassLabel):  # pylint: disable=unidiomatic-typecheck
+        return None
+    except (ImportError, AttributeError, KeyError, TypeError):  # Another TFDS than 4.9's.
+      return None
+    return cls(data_source, input_key, label_key, image.shape[-1])
+
+  def __call__(self, keys: Sequence[int]) -> tuple[list[np.ndarray], list[int]]:
+    from tensorflow_datasets.proto import tf_example_pb2  # pylint: disable=g-import-not-at-top
+    if not keys:
+      return [], []
+    records = self._source.data_source.__getitems__(keys)
+    if len(records) != len(keys):  # What tfds's __getitems__ checks.
+      raise IndexError(f'Requested {len(keys)} records but got {len(records)} records.')
+    parse = tf_example_pb2.Example.FromString
+    inputs, labels = [], []
+    for record in records:
+      features = parse(record).features.feature
+      png = _field(features, self._input_key, 'bytes_list')
+      label = _field(features, self._label_key, 'int64_list')
+      pixels = None if png is None or label is None else _png_pixels(png, self._channels)
+      if pixels is None:
+        decoded = self._source.dataset_info.features.deserialize_example_np(record)
+        pixels, label = decoded[self._input_key], decoded[self._label_key]
+      inputs.append(pixels)
+      labels.append(label)
+    return inputs, labels
+
+
 class TfdsSource:
   """Random access to one split of a prepared TFDS dataset, preprocessed."""
 
@@ -77,6 +234,7 @@ class TfdsSource:
     targets of any shape (their feature has no num_classes)."""
     self._source, self._input_key, self._label_key = data_source, input_key, label_key
     self._spec, self._add_channel, self._target = spec, add_channel, target
+    self._png = _PngRecords.for_source(data_source, input_key, label_key)
 
   @property
   def num_examples(self) -> int:
@@ -85,12 +243,17 @@ class TfdsSource:
   def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # Sorted reads are sequential in the ArrayRecord files; put the order back after.
     order = np.argsort(indices, kind='stable')
-    records = self._source.__getitems__(np.asarray(indices)[order].tolist())
-    x = np.empty((len(indices), *np.shape(records[0][self._input_key])),
-                 np.asarray(records[0][self._input_key]).dtype)
+    keys = np.asarray(indices)[order].tolist()
+    if self._png is not None:
+      inputs, labels = self._png(keys)
+    else:
+      records = self._source.__getitems__(keys)
+      inputs = [r[self._input_key] for r in records]
+      labels = [r[self._label_key] for r in records]
+    x = np.empty((len(indices), *np.shape(inputs[0])), np.asarray(inputs[0]).dtype)
     y = np.empty((len(indices), *self._target[1]), self._target[0])
-    x[order] = np.stack([r[self._input_key] for r in records])
-    y[order] = [r[self._label_key] for r in records]
+    x[order] = np.stack(inputs)
+    y[order] = labels
     x = preprocess(x, self._spec)
     return (x[..., None] if self._add_channel else x), y
 
