@@ -132,6 +132,23 @@ def _arrays(test_size=8):
           rng.normal(size=(test_size, 5)), rng.integers(0, 3, test_size))
 
 
+@pytest.mark.parametrize('field, value, message', [
+    ('ensemble.method', 'deeep', r"^config.ensemble.method='deeep'; use one of \('deep'"),
+    ('model.name', 'mlpp', r"^config.model.name='mlpp' is not a known model; use one of"),
+    ('optim.name', 'adamm', r"^config.optim.name='adamm'; use one of \['adam'"),
+    ('optim.schedule', 'cosin', r"^config.optim.schedule='cosin'; use one of \('constant'"),
+])
+def test_a_misspelt_name_is_refused_before_the_data_set_is_read(tmp_path, field, value,
+                                                                message):
+  # Were the data set read first, its own misspelt name would be the error.
+  config = _config()
+  config.data.name = 'no_such_data_set'
+  config.update_from_flattened_dict({field: value})
+  with pytest.raises(ConfigError, match=message):
+    dist_ens.train(config, tmp_path / 'run')
+  assert not (tmp_path / 'run').exists()
+
+
 def test_an_empty_test_split_is_refused_before_anything_is_written(tmp_path):
   dataset = data.from_arrays(*_arrays(test_size=0), name='mine')
   with pytest.raises(ConfigError, match="dataset 'mine' .* has an empty test split"):

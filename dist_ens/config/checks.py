@@ -10,14 +10,15 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from dist_ens import importing, tasks
+from dist_ens import importing, models, tasks
 from dist_ens.config import groups as member_groups
 from dist_ens.config import schema, specs
 from dist_ens.config.loading import DEFAULT_CONFIG
-from dist_ens.core import hparams
+from dist_ens.core import hparams, optim
 from dist_ens.data.augment import AUGMENTATIONS
 from dist_ens.data import grain_loader, resident
 from dist_ens.data.pipeline import MEMBER_ORDERS
+from dist_ens.ensembles import methods
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec as shift_lib
 
@@ -44,10 +45,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
   A field's own type and range are declared beside it in dist_ens/config/defaults.py
   (check_declared); what is checked here depends on other fields or on code. Names that
-  live in registries (model, optimizer, dataset, schedule) are checked where the
-  registry is, with the list of valid names.
+  live in registries (method, model, optimizer, schedule) are checked by their registry,
+  here, with the list of valid names; a data set's name where it is read.
   """
   check_declared(config)
+  _validate_names(config)
   calls = config.train.steps_per_call
   # With train.epochs, train.steps is set (and this checked again) by resolve_epochs.
   by_epochs = _validate_run_fields(config)
@@ -83,6 +85,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
   resolved = specs.resolve_hparams(config)
   _validate_pbt(config, by_epochs)
   _warn_shared_optimizer(config, resolved)
+
+
+def _validate_names(config: ml_collections.ConfigDict) -> None:
+  """The method, model and optimizer names a run builds from, each checked by its
+  registry before any data is read: a misspelt name should not wait for a data set to
+  load (with member groups, each group's are checked with the group)."""
+  methods.check_name(config.ensemble.method)
+  models.check_name(specs.model_spec(config))
+  try:
+    optim.check_names(specs.optim_spec(config))
+  except optim.SpecError as e:
+    raise ConfigError(f'config.optim.{e}') from None
 
 
 def _warn_shared_optimizer(config: ml_collections.ConfigDict, resolved: dict[str, Any]) -> None:

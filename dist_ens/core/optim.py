@@ -141,10 +141,7 @@ def schedule(spec: OptimSpec, total_steps: int) -> optax.Schedule:
   """
   warmup = int(spec.warmup_steps)
   name = spec.schedule
-  if importing.is_import_path(name):
-    decay = _user_object('schedule', name)
-  elif name not in SCHEDULES:
-    raise SpecError('schedule', name, f'use one of {SCHEDULES}')
+  decay = _named_schedule(name)
   if not 0 <= warmup <= total_steps:
     raise SpecError('warmup_steps', warmup,
                     f'use a number of steps in [0, {total_steps}], the run\'s')
@@ -162,6 +159,23 @@ def schedule(spec: OptimSpec, total_steps: int) -> optax.Schedule:
   return optax.join_schedules([optax.linear_schedule(0.0, 1.0, warmup), decay], [warmup])
 
 
+def _named_schedule(name: str) -> Any:
+  """Your schedule function for an import path, None for a built-in name; SpecError for
+  a name that is neither."""
+  if importing.is_import_path(name):
+    return _user_object('schedule', name)
+  if name not in SCHEDULES:
+    raise SpecError('schedule', name, f'use one of {SCHEDULES}')
+  return None
+
+
+def check_names(spec: OptimSpec) -> None:
+  """Raises SpecError unless spec.name and spec.schedule name an optimizer and a schedule
+  that exist: built in, or an import path that loads (the user's module is imported)."""
+  _builder(spec.name)
+  _named_schedule(spec.schedule)
+
+
 def _member_values(spec: OptimSpec, fields: tuple[str, ...],
                    hp: Hparams | None) -> dict[str, Any]:
   """Each field's value for this member: from `hp` ('optim.<field>'), else the spec's number."""
@@ -173,7 +187,7 @@ def _member_values(spec: OptimSpec, fields: tuple[str, ...],
     elif isinstance(configured, (int, float)):
       values[field] = configured
     else:
-      raise ValueError(f'config.optim.{field} holds per-member values; pass this member\'s '
+      raise ValueError(f'{field} holds per-member values; pass this member\'s '
                        f'hyperparameters (with {key!r}) to the optimizer.')
   return values
 

@@ -93,6 +93,11 @@ def from_spec(spec: MethodSpec) -> Method:
   return method
 
 
+def check_name(name: str) -> None:
+  """Raises ConfigError unless `name` is a built-in method or an import path that loads."""
+  _factory(name)
+
+
 def _factory(name: str) -> Callable[[MethodSpec], Method]:
   if importing.is_import_path(name):
     return importing.load_object(name, 'config.ensemble.method')

@@ -109,13 +109,20 @@ def get_model(spec: ModelSpec, num_classes: int) -> Model:
     return _hf_model(spec, num_classes)
   if spec.factory:
     return _factory_model(spec, num_classes)
-  try:
-    constructor = MODELS[spec.name]
-  except KeyError:
-    raise ConfigError(
-        f'config.model.name={spec.name!r} is not a known model; '
-        f'use one of {sorted(MODELS)}.') from None
-  return constructor(spec, num_classes)
+  check_name(spec)
+  return MODELS[spec.name](spec, num_classes)
+
+
+def check_name(spec: ModelSpec) -> None:
+  """Raises ConfigError unless `spec` names a model get_model can look up: a built-in
+  name, or a factory's import path that loads (a Hugging Face checkpoint is read later)."""
+  if spec.hf:
+    return
+  if spec.factory:
+    import_factory(spec.factory)
+  elif spec.name not in MODELS:
+    raise ConfigError(f'config.model.name={spec.name!r} is not a known model; '
+                      f'use one of {sorted(MODELS)}.')
 
 
 def resized(spec: ModelSpec, num_classes: int, fields: Mapping[str, Any], asking: str) -> Model:
