@@ -20,9 +20,9 @@ PyTree = Any
 
 
 def compute_dtype(precision: str) -> jnp.dtype:
-  """The dtype `config.precision` names."""
+  """The dtype a precision policy's name ('float32', 'bfloat16') names."""
   if precision not in PRECISIONS:
-    raise ValueError(f'config.precision={precision!r}; use one of {sorted(PRECISIONS)}.')
+    raise ValueError(f'precision={precision!r}; use one of {sorted(PRECISIONS)}.')
   return PRECISIONS[precision]
 
 
