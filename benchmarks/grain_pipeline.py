@@ -7,12 +7,16 @@ Writes a TFDS dataset of random 32x32x3 PNG images as ArrayRecord (as
 benchmarks/input_pipeline.py does) and times data.Batches on one device, as a run builds
 it (prefetch 2), reading it with config.data.loader='threads' and with 'grain' at each
 --workers count, for the 'shared' order (one batch of 128 an item) and 'shuffled' (one
-per member, --members of them). Each round starts every pipeline afresh (its start-up,
-worker processes included, is reported apart), takes a few items to drain what it
-prepared while starting, then times --items items: examples/s delivered, the consumer
-doing nothing else, and the CPU time an example took (this process's threads and grain's
-workers: what the machine spends, however busy it is). Rounds rotate the order of the
-pipelines; the ratios to the thread are medians of each round's ratio. Writes benchmarks/results/grain_pipeline.json (or --out).
+per member, --members of them). 'threads, TFDS decode' is the thread with every record
+decoded by TFDS's own path (TfdsSource.tfds_decoding: the same batches, what every
+pipeline did before the shorter PNG decode of dist_ens/data/tfds_source.py). Each round
+starts every pipeline afresh (its start-up, worker processes included, is reported
+apart), takes a few items to drain what it prepared while starting, then times --items
+items: examples/s delivered, the consumer doing nothing else, and the CPU time an example
+took (this process's threads and grain's workers: what the machine spends, however busy
+it is). Rounds rotate the order of the pipelines; the ratios to the thread (and to the
+thread with TFDS's decode) are medians of each round's ratio. Writes
+benchmarks/results/grain_pipeline.json (or --out).
 """
 
 import argparse
@@ -34,6 +38,7 @@ from dist_ens.parallel import mesh as mesh_lib
 ROOT = Path(__file__).resolve().parents[1]
 BATCH = 128
 WARM_ITEMS = 4  # more than prefetch (2) plus what two workers prepare ahead
+TFDS_THREADS = 'threads, TFDS decode'
 
 
 def cpu_seconds() -> float:
@@ -83,42 +88,53 @@ def main():
   args = parser.parse_args()
   header = harness.run_header()
   mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(member=1, data=1), jax.devices()[:1])
-  variants = {'threads': ('threads', 0)}
-  variants.update({f'grain, {w} worker{"s" * (w > 1)}': ('grain', w)
+  # name: (loader, workers, whether TFDS's own path decodes every record)
+  variants = {TFDS_THREADS: ('threads', 0, True), 'threads': ('threads', 0, False)}
+  variants.update({f'grain, {w} worker{"s" * (w > 1)}': ('grain', w, False)
                    for w in map(int, args.workers.split(','))})
   rows = []
   with tempfile.TemporaryDirectory() as data_dir:
     write_cifar_shaped(data_dir, args.examples)
     source = data.load_dataset('cifar_shaped',
                                data.DataSpec('cifar_shaped', data_dir=data_dir)).train
+    sources = {False: source, True: source.tfds_decoding()}
     for kind in ('shared', 'shuffled'):
       members = args.members if kind == 'shuffled' else 1
       order = data.Order(kind, source.num_examples, BATCH, 0)
-      jobs = {name: (lambda v=v: measure(source, order, mesh, members, *v, args.items))
+      jobs = {name: (lambda v=v: measure(sources[v[2]], order, mesh, members, *v[:2],
+                                         args.items))
               for name, v in variants.items()}
       results = harness.run_rounds(
           jobs, args.rounds, lambda r, name, res, kind=kind: (
-              f'round {r} {kind:9s} {name:17s} start {res[0]:5.1f} s  {res[1]:9,.0f} ex/s  '
+              f'round {r} {kind:9s} {name:20s} start {res[0]:5.1f} s  {res[1]:9,.0f} ex/s  '
               f'{res[2]:6.0f} CPU us/ex'))
-      threads = results['threads']
-      for name, (loader, workers) in variants.items():
+      for name, (loader, workers, tfds_decode) in variants.items():
         rates = [rate for _, rate, _ in results[name]]
-        ratios = [rate / base for (_, rate, _), (_, base, _) in zip(results[name], threads)]
         cpu = [us for _, _, us in results[name]]
+
+        def ratios(to, index, mine=results[name]):
+          return [res[index] / base[index] for res, base in zip(mine, results[to])]
+
         rows.append(dict(member_order=kind, members=members, batch=BATCH, loader=loader,
-                         workers=workers, examples_per_s=statistics.median(rates),
-                         examples_per_s_rounds=rates, ratio_to_threads=statistics.median(ratios),
-                         ratio_to_threads_rounds=ratios,
+                         workers=workers, tfds_decode=tfds_decode, pipeline=name,
+                         examples_per_s=statistics.median(rates), examples_per_s_rounds=rates,
+                         ratio_to_threads=statistics.median(ratios('threads', 1)),
+                         ratio_to_threads_rounds=ratios('threads', 1),
+                         ratio_to_tfds_decode_threads=statistics.median(ratios(TFDS_THREADS, 1)),
+                         ratio_to_tfds_decode_threads_rounds=ratios(TFDS_THREADS, 1),
                          cpu_us_per_example=statistics.median(cpu),
-                         cpu_ratio_to_threads=statistics.median(
-                             us / base for us, (_, _, base) in zip(cpu, threads)),
+                         cpu_us_per_example_rounds=cpu,
+                         cpu_ratio_to_threads=statistics.median(ratios('threads', 2)),
+                         cpu_ratio_to_tfds_decode_threads=statistics.median(
+                             ratios(TFDS_THREADS, 2)),
                          startup_s=statistics.median(s for s, _, _ in results[name])))
-  print(f'\n{"order":9s} {"pipeline":17s} {"ex/s (median)":>14s} {"x threads":>10s} '
-        f'{"CPU us/ex":>10s} {"x threads":>10s} {"start s":>8s}')
-  for row, name in zip(rows, list(variants) * 2):
-    print(f'{row["member_order"]:9s} {name:17s} {row["examples_per_s"]:14,.0f} '
-          f'{row["ratio_to_threads"]:10.2f} {row["cpu_us_per_example"]:10.0f} '
-          f'{row["cpu_ratio_to_threads"]:10.2f} {row["startup_s"]:8.1f}')
+  print(f'\n{"order":9s} {"pipeline":20s} {"ex/s (median)":>14s} {"x threads":>10s} '
+        f'{"x TFDS dec.":>12s} {"CPU us/ex":>10s} {"x threads":>10s} {"start s":>8s}')
+  for row in rows:
+    print(f'{row["member_order"]:9s} {row["pipeline"]:20s} {row["examples_per_s"]:14,.0f} '
+          f'{row["ratio_to_threads"]:10.2f} {row["ratio_to_tfds_decode_threads"]:12.2f} '
+          f'{row["cpu_us_per_example"]:10.0f} {row["cpu_ratio_to_threads"]:10.2f} '
+          f'{row["startup_s"]:8.1f}')
   out = harness.write_results(args.out, dict(
       header, device=jax.devices()[0].platform, examples=args.examples, items=args.items,
       rounds=args.rounds, cpu_cores=grain_loader.default_workers(), rows=rows,

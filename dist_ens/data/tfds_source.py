@@ -13,6 +13,7 @@ arrays are TFDS's bit for bit either way.
 """
 
 import contextlib
+import copy
 import difflib
 import logging as std_logging
 import struct
@@ -239,6 +240,13 @@ class TfdsSource:
   @property
   def num_examples(self) -> int:
     return len(self._source)
+
+  def tfds_decoding(self) -> 'TfdsSource':
+    """This split with every record decoded by TFDS's own path: the same arrays at TFDS's
+    cost, for comparisons (benchmarks/grain_pipeline.py, tests)."""
+    clone = copy.copy(self)
+    clone._png = None  # pylint: disable=protected-access
+    return clone
 
   def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     # Sorted reads are sequential in the ArrayRecord files; put the order back after.
