@@ -15,7 +15,8 @@ apart), takes a few items to drain what it prepared while starting, then times -
 items: examples/s delivered, the consumer doing nothing else, and the CPU time an example
 took (this process's threads and grain's workers: what the machine spends, however busy
 it is). Rounds rotate the order of the pipelines; the ratios to the thread (and to the
-thread with TFDS's decode) are medians of each round's ratio. Writes
+thread with TFDS's decode) are medians of each round's ratio. First, where one thread's
+read of an item goes (read_profile: read_us_per_example in the results). Writes
 benchmarks/results/grain_pipeline.json (or --out).
 """
 
@@ -28,6 +29,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 
 from benchmarks import harness
 from benchmarks.input_pipeline import write_cifar_shaped
@@ -77,6 +79,33 @@ def measure(source, order, mesh, members, loader, workers, items):
     batches.close()
 
 
+def read_profile(source, rounds: int = 5, reads: int = 16) -> dict[str, float]:
+  """Microseconds an example (median over `rounds`) of one thread's reads of 128 random
+  examples, as one item of the 'shared' order reads them: the ArrayRecord read alone
+  (serialized records), TFDS's deserialize_example_np of those records, and the whole
+  TfdsSource.read (sort, read, decode, stack, scale to float32) with TFDS's decode and with
+  the shorter PNG decode."""
+  rng = np.random.default_rng(0)
+  batches = [rng.permutation(source.num_examples)[:BATCH] for _ in range(reads)]
+  tfds_source = source.tfds_decoding()
+  records = source._source.data_source  # pylint: disable=protected-access  # the raw reader
+  features = source._source.dataset_info.features  # pylint: disable=protected-access
+  serialized = [records.__getitems__(sorted(b.tolist())) for b in batches]
+  stages = {
+      'array_record_read': lambda: [records.__getitems__(sorted(b.tolist())) for b in batches],
+      'tfds_deserialize': lambda: [features.deserialize_example_np(r)
+                                   for batch in serialized for r in batch],
+      'read_tfds_decode': lambda: [tfds_source.read(b) for b in batches],
+      'read_png_decode': lambda: [source.read(b) for b in batches]}
+  times = {name: [] for name in stages}
+  for _ in range(rounds):
+    for name, stage in stages.items():
+      start = time.perf_counter()
+      stage()
+      times[name].append(1e6 * (time.perf_counter() - start) / (reads * BATCH))
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument('--examples', type=int, default=2048, help='PNGs in the train split')
@@ -98,6 +127,8 @@ def main():
     source = data.load_dataset('cifar_shaped',
                                data.DataSpec('cifar_shaped', data_dir=data_dir)).train
     sources = {False: source, True: source.tfds_decoding()}
+    profile = read_profile(source)
+    print('one thread, us an example: ' + ', '.join(f'{k} {v:.1f}' for k, v in profile.items()))
     for kind in ('shared', 'shuffled'):
       members = args.members if kind == 'shuffled' else 1
       order = data.Order(kind, source.num_examples, BATCH, 0)
@@ -137,7 +168,8 @@ def main():
           f'{row["startup_s"]:8.1f}')
   out = harness.write_results(args.out, dict(
       header, device=jax.devices()[0].platform, examples=args.examples, items=args.items,
-      rounds=args.rounds, cpu_cores=grain_loader.default_workers(), rows=rows,
+      rounds=args.rounds, cpu_cores=grain_loader.default_workers(),
+      read_us_per_example=profile, rows=rows,
       load_average_end=harness.load_average()))
   print(f'wrote {out}')
 
