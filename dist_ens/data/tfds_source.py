@@ -178,7 +178,7 @@ class _PngRecords:
     """A decoder for `data_source` (a tfds.data_source), or None where TFDS would decode
     otherwise than this does: another file format or decoders, an input that is not a
     uint8 Image, a label that is not a ClassLabel, or TFDS decoding images with OpenCV
-    (it does whenever cv2 is installed)."""
+    (it does whenever cv2 is installed); and for an Image feature of JPEGs."""
     try:
       import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
       from tensorflow_datasets.core import decode  # pylint: disable=g-import-not-at-top
@@ -196,6 +196,7 @@ class _PngRecords:
       if not (isinstance(features, tfds.features.FeaturesDict)
               and type(image) is tfds.features.Image  # pylint: disable=unidiomatic-typecheck
               and image.np_dtype == np.uint8 and len(image.shape) == 3
+              and image.encoding_format != 'jpeg'  # Each record would go the long way.
               and isinstance(image.shape[-1], int)
               and type(label) is tfds.features.ClassLabel):  # pylint: disable=unidiomatic-typecheck
         return None
