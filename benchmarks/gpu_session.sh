@@ -41,7 +41,9 @@
 #               ResNet-18 at M = 16 and 64 (where 64 vmapped members do not fit: 'map' over
 #               two chunks of 32); mfu_gpu3.json, merged as BENCHMARKS.md says
 #   overhead    benchmarks/overhead.py on the GPU (issue 65's whole run >= 0.95x its bare
-#               step with every member order): M = 8, 256, 64, one round each
+#               step with every member order): M = 8, 256, 64, one round each, 5,000 steps
+#               (1,000 untimed), the bare step at K = 1 and at the runs' automatic K
+#               (50 and 10 on an H200)
 # Each stage is bounded at 560 s or less (all nine: at most 66 min). Run on an H100
 # (2026-11-27): check and run (50 s together), scaling's ResNet-20 part (M = 64, 256 in
 # 158 s). Run on an H200 (2026-11-27): mfu, 418 s for 5 of its 15 cells (its ViT cell
@@ -144,8 +146,9 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
     # run (resident data: 'auto' puts MNIST-1D on the GPU) at M = 8, 256, 64, one process
     # per M, each its own results file (a cut keeps the Ms that ran).
     for m in 8 256 64; do
-      timeout -k 10 150 python3 -m benchmarks.overhead --members $m --steps 600 --warmup 100 \
-        --rounds 1 --variants "default;data.member_order='shuffled';data.member_order='bootstrap'" \
+      timeout -k 10 170 python3 -m benchmarks.overhead --members $m --steps 5000 --warmup 1000 \
+        --rounds 1 --bare_k 1,10,50 \
+        --variants "default;data.member_order='shuffled';data.member_order='bootstrap'" \
         --out "$out/overhead_gpu_m$m.json" 2>&1 | grep -v '^predictive\|^M=.*round' \
         | tee -a "$out/overhead.log" || true
     done

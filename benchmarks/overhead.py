@@ -4,10 +4,14 @@
   python -m benchmarks.overhead --members 16,4 --rounds 5 --steps 800
   python -m benchmarks.overhead --variants 'default;train.sync_every=1;data.prefetch=0'
   python -m benchmarks.overhead --profile 'default'   # cProfile of one whole run's loop
+  python -m benchmarks.overhead --devices 8 --members 8,64 --bare_k 1,10 \
+      --variants "default;data.member_order='shuffled';data.member_order='bootstrap'"
 
 For configs/default.py (MLP 40-256-256-10 on MNIST-1D, batch 128, Adam) on ONE device
-(jax.devices()[:1]), in one process, it times side by side:
-  bare   dist_ens's own compiled train step of ONE step a call (assemble.build_parts,
+(jax.devices()[:1]; --devices N for the first N, on a CPU N fake ones), in one process, it
+times side by side:
+  bare   dist_ens's own compiled train step of ONE step a call, or K with --bare_k K
+         (the run's automatic K, say, which the run's row records; assemble.build_parts,
          init_sharded, member_form, build_step, as a run builds them) called in a Python
          loop on device-resident batches made beforehand (the run's own
          data.Batches, prefetch off), blocking only at the end of each timed block;
@@ -65,6 +69,12 @@ BARE_BATCHES = 64  # distinct device-resident batches the bare step cycles throu
 # A round counts as clean when other processes kept fewer cores than this busy during
 # both its bare and its run measurement.
 CLEAN_CORES = 0.1
+_DEVICES = [1]  # how many of jax.devices() the runs and bare steps use (--devices)
+
+
+def devices() -> list[Any]:
+  """The devices every run and bare step of this benchmark uses (--devices)."""
+  return jax.devices()[:_DEVICES[0]]
 
 
 def make_config(members: int, steps: int, overrides: dict[str, Any]) -> Any:
@@ -153,23 +163,24 @@ def foreign_cores(before: tuple[float, float, float], after: tuple[float, float,
 class Bare:
   """dist_ens's compiled step as a run builds it, on batches already on the device."""
 
-  def __init__(self, config: Any):
-    device = jax.devices()[:1]
-    mesh = mesh_layout.build_mesh(config, device)
+  def __init__(self, config: Any, steps_per_call: int = 1):
+    mesh = mesh_layout.build_mesh(config, devices())
     run_data = build_data(config)
     dataset = run_data.dataset
     parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
     form = member_forms.member_form(parts, config.data.batch_size)
     self.step = assemble.build_step(parts, per_member_batches=run_data.order.per_member,
-                                    form=form)
+                                    form=form, steps_per_call=steps_per_call)
     self.state = initial_state.init_sharded(parts)
     self.hparams = parts.device_hparams()
     self._pipeline_args = (dataset.train, run_data.order, mesh, config.num_members)
-    source = data.Batches(*self._pipeline_args, prefetch=0)
-    self.batches = [next(source) for _ in range(BARE_BATCHES)]
+    source = data.Batches(*self._pipeline_args, prefetch=0, steps_per_call=steps_per_call)
+    self.batches = [next(source) for _ in range(max(1, BARE_BATCHES // steps_per_call))]
     source.close()
     jax.block_until_ready(self.batches)
-    self.examples_per_step = config.num_members * config.data.batch_size
+    # Member-examples a call: K steps of M members' batches.
+    self.examples_per_step = steps_per_call * config.num_members * config.data.batch_size
+    self.steps_per_call = steps_per_call
     self.members = config.num_members
     self.form = form
     self.time(2)  # compile
@@ -188,13 +199,13 @@ class Bare:
     seconds = time.perf_counter() - start
     self.state = state
     return dict(rate=self.examples_per_step * steps / seconds,
-                cpu_ms_per_step=cpu_per_step(cpu, thread_cpu(), steps),
+                cpu_ms_per_step=cpu_per_step(cpu, thread_cpu(), steps * self.steps_per_call),
                 foreign_cores=foreign_cores(busy, machine_busy()))
 
   def time(self, steps: int) -> dict[str, Any]:
-    """On the device-resident batches made beforehand."""
+    """On the device-resident batches made beforehand: `steps` steps, in calls of K."""
     batches = itertools.cycle(self.batches)
-    return self._timed(lambda: next(batches), steps)
+    return self._timed(lambda: next(batches), max(1, steps // self.steps_per_call))
 
   def time_host_arrays(self, steps: int) -> dict[str, Any]:
     """On numpy batches read in the loop (the data.Batches order, no prefetch) and
@@ -269,7 +280,7 @@ def time_run(config: Any, warmup: int) -> dict[str, float]:
   timer = Timer(warmup)
   workdir = tempfile.mkdtemp(prefix='dist_ens_overhead_')
   try:
-    final = dist_ens.train(config, workdir, devices=jax.devices()[:1], actions=[timer])
+    final = dist_ens.train(config, workdir, devices=devices(), actions=[timer])
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   steps = config.train.steps - timer.first
@@ -291,52 +302,58 @@ def bare_key(overrides: dict[str, Any]) -> str:
 
 def measure(members: int, variants: dict[str, dict[str, Any]], args: Any) -> list[dict]:
   """Rotating rounds of the bare step(s), the optional bare-step-on-a-live-pipeline jobs
-  and every variant's run, for M members. Ratios are to the bare step of the same order."""
+  and every variant's run, for M members. Ratios are to the bare step of the same order,
+  one row for each K of --bare_k."""
   bares = {}
   for overrides in variants.values():
-    key = bare_key(overrides)
-    if key not in bares:
-      bares[key] = Bare(make_config(members, args.steps, {'data.member_order': key}))
+    for k in args.bare_k:
+      key = (bare_key(overrides), k)
+      if key not in bares:
+        bares[key] = Bare(make_config(members, args.steps, {'data.member_order': key[0]}), k)
   timed = args.steps - args.warmup
   jobs, base = {}, {}
-  for key, bare in bares.items():
-    jobs[f'bare[{key}]'] = lambda bare=bare: bare.time(timed)
+  for (order, k), bare in bares.items():
+    jobs[f'bare[{order}, K={k}]'] = lambda bare=bare: bare.time(timed)
   for prefetch in args.pipeline:
     name = f'bare on a live pipeline[shared, prefetch={prefetch}]'
-    jobs[name] = lambda p=prefetch: bares['shared'].time_pipeline(timed, p)
-    base[name] = 'shared'
+    jobs[name] = lambda p=prefetch: bares['shared', 1].time_pipeline(timed, p)
+    base[name] = [('shared', 1)]
   if args.host_arrays:
     name = 'bare on numpy batches read in the loop[shared]'
-    jobs[name] = lambda: bares['shared'].time_host_arrays(timed)
-    base[name] = 'shared'
+    jobs[name] = lambda: bares['shared', 1].time_host_arrays(timed)
+    base[name] = [('shared', 1)]
   for name, overrides in variants.items():
     jobs[name] = lambda o=overrides: time_run(make_config(members, args.steps, o), args.warmup)
-    base[name] = bare_key(overrides)
+    base[name] = [(bare_key(overrides), k) for k in args.bare_k]
   results = harness.run_rounds(jobs, args.rounds, lambda r, name, got: (
       f'M={members} round {r} {name}: {got["rate"]:,.0f} member-ex/s; other processes '
       f'{got["foreign_cores"]:.2f} cores; CPU ms/step {got["cpu_ms_per_step"]}'))
   rows = []
-  for name, key in base.items():
-    bare = [x['rate'] for x in results[f'bare[{key}]']]
-    run = [x['rate'] for x in results[name]]
-    ratios = [b / a for a, b in zip(bare, run)]
-    foreign = [max(a['foreign_cores'], b['foreign_cores'])
-               for a, b in zip(results[f'bare[{key}]'], results[name])]
-    clean = [q for q, f in zip(ratios, foreign) if f < CLEAN_CORES]
-    rows.append(dict(members=members, variant=name, overrides=variants.get(name, {}),
-                     foreign_cores=foreign, clean_rounds=len(clean),
-                     ratio_median_clean=statistics.median(clean) if clean else None,
-                     form=list(bares[key].form), steps=args.steps, timed_steps=timed,
-                     bare=bare, run=run, ratio=ratios, bare_median=statistics.median(bare),
-                     run_median=statistics.median(run), ratio_median=statistics.median(ratios),
-                     run_details=results[name]))
+  for name, keys in base.items():
+    for order, k in keys:
+      bare_name = f'bare[{order}, K={k}]'
+      bare = [x['rate'] for x in results[bare_name]]
+      run = [x['rate'] for x in results[name]]
+      ratios = [b / a for a, b in zip(bare, run)]
+      foreign = [max(a['foreign_cores'], b['foreign_cores'])
+                 for a, b in zip(results[bare_name], results[name])]
+      clean = [q for q, f in zip(ratios, foreign) if f < CLEAN_CORES]
+      rows.append(dict(members=members, variant=name, overrides=variants.get(name, {}),
+                       bare_steps_per_call=k, devices=len(devices()),
+                       foreign_cores=foreign, clean_rounds=len(clean),
+                       ratio_median_clean=statistics.median(clean) if clean else None,
+                       form=list(bares[order, k].form), steps=args.steps, timed_steps=timed,
+                       bare=bare, run=run, ratio=ratios, bare_median=statistics.median(bare),
+                       run_median=statistics.median(run), ratio_median=statistics.median(ratios),
+                       run_details=results[name]))
   return rows
 
 
 def print_rows(rows: list[dict]) -> None:
   for row in rows:
-    print(f'\nM={row["members"]} variant {row["variant"]!r} ({row["timed_steps"]} timed steps '
-          f'of {row["steps"]}; member-examples/s)')
+    print(f'\nM={row["members"]} variant {row["variant"]!r} against the bare step at K='
+          f'{row["bare_steps_per_call"]} ({row["timed_steps"]} timed steps of {row["steps"]}, '
+          f'{row["devices"]} device(s); member-examples/s)')
     print(f'{"round":>6s} {"(a) bare":>12s} {"(b) run":>12s} {"(b)/(a)":>8s} '
           f'{"others, cores":>14s}')
     for r, (a, b, q, f) in enumerate(zip(row['bare'], row['run'], row['ratio'],
@@ -379,8 +396,16 @@ def main():
   parser.add_argument('--host_arrays', action='store_true',
                       help='also time the bare step on numpy batches passed to the jit as they are')
   parser.add_argument('--profile', default='', help='a variant to cProfile instead of timing')
+  parser.add_argument('--devices', type=int, default=1,
+                      help='use the first N devices (on a CPU, N fake ones: jax_num_cpu_devices)')
+  parser.add_argument('--bare_k', default='1',
+                      help="steps a call of the bare step, e.g. '1,10' (a row for each)")
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'overhead.json'))
   args = parser.parse_args()
+  if args.devices > 1:  # Before jax starts its backend; counts only on a CPU.
+    jax.config.update('jax_num_cpu_devices', args.devices)
+  _DEVICES[0] = args.devices
+  args.bare_k = [int(k) for k in args.bare_k.split(',')]
   header = harness.run_header()
   members = [int(m) for m in args.members.split(',')]
   args.pipeline = [int(p) for p in args.pipeline.split(',') if p]
@@ -391,9 +416,10 @@ def main():
   variants = parse_variants(args.variants)
   rows = [row for m in members for row in measure(m, variants, args)]
   print_rows(rows)
-  device = jax.devices()[0]
+  device = devices()[0]
   out = harness.write_results(args.out, dict(
-      header, device=f'1 {device.platform} device ({device.device_kind})', jax=jax.__version__,
+      header, device=f'{len(devices())} {device.platform} device(s) ({device.device_kind})',
+      jax=jax.__version__,
       config='configs/default.py', steps=args.steps, warmup=args.warmup, rounds=args.rounds,
       rows=rows, load_average_end=harness.load_average()))
   print(f'wrote {out}')
