@@ -139,6 +139,21 @@ def one_line_refusal(call, error=None) -> str:
   return message
 
 
+def method_refusal(config) -> str:
+  """The one-line refusal of config.ensemble.method's fields, as the run builds the method."""
+  from dist_ens.config import specs  # pylint: disable=g-import-not-at-top
+  from dist_ens.ensembles import methods  # pylint: disable=g-import-not-at-top
+  return one_line_refusal(lambda: methods.from_spec(specs.method_spec(config)))
+
+
+def refused_before_anything(train, config, workdir) -> str:
+  """The one-line refusal `train(config, workdir)` raises, checked to leave `workdir`
+  unmade."""
+  message = one_line_refusal(lambda: train(config, workdir))
+  assert not Path(workdir).exists(), message
+  return message
+
+
 def linear_student(num_outputs):
   """A user's own network given by import path (distill.student='support:linear_student'):
   one linear layer on the flattened input, 10 * (features + 1) parameters for 10 classes."""

@@ -23,9 +23,8 @@ import support
 
 import dist_ens
 from dist_ens import Ensemble, data
-from dist_ens.config import specs
 from dist_ens.core.gradients import BatchResult
-from dist_ens.ensembles import methods, rank1
+from dist_ens.ensembles import rank1
 from dist_ens import models
 from dist_ens.models import mlp
 from dist_ens.models.spec import ModelSpec
@@ -285,12 +284,11 @@ def test_the_cnns_convolutions_and_head_carry_factors(tmp_path):
 ])
 def test_bad_fields_are_refused_naming_the_field(fields, match):
   config = _config(**fields)
-  message = support.one_line_refusal(lambda: methods.from_spec(specs.method_spec(config)))
+  message = support.method_refusal(config)
   assert re.search(match, message), message
 
 
 def test_other_models_are_refused_before_anything(tmp_path):
   config = _config(**{'model.name': 'resnet', 'model.depth': 8})
-  message = support.one_line_refusal(lambda: _train(config, tmp_path / 'r'))
+  message = support.refused_before_anything(_train, config, tmp_path / 'r')
   assert "config.model.name='mlp' or 'cnn', not 'resnet'" in message
-  assert not (tmp_path / 'r').exists()
