@@ -304,12 +304,11 @@ def measure(members: int, variants: dict[str, dict[str, Any]], args: Any) -> lis
   """Rotating rounds of the bare step(s), the optional bare-step-on-a-live-pipeline jobs
   and every variant's run, for M members. Ratios are to the bare step of the same order,
   one row for each K of --bare_k."""
-  bares = {}
-  for overrides in variants.values():
-    for k in args.bare_k:
-      key = (bare_key(overrides), k)
-      if key not in bares:
-        bares[key] = Bare(make_config(members, args.steps, {'data.member_order': key[0]}), k)
+  keys = {(bare_key(overrides), k) for overrides in variants.values() for k in args.bare_k}
+  if args.pipeline or args.host_arrays:  # These feed the shared order's bare step at K = 1.
+    keys.add(('shared', 1))
+  bares = {key: Bare(make_config(members, args.steps, {'data.member_order': key[0]}), key[1])
+           for key in sorted(keys)}
   timed = args.steps - args.warmup
   jobs, base = {}, {}
   for (order, k), bare in bares.items():
