@@ -6,6 +6,8 @@
   python -m benchmarks.overhead --profile 'default'   # cProfile of one whole run's loop
   python -m benchmarks.overhead --devices 8 --members 8,64 --bare_k 1,10 \
       --variants "default;data.member_order='shuffled';data.member_order='bootstrap'"
+  python -m benchmarks.overhead --devices 8 --members 64 --bare_k 10 --pipeline 2 \
+      --variants "data.member_order='bootstrap'"   # + the anchor that gathers its batches
 
 For configs/default.py (MLP 40-256-256-10 on MNIST-1D, batch 128, Adam) on ONE device
 (jax.devices()[:1]; --devices N for the first N, on a CPU N fake ones), in one process, it
@@ -14,16 +16,25 @@ times side by side:
          (the run's automatic K, say, which the run's row records; assemble.build_parts,
          init_sharded, member_form, build_step, as a run builds them) called in a Python
          loop on device-resident batches made beforehand (the run's own
-         data.Batches, prefetch off), blocking only at the end of each timed block;
+         data.Batches, prefetch off), blocking only at the end of each timed block.
+         It is the run's step program (the same StableHLO at the same K) but not all
+         of the run's device work: the batches are gathered before the timing, so the
+         per-call gather from the resident split (data/resident.py, a program of its
+         own; [K, M, B] rows for a per-member order, [K, B] for 'shared') is left out;
+  bare on a live pipeline (--pipeline P)
+         the same bare step at the same K fed by a live data.Batches, P batches ahead
+         (0: made in the loop): the step and the input work the run must do, gather
+         included, without the loop's actions, an anchor of its own;
   run    a whole dist_ens.train of --steps steps (eval_every=0, a checkpoint at the
          end only, logging, writers and train.steps_per_call as configured: 'auto'
          runs K steps a call where that holds little work), timed by an action that
          blocks on the step's results at the first call at or past step --warmup and
          at the last step and reads time.perf_counter() there: compile, the first
          steps, the final checkpoint and the final evaluation are left out.
-Both are member-examples/s (M x batch x steps / seconds). Each round times the bare
-step (as many steps as the run's timed part) and one run of every variant, in a
-rotating order; the ratio run/bare of every round and its median are printed.
+All are member-examples/s (M x batch x steps / seconds). Each round times the bare
+step (as many steps as the run's timed part), its live-pipeline forms and one run of
+every variant, in a rotating order; the ratio run/anchor of every round, its median and
+its range are printed, against each anchor of the run's order.
 
 --variants: ';'-separated runs, each 'default' or '+'-separated config overrides
 (key=value, the value parsed as a Python literal), e.g. 'train.steps_per_call=1' or
@@ -34,7 +45,7 @@ diagnosis.
 
 Writes benchmarks/results/overhead.json (--out to change): harness.run_header's fields
 (date, commit, load averages, machine), the device and jax version, and one row per
-(M, variant) with every round's figures.
+(M, variant, anchor) with every round's figures (the run's and the anchor's details).
 """
 
 import argparse
@@ -223,11 +234,15 @@ class Bare:
     return self._timed(next_batch, steps, warm=4)
 
   def time_pipeline(self, steps: int, prefetch: int) -> dict[str, Any]:
-    """On batches from a live input pipeline (data.Batches, `prefetch` ahead), as the
-    run takes them; 4 untimed calls first fill the prefetch queue."""
-    source = data.Batches(*self._pipeline_args, prefetch=prefetch)
+    """On batches from a live input pipeline (data.Batches at this step's K, `prefetch`
+    ahead; prefetch 0 makes each in the loop), as the run takes them: with a resident
+    split (data.resident, the default here) each call's batch is gathered on the devices
+    by the pipeline's own compiled gather, as in the run. `steps` steps, in calls of K;
+    4 untimed calls first fill the prefetch queue."""
+    source = data.Batches(*self._pipeline_args, prefetch=prefetch,
+                          steps_per_call=self.steps_per_call)
     try:
-      return self._timed(lambda: next(source), steps, warm=4)
+      return self._timed(lambda: next(source), max(1, steps // self.steps_per_call), warm=4)
     finally:
       source.close()
 
@@ -302,64 +317,76 @@ def bare_key(overrides: dict[str, Any]) -> str:
 
 def measure(members: int, variants: dict[str, dict[str, Any]], args: Any) -> list[dict]:
   """Rotating rounds of the bare step(s), the optional bare-step-on-a-live-pipeline jobs
-  and every variant's run, for M members. Ratios are to the bare step of the same order,
-  one row for each K of --bare_k."""
+  and every variant's run, for M members. Ratios are to the anchors of the same order:
+  the bare step at each K of --bare_k and, with --pipeline, the bare step at that K on a
+  live pipeline with each prefetch (one row for each anchor)."""
   keys = {(bare_key(overrides), k) for overrides in variants.values() for k in args.bare_k}
-  if args.pipeline or args.host_arrays:  # These feed the shared order's bare step at K = 1.
+  if args.host_arrays:  # This feeds the shared order's bare step at K = 1.
     keys.add(('shared', 1))
   bares = {key: Bare(make_config(members, args.steps, {'data.member_order': key[0]}), key[1])
            for key in sorted(keys)}
   timed = args.steps - args.warmup
-  jobs, base = {}, {}
+  jobs: dict[str, Any] = {}
+  base: dict[str, list[str]] = {}  # job -> the anchors its rows divide by
+  anchor_key: dict[str, tuple[str, int]] = {}  # anchor -> (order, K) of its bare step
+  pipelines: dict[tuple[str, int], list[str]] = {}  # (order, K) -> its pipeline anchors
   for (order, k), bare in bares.items():
-    jobs[f'bare[{order}, K={k}]'] = lambda bare=bare: bare.time(timed)
-  for prefetch in args.pipeline:
-    name = f'bare on a live pipeline[shared, prefetch={prefetch}]'
-    jobs[name] = lambda p=prefetch: bares['shared', 1].time_pipeline(timed, p)
-    base[name] = [('shared', 1)]
+    name = f'bare[{order}, K={k}]'
+    jobs[name] = lambda bare=bare: bare.time(timed)
+    anchor_key[name] = (order, k)
+  for (order, k), bare in bares.items():
+    for prefetch in args.pipeline:
+      name = f'bare on a live pipeline[{order}, K={k}, prefetch={prefetch}]'
+      jobs[name] = lambda bare=bare, p=prefetch: bare.time_pipeline(timed, p)
+      base[name] = [f'bare[{order}, K={k}]']
+      anchor_key[name] = (order, k)
+      pipelines.setdefault((order, k), []).append(name)
   if args.host_arrays:
     name = 'bare on numpy batches read in the loop[shared]'
     jobs[name] = lambda: bares['shared', 1].time_host_arrays(timed)
-    base[name] = [('shared', 1)]
+    base[name] = ['bare[shared, K=1]']
   for name, overrides in variants.items():
     jobs[name] = lambda o=overrides: time_run(make_config(members, args.steps, o), args.warmup)
-    base[name] = [(bare_key(overrides), k) for k in args.bare_k]
+    order = bare_key(overrides)
+    base[name] = [a for k in args.bare_k
+                  for a in [f'bare[{order}, K={k}]', *pipelines.get((order, k), [])]]
   results = harness.run_rounds(jobs, args.rounds, lambda r, name, got: (
       f'M={members} round {r} {name}: {got["rate"]:,.0f} member-ex/s; other processes '
       f'{got["foreign_cores"]:.2f} cores; CPU ms/step {got["cpu_ms_per_step"]}'))
   rows = []
-  for name, keys in base.items():
-    for order, k in keys:
-      bare_name = f'bare[{order}, K={k}]'
-      bare = [x['rate'] for x in results[bare_name]]
+  for name, anchors in base.items():
+    for anchor in anchors:
+      order, k = anchor_key[anchor]
+      bare = [x['rate'] for x in results[anchor]]
       run = [x['rate'] for x in results[name]]
       ratios = [b / a for a, b in zip(bare, run)]
       foreign = [max(a['foreign_cores'], b['foreign_cores'])
-                 for a, b in zip(results[bare_name], results[name])]
+                 for a, b in zip(results[anchor], results[name])]
       clean = [q for q, f in zip(ratios, foreign) if f < CLEAN_CORES]
       rows.append(dict(members=members, variant=name, overrides=variants.get(name, {}),
-                       bare_steps_per_call=k, devices=len(devices()),
+                       anchor=anchor, bare_steps_per_call=k, devices=len(devices()),
                        foreign_cores=foreign, clean_rounds=len(clean),
                        ratio_median_clean=statistics.median(clean) if clean else None,
                        form=list(bares[order, k].form), steps=args.steps, timed_steps=timed,
                        bare=bare, run=run, ratio=ratios, bare_median=statistics.median(bare),
                        run_median=statistics.median(run), ratio_median=statistics.median(ratios),
-                       run_details=results[name]))
+                       ratio_min=min(ratios), ratio_max=max(ratios),
+                       anchor_details=results[anchor], run_details=results[name]))
   return rows
 
 
 def print_rows(rows: list[dict]) -> None:
   for row in rows:
-    print(f'\nM={row["members"]} variant {row["variant"]!r} against the bare step at K='
-          f'{row["bare_steps_per_call"]} ({row["timed_steps"]} timed steps of {row["steps"]}, '
+    print(f'\nM={row["members"]} {row["variant"]!r} against {row["anchor"]} '
+          f'({row["timed_steps"]} timed steps of {row["steps"]}, '
           f'{row["devices"]} device(s); member-examples/s)')
-    print(f'{"round":>6s} {"(a) bare":>12s} {"(b) run":>12s} {"(b)/(a)":>8s} '
+    print(f'{"round":>6s} {"(a) anchor":>12s} {"(b) run":>12s} {"(b)/(a)":>8s} '
           f'{"others, cores":>14s}')
     for r, (a, b, q, f) in enumerate(zip(row['bare'], row['run'], row['ratio'],
                                          row['foreign_cores'])):
       print(f'{r:6d} {a:12,.0f} {b:12,.0f} {q:8.3f} {f:14.2f}')
     print(f'{"median":>6s} {row["bare_median"]:12,.0f} {row["run_median"]:12,.0f} '
-          f'{row["ratio_median"]:8.3f}')
+          f'{row["ratio_median"]:8.3f}  (rounds {row["ratio_min"]:.3f}-{row["ratio_max"]:.3f})')
     clean = row['ratio_median_clean']
     print(f'median of the {row["clean_rounds"]} clean rounds (others < {CLEAN_CORES} cores): '
           + ('-' if clean is None else f'{clean:.3f}'))
@@ -390,8 +417,8 @@ def main():
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--variants', default='default')
   parser.add_argument('--pipeline', default='',
-                      help="prefetch values (e.g. '2,0'): also time the bare step on a live "
-                      'data.Batches with each')
+                      help="prefetch values (e.g. '2,0'): also time each bare step (every "
+                      'order and K) on a live data.Batches with each, an anchor of its own')
   parser.add_argument('--host_arrays', action='store_true',
                       help='also time the bare step on numpy batches passed to the jit as they are')
   parser.add_argument('--profile', default='', help='a variant to cProfile instead of timing')
