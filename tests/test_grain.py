@@ -131,6 +131,34 @@ def test_workers_hand_back_pixels_scaled_here_as_the_thread_scales_them(data_dir
   support.assert_same_batches([reader(order.skip(start, t)) for t in range(2)], floats)
 
 
+_IMAGES = np.random.default_rng(0).integers(0, 256, (6, 8, 8, 3), dtype=np.uint8)
+
+
+@pytest.mark.parametrize('x,mean,std', [
+    (_IMAGES, MEAN, STD), (_IMAGES, MEAN, ()), (_IMAGES, (), STD), (_IMAGES, (), ()),
+    (_IMAGES[:, ::2], MEAN, STD),  # not contiguous
+    (np.asfortranarray(_IMAGES), MEAN, STD), (_IMAGES[:0], MEAN, STD),
+    (_IMAGES[..., 0], (0.2860,), (0.3530,)),  # a channel axis added after
+    (_IMAGES[:, 0, 0, :1], MEAN, STD),  # [6, 1]: the statistics widen it to [6, 3]
+    (_IMAGES[:, 0, 0, 0], (0.5,), (0.25,)),
+    (np.random.default_rng(1).normal(size=(6, 5, 3)).astype(np.float32), MEAN, STD),
+    (np.random.default_rng(1).normal(size=(6, 5, 3)), MEAN, STD),
+])
+def test_preprocess_standardizes_with_the_plain_float32_arithmetic(x, mean, std):
+  """tfds_source.preprocess standardises in place over whole examples (cheaper for grain's
+  main process, which scales its workers' pixels): the bits of numpy's broadcast
+  expression, whatever the layout, and the input untouched."""
+  before = x.copy()
+  scale = np.float32(1 / 255 if x.dtype == np.uint8 else 1.0)
+  want = x.astype(np.float32) * scale
+  if mean or std:
+    want = (want - np.asarray(mean or 0.0, np.float32)) / np.asarray(std or 1.0, np.float32)
+  got = data.preprocess(x, data.DataSpec('any', mean=mean, std=std))
+  assert got.dtype == want.dtype == np.float32 and got.shape == want.shape
+  assert got.tobytes() == want.tobytes()
+  np.testing.assert_array_equal(x, before)
+
+
 @pytest.mark.parametrize('kind', ['shared', 'shuffled'])
 def test_each_simulated_process_reads_its_own_block(train, kind):
   """Two processes, each holding half the mesh's devices: grain's workers read each

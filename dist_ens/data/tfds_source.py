@@ -16,6 +16,7 @@ import contextlib
 import copy
 import difflib
 import logging as std_logging
+import math
 import struct
 import zlib
 from collections.abc import Iterator, Sequence
@@ -51,10 +52,29 @@ def preprocess(x: np.ndarray, spec: DataSpec) -> np.ndarray:
   if is_token_ids(x):
     return np.asarray(x).astype(np.int32, copy=False)
   scale = 1.0 / 255.0 if x.dtype == np.uint8 else 1.0
-  x = x.astype(np.float32) * np.float32(scale)
+  x = x.astype(np.float32)  # A copy: scaled in place.
+  x *= np.float32(scale)
   mean, std = tuple(spec.mean), tuple(spec.std)
   if mean or std:
-    x = (x - np.asarray(mean or 0.0, np.float32)) / np.asarray(std or 1.0, np.float32)
+    x = _standardize(x, np.asarray(mean or 0.0, np.float32), np.asarray(std or 1.0, np.float32))
+  return x
+
+
+def _standardize(x: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
+  """(x - mean) / std for a float32 x of our own, in place where the statistics broadcast
+  over each example: spread over an example's elements, numpy's loops run over thousands
+  of them instead of the channel axis's 3 (a third of the time on CIFAR's images), each
+  element getting the same two float32 operations, so the same bits."""
+  try:
+    whole = (x.ndim >= 2 and x.flags.c_contiguous
+             and np.broadcast_shapes(mean.shape, std.shape, x.shape[1:]) == x.shape[1:])
+  except ValueError:  # Statistics that do not broadcast: numpy says so below.
+    whole = False
+  if not whole:
+    return (x - mean) / std
+  rows = x.reshape(x.shape[0], math.prod(x.shape[1:]))  # A view of x.
+  np.subtract(rows, np.broadcast_to(mean, x.shape[1:]).ravel(), out=rows)
+  np.divide(rows, np.broadcast_to(std, x.shape[1:]).ravel(), out=rows)
   return x
 
 
