@@ -2,28 +2,31 @@
 
   python -m benchmarks.grain_pipeline [--examples 2048] [--members 8] [--items 24]
       [--rounds 3] [--workers 1,2] [--float32_workers 2] [--standardize cifar10|none]
-      [--out PATH]
+      [--read_inputs] [--out PATH]
 
 Writes a TFDS dataset of random 32x32x3 PNG images as ArrayRecord (as
 benchmarks/input_pipeline.py does) and times data.Batches on one device, as a run builds
 it (prefetch 2), reading it with config.data.loader='threads' and with 'grain' at each
 --workers count, for the 'shared' order (one batch of 128 an item) and 'shuffled' (one
-per member, --members of them). 'grain, N workers' has the workers hand back uint8 pixels
-that the main process scales to float32 (grain_loader._Pixels); 'grain, N workers, float32'
-(N in --float32_workers) has them hand back the float32 inputs, as before, so the two are
-timed in the same rounds. With --standardize cifar10 (the default) the set is read with
-configs/cifar10_*.py's data.mean / std, so scaling includes the per-channel standardisation
-the CIFAR configs ask for. 'threads, TFDS decode' is the thread with every record
-decoded by TFDS's own path (TfdsSource.tfds_decoding: the same batches, what every
-pipeline did before the shorter PNG decode of dist_ens/data/tfds_source.py). Each round
-starts every pipeline afresh (its start-up, worker processes included, is reported
-apart), takes a few items to drain what it prepared while starting, then times --items
-items: examples/s delivered, the consumer doing nothing else, and the CPU time an example
-took (this process's threads and grain's workers: what the machine spends, however busy
-it is), and of that the main process's alone (the process that also runs the step). Rounds rotate the order of the pipelines; the ratios to the thread (and to the
-thread with TFDS's decode, and of 'grain, N workers' to its float32 twin) are medians of
-each round's ratio. First, where one thread's read of an item goes (read_profile:
-read_us_per_example in the results). Writes
+per member, --members of them). 'grain, N workers' has the workers hand back uint8
+pixels that the main process scales to float32 (grain_loader._Pixels); 'grain, N
+workers, float32' (N in --float32_workers) has them hand back the float32 inputs, as
+before, timed in the same rounds. With --standardize cifar10 (the default) the set is
+read with configs/cifar10_*.py's data.mean / std, so scaling includes the per-channel
+standardisation the CIFAR configs ask for. 'threads, TFDS decode' is the thread with
+every record decoded by TFDS's own path (TfdsSource.tfds_decoding: the same batches,
+what every pipeline did before the shorter PNG decode of dist_ens/data/tfds_source.py).
+
+Each round starts every pipeline afresh (its start-up, worker processes included, is
+reported apart), takes a few items to drain what it prepared while starting, then times
+--items items: examples/s delivered, the consumer doing nothing else (with --read_inputs
+it sums each item's inputs on the device, reading every value as a step would), the CPU
+time an example took (this process's threads and grain's workers: what the machine
+spends, however busy it is) and of that the main process's alone (the process that also
+runs the step). Rounds rotate the order of the pipelines; the ratios to the thread (and
+to the thread with TFDS's decode, and of 'grain, N workers' to its float32 twin) are
+medians of each round's ratio. First, where one thread's read of an item goes
+(read_profile: read_us_per_example in the results). Writes
 benchmarks/results/grain_pipeline.json (or --out).
 """
 
@@ -71,7 +74,7 @@ def cpu_seconds() -> float:
   return total
 
 
-def measure(source, order, mesh, members, loader, workers, pixels, items):
+def measure(source, order, mesh, members, loader, workers, pixels, items, consume):
   """(seconds to the first item, examples/s, CPU microseconds an example (this process
   and grain's workers) and this process's alone, over `items` items after the warm ones).
   `pixels`: grain's workers give uint8 pixels (the default) or float32 inputs."""
@@ -83,13 +86,13 @@ def measure(source, order, mesh, members, loader, workers, pixels, items):
     batches = data.Batches(source, order, mesh, members, prefetch=2, loader=loader,
                            workers=workers)
   try:
-    jax.block_until_ready(next(batches))
+    jax.block_until_ready(consume(next(batches)))
     startup = time.perf_counter() - start
     for _ in range(WARM_ITEMS - 1):
-      jax.block_until_ready(next(batches))
+      jax.block_until_ready(consume(next(batches)))
     start, cpu, main_cpu = time.perf_counter(), cpu_seconds(), time.process_time()
     for _ in range(items):
-      jax.block_until_ready(next(batches))
+      jax.block_until_ready(consume(next(batches)))
     # Examples handed out in the timed items (stats also counts what was prefetched).
     examples = items * (BATCH * members if order.per_member else BATCH)
     return (startup, examples / (time.perf_counter() - start),
@@ -140,6 +143,8 @@ def main():
                       help="worker counts also timed with workers giving float32 ('' none)")
   parser.add_argument('--standardize', choices=sorted(STANDARDIZE), default='cifar10',
                       help='data.mean / std the set is read with')
+  parser.add_argument('--read_inputs', action='store_true',
+                      help="the consumer sums each item's inputs on the device")
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'grain_pipeline.json'))
   args = parser.parse_args()
   header = harness.run_header()
@@ -152,6 +157,7 @@ def main():
   variants.update({grain(w) + FLOAT32: ('grain', w, False, False)
                    for w in map(int, filter(None, args.float32_workers.split(',')))})
   mean, std = STANDARDIZE[args.standardize]
+  consume = jax.jit(lambda item: item[0].sum()) if args.read_inputs else (lambda item: item)
   rows = []
   with tempfile.TemporaryDirectory() as data_dir:
     write_cifar_shaped(data_dir, args.examples)
@@ -164,7 +170,7 @@ def main():
       members = args.members if kind == 'shuffled' else 1
       order = data.Order(kind, source.num_examples, BATCH, 0)
       jobs = {name: (lambda v=v: measure(sources[v[2]], order, mesh, members, *v[:2], v[3],
-                                         args.items))
+                                         args.items, consume))
               for name, v in variants.items()}
       results = harness.run_rounds(
           jobs, args.rounds, lambda r, name, res, kind=kind: (
@@ -211,7 +217,7 @@ def main():
           f'{row["main_cpu_us_per_example"]:11.0f} {row["startup_s"]:8.1f}')
   out = harness.write_results(args.out, dict(
       header, device=jax.devices()[0].platform, examples=args.examples, items=args.items,
-      rounds=args.rounds, standardize=args.standardize, mean=mean, std=std, cpu_cores=grain_loader.default_workers(),
+      rounds=args.rounds, standardize=args.standardize, read_inputs=args.read_inputs, mean=mean, std=std, cpu_cores=grain_loader.default_workers(),
       read_us_per_example=profile, rows=rows,
       load_average_end=harness.load_average()))
   print(f'wrote {out}')
