@@ -1,21 +1,17 @@
 """CIFAR-shaped PNGs through the host pipeline: the thread against grain's worker processes.
 
   python -m benchmarks.grain_pipeline [--examples 2048] [--members 8] [--items 24]
-      [--rounds 3] [--workers 1,2] [--float32_workers 2] [--standardize cifar10|none]
-      [--read_inputs] [--out PATH]
+      [--rounds 3] [--workers 1,2] [--standardize cifar10|none] [--read_inputs] [--out PATH]
 
 Writes a TFDS dataset of random 32x32x3 PNG images as ArrayRecord (as
 benchmarks/input_pipeline.py does) and times data.Batches on one device, as a run builds
 it (prefetch 2), reading it with config.data.loader='threads' and with 'grain' at each
 --workers count, for the 'shared' order (one batch of 128 an item) and 'shuffled' (one
-per member, --members of them). 'grain, N workers' has the workers hand back uint8
-pixels that the main process scales to float32 (grain_loader._Pixels); 'grain, N
-workers, float32' (N in --float32_workers) has them hand back the float32 inputs, as
-before, timed in the same rounds. With --standardize cifar10 (the default) the set is
-read with configs/cifar10_*.py's data.mean / std, so scaling includes the per-channel
-standardisation the CIFAR configs ask for. 'threads, TFDS decode' is the thread with
-every record decoded by TFDS's own path (TfdsSource.tfds_decoding: the same batches,
-what every pipeline did before the shorter PNG decode of dist_ens/data/tfds_source.py).
+per member, --members of them). With --standardize cifar10 (the default) the set is
+read with configs/cifar10_*.py's data.mean / std, so the inputs are standardised per
+channel as the CIFAR configs ask. 'threads, TFDS decode' is the thread with every record
+decoded by TFDS's own path (TfdsSource.tfds_decoding: the same batches, what every
+pipeline did before the shorter PNG decode of dist_ens/data/tfds_source.py).
 
 Each round starts every pipeline afresh (its start-up, worker processes included, is
 reported apart), takes a few items to drain what it prepared while starting, then times
@@ -24,21 +20,17 @@ it sums each item's inputs on the device, reading every value as a step would), 
 time an example took (this process's threads and grain's workers: what the machine
 spends, however busy it is) and of that the main process's alone (the process that also
 runs the step). Rounds rotate the order of the pipelines; the ratios to the thread (and
-to the thread with TFDS's decode, and of 'grain, N workers' to its float32 twin) are
-medians of each round's ratio. First, where one thread's read of an item goes
-(read_profile: read_us_per_example in the results). Writes
+to the thread with TFDS's decode) are medians of each round's ratio. First, where one
+thread's read of an item goes (read_profile: read_us_per_example in the results). Writes
 benchmarks/results/grain_pipeline.json (or --out).
 """
 
 import argparse
-import contextlib
-import functools
 import multiprocessing
 import os
 import statistics
 import tempfile
 import time
-import unittest.mock
 from pathlib import Path
 
 import jax
@@ -54,7 +46,6 @@ ROOT = Path(__file__).resolve().parents[1]
 BATCH = 128
 WARM_ITEMS = 4  # more than prefetch (2) plus what two workers prepare ahead
 TFDS_THREADS = 'threads, TFDS decode'
-FLOAT32 = ', float32'  # the suffix of the grain pipelines whose workers give float32
 # configs/cifar10_*.py's data.mean and data.std.
 STANDARDIZE = {'cifar10': ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
                'none': ((), ())}
@@ -74,17 +65,13 @@ def cpu_seconds() -> float:
   return total
 
 
-def measure(source, order, mesh, members, loader, workers, pixels, items, consume):
+def measure(source, order, mesh, members, loader, workers, items, consume):
   """(seconds to the first item, examples/s, CPU microseconds an example (this process
-  and grain's workers) and this process's alone, over `items` items after the warm ones).
-  `pixels`: grain's workers give uint8 pixels (the default) or float32 inputs."""
+  and grain's workers) and this process's alone, over `items` items after the warm ones;
+  `consume` takes each item)."""
   start = time.perf_counter()
-  reads = functools.partial(grain_loader.Reads, pixels=pixels)
-  with contextlib.ExitStack() as stack:
-    if not pixels:  # Batches starts grain_loader.Reads with its default.
-      stack.enter_context(unittest.mock.patch.object(grain_loader, 'Reads', reads))
-    batches = data.Batches(source, order, mesh, members, prefetch=2, loader=loader,
-                           workers=workers)
+  batches = data.Batches(source, order, mesh, members, prefetch=2, loader=loader,
+                         workers=workers)
   try:
     jax.block_until_ready(consume(next(batches)))
     startup = time.perf_counter() - start
@@ -107,22 +94,24 @@ def read_profile(source, rounds: int = 5, reads: int = 16) -> dict[str, float]:
   examples, as one item of the 'shared' order reads them: the ArrayRecord read alone
   (serialized records), TFDS's deserialize_example_np of those records, and the whole
   TfdsSource.read (sort, read, decode, stack, scale to float32) with TFDS's decode and with
-  the shorter PNG decode, and of that the scaling alone (TfdsSource.finish of the uint8
-  pixels: what grain's main process does to its workers' pixels)."""
+  the shorter PNG decode, and of that the scaling to float32 alone (preprocess of an
+  item's uint8 pixels, with the source's data.mean / std)."""
   rng = np.random.default_rng(0)
   batches = [rng.permutation(source.num_examples)[:BATCH] for _ in range(reads)]
   tfds_source = source.tfds_decoding()
   records = source._source.data_source  # pylint: disable=protected-access  # the raw reader
   features = source._source.dataset_info.features  # pylint: disable=protected-access
   serialized = [records.__getitems__(sorted(b.tolist())) for b in batches]
-  pixels = [source.read_stored(b)[0] for b in batches]
+  pixels = np.random.default_rng(0).integers(0, 256, (BATCH, *source.read([0])[0].shape[1:]),
+                                             dtype=np.uint8)
+  spec = source._spec  # pylint: disable=protected-access
   stages = {
       'array_record_read': lambda: [records.__getitems__(sorted(b.tolist())) for b in batches],
       'tfds_deserialize': lambda: [features.deserialize_example_np(r)
                                    for batch in serialized for r in batch],
       'read_tfds_decode': lambda: [tfds_source.read(b) for b in batches],
       'read_png_decode': lambda: [source.read(b) for b in batches],
-      'finish': lambda: [source.finish(x) for x in pixels]}
+      'scale': lambda: [data.preprocess(pixels, spec) for _ in batches]}
   times = {name: [] for name in stages}
   for _ in range(rounds):
     for name, stage in stages.items():
@@ -139,8 +128,6 @@ def main():
   parser.add_argument('--items', type=int, default=24, help='items timed per pipeline a round')
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--workers', default='1,2', help="grain's worker counts, comma-separated")
-  parser.add_argument('--float32_workers', default='2',
-                      help="worker counts also timed with workers giving float32 ('' none)")
   parser.add_argument('--standardize', choices=sorted(STANDARDIZE), default='cifar10',
                       help='data.mean / std the set is read with')
   parser.add_argument('--read_inputs', action='store_true',
@@ -149,13 +136,10 @@ def main():
   args = parser.parse_args()
   header = harness.run_header()
   mesh = mesh_lib.make_mesh(mesh_lib.MeshSpec(member=1, data=1), jax.devices()[:1])
-  # name: (loader, workers, whether TFDS's own path decodes every record, whether grain's
-  # workers give uint8 pixels)
-  variants = {TFDS_THREADS: ('threads', 0, True, True), 'threads': ('threads', 0, False, True)}
-  grain = lambda w: f'grain, {w} worker{"s" * (w > 1)}'
-  variants.update({grain(w): ('grain', w, False, True) for w in map(int, args.workers.split(','))})
-  variants.update({grain(w) + FLOAT32: ('grain', w, False, False)
-                   for w in map(int, filter(None, args.float32_workers.split(',')))})
+  # name: (loader, workers, whether TFDS's own path decodes every record)
+  variants = {TFDS_THREADS: ('threads', 0, True), 'threads': ('threads', 0, False)}
+  variants.update({f'grain, {w} worker{"s" * (w > 1)}': ('grain', w, False)
+                   for w in map(int, args.workers.split(','))})
   mean, std = STANDARDIZE[args.standardize]
   consume = jax.jit(lambda item: item[0].sum()) if args.read_inputs else (lambda item: item)
   rows = []
@@ -169,14 +153,14 @@ def main():
     for kind in ('shared', 'shuffled'):
       members = args.members if kind == 'shuffled' else 1
       order = data.Order(kind, source.num_examples, BATCH, 0)
-      jobs = {name: (lambda v=v: measure(sources[v[2]], order, mesh, members, *v[:2], v[3],
+      jobs = {name: (lambda v=v: measure(sources[v[2]], order, mesh, members, *v[:2],
                                          args.items, consume))
               for name, v in variants.items()}
       results = harness.run_rounds(
           jobs, args.rounds, lambda r, name, res, kind=kind: (
-              f'round {r} {kind:9s} {name:29s} start {res[0]:5.1f} s  {res[1]:9,.0f} ex/s  '
+              f'round {r} {kind:9s} {name:20s} start {res[0]:5.1f} s  {res[1]:9,.0f} ex/s  '
               f'{res[2]:6.0f} CPU us/ex  {res[3]:6.0f} main'))
-      for name, (loader, workers, tfds_decode, pixels) in variants.items():
+      for name, (loader, workers, tfds_decode) in variants.items():
         rates = [res[1] for res in results[name]]
         cpu = [res[2] for res in results[name]]
         main_cpu = [res[3] for res in results[name]]
@@ -184,14 +168,8 @@ def main():
         def ratios(to, index, mine=results[name]):
           return [res[index] / base[index] for res, base in zip(mine, results[to])]
 
-        twin = {} if loader != 'grain' or name + FLOAT32 not in results else dict(
-            ratio_to_float32=statistics.median(ratios(name + FLOAT32, 1)),
-            ratio_to_float32_rounds=ratios(name + FLOAT32, 1),
-            cpu_ratio_to_float32=statistics.median(ratios(name + FLOAT32, 2)),
-            main_cpu_ratio_to_float32=statistics.median(ratios(name + FLOAT32, 3)))
         rows.append(dict(member_order=kind, members=members, batch=BATCH, loader=loader,
-                         workers=workers, tfds_decode=tfds_decode,
-                         uint8_from_workers=loader == 'grain' and pixels, pipeline=name,
+                         workers=workers, tfds_decode=tfds_decode, pipeline=name,
                          examples_per_s=statistics.median(rates), examples_per_s_rounds=rates,
                          ratio_to_threads=statistics.median(ratios('threads', 1)),
                          ratio_to_threads_rounds=ratios('threads', 1),
@@ -204,20 +182,19 @@ def main():
                          cpu_ratio_to_threads=statistics.median(ratios('threads', 2)),
                          cpu_ratio_to_tfds_decode_threads=statistics.median(
                              ratios(TFDS_THREADS, 2)),
-                         startup_s=statistics.median(res[0] for res in results[name]),
-                         **twin))
-  print(f'\n{"order":9s} {"pipeline":29s} {"ex/s (median)":>14s} {"x threads":>10s} '
-        f'{"x TFDS dec.":>12s} {"x float32":>10s} {"CPU us/ex":>10s} {"x threads":>10s} '
-        f'{"main us/ex":>11s} {"start s":>8s}')
+                         startup_s=statistics.median(res[0] for res in results[name])))
+  print(f'\n{"order":9s} {"pipeline":20s} {"ex/s (median)":>14s} {"x threads":>10s} '
+        f'{"x TFDS dec.":>12s} {"CPU us/ex":>10s} {"x threads":>10s} {"main us/ex":>11s} '
+        f'{"start s":>8s}')
   for row in rows:
-    twin = f'{row["ratio_to_float32"]:10.2f}' if 'ratio_to_float32' in row else f'{"":10s}'
-    print(f'{row["member_order"]:9s} {row["pipeline"]:29s} {row["examples_per_s"]:14,.0f} '
-          f'{row["ratio_to_threads"]:10.2f} {row["ratio_to_tfds_decode_threads"]:12.2f} {twin} '
+    print(f'{row["member_order"]:9s} {row["pipeline"]:20s} {row["examples_per_s"]:14,.0f} '
+          f'{row["ratio_to_threads"]:10.2f} {row["ratio_to_tfds_decode_threads"]:12.2f} '
           f'{row["cpu_us_per_example"]:10.0f} {row["cpu_ratio_to_threads"]:10.2f} '
           f'{row["main_cpu_us_per_example"]:11.0f} {row["startup_s"]:8.1f}')
   out = harness.write_results(args.out, dict(
       header, device=jax.devices()[0].platform, examples=args.examples, items=args.items,
-      rounds=args.rounds, standardize=args.standardize, read_inputs=args.read_inputs, mean=mean, std=std, cpu_cores=grain_loader.default_workers(),
+      rounds=args.rounds, standardize=args.standardize, mean=mean, std=std,
+      read_inputs=args.read_inputs, cpu_cores=grain_loader.default_workers(),
       read_us_per_example=profile, rows=rows,
       load_average_end=harness.load_average()))
   print(f'wrote {out}')

@@ -6,11 +6,9 @@ stream grain reads is the positions 0, 1, 2, ... from the run's data position on
 each position is read by pipeline.HostReader (the member order, its pools, this
 process's block of the batch), the very function the thread pipeline calls. grain splits
 the positions over its worker processes, each reads and decodes whole items, and hands
-them back through shared memory in order; for a set of uint8 images they hand back the
-decoded pixels and the main process scales them to float32 (_Pixels: the same arithmetic
-on the same pixels, a quarter of the bytes through shared memory). So the batches are the
-thread pipeline's bit for bit, and the position a checkpoint saves is the pipeline's
-IteratorState, not grain's iterator state: resuming starts a new stream at that position.
+them back through shared memory in order. So the batches are the thread pipeline's bit
+for bit, and the position a checkpoint saves is the pipeline's IteratorState, not grain's
+iterator state: resuming starts a new stream at that position.
 """
 
 import functools
@@ -44,24 +42,12 @@ def _grain() -> Any:
   return grain
 
 
-def _tfds_of(source: Any) -> Any:
-  """The source under `source`'s Subsets (itself if none)."""
-  while isinstance(source, Subset):
-    source = source.source
-  return source
-
-
 def is_tfds(source: Any) -> bool:
   """Whether `source` reads a TFDS dataset's files (alone or through a Subset: a
   validation split carved from it)."""
-  return isinstance(_tfds_of(source), TfdsSource)
-
-
-def _with_tfds(source: Any, tfds: Any) -> Any:
-  """`source` with the TfdsSource under its Subsets replaced by `tfds`."""
-  if isinstance(source, Subset):
-    return source._replace(source=_with_tfds(source.source, tfds))
-  return tfds
+  while isinstance(source, Subset):
+    source = source.source
+  return isinstance(source, TfdsSource)
 
 
 def check_config(loader: str, name: str, resident: Any) -> None:
@@ -119,36 +105,6 @@ def _exit_with(parent: int, worker: int, workers: int) -> None:
   threading.Thread(target=watch, daemon=True).start()
 
 
-class _Pixels:
-  """A TfdsSource of uint8 images as grain's workers read it: `read` gives the decoded
-  pixels (TfdsSource.read_stored), a quarter of float32's bytes through shared memory,
-  and the main process `finish`es each item's inputs to what TfdsSource.read gives: the
-  same float32 arithmetic (tfds_source.preprocess) on the same pixels, bit for bit."""
-
-  def __init__(self, source: TfdsSource):
-    self.source = source
-
-  @property
-  def num_examples(self) -> int:
-    return self.source.num_examples
-
-  def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return self.source.read_stored(indices)
-
-  def finish(self, item: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
-    return (self.source.finish(item[0]), *item[1:])
-
-  @classmethod
-  def for_reader(cls, reader: Any) -> '_Pixels | None':
-    """The pixels of `reader`'s TfdsSource if it stores uint8 images and nothing is done
-    to them after TfdsSource.read (no member_scale); else None: workers give the float32
-    batches."""
-    tfds = _tfds_of(reader.source)
-    if reader.member_scale is not None or tfds.read_stored(np.arange(1))[0].dtype != np.uint8:
-      return None
-    return cls(tfds)
-
-
 class _ReadAt:
   """Position t of the stream -> the item t items after `start` (in a worker process)."""
 
@@ -162,19 +118,12 @@ class _ReadAt:
 
 class Reads(Iterator[tuple[np.ndarray, ...]]):
   """The items `reader` (a pipeline.HostReader) gives at `start` and after, in order,
-  read and decoded by `workers` grain worker processes (0: default_workers()).
+  read and decoded by `workers` grain worker processes (0: default_workers())."""
 
-  `pixels`: for uint8 images, the workers give the pixels and this process scales them
-  (_Pixels); False: the workers give the float32 inputs (as before; for comparisons).
-  """
-
-  def __init__(self, reader: Any, start: Any, workers: int = 0, pixels: bool = True):
+  def __init__(self, reader: Any, start: Any, workers: int = 0):
     check_source(reader.source)
     grain = _grain()
     _let_grain_read_its_flags()
-    self._pixels = _Pixels.for_reader(reader) if pixels else None
-    if self._pixels is not None:
-      reader = reader._replace(source=_with_tfds(reader.source, self._pixels))
     # num_threads=0: each worker reads its items one at a time, its process is the unit
     # of parallelism; per_worker_buffer_size=1: an item can be large (M members' batches).
     dataset = (grain.MapDataset.range(_ENDLESS).map(_ReadAt(reader, start))
@@ -186,8 +135,7 @@ class Reads(Iterator[tuple[np.ndarray, ...]]):
 
   def __next__(self) -> tuple[np.ndarray, ...]:
     # Views of grain's shared-memory arrays, which they keep alive.
-    item = tuple(np.asarray(a) for a in next(self._iterator))
-    return item if self._pixels is None else self._pixels.finish(item)
+    return tuple(np.asarray(a) for a in next(self._iterator))
 
   def close(self) -> None:
     """Stops the worker processes."""
