@@ -3,24 +3,62 @@
   config = dist_ens.load_config('configs/default.py')
   results = dist_ens.train(config, '/tmp/run')
   ensemble = dist_ens.Ensemble.load('/tmp/run')
+
+The public names, and the subpackages (`dist_ens.models.from_hf`, `dist_ens.data.from_arrays`),
+are imported on first use (PEP 562), so `import dist_ens` and the command line's --help
+and refusals at flag parsing do not start JAX.
 """
 
-from dist_ens.config.loading import load_config
-from dist_ens.core.model import Model
-from dist_ens.ensembles.stacking import num_members, stack, unstack
-from dist_ens.errors import ConfigError, TrainingError
-from dist_ens.inference.ensemble import Ensemble
-from dist_ens.io.member_files import load_member
-from dist_ens.training import Action, Call, PeriodicAction, Session, every, train
+import importlib
+import importlib.util
+from typing import TYPE_CHECKING
 
+# Each public name and the module that defines it.
+_PUBLIC = {
+    'Action': 'dist_ens.training.loop',
+    'Call': 'dist_ens.training.loop',
+    'ConfigError': 'dist_ens.errors',
+    'Ensemble': 'dist_ens.inference.ensemble',
+    'Model': 'dist_ens.core.model',
+    'PeriodicAction': 'dist_ens.training.loop',
+    'Session': 'dist_ens.training.loop',
+    'TrainingError': 'dist_ens.errors',
+    'every': 'dist_ens.training.loop',
+    'load_config': 'dist_ens.config.loading',
+    'load_member': 'dist_ens.io.member_files',
+    'num_members': 'dist_ens.ensembles.stacking',
+    'stack': 'dist_ens.ensembles.stacking',
+    'train': 'dist_ens.training.trainer',
+    'unstack': 'dist_ens.ensembles.stacking',
+}
 __all__ = ['Action', 'Call', 'ConfigError', 'Ensemble', 'Model', 'PeriodicAction', 'Session',
            'TrainingError', 'every', 'load_config', 'load_member', 'num_members', 'stack',
            'train', 'unstack']
 __version__ = '0.2.0'
 
+if TYPE_CHECKING:  # What type checkers and editors see; at run time, __getattr__ below.
+  from dist_ens.config.loading import load_config
+  from dist_ens.core.model import Model
+  from dist_ens.ensembles.stacking import num_members, stack, unstack
+  from dist_ens.errors import ConfigError, TrainingError
+  from dist_ens.inference.ensemble import Ensemble
+  from dist_ens.io.member_files import load_member
+  from dist_ens.training.loop import Action, Call, PeriodicAction, Session, every
+  from dist_ens.training.trainer import train
+
 
 def __getattr__(name: str):
+  if name in _PUBLIC:
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value  # Looked up here from now on, without this function.
+    return value
+  if not name.startswith('_') and importlib.util.find_spec(f'{__name__}.{name}') is not None:
+    return importlib.import_module(f'{__name__}.{name}')  # A subpackage, e.g. dist_ens.models.
   if name == 'Context':  # Deprecated: what actions received before Call and Session.
     from dist_ens.training import loop  # pylint: disable=g-import-not-at-top
     return loop.__getattr__(name)
   raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_PUBLIC})

@@ -1,7 +1,9 @@
 """The subcommands of `dist-ens` (train, plan, report): their flags and their mains.
 
 dist_ens/main.py parses the command line and dispatches to COMMANDS; each main gets
-absl's leftover argv after the flags (absl.flags.FLAGS) are parsed.
+absl's leftover argv after the flags (absl.flags.FLAGS) are parsed. Each main imports what
+it runs (JAX, through training, plan or report) when it runs: --help, and a flag or config
+field refused while parsing, answer without starting JAX.
 """
 
 import contextlib
@@ -23,8 +25,7 @@ from dist_ens import importing
 from dist_ens.config import command_line, loading
 from dist_ens.io import console
 from dist_ens.errors import AgreedConfigError, ConfigError, TrainingError
-from dist_ens.parallel import distributed, xla_flags
-from dist_ens.training import workdir as workdir_lib
+from dist_ens.parallel import launch, xla_flags
 
 FLAGS = flags.FLAGS
 GB = 1e9  # --memory_gb is in units of 1e9 bytes, as plan.py prints.
@@ -52,11 +53,11 @@ def _define_train_flags(fv: flags.FlagValues) -> None:
   flags.DEFINE_integer('num_processes', None, 'Number of processes in the run.', flag_values=fv)
   flags.DEFINE_integer('process_id', None, 'This process, in 0..num_processes-1.',
                        flag_values=fv)
-  flags.DEFINE_integer('init_timeout_s', distributed.DEFAULT_INIT_TIMEOUT_S,
+  flags.DEFINE_integer('init_timeout_s', launch.DEFAULT_INIT_TIMEOUT_S,
                        'Seconds to wait for every process to connect before giving up.',
                        flag_values=fv)
   flags.DEFINE_integer(
-      'heartbeat_timeout_s', distributed.DEFAULT_HEARTBEAT_TIMEOUT_S,
+      'heartbeat_timeout_s', launch.DEFAULT_HEARTBEAT_TIMEOUT_S,
       'Seconds without a heartbeat after which a process counts as dead and the run stops.',
       flag_values=fv)
   flags.DEFINE_bool('verbose', False, "Also log the run's details (how each device runs its "
@@ -86,17 +87,24 @@ def _train_main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
   _console_logging(FLAGS.verbose)
+  flagged = launch.Launch(
+      enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
+      num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
+      init_timeout_s=FLAGS.init_timeout_s, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s)
+  try:
+    launch.check(flagged)
+  except ConfigError as e:  # Before JAX is imported: contradictory flags answer at once.
+    sys.exit(f'dist-ens: error: {e}')
+  from dist_ens.parallel import distributed  # pylint: disable=g-import-not-at-top
+  from dist_ens.training import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   launched = False
   try:
     with contextlib.suppress(Exception):  # (a config that fails to load: training says so)
       if FLAGS.config.reproducible:
         xla_flags.set_flags()  # read by XLA when the backend starts, just below
     # Before anything else touches JAX: jax.distributed must precede the backend.
-    launched = distributed.initialize(distributed.Launch(
-        enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
-        num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
-        init_timeout_s=FLAGS.init_timeout_s, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s),
-        newest_step=lambda: workdir_lib.newest_intact_step(FLAGS.workdir))
+    launched = distributed.initialize(
+        flagged, newest_step=lambda: workdir_lib.newest_intact_step(FLAGS.workdir))
     from dist_ens import training  # pylint: disable=g-import-not-at-top
     result = training.train(FLAGS.config, FLAGS.workdir)
     if result.get('preempted'):  # Saved, but not finished: `dist-ens ... && next` must stop.
@@ -119,6 +127,8 @@ def _unexpected_failure(error: Exception, launched: bool) -> NoReturn:
   """Ends the process after an exception training did not expect: an error in the
   user's own code (its traceback, then one line naming the config field that imports
   it), another process of the run lost (one line), or else the traceback."""
+  from dist_ens.parallel import distributed  # pylint: disable=g-import-not-at-top
+  from dist_ens.training import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
   field = _user_code_field(error, FLAGS.config)
   line = field and (f'dist-ens: error: the code {field} names raised {type(error).__name__}: '
                     f'{_first_line(error)} (its traceback is above).')

@@ -80,6 +80,37 @@ def test_bad_value_or_flag_is_one_line(tmp_path, args, expected):
   assert re.search(expected, line), line
 
 
+# The command line's entry in a fresh process, then whether JAX was imported.
+_ENTRY_THEN_JAX = """
+import sys
+from dist_ens import main
+try:
+  main.entry(['dist-ens', *sys.argv[1:]])
+except SystemExit as e:
+  print(e.code if isinstance(e.code, str) else f'exit {e.code}', file=sys.stderr)
+print('jax imported' if 'jax' in sys.modules else 'jax not imported', file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize('args,expected', [
+    (['--config.num_memebrs=3'], 'did you mean config.num_members?'),
+    (['--config.train.steps=abc'], 'invalid literal for int'),
+    (['--num_processes=2', '--process_id=2'], '--process_id=2 must be below --num_processes=2'),
+    (['--help'], 'exit 0'),
+])
+def test_refusals_at_parsing_and_help_answer_without_importing_jax(tmp_path, args, expected):
+  # A mistyped field, a bad value, contradictory launch flags or --help needs no JAX
+  # (~1 s to import, 2-3 s with the rest of dist_ens): the answer comes at once.
+  result = subprocess.run(
+      [sys.executable, '-c', _ENTRY_THEN_JAX, '--config=configs/default.py',
+       f'--workdir={tmp_path}', *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+      timeout=_LIMIT_S)
+  lines = result.stderr.strip().splitlines()
+  assert lines[-1] == 'jax not imported', result.stderr
+  assert expected in lines[-2], result.stderr
+  assert not any(tmp_path.iterdir())
+
+
 def test_missing_report_workdir_is_one_line(tmp_path):
   line = _one_error_line(_run('report', f'--workdir={tmp_path / "none"}'))
   assert line.startswith('dist-ens report: error: ') and 'does not exist' in line

@@ -18,7 +18,7 @@ from jax.experimental import multihost_utils
 import support
 
 from dist_ens.config import agreement, loading
-from dist_ens.parallel import distributed
+from dist_ens.parallel import distributed, launch
 from dist_ens.config.loading import load_config
 from dist_ens.errors import ConfigError
 
@@ -125,35 +125,35 @@ def test_check_same_config_names_differing_fields(monkeypatch):
 
 def test_flag_combinations_that_cannot_work(no_cluster):
   cases = [
-      (distributed.Launch(enabled=False, num_processes=2), '--nodistributed'),
-      (distributed.Launch(num_processes=2, process_id=2), '--process_id=2 must be below'),
-      (distributed.Launch(num_processes=0), '--num_processes=0'),
-      (distributed.Launch(process_id=-1), '--process_id=-1'),
-      (distributed.Launch(enabled=True, heartbeat_timeout_s=0), '--heartbeat_timeout_s=0'),
+      (launch.Launch(enabled=False, num_processes=2), '--nodistributed'),
+      (launch.Launch(num_processes=2, process_id=2), '--process_id=2 must be below'),
+      (launch.Launch(num_processes=0), '--num_processes=0'),
+      (launch.Launch(process_id=-1), '--process_id=-1'),
+      (launch.Launch(enabled=True, heartbeat_timeout_s=0), '--heartbeat_timeout_s=0'),
   ]
-  for launch, expected in cases:
+  for flags, expected in cases:
     with pytest.raises(ConfigError, match=expected):
-      distributed.initialize(launch)
+      distributed.initialize(flags)
 
 
 def test_plain_run_does_not_start_distributed(no_cluster):
-  assert distributed.initialize(distributed.Launch()) is False
-  assert distributed.initialize(distributed.Launch(enabled=False)) is False
+  assert distributed.initialize(launch.Launch()) is False
+  assert distributed.initialize(launch.Launch(enabled=False)) is False
 
 
 def test_missing_addresses_without_a_cluster_are_named(no_cluster):
   with pytest.raises(ConfigError, match='needs --coordinator_address, --num_processes, '
                      '--process_id: no cluster'):
-    distributed.initialize(distributed.Launch(enabled=True))
+    distributed.initialize(launch.Launch(enabled=True))
   with pytest.raises(ConfigError, match=r'needs --coordinator_address, --process_id:'):
-    distributed.initialize(distributed.Launch(num_processes=2))
+    distributed.initialize(launch.Launch(num_processes=2))
 
 
 def test_refuses_to_start_after_the_backend(no_cluster):
   # Here the backend exists already (conftest asked for devices): starting now
   # would fail inside JAX; the error says what to do instead.
   with pytest.raises(ConfigError, match='must start before any JAX call'):
-    distributed.initialize(distributed.Launch(coordinator_address='localhost:1',
+    distributed.initialize(launch.Launch(coordinator_address='localhost:1',
                                               num_processes=2, process_id=0))
 
 
@@ -168,7 +168,7 @@ def test_no_cluster_detected(no_cluster):
 def test_single_task_slurm_job_runs_plain(slurm_job, monkeypatch):
   monkeypatch.setenv('SLURM_NTASKS', '1')
   monkeypatch.setenv('SLURM_PROCID', '0')
-  assert distributed.initialize(distributed.Launch()) is False
+  assert distributed.initialize(launch.Launch()) is False
 
 
 def test_log_lines_name_their_process():

@@ -29,7 +29,7 @@ import support
 from dist_ens.config import specs
 from dist_ens import data
 from dist_ens.config import loading
-from dist_ens.parallel import distributed
+from dist_ens.parallel import distributed, launch
 from dist_ens.parallel import mesh as mesh_lib
 import dist_ens
 from dist_ens.config.loading import load_config
@@ -233,7 +233,7 @@ def _replica_groups(hlo_text: str) -> list[list[int]]:
 
 def _probe(out: str, port: str, num_processes: str, process_id: str, workdir: str) -> None:
   """Runs in each process of test_mesh_rows_and_collectives_per_layout; writes JSON to `out`."""
-  distributed.initialize(distributed.Launch(
+  distributed.initialize(launch.Launch(
       coordinator_address=f'localhost:{port}', num_processes=int(num_processes),
       process_id=int(process_id)))
 

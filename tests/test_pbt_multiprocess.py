@@ -30,7 +30,7 @@ import dist_ens
 from dist_ens.config.loading import load_config
 from dist_ens.core.axes import MEMBER
 from dist_ens.io.pretrained import read_orbax
-from dist_ens.parallel import distributed
+from dist_ens.parallel import distributed, launch
 from test_multihost import _env, _free_port, _start, _wait
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def _train(workdir: str) -> tuple[dict, dict[int, dict[int, str]]]:
 
 
 def _child(out: str, port: str, process_id: str, workdir: str) -> None:
-  distributed.initialize(distributed.Launch(coordinator_address=f'localhost:{port}',
+  distributed.initialize(launch.Launch(coordinator_address=f'localhost:{port}',
                                             num_processes=2, process_id=int(process_id)))
   _, digests = _train(workdir)
   Path(out).write_text(json.dumps({'process_index': jax.process_index(), 'digests': digests}))

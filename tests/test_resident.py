@@ -196,8 +196,8 @@ def _probe_batches(hosts_along):
 
 
 def _probe(out: str, port: str, num_processes: str, process_id: str, hosts_along: str) -> None:
-  from dist_ens.parallel import distributed  # pylint: disable=g-import-not-at-top
-  distributed.initialize(distributed.Launch(
+  from dist_ens.parallel import distributed, launch  # pylint: disable=g-import-not-at-top
+  distributed.initialize(launch.Launch(
       coordinator_address=f'localhost:{port}', num_processes=int(num_processes),
       process_id=int(process_id)))
   items = _probe_batches(hosts_along)

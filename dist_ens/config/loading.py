@@ -13,7 +13,6 @@ from typing import Any
 
 import ml_collections
 
-from dist_ens.config import specs
 from dist_ens.config.command_line import config_fields, field_hint
 from dist_ens.errors import ConfigError
 
@@ -48,6 +47,9 @@ def check_known_fields(config: ml_collections.ConfigDict) -> None:
   Raises:
     ConfigError: naming the first unknown field (or group) and the closest known ones.
   """
+  # The optional fields are the specs' (models' and data's): imported here, so that loading
+  # a config (the command line's flags) does not import JAX.
+  from dist_ens.config import specs  # pylint: disable=g-import-not-at-top
   known = config_fields(load_config(DEFAULT_CONFIG))
   allowed = {*known, *specs.OPTIONAL_FIELDS}
   for path in config_fields(config):  # A group comes before its fields.

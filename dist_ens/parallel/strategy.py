@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dist_ens.core.members import MEMBER_PARALLELISM, over_members  # noqa: F401
+from dist_ens.core.members import MEMBER_PARALLELISM
 from dist_ens.errors import ConfigError
 
-# Re-exported: the forms' machinery is core's (dist_ens.core.members).
 CHOICES = MEMBER_PARALLELISM + ('auto',)
 
 # A form: (parallelism, map_batch_size or None).
