@@ -324,8 +324,8 @@ def _probe_batches(data_dir, hosts_along):
 
 
 def _probe(out, port, num_processes, process_id, hosts_along, data_dir):
-  from dist_ens.parallel import distributed  # pylint: disable=g-import-not-at-top
-  distributed.initialize(distributed.Launch(
+  from dist_ens.parallel import distributed, launch  # pylint: disable=g-import-not-at-top
+  distributed.initialize(launch.Launch(
       coordinator_address=f'localhost:{port}', num_processes=int(num_processes),
       process_id=int(process_id)))
   items = _probe_batches(data_dir, hosts_along)
