@@ -24,7 +24,10 @@ times side by side:
   bare on a live pipeline (--pipeline P)
          the same bare step at the same K fed by a live data.Batches, P batches ahead
          (0: made in the loop): the step and the input work the run must do, gather
-         included, without the loop's actions, an anchor of its own;
+         included, without the loop's actions, an anchor of its own. A diagnosis, not
+         a fairer bar: at P = 2 it measured slower than the run itself (M = 8 and 64,
+         8 CPU devices, quiet: 0.78-0.87x the bare step, the runs 1.06-1.25x it), as
+         a loop that never waits runs the gather beside the step differently;
   run    a whole dist_ens.train of --steps steps (eval_every=0, a checkpoint at the
          end only, logging, writers and train.steps_per_call as configured: 'auto'
          runs K steps a call where that holds little work), timed by an action that
