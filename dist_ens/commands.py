@@ -230,8 +230,10 @@ def _plan_main(argv: list[str]) -> None:
 def _report_main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
-  from dist_ens.report import build as report  # pylint: disable=g-import-not-at-top
-  try:
+  from dist_ens.report import data  # pylint: disable=g-import-not-at-top  (numpy only)
+  try:  # A mistyped path answers before JAX is imported.
+    data.check_workdir(Path(FLAGS.workdir))
+    from dist_ens.report import build as report  # pylint: disable=g-import-not-at-top
     out = report.make_report(FLAGS.workdir)
   except (FileNotFoundError, ImportError, ConfigError) as e:
     sys.exit(f'dist-ens report: error: {e}')

@@ -111,9 +111,17 @@ def test_refusals_at_parsing_and_help_answer_without_importing_jax(tmp_path, arg
   assert not any(tmp_path.iterdir())
 
 
-def test_missing_report_workdir_is_one_line(tmp_path):
-  line = _one_error_line(_run('report', f'--workdir={tmp_path / "none"}'))
-  assert line.startswith('dist-ens report: error: ') and 'does not exist' in line
+@pytest.mark.parametrize('make, words', [(lambda p: None, 'does not exist'),
+                                         (lambda p: p.mkdir(), 'is not a dist_ens workdir')])
+def test_a_report_on_no_run_is_one_line_without_importing_jax(tmp_path, make, words):
+  workdir = tmp_path / 'none'
+  make(workdir)
+  result = subprocess.run([sys.executable, '-c', _ENTRY_THEN_JAX, 'report',
+                           f'--workdir={workdir}'], cwd=ROOT, env=_env(),
+                          capture_output=True, text=True, timeout=_LIMIT_S)
+  *_, line, imported = result.stderr.strip().splitlines()
+  assert imported == 'jax not imported', result.stderr
+  assert line.startswith('dist-ens report: error: ') and words in line, result.stderr
 
 
 @pytest.mark.parametrize('command,flags', [

@@ -13,6 +13,23 @@ from typing import Any
 import numpy as np
 
 
+def check_workdir(workdir: Path) -> None:
+  """FileNotFoundError unless `workdir` is a dist_ens workdir (numpy only: `dist-ens report`
+  calls it before it imports JAX, so a mistyped path answers at once).
+
+  Raises:
+    FileNotFoundError: `workdir` does not exist or holds no run (no config.json,
+      checkpoints/ or final_metrics.json).
+  """
+  if not workdir.is_dir():
+    raise FileNotFoundError(f'{workdir} does not exist; name the workdir of a finished run.')
+  if not any((workdir / n).exists() for n in ('final_metrics.json', 'config.json',
+                                               'checkpoints')):
+    raise FileNotFoundError(f'{workdir} is not a dist_ens workdir (it has no config.json, '
+                            'checkpoints/ or final_metrics.json); name the workdir of a '
+                            'finished run.')
+
+
 def read_final_metrics(workdir: Path) -> dict[str, Any]:
   """WORKDIR/final_metrics.json, nulls as NaN.
 
@@ -20,14 +37,8 @@ def read_final_metrics(workdir: Path) -> dict[str, Any]:
     FileNotFoundError: `workdir` does not exist, holds no run, or holds one that has not
       finished, so there is no final_metrics.json.
   """
+  check_workdir(workdir)
   path = workdir / 'final_metrics.json'
-  if not workdir.is_dir():
-    raise FileNotFoundError(f'{workdir} does not exist; name the workdir of a finished run.')
-  if not path.is_file() and not any((workdir / n).exists() for n in ('config.json',
-                                                                       'checkpoints')):
-    raise FileNotFoundError(f'{workdir} is not a dist_ens workdir (it has no config.json, '
-                            'checkpoints/ or final_metrics.json); name the workdir of a '
-                            'finished run.')
   if not path.is_file():
     raise FileNotFoundError(f'{path} does not exist: the run in {workdir} has not '
                             'finished; run (or resume) its training command first.')
