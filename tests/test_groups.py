@@ -368,7 +368,12 @@ def test_each_group_adapts_its_own_pretrained_backbone(singles, tmp_path):
 
 @pytest.mark.parametrize('layout, parts', [
     ({'mesh__model': 2}, 2),
-    ({'mesh__fsdp_over_data': True, 'reproducible': False}, 4),  # member 2 x data 4
+    # FSDP over the data axis, a second layout of this property: the slow tier. The fast
+    # tier checks groups' kernels split and their members kept on a model axis (the case
+    # above) and FSDP over data without groups
+    # (test_model_axis.py::test_fsdp_over_data_splits_leaves_over_data_too_and_trains_the_same).
+    pytest.param({'mesh__fsdp_over_data': True, 'reproducible': False}, 4,  # member 2 x data 4
+                 marks=pytest.mark.slow),
 ])
 def test_groups_split_members_over_a_model_axis_or_the_data_axis(grouped, layout, parts,
                                                                    tmp_path):
@@ -389,6 +394,10 @@ def test_groups_split_members_over_a_model_axis_or_the_data_axis(grouped, layout
                              rtol=1e-5, atol=1e-6)
 
 
+# A third group-level method beside test_a_group_with_its_own_method_equals_that_method_
+# without_groups's own='head' (a group's shared leaves trained by its own members alone)
+# and 'prior', which cover the property in the fast tier: the slow tier.
+@pytest.mark.slow
 def test_a_batchensemble_group_predicts_as_without_groups(tmp_path):
   """A BatchEnsemble group (ids 0-1) beside a deep one: its shared weights are trained by
   its own members alone, so it is the BatchEnsemble run of those two members without
