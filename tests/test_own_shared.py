@@ -177,17 +177,30 @@ def test_resume_is_exact_and_the_checkpoint_holds_the_shared_part_once(tmp_path)
     np.testing.assert_array_equal(ens.member(m)[0]['w'], w)
 
 
+def _state_bytes_per_device(config, devices):
+  """What make_plan reports as state_bytes_per_device (plan.sizes.placement_of of the
+  run's parts), without compiling the step at M and 2M as make_plan does."""
+  shapes = plan_lib.planner.data_shape(config)
+  run = assemble.build_run(config, devices=devices, shapes=shapes)
+  return plan_lib.sizes.placement_of(run.parts)['state_bytes_per_device']
+
+
 def test_plan_counts_the_shared_part_and_its_optimizer_state_once(tmp_path):
   source, body = _backbone_file(tmp_path)
   backbone = sum(v.nbytes for v in body.values())
-  state = {}
+  state, devices = {}, jax.devices()[:2]
   for members in (2, 4):
     for train_shared in (False, True):
       config = _own_config(source, members=members,
                            **{'ensemble.train_shared': train_shared})
       config.mesh.data = 1
-      state[members, train_shared] = plan_lib.make_plan(
-          config, jax.devices()[:2], measure_programs=False).state_bytes_per_device
+      state[members, train_shared] = _state_bytes_per_device(config, devices)
+  # `dist-ens plan` itself (its step compiled at M and 2M) on one of the four: the same
+  # count. The other three need only the count, not three more pairs of compiles.
+  config = _own_config(source, members=4, **{'ensemble.train_shared': True})
+  config.mesh.data = 1
+  assert plan_lib.make_plan(config, devices, measure_programs=False).state_bytes_per_device == (
+      state[4, True])
   for members in (2, 4):
     # Adam's two moments of the backbone, its count and the schedule's (int32), once.
     assert state[members, True] - state[members, False] == 2 * backbone + 2 * 4
