@@ -56,13 +56,15 @@ def test_power_iteration_reaches_numpys_largest_singular_value_and_vector(shape)
   _, singular, vt = np.linalg.svd(matrix)
   u = jnp.asarray(rng.normal(size=shape[-1]), jnp.float32)
   u /= jnp.linalg.norm(u)
+  # Jitted, here and in the tests below: eagerly, each op compiles a program of its own.
+  power_step, normalise = jax.jit(sngp.power_step), jax.jit(sngp.normalised)
   for _ in range(300):
-    sigma, u = sngp.power_step(jnp.asarray(kernel), u)
+    sigma, u = power_step(jnp.asarray(kernel), u)
   assert float(sigma) == pytest.approx(singular[0], rel=1e-4)
   assert abs(float(np.asarray(u) @ vt[0])) == pytest.approx(1.0, abs=1e-4)
   # The normalised kernel's spectral norm is the bound, where sigma exceeds it.
   for bound in (0.95, 6.0, 100.0):
-    normalised, _ = sngp.normalised(jnp.asarray(kernel), u, bound)
+    normalised, _ = normalise(jnp.asarray(kernel), u, jnp.float32(bound))
     got = np.linalg.svd(np.asarray(normalised, np.float64).reshape(-1, shape[-1]),
                         compute_uv=False)[0]
     assert got == pytest.approx(min(bound, singular[0]), rel=1e-4)
@@ -71,7 +73,7 @@ def test_power_iteration_reaches_numpys_largest_singular_value_and_vector(shape)
 def test_each_training_apply_is_one_power_step_on_each_hidden_kernel():
   model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', _options(), 8)
   x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 7, 1)), jnp.float32)
-  params, state = model.init(jax.random.key(0), x)
+  params, state = jax.jit(model.init)(jax.random.key(0), x)
   kernels = [np.asarray(layer['w'], np.float64) for layer in params.body]
   vectors = [np.asarray(u, np.float64) for u in state.vectors]
   train = jax.jit(lambda p, s: model.apply(p, s, x, train=True, rng=jax.random.key(2)))
@@ -81,7 +83,7 @@ def test_each_training_apply_is_one_power_step_on_each_hidden_kernel():
   for got, want in zip(state.vectors, vectors):
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
   # Evaluation reads the vectors and leaves them.
-  _, after = model.apply(params, state, x, train=False)
+  _, after = jax.jit(lambda p, s: model.apply(p, s, x, train=False))(params, state)
   support.assert_trees_equal(after.vectors, state.vectors)
   assert int(after.steps) == 3
 
@@ -93,7 +95,7 @@ def test_the_random_features_approximate_the_rbf_kernel():
   d = 2**13
   model = sngp.wrap(make_mlp(dataclasses.replace(_SPEC, widths=(5,)), 3), 'mlp',
                     _options(features=d), 8)
-  _, state = model.init(jax.random.key(3), jnp.zeros((1, 7, 1)))
+  _, state = jax.jit(model.init)(jax.random.key(3), jnp.zeros((1, 7, 1)))
   projection, phase = np.asarray(state.projection), np.asarray(state.phase)
   assert projection.shape == (5, d)
   assert np.mean(projection) == pytest.approx(0, abs=0.02)
@@ -101,8 +103,8 @@ def test_the_random_features_approximate_the_rbf_kernel():
   assert phase.min() >= 0 and phase.max() <= 2 * math.pi
   assert np.mean(phase) == pytest.approx(math.pi, abs=0.05)
   h = np.random.default_rng(4).normal(size=(12, 5)) * 0.6
-  phi = np.asarray(sngp.random_features(jnp.asarray(h, jnp.float32), state.projection,
-                                        state.phase), np.float64)
+  phi = np.asarray(jax.jit(sngp.random_features)(jnp.asarray(h, jnp.float32), state.projection,
+                                                  state.phase), np.float64)
   distances = ((h[:, None] - h[None]) ** 2).sum(-1)
   np.testing.assert_allclose(phi @ phi.T, np.exp(-distances / 2), atol=0.05)
 
@@ -133,7 +135,8 @@ def test_the_precision_is_the_bayesian_linear_models_closed_form():
   model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', options, 5)
   rng = np.random.default_rng(5)
   batches = [rng.normal(size=(4, 7, 1)).astype(np.float32) for _ in range(5)]
-  params, state = model.init(jax.random.key(6), jnp.asarray(batches[0]))
+  params, state = jax.jit(model.init)(jax.random.key(6), jnp.asarray(batches[0]))
+  train = jax.jit(lambda p, s, x, k: model.apply(p, s, x, train=True, rng=k))
   phis = []
   numpy_state = state
   for i, x in enumerate(batches):
@@ -141,7 +144,7 @@ def test_the_precision_is_the_bayesian_linear_models_closed_form():
     numpy_state = numpy_state._replace(vectors=vectors)
     if i >= 2:
       phis.append(_numpy_phi(state, h))
-    _, state = model.apply(params, state, jnp.asarray(x), train=True, rng=jax.random.key(i))
+    _, state = train(params, state, jnp.asarray(x), jax.random.key(i))
   phi = np.concatenate(phis)  # [12, D]
   want = 0.5 * np.eye(16) + phi.T @ phi
   got = np.asarray(sngp.precision(state.moment, state.steps, options, 5))
@@ -157,10 +160,11 @@ def test_the_precision_is_the_bayesian_linear_models_closed_form():
                     - np.einsum('bn,nm,bm->b', k_star, np.linalg.inv(phi @ phi.T / 0.5 + np.eye(12)),
                                 k_star))
   np.testing.assert_allclose(weight_space, function_space, rtol=1e-6)
-  got_var = np.asarray(sngp.variance(jnp.asarray(star, jnp.float32), jnp.asarray(got)))
+  got_var = np.asarray(jax.jit(sngp.variance)(jnp.asarray(star, jnp.float32), jnp.asarray(got)))
   np.testing.assert_allclose(got_var, weight_space, rtol=1e-3)
   # And the member's logits at prediction: phi beta / sqrt(1 + pi/8 var).
-  logits, _ = model.apply(params, state, jnp.asarray(test), train=False)
+  logits, _ = jax.jit(lambda p, s, x: model.apply(p, s, x, train=False))(params, state,
+                                                                          jnp.asarray(test))
   want_logits = (star @ np.asarray(params.output, np.float64)
                  / np.sqrt(1 + math.pi / 8 * weight_space)[:, None])
   np.testing.assert_allclose(np.asarray(logits), want_logits, rtol=1e-4, atol=1e-6)
@@ -170,9 +174,10 @@ def test_before_the_window_the_precision_is_the_ridge_alone():
   options = _options(ridge=2.0)
   model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', options, 10)
   x = jnp.ones((4, 7, 1))
-  params, state = model.init(jax.random.key(0), x)
+  params, state = jax.jit(model.init)(jax.random.key(0), x)
+  train = jax.jit(lambda p, s: model.apply(p, s, x, train=True, rng=jax.random.key(1)))
   for _ in range(7):  # Steps 0..6; the window is 7..9.
-    _, state = model.apply(params, state, x, train=True, rng=jax.random.key(1))
+    _, state = train(params, state)
   np.testing.assert_array_equal(np.asarray(state.moment), 0)
   np.testing.assert_array_equal(np.asarray(sngp.precision(state.moment, state.steps, options, 10)),
                                 2.0 * np.eye(16))
@@ -212,7 +217,7 @@ def test_the_ridge_adds_ridge_over_n_times_beta_to_betas_gradient():
 
   def grad(ridge, data_size):
     model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', _options(ridge=ridge, data_size=data_size), 8)
-    params, state = model.init(jax.random.key(0), x)
+    params, state = jax.jit(model.init)(jax.random.key(0), x)
 
     def loss(p):
       logits, _ = model.apply(p, state, x, train=True, rng=jax.random.key(1))
@@ -276,9 +281,9 @@ def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path):
   assert straight['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
   assert straight['joint']['ensemble'] > 0
   ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
+  resumed_ens = Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])  # loaded once
   support.assert_trees_equal((ens.params, ens.model_state),
-                             (Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1]).params,
-                              Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1]).model_state))
+                             (resumed_ens.params, resumed_ens.model_state))
   state = jax.tree.map(np.asarray, ens.model_state)
   assert state.steps.tolist() == [STEPS, STEPS] and state.moment.shape == (2, 64, 64)
   assert not np.array_equal(state.moment[0], state.moment[1])  # Each member its own.
