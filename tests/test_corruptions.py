@@ -89,10 +89,14 @@ def test_keys_depend_on_seed_corruption_severity_and_index_only():
   np.testing.assert_array_equal(data(0, 1, 2, jnp.asarray(3)), base)
 
 
-# Bits of two differently built programs: XLA's default level keeps them, -O0 not.
+# Bits of two differently built programs: XLA's default level keeps them, -O0 not. One
+# test for both such properties: each runs in a child process compiled at that level
+# (tests/conftest.py), whose start (~2.5 CPU s) and all-families program (6-7 CPU s to
+# compile at XLA's default level) they share.
 @pytest.mark.xla_default
-def test_corrupted_examples_ignore_batch_sharding_order_and_members():
-  """Bitwise: the same examples under any sharding, order, batch or member count."""
+def test_examples_ignore_sharding_order_and_members_and_named_families_keep_their_bits():
+  """Bitwise: the same examples under any sharding, order, batch or member count; and a
+  program of the named families gives each family's bits (_check_named_families)."""
   x, index = _images(), jnp.arange(100, 100 + B)
   names = cor.CORRUPTIONS
   ref = _all(x, index, names, [3])
@@ -118,6 +122,7 @@ def test_corrupted_examples_ignore_batch_sharding_order_and_members():
     for shard in got.addressable_shards:
       np.testing.assert_array_equal(np.asarray(shard.data), ref[name, 3][shard.index],
                                     err_msg=f'{name} on {shard.device}')
+  _check_named_families()
 
 
 def test_one_trace_serves_every_corruption_and_severity():
@@ -198,9 +203,7 @@ def test_families_against_numpy_formulas():
   assert abs(np.isin(out, (0.0, 1.0)).mean() - 0.05) < 0.01
 
 
-# Bits of two differently built programs: XLA's default level keeps them, -O0 not.
-@pytest.mark.xla_default
-def test_a_program_of_the_named_families_gives_each_familys_bits():
+def _check_named_families():
   """A run compiles only the families eval.shift names (corrupt_batch's families): each
   gives the bits it gives in the program of every family, for every severity."""
   x, index = _images(), jnp.arange(B)
