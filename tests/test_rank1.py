@@ -72,7 +72,9 @@ def test_the_kl_term_and_its_gradient_are_added_to_the_loss_by_hand():
   zero = jax.tree.map(jnp.zeros_like, params)
   results = lambda *args: BatchResult(jnp.float32(2.0), {}, zero, {})
   step, total = 9, 40  # weight min(1, 10 / (0.5 * 40)) = 0.5, over N = 100
-  out = rank1.with_kl(results, OPTIONS, total)(params, {}, {}, 0, jnp.int32(step), None)
+  # Jitted, here and below: eagerly, each op compiles a program of its own.
+  with_kl = rank1.with_kl(results, OPTIONS, total)
+  out = jax.jit(lambda p, k: with_kl(p, {}, {}, 0, k, None))(params, jnp.int32(step))
   weight = 0.5 / 100
   kl, grads = 0.0, []
   for f in factors:
@@ -88,7 +90,8 @@ def test_the_kl_term_and_its_gradient_are_added_to_the_loss_by_hand():
   for got, want in zip(out.grads.factors, grads):
     for key in want:
       np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-7)
-  weights = [float(rank1.kl_weight(jnp.int32(k), OPTIONS, total)) for k in (0, 9, 19, 30)]
+  kl_weight = jax.jit(rank1.kl_weight, static_argnums=(1, 2))
+  weights = [float(kl_weight(jnp.int32(k), OPTIONS, total)) for k in (0, 9, 19, 30)]
   assert weights == pytest.approx([1 / 20, 10 / 20, 1.0, 1.0])
   full = OPTIONS._replace(kl_annealing=0.0)
   assert float(rank1.kl_weight(jnp.int32(0), full, total)) == 1.0
@@ -125,8 +128,8 @@ def test_a_member_predicts_the_factorised_forward_under_its_draws_each_example_i
       outputs.shape[0])
   wrapped = rank1.wrap(model, OPTIONS, combine, rank1.factorised('mlp', spec))
   x = np.random.default_rng(1).normal(size=(5, 7)).astype(np.float32)
-  params, state = wrapped.init(jax.random.key(3), x)
-  params, state = jax.tree.map(np.asarray, (params, state))
+  # Jitted (init and the draws below): eagerly, each op compiles a program of its own.
+  params, state = jax.tree.map(np.asarray, jax.jit(wrapped.init)(jax.random.key(3), x))
   apply = jax.jit(wrapped.apply, static_argnames=('train',))
   assert [f['s_loc'].shape + f['r_loc'].shape for f in params.factors] == [(7, 8), (8, 6), (6, 4)]
   assert set(np.unique(np.concatenate([f['s_loc'] for f in params.factors]))) == {-1.0, 1.0}
@@ -141,7 +144,8 @@ def test_a_member_predicts_the_factorised_forward_under_its_draws_each_example_i
   key = jax.random.key(7)
   out = np.asarray(apply(params, state, x, train=True, rng=key)[0])
   assert out.shape == (5, 2, 4)
-  noise = jax.tree.map(np.asarray, rank1._draws(  # pylint: disable=protected-access
+  draws = jax.jit(rank1._draws, static_argnums=(2, 3))  # pylint: disable=protected-access
+  noise = jax.tree.map(np.asarray, draws(
       jax.random.fold_in(key, rank1._DRAW_STREAM), params.factors, (10,), 'gaussian'))  # pylint: disable=protected-access
   for b in range(5):
     for j in range(2):  # Example b's sample j: row b * 2 + j of the draws.
@@ -170,19 +174,20 @@ def test_the_factorised_forward_is_the_models_own_on_the_formed_kernels(fields, 
   spec = _spec(**fields)
   model = models.get_model(spec, 4)
   x = np.random.default_rng(2).normal(size=(3, *input_shape)).astype(np.float32)
-  base, state = model.init(jax.random.key(0), x)
+  base, state = jax.jit(model.init)(jax.random.key(0), x)  # jitted: one program, not one an op
   rng = np.random.default_rng(5)
   kernels = [leaf for leaf in jax.tree.leaves(base) if leaf.ndim >= 2]
   values = [{'s': rng.normal(1, 0.5, k.shape[-2]).astype(np.float32),
              'r': rng.normal(1, 0.5, k.shape[-1]).astype(np.float32)} for k in kernels]
   key = jax.random.key(9)
-  explicit = model.apply(rank1.formed(base, values), state, x, train=True, rng=key)[0]
+  formed = jax.jit(rank1.formed)(base, values)
+  explicit = jax.jit(lambda w: model.apply(w, state, x, train=True, rng=key)[0])(formed)
   rows = [{k: np.repeat(v[k][None], 3, 0) for k in v} for v in values]
-  got = rank1.factorised(spec.name, spec)(base, rows, x, True, key)
+  got = jax.jit(lambda b, r: rank1.factorised(spec.name, spec)(b, r, x, True, key))(base, rows)
   np.testing.assert_allclose(got, explicit, rtol=2e-5, atol=2e-5)
   # By hand for the first kernel: W o (s r^T) is W with row i times s_i, column j times r_j.
   w = np.asarray(kernels[0])
-  np.testing.assert_allclose(jax.tree.leaves(rank1.formed(base, values))[
+  np.testing.assert_allclose(jax.tree.leaves(formed)[
       [i for i, leaf in enumerate(jax.tree.leaves(base)) if leaf.ndim >= 2][0]],
       w * values[0]['s'][:, None] * values[0]['r'][None, :], rtol=1e-6)
 
@@ -218,11 +223,16 @@ def runs(tmp_path_factory):
   return root, straight, stopped, resumed
 
 
-def test_one_shared_w_per_kernel_factors_per_member_and_resume_is_exact(runs):
+@pytest.fixture(scope='module')
+def trained(runs):
+  """The straight run loaded on one device, once for both tests that read it."""
+  return Ensemble.load(runs[0] / 'a', devices=jax.devices()[:1])
+
+
+def test_one_shared_w_per_kernel_factors_per_member_and_resume_is_exact(runs, trained):
   root, straight, stopped, resumed = runs
   assert stopped['preempted'] and stopped['step'] == 4
   assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
-  trained = Ensemble.load(root / 'a', devices=jax.devices()[:1])
   support.assert_trees_equal(_stored(trained),
                              _stored(Ensemble.load(root / 'b', devices=jax.devices()[:1])))
   p = _stored(trained)
@@ -234,11 +244,12 @@ def test_one_shared_w_per_kernel_factors_per_member_and_resume_is_exact(runs):
     assert not np.array_equal(f['s_loc']['own'][0], f['s_loc']['own'][1])
 
 
-def test_ensemble_load_predicts_the_mixture_of_the_members_fixed_draws_and_exports(runs):
+def test_ensemble_load_predicts_the_mixture_of_the_members_fixed_draws_and_exports(runs,
+                                                                                  trained):
   root, result = runs[0] / 'a', runs[1]
   assert result['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
   assert result['joint']['ensemble'] > 0
-  ens = Ensemble.load(root, devices=jax.devices()[:1])
+  ens = trained
   test = data.load_dataset('mnist1d').test
   prediction = ens.predict(test.x, preprocessed=True)
   accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
