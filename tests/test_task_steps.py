@@ -28,8 +28,12 @@ def _curve(n, seed, dims=0):
 
 
 def _config(**overrides):
+  # No joint log-loss (a program and numpy work after every run): nothing here reads it
+  # (tests/test_joint.py checks it; the shared uci run, tests/runs.py, computes a
+  # regression one).
   return support.config({'task': 'regression', 'data.validation_size': 64, 'train.steps': 20,
-                         'train.log_every': 10, 'checkpoint.every': 20, **overrides})
+                         'train.log_every': 10, 'checkpoint.every': 20, 'eval.joint_tau': 0,
+                         **overrides})
 
 
 def _dataset(dims=0):
