@@ -2,6 +2,7 @@
 
   python -m benchmarks.step_bytes                      # M = 4 and 16, one CPU device
   python -m benchmarks.step_bytes --members 4,16,64 --out PATH
+  python -m benchmarks.step_bytes --candidate benchmarks/candidates/step_in_place.py --out PATH
 
 benchmarks/run_vs_loop.py times dist_ens's step ('bare') at about 0.8x a Python loop of
 per-member jitted Adam steps that donate their buffers ('donate'), on the same wide MLP
@@ -17,6 +18,8 @@ counted over the optimized program; a loop's body is counted once).
           (the script checks that they do not grow with M).
   vmap    the same step with every member at once (ensemble.member_parallelism='vmap'), its
           figures divided by M.
+--candidate counts a changed copy of dist_ens/core/step.py instead of the installed one
+(benchmarks/throughput.py's load_candidate; 'map' and 'vmap' both built with it).
 It also writes the bytes of one member's state that a step replaces (parameters and Adam's
 two moments), the unit the difference is counted in. Writes
 benchmarks/results/step_bytes.json (--out to change).
@@ -24,11 +27,13 @@ benchmarks/results/step_bytes.json (--out to change).
 
 import argparse
 from typing import Any
+from unittest import mock
 
 import jax
 import numpy as np
 
-from benchmarks import harness, overhead, run_vs_loop
+from benchmarks import harness, overhead, run_vs_loop, throughput
+from dist_ens.run import assemble
 
 ROOT = harness.ROOT
 MB = 1e6
@@ -40,12 +45,17 @@ def _costs(compiled: Any) -> dict[str, float]:
   return {'flops': float(analysis['flops']), 'bytes': float(analysis['bytes accessed'])}
 
 
-def dist_ens_step(members: int, form: str) -> dict[str, Any]:
-  """XLA's counts for dist_ens's compiled step of `members` wide MLPs in `form`."""
+def dist_ens_step(members: int, form: str, step_module: Any = None) -> dict[str, Any]:
+  """XLA's counts for dist_ens's compiled step of `members` wide MLPs in `form` (with
+  `step_module`'s make_train_step: a candidate, see throughput.load_candidate)."""
   config = run_vs_loop.make_config(members, 1)
   if form != 'auto':
     config.ensemble.member_parallelism = form
-  bare = overhead.Bare(config)
+  if step_module is None:
+    bare = overhead.Bare(config)
+  else:
+    with mock.patch.object(assemble, 'make_train_step', step_module.make_train_step):
+      bare = overhead.Bare(config)
   lowered = bare.step.fn.lower(bare.state, bare.hparams, *bare.batches[0])
   costs = _costs(lowered.compile())
   params = bare.state.params
@@ -65,14 +75,17 @@ def donating_step(members: int) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--members', default='4,16')
+  parser.add_argument('--candidate', default='', help='count a changed copy of '
+                      'dist_ens/core/step.py instead (see benchmarks/throughput.py)')
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'step_bytes.json'))
   args = parser.parse_args(argv)
+  candidate = throughput.load_candidate(args.candidate) if args.candidate else None
   header = harness.run_header()
   rows = []
   for members in [int(m) for m in args.members.split(',')]:
     donate = donating_step(members)
-    mapped = dist_ens_step(members, 'auto')
-    vmapped = dist_ens_step(members, 'vmap')
+    mapped = dist_ens_step(members, 'auto', candidate)
+    vmapped = dist_ens_step(members, 'vmap', candidate)
     state = 3 * mapped['param_bytes_per_member']  # parameters, Adam's mu and nu
     row = {'members': members, 'widths': run_vs_loop.WIDTHS,
            'state_bytes_per_member': state,
@@ -88,7 +101,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{row['vmap_per_member']['flops'] / 1e6:7.1f} MFLOP "
           f"{row['vmap_per_member']['bytes'] / MB:6.1f} MB", flush=True)
   path = harness.write_results(args.out, {**header, 'device': jax.devices()[0].platform,
-                                          'jax': jax.__version__, 'rows': rows})
+                                          'jax': jax.__version__,
+                                          'candidate': args.candidate or None, 'rows': rows})
   print(f'wrote {path}')
 
 
