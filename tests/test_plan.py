@@ -66,8 +66,11 @@ def plans():
 
 
 def test_parameter_and_state_counts_match_the_model_by_hand(one_device, plans):
-  for overrides, params in (({}, MLP_PARAMS), ({'model__name': 'cnn'}, CNN_PARAMS)):
-    plan = plans(one_device, num_members=4, **overrides)
+  # The MLP's plan is the module's shared one; the CNN's is this test's alone, without the
+  # dry run (a measurement of memory, which this test does not read).
+  cnn = plan_lib.make_plan(_config(num_members=4, model__name='cnn'), one_device,
+                           measure_programs=False)
+  for plan, params in ((plans(one_device, num_members=4), MLP_PARAMS), (cnn, CNN_PARAMS)):
     assert plan.params_per_member == params
     # Adam keeps two moments: parameters + mu + nu in float32 = 12 bytes each, plus a
     # few scalars (step counts, the frozen flag).
@@ -227,10 +230,12 @@ def test_flops_per_example_count_a_training_step_whatever_the_mesh(one_device, d
   # examples per device when the batch is split in two).
   assert split.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
   # Members one chunk at a time: XLA's cost analysis counts a loop's body once, and the
-  # plan still counts every member.
+  # plan still counts every member. (No dry run: it measures memory, which this test does
+  # not read; test_the_dry_run_frees_everything and the tests beside it check the dry run.)
   for chunk in (0, 2):
     mapped = plan_lib.make_plan(_config(num_members=8, ensemble__member_parallelism='map',
-                                        ensemble__map_batch_size=chunk), one_device)
+                                        ensemble__map_batch_size=chunk), one_device,
+                                measure_programs=False)
     assert mapped.parallelism == 'map'
     assert mapped.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
 
