@@ -268,6 +268,16 @@ def test_ensemble_load_predicts_the_mixture_of_the_members_fixed_draws_and_expor
     jax.tree.map(np.testing.assert_array_equal,
                  dist_ens.load_member(paths[m].with_name(f'member_{m}_state.npz')),
                  {'noise': ens.member_state(m).noise})
+
+
+# The report's drawing (matplotlib, 2-3 CPU s) is the same for every method; what is
+# rank-1's own in it, Ensemble.load and predict of the run, is checked in the fast tier by
+# the test above, and the report of a method's run with shift metrics by
+# test_masksembles' and test_packed's load/predict/export/report checks
+# (support.check_load_predict_export) and test_report.
+@pytest.mark.slow
+def test_the_report_of_a_rank1_run_names_it(runs):
+  root = runs[0] / 'a'
   assert report.make_report(root) == root / 'report'
   assert '2 x mlp on mnist1d' in (root / 'report' / 'report.md').read_text()
 
