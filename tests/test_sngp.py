@@ -269,10 +269,22 @@ def _numpy_probs(ens, m, x, options):
   return e / e.sum(-1, keepdims=True)
 
 
-def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path):
-  config = lambda: _config(**{'eval.shift': 'gaussian_noise:1', 'mesh.data': 2,
-                               'train.log_every': 2})  # Calls of 2 steps: step 6 is one's end.
-  straight = _train(config(), tmp_path / 'a', devices=4)  # 2 members x 2 data shards
+def _resume_config():
+  return _config(**{'eval.shift': 'gaussian_noise:1', 'mesh.data': 2,
+                    'train.log_every': 2})  # Calls of 2 steps: step 6 is one's end.
+
+
+@pytest.fixture(scope='module')
+def straight_run(tmp_path_factory):
+  """(workdir, final metrics) of _resume_config's run to its end, 2 members x 2 data shards:
+  the resume test's reference and the report test's run."""
+  workdir = tmp_path_factory.mktemp('sngp') / 'a'
+  return workdir, _train(_resume_config(), workdir, devices=4)
+
+
+def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path, straight_run):
+  config = _resume_config
+  straight_dir, straight = straight_run
   # Stopped inside the precision's window (steps 4-7): its sums cross the checkpoint.
   stopped = _train(config(), tmp_path / 'b', actions=[support.PreemptAt(6)], devices=4)
   assert stopped['preempted'] and stopped['step'] == 6
@@ -280,7 +292,7 @@ def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path):
   assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
   assert straight['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
   assert straight['joint']['ensemble'] > 0
-  ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
+  ens = Ensemble.load(straight_dir, devices=jax.devices()[:1])
   resumed_ens = Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])  # loaded once
   support.assert_trees_equal((ens.params, ens.model_state),
                              (resumed_ens.params, resumed_ens.model_state))
@@ -304,8 +316,18 @@ def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path):
       assert sorted(got) == sorted(want)
       for name, leaf in want.items():
         np.testing.assert_array_equal(got[name], leaf)
-  assert report.make_report(tmp_path / 'a') == tmp_path / 'a' / 'report'
-  assert '2 x mlp on mnist1d' in (tmp_path / 'a' / 'report' / 'report.md').read_text()
+
+
+# The report's drawing (matplotlib, 2-3 CPU s) is the same for every method; what is
+# SNGP's own in it, Ensemble.load and predict of the run, is checked in the fast tier by
+# the test above, and the report of a method's run with shift metrics by
+# test_masksembles' and test_packed's load/predict/export/report checks
+# (support.check_load_predict_export) and test_report.
+@pytest.mark.slow
+def test_the_report_of_an_sngp_run_names_it(straight_run):
+  workdir = straight_run[0]
+  assert report.make_report(workdir) == workdir / 'report'
+  assert '2 x mlp on mnist1d' in (workdir / 'report' / 'report.md').read_text()
 
 
 def test_a_cnn_member_normalises_its_convolutions_and_one_member_is_the_papers_model(tmp_path):
