@@ -29,6 +29,32 @@ def test_it_counts_root_modules_cycles_raw_configs_and_group_mentions(tmp_path):
   assert found['back_arrows'] == ['dist_ens.core.step -> dist_ens.b']
 
 
+def test_a_circle_through_a_packages_init_counts_and_type_checking_imports_do_not(tmp_path):
+  # evaluators/posthoc imported training.loop; training/__init__ imported trainer, which
+  # imported posthoc back: `import dist_ens.evaluators.posthoc` alone failed.
+  package = tmp_path / 'dist_ens'
+  for folder in ('training', 'evaluators', 'lazy'):
+    (package / folder).mkdir(parents=True)
+  files = {
+      '__init__.py': '',
+      'training/__init__.py': 'from dist_ens.training.trainer import train\n',
+      'training/loop.py': '',
+      'training/trainer.py': 'from dist_ens.evaluators import posthoc\n',
+      'evaluators/__init__.py': '',
+      'evaluators/posthoc.py': 'from dist_ens.training.loop import Call\n',
+      # The same shape with the package's import for type checkers only: no circle.
+      'lazy/__init__.py': ('from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n'
+                           '  from dist_ens.lazy.top import f\n'),
+      'lazy/top.py': 'from dist_ens import user\n',
+      'lazy/leaf.py': '',
+      'user.py': 'from dist_ens.lazy import leaf\n',
+  }
+  for name, text in files.items():
+    (package / name).write_text(text)
+  assert _tool().measure(package)['import_cycles'] == [
+      ['dist_ens.evaluators.posthoc', 'dist_ens.training', 'dist_ens.training.trainer']]
+
+
 def test_config_readers_below_the_edge_are_the_ones_that_read_fields_or_pass_a_config_on(
     tmp_path):
   package = tmp_path / 'dist_ens'

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import support
+
 import dist_ens
 
 
@@ -33,3 +35,21 @@ def test_importing_the_package_and_loading_a_config_do_not_import_jax():
                           timeout=120, check=True,
                           cwd=Path(__file__).resolve().parents[1])
   assert result.stdout.strip() == 'False', result.stderr
+
+
+def test_the_package_has_no_import_circle():
+  # tools/architecture.py's import graph: a module's imports, and the __init__ of every
+  # package above each, which Python runs first (docs/how-it-works.md states the figure).
+  found = support.load_tool('architecture').measure(Path(dist_ens.__file__).parent)
+  assert found['import_cycles'] == [], found['import_cycles']
+
+
+def test_a_module_of_a_former_circle_imports_alone_and_training_names_load_lazily():
+  # evaluators/posthoc -> training.loop ran training/__init__, which imported trainer ->
+  # the evaluators -> posthoc, half made: `import dist_ens.evaluators.posthoc` failed.
+  code = ('import sys, dist_ens.evaluators.posthoc, dist_ens.training as t; '
+          'print("dist_ens.training.trainer" in sys.modules, t.train.__module__)')
+  result = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[1])
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.split() == ['False', 'dist_ens.training.trainer'], result.stdout

@@ -16,7 +16,9 @@ Prints, for the package's modules:
                   handed a config or a saved run's (the command line, train, plan,
                   Ensemble.load, the report). Below them everything reads specs;
   import_cycles   groups of modules that import each other, directly or not (module
-                  level and function level imports both count);
+                  level and function level imports both count, and importing a.b.c
+                  imports the packages a.b and a first: their __init__s run; imports
+                  under `if TYPE_CHECKING:` never run and do not count);
   back_arrows     imports from a lower layer to a higher one (LAYERS, ground floor first);
   num_classes     modules naming `num_classes`;
   mesh_axes       modules naming the mesh's axes (MEMBER / DATA, or 'member' / 'data'
@@ -68,9 +70,21 @@ def _layer(module: str) -> int:
   return len(LAYERS)
 
 
+def _type_checking_only(tree: ast.AST) -> set[int]:
+  """ids of the nodes inside `if TYPE_CHECKING:` blocks: imports Python never runs."""
+  return {id(inner) for node in ast.walk(tree) if isinstance(node, ast.If)
+          and 'TYPE_CHECKING' in ast.unparse(node.test) for stmt in node.body
+          for inner in ast.walk(stmt)}
+
+
 def _imports(tree: ast.AST, module: str, is_package: bool, modules: set[str]) -> set[str]:
-  out = set()
+  """The package's modules whose top-level code importing `module` (or calling its
+  functions) runs: each one named, and the __init__ of every package above it, which
+  Python runs first (an import of a.b.c runs a/__init__ and a/b/__init__)."""
+  out, skipped = set(), _type_checking_only(tree)
   for node in ast.walk(tree):
+    if id(node) in skipped:
+      continue
     if isinstance(node, ast.Import):
       out |= {a.name for a in node.names if a.name.startswith('dist_ens')}
     elif isinstance(node, ast.ImportFrom):
@@ -81,7 +95,10 @@ def _imports(tree: ast.AST, module: str, is_package: bool, modules: set[str]) ->
       if base.startswith('dist_ens'):
         named = {f'{base}.{a.name}' for a in node.names} & modules
         out |= named if named else {base}
-  return out
+  own = module if is_package else module.rsplit('.', 1)[0]
+  parents = {'.'.join(m.split('.')[:i]) for m in out for i in range(2, m.count('.') + 1)}
+  # The root's __init__ and this module's own packages are already running when it runs.
+  return out | {p for p in parents if not (own == p or own.startswith(p + '.'))}
 
 
 def _top_fields(root: Path) -> set[str] | None:
@@ -184,7 +201,10 @@ def measure(root: Path) -> dict:
       readers.append(name)
     imported = _imports(tree, name, path.name == '__init__.py', set(mods))
     graph[name] = {m for m in imported if m in mods and m != name}
-  # A package's __init__ re-exports its modules: leave those edges out of cycles.
+  # A package's __init__ re-exports its modules: no layer is climbed. But it runs them
+  # before any module of the package that an outside module asked for, so for circles
+  # those edges count (_imports leaves out a module's edges to its own packages, already
+  # running when it runs).
   deps = {v: {w for w in ws if not (v == w.rsplit('.', 1)[0])} for v, ws in graph.items()}
   back = sorted(f'{v} -> {w}' for v, ws in deps.items() for w in ws if _layer(v) < _layer(w))
   return {
@@ -195,7 +215,7 @@ def measure(root: Path) -> dict:
                            if 'ml_collections' in t or 'ConfigDict' in t),
       'config_readers': sorted(readers),
       'config_below': sorted(n for n in readers if not _at_edge(n)),
-      'import_cycles': _cycles(deps),
+      'import_cycles': _cycles(graph),
       'back_arrows': back,
       'num_classes': sorted(n for n, t in texts.items() if 'num_classes' in t),
       'mesh_axes': sorted(n for n, t in texts.items() if _AXES.search(t)),
