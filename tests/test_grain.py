@@ -10,6 +10,7 @@ This file is also the probe each process of the two-process test runs:
 """
 
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -360,11 +361,13 @@ if __name__ == '__main__' and sys.argv[1:2] == ['probe']:
 
 
 def _train(workdir, data_dir, loader, steps, **fields):
-  """A short run of 2 MLPs on the PNG set; the members' params as numpy."""
+  """A short run of 2 MLPs on the PNG set, saved every 4 steps (all kept); the members'
+  params as numpy. No joint log-loss and jsonl events only: what no test here reads."""
   config = _config(name='grain_cifar', data_dir=data_dir, loader=loader, grain_workers=WORKERS,
                    resident=False, batch_size=BATCH, member_order='shuffled')
   config.num_members, config.model.widths = MEMBERS, (16,)
   config.train.steps, config.train.eval_every, config.checkpoint.every = steps, 0, 4
+  config.checkpoint.keep, config.eval.joint_tau, config.writers = 4, 0, ('jsonl',)
   for field, value in fields.items():
     config.train[field] = value
   dist_ens.train(config, workdir)
@@ -373,11 +376,12 @@ def _train(workdir, data_dir, loader, steps, **fields):
 
 
 def test_a_run_with_grain_trains_the_thread_runs_members_and_resumes_with_either(
-    tmp_path, data_dir, monkeypatch):
+    tmp_path, data_dir, monkeypatch, caplog):
   """config.data.loader reaches the run (grain's reader is started): 14 steps (more than
   an epoch of 12 batches) with grain end where the thread pipeline's run ends, bit for
-  bit; and a run stopped at step 8 with grain resumes with the threads (the loader may
-  change on resume: same batches)."""
+  bit; and that grain run, killed after its step-8 checkpoint (the later checkpoints and
+  the final metrics removed from a copy), resumes with the threads (the loader may change
+  on resume: same batches)."""
   started = []
   reads = grain_loader.Reads
   monkeypatch.setattr(grain_loader, 'Reads',
@@ -388,7 +392,18 @@ def test_a_run_with_grain_trains_the_thread_runs_members_and_resumes_with_either
   assert started
   for a, b in zip(threads, grain, strict=True):
     np.testing.assert_array_equal(a, b)
-  _train(tmp_path / 'switch', data_dir, 'grain', 8)
-  switched = _train(tmp_path / 'switch', data_dir, 'threads', 14)
+  # What a kill between the checkpoints of steps 8 and 12 leaves.
+  switch = shutil.copytree(tmp_path / 'grain', tmp_path / 'switch')
+  saved = sorted(int(d.name) for d in (switch / 'checkpoints').iterdir() if d.name.isdigit())
+  assert saved == [4, 8, 12, 14], saved
+  for step in (12, 14):
+    shutil.rmtree(switch / 'checkpoints' / str(step))
+  (switch / 'final_metrics.json').unlink()
+  started.clear()
+  caplog.clear()
+  with caplog.at_level('INFO'):
+    switched = _train(switch, data_dir, 'threads', 14)
+  assert 'resuming from the checkpoint at step 8' in caplog.text
+  assert not started
   for a, b in zip(threads, switched, strict=True):
     np.testing.assert_array_equal(a, b)
