@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -208,11 +209,16 @@ _CLI_WITH_SMALL_FILES = (
     'sys.argv[0] = "dist-ens"; runpy.run_module("dist_ens.main", run_name="__main__")')
 
 
-def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_path):
+def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_path, finished):
   # support.config's (16,) MLP, whose programs `finished` compiled: the step-8 checkpoint's
   # optimizer data file is ~25 KiB, 3x the 8 KiB limit, and the model's ~10 KiB (with
-  # widths 8 they are 7-8.5 KiB, over it or not by chance).
-  dist_ens.train(_config(train__steps=4), str(tmp_path))
+  # widths 8 they are 7-8.5 KiB, over it or not by chance). The run starts from what a
+  # kill after `finished`'s step-4 checkpoint leaves (a copy without the step-8 checkpoint
+  # and the final metrics; resuming drops the events after step 4).
+  _copy(finished, tmp_path)
+  shutil.rmtree(tmp_path / 'checkpoints' / '8')
+  (tmp_path / 'final_metrics.json').unlink()
+  assert workdir_lib.newest_meta(tmp_path / 'checkpoints')['step'] == 4
   kept = {p: p.read_bytes() for p in (tmp_path / 'checkpoints' / '4').rglob('*') if p.is_file()}
   tiny = ['--config.num_members=4', '--config.model.widths=(16,)', '--config.train.steps=8',
           '--config.train.log_every=4', '--config.train.eval_every=0',
@@ -233,7 +239,7 @@ def test_a_full_disk_stops_with_one_line_keeps_the_checkpoint_and_resumes(tmp_pa
       'run the same command again to resume.')
   assert kept == {p: p.read_bytes() for p in kept}
   assert dist_ens.train(_config(), str(tmp_path))['step'] == 8  # resumes
-  assert _events(tmp_path) == SCHEDULED  # (4, 'test'): the 4-step run's final evaluation.
+  assert _events(tmp_path) == SCHEDULED  # (4, 'test'): `finished`'s evaluation at step 4.
 
 
 def test_python_stays_within_one_call_of_the_device(tmp_path):
