@@ -59,6 +59,12 @@ def _assert_reported(fit, member_probs, probs, y):
                                  err_msg=f'{who} {metric}')
 
 
+def _posterior(kind, psi, probs):
+  """laplace.posterior of one batch's curvature (every example counted), jitted."""
+  return jax.jit(lambda x, p: laplace.posterior(
+      kind, laplace.batch_curvature(kind, x, p, jnp.ones(len(x)))))(psi, probs)
+
+
 @pytest.mark.parametrize('kind', laplace.KINDS)
 def test_weight_draws_have_the_posterior_covariance(kind):
   """psi @ (theta - theta*) over many draws has the logit covariance V = psi^T Sigma psi
@@ -69,12 +75,15 @@ def test_weight_draws_have_the_posterior_covariance(kind):
                     jnp.float32)
   logits = rng.normal(size=(n, c))
   probs = jnp.asarray(np.exp(logits) / np.exp(logits).sum(1, keepdims=True), jnp.float32)
-  post = laplace.posterior(kind, laplace.batch_curvature(kind, psi, probs, jnp.ones(n)))
+  post = _posterior(kind, psi, probs)
   eps = jax.random.normal(jax.random.key(0), (40_000, f1, c))
-  noise = np.asarray(laplace.weight_noise(kind, post, 0.5, eps), np.float64)
+  # Jitted, as in a run (eagerly, each op compiles a program of its own).
+  noise = np.asarray(jax.jit(lambda p, e: laplace.weight_noise(kind, p, 0.5, e))(post, eps),
+                     np.float64)
   logit_noise = np.einsum('bf,sfc->sbc', np.asarray(psi[:3], np.float64), noise)  # [S, 3, C]
   empirical = np.einsum('sbc,sbd->bcd', logit_noise, logit_noise) / len(noise)
-  expected = np.asarray(laplace.logit_covariance(kind, post, psi[:3], 0.5))
+  expected = np.asarray(jax.jit(lambda p, x: laplace.logit_covariance(kind, p, x, 0.5))(
+      post, psi[:3]))
   np.testing.assert_allclose(empirical, expected, atol=0.03 * np.abs(expected).max())
 
 
@@ -87,9 +96,9 @@ def test_no_weight_draws_is_an_empty_stack_for_every_form(kind):
   psi = jnp.asarray(np.concatenate([rng.normal(size=(n, f1 - 1)), np.ones((n, 1))], 1),
                     jnp.float32)
   probs = jax.nn.softmax(jnp.asarray(rng.normal(size=(n, c)), jnp.float32))
-  post = laplace.posterior(kind, laplace.batch_curvature(kind, psi, probs, jnp.ones(n)))
-  noise = laplace_predictive._member_noise(kind, 0, c, post, jnp.float32(0.5),
-                                           jax.random.key(0))
+  post = _posterior(kind, psi, probs)
+  noise = jax.jit(lambda p, key: laplace_predictive._member_noise(  # pylint: disable=protected-access
+      kind, 0, c, p, jnp.float32(0.5), key))(post, jax.random.key(0))
   assert noise.shape == (0, f1, c)
 
 
