@@ -83,7 +83,13 @@ def _chains(kind, members, ids, steps=2000, lr=0.1, friction=0.1, cycles=1, beta
   def body(step, state):
     return update(state, hp, ids, step, jnp.zeros(()))[0]
 
-  return np.asarray(jax.jit(lambda s: jax.lax.fori_loop(0, steps, body, s))(state).params)
+  # Hundreds of steps of 2,048 chains' noise draws run long enough for LLVM's -O1 to pay
+  # for itself against the tests' -O0 (support.FAST_COMPILE): 300 steps took 6.5 (SGLD)
+  # and 7.8 (SGHMC) CPU s to compile and run at -O1, 9.5 and 9.1 at -O0 (the same
+  # statistics to float32 rounding); a short chain is compiling, which -O0 does faster.
+  options = {'xla_backend_optimization_level': 1} if steps >= 100 else None
+  loop = jax.jit(lambda s: jax.lax.fori_loop(0, steps, body, s), compiler_options=options)
+  return np.asarray(loop(state).params)
 
 
 # A chain forgets its start in ~10 steps (SGLD at lr 0.1; SGHMC's momentum 1 - friction
