@@ -2,7 +2,7 @@
 
   python -m benchmarks.step_bytes                      # M = 4 and 16, one CPU device
   python -m benchmarks.step_bytes --members 4,16,64 --out PATH
-  python -m benchmarks.step_bytes --candidate benchmarks/candidates/step_in_place.py --out PATH
+  python -m benchmarks.step_bytes --candidate PATH/TO/step.py --out PATH   # a changed copy of core/step.py
 
 benchmarks/run_vs_loop.py times dist_ens's step ('bare') at about 0.8x a Python loop of
 per-member jitted Adam steps that donate their buffers ('donate'), on the same wide MLP
