@@ -9,9 +9,9 @@ are imported on first use (PEP 562), so `import dist_ens` and the command line's
 and refusals at flag parsing do not start JAX.
 """
 
-import importlib
-import importlib.util
 from typing import TYPE_CHECKING
+
+from dist_ens import importing
 
 # Each public name and the module that defines it.
 _PUBLIC = {
@@ -47,17 +47,9 @@ if TYPE_CHECKING:  # What type checkers and editors see; at run time, __getattr_
   from dist_ens.training.trainer import train
 
 
-def __getattr__(name: str):
-  if name in _PUBLIC:
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
-    globals()[name] = value  # Looked up here from now on, without this function.
-    return value
-  if not name.startswith('_') and importlib.util.find_spec(f'{__name__}.{name}') is not None:
-    return importlib.import_module(f'{__name__}.{name}')  # A subpackage, e.g. dist_ens.models.
-  if name == 'Context':  # Deprecated: what actions received before Call and Session.
-    from dist_ens.training import loop  # pylint: disable=g-import-not-at-top
-    return loop.__getattr__(name)
-  raise AttributeError(f'module {__name__!r} has no attribute {name!r}')
+# Deprecated: what actions received before Call and Session (training.loop warns).
+__getattr__ = importing.lazy_getattr(__name__, _PUBLIC,
+                                     deprecated={'Context': 'dist_ens.training.loop'})
 
 
 def __dir__() -> list[str]:

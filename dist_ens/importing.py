@@ -1,11 +1,14 @@
-"""Users' code named in a config by import path: 'my_pkg.module:attribute'.
+"""Users' code named in a config by import path: 'my_pkg.module:attribute'; and the
+packages of dist_ens whose names are imported on first use (lazy_getattr).
 
 Loading such a path imports that module: the trust boundary is the user's own
 code, never anything stored in a workdir (dist_ens writes no pickles).
 """
 
 import importlib
+import importlib.util
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +102,31 @@ def _where_to_import_from(module_name: str, error: ImportError) -> str:
     return (f'the examples/ folder is in the dist_ens repository, not in the installed '
             f'package: run from {_REPOSITORY}, or add it to PYTHONPATH')
   return f'is {module_name!r} installed or on PYTHONPATH?'
+
+
+def lazy_getattr(package: str, public: Mapping[str, str],
+                 deprecated: Mapping[str, str] | None = None) -> Callable[[str], Any]:
+  """A package's module __getattr__ (PEP 562) that imports its names on first use:
+  `public` maps each name to the module defining it (the value is kept on the package,
+  so later lookups skip this); a name of a submodule imports it; a `deprecated` name is
+  read from its module each time, whose own __getattr__ warns.
+
+  A package that imports its modules when it is imported runs them before any module of
+  the package another asked for: a module that reads one part of the package then runs
+  all of it, and a circle follows (training/__init__ -> trainer -> the evaluators ->
+  training.loop). With this, `import dist_ens` and such imports run nothing else.
+  """
+  module = sys.modules[package]
+
+  def __getattr__(name: str) -> Any:  # pylint: disable=invalid-name
+    if name in public:
+      value = getattr(importlib.import_module(public[name]), name)
+      setattr(module, name, value)
+      return value
+    if deprecated and name in deprecated:
+      return getattr(importlib.import_module(deprecated[name]), name)
+    if not name.startswith('_') and importlib.util.find_spec(f'{package}.{name}') is not None:
+      return importlib.import_module(f'{package}.{name}')  # A submodule, e.g. dist_ens.models.
+    raise AttributeError(f'module {package!r} has no attribute {name!r}')
+
+  return __getattr__

@@ -8,9 +8,16 @@ def _tool():
   return support.load_tool('architecture')
 
 
-def test_it_counts_root_modules_cycles_raw_configs_and_group_mentions(tmp_path):
+def _package(tmp_path, files):
+  """A package named dist_ens under tmp_path holding `files` (path -> text)."""
   package = tmp_path / 'dist_ens'
-  (package / 'core').mkdir(parents=True)
+  for name, text in files.items():
+    (package / name).parent.mkdir(parents=True, exist_ok=True)
+    (package / name).write_text(text)
+  return package
+
+
+def test_it_counts_root_modules_cycles_raw_configs_and_group_mentions(tmp_path):
   files = {
       '__init__.py': 'from dist_ens import a\n',
       'a.py': 'from dist_ens import b\nimport ml_collections\n',
@@ -18,8 +25,7 @@ def test_it_counts_root_modules_cycles_raw_configs_and_group_mentions(tmp_path):
       'core/__init__.py': '',
       'core/step.py': 'from dist_ens import b\nx = parts.groups\n',  # climbs a layer
   }
-  for name, text in files.items():
-    (package / name).write_text(text)
+  package = _package(tmp_path, files)
   found = _tool().measure(package)
   assert found['modules'] == 5 and found['root_modules'] == 3
   assert found['lines'] == sum(t.count('\n') for t in files.values())
@@ -32,9 +38,6 @@ def test_it_counts_root_modules_cycles_raw_configs_and_group_mentions(tmp_path):
 def test_a_circle_through_a_packages_init_counts_and_type_checking_imports_do_not(tmp_path):
   # evaluators/posthoc imported training.loop; training/__init__ imported trainer, which
   # imported posthoc back: `import dist_ens.evaluators.posthoc` alone failed.
-  package = tmp_path / 'dist_ens'
-  for folder in ('training', 'evaluators', 'lazy'):
-    (package / folder).mkdir(parents=True)
   files = {
       '__init__.py': '',
       'training/__init__.py': 'from dist_ens.training.trainer import train\n',
@@ -49,17 +52,13 @@ def test_a_circle_through_a_packages_init_counts_and_type_checking_imports_do_no
       'lazy/leaf.py': '',
       'user.py': 'from dist_ens.lazy import leaf\n',
   }
-  for name, text in files.items():
-    (package / name).write_text(text)
+  package = _package(tmp_path, files)
   assert _tool().measure(package)['import_cycles'] == [
       ['dist_ens.evaluators.posthoc', 'dist_ens.training', 'dist_ens.training.trainer']]
 
 
 def test_config_readers_below_the_edge_are_the_ones_that_read_fields_or_pass_a_config_on(
     tmp_path):
-  package = tmp_path / 'dist_ens'
-  for folder in ('config', 'training', 'models'):
-    (package / folder).mkdir(parents=True)
   files = {
       '__init__.py': '',
       'config/__init__.py': '',
@@ -74,8 +73,7 @@ def test_config_readers_below_the_edge_are_the_ones_that_read_fields_or_pass_a_c
       'models/__init__.py': '',
       'models/hf.py': 'def f(config):\n  return config.hidden_size\n',
   }
-  for name, text in files.items():
-    (package / name).write_text(text)
+  package = _package(tmp_path, files)
   found = _tool().measure(package)
   assert found['config_readers'] == ['dist_ens.config.defaults', 'dist_ens.config.specs',
                                      'dist_ens.training.loop', 'dist_ens.training.pbt',
