@@ -4,7 +4,11 @@ The width and group arithmetic against the paper's (torch-uncertainty's) formula
 out here by hand; a grouped layer is the block-diagonal dense (and conv) layer numpy
 builds, so groups never mix; the parameter count is the paper's per-layer formula; then a
 2-member run: resume is exact, Ensemble.load predicts what a numpy forward of the stored
-grouped kernels gives, export and report; the refusals.
+grouped kernels gives, export and report; the refusals. On the ResNets: the factories'
+widths build today's network by default and a thinner one by the hand count; a packed
+ResNet's forward is an independent one of XLA's grouped convolutions (feature_group_count,
+so a group reads its own inputs only), its count the paper's formula; a tiny 2-member
+depth-8 ResNet run resumes exactly and loads, predicts and exports.
 """
 
 import math
@@ -22,6 +26,9 @@ from dist_ens import Ensemble
 from dist_ens.config import specs
 from dist_ens.ensembles import methods, packed
 from dist_ens.errors import ConfigError
+from dist_ens.models import resnet
+from dist_ens.models.spec import ModelSpec
+from dist_ens.report import build as report
 from dist_ens.run import assemble, initial_state, mesh_layout
 
 
@@ -190,12 +197,167 @@ def test_bad_fields_are_refused_naming_the_field(fields, match):
 
 
 def test_other_models_and_undivided_widths_are_refused_before_anything(tmp_path):
-  config = _config(**{'model.name': 'resnet', 'model.depth': 8})
+  config = _config(**{'model.name': 'vit', 'model.depth': 1, 'model.hidden': 8,
+                      'model.heads': 2, 'model.mlp_dim': 8, 'model.patch_size': 4})
   message = support.refused_before_anything(_train, config, tmp_path / 'r')
-  assert "config.model.name='mlp' or 'cnn', not 'resnet'" in message
+  assert "config.model.name in ('mlp', 'cnn', 'resnet', 'resnet18', 'wide_resnet'), not " \
+         "'vit'" in message, message
+  # ResNet-8's stem: int(1.5 * 16) = 24 channels, 2 members * 8 groups = 16.
+  config = _config(**{'model.name': 'resnet', 'model.depth': 8, 'ensemble.packed.gamma': 8,
+                      'ensemble.packed.alpha': 1.5})
+  message = support.refused_before_anything(_train, config, tmp_path / 's')
+  assert "config.model.name='resnet''s stem (16 channels)" in message, message
+  assert 'gamma = 16' in message, message
   # int(2 * 25) = 50 units, 2 members * 4 groups = 8.
   config = _config(**{'model.widths': (64, 25), 'ensemble.packed.gamma': 4})
   message = support.refused_before_anything(_train, config, tmp_path / 'n')
   assert 'config.model.widths[1]=25' in message and 'gamma = 8' in message, message
   with pytest.raises(ConfigError, match="ensemble.own='head'"):
     methods.from_spec(specs.method_spec(_config(**{'ensemble.own': 'head'})))
+
+
+# ResNets ---------------------------------------------------------------------------------
+
+
+def _resnet_spec(name='resnet', depth=8, **fields):
+  return ModelSpec(name=name, factory='', kwargs={}, widths=(), channels=(), kernel_sizes=(),
+                   strides=(), conv_impl='auto', dropout=0.0, depth=depth, **fields)
+
+
+def test_resnet_widths_build_todays_network_by_default_and_a_thinner_one_by_hand():
+  x = jnp.zeros((1, 12, 1))
+  for name, depth, fields in [('resnet', 8, {}), ('resnet18', None, {}),
+                              ('wide_resnet', 10, {'widen_factor': 2})]:
+    spec = _resnet_spec(name, depth, **fields)
+    default = resnet.MAKERS[name](spec, 10)
+    explicit = resnet.MAKERS[name](spec, 10, resnet.default_widths(spec))
+    # Same tree, same bits (ResNet-18's 11M weights: its shapes; its code is resnet's).
+    init = jax.eval_shape if name == 'resnet18' else lambda f, *a: f(*a)
+    a, b = (init(m.init, jax.random.key(3), x) for m in (default, explicit))
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    jax.tree.map(lambda u, v: np.testing.assert_array_equal(
+        *((u.shape, v.shape) if name == 'resnet18' else (u, v))), a, b)
+  # ResNet-8 (1 block per stage) at widths (8, 4, 6, 10) on 1 input channel, kernels 3
+  # (1-D), 10 classes; convs carry no bias, each BatchNorm a scale and a bias.
+  stem = 1 * 8 * 3 + 2 * 8
+  block1 = 8 * 4 * 3 + 4 * 4 * 3 + 8 * 4 + 3 * 2 * 4  # conv1, conv2, 1x1 proj, 3 BNs.
+  block2 = 4 * 6 * 3 + 6 * 6 * 3 + 4 * 6 + 3 * 2 * 6
+  block3 = 6 * 10 * 3 + 10 * 10 * 3 + 6 * 10 + 3 * 2 * 10
+  head = 10 * 10 + 10
+  params, _ = jax.eval_shape(resnet.make_resnet(_resnet_spec(), 10, (8, 4, 6, 10)).init,
+                             jax.random.key(0), x)
+  assert sum(p.size for p in jax.tree.leaves(params)) == stem + block1 + block2 + block3 + head
+  with pytest.raises(ValueError, match=r'widths of the stem and its 3 stages'):
+    resnet.make_resnet(_resnet_spec(), 10, (8, 4, 6))
+
+
+def _conv(x, w, stride):
+  """A conv of x [B, L, C] by a plain kernel [k, in, out] or a grouped one [g, k, in / g,
+  out / g], as XLA's grouped convolution: group g's outputs read group g's inputs only."""
+  groups = 1 if w.ndim == 3 else w.shape[0]
+  if groups > 1:
+    w = jnp.concatenate(list(w), axis=-1)  # XLA's [k, in / g, out], groups side by side.
+  return jax.lax.conv_general_dilated(x, w, (stride,), 'SAME', feature_group_count=groups,
+                                      dimension_numbers=('NWC', 'WIO', 'NWC'))
+
+
+def _bn(p, s, x):
+  return (x - s['mean']) / np.sqrt(s['var'] + 1e-5) * p['scale'] + p['bias']
+
+
+def _packed_resnet_logits(name, params, state, x):
+  """One member's packed ResNet-8 / WRN-10 (1-D), evaluation mode, written independently
+  of models/resnet.py: grouped kernels go through _conv's feature groups."""
+  relu = lambda h: np.maximum(h, 0)
+  h = _conv(x, params['stem'], 1)
+  if name == 'resnet':
+    h = relu(_bn(params['stem_bn'], state['stem_bn'], h))
+  for i, (p, s) in enumerate(zip(params['blocks'], state['blocks'])):
+    stride = 1 if i == 0 else 2
+    if name == 'resnet':
+      out = relu(_bn(p['bn1'], s['bn1'], _conv(h, p['conv1'], stride)))
+      out = _bn(p['bn2'], s['bn2'], _conv(out, p['conv2'], 1))
+      short = _bn(p['proj_bn'], s['proj_bn'], _conv(h, p['proj'], stride)) if 'proj' in p else h
+      h = relu(out + short)
+    else:  # Pre-activation; a projection reads the normalised input.
+      a = relu(_bn(p['bn1'], s['bn1'], h))
+      out = relu(_bn(p['bn2'], s['bn2'], _conv(a, p['conv1'], stride)))
+      h = _conv(out, p['conv2'], 1) + (_conv(a, p['proj'], stride) if 'proj' in p else h)
+  if name == 'wide_resnet':
+    h = relu(_bn(params['final_bn'], state['final_bn'], h))
+  return np.asarray(h).mean(1) @ params['head']['w'] + params['head']['b']
+
+
+@pytest.mark.parametrize('name, depth, grouped', [
+    ('resnet', 8, {'conv2', 'proj'}),  # A basic block's first conv: M groups only.
+    ('wide_resnet', 10, {'conv1', 'conv2', 'proj'}),
+])
+def test_a_packed_resnet_is_xlas_grouped_convolutions(name, depth, grouped):
+  spec = _resnet_spec(name, depth, widen_factor=1)
+  member = resnet.MAKERS[name](spec, 5, (8, 8, 12, 16))
+  model = packed.wrap(member, name, gamma=2)
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.normal(size=(6, 12, 1)), jnp.float32)
+  params, state = model.init(jax.random.key(0), x)
+  for p in params['blocks']:
+    convs = {k for k in ('conv1', 'conv2', 'proj') if k in p}
+    assert {k for k in convs if p[k].ndim == 4} == grouped & convs
+  assert params['stem'].ndim == 3  # The stem reads the input whole.
+  # Non-trivial BatchNorms: random scales, biases and running statistics.
+  params = jax.tree.map(lambda a: a if a.ndim > 1 else jnp.asarray(
+      rng.uniform(0.5, 1.5, a.shape), a.dtype), params)
+  state = jax.tree.map(lambda a: jnp.asarray(rng.uniform(0.5, 1.5, a.shape), a.dtype), state)
+  logits, _ = model.apply(params, state, x, train=False)
+  want = _packed_resnet_logits(name, params, state, x)
+  np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_packed_resnets_parameter_count_is_the_papers_formula():
+  # ResNet-8 on MNIST-1D (1-D kernels 3, 1 input channel), 10 classes, M=2, alpha=2,
+  # gamma=2: channels (16, 16, 32, 64), int(2 C) / 2 = C per member. Per conv the paper's
+  # count without bias (torch-uncertainty's bias=False); each BatchNorm 2 x int(alpha C).
+  config = _config(**{'model.name': 'resnet', 'model.depth': 8, 'mesh.member': 1})
+  params = _init_params(config)
+  count = lambda c_in, c_out, window=3, gamma=2, **kw: packed.grouped_layer_params(
+      c_in, c_out, 2, 2.0, gamma, window=window, bias=False, **kw)
+  bn = lambda c: 2 * int(2.0 * c)
+  formula = count(1, 16, first=True) + bn(16)  # The stem.
+  for c_in, c_out in [(16, 16), (16, 32), (32, 64)]:
+    formula += count(c_in, c_out, gamma=1) + count(c_out, c_out) + 2 * bn(c_out)
+    if c_in != c_out:
+      formula += count(c_in, c_out, window=1) + bn(c_out)
+  formula += packed.grouped_layer_params(64, 10, 2, 2.0, 2, last=True)
+  assert sum(leaf.size for leaf in jax.tree.leaves(params)) == formula
+  block = params['blocks'][2]
+  assert block['conv1'].shape == (2, 3, 32, 64)  # [M, k, in, out]: ungrouped per member.
+  assert block['conv2'].shape == (2, 2, 3, 32, 32)  # [M, gamma, k, in / 2, out / 2].
+  assert block['proj'].shape == (2, 2, 1, 16, 32)
+  assert params['head']['w'].shape == (2, 64, 10)
+
+
+def _resnet_run_config(**fields):
+  return _config(**{'model.name': 'resnet', 'model.depth': 8, 'train.steps': 4,
+                    'train.log_every': 2, 'checkpoint.every': 2, **fields})
+
+
+def test_a_packed_resnet_resumes_exactly_and_loads_predicts_and_exports(tmp_path):
+  straight = _train(_resnet_run_config(), tmp_path / 'a')
+  stopped = _train(_resnet_run_config(), tmp_path / 'b', actions=[support.PreemptAt(2)])
+  assert stopped['preempted'] and stopped['step'] == 2
+  resumed = _train(_resnet_run_config(), tmp_path / 'b')
+  assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
+  ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
+  support.assert_trees_equal(ens.params, Ensemble.load(tmp_path / 'b',
+                                                       devices=jax.devices()[:1]).params)
+  test = dist_ens.data.load_dataset('mnist1d').test
+  x = test.x[:64]
+  probs = []
+  for m in range(2):
+    logits = _packed_resnet_logits('resnet', ens.member(m), ens.member_state(m),
+                                   jnp.asarray(x).reshape(len(x), -1, 1))
+    probs.append(np.asarray(jax.nn.softmax(logits)))
+  np.testing.assert_allclose(ens.predict(x, preprocessed=True).probs, np.mean(probs, 0),
+                             atol=1e-5)
+  paths = ens.export(tmp_path / 'members')
+  jax.tree.map(np.testing.assert_array_equal, dist_ens.load_member(paths[1]), ens.member(1))
+  assert report.make_report(tmp_path / 'a') == tmp_path / 'a' / 'report'

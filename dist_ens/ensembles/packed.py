@@ -24,14 +24,26 @@ ResNets and the paper's figure.) Its convolutions lower gamma silently while a g
 hold fewer than 64 channels (minimum_channels_per_group, a speed heuristic for large
 CNNs); here gamma is what the config says.
 
+The ResNets ('resnet', 'resnet18', 'wide_resnet') are packed as torch-uncertainty's
+packed ResNets (models/resnet/packed.py, models/wideresnet/packed.py): every channel
+count C (the stem's and each stage's, resnet.default_widths) becomes int(alpha * C) / M
+per member (models/resnet.py's `widths`); the stem conv reads the input ungrouped
+(first=True); a block's second conv and its 1x1 projection shortcut are grouped in gamma
+groups, and so is the wide block's first conv, while the basic block's first conv reads
+its member's channels whole (torch-uncertainty passes it no gamma); BatchNorm is per
+channel, so per member and per group as in the paper's network of alpha * C channels;
+the head is each member's own dense layer (last=True); an identity shortcut adds a
+member's channels to its own.
+
 A grouped layer is computed as the block-diagonal dense (or conv) kernel of its groups,
 through the model's own apply (models/mlp.py, models/cnn.py at the member width, built
-by MethodSpec.build_model): no change to the models, dropout, conv_impl and features as
-configured. The function and the trained parameters are the paper's (a grouped kernel
-holds alpha^2 C_in C_out / (M^2 gamma) weights per member); the matmul spends gamma
-times a grouped one's FLOPs on the zero blocks (equal at gamma=1, the paper's default).
-Grouped kernels start He-normal with their group's fan-in (in / gamma): the diagonal
-blocks of the member-width model's own init, times sqrt(gamma).
+by MethodSpec.build_model; a ResNet by its factory's `widths`): no change to the models,
+dropout, conv_impl and features as configured. The function and the trained parameters
+are the paper's (a grouped kernel holds alpha^2 C_in C_out / (M^2 gamma) weights per
+member); the matmul spends gamma times a grouped one's FLOPs on the zero blocks (equal
+at gamma=1, the paper's default). Grouped kernels start He-normal with their group's
+fan-in (in / gamma): the diagonal blocks of the member-width model's own init, times
+sqrt(gamma).
 
 Each member's params are its own (nothing shared), so everything a deep ensemble does
 works as it does there: resume, Ensemble.load, predict, export, shift, joint, PBT
@@ -47,6 +59,7 @@ import jax.numpy as jnp
 from dist_ens.core.model import Model
 from dist_ens.ensembles.method import Method, MethodSpec, int_field
 from dist_ens.errors import ConfigError
+from dist_ens.models import resnet
 
 
 # config.ensemble.packed: this method's fields, each one's meaning in the comments above
@@ -58,7 +71,13 @@ FIELDS = dict(
 
 PyTree = Any
 FIELD = 'config.ensemble.packed'
-MODELS = ('mlp', 'cnn')  # config.model.name: the models whose layers it packs
+RESNETS = tuple(resnet.MAKERS)  # config.model.name: the ResNets it packs
+# A ResNet block's convs in gamma groups, as torch-uncertainty's packed ResNets: a basic
+# block's first conv reads its input in M groups only (gamma=1 there), the wide block's
+# in M * gamma.
+RESNET_GROUPED = {'resnet': ('conv2', 'proj'), 'resnet18': ('conv2', 'proj'),
+                  'wide_resnet': ('conv1', 'conv2', 'proj')}
+MODELS = ('mlp', 'cnn', *RESNETS)  # config.model.name: the models whose layers it packs
 
 
 def check_alpha(value: Any) -> float:
@@ -89,15 +108,17 @@ def member_width(width: int, members: int, alpha: float, gamma: int, where: str 
 
 
 def grouped_layer_params(c_in: int, c_out: int, members: int, alpha: float, gamma: int,
-                         first: bool = False, last: bool = False, window: int = 1) -> int:
+                         first: bool = False, last: bool = False, window: int = 1,
+                         bias: bool = True) -> int:
   """The paper's parameter count of one packed layer (all M members; torch-uncertainty's
   PackedLinear/PackedConv with first/last): int(alpha C_in) * int(alpha C_out) * window /
-  (M gamma) weights plus int(alpha C_out) biases; the first layer reads C_in ungrouped,
-  the output layer writes C_out per member (here: each member's ungrouped head)."""
+  (M gamma) weights plus int(alpha C_out) biases (none where `bias` is False: a ResNet's
+  convs); the first layer reads C_in ungrouped, the output layer writes C_out per member
+  (here: each member's ungrouped head)."""
   ext_in = c_in if first else int(alpha * c_in)
   ext_out = c_out * members if last else int(alpha * c_out)
   groups = 1 if first else members * (1 if last else gamma)
-  return ext_in * ext_out * window // groups + ext_out
+  return ext_in * ext_out * window // groups + (ext_out if bias else 0)
 
 
 def grouped(kernel: jax.Array, gamma: int) -> jax.Array:
@@ -120,9 +141,13 @@ def block_diagonal(kernel: jax.Array) -> jax.Array:
 
 def _grouped_paths(model: str, params: PyTree) -> list[tuple]:
   """Where the grouped kernels sit: the MLP's layers 1..L-1 (not the head), the CNN's
-  convolutions 1.. (the head reads the last one's channels whole)."""
+  convolutions 1.. (the head reads the last one's channels whole); a ResNet's blocks'
+  second convs and projections, and the wide ResNet's first convs too (RESNET_GROUPED)."""
   if model == 'mlp':
     return [(i, 'w') for i in range(1, len(params) - 1)]
+  if model in RESNETS:
+    return [('blocks', i, name) for i, block in enumerate(params['blocks'])
+            for name in RESNET_GROUPED[model] if name in block]
   return [('convs', i, 'w') for i in range(1, len(params['convs']))]
 
 
@@ -169,37 +194,49 @@ def wrap(member_model: Model, model_name: str, gamma: int) -> Model:
   def apply(params, state, x, *, train=False, rng=None):
     return member_model.apply(dense(params), state, x, train=train, rng=rng)
 
-  features = None
-  if member_model.features is not None:
-    def features(params, state, x, *, train=False, rng=None):
-      return member_model.features(dense(params), state, x, train=train, rng=rng)
+  def features(params, state, x, *, train=False, rng=None):
+    return member_model.features(dense(params), state, x, train=train, rng=rng)
 
-  return Model(init, apply, features=features)
+  return Model(init, apply,
+               features=None if member_model.features is None else features)
+
+
+def _member_model(spec: MethodSpec, model: Model, alpha: float, gamma: int) -> Model:
+  """The run's model at each layer's member width int(alpha * C) / M (ungrouped)."""
+  members = spec.num_members
+  if spec.model in RESNETS:
+    if spec.model_spec is None:
+      raise ValueError('packed needs MethodSpec.model_spec (specs.method_spec).')
+    head = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 1)))[0]['head']
+    base = resnet.default_widths(spec.model_spec)
+    names = ['stem'] + [f'stage {i + 1}' for i in range(len(base) - 1)]
+    widths = tuple(member_width(w, members, alpha, gamma,
+                                f"config.model.name={spec.model!r}'s {name} ({w} channels)")
+                   for name, w in zip(names, base))
+    return resnet.MAKERS[spec.model](spec.model_spec, int(head['w'].shape[-1]), widths)
+  if spec.build_model is None:
+    raise ValueError('packed needs MethodSpec.build_model (specs.method_spec with '
+                     'num_outputs).')
+  field = 'widths' if spec.model == 'mlp' else 'channels'
+  widths = tuple(member_width(w, members, alpha, gamma, f'config.model.{field}[{i}]={w}')
+                 for i, w in enumerate(base_widths(spec.model, model)))
+  return spec.build_model({field: widths}, f'config.ensemble.method={spec.name!r}')
 
 
 def make(spec: MethodSpec) -> Method:
   """Packed-Ensembles from config.ensemble.packed (alpha, gamma): each of the
-  num_members members the run's MLP or CNN at width int(alpha * C) / M, its hidden layers
-  in gamma groups."""
+  num_members members the run's MLP, CNN or ResNet at width int(alpha * C) / M, its
+  hidden layers in gamma groups (the module doc says which)."""
   alpha = check_alpha(spec.options['alpha'])
   gamma = int_field(spec.options['gamma'], 'packed.gamma', 1)
-  members = spec.num_members
 
   def wrap_model(model: Model, task: Any) -> Model:
     if spec.model not in MODELS:
+      names = ', '.join(repr(name) for name in MODELS)
       raise ConfigError(f"config.ensemble.method='packed' packs the layers of "
-                        f"config.model.name='mlp' or 'cnn', not {spec.model!r} (config.task="
+                        f"config.model.name in ({names}), not {spec.model!r} (config.task="
                         f"{task.name!r}); use one of them, or method='deep'.")
-    if spec.build_model is None:
-      raise ValueError('packed needs MethodSpec.build_model (specs.method_spec with '
-                       'num_outputs).')
-    field = 'widths' if spec.model == 'mlp' else 'channels'
-    widths = base_widths(spec.model, model)
-    packed = tuple(member_width(w, members, alpha, gamma, f'config.model.{field}[{i}]={w}')
-                   for i, w in enumerate(widths))
-    member_model = spec.build_model({field: packed},
-                                    f'config.ensemble.method={spec.name!r}')
-    return wrap(member_model, spec.model, gamma)
+    return wrap(_member_model(spec, model, alpha, gamma), spec.model, gamma)
 
   return Method('packed', wrap_model=wrap_model, copyable=True)
 

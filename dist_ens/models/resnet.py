@@ -22,6 +22,11 @@ Convs have no bias (each feeds a BatchNorm); BatchNorm running statistics are th
 model's state. In make_resnet and make_resnet18, spec.dropout applies to the
 pooled features before the classifier.
 
+Each factory also takes `widths`, the channels of the stem and of each stage
+(`default_widths`; None: the network's own), to build the same network thinner or
+wider: a Packed-Ensemble's members (ensembles/packed.py) are the run's ResNet at
+int(alpha * C) / M channels.
+
 Defaults for the ModelSpec's Optional fields (None) live here and only here:
 RESNET_DEPTH, WRN_DEPTH and WRN_WIDEN_FACTOR.
 """
@@ -69,6 +74,20 @@ def _blocks_per_stage(depth: int | None, default: int, offset: int, family: str)
   return (depth - offset) // 6
 
 
+def _check_widths(widths: tuple[int, ...] | None, default: tuple[int, ...],
+                  family: str) -> tuple[int, ...]:
+  """`widths` (stem, stage 1, ...) checked against the network's stage count, or
+  `default` when None."""
+  if widths is None:
+    return default
+  widths = tuple(widths)
+  if len(widths) != len(default) or not all(
+      isinstance(w, int) and not isinstance(w, bool) and w >= 1 for w in widths):
+    raise ValueError(f'{family} takes widths of the stem and its {len(default) - 1} stages, '
+                     f'{len(default)} positive ints like {default}, not {widths!r}.')
+  return widths
+
+
 def _norm(params, state, new_state, name, x, train):
   """BatchNorm `name`, recording its new running statistics in new_state."""
   y, new_state[name] = layers.batch_norm(params[name], state[name], x, train=train)
@@ -100,11 +119,13 @@ def _basic_apply(conv, params, state, x, stride, train):
   return jax.nn.relu(h + shortcut), new_state
 
 
-def _resnet_v1(spec: ModelSpec, num_classes: int, stem_width: int,
-               widths: tuple[int, ...], blocks_per_stage: int) -> Model:
-  """Stem conv-BN-ReLU, basic blocks, global average pool, dropout, dense."""
+def _resnet_v1(spec: ModelSpec, num_classes: int, widths: tuple[int, ...],
+               blocks_per_stage: int) -> Model:
+  """Stem conv-BN-ReLU, basic blocks, global average pool, dropout, dense; widths:
+  (stem, stage 1, ...)."""
   conv = layers.conv_for(spec.conv_impl)
   rate = layers.dropout_rate_for(spec.dropout)
+  stem_width, widths = widths[0], widths[1:]
   plan = _plan(stem_width, widths, blocks_per_stage)
 
   def init(rng, sample_x):
@@ -136,8 +157,22 @@ def _resnet_v1(spec: ModelSpec, num_classes: int, stem_width: int,
   return Model(init, apply, features=features)
 
 
-def make_resnet(spec: ModelSpec, num_classes: int) -> Model:
-  """CIFAR ResNet of depth spec.depth (6n+2; None: RESNET_DEPTH, 20).
+def default_widths(spec: ModelSpec) -> tuple[int, ...]:
+  """The channels of the stem and of each stage of config.model.name's ResNet:
+  (16, 16, 32, 64) for 'resnet', (64, 64, 128, 256, 512) for 'resnet18', (16, 16k, 32k,
+  64k) for 'wide_resnet'."""
+  if spec.name == 'resnet18':
+    return (64, 64, 128, 256, 512)
+  if spec.name == 'wide_resnet':
+    k = _widen_factor(spec)
+    return (16, 16 * k, 32 * k, 64 * k)
+  return (16, 16, 32, 64)
+
+
+def make_resnet(spec: ModelSpec, num_classes: int,
+                widths: tuple[int, ...] | None = None) -> Model:
+  """CIFAR ResNet of depth spec.depth (6n+2; None: RESNET_DEPTH, 20); widths: the stem's
+  and the 3 stages' channels (None: 16, 16, 32, 64).
 
   Reads spec.depth, spec.dropout and spec.conv_impl.
 
@@ -150,12 +185,16 @@ def make_resnet(spec: ModelSpec, num_classes: int) -> Model:
     >>> logits, state = model.apply(params, state, x, train=True)
   """
   n = _blocks_per_stage(spec.depth, default=RESNET_DEPTH, offset=2, family='a CIFAR ResNet')
-  return _resnet_v1(spec, num_classes, 16, (16, 32, 64), n)
+  widths = _check_widths(widths, (16, 16, 32, 64), 'a CIFAR ResNet')
+  return _resnet_v1(spec, num_classes, widths, n)
 
 
-def make_resnet18(spec: ModelSpec, num_classes: int) -> Model:
-  """The CIFAR ResNet-18; reads spec.dropout and spec.conv_impl."""
-  return _resnet_v1(spec, num_classes, 64, (64, 128, 256, 512), 2)
+def make_resnet18(spec: ModelSpec, num_classes: int,
+                  widths: tuple[int, ...] | None = None) -> Model:
+  """The CIFAR ResNet-18; reads spec.dropout and spec.conv_impl; widths: the stem's and
+  the 4 stages' channels (None: 64, 64, 128, 256, 512)."""
+  widths = _check_widths(widths, (64, 64, 128, 256, 512), 'ResNet-18')
+  return _resnet_v1(spec, num_classes, widths, 2)
 
 
 def _wide_init(rank, block):
@@ -180,24 +219,34 @@ def _wide_apply(conv, params, state, x, stride, train, rate, rng):
   return conv(h, params['conv2'], 1) + shortcut, new_state
 
 
-def make_wide_resnet(spec: ModelSpec, num_classes: int) -> Model:
-  """WRN-d-k: d = spec.depth (6n+4; None: WRN_DEPTH, 28), k = spec.widen_factor (None:
-  WRN_WIDEN_FACTOR, 10).
-
-  Also reads spec.dropout (between the two convs of every block) and spec.conv_impl.
-  """
-  n = _blocks_per_stage(spec.depth, default=WRN_DEPTH, offset=4, family='a wide ResNet')
+def _widen_factor(spec: ModelSpec) -> int:
+  """k: spec.widen_factor (None: WRN_WIDEN_FACTOR), or a ConfigError."""
   k = WRN_WIDEN_FACTOR if spec.widen_factor is None else spec.widen_factor
   if not isinstance(k, int) or isinstance(k, bool) or k < 1:
     raise ConfigError(f'config.model.widen_factor={k!r} must be a positive integer, '
                       f'e.g. {WRN_WIDEN_FACTOR}.')
+  return k
+
+
+def make_wide_resnet(spec: ModelSpec, num_classes: int,
+                     widths: tuple[int, ...] | None = None) -> Model:
+  """WRN-d-k: d = spec.depth (6n+4; None: WRN_DEPTH, 28), k = spec.widen_factor (None:
+  WRN_WIDEN_FACTOR, 10); widths: the stem's and the 3 stages' channels (None: 16, 16k,
+  32k, 64k; k is then not read).
+
+  Also reads spec.dropout (between the two convs of every block) and spec.conv_impl.
+  """
+  n = _blocks_per_stage(spec.depth, default=WRN_DEPTH, offset=4, family='a wide ResNet')
+  if widths is None:
+    widths = default_widths(spec)
+  widths = _check_widths(widths, (16, 16, 32, 64), 'a wide ResNet')
   conv = layers.conv_for(spec.conv_impl)
   rate = layers.dropout_rate_for(spec.dropout)
-  plan = _plan(16, (16 * k, 32 * k, 64 * k), n)
+  plan = _plan(widths[0], widths[1:], n)
 
   def init(rng, sample_x):
     rank = layers.spatial_rank(sample_x, 'wide_resnet')
-    params = {'stem': layers.conv_kernel(3, rank, sample_x.shape[-1], 16)}
+    params = {'stem': layers.conv_kernel(3, rank, sample_x.shape[-1], widths[0])}
     blocks = [_wide_init(rank, block) for block in plan]
     params['blocks'] = [p for p, _ in blocks]
     state = {'blocks': [s for _, s in blocks]}
@@ -222,3 +271,8 @@ def make_wide_resnet(spec: ModelSpec, num_classes: int) -> Model:
     return logits, state
 
   return Model(init, apply, features=features)
+
+
+# config.model.name -> factory(spec, num_classes, widths=None): what builds a ResNet at
+# other widths (a Packed-Ensemble's members).
+MAKERS = {'resnet': make_resnet, 'resnet18': make_resnet18, 'wide_resnet': make_wide_resnet}
