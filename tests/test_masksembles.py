@@ -5,12 +5,17 @@ numpy draw of the paper's procedure: m = int(c / (s (1 - (1 - 1/s)^M))) ones per
 every unit used, two masks sharing about m/s units, fixed, distinct and drawn from the
 seed. Then a 2-member run: members differ only through their masks (one shared W and
 bias per layer, member m's kernel W * mask_m), resume is exact, and Ensemble.load
-predicts what the run evaluated; the refusals.
+predicts what the run evaluated; the refusals. On the ResNets: masks on the inputs of
+every block conv and of the head (torch-uncertainty's MaskedConv2d / MaskedLinear), none
+on the stem; a channel of a block's input masked out for a member does not reach that
+member's conv, while the identity shortcut carries it; a tiny 2-member depth-8 ResNet run
+resumes exactly and predicts as an independent forward of the masked kernels.
 """
 
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -18,7 +23,8 @@ import support
 
 import dist_ens
 from dist_ens import Ensemble
-from dist_ens.ensembles import masksembles, stored
+from dist_ens.ensembles import batchensemble, masksembles, stored
+from dist_ens.models import layers, resnet
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.run import assemble, initial_state, mesh_layout
 
@@ -209,10 +215,123 @@ def test_bad_fields_are_refused_naming_the_field(fields, match):
 
 
 def test_other_models_and_narrow_layers_are_refused_before_anything(tmp_path):
-  config = _config(**{'model.name': 'resnet', 'model.depth': 8})
+  config = _config(**{'model.name': 'vit', 'model.depth': 1, 'model.hidden': 8,
+                      'model.heads': 2, 'model.mlp_dim': 8, 'model.patch_size': 4})
   message = support.refused_before_anything(_train, config, tmp_path / 'r')
-  assert "config.model.name='mlp' or 'cnn', not 'resnet'" in message
+  assert "config.model.name in ('mlp', 'cnn', 'resnet', 'resnet18', 'wide_resnet'), not " \
+         "'vit'" in message, message
   # 2 members, a 3-unit layer: int(3 / (6 (1 - (5/6)^2))) = int(1.6) = 1 one each.
   config = _config(**{'model.widths': (3,), 'ensemble.masksembles.scale': 6.0})
   message = support.refused_before_anything(_train, config, tmp_path / 'n')
   assert 'masksembles.scale=6.0' in message and '3 units' in message
+
+
+# ResNets ---------------------------------------------------------------------------------
+
+
+def _resnet_config(**fields):
+  return _config(**{'model.name': 'resnet', 'model.depth': 8, 'train.steps': 4,
+                    'train.log_every': 2, 'checkpoint.every': 2, **fields})
+
+
+def _init_entries(config):
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:1]),
+                               (40, 1), 10)
+  state = initial_state.init_sharded(parts)
+  return jax.tree.map(np.asarray, (state.params, state.model_state))
+
+
+def test_a_resnets_block_convs_and_head_read_masked_inputs_and_the_stem_does_not():
+  config = _resnet_config(**{'mesh.member': 1})
+  params, _ = _init_entries(config)
+  assert set(params['stem']) == {'shared'}  # The stem reads the input whole.
+  assert all(set(bn[k]) == {'shared'} for bn in [params['stem_bn']] for k in bn)
+  layer = 0  # Each masked kernel its own masks, blocks in order, then the head.
+  for block, (c_in, c_out) in zip(params['blocks'], [(16, 16), (16, 32), (32, 64)]):
+    for name in ('conv1', 'conv2', 'proj'):
+      if name not in block:
+        continue
+      width = c_in if name != 'conv2' else c_out
+      np.testing.assert_array_equal(block[name]['r'], masksembles.layer_masks(
+          config.seed, layer, width, 2, 2.0))
+      assert block[name]['s'].shape == (2, c_out)
+      layer += 1
+    assert all(set(entry) == {'shared'} for k in block if k.endswith(('bn1', 'bn2', 'proj_bn'))
+               for entry in block[k].values())  # BatchNorms: shared scales and biases.
+  assert 'proj' not in params['blocks'][0] and layer == 8
+  np.testing.assert_array_equal(params['head']['w']['r'],
+                                masksembles.layer_masks(config.seed, 8, 64, 2, 2.0))
+
+
+def test_a_masked_channel_of_a_blocks_input_reaches_the_member_only_by_the_identity():
+  config = _resnet_config(**{'mesh.member': 1})
+  params, state = _init_entries(config)
+  block = jax.tree.map(jnp.asarray, params['blocks'][0])  # 16 -> 16: identity shortcut.
+  block_state = jax.tree.map(lambda a: jnp.asarray(a[0]), state['blocks'][0])
+  mask = block['conv1']['r']
+  m = 0
+  c = int(np.flatnonzero(mask[m] == 0)[0])  # Out of member 0's mask, in member 1's.
+  assert mask[1, c] == 1
+  conv = layers.conv_for('xla')
+  x = jax.random.normal(jax.random.key(0), (4, 10, 16))
+  moved = x.at[..., c].add(3.0)
+  one = lambda tree, i: jax.tree.map(lambda a: a[i] if a.shape[:1] == (2,) else a, tree)
+  for member, reaches_conv in ((0, False), (1, True)):
+    p = batchensemble.member_params(one(block, member))
+    h, h_moved = (conv(v, p['conv1'], 1) for v in (x, moved))
+    assert np.allclose(h, h_moved) is not reaches_conv
+    y, _ = resnet._basic_apply(conv, p, block_state, x, 1, False)  # pylint: disable=protected-access
+    y_moved, _ = resnet._basic_apply(conv, p, block_state, moved, 1, False)  # pylint: disable=protected-access
+    changed = np.flatnonzero(np.abs(np.asarray(y_moved - y)).max((0, 1)) > 1e-6)
+    if reaches_conv:
+      assert len(changed) > 1
+    else:  # Only channel c changed: the identity carried it, the convs never saw it.
+      assert list(changed) == [c]
+
+
+def _conv1d(x, w, stride):
+  return jax.lax.conv_general_dilated(x, w, (stride,), 'SAME',
+                                      dimension_numbers=('NWC', 'WIO', 'NWC'))
+
+
+def _masked_resnet_logits(stored_params, state, m, x):
+  """Member m's ResNet-8 (1-D) in evaluation mode, written independently of
+  models/resnet.py: each shared kernel with member m's mask on its input channels."""
+  def w(entry):
+    return entry['shared'] * (entry['r'][m][:, None] if 'r' in entry else 1)
+  bn = lambda p, s, h: ((h - s['mean']) / np.sqrt(s['var'] + 1e-5) * w(p['scale'])
+                        + w(p['bias']))
+  relu = lambda h: np.maximum(h, 0)
+  h = relu(bn(stored_params['stem_bn'], state['stem_bn'],
+              _conv1d(x, w(stored_params['stem']), 1)))
+  for i, (p, s) in enumerate(zip(stored_params['blocks'], state['blocks'])):
+    stride = 1 if i == 0 else 2
+    out = relu(bn(p['bn1'], s['bn1'], _conv1d(h, w(p['conv1']), stride)))
+    out = bn(p['bn2'], s['bn2'], _conv1d(out, w(p['conv2']), 1))
+    short = (bn(p['proj_bn'], s['proj_bn'], _conv1d(h, w(p['proj']), stride))
+             if 'proj' in p else h)
+    h = relu(out + short)
+  head = stored_params['head']
+  return np.asarray(h).mean(1) @ w(head['w']) + w(head['b'])
+
+
+def test_a_masked_resnet_resumes_exactly_and_predicts_its_masked_members(tmp_path):
+  straight = _train(_resnet_config(), tmp_path / 'a')
+  stopped = _train(_resnet_config(), tmp_path / 'b', actions=[support.PreemptAt(2)])
+  assert stopped['preempted'] and stopped['step'] == 2
+  resumed = _train(_resnet_config(), tmp_path / 'b')
+  assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
+  ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
+  support.assert_trees_equal(_stored(ens), _stored(Ensemble.load(tmp_path / 'b',
+                                                                 devices=jax.devices()[:1])))
+  x = dist_ens.data.load_dataset('mnist1d').test.x[:64]
+  # BatchNorm running statistics are each member's own (the module doc says why).
+  probs = [jax.nn.softmax(_masked_resnet_logits(_stored(ens), ens.member_state(m), m,
+                                                jnp.asarray(x).reshape(len(x), -1, 1)))
+           for m in range(2)]
+  np.testing.assert_allclose(ens.predict(x, preprocessed=True).probs, np.mean(probs, 0),
+                             atol=1e-5)
+  exported = dist_ens.load_member(ens.export(tmp_path / 'members')[1])
+  np.testing.assert_array_equal(exported['blocks'][1]['proj'],
+                                _stored(ens)['blocks'][1]['proj']['shared']
+                                * _stored(ens)['blocks'][1]['proj']['r'][1][:, None])

@@ -2,7 +2,7 @@
 
 Every hidden layer's outputs get M masks, one per member, drawn once at init and never
 trained; member m runs the shared network with mask m on each hidden layer (the dense
-units of the MLP, the channels of the CNN's convolutions) and the members' predictive
+units of the MLP, the channels of the CNN's convolutions and of the ResNets' blocks) and the members' predictive
 distributions are averaged, as for any ensemble. Masking a hidden layer's outputs is
 masking the input axis (-2) of the kernel that reads them, so the masks are applied to
 the parameters, in BatchEnsemble's entries (ensembles/batchensemble.py):
@@ -18,6 +18,26 @@ member runs its own batch through its mask; the shared leaves' gradient is the m
 the members' (those not frozen, over every device: the paper's batch split into M parts
 and its mean loss) and they take one optimizer step with member 0's hyperparameters.
 The masks take none: they have no optimizer state and never change.
+
+The ResNets ('resnet', 'resnet18', 'wide_resnet') are masked where torch-uncertainty's
+masked ResNets (models/resnet/masked.py, models/wideresnet/masked.py) put their
+MaskedConv2d and MaskedLinear: on the input channels of every conv of every block (both
+convs and the 1x1 projection shortcut) and on the head's input features; the stem reads
+the image whole, and an identity shortcut carries a block's input unmasked. Each masked
+kernel has its own masks (`layer` k is the k-th masked kernel, blocks in order, then the
+head), as each of torch-uncertainty's masked layers draws its own: a block's first conv
+and its projection, reading the same input, see different channels.
+
+BatchNorm: the scales and biases are shared leaves like W; the running statistics are
+each member's own, as they are in every dist_ens method (the model state is stacked over
+'member'), while torch-uncertainty's one BatchNorm pools its statistics over the M
+members' copies of the batch. A member's features are those of its masks (a conv that
+reads half its input channels has outputs of another scale than one reading the other
+half), so a member normalises in training by its own batch's statistics under its own
+masks and in evaluation by the running average of exactly those: evaluation matches
+training member by member. Pooled statistics would normalise each member by the mixture
+of all members' features, in training and in evaluation alike; both are consistent, and
+per member is the one the member axis gives without a reduction across members.
 
 The masks of a layer of width c (`generate`): each of the M masks has
 m = int(c / (s * (1 - (1 - 1/s)**M))) ones (s: ensemble.masksembles.scale), and the M
@@ -57,7 +77,10 @@ FIELDS = dict(
 
 PyTree = Any
 FIELD = 'config.ensemble.masksembles.scale'
-MODELS = ('mlp', 'cnn')  # config.model.name: the models whose hidden layers it masks
+RESNETS = ('resnet', 'resnet18', 'wide_resnet')
+MODELS = ('mlp', 'cnn', *RESNETS)  # config.model.name: the models whose hidden layers it masks
+# A ResNet block's convs whose inputs are masked (torch-uncertainty's MaskedConv2d).
+MASKED_CONVS = ('conv1', 'conv2', 'proj')
 SCALES = (1.0, 6.0)  # scale in (1, 6]: the paper's (1: one network; above 6 it refuses)
 SHARED = batchensemble.SHARED
 # Draws of a layer's masks at once (at most about 2**22 keys), and the most drawn
@@ -125,6 +148,8 @@ def from_members(model: str, scale: float, seed: int, params: PyTree, keys: jax.
   (a function of the seed), and masks on the kernels that read a hidden layer."""
   count = keys.shape[0]
   entries = jax.tree.map(lambda p: {SHARED: p[0]}, params)
+  if model in RESNETS:
+    return _resnet_entries(scale, seed, count, params, entries)
   if model == 'mlp':  # [{'w', 'b'}] per layer: layer i > 0 reads hidden layer i - 1.
     for i in range(1, len(params)):
       w = params[i]['w']
@@ -138,6 +163,22 @@ def from_members(model: str, scale: float, seed: int, params: PyTree, keys: jax.
   last = layer_masks(seed, len(convs) - 1, channels, count, scale)
   # Flattened [positions, channels] features: the channel masks repeated per position.
   entries['head']['w'] = _masked(head, np.tile(last, (1, head.shape[-2] // channels)))
+  return entries
+
+
+def _resnet_entries(scale: float, seed: int, count: int, params: PyTree,
+                    entries: PyTree) -> PyTree:
+  """A ResNet's entries: masks on the inputs of every block's convs and of the head, each
+  kernel its own masks (layer k: the k-th masked kernel, blocks in order, then the head)."""
+  kernels = [('blocks', i, name) for i, block in enumerate(params['blocks'])
+             for name in MASKED_CONVS if name in block] + [('head', 'w')]
+  for layer, path in enumerate(kernels):
+    *parents, leaf = path
+    node, entry = params, entries
+    for key in parents:
+      node, entry = node[key], entry[key]
+    w = node[leaf]
+    entry[leaf] = _masked(w, layer_masks(seed, layer, w.shape[-2], count, scale))
   return entries
 
 
@@ -206,7 +247,7 @@ def check_scale(value: Any) -> float:
 
 def make(spec: MethodSpec) -> Method:
   """Masksembles from config.ensemble.masksembles (scale): one shared network, each
-  member its fixed masks on the hidden layers of config.model.name='mlp' or 'cnn'."""
+  member its fixed masks on the hidden layers of config.model.name in MODELS."""
   refuse_reproducible(spec, "the shared weights' gradient is a sum over devices, whose order "
                             'depends on the mesh')
   scale = check_scale(spec.options['scale'])
@@ -214,8 +255,9 @@ def make(spec: MethodSpec) -> Method:
   def wrap_model(model, task):  # The model as it is (its masks are in the params): the
     # refusal is here, where the task it names is known.
     if spec.model not in MODELS:
+      names = ', '.join(repr(name) for name in MODELS)
       raise ConfigError(f"config.ensemble.method='masksembles' masks the hidden layers of "
-                        f"config.model.name='mlp' or 'cnn', not {spec.model!r} (config.task="
+                        f'config.model.name in ({names}), not {spec.model!r} (config.task='
                         f"{task.name!r}); use one of them, or method='batchensemble'.")
     return model
 
