@@ -1,13 +1,15 @@
 """Rank-1 BNNs (config.ensemble.method='rank1').
 
 The math against independent arithmetic: both KLs against numerical integration of the
-densities (scipy), the KL term's gradient against its derivative by hand, the annealing
-by hand, the factorised forward ((h o s) W) o r + b against the model's own apply on the
-formed kernels W o (s r^T), and a member's training outputs (each example its own draws)
-and evaluation (the mean over its fixed draws) against a numpy forward. Then a 2-member run: one
-shared W per kernel, factors and biases per member, exact resume, Ensemble.load predicts
-the numpy mixture (mean over members and their fixed draws of the softmaxes), export and
-report; the refusals.
+densities (scipy), the KL term's gradient against its derivative by hand, the annealing by
+hand, the factorised forward ((h o s) W) o r + b (the model's own apply on layers.Factored
+kernels: MLP, CNN, LeNet, ResNets) against its apply on the formed kernels W o (s r^T),
+one draw for the batch and (ResNets) one per example, and a member's training outputs
+(each example its own draws) and evaluation (the mean over its fixed draws) against a
+numpy forward. Then a 2-member run: one shared W per kernel, factors and biases per
+member, exact resume, Ensemble.load predicts the numpy mixture (mean over members and
+their fixed draws of the softmaxes), export and report; a 2-member rank-1 ResNet-8 that
+loads as its members' formed networks (resume and report in the slow tier); the refusals.
 """
 
 import math
@@ -126,7 +128,7 @@ def test_a_member_predicts_the_factorised_forward_under_its_draws_each_example_i
   model = mlp.make_mlp(spec, 4)
   combine = lambda outputs, mask: jax.nn.logsumexp(jax.nn.log_softmax(outputs), 0) - math.log(
       outputs.shape[0])
-  wrapped = rank1.wrap(model, OPTIONS, combine, rank1.factorised('mlp', spec))
+  wrapped = rank1.wrap(model, OPTIONS, combine)
   x = np.random.default_rng(1).normal(size=(5, 7)).astype(np.float32)
   # Jitted (init and the draws below): eagerly, each op compiles a program of its own.
   params, state = jax.tree.map(np.asarray, jax.jit(wrapped.init)(jax.random.key(3), x))
@@ -159,37 +161,72 @@ def test_a_member_predicts_the_factorised_forward_under_its_draws_each_example_i
 
 def _spec(**fields):
   base = dict(name='mlp', factory='', kwargs={}, widths=(8, 6), channels=(5, 4),
-              kernel_sizes=(3, 3), strides=(2, 2), conv_impl='auto', dropout=0.0)
+              kernel_sizes=(3, 3), strides=(2, 2), conv_impl='auto', dropout=0.0, depth=8,
+              widen_factor=1)
   return ModelSpec(**{**base, **fields})
+
+
+def _kernel_values(base, rng, rows=None):
+  """Per kernel of `base` a draw {'s': [in], 'r': [out]} (rows: [rows, in], [rows, out])."""
+  lead = () if rows is None else (rows,)
+  return [{'s': rng.normal(1, 0.5, (*lead, k.shape[-2])).astype(np.float32),
+           'r': rng.normal(1, 0.5, (*lead, k.shape[-1])).astype(np.float32)}
+          for k in jax.tree.leaves(base) if k.ndim >= 2]
 
 
 @pytest.mark.parametrize('fields, input_shape', [
     ({'name': 'mlp', 'dropout': 0.3}, (7,)),
     ({'name': 'cnn', 'dropout': 0.2, 'conv_impl': 'patches'}, (12, 1)),
     ({'name': 'cnn', 'conv_impl': 'xla'}, (6, 6, 2)),
+    ({'name': 'lenet5'}, (12, 12, 1)),
+    ({'name': 'resnet', 'dropout': 0.2}, (8, 1)),
+    ({'name': 'resnet', 'conv_impl': 'xla'}, (6, 6, 3)),
+    ({'name': 'wide_resnet', 'depth': 10, 'dropout': 0.2}, (6, 6, 1)),
 ])
 def test_the_factorised_forward_is_the_models_own_on_the_formed_kernels(fields, input_shape):
-  """One draw for every example: ((h o s) W) o r layer by layer (dropout and strides as the
-  model's) equals the model's own apply with each kernel W o (s r^T)."""
+  """One draw for every example: the model's own apply on layers.Factored kernels, ((h o s)
+  W) o r layer by layer, equals it on the kernels W o (s r^T), in training (dropout, and
+  the ResNets' BatchNorm on the batch's statistics, which it returns)."""
   spec = _spec(**fields)
   model = models.get_model(spec, 4)
   x = np.random.default_rng(2).normal(size=(3, *input_shape)).astype(np.float32)
   base, state = jax.jit(model.init)(jax.random.key(0), x)  # jitted: one program, not one an op
-  rng = np.random.default_rng(5)
-  kernels = [leaf for leaf in jax.tree.leaves(base) if leaf.ndim >= 2]
-  values = [{'s': rng.normal(1, 0.5, k.shape[-2]).astype(np.float32),
-             'r': rng.normal(1, 0.5, k.shape[-1]).astype(np.float32)} for k in kernels]
+  values = _kernel_values(base, np.random.default_rng(5))
   key = jax.random.key(9)
+  apply = jax.jit(lambda p: model.apply(p, state, x, train=True, rng=key))
   formed = jax.jit(rank1.formed)(base, values)
-  explicit = jax.jit(lambda w: model.apply(w, state, x, train=True, rng=key)[0])(formed)
   rows = [{k: np.repeat(v[k][None], 3, 0) for k in v} for v in values]
-  got = jax.jit(lambda b, r: rank1.factorised(spec.name, spec)(b, r, x, True, key))(base, rows)
-  np.testing.assert_allclose(got, explicit, rtol=2e-5, atol=2e-5)
+  got, want = apply(rank1.factored(base, rows)), apply(formed)
+  np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=2e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got[1],
+               want[1])
   # By hand for the first kernel: W o (s r^T) is W with row i times s_i, column j times r_j.
-  w = np.asarray(kernels[0])
-  np.testing.assert_allclose(jax.tree.leaves(formed)[
-      [i for i, leaf in enumerate(jax.tree.leaves(base)) if leaf.ndim >= 2][0]],
-      w * values[0]['s'][:, None] * values[0]['r'][None, :], rtol=1e-6)
+  w = np.asarray(jax.tree.leaves(base)[
+      [i for i, leaf in enumerate(jax.tree.leaves(base)) if leaf.ndim >= 2][0]])
+  first = [leaf for leaf in jax.tree.leaves(formed) if leaf.ndim >= 2][0]
+  np.testing.assert_allclose(first, w * values[0]['s'][:, None] * values[0]['r'][None, :],
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize('name, input_shape', [('resnet', (8, 1)), ('wide_resnet', (6, 6, 2))])
+def test_each_example_reads_its_own_kernels_through_the_resnets_own_apply(name, input_shape):
+  """Different draws per example (BatchNorm on its running statistics, so examples do not
+  mix): row b of the apply on factored kernels is the apply on example b alone with its
+  own formed kernels W o (s_b r_b^T)."""
+  model = models.get_model(_spec(name=name, depth=8 if name == 'resnet' else 10), 3)
+  x = np.random.default_rng(3).normal(size=(4, *input_shape)).astype(np.float32)
+  base, state = jax.jit(model.init)(jax.random.key(1), x)
+  # Running statistics other than (0, 1), so that evaluation's BatchNorm is not the identity.
+  state = jax.tree.map(lambda a: a + np.float32(0.3), state)
+  rows = _kernel_values(base, np.random.default_rng(6), rows=4)
+  apply = jax.jit(lambda p, x: model.apply(p, state, x, train=False)[0])
+  got = np.asarray(apply(rank1.factored(base, rows), x))
+  for b in range(4):
+    formed = jax.jit(rank1.formed)(base, [{k: v[k][b] for k in v} for v in rows])
+    np.testing.assert_allclose(got[b], np.asarray(apply(formed, x[b:b + 1]))[0], rtol=2e-5,
+                               atol=2e-5)
+  assert not np.allclose(got[0], np.asarray(apply(jax.jit(rank1.formed)(
+      base, [{k: v[k][1] for k in v} for v in rows]), x[:1]))[0], atol=1e-3)
 
 
 STEPS = 8
@@ -295,6 +332,78 @@ def test_the_cnns_convolutions_and_head_carry_factors(tmp_path):
       (1, 6), (6, 6), (p.base['head']['w']['shared'].shape[0], 10)]
 
 
+RESNET = {'model.name': 'resnet', 'model.depth': 8, 'train.steps': 4, 'train.log_every': 2,
+          'checkpoint.every': 2}
+
+
+@pytest.fixture(scope='module')
+def resnet_run(tmp_path_factory):
+  """A 2-member rank-1 ResNet-8 on MNIST-1D, 4 steps: the fast tier's one ResNet run."""
+  root = tmp_path_factory.mktemp('rank1_resnet')
+  return root, _train(_config(**RESNET), root / 'a')
+
+
+def test_a_rank1_resnet_trains_and_loads_as_its_members_formed_networks(resnet_run):
+  """Shared conv and head kernels, BatchNorm per member (its scale, bias and running
+  statistics, which training moved), and Ensemble.load predicting the run's evaluation as
+  the mean over members and their fixed draws of the ResNet's own eval-mode apply on the
+  formed kernels W o (s r^T)."""
+  root, result = resnet_run
+  assert result['step'] == 4 and math.isfinite(result['ensemble']['nll'])
+  ens = Ensemble.load(root / 'a', devices=jax.devices()[:1])
+  p = _stored(ens)
+  assert set(p.base['stem']) == {'shared'} and p.base['stem']['shared'].shape == (3, 1, 16)
+  assert p.base['blocks'][1]['proj']['shared'].shape == (1, 16, 32)
+  assert p.base['stem_bn']['scale']['own'].shape == (2, 16)
+  assert p.base['head']['w']['shared'].shape == (64, 10)
+  assert len(p.factors) == 1 + 3 * 2 + 2 + 1  # stem, 3 blocks' 2 convs, 2 projections, head
+  states = [ens.member_state(m).base['stem_bn'] for m in range(2)]
+  assert not np.allclose(states[0]['mean'], 0) and not np.allclose(states[0]['mean'],
+                                                                    states[1]['mean'])
+  test = data.load_dataset('mnist1d').test
+  prediction = ens.predict(test.x, preprocessed=True)
+  model = models.get_model(_spec(name='resnet', depth=8), 10)
+  apply = jax.jit(lambda p, s: model.apply(p, s, test.x, train=False)[0])
+  probs = []
+  for m in range(2):
+    params, state = ens.member(m), ens.member_state(m)
+    for e in range(4):  # eval_samples' default
+      values = [_draw(f, {k: n[k][e] for k in n}) for f, n in zip(params.factors, state.noise)]
+      probs.append(jax.nn.softmax(apply(jax.jit(rank1.formed)(params.base, values), state.base)))
+  np.testing.assert_allclose(prediction.probs, np.mean(probs, 0), atol=2e-5)
+  accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
+  assert accuracy == pytest.approx(result['ensemble']['accuracy'], abs=2e-3)
+  nll = -float(np.mean(np.log(prediction.probs[np.arange(len(test.y)), test.y])))
+  assert nll == pytest.approx(result['ensemble']['nll'], rel=1e-3)
+  paths = ens.export(root / 'members')
+  jax.tree.map(np.testing.assert_array_equal,
+               dist_ens.load_member(paths[1].with_name('member_1_state.npz')),
+               ens.member_state(1)._asdict())
+
+
+# Resume with model state (BatchNorm's statistics) through rank-1's shared-W update; the
+# fast tier checks resume on the MLP (test_one_shared_w_per_kernel_...) and the ResNet's
+# run and load above.
+@pytest.mark.slow
+def test_a_rank1_resnet_resumes_exactly(resnet_run, tmp_path):
+  root, straight = resnet_run
+  stopped = _train(_config(**RESNET), tmp_path, actions=[support.PreemptAt(2)])
+  resumed = _train(_config(**RESNET), tmp_path)
+  assert stopped['preempted'] and stopped['step'] == 2
+  assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
+  support.assert_trees_equal(
+      _stored(Ensemble.load(root / 'a', devices=jax.devices()[:1])),
+      _stored(Ensemble.load(tmp_path, devices=jax.devices()[:1])))
+
+
+# The report of a rank-1 ResNet run: the drawing is every method's (see above); slow.
+@pytest.mark.slow
+def test_the_report_of_a_rank1_resnet_run_names_it(resnet_run):
+  root = resnet_run[0] / 'a'
+  assert report.make_report(root) == root / 'report'
+  assert '2 x resnet on mnist1d' in (root / 'report' / 'report.md').read_text()
+
+
 @pytest.mark.parametrize('fields, match', [
     ({'ensemble.rank1.prior': 'laplace'}, r"rank1.prior='laplace'; use one of \['gaussian'"),
     ({'ensemble.rank1.data_size': 0}, r"rank1.data_size=0 must be the training set's size"),
@@ -310,6 +419,7 @@ def test_bad_fields_are_refused_naming_the_field(fields, match):
 
 
 def test_other_models_are_refused_before_anything(tmp_path):
-  config = _config(**{'model.name': 'resnet', 'model.depth': 8})
+  config = _config(**{'model.name': 'vit', 'model.patch_size': 4})
   message = support.refused_before_anything(_train, config, tmp_path / 'r')
-  assert "config.model.name='mlp' or 'cnn', not 'resnet'" in message
+  assert "in config.model.name one of ['mlp', 'cnn', 'lenet5', 'resnet'" in message
+  assert "not 'vit'" in message

@@ -2,8 +2,11 @@
 shared weight per layer, and per member a distribution over rank-1 factors of it.
 
 Every kernel W [..., in, out] of the model (core.model.is_kernel: the MLP's dense layers,
-the CNN's convolutions and its head, the first and the output layer too, as the paper's
-rank-1 layers are every layer) is read by member k as
+the CNN's and LeNet's convolutions and dense layers, the ResNets' stem, block and
+projection convolutions and their head; the first and the output layer too, as the
+paper's rank-1 layers are every layer: uncertainty-baselines' rank-1 WRN-28-10 and
+ResNet-50 make every conv edward2's Conv2DRank1 and the head DenseRank1) is read by
+member k as
 
   W_k = W o (s r^T),    i.e. y = ((x o s) W) o r + b      (s over the input axis -2,
                                                              r over the output axis -1)
@@ -22,16 +25,24 @@ Training minimises, per member, the negative ELBO per example
     + kl_weight(step) * KL(q_k || p) / N                     (N = rank1.data_size)
 
 with every example drawing its own factors (train_samples draws each: edward2 samples
-per example), through the reparameterisation; kl_weight rises linearly from 0 to 1 over
-the first kl_annealing * train.steps steps (uncertainty-baselines anneals over 200 of 250
-epochs). The mean over members of this per-member bound is the mixture's ELBO bound (by
-the KL's convexity, KL(mixture || p) <= mean_k KL(q_k || p)); uncertainty-baselines adds
-the components' SUM of KLs to the mean NLL, M times this weight. Both KLs are closed
-forms: Gaussian log(p_s / q_s) + (q_s^2 + (q_m - p_m)^2) / (2 p_s^2) - 1/2, Cauchy
-log(((q_s + p_s)^2 + (q_m - p_m)^2) / (4 q_s p_s)). Draws are clipped to [-10, 10] as
-edward2's layers clip them. W's gradient is the mean of the members' and W takes one
-optimizer step with member 0's hyperparameters (batchensemble.members_update); the
-logged train loss is the ELBO's, KL term included.
+per example), through the reparameterisation. The model's OWN apply computes it: each
+kernel is handed to it as a models.layers.Factored(W, s [rows, in], r [rows, out]) value,
+which layers' conv and `x @ kernel` (layers.dense, and the MLP's and CNN's matmuls) apply
+as ((h o s) W) o r, so no example's W o (s r^T) is formed and no model's forward is
+copied here (one copy per model would drift from it; the MLP's and CNN's outputs and
+gradients are bit for bit those of the hand-written copies this replaced). A ResNet's
+BatchNorm runs as in any training step: on the batch's statistics over its B x
+train_samples rows, its new running statistics returned as the model state.
+
+kl_weight rises linearly from 0 to 1 over the first kl_annealing * train.steps steps
+(uncertainty-baselines anneals over 200 of 250 epochs). The mean over members of this
+per-member bound is the mixture's ELBO bound (by the KL's convexity, KL(mixture || p) <=
+mean_k KL(q_k || p)); uncertainty-baselines adds the components' SUM of KLs to the mean
+NLL, M times this weight. Both KLs are closed forms: Gaussian log(p_s / q_s) + (q_s^2 +
+(q_m - p_m)^2) / (2 p_s^2) - 1/2, Cauchy log(((q_s + p_s)^2 + (q_m - p_m)^2) / (4 q_s
+p_s)). Draws are clipped to [-10, 10] as edward2's layers clip them. W's gradient is the
+mean of the members' and W takes one optimizer step with member 0's hyperparameters
+(batchensemble.members_update); the logged train loss is the ELBO's, KL term included.
 
 Evaluation: member k predicts the mean of the softmaxes (Task.combine) of its network
 under eval_samples factor draws that are fixed at init (standard noise drawn from the
@@ -43,8 +54,19 @@ Init (uncertainty-baselines' rank-1 models): W and the biases as the model's own
 (W member 0's), factor locs +-1 at random ('random_sign') or N(1, 0.5^2) ('normal'),
 scales rho = softplus^-1(init_scale) + 0.1 N(0, 1) truncated at 2 standard deviations.
 
-For config.model.name='mlp' and 'cnn' (their model state is empty); others are refused.
-Weight decay (optim.decay_mask='kernels') decays W, not the factors (1-D leaves).
+BatchNorm is per member: its scale, bias and running statistics are component k's own
+(core.model.is_kernel leaves only are shared), edward2's EnsembleSyncBatchNorm, which the
+uncertainty-baselines rank-1 ResNet-50 uses with use_ensemble_bn=True. Their WRN-28-10
+(and the ResNet-50 by default) share one Keras BatchNorm across the components instead,
+its statistics over every component's examples; here each member's forward sees only
+its own rows (members are vmapped), so a shared BatchNorm would need a reduction over
+the member axis in every layer, and a member would no longer be a network of its own
+(Ensemble.member, export).
+
+For config.model.name in MODELS: the models whose every kernel passes through layers'
+conv or a matmul (mlp, cnn, lenet5, resnet, resnet18, wide_resnet); others (vit, the
+transformers, Hugging Face checkpoints, config.model.factory) are refused. Weight decay
+(optim.decay_mask='kernels') decays W, not the factors (1-D leaves).
 """
 
 import math
@@ -91,14 +113,16 @@ FIELDS = dict(
 
 PyTree = Any
 FIELD = 'config.ensemble.rank1'
-MODELS = ('mlp', 'cnn')  # config.model.name: the models whose kernels carry factors
+# config.model.name: the models whose every kernel is read by models/layers.py's conv or as
+# `x @ kernel` (dense), so that a layers.Factored kernel passes through their own apply
+MODELS = ('mlp', 'cnn', 'lenet5', 'resnet', 'resnet18', 'wide_resnet')
 FAMILIES = ('gaussian', 'cauchy')
 INITS = ('random_sign', 'normal')
 CLIP = 10.0  # draws are clipped to [-CLIP, CLIP] (edward2's min/max_perturbation_value)
 BASE = 'base'  # Rank1Params' field of the model's own params ('base/0/w')
 # Stream tags within a member's init key (epinet's are 11-23, prior's 7) and, for the
 # training draws, within a step's key.
-_FACTOR_STREAM, _EVAL_STREAM, _DRAW_STREAM, _DROPOUT_STREAM = 29, 31, 37, 41
+_FACTOR_STREAM, _EVAL_STREAM, _DRAW_STREAM = 29, 31, 37
 
 
 class Options(NamedTuple):
@@ -165,11 +189,6 @@ def draw(factor: dict[str, jax.Array], noise: dict[str, jax.Array]) -> dict[str,
   return {'s': value('s'), 'r': value('r')}
 
 
-def kernel_paths(base: PyTree) -> list[bool]:
-  """Per leaf of the model's params (flatten order): whether it is a kernel with factors."""
-  return [is_kernel(leaf) for leaf in jax.tree.leaves(base)]
-
-
 def formed(base: PyTree, values: list[dict[str, jax.Array]]) -> PyTree:
   """The model's params with each kernel W replaced by W o (s r^T) (values in kernel order)."""
   leaves, treedef = jax.tree.flatten(base)
@@ -182,6 +201,16 @@ def formed(base: PyTree, values: list[dict[str, jax.Array]]) -> PyTree:
     else:
       out.append(leaf)
   return treedef.unflatten(out)
+
+
+def factored(base: PyTree, values: list[dict[str, jax.Array]]) -> PyTree:
+  """The model's params with each kernel W replaced by layers.Factored(W, s, r) (values in
+  kernel order, s [N, in] and r [N, out]: row n example n's), which the model's own conv
+  and dense layers apply as ((h o s) W) o r, so that no example's W o (s r^T) is formed."""
+  leaves, treedef = jax.tree.flatten(base)
+  values = iter(values)
+  return treedef.unflatten([layers.Factored(leaf, **next(values)) if is_kernel(leaf) else leaf
+                            for leaf in leaves])
 
 
 def _init_factors(key: jax.Array, base: PyTree, options: Options) -> list[dict[str, jax.Array]]:
@@ -212,54 +241,12 @@ def _draws(key: jax.Array, factors: list, lead: tuple[int, ...], family: str) ->
   return out
 
 
-def _scaled(h: jax.Array, v: jax.Array) -> jax.Array:
-  """h [N, ..., C] times v [N, C] over its last axis, each example its own v."""
-  return h * v.reshape(v.shape[0], *(1,) * (h.ndim - 2), v.shape[-1]).astype(h.dtype)
-
-
-def factorised(model_name: str, model_spec: Any) -> Callable[..., jax.Array]:
-  """forward(base, values, x, train, rng) -> logits: config.model's MLP or CNN
-  (models/mlp.py, models/cnn.py, layer for layer: relu, dropout, strides, conv_impl) with
-  each kernel applied as ((h o s) W) o r, values[i] = {'s': [N, in], 'r': [N, out]} per
-  example, so that no example's W o (s r^T) is ever formed."""
-  rate = layers.dropout_rate_for(model_spec.dropout)
-
-  def dense(h, layer, v):
-    return _scaled(_scaled(h, v['s']) @ layer['w'], v['r']) + layer['b']
-
-  def mlp(base, values, x, train, rng):
-    keys = [None] * (len(base) - 1) if rng is None or not rate else jax.random.split(
-        rng, len(base) - 1)
-    h = x.reshape(x.shape[0], -1)
-    for layer, v, key in zip(base[:-1], values, keys):
-      h = layers.dropout(key, jax.nn.relu(dense(h, layer, v)), rate, train=train)
-    return dense(h, base[-1], values[-1])
-
-  conv, strides = layers.conv_for(model_spec.conv_impl), tuple(model_spec.strides)
-
-  def cnn(base, values, x, train, rng):
-    h = x
-    for layer, stride, v in zip(base['convs'], strides, values):
-      h = jax.nn.relu(_scaled(conv(_scaled(h, v['s']), layer['w'], stride), v['r'])
-                      + layer['b'])
-    h = layers.dropout(rng, h.reshape(h.shape[0], -1), rate, train=train)
-    return dense(h, base['head'], values[-1])
-
-  forward = mlp if model_name == 'mlp' else cnn
-
-  def checked(base, values, x, train, rng):
-    layers.check_dropout_rng(rate, train, rng)
-    return forward(base, values, x, train, rng)
-
-  return checked
-
-
-def wrap(model: Model, options: Options, combine: Callable[..., jax.Array],
-         forward: Callable[..., jax.Array]) -> Model:
+def wrap(model: Model, options: Options, combine: Callable[..., jax.Array]) -> Model:
   """`model` with a distribution over rank-1 factors of each of its kernels: training
-  outputs [B, train_samples, C] through `forward` (factorised: each example its own
-  draws), evaluation the combined outputs of the member's fixed eval_samples draws
-  through the model's own apply on the formed kernels W o (s r^T)."""
+  outputs [B, train_samples, C] through the model's own apply on factored kernels (each
+  example its own draws; its new state, BatchNorm's statistics of the B x train_samples
+  rows), evaluation the combined outputs of the member's fixed eval_samples draws through
+  the model's own apply on the formed kernels W o (s r^T)."""
   family, samples = options.prior, options.train_samples
 
   def init(rng, sample_x):
@@ -283,8 +270,9 @@ def wrap(model: Model, options: Options, combine: Callable[..., jax.Array],
     noise = _draws(jax.random.fold_in(rng, _DRAW_STREAM), params.factors,
                    (x.shape[0] * samples,), family)
     values = [draw(f, n) for f, n in zip(params.factors, noise)]
-    outputs = forward(params.base, values, jnp.repeat(x, samples, axis=0), True, rng)
-    return outputs.reshape(x.shape[0], samples, -1), state
+    outputs, base_state = model.apply(factored(params.base, values), state.base,
+                                      jnp.repeat(x, samples, axis=0), train=True, rng=rng)
+    return outputs.reshape(x.shape[0], samples, -1), state._replace(base=base_state)
 
   return Model(init, apply)
 
@@ -355,7 +343,7 @@ def options_from(fields: Any) -> Options:
 
 
 def make(spec: MethodSpec) -> Method:
-  """Rank-1 BNNs from config.ensemble.rank1: one shared W per kernel of the MLP or CNN,
+  """Rank-1 BNNs from config.ensemble.rank1: one shared W per kernel of a model in MODELS,
   each member a mixture component's posterior over rank-1 factors of it."""
   refuse_reproducible(spec, "the shared weights' gradient is a sum over devices, whose order "
                             'depends on the mesh')
@@ -363,9 +351,10 @@ def make(spec: MethodSpec) -> Method:
 
   def wrap_model(model: Model, task: Any) -> Model:
     if spec.model not in MODELS:
-      raise ConfigError(f"config.ensemble.method='rank1' puts rank-1 factors on the dense and "
-                        f"conv kernels of config.model.name='mlp' or 'cnn', not {spec.model!r} "
-                        f"(config.task={task.name!r}); use one of them, or method='batchensemble'.")
+      raise ConfigError(f"config.ensemble.method='rank1' puts rank-1 factors on the kernels "
+                        f"that models/layers.py's conv and dense read, in config.model.name one "
+                        f'of {list(MODELS)}, not {spec.model!r} (config.task={task.name!r}); use '
+                        "one of them, or method='batchensemble'.")
     if not task.any_members:
       raise ConfigError(f"config.ensemble.method='rank1' combines each member's outputs over its "
                         f'factor draws, and config.task={task.name!r} fits one constant per '
@@ -375,9 +364,7 @@ def make(spec: MethodSpec) -> Method:
       raise ConfigError(f"config.ensemble.method='rank1' combines [batch, units] outputs over "
                         f'its factor draws as the task combines members, which config.task='
                         f'{task.name!r} does not; use another method.')
-    if spec.model_spec is None:
-      raise ValueError('rank1 needs MethodSpec.model_spec (specs.method_spec gives it).')
-    return wrap(model, options, task.combine, factorised(spec.model, spec.model_spec))
+    return wrap(model, options, task.combine)
 
   def members_update(results, apply, optimizer, parallelism, batch_axis, map_batch_size=None):
     return batchensemble.members_update(with_kl(results, options, spec.total_steps), apply,

@@ -18,12 +18,17 @@ checkpoints are shared:
              dot (and, for the first layer's shared batch, one wide dot).
   'auto'     dist_ens's choice: 'patches' (faster on every backend measured, same
              section; 'xla' stays for layers too big for k^rank x activations).
+
+A kernel may also be a `Factored` value, W read by each example as W o (s r^T) without
+forming it (rank-1 BNNs, ensembles/rank1.py): conv() and `x @ kernel` (dense(), and the
+models that write their dense layers as a matmul) then compute ((x o s) W) o r. A plain
+array kernel takes the same code as without it.
 """
 
 import itertools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,14 +64,48 @@ def _conv_patches(x, w, stride, padding='SAME'):
   return jnp.concatenate(patches, axis=-1) @ w.reshape(-1, out_ch)
 
 
-_CONVS = {'xla': _conv_xla, 'patches': _conv_patches}
+def _per_example(x: jax.Array, v: jax.Array) -> jax.Array:
+  """x [N, ..., C] times v [N, C] over its last axis, each example its own row of v."""
+  return x * v.reshape(v.shape[0], *(1,) * (x.ndim - 2), v.shape[-1]).astype(x.dtype)
+
+
+class Factored(NamedTuple):
+  """A kernel W [..., in, out] that example n reads as W o (s[n] r[n]^T): a layer computes
+  ((x o s) W) o r, the same numbers without an [N, ..., in, out] kernel per example."""
+  w: jax.Array
+  s: jax.Array  # [N, in]
+  r: jax.Array  # [N, out]
+
+  # numpy's `x @ kernel` would read the tuple as an array; this leaves it to __rmatmul__.
+  __array_ufunc__ = None
+
+  def through(self, linear: Callable[[jax.Array, jax.Array], jax.Array],
+              x: jax.Array) -> jax.Array:
+    """linear(x o s, W) o r, for linear(x, w) a dense or conv layer's kernel product."""
+    return _per_example(linear(_per_example(x, self.s), self.w), self.r)
+
+  def __rmatmul__(self, x: jax.Array) -> jax.Array:  # x @ kernel, as dense layers write it
+    return self.through(jnp.matmul, x)
+
+
+def _reading_factored(impl: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """The conv `impl`, also taking a Factored kernel."""
+  def conv(x, w, stride, padding='SAME'):
+    if isinstance(w, Factored):
+      return w.through(lambda h, kernel: impl(h, kernel, stride, padding), x)
+    return impl(x, w, stride, padding)
+  return conv
+
+
+_CONVS = {name: _reading_factored(impl)
+          for name, impl in (('xla', _conv_xla), ('patches', _conv_patches))}
 
 
 def conv_for(conv_impl: str) -> Callable[..., jax.Array]:
   """conv(x, w, stride, padding='SAME'), as conv_impl (config.model.conv_impl) names
   (see above).
 
-  padding is 'SAME' or 'VALID'.
+  padding is 'SAME' or 'VALID'; w a kernel array or a Factored one.
   """
   if conv_impl not in CONV_IMPLS:
     raise ConfigError(f'config.model.conv_impl={conv_impl!r} is not known; use one of '
@@ -146,7 +185,7 @@ def he_normal_init(rng: jax.Array, tree: Any) -> Any:
 
 
 def dense(params: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-  """x [..., fan_in] @ w + b."""
+  """x [..., fan_in] @ w + b (w an array or a Factored kernel)."""
   return x @ params['w'] + params['b']
 
 
