@@ -280,8 +280,10 @@ def test_a_masked_channel_of_a_blocks_input_reaches_the_member_only_by_the_ident
     p = batchensemble.member_params(one(block, member))
     h, h_moved = (conv(v, p['conv1'], 1) for v in (x, moved))
     assert np.allclose(h, h_moved) is not reaches_conv
-    y, _ = resnet._basic_apply(conv, p, block_state, x, 1, False)  # pylint: disable=protected-access
-    y_moved, _ = resnet._basic_apply(conv, p, block_state, moved, 1, False)  # pylint: disable=protected-access
+    # The block's own forward (models/resnet.py), in evaluation mode.
+    block_apply = resnet._basic_apply  # pylint: disable=protected-access
+    y, _ = block_apply(conv, p, block_state, x, 1, False)
+    y_moved, _ = block_apply(conv, p, block_state, moved, 1, False)
     changed = np.flatnonzero(np.abs(np.asarray(y_moved - y)).max((0, 1)) > 1e-6)
     if reaches_conv:
       assert len(changed) > 1

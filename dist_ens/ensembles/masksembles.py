@@ -2,10 +2,11 @@
 
 Every hidden layer's outputs get M masks, one per member, drawn once at init and never
 trained; member m runs the shared network with mask m on each hidden layer (the dense
-units of the MLP, the channels of the CNN's convolutions and of the ResNets' blocks) and the members' predictive
-distributions are averaged, as for any ensemble. Masking a hidden layer's outputs is
-masking the input axis (-2) of the kernel that reads them, so the masks are applied to
-the parameters, in BatchEnsemble's entries (ensembles/batchensemble.py):
+units of the MLP, the channels of the CNN's convolutions and of the ResNets' blocks) and
+the members' predictive distributions are averaged, as for any ensemble. Masking a
+hidden layer's outputs is masking the input axis (-2) of the kernel that reads them, so
+the masks are applied to the parameters, in BatchEnsemble's entries
+(ensembles/batchensemble.py):
 
   kernel reading a hidden layer   {'shared': W, 'r': mask [M, in], 's': ones [M, out]}
   every other leaf                {'shared': p}
@@ -37,7 +38,12 @@ half), so a member normalises in training by its own batch's statistics under it
 masks and in evaluation by the running average of exactly those: evaluation matches
 training member by member. Pooled statistics would normalise each member by the mixture
 of all members' features, in training and in evaluation alike; both are consistent, and
-per member is the one the member axis gives without a reduction across members.
+per member is the one the member axis gives without a reduction across members. It
+matters: on the digits ResNet-20 (configs/digits_resnet20.py, 4 members, scale 2) the
+members' running variances differ by 24% of their mean (relative std across members,
+averaged over the BatchNorms), and evaluating the trained ensemble with the pooled
+statistics in place of its own drops test accuracy from 0.992 to 0.703 (NLL 0.058 ->
+1.05); a network trained with pooled statistics would have learned under them instead.
 
 The masks of a layer of width c (`generate`): each of the M masks has
 m = int(c / (s * (1 - (1 - 1/s)**M))) ones (s: ensemble.masksembles.scale), and the M
@@ -46,7 +52,8 @@ int(m * s) positions, keeps the positions some mask uses, and draws again (searc
 until exactly c are used; every tuple of masks that cover c positions is then equally
 likely, whatever the positions' number: `generate` draws them so (and keeps only
 distinct masks: identical ones would make identical members). Two masks share m/s
-ones on average: scale 1 is one network, a large scale nearly disjoint sub-networks. They are drawn with numpy from (config.seed, layer).
+ones on average: scale 1 is one network, a large scale nearly disjoint sub-networks.
+They are drawn with numpy from (config.seed, layer).
 """
 
 import functools
