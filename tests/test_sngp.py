@@ -5,9 +5,13 @@ numpy's SVD; the random features' inner products against the RBF kernel; the pre
 accumulated by training applies against the closed form (the Bayesian linear model's
 posterior, checked in weight space by numpy's inverse and in function space by the GP's
 kernel form); the mean-field adjustment against the probit integral it approximates; the
-ridge's gradient. Then a 2-member run: resume is exact, Ensemble.load predicts what a
-numpy forward of the stored params and state gives (the adjustment included), export and
-report; a CNN member and one member (the paper's single model); the refusals.
+ridge's gradient. A ResNet member against the plain ResNet's own forward on kernels
+normalised in numpy: every convolution normalised, within its bound once the power
+iteration has converged, BatchNorm's statistics updated as the plain ResNet's in training
+and read at evaluation, the GP on the pooled features' unit vector. Then a 2-member MLP
+run and a 2-member ResNet-8 run: resume is exact, Ensemble.load predicts what an
+independent forward of the stored params and state gives (the adjustment included),
+export and report; a CNN member and one member (the paper's single model); the refusals.
 """
 
 import dataclasses
@@ -24,6 +28,7 @@ import support
 import dist_ens
 from dist_ens import Ensemble, data
 from dist_ens.config import specs
+from dist_ens import models
 from dist_ens.ensembles import methods, sngp
 from dist_ens.errors import ConfigError
 from dist_ens.models.mlp import make_mlp
@@ -36,7 +41,7 @@ _SPEC = ModelSpec('mlp', '', {}, (6, 5), (4, 3), (3, 3), (2, 2), 'xla', 0.0)
 def _options(**fields):
   return sngp.Options(**{'features': 16, 'norm_bound': 0.95, 'ridge': 1.0,
                          'mean_field_factor': math.pi / 8, 'cov_steps': 3, 'data_size': 12,
-                         **fields})
+                         'length_scale': 1.0, 'unit_input': False, **fields})
 
 
 def _numpy_power(matrix, u):
@@ -48,7 +53,8 @@ def _numpy_power(matrix, u):
   return float(v @ matrix @ u), u
 
 
-@pytest.mark.parametrize('shape', [(20, 30), (30, 7), (3, 4, 6)])  # dense, dense, conv
+# Dense, dense, 1-D conv, 2-D conv (a ResNet's 3x3; read as [9 * 4, 6]).
+@pytest.mark.parametrize('shape', [(20, 30), (30, 7), (3, 4, 6), (3, 3, 4, 6)])
 def test_power_iteration_reaches_numpys_largest_singular_value_and_vector(shape):
   rng = np.random.default_rng(0)
   kernel = rng.normal(size=shape).astype(np.float32)
@@ -122,10 +128,18 @@ def _numpy_features(params, state, x, bound):
   return h, vectors
 
 
-def _numpy_phi(state, h):
+def _numpy_phi(state, h, options=None):
+  """phi of the features h [B, F]: the paper's sqrt(2/D) cos(h W_r + b_r) (options None or
+  not unit_input), or a ResNet's cos(u W_r / l + b_r), u h's centred unit vector."""
   d = state.phase.shape[0]
-  return math.sqrt(2 / d) * np.cos(h @ np.asarray(state.projection, np.float64)
-                                   + np.asarray(state.phase, np.float64))
+  h = np.asarray(h, np.float64)
+  scale = math.sqrt(2 / d)
+  if options is not None and options.unit_input:
+    centred = h - h.mean(-1, keepdims=True)
+    h = centred / np.linalg.norm(centred, axis=-1, keepdims=True) / options.length_scale
+    scale = 1.0
+  return scale * np.cos(h @ np.asarray(state.projection, np.float64)
+                        + np.asarray(state.phase, np.float64))
 
 
 def test_the_precision_is_the_bayesian_linear_models_closed_form():
@@ -232,6 +246,90 @@ def test_the_ridge_adds_ridge_over_n_times_beta_to_betas_gradient():
   np.testing.assert_allclose(np.asarray(g3 - g_big), 3 * np.asarray(beta) / 10, atol=1e-6)
 
 
+def _resnet(name, classes=3):
+  depth = 8 if name == 'resnet' else 10
+  return models.get_model(ModelSpec(name, '', {}, (), (), (), (), 'xla', 0.0, depth=depth,
+                                    widen_factor=1), classes)
+
+
+def _conv_paths(body):
+  """Every convolution of a ResNet's params: the stem, each block's two, its projection."""
+  return [('stem',)] + [('blocks', i, name) for i, block in enumerate(body['blocks'])
+                        for name in ('conv1', 'conv2', 'proj') if name in block]
+
+
+def _numpy_normalised(body, vectors, bound):
+  """(body with each conv kernel W / max(1, sigma / bound), the vectors after one numpy
+  power step from `vectors`): the kernels a member's forward uses."""
+  body = jax.tree.map(np.asarray, body)
+  out = []
+  for path, u in zip(_conv_paths(body), vectors):
+    node = body
+    for key in path[:-1]:
+      node = node[key]
+    kernel = np.asarray(node[path[-1]], np.float64)
+    sigma, u = _numpy_power(kernel.reshape(-1, kernel.shape[-1]), np.asarray(u, np.float64))
+    node[path[-1]] = (kernel / max(1.0, sigma / bound)).astype(np.float32)
+    out.append(u)
+  return body, out
+
+
+def _plain_features(plain, body, base, x, train):
+  """The plain ResNet's own (pooled features, BatchNorm state) on `body`'s kernels."""
+  width = body['blocks'][-1]['conv2'].shape[-1]
+  full = {**body, 'head': {'w': jnp.zeros((width, 1)), 'b': jnp.zeros((1,))}}
+  _, h, state = jax.jit(lambda p, s: plain.features(p, s, x, train=train))(full, base)
+  return np.asarray(h, np.float64), state
+
+
+# The pre-activation WRN (its BatchNorms before the convolutions, no stem BatchNorm) in the
+# slow tier; the fast tier's [resnet] case checks the same wrap of models/resnet.py.
+@pytest.mark.parametrize('name', ['resnet', pytest.param('wide_resnet', marks=pytest.mark.slow)])
+def test_a_resnet_member_is_the_plain_resnet_on_normalised_convs_under_a_gp(name):
+  # c = 0.5 acts on every He-normal kernel; no adjustment (checked on the MLP above), so
+  # the logits are phi beta.
+  options = _options(norm_bound=0.5, length_scale=0.5, unit_input=True, mean_field_factor=0.0)
+  plain = _resnet(name)
+  model = sngp.wrap(plain, name, options, 40)
+  x = jnp.asarray(np.random.default_rng(9).normal(size=(6, 8, 8, 2)), jnp.float32)
+  params, state = jax.jit(model.init)(jax.random.key(0), x)
+  # The stem, 3 blocks' 2 convs each, the projections of the 2 blocks that change width.
+  assert len(state.vectors) == 9 and 'head' not in params.body
+  train = jax.jit(lambda p, s: model.apply(p, s, x, train=True))
+  logits, after = train(params, state)
+  body, vectors = _numpy_normalised(params.body, state.vectors, 0.5)
+  for got, want in zip(after.vectors, vectors):
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+  h, base = _plain_features(plain, body, state.base, x, train=True)
+  # Training updates BatchNorm's running statistics as the plain ResNet does.
+  support.assert_trees_close(after.base, base, reduction_size=64)
+  first_bn = after.base['stem_bn'] if name == 'resnet' else after.base['blocks'][0]['bn1']
+  assert not np.allclose(np.asarray(first_bn['mean']), 0)
+  want = _numpy_phi(state, h, options) @ np.asarray(params.output, np.float64)
+  np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-4)
+  # Evaluation reads the running statistics (the plain ResNet's eval on them), which
+  # differ from the initial ones in what they give.
+  evaluate = jax.jit(lambda p, s: model.apply(p, s, x, train=False)[0])
+  body, _ = _numpy_normalised(params.body, after.vectors, 0.5)
+  h_eval, _ = _plain_features(plain, body, after.base, x, train=False)
+  want = _numpy_phi(state, h_eval, options) @ np.asarray(params.output, np.float64)
+  np.testing.assert_allclose(np.asarray(evaluate(params, after)), want, rtol=2e-3, atol=2e-3)
+  assert not np.allclose(np.asarray(evaluate(params, after)),
+                         np.asarray(evaluate(params, after._replace(base=state.base))),
+                         atol=1e-3)
+  # Once the power iteration has converged, every kernel's spectral norm is within c.
+  for _ in range(200):
+    _, after = train(params, after)
+  body, _ = _numpy_normalised(params.body, after.vectors, 0.5)
+  for path in _conv_paths(body):
+    kernel = body
+    for key in path:
+      kernel = kernel[key]
+    norm = np.linalg.svd(np.asarray(kernel, np.float64).reshape(-1, kernel.shape[-1]),
+                         compute_uv=False)[0]
+    assert norm == pytest.approx(0.5, rel=2e-3), path
+
+
 STEPS = 8
 
 
@@ -253,13 +351,21 @@ def _named(tree):
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def _member(ens, m):
+  return jax.tree.map(lambda a: np.asarray(a[m]), (ens.params, ens.model_state))
+
+
 def _numpy_probs(ens, m, x, options):
   """Member m's predictive in numpy from its stored params and model state."""
-  member = jax.tree.map(lambda a: np.asarray(a[m]), (ens.params, ens.model_state))
-  params, state = member
+  params, state = _member(ens, m)
   h, _ = _numpy_features(params, state, x, options.norm_bound)
-  phi = _numpy_phi(state, h)
-  counted = min(max(int(state.steps) - (STEPS - options.cov_steps), 0), options.cov_steps)
+  return _numpy_gp_probs(params, state, _numpy_phi(state, h), options, STEPS)
+
+
+def _numpy_gp_probs(params, state, phi, options, steps):
+  """The softmax of the adjusted logits phi beta / sqrt(1 + lambda phi' P^-1 phi), P from
+  the stored window's sum (numpy's inverse) after `steps` training steps."""
+  counted = min(max(int(state.steps) - (steps - options.cov_steps), 0), options.cov_steps)
   p = options.ridge * np.eye(len(phi[0])) + options.data_size * np.asarray(
       state.moment, np.float64) / max(counted, 1)
   var = np.einsum('bd,de,be->b', phi, np.linalg.inv(p), phi)
@@ -305,7 +411,7 @@ def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path, st
   prediction = ens.predict(test.x, preprocessed=True)
   accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
   assert accuracy == pytest.approx(straight['ensemble']['accuracy'], abs=2e-3)
-  options = sngp.options_from(dict(config().ensemble.sngp), STEPS)
+  options = sngp.options_from(dict(config().ensemble.sngp), STEPS, 'mlp')
   want = np.mean([_numpy_probs(ens, m, test.x, options) for m in range(2)], 0)
   np.testing.assert_allclose(prediction.probs, want, atol=1e-5)
   paths = ens.export(tmp_path / 'members')
@@ -330,6 +436,49 @@ def test_the_report_of_an_sngp_run_names_it(straight_run):
   assert '2 x mlp on mnist1d' in (workdir / 'report' / 'report.md').read_text()
 
 
+RESNET = {'model.name': 'resnet', 'model.depth': 8, 'train.steps': 4, 'train.log_every': 2,
+          'checkpoint.every': 2, 'ensemble.sngp.cov_steps': 2}
+
+
+def test_a_resnet_run_resumes_exactly_and_loads_as_its_plain_resnets_under_gps(tmp_path):
+  """The fast tier's one SNGP ResNet run (2 ResNet-8 members on MNIST-1D, 4 steps):
+  stopped at step 2 (inside the precision's window, steps 2-3) and resumed, it ends as
+  the straight run; Ensemble.load predicts as the plain ResNet's eval forward on the
+  kernels normalised in numpy from the stored vectors and BatchNorm statistics, under the
+  numpy GP with its adjustment."""
+  straight = _train(_config(**RESNET), tmp_path / 'a')
+  stopped = _train(_config(**RESNET), tmp_path / 'b', actions=[support.PreemptAt(2)])
+  resumed = _train(_config(**RESNET), tmp_path / 'b')
+  assert stopped['preempted'] and stopped['step'] == 2
+  assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
+  ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
+  resumed_ens = Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])
+  support.assert_trees_equal((ens.params, ens.model_state),
+                             (resumed_ens.params, resumed_ens.model_state))
+  test = data.load_dataset('mnist1d').test
+  prediction = ens.predict(test.x, preprocessed=True)
+  accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
+  assert accuracy == pytest.approx(straight['ensemble']['accuracy'], abs=2e-3)
+  options = sngp.options_from(dict(_config(**RESNET).ensemble.sngp), 4, 'resnet')
+  assert (options.norm_bound, options.length_scale, options.unit_input) == (6.0, 1.0, True)
+  plain = models.get_model(ModelSpec('resnet', '', {}, (), (), (), (), 'auto', 0.0, depth=8),
+                           10)
+  probs = []
+  for m in range(2):
+    params, state = _member(ens, m)
+    assert not np.allclose(state.base['stem_bn']['var'], 1)  # Training moved them.
+    body, _ = _numpy_normalised(params.body, state.vectors, options.norm_bound)
+    h, _ = _plain_features(plain, body, state.base, test.x, train=False)
+    probs.append(_numpy_gp_probs(params, state, _numpy_phi(state, h, options), options, 4))
+  np.testing.assert_allclose(prediction.probs, np.mean(probs, 0), atol=1e-5)
+  paths = ens.export(tmp_path / 'members')
+  got = _named(dist_ens.load_member(paths[1].with_name('member_1_state.npz')))
+  want = _named(ens.member_state(1))
+  assert sorted(got) == sorted(want) and 'base/stem_bn/mean' in want
+  for name, leaf in want.items():
+    np.testing.assert_array_equal(got[name], leaf)
+
+
 def test_a_cnn_member_normalises_its_convolutions_and_one_member_is_the_papers_model(tmp_path):
   config = _config(**{'model.name': 'cnn', 'model.channels': (6, 4), 'model.kernel_sizes': (3, 3),
                       'model.strides': (2, 2), 'num_members': 1, 'mesh.member': 1,
@@ -349,6 +498,9 @@ def test_a_cnn_member_normalises_its_convolutions_and_one_member_is_the_papers_m
     ({'ensemble.sngp.features': 0}, r'sngp.features=0 must be an int >= 1'),
     ({'ensemble.sngp.norm_bound': 0.0}, r'sngp.norm_bound=0.0 must be a finite number > 0'),
     ({'ensemble.sngp.ridge': -1.0}, r'sngp.ridge=-1.0 must be a finite number > 0'),
+    ({'ensemble.sngp.length_scale': 0.0}, r'sngp.length_scale=0.0 must be a finite number > 0'),
+    ({'ensemble.sngp.norm_bound': 'six'}, r"sngp.norm_bound='six' must be a finite number > 0, "
+                                          r'e.g. 0.95 or None'),
     ({'ensemble.sngp.mean_field_factor': -0.1}, r'mean_field_factor=-0.1 must be a finite '
                                                 r'number >= 0'),
     ({'ensemble.sngp.cov_steps': 9}, r'sngp.cov_steps=9 exceeds train.steps=8'),
@@ -360,9 +512,10 @@ def test_bad_fields_are_refused_naming_the_field(fields, match):
 
 
 def test_other_models_tasks_and_shared_leaves_are_refused_before_anything(tmp_path):
-  config = _config(**{'model.name': 'resnet', 'model.depth': 8})
+  config = _config(**{'model.name': 'vit'})
   message = support.refused_before_anything(_train, config, tmp_path / 'r')
-  assert "config.model.name='mlp' or 'cnn', not 'resnet'" in message
+  assert "config.model.name in ['mlp', 'cnn', 'resnet', 'resnet18', 'wide_resnet'], not 'vit'" \
+      in message, message
   config = _config(**{'task': 'regression'})
   message = support.refused_before_anything(_train, config, tmp_path / 'g')
   assert "not config.task='regression'" in message, message

@@ -2,20 +2,34 @@
 deep learning via distance awareness"; config.ensemble.method='sngp'): each member is its
 own SNGP, so M=1 is the paper's single model and M>1 an ensemble of SNGPs.
 
-A member is the run's MLP or CNN with
+A member is the run's MLP, CNN or ResNet (config.model.name 'resnet', 'resnet18',
+'wide_resnet') with
   - every hidden layer spectral-normalised (the MLP's dense layers before the output, the
-    CNN's convolutions): its kernel W, read as the matrix [window * in, out] (Miyato et
-    al.'s reshape for a convolution), is used as W / max(1, sigma / c), sigma estimated by
-    one power-iteration step per training step from a vector u kept in the model state
-    (v = Wu / |Wu|, u <- W'v / |W'v|, sigma = v'Wu with u, v constants for the gradient);
-    c = ensemble.sngp.norm_bound;
-  - its output layer replaced by a random-feature GP: phi(h) = sqrt(2/D) cos(h W_r + b_r)
-    of the last hidden features h, W_r ~ N(0, 1) [F, D] and b_r ~ U(0, 2 pi) drawn at init
-    and fixed (model state; D = ensemble.sngp.features), so phi(h).phi(h') approximates the
-    RBF kernel exp(-|h - h'|^2 / 2); logits = phi(h) beta, beta [D, C] the only output
-    weights, trained with the ridge penalty ridge / (2N) |beta|^2 on the mean loss (the
-    gradient ridge / N * beta added to beta's: the MAP of beta ~ N(0, I / ridge) and N
-    examples; optim.weight_decay acts on beta too, as on every kernel);
+    CNN's convolutions, every convolution of a ResNet: its stem, both of each block's and
+    each shortcut's 1x1 projection, as uncertainty-baselines' wide_resnet_sngp.py): its
+    kernel W, read as the matrix [window * in, out] (Miyato et al.'s reshape for a
+    convolution), is used as W / max(1, sigma / c), sigma estimated by one power-iteration
+    step per training step from a vector u [out] kept in the model state (v = Wu / |Wu|,
+    u <- W'v / |W'v|, sigma = v'Wu with u, v constants for the gradient); c =
+    ensemble.sngp.norm_bound. (edward2's SpectralNormalizationConv2D bounds the
+    convolution operator's norm instead, from vectors of the layer's input shape; the
+    reshaped matrix's norm bounds it up to the factor sqrt(window), Tsuzuku et al. 2018.)
+    A ResNet's BatchNorms stay as they are, their running statistics the model state's
+    `base` (updated in training, used at evaluation, as the plain ResNet's);
+  - its output layer replaced by a random-feature GP on the last hidden features h (a
+    ResNet's pooled features): phi(h) = a cos(g(h) W_r + b_r), W_r ~ N(0, 1) [F, D] and
+    b_r ~ U(0, 2 pi) drawn at init and fixed (model state; D = ensemble.sngp.features), so
+    phi(h).phi(h') approximates (a^2 D / 2) exp(-|g(h) - g(h')|^2 / 2), the RBF kernel of
+    length scale l = ensemble.sngp.length_scale; logits = phi(h) beta, beta [D, C] the only
+    output weights, trained with the ridge penalty ridge / (2N) |beta|^2 on the mean loss
+    (the gradient ridge / N * beta added to beta's: the MAP of beta ~ N(0, I / ridge) and N
+    examples; optim.weight_decay acts on beta too, as on every kernel). For the MLP and
+    CNN, the paper's form: g(h) = h / l and a = sqrt(2/D). For a ResNet, the reference
+    code's (wide_resnet_sngp.py's gp_input_normalization and scale_random_features=False):
+    g(h) = LayerNorm(h) / (sqrt(F) l), a unit vector over l (the layer norm without its
+    affine parameters), so the kernel reads the features' directions whatever BatchNorm
+    made of their scale, and a = 1, which keeps beta's gradient from shrinking by
+    sqrt(2/D) under SGD (with a = sqrt(2/D) the digits ResNet-20 hardly trains);
   - the Laplace covariance of beta: precision P = ridge I + N E[phi phi'] with E the mean
     over the examples of the last ensemble.sngp.cov_steps training steps (the paper's
     exact, reset-each-epoch form, cov_steps = one epoch: N / batch size; with the
@@ -34,10 +48,16 @@ batches average to the batch's, so train.micro_batches does not change it) and t
 of training steps seen, so resume is exact and P is a function of them.
 
 Defaults: D = 1024 and ridge = 1 (the paper's and uncertainty-baselines'), lambda = pi/8
-(the paper's derivation; uncertainty-baselines' scripts tune it, to 20 in some), c = 0.95 (below 1, the paper's
-condition; its 6 is for WRNs whose BatchNorm rescales each convolution: dist_ens's MLP and
-CNN have no normalisation, and their He-normal kernels start with sigma 2.8 (the default
-MLP's 256 x 256) to 4.9 (its 40 x 256), so a bound of 6 would hardly act).
+(the paper's derivation; uncertainty-baselines' scripts tune it, to 20 in some), l = 1
+(on a ResNet's unit vectors: 0.5 and 1 measured on the digits ResNet-20, 1 better, in
+docs/ensemble_methods.md). c left None is the network's (DEFAULTS): 0.95 for the MLP and
+CNN (below 1, the paper's condition: they have no normalisation, and their He-normal
+kernels start with sigma 2.8 (the default MLP's 256 x 256) to 4.9 (its 40 x 256), so a
+bound of 6 would hardly act) and 6 for the ResNets (the paper's and uncertainty-
+baselines' WRN value, where BatchNorm rescales each convolution; in the post-activation
+'resnet' and 'resnet18' every convolution feeds a BatchNorm, which undoes any bound on
+the forward pass: there the normalisation acts on training only through BatchNorm's eps
+and the weight decay's pull).
 """
 
 import functools
@@ -57,8 +77,12 @@ from dist_ens.errors import ConfigError
 FIELDS = dict(
     # D, the random features' count of the GP output layer
     features=1024,  # [int >= 1]
-    # c, the bound on each hidden layer's spectral norm
-    norm_bound=0.95,  # [number > 0]
+    # c, the bound on each hidden layer's spectral norm (a number > 0; None: the
+    # network's, 0.95 for the MLP and CNN, 6 for the ResNets)
+    norm_bound=None,
+    # l, the GP's RBF length scale on its input (an MLP's or CNN's features, a ResNet's
+    # layer-normalised unit vector)
+    length_scale=1.0,  # [number > 0]
     # s, the output weights' prior precision: the precision's s I and the training
     # penalty s / (2N) times beta's squared norm
     ridge=1.0,  # [number > 0]
@@ -71,7 +95,21 @@ FIELDS = dict(
 )
 
 FIELD = 'config.ensemble.sngp'
-MODELS = ('mlp', 'cnn')  # config.model.name: the models whose hidden layers it normalises
+
+
+class Network(NamedTuple):
+  """What a network's SNGP takes (the module doc): c where norm_bound is None, and
+  whether the GP reads the layer-normalised unit vector (else h) with a = 1 (else
+  sqrt(2/D))."""
+  norm_bound: float
+  unit_input: bool
+
+
+_PAPERS = Network(norm_bound=0.95, unit_input=False)
+_WRNS = Network(norm_bound=6.0, unit_input=True)
+RESNETS = ('resnet', 'resnet18', 'wide_resnet')  # models/resnet.py's: BatchNorm, 'blocks'
+MODELS = ('mlp', 'cnn', *RESNETS)  # config.model.name: the models whose layers it normalises
+DEFAULTS = {'mlp': _PAPERS, 'cnn': _PAPERS, **{name: _WRNS for name in RESNETS}}
 # Stream tags within a member's init key (rng.py's 1, 2, 3, 5; prior 7; epinet 11-23).
 _FEATURES_STREAM, _VECTORS_STREAM = 29, 31
 
@@ -102,6 +140,8 @@ class Options(NamedTuple):
   mean_field_factor: float
   cov_steps: int
   data_size: int
+  length_scale: float
+  unit_input: bool  # the GP reads LayerNorm(h) / sqrt(F), its features unscaled (a = 1)
 
 
 def _normalise(a: jax.Array) -> jax.Array:
@@ -123,10 +163,20 @@ def normalised(kernel: jax.Array, u: jax.Array, bound: float) -> tuple[jax.Array
   return kernel / jnp.maximum(1.0, sigma / bound).astype(kernel.dtype), u
 
 
-def random_features(h: jax.Array, projection: jax.Array, phase: jax.Array) -> jax.Array:
-  """phi(h) = sqrt(2/D) cos(h W_r + b_r) [B, D], in float32."""
+def gp_input(h: jax.Array, options: Options) -> jax.Array:
+  """g(h) [B, F] in float32: h / l, or (unit_input) LayerNorm(h) / (sqrt(F) l)."""
   h = h.reshape(h.shape[0], -1).astype(jnp.float32)
-  return math.sqrt(2.0 / phase.shape[-1]) * jnp.cos(h @ projection + phase)
+  if options.unit_input:
+    centred = h - jnp.mean(h, axis=-1, keepdims=True)
+    h = centred / jnp.sqrt(jnp.sum(centred * centred, axis=-1, keepdims=True) + 1e-6)
+  return h / options.length_scale
+
+
+def random_features(g: jax.Array, projection: jax.Array, phase: jax.Array,
+                    scaled: bool = True) -> jax.Array:
+  """phi = a cos(g W_r + b_r) [B, D], a = sqrt(2/D) if scaled else 1, in float32."""
+  phi = jnp.cos(g @ projection + phase)
+  return math.sqrt(2.0 / phase.shape[-1]) * phi if scaled else phi
 
 
 def precision(moment: jax.Array, steps: jax.Array, options: Options, total_steps: int
@@ -192,9 +242,13 @@ ridged.defvjp(_ridged_fwd, _ridged_bwd)
 
 
 def _kernels(model: str, body: Any) -> list[tuple]:
-  """Where the hidden kernels sit in the body: the MLP's layers, the CNN's convolutions."""
+  """Where the hidden kernels sit in the body: the MLP's layers, the CNN's convolutions, a
+  ResNet's every convolution (its stem, each block's two and its shortcut's projection)."""
   if model == 'mlp':
     return [(i, 'w') for i in range(len(body))]
+  if model in RESNETS:
+    return [('stem',)] + [('blocks', i, name) for i, block in enumerate(body['blocks'])
+                          for name in ('conv1', 'conv2', 'proj') if name in block]
   return [('convs', i, 'w') for i in range(len(body['convs']))]
 
 
@@ -231,7 +285,7 @@ def _set(tree, path, value):
 
 
 def wrap(model: Model, model_name: str, options: Options, total_steps: int) -> Model:
-  """`model` (the built-in MLP or CNN) as an SNGP member (the module doc)."""
+  """`model` (the built-in MLP, CNN or a ResNet) as an SNGP member (the module doc)."""
   if model.features is None:
     raise ValueError('sngp reads the last hidden features (Model.features).')
   start = total_steps - options.cov_steps
@@ -260,7 +314,8 @@ def wrap(model: Model, model_name: str, options: Options, total_steps: int) -> M
       body, vectors = _set(body, path, kernel), vectors + [u]
     full = _with_head(model_name, body, state.projection.shape[0])
     _, h, base = model.features(full, state.base, x, train=train, rng=rng)
-    phi = random_features(h, state.projection, state.phase)
+    phi = random_features(gp_input(h, options), state.projection, state.phase,
+                          not options.unit_input)
     if train:
       beta = ridged(params.output, options.ridge / options.data_size)
       logits = phi.astype(beta.dtype) @ beta
@@ -284,8 +339,9 @@ def _number(value: Any, field: str, low: float, strict: bool, example: str) -> f
   return float(value)
 
 
-def options_from(fields: Any, total_steps: int) -> Options:
-  """config.ensemble.sngp checked, each bad field refused in one line naming it."""
+def options_from(fields: Any, total_steps: int, model: str) -> Options:
+  """config.ensemble.sngp checked, each bad field refused in one line naming it; None
+  norm_bound from DEFAULTS[model] (config.model.name; the MLP's for a model SNGP refuses)."""
   data_size = fields['data_size']
   if isinstance(data_size, bool) or not isinstance(data_size, int) or data_size < 1:
     raise ConfigError(f"{FIELD}.data_size={data_size!r} must be the training set's size N (an "
@@ -296,8 +352,13 @@ def options_from(fields: Any, total_steps: int) -> Options:
     raise ConfigError(f'{FIELD}.cov_steps={cov_steps} exceeds train.steps={total_steps}: the '
                       'precision is summed over the last cov_steps steps; lower it (the paper: '
                       'one epoch, N / batch size).')
+  network = DEFAULTS.get(model, _PAPERS)
+  bound = fields['norm_bound']
   return Options(features=int_field(fields['features'], 'sngp.features', 1),
-                 norm_bound=_number(fields['norm_bound'], 'norm_bound', 0, True, '0.95'),
+                 norm_bound=network.norm_bound if bound is None else _number(
+                     bound, 'norm_bound', 0, True, f'{network.norm_bound:g} or None'),
+                 length_scale=_number(fields['length_scale'], 'length_scale', 0, True, '1.0'),
+                 unit_input=network.unit_input,
                  ridge=_number(fields['ridge'], 'ridge', 0, True, '1.0'),
                  mean_field_factor=_number(fields['mean_field_factor'], 'mean_field_factor',
                                            0, False, 'pi / 8 = 0.3927'),
@@ -306,7 +367,7 @@ def options_from(fields: Any, total_steps: int) -> Options:
 
 def make(spec: MethodSpec) -> Method:
   """SNGP members from config.ensemble.sngp (the module doc)."""
-  options = options_from(spec.options, spec.total_steps)
+  options = options_from(spec.options, spec.total_steps, spec.model)
 
   def wrap_model(model: Model, task: Any) -> Model:
     if task.name != 'classification':
@@ -315,8 +376,8 @@ def make(spec: MethodSpec) -> Method:
                         f"{task.name!r}'s; use method='deep'.")
     if spec.model not in MODELS:
       raise ConfigError(f"config.ensemble.method='sngp' spectral-normalises the hidden layers "
-                        f"of config.model.name='mlp' or 'cnn', not {spec.model!r}; use one "
-                        "of them.")
+                        f"of config.model.name in {list(MODELS)}, not {spec.model!r}; use "
+                        "one of them.")
     return wrap(model, spec.model, options, spec.total_steps)
 
   # The window is the last cov_steps of train.steps: a resumed run keeps train.steps.
