@@ -440,18 +440,26 @@ RESNET = {'model.name': 'resnet', 'model.depth': 8, 'train.steps': 4, 'train.log
           'checkpoint.every': 2, 'ensemble.sngp.cov_steps': 2}
 
 
-def test_a_resnet_run_resumes_exactly_and_loads_as_its_plain_resnets_under_gps(tmp_path):
-  """The fast tier's one SNGP ResNet run (2 ResNet-8 members on MNIST-1D, 4 steps):
-  stopped at step 2 (inside the precision's window, steps 2-3) and resumed, it ends as
-  the straight run; Ensemble.load predicts as the plain ResNet's eval forward on the
-  kernels normalised in numpy from the stored vectors and BatchNorm statistics, under the
-  numpy GP with its adjustment."""
-  straight = _train(_config(**RESNET), tmp_path / 'a')
+@pytest.fixture(scope='module')
+def resnet_run(tmp_path_factory):
+  """(workdir, final metrics) of the fast tier's one SNGP ResNet run: 2 ResNet-8 members
+  on MNIST-1D, 4 steps."""
+  workdir = tmp_path_factory.mktemp('sngp_resnet') / 'a'
+  return workdir, _train(_config(**RESNET), workdir)
+
+
+def test_a_resnet_run_resumes_exactly_and_loads_as_its_plain_resnets_under_gps(tmp_path,
+                                                                                resnet_run):
+  """Stopped at step 2 (inside the precision's window, steps 2-3) and resumed, the run
+  ends as the straight one; Ensemble.load predicts as the plain ResNet's eval forward on
+  the kernels normalised in numpy from the stored vectors and BatchNorm statistics, under
+  the numpy GP with its adjustment."""
+  straight_dir, straight = resnet_run
   stopped = _train(_config(**RESNET), tmp_path / 'b', actions=[support.PreemptAt(2)])
   resumed = _train(_config(**RESNET), tmp_path / 'b')
   assert stopped['preempted'] and stopped['step'] == 2
   assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
-  ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
+  ens = Ensemble.load(straight_dir, devices=jax.devices()[:1])
   resumed_ens = Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])
   support.assert_trees_equal((ens.params, ens.model_state),
                              (resumed_ens.params, resumed_ens.model_state))
@@ -477,6 +485,14 @@ def test_a_resnet_run_resumes_exactly_and_loads_as_its_plain_resnets_under_gps(t
   assert sorted(got) == sorted(want) and 'base/stem_bn/mean' in want
   for name, leaf in want.items():
     np.testing.assert_array_equal(got[name], leaf)
+
+
+# The report of the ResNet run: the drawing is every method's (see the MLP run's above).
+@pytest.mark.slow
+def test_the_report_of_an_sngp_resnet_run_names_it(resnet_run):
+  workdir = resnet_run[0]
+  assert report.make_report(workdir) == workdir / 'report'
+  assert '2 x resnet on mnist1d' in (workdir / 'report' / 'report.md').read_text()
 
 
 def test_a_cnn_member_normalises_its_convolutions_and_one_member_is_the_papers_model(tmp_path):
