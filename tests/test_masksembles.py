@@ -337,3 +337,18 @@ def test_a_masked_resnet_resumes_exactly_and_predicts_its_masked_members(tmp_pat
   np.testing.assert_array_equal(exported['blocks'][1]['proj'],
                                 _stored(ens)['blocks'][1]['proj']['shared']
                                 * _stored(ens)['blocks'][1]['proj']['r'][1][:, None])
+
+
+# Fast cover: test_a_masked_resnet_resumes_exactly_and_predicts_its_masked_members.
+@pytest.mark.slow
+def test_a_masked_wide_resnet_trains_and_loads(tmp_path):
+  config = _resnet_config(**{'model.name': 'wide_resnet', 'model.depth': 10,
+                             'model.widen_factor': 1, 'train.steps': 2})
+  result = _train(config, tmp_path)
+  ens = Ensemble.load(tmp_path, devices=jax.devices()[:1])
+  block = _stored(ens)['blocks'][1]  # 16 -> 32: both convs and the projection masked.
+  assert {k: block[k]['r'].shape for k in ('conv1', 'conv2', 'proj')} == {
+      'conv1': (2, 16), 'conv2': (2, 32), 'proj': (2, 16)}
+  test = dist_ens.data.load_dataset('mnist1d').test
+  accuracy = np.mean(ens.predict(test.x, preprocessed=True).probs.argmax(-1) == test.y)
+  assert abs(accuracy - result['ensemble']['accuracy']) <= 2e-3

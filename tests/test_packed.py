@@ -361,3 +361,16 @@ def test_a_packed_resnet_resumes_exactly_and_loads_predicts_and_exports(tmp_path
   paths = ens.export(tmp_path / 'members')
   jax.tree.map(np.testing.assert_array_equal, dist_ens.load_member(paths[1]), ens.member(1))
   assert report.make_report(tmp_path / 'a') == tmp_path / 'a' / 'report'
+
+
+# Fast cover: test_a_packed_resnet_is_xlas_grouped_convolutions[wide_resnet].
+@pytest.mark.slow
+def test_a_packed_wide_resnet_trains_and_loads(tmp_path):
+  config = _resnet_run_config(**{'model.name': 'wide_resnet', 'model.depth': 10,
+                                 'model.widen_factor': 1, 'train.steps': 2})
+  result = _train(config, tmp_path)
+  ens = Ensemble.load(tmp_path, devices=jax.devices()[:1])
+  assert ens.member(0)['blocks'][1]['conv1'].shape == (2, 3, 8, 16)  # Grouped, gamma 2.
+  test = dist_ens.data.load_dataset('mnist1d').test
+  accuracy = np.mean(ens.predict(test.x, preprocessed=True).probs.argmax(-1) == test.y)
+  assert abs(accuracy - result['ensemble']['accuracy']) <= 2e-3
