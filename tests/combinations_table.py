@@ -69,7 +69,8 @@ AXES: dict[str, tuple[Option, ...]] = {
         Option('epinet', {'ensemble.method': 'epinet', 'ensemble.epinet.index_dim': 2,
                           'ensemble.epinet.widths': (4,), 'ensemble.epinet.samples': 2,
                           'ensemble.epinet.eval_samples': 3}, ('ensemble.method',)),
-        # Fixed masks per member on one shared MLP (tests/test_masksembles.py).
+        # Fixed masks per member on one shared MLP (tests/test_masksembles.py; the CNN and
+        # the ResNets there too).
         Option('masksembles', {'ensemble.method': 'masksembles'}, ('ensemble.method',)),
         # Members of width int(2 * 8) / 4 = 4, the hidden-to-hidden layer in 2 groups
         # (tests/test_packed.py).
@@ -234,10 +235,11 @@ REFUSED: dict[frozenset[str], str] = {
                                    'on the mesh',
     _pair('reproducible', 'masksembles'): "the shared weights' gradient is a sum over "
                                           'devices in a mesh-dependent order',
-    _pair('token_classification', 'masksembles'): "its masks are the MLP's and the CNN's "
-                                                  'hidden layers, not a transformer\'s',
-    _pair('token_classification', 'packed'): "it packs the MLP's and the CNN's layers, not "
-                                             "a transformer's",
+    _pair('token_classification', 'masksembles'): "its masks are the MLP's, the CNN's and "
+                                                  "the ResNets' hidden layers, not a "
+                                                  "transformer's",
+    _pair('token_classification', 'packed'): "it packs the MLP's, the CNN's and the ResNets' "
+                                             "layers, not a transformer's",
     **{_pair(o, 'packed'): "a shared backbone works with method='deep' or 'epinet' (packed "
                            "members' grouped layers are each member's own)"
        for o in ('own=head', 'own=lora')},
@@ -261,7 +263,7 @@ REFUSED: dict[frozenset[str], str] = {
        for d in ('distill', 'distill=path')
        for m in (*_NOT_DEEP, 'prior', 'epinet', 'packed', 'own=head', 'own=lora')},
 }
-# SNGP: a softmax classifier of its members' own normalised MLP or CNN and GP layer.
+# SNGP: a softmax classifier of its members' own normalised MLP, CNN or ResNet and GP layer.
 REFUSED.update({
     **{_pair(t, 'sngp'): "its GP layer's logits and their mean-field adjustment are a softmax "
                          "classifier's of one output vector per example"
@@ -283,8 +285,9 @@ REFUSED.update({
     _pair('laplace', 'rank1'): "Laplace fits each independently trained member's output layer",
     _pair('reproducible', 'rank1'): "the shared weights' gradient is a sum over devices in a "
                                     'mesh-dependent order',
-    _pair('token_classification', 'rank1'): "its factors are on the MLP's and the CNN's "
-                                             "kernels, not a transformer's",
+    _pair('token_classification', 'rank1'): "its factors are on the kernels of the MLP, "
+                                             "the CNN, LeNet-5 and the ResNets, not a "
+                                             "transformer's",
     _pair('regression_homoscedastic', 'rank1'): 'its noise is one fitted level per trained '
                                                 "member: a member's mean over its factor draws "
                                                 'has none (Task.any_members)',

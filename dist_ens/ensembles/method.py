@@ -61,7 +61,7 @@ class MethodSpec(NamedTuple):
   model: str = ''
   num_members: int = 1  # config.num_members (a member group's count: its own config's)
   # config.model as models.spec.ModelSpec (None where the spec is read only for its fields):
-  # a method that computes the model's layers its own way (rank1's factorised forward)
+  # for a method that builds the model's network itself (packed's narrower ResNets)
   model_spec: Any = None
 
 
