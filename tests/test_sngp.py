@@ -512,11 +512,11 @@ def test_a_cnn_member_normalises_its_convolutions_and_one_member_is_the_papers_m
 @pytest.mark.parametrize('fields, match', [
     ({'ensemble.sngp.data_size': 0}, r"sngp.data_size=0 must be the training set's size"),
     ({'ensemble.sngp.features': 0}, r'sngp.features=0 must be an int >= 1'),
-    ({'ensemble.sngp.norm_bound': 0.0}, r'sngp.norm_bound=0.0 must be a finite number > 0'),
+    ({'ensemble.sngp.norm_bound': -1.0}, r'sngp.norm_bound=-1.0 must be a finite number >= 0'),
     ({'ensemble.sngp.ridge': -1.0}, r'sngp.ridge=-1.0 must be a finite number > 0'),
     ({'ensemble.sngp.length_scale': 0.0}, r'sngp.length_scale=0.0 must be a finite number > 0'),
-    ({'ensemble.sngp.norm_bound': 'six'}, r"sngp.norm_bound='six' must be a finite number > 0, "
-                                          r'e.g. 0.95 or None'),
+    ({'ensemble.sngp.norm_bound': math.inf}, r"sngp.norm_bound=inf must be a finite number "
+                                             r">= 0, e.g. 0.95, or 0 for the network's"),
     ({'ensemble.sngp.mean_field_factor': -0.1}, r'mean_field_factor=-0.1 must be a finite '
                                                 r'number >= 0'),
     ({'ensemble.sngp.cov_steps': 9}, r'sngp.cov_steps=9 exceeds train.steps=8'),

@@ -50,14 +50,14 @@ of training steps seen, so resume is exact and P is a function of them.
 Defaults: D = 1024 and ridge = 1 (the paper's and uncertainty-baselines'), lambda = pi/8
 (the paper's derivation; uncertainty-baselines' scripts tune it, to 20 in some), l = 1
 (on a ResNet's unit vectors: 0.5 and 1 measured on the digits ResNet-20, 1 better, in
-docs/ensemble_methods.md). c left None is the network's (DEFAULTS): 0.95 for the MLP and
-CNN (below 1, the paper's condition: they have no normalisation, and their He-normal
-kernels start with sigma 2.8 (the default MLP's 256 x 256) to 4.9 (its 40 x 256), so a
-bound of 6 would hardly act) and 6 for the ResNets (the paper's and uncertainty-
-baselines' WRN value, where BatchNorm rescales each convolution; in the post-activation
-'resnet' and 'resnet18' every convolution feeds a BatchNorm, which undoes any bound on
-the forward pass: there the normalisation acts on training only through BatchNorm's eps
-and the weight decay's pull).
+docs/ensemble_methods.md). c = 0, the default, is the network's (DEFAULTS): 0.95 for the
+MLP and CNN (below 1, the paper's condition: they have no normalisation, and their
+He-normal kernels start with sigma 2.8 (the default MLP's 256 x 256) to 4.9 (its
+40 x 256), so a bound of 6 would hardly act) and 6 for the ResNets (the paper's and
+uncertainty-baselines' WRN value, where BatchNorm rescales each convolution). In the
+post-activation 'resnet' and 'resnet18' every convolution feeds a BatchNorm, which undoes
+the bound on the forward pass: there it changes only a kernel's effective learning rate,
+and at 6 hardly acts on ResNet-20's He-normal kernels (sigma about 1.9 for a 3x3, 16 -> 16).
 """
 
 import functools
@@ -77,9 +77,9 @@ from dist_ens.errors import ConfigError
 FIELDS = dict(
     # D, the random features' count of the GP output layer
     features=1024,  # [int >= 1]
-    # c, the bound on each hidden layer's spectral norm (a number > 0; None: the
-    # network's, 0.95 for the MLP and CNN, 6 for the ResNets)
-    norm_bound=None,
+    # c, the bound on each hidden layer's spectral norm (0: the network's, 0.95 for the
+    # MLP and CNN, 6 for the ResNets)
+    norm_bound=0.0,  # [number >= 0]
     # l, the GP's RBF length scale on its input (an MLP's or CNN's features, a ResNet's
     # layer-normalised unit vector)
     length_scale=1.0,  # [number > 0]
@@ -98,7 +98,7 @@ FIELD = 'config.ensemble.sngp'
 
 
 class Network(NamedTuple):
-  """What a network's SNGP takes (the module doc): c where norm_bound is None, and
+  """What a network's SNGP takes (the module doc): c where norm_bound is 0, and
   whether the GP reads the layer-normalised unit vector (else h) with a = 1 (else
   sqrt(2/D))."""
   norm_bound: float
@@ -341,7 +341,7 @@ def _number(value: Any, field: str, low: float, strict: bool, example: str) -> f
 
 def options_from(fields: Any, total_steps: int, model: str) -> Options:
   """config.ensemble.sngp checked, each bad field refused in one line naming it; None
-  norm_bound from DEFAULTS[model] (config.model.name; the MLP's for a model SNGP refuses)."""
+  norm_bound 0 from DEFAULTS[model] (config.model.name; the MLP's for a model SNGP refuses)."""
   data_size = fields['data_size']
   if isinstance(data_size, bool) or not isinstance(data_size, int) or data_size < 1:
     raise ConfigError(f"{FIELD}.data_size={data_size!r} must be the training set's size N (an "
@@ -355,8 +355,9 @@ def options_from(fields: Any, total_steps: int, model: str) -> Options:
   network = DEFAULTS.get(model, _PAPERS)
   bound = fields['norm_bound']
   return Options(features=int_field(fields['features'], 'sngp.features', 1),
-                 norm_bound=network.norm_bound if bound is None else _number(
-                     bound, 'norm_bound', 0, True, f'{network.norm_bound:g} or None'),
+                 norm_bound=_number(bound, 'norm_bound', 0, False,
+                                    f"{network.norm_bound:g}, or 0 for the network's")
+                 or network.norm_bound,
                  length_scale=_number(fields['length_scale'], 'length_scale', 0, True, '1.0'),
                  unit_input=network.unit_input,
                  ridge=_number(fields['ridge'], 'ridge', 0, True, '1.0'),
