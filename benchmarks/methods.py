@@ -35,8 +35,9 @@ batch of 128), so each method trains for the same number of forward/backward pas
   packed      Packed-Ensembles, 4 members, T steps: alpha 2, gamma 1, each member the MLP
               at width int(2 * 256) / 4 = 128 (40-128-128-10; 29% of deep's parameters)
   sngp        SNGP (Liu et al. 2020) on each of 4 members, T steps: hidden layers of
-              spectral norm <= 0.95, a GP output layer of 1,024 random features, its
-              Laplace precision over the last epoch, logits / sqrt(1 + pi/8 var)
+              spectral norm <= 0.95 (6 on a ResNet: every conv; the GP then reads the
+              pooled features' unit vector), a GP output layer of 1,024 random features,
+              its Laplace precision over the last 28 steps, logits / sqrt(1 + pi/8 var)
   rank1       rank-1 BNNs (Dusenberry et al. 2020), 4 members (mixture components), T
               steps: one shared W per kernel, Gaussian factors (prior N(1, 0.1^2), random-sign
               init), 1 draw per example in training, N = the training split's size, the KL
