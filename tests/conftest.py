@@ -64,6 +64,8 @@ def pytest_configure(config):
       config.option.timeout_method = "thread"
   if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
     config.pluginmanager.register(DeadWorkerWatch(), "dist_ens_dead_worker_watch")
+  if os.environ.get("RUN_COUNT_OUT"):  # what each test trains, compiles and starts (run_count.py)
+    config.pluginmanager.import_plugin("run_count")
 
 
 class DeadWorkerWatch:
