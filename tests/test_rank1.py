@@ -240,8 +240,18 @@ def _config(**fields):
   return support.override(config, fields)
 
 
-def _train(config, workdir, actions=()):
-  return dist_ens.train(config, str(workdir), devices=jax.devices()[:2], actions=actions)
+def _train(config, workdir, actions=(), dataset=None):
+  return dist_ens.train(config, str(workdir), devices=jax.devices()[:2], actions=actions,
+                        dataset=dataset)
+
+
+def _mnist1d_part():
+  """MNIST-1D's first 256 training and 64 test examples, as load_dataset gives them: the
+  ResNet runs' data (evaluating all 1,000 test examples through ResNet-8 members and their
+  draws was most of a run's time)."""
+  full = data.load_dataset('mnist1d')
+  return data.from_arrays(full.train.x[:256], full.train.y[:256], full.test.x[:64],
+                          full.test.y[:64], name='mnist1d', num_classes=10)
 
 
 def _stored(ens):
@@ -338,11 +348,18 @@ RESNET = {'model.name': 'resnet', 'model.depth': 8, 'train.steps': 4, 'train.log
 
 @pytest.fixture(scope='module')
 def resnet_run(tmp_path_factory):
-  """A 2-member rank-1 ResNet-8 on MNIST-1D, 4 steps: the fast tier's one ResNet run."""
+  """A 2-member rank-1 ResNet-8 on part of MNIST-1D, 4 steps (the slow tier's)."""
   root = tmp_path_factory.mktemp('rank1_resnet')
-  return root, _train(_config(**RESNET), root / 'a')
+  return root, _train(_config(**RESNET), root / 'a', dataset=_mnist1d_part())
 
 
+# Slow (its run compiles for ~25 s at -O0: the fast tier's costliest test); fast covers:
+# the Factored forward against the formed kernels on the ResNets, train-mode BatchNorm
+# statistics included, and each example's draws against its formed ResNet (above); rank-1's
+# load, predict and export on the MLP (test_one_shared_w_per_kernel_...); a ResNet's
+# BatchNorm state through a shared-weight method's run and load (test_masksembles' ResNet
+# run) and test_combinations' rank1 case.
+@pytest.mark.slow
 def test_a_rank1_resnet_trains_and_loads_as_its_members_formed_networks(resnet_run):
   """Shared conv and head kernels, BatchNorm per member (its scale, bias and running
   statistics, which training moved), and Ensemble.load predicting the run's evaluation as
@@ -360,7 +377,7 @@ def test_a_rank1_resnet_trains_and_loads_as_its_members_formed_networks(resnet_r
   states = [ens.member_state(m).base['stem_bn'] for m in range(2)]
   assert not np.allclose(states[0]['mean'], 0) and not np.allclose(states[0]['mean'],
                                                                     states[1]['mean'])
-  test = data.load_dataset('mnist1d').test
+  test = _mnist1d_part().test
   prediction = ens.predict(test.x, preprocessed=True)
   model = models.get_model(_spec(name='resnet', depth=8), 10)
   apply = jax.jit(lambda p, s: model.apply(p, s, test.x, train=False)[0])
@@ -382,13 +399,14 @@ def test_a_rank1_resnet_trains_and_loads_as_its_members_formed_networks(resnet_r
 
 
 # Resume with model state (BatchNorm's statistics) through rank-1's shared-W update; the
-# fast tier checks resume on the MLP (test_one_shared_w_per_kernel_...) and the ResNet's
-# run and load above.
+# fast tier checks resume on the MLP (test_one_shared_w_per_kernel_...) and on a masked
+# ResNet (test_masksembles).
 @pytest.mark.slow
 def test_a_rank1_resnet_resumes_exactly(resnet_run, tmp_path):
   root, straight = resnet_run
-  stopped = _train(_config(**RESNET), tmp_path, actions=[support.PreemptAt(2)])
-  resumed = _train(_config(**RESNET), tmp_path)
+  stopped = _train(_config(**RESNET), tmp_path, actions=[support.PreemptAt(2)],
+                   dataset=_mnist1d_part())
+  resumed = _train(_config(**RESNET), tmp_path, dataset=_mnist1d_part())
   assert stopped['preempted'] and stopped['step'] == 2
   assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
   support.assert_trees_equal(
