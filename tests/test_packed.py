@@ -232,7 +232,7 @@ def test_resnet_widths_build_todays_network_by_default_and_a_thinner_one_by_hand
     default = resnet.MAKERS[name](spec, 10)
     explicit = resnet.MAKERS[name](spec, 10, resnet.default_widths(spec))
     # Same tree, same bits (ResNet-18's 11M weights: its shapes; its code is resnet's).
-    init = jax.eval_shape if name == 'resnet18' else lambda f, *a: f(*a)
+    init = jax.eval_shape if name == 'resnet18' else lambda f, *a: jax.jit(f)(*a)
     a, b = (init(m.init, jax.random.key(3), x) for m in (default, explicit))
     assert jax.tree.structure(a) == jax.tree.structure(b)
     jax.tree.map(lambda u, v: np.testing.assert_array_equal(
@@ -298,7 +298,7 @@ def test_a_packed_resnet_is_xlas_grouped_convolutions(name, depth, grouped):
   model = packed.wrap(member, name, gamma=2)
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.normal(size=(6, 12, 1)), jnp.float32)
-  params, state = model.init(jax.random.key(0), x)
+  params, state = jax.jit(model.init)(jax.random.key(0), x)  # one program, not one an op
   for p in params['blocks']:
     convs = {k for k in ('conv1', 'conv2', 'proj') if k in p}
     assert {k for k in convs if p[k].ndim == 4} == grouped & convs
@@ -307,7 +307,7 @@ def test_a_packed_resnet_is_xlas_grouped_convolutions(name, depth, grouped):
   params = jax.tree.map(lambda a: a if a.ndim > 1 else jnp.asarray(
       rng.uniform(0.5, 1.5, a.shape), a.dtype), params)
   state = jax.tree.map(lambda a: jnp.asarray(rng.uniform(0.5, 1.5, a.shape), a.dtype), state)
-  logits, _ = model.apply(params, state, x, train=False)
+  logits, _ = jax.jit(lambda p, s: model.apply(p, s, x, train=False))(params, state)
   want = _packed_resnet_logits(name, params, state, x)
   np.testing.assert_allclose(np.asarray(logits), want, rtol=1e-4, atol=1e-4)
 
