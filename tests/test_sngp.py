@@ -429,11 +429,14 @@ def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path, st
 # the test above, and the report of a method's run with shift metrics by
 # test_masksembles' and test_packed's load/predict/export/report checks
 # (support.check_load_predict_export) and test_report.
+# The ResNet run's report too (resnet_run below).
 @pytest.mark.slow
-def test_the_report_of_an_sngp_run_names_it(straight_run):
-  workdir = straight_run[0]
+@pytest.mark.parametrize('run, members', [('straight_run', '2 x mlp'),
+                                          ('resnet_run', '2 x resnet')])
+def test_the_report_of_an_sngp_run_names_it(run, members, request):
+  workdir = request.getfixturevalue(run)[0]
   assert report.make_report(workdir) == workdir / 'report'
-  assert '2 x mlp on mnist1d' in (workdir / 'report' / 'report.md').read_text()
+  assert f'{members} on mnist1d' in (workdir / 'report' / 'report.md').read_text()
 
 
 RESNET = {'model.name': 'resnet', 'model.depth': 8, 'train.steps': 4, 'train.log_every': 2,
@@ -485,14 +488,6 @@ def test_a_resnet_run_resumes_exactly_and_loads_as_its_plain_resnets_under_gps(t
   assert sorted(got) == sorted(want) and 'base/stem_bn/mean' in want
   for name, leaf in want.items():
     np.testing.assert_array_equal(got[name], leaf)
-
-
-# The report of the ResNet run: the drawing is every method's (see the MLP run's above).
-@pytest.mark.slow
-def test_the_report_of_an_sngp_resnet_run_names_it(resnet_run):
-  workdir = resnet_run[0]
-  assert report.make_report(workdir) == workdir / 'report'
-  assert '2 x resnet on mnist1d' in (workdir / 'report' / 'report.md').read_text()
 
 
 def test_a_cnn_member_normalises_its_convolutions_and_one_member_is_the_papers_model(tmp_path):

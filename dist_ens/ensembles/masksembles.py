@@ -72,6 +72,7 @@ from dist_ens.core.step import Batch, Member, StepMetrics, update_axes
 from dist_ens.ensembles import batchensemble
 from dist_ens.ensembles.method import Method, MethodSpec, refuse_reproducible
 from dist_ens.errors import ConfigError
+from dist_ens.models import resnet
 
 
 # config.ensemble.masksembles: this method's fields, each one's meaning in the comments above
@@ -84,7 +85,7 @@ FIELDS = dict(
 
 PyTree = Any
 FIELD = 'config.ensemble.masksembles.scale'
-RESNETS = ('resnet', 'resnet18', 'wide_resnet')
+RESNETS = tuple(resnet.MAKERS)  # 'resnet', 'resnet18', 'wide_resnet'
 MODELS = ('mlp', 'cnn', *RESNETS)  # config.model.name: the models whose hidden layers it masks
 # A ResNet block's convs whose inputs are masked (torch-uncertainty's MaskedConv2d).
 MASKED_CONVS = ('conv1', 'conv2', 'proj')

@@ -81,7 +81,7 @@ from dist_ens.core.model import Model, is_kernel
 from dist_ens.ensembles import batchensemble, epinet, own
 from dist_ens.ensembles.method import Method, MethodSpec, int_field, refuse_reproducible
 from dist_ens.errors import ConfigError
-from dist_ens.models import layers
+from dist_ens.models import layers, resnet
 from dist_ens.parallel.sharding_rules import path_str
 
 # The method's fields, config.ensemble.rank1: each one's meaning in the comment lines above
@@ -115,7 +115,7 @@ PyTree = Any
 FIELD = 'config.ensemble.rank1'
 # config.model.name: the models whose every kernel is read by models/layers.py's conv or as
 # `x @ kernel` (dense), so that a layers.Factored kernel passes through their own apply
-MODELS = ('mlp', 'cnn', 'lenet5', 'resnet', 'resnet18', 'wide_resnet')
+MODELS = ('mlp', 'cnn', 'lenet5', *resnet.MAKERS)
 FAMILIES = ('gaussian', 'cauchy')
 INITS = ('random_sign', 'normal')
 CLIP = 10.0  # draws are clipped to [-CLIP, CLIP] (edward2's min/max_perturbation_value)

@@ -71,6 +71,7 @@ from jax import custom_batching
 from dist_ens.core.model import Model
 from dist_ens.ensembles.method import Method, MethodSpec, int_field
 from dist_ens.errors import ConfigError
+from dist_ens.models import resnet
 
 # The method's fields, config.ensemble.sngp: each one's meaning in the comment lines above
 # it and its check in brackets at the comment's end (dist_ens/config/schema.py reads them).
@@ -107,7 +108,7 @@ class Network(NamedTuple):
 
 _PAPERS = Network(norm_bound=0.95, unit_input=False)
 _WRNS = Network(norm_bound=6.0, unit_input=True)
-RESNETS = ('resnet', 'resnet18', 'wide_resnet')  # models/resnet.py's: BatchNorm, 'blocks'
+RESNETS = tuple(resnet.MAKERS)  # models/resnet.py's: BatchNorm, 'blocks'
 MODELS = ('mlp', 'cnn', *RESNETS)  # config.model.name: the models whose layers it normalises
 DEFAULTS = {'mlp': _PAPERS, 'cnn': _PAPERS, **{name: _WRNS for name in RESNETS}}
 # Stream tags within a member's init key (rng.py's 1, 2, 3, 5; prior 7; epinet 11-23).
