@@ -6,7 +6,7 @@
 
 With precision='bfloat16' the model's forward and backward pass run in bf16 while
 parameters, optimizer state, BatchNorm statistics, loss, metrics and checkpoints stay
-float32 (dist_ens/core/precision.py). Measured here:
+float32 (dist_ens/core/model.py, with_precision). Measured here:
 
 1. Speed. Member-examples/s of one training step of M members (--members, default 4),
    float32 and bfloat16 built as training builds them (assemble.build_parts,

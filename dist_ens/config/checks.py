@@ -14,7 +14,7 @@ from dist_ens import importing, models, tasks
 from dist_ens.config import groups as member_groups
 from dist_ens.config import schema, specs
 from dist_ens.config.loading import DEFAULT_CONFIG
-from dist_ens.core import hparams, optim, precision as precision_lib
+from dist_ens.core import hparams, model as model_lib, optim
 from dist_ens.data.augment import AUGMENTATIONS
 from dist_ens.data import grain_loader, resident
 from dist_ens.data.pipeline import MEMBER_ORDERS
@@ -23,7 +23,7 @@ from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec as shift_lib
 
 # config.precision: what the model computes in (parameters stay float32 either way).
-PRECISIONS = tuple(precision_lib.PRECISIONS)
+PRECISIONS = tuple(model_lib.PRECISIONS)
 
 
 def _require(ok: bool, field: str, value: Any, what: str) -> None:

@@ -261,7 +261,6 @@ class StackSpec(NamedTuple):
   """What one stack of members (the run's, or a member group's with its overrides) builds
   its step, initial state and member form from, read once by build_parts."""
   seed: int
-  loss: str  # config.train.loss: '' = the task's own
   options: StepOptions  # augmentation, precision, micro-batches, reproducible mode
   batch_size: int  # config.data.batch_size: each member's examples a step
   init_from: InitFrom
@@ -285,7 +284,7 @@ def stack_spec(config: ml_collections.ConfigDict) -> StackSpec:
                  'per_member_batches': config.data.member_order != 'shared'}
   if e.own != 'all':  # (Absent otherwise: the keys measured before stay.)
     form_fields['own'] = e.own
-  return StackSpec(seed=config.seed, loss=config.train.loss, options=step_options(config),
+  return StackSpec(seed=config.seed, options=step_options(config),
                    batch_size=config.data.batch_size, init_from=init_from_spec(config),
                    member_parallelism=e.member_parallelism, map_batch_size=e.map_batch_size,
                    model_name=config.model.name, form_fields=form_fields,

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from dist_ens.core import gradients, precision, rng as rng_lib
+from dist_ens.core import gradients, rng as rng_lib
 from dist_ens.core.axes import DATA, MEMBER
 from dist_ens.core.hooks import MethodHooks
 from dist_ens.core.members import over_members
-from dist_ens.core.model import Model
+from dist_ens.core.model import Model, with_precision
 from dist_ens.core.optim import Optimizer
 from dist_ens.core.state import TrainState
 
@@ -119,7 +119,7 @@ def member_results_fn(model: Model, seed: int, objective: gradients.Objective,
   batch metrics, gradients and new model state on its Batch (core.gradients.BatchResult).
   The batch's `index` is read by augmentation only.
   """
-  one_batch = gradients.batch_fn(precision.with_precision(model, options.precision), objective)
+  one_batch = gradients.batch_fn(with_precision(model, options.precision), objective)
   if options.reproducible:
     batch_results = gradients.canonical(one_batch, options.micro_batches, DATA, data_size)
   else:

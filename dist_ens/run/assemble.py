@@ -66,6 +66,7 @@ class Parts(NamedTuple):
   init: Callable[..., TrainState]
   method: methods.Method  # config.ensemble.method: what members collect and predict with
   task: tasks.Task  # config.task: the loss, metrics and what the outputs mean
+  loss: tasks.Loss  # config.train.loss resolved: the task's own, a built-in or the user's
   layout: Layout  # where every leaf of the state lives on the mesh
   input_dtype: Any = jnp.float32  # the model's inputs: float32, or int32 token ids
   # The stacks this run joins (config.ensemble.groups: each group's own Parts, their
@@ -280,7 +281,8 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
        for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]])
   abstract = layout.place(state, mesh)
   return Parts(stack_spec(config), mesh, model, optimizer, member_hparams, input_shape,
-               num_outputs, abstract, init, method, task, layout, input_dtype,
+               num_outputs, abstract, init, method, task,
+               tasks.loss_for(config.train.loss, task), layout, input_dtype,
                first_member=first_member)
 
 
@@ -384,7 +386,7 @@ def _stack_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
                 steps_per_call: int, loss: tasks.Loss | None) -> TrainStep:
   """The train step of one stack."""
   parallelism, map_batch_size = form
-  loss = loss or tasks.loss_for(parts.stack.loss, parts.task)
+  loss = loss or parts.loss
   if parts.method.wrap_loss is not None:  # e.g. MIMO: the sum of its heads' losses
     loss = parts.method.wrap_loss(loss)
   objective = gradients.Objective(loss, parts.task.batch_metrics)

@@ -16,7 +16,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from dist_ens import data, tasks
+from dist_ens import data
 from dist_ens.run import assemble, initial_state
 from dist_ens.config import agreement, checks, loading, specs
 from dist_ens.errors import ConfigError
@@ -124,8 +124,7 @@ def default_actions(call: Call, checkpointer: Checkpointer,
 
 def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
                      devices: Sequence[jax.Device] | None,
-                     dataset: data.Dataset | None, optimizer: Any, loss: Loss | None
-                     ) -> assemble.Run:
+                     dataset: data.Dataset | None, optimizer: Any) -> assemble.Run:
   """Everything that can be wrong with the input, found before anything is written."""
   loading.check_known_fields(config)
   checks.validate(config)
@@ -150,8 +149,6 @@ def _check_and_build(config: ml_collections.ConfigDict, workdir: Path | str,
         'empty test split: the run is evaluated on it; give it at least one example.')
   cadence.check_sync_every(run.spec.train.sync_every, run.parts.mesh)
   writers.check_writer_names(config.writers)
-  if loss is None:
-    tasks.loss_for(config.train.loss, run.parts.task)
   return run
 
 
@@ -259,7 +256,7 @@ def _info_logs() -> Iterator[None]:
 
 
 def _train(config, workdir, devices, actions, extra_writers, dataset, optimizer, loss):
-  run = _check_and_build(config, workdir, devices, dataset, optimizer, loss)
+  run = _check_and_build(config, workdir, devices, dataset, optimizer)
   try:
     with workdir_lib.lock_workdir(workdir):
       return _train_locked(run, Path(workdir), actions, extra_writers, loss)
