@@ -1,7 +1,7 @@
 """What every benchmark's results file opens with, and small helpers to fit what it measured.
 
   from benchmarks import harness          # python -m benchmarks.NAME, from the repository root
-  header = harness.run_header()           # date, commit, load average, machine, command
+  header = harness.run_header()           # date, commit, load average, machine, packages, command
   for r, name in harness.rotating_rounds(variants, rounds):
     times[name].append(measure(name))
   ...
@@ -13,6 +13,7 @@ quotes ratios of figures measured side by side in one run.
 """
 
 import datetime
+import importlib.metadata
 import json
 import math
 import os
@@ -65,6 +66,23 @@ def machine() -> dict[str, Any]:
           'cores': os.cpu_count(), 'memory_gib': memory_gb, 'python': platform.python_version()}
 
 
+# The packages whose versions decide a benchmark's figures (XLA's code generation is
+# jaxlib's): a figure that moves between two runs of one commit on one machine moved with
+# them, or with XLA_FLAGS.
+PACKAGES = ('jax', 'jaxlib', 'numpy', 'optax', 'orbax-checkpoint', 'grain', 'tensorflow-datasets')
+
+
+def packages() -> dict[str, str | None]:
+  """The installed version of each of PACKAGES (None: not installed), and XLA_FLAGS."""
+  def version(name: str) -> str | None:
+    try:
+      return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+      return None
+  return {**{name: version(name) for name in PACKAGES},
+          'XLA_FLAGS': os.environ.get('XLA_FLAGS', '')}
+
+
 def command(argv: Sequence[str] | None = None) -> str:
   """The command line that ran this process, as a reader would retype it: under
   `python -m benchmarks.NAME` sys.argv[0] is the file's absolute path, so it is given back
@@ -77,10 +95,11 @@ def command(argv: Sequence[str] | None = None) -> str:
 
 
 def run_header(argv: Sequence[str] | None = None) -> dict[str, Any]:
-  """date (UTC), commit, load average at the start, machine and the command line."""
+  """date (UTC), commit, load average at the start, machine, package versions and the
+  command line."""
   return {'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
           **git_commit(), 'load_average_start': load_average(), 'machine': machine(),
-          'command': command(argv)}
+          'packages': packages(), 'command': command(argv)}
 
 
 def rotating_rounds(names: Iterable[T], rounds: int) -> Iterator[tuple[int, T]]:

@@ -90,3 +90,16 @@ def test_run_rounds_measures_each_job_once_a_round_in_rotating_order(capsys):
   assert order == ['a', 'b', 'c', 'b', 'c', 'a']
   assert results == {'a': [1, 6], 'b': [2, 4], 'c': [3, 5]}
   assert capsys.readouterr().out.split() == ['0:a=1', '0:b=2', '0:c=3', '1:b=4', '1:c=5', '1:a=6']
+
+
+def test_a_results_header_records_the_versions_its_figures_depend_on(monkeypatch):
+  import jax  # pylint: disable=import-outside-toplevel
+  import jaxlib  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from benchmarks import harness  # pylint: disable=import-outside-toplevel
+  monkeypatch.setattr(harness, 'PACKAGES', (*harness.PACKAGES, 'no-such-package-here'))
+  got = harness.run_header(['bench.py'])['packages']
+  assert (got['jax'], got['jaxlib'], got['numpy']) == (jax.__version__, jaxlib.__version__,
+                                                       np.__version__)
+  assert got['no-such-package-here'] is None
+  assert got['XLA_FLAGS'] == os.environ['XLA_FLAGS']  # conftest's fake devices among them
