@@ -14,6 +14,7 @@ import pytest
 import support
 
 import dist_ens
+from dist_ens.core.hooks import MethodHooks
 from dist_ens.ensembles.method import Method, MethodSpec
 from dist_ens.errors import ConfigError
 
@@ -39,7 +40,7 @@ def make(spec: MethodSpec) -> Method:
     one = lambda tree: jax.tree.map(lambda a: a[None], tree)
     return one(collected['params']), one(collected['state']), (step >= 1)[None]
 
-  return Method('ema', init, collect, members, collects=True)
+  return Method('ema', hooks=MethodHooks(init_collected=init, collect=collect), members=members)
 
 
 def _config(decay):

@@ -108,9 +108,9 @@ def test_fast_geometric_cycles_begin_at_snapshot_start_at_the_cycle_rate():
                                   'ensemble.snapshot.cycle_rate': 0.05})
   # 24 steps: 12 of the schedule, then 3 cycles of 4.
   method = methods.from_spec(specs.method_spec(config))
-  collected = method.init({'w': jnp.zeros(())}, {})
+  collected = method.hooks.init_collected({'w': jnp.zeros(())}, {})
   for step in range(1, STEPS + 1):  # The "weights" after each step are the step's number.
-    collected = method.collect(collected, {'w': jnp.float32(step)}, {}, jnp.int32(step))
+    collected = method.hooks.collect(collected, {'w': jnp.float32(step)}, {}, jnp.int32(step))
   np.testing.assert_array_equal(collected[0]['w'], [16, 20, 24])
   _, _, filled = method.members(collected, None, None, jnp.int32(20), None)
   np.testing.assert_array_equal(filled, [True, True, False])

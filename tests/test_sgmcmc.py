@@ -73,7 +73,8 @@ def _chains(kind, members, ids, steps=2000, lr=0.1, friction=0.1, cycles=1, beta
     g = params - XBAR if grad else jnp.zeros_like(params)
     return gradients.BatchResult(jnp.zeros(()), {}, g, model_state)
 
-  update = method.members_update(results, member_apply_fn(optimizer), optimizer, 'map', None)
+  update = method.hooks.members_update(results, member_apply_fn(optimizer), optimizer, 'map',
+                                       None)
   hp = {'optim.learning_rate': jnp.full((members,), lr), 'optim.weight_decay': jnp.zeros(members)}
   params = jnp.full((members,), theta0)
   opt_state = jax.vmap(lambda h, p: optimizer(h).init(p))(hp, params)

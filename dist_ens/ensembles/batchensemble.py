@@ -192,6 +192,6 @@ def make(spec: MethodSpec) -> Method:
   """BatchEnsemble (config.ensemble.method='batchensemble', or ensemble.own='batchensemble')."""
   refuse_reproducible(spec, "the shared weights' gradient is a sum over devices, whose order "
                             'depends on the mesh')
-  return Method('batchensemble', sharing=MethodHooks(
+  return Method('batchensemble', hooks=MethodHooks(
       init_params=from_members, init_opt_state=init_opt_state,
       members_update=members_update, shared=is_shared))

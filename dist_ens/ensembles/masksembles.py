@@ -270,6 +270,6 @@ def make(spec: MethodSpec) -> Method:
     return model
 
   init = functools.partial(from_members, spec.model, scale, spec.seed)
-  return Method('masksembles', wrap_model=wrap_model, sharing=MethodHooks(
+  return Method('masksembles', wrap_model=wrap_model, hooks=MethodHooks(
       init_params=init, init_opt_state=init_opt_state, members_update=members_update,
       shared=batchensemble.is_shared))

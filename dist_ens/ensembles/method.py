@@ -1,18 +1,20 @@
 """The ensemble-method extension point: a method is one value (a `Method`) built by a
 factory from the run's facts (`MethodSpec`).
 
-A method says what each member collects while it trains and which members predict, as
-per-member functions the train step vmaps like the update (so they work on any mesh,
-and their state is checkpointed with the rest):
+A method says what it changes in core as one value, `hooks` (a core.hooks.MethodHooks
+the train step reads as it is: what each member collects while it trains, how members
+are born and updated where they share leaves), and which members predict; the per-member
+functions are vmapped like the update (so they work on any mesh, and their state is
+checkpointed with the rest):
 
-  init(params, model_state) -> collected
-  collect(collected, params, model_state, step) -> collected   # after `step` steps
+  hooks.init_collected(params, model_state) -> collected
+  hooks.collect(collected, params, model_state, step) -> collected   # after `step` steps
   members(collected, params, model_state, step, key) -> (params [K, ...], model_state
                                                          [K, ...], valid [K] bool)
 
 and, where it changes them, how it wraps the model and the loss (MIMO's heads), how many
-outputs it asks the model for per task output, how the optimizer's schedule restarts
-(snapshot cycles), and whether members share leaves (BatchEnsemble). A factory
+outputs it asks the model for per task output, and how the optimizer's schedule restarts
+(snapshot cycles). A factory
 `make(spec: MethodSpec) -> Method` checks its own config fields (`spec.options`, the
 method's group of config.ensemble, declared in its file as `FIELDS = dict(...)`, the
 group named after the file: dist_ens/config/schema.py) and refuses, in one line, what it
@@ -65,11 +67,6 @@ class MethodSpec(NamedTuple):
   model_spec: Any = None
 
 
-def _no_collect(collected: PyTree, params: PyTree, state: PyTree, step: jax.Array) -> PyTree:
-  del params, state, step
-  return collected
-
-
 def _trained_member(collected, params, state, step, key):
   del collected, step, key
   return (*jax.tree.map(lambda a: a[None], (params, state)),
@@ -79,11 +76,14 @@ def _trained_member(collected, params, state, step, key):
 class Method(NamedTuple):
   """An ensemble method (see the module doc). The defaults are independent members."""
   name: str
-  init: Callable[[PyTree, PyTree], PyTree] = lambda params, state: ()
-  collect: Callable[[PyTree, PyTree, PyTree, jax.Array], PyTree] = _no_collect
+  # What the method changes in core, read by the train step as it is: what each member
+  # collects (init_collected, collect: snapshots, SWAG's moments), how members are born
+  # and updated where they share leaves (BatchEnsemble's W; methods.with_owned sets the
+  # hooks of the leaves ensemble.own does not give them), its own update (SG-MCMC's
+  # Langevin noise). The default: independent members, nothing collected.
+  hooks: MethodHooks = MethodHooks()
   members: Callable[..., tuple[PyTree, PyTree, jax.Array]] = _trained_member
   per_member: int = 1  # K: predicting members per trained member
-  collects: bool = False  # members collect while training (the step runs `collect`)
   cycles: int = 1  # learning-rate restarts (snapshot)
   cycles_from: int = 0  # the step the restarts begin at (snapshot.start: fast geometric)
   cycle_rate: float = 1.0  # each cycle's peak rate over optim.learning_rate's
@@ -110,34 +110,23 @@ class Method(NamedTuple):
   # 'base'): config.model.init_from's file is read as the model's, and the method's
   # leaves beside them start per member. '': the model's leaves are the params.
   wrapped_under: str = ''
-  # How members are born and updated where they share leaves (BatchEnsemble's W, the
-  # leaves ensemble.own does not give them): set by the method that shares, or by
-  # methods.with_owned. None: each member its own params and optimizer state.
-  sharing: MethodHooks | None = None
   # (config.optim's OptimSpec, train.steps) -> optimizer(hp): the method's own update rule
   # in place of config.optim's (SG-MCMC's samplers); None: core.optim.make_optimizer's.
   optimizer: Callable[[Any, int], Any] | None = None
-  # core.hooks.MethodHooks.members_update for a method whose members own every leaf (SG-MCMC:
-  # Langevin noise on each member's gradient, keyed by its id and the step); None: core's.
-  members_update: Callable[..., Any] | None = None
   # Whether the post-hoc last-layer Laplace (config.eval.laplace) applies to each member's
   # output layer; False where that layer has a posterior of its own (SNGP's GP layer).
   last_layer_laplace: bool = True
 
   @property
-  def shares(self) -> bool:
-    """Whether params have leaves shared by all members (BatchEnsemble, ensemble.own)."""
-    return self.sharing is not None
+  def collects(self) -> bool:
+    """Whether members collect while training (the step runs `hooks.collect`)."""
+    return self.hooks.collect is not None
 
   @property
-  def hooks(self) -> MethodHooks:
-    """What this method changes in core: how members are born, updated, collect."""
-    if self.sharing is not None:
-      return self.sharing
-    if self.collects:
-      return MethodHooks(init_collected=self.init, collect=self.collect,
-                         members_update=self.members_update)
-    return MethodHooks(members_update=self.members_update)
+  def shares(self) -> bool:
+    """Whether params have leaves shared by all members (BatchEnsemble, ensemble.own):
+    stored once, which the `hooks.shared` of every method that shares says."""
+    return self.hooks.shared is not None
 
 
 def int_field(value: Any, field: str, low: int) -> int:

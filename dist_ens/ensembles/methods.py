@@ -147,7 +147,7 @@ def with_owned(method: Method, params: PyTree, num_outputs: int) -> Method:
   if owned is None:
     return method
   return method._replace(owned=owned, lora=lora,
-                         sharing=own_lib.hooks(owned, lora, method.train_shared))
+                         hooks=own_lib.hooks(owned, lora, method.train_shared))
 
 
 class Members(NamedTuple):

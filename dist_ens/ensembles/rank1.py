@@ -371,6 +371,6 @@ def make(spec: MethodSpec) -> Method:
                                         optimizer, parallelism, batch_axis, map_batch_size)
 
   return Method('rank1', wrap_model=wrap_model, wrap_loss=epinet.index_mean_loss,
-                wrapped_under=BASE, sharing=MethodHooks(
+                wrapped_under=BASE, hooks=MethodHooks(
                     init_params=from_members, init_opt_state=batchensemble.init_opt_state,
                     members_update=members_update, shared=batchensemble.is_shared))

@@ -20,13 +20,12 @@ v is -lr_k times ours). The noise is drawn from (seed, member id, step): member 
 is the same whatever num_members, and a resumed run draws what it would have.
 """
 
-import math
-
 import jax
 import jax.numpy as jnp
 import optax
 
 from dist_ens.core import rng
+from dist_ens.core.hooks import MethodHooks
 from dist_ens.core.members import over_members
 from dist_ens.core.optim import DECAY_MASKS, Optimizer, OptimSpec
 from dist_ens.core.step import update_axes
@@ -207,5 +206,7 @@ def chains(kind: str, steps: int, cycles: int, beta: float, per_cycle: int, temp
   def optimizer(optim: OptimSpec, total_steps: int) -> Optimizer:
     return sampler(optim, total_steps, cycles, None if kind == 'sgld' else friction)
 
-  return Method('sgmcmc', init, collect, members, per_member=slots, collects=True,
-                scales_with_steps=True, optimizer=optimizer, members_update=members_update)
+  return Method('sgmcmc', hooks=MethodHooks(init_collected=init, collect=collect,
+                                            members_update=members_update),
+                members=members, per_member=slots, scales_with_steps=True,
+                optimizer=optimizer)

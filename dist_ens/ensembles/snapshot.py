@@ -7,6 +7,7 @@ snapshot.cycle_rate of the rate: fast geometric ensembling (Garipov et al. 2018)
 import jax
 import jax.numpy as jnp
 
+from dist_ens.core.hooks import MethodHooks
 from dist_ens.errors import ConfigError
 from dist_ens.ensembles.method import Method, MethodSpec, fraction_field, int_field
 
@@ -45,8 +46,9 @@ def snapshots(cycles: int, total_steps: int, start: int = 0, rate: float = 1.0) 
     filled = start + (jnp.arange(cycles) + 1) * length <= step
     return (*collected, filled)
 
-  return Method('snapshot', init, collect, members, per_member=cycles, collects=True,
-                cycles=cycles, cycles_from=start, cycle_rate=rate, scales_with_steps=True)
+  return Method('snapshot', hooks=MethodHooks(init_collected=init, collect=collect),
+                members=members, per_member=cycles, cycles=cycles, cycles_from=start,
+                cycle_rate=rate, scales_with_steps=True)
 
 
 def make(spec: MethodSpec) -> Method:

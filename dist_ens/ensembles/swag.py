@@ -7,6 +7,7 @@ weight samples per member predict."""
 import jax
 import jax.numpy as jnp
 
+from dist_ens.core.hooks import MethodHooks
 from dist_ens.errors import ConfigError
 from dist_ens.ensembles.method import Method, MethodSpec, PyTree, fraction_field, int_field
 
@@ -62,8 +63,8 @@ def swag(start: int, every: int, rank: int, samples: int) -> Method:
                                collected['state_mean'])
     return sampled, model_state, jnp.broadcast_to(collected['n'] > 0, (samples,))
 
-  return Method('multiswag', init, collect, members, per_member=samples, collects=True,
-                scales_with_steps=True)
+  return Method('multiswag', hooks=MethodHooks(init_collected=init, collect=collect),
+                members=members, per_member=samples, scales_with_steps=True)
 
 
 def swag_sample(collected: PyTree, rank: int, key: jax.Array) -> PyTree:
