@@ -5,8 +5,8 @@ Valid pairs run packed into a few cases (combinations_table.valid_cases: every v
 is in some case, no case holds a refused pair; `pytest` runs the 8 that hold every option
 once, `pytest -m slow` the rest); each case trains on 8 fake devices, is
 preempted (SIGTERM) after step 1, resumes from that checkpoint to step 2 (for a few cases
-ending bit for bit where an uninterrupted run ends), then loads with Ensemble.load and
-predicts finite outputs. Each
+ending bit for bit where an uninterrupted run ends), tracing its train step once in that
+session, then loads with Ensemble.load and predicts finite outputs. Each
 refused pair, with every other axis at its default, must raise ConfigError in one line
 naming both fields before the workdir exists. docs/combinations.md is the same table.
 """
@@ -107,6 +107,8 @@ def _train_resume_load_predict(case, workdir, caplog, straight_dir=None):
   resumed = dist_ens.train(_config(case), str(workdir), dataset=dataset)
   assert 'resuming from the checkpoint at step 1' in caplog.text
   assert resumed['step'] == 2
+  # One program for the session, whatever the options: a retrace would compile again.
+  assert resumed['train_step_traces'] == 1, resumed['train_step_traces']
   if straight_dir is not None:  # Resume ends where an uninterrupted run ends.
     straight = dist_ens.train(_config(case), str(straight_dir), dataset=dataset)
     differ = [p for p in _same(straight, resumed) if not p.endswith('_seconds')]
