@@ -2,11 +2,12 @@
 tests/combinations_table.py.
 
 Valid pairs run packed into a few cases (combinations_table.valid_cases: every valid pair
-is in some case, no case holds a refused pair; `pytest` runs the 8 that hold every option
+is in some case, no case holds a refused pair; `pytest` runs the cases that hold every option
 once, `pytest -m slow` the rest); each case trains on 8 fake devices, is
 preempted (SIGTERM) after step 1, resumes from that checkpoint to step 2 (for a few cases
 ending bit for bit where an uninterrupted run ends), tracing its train step once in that
-session, then loads with Ensemble.load and predicts finite outputs. Each
+session, then loads with Ensemble.load, predicts finite outputs and exports every
+predicting member to the file that holds its leaves. Each
 refused pair, with every other axis at its default, must raise ConfigError in one line
 naming both fields before the workdir exists. docs/combinations.md is the same table.
 """
@@ -17,6 +18,7 @@ import logging
 import math
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -98,6 +100,15 @@ def _same(a, b, path=''):
   return [] if a == b else [path]
 
 
+def _by_path(tree):
+  """{'a/0/w': the leaf's bytes}: a pytree's leaves under their key paths (a dict's keys,
+  a sequence's indices, a NamedTuple's field names), as Ensemble.export's files hold them."""
+  name = lambda k: str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
+  as_saved = lambda a: (a.dtype.str, a.shape, a.tobytes())
+  return {'/'.join(map(name, path)): as_saved(np.asarray(leaf))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _train_resume_load_predict(case, workdir, caplog, straight_dir=None):
   config, dataset = _config(case), _dataset(case)
   stopped = dist_ens.train(config, str(workdir), dataset=dataset,
@@ -113,9 +124,17 @@ def _train_resume_load_predict(case, workdir, caplog, straight_dir=None):
     straight = dist_ens.train(_config(case), str(straight_dir), dataset=dataset)
     differ = [p for p in _same(straight, resumed) if not p.endswith('_seconds')]
     assert not differ, f'the resumed run ends elsewhere: {differ[:8]}'
-  prediction = dist_ens.Ensemble.load(str(workdir)).predict(dataset.test.x[:5])
+  ensemble = dist_ens.Ensemble.load(str(workdir))
+  prediction = ensemble.predict(dataset.test.x[:5])
   finite = _finite_arrays(prediction)
   assert finite and all(finite.values()), finite
+  # Each predicting member's file holds its leaves under their '/'-joined paths.
+  paths = ensemble.export(workdir / 'exported')
+  assert len(paths) == ensemble.num_members
+  for i, path in enumerate(paths):
+    with np.load(path) as saved:
+      got = {k: (saved[k].dtype.str, saved[k].shape, saved[k].tobytes()) for k in saved.files}
+    assert _by_path(ensemble.member(i)) == got, i
 
 
 _CASES = table.valid_cases()

@@ -179,7 +179,8 @@ class Ensemble:
                    predict_model=parts.predict_model,
                    split_scales=saved_run.split_scales_from(meta),
                    laplace=saved_run.laplace_from(workdir, restored.step),
-                   places=parts.places,
+                   # One stack (a collecting method's K rows a member among): its rows.
+                   places=parts.places if parts.stacked else None,
                    stack_models=tuple(s.predict_model for s in parts.stacks))
     ensemble.workdir = workdir  # what export_adapters reads the factors from
     return ensemble
@@ -238,7 +239,7 @@ class Ensemble:
 
     Example:
       paths = ens.export('/tmp/members')
-      params = load_member(paths[0])        # == ens.member(0)
+      params = load_member(paths[0])        # ens.member(0)'s leaves, as nested dicts
 
     Returns:
       The member files' paths, in member order.

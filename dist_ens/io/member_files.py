@@ -41,10 +41,12 @@ def write_members(files: dict[Path, PyTree]) -> None:
 
 
 def load_member(path: str | os.PathLike) -> PyTree:
-  """One exported member's parameters as the pytree it was trained as (numpy only).
+  """One exported member's parameters as nested dicts and lists (numpy only).
 
   Nested dicts are rebuilt from the '/'-joined keys; a level whose keys are all
-  integers becomes a list.
+  integers becomes a list. A model whose params are dicts and lists (the built-in MLP,
+  CNN, ResNets, ViT) gets its pytree back as trained; a NamedTuple level (an SNGP or
+  rank-1 member's) comes back as a dict of its fields.
 
   Example:
     params = load_member('/tmp/members/member_0.npz')
