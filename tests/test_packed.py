@@ -8,7 +8,8 @@ grouped kernels gives, export and report; the refusals. On the ResNets: the fact
 widths build today's network by default and a thinner one by the hand count; a packed
 ResNet's forward is an independent one of XLA's grouped convolutions (feature_group_count,
 so a group reads its own inputs only), its count the paper's formula; a tiny 2-member
-depth-8 ResNet run resumes exactly and loads, predicts and exports.
+depth-8 ResNet run loads, predicts and exports (its resume in the slow tier: the MLP's
+resume above holds every kind of state a packed run has, its grouped kernels).
 """
 
 import math
@@ -154,12 +155,18 @@ def _train(config, workdir, actions=()):
   return dist_ens.train(config, str(workdir), devices=jax.devices()[:2], actions=actions)
 
 
+def _preempted_and_resumed(config, workdir, step):
+  """The run of `config` in `workdir` preempted after `step` (checked), then resumed to its
+  end: the resumed run's final metrics."""
+  stopped = _train(config, workdir, actions=[support.PreemptAt(step)])
+  assert stopped['preempted'] and stopped['step'] == step
+  return _train(config, workdir)
+
+
 def test_resume_is_exact_and_load_predicts_the_members_grouped_networks(tmp_path):
   straight = _train(_config(**{'eval.shift': 'gaussian_noise:1'}), tmp_path / 'a')
-  stopped = _train(_config(**{'eval.shift': 'gaussian_noise:1'}), tmp_path / 'b',
-                   actions=[support.PreemptAt(4)])
-  assert stopped['preempted'] and stopped['step'] == 4
-  resumed = _train(_config(**{'eval.shift': 'gaussian_noise:1'}), tmp_path / 'b')
+  resumed = _preempted_and_resumed(_config(**{'eval.shift': 'gaussian_noise:1'}),
+                                   tmp_path / 'b', 4)
   assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
   assert straight['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
   assert straight['joint']['ensemble'] > 0
@@ -340,15 +347,17 @@ def _resnet_run_config(**fields):
                     'train.log_every': 2, 'checkpoint.every': 2, **fields})
 
 
-def test_a_packed_resnet_resumes_exactly_and_loads_predicts_and_exports(tmp_path):
-  straight = _train(_resnet_run_config(), tmp_path / 'a')
-  stopped = _train(_resnet_run_config(), tmp_path / 'b', actions=[support.PreemptAt(2)])
-  assert stopped['preempted'] and stopped['step'] == 2
-  resumed = _train(_resnet_run_config(), tmp_path / 'b')
-  assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
-  ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
-  support.assert_trees_equal(ens.params, Ensemble.load(tmp_path / 'b',
-                                                       devices=jax.devices()[:1]).params)
+@pytest.fixture(scope='module')
+def resnet_run(tmp_path_factory):
+  """(workdir, final metrics) of the fast tier's one packed ResNet run: 2 ResNet-8 members
+  on MNIST-1D, 4 steps; the slow tier's resume test ends where it does."""
+  workdir = tmp_path_factory.mktemp('packed_resnet') / 'a'
+  return workdir, _train(_resnet_run_config(), workdir)
+
+
+def test_a_packed_resnet_run_loads_predicts_and_exports(resnet_run, tmp_path):
+  straight_dir, _ = resnet_run
+  ens = Ensemble.load(straight_dir, devices=jax.devices()[:1])
   test = dist_ens.data.load_dataset('mnist1d').test
   x = test.x[:64]
   probs = []
@@ -360,7 +369,20 @@ def test_a_packed_resnet_resumes_exactly_and_loads_predicts_and_exports(tmp_path
                              atol=1e-5)
   paths = ens.export(tmp_path / 'members')
   jax.tree.map(np.testing.assert_array_equal, dist_ens.load_member(paths[1]), ens.member(1))
-  assert report.make_report(tmp_path / 'a') == tmp_path / 'a' / 'report'
+  assert report.make_report(straight_dir) == straight_dir / 'report'
+
+
+# Fast cover: test_resume_is_exact_and_load_predicts_the_members_grouped_networks (a packed
+# run's state is its members' own params, grouped kernels included, on the MLP as here); a
+# ResNet's BatchNorm statistics resume bit for bit in test_adapters'
+# test_linen_batchnorm_dropout_members_predict_and_resume.
+@pytest.mark.slow
+def test_a_packed_resnet_resumes_exactly(resnet_run, tmp_path):
+  straight_dir, straight = resnet_run
+  resumed = _preempted_and_resumed(_resnet_run_config(), tmp_path / 'b', 2)
+  assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
+  support.assert_trees_equal(Ensemble.load(straight_dir, devices=jax.devices()[:1]).params,
+                             Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1]).params)
 
 
 # Fast cover: test_a_packed_resnet_is_xlas_grouped_convolutions[wide_resnet].

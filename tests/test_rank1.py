@@ -399,8 +399,9 @@ def test_a_rank1_resnet_trains_and_loads_as_its_members_formed_networks(resnet_r
 
 
 # Resume with model state (BatchNorm's statistics) through rank-1's shared-W update; the
-# fast tier checks resume on the MLP (test_one_shared_w_per_kernel_...) and on a masked
-# ResNet (test_masksembles).
+# fast tier checks resume on the MLP (test_one_shared_w_per_kernel_...: the shared W and
+# each member's factors) and a ResNet's BatchNorm statistics resumed bit for bit in
+# test_adapters' test_linen_batchnorm_dropout_members_predict_and_resume.
 @pytest.mark.slow
 def test_a_rank1_resnet_resumes_exactly(resnet_run, tmp_path):
   root, straight = resnet_run

@@ -9,9 +9,12 @@ ridge's gradient. A ResNet member against the plain ResNet's own forward on kern
 normalised in numpy: every convolution normalised, within its bound once the power
 iteration has converged, BatchNorm's statistics updated as the plain ResNet's in training
 and read at evaluation, the GP on the pooled features' unit vector. Then a 2-member MLP
-run and a 2-member ResNet-8 run: resume is exact, Ensemble.load predicts what an
-independent forward of the stored params and state gives (the adjustment included),
-export and report; a CNN member and one member (the paper's single model); the refusals.
+run and a 2-member ResNet-8 run: Ensemble.load predicts what an independent forward of
+the stored params and state gives (the adjustment included), export and report; the MLP
+run's resume is exact (the ResNet's in the slow tier: the MLP's state holds every kind of
+SNGP state, a power-iteration vector per normalised kernel, the random features, the
+precision's sums and the steps); a CNN member and one member (the paper's single model);
+the refusals.
 """
 
 import dataclasses
@@ -346,6 +349,14 @@ def _train(config, workdir, actions=(), devices=2):
   return dist_ens.train(config, str(workdir), devices=jax.devices()[:devices], actions=actions)
 
 
+def _preempted_and_resumed(config, workdir, step, devices=2):
+  """The run of `config` in `workdir` preempted after `step` (checked), then resumed to its
+  end: the resumed run's final metrics."""
+  stopped = _train(config, workdir, actions=[support.PreemptAt(step)], devices=devices)
+  assert stopped['preempted'] and stopped['step'] == step
+  return _train(config, workdir, devices=devices)
+
+
 def _named(tree):
   return {jax.tree_util.keystr(path, simple=True, separator='/'): np.asarray(leaf)
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
@@ -392,9 +403,7 @@ def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path, st
   config = _resume_config
   straight_dir, straight = straight_run
   # Stopped inside the precision's window (steps 4-7): its sums cross the checkpoint.
-  stopped = _train(config(), tmp_path / 'b', actions=[support.PreemptAt(6)], devices=4)
-  assert stopped['preempted'] and stopped['step'] == 6
-  resumed = _train(config(), tmp_path / 'b', devices=4)
+  resumed = _preempted_and_resumed(config(), tmp_path / 'b', 6, devices=4)
   assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
   assert straight['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
   assert straight['joint']['ensemble'] > 0
@@ -451,21 +460,12 @@ def resnet_run(tmp_path_factory):
   return workdir, _train(_config(**RESNET), workdir)
 
 
-def test_a_resnet_run_resumes_exactly_and_loads_as_its_plain_resnets_under_gps(tmp_path,
-                                                                                resnet_run):
-  """Stopped at step 2 (inside the precision's window, steps 2-3) and resumed, the run
-  ends as the straight one; Ensemble.load predicts as the plain ResNet's eval forward on
-  the kernels normalised in numpy from the stored vectors and BatchNorm statistics, under
-  the numpy GP with its adjustment."""
+def test_a_resnet_run_loads_as_its_plain_resnets_under_gps(tmp_path, resnet_run):
+  """Ensemble.load predicts as the plain ResNet's eval forward on the kernels normalised in
+  numpy from the stored vectors and BatchNorm statistics, under the numpy GP with its
+  adjustment."""
   straight_dir, straight = resnet_run
-  stopped = _train(_config(**RESNET), tmp_path / 'b', actions=[support.PreemptAt(2)])
-  resumed = _train(_config(**RESNET), tmp_path / 'b')
-  assert stopped['preempted'] and stopped['step'] == 2
-  assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
   ens = Ensemble.load(straight_dir, devices=jax.devices()[:1])
-  resumed_ens = Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])
-  support.assert_trees_equal((ens.params, ens.model_state),
-                             (resumed_ens.params, resumed_ens.model_state))
   test = data.load_dataset('mnist1d').test
   prediction = ens.predict(test.x, preprocessed=True)
   accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
@@ -488,6 +488,25 @@ def test_a_resnet_run_resumes_exactly_and_loads_as_its_plain_resnets_under_gps(t
   assert sorted(got) == sorted(want) and 'base/stem_bn/mean' in want
   for name, leaf in want.items():
     np.testing.assert_array_equal(got[name], leaf)
+
+
+# Fast cover: test_resume_is_exact_and_load_predicts_the_members_adjusted_gps (the MLP's
+# state holds every kind of SNGP state this run's does: a power-iteration vector per
+# normalised kernel, the random features, the precision's sums stopped inside its window,
+# the steps); a ResNet's BatchNorm statistics resume bit for bit in test_adapters'
+# test_linen_batchnorm_dropout_members_predict_and_resume.
+@pytest.mark.slow
+def test_a_resnet_run_resumes_exactly(tmp_path, resnet_run):
+  """Stopped at step 2 (inside the precision's window, steps 2-3) and resumed, the run
+  ends as the straight one, its params and model state (vectors, sums, BatchNorm
+  statistics) bit for bit."""
+  straight_dir, straight = resnet_run
+  resumed = _preempted_and_resumed(_config(**RESNET), tmp_path / 'b', 2)
+  assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
+  ens = Ensemble.load(straight_dir, devices=jax.devices()[:1])
+  resumed_ens = Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])
+  support.assert_trees_equal((ens.params, ens.model_state),
+                             (resumed_ens.params, resumed_ens.model_state))
 
 
 def test_a_cnn_member_normalises_its_convolutions_and_one_member_is_the_papers_model(tmp_path):
