@@ -335,3 +335,54 @@ def check_load_predict_export(workdir, final, member_logits, members: int = 2):
   assert report.make_report(workdir) == Path(workdir) / 'report'
   assert f'{members} x mlp on mnist1d' in (Path(workdir) / 'report' / 'report.md').read_text()
   return ens
+
+
+def _by_path(tree):
+  """{'a/0/w': (dtype, shape, bytes)}: a pytree's leaves under their key paths (a dict's
+  keys, a sequence's indices, a NamedTuple's field names), as Ensemble.export's files
+  hold them."""
+  import jax  # pylint: disable=g-import-not-at-top  (after conftest's XLA_FLAGS)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  name = lambda k: str(getattr(k, 'key', getattr(k, 'idx', getattr(k, 'name', k))))
+  as_saved = lambda a: (a.dtype.str, a.shape, a.tobytes())
+  return {'/'.join(map(name, path)): as_saved(np.asarray(leaf))
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def check_loaded_run(workdir, dataset, final, rmse_as_reported=True):
+  """The contract of a finished run (`final` its results) on `dataset`: Ensemble.load
+  predicts finite outputs on the test split that give the reported ensemble accuracy
+  (scored targets; one example apart at most, as a near-tie may fall the other way in
+  another program) or RMSE (rel 1e-3; skipped where `rmse_as_reported` is False); loaded
+  on one device it predicts the same to float rounding (rtol 1e-3: up to 2e-4 measured,
+  SWAG's samples through a transformer); export writes one file per predicting member
+  holding its leaves under their '/'-joined paths. Returns the loaded ensemble."""
+  import jax  # pylint: disable=g-import-not-at-top  (after conftest's XLA_FLAGS)
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import pytest  # pylint: disable=g-import-not-at-top
+  import dist_ens  # pylint: disable=g-import-not-at-top
+  ensemble = dist_ens.Ensemble.load(str(workdir))
+  prediction = ensemble.predict(dataset.test.x)
+  arrays = {k: np.asarray(v) for k, v in prediction._asdict().items() if hasattr(v, 'dtype')}
+  assert arrays and all(np.isfinite(a).all() for a in arrays.values()
+                        if np.issubdtype(a.dtype, np.floating)), arrays
+  y, reported = np.asarray(dataset.test.y), final['ensemble']
+  if hasattr(prediction, 'probs'):
+    hits = (np.asarray(prediction.probs).argmax(-1) == y)[y >= 0]  # Tokens: -1 pads.
+    assert abs(hits.mean() - reported['accuracy']) <= 1 / hits.size + 1e-9, (
+        hits.mean(), reported['accuracy'])
+  elif rmse_as_reported:
+    mean = np.asarray(prediction.mean, np.float64)
+    rmse = np.sqrt(np.mean((mean - y.reshape(mean.shape)) ** 2))
+    assert rmse == pytest.approx(reported['rmse'], rel=1e-3)
+  alone = dist_ens.Ensemble.load(str(workdir), devices=jax.devices()[:1])
+  for name, value in alone.predict(dataset.test.x)._asdict().items():
+    if hasattr(value, 'dtype'):
+      np.testing.assert_allclose(value, arrays[name], rtol=1e-3, atol=1e-4, err_msg=name)
+  paths = ensemble.export(Path(workdir) / 'exported')
+  assert len(paths) == ensemble.num_members
+  for i, path in enumerate(paths):
+    with np.load(path) as saved:
+      got = {k: (saved[k].dtype.str, saved[k].shape, saved[k].tobytes()) for k in saved.files}
+    assert _by_path(ensemble.member(i)) == got, i
+  return ensemble
