@@ -45,8 +45,9 @@ def load_member(path: str | os.PathLike) -> PyTree:
 
   Nested dicts are rebuilt from the '/'-joined keys; a level whose keys are all
   integers becomes a list. A model whose params are dicts and lists (the built-in MLP,
-  CNN, ResNets, ViT) gets its pytree back as trained; a NamedTuple level (an SNGP or
-  rank-1 member's) comes back as a dict of its fields.
+  CNN, ResNets, ViT; linen's and Haiku's params) gets its pytree back as trained; any
+  other node (the NamedTuples of an SNGP or rank-1 member, an Equinox module, an nnx
+  State) comes back as a dict of its children under their key names.
 
   Example:
     params = load_member('/tmp/members/member_0.npz')
