@@ -354,7 +354,7 @@ def check_loaded_run(workdir, dataset, final, rmse_as_reported=True):
   predicts finite outputs on the test split that give the reported ensemble accuracy
   (scored targets; one example apart at most, as a near-tie may fall the other way in
   another program) or RMSE (rel 1e-3; skipped where `rmse_as_reported` is False); loaded
-  on one device it predicts the same to float rounding (rtol 1e-3: up to 2e-4 measured,
+  on one device it predicts the same on the split's first 64 examples, to float rounding (rtol 1e-3: up to 2e-4 measured,
   SWAG's samples through a transformer); export writes one file per predicting member
   holding its leaves under their '/'-joined paths. Returns the loaded ensemble."""
   import jax  # pylint: disable=g-import-not-at-top  (after conftest's XLA_FLAGS)
@@ -376,9 +376,10 @@ def check_loaded_run(workdir, dataset, final, rmse_as_reported=True):
     rmse = np.sqrt(np.mean((mean - y.reshape(mean.shape)) ** 2))
     assert rmse == pytest.approx(reported['rmse'], rel=1e-3)
   alone = dist_ens.Ensemble.load(str(workdir), devices=jax.devices()[:1])
-  for name, value in alone.predict(dataset.test.x)._asdict().items():
+  for name, value in alone.predict(dataset.test.x[:64])._asdict().items():  # Its first 64.
     if hasattr(value, 'dtype'):
-      np.testing.assert_allclose(value, arrays[name], rtol=1e-3, atol=1e-4, err_msg=name)
+      first = arrays[name][:, :64] if name.startswith('member_') else arrays[name][:64]
+      np.testing.assert_allclose(value, first, rtol=1e-3, atol=1e-4, err_msg=name)
   paths = ensemble.export(Path(workdir) / 'exported')
   assert len(paths) == ensemble.num_members
   for i, path in enumerate(paths):
