@@ -16,7 +16,9 @@ import logging
 import numpy as np
 import pytest
 
+import combinations_table as table
 import support
+import test_combinations as matrix
 
 import dist_ens
 from dist_ens import data, models
@@ -31,9 +33,8 @@ SIZES = {
     'wide_resnet': {'model.depth': 10, 'model.widen_factor': 1},
     'vit': {'model.patch_size': 4, 'model.hidden': 16, 'model.depth': 1, 'model.heads': 2,
             'model.mlp_dim': 16},
-    'token_transformer': {'task': 'token_classification', 'model.causal': True,
-                          'model.pool': 'tokens', 'model.vocab_size': 6, 'model.hidden': 8,
-                          'model.depth': 1, 'model.heads': 2, 'model.mlp_dim': 16},
+    # The matrix's token task: its option's model and its data set.
+    'token_transformer': table.OPTIONS['token_classification'].overrides,
 }
 
 
@@ -49,15 +50,9 @@ def _signals(n, seed):
   return x, (x[:, :8, 0].mean(1) > 0).astype(np.int32)
 
 
-def _tokens(n, seed):
-  """Next-token pairs of a repeating pattern 0..4 (vocabulary 6)."""
-  seq = (np.random.default_rng(seed).integers(0, 5, n)[:, None] + np.arange(9)[None]) % 5
-  return seq[:, :-1].astype(np.int32), seq[:, 1:].astype(np.int32)
-
-
 def _dataset(name):
   if name == 'token_transformer':
-    return data.from_arrays(*_tokens(64, 0), *_tokens(32, 1), name='tokens', num_classes=6)
+    return matrix.DATASETS['tokens']
   make = _signals if name in ('mlp', 'cnn') else _images
   return data.from_arrays(*make(64, 0), *make(32, 1), name='toy')
 

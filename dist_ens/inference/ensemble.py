@@ -179,8 +179,7 @@ class Ensemble:
                    predict_model=parts.predict_model,
                    split_scales=saved_run.split_scales_from(meta),
                    laplace=saved_run.laplace_from(workdir, restored.step),
-                   # One stack (a collecting method's K rows a member among): its rows.
-                   places=parts.places if parts.stacked else None,
+                   places=parts.places if parts.stacked else None,  # One stack: its K x M rows.
                    stack_models=tuple(s.predict_model for s in parts.stacks))
     ensemble.workdir = workdir  # what export_adapters reads the factors from
     return ensemble

@@ -273,17 +273,22 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
                       task.example_outputs(num_outputs, input_shape))
   layout = build_layout(method, mesh, config.mesh, one_member)
   state = jax.eval_shape(init)
-  # A rule that matches nothing would be ignored without a word (on any mesh, so a typo
-  # shows on a laptop before a run that splits members).
-  sharding_rules.check_rules_match(
-      sharding_rules.config_rules(config.mesh.rules),
-      [sharding_rules.path_str(layout.rule_path(p))
-       for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]])
+  _check_rules_match(config.mesh.rules, layout, state)
   abstract = layout.place(state, mesh)
   return Parts(stack_spec(config), mesh, model, optimizer, member_hparams, input_shape,
                num_outputs, abstract, init, method, task,
                tasks.loss_for(config.train.loss, task), layout, input_dtype,
                first_member=first_member)
+
+
+def _check_rules_match(rules: Any, layout: Layout, state: TrainState) -> None:
+  """Refuses a config.mesh.rules entry that matches no leaf of the state: it would be
+  ignored without a word (checked on any mesh, so a typo shows on a laptop before a run
+  that splits members)."""
+  sharding_rules.check_rules_match(
+      sharding_rules.config_rules(rules),
+      [sharding_rules.path_str(layout.rule_path(p))
+       for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]])
 
 
 def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],
