@@ -3,9 +3,12 @@
 The step size and the sampling phases against Zhang et al. 2020's formula worked out
 here by hand; the sampler's real update (its optimizer and its noisy members_update) on
 a 1-D Gaussian posterior reaches the posterior's mean and variance, for SGLD and SGHMC;
-the noise is each member's own and member m's chain is the same whatever M; then runs:
-resume is exact, Ensemble.load predicts with M x cycles x samples_per_cycle members; the
-refusals.
+the noise is each member's own and member m's chain is the same whatever M; then one run
+and its resume: resume is exact, Ensemble.load predicts with M x cycles x samples_per_cycle
+members, each chain's samples in its own rows (member m's chain in a 2- and a 4-member run
+in the slow tier); the refusals. What every method's run keeps, one trace, predict as
+reported, the same on one device and export per member, is the combination matrix's
+(tests/test_combinations.py, its sgmcmc case).
 
 The convention checked: the loss is a mean over N = sgmcmc.data_size examples, so the
 posterior exp(-N L) at T = 1: for L(theta) = mean_i (theta - x_i)^2 / 2 it is
@@ -14,12 +17,14 @@ N(mean x, 1 / N).
 
 import math
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import runs
 import support
 
 import dist_ens
@@ -141,11 +146,14 @@ def _train(config, workdir, actions=()):
 
 
 def test_resume_is_exact_and_load_predicts_with_k_times_m_members(tmp_path):
+  """Resumed from what a kill after the step-4 checkpoint leaves (cycle 1's samples
+  collected, cycle 2's not) the run ends as the straight one, bit for bit; Ensemble.load
+  predicts with the 2 chains x 2 cycles x 2 samples, distinct, at the reported SG-MCMC
+  accuracy; each chain's last sample (its rows' last) is its trained member."""
   straight = _train(_config(), tmp_path / 'a')
-  stopped = _train(_config(), tmp_path / 'b', actions=[support.PreemptAt(4)])
-  assert stopped['preempted'] and stopped['step'] == 4
-  resumed = _train(_config(), tmp_path / 'b')
+  resumed = _train(_config(), killed_after(tmp_path / 'a', 4, tmp_path / 'b'))
   assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
+  assert resumed['sgmcmc'] == straight['sgmcmc']
   ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
   support.assert_trees_equal(ens.params, Ensemble.load(tmp_path / 'b',
                                                        devices=jax.devices()[:1]).params)
@@ -157,11 +165,37 @@ def test_resume_is_exact_and_load_predicts_with_k_times_m_members(tmp_path):
   accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
   assert straight['sgmcmc']['predicting_members'] == 8
   assert accuracy == pytest.approx(straight['sgmcmc']['ensemble']['accuracy'], abs=2e-3)
-  # Each chain's last sample is its final params (step 8): the trained member's metrics.
-  assert straight['sgmcmc']['members']['nll'][3] == pytest.approx(
-      straight['members']['nll'][0], rel=1e-5)
+  # Each chain's last sample is its final params (step 8): the trained member's metrics;
+  # member m's samples are rows 4m .. 4m + 3.
+  for m in range(2):
+    assert straight['sgmcmc']['members']['nll'][4 * m + 3] == pytest.approx(
+        straight['members']['nll'][m], rel=1e-5)
 
 
+def killed_after(run, step, to):
+  """`to` holding what a kill right after the finished run's step-`step` checkpoint leaves:
+  a copy of `run` ((workdir, final metrics) or a workdir) without its later checkpoints and
+  its final metrics; resuming it drops the events after `step`. A resume from it is a
+  resume from that checkpoint, at the cost of one run (a preempted run and its resume are
+  two): the method files' exact-resume tests start from it (the matrix preempts every
+  method's run). Returns the copy's path."""
+  workdir = runs.copy(run, to)
+  for path in (workdir / 'checkpoints').iterdir():
+    if path.name.isdigit() and int(path.name) > step:
+      shutil.rmtree(path)
+  (workdir / 'final_metrics.json').unlink()
+  assert max(int(p.name) for p in (workdir / 'checkpoints').iterdir()
+             if p.name.isdigit()) == step
+  return workdir
+
+
+# Slow; fast covers: each chain's noise is its member's own and member m's chain the same
+# with 2 and 4 members, through the method's own update
+# (test_noise_is_each_members_own_and_member_ms_chain_does_not_depend_on_m); a member's
+# init and data do not depend on M (test_train's test_member_does_not_depend_on_ensemble_size,
+# test_data's test_member_stream_does_not_depend_on_m_or_host); each chain's samples in its
+# own rows (test_resume_is_exact_and_load_predicts_with_k_times_m_members).
+@pytest.mark.slow
 def test_member_ones_chain_is_the_same_in_a_2_and_a_4_member_run(tmp_path):
   fields = {'reproducible': True, 'mesh.member': 1}
   for name, m in (('two', 2), ('four', 4)):
