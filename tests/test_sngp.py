@@ -8,13 +8,15 @@ kernel form); the mean-field adjustment against the probit integral it approxima
 ridge's gradient. A ResNet member against the plain ResNet's own forward on kernels
 normalised in numpy: every convolution normalised, within its bound once the power
 iteration has converged, BatchNorm's statistics updated as the plain ResNet's in training
-and read at evaluation, the GP on the pooled features' unit vector. Then a 2-member MLP
-run and a 2-member ResNet-8 run: Ensemble.load predicts what an independent forward of
-the stored params and state gives (the adjustment included), export and report; the MLP
-run's resume is exact (the ResNet's in the slow tier: the MLP's state holds every kind of
-SNGP state, a power-iteration vector per normalised kernel, the random features, the
-precision's sums and the steps); a CNN member and one member (the paper's single model);
-the refusals.
+and read at evaluation, the GP on the pooled features' unit vector. Then one 2-member MLP
+run: its resume is exact (the state holds every kind of SNGP state: a power-iteration
+vector per normalised kernel, the random features, the precision's sums and the steps),
+and Ensemble.load predicts what an independent forward of the stored params and state
+gives (the adjustment included) and exports the state; a CNN member and one member (the
+paper's single model) step without a run; the refusals. What every method's run keeps,
+one trace, predict as reported, the same on one device and export per member, is the
+combination matrix's (tests/test_combinations.py, its sngp case); the ResNet run is in
+the slow tier.
 """
 
 import dataclasses
@@ -27,6 +29,7 @@ import numpy as np
 import pytest
 
 import support
+from test_sgmcmc import killed_after
 
 import dist_ens
 from dist_ens import Ensemble, data
@@ -36,7 +39,9 @@ from dist_ens.ensembles import methods, sngp
 from dist_ens.errors import ConfigError
 from dist_ens.models.mlp import make_mlp
 from dist_ens.models.spec import ModelSpec
+from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.report import build as report
+from dist_ens.run import assemble, initial_state, mesh_layout
 
 _SPEC = ModelSpec('mlp', '', {}, (6, 5), (4, 3), (3, 3), (2, 2), 'xla', 0.0)
 
@@ -387,8 +392,10 @@ def _numpy_gp_probs(params, state, phi, options, steps):
 
 
 def _resume_config():
+  # Calls of 2 steps and a checkpoint after each: step 6's, inside the precision's window
+  # (steps 4-7), is kept (checkpoint.keep 2) and is where the resume test starts.
   return _config(**{'eval.shift': 'gaussian_noise:1', 'mesh.data': 2,
-                    'train.log_every': 2})  # Calls of 2 steps: step 6 is one's end.
+                    'train.log_every': 2, 'checkpoint.every': 2})
 
 
 @pytest.fixture(scope='module')
@@ -400,10 +407,13 @@ def straight_run(tmp_path_factory):
 
 
 def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path, straight_run):
-  config = _resume_config
+  """Resumed from the step-6 checkpoint (inside the precision's window: its sums cross the
+  checkpoint) the run ends as the straight one, params and model state bit for bit; the
+  loaded state is each member's own; Ensemble.load predicts the mean of the members'
+  numpy GPs (random features of the normalised network's features, the precision from the
+  stored window, the mean-field adjustment) and exports each member's state by name."""
   straight_dir, straight = straight_run
-  # Stopped inside the precision's window (steps 4-7): its sums cross the checkpoint.
-  resumed = _preempted_and_resumed(config(), tmp_path / 'b', 6, devices=4)
+  resumed = _train(_resume_config(), killed_after(straight_run, 6, tmp_path / 'b'), devices=4)
   assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
   assert straight['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
   assert straight['joint']['ensemble'] > 0
@@ -416,21 +426,20 @@ def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path, st
   assert not np.array_equal(state.moment[0], state.moment[1])  # Each member its own.
   # Over the window's 4 steps each batch's mean |phi|^2 is about 1 (2/D sum cos^2).
   assert np.trace(state.moment[0]) == pytest.approx(4, rel=0.15)
+  # Predict as reported, on one device too, and each member's params file: the matrix's
+  # sngp case (support.check_loaded_run).
   test = data.load_dataset('mnist1d').test
   prediction = ens.predict(test.x, preprocessed=True)
-  accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
-  assert accuracy == pytest.approx(straight['ensemble']['accuracy'], abs=2e-3)
-  options = sngp.options_from(dict(config().ensemble.sngp), STEPS, 'mlp')
+  options = sngp.options_from(dict(_resume_config().ensemble.sngp), STEPS, 'mlp')
   want = np.mean([_numpy_probs(ens, m, test.x, options) for m in range(2)], 0)
   np.testing.assert_allclose(prediction.probs, want, atol=1e-5)
   paths = ens.export(tmp_path / 'members')
-  for m in range(2):  # The files hold each leaf under its name ('output', 'moment', ...).
-    for file, tree in ((paths[m], ens.member(m)),
-                       (paths[m].with_name(f'member_{m}_state.npz'), ens.member_state(m))):
-      got, want = _named(dist_ens.load_member(file)), _named(tree)
-      assert sorted(got) == sorted(want)
-      for name, leaf in want.items():
-        np.testing.assert_array_equal(got[name], leaf)
+  for m in range(2):  # The state files hold each leaf under its name ('moment', ...).
+    got = _named(dist_ens.load_member(paths[m].with_name(f'member_{m}_state.npz')))
+    want = _named(ens.member_state(m))
+    assert sorted(got) == sorted(want) and 'moment' in want
+    for name, leaf in want.items():
+      np.testing.assert_array_equal(got[name], leaf)
 
 
 # The report's drawing (matplotlib, 2-3 CPU s) is the same for every method; what is
@@ -452,14 +461,34 @@ RESNET = {'model.name': 'resnet', 'model.depth': 8, 'train.steps': 4, 'train.log
           'checkpoint.every': 2, 'ensemble.sngp.cov_steps': 2}
 
 
+def test_a_resnets_options_default_to_the_resnet_papers_and_an_mlps_to_the_mlp_papers():
+  """sngp.options_from's model-dependent defaults (norm_bound, length_scale, unit_input):
+  a ResNet's features go through the GP as a unit vector, an MLP's as they are."""
+  fields = dict(_config(**RESNET).ensemble.sngp)
+  options = sngp.options_from(fields, 4, 'resnet')
+  assert (options.norm_bound, options.length_scale, options.unit_input) == (6.0, 1.0, True)
+  options = sngp.options_from(dict(_config().ensemble.sngp), STEPS, 'mlp')
+  assert (options.norm_bound, options.unit_input) == (0.95, False)
+
+
 @pytest.fixture(scope='module')
 def resnet_run(tmp_path_factory):
-  """(workdir, final metrics) of the fast tier's one SNGP ResNet run: 2 ResNet-8 members
-  on MNIST-1D, 4 steps."""
+  """(workdir, final metrics) of the slow tier's SNGP ResNet run: 2 ResNet-8 members on
+  MNIST-1D, 4 steps."""
   workdir = tmp_path_factory.mktemp('sngp_resnet') / 'a'
   return workdir, _train(_config(**RESNET), workdir)
 
 
+# Slow; fast covers: the ResNet member's forward, train and eval, BatchNorm statistics
+# included, against the plain ResNet on kernels normalised in numpy under the GP
+# (test_a_resnet_member_is_the_plain_resnet_on_normalised_convs_under_a_gp[resnet]); a ResNet's
+# options (test_a_resnets_options_default_to_...); an SNGP run's Ensemble.load predicting
+# its members' numpy GPs from the stored state and exporting it (the MLP's
+# test_resume_is_exact_and_load_predicts_the_members_adjusted_gps); a method's ResNet
+# BatchNorm state through a run, load and predict (test_masksembles'
+# test_a_masked_resnet_predicts_its_masked_members_and_exports); predict as reported,
+# on one device and export per member (test_combinations' sngp case).
+@pytest.mark.slow
 def test_a_resnet_run_loads_as_its_plain_resnets_under_gps(tmp_path, resnet_run):
   """Ensemble.load predicts as the plain ResNet's eval forward on the kernels normalised in
   numpy from the stored vectors and BatchNorm statistics, under the numpy GP with its
@@ -471,7 +500,6 @@ def test_a_resnet_run_loads_as_its_plain_resnets_under_gps(tmp_path, resnet_run)
   accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
   assert accuracy == pytest.approx(straight['ensemble']['accuracy'], abs=2e-3)
   options = sngp.options_from(dict(_config(**RESNET).ensemble.sngp), 4, 'resnet')
-  assert (options.norm_bound, options.length_scale, options.unit_input) == (6.0, 1.0, True)
   plain = models.get_model(ModelSpec('resnet', '', {}, (), (), (), (), 'auto', 0.0, depth=8),
                            10)
   probs = []
@@ -509,18 +537,31 @@ def test_a_resnet_run_resumes_exactly(tmp_path, resnet_run):
                              (resumed_ens.params, resumed_ens.model_state))
 
 
-def test_a_cnn_member_normalises_its_convolutions_and_one_member_is_the_papers_model(tmp_path):
+def test_a_cnn_member_normalises_its_convolutions_and_one_member_is_the_papers_model():
+  """A 1-member SNGP CNN (the paper's single model), as a run builds it (its sharded init
+  and train step, without a run): a power-iteration vector per convolution, which its
+  training step moves, no head in the body, the GP on the flattened conv features."""
   config = _config(**{'model.name': 'cnn', 'model.channels': (6, 4), 'model.kernel_sizes': (3, 3),
                       'model.strides': (2, 2), 'num_members': 1, 'mesh.member': 1,
                       'train.steps': 2, 'ensemble.sngp.cov_steps': 2})
-  result = _train(config, tmp_path, devices=1)
-  assert np.isfinite(result['ensemble']['nll'])
-  ens = Ensemble.load(tmp_path, devices=jax.devices()[:1])
-  params, state = jax.tree.map(np.asarray, (ens.params, ens.model_state))
-  assert [u.shape for u in state.vectors] == [(1, 6), (1, 4)]
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:1]),
+                               (40, 1), 10)
+  state = initial_state.init_sharded(parts)
+  params, born = jax.tree.map(np.asarray, (state.params, state.model_state))
+  assert [u.shape for u in born.vectors] == [(1, 6), (1, 4)]
   assert 'head' not in params.body and params.output.shape == (1, 64, 10)
   # The features: 40 -> 20 -> 10 positions of 4 channels.
-  assert state.projection.shape == (1, 40, 64)
+  assert born.projection.shape == (1, 40, 64)
+  step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
+  sharding = mesh_lib.batch_sharding(parts.mesh)
+  x, y = next(data.BatchIterator(data.load_dataset('mnist1d').train, 32, seed=0))
+  state, metrics = step(state, parts.device_hparams(), data.to_global(x, sharding),
+                        data.to_global(y, sharding))
+  assert np.isfinite(np.asarray(metrics.loss)).all()
+  after = jax.tree.map(np.asarray, state.model_state)
+  for u, v in zip(born.vectors, after.vectors):
+    assert not np.allclose(u, v)  # One power step of each convolution's vector.
+  assert after.steps.tolist() == [1]
 
 
 @pytest.mark.parametrize('fields, match', [
