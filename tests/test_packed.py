@@ -4,12 +4,13 @@ The width and group arithmetic against the paper's (torch-uncertainty's) formula
 out here by hand; a grouped layer is the block-diagonal dense (and conv) layer numpy
 builds, so groups never mix; the parameter count is the paper's per-layer formula; then a
 2-member run: resume is exact, Ensemble.load predicts what a numpy forward of the stored
-grouped kernels gives, export and report; the refusals. On the ResNets: the factories'
-widths build today's network by default and a thinner one by the hand count; a packed
-ResNet's forward is an independent one of XLA's grouped convolutions (feature_group_count,
-so a group reads its own inputs only), its count the paper's formula; a tiny 2-member
-depth-8 ResNet run loads, predicts and exports (its resume in the slow tier: the MLP's
-resume above holds every kind of state a packed run has, its grouped kernels).
+grouped kernels gives; a CNN's grouped convolutions, built and stepped without a run; the
+refusals. On the ResNets: the factories' widths build today's network by default and a
+thinner one by the hand count; a packed ResNet's forward is an independent one of XLA's
+grouped convolutions (feature_group_count, so a group reads its own inputs only), its
+count the paper's formula. What every method's run keeps, one trace, predict as reported,
+the same on one device and export per member, is the combination matrix's
+(tests/test_combinations.py, its packed case); the ResNet runs are in the slow tier.
 """
 
 import math
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 
 import support
+from test_sgmcmc import killed_after
 
 import dist_ens
 from dist_ens import Ensemble
@@ -29,6 +31,7 @@ from dist_ens.ensembles import methods, packed
 from dist_ens.errors import ConfigError
 from dist_ens.models import resnet
 from dist_ens.models.spec import ModelSpec
+from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.report import build as report
 from dist_ens.run import assemble, initial_state, mesh_layout
 
@@ -164,31 +167,58 @@ def _preempted_and_resumed(config, workdir, step):
 
 
 def test_resume_is_exact_and_load_predicts_the_members_grouped_networks(tmp_path):
-  straight = _train(_config(**{'eval.shift': 'gaussian_noise:1'}), tmp_path / 'a')
-  resumed = _preempted_and_resumed(_config(**{'eval.shift': 'gaussian_noise:1'}),
-                                   tmp_path / 'b', 4)
+  """Resumed from what a kill after the step-4 checkpoint leaves, the run ends as the
+  straight one, its params bit for bit; Ensemble.load predicts the mean softmax of the
+  members' numpy forwards through the block-diagonal matrices of their stored grouped
+  kernels."""
+  config = lambda: _config(**{'eval.shift': 'gaussian_noise:1'})
+  straight = _train(config(), tmp_path / 'a')
+  resumed = _train(config(), killed_after(tmp_path / 'a', 4, tmp_path / 'b'))
   assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
   assert straight['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
   assert straight['joint']['ensemble'] > 0
-  ens = support.check_load_predict_export(tmp_path / 'a', straight, _logits)
+  ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
   support.assert_trees_equal(ens.params, Ensemble.load(tmp_path / 'b',
                                                        devices=jax.devices()[:1]).params)
   assert np.asarray(ens.params[1]['w']).shape == (2, 2, 32, 16)  # Stored grouped.
+  # The same on one device as on the run's mesh, and export per member: the matrix's
+  # packed case (support.check_loaded_run), a regression run; here the classifier's
+  # accuracy as reported.
+  test = dist_ens.data.load_dataset('mnist1d').test
+  prediction = ens.predict(test.x, preprocessed=True)
+  accuracy = float(np.mean(prediction.probs.argmax(-1) == test.y))
+  assert accuracy == pytest.approx(straight['ensemble']['accuracy'], abs=2e-3)
+  probs = [np.exp(z - z.max(-1, keepdims=True)) for z in (_logits(ens, m, test.x)
+                                                           for m in range(2))]
+  np.testing.assert_allclose(prediction.probs,
+                             np.mean([p / p.sum(-1, keepdims=True) for p in probs], 0),
+                             atol=1e-5)
 
 
-def test_the_cnns_convolutions_after_the_first_are_grouped(tmp_path):
+def test_the_cnns_convolutions_after_the_first_are_grouped():
+  """A packed CNN as a run builds it (its sharded init and one train step, without a
+  run): the first conv reads the input whole, the second is grouped, and it steps."""
   config = _config(**{'model.name': 'cnn', 'model.channels': (12, 8), 'model.kernel_sizes': (3, 3),
                       'model.strides': (2, 2), 'mesh.member': 1})
-  params = _init_params(config)
+  parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:1]),
+                               (40, 1), 10)
+  state = initial_state.init_sharded(parts)
+  params = jax.tree.map(np.asarray, state.params)
   convs, head = params['convs'], params['head']['w']
   # int(2 * 12) / 2 = 12 and int(2 * 8) / 2 = 8 channels per member; the first conv reads
   # the input whole, the second is 2 groups of 6 -> 4 channels, the head reads 8 per position.
   assert convs[0]['w'].shape == (2, 3, 1, 12)
   assert convs[1]['w'].shape == (2, 2, 3, 6, 4) and convs[1]['b'].shape == (2, 8)
   assert head.shape == (2, 10 * 8, 10)  # 40 -> 20 -> 10 positions, 8 channels.
-  result = dist_ens.train(support.override(config, **{'train.steps': 2}), str(tmp_path),
-                          devices=jax.devices()[:1])
-  assert np.isfinite(result['ensemble']['nll'])
+  step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
+  sharding = mesh_lib.batch_sharding(parts.mesh)
+  x, y = next(dist_ens.data.BatchIterator(dist_ens.data.load_dataset('mnist1d').train, 32,
+                                          seed=0))
+  state, metrics = step(state, parts.device_hparams(), dist_ens.data.to_global(x, sharding),
+                        dist_ens.data.to_global(y, sharding))
+  assert np.isfinite(np.asarray(metrics.loss)).all()
+  moved = jax.tree.map(np.asarray, state.params)['convs'][1]['w']
+  assert not np.allclose(moved, convs[1]['w'])  # The grouped kernel trained.
 
 
 @pytest.mark.parametrize('fields, match', [
@@ -349,12 +379,21 @@ def _resnet_run_config(**fields):
 
 @pytest.fixture(scope='module')
 def resnet_run(tmp_path_factory):
-  """(workdir, final metrics) of the fast tier's one packed ResNet run: 2 ResNet-8 members
-  on MNIST-1D, 4 steps; the slow tier's resume test ends where it does."""
+  """(workdir, final metrics) of the slow tier's packed ResNet run: 2 ResNet-8 members on
+  MNIST-1D, 4 steps; the resume test ends where it does."""
   workdir = tmp_path_factory.mktemp('packed_resnet') / 'a'
   return workdir, _train(_resnet_run_config(), workdir)
 
 
+# Slow; fast covers: a packed ResNet-8's forward against XLA's grouped convolutions, with
+# non-trivial BatchNorm statistics (test_a_packed_resnet_is_xlas_grouped_convolutions[resnet]);
+# a packed run's Ensemble.load predicting its members' grouped networks (the MLP's
+# test_resume_is_exact_and_load_predicts_the_members_grouped_networks); a method's ResNet
+# BatchNorm state through a run, load and predict (test_masksembles'
+# test_a_masked_resnet_predicts_its_masked_members_and_exports); export per member and
+# predict as reported (test_combinations' packed case); a method's report (test_masksembles'
+# test_ensemble_load_predicts_the_members_mean_of_their_masked_networks_and_exports, test_report).
+@pytest.mark.slow
 def test_a_packed_resnet_run_loads_predicts_and_exports(resnet_run, tmp_path):
   straight_dir, _ = resnet_run
   ens = Ensemble.load(straight_dir, devices=jax.devices()[:1])
