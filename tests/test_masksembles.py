@@ -5,13 +5,15 @@ numpy draw of the paper's procedure: m = int(c / (s (1 - (1 - 1/s)^M))) ones per
 every unit used, two masks sharing about m/s units, fixed, distinct and drawn from the
 seed. Then a 2-member run: members differ only through their masks (one shared W and
 bias per layer, member m's kernel W * mask_m), resume is exact, and Ensemble.load
-predicts what the run evaluated; the refusals. On the ResNets: masks on the inputs of
-every block conv and of the head (torch-uncertainty's MaskedConv2d / MaskedLinear), none
-on the stem; a channel of a block's input masked out for a member does not reach that
-member's conv, while the identity shortcut carries it; a tiny 2-member depth-8 ResNet run
-predicts as an independent forward of the masked kernels and exports them (its resume in
-the slow tier: the MLP's resume above holds every kind of state a masked run has, the
-shared entries and each member's fixed masks).
+predicts what the run evaluated, exports and reports; the refusals. On the ResNets: masks
+on the inputs of every block conv and of the head (torch-uncertainty's MaskedConv2d /
+MaskedLinear), none on the stem; a channel of a block's input masked out for a member
+does not reach that member's conv, while the identity shortcut carries it; a tiny 2-member
+depth-8 ResNet run predicts as an independent forward of the masked kernels and exports
+them (its resume in the slow tier: the MLP's resume above holds every kind of state a
+masked run has, the shared entries and each member's fixed masks). One trace and the
+same prediction on one device are the combination matrix's (tests/test_combinations.py,
+its masksembles case).
 """
 
 import re
@@ -22,6 +24,7 @@ import numpy as np
 import pytest
 
 import support
+from test_sgmcmc import killed_after
 
 import dist_ens
 from dist_ens import Ensemble
@@ -126,9 +129,9 @@ def _preempted_and_resumed(config, workdir, step):
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  """The 2-member run trained straight ('a', evaluated on a shift too), and preempted after
-  step 4 and resumed ('b', without the shift: the 'ensemble' entry of its final metrics
-  does not depend on it); (root, straight, stopped, resumed, born params)."""
+  """The 2-member run trained straight ('a', evaluated on a shift too), and resumed from
+  what a kill after its step-4 checkpoint leaves ('b'); (root, straight, resumed, born
+  params)."""
   root = tmp_path_factory.mktemp('masksembles')
   config = _config()
   parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:2]),
@@ -136,13 +139,13 @@ def runs(tmp_path_factory):
   born = jax.tree.map(np.asarray, jax.jit(lambda s: s.params, out_shardings=mesh_lib.replicated(
       parts.mesh))(initial_state.init_sharded(parts)))
   straight = _train(_config(**{'eval.shift': 'gaussian_noise:1'}), root / 'a')
-  stopped, resumed = _preempted_and_resumed(config, root / 'b', 4)
-  return root, straight, stopped, resumed, born
+  resumed = _train(_config(**{'eval.shift': 'gaussian_noise:1'}),
+                   killed_after(root / 'a', 4, root / 'b'))
+  return root, straight, resumed, born
 
 
 def test_members_differ_only_through_their_masks_and_resume_is_exact(runs):
-  root, straight, stopped, resumed, born = runs
-  assert stopped['preempted'] and stopped['step'] == 4
+  root, straight, resumed, born = runs
   assert resumed['step'] == STEPS
   assert resumed['ensemble'] == straight['ensemble']
   trained = Ensemble.load(root / 'a', devices=jax.devices()[:1])
