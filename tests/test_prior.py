@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import support
+from test_sgmcmc import killed_after
 
 import dist_ens
 from dist_ens.config import specs
@@ -51,16 +52,14 @@ def _config(member=8, data_size=1, method='prior', **prior):
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  """Workdirs and final metrics: 'straight' (mesh 8x1) and 'resumed' (8x1, preempted at
-  step 2 and resumed)."""
+  """Workdirs and final metrics: 'straight' (mesh 8x1) and 'resumed' (8x1, resumed from
+  what a kill after the straight run's step-2 checkpoint leaves: a resume from that
+  checkpoint for one run; the matrix's prior case preempts one)."""
   root, out = tmp_path_factory.mktemp('prior'), {}
   out['straight'] = (root / 'straight',
                      dist_ens.train(_config(), str(root / 'straight'), dataset=DATASET))
-  stopped = dist_ens.train(_config(), str(root / 'resumed'), dataset=DATASET,
-                           actions=[support.PreemptAt(2)])
-  assert stopped['preempted'] and stopped['step'] == 2
-  out['resumed'] = (root / 'resumed',
-                    dist_ens.train(_config(), str(root / 'resumed'), dataset=DATASET))
+  resumed = killed_after(root / 'straight', 2, root / 'resumed')
+  out['resumed'] = (resumed, dist_ens.train(_config(), str(resumed), dataset=DATASET))
   return out
 
 
