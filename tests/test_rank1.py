@@ -321,8 +321,8 @@ def test_ensemble_load_predicts_the_mixture_of_the_members_fixed_draws_and_expor
 # The report's drawing (matplotlib, 2-3 CPU s) is the same for every method; what is
 # rank-1's own in it, Ensemble.load and predict of the run, is checked in the fast tier by
 # the test above, and the report of a method's run with shift metrics by
-# test_masksembles' and test_packed's load/predict/export/report checks
-# (support.check_load_predict_export) and test_report.
+# test_masksembles' load/predict/export/report check (support.check_load_predict_export)
+# and test_report.
 @pytest.mark.slow
 def test_the_report_of_a_rank1_run_names_it(runs):
   root = runs[0] / 'a'
