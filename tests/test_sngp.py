@@ -445,8 +445,8 @@ def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path, st
 # The report's drawing (matplotlib, 2-3 CPU s) is the same for every method; what is
 # SNGP's own in it, Ensemble.load and predict of the run, is checked in the fast tier by
 # the test above, and the report of a method's run with shift metrics by
-# test_masksembles' and test_packed's load/predict/export/report checks
-# (support.check_load_predict_export) and test_report.
+# test_masksembles' load/predict/export/report check (support.check_load_predict_export)
+# and test_report.
 # The ResNet run's report too (resnet_run below).
 @pytest.mark.slow
 @pytest.mark.parametrize('run, members', [('straight_run', '2 x mlp'),
