@@ -349,14 +349,15 @@ def _by_path(tree):
           for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def check_loaded_run(workdir, dataset, final, rmse_as_reported=True):
+def check_loaded_run(workdir, dataset, final):
   """The contract of a finished run (`final` its results) on `dataset`: Ensemble.load
   predicts finite outputs on the test split that give the reported ensemble accuracy
-  (scored targets; one example apart at most, as a near-tie may fall the other way in
-  another program) or RMSE (rel 1e-3; skipped where `rmse_as_reported` is False); loaded
-  on one device it predicts the same on the split's first 64 examples, to float rounding (rtol 1e-3: up to 2e-4 measured,
-  SWAG's samples through a transformer); export writes one file per predicting member
-  holding its leaves under their '/'-joined paths. Returns the loaded ensemble."""
+  (a collecting method's: of its predicting members; scored targets; one example apart
+  at most, as a near-tie may fall the other way in another program) or RMSE (rel 1e-3);
+  loaded on one device it predicts the same on the split's first 64 examples, to float
+  rounding (rtol 1e-3: up to 2e-4 measured, SWAG's samples through a transformer); export
+  writes one file per predicting member holding its leaves under their '/'-joined paths.
+  Returns the loaded ensemble."""
   import jax  # pylint: disable=g-import-not-at-top  (after conftest's XLA_FLAGS)
   import numpy as np  # pylint: disable=g-import-not-at-top
   import pytest  # pylint: disable=g-import-not-at-top
@@ -366,12 +367,16 @@ def check_loaded_run(workdir, dataset, final, rmse_as_reported=True):
   arrays = {k: np.asarray(v) for k, v in prediction._asdict().items() if hasattr(v, 'dtype')}
   assert arrays and all(np.isfinite(a).all() for a in arrays.values()
                         if np.issubdtype(a.dtype, np.floating)), arrays
-  y, reported = np.asarray(dataset.test.y), final['ensemble']
+  # A collecting method (snapshot, MultiSWAG) predicts with its K rows per member: its
+  # own section reports them; 'ensemble' is the trained members'.
+  own = final.get(ensemble.config.ensemble.method)
+  own = own if isinstance(own, dict) and 'ensemble' in own else final
+  y, reported = np.asarray(dataset.test.y), own['ensemble']
   if hasattr(prediction, 'probs'):
     hits = (np.asarray(prediction.probs).argmax(-1) == y)[y >= 0]  # Tokens: -1 pads.
     assert abs(hits.mean() - reported['accuracy']) <= 1 / hits.size + 1e-9, (
         hits.mean(), reported['accuracy'])
-  elif rmse_as_reported:
+  else:
     mean = np.asarray(prediction.mean, np.float64)
     rmse = np.sqrt(np.mean((mean - y.reshape(mean.shape)) ** 2))
     assert rmse == pytest.approx(reported['rmse'], rel=1e-3)

@@ -108,9 +108,7 @@ def _train_resume_load_predict(case, workdir, caplog, straight_dir=None):
     straight = dist_ens.train(_config(case), str(straight_dir), dataset=dataset)
     differ = [p for p in _same(straight, resumed) if not p.endswith('_seconds')]
     assert not differ, f'the resumed run ends elsewhere: {differ[:8]}'
-  # A member-split regression run's test RMSE is a known defect (tests/test_member_split.py).
-  support.check_loaded_run(workdir, dataset, resumed, rmse_as_reported=not any(
-      'data.member_split' in o.overrides for o in case))
+  support.check_loaded_run(workdir, dataset, resumed)
 
 
 _CASES = table.valid_cases()

@@ -3,10 +3,11 @@ held-out examples, and the mean and standard error over splits.
 
 Split s's members (a block of M / S, data/member_split.py) are evaluated together on split
 s's held-out part of the training split: the ensemble is theirs alone (a member mask), the
-metrics are the task's. Where the task standardises, split s's held-out rows are
-standardised with split s's statistics (fitted on its training rows alone, the ones its
-members trained with: RunData.split_scales) and its metrics converted back to the targets'
-units with the same statistics, as separate per-split jobs would. Every split
+metrics are the task's. Where the task standardises, split s's members trained with
+split s's statistics (fitted on its training rows alone: RunData.split_scales) and see
+its held-out rows in them, as separate per-split jobs would: the evaluation scores every
+member in one frame's units (run/split_frames.py), the metrics come back in the targets'
+units. Every split
 runs the run's one compiled evaluation program (the held-out parts are padded to one
 batch size). The results go to final_metrics.json under 'member_split':
 
@@ -27,7 +28,6 @@ import numpy as np
 from absl import logging
 
 from dist_ens import data
-from dist_ens.run import assemble
 from dist_ens.data.member_split import aggregate
 from dist_ens.eval import evaluate
 from dist_ens.parallel.mesh import member_sharding
@@ -57,13 +57,12 @@ def evaluate_held_out(call: Call) -> dict[str, Any]:
     mask = np.zeros(m, bool)
     mask[s * e:(s + 1) * e] = True
     mask &= ~frozen
-    split, finalize = data.Split(*train.read(held)), ev.finalize
-    if session.run_data.split_scales is not None:
-      scale = session.run_data.split_scales[s]
-      split = data.Split(*scale.apply(split.x, split.y))
-      finalize = assemble.finalizer(session.spec.eval, session.parts.task, scale)
+    split = data.Split(*train.read(held))
+    if session.run_data.split_scales is not None:  # The pool is in its units: as test is.
+      split = data.Split(*session.run_data.scale.apply(split.x, split.y))
     results = evaluate.evaluate(ev.eval_step, variables, split, batch, ev.mesh,
-                                jax.device_put(mask, member_sharding(session.parts.mesh)), finalize)
+                                jax.device_put(mask, member_sharding(session.parts.mesh)),
+                                ev.finalize)
     for name, values in results['members'].items():
       if np.ndim(values) == 1 and len(values) == m:
         members.setdefault(name, []).extend(np.asarray(values, float)[s * e:(s + 1) * e])

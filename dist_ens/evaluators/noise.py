@@ -7,8 +7,8 @@ step this action measures it, per member, on the validation split when there is 
 on the training split, where it is optimistic: the means were fitted there), and rebuilds
 the evaluator with it, so every evaluation that follows (test, held-out parts, shift,
 conformal) scores the members' Gaussians N(mean, fitted level). The levels, in the targets'
-units and in standardised units, go to final_metrics.json as 'noise_variance'; Ensemble.load
-predicts with them.
+units and in standardised units (each member's own: its split's with member splits), go to
+final_metrics.json as 'noise_variance'; Ensemble.load predicts with them.
 
 One level per member, the same for every target dimension in standardised units (for
 targets [N, D] it is the mean over dimensions of the squared standardised residual).
@@ -24,13 +24,25 @@ from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.evaluators.evaluator import EvalRun
 
 
-def fitted_levels(call: Call) -> tuple[np.ndarray, str]:
-  """Each member's noise variance in standardised units [M], and the split it came from."""
+def member_y_std(session, target_dim: int) -> np.ndarray:
+  """[M, D] the target std each member's standardised units have: its split's (member
+  splits), the training split's, or ones (a task that does not standardise)."""
+  run_data, m = session.run_data, session.spec.num_members
+  if run_data.split_scales is not None:
+    splits = run_data.member_splits
+    return np.stack([np.broadcast_to(np.reshape(run_data.split_scales[splits.split_of(i)].y_std,
+                                                -1), (target_dim,)) for i in range(m)])
+  y_std = np.ones(target_dim) if run_data.scale is None else np.reshape(run_data.scale.y_std, -1)
+  return np.broadcast_to(y_std, (m, target_dim)).astype(np.float64)
+
+
+def fitted_levels(call: Call, y_std: np.ndarray) -> tuple[np.ndarray, str]:
+  """Each member's noise variance [M] in its own standardised units (y_std [M, D]: theirs),
+  and the split it came from."""
   session = call.session
   split, name = session.run_data.validation, 'validation'
-  scale = session.run_data.scale
   # rmse^2 in target units is the mean over dims of (residual * y_std_d)^2.
-  y_var = 1.0 if scale is None else float(np.mean(np.square(scale.y_std)))
+  y_var = np.mean(np.square(y_std), axis=1)
   rmse = lambda split: np.asarray(session.evaluator.evaluate(call.state, split)['members']['rmse'],
                                   np.float64)
   if split is not None:
@@ -38,13 +50,14 @@ def fitted_levels(call: Call) -> tuple[np.ndarray, str]:
   train, splits = session.run_data.dataset.train, session.run_data.member_splits
   if session.run_data.split_scales is None:
     return np.square(rmse(data.Split(*train.read(np.arange(train.num_examples))))) / y_var, 'train'
-  # Member splits: each member on its split's training rows, in the units it trained in.
+  # Member splits: each member on its split's training rows (the pool is in its units;
+  # evaluation standardises as it does the test split).
   levels, e = np.zeros(session.spec.num_members), splits.members_per_split
-  for s, (rows, own) in enumerate(zip(splits.train, session.run_data.split_scales)):
-    levels[s * e:(s + 1) * e] = np.square(rmse(data.Split(*own.apply(*train.read(rows)))))[
-        s * e:(s + 1) * e] / y_var
-  return levels, 'train'
-
+  frame = session.run_data.scale
+  for s, rows in enumerate(splits.train):
+    levels[s * e:(s + 1) * e] = np.square(rmse(data.Split(*frame.apply(*train.read(rows)))))[
+        s * e:(s + 1) * e]
+  return levels / y_var, 'train'
 
 
 class FitNoise(PeriodicAction):
@@ -55,21 +68,24 @@ class FitNoise(PeriodicAction):
 
   def run(self, call: Call) -> None:
     session = call.session
-    with session.off_clock():
-      levels, split = fitted_levels(call)
     target_dim = dataset_target_dim(session.run_data.dataset)
-    per_member = np.repeat(levels[:, None], target_dim, axis=1).astype(np.float32)
+    y_std = member_y_std(session, target_dim)
+    with session.off_clock():
+      levels, split = fitted_levels(call, y_std)
+    # In the units evaluation scores the members in: the training split's, or with member
+    # splits the frame's (run/split_frames.py), whose target std is frame_std.
+    frame_std = y_std if session.run_data.split_scales is None else np.reshape(
+        session.run_data.scale.y_std, -1)
+    per_member = (levels[:, None] * np.square(y_std / frame_std)).astype(np.float32)
     task = tasks.regression_homoscedastic(target_dim, noise_variance=per_member)
     session.parts = session.parts._replace(task=task)
     session.evaluator = assemble.build_evaluator(session.spec.eval, session.parts,
                                                  session.run_data)
-    scale = session.run_data.scale
-    y_var = np.ones(target_dim) if scale is None else np.square(np.reshape(scale.y_std, -1))
+    target_units = levels[:, None] * np.square(y_std)
     session.results['noise_variance'] = {
-        'fitted_on': split, 'standardised': levels.tolist(),
-        'target_units': (levels[:, None] * y_var[None, :]).tolist()}
+        'fitted_on': split, 'standardised': levels.tolist(), 'target_units': target_units.tolist()}
     logging.info('homoscedastic noise fitted on %s: std %s (target units)', split,
-                 np.round(np.sqrt(levels[:, None] * y_var[None, :])[:, 0], 4).tolist())
+                 np.round(np.sqrt(target_units)[:, 0], 4).tolist())
 
 
 def evaluator(run: EvalRun) -> list[PeriodicAction]:

@@ -46,6 +46,7 @@ from dist_ens.parallel import mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import TrainStep, make_train_step
 from dist_ens.run.run_data import RunData, build_data
+from dist_ens.run.split_frames import SplitFrames
 from dist_ens.config.specs import (EvalSpec, RunSpec, StackSpec, data_spec, method_spec,
                                    model_spec, optim_spec, resolve_hparams, run_spec,
                                    stack_spec)
@@ -73,6 +74,9 @@ class Parts(NamedTuple):
   # members ids first_member ..); () where these parts are the one stack.
   stacked: tuple['Parts', ...] = ()
   first_member: int = 0  # the id of this stack's first member
+  # Member splits of a standardising task: evaluation scores every member in one frame's
+  # units (run/split_frames.py); None otherwise.
+  split_frames: SplitFrames | None = None
 
   @property
   def state_shardings(self) -> Any:
@@ -96,8 +100,12 @@ class Parts(NamedTuple):
   @property
   def predict_model(self) -> Model:
     """The model that evaluation runs on the stacked params as the state stores them
-    (of joined stacks, each stack's own predicting model on its stack)."""
-    return self.model if self.stacked else stored.predicting_model(self.method, self.model)
+    (of joined stacks, each stack's own predicting model on its stack; with split_frames,
+    every member in the frame's units)."""
+    model = self.model if self.stacked else stored.predicting_model(self.method, self.model)
+    if self.split_frames is not None:
+      return self.split_frames.model(model, self.task.reframe, self.num_members)
+    return model
 
   def device_hparams(self) -> dict[str, jax.Array] | tuple[dict[str, jax.Array], ...]:
     """The per-member hyperparameters on the mesh, sharded over 'member' like the state:
@@ -215,6 +223,8 @@ def build_run(config: ml_collections.ConfigDict, *,
   input_shape, num_outputs, *dtype = shapes
   parts = build_parts(config, mesh, input_shape, num_outputs, optimizer=optimizer,
                       input_dtype=dtype[0] if dtype else jnp.float32)
+  if run_data is not None and run_data.split_scales is not None:
+    parts = parts._replace(split_frames=SplitFrames(run_data.scale, run_data.split_scales))
   if metrics and run_data is not None:
     user_metrics.check_metrics(metrics, shapes[1], np.asarray(dataset.test.y))
   # Each stack picks its own form (build_step); the first's stands for the run.

@@ -24,8 +24,9 @@ class RunData(NamedTuple):
   order: data.Order  # which examples each step's batch holds
   # The training split's statistics every split was standardised with, for a task
   # that trains on standardised data (Task.unscale); None otherwise. With member_splits
-  # these are the whole pool's and standardise only test, validation and OOD: the
-  # ordinary test evaluation of all M members (see member_scale).
+  # they standardise only what evaluation scores (test, validation, OOD, held-out rows):
+  # the pool's means and input stds, and per target dim the smallest split's std, the
+  # units evaluation scores every member in (run/split_frames.py).
   scale: uci.Standardizer | None = None
   # config.data.member_split's splits of the training split (each member trains on its
   # split's part, order draws from it; evaluators/held_out.py evaluates the rest), or None.
@@ -131,11 +132,15 @@ def _standardized(run_data: RunData) -> RunData:
   if not isinstance(train, data.Split):  # Streamed (TFDS) or carved: read it into memory.
     train = data.Split(*train.read(np.arange(train.num_examples)))
   scale = uci.Standardizer.fit(train.x, train.y)
-  apply = lambda split: split and data.Split(*scale.apply(split.x, split.y))
   splits, split_scales = run_data.member_splits, None
   if splits is not None:
     split_scales = tuple(uci.Standardizer.fit(train.x[rows], train.y[rows])
                          for rows in splits.train)
+    # Evaluation scores every member in these units (run/split_frames.py): a member's
+    # variances there are its own times (its split's std / this std)^2 >= 1, so none falls
+    # under the regression task's variance floor, however the splits' spreads differ.
+    scale = scale._replace(y_std=np.min([s.y_std for s in split_scales], axis=0))
+  apply = lambda split: split and data.Split(*scale.apply(split.x, split.y))
   dataset = run_data.dataset._replace(train=train if splits is not None else apply(train),
                                       test=apply(run_data.dataset.test))
   return run_data._replace(dataset=dataset, validation=apply(run_data.validation),

@@ -245,9 +245,26 @@ def combine(member_outputs: jax.Array, member_mask: jax.Array, means_only: bool 
   moments = reg.mixture_moments(means, variances, member_mask)
   if means_only:
     return moments.mean
-  excess = jnp.maximum(moments.total - VARIANCE_FLOOR, 1e-30)
-  raw = jnp.where(excess > 20.0, excess, jnp.log(jnp.expm1(jnp.minimum(excess, 20.0))))
-  return jnp.concatenate([moments.mean, raw], axis=-1)
+  return jnp.concatenate([moments.mean, _raw_variance(moments.total)], axis=-1)
+
+
+def _raw_variance(variance: jax.Array) -> jax.Array:
+  """The raw output whose split_outputs variance is `variance` (softplus inverted; above
+  20 softplus is the identity to float32's precision)."""
+  excess = jnp.maximum(variance - VARIANCE_FLOOR, 1e-30)
+  return jnp.where(excess > 20.0, excess, jnp.log(jnp.expm1(jnp.minimum(excess, 20.0))))
+
+
+def reframe(outputs: jax.Array, scale: Any, shift: Any, means_only: bool = False) -> jax.Array:
+  """Outputs [..., 2D] (or [..., D] means_only) predicting targets t -> the outputs that
+  predict scale * t + shift (scale, shift [D]): means scale * mean + shift, variances
+  scale^2 * variance, raw variances again such that split_outputs gives them."""
+  outputs = jnp.asarray(outputs, jnp.float32)
+  if means_only:
+    return outputs * scale + shift
+  mean, variance = split_outputs(outputs, squeeze=False)
+  return jnp.concatenate([mean * scale + shift, _raw_variance(variance * jnp.square(scale))],
+                         axis=-1)
 
 
 def log_likelihood(member_outputs: np.ndarray, targets: np.ndarray,
@@ -281,6 +298,7 @@ def _gaussian_task(name: str, target_dim: int | None, means_only: bool, loss: Lo
       ood_metrics=ood_metrics,
       select_metrics=SELECT_METRICS,
       unscale=sums_to_original_units,
+      reframe=functools.partial(reframe, means_only=means_only),
       predict=functools.partial(predictive, noise_variance=noise_variance),
       combine=functools.partial(combine, means_only=means_only, noise_variance=noise_variance),
       log_likelihood=functools.partial(log_likelihood, noise_variance=noise_variance),

@@ -47,6 +47,10 @@ class Task(NamedTuple):
       targets' own units: such a task trains on inputs and targets standardised with
       the training split's statistics (regression), and its metrics are reported in
       the original units.
+    reframe: None, or (outputs [..., K], scale [D], shift [D]) -> the outputs that
+      predict scale * t + shift where `outputs` predict targets t (a standardising task's
+      outputs moved from one standardisation to another: run/split_frames.py scores the
+      members of several member splits in one).
     predict: None (Ensemble.predict gives class probabilities), or (member outputs
       [M, N, ...], member_mask [M]) -> {name: array} of the ensemble's prediction in the
       units the model predicts (regression: the mixture's mean and variances).
@@ -83,6 +87,7 @@ class Task(NamedTuple):
   ood_metrics: Callable[[Any, Any], dict[str, Any]]
   select_metrics: Mapping[str, bool]
   unscale: Callable[[dict[str, Any], Any], dict[str, Any]] | None = None
+  reframe: Callable[[jax.Array, Any, Any], jax.Array] | None = None
   predict: Callable[..., dict[str, Any]] | None = None
   combine: Callable[[jax.Array, jax.Array], jax.Array] | None = None
   log_likelihood: Callable[[Any, Any], Any] | None = None
