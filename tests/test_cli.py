@@ -233,29 +233,6 @@ def test_counts_take_the_noun_in_the_right_number():
   assert counted(3, 'process', 'processes') == '3 processes'
 
 
-@pytest.fixture(scope='module')
-def plan_json():
-  """`dist-ens plan --json` of TINY with --config.model.widths given a second time, (16,)
-  after TINY's (8,): the plan of the last value, (16,), if it is taken (one plan, compiled
-  once, for both tests that read it)."""
-  result = _run('plan', *TINY, '--config.model.widths=(16,)', '--json')
-  assert result.returncode == 0, result.stderr[-2000:]
-  return json.loads(result.stdout)
-
-
-# MNIST-1D's 40 inputs and 10 classes through an MLP of these hidden widths.
-_PARAMS_16 = 40 * 16 + 16 + 16 * 10 + 10
-_PARAMS_8_16 = 40 * 8 + 8 + 8 * 16 + 16 + 16 * 10 + 10
-
-
-def test_plan_json_reports_the_plan(plan_json):
-  plan = plan_json
-  assert plan['num_members'] == 8 and plan['params_per_member'] == _PARAMS_16
-  assert plan['step']['peak'] > 0
-  assert plan['flops_per_example'] > 0 and 'XLA cost analysis' in plan['flops_measured']
-  assert plan['train_steps'] > 0
-
-
 def _start_training(workdir: Path, steps: int) -> subprocess.Popen:
   return subprocess.Popen(
       _command(*TINY, f'--workdir={workdir}', f'--config.train.steps={steps}',
@@ -316,7 +293,15 @@ def _finish(process: subprocess.Popen) -> str:
     process.kill()  # Only if something above failed: the run is over by then.
 
 
-@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
+# SIGTERM's case, and the command line's resume after the stop, are the slow tier's: the
+# loop saves and stops by the same path after either signal, which the SIGINT case checks
+# here (its status, one saved checkpoint, one last line, no traceback), and
+# tests/test_checkpoint.py checks the command line's SIGTERM (exit 143, the checkpoint saved
+# at the next step, an exact resume from it: test_sigterm_saves_at_next_step_and_exits_143)
+# and its resume (the same command again: test_kill9_at_random_steps_then_resume_is_bit_exact).
+@pytest.mark.parametrize('signum', [signal.SIGINT,
+                                    pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+                         ids=['SIGINT', 'SIGTERM'])
 def test_ctrl_c_saves_a_checkpoint_and_stops_with_one_line(tmp_path, signum):
   process = _start_training(tmp_path, steps=1_000_000)
   _wait_for_line(process, r'step \d+/1000000')
@@ -329,8 +314,8 @@ def test_ctrl_c_saves_a_checkpoint_and_stops_with_one_line(tmp_path, signum):
   assert len(saved) == 1, err
   assert [line for line in err.splitlines() if not re.search(r'step \d+/', line)][-1].endswith(
       'run the same command again to resume.'), err
-  if signum == signal.SIGTERM:
-    return  # The resume is the same after either signal.
+  if signum == signal.SIGINT:
+    return  # The resume is the same after either signal: the slow tier's (above).
 
   step = int(saved[0])
   resumed = _run(*TINY, f'--workdir={tmp_path}', f'--config.train.steps={step + 2}',
@@ -423,7 +408,12 @@ print('the computation ended', flush=True)
 """
 
 
-@pytest.mark.parametrize('signum', [signal.SIGINT, signal.SIGTERM])
+# SIGTERM's case is the slow tier's: the same exit after either signal, which the SIGINT case
+# checks here; SIGTERM's status and line (143, 'SIGTERM received twice') from the watcher's
+# exit are test_second_signal_raised_where_python_drops_exceptions_still_stops's.
+@pytest.mark.parametrize('signum', [signal.SIGINT,
+                                    pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+                         ids=['SIGINT', 'SIGTERM'])
 def test_second_signal_stops_at_once_while_blocked_in_xla(signum):
   process = subprocess.Popen(
       ['timeout', '-k', '5', str(_LIMIT_S), sys.executable, '-c', _BLOCKED_IN_XLA], cwd=ROOT,
@@ -479,6 +469,10 @@ def test_digits_without_scikit_learn_is_a_config_error(monkeypatch):
     sources.load_digits()
 
 
+# The slow tier's: test_digits_without_scikit_learn_is_a_config_error checks the error and
+# its words; that the command line ends a ConfigError raised in training in its one line is
+# tests/test_one_line_errors.py::test_a_workdir_that_is_a_file_is_one_line's.
+@pytest.mark.slow
 def test_digits_without_scikit_learn_is_one_line_on_the_command_line(tmp_path):
   code = ("import sys; sys.modules['sklearn'] = sys.modules['sklearn.datasets'] = None\n"
           'from dist_ens import main; main.entry()\n')
@@ -490,9 +484,34 @@ def test_digits_without_scikit_learn_is_one_line_on_the_command_line(tmp_path):
   assert "needs scikit-learn" in line and "pip install 'dist_ens[digits]'" in line
 
 
-def test_a_field_given_twice_takes_the_last_value(plan_json):
+# The command line's entry in a fresh process, its plan command's main replaced by one that
+# prints the config the flags gave it: what a command reads, without JAX or a plan.
+# (`dist-ens plan --json` itself: tests/test_plan.py's fresh-process test.)
+_ENTRY_THEN_CONFIG = """
+import json, sys
+from dist_ens import commands, main
+from dist_ens.config import loading
+show = lambda argv: print(json.dumps(loading.to_dict(main.FLAGS.config)))
+commands.COMMANDS['plan'] = commands.COMMANDS['plan']._replace(main=show)
+try:
+  main.entry(['dist-ens', 'plan', *sys.argv[1:]])
+except SystemExit as e:
+  print(f'exit {e.code}', file=sys.stderr)
+print('jax imported' if 'jax' in sys.modules else 'jax not imported', file=sys.stderr)
+"""
+
+
+def test_a_field_given_twice_takes_the_last_value():
   # ml_collections joined a tuple field's values: (8,) then (16,) trained widths (8, 16).
-  assert plan_json['params_per_member'] == _PARAMS_16 != _PARAMS_8_16, plan_json
+  result = subprocess.run(
+      [sys.executable, '-c', _ENTRY_THEN_CONFIG, *TINY, '--config.model.widths=(16,)',
+       '--config.num_members=3', '--config.num_members=5'], cwd=ROOT, env=_env(),
+      capture_output=True, text=True, timeout=_LIMIT_S)
+  assert result.stderr.strip().splitlines()[-2:] == ['exit None', 'jax not imported'], (
+      result.stderr)
+  config = json.loads(result.stdout)
+  assert config['model']['widths'] == [16] and config['num_members'] == 5, config['model']
+  assert config['data']['batch_size'] == 16  # TINY's other fields are kept.
 
 
 def test_every_member_diverging_ends_non_zero_in_one_line(tmp_path):
