@@ -14,6 +14,7 @@ import pytest
 import support
 
 from dist_ens import plan as plan_lib
+from dist_ens.run import assemble
 from dist_ens.config.loading import load_config
 
 CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
@@ -65,16 +66,26 @@ def plans():
   return plan
 
 
+def _sizes_per_member(config, devices):
+  """What make_plan reports as (params_per_member, state_bytes_per_member): plan.sizes'
+  count of the run's abstract state, without compiling the step at M and 2M as make_plan
+  does (tests/test_own_shared.py counts the shared part so too)."""
+  run = assemble.build_run(config, devices=devices, shapes=plan_lib.data_shape(config))
+  return plan_lib.sizes.per_member_sizes(run.parts.abstract_state, config.num_members)
+
+
 def test_parameter_and_state_counts_match_the_model_by_hand(one_device, plans):
-  # The MLP's plan is the module's shared one; the CNN's is this test's alone, without the
-  # dry run (a measurement of memory, which this test does not read).
-  cnn = plan_lib.make_plan(_config(num_members=4, model__name='cnn'), one_device,
-                           measure_programs=False)
-  for plan, params in ((plans(one_device, num_members=4), MLP_PARAMS), (cnn, CNN_PARAMS)):
-    assert plan.params_per_member == params
+  # The MLP's through make_plan (the module's shared plan); the CNN's from the count that
+  # make_plan reports (make_plan's compiles of its step would measure memory, not read here).
+  mlp = plans(one_device, num_members=4)
+  mlp_sizes = (mlp.params_per_member, mlp.state_bytes_per_member)
+  assert _sizes_per_member(_config(num_members=4), one_device) == mlp_sizes
+  cnn_sizes = _sizes_per_member(_config(num_members=4, model__name='cnn'), one_device)
+  for (params, state_bytes), by_hand in ((mlp_sizes, MLP_PARAMS), (cnn_sizes, CNN_PARAMS)):
+    assert params == by_hand
     # Adam keeps two moments: parameters + mu + nu in float32 = 12 bytes each, plus a
     # few scalars (step counts, the frozen flag).
-    assert 0 < plan.state_bytes_per_member - 12 * params <= 64
+    assert 0 < state_bytes - 12 * by_hand <= 64
 
 
 def test_more_members_take_proportionally_more_memory(one_device, plans):
@@ -173,13 +184,18 @@ def test_the_dry_run_frees_everything(one_device, plans):
 
 
 def test_in_a_fresh_process_the_dry_run_sees_the_state_beside_the_programs():
+  """`dist-ens plan --json` (the command line's plan command, whose JSON only this test
+  reads; plan.main's is test_command_line_prints_the_plan's) in a fresh process."""
   env = {**os.environ, 'XLA_FLAGS': support.xla_flags(1)}
   result = subprocess.run(
-      [sys.executable, '-m', 'dist_ens.plan', f'--config={DEFAULT}', '--config.num_members=16',
-       '--config.mesh.member=1', '--config.mesh.data=1', '--json'],
+      [sys.executable, '-m', 'dist_ens.main', 'plan', f'--config={DEFAULT}',
+       '--config.num_members=16', '--config.mesh.member=1', '--config.mesh.data=1', '--json'],
       env=env, capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr
   plan = json.loads(result.stdout)
+  assert plan['num_members'] == 16 and plan['params_per_member'] == MLP_PARAMS
+  assert plan['flops_per_example'] > 0 and 'XLA cost analysis' in plan['flops_measured']
+  assert plan['train_steps'] == load_config(DEFAULT).train.steps
   # The 16 members' state was written (RSS counts written pages) beside the programs.
   state = 16 * plan['state_bytes_per_member']
   assert plan['dry_run_peak_bytes'] >= plan['program_bytes'] + state
@@ -247,7 +263,7 @@ def test_plans_a_step_that_augments(one_device):
   assert plan.step.argument > 2 * plan.state_bytes_per_member
 
 
-def test_command_line_prints_the_plan(capsys):
+def test_command_line_prints_the_plan(devices, plans, capsys, monkeypatch):
   code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8',
                         '--config.mesh.member=4', '--config.mesh.data=2', '--memory_gb=0.5'])
   out = capsys.readouterr().out
@@ -257,6 +273,20 @@ def test_command_line_prints_the_plan(capsys):
   assert re.search(r'train steps +2,000  \(31 per epoch\)', out)  # 4000 // 128 an epoch.
   assert 'over 8 cpu devices: 2 members per device' in out
   assert 'largest M that fits 0.50 GB per device x 4 member shard(s):' in out
+  # --json: the plan as one JSON object; make_plan's answer is _split's plan (the same
+  # config at 50 MB), made once in this module, not planned again.
+  made = _split(devices, plans)
+  monkeypatch.setattr(plan_lib.planner, 'make_plan', lambda config, memory_bytes, **_: (
+      made if (config.num_members, memory_bytes) == (8, 0.05e9) else None))
+  code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8',
+                        '--config.mesh.member=4', '--config.mesh.data=2', '--memory_gb=0.05',
+                        '--json'])
+  out, err = capsys.readouterr()
+  assert code == 0, err
+  plan = json.loads(out)
+  assert plan['num_members'] == 8 and plan['params_per_member'] == MLP_PARAMS
+  assert plan['step']['members_per_device'] == 2 and plan['memory_bytes'] == 50e6
+  assert plan['max_members'] == made.max_members
 
 
 def test_command_line_on_a_cpu_without_memory_asks_for_it(capsys):
