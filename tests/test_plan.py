@@ -245,15 +245,22 @@ def test_flops_per_example_count_a_training_step_whatever_the_mesh(one_device, d
   # paid once per member and step, is ~2% of it here, and is spread over half the
   # examples per device when the batch is split in two).
   assert split.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
-  # Members one chunk at a time: XLA's cost analysis counts a loop's body once, and the
-  # plan still counts every member. (No dry run: it measures memory, which this test does
-  # not read; test_the_dry_run_frees_everything and the tests beside it check the dry run.)
-  for chunk in (0, 2):
-    mapped = plan_lib.make_plan(_config(num_members=8, ensemble__member_parallelism='map',
-                                        ensemble__map_batch_size=chunk), one_device,
-                                measure_programs=False)
-    assert mapped.parallelism == 'map'
-    assert mapped.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
+
+
+# Chunks of 2 members are the slow tier's: plan.sizes.flops_per_example counts a mapped
+# step's FLOPs on a vmapped step of one member per device whatever the chunk (it reads the
+# form's kind, not its chunk), which the fast case of one member at a time checks.
+@pytest.mark.parametrize('chunk', [0, pytest.param(2, marks=pytest.mark.slow)])
+def test_flops_per_example_count_every_member_of_a_mapped_step(one_device, plans, chunk):
+  """Members one chunk at a time: XLA's cost analysis counts a loop's body once, and the
+  plan still counts every member. (No dry run: it measures memory, which this test does
+  not read; test_the_dry_run_frees_everything and the tests beside it check the dry run.)"""
+  small = plans(one_device, num_members=4)
+  mapped = plan_lib.make_plan(_config(num_members=8, ensemble__member_parallelism='map',
+                                      ensemble__map_batch_size=chunk), one_device,
+                              measure_programs=False)
+  assert mapped.parallelism == 'map' and mapped.map_batch_size == (chunk or None)
+  assert mapped.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
 
 
 def test_plans_a_step_that_augments(one_device):
