@@ -353,7 +353,8 @@ def check_loaded_run(workdir, dataset, final):
   """The contract of a finished run (`final` its results) on `dataset`: Ensemble.load
   predicts finite outputs on the test split that give the reported ensemble accuracy
   (a collecting method's: of its predicting members; scored targets; one example apart
-  at most, as a near-tie may fall the other way in another program) or RMSE (rel 1e-3);
+  at most, as a near-tie may fall the other way in another program) and NLL (rel 1e-3),
+  or RMSE (rel 1e-3);
   loaded on one device it predicts the same on the split's first 64 examples, to float
   rounding (rtol 1e-3: up to 2e-4 measured, SWAG's samples through a transformer); export
   writes one file per predicting member holding its leaves under their '/'-joined paths.
@@ -373,9 +374,13 @@ def check_loaded_run(workdir, dataset, final):
   own = own if isinstance(own, dict) and 'ensemble' in own else final
   y, reported = np.asarray(dataset.test.y), own['ensemble']
   if hasattr(prediction, 'probs'):
-    hits = (np.asarray(prediction.probs).argmax(-1) == y)[y >= 0]  # Tokens: -1 pads.
+    probs, scored = np.asarray(prediction.probs, np.float64), y >= 0  # Tokens: -1 pads.
+    hits = (probs.argmax(-1) == y)[scored]
     assert abs(hits.mean() - reported['accuracy']) <= 1 / hits.size + 1e-9, (
         hits.mean(), reported['accuracy'])
+    picked = np.take_along_axis(probs, np.where(scored, y, 0)[..., None], -1)[..., 0]
+    nll = -np.mean(np.log(np.maximum(picked[scored], 1e-30)))
+    assert nll == pytest.approx(reported['nll'], rel=1e-3, abs=1e-4), (nll, reported['nll'])
   else:
     mean = np.asarray(prediction.mean, np.float64)
     rmse = np.sqrt(np.mean((mean - y.reshape(mean.shape)) ** 2))
