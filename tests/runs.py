@@ -54,6 +54,23 @@ def copy(run, to):
   return Path(to)
 
 
+def killed_after(run, step, to):
+  """`to` holding what a kill right after the finished run's step-`step` checkpoint leaves:
+  a copy of `run` ((workdir, final metrics) or a workdir) without its later checkpoints and
+  its final metrics; resuming it drops the events after `step`. A resume from it is a
+  resume from that checkpoint, at the cost of one run (a preempted run and its resume are
+  two): the method files' exact-resume tests start from it (the matrix preempts every
+  method's run). Returns the copy's path."""
+  workdir = copy(run, to)
+  for path in (workdir / 'checkpoints').iterdir():
+    if path.name.isdigit() and int(path.name) > step:
+      shutil.rmtree(path)
+  (workdir / 'final_metrics.json').unlink()
+  assert max(int(p.name) for p in (workdir / 'checkpoints').iterdir()
+             if p.name.isdigit()) == step
+  return workdir
+
+
 def _digest(workdir):
   return {str(p.relative_to(workdir)): hashlib.sha256(p.read_bytes()).hexdigest()
           for p in sorted(Path(workdir).rglob('*')) if p.is_file()}

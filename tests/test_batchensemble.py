@@ -24,8 +24,8 @@ from dist_ens.ensembles import batchensemble
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.parallel.layout import Layout
+from runs import killed_after
 from test_methods import _config, _run
-from test_sgmcmc import killed_after
 
 LR = 0.1
 

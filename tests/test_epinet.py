@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import dist_ens
+from runs import killed_after
 import support
-from test_sgmcmc import killed_after
 from dist_ens.config import specs
 from dist_ens import data, models
 from dist_ens.run import assemble, initial_state

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import dist_ens
+from runs import killed_after
 import support
 from dist_ens import Ensemble, data
 from dist_ens.ensembles import lora, stored
@@ -20,7 +21,6 @@ from dist_ens.errors import ConfigError
 from dist_ens.io.adapters import export_adapters
 from dist_ens.io.member_files import load_member
 from dist_ens.io.pretrained import load_pretrained, read_orbax
-from test_sgmcmc import killed_after
 from test_own import BATCH, _bytes_per_device, _numpy_loss, _own_config, _parts, _steps
 
 

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 
+from runs import killed_after
 import support
-from test_sgmcmc import killed_after
 
 import dist_ens
 from dist_ens.config import specs

@@ -24,8 +24,8 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 
+from runs import killed_after
 import support
-from test_sgmcmc import killed_after
 
 import dist_ens
 from dist_ens import Ensemble, data

@@ -17,7 +17,6 @@ N(mean x, 1 / N).
 
 import math
 import re
-import shutil
 
 import jax
 import jax.numpy as jnp
@@ -151,7 +150,7 @@ def test_resume_is_exact_and_load_predicts_with_k_times_m_members(tmp_path):
   predicts with the 2 chains x 2 cycles x 2 samples, distinct, at the reported SG-MCMC
   accuracy; each chain's last sample (its rows' last) is its trained member."""
   straight = _train(_config(), tmp_path / 'a')
-  resumed = _train(_config(), killed_after(tmp_path / 'a', 4, tmp_path / 'b'))
+  resumed = _train(_config(), runs.killed_after(tmp_path / 'a', 4, tmp_path / 'b'))
   assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
   assert resumed['sgmcmc'] == straight['sgmcmc']
   ens = Ensemble.load(tmp_path / 'a', devices=jax.devices()[:1])
@@ -170,23 +169,6 @@ def test_resume_is_exact_and_load_predicts_with_k_times_m_members(tmp_path):
   for m in range(2):
     assert straight['sgmcmc']['members']['nll'][4 * m + 3] == pytest.approx(
         straight['members']['nll'][m], rel=1e-5)
-
-
-def killed_after(run, step, to):
-  """`to` holding what a kill right after the finished run's step-`step` checkpoint leaves:
-  a copy of `run` ((workdir, final metrics) or a workdir) without its later checkpoints and
-  its final metrics; resuming it drops the events after `step`. A resume from it is a
-  resume from that checkpoint, at the cost of one run (a preempted run and its resume are
-  two): the method files' exact-resume tests start from it (the matrix preempts every
-  method's run). Returns the copy's path."""
-  workdir = runs.copy(run, to)
-  for path in (workdir / 'checkpoints').iterdir():
-    if path.name.isdigit() and int(path.name) > step:
-      shutil.rmtree(path)
-  (workdir / 'final_metrics.json').unlink()
-  assert max(int(p.name) for p in (workdir / 'checkpoints').iterdir()
-             if p.name.isdigit()) == step
-  return workdir
 
 
 # Slow; fast covers: each chain's noise is its member's own and member m's chain the same

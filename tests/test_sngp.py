@@ -28,8 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from runs import killed_after
 import support
-from test_sgmcmc import killed_after
 
 import dist_ens
 from dist_ens import Ensemble, data
