@@ -353,8 +353,8 @@ def check_loaded_run(workdir, dataset, final):
   """The contract of a finished run (`final` its results) on `dataset`: Ensemble.load
   predicts finite outputs on the test split that give the reported ensemble accuracy
   (a collecting method's: of its predicting members; scored targets; one example apart
-  at most, as a near-tie may fall the other way in another program) and NLL (rel 1e-3),
-  or RMSE (rel 1e-3);
+  at most, as a near-tie may fall the other way in another program) and NLL, or RMSE
+  and the mixture's NLL (rel 1e-3);
   loaded on one device it predicts the same on the split's first 64 examples, to float
   rounding (rtol 1e-3: up to 2e-4 measured, SWAG's samples through a transformer); export
   writes one file per predicting member holding its leaves under their '/'-joined paths.
@@ -385,6 +385,14 @@ def check_loaded_run(workdir, dataset, final):
     mean = np.asarray(prediction.mean, np.float64)
     rmse = np.sqrt(np.mean((mean - y.reshape(mean.shape)) ** 2))
     assert rmse == pytest.approx(reported['rmse'], rel=1e-3)
+    # The mixture's NLL over the members that predict (joint over target dims).
+    mu, var = (np.asarray(a, np.float64)[~np.asarray(ensemble.frozen)]
+               for a in (prediction.member_mean, prediction.member_variance))
+    log_p = -0.5 * ((y.reshape(mu.shape[1:]) - mu) ** 2 / var + np.log(2 * np.pi * var))
+    log_p = log_p.reshape(*log_p.shape[:2], -1).sum(-1)
+    top = log_p.max(0)
+    nll = -np.mean(top + np.log(np.mean(np.exp(log_p - top), 0)))
+    assert nll == pytest.approx(reported['nll'], rel=1e-3, abs=1e-4), (nll, reported['nll'])
   alone = dist_ens.Ensemble.load(str(workdir), devices=jax.devices()[:1])
   for name, value in alone.predict(dataset.test.x[:64])._asdict().items():  # Its first 64.
     if hasattr(value, 'dtype'):
