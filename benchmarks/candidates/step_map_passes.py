@@ -1,0 +1,389 @@
+# CANDIDATE (benchmarks/profile_step.py --candidate): dist_ens/core/step.py with the map form
+# running only the forward and backward passes member by member and the optimizer step
+# vmapped over the stacked state, as the vmap form does. Measured not faster; kept at this
+# commit for the record (BENCHMARKS.md, the whole-run goal).
+"""The train step: one member's update -> vmap (or a loop) over a device's members ->
+shard_map over 'member' -> jit.
+
+The step is manual over 'member' only: each device (group) runs its own block of
+members, so no collective ever crosses members. Over 'data' it is global-view:
+a member's batch is one array sharded over 'data', the loss is the mean over the
+whole batch, and XLA inserts the reductions (gradient all-reduce, BatchNorm's
+batch statistics) itself. A model therefore needs no axis names, and BatchNorm
+and dropout give the same result on any mesh (dropout keys come from (seed,
+member, step), and jax's partitionable threefry draws the same bits for a global
+shape however it is sharded).
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from dist_ens.core import gradients, rng as rng_lib
+from dist_ens.core.axes import DATA, MEMBER
+from dist_ens.core.hooks import MethodHooks
+from dist_ens.core.members import over_members
+from dist_ens.core.model import Model, with_precision
+from dist_ens.core.optim import Optimizer
+from dist_ens.core.state import TrainState
+
+PyTree = Any
+Hparams = Mapping[str, jax.Array]
+# augment(x [B, ...], member, step, index [B]) -> x: per-example draws keyed by (seed,
+# member, step, example index), so the same on any mesh (dist_ens.data.augment).
+BatchAugment = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+class StepMetrics(NamedTuple):
+  """Per-member metrics of one step on its train batch, each [M]."""
+  loss: jax.Array
+  metrics: dict[str, jax.Array]  # the task's batch metrics (e.g. accuracy)
+  nonfinite: jax.Array  # [M] bool: this step's loss or gradient was not finite.
+
+
+def _all_finite(tree: PyTree) -> jax.Array:
+  """Whether every element of `tree` is finite, read as the finiteness of each leaf's sum.
+
+  A NaN or an infinity anywhere makes the sum NaN or infinite, so nothing non-finite
+  passes; a finite leaf fails only if its elements sum beyond the dtype's range (float32:
+  3.4e38), where their squares, Adam's second moments, overflow anyway. XLA:CPU lowers a
+  float sum to its vectorised reduction kernels, and an `all` of booleans to a plain loop.
+  """
+  wide = lambda x: jnp.sum(x, dtype=jnp.promote_types(x.dtype, jnp.float32))
+  return jnp.all(jnp.stack([jnp.isfinite(wide(x)) for x in jax.tree.leaves(tree)]))
+
+
+def _zero_where(keep: jax.Array, tree: PyTree) -> PyTree:
+  return jax.tree.map(lambda g: jnp.where(keep, jnp.zeros_like(g), g), tree)
+
+
+@dataclasses.dataclass
+class TrainStep:
+  """The compiled train step: step(state, hparams, x, y[, index]) -> (state, metrics).
+
+  `hparams` are the per-member hyperparameters ({field: [M]}, sharded like the
+  state). `index` (the examples' indices in the training split, shaped like y) is
+  passed when `uses_index` (augmentation draws from it). `traces` counts how often
+  Python traced the step: 1 for a run.
+  """
+  fn: Callable[..., tuple[TrainState, StepMetrics]] = dataclasses.field(repr=False)
+  uses_index: bool = False
+  traces: int = 0
+
+  def __call__(self, state: TrainState, hparams: Hparams, x: jax.Array, y: jax.Array,
+               index: jax.Array | None = None):
+    if self.uses_index and index is None:
+      raise ValueError('This step augments its inputs: pass the examples\' indices '
+                       '(data.Batches(..., with_index=True) yields them).')
+    batch = (x, y, index) if self.uses_index else (x, y)
+    return self.fn(state, hparams, *batch)
+
+
+class Member(NamedTuple):
+  """One member's trained state, every leaf without the member axis; over a device's
+  block of members (hooks.members_update), every leaf with it."""
+  params: PyTree
+  model_state: PyTree
+  opt_state: PyTree
+  frozen: jax.Array  # bool: the member went non-finite and stopped training
+
+
+class Batch(NamedTuple):
+  """A train batch: inputs, targets and (with augmentation) the examples' indices in the
+  training split, shaped like y."""
+  x: jax.Array
+  y: jax.Array
+  index: jax.Array | None = None
+
+
+def update_axes(batch_axis: int | None) -> tuple[int | None, ...]:
+  """vmap's in_axes of update(member, hp, member_id, step, batch): the member's state,
+  hyperparameters and id stacked on axis 0, the step shared, and the batch stacked on
+  `batch_axis` (each member its own batch) or shared (None)."""
+  return (0, 0, 0, None, batch_axis)
+
+
+class StepOptions(NamedTuple):
+  """How one member's update treats its batch (config fields in brackets)."""
+  augment: BatchAugment | None = None  # [data.augment]
+  precision: str = 'float32'  # what the model computes in  [precision]
+  micro_batches: int = 1  # the batch is cut into this many  [train.micro_batches]
+  reproducible: bool = False  # bit-identical on any mesh and M  [reproducible]
+
+
+def member_results_fn(model: Model, seed: int, objective: gradients.Objective,
+                      options: StepOptions = StepOptions(),
+                      data_size: int = 1) -> Callable[..., gradients.BatchResult]:
+  """results(params, model_state, hp, member_id, step, batch) for ONE member: its loss,
+  batch metrics, gradients and new model state on its Batch (core.gradients.BatchResult).
+  The batch's `index` is read by augmentation only.
+  """
+  one_batch = gradients.batch_fn(with_precision(model, options.precision), objective)
+  if options.reproducible:
+    batch_results = gradients.canonical(one_batch, options.micro_batches, DATA, data_size)
+  else:
+    batch_results = gradients.accumulate(one_batch, options.micro_batches)
+
+  def results(params, model_state, hp, member_id, step, batch: Batch):
+    x = batch.x
+    if options.augment is not None:
+      x = options.augment(x, member_id, step, batch.index)
+    return batch_results(params, model_state, x, batch.y,
+                         rng_lib.train_key(seed, member_id, step), hp)
+
+  return results
+
+
+def member_apply_fn(optimizer: Optimizer) -> Callable[..., Any]:
+  """apply(member, hp, result) -> (member, StepMetrics) for ONE Member: its optimizer
+  step on `result` (member_results_fn's). A member whose loss or gradient is not
+  finite is frozen: from then on its optimizer sees zero gradients (its state stays
+  finite), its parameters zero updates and its model state is kept. Masking
+  gradients and updates, rather than selecting old-vs-new state afterwards, lets XLA
+  update the optimizer moments in place; the select made it copy them every step
+  (benchmarks/HISTORY.md, "Open work, done or superseded", 3).
+  """
+
+  unless = _apply_unless(optimizer)
+  return lambda member, hp, result: unless(member, hp, result, _nonfinite(result))
+
+
+def _nonfinite(result: gradients.BatchResult) -> jax.Array:
+  return ~(jnp.isfinite(result.loss) & _all_finite(result.grads))
+
+
+def _apply_unless(optimizer: Optimizer) -> Callable[..., Any]:
+  """member_apply_fn's apply with the member's `nonfinite` flag given (_nonfinite(result))."""
+
+  def apply(member: Member, hp, result, nonfinite):
+    keep = member.frozen | nonfinite
+    updates, opt_state = optimizer(hp).update(_zero_where(keep, result.grads), member.opt_state,
+                                              member.params)
+    params = optax.apply_updates(member.params, _zero_where(keep, updates))
+    model_state = jax.tree.map(lambda old, new: jnp.where(keep, old, new), member.model_state,
+                               result.model_state)
+    return (Member(params, model_state, opt_state, keep),
+            StepMetrics(result.loss, result.metrics, nonfinite))
+
+  return apply
+
+
+def member_update_fn(model: Model, optimizer: Optimizer, seed: int,
+                     objective: gradients.Objective,
+                     options: StepOptions = StepOptions(), data_size: int = 1) -> Callable[..., Any]:
+  """update(member, hp, member_id, step, batch) -> (member, StepMetrics) for ONE Member:
+  member_results_fn then member_apply_fn."""
+  results = member_results_fn(model, seed, objective, options, data_size)
+  apply = member_apply_fn(optimizer)
+
+  def update(member: Member, hp, member_id, step, batch: Batch):
+    return apply(member, hp, results(member.params, member.model_state, hp, member_id, step,
+                                     batch))
+
+  return update
+
+
+# The new Member replaces the first argument, the member's state: 'map' writes it back into
+# the donated state's buffers (over_members' in_place counts such leading arguments).
+_NEW_MEMBER = 1
+
+
+def _members_update(model, optimizer, seed, objective, options, data_size, parallelism,
+                    map_batch_size, batch_axis, hooks):
+  """update(members, hp, member_ids, step, batch) -> (members, StepMetrics) over a device's
+  block of members (a Member whose leaves are [m, ...]).
+
+  Reproducible mode runs each member's whole update (forward, backward, optimizer)
+  one member at a time ('map'): one fixed per-member program whatever the block's
+  size. Vmapping even the elementwise optimizer step is not enough: XLA simplifies
+  `m / broadcast(1 - b1**t)` differently at member widths 1 and M (measured: 3e-8 after
+  one Adam step), whereas a member-shaped body compiles alike everywhere.
+  """
+  if hooks.members_update is not None:  # BatchEnsemble (reproducible mode refused), own.
+    return hooks.members_update(
+        member_results_fn(model, seed, objective, options, data_size), member_apply_fn(optimizer),
+        optimizer, 'map' if options.reproducible else parallelism, batch_axis,
+        None if options.reproducible else map_batch_size)
+  if parallelism == 'map' and not options.reproducible:  # CANDIDATE: map the passes only
+    return _vmapped_update(member_results_fn(model, seed, objective, options, data_size),
+                           _apply_unless(optimizer), batch_axis, 'map', map_batch_size)
+  if options.reproducible or parallelism != 'vmap':
+    return over_members(member_update_fn(model, optimizer, seed, objective, options, data_size),
+                        'map' if options.reproducible else parallelism,
+                        in_axes=update_axes(batch_axis),
+                        map_batch_size=None if options.reproducible else map_batch_size,
+                        in_place=_NEW_MEMBER)
+  return _vmapped_update(member_results_fn(model, seed, objective, options, data_size),
+                         _apply_unless(optimizer), batch_axis)
+
+
+def _vmapped_update(results, apply, batch_axis, form='vmap', map_batch_size=None):
+  """The 'vmap' form: every member's forward and backward pass (and its non-finite flag)
+  vmapped by over_members, then the optimizer step vmapped over the state as it is
+  stored. Both are one vmap of the whole update where a device holds several members;
+  where it holds one, over_members runs the member's own forward and backward pass on its
+  slices (no batched operations) while the optimizer still steps the stored [1, ...] state.
+
+  Squeezing the state too made XLA:CPU fuse the new optimizer moments into both their own
+  outputs and the parameters' update, recomputing them there from the old moments, which
+  it then copied every step, which made a one-member step slower than a Python loop of
+  plain per-member updates (BENCHMARKS.md, "Today's figures").
+  """
+
+  def checked(params, model_state, hp, member_id, step, batch):
+    result = results(params, model_state, hp, member_id, step, batch)
+    return result, _nonfinite(result)
+
+  member_results = over_members(checked, form, in_axes=(0, 0) + update_axes(batch_axis)[1:],
+                                map_batch_size=map_batch_size)
+
+  def update(members: Member, hp, member_ids, step, batch: Batch):
+    result, nonfinite = member_results(members.params, members.model_state, hp, member_ids,
+                                       step, batch)
+    return jax.vmap(apply)(members, hp, result, nonfinite)
+
+  return update
+
+
+def _state_update(members_update, hooks: MethodHooks, reproducible: bool):
+  """update(state, hparams, member_ids, batch) -> (state, metrics) for a device's
+  block of members: every member's update (_members_update), then what the ensemble
+  method collects from the new parameters (nothing for independent members)."""
+  collect = None
+  if hooks.collect is not None:
+    collect = over_members(hooks.collect, 'map' if reproducible else 'vmap',
+                           in_axes=(0, 0, 0, None))
+
+  def update(state, hparams, member_ids, batch: Batch):
+    members, metrics = members_update(
+        Member(state.params, state.model_state, state.opt_state, state.frozen), hparams,
+        member_ids, state.step, batch)
+    step = state.step + 1
+    collected = state.method_state if collect is None else collect(
+        state.method_state, members.params, members.model_state, step)
+    return TrainState(**members._asdict(), step=step, method_state=collected), metrics
+
+  return update
+
+
+def _manual_only(spec: P, manual: set[str]) -> P:
+  """`spec` with the axes shard_map leaves automatic dropped: inside, a leaf split over
+  'model' is one global-view array, and XLA gathers what each member's update needs."""
+  keep = lambda entry: entry if entry is None or entry in manual else (
+      tuple(a for a in entry if a in manual) or None if isinstance(entry, tuple) else None)
+  return P(*(keep(e) for e in spec))
+
+
+def _specs(abstract_state: TrainState, per_member_batches: bool, steps_per_call: int,
+           manual_data: bool, manual: set[str]):
+  """How shard_map's manual axes split the state (as its shardings say), the batch and
+  the metrics."""
+  batch_axes = (MEMBER,) if per_member_batches else ()
+  if manual_data:
+    batch_axes += (DATA,)
+  batch_spec, metrics_spec = P(*batch_axes), P(MEMBER)
+  if steps_per_call > 1:
+    batch_spec, metrics_spec = P(None, *batch_spec), P(None, MEMBER)
+  state_specs = jax.tree.map(lambda leaf: _manual_only(leaf.sharding.spec, manual),
+                             abstract_state)
+  return state_specs, batch_spec, metrics_spec
+
+
+def _layout(mesh: Mesh, abstract_state: TrainState, per_member_batches: bool,
+            steps_per_call: int, reproducible: bool):
+  """(shard_map's manual axes, (state, batch, metrics specs)).
+
+  Manual over 'member' only; 'data' (and 'model', which splits each member's leaves)
+  stays global-view inside (see the module doc). With one device on 'data' both
+  views are the same computation; the manual form then compiles to the program
+  dist_ens 0.1 ran, bit for bit. Reproducible mode is manual over 'data' too: it
+  orders the cross-device sums itself.
+  """
+  manual_data = reproducible and mesh.shape[DATA] > 1
+  manual = {MEMBER, DATA} if mesh.shape[DATA] == 1 or manual_data else {MEMBER}
+  return manual, _specs(abstract_state, per_member_batches, steps_per_call, manual_data,
+                        manual)
+
+
+def _local_step(update, steps_per_call: int, first_member: int = 0):
+  """step(state, hparams, *batch) on one device group's members: `update` once, or
+  steps_per_call times in a lax.scan over the batches' leading axis. Members are keyed
+  by their ids, first_member + their index in the state."""
+
+  def local_step(state, hparams, *batch):
+    local_members = state.frozen.shape[0]
+    member_ids = jax.lax.axis_index(MEMBER) * local_members + jnp.arange(local_members)
+    if first_member:
+      member_ids = member_ids + first_member
+
+    def one_step(state, arrays):
+      return update(state, hparams, member_ids, Batch(*arrays))
+
+    if steps_per_call == 1:
+      return one_step(state, batch)
+    return jax.lax.scan(one_step, state, batch)
+
+  return local_step
+
+
+def make_train_step(model: Model, optimizer: Optimizer, mesh: Mesh, abstract_state: TrainState,
+                    *, objective: gradients.Objective, seed: int = 0,
+                    per_member_batches: bool = False, member_parallelism: str = 'vmap',
+                    map_batch_size: int | None = None, steps_per_call: int = 1,
+                    options: StepOptions = StepOptions(),
+                    hooks: MethodHooks = MethodHooks(), first_member: int = 0) -> TrainStep:
+  """Builds the jitted, sharded step; the input state is donated.
+
+  Args:
+    model, optimizer, seed, objective: what one member's update is made of (the
+      objective: the task's loss and batch metrics, core.gradients.Objective).
+    mesh: the ('member', 'data'[, 'model']) mesh.
+    abstract_state: the state's shapes, carrying their shardings (parallel.layout).
+    per_member_batches: x, y are [M, B, ...] (each member its own batch, sharded
+      over ('member', 'data')); otherwise [B, ...], shared by all members.
+    member_parallelism: 'vmap' or 'map', how each device runs its members
+      (core.members.over_members), map_batch_size members at a time for 'map'.
+    steps_per_call: K > 1 runs K steps per call in a lax.scan: x and y get a
+      leading axis of K batches and every metric one of K steps ([K, M]). The host
+      then dispatches once per K steps, which small models on accelerators need.
+    options: augmentation, precision, micro-batches and reproducible mode. With
+      augmentation the step takes a third batch array, the examples' indices
+      (shaped like y). Reproducible mode runs each member and each micro-batch at
+      one fixed shape ('map' over members, manual over 'data'; core.gradients).
+    hooks: the ensemble method's (core.hooks: its member update, what it collects
+      after every step); the default: independent members, nothing collected.
+    first_member: the id of the state's first member (a member group's place in the
+      ensemble): its rng, augmentation and dropout are keyed by first_member + index.
+  """
+  if not isinstance(steps_per_call, int) or steps_per_call < 1:
+    raise ValueError(f'steps_per_call={steps_per_call!r} must be an int >= 1.')
+  update = _state_update(
+      _members_update(model, optimizer, seed, objective, options, mesh.shape[DATA],
+                      member_parallelism, map_batch_size, 0 if per_member_batches else None,
+                      hooks),
+      hooks, options.reproducible)
+
+  local_step = _local_step(update, steps_per_call, first_member)
+  manual, (specs, batch_spec, metrics_spec) = _layout(
+      mesh, abstract_state, per_member_batches, steps_per_call, options.reproducible)
+  step = TrainStep(fn=None, uses_index=options.augment is not None)
+
+  def traced(state, hparams, *batch):
+    step.traces += 1
+    # check_vma=False: a model's own collective over a vmapped axis (Equinox's
+    # BatchNorm, axis_name='batch') trips jax 0.10's varying-axes check.
+    return jax.shard_map(
+        local_step, mesh=mesh, axis_names=manual, check_vma=False,
+        in_specs=(specs, P(MEMBER)) + (batch_spec,) * len(batch),
+        out_specs=(specs, metrics_spec))(state, hparams, *batch)
+
+  # The new state keeps the layout's shardings: over an automatic axis ('model') XLA
+  # would otherwise pick the outputs' own, and the next call would compile again.
+  state_shardings = jax.tree.map(lambda leaf: leaf.sharding, abstract_state)
+  step.fn = jax.jit(traced, donate_argnums=0, out_shardings=(state_shardings, None))
+  return step
