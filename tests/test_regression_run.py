@@ -3,11 +3,13 @@ targets stay float, the step trains on the task's Gaussian NLL, the evaluator re
 the task's metrics, and the tables and members.csv show them."""
 
 import json
+import logging
 
 import numpy as np
 import pytest
 
 import support
+from runs import killed_after
 
 import dist_ens
 from dist_ens import data
@@ -35,13 +37,15 @@ def _config():
 
 @pytest.fixture(scope='module')
 def runs(tmp_path_factory):
-  """The curve's ensemble trained twice with _config(): on its targets ('plain') and on
-  1000 y + 5 ('scaled'); each (workdir, final metrics). The tests below only read them."""
+  """The curve's ensemble trained twice with _config() and a validation split of 128 (the
+  conformal intervals' calibration): on its targets ('plain') and on 1000 y + 5
+  ('scaled'); each (workdir, final metrics). The tests below only read them."""
   (x, y), (xt, yt) = _curve(512, 0), _curve(256, 1)
   root = tmp_path_factory.mktemp('regression')
   datasets = {'plain': data.from_arrays(x, y, xt, yt, name='curve'),
               'scaled': data.from_arrays(x, 1000 * y + 5, xt, 1000 * yt + 5)}
-  return {name: (root / name, dist_ens.train(_config(), str(root / name), dataset=dataset))
+  config = support.override(_config(), {'data.validation_size': 128})
+  return {name: (root / name, dist_ens.train(config, str(root / name), dataset=dataset))
           for name, dataset in datasets.items()}
 
 
@@ -78,6 +82,28 @@ def test_targets_are_standardised_and_metrics_reported_in_their_units(runs):
     np.testing.assert_allclose(b['crps'], 1000 * a['crps'], rtol=1e-3)
     np.testing.assert_allclose(b['nll'], a['nll'] + np.log(1000), rtol=1e-3)
     assert b['coverage_90'] == pytest.approx(a['coverage_90'], abs=0.01)
+
+
+def test_a_regression_run_reports_conformal_intervals_in_target_units(runs):
+  """A run with a validation split calibrates normalised-residual intervals on it; the
+  loaded ensemble's predict_sets gives them again in the targets' own units (no
+  randomness: the same coverage and width as the run's), and on 1000 y + 5 they are 1000
+  times as wide and cover the same examples. No selective metrics: they are for
+  classification (test_shift_eval's digits run reports them)."""
+  xt, yt = _curve(256, 1)
+  for name, scale in (('plain', 1.0), ('scaled', 1000.0)):
+    workdir, final = runs[name]
+    fitted = final['conformal']
+    assert fitted['method'] == 'normalized_residual' and fitted['calibration_size'] == 128
+    assert 'aurc' not in final and 'shift' not in final
+    lower, upper = dist_ens.Ensemble.load(str(workdir)).predict_sets(xt)
+    y = scale * yt + (5 if name == 'scaled' else 0)
+    assert np.mean((lower <= y) & (y <= upper)) == pytest.approx(fitted['coverage'])
+    assert np.mean(upper - lower) == pytest.approx(fitted['mean_width'], rel=1e-4)
+  plain, scaled = runs['plain'][1]['conformal'], runs['scaled'][1]['conformal']
+  assert scaled['mean_width'] == pytest.approx(1000 * plain['mean_width'], rel=1e-3)
+  assert scaled['coverage'] == pytest.approx(plain['coverage'], abs=0.01)
+  assert 0.8 < plain['coverage'] <= 1
 
 
 def test_the_uci_config_trains_on_a_shipped_set(uci_run):
@@ -119,10 +145,13 @@ def test_an_exported_regression_member_predicts_with_numpy_alone(runs, tmp_path)
   np.testing.assert_allclose(mean, ensemble.predict(xt).member_mean[2], rtol=1e-4, atol=1e-3)
 
 
-def test_a_regression_sweep_with_k_fold_resumes_exactly(tmp_path):
-  """Resume, a per-member sweep and member_split together: killed after step 4's
-  checkpoint and rerun, it ends where an uninterrupted run ends, held-out results too."""
-  from test_methods import _Stop  # pylint: disable=import-outside-toplevel
+def test_a_regression_sweep_with_k_fold_resumes_exactly(tmp_path, caplog):
+  """Resume, a per-member sweep and member_split together: resumed from what a kill after
+  step 4's checkpoint leaves (runs.killed_after: a copy of the uninterrupted run without
+  its later checkpoint), it ends where the uninterrupted run ends, held-out results too.
+  The resume redraws each member's pool order of the interrupted epoch from its seed (the
+  matrix preempts and resumes every case; this is the fast tier's resume of member pools)."""
+  caplog.set_level(logging.INFO, logger='absl')
   dataset = data.from_arrays(*_curve(512, 0), *_curve(256, 1), name='curve')
 
   def config():
@@ -134,9 +163,9 @@ def test_a_regression_sweep_with_k_fold_resumes_exactly(tmp_path):
     return c
 
   straight = dist_ens.train(config(), str(tmp_path / 'a'), dataset=dataset)
-  with pytest.raises(RuntimeError, match='injected fault'):
-    dist_ens.train(config(), str(tmp_path / 'b'), dataset=dataset, actions=[_Stop(4)])
-  resumed = dist_ens.train(config(), str(tmp_path / 'b'), dataset=dataset)
+  resumed = dist_ens.train(config(), str(killed_after(tmp_path / 'a', 4, tmp_path / 'b')),
+                           dataset=dataset)
+  assert 'resuming from the checkpoint at step 4' in caplog.text
   for key in ('members', 'ensemble', 'member_split', 'hyperparameters'):
     assert resumed[key] == straight[key], key
   assert straight['hyperparameters']['optim.learning_rate'] == [3e-3, 1e-2, 3e-3, 1e-2]
