@@ -214,18 +214,6 @@ def test_report_draws_metrics_against_severity(tmp_path):
   assert (tmp_path / 'shift.png').stat().st_size > 0 and (tmp_path / 'shift.svg').exists()
 
 
-def test_a_regression_run_reports_conformal_intervals_in_target_units(tmp_path, devices):
-  config = load_config(ROOT / 'configs' / 'uci.py')
-  config.train.epochs, config.train.steps = 0, 20
-  config.train.log_every, config.checkpoint.every = 20, 20
-  config.data.validation_size, config.writers = 150, ('jsonl',)
-  final = train(config, str(tmp_path), devices=devices[:1])
-  fitted = final['conformal']
-  assert fitted['method'] == 'normalized_residual' and fitted['calibration_size'] == 150
-  assert 'aurc' not in final and 'shift' not in final  # selective is for classification
-  # The intervals again from the loaded ensemble, in the targets' own units: no randomness,
-  # so the same coverage and width as the run's.
-  test = data.load_dataset('uci:energy').test
-  lower, upper = Ensemble.load(tmp_path, devices=devices[:1]).predict_sets(test.x)
-  assert np.mean((lower <= test.y) & (test.y <= upper)) == pytest.approx(fitted['coverage'])
-  assert np.mean(upper - lower) == pytest.approx(fitted['mean_width'], rel=1e-4)
+# A regression run's conformal intervals in target units: test_regression_run's
+# test_a_regression_run_reports_conformal_intervals_in_target_units (its curve runs, on
+# y and on 1000 y + 5, calibrate on a validation split; no run of their own).
