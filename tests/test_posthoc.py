@@ -181,19 +181,26 @@ def test_greedy_selection_without_replacement_picks_distinct_members(size):
   assert got.picks[0] == greedy_select(log_likelihood, size=size, candidates=candidates).picks[0]
 
 
-def test_greedy_selection_without_replacement_in_a_run_scores_its_members_mixture(tmp_path):
-  config = support.config({'data.validation_size': 64, 'select.method': 'greedy',
-                           'select.greedy_size': 4, 'select.greedy_replacement': False})
-  final = train(config, str(tmp_path))
-  dataset = data.load_dataset('mnist1d')
-  greedy = final['greedy']
-  assert not greedy['replacement'] and len(set(greedy['picks'])) == len(greedy['picks'])
-  assert greedy['validation_nll'] == min(greedy['validation_nll_by_size'])
-  # Its test NLL is the mixture of the picked members' predictions, each counted once.
-  test = Ensemble.load(str(tmp_path)).predict(dataset.test.x)
-  probs = test.member_probs[greedy['picks']].astype(np.float64).mean(0)
-  nll = -np.mean(np.log(probs[np.arange(len(dataset.test.y)), dataset.test.y]))
-  assert greedy['ensemble']['nll'] == pytest.approx(nll, rel=1e-4)
+def test_the_config_builds_the_greedy_step_it_asks_for():
+  """config.select.method='greedy' builds one GreedySelect of config.select.greedy_size picks,
+  with or without replacement as config.select.greedy_replacement says, on the run's shared
+  outputs (test_posthoc_steps_in_a_training_run runs a selection without replacement)."""
+  from dist_ens.evaluators import evaluator as evaluator_lib  # pylint: disable=g-import-not-at-top
+  outputs = posthoc.SplitOutputs()
+  for replacement in (True, False):
+    config = load_config(ROOT / 'configs' / 'default.py')
+    config.data.validation_size = 64
+    config.select.method, config.select.greedy_size = 'greedy', 4
+    config.select.greedy_replacement = replacement
+    session = types.SimpleNamespace(spec=_run_spec(config))
+    run = evaluator_lib.EvalRun(types.SimpleNamespace(session=session), None, outputs)
+    [step] = greedy.evaluator(run)
+    assert isinstance(step, greedy.GreedySelect)
+    assert (step.size, step.replacement, step.cache) == (4, replacement, outputs)
+  config.select.method = 'top_k'
+  session = types.SimpleNamespace(spec=_run_spec(config))
+  assert not greedy.evaluator(evaluator_lib.EvalRun(types.SimpleNamespace(session=session),
+                                                    None, outputs))
 
 
 # --- MC dropout -----------------------------------------------------------------------
@@ -288,13 +295,25 @@ def test_posthoc_steps_in_a_training_run(tmp_path, devices):
   # greedy selection as an action passed in, as docs/ensemble_methods.md shows.
   with config.unlocked():
     config.eval.mc_samples, config.eval.temperature_scaling = 2, True
-  train(config, str(tmp_path), devices=devices[:4], actions=[greedy.GreedySelect(6)])
+  # Greedy selection of distinct members (the config's select.greedy_replacement=False
+  # builds the same step: test_the_config_builds_the_greedy_step_it_asks_for).
+  train(config, str(tmp_path), devices=devices[:4],
+        actions=[greedy.GreedySelect(6, replacement=False)])
   final = json.loads((tmp_path / 'final_metrics.json').read_text())
   ts, picked, mc = final['temperature_scaling'], final['greedy'], final['mc_dropout']
   assert ts['validation_nll']['ensemble_after'] <= ts['validation_nll']['ensemble_before']
   assert ts['before']['ensemble']['nll'] == pytest.approx(final['ensemble']['nll'], rel=1e-4)
   assert picked['validation_nll'] <= min(final['validation']['members']['nll']) + 1e-6
-  assert sum(picked['counts']) == len(picked['picks']) <= 6
+  assert picked['validation_nll'] == min(picked['validation_nll_by_size'])
+  assert sum(picked['counts']) == len(picked['picks']) <= 4  # distinct: at most M picks
+  assert not picked['replacement'] and len(set(picked['picks'])) == len(picked['picks'])
+  # Its test NLL is the mixture of the picked members' predictions (dropout off, as
+  # evaluation runs them), each counted once.
+  test = data.load_dataset('mnist1d').test
+  probs = Ensemble.load(str(tmp_path)).predict(test.x).member_probs
+  probs = probs[picked['picks']].astype(np.float64).mean(0)
+  nll = -np.mean(np.log(probs[np.arange(len(test.y)), test.y]))
+  assert picked['ensemble']['nll'] == pytest.approx(nll, rel=1e-4)
   assert mc['samples'] == 2 and mc['ensemble']['nll'] != pytest.approx(final['ensemble']['nll'])
   assert 0 <= mc['ood']['ensemble']['auroc_mi'] <= 1 and len(mc['ood']['members']['auroc_entropy']) == 4
   splits = {json.loads(line)['split'] for line in (tmp_path / 'metrics.jsonl').open()}
