@@ -185,17 +185,17 @@ def test_draws_of_a_probit_fit_are_refused_in_one_line(runs):
            lambda e: e.laplace_samples(DATASET.test.x, preprocessed=True))
 
 
-def test_regression_is_refused_in_one_line(tmp_path):
-  regression = data.from_arrays(DATASET.train.x, DATASET.train.y.astype(np.float32),
-                                DATASET.test.x, DATASET.test.y.astype(np.float32), name='toy')
-  # The shortest regression run that saves a checkpoint: the refusal reads its task only.
-  config = support.override(_config('', validation=0), {
-      'task': 'regression', 'train.steps': 2, 'train.log_every': 2, 'checkpoint.every': 2,
-      'eval.joint_tau': 0})
-  dist_ens.train(config, str(tmp_path / 'reg'), dataset=regression)
-  ens = dist_ens.Ensemble.load(tmp_path / 'reg')
-  _refused(ens, r"config\.task='regression'",
-           lambda e: e.predict(DATASET.test.x, preprocessed=True, laplace=True))
+def test_regression_is_refused_in_one_line(uci_run):
+  """A regression run has no Laplace predictive: the session's shared uci run
+  (tests/runs.py, configs/uci.py; only loaded here) is refused for predict(laplace=True)
+  and for draws, before any input is read, and predicts its own way."""
+  ens = dist_ens.Ensemble.load(uci_run[0])
+  assert ens.config.task == 'regression'
+  test_x = data.load_dataset('uci:yacht').test.x
+  _refused(ens, r"config\.task='regression'", lambda e: e.predict(test_x, laplace=True))
+  _refused(ens, r"laplace_samples\(\): config\.task='regression'",
+           lambda e: e.laplace_samples(test_x))
+  assert ens.predict(test_x[:3]).mean.shape == (3,)
 
 
 @pytest.mark.slow
