@@ -10,6 +10,7 @@ import jax
 import numpy as np
 import pytest
 
+import runs
 import support
 
 import dist_ens
@@ -81,16 +82,18 @@ def test_seed_changes_members(tmp_path, reference):
   assert not np.allclose(other['members']['nll'], reference['members']['nll'])
 
 
-def test_workdir_files(tmp_path):
-  result = _run(tmp_path, 'w', mesh__member=4, mesh__data=2, train__eval_every=10)
-  workdir = tmp_path / 'w'
+def test_workdir_files(tiny_run):
+  """A finished run's workdir: its config, final metrics as returned, and the train and
+  test events of each log and evaluation step. Read from the session's shared run
+  (tests/runs.py: support.config's run for 8 steps, logged and evaluated at 4 and 8)."""
+  workdir, result = tiny_run
   assert json.loads((workdir / 'config.json').read_text())['num_members'] == 4
   assert json.loads((workdir / 'final_metrics.json').read_text()) == json.loads(json.dumps(result))
   events = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
   train_events = [e for e in events if e['split'] == 'train']
   test_events = [e for e in events if e['split'] == 'test']
-  assert [e['step'] for e in train_events] == [10, 20]
-  assert [e['step'] for e in test_events] == [10, 20]
+  assert [e['step'] for e in train_events] == [4, 8]
+  assert [e['step'] for e in test_events] == [4, 8]
   assert len(train_events[0]['members']['loss']) == 4
   assert set(test_events[-1]['ensemble']) >= {'accuracy', 'nll', 'brier', 'ece', 'disagreement'}
   assert set(result['members']) >= {'accuracy', 'nll'}
@@ -121,13 +124,14 @@ def test_bad_config_fails_before_touching_workdir(tmp_path, overrides, message):
   assert not workdir.exists()
 
 
-def test_workdir_of_another_run_is_refused_and_kept(tmp_path):
-  _run(tmp_path, 'w', devices=jax.devices()[:1], train__steps=10)
-  files = lambda: {p: p.read_bytes() for p in (tmp_path / 'w').rglob('*') if p.is_file()}
+def test_workdir_of_another_run_is_refused_and_kept(tmp_path, tiny_run):
+  """Another config's run in a finished run's workdir (a copy of the session's shared run,
+  tests/runs.py) is refused, naming the field that may not differ, and leaves every file."""
+  workdir = runs.copy(tiny_run, tmp_path / 'w')
+  files = lambda: {p: p.read_bytes() for p in workdir.rglob('*') if p.is_file()}
   before = files()
   with pytest.raises(ConfigError, match=r'differing fields: num_members\)'):
-    _run(tmp_path, 'w', devices=jax.devices()[:1], train__steps=10, num_members=8,
-         optim__learning_rate=0.1)
+    dist_ens.train(runs.tiny_config(num_members=8, optim__learning_rate=0.1), str(workdir))
   assert files() == before
 
 
