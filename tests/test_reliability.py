@@ -96,10 +96,15 @@ def test_a_run_that_failed_before_its_first_checkpoint_binds_nothing(tmp_path):
   assert final['num_members'] == 4
 
 
-def test_on_nonfinite_stop_holds_on_every_rerun(tmp_path):
+def test_on_nonfinite_stop_holds_on_every_rerun_and_releases_the_lock(tmp_path):
+  """A stopped run raises, and releases the workdir's lock (the next run takes it with no
+  takeover); each rerun stops again until on_nonfinite is switched to 'freeze'."""
   bad = _config(optim__learning_rate=[1e-3, 1e-3, 1e-3, 1e30], train__on_nonfinite='stop')
   with pytest.raises(TrainingError, match=r'members \[3\] went non-finite'):
     dist_ens.train(bad, str(tmp_path))
+  assert (tmp_path / '.lock').read_text() == ''
+  with WorkdirLock(tmp_path):  # Free: taking it does not raise.
+    pass
   with pytest.raises(TrainingError, match=r"members \[3\] went non-finite before step"):
     dist_ens.train(bad, str(tmp_path))
   # Switching to 'freeze' (allowed) trains the others on.
@@ -138,15 +143,6 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path):
       assert json.loads((workdir / '.lock').read_text())['pid'] == os.getpid()
   (message, *args), _ = warning.call_args
   assert 'taking over the lock' in message and f'pid {dead_pid} ' in message % tuple(args)
-
-
-def test_the_lock_is_released_when_training_raises(tmp_path):
-  bad = _config(optim__learning_rate=[1e-3, 1e-3, 1e-3, 1e30], train__on_nonfinite='stop')
-  with pytest.raises(TrainingError):
-    dist_ens.train(bad, str(tmp_path))
-  assert (tmp_path / '.lock').read_text() == ''
-  with WorkdirLock(tmp_path):  # Free: taking it does not raise.
-    pass
 
 
 def _events(workdir):
