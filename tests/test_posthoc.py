@@ -12,8 +12,6 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-import support
-
 from dist_ens import Ensemble, data, tasks
 from dist_ens.config import groups as member_groups, specs
 from dist_ens.config.loading import load_config
