@@ -51,6 +51,14 @@ def margin_task():
                        select_metrics={'nll': False})
 
 
+def standardising_task_without_reframe():
+  """A user's regression task that standardises (unscale) but cannot move its outputs
+  between standardisations (no reframe): member splits refuse it
+  (tests/test_member_split.py)."""
+  from dist_ens import tasks  # pylint: disable=g-import-not-at-top
+  return tasks.regression()._replace(name='own_regression', reframe=None)
+
+
 def confident_share(run):
   """A user's evaluator (docs/how-it-works.md, "An evaluator of your own"): after the last
   step, the share of test examples the members' mean probability puts at >= 0.9 on one

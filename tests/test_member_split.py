@@ -270,6 +270,19 @@ def test_held_out_metrics_use_each_splits_own_statistics_in_target_units(tmp_pat
   assert exported['members_per_split'] == 2 and len(exported['split_standardizers']) == 2
 
 
+def test_a_standardising_task_without_reframe_is_refused_with_member_splits(tmp_path):
+  """Scoring each split's members needs Task.reframe; a user's standardising task without
+  one is refused in one line naming both fields, before the workdir exists."""
+  x, y = _curve(64, 3)
+  config = _config('kfold:2', members=4)
+  config.task, config.data.batch_size = 'ext_fixtures:standardising_task_without_reframe', 16
+  with pytest.raises(ConfigError) as refused:
+    dist_ens.train(config, str(tmp_path / 'w'), dataset=data.from_arrays(x, y, x[:8], y[:8]))
+  message = str(refused.value)
+  assert '\n' not in message and 'data.member_split' in message and 'config.task' in message
+  assert 'reframe' in message and not (tmp_path / 'w').exists()
+
+
 @pytest.mark.parametrize('task', ['regression', 'regression_homoscedastic'])
 def test_a_standardised_member_split_runs_test_metrics_are_what_predict_gives(tmp_path, task):
   """Two contiguous blocks of a pool sorted by x: their statistics differ, so the run's

@@ -224,6 +224,12 @@ def build_run(config: ml_collections.ConfigDict, *,
   parts = build_parts(config, mesh, input_shape, num_outputs, optimizer=optimizer,
                       input_dtype=dtype[0] if dtype else jnp.float32)
   if run_data is not None and run_data.split_scales is not None:
+    if parts.task.reframe is None:  # A user's task that standardises (unscale) only.
+      raise ConfigError(f'config.data.member_split={config.data.member_split!r} with '
+                        f'config.task={config.task!r}: the task standardises its targets '
+                        '(Task.unscale) but cannot move its outputs between standardisations '
+                        "(Task.reframe), which scoring each split's members needs; give the "
+                        "task a reframe or set data.member_split=''.")
     parts = parts._replace(split_frames=SplitFrames(run_data.scale, run_data.split_scales))
   if metrics and run_data is not None:
     user_metrics.check_metrics(metrics, shapes[1], np.asarray(dataset.test.y))
