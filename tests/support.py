@@ -354,11 +354,10 @@ def check_loaded_run(workdir, dataset, final):
   predicts finite outputs on the test split that give the reported ensemble accuracy
   (a collecting method's: of its predicting members; scored targets; one example apart
   at most, as a near-tie may fall the other way in another program) and NLL, or RMSE
-  and the mixture's NLL (rel 1e-3);
-  loaded on one device it predicts the same on the split's first 64 examples, to float
-  rounding (rtol 1e-3: up to 2e-4 measured, SWAG's samples through a transformer); export
-  writes one file per predicting member holding its leaves under their '/'-joined paths.
-  Returns the loaded ensemble."""
+  and the mixture's NLL (rel 1e-3); loaded on one device it predicts the same on the
+  split's first 64 examples, to float rounding (rtol 1e-3: up to 2e-4 measured, SWAG's
+  samples through a transformer); export writes one file per predicting member holding
+  its leaves under their '/'-joined paths. Returns the loaded ensemble."""
   import jax  # pylint: disable=g-import-not-at-top  (after conftest's XLA_FLAGS)
   import numpy as np  # pylint: disable=g-import-not-at-top
   import pytest  # pylint: disable=g-import-not-at-top
