@@ -18,7 +18,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import data, tasks
-from dist_ens.run import assemble
+from dist_ens.run import evaluation
 from dist_ens.tasks.regression import dataset_target_dim
 from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.evaluators.evaluator import EvalRun
@@ -72,14 +72,14 @@ class FitNoise(PeriodicAction):
     y_std = member_y_std(session, target_dim)
     with session.off_clock():
       levels, split = fitted_levels(call, y_std)
-    # In the units evaluation scores the members in: the training split's, or with member
-    # splits the frame's (run/split_frames.py), whose target std is frame_std.
-    frame_std = y_std if session.run_data.split_scales is None else np.reshape(
-        session.run_data.scale.y_std, -1)
+    # In the units evaluation scores the members in, RunData.scale's: the training split's,
+    # or with member splits the frame's (run/split_frames.py).
+    scale = session.run_data.scale
+    frame_std = 1.0 if scale is None else np.reshape(scale.y_std, -1)
     per_member = (levels[:, None] * np.square(y_std / frame_std)).astype(np.float32)
     task = tasks.regression_homoscedastic(target_dim, noise_variance=per_member)
     session.parts = session.parts._replace(task=task)
-    session.evaluator = assemble.build_evaluator(session.spec.eval, session.parts,
+    session.evaluator = evaluation.build_evaluator(session.spec.eval, session.parts,
                                                  session.run_data)
     target_units = levels[:, None] * np.square(y_std)
     session.results['noise_variance'] = {

@@ -39,15 +39,16 @@ from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, stored
 from dist_ens.errors import ConfigError
 from dist_ens.eval import shift_spec, user_metrics
-from dist_ens.eval.evaluate import Evaluator, Scorer, make_eval_step
+from dist_ens.eval.evaluate import Evaluator
 from dist_ens.run.member_forms import member_form
 from dist_ens.run.mesh_layout import build_layout, build_mesh
 from dist_ens.parallel import mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
 from dist_ens.core.step import TrainStep, make_train_step
 from dist_ens.run.run_data import RunData, build_data
+from dist_ens.run.evaluation import build_evaluator
 from dist_ens.run.split_frames import SplitFrames
-from dist_ens.config.specs import (EvalSpec, RunSpec, StackSpec, data_spec, method_spec,
+from dist_ens.config.specs import (RunSpec, StackSpec, data_spec, method_spec,
                                    model_spec, optim_spec, resolve_hparams, run_spec,
                                    stack_spec)
 
@@ -155,30 +156,6 @@ class Run(NamedTuple):
                         self.spec.checkpoint_keep)
 
 
-def build_evaluator(spec: EvalSpec, parts: Parts, run_data: RunData | None) -> Evaluator:
-  """The sharded evaluator of every member and the ensemble by parts.task, with
-  eval.metrics' own metrics, in the targets' units (run_data.scale)."""
-  mesh, task, eval_batch = parts.mesh, parts.task, parts.task.eval_batch
-  finalize = finalizer(spec, task, run_data.scale if run_data is not None else None)
-  if spec.metrics:
-    eval_batch = user_metrics.with_metrics(
-        eval_batch, user_metrics.load_metrics(spec.metrics), task.combine)
-  # The state as it is: predict_model reads its params as stored, a shared leaf once.
-  return Evaluator(make_eval_step(parts.predict_model, mesh, eval_batch), mesh,
-                   spec.batch_size, scorer=Scorer(eval_batch, finalize, task.ood_metrics))
-
-
-def finalizer(spec: EvalSpec, task: tasks.Task, scale: Any) -> Callable[..., dict[str, Any]]:
-  """task's finalize, in the targets' own units for sums standardised with `scale`
-  (a uci.Standardizer, or None), with eval.metrics' own metrics."""
-  finalize = task.finalize
-  if scale is not None:
-    finalize = lambda sums, examples: task.finalize(task.unscale(sums, scale.y_std), examples)
-  if spec.metrics:
-    finalize = user_metrics.with_results(finalize, user_metrics.load_metrics(spec.metrics))
-  return finalize
-
-
 def build_run(config: ml_collections.ConfigDict, *,
               devices: Sequence[jax.Device] | None = None, dataset: data.Dataset | None = None,
               optimizer: Optimizer | optax.GradientTransformation | None = None,
@@ -224,13 +201,8 @@ def build_run(config: ml_collections.ConfigDict, *,
   parts = build_parts(config, mesh, input_shape, num_outputs, optimizer=optimizer,
                       input_dtype=dtype[0] if dtype else jnp.float32)
   if run_data is not None and run_data.split_scales is not None:
-    if parts.task.reframe is None:  # A user's task that standardises (unscale) only.
-      raise ConfigError(f'config.data.member_split={config.data.member_split!r} with '
-                        f'config.task={config.task!r}: the task standardises its targets '
-                        '(Task.unscale) but cannot move its outputs between standardisations '
-                        "(Task.reframe), which scoring each split's members needs; give the "
-                        "task a reframe or set data.member_split=''.")
-    parts = parts._replace(split_frames=SplitFrames(run_data.scale, run_data.split_scales))
+    parts = parts._replace(split_frames=SplitFrames.of_run(
+        run_data, parts.task, config.data.member_split, config.task))
   if metrics and run_data is not None:
     user_metrics.check_metrics(metrics, shapes[1], np.asarray(dataset.test.y))
   # Each stack picks its own form (build_step); the first's stands for the run.

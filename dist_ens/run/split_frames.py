@@ -31,12 +31,28 @@ import numpy as np
 
 from dist_ens.core.model import Model, num_stacked, stacked_axes
 from dist_ens.data import uci
+from dist_ens.errors import ConfigError
 
 
 class SplitFrames(NamedTuple):
   """Evaluation's statistics and each split's (RunData.scale, RunData.split_scales)."""
   frame: uci.Standardizer
   splits: tuple[uci.Standardizer, ...]
+
+  @classmethod
+  def of_run(cls, run_data: Any, task: Any, member_split: str, task_name: str) -> 'SplitFrames':
+    """The frames of a run whose RunData has split_scales, for `task`.
+
+    Raises:
+      ConfigError: the task standardises (Task.unscale) but has no Task.reframe (a user's).
+    """
+    if task.reframe is None:
+      raise ConfigError(f'config.data.member_split={member_split!r} with config.task='
+                        f'{task_name!r}: the task standardises its targets (Task.unscale) but '
+                        'cannot move its outputs between standardisations (Task.reframe), '
+                        "which scoring each split's members needs; give the task a reframe "
+                        "or set data.member_split=''.")
+    return cls(run_data.scale, run_data.split_scales)
 
   def affines(self) -> tuple[np.ndarray, ...]:
     """Per split, [S, ...] each: x_scale, x_shift (the frame's units -> the split's) and
