@@ -13,7 +13,7 @@ batch, Adam 1e-3), written here in plain JAX so that only the way members run di
               each member read with a dynamic slice and written back with a dynamic
               update (optimization barriers around the member's update, which XLA:CPU
               drops), so that the donated state could be updated where it lies;
-  in_place    dist_ens's 'map' (core.members.over_members with in_place=2): the
+  in_place    dist_ens's 'map' (core.step.over_members with in_place=2): the
               same loop, each member's update inside a lax.cond that reads the
               member's slices itself, so that XLA computes the new state whole before
               writing it back (no whole-stack copies);
@@ -50,7 +50,7 @@ from jax.experimental.layout import Format, Layout
 from jax.sharding import SingleDeviceSharding
 
 from benchmarks import harness
-from dist_ens.core.members import over_members
+from dist_ens.core.step import over_members
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = (784, 512, 512, 10)

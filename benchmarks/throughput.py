@@ -31,8 +31,8 @@ it times one training step of all M members done as
             parameters and Adam in float32) and a 2-D CNN's input channels_last;
   auto/bf16 (with torch) 'auto' with config.precision='bfloat16', torch/amp's peer;
   FORM@NAME a form of a candidate change of dist_ens given by --candidate NAME=PATH
-            (a changed copy of dist_ens/core/step.py, or a folder with changed copies
-            of core/step.py and/or core/members.py; see load_candidate).
+            (a changed copy of dist_ens/core/step.py, or a folder holding one; see
+            load_candidate).
 Every dist_ens variant is built as training builds it: dist_ens.run.assemble.build_parts,
 init_sharded and build_step, called as step(state, parts.device_hparams(), x, y).
 Everything runs on ONE device (jax.devices()[:1]): on a CPU, fake devices split the
@@ -488,60 +488,39 @@ def time_side_by_side(runs: dict[str, Callable[[], Any]], repeats: int,
   return times, first
 
 
-# A candidate's files, in load order: a changed members.py is loaded first so that the
-# candidate step.py (which imports over_members from it) picks it up.
-CANDIDATE_MODULES = (('dist_ens.core.members', ('core/members.py', 'members.py')),
-                     ('dist_ens.core.step', ('core/step.py', 'step.py')))
+# Where a candidate folder may hold its step.py (over_members and its forms are in it).
+CANDIDATE_FILES = ('core/step.py', 'step.py')
 
 
 def load_candidate(path: str) -> Any:
   """A candidate change of dist_ens, for an A/B run against the installed one.
 
-  `path` is a copy of dist_ens/core/step.py, or a folder holding changed copies of
-  dist_ens/core/members.py and/or dist_ens/core/step.py (as members.py and step.py,
-  or under core/ as in the package). The candidate step.py then imports the
-  candidate members.py (its over_members); with only a members.py,
-  the installed step.py is loaded again against it. Everything else is the installed
-  package, and the installed modules stay in place for the other variants.
+  `path` is a changed copy of dist_ens/core/step.py, or a folder holding one (as step.py,
+  or under core/ as in the package). Everything else is the installed package, and the
+  installed modules stay in place for the other variants.
   Returns the candidate step module; its `candidate_forms` are the member
-  parallelisms of its members.py (MEMBER_PARALLELISM).
+  parallelisms of its over_members (MEMBER_PARALLELISM).
   """
   import importlib.util
-  import dist_ens.core.step as installed_step  # The real package first: candidates import
-  import dist_ens.core.members as installed_members  # only its leaves.
+  # The real package first: a candidate imports only its leaves.
+  import dist_ens.core.step as installed_step
   root = Path(path)
   if root.is_dir():
-    files = {}
-    for name, candidates in CANDIDATE_MODULES:
-      found = [root / c for c in candidates if (root / c).exists()]
-      if found:
-        files[name] = found[0]
-    if not files:
-      raise ValueError(f'--candidate {path}: no step.py or members.py there (copy '
-                       'dist_ens/core/step.py and/or dist_ens/core/members.py).')
-    files.setdefault('dist_ens.core.step', Path(installed_step.__file__))
-  elif root.exists():
-    files = {'dist_ens.core.step': root}
-  else:
+    found = [root / c for c in CANDIDATE_FILES if (root / c).exists()]
+    if not found:
+      raise ValueError(f'--candidate {path}: no step.py there (copy dist_ens/core/step.py).')
+    root = found[0]
+  elif not root.exists():
     raise ValueError(f'--candidate {path}: no such file or folder.')
-  saved = {name: sys.modules.get(name) for name, _ in CANDIDATE_MODULES}
-  loaded = {}
+  name = installed_step.__name__
+  spec = importlib.util.spec_from_file_location(name, root)
+  step = importlib.util.module_from_spec(spec)
   try:
-    for name, _ in CANDIDATE_MODULES:  # members first, then step.
-      if name not in files:
-        continue
-      spec = importlib.util.spec_from_file_location(name, files[name])
-      module = importlib.util.module_from_spec(spec)
-      sys.modules[name] = module  # Seen by the next file's imports.
-      spec.loader.exec_module(module)
-      loaded[name] = module
+    sys.modules[name] = step
+    spec.loader.exec_module(step)
   finally:
-    for name, module in saved.items():
-      if module is not None:
-        sys.modules[name] = module
-  step = loaded['dist_ens.core.step']
-  members = loaded.get('dist_ens.core.members', installed_members)
-  step.candidate_forms = tuple(members.MEMBER_PARALLELISM)
+    sys.modules[name] = installed_step
+  step.candidate_forms = tuple(step.MEMBER_PARALLELISM)
   return step
 
 
@@ -611,10 +590,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
   parser.add_argument('--no_torch', action='store_true')
   parser.add_argument('--candidate', action='append', default=[],
                       help='NAME=PATH: also time a candidate change of dist_ens (a copy of '
-                      'dist_ens/core/step.py, or a folder with step.py and/or members.py, '
-                      'copies of dist_ens/core/step.py and dist_ens/core/members.py) as '
-                      'vmap@NAME, map@NAME, map/K@NAME and any other form its members.py '
-                      'adds to MEMBER_PARALLELISM (A/B of a patch)')
+                      'dist_ens/core/step.py, or a folder holding one as step.py or '
+                      'core/step.py) as vmap@NAME, map@NAME, map/K@NAME and any other form '
+                      'it adds to MEMBER_PARALLELISM (A/B of a patch)')
   parser.add_argument('--threads', type=int, default=os.cpu_count(),
                       help='torch intra-op threads (default: all cores, as XLA uses)')
   parser.add_argument('--batch', type=int, default=BATCH, help='examples per member per step')

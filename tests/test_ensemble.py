@@ -7,7 +7,7 @@ import pytest
 
 import dist_ens
 from dist_ens.core import rng
-from dist_ens.core import members as members_lib
+from dist_ens.core.step import over_members
 
 
 def _member(seed):
@@ -77,7 +77,7 @@ def test_over_members_matches_a_loop(parallelism, chunk):
   x = jnp.arange(6.0).reshape(2, 3)
   f = lambda p, x, scale: (x @ p['dense'][0]['w']).sum() * p['scale'] * scale
   scales = jnp.array([1.0, 2.0, 3.0, 4.0])
-  got = members_lib.over_members(f, parallelism, in_axes=(0, None, 0), map_batch_size=chunk)(
+  got = over_members(f, parallelism, in_axes=(0, None, 0), map_batch_size=chunk)(
       dist_ens.stack(members), x, scales)
   np.testing.assert_allclose(got, [f(p, x, s) for p, s in zip(members, scales)], rtol=1e-6)
 
@@ -88,7 +88,7 @@ def test_map_in_place_replaces_the_arguments_it_names(chunk):
   step = lambda w, count, x: (w - 0.1 * x * w, count + 1, (w * x).sum())
   w = jax.random.normal(jax.random.key(0), (5, 3))
   count = jnp.arange(5)
-  mapped = members_lib.over_members(step, 'map', in_axes=(0, 0, None), map_batch_size=chunk,
+  mapped = over_members(step, 'map', in_axes=(0, 0, None), map_batch_size=chunk,
                                  in_place=2)
   got = jax.jit(mapped, donate_argnums=(0, 1))(w.copy(), count.copy(), 2.0)
   want = jax.vmap(step, in_axes=(0, 0, None))(w, count, 2.0)
@@ -99,7 +99,7 @@ def test_map_in_place_replaces_the_arguments_it_names(chunk):
 
 def test_map_in_place_rejects_a_result_unlike_its_argument():
   with pytest.raises(ValueError, match='in_place: result 0'):
-    members_lib.over_members(lambda w: (w.sum(),), 'map', in_place=1)(jnp.zeros((4, 3)))
+    over_members(lambda w: (w.sum(),), 'map', in_place=1)(jnp.zeros((4, 3)))
 
 
 @pytest.mark.parametrize('parallelism', ['vmap', 'map'])
@@ -111,7 +111,7 @@ def test_one_member_runs_as_that_members_own_function(parallelism):
       (x @ p['dense'][0]['w']) * p['scale'])
   member = _member(0)
   x = jnp.arange(6.0).reshape(2, 3)
-  over = members_lib.over_members(f, parallelism, in_axes=(0, None))
+  over = over_members(f, parallelism, in_axes=(0, None))
   got = over(dist_ens.stack([member]), x)
   assert seen == [False]
   over(dist_ens.stack([member] * 2), x)
@@ -121,4 +121,4 @@ def test_one_member_runs_as_that_members_own_function(parallelism):
 
 def test_over_members_rejects_unknown_parallelism():
   with pytest.raises(ValueError, match="'pmap'"):
-    members_lib.over_members(lambda x: x, 'pmap')
+    over_members(lambda x: x, 'pmap')

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 from dist_ens.parallel import strategy as parallelism
-from dist_ens.core.members import MEMBER_PARALLELISM, over_members
+from dist_ens.core.step import MEMBER_PARALLELISM, over_members
 from dist_ens.errors import ConfigError
 from model_specs import model_spec
 

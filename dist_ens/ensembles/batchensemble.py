@@ -37,9 +37,8 @@ import optax
 
 from dist_ens.core.axes import MEMBER
 from dist_ens.core.hooks import MethodHooks
-from dist_ens.core.members import over_members
 from dist_ens.core.model import is_kernel
-from dist_ens.core.step import Batch, Member, update_axes
+from dist_ens.core.step import Batch, Member, over_members, update_axes
 from dist_ens.ensembles import lora
 from dist_ens.ensembles.method import Method, MethodSpec, refuse_reproducible
 

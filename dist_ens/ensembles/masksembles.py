@@ -67,8 +67,7 @@ import optax
 
 from dist_ens.core.axes import MEMBER
 from dist_ens.core.hooks import MethodHooks
-from dist_ens.core.members import over_members
-from dist_ens.core.step import Batch, Member, StepMetrics, update_axes
+from dist_ens.core.step import Batch, Member, StepMetrics, over_members, update_axes
 from dist_ens.ensembles import batchensemble
 from dist_ens.ensembles.method import Method, MethodSpec, refuse_reproducible
 from dist_ens.errors import ConfigError

@@ -39,8 +39,7 @@ from typing import Any
 import jax
 
 from dist_ens.core.hooks import MethodHooks
-from dist_ens.core.members import over_members
-from dist_ens.core.step import Batch, Member, update_axes
+from dist_ens.core.step import Batch, Member, over_members, update_axes
 from dist_ens.ensembles import batchensemble, lora as lora_lib
 from dist_ens.errors import ConfigError
 from dist_ens.models.heads import head_paths

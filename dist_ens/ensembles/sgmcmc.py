@@ -26,9 +26,8 @@ import optax
 
 from dist_ens.core import rng
 from dist_ens.core.hooks import MethodHooks
-from dist_ens.core.members import over_members
 from dist_ens.core.optim import DECAY_MASKS, Optimizer, OptimSpec
-from dist_ens.core.step import update_axes
+from dist_ens.core.step import over_members, update_axes
 from dist_ens.ensembles.method import Method, MethodSpec, int_field, scale_field
 from dist_ens.errors import ConfigError
 

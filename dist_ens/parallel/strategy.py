@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dist_ens.core.members import MEMBER_PARALLELISM
+from dist_ens.core.step import MEMBER_PARALLELISM
 from dist_ens.errors import ConfigError
 
 CHOICES = MEMBER_PARALLELISM + ('auto',)
