@@ -76,9 +76,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   _require(hparams.float32_normal(eps), 'optim.eps', eps,
            'must be a number > 0 of float32 size, e.g. 1e-8')
   # Groups first: a pairing they refuse is named as theirs, not as the other field's.
-  for spec in member_groups.check(config):  # Each group's own fields and overrides.
-    with member_groups.in_group(spec):
-      specs.resolve_hparams(member_groups.group_config(config, spec))
+  member_groups.check(config)  # Each group's own fields, overrides and per-member values.
   _validate_select(config)
   _validate_eval(config)
   # Per-member fields: numbers, lists of M numbers or specs.

@@ -15,14 +15,13 @@ members of the same ids in a run without groups whose model is the group's.
 
 import contextlib
 import copy
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import ml_collections
 
 from dist_ens import tasks
-from dist_ens.config import specs
+from dist_ens.config import specs as specs_lib
 from dist_ens.core.stacks import Place
 from dist_ens.ensembles import methods
 from dist_ens.errors import ConfigError
@@ -105,7 +104,7 @@ def group_config(config: ml_collections.ConfigDict,
       for field, value in overrides.items():
         # A field only some models read (model.depth, model.patch_size, ...) may be absent
         # from the ensemble's config, as it may from any config: the group adds it.
-        if ((field not in out[key] and f'{key}.{field}' not in specs.OPTIONAL_FIELDS)
+        if ((field not in out[key] and f'{key}.{field}' not in specs_lib.OPTIONAL_FIELDS)
             or (key, field) == ('ensemble', 'groups')):
           known = sorted({*out[key], *_optional(key)} - {'groups'})
           raise ConfigError(f'{FIELD} group {spec.name!r} sets {key}.{field}, which is no '
@@ -128,7 +127,7 @@ def group_config(config: ml_collections.ConfigDict,
 
 def _optional(key: str) -> tuple[str, ...]:
   """The fields of config.<key> a config may leave out (specs.OPTIONAL_FIELDS)."""
-  return tuple(f.split('.', 1)[1] for f in specs.OPTIONAL_FIELDS if f.startswith(f'{key}.'))
+  return tuple(f.split('.', 1)[1] for f in specs_lib.OPTIONAL_FIELDS if f.startswith(f'{key}.'))
 
 
 # (field, test of its value, what it is): pairings groups do not support yet, each refused
@@ -150,7 +149,8 @@ def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
 
 def check(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
   """The config's groups, checked: counts that sum to num_members, overrides of real
-  fields, and none of the pairings groups do not support yet (one line naming both)."""
+  fields, none of the pairings groups do not support yet (one line naming both), and
+  each group's per-member fields (config.checks.validate runs this first)."""
   specs = group_specs(config)
   if not specs:
     return specs
@@ -172,6 +172,9 @@ def check(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
       if refused(_get(one, field)):
         raise ConfigError(f'{FIELD} does not support config.{field}={_get(one, field)!r} '
                           f'yet (docs/groups.md); {fix}, or train without groups.')
+  for spec in specs:  # Each group's per-member values, over all M as the run's are.
+    with in_group(spec):
+      specs_lib.resolve_hparams(group_config(config, spec))
   return specs
 
 
@@ -188,13 +191,6 @@ def in_group(spec: GroupSpec) -> Iterator[None]:
                       f'{spec.group.first + spec.group.count - 1}): {e}') from None
 
 
-def fitted_members(config: ml_collections.ConfigDict) -> int:
-  """The member count a mesh's 'member' axis must divide: num_members, or with groups
-  the gcd of their counts (each group is split over all member devices)."""
-  specs = group_specs(config)
-  return math.gcd(*(s.group.count for s in specs)) if specs else config.num_members
-
-
 def _check_method(one: ml_collections.ConfigDict, spec: GroupSpec) -> None:
   """A group's method must give one predicting member per trained member, each trained
   on its own outputs: deep members, shared leaves (BatchEnsemble, ensemble.own) or a
@@ -203,7 +199,7 @@ def _check_method(one: ml_collections.ConfigDict, spec: GroupSpec) -> None:
   it declares, not by its name. What the group's method refuses without groups (PBT,
   Laplace, distillation with shared leaves) it refuses with them: the run checks each
   group's config as its own (config.checks.validate, training.trainer)."""
-  method = methods.from_spec(specs.method_spec(one))
+  method = methods.from_spec(specs_lib.method_spec(one))
   if (method.collects or method.wrap_loss is not None or method.per_member != 1
       or method.outputs_per_output != 1 or method.cycles != 1):
     raise ConfigError(f'{FIELD} group {spec.name!r} does not support config.ensemble.method='

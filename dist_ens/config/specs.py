@@ -273,6 +273,7 @@ class StackSpec(NamedTuple):
   distill: distill.DistillSpec | None  # config.distill as this stack's model checks it
   # Logged when the run starts fresh: shared leaves nothing trains (own.random_frozen_base).
   warning: str | None
+  name: str = ''  # what tables call the stack: a member group's name ('' for the run's one)
 
 
 def stack_spec(config: ml_collections.ConfigDict) -> StackSpec:

@@ -14,7 +14,6 @@ from absl import logging
 
 from dist_ens import data, tasks
 from dist_ens.run import assemble
-from dist_ens.config import groups as member_groups
 from dist_ens.config import loading
 from dist_ens.io.checkpoint import Checkpointer
 from dist_ens.data import uci
@@ -134,7 +133,7 @@ def parts_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],
   """The run's parts on the mesh Ensemble.load was asked for (None: the saved layout),
   refused in one line where that mesh cannot hold the members (see Ensemble.load)."""
   shapes = data_shape(config, meta)
-  fitted = member_groups.fitted_members(config)  # with groups: what every count divides
+  fitted = assemble.fitted_members(config)  # what the 'member' axis must divide
   parts_on = lambda m: assemble.build_run(config, mesh=m, shapes=shapes).parts
   if mesh is None:
     mesh = load_mesh.saved_layout(fitted, config.mesh.to_dict(), meta, devices)

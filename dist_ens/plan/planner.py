@@ -42,7 +42,6 @@ from ml_collections import config_flags
 from dist_ens.config import specs
 from dist_ens import data, tasks
 from dist_ens.run import assemble
-from dist_ens.config import groups as member_groups
 from dist_ens.config import checks, loading
 from dist_ens.parallel import mesh as mesh_lib, placement
 from dist_ens.plan import calibration, dry_run, groups_plan, sizes
@@ -262,14 +261,14 @@ def calibrate(config: ml_collections.ConfigDict,
   checks.validate(config)
   config, _ = _resolve_steps(config)
   parts = assemble.build_run(config, devices=devices, shapes=data_shape(config)).parts
-  names = [spec.name for spec in member_groups.group_specs(config)]
   lines = []
-  for name, stack in zip(names or [None], parts.stacks):
+  for stack in parts.stacks:
     best, seconds = calibration.calibrate(stack, config.data.batch_size,
                                           config.data.member_order != 'shared',
                                           stack.stack.model_name)
     fastest = min(seconds.values())
     per_device = counted(calibration.members_per_device(stack), 'member')
+    name = stack.stack.name
     where = f'group {name!r} ({stack.num_members} members), ' if name else ''
     lines.append(f'{where}calibrated on {stack.mesh.devices.flat[0].device_kind}, '
                  f'{per_device} per device (seconds per step, median of 3 rounds of 5):')

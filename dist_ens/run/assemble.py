@@ -17,6 +17,7 @@ writes files.
 """
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -181,7 +182,7 @@ def build_run(config: ml_collections.ConfigDict, *,
     ConfigError: naming the field and what would work.
   """
   checks.validate(config)
-  mesh = mesh or build_mesh(config, devices)
+  mesh = mesh or build_mesh(config, devices, fitted_members(config))
   run_data = None
   metrics = user_metrics.load_metrics(config.eval.metrics)  # Fails here, before any work.
   if shapes is None:
@@ -209,6 +210,14 @@ def build_run(config: ml_collections.ConfigDict, *,
   return Run(config, run_spec(config, member_groups.group_specs(config),
                               member_groups.describe(config)), parts, run_data,
              member_form(parts.stacks[0], config.data.batch_size))
+
+
+def fitted_members(config: ml_collections.ConfigDict) -> int:
+  """The member count a mesh's 'member' axis must divide: num_members, or with member
+  groups the gcd of their counts (each group is split over all member devices:
+  _group_parts)."""
+  specs = member_groups.group_specs(config)
+  return math.gcd(*(s.group.count for s in specs)) if specs else config.num_members
 
 
 def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequence[int],
@@ -294,9 +303,9 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
   built = []
   for s in specs:
     with member_groups.in_group(s):
-      built.append(build_parts(member_groups.group_config(config, s), mesh, input_shape,
-                               num_outputs, s.group.count, optimizer, input_dtype,
-                               s.group.first))
+      one = build_parts(member_groups.group_config(config, s), mesh, input_shape,
+                        num_outputs, s.group.count, optimizer, input_dtype, s.group.first)
+    built.append(one._replace(stack=one.stack._replace(name=s.name)))
   stacks = tuple(built)
   places = stacks_lib.Places(tuple(s.group for s in specs), joined=True)
   abstract = stacks_lib.join_states([g.abstract_state for g in stacks])

@@ -11,7 +11,6 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from dist_ens.config import groups as member_groups
 from dist_ens.core import gradients
 from dist_ens.ensembles import batchensemble, methods
 from dist_ens.errors import ConfigError
@@ -21,15 +20,17 @@ from dist_ens.config.specs import mesh_spec
 
 
 def build_mesh(config: ml_collections.ConfigDict,
-               devices: Sequence[jax.Device] | None = None) -> Mesh:
+               devices: Sequence[jax.Device] | None = None,
+               num_members: int | None = None) -> Mesh:
   """The ('member', 'data'[, 'model']) mesh for the config, checked against M and the
   batch; an axis left at -1 is fitted to the devices (parallel.mesh.make_mesh), and a
-  warning says what to set when that leaves devices idle."""
+  warning says what to set when that leaves devices idle. A 'member' axis left at -1 is
+  fitted to `num_members` (default config.num_members; run.assemble.fitted_members for
+  a run whose stacks are each split over every member device)."""
   devices = list(jax.devices() if devices is None else devices)
-  # Every group is split over all member devices: fit 'member' to the gcd of the counts.
   mesh = mesh_lib.make_mesh(mesh_spec(config), devices,
-                            num_members=member_groups.fitted_members(config),
-                            batch_size=config.data.batch_size)
+                            num_members=config.num_members if num_members is None
+                            else num_members, batch_size=config.data.batch_size)
   mesh_lib.check_divisibility(mesh, config.num_members, config.data.batch_size)
   if mesh.size < len(devices):
     logging.warning('%s', mesh_lib.idle_devices_message(
