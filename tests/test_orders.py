@@ -8,6 +8,7 @@ that a bootstrap resample can draw every example, and the largest batch allowed.
 import numpy as np
 import pytest
 
+from dist_ens.data import pipeline
 from dist_ens.data.pipeline import MEMBER_ORDERS, IteratorState, Order
 
 
@@ -66,3 +67,25 @@ def test_a_bootstrap_bag_can_hold_every_example_and_stays_the_members_across_epo
   later = _epoch(order, 1, members)
   np.testing.assert_array_equal(np.sort(bags, axis=1), np.sort(later, axis=1))
   assert not np.array_equal(bags, later)
+
+
+@pytest.mark.parametrize('kind', ['shuffled', 'bootstrap'])
+def test_member_orders_are_the_documented_draws_for_any_block_and_epoch_sequence(kind):
+  """Each member's rows are numpy's draw from (seed, member, epoch) alone, whichever block
+  of members asks (a process asks for its own) and in whatever order the epochs are read
+  (the next epoch is drawn ahead on a thread pool; a resume may go back)."""
+  n, b, seed = 24, 4, 7
+  order = Order(kind, n, b, seed)
+
+  def documented(member, epoch):
+    if kind == 'shuffled':
+      return np.random.default_rng([seed, pipeline._SHUFFLED, member, epoch]).permutation(n)
+    bag = np.random.default_rng([seed, pipeline._BOOTSTRAP_DRAW, member]).integers(0, n, n)
+    return bag[np.random.default_rng([seed, pipeline._BOOTSTRAP_ORDER, member, epoch])
+               .permutation(n)]
+
+  for epoch, index, members in [(0, 0, range(4)), (0, 5, range(1, 3)), (1, 2, range(4)),
+                                (3, 1, range(2, 4)), (0, 3, range(4))]:
+    got = order.indices(IteratorState(epoch, index), members)
+    want = np.stack([documented(m, epoch)[index * b:(index + 1) * b] for m in members])
+    np.testing.assert_array_equal(got, want)
