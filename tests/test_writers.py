@@ -62,6 +62,40 @@ def test_tensorboard_tags_values_and_histograms(tmp_path):
   assert acc.Histograms('members/test/nll')[0].histogram_value.num == 2
 
 
+def test_tensorboard_scalars_equal_add_scalars(tmp_path):
+  """The writer puts an event's scalars in one record; TensorBoard reads the same tags,
+  steps and values as tensorboardX's add_scalar (a record per value) writes, a tag
+  that needs cleaning included."""
+  tensorboardx = pytest.importorskip('tensorboardX')
+  events = EVENTS + [{'step': 30, 'split': 'test', 'members': {'my metric': [0.25, 0.5]},
+                      'ensemble': {'/odd:name': 3.0}}]
+  writer = writers.TensorBoardWriter(tmp_path / 'ours')
+  for event in events:
+    writer.write(event)
+  writer.close()
+  reference = tensorboardx.SummaryWriter(str(tmp_path / 'reference'))
+  for event in events:
+    split = event['split']
+    for name, values in event.get('members', {}).items():
+      for i, value in enumerate(values):
+        reference.add_scalar(f'member_{i}/{split}/{name}', value, event['step'])
+    for name, value in event.get('ensemble', {}).items():
+      reference.add_scalar(f'ensemble/{split}/{name}', value, event['step'])
+    for name, value in event.items():
+      if name not in ('step', 'split', 'members', 'ensemble'):
+        reference.add_scalar(f'{split}/{name}', value, event['step'])
+  reference.close()
+  ours, theirs = _read_tensorboard(tmp_path / 'ours'), _read_tensorboard(tmp_path / 'reference')
+  tags = theirs.Tags()['scalars']
+  assert 'member_1/test/my_metric' in tags and 'ensemble/test//odd_name' in tags
+  assert sorted(ours.Tags()['scalars']) == sorted(tags)
+  for tag in tags:
+    got = [(e.step, e.value) for e in ours.Scalars(tag)]
+    want = [(e.step, e.value) for e in theirs.Scalars(tag)]
+    assert got == want or all(s == t and (v == w or (v != v and w != w))
+                              for (s, v), (t, w) in zip(got, want)), tag
+
+
 def test_tensorboard_resume_drops_events_after_the_checkpoint(tmp_path):
   first = writers.TensorBoardWriter(tmp_path)
   for step in (10, 20, 30):

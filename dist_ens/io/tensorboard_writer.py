@@ -1,12 +1,15 @@
 """`TensorBoardWriter`: events as TensorBoard scalars and histograms (tensorboardX)."""
 
 import os
+import re
 import time
 from typing import Any
 
 import numpy as np
 
 from dist_ens.io.run_files import is_writer
+
+_INVALID_TAG = re.compile(r'[^-/\w.]')
 
 
 class TensorBoardWriter:
@@ -43,28 +46,39 @@ class TensorBoardWriter:
   def write(self, event: dict[str, Any]) -> None:
     if self._writer is None:
       return
+    from tensorboardX.proto.summary_pb2 import Summary  # pylint: disable=g-import-not-at-top
     step, split = int(event['step']), event.get('split', 'train')
+    # Every scalar of the event in one Summary, one record: add_scalar's record per value
+    # took 39 ms for 2 metrics of 256 members (the loop waits for it at each log step).
+    scalars: list[tuple[str, Any]] = []
     for name, values in event.get('members', {}).items():
       values = np.asarray(values, np.float64)
       if values.ndim != 1:
         continue
-      for i, value in enumerate(values):
-        self._writer.add_scalar(f'member_{i}/{split}/{name}', value, step)
+      scalars += [(f'member_{i}/{split}/{name}', value) for i, value in enumerate(values)]
       finite = values[np.isfinite(values)]
       if finite.size:
         self._writer.add_histogram(f'members/{split}/{name}', finite, step)
-    for name, value in event.get('ensemble', {}).items():
-      if _is_number(value):
-        self._writer.add_scalar(f'ensemble/{split}/{name}', value, step)
-    for name, value in event.items():
-      if name not in ('step', 'split', 'members', 'ensemble') and _is_number(value):
-        self._writer.add_scalar(f'{split}/{name}', value, step)
+    scalars += [(f'ensemble/{split}/{name}', value)
+                for name, value in event.get('ensemble', {}).items() if _is_number(value)]
+    scalars += [(f'{split}/{name}', value) for name, value in event.items()
+                if name not in ('step', 'split', 'members', 'ensemble') and _is_number(value)]
+    if scalars:
+      self._writer.file_writer.add_summary(Summary(value=[
+          Summary.Value(tag=_tag(tag), simple_value=float(value)) for tag, value in scalars]),
+          step)
     # Events come every log_every steps; flushing each keeps TensorBoard live.
     self._writer.flush()
 
   def close(self) -> None:
     if self._writer is not None:
       self._writer.close()
+
+
+def _tag(name: str) -> str:
+  """The tag tensorboardX's add_scalar would write for `name` (its characters outside
+  [-/\\w.] become '_', leading slashes go)."""
+  return _INVALID_TAG.sub('_', name).lstrip('/')
 
 
 def _is_number(value: Any) -> bool:
