@@ -143,13 +143,15 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
     ;;
   overhead)
     # Issue 65's whole run against its bare step on a GPU, every member order: the default
-    # run (resident data: 'auto' puts MNIST-1D on the GPU) at M = 8, 256, 64, one process
-    # per M, each its own results file (a cut keeps the Ms that ran).
-    for m in 8 256 64; do
+    # run (resident data: 'auto' puts MNIST-1D on the GPU) at M = 256, 64, 8, one process
+    # per M, each its own results file (a cut keeps the Ms that ran); the bare step at the
+    # runs' automatic K (50, and 10 for M = 256's per-member orders); the default run with
+    # JSONL events only beside it (what TensorBoard's writing costs the loop).
+    for m in 256 64 8; do
       timeout -k 10 170 python3 -m benchmarks.overhead --members $m --steps 5000 --warmup 1000 \
-        --rounds 1 --bare_k 1,10,50 \
-        --variants "default;data.member_order='shuffled';data.member_order='bootstrap'" \
-        --out "$out/overhead_gpu_m$m.json" 2>&1 | grep -v '^predictive\|^M=.*round' \
+        --rounds 1 --bare_k 10,50 \
+        --variants "default;writers=('jsonl',);data.member_order='shuffled';data.member_order='bootstrap'" \
+        --out "$out/overhead_gpu_m$m.json" 2>&1 | grep -v '^predictive\|^M=.*round\|^step \|^|' \
         | tee -a "$out/overhead.log" || true
     done
     ;;

@@ -91,10 +91,14 @@ def devices() -> list[Any]:
   return jax.devices()[:_DEVICES[0]]
 
 
+BASE: dict[str, Any] = {}  # --base: overrides under every config (bare steps and runs)
+
+
 def make_config(members: int, steps: int, overrides: dict[str, Any]) -> Any:
   """configs/default.py for M members and `steps` steps: no evaluation before the end, one
-  checkpoint at the end, then `overrides` (dotted keys)."""
+  checkpoint at the end, then --base's overrides and `overrides` (dotted keys)."""
   config = load_config(ROOT / 'configs' / 'default.py')
+  config.update_from_flattened_dict(BASE)
   config.num_members = members
   config.train.steps = steps
   config.train.eval_every = 0
@@ -419,6 +423,10 @@ def main():
   parser.add_argument('--warmup', type=int, default=100)
   parser.add_argument('--rounds', type=int, default=5)
   parser.add_argument('--variants', default='default')
+  parser.add_argument('--base', default='',
+                      help="'+'-separated overrides under every config, e.g. "
+                           "'model.widths=(8,)+data.batch_size=16' (members whose step "
+                           "is short beside the host's work)")
   parser.add_argument('--pipeline', default='',
                       help="prefetch values (e.g. '2,0'): also time each bare step (every "
                       'order and K) on a live data.Batches with each, an anchor of its own')
@@ -431,6 +439,8 @@ def main():
                       help="steps a call of the bare step, e.g. '1,10' (a row for each)")
   parser.add_argument('--out', default=str(ROOT / 'benchmarks' / 'results' / 'overhead.json'))
   args = parser.parse_args()
+  if args.base:
+    BASE.update(parse_variants(args.base)[args.base])
   if args.devices > 1:  # Before jax starts its backend; counts only on a CPU.
     jax.config.update('jax_num_cpu_devices', args.devices)
   _DEVICES[0] = args.devices
@@ -449,7 +459,7 @@ def main():
   out = harness.write_results(args.out, dict(
       header, device=f'{len(devices())} {device.platform} device(s) ({device.device_kind})',
       jax=jax.__version__,
-      config='configs/default.py', steps=args.steps, warmup=args.warmup, rounds=args.rounds,
+      config='configs/default.py', base=BASE, steps=args.steps, warmup=args.warmup, rounds=args.rounds,
       rows=rows, load_average_end=harness.load_average()))
   print(f'wrote {out}')
 
