@@ -1,6 +1,6 @@
 """Sequence classification on a pretrained encoder: the tiny BERT of tests/data/hf/bert
-(config.model.init_from='hf:PATH') trained as 4 members on mesh member=4 x data=2 over
-the shipped text corpus (tests/data/text, tokenised by the tokenizer.json beside the
+(config.model.init_from='hf:PATH') trained as 4 members on one device over the shipped
+text corpus (tests/data/text, tokenised by the tokenizer.json beside the
 checkpoint), each member's classifier drawn from its own key; resume is exact;
 Ensemble.load(...).predict gives [M, B, classes]; with ensemble.own='head' the encoder
 stays the file's, stored once. The encoder built for training masks padding out of
@@ -28,9 +28,14 @@ CLASSES = 3  # the corpus' three books
 LENGTH = 12
 
 
+# The members on one device: a mesh over 8 built 4x the programs (each leaf's shardings)
+# for what no test here reads (test_hf trains from an hf: file on a 4 x 2 mesh).
+DEVICES = jax.devices()[:1]
+
+
 def _text_config(checkpoint, steps=4, **model):
   config = load_config(ROOT / 'configs' / 'default.py')
-  config.num_members, config.mesh.member, config.mesh.data = 4, 4, 2
+  config.num_members, config.mesh.member, config.mesh.data = 4, 1, 1
   config.model.init_from = f'hf:{checkpoint}'
   for key, value in model.items():
     config.model[key] = value
@@ -53,13 +58,13 @@ def straight(tmp_path_factory):
   root = tmp_path_factory.mktemp('seq')
   checkpoint = bert_with_tokenizer(root / 'bert')
   return checkpoint, root / 'a', dist_ens.train(_text_config(checkpoint, pool='mean'),
-                                                str(root / 'a'))
+                                                str(root / 'a'), devices=DEVICES)
 
 
 def test_members_start_from_the_file_train_and_predict(straight):
   checkpoint, workdir, results = straight
   config = _text_config(checkpoint, pool='mean')
-  run = assemble.build_run(config)
+  run = assemble.build_run(config, devices=DEVICES)
   initial = flatten(jax.device_get(initial_state.init_sharded(run.parts)).params)
   for name, value in load_leaves(str(checkpoint)).items():
     if not name.startswith('head/'):  # the encoder starts from the file in every member
@@ -70,7 +75,7 @@ def test_members_start_from_the_file_train_and_predict(straight):
   assert all(not np.allclose(head[i], head[j]) for i in range(4) for j in range(i))
 
   assert results['step'] == 4 and np.isfinite(results['members']['nll']).all()
-  a = dist_ens.Ensemble.load(workdir)
+  a = dist_ens.Ensemble.load(workdir, devices=DEVICES)
   trained = [_heads(a.member(m))['head/w'] for m in range(4)]
   assert not np.allclose(trained[0], trained[1])
   test = data.load_dataset(f'text:{CORPUS}', specs.data_spec(config)).test
@@ -84,8 +89,8 @@ def test_members_resume_exactly(straight, tmp_path):
   checkpoint, workdir, results = straight
   config = lambda: _text_config(checkpoint, pool='mean')
   with pytest.raises(RuntimeError, match='injected fault'):  # after step 2's checkpoint
-    dist_ens.train(config(), str(tmp_path / 'b'), actions=[_Stop(2)])
-  resumed = dist_ens.train(config(), str(tmp_path / 'b'))
+    dist_ens.train(config(), str(tmp_path / 'b'), actions=[_Stop(2)], devices=DEVICES)
+  resumed = dist_ens.train(config(), str(tmp_path / 'b'), devices=DEVICES)
   assert resumed['step'] == 4 and resumed['members'] == results['members']
   a, b = (dist_ens.Ensemble.load(w) for w in (workdir, tmp_path / 'b'))
   for m in range(4):
@@ -96,7 +101,7 @@ def test_own_head_keeps_the_encoder_the_files_and_stored_once(tmp_path):
   checkpoint = bert_with_tokenizer(tmp_path / 'bert')
   config = _text_config(checkpoint, steps=2, pool='cls')
   config.ensemble.own = 'head'
-  dist_ens.train(config, str(tmp_path / 'run'))
+  dist_ens.train(config, str(tmp_path / 'run'), devices=DEVICES)
   ens = dist_ens.Ensemble.load(tmp_path / 'run')
   file = load_leaves(str(checkpoint))
   members = [flatten(ens.member(m)) for m in range(4)]
