@@ -78,8 +78,13 @@ def test_normalisation_applies_to_tfds_images(data_dir):
   np.testing.assert_allclose(x[0, 0, 0], expected, rtol=1e-5)
 
 
-@pytest.mark.parametrize('model,order,mesh', [('cnn', 'bootstrap', (4, 2)), ('mlp', 'shared', (2, 4))])
+@pytest.mark.parametrize('model,order,mesh', [
+    ('cnn', 'bootstrap', (4, 2)),
+    pytest.param('mlp', 'shared', (2, 4), marks=pytest.mark.slow)])
 def test_trains_on_a_tfds_dataset(tmp_path, data_dir, model, order, mesh):
+  """A run on a TFDS set trains every member with one trace. The [mlp-shared] case is
+  the slow tier's: test_real_configs_run_on_same_shaped_data[mnist_mlp.py-tiny_mnist]
+  trains an MLP in the shared order on the same 2 x 4 mesh in the fast tier."""
   config = _data_config(data_dir, member_order=order, batch_size=32)
   config.model.name = model
   config.model.channels, config.model.kernel_sizes, config.model.strides = (8, 8), (3, 3), (2, 2)
@@ -128,3 +133,5 @@ def test_real_configs_run_on_same_shaped_data(tmp_path, data_dir, config_file, s
   config.model.widths = tuple(32 for _ in config.model.widths)
   final = dist_ens.train(config, str(tmp_path))
   assert final['num_members'] == config.num_members and final['train_step_traces'] == 1
+  assert len(final['members']['accuracy']) == config.num_members
+  assert np.isfinite(final['ensemble']['nll'])
