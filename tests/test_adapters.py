@@ -15,6 +15,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+import runs
 import support
 
 import dist_ens
@@ -198,12 +199,13 @@ def test_equinox_batchnorm_trains_end_to_end(tmp_path, mnist1d):
 
 @_needs('flax_linen_resnet')
 def test_linen_batchnorm_dropout_members_predict_and_resume(tmp_path, mnist1d):
-  """Trains; BN statistics per member; predict = softmax(eval logits); 30 + 30 steps == 60."""
-  straight, resumed = tmp_path / 'straight', tmp_path / 'resumed'
+  """Trains; BN statistics per member; predict = softmax(eval logits); resumed from what a
+  kill after its step-30 checkpoint leaves, the run ends at step 60 bit for bit."""
+  straight = tmp_path / 'straight'
   small = SMALL['flax_linen_resnet']
   results = dist_ens.train(_train_config('flax_linen_resnet', **small), str(straight))
   ens = _check_trained(results, straight, mnist1d)
-  dist_ens.train(_train_config('flax_linen_resnet', steps=30, **small), str(resumed))
+  resumed = runs.killed_after(straight, 30, tmp_path / 'resumed')
   dist_ens.train(_train_config('flax_linen_resnet', **small), str(resumed))
   ens_resumed = dist_ens.Ensemble.load(resumed)
   assert ens.step == ens_resumed.step == 60
