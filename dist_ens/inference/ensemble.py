@@ -65,8 +65,9 @@ class Ensemble:
     laplace: the members' last-layer Laplace posteriors the run fitted
       (config.eval.laplace; workdir/laplace.npz, dist_ens.evaluators.laplace_file): a tuple of
       LaplaceFit, one per stack, or None.
-    places, stack_models: where each stack's members sit and its predicting model, for
-      an ensemble of several stacks (core/stacks.py; default one stack of `model`).
+    places, stack_models, stack_names: where each stack's members sit, its predicting
+      model and its name (a member group's), for an ensemble of several stacks
+      (core/stacks.py; default one stack of `model`).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model: Model, params: PyTree,
@@ -78,13 +79,14 @@ class Ensemble:
                split_scales: tuple[uci.Standardizer, ...] | None = None,
                laplace: tuple[laplace_predictive.LaplaceFit, ...] | None = None,
                places: stacks_lib.Places | None = None,
-               stack_models: tuple[Model, ...] = ()):
+               stack_models: tuple[Model, ...] = (), stack_names: tuple[str, ...] = ()):
     # `predict_model` reads `params` as stored (stored.predicting_model); default `model`.
     self.config, self.model, self._stored = config, model, params
     self._predict_model = model = predict_model or model
     self.conformal = conformal  # what predict_sets calibrates with (None: not fitted)
     self.laplace = laplace  # what predict(laplace=True) uses (None: not fitted)
     self._stack_models = tuple(stack_models) or (self._predict_model,)
+    self._stack_names = tuple(stack_names)
     self.task, self.scale = tasks.get_task(config.task), scale
     # config.data.member_split's per-split statistics: split s's members predict in their
     # own units, so predict standardises and converts back per split (None: one `scale`).
@@ -180,7 +182,8 @@ class Ensemble:
                    split_scales=saved_run.split_scales_from(meta),
                    laplace=saved_run.laplace_from(workdir, restored.step),
                    places=parts.places if parts.stacked else None,  # One stack: its K x M rows.
-                   stack_models=tuple(s.predict_model for s in parts.stacks))
+                   stack_models=tuple(s.predict_model for s in parts.stacks),
+                   stack_names=tuple(s.stack.name for s in parts.stacked))
     ensemble.workdir = workdir  # what export_adapters reads the factors from
     return ensemble
 
@@ -243,11 +246,10 @@ class Ensemble:
     Returns:
       The member files' paths, in member order.
     """
-    groups = []
-    for spec in member_groups.group_specs(self.config):
-      one = member_groups.group_config(self.config, spec)
-      groups.append({'name': spec.name, 'members': list(range(spec.group.first,
-                                                              spec.group.first + spec.group.count)),
+    groups = []  # Each stack's, where there are several: which model each member file is.
+    for name, place in zip(self._stack_names, self._places):
+      one = self.member_config(place.first)
+      groups.append({'name': name, 'members': list(range(place.first, place.first + place.count)),
                      'model': one.model.to_dict(), 'method': one.ensemble.method,
                      'own': one.ensemble.own})
     about = {'data': self.config.data.name, 'model': self.config.model.to_dict(),
