@@ -20,12 +20,10 @@ as above but over the pool; batches are then always [M, B, ...].
 """
 
 import math
-import os
 import queue
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
@@ -65,10 +63,6 @@ class Order:
     # The remainder is dropped.
     self.batches_per_epoch = self.examples_per_epoch // batch_size
     self._cache: dict[tuple[int, int | None], np.ndarray] = {}
-    # Per-member orders: an epoch's [members, batches_per_epoch * B] matrix per block of
-    # members, each row that member's order, the next epoch's drawn ahead (_Draws).
-    self._epochs: dict[tuple[int, int, int], Future] = {}
-    self._draws: ThreadPoolExecutor | None = None
 
   @property
   def per_member(self) -> bool:
@@ -109,34 +103,7 @@ class Order:
     rows = slice(state.index * self._batch_size, (state.index + 1) * self._batch_size)
     if not self.per_member:
       return self._epoch_order(state.epoch, None)[rows]
-    return self._member_orders(state.epoch, members)[:, rows]
-
-  def _member_orders(self, epoch: int, members: range) -> np.ndarray:
-    """[len(members), batches_per_epoch * B]: each member's order of `epoch` (what
-    _epoch_order gives, cut to the epoch's batches). The draws cost ~0.2 ms a member on
-    one core (numpy's seeding and permutation), which on a small split (MNIST-1D: 31
-    batches an epoch) came to 2 ms a step at M=256, several steps' time on a GPU: they run
-    on a pool of threads (numpy drops the GIL in them) and the next epoch's start as soon
-    as this one's are read, so the pipeline's thread mostly slices a ready matrix."""
-    key = (epoch, members.start, members.stop)
-    if key not in self._epochs:
-      self._epochs[key] = self._draw_members(epoch, members)
-    orders = self._epochs[key].result()
-    ahead = (epoch + 1, members.start, members.stop)
-    if ahead not in self._epochs:
-      for old in [k for k in self._epochs if k[0] < epoch]:
-        del self._epochs[old]
-      self._epochs[ahead] = self._draw_members(epoch + 1, members)
-    return orders
-
-  def _draw_members(self, epoch: int, members: range) -> Future:
-    if self._draws is None:
-      self._draws = ThreadPoolExecutor(min(8, os.cpu_count() or 1),
-                                       thread_name_prefix='member_orders')
-    length = self.batches_per_epoch * self._batch_size
-    draw = self._draw if self._pools is None else self._draw_pool
-    rows = [self._draws.submit(draw, epoch, m) for m in members]
-    return self._draws.submit(lambda: np.stack([r.result()[:length] for r in rows]))
+    return np.stack([self._epoch_order(state.epoch, m)[rows] for m in members])
 
   def advance(self, state: IteratorState) -> IteratorState:
     """The position after taking the batch at `state` (rolling over to the next epoch)."""
@@ -157,7 +124,7 @@ class Order:
   def __getstate__(self) -> dict[str, Any]:
     # Pickled into grain's worker processes (data/grain_loader.py): the epoch orders are
     # drawn again there from the same seeds; the cache may hold M of them.
-    return {**self.__dict__, '_cache': {}, '_epochs': {}, '_draws': None}
+    return {**self.__dict__, '_cache': {}}
 
 
 class BatchIterator(Iterator[tuple[np.ndarray, np.ndarray]]):
