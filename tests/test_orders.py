@@ -73,7 +73,7 @@ def test_a_bootstrap_bag_can_hold_every_example_and_stays_the_members_across_epo
 def test_member_orders_are_the_documented_draws_for_any_block_and_epoch_sequence(kind):
   """Each member's rows are numpy's draw from (seed, member, epoch) alone, whichever block
   of members asks (a process asks for its own) and in whatever order the epochs are read
-  (the next epoch is drawn ahead on a thread pool; a resume may go back)."""
+  (a resume may go back to an epoch the cache has dropped)."""
   n, b, seed = 24, 4, 7
   order = Order(kind, n, b, seed)
 

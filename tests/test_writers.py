@@ -5,7 +5,6 @@ import glob
 import io
 import json
 import logging as logging_std
-import math
 import os
 import subprocess
 import sys
