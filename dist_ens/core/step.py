@@ -118,6 +118,9 @@ class StepOptions(NamedTuple):
   reproducible: bool = False  # bit-identical on any mesh and M  [reproducible]
 
 
+# --- one member's update: its results on its batch, then its optimizer step -----------
+
+
 def member_results_fn(model: Model, seed: int, objective: gradients.Objective,
                       options: StepOptions = StepOptions(),
                       data_size: int = 1) -> Callable[..., gradients.BatchResult]:
@@ -190,8 +193,8 @@ def member_update_fn(model: Model, optimizer: Optimizer, seed: int,
   return update
 
 
-# How a device runs a function over its block of members: vmapped, or one after another
-# in a loop of the compiled program (over_members).
+# --- over_members: a function over a device's members, vmapped or in a loop -----------
+
 
 def _axes_of(in_axes, count: int) -> tuple[int | None, ...]:
   return (in_axes,) * count if isinstance(in_axes, int) else tuple(in_axes)
@@ -340,6 +343,9 @@ def _initial_results(shapes, replaced: Sequence[Any], members: int, chunk: int):
   if not replaced:
     return zeros(stacked)
   return (*replaced, *(zeros(t) for t in stacked[len(replaced):]))
+
+
+# --- a device's members' update, then the step: shard_map over 'member', jit ----------
 
 
 # The new Member replaces the first argument, the member's state: 'map' writes it back into
