@@ -52,13 +52,26 @@ def _pytest(tmp_path, *args, env=()):
                         timeout=300, check=False)
 
 
-def test_an_aborted_worker_whose_child_holds_its_pipe_fails_the_run(tmp_path):
+def test_an_aborted_worker_and_a_stuck_test_each_end_their_worker_and_fail_the_run(tmp_path):
+  """One child suite on two workers (each starts JAX through the conftest), a crash on each:
+
+  - a worker that forks a child holding its pipe and then aborts (_ABORTS) is found gone
+    by the watch, which kills the holder, and xdist reports the crash;
+  - pytest-timeout as the conftest sets it (method 'thread'): a test that never returns,
+    here waiting on an event no one sets, is dumped and its worker ended after its limit,
+    which xdist reports as that test's crash. ('signal' would raise in Python code only; a
+    thread stuck in XLA never runs any.)
+
+  `--dist loadfile` hands the two files to the two workers, one each."""
+  pytest.importorskip('pytest_timeout')
   (tmp_path / 'conftest.py').write_text(_CONFTEST)
   (tmp_path / 'test_aborts.py').write_text(textwrap.dedent(_ABORTS))
-  (tmp_path / 'test_other.py').write_text('def test_passes():\n  pass\n')
+  (tmp_path / 'test_stuck.py').write_text(
+      'import threading\n\ndef test_waits_forever():\n  threading.Event().wait()\n')
   holder = tmp_path / 'holder.pid'
   try:
-    child = _pytest(tmp_path, env={'HOLDER_PID_FILE': str(holder)})  # the holder sleeps 1 h
+    # The holder sleeps 1 h; the aborting test takes microseconds before its abort.
+    child = _pytest(tmp_path, '--timeout=3', env={'HOLDER_PID_FILE': str(holder)})
   finally:
     if holder.exists():  # the watch kills it; this is for a failing run only
       try:
@@ -69,21 +82,6 @@ def test_an_aborted_worker_whose_child_holds_its_pipe_fails_the_run(tmp_path):
   assert child.returncode == 1, out[-4000:]
   assert "crashed while running 'test_aborts.py::test_forks_then_aborts'" in out, out[-4000:]
   assert 'killing them so xdist reports the crash' in out, out[-4000:]
-
-
-def test_a_stuck_test_ends_its_worker_and_fails_the_run(tmp_path):
-  """pytest-timeout as the conftest sets it (method 'thread'): a test that never returns,
-  here waiting on an event no one sets, is dumped and its worker ended, which xdist reports
-  as that test's crash. ('signal' would raise in Python code only; a thread stuck in XLA
-  never runs any.)"""
-  pytest.importorskip('pytest_timeout')
-  (tmp_path / 'conftest.py').write_text(_CONFTEST)
-  (tmp_path / 'test_stuck.py').write_text(
-      'import threading\n\ndef test_waits_forever():\n  threading.Event().wait()\n')
-  (tmp_path / 'test_other.py').write_text('def test_passes():\n  pass\n')
-  child = _pytest(tmp_path, '--timeout=3')  # test_passes takes microseconds
-  out = child.stdout + child.stderr
-  assert child.returncode == 1, out[-4000:]
   # A crash, not a reported timeout failure: the worker was ended ('signal' would report
   # 'Failed: Timeout' from a worker that lives on).
   assert "crashed while running 'test_stuck.py::test_waits_forever'" in out, out[-4000:]
