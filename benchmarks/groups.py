@@ -54,7 +54,7 @@ def _config(widths=None):
 
 def _built(config, dataset):
   """(step, state, hparams, batch sharding), as training builds them."""
-  mesh = mesh_layout.build_mesh(config)
+  mesh = mesh_layout.build_mesh(config, num_members=assemble.fitted_members(config))
   parts = assemble.build_parts(config, mesh, dataset.input_shape, dataset.num_classes)
   step = assemble.build_step(parts, per_member_batches=False,
                              form=member_forms.member_form(
