@@ -4,9 +4,9 @@ tests/combinations_table.py.
 Valid pairs run packed into a few cases (combinations_table.valid_cases: every valid pair
 is in some case, no case holds a refused pair; `pytest` runs the cases that hold every option
 once, `pytest -m slow` the rest); each case trains on 8 fake devices, is
-preempted (SIGTERM) after step 1, resumes from that checkpoint to step 2 (for a few cases
-ending bit for bit where an uninterrupted run ends), tracing its train step once in that
-session, then loads with Ensemble.load, predicts finite outputs that give the run's
+preempted (SIGTERM) after step 1 and resumes from that checkpoint to step 2 (a few cases
+instead train uninterrupted and resume from a copy killed after step 1, ending bit for bit
+where the uninterrupted run ended), tracing its train step once in that session, then loads with Ensemble.load, predicts finite outputs that give the run's
 reported test accuracy or RMSE (and the same outputs loaded on one device), and exports every predicting member to the file that holds
 its leaves. Each
 refused pair, with every other axis at its default, must raise ConfigError in one line
@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 import combinations_table as table
+import runs
 import support
 
 import dist_ens
@@ -94,10 +95,18 @@ def _same(a, b, path=''):
 
 
 def _train_resume_load_predict(case, workdir, caplog, straight_dir=None):
+  """Preempted (SIGTERM) after step 1 and resumed to step 2; with `straight_dir`, the run
+  trains uninterrupted there instead, a kill right after its step-1 checkpoint is copied
+  to `workdir` (runs.killed_after: the checkpoint the preempted run saves, as every=1
+  saves each step) and the resume from it must end where the uninterrupted run ended."""
   config, dataset = _config(case), _dataset(case)
-  stopped = dist_ens.train(config, str(workdir), dataset=dataset,
-                           actions=[support.PreemptAt(1)])
-  assert stopped['preempted'] and stopped['step'] == 1, stopped
+  if straight_dir is None:
+    stopped = dist_ens.train(config, str(workdir), dataset=dataset,
+                             actions=[support.PreemptAt(1)])
+    assert stopped['preempted'] and stopped['step'] == 1, stopped
+  else:
+    straight = dist_ens.train(config, str(straight_dir), dataset=dataset)
+    runs.killed_after(straight_dir, 1, workdir)
   caplog.clear()
   resumed = dist_ens.train(_config(case), str(workdir), dataset=dataset)
   assert 'resuming from the checkpoint at step 1' in caplog.text
@@ -105,7 +114,6 @@ def _train_resume_load_predict(case, workdir, caplog, straight_dir=None):
   # One program for the session, whatever the options: a retrace would compile again.
   assert resumed['train_step_traces'] == 1, resumed['train_step_traces']
   if straight_dir is not None:  # Resume ends where an uninterrupted run ends.
-    straight = dist_ens.train(_config(case), str(straight_dir), dataset=dataset)
     differ = [p for p in _same(straight, resumed) if not p.endswith('_seconds')]
     assert not differ, f'the resumed run ends elsewhere: {differ[:8]}'
   support.check_loaded_run(workdir, dataset, resumed)
@@ -117,8 +125,10 @@ _CASES = table.valid_cases()
 # axis as 'mimo'; tests/test_epinet.py covers its resume and predictions; own=epinet, a
 # shared base as own=head: tests/test_epinet_frozen_base.py).
 _SLOW_ONLY = frozenset({'epinet', 'own=epinet'})
-# Resumed and uninterrupted runs compared bit for bit (a third run each, so only where
-# state crosses the resume: a PBT round at step 1, SWAG's and FGE's collected weights).
+# Resumed and uninterrupted runs compared bit for bit (where state crosses the resume: a
+# PBT round at step 1, SWAG's and FGE's collected weights), the resume from a copy of the
+# uninterrupted run killed after step 1: two runs, as the others. The preemption that
+# saves step 1 is the trainer's, the same for every case; the other cases run it.
 _COMPARED = [next(c for c in _CASES if table.OPTIONS[key] in c
                   and not _SLOW_ONLY & {o.key for o in c})
              for key in ('pbt', 'multiswag', 'fge')]
