@@ -117,32 +117,55 @@ def _curve(n, seed):
   return x, (3 * np.sin(3 * x[:, 0]) + 5 + 0.3 * rng.standard_normal(n)).astype(np.float32)
 
 
-def test_regression_holdout_run_reports_each_splits_ensemble_on_its_held_out_part(tmp_path):
-  # The shapes of the outlier test's run below (a pool of 200, 2 splits x 2 members of a
-  # (16,) MLP, batch 16, 20 steps a call): their programs compile once for both.
+def _outlier_pool(n=200):
+  """A pool whose first held-out row of split 0 (held out by split 1 too) is an extreme
+  outlier (x and y ~1e4)."""
+  x, y = _curve(n, 2)
+  splits = member_split.make_member_splits('holdout:2:0.2', n, 4, seed=0)
+  row = splits.held_out[0][0]
+  x[row], y[row] = 1e4, -1e4
+  return x, y, splits, row
+
+
+@pytest.fixture(scope='module')
+def holdout_run(tmp_path_factory):
+  """(workdir, final metrics, pool x, pool y, splits, the outlier's row) of ONE
+  holdout:2:0.2 regression run of 4 members (2 per split, a (16,) MLP, batch 16, 200
+  steps) on the outlier pool, whose outlier both splits hold out (no member trains on
+  it). Both holdout tests read it: the aggregates and learning, and each split's own
+  statistics."""
+  workdir = tmp_path_factory.mktemp('holdout')
+  x, y, splits, row = _outlier_pool()
+  assert all(row in held for held in splits.held_out)
   config = _config('holdout:2:0.2', members=4, order='shuffled')
   config.task, config.data.batch_size = 'regression', 16
   config.model.widths = (16,)
   config.optim.learning_rate, config.optim.weight_decay = 1e-2, 0.0
-  config.train.steps = 200
-  config.checkpoint.every = 200
-  x, y = _curve(200, 0)
-  final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(x, y, *_curve(8, 1)))
+  config.train.steps = config.checkpoint.every = 200
+  assert config.seed == 0  # the seed _outlier_pool's splits are drawn with
+  final = dist_ens.train(config, str(workdir), dataset=data.from_arrays(x, y, x[:8], y[:8]))
+  return workdir, final, x, y, splits, row
+
+
+def test_regression_holdout_run_reports_each_splits_ensemble_on_its_held_out_part(holdout_run):
+  workdir, final, x, y, splits, row = holdout_run
   out = final['member_split']
   assert (out['splits'], out['members_per_split'], len(out['members']['rmse'])) == (2, 2, 4)
   # Independently: the split ensemble's RMSE from the members' predicted means.
-  pred = dist_ens.Ensemble.load(str(tmp_path)).predict(x)
-  splits = member_split.make_member_splits('holdout:2:0.2', 200, 4, seed=config.seed)
+  pred = dist_ens.Ensemble.load(str(workdir)).predict(x)
   rmses = []
   for s, held in enumerate(splits.held_out):
     mean = pred.member_mean[2 * s:2 * s + 2, held].mean(axis=0)
     rmses.append(np.sqrt(np.mean((mean - y[held]) ** 2)))
     assert out['per_split'][s]['ensemble']['rmse'] == pytest.approx(rmses[-1], rel=1e-4)
     assert out['per_split'][s]['held_out'] == len(held) == 40
+    # Learned (the curve's std is ~2.2), on the split's held-out rows but the outlier.
+    curve = held[held != row]
+    error = pred.member_mean[2 * s:2 * s + 2, curve].mean(axis=0) - y[curve]
+    assert np.sqrt(np.mean(error ** 2)) < 0.6
   assert out['ensemble']['rmse']['mean'] == pytest.approx(np.mean(rmses), rel=1e-4)
   assert out['ensemble']['rmse']['se'] == pytest.approx(
       np.std(rmses, ddof=1) / np.sqrt(2), rel=1e-3)
-  assert out['ensemble']['rmse']['mean'] < 0.6  # Learned: the curve's std is ~2.2.
   assert out['ensemble']['nll']['mean'] < out['member_mean']['nll']['mean']
 
 
@@ -204,15 +227,6 @@ def test_held_out_parts_of_different_sizes_share_one_evaluation_program(kfold3):
   assert len(set(traces[-3:])) == 1  # The held-out parts compiled nothing new.
 
 
-def _outlier_pool(n=200):
-  """A pool whose held-out row of split 0 is an extreme outlier (x and y ~1e4)."""
-  x, y = _curve(n, 2)
-  splits = member_split.make_member_splits('holdout:2:0.2', n, 4, seed=0)
-  row = splits.held_out[0][0]
-  x[row], y[row] = 1e4, -1e4
-  return x, y, splits, row
-
-
 def test_each_splits_statistics_come_from_its_training_rows_only():
   """A held-out row, however extreme, does not move its split's statistics; every member's
   batches are its split's rows standardised with them (issue 45 item 3)."""
@@ -237,18 +251,13 @@ def test_each_splits_statistics_come_from_its_training_rows_only():
     np.testing.assert_array_equal(by[m], ey)
 
 
-def test_held_out_metrics_use_each_splits_own_statistics_in_target_units(tmp_path):
-  """Split 0 holds out an outlier: its metrics, in target units, equal a numpy
+def test_held_out_metrics_use_each_splits_own_statistics_in_target_units(holdout_run,
+                                                                        tmp_path):
+  """Both splits hold out an outlier: their metrics, in target units, equal a numpy
   recomputation from Ensemble.predict, whose members each use their split's statistics."""
-  x, y, splits, row = _outlier_pool()
-  config = _config('holdout:2:0.2', members=4)
-  config.task, config.data.batch_size = 'regression', 16
-  config.model.widths = (16,)
-  config.optim.learning_rate, config.optim.weight_decay = 1e-2, 0.0
-  config.train.steps = config.checkpoint.every = 60
-  final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(x, y, x[:8], y[:8]))
+  workdir, final, x, y, splits, _ = holdout_run
   out = final['member_split']
-  ens = dist_ens.Ensemble.load(str(tmp_path))
+  ens = dist_ens.Ensemble.load(str(workdir))
   assert len(ens.split_scales) == 2
   pred = ens.predict(x)
   for s, held in enumerate(splits.held_out):
