@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+import runs
 from support import one_line_refusal as _refusal
 
 import dist_ens
@@ -21,7 +22,6 @@ from dist_ens.config.loading import load_config
 from dist_ens.io.pretrained import flatten
 from dist_ens.models import from_hf, hf
 from dist_ens.models.hf import load_leaves
-from test_methods import _Stop
 from text_fixtures import BERT, CORPUS, PAD, ROOT, bert_with_tokenizer
 
 CLASSES = 3  # the corpus' three books
@@ -86,13 +86,13 @@ def test_members_start_from_the_file_train_and_predict(straight):
 
 
 def test_members_resume_exactly(straight, tmp_path):
+  """Resumed from what a kill after the straight run's step-2 checkpoint leaves, the run
+  ends where the straight one ended, bit for bit."""
   checkpoint, workdir, results = straight
-  config = lambda: _text_config(checkpoint, pool='mean')
-  with pytest.raises(RuntimeError, match='injected fault'):  # after step 2's checkpoint
-    dist_ens.train(config(), str(tmp_path / 'b'), actions=[_Stop(2)], devices=DEVICES)
-  resumed = dist_ens.train(config(), str(tmp_path / 'b'), devices=DEVICES)
+  killed = runs.killed_after(workdir, 2, tmp_path / 'b')
+  resumed = dist_ens.train(_text_config(checkpoint, pool='mean'), str(killed), devices=DEVICES)
   assert resumed['step'] == 4 and resumed['members'] == results['members']
-  a, b = (dist_ens.Ensemble.load(w) for w in (workdir, tmp_path / 'b'))
+  a, b = (dist_ens.Ensemble.load(w, devices=DEVICES) for w in (workdir, tmp_path / 'b'))
   for m in range(4):
     jax.tree.map(np.testing.assert_array_equal, b.member(m), a.member(m))
 
