@@ -9,9 +9,8 @@ processes stops them all at one step, saved. test_multihost.py does the same for
 Every run is bounded: local.sh's --timeout per process, and test_multihost's _wait,
 which SIGKILLs every process of a run at its deadline, failing the test.
 
-This file is also the Python that local.sh starts in the read-counting runs:
-`python tests/test_many_processes.py count-reads -m dist_ens.main FLAGS...` (out dir in
-$DIST_ENS_READS_DIR).
+The read-counting runs' processes start as tests/many_processes_reads.py, which counts
+what each reads (the one-process reference counts through it in this process).
 """
 
 import json
@@ -29,6 +28,7 @@ import jax
 import numpy as np
 import pytest
 
+import many_processes_reads
 import support
 import test_multihost as mh  # Its process helpers: environment, start, deadline, kill.
 
@@ -52,7 +52,6 @@ LAYOUTS = {
                 'data.member_order': 'shuffled'},
                lambda p: (slice(None), slice(2 * p, 2 * p + 2), slice(None))),
 }
-_READS_DIR = 'DIST_ENS_READS_DIR'
 
 
 def _flags(fields: dict) -> list[str]:
@@ -62,59 +61,23 @@ def _flags(fields: dict) -> list[str]:
 def _local_sh(workdir: Path, processes: int, devices: int, fields: dict,
               reads_dir: Path | None = None, timeout_s: int = 240) -> subprocess.Popen:
   """launch/local.sh on TINY | fields, compiling as the tests do (support.FAST_COMPILE); with
-  `reads_dir`, each process counts what its input pipeline reads (_count_reads)."""
+  `reads_dir`, each process counts what its input pipeline reads (many_processes_reads)."""
   extra = {'XLA_FLAGS': ' '.join(support.FAST_COMPILE)}
   if reads_dir is not None:
     reads_dir.mkdir(parents=True, exist_ok=True)
     python = reads_dir / 'python'
     # local.sh's other use of $PYTHON (-c: its free port) goes to Python itself, not
-    # through this file, whose imports (jax, dist_ens) would cost it seconds.
+    # through the counting module, whose imports (jax, dist_ens) would cost it seconds.
     exe = shlex.quote(sys.executable)
     python.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {exe} "$@"; fi\n'
-                      f'exec {exe} {shlex.quote(__file__)} count-reads "$@"\n')
+                      f'exec {exe} {shlex.quote(str(many_processes_reads.__file__))} "$@"\n')
     python.chmod(0o755)
-    extra.update(PYTHON=str(python), **{_READS_DIR: str(reads_dir)})
+    extra.update(PYTHON=str(python), **{many_processes_reads.READS_DIR: str(reads_dir)})
   return mh._start(['bash', str(mh.LOCAL_SH), '--processes', str(processes),
                     '--devices-per-process', str(devices), '--timeout', str(timeout_s),
                     '--grace', '60', '--kill-after', '15', '--', mh.CONFIG,
                     f'--workdir={workdir}', *_flags({**TINY, **fields})],
                    mh._env(devices=None, **extra))
-
-
-class _Counted:
-  """A Source that records the indices and bytes of every read."""
-
-  def __init__(self, source, reads: list):
-    self._source, self._reads = source, reads
-
-  @property
-  def num_examples(self) -> int:
-    return self._source.num_examples
-
-  def read(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    x, y = self._source.read(indices)
-    self._reads.append((np.array(indices), x.nbytes + y.nbytes))
-    return x, y
-
-
-def _count_reads(out_dir: Path, set_attr=setattr) -> None:
-  """Makes the train input pipeline (data.Batches) read through _Counted and, when it is
-  closed, write what it read to out_dir/reads_P.json (P: the process index)."""
-  from dist_ens.data import pipeline  # pylint: disable=g-import-not-at-top
-  init, close = pipeline.Batches.__init__, pipeline.Batches.close
-  reads = []
-
-  def counted_init(self, source, *args, **kwargs):
-    init(self, _Counted(source, reads), *args, **kwargs)
-
-  def counted_close(self):
-    close(self)  # Joins the prefetching thread: `reads` is complete.
-    Path(out_dir, f'reads_{jax.process_index()}.json').write_text(json.dumps({
-        'rows': [len(i) for i, _ in reads], 'bytes': [b for _, b in reads],
-        'first': reads[0][0].tolist(), 'examples': self.stats.examples}))
-
-  set_attr(pipeline.Batches, '__init__', counted_init)
-  set_attr(pipeline.Batches, 'close', counted_close)
 
 
 def _reads(out_dir: Path) -> list[dict]:
@@ -135,10 +98,17 @@ def _assert_same_metrics(got: dict, want: dict) -> None:
 def test_four_processes_match_one_and_each_reads_only_its_block(tmp_path, monkeypatch,
                                                                  hosts_along):
   fields, block_of = LAYOUTS[hosts_along]
-  _count_reads(tmp_path / 'one', monkeypatch.setattr)
-  (tmp_path / 'one').mkdir()
-  one = dist_ens.train(support.config({**TINY, **fields}), str(tmp_path / 'one' / 'w'))
-  [(status, out)] = mh._wait([_local_sh(tmp_path / 'w', 4, 2, fields, tmp_path / 'reads')], 240)
+  # The four processes start first: the reference trains here while they import JAX and
+  # meet, instead of before they start. Both are bounded: _wait kills the four at 240 s.
+  launcher = _local_sh(tmp_path / 'w', 4, 2, fields, tmp_path / 'reads')
+  try:
+    many_processes_reads.count_reads(tmp_path / 'one', monkeypatch.setattr)
+    (tmp_path / 'one').mkdir()
+    one = dist_ens.train(support.config({**TINY, **fields}), str(tmp_path / 'one' / 'w'))
+  except BaseException:
+    mh._kill_session(launcher)
+    raise
+  [(status, out)] = mh._wait([launcher], 240)
   assert status == 0, out[-5000:]
   assert re.search(r'^\[3\] .*\[process 3\] step 4/4', out, re.M), out[-3000:]
   _assert_same_metrics(json.loads((tmp_path / 'w' / 'final_metrics.json').read_text()), one)
@@ -216,14 +186,3 @@ def test_sigterm_to_each_of_eight_processes_saves_at_one_step(tmp_path):
   meta = tmp_path / 'w' / 'checkpoints' / str(step) / 'meta' / 'metadata'
   assert json.loads(meta.read_text())['step'] == step
   assert 'Traceback' not in out, out[-3000:]
-
-
-if __name__ == '__main__':
-  if sys.argv[1:2] != ['count-reads']:
-    sys.exit(f'usage: {sys.argv[0]} count-reads -m dist_ens.main FLAGS...')
-  if sys.argv[2:4] != ['-m', 'dist_ens.main']:  # local.sh's other uses of $PYTHON.
-    os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
-  _count_reads(Path(os.environ[_READS_DIR]))
-  from dist_ens import main  # pylint: disable=g-import-not-at-top
-  sys.argv = ['dist-ens', *sys.argv[4:]]
-  main.entry()
