@@ -31,7 +31,7 @@ from dist_ens.config.loading import load_config
 from dist_ens.core.axes import MEMBER
 from dist_ens.io.pretrained import read_orbax
 from dist_ens.parallel import distributed, launch
-from test_multihost import _env, _free_port, _start, _wait
+from test_multihost import _env, _free_port, _kill_session, _start, _wait
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, INTERVAL = 24, 8  # Rounds at steps 8 and 16 (none at the last step).
@@ -101,21 +101,32 @@ def _child(out: str, port: str, process_id: str, workdir: str) -> None:
 
 
 @pytest.fixture(scope='module')
-def one(tmp_path_factory):
+def started(tmp_path_factory):
+  """The two processes of `two`, started before `one` trains, which it does while they
+  import JAX and meet; whatever is left of them is killed when the module ends."""
+  tmp = tmp_path_factory.mktemp('pbt_two')
+  port, outs = _free_port(), [tmp / f'child_{i}.json' for i in range(2)]
+  procs = [_start(['timeout', '-k', '15', str(TIMEOUT_S - 20), sys.executable, __file__,
+                   'child', str(outs[i]), str(port), str(i), str(tmp / 'w')], _env())
+           for i in range(2)]
+  yield tmp, outs, procs
+  for proc in procs:
+    _kill_session(proc)  # Only what a failure left running.
+
+
+@pytest.fixture(scope='module')
+def one(started, tmp_path_factory):
   """The reference: this pytest process, 1 process x 8 devices, the same 4 x 2 mesh."""
+  del started  # Started first: see there.
   workdir = tmp_path_factory.mktemp('pbt_one') / 'w'
   result, digests = _train(str(workdir))
   return workdir, result, digests
 
 
 @pytest.fixture(scope='module')
-def two(tmp_path_factory):
+def two(started):
   """2 processes x 4 devices; per process, the members it held and their digests."""
-  tmp = tmp_path_factory.mktemp('pbt_two')
-  port, outs = _free_port(), [tmp / f'child_{i}.json' for i in range(2)]
-  procs = [_start(['timeout', '-k', '15', str(TIMEOUT_S - 20), sys.executable, __file__,
-                   'child', str(outs[i]), str(port), str(i), str(tmp / 'w')], _env())
-           for i in range(2)]
+  tmp, outs, procs = started
   for status, out in _wait(procs, TIMEOUT_S):  # Kills both and fails at the deadline.
     assert status == 0, out[-5000:]
   children = [json.loads(p.read_text()) for p in outs]
