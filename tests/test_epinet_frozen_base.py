@@ -121,12 +121,20 @@ def test_predict_is_the_mean_softmax_over_the_members_indices_on_the_frozen_base
                                atol=1e-6)
 
 
-def test_export_and_the_report(runs, loaded, tmp_path):
+def test_export_copies_the_base_into_every_members_file(runs, loaded, tmp_path):
   paths = loaded['straight'].export(tmp_path / 'members')
   member = load_member(paths[2])  # Plain arrays: the base copied into every member's file.
   np.testing.assert_array_equal(member['base'][0]['w'], runs['base']['params/0/w'])
   np.testing.assert_array_equal(member['epinet'][0]['w'],
                                 loaded['straight'].member(2).epinet[0]['w'])
+
+
+# Slow: the report's drawing (matplotlib) is every method's, and its own part here is
+# Ensemble.load and predict of the run. Fast covers: this run's load and predict
+# (test_predict_is_the_mean_softmax_over_the_members_indices_on_the_frozen_base, against
+# numpy), test_report (every figure drawn), and test_masksembles' report of a method's run.
+@pytest.mark.slow
+def test_the_report_of_a_frozen_base_run(runs):
   out = report.make_report(runs['straight'][0])
   assert (out / 'report.md').is_file()
 
