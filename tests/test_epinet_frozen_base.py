@@ -3,7 +3,7 @@ ensemble.own='epinet', dist_ens/ensembles/epinet.py): 4 epinets trained on mesh 
 the base MLP of a deep run's member 1 (config.model.init_from='base#1'). The base is stored
 once and is the source's bit for bit after training, with no optimizer state; the members'
 epinets differ; Ensemble.load(workdir).predict is the mean softmax over each member's
-stored indices, recomputed in numpy; resume is exact; export and the report work; what
+stored indices, recomputed in numpy; resume is exact; export works (the report: slow); what
 cannot work is refused in one line naming both fields."""
 
 import logging
