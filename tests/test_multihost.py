@@ -125,14 +125,16 @@ def _local_sh(workdir: Path, *args: str, timeout_s: int = 180) -> subprocess.Pop
 
 
 @pytest.fixture(scope='module')
-def one_process(tmp_path_factory):
-  """The reference: this pytest process, 1 process x 8 devices, on the same 4 x 2 mesh."""
+def one_process(slurm_started, tmp_path_factory):
+  """The reference: this pytest process, 1 process x 8 devices, on the same 4 x 2 mesh
+  (trained while slurm_started's two processes start)."""
+  del slurm_started
   return dist_ens.train(_small_config('member'), str(tmp_path_factory.mktemp('one') / 'w'))
 
 
 # hosts_along='data' (hosts split each batch) runs below, with several steps per call.
 @pytest.mark.parametrize('hosts_along', ['member'])
-def test_two_processes_match_one(slurm_run, one_process, hosts_along):
+def test_two_processes_match_one(one_process, slurm_run, hosts_along):
   """The two processes of slurm_run (SMALL, hosts along 'member') end as one process does."""
   status, out, workdir = slurm_run
   assert status == 0, out[-5000:]
@@ -590,10 +592,11 @@ def _slurm_job_id() -> int:
 
 
 @pytest.fixture(scope='module')
-def slurm_run(tmp_path_factory):
-  """(status, output, workdir) of SMALL with hosts along 'member' as a SLURM job step of 2
-  tasks: launch/slurm.sbatch through a fake srun on localhost. One run for the two tests
-  that read it (JAX's detection of the job; two processes ending as one process does)."""
+def slurm_started(tmp_path_factory):
+  """(process, workdir): SMALL with hosts along 'member' as a SLURM job step of 2 tasks,
+  launch/slurm.sbatch through a fake srun on localhost, started; one_process trains while
+  its processes import JAX and meet. Whatever a failure leaves of it is killed when the
+  module ends."""
   tmp_path = tmp_path_factory.mktemp('slurm')
   _fake_srun(tmp_path / 'bin')
   env = _env(SLURM_JOB_ID=str(_slurm_job_id()), SLURM_NTASKS='2', SLURM_JOB_NUM_NODES='1',
@@ -601,8 +604,18 @@ def slurm_run(tmp_path_factory):
              PATH=f'{tmp_path / "bin"}{os.pathsep}{os.environ["PATH"]}')
   proc = _start(['bash', str(ROOT / 'launch' / 'slurm.sbatch'), CONFIG,
                  f'--workdir={tmp_path / "w"}', *SMALL, '--config.mesh.hosts_along=member'], env)
+  yield proc, tmp_path / 'w'
+  _kill_session(proc)
+
+
+@pytest.fixture(scope='module')
+def slurm_run(slurm_started):
+  """(status, output, workdir) of slurm_started's job step, ended. One run for the two
+  tests that read it (JAX's detection of the job; two processes ending as one process
+  does)."""
+  proc, workdir = slurm_started
   [(status, out)] = _wait([proc], 240)
-  return status, out, tmp_path / 'w'
+  return status, out, workdir
 
 
 def test_slurm_job_found_by_jax_detection(slurm_run):
