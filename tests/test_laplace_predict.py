@@ -170,13 +170,15 @@ def _refused(ens, match, call):
   assert '\n' not in str(refused.value)
 
 
-def test_a_run_without_laplace_is_refused_in_one_line(tmp_path):
-  workdir = tmp_path / 'plain'
-  dist_ens.train(_config(''), str(workdir), dataset=DATASET)
-  ens = dist_ens.Ensemble.load(workdir)
+def test_a_run_without_laplace_is_refused_in_one_line(tiny_run):
+  """The session's shared run of support.config (tests/runs.py: no eval.laplace; only
+  loaded here) is refused for predict(laplace=True) and predicts its own way."""
+  ens = dist_ens.Ensemble.load(tiny_run[0])
+  assert not ens.config.eval.laplace
+  test_x = data.load_dataset('mnist1d').test.x
   _refused(ens, r"eval\.laplace='last_layer_kron'",
-           lambda e: e.predict(DATASET.test.x, preprocessed=True, laplace=True))
-  assert ens.predict(DATASET.test.x[:3], preprocessed=True).probs.shape == (3, 3)
+           lambda e: e.predict(test_x, preprocessed=True, laplace=True))
+  assert ens.predict(test_x[:3], preprocessed=True).probs.shape == (3, 10)
 
 
 def test_draws_of_a_probit_fit_are_refused_in_one_line(runs):
