@@ -231,9 +231,8 @@ def build_loop(spec: ModelSpec, members: int, guard: bool = False) -> Callable[[
   import jax.numpy as jnp
   import optax
   from dist_ens.ensembles.stacking import unstack
-  from dist_ens.core.gradients import BatchResult
   from dist_ens.tasks.classification import cross_entropy
-  from dist_ens.core.step import Member, member_apply_fn
+  from dist_ens.core.step import BatchResult, Member, member_apply_fn
   model, tx, stacked = _plain_state(spec, members)
   guarded = member_apply_fn(lambda hp: tx)
 

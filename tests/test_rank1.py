@@ -29,7 +29,7 @@ import support
 
 import dist_ens
 from dist_ens import Ensemble, data
-from dist_ens.core.gradients import BatchResult
+from dist_ens.core.step import BatchResult
 from dist_ens.ensembles import rank1
 from dist_ens import models
 from dist_ens.models import mlp

@@ -170,15 +170,15 @@ def test_micro_batches_the_data_axis_cannot_sum_canonically_are_refused(tmp_path
 
 def test_a_data_axis_that_is_not_a_power_of_two_is_refused():
   # The edge names the config's field; core's canonical sums refuse the same split plainly.
-  from dist_ens.core import gradients  # pylint: disable=g-import-not-at-top
+  from dist_ens.core import step as step_lib  # pylint: disable=g-import-not-at-top
   from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
   from dist_ens.run import mesh_layout  # pylint: disable=g-import-not-at-top
   with pytest.raises(ConfigError, match=r'config.mesh.data=3: .* power of two'):
     mesh_layout.check_canonical(6, 3)
   with pytest.raises(ValueError, match=r'^canonical sums: a data axis of 3 devices is not a '
                                        r'power of two\.$'):
-    gradients.canonical(None, 6, 'data', 3)
-  assert gradients.canonical_split(8, 4) is None and gradients.canonical_split(6, 2)
+    step_lib.canonical(None, 6, 'data', 3)
+  assert step_lib.canonical_split(8, 4) is None and step_lib.canonical_split(6, 2)
 
 
 def test_flags_are_added_once_and_only_where_missing(monkeypatch):

@@ -29,8 +29,7 @@ import support
 import dist_ens
 from dist_ens import Ensemble, data
 from dist_ens.config import specs
-from dist_ens.core import gradients
-from dist_ens.core.step import Member, member_apply_fn
+from dist_ens.core.step import BatchResult, Member, member_apply_fn
 from dist_ens.ensembles import methods, sgmcmc
 
 
@@ -75,7 +74,7 @@ def _chains(kind, members, ids, steps=2000, lr=0.1, friction=0.1, cycles=1, beta
   def results(params, model_state, hp, member_id, step, batch):
     del hp, member_id, step, batch
     g = params - XBAR if grad else jnp.zeros_like(params)
-    return gradients.BatchResult(jnp.zeros(()), {}, g, model_state)
+    return BatchResult(jnp.zeros(()), {}, g, model_state)
 
   # vmapped: the update is the same per member under either form, and a map over 2,048
   # members is a loop of 2,048 tiny bodies per step (about 6x the time of the vmap).

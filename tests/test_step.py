@@ -276,8 +276,7 @@ def test_init_compiled_faster_on_a_cpu_gives_xlas_default_bits(model, monkeypatc
 def test_a_nonfinite_gradient_with_a_finite_loss_freezes_the_member(bad):
   """The guard reads each gradient leaf's sum: any NaN or infinity (opposite infinities
   included, whose sum is NaN) freezes the member before its state moves."""
-  from dist_ens.core.gradients import BatchResult
-  from dist_ens.core.step import Member, member_apply_fn
+  from dist_ens.core.step import BatchResult, Member, member_apply_fn
   params = {'w': jnp.ones((3, 4)), 'b': jnp.zeros(4)}
   tx = optax.adam(0.1)
   grads = {'w': jnp.full((3, 4), 0.5).at[0, :len(bad)].set(jnp.array(bad)), 'b': jnp.ones(4)}
@@ -292,8 +291,7 @@ def test_a_nonfinite_gradient_with_a_finite_loss_freezes_the_member(bad):
 
 def test_large_finite_half_precision_gradients_do_not_freeze():
   """A float16 leaf whose elements sum past float16's range (65504) is summed wider."""
-  from dist_ens.core.gradients import BatchResult
-  from dist_ens.core.step import Member, member_apply_fn
+  from dist_ens.core.step import BatchResult, Member, member_apply_fn
   params = {'w': jnp.ones(8, jnp.float16)}
   tx = optax.sgd(1e-6)
   result = BatchResult(jnp.float32(1.0), jnp.float32(0.5),

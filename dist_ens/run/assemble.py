@@ -33,7 +33,7 @@ from dist_ens import data, models, tasks
 from dist_ens.config import groups as member_groups
 from dist_ens.config import checks
 from dist_ens.io.checkpoint import Checkpointer
-from dist_ens.core import gradients, hparams as hparams_lib, stacks as stacks_lib
+from dist_ens.core import hparams as hparams_lib, stacks as stacks_lib
 from dist_ens.core.model import Model
 from dist_ens.core.optim import Optimizer, SpecError, make_optimizer
 from dist_ens.core.state import TrainState, init_state
@@ -45,7 +45,7 @@ from dist_ens.run.member_forms import member_form
 from dist_ens.run.mesh_layout import build_layout, build_mesh
 from dist_ens.parallel import mesh as mesh_lib, sharding_rules, strategy
 from dist_ens.parallel.layout import Layout
-from dist_ens.core.step import TrainStep, make_train_step
+from dist_ens.core.step import Objective, TrainStep, make_train_step
 from dist_ens.run.run_data import RunData, build_data
 from dist_ens.run.evaluation import build_evaluator
 from dist_ens.run.split_frames import SplitFrames
@@ -391,7 +391,7 @@ def _stack_step(parts: Parts, *, per_member_batches: bool, form: strategy.Form,
   loss = loss or parts.loss
   if parts.method.wrap_loss is not None:  # e.g. MIMO: the sum of its heads' losses
     loss = parts.method.wrap_loss(loss)
-  objective = gradients.Objective(loss, parts.task.batch_metrics)
+  objective = Objective(loss, parts.task.batch_metrics)
   return make_train_step(parts.model, parts.optimizer, parts.mesh, parts.abstract_state,
                          seed=parts.stack.seed, objective=objective,
                          per_member_batches=per_member_batches,

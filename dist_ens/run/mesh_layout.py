@@ -11,7 +11,7 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from dist_ens.core import gradients
+from dist_ens.core import step as step_lib
 from dist_ens.ensembles import batchensemble, methods
 from dist_ens.errors import ConfigError
 from dist_ens.parallel import mesh as mesh_lib, sharding_rules
@@ -74,8 +74,8 @@ def build_layout(method: methods.Method, mesh: Mesh, mesh_config: ml_collections
 
 def check_canonical(k: int, data_size: int) -> None:
   """ConfigError unless config.train.micro_batches=k can be summed canonically over the
-  mesh's `data_size` devices (reproducible mode; core.gradients.canonical_split)."""
-  if gradients.canonical_split(k, data_size) is None:
+  mesh's `data_size` devices (reproducible mode; core.step.canonical_split)."""
+  if step_lib.canonical_split(k, data_size) is None:
     return
   if data_size & (data_size - 1):
     raise ConfigError(f"config.mesh.data={data_size}: reproducible mode needs a data axis that "
