@@ -12,7 +12,7 @@ and reads XLA's cost analysis (`compiled.cost_analysis()`: FLOPs and bytes acces
 counted over the optimized program; a loop's body is counted once).
   donate  one member's step of the donating loop: what a member step must read and write.
   map     dist_ens's step in the form 'auto' picks on this CPU for members this size
-          ('map': a loop over the members inside the program, core/members.py
+          ('map': a loop over the members inside the program, core/step.py
           _member_loop), built as a run builds it (benchmarks.overhead.Bare). Its body is
           one member's step, counted once, so its figures compare with donate's per member
           (the script checks that they do not grow with M).
