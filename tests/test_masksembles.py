@@ -277,25 +277,31 @@ def test_a_resnets_block_convs_and_head_read_masked_inputs_and_the_stem_does_not
 def test_a_masked_channel_of_a_blocks_input_reaches_the_member_only_by_the_identity():
   config = _resnet_config(**{'mesh.member': 1})
   params, state = _init_entries(config)
-  block = jax.tree.map(jnp.asarray, params['blocks'][0])  # 16 -> 16: identity shortcut.
-  block_state = jax.tree.map(lambda a: jnp.asarray(a[0]), state['blocks'][0])
+  block = params['blocks'][0]  # 16 -> 16: identity shortcut.
+  block_state = jax.tree.map(lambda a: a[0], state['blocks'][0])
   mask = block['conv1']['r']
   m = 0
   c = int(np.flatnonzero(mask[m] == 0)[0])  # Out of member 0's mask, in member 1's.
   assert mask[1, c] == 1
   conv = layers.conv_for('xla')
-  x = jax.random.normal(jax.random.key(0), (4, 10, 16))
-  moved = x.at[..., c].add(3.0)
+  block_apply = resnet._basic_apply  # pylint: disable=protected-access
+
+  # Jitted, one program for both members and inputs: eagerly, each op compiles its own.
+  @jax.jit
+  def forward(member_block, x):
+    """(member_block's first conv on x, the block's own forward (models/resnet.py) in
+    evaluation mode) of one member's entries."""
+    p = batchensemble.member_params(member_block)
+    return conv(x, p['conv1'], 1), block_apply(conv, p, block_state, x, 1, False)[0]
+
+  x = np.random.default_rng(0).normal(size=(4, 10, 16)).astype(np.float32)
+  moved = x.copy()
+  moved[..., c] += 3.0
   one = lambda tree, i: jax.tree.map(lambda a: a[i] if a.shape[:1] == (2,) else a, tree)
   for member, reaches_conv in ((0, False), (1, True)):
-    p = batchensemble.member_params(one(block, member))
-    h, h_moved = (conv(v, p['conv1'], 1) for v in (x, moved))
+    (h, y), (h_moved, y_moved) = (forward(one(block, member), v) for v in (x, moved))
     assert np.allclose(h, h_moved) is not reaches_conv
-    # The block's own forward (models/resnet.py), in evaluation mode.
-    block_apply = resnet._basic_apply  # pylint: disable=protected-access
-    y, _ = block_apply(conv, p, block_state, x, 1, False)
-    y_moved, _ = block_apply(conv, p, block_state, moved, 1, False)
-    changed = np.flatnonzero(np.abs(np.asarray(y_moved - y)).max((0, 1)) > 1e-6)
+    changed = np.flatnonzero(np.abs(np.asarray(y_moved) - np.asarray(y)).max((0, 1)) > 1e-6)
     if reaches_conv:
       assert len(changed) > 1
     else:  # Only channel c changed: the identity carried it, the convs never saw it.
