@@ -239,7 +239,6 @@ _SLOW_TIER = (
     # combination matrix's token_classification cases (SIGTERM, resume, load, predict),
     # test_checkpoint's bit-exact resume, and each test's own train-and-predict half.
     "test_token_task.py::test_next_token_prediction_resumes_exactly",
-    "test_seq_classification.py::test_members_resume_exactly",
     # More meshes of one property; fast: the other parametrizations.
     "test_model_axis.py::test_members_follow_the_same_trajectory_on_every_mesh[shape1]",
     "test_train.py::test_topology_does_not_change_results[4-1]",
@@ -253,9 +252,6 @@ _SLOW_TIER = (
     # next-token run (a causal token_transformer trained through dist_ens, its loss falls
     # below 0.7x the first) and test_causal_mask_hides_later_tokens.
     "test_token_transformer.py::test_sgd_steps_reduce_the_loss[True]",
-    # own='head' from a BERT file; fast: test_own's heads-train-and-the-backbone-is-the-file
-    # and backbone-stored-once tests, and this file's BERT run from hf:.
-    "test_seq_classification.py::test_own_head_keeps_the_encoder_the_files_and_stored_once",
     # A GPT-2 decoder on raw text with own='all'; fast: the tied decoder's LoRA test (the
     # same config path, trained and scored), own='all' from hf: in test_hf and the BERT run.
     "test_text_source.py::test_a_decoder_trains_on_next_tokens_of_raw_text",
