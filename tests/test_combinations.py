@@ -136,7 +136,7 @@ _COMPARED = [next(c for c in _CASES if table.OPTIONS[key] in c
 
 def _every_option_once() -> list[tuple[table.Option, ...]]:
   """The compared cases, then (greedily) cases until every option is in one: the fast
-  tier's 8 cases; the slow tier (pytest -m slow) runs the others, for every pair."""
+  tier's 15 cases; the slow tier (pytest -m slow) runs the others, for every pair."""
   wanted = {o.key for options in table.AXES.values() for o in options
             if o.fields} - _SLOW_ONLY
   chosen = list(_COMPARED)
