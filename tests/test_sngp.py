@@ -169,7 +169,9 @@ def test_the_precision_is_the_bayesian_linear_models_closed_form():
     _, state = train(params, state, jnp.asarray(x), jax.random.key(i))
   phi = np.concatenate(phis)  # [12, D]
   want = 0.5 * np.eye(16) + phi.T @ phi
-  got = np.asarray(sngp.precision(state.moment, state.steps, options, 5))
+  # Jitted, here and below: eagerly, each op compiles a program of its own.
+  got = np.asarray(jax.jit(sngp.precision, static_argnums=(2, 3))(state.moment, state.steps,
+                                                                   options, 5))
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
   # The predictive variance, weight space (numpy's inverse) and function space: the GP of
   # kernel phi.phi' / ridge and unit noise, k** - k*' (K + I)^-1 k*.
@@ -201,7 +203,8 @@ def test_before_the_window_the_precision_is_the_ridge_alone():
   for _ in range(7):  # Steps 0..6; the window is 7..9.
     _, state = train(params, state)
   np.testing.assert_array_equal(np.asarray(state.moment), 0)
-  np.testing.assert_array_equal(np.asarray(sngp.precision(state.moment, state.steps, options, 10)),
+  precision = jax.jit(sngp.precision, static_argnums=(2, 3))
+  np.testing.assert_array_equal(np.asarray(precision(state.moment, state.steps, options, 10)),
                                 2.0 * np.eye(16))
 
 
@@ -209,12 +212,13 @@ def test_vmapped_members_add_their_batchs_mean_outer_product_only_in_their_windo
   rng = np.random.default_rng(8)
   moment = rng.normal(size=(3, 5, 5)).astype(np.float32)
   phi = rng.normal(size=(3, 4, 5)).astype(np.float32)
+  vmapped, alone = jax.jit(jax.vmap(sngp.accumulate)), jax.jit(sngp.accumulate)
   for window in ([True, False, True], [False, False, False]):
-    got = np.asarray(jax.jit(jax.vmap(sngp.accumulate))(moment, phi, jnp.asarray(window)))
+    got = np.asarray(vmapped(moment, phi, jnp.asarray(window)))
     for m in range(3):
       want = moment[m] + (phi[m].T @ phi[m] / 4 if window[m] else 0)
       np.testing.assert_allclose(got[m], want, rtol=1e-5, atol=1e-6)
-      single = sngp.accumulate(jnp.asarray(moment[m]), jnp.asarray(phi[m]), window[m])
+      single = alone(moment[m], phi[m], window[m])
       np.testing.assert_allclose(np.asarray(single), want, rtol=1e-5, atol=1e-6)
 
 
