@@ -352,18 +352,47 @@ def test_a_mesh_that_cannot_split_the_members_is_refused_in_one_line(split_run):
     assert '\n' not in str(refused.value) and str(refused.value).startswith('Ensemble.load')
 
 
-def test_the_report_loads_a_split_run_split(split_run, monkeypatch):
+class _Loaded(Exception):
+  """Ends a report right after its Ensemble.load (what the fast test below reads)."""
+
+
+def _report_loads(workdir, monkeypatch, then_stop):
+  """[(mesh shape, the first hidden kernel's shard shape)] of each Ensemble.load that
+  report.make_report(workdir) makes; with `then_stop` the report ends after its load,
+  else it is written and its page checked."""
   pytest.importorskip('matplotlib')
   from dist_ens.report import build as report  # pylint: disable=import-outside-toplevel
-  _, workdir = split_run
   load, seen = dist_ens.Ensemble.load.__func__, []
 
   def spy(cls, *args, **kwargs):
     ensemble = load(cls, *args, **kwargs)
     stored = ensemble._stored  # pylint: disable=protected-access
     seen.append((dict(ensemble.mesh.shape), _shards(stored)["[1]['w']"]))
+    if then_stop:
+      raise _Loaded
     return ensemble
 
   monkeypatch.setattr(report.Ensemble, 'load', classmethod(spy))
-  assert (report.make_report(workdir) / 'report.html').is_file()
+  if then_stop:
+    with pytest.raises(_Loaded):
+      report.make_report(workdir)
+  else:
+    assert (report.make_report(workdir) / 'report.html').is_file()
+  return seen
+
+
+def test_the_report_loads_a_split_run_split(split_run, monkeypatch):
+  """The report's Ensemble.load keeps the run's model split (stopped there: what follows,
+  predict on that mesh and the drawing, is the slow test's below)."""
+  seen = _report_loads(split_run[1], monkeypatch, then_stop=True)
+  assert seen == [({'member': 2, 'data': 2, 'model': 2}, (1, 64, 32))]
+
+
+# Slow: predicting the test split and drawing every figure (matplotlib). Fast covers:
+# test_the_report_loads_a_split_run_split (the report's load, split), predict on the split
+# mesh in test_a_run_split_over_model_loads_predicts_and_exports_split, and test_report
+# (every figure drawn).
+@pytest.mark.slow
+def test_the_report_of_a_split_run_is_written(split_run, monkeypatch):
+  seen = _report_loads(split_run[1], monkeypatch, then_stop=False)
   assert seen == [({'member': 2, 'data': 2, 'model': 2}, (1, 64, 32))]
