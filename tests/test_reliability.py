@@ -177,7 +177,11 @@ def test_a_kill_during_an_evaluation_loses_no_event(tmp_path, monkeypatch, kill_
   assert final['step'] == 8
 
 
-def test_a_kill_before_final_metrics_reruns_without_training(tmp_path, monkeypatch):
+def test_a_kill_before_final_metrics_reruns_without_training(tmp_path, monkeypatch, finished):
+  """Killed in the finish of a resumed run (a copy of the shared finished run without its
+  final metrics: what a kill before they are written leaves; its events hold steps 4 and
+  8); the rerun trains nothing and writes them."""
+  runs.killed_after(finished, 8, tmp_path)
   finish = trainer._finish
 
   def dies_once(call, *args):
@@ -188,9 +192,9 @@ def test_a_kill_before_final_metrics_reruns_without_training(tmp_path, monkeypat
 
   monkeypatch.setattr(trainer, '_finish', dies_once)
   with pytest.raises(Killed):
-    dist_ens.train(_config(train__eval_every=4), str(tmp_path))
+    dist_ens.train(_config(train__eval_every=4, **KEEP3), str(tmp_path))
   assert not (tmp_path / 'final_metrics.json').exists()
-  final = dist_ens.train(_config(train__eval_every=4), str(tmp_path))
+  final = dist_ens.train(_config(train__eval_every=4, **KEEP3), str(tmp_path))
   assert _events(tmp_path) == SCHEDULED  # No step was run again: no second train event.
   assert json.loads((tmp_path / 'final_metrics.json').read_text())['members'] == final['members']
 
