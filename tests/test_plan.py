@@ -40,30 +40,40 @@ def one_device():
 
 @pytest.fixture(scope='module')
 def plans():
-  """plans(devices, memory_bytes=None, **overrides): make_plan of _config(**overrides),
-  made once in this module. Each make_plan compiles the step at M and 2M and dry-runs it;
-  the tests that only read a plan (nothing patched) share one, and
-  plans.arrays_left(devices, ...) is how many more live arrays there were after that
-  make_plan than before it. The tests that patch plan's parts call make_plan themselves."""
+  """plans(devices, memory_bytes=None, measure=True, **overrides): make_plan of
+  _config(**overrides), made once in this module. Each make_plan compiles the step at M and
+  2M and, where `measure`, dry-runs it (init compiled, state made, two steps run): only the
+  tests that read a dry run's figures ask for one. The tests that only read a plan (nothing
+  patched) share one, and plans.arrays_left(devices, ...) is how many more live arrays
+  there were after that make_plan than before it. The tests that patch plan's parts call
+  make_plan themselves."""
   made, left = {}, {}
 
-  def key(devices, memory_bytes, overrides):
-    return (len(devices), memory_bytes, tuple(sorted(overrides.items())))
+  def key(devices, memory_bytes, measure, overrides):
+    return (len(devices), memory_bytes, measure, tuple(sorted(overrides.items())))
 
-  def plan(devices, memory_bytes=None, **overrides):
-    k = key(devices, memory_bytes, overrides)
+  def plan(devices, memory_bytes=None, measure=True, **overrides):
+    k = key(devices, memory_bytes, measure, overrides)
     if k not in made:
       before = len(jax.live_arrays())
-      made[k] = plan_lib.make_plan(_config(**overrides), devices, memory_bytes=memory_bytes)
+      made[k] = plan_lib.make_plan(_config(**overrides), devices, memory_bytes=memory_bytes,
+                                   measure_programs=measure)
       left[k] = len(jax.live_arrays()) - before
     return made[k]
 
-  def arrays_left(devices, memory_bytes=None, **overrides):
-    plan(devices, memory_bytes, **overrides)
-    return left[key(devices, memory_bytes, overrides)]
+  def arrays_left(devices, memory_bytes=None, measure=True, **overrides):
+    plan(devices, memory_bytes, measure, **overrides)
+    return left[key(devices, memory_bytes, measure, overrides)]
 
   plan.arrays_left = arrays_left
   return plan
+
+
+def _small(one_device, plans):
+  """4 members on one device, no dry run: the tests that read it read the step's sizes,
+  XLA's memory analysis and FLOPs, not a dry run's figures (test_the_dry_run_frees_everything
+  and the tests beside it check the dry run)."""
+  return plans(one_device, measure=False, num_members=4)
 
 
 def _sizes_per_member(config, devices):
@@ -77,7 +87,7 @@ def _sizes_per_member(config, devices):
 def test_parameter_and_state_counts_match_the_model_by_hand(one_device, plans):
   # The MLP's through make_plan (the module's shared plan); the CNN's from the count that
   # make_plan reports (make_plan's compiles of its step would measure memory, not read here).
-  mlp = plans(one_device, num_members=4)
+  mlp = _small(one_device, plans)
   mlp_sizes = (mlp.params_per_member, mlp.state_bytes_per_member)
   assert _sizes_per_member(_config(num_members=4), one_device) == mlp_sizes
   cnn_sizes = _sizes_per_member(_config(num_members=4, model__name='cnn'), one_device)
@@ -89,7 +99,7 @@ def test_parameter_and_state_counts_match_the_model_by_hand(one_device, plans):
 
 
 def test_more_members_take_proportionally_more_memory(one_device, plans):
-  small, big = (plans(one_device, num_members=m) for m in (4, 16))
+  small, big = _small(one_device, plans), plans(one_device, num_members=16)
   assert small.params_per_member == big.params_per_member
   assert small.state_bytes_per_member == big.state_bytes_per_member
   # The arguments are the state, the per-member hyperparameters the step reads (Adam's
@@ -221,8 +231,10 @@ def test_resident_memory_readings_see_memory_written_and_its_peak():
 
 
 def _split(devices, plans):
-  """8 members over a 4 x 2 mesh of 8 devices, planned for 50 MB a device."""
-  return plans(devices, 50e6, num_members=8, mesh__member=4, mesh__data=2)
+  """8 members over a 4 x 2 mesh of 8 devices, planned for 50 MB a device (no dry run: its
+  tests read the step's sizes, FLOPs and the largest M's rounding to whole shards; the
+  command line's first plan, test_command_line_prints_the_plan, dry-runs this mesh)."""
+  return plans(devices, 50e6, measure=False, num_members=8, mesh__member=4, mesh__data=2)
 
 
 def test_members_split_over_devices_are_counted_per_device(devices, plans):
@@ -236,7 +248,7 @@ def test_members_split_over_devices_are_counted_per_device(devices, plans):
 
 def test_flops_per_example_count_a_training_step_whatever_the_mesh(one_device, devices,
                                                                    plans):
-  small = plans(one_device, num_members=4)
+  small = _small(one_device, plans)
   # Training an MLP costs about 6 FLOPs per weight and example: 2 forward, 4 backward
   # (a little less without the input's gradient, a little more for biases and the loss).
   assert 5.5 * MLP_PARAMS < small.flops_per_example < 6.5 * MLP_PARAMS
@@ -255,7 +267,7 @@ def test_flops_per_example_count_every_member_of_a_mapped_step(one_device, plans
   """Members one chunk at a time: XLA's cost analysis counts a loop's body once, and the
   plan still counts every member. (No dry run: it measures memory, which this test does
   not read; test_the_dry_run_frees_everything and the tests beside it check the dry run.)"""
-  small = plans(one_device, num_members=4)
+  small = _small(one_device, plans)
   mapped = plan_lib.make_plan(_config(num_members=8, ensemble__member_parallelism='map',
                                       ensemble__map_batch_size=chunk), one_device,
                               measure_programs=False)
@@ -298,8 +310,11 @@ def test_command_line_prints_the_plan(devices, plans, capsys, monkeypatch):
   assert plan['max_members'] == made.max_members
 
 
-def test_command_line_on_a_cpu_without_memory_asks_for_it(capsys):
-  # The mesh of test_command_line_prints_the_plan: its programs, from the cache.
+def test_command_line_on_a_cpu_without_memory_asks_for_it(capsys, monkeypatch):
+  # The mesh of test_command_line_prints_the_plan: its programs, from the cache. No dry run
+  # (it would measure memory, not read here: the budget comes from the device, which on a
+  # CPU reports none).
+  _dry_run_of(monkeypatch, None)
   code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8',
                         '--config.mesh.member=4', '--config.mesh.data=2'])
   assert code == 0
