@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+import runs
 import support
 
 import dist_ens
@@ -201,14 +202,16 @@ def test_selection_and_post_hoc_steps_range_over_every_groups_members(tmp_path):
 def _pbt_config():
   return _config(pbt__enabled=True, pbt__interval=2, pbt__resample_probability=0.0,
                  data__validation_size=200, train__steps=6, checkpoint__every=2,
+                 checkpoint__keep=3,  # step 2's too: the kill's (runs.killed_after)
                  optim__learning_rate='loguniform(1e-4,3e-2)')
 
 
 def test_pbt_copies_within_each_group_bit_for_bit_and_resumes_exactly(tmp_path):
   """Each group is its own population: a round's decisions are pbt.decide's on the group's
   logged validation values (drawn by member id), a copy takes a member of its own group
-  bit for bit, and a run killed between rounds resumes to the same rounds and members."""
-  from test_methods import _Stop  # pylint: disable=g-import-not-at-top
+  bit for bit, and a run killed between rounds resumes to the same rounds and members.
+  (The kill is runs.killed_after's copy of the straight run at step 2's checkpoint; a PBT
+  run failed by an injected fault and resumed: test_pbt.py.)"""
   from test_pbt import _Capture  # pylint: disable=g-import-not-at-top
   capture = _Capture(2)
   straight = dist_ens.train(_pbt_config(), str(tmp_path / 'a'), actions=[capture])
@@ -233,9 +236,9 @@ def test_pbt_copies_within_each_group_bit_for_bit_and_resumes_exactly(tmp_path):
     g, first = (0, 0) if dst < 2 else (1, 2)
     for leaf in jax.tree.leaves((state.params[g], state.opt_state[g], state.model_state[g])):
       np.testing.assert_array_equal(np.asarray(leaf)[dst - first], np.asarray(leaf)[src - first])
-  with pytest.raises(RuntimeError, match='injected fault'):  # After step 2's checkpoint.
-    dist_ens.train(_pbt_config(), str(tmp_path / 'b'), actions=[_Stop(2)])
-  resumed = dist_ens.train(_pbt_config(), str(tmp_path / 'b'))
+  # Killed between the rounds, right after step 2's checkpoint.
+  resumed = dist_ens.train(_pbt_config(), str(runs.killed_after(tmp_path / 'a', 2,
+                                                                tmp_path / 'b')))
   assert resumed['pbt'] == straight['pbt'] and resumed['members'] == straight['members']
   support.assert_trees_equal(_stored(tmp_path / 'b'), _stored(tmp_path / 'a'))
 
@@ -375,8 +378,12 @@ def test_groups_split_members_over_a_model_axis_or_the_data_axis(grouped, layout
                                                                    tmp_path):
   """mesh.model=2, or FSDP over the data axis: every group's kernels are split over that
   axis, in training and when loaded; the members are the shared run's (whole members) to
-  float rounding (reproducible mode is bit-exact per layout), so are loaded predictions."""
-  split = _config(**POSTHOC, **layout, mesh__fsdp_min_size=16)
+  float rounding (reproducible mode is bit-exact per layout), so are loaded predictions.
+  The split run trains as the shared run (its dropout) but skips its MC dropout and
+  Laplace evaluations, which nothing here reads: the fast tier runs them with groups on the
+  shared run and on a model axis in the matrix's fast case of MC dropout, model=2 and a
+  last-layer Laplace (tests/test_combinations.py)."""
+  split = _config(model__dropout=POSTHOC['model__dropout'], **layout, mesh__fsdp_min_size=16)
   results = dist_ens.train(split, str(tmp_path))
   np.testing.assert_allclose(results['members']['nll'], grouped[1]['members']['nll'],
                              rtol=1e-5)
