@@ -1,5 +1,6 @@
 """The sharded, vmapped train step against the seed article's Python loop over members."""
 
+import functools
 import re
 from pathlib import Path
 
@@ -71,11 +72,12 @@ def _train_sharded(parts, batches, state=None, **step_kw):
 def test_matches_python_loop_over_members(mnist1d, member, data_axis, optimizer):
   parts = _setup(member, data_axis, optimizer)
   batches = _batches(mnist1d)
-  state, losses, _ = _train_sharded(parts, batches)
+  start = initial_state.init_sharded(parts)
+  init = jax.tree.map(np.asarray, start)  # Copied before the step donates it.
+  state, losses, _ = _train_sharded(parts, batches, state=start)
 
   # The seed article's baseline: each member alone, its own jitted step, one device.
   model, tx = parts.model, parts.optimizer(None)
-  init = parts.init()
 
   @jax.jit
   def single_step(params, opt_state, x, y):
@@ -84,8 +86,9 @@ def test_matches_python_loop_over_members(mnist1d, member, data_axis, optimizer)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  for i, params in enumerate(dist_ens.unstack(init.params)):
-    opt_state = tx.init(params)
+  for i in range(NUM_MEMBERS):
+    params = jax.tree.map(lambda leaf: leaf[i], init.params)
+    opt_state = jax.jit(tx.init)(params)
     member_losses = []
     for x, y in batches:
       params, opt_state, loss = single_step(params, opt_state, x, y)
@@ -124,11 +127,11 @@ def test_nonfinite_member_is_frozen_and_others_unaffected(mnist1d):
   parts = _setup(4, 2)
   batches = _batches(mnist1d, 6)
   clean, _, _ = _train_sharded(parts, batches)
-  poisoned = initial_state.init_sharded(parts)
+  before = jax.tree.map(np.array, initial_state.init_sharded(parts))
   # Member 3's weights become NaN: its loss and gradients are non-finite from step 1.
-  bad_params = jax.tree.map(lambda p: p.at[3].set(jnp.nan), poisoned.params)
-  poisoned = jax.device_put(poisoned._replace(params=bad_params), parts.state_shardings)
-  before = jax.tree.map(np.asarray, poisoned)
+  for leaf in jax.tree.leaves(before.params):
+    leaf[3] = np.nan
+  poisoned = jax.device_put(before, parts.state_shardings)
   state, losses, _ = _train_sharded(parts, batches, state=poisoned)
   assert np.asarray(state.frozen).tolist() == [i == 3 for i in range(NUM_MEMBERS)]
   assert not np.isfinite(losses[:, 3]).any()
@@ -272,17 +275,31 @@ def test_init_compiled_faster_on_a_cpu_gives_xlas_default_bits(model, monkeypatc
   assert not np.array_equal(kernel[0], kernel[1])  # Members differ: the test can fail.
 
 
-@pytest.mark.parametrize('bad', [[jnp.nan], [jnp.inf], [-jnp.inf], [jnp.inf, -jnp.inf]])
+@functools.cache
+def _member_update(tx):
+  """core.step's per-member update with optimizer `tx` of fresh params by grads (loss 1.0),
+  jitted as in a step: (params, grads) -> (the new Member, its metrics)."""
+  from dist_ens.core.step import BatchResult, Member, member_apply_fn
+  return jax.jit(lambda params, grads: member_apply_fn(lambda hp: tx)(
+      Member(params, {}, tx.init(params), jnp.bool_(False)), {},
+      BatchResult(jnp.float32(1.0), jnp.float32(0.5), grads, {})))
+
+
+def _apply_one(tx, params, grads):
+  return _member_update(tx)(params, grads)
+
+
+_ADAM = optax.adam(0.1)  # One optimizer object: the four cases below share one program.
+
+
+@pytest.mark.parametrize('bad', [[np.nan], [np.inf], [-np.inf], [np.inf, -np.inf]])
 def test_a_nonfinite_gradient_with_a_finite_loss_freezes_the_member(bad):
   """The guard reads each gradient leaf's sum: any NaN or infinity (opposite infinities
   included, whose sum is NaN) freezes the member before its state moves."""
-  from dist_ens.core.step import BatchResult, Member, member_apply_fn
-  params = {'w': jnp.ones((3, 4)), 'b': jnp.zeros(4)}
-  tx = optax.adam(0.1)
-  grads = {'w': jnp.full((3, 4), 0.5).at[0, :len(bad)].set(jnp.array(bad)), 'b': jnp.ones(4)}
-  result = BatchResult(jnp.float32(1.0), jnp.float32(0.5), grads, {})
-  new, metrics = member_apply_fn(lambda hp: tx)(
-      Member(params, {}, tx.init(params), jnp.bool_(False)), {}, result)
+  params = {'w': np.ones((3, 4), np.float32), 'b': np.zeros(4, np.float32)}
+  w = np.full((3, 4), 0.5, np.float32)
+  w[0, :len(bad)] = bad
+  new, metrics = _apply_one(_ADAM, params, {'w': w, 'b': np.ones(4, np.float32)})
   new_params, opt_state, frozen = new.params, new.opt_state, new.frozen
   assert bool(frozen) and bool(metrics.nonfinite)
   jax.tree.map(np.testing.assert_array_equal, new_params, params)
@@ -291,13 +308,8 @@ def test_a_nonfinite_gradient_with_a_finite_loss_freezes_the_member(bad):
 
 def test_large_finite_half_precision_gradients_do_not_freeze():
   """A float16 leaf whose elements sum past float16's range (65504) is summed wider."""
-  from dist_ens.core.step import BatchResult, Member, member_apply_fn
-  params = {'w': jnp.ones(8, jnp.float16)}
-  tx = optax.sgd(1e-6)
-  result = BatchResult(jnp.float32(1.0), jnp.float32(0.5),
-                       {'w': jnp.full(8, 60000.0, jnp.float16)}, {})
-  new, _ = member_apply_fn(lambda hp: tx)(
-      Member(params, {}, tx.init(params), jnp.bool_(False)), {}, result)
+  params = {'w': np.ones(8, np.float16)}
+  new, _ = _apply_one(optax.sgd(1e-6), params, {'w': np.full(8, 60000.0, np.float16)})
   new_params, frozen = new.params, new.frozen
   assert not bool(frozen)
-  assert not np.array_equal(np.asarray(new_params['w']), np.asarray(params['w']))
+  assert not np.array_equal(np.asarray(new_params['w']), params['w'])
