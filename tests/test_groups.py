@@ -174,10 +174,11 @@ def test_laplace_fits_each_group_and_a_loaded_run_predicts_what_it_reported(grou
   np.testing.assert_allclose(draws.mean(1), probs[:, :16], rtol=1e-5, atol=1e-7)
 
 
-def test_selection_and_post_hoc_steps_range_over_every_groups_members(tmp_path):
+def test_selection_and_post_hoc_steps_range_over_every_groups_members(pbt_run, tmp_path):
   """Top-k and greedy selection choose among all members (across architectures: the
   neural-ensemble-search baseline), temperature scaling fits a temperature per member of
-  every group, and shift evaluation scores the combined ensemble."""
+  every group, and shift evaluation scores the combined ensemble. (Greedy selection is
+  the grouped PBT run's, `pbt_run`: selection ranks the members that run ends with.)"""
   config = _config(data__validation_size=200, select__top_k=2, eval__temperature_scaling=True,
                    eval__shift='gaussian_noise:1')
   final = dist_ens.train(config, str(tmp_path / 'topk'))
@@ -190,8 +191,7 @@ def test_selection_and_post_hoc_steps_range_over_every_groups_members(tmp_path):
   shifted = final['shift']['corruptions']['gaussian_noise']['1']
   assert final['shift']['pairs'] == 1 and len(shifted['members']['nll']) == 4
   assert np.isfinite(shifted['ensemble']['nll'])
-  config = _config(data__validation_size=200, select__method='greedy', select__greedy_size=1)
-  final = dist_ens.train(config, str(tmp_path / 'greedy'))
+  _, final, _ = pbt_run
   [member] = final['greedy']['picks']
   # One pick from either group: the greedy ensemble is that member.
   assert final['greedy']['ensemble']['nll'] == pytest.approx(final['members']['nll'][member],
@@ -200,26 +200,36 @@ def test_selection_and_post_hoc_steps_range_over_every_groups_members(tmp_path):
 
 
 def _pbt_config():
+  """A grouped PBT run of 6 steps, rounds at 2 and 4, ending in a greedy selection of one
+  member (test_selection_and_post_hoc_steps_range_over_every_groups_members reads it)."""
   return _config(pbt__enabled=True, pbt__interval=2, pbt__resample_probability=0.0,
                  data__validation_size=200, train__steps=6, checkpoint__every=2,
                  checkpoint__keep=3,  # step 2's too: the kill's (runs.killed_after)
-                 optim__learning_rate='loguniform(1e-4,3e-2)')
+                 optim__learning_rate='loguniform(1e-4,3e-2)', select__method='greedy',
+                 select__greedy_size=1)
 
 
-def test_pbt_copies_within_each_group_bit_for_bit_and_resumes_exactly(tmp_path):
+@pytest.fixture(scope='module')
+def pbt_run(tmp_path_factory):
+  """The straight run of _pbt_config(): (workdir, results, (state, hyperparameters, pbt
+  results) right after step 2's round)."""
+  from test_pbt import _Capture  # pylint: disable=g-import-not-at-top
+  workdir, capture = tmp_path_factory.mktemp('pbt'), _Capture(2)
+  results = dist_ens.train(_pbt_config(), str(workdir), actions=[capture])
+  return workdir, results, capture.seen
+
+
+def test_pbt_copies_within_each_group_bit_for_bit_and_resumes_exactly(pbt_run, tmp_path):
   """Each group is its own population: a round's decisions are pbt.decide's on the group's
   logged validation values (drawn by member id), a copy takes a member of its own group
   bit for bit, and a run killed between rounds resumes to the same rounds and members.
   (The kill is runs.killed_after's copy of the straight run at step 2's checkpoint; a PBT
   run failed by an injected fault and resumed: test_pbt.py.)"""
-  from test_pbt import _Capture  # pylint: disable=g-import-not-at-top
-  capture = _Capture(2)
-  straight = dist_ens.train(_pbt_config(), str(tmp_path / 'a'), actions=[capture])
-  state, _, _ = capture.seen
+  workdir, straight, (state, _, _) = pbt_run
   spec = specs.pbt_spec(_pbt_config())
   hp = hparams_lib.resolve(specs.hparams_spec(_pbt_config()))
   hp['optim.learning_rate'][2:] = 3e-3  # the second group's own value
-  events = [json.loads(line) for line in (tmp_path / 'a' / 'metrics.jsonl').read_text()
+  events = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text()
             .splitlines()]
   rounds = [e['pbt'] for e in events if e['split'] == 'pbt']
   assert len(rounds) == 2  # steps 2 and 4, not the last
@@ -237,10 +247,9 @@ def test_pbt_copies_within_each_group_bit_for_bit_and_resumes_exactly(tmp_path):
     for leaf in jax.tree.leaves((state.params[g], state.opt_state[g], state.model_state[g])):
       np.testing.assert_array_equal(np.asarray(leaf)[dst - first], np.asarray(leaf)[src - first])
   # Killed between the rounds, right after step 2's checkpoint.
-  resumed = dist_ens.train(_pbt_config(), str(runs.killed_after(tmp_path / 'a', 2,
-                                                                tmp_path / 'b')))
+  resumed = dist_ens.train(_pbt_config(), str(runs.killed_after(workdir, 2, tmp_path)))
   assert resumed['pbt'] == straight['pbt'] and resumed['members'] == straight['members']
-  support.assert_trees_equal(_stored(tmp_path / 'b'), _stored(tmp_path / 'a'))
+  support.assert_trees_equal(_stored(tmp_path), _stored(workdir))
 
 
 def test_member_splits_cross_groups_and_each_member_keeps_its_splits_statistics(tmp_path):
