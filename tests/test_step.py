@@ -24,7 +24,14 @@ DEFAULT = Path(__file__).parent.parent / 'configs' / 'default.py'
 
 
 def _setup(member, data_axis, optimizer='adam'):
-  """The parts of an 8-member MLP run on a member x data mesh (dist_ens.run.assemble)."""
+  """The parts of an 8-member MLP run on a member x data mesh (dist_ens.run.assemble), built
+  once in this module (the tests only read them; _with makes changed copies)."""
+  return _parts(member, data_axis, optimizer)
+
+
+@functools.cache
+def _parts(member, data_axis, optimizer):
+  """_setup's parts, uncached."""
   config = dist_ens.load_config(DEFAULT)
   config.num_members = NUM_MEMBERS
   config.model.widths = (64, 64)
@@ -39,9 +46,30 @@ def _setup(member, data_axis, optimizer='adam'):
   return assemble.build_parts(config, mesh, (40, 1), 10)
 
 
+_BUILT = {}  # (what it is, id(parts), options) -> (parts, the program): built once per parts.
+
+
+def _built(what, parts, make, **kw):
+  """make(parts, **kw), made once per parts object and options in this module (the parts
+  are kept beside it, so their id is not reused)."""
+  key = (what, id(parts), tuple(sorted(kw.items())))
+  if key not in _BUILT:
+    _BUILT[key] = parts, make(parts, **kw)
+  return _BUILT[key][1]
+
+
 def _step(parts, **kw):
-  return assemble.build_step(parts, per_member_batches=kw.pop('per_member_batches', False),
-                             form=kw.pop('form', ('vmap', None)), **kw)
+  """The step of `parts` (one jitted function per parts and options: a test that asserts
+  one trace sees every call this module made of it)."""
+  return _built('step', parts, lambda parts, per_member_batches=False, form=('vmap', None),
+                **kw: assemble.build_step(parts, per_member_batches=per_member_batches,
+                                          form=form, **kw), **kw)
+
+
+def _init(parts):
+  """A fresh initial state of `parts`: init_sharded's program (one stack, no init_from:
+  initial_state.compile_init), compiled once per parts."""
+  return _built('init', parts, initial_state.compile_init)()
 
 
 def _batches(dataset, n=STEPS):
@@ -55,7 +83,7 @@ def mnist1d():
 
 
 def _train_sharded(parts, batches, state=None, **step_kw):
-  state = state or initial_state.init_sharded(parts)
+  state = state or _init(parts)
   train_step = _step(parts, **step_kw)
   sharding = mesh_lib.batch_sharding(parts.mesh)
   hparams = parts.device_hparams()
@@ -72,7 +100,7 @@ def _train_sharded(parts, batches, state=None, **step_kw):
 def test_matches_python_loop_over_members(mnist1d, member, data_axis, optimizer):
   parts = _setup(member, data_axis, optimizer)
   batches = _batches(mnist1d)
-  start = initial_state.init_sharded(parts)
+  start = _init(parts)
   init = jax.tree.map(np.asarray, start)  # Copied before the step donates it.
   state, losses, _ = _train_sharded(parts, batches, state=start)
 
@@ -127,7 +155,7 @@ def test_nonfinite_member_is_frozen_and_others_unaffected(mnist1d):
   parts = _setup(4, 2)
   batches = _batches(mnist1d, 6)
   clean, _, _ = _train_sharded(parts, batches)
-  before = jax.tree.map(np.array, initial_state.init_sharded(parts))
+  before = jax.tree.map(np.array, _init(parts))
   # Member 3's weights become NaN: its loss and gradients are non-finite from step 1.
   for leaf in jax.tree.leaves(before.params):
     leaf[3] = np.nan
@@ -153,7 +181,7 @@ def test_one_member_per_device_updates_its_optimizer_state_where_it_lies():
   # the moments (and the new parameters) every step.
   parts = _setup(8, 1)
   step = _step(parts)
-  state = initial_state.init_sharded(parts)
+  state = _init(parts)
   sharding = mesh_lib.batch_sharding(parts.mesh)
   x = jax.device_put(np.zeros((BATCH, 40, 1), np.float32), sharding)
   y = jax.device_put(np.zeros(BATCH, np.int32), sharding)
@@ -186,7 +214,7 @@ def test_steps_per_call_equals_that_many_calls(mnist1d, per_member):
   lead = (k * calls, NUM_MEMBERS, BATCH) if per_member else (k * calls, BATCH)
   xs = mnist1d.train.x[rng.integers(0, 1000, lead)]
   ys = mnist1d.train.y[rng.integers(0, 1000, lead)]
-  init = lambda: initial_state.init_sharded(parts)
+  init = lambda: _init(parts)
   spec = ('member', 'data') if per_member else ('data',)
   one_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
   many_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *spec))
@@ -238,7 +266,7 @@ def test_micro_batches_give_the_full_batch_update(mnist1d, reproducible):
   np.testing.assert_allclose(cut_losses, whole_losses, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), cut.params, whole.params)
   moved = jax.tree.map(lambda a, b: float(np.max(np.abs(np.asarray(a) - np.asarray(b)))),
-                       cut.params, initial_state.init_sharded(parts).params)
+                       cut.params, _init(parts).params)
   assert max(jax.tree.leaves(moved)) > 1e-3  # the steps did train
 
 
