@@ -174,14 +174,13 @@ def test_laplace_fits_each_group_and_a_loaded_run_predicts_what_it_reported(grou
   np.testing.assert_allclose(draws.mean(1), probs[:, :16], rtol=1e-5, atol=1e-7)
 
 
-def test_selection_and_post_hoc_steps_range_over_every_groups_members(pbt_run, tmp_path):
+def test_selection_and_post_hoc_steps_range_over_every_groups_members(vit_run, pbt_run):
   """Top-k and greedy selection choose among all members (across architectures: the
   neural-ensemble-search baseline), temperature scaling fits a temperature per member of
-  every group, and shift evaluation scores the combined ensemble. (Greedy selection is
-  the grouped PBT run's, `pbt_run`: selection ranks the members that run ends with.)"""
-  config = _config(data__validation_size=200, select__top_k=2, eval__temperature_scaling=True,
-                   eval__shift='gaussian_noise:1')
-  final = dist_ens.train(config, str(tmp_path / 'topk'))
+  every group, and shift evaluation scores the combined ensemble. (Top-k, temperature
+  scaling and shift are the MLP and ViT groups' run's, `vit_run`; greedy selection the
+  grouped PBT run's, `pbt_run`: selection ranks the members a run ends with.)"""
+  _, final, _ = vit_run
   val_nll = np.array(final['validation']['members']['nll'])
   assert len(val_nll) == 4
   assert final['selected']['members'] == sorted(np.argsort(val_nll)[:2].tolist())
@@ -600,29 +599,63 @@ def test_a_cnn_group_beside_an_mlp_group(tmp_path):
   shutil.rmtree(tmp_path / 'checkpoints')
 
 
-def test_a_group_sets_a_field_only_its_model_reads_that_the_ensembles_config_lacks(
-    tmp_path, caplog):
+# A one-block ViT of width 8 beside a (16,) MLP group, for 2 steps; a validation split,
+# top-k selection, temperature scaling and shift evaluation for
+# test_selection_and_post_hoc_steps_range_over_every_groups_members.
+VIT = {'name': 'vit', 'patch_size': 8, 'hidden': 8, 'depth': 1, 'heads': 2, 'mlp_dim': 8}
+
+
+def _vit_config():
+  groups = ({'count': 2, 'model': {'widths': (16,)}},
+            {'count': 2, 'model': VIT, 'name': 'vit'})
+  return _config(groups, reproducible=False, train__steps=2, train__log_every=2,
+                 checkpoint__every=2, data__validation_size=200, select__top_k=2,
+                 eval__temperature_scaling=True, eval__shift='gaussian_noise:1')
+
+
+class _Lines(logging.Handler):
+  """The log records' messages, kept."""
+
+  def __init__(self):
+    super().__init__(logging.INFO)
+    self.lines = []
+
+  def emit(self, record):
+    self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope='module')
+def vit_run(tmp_path_factory):
+  """The run of _vit_config(): (workdir, results, its log's lines)."""
+  workdir, lines, root = tmp_path_factory.mktemp('vit'), _Lines(), logging.getLogger()
+  level = root.level
+  root.setLevel(logging.INFO)
+  root.addHandler(lines)
+  try:
+    results = dist_ens.train(_vit_config(), str(workdir))
+  finally:
+    root.removeHandler(lines)
+    root.setLevel(level)
+  return workdir, results, '\n'.join(lines.lines)
+
+
+def test_a_group_sets_a_field_only_its_model_reads_that_the_ensembles_config_lacks(vit_run):
   """model.depth, hidden, heads, mlp_dim and patch_size (a ViT's) are absent from
   configs/default.py, as from any config whose model does not read them; a ViT group beside
   MLPs sets them, as a config file would (configs/digits_groups.py's ResNet-20 and ViT
   groups). A misspelt field is still refused (above). (A one-block ViT of width 8: a
   ResNet-8 group, the same property, took 19 s alone against this test's 11-14.)"""
-  vit = {'name': 'vit', 'patch_size': 8, 'hidden': 8, 'depth': 1, 'heads': 2, 'mlp_dim': 8}
-  groups = ({'count': 2, 'model': {'widths': (16,)}},
-            {'count': 2, 'model': vit, 'name': 'vit'})
-  config = _config(groups, reproducible=False, train__steps=2, train__log_every=2,
-                   checkpoint__every=2)
-  assert not (set(vit) - {'name'}) & set(config.model)
+  config = _vit_config()
+  assert not (set(VIT) - {'name'}) & set(config.model)
   spec = specs.model_spec(member_groups.group_config(config, member_groups.check(config)[1]))
   assert (spec.name, spec.depth, spec.hidden, spec.patch_size) == ('vit', 1, 8, 8)
-  caplog.set_level(logging.INFO)
-  results = dist_ens.train(config, str(tmp_path))
+  workdir, results, log = vit_run
   # The run's first line names each group's architecture, not config.model's alone.
-  assert '4 members in 2 groups (2 x mlp (group0), 2 x vit) on mnist1d' in caplog.text
-  assert results['groups']['vit']['model'] == vit
+  assert '4 members in 2 groups (2 x mlp (group0), 2 x vit) on mnist1d' in log
+  assert results['groups']['vit']['model'] == VIT
   assert np.isfinite(results['groups']['vit']['ensemble']['nll'])
-  loaded = dist_ens.Ensemble.load(tmp_path).member_config(3).model
-  assert {f: loaded[f] for f in vit} == vit
+  loaded = dist_ens.Ensemble.load(workdir).member_config(3).model
+  assert {f: loaded[f] for f in VIT} == VIT
 
 
 @pytest.mark.parametrize('group, source, left_out', [
