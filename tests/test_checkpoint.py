@@ -308,3 +308,25 @@ def test_corrupt_bytes_that_read_back_as_values_are_caught(tmp_path, offset):
   loader.close()
   assert restored.step == 1
   np.testing.assert_array_equal(restored.state.params['w'], _small_state(1).params['w'])
+
+
+def test_the_meta_is_saved_as_it_was_at_its_step(tmp_path, monkeypatch):
+  """save() hands orbax its meta to write in the background (a commit thread awaiting
+  the directory): a caller's list that grows after the call (PBT's rounds) must be
+  written as it was at the step, not as it is when the thread gets to it (a checkpoint
+  at step 2 was seen holding step 4's round)."""
+  handed = []
+  json_save = checkpoint.ocp.args.JsonSave
+  monkeypatch.setattr(checkpoint.ocp.args, 'JsonSave',
+                      lambda item: handed.append(item) or json_save(item))
+  rounds = [{'step': 1, 'sources': [0, 1]}]
+  saver = checkpoint.Checkpointer(tmp_path, every=1, keep=5)
+  saver.save(1, _small_state(1), dist_ens.data.IteratorState(), meta={'pbt': {'rounds': rounds}})
+  rounds.append({'step': 2, 'sources': [1, 1]})
+  rounds[0]['sources'][0] = 7
+  saver.close()
+  assert handed[0]['pbt']['rounds'] == [{'step': 1, 'sources': [0, 1]}]
+  loader = checkpoint.Checkpointer(tmp_path, every=1, keep=5)
+  restored = loader.restore(_small_state(0))
+  loader.close()
+  assert restored.meta['pbt']['rounds'] == [{'step': 1, 'sources': [0, 1]}]

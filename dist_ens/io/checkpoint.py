@@ -7,6 +7,7 @@ sharded (each process writes its own shards), and restored straight into the
 shardings of the current mesh, whatever mesh wrote them.
 """
 
+import copy
 import functools
 import logging as logging_std
 import os
@@ -174,7 +175,9 @@ class Checkpointer:
            meta: dict[str, Any] | None = None) -> bool:
     """Starts an asynchronous save if `step` is due (or `force`); returns whether it did.
 
-    `meta` (JSON-able, e.g. the training time so far) is saved beside the state.
+    `meta` (JSON-able, e.g. the training time so far) is saved beside the state, as it
+    is now: the save writes it later, in the background, and a caller's live list (PBT's
+    rounds) may grow by then.
     """
     if not force and step % self._every:
       return False
@@ -185,7 +188,8 @@ class Checkpointer:
       return False
     start = time.perf_counter()
     model, opt_state = _split(state)
-    meta = {**(meta or {}), 'step': step, 'data': data_state._asdict(), 'format': FORMAT,
+    meta = {**copy.deepcopy(meta or {}), 'step': step, 'data': data_state._asdict(),
+            'format': FORMAT,
             'checksums': {'model': checksums(model), 'optimizer': checksums(opt_state)}}
     items = {'model': ocp.args.StandardSave(model), 'meta': ocp.args.JsonSave(meta)}
     if jax.tree.leaves(opt_state):  # Plain SGD keeps no state: nothing to write.
