@@ -12,7 +12,6 @@ import warnings
 from pathlib import Path
 
 import jax
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
