@@ -41,17 +41,18 @@
 #               ResNet-18 at M = 16 and 64 (where 64 vmapped members do not fit: 'map' over
 #               two chunks of 32); mfu_gpu3.json, merged as BENCHMARKS.md says
 #   overhead    benchmarks/overhead.py on the GPU (issue 65's whole run >= 0.95x its bare
-#               step with every member order): M = 8, 256, 64, one round each, 5,000 steps
-#               (1,000 untimed), the bare step at K = 1 and at the runs' automatic K
-#               (50 and 10 on an H200)
+#               step with every member order): M = 256, 64, 8, one round each, 5,000
+#               steps (1,000 untimed), the bare step at the runs' automatic K (50, and 10
+#               for M = 256's per-member orders), a JSONL-only variant beside the default
 # Each stage is bounded at 560 s or less (all nine: at most 66 min). Run on an H100
 # (2026-11-27): check and run (50 s together), scaling's ResNet-20 part (M = 64, 256 in
 # 158 s). Run on an H200 (2026-11-27): mfu, 418 s for 5 of its 15 cells (its ViT cell
 # timed out in XLA:GPU's compile of the members' init), then `python3 -m benchmarks.mfu
 # --cells ...` in a second call (301 s) for 5 more: BENCHMARKS.md, "MFU of real-sized
 # members on a GPU"; then (another H200, 2026-11-27) mfu_owed, 381 s for the 7 cells owed
-# (dist_ens's ViT ran once its init drew behind a barrier: the init compiled in 1.3 s). The
-# others have not run since they were written. A session lent less device time runs the
+# (dist_ens's ViT ran once its init drew behind a barrier: the init compiled in 1.3 s).
+# overhead ran three times on an H200 (2026-11-28), 201-218 s each: BENCHMARKS.md, "On a
+# GPU". The others have not run since they were written. A session lent less device time runs the
 # stages owed first: scaling, then resnet.
 set -euo pipefail
 stage=${1:?usage: gpu_session.sh check|run|tests|throughput|resnet|model_axis|scaling|lm|mfu|mfu_owed|overhead}
