@@ -166,6 +166,10 @@ def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size
   d = mesh.shape[DATA]
   batch_size = -(-batch_size // d) * d  # Round up so every data shard gets equal rows.
   sharding = batch_sharding(mesh)
+  # XLA:CPU's collectives deadlock when many programs over several devices are queued
+  # (training syncs every few calls for this: training/cadence.py); on a multi-device
+  # CPU mesh each batch's evaluation is waited for before the next is queued.
+  wait = mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
   total, examples = None, []
   for start, valid in padded_chunks(len(split.y), batch_size):
     # The last batch is padded; its masked rows count for nothing.
@@ -175,6 +179,8 @@ def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size
                     to_global(mask, sharding), member_mask)
     total = out.sums if total is None else metrics.add_sums(total, out.sums)
     examples.append((out.examples, valid))
+    if wait:
+      jax.block_until_ready((total, out.examples))
   # Copied to the host after the loop, so the device never waits on a copy. Padding
   # sits at the end of each batch, on the last (example) axis.
   host = [[np.asarray(a)[..., :valid] for a in batch] for batch, valid in examples]
