@@ -79,8 +79,9 @@ class FitNoise(PeriodicAction):
     per_member = (levels[:, None] * np.square(y_std / frame_std)).astype(np.float32)
     task = tasks.regression_homoscedastic(target_dim, noise_variance=per_member)
     session.parts = session.parts._replace(task=task)
-    session.evaluator = evaluation.build_evaluator(session.spec.eval, session.parts,
-                                                 session.run_data)
+    session.evaluator = evaluation.build_evaluator(
+        session.spec.eval, task, session.parts.predict_model, session.parts.mesh,
+        session.run_data)
     target_units = levels[:, None] * np.square(y_std)
     session.results['noise_variance'] = {
         'fitted_on': split, 'standardised': levels.tolist(), 'target_units': target_units.tolist()}

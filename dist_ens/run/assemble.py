@@ -149,7 +149,8 @@ class Run(NamedTuple):
 
   def evaluator(self) -> Evaluator:
     """The sharded evaluator of every member and the ensemble, by the run's task."""
-    return build_evaluator(self.spec.eval, self.parts, self.data)
+    parts = self.parts
+    return build_evaluator(self.spec.eval, parts.task, parts.predict_model, parts.mesh, self.data)
 
   def checkpointer(self, workdir: Path) -> Checkpointer:
     """The run's checkpoints under workdir/checkpoints."""
