@@ -1,14 +1,19 @@
-"""Member orders as pure functions of (seed, member, epoch): data.pipeline.Order, no device.
+"""Member orders as pure functions of (seed, member, epoch): data.pipeline.Order and
+data/orders.py.
 
 The properties the mutation run (docs/testing.md, "Mutation kill rates") found unchecked:
 where a saved end-of-epoch position resumes, that pooled orders are drawn from the seed,
 that a bootstrap resample can draw every example, and the largest batch allowed.
 """
 
+import functools
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dist_ens.data import pipeline
+from dist_ens.data import orders
 from dist_ens.data.pipeline import MEMBER_ORDERS, IteratorState, Order
 
 
@@ -69,23 +74,75 @@ def test_a_bootstrap_bag_can_hold_every_example_and_stays_the_members_across_epo
   assert not np.array_equal(bags, later)
 
 
+_U32 = 0xFFFFFFFF
+
+
+def _lowbias32(h: int) -> int:
+  """data/orders.py's mixing function, in Python integers."""
+  h ^= h >> 16
+  h = (h * 0x7FEB352D) & _U32
+  h ^= h >> 15
+  h = (h * 0x846CA68B) & _U32
+  return h ^ (h >> 16)
+
+
+def _documented(kind: str, seed: int, member: int, epoch: int, n: int) -> list[int]:
+  """The orders as data/orders.py's docstring defines them, one Python int at a time."""
+  absorb = lambda h, word: _lowbias32(h ^ _lowbias32((word + 0x9E3779B9) & _U32))
+
+  def key(stream, epoch):
+    h = 0
+    for word in (seed & _U32, seed >> 32, stream, member, epoch):
+      h = absorb(h, word)
+    return h
+
+  position = [_lowbias32((j + 0x9E3779B9) & _U32) for j in range(n)]
+  hashes = lambda k: [_lowbias32(k ^ p) for p in position]
+  stream = orders.SHUFFLED if kind == 'shuffled' else orders.BOOTSTRAP_ORDER
+  by_hash = hashes(key(stream, epoch))
+  permutation = sorted(range(n), key=lambda j: (by_hash[j], j))
+  if kind == 'shuffled':
+    return permutation
+  bag = [h % n for h in hashes(key(orders.BOOTSTRAP_DRAW, 0))]
+  return [bag[j] for j in permutation]
+
+
 @pytest.mark.parametrize('kind', ['shuffled', 'bootstrap'])
 def test_member_orders_are_the_documented_draws_for_any_block_and_epoch_sequence(kind):
-  """Each member's rows are numpy's draw from (seed, member, epoch) alone, whichever block
-  of members asks (a process asks for its own) and in whatever order the epochs are read
-  (a resume may go back to an epoch the cache has dropped)."""
-  n, b, seed = 24, 4, 7
+  """Each member's rows are the documented hashes' sort for (seed, member, epoch) alone,
+  whichever block of members asks (a process asks for its own) and in whatever order the
+  epochs are read (a resume may go back to an epoch the cache has dropped)."""
+  n, b, seed = 24, 4, 2 ** 33 + 7  # a seed over 32 bits: both its words count
   order = Order(kind, n, b, seed)
-
-  def documented(member, epoch):
-    if kind == 'shuffled':
-      return np.random.default_rng([seed, pipeline._SHUFFLED, member, epoch]).permutation(n)
-    bag = np.random.default_rng([seed, pipeline._BOOTSTRAP_DRAW, member]).integers(0, n, n)
-    return bag[np.random.default_rng([seed, pipeline._BOOTSTRAP_ORDER, member, epoch])
-               .permutation(n)]
-
   for epoch, index, members in [(0, 0, range(4)), (0, 5, range(1, 3)), (1, 2, range(4)),
                                 (3, 1, range(2, 4)), (0, 3, range(4))]:
     got = order.indices(IteratorState(epoch, index), members)
-    want = np.stack([documented(m, epoch)[index * b:(index + 1) * b] for m in members])
+    want = [_documented(kind, seed, m, epoch, n)[index * b:(index + 1) * b] for m in members]
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize('kind', ['shuffled', 'bootstrap'])
+def test_the_devices_derive_the_hosts_orders_bit_for_bit(kind):
+  """orders.device_block (XLA's integer arithmetic and sort, what resident data runs) gives
+  orders.host_block's indices (numpy's) for any members, epoch and seed."""
+  members, n = np.arange(3, 11), 1000
+  derive = jax.jit(functools.partial(orders.device_block, kind), static_argnums=(0, 3))
+  for seed, epoch in [(0, 0), (7, 5), (2 ** 40 + 3, 2 ** 20)]:
+    want = orders.host_block(kind, seed, members, epoch, n)
+    got = derive(seed, jnp.asarray(members), jnp.int32(epoch), n)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_shuffled_order_is_a_uniform_permutation_independent_across_members():
+  """The hashes shuffle well enough: over 4,000 members each row is a permutation, where
+  example 0 lands is uniform over the 20 positions (chi-square), and two members' orders
+  are uncorrelated."""
+  n, count = 20, 4000
+  rows = orders.host_block('shuffled', 5, np.arange(count), 0, n)
+  assert (np.sort(rows, axis=1) == np.arange(n)).all()
+  landed = np.bincount(np.argmax(rows == 0, axis=1), minlength=n)
+  chi2 = ((landed - count / n) ** 2 / (count / n)).sum()
+  assert chi2 < 43.8  # the 0.999 quantile of chi-square with 19 degrees of freedom
+  ranks = rows.argsort(axis=1)
+  pairs = np.corrcoef(ranks[0::2].ravel(), ranks[1::2].ravel())[0, 1]
+  assert abs(pairs) < 0.03

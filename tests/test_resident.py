@@ -21,7 +21,7 @@ import support
 import dist_ens
 from dist_ens import data
 from dist_ens.config import checks
-from dist_ens.data import resident, uci
+from dist_ens.data import orders, resident, uci
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.run import run_data as run_data_lib
 
@@ -94,16 +94,17 @@ def test_member_scale_copies_are_the_host_arithmetic_bit_for_bit(train):
   support.assert_same_batches(want, got)
 
 
-@pytest.mark.parametrize('kind', ['shared', 'bootstrap'])
-def test_resume_mid_epoch_is_exact(train, kind):
-  order = _order(kind, train.num_examples, 'kfold:2' if kind == 'bootstrap' else '')
+@pytest.mark.parametrize('kind,split_spec', [('shared', ''), ('bootstrap', 'kfold:2'),
+                                             ('shuffled', '')])
+def test_resume_mid_epoch_is_exact(train, kind, split_spec):
+  order = _order(kind, train.num_examples, split_spec)
   mesh, source = _mesh(kind), resident.ResidentSource(train)
   whole = data.Batches(source, order, mesh, MEMBERS, prefetch=2, steps_per_call=2)
   first, saved = support.take_batches(whole, 2)  # 4 batches in: mid-epoch
   after, end = support.take_batches(whole, 5)  # crosses into the next epoch (12, or 6 a pool of 100)
   whole.close()
   assert saved == data.IteratorState(0, 4)
-  assert end == (data.IteratorState(1, 2) if kind == 'shared' else data.IteratorState(2, 2))
+  assert end == (data.IteratorState(2, 2) if split_spec else data.IteratorState(1, 2))
   resumed = data.Batches(source, order, mesh, MEMBERS, state=saved, prefetch=0,
                          steps_per_call=2)
   again, again_end = support.take_batches(resumed, 5)
@@ -113,6 +114,31 @@ def test_resume_mid_epoch_is_exact(train, kind):
   support.assert_same_batches(after, support.take_batches(host, 5)[0])
   assert resumed.stats.examples == 5 * 2 * BATCH * (1 if kind == 'shared' else MEMBERS)
   del first
+
+
+@pytest.mark.parametrize('kind', ['shuffled', 'bootstrap'])
+def test_per_member_orders_are_derived_on_the_devices(train, kind, monkeypatch):
+  """The host draws no per-member order for a resident split (the devices derive them,
+  data/orders.py); items whose steps span more than two epochs (K over the epoch's
+  batches) are sent as indices instead: both are the host pipeline's batches."""
+  order = _order(kind, train.num_examples)
+  want, _ = support.take_batches(
+      data.Batches(train, order, _mesh(kind), MEMBERS, prefetch=0, steps_per_call=3), 5)
+  drawn, draw = [], orders.host_block
+  monkeypatch.setattr(orders, 'host_block', lambda *args: drawn.append(args) or draw(*args))
+  order = _order(kind, train.num_examples)  # nothing cached
+  device = data.Batches(resident.ResidentSource(train), order, _mesh(kind), MEMBERS,
+                        prefetch=0, steps_per_call=3)
+  support.assert_same_batches(want, support.take_batches(device, 5)[0])
+  assert not drawn
+  short = data.Split(train.x[:40], train.y[:40])  # 2 batches an epoch, K = 5: 3 epochs
+  host = data.Batches(short, _order(kind, 40), _mesh(kind), MEMBERS, prefetch=0,
+                      steps_per_call=5)
+  device = data.Batches(resident.ResidentSource(short), _order(kind, 40), _mesh(kind),
+                        MEMBERS, prefetch=0, steps_per_call=5)
+  support.assert_same_batches(support.take_batches(host, 3)[0],
+                              support.take_batches(device, 3)[0])
+  assert drawn  # the fallback's indices
 
 
 def test_auto_picks_the_host_pipeline_over_the_budget_and_true_is_refused(train):

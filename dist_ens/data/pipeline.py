@@ -11,7 +11,8 @@ Member orders (config.data.member_order):
   'shuffled'   member i has its own permutation per epoch, from (seed, i, e).
   'bootstrap'  member i trains on its own resample with replacement of the train
                split, drawn once from (seed, i), visited in a fresh order per epoch.
-The last two give [M, B, ...] batches sharded over ('member', 'data').
+The last two give [M, B, ...] batches sharded over ('member', 'data'); their indices are
+integer hashes sorted (data/orders.py), which resident data derives on the devices.
 
 With member pools (config.data.member_split, data/member_split.py) member i draws only
 from its own pool of indices: 'shared' gives the members of one pool the same batches
@@ -30,12 +31,12 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dist_ens.data import grain_loader
+from dist_ens.data import grain_loader, orders
 from dist_ens.data.sources import Source
 
 MEMBER_ORDERS = ('shared', 'shuffled', 'bootstrap')
-# Stream tags keep the orders' random streams apart.
-_SHUFFLED, _BOOTSTRAP_DRAW, _BOOTSTRAP_ORDER, _POOL_SHARED = 1, 2, 3, 4
+# The stream tag of the pools' shared orders (data/orders.py tags the per-member ones).
+_POOL_SHARED = 4
 
 
 class IteratorState(NamedTuple):
@@ -62,48 +63,60 @@ class Order:
     self.kind, self._n, self._batch_size, self._seed = kind, num_examples, batch_size, seed
     # The remainder is dropped.
     self.batches_per_epoch = self.examples_per_epoch // batch_size
-    self._cache: dict[tuple[int, int | None], np.ndarray] = {}
+    self._cache: dict[tuple[int, tuple[int, int] | None], np.ndarray] = {}
 
   @property
   def per_member(self) -> bool:
     return self.kind != 'shared' or self._pools is not None
 
-  def _epoch_order(self, epoch: int, member: int | None) -> np.ndarray:
-    key = (epoch, member)
+  @property
+  def pooled(self) -> bool:
+    """Whether members draw from member pools (config.data.member_split)."""
+    return self._pools is not None
+
+  @property
+  def batch_size(self) -> int:
+    return self._batch_size
+
+  @property
+  def seed(self) -> int:
+    return self._seed
+
+  def _epoch_order(self, epoch: int, members: range | None) -> np.ndarray:
+    """[n] for the shared order (members None), else [len(members), examples_per_epoch
+    or more]: the epoch's example indices in order."""
+    key = (epoch, None if members is None else (members.start, members.stop))
     if key not in self._cache:
-      if len(self._cache) > 1024:  # Old epochs are never read again.
+      if len(self._cache) > 64:  # Old epochs are never read again.
         self._cache = {k: v for k, v in self._cache.items() if k[0] >= epoch}
-      self._cache[key] = (self._draw(epoch, member) if self._pools is None
-                          else self._draw_pool(epoch, member))
+      self._cache[key] = self._draw(epoch, members)
     return self._cache[key]
 
-  def _draw(self, epoch: int, member: int | None) -> np.ndarray:
-    n, seed = self._n, self._seed
-    if self.kind == 'shared':
-      return np.random.default_rng([seed, epoch]).permutation(n)
-    if self.kind == 'shuffled':
-      return np.random.default_rng([seed, _SHUFFLED, member, epoch]).permutation(n)
-    draw = np.random.default_rng([seed, _BOOTSTRAP_DRAW, member]).integers(0, n, n)
-    return draw[np.random.default_rng([seed, _BOOTSTRAP_ORDER, member, epoch]).permutation(n)]
-
-  def _draw_pool(self, epoch: int, member: int) -> np.ndarray:
-    pool_id, seed = self._member_pool[member], self._seed
-    pool = self._pools[pool_id]
-    n = len(pool)
-    if self.kind == 'shared':  # One order per pool, whichever of its members asks.
-      return pool[np.random.default_rng([seed, _POOL_SHARED, pool_id, epoch]).permutation(n)]
-    if self.kind == 'shuffled':
-      return pool[np.random.default_rng([seed, _SHUFFLED, member, epoch]).permutation(n)]
-    draw = np.random.default_rng([seed, _BOOTSTRAP_DRAW, member]).integers(0, n, n)
-    return pool[draw[np.random.default_rng([seed, _BOOTSTRAP_ORDER, member, epoch])
-                     .permutation(n)]]
+  def _draw(self, epoch: int, members: range | None) -> np.ndarray:
+    seed = self._seed
+    if members is None:  # 'shared' without pools: numpy's draw from (seed, epoch).
+      return np.random.default_rng([seed, epoch]).permutation(self._n)
+    if self._pools is None:
+      return orders.host_block(self.kind, seed, np.arange(members.start, members.stop),
+                               epoch, self._n)
+    rows = []
+    for member in members:
+      pool_id = self._member_pool[member]
+      pool = self._pools[pool_id]
+      if self.kind == 'shared':  # One order per pool, whichever of its members asks.
+        order = pool[np.random.default_rng([seed, _POOL_SHARED, pool_id, epoch])
+                     .permutation(len(pool))]
+      else:
+        order = pool[orders.host_block(self.kind, seed, [member], epoch, len(pool))[0]]
+      rows.append(order[:self.examples_per_epoch])
+    return np.stack(rows)
 
   def indices(self, state: IteratorState, members: range | None = None) -> np.ndarray:
     """Indices of the batch at `state`: [B] for 'shared', else [len(members), B]."""
     rows = slice(state.index * self._batch_size, (state.index + 1) * self._batch_size)
     if not self.per_member:
       return self._epoch_order(state.epoch, None)[rows]
-    return np.stack([self._epoch_order(state.epoch, m)[rows] for m in members])
+    return self._epoch_order(state.epoch, members)[:, rows]
 
   def advance(self, state: IteratorState) -> IteratorState:
     """The position after taking the batch at `state` (rolling over to the next epoch)."""
@@ -262,7 +275,7 @@ class Batches:
     self._order = order
     self.state = order.normalize(state)
     self._steps = steps_per_call
-    batch = order._batch_size  # pylint: disable=protected-access
+    batch = order.batch_size
     if order.per_member:
       spec, probe = P('member', 'data'), (num_members, batch)
     else:
@@ -275,8 +288,10 @@ class Batches:
     self._reader = HostReader(source, order, block, steps_per_call, member_scale, with_index)
     # A resident split (data/resident.py: config.data.resident) gathers each batch on the
     # devices from the same indices: only they cross from the host.
-    self._gather = (source.gatherer(mesh, self.sharding, probe, member_scale, with_index)
-                    if hasattr(source, 'gatherer') else None)
+    # With a per-member order the devices derive the indices too (Gather.derived).
+    self._gather = (source.gatherer(mesh, self.sharding, probe, member_scale, with_index,
+                                    order) if hasattr(source, 'gatherer') else None)
+    self._block_size = steps_per_call * math.prod(s.stop - s.start for s in block)
     if loader not in grain_loader.LOADERS:
       raise ValueError(f'Batches(loader={loader!r}): use one of {grain_loader.LOADERS}.')
     # With grain, its worker processes read the items from self.state on, in order (a
@@ -298,9 +313,10 @@ class Batches:
     start = time.perf_counter()
     after = self._order.skip(state, self._steps)
     if self._gather is not None:
-      local = self._reader.indices(state)
-      arrays = self._gather(local)
-      self._examples += local.size
+      arrays = self._gather.derived(state) if self._gather.derives else None
+      if arrays is None:
+        arrays = self._gather(self._reader.indices(state))
+      self._examples += self._block_size
       self._busy += time.perf_counter() - start
       return arrays, after
     batch = self._reader(state) if self._reads is None else next(self._reads)

@@ -29,10 +29,12 @@ Source here does: the split is read once, whole, and never again for training.
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dist_ens.data import orders
 from dist_ens.data.sources import Source
 from dist_ens.errors import ConfigError
 
@@ -73,15 +75,17 @@ class ResidentSource:
     return self.source.read(indices)
 
   def gatherer(self, mesh: Mesh, sharding: NamedSharding, global_lead: tuple[int, ...],
-               member_scale: Any = None, with_index: bool = False) -> 'Gather':
-    """What data.Batches calls with each host block of indices (see Gather)."""
+               member_scale: Any = None, with_index: bool = False,
+               order: Any = None) -> 'Gather':
+    """What data.Batches calls with each host block of indices, or with positions where
+    `order` (a data.Order) is per member without pools (see Gather)."""
     copy_of, arrays = self._place(mesh, member_scale)
     copy = None
     if copy_of is not None:  # [M] int32, each member's copy, sharded like its members.
       member_sharding = NamedSharding(mesh, P(sharding.spec[-2]))
       copy = jax.make_array_from_callback(copy_of.shape, member_sharding,
                                           lambda index: copy_of[index])
-    return Gather(mesh, sharding, global_lead, arrays, copy, with_index)
+    return Gather(mesh, sharding, global_lead, arrays, copy, with_index, order)
 
   def _place(self, mesh: Mesh, member_scale: Any) -> tuple[np.ndarray | None,
                                                            tuple[jax.Array, ...]]:
@@ -127,19 +131,25 @@ def _standardised_copies(x: np.ndarray, y: np.ndarray, scale: tuple[np.ndarray, 
 
 
 class Gather:
-  """Host blocks of indices -> the global (x, y[, index]) arrays of the host pipeline.
+  """Host blocks of indices, or positions, -> the global (x, y[, index]) arrays of the host
+  pipeline.
 
   Called with this process's block of the batch's indices ([rows], [members, rows], or
   either with K stacked steps first), it sends them as int32 and gathers on each device
   its own rows from its resident copy: no communication. In one process the indices go
   to the compiled gather as a numpy array (the jit's own transfer, its fastest path);
   across processes as the global array of every process's block.
+
+  With a per-member order ('shuffled' or 'bootstrap', no member pools) `derived` sends
+  only positions: each device derives its members' epoch orders once an epoch
+  (data/orders.py's device_block, the host's indices bit for bit) and slices each step's
+  rows from them, so the host draws nothing.
   """
 
   def __init__(self, mesh: Mesh, sharding: NamedSharding, global_lead: tuple[int, ...],
                arrays: tuple[jax.Array, jax.Array], copy: jax.Array | None,
-               with_index: bool):
-    self._sharding, self._lead, self._with_index = sharding, global_lead, with_index
+               with_index: bool, order: Any = None):
+    self._mesh, self._sharding, self._lead = mesh, sharding, global_lead
     self._arrays = arrays + (() if copy is None else (copy,))
     self._one_process = jax.process_count() == 1
     spec = sharding.spec
@@ -156,17 +166,85 @@ class Gather:
         out = x[which, index], y[which, index]
       return out + ((index,) if with_index else ())
 
-    specs = (P(), P()) + (() if copy is None else (P(spec[member_axis]),)) + (spec,)
+    specs = (P(), P()) + (() if copy is None else (P(spec[member_axis]),))
     outs = (spec,) * (3 if with_index else 2)
-    self._take = jax.jit(jax.shard_map(take, mesh=mesh, in_specs=specs, out_specs=outs),
-                         in_shardings=tuple(NamedSharding(mesh, s) for s in specs),
-                         out_shardings=tuple(NamedSharding(mesh, s) for s in outs))
+    self._take = self._jit(take, specs + (spec,), outs)
+    self._order = order if order is not None and order.per_member and not order.pooled else None
+    if self._order is None:
+      return
+    self._epochs: dict[int, jax.Array] = {}
+    self._steps = global_lead[0] if len(global_lead) == 3 else 1
+    kind, seed, n = self._order.kind, self._order.seed, self._order.examples_per_epoch
+    per_device = global_lead[-2] // mesh.shape['member']
+    rows = global_lead[-1] // mesh.shape['data']
+
+    def epoch_orders(epoch):  # [M, n] sharded over 'member': each device its members'.
+      first = jax.lax.axis_index('member') * per_device
+      return orders.device_block(kind, seed, first + jnp.arange(per_device), epoch, n)
+
+    def take_derived(x, y, *rest):
+      *copies, first, second, which, start = rest
+      offset = jax.lax.axis_index('data') * rows
+
+      def step_rows(in_second, row):  # [members, rows] of one step from its epoch's orders
+        pick = lambda o: jax.lax.dynamic_slice_in_dim(o, row + offset, rows, axis=1)
+        return jnp.where(in_second, pick(second), pick(first))
+
+      index = jax.vmap(step_rows)(which, start)
+      return take(x, y, *copies, index if self._steps > 1 else index[0])
+
+    by_member = P('member', None)
+    self._epoch_orders = self._jit(epoch_orders, (P(),), by_member)
+    self._take_derived = self._jit(take_derived, specs + (by_member, by_member, P(), P()),
+                                   outs)
+
+  def _jit(self, f, in_specs, out_specs):
+    named = lambda s: NamedSharding(self._mesh, s)
+    return jax.jit(jax.shard_map(f, mesh=self._mesh, in_specs=in_specs, out_specs=out_specs),
+                   in_shardings=tuple(named(s) for s in in_specs),
+                   out_shardings=jax.tree.map(named, out_specs))
+
+  def _global(self, value: np.ndarray, sharding: NamedSharding, shape) -> Any:
+    """`value` (this process's block) as the jit's input: itself in one process."""
+    if self._one_process:
+      return value
+    return jax.make_array_from_process_local_data(sharding, value, shape)
 
   def __call__(self, local: np.ndarray) -> tuple[jax.Array, ...]:
-    index = np.asarray(local, np.int32)
-    if not self._one_process:
-      index = jax.make_array_from_process_local_data(self._sharding, index, self._lead)
+    index = self._global(np.asarray(local, np.int32), self._sharding, self._lead)
     return self._take(*self._arrays, index)
+
+  @property
+  def derives(self) -> bool:
+    """Whether `derived` can serve this pipeline's items (a per-member order, no pools)."""
+    return self._order is not None
+
+  def derived(self, state: Any) -> tuple[jax.Array, ...] | None:
+    """The item whose first step is at `state` (an IteratorState), from the orders derived
+    on the devices; None where its K steps span more than two epochs (call with indices)."""
+    positions = [state]
+    for _ in range(self._steps - 1):
+      positions.append(self._order.advance(positions[-1]))
+    first = state.epoch
+    if positions[-1].epoch > first + 1:
+      return None
+    which = np.asarray([p.epoch - first for p in positions], np.int32)
+    start = np.asarray([p.index * self._order.batch_size for p in positions], np.int32)
+    replicated = NamedSharding(self._mesh, P())
+    return self._take_derived(
+        *self._arrays, self._orders_of(first), self._orders_of(first + int(which[-1])),
+        self._global(which, replicated, which.shape), self._global(start, replicated,
+                                                                   start.shape))
+
+  def _orders_of(self, epoch: int) -> jax.Array:
+    """The devices' [M, n] orders of `epoch`, derived once (the last three are kept)."""
+    if epoch not in self._epochs:
+      if len(self._epochs) >= 3:
+        del self._epochs[min(self._epochs)]
+      value = np.asarray(epoch, np.int32)
+      self._epochs[epoch] = self._epoch_orders(
+          self._global(value, NamedSharding(self._mesh, P()), ()))
+    return self._epochs[epoch]
 
 
 def choose(setting: Any, budget_mb: float, source: Source, copies: int = 1) -> Source:
