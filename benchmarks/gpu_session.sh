@@ -44,6 +44,8 @@
 #               step with every member order): M = 256, 64, 8, one round each, 5,000
 #               steps (1,000 untimed), the bare step at the runs' automatic K (50, and 10
 #               for M = 256's per-member orders), a JSONL-only variant beside the default
+#   overhead_profile  the default run's main thread under cProfile with its garbage
+#               collections timed, M = 64, shared and 'shuffled' (~2 minutes)
 # Each stage is bounded at 560 s or less (all nine: at most 66 min). Run on an H100
 # (2026-11-27): check and run (50 s together), scaling's ResNet-20 part (M = 64, 256 in
 # 158 s). Run on an H200 (2026-11-27): mfu, 418 s for 5 of its 15 cells (its ViT cell
@@ -55,7 +57,7 @@
 # GPU". The others have not run since they were written. A session lent less device time runs the
 # stages owed first: scaling, then resnet.
 set -euo pipefail
-stage=${1:?usage: gpu_session.sh check|run|tests|throughput|resnet|model_axis|scaling|lm|mfu|mfu_owed|overhead}
+stage=${1:?usage: gpu_session.sh check|run|tests|throughput|resnet|model_axis|scaling|lm|mfu|mfu_owed|overhead|overhead_profile}
 out=${OUT:-/tmp/gpu_session}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -154,6 +156,15 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
         --variants "default;writers=('jsonl',);data.member_order='shuffled';data.member_order='bootstrap'" \
         --out "$out/overhead_gpu_m$m.json" 2>&1 | grep -v '^predictive\|^M=.*round\|^step \|^|' \
         | tee -a "$out/overhead.log" || true
+    done
+    ;;
+  overhead_profile)
+    # Where the default run's loop waits on a GPU (issue 65): cProfile of the main thread
+    # and Python's garbage collections, M = 64, the shared order and 'shuffled'.
+    for variant in "default" "data.member_order='shuffled'"; do
+      timeout -k 10 120 python3 -m benchmarks.overhead --members 64 --steps 3000 --warmup 500 \
+        --profile "$variant" 2>&1 | grep -v '^predictive\|^M=.*round\|^step \|^|' \
+        | tee -a "$out/overhead_profile.log" || true
     done
     ;;
   *)

@@ -54,6 +54,7 @@ Writes benchmarks/results/overhead.json (--out to change): harness.run_header's 
 import argparse
 import ast
 import cProfile
+import gc
 import itertools
 import os
 import pstats
@@ -400,19 +401,33 @@ def print_rows(rows: list[dict]) -> None:
 
 
 def profile_run(members: int, overrides: dict[str, Any], args: Any) -> None:
-  """cProfile of one whole run (the main thread: the loop, its actions, the step's dispatch)."""
+  """cProfile of one whole run (the main thread: the loop, its actions, the step's dispatch),
+  and Python's garbage collections in it (each generation's count, total and longest pause:
+  a collection stops every thread that holds the GIL)."""
   config = make_config(members, args.steps, overrides)
   time_run(config, args.warmup)  # warm caches (dataset, jit of helpers)
+  pauses: dict[int, list[float]] = {0: [], 1: [], 2: []}
+  started = [0.0]
+
+  def on_collect(phase, info):
+    if phase == 'start':
+      started[0] = time.perf_counter()
+    else:
+      pauses[info['generation']].append(time.perf_counter() - started[0])
+
   profiler = cProfile.Profile()
+  gc.callbacks.append(on_collect)
   profiler.enable()
   result = time_run(config, args.warmup)
   profiler.disable()
+  gc.callbacks.remove(on_collect)
   print(f'profiled run: {result["rate"]:,.0f} member-ex/s (slowed by the profiler)')
+  for generation, times in pauses.items():
+    print(f'gc generation {generation}: {len(times)} collections, {sum(times) * 1e3:.1f} ms in '
+          f'all, longest {max(times, default=0) * 1e3:.1f} ms')
   stats = pstats.Stats(profiler).strip_dirs()
   stats.sort_stats('tottime').print_stats(25)
   stats.sort_stats('cumulative').print_stats(40)
-
-
 
 
 def main():
