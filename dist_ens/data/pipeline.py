@@ -313,9 +313,8 @@ class Batches:
     start = time.perf_counter()
     after = self._order.skip(state, self._steps)
     if self._gather is not None:
-      arrays = self._gather.derived(state) if self._gather.derives else None
-      if arrays is None:
-        arrays = self._gather(self._reader.indices(state))
+      arrays = (self._gather.derived(state) if self._gather.derives
+                else self._gather(self._reader.indices(state)))
       self._examples += self._block_size
       self._busy += time.perf_counter() - start
       return arrays, after

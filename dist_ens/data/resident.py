@@ -143,7 +143,8 @@ class Gather:
   With a per-member order ('shuffled' or 'bootstrap', no member pools) `derived` sends
   only positions: each device derives its members' epoch orders once an epoch
   (data/orders.py's device_block, the host's indices bit for bit) and slices each step's
-  rows from them, so the host draws nothing.
+  rows from them, so the host draws nothing. A call of K steps passes the orders of every
+  epoch it may span ((K - 1) // batches_per_epoch + 2 of them).
   """
 
   def __init__(self, mesh: Mesh, sharding: NamedSharding, global_lead: tuple[int, ...],
@@ -182,21 +183,28 @@ class Gather:
       first = jax.lax.axis_index('member') * per_device
       return orders.device_block(kind, seed, first + jnp.arange(per_device), epoch, n)
 
+    # A call's K steps span at most this many epochs: each is passed, the last repeated.
+    self._spans = (self._steps - 1) // self._order.batches_per_epoch + 2
+
     def take_derived(x, y, *rest):
-      *copies, first, second, which, start = rest
+      copies, epochs = rest[:-self._spans - 2], rest[-self._spans - 2:-2]
+      which, start = rest[-2:]
       offset = jax.lax.axis_index('data') * rows
 
-      def step_rows(in_second, row):  # [members, rows] of one step from its epoch's orders
+      def step_rows(epoch, row):  # [members, rows] of one step from its epoch's orders
         pick = lambda o: jax.lax.dynamic_slice_in_dim(o, row + offset, rows, axis=1)
-        return jnp.where(in_second, pick(second), pick(first))
+        out = pick(epochs[0])
+        for e in range(1, len(epochs)):
+          out = jnp.where(epoch == e, pick(epochs[e]), out)
+        return out
 
       index = jax.vmap(step_rows)(which, start)
       return take(x, y, *copies, index if self._steps > 1 else index[0])
 
     by_member = P('member', None)
     self._epoch_orders = self._jit(epoch_orders, (P(),), by_member)
-    self._take_derived = self._jit(take_derived, specs + (by_member, by_member, P(), P()),
-                                   outs)
+    self._take_derived = self._jit(take_derived,
+                                   specs + (by_member,) * self._spans + (P(), P()), outs)
 
   def _jit(self, f, in_specs, out_specs):
     named = lambda s: NamedSharding(self._mesh, s)
@@ -219,27 +227,26 @@ class Gather:
     """Whether `derived` can serve this pipeline's items (a per-member order, no pools)."""
     return self._order is not None
 
-  def derived(self, state: Any) -> tuple[jax.Array, ...] | None:
+  def derived(self, state: Any) -> tuple[jax.Array, ...]:
     """The item whose first step is at `state` (an IteratorState), from the orders derived
-    on the devices; None where its K steps span more than two epochs (call with indices)."""
+    on the devices."""
     positions = [state]
     for _ in range(self._steps - 1):
       positions.append(self._order.advance(positions[-1]))
     first = state.epoch
-    if positions[-1].epoch > first + 1:
-      return None
     which = np.asarray([p.epoch - first for p in positions], np.int32)
     start = np.asarray([p.index * self._order.batch_size for p in positions], np.int32)
+    epochs = [self._orders_of(first + min(e, which[-1])) for e in range(self._spans)]
     replicated = NamedSharding(self._mesh, P())
-    return self._take_derived(
-        *self._arrays, self._orders_of(first), self._orders_of(first + int(which[-1])),
-        self._global(which, replicated, which.shape), self._global(start, replicated,
-                                                                   start.shape))
+    return self._take_derived(*self._arrays, *epochs,
+                              self._global(which, replicated, which.shape),
+                              self._global(start, replicated, start.shape))
 
   def _orders_of(self, epoch: int) -> jax.Array:
-    """The devices' [M, n] orders of `epoch`, derived once (the last three are kept)."""
+    """The devices' [M, n] orders of `epoch`, derived once (a call's span and one more are
+    kept)."""
     if epoch not in self._epochs:
-      if len(self._epochs) >= 3:
+      if len(self._epochs) > self._spans:
         del self._epochs[min(self._epochs)]
       value = np.asarray(epoch, np.int32)
       self._epochs[epoch] = self._epoch_orders(
