@@ -137,3 +137,22 @@ def test_a_method_files_fields_are_read_with_their_checks(tmp_path, monkeypatch)
     monkeypatch.undo()
     for cached in (schema.method_fields, schema.method_defaults):
       cached.cache_clear()
+
+
+def test_member_groups_declare_their_field_in_their_own_module():
+  # config.ensemble.groups is declared once, in config/groups.py's FIELDS beside the code
+  # that reads and checks it: the defaults place it (taking a list of dicts, as from a
+  # config file), the schema reads its meaning, and validation runs the module's check.
+  import pytest  # pylint: disable=g-import-not-at-top
+  from dist_ens.config import checks, groups, loading, schema  # pylint: disable=g-import-not-at-top
+  from dist_ens.errors import ConfigError  # pylint: disable=g-import-not-at-top
+  assert 'ensemble.groups' not in loading.DEFAULT_CONFIG.read_text()
+  assert schema.placed_modules(loading.DEFAULT_CONFIG) == ('groups',)
+  field = schema.declared(loading.DEFAULT_CONFIG)['ensemble.groups']
+  assert field.meaning.startswith('Members of different architectures') and field.check is None
+  config = loading.load_config(loading.DEFAULT_CONFIG)
+  assert config.ensemble.groups == groups.FIELDS['groups'] == ()
+  config.ensemble.groups = [{'count': 4}, {'count': 3}]  # any type, as a config.json holds
+  with pytest.raises(ConfigError, match=r'config.num_members=8 but config.ensemble.groups '
+                     r'counts 7 members'):
+    checks.validate(config)

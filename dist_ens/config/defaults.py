@@ -150,13 +150,7 @@ def _ensemble(config: ml_collections.ConfigDict) -> None:
   # its fields in ensemble.options (anything; the method checks them).
   config.ensemble.method = 'deep'
   config.ensemble.options = ml_collections.ConfigDict()  # your method's own fields
-  # Members of different architectures in one program (docs/groups.md): a list of
-  # groups, each a dict {'count': n, 'model': {...}, 'optim': {...}, 'ensemble': {...}[,
-  # 'name': str]} of config.model / config.optim / config.ensemble overrides (a group's
-  # own method: 'method', 'own', ...); the counts sum to num_members, member ids run
-  # across groups in order. In a config file, or on the command line as one Python
-  # literal. () = one group of config.model.
-  config.ensemble.groups = untyped(())
+  _declared_in(config.ensemble, 'groups')  # member groups' field, with their code
   # Which params leaves each member owns (stacked, trained; docs/pretrained.md): 'all',
   # 'head' (the output layer), 'lora' (the head and LoRA factors of the kernels),
   # 'batchensemble' (= method='batchensemble') or a regex of leaf names ('^head/'). Every
@@ -182,6 +176,14 @@ def _method_fields(config: ml_collections.ConfigDict) -> None:
   registry line."""
   for group, values in _schema().method_defaults().items():  # (cached: each config its copy)
     config.ensemble[group] = ml_collections.ConfigDict(copy.deepcopy(values))
+
+
+def _declared_in(section: ml_collections.ConfigDict, module: str) -> None:
+  """The fields a feature declares beside its code, dist_ens/config/<module>.py's FIELDS,
+  placed in `section`; each takes any type (a structure, a list of dicts: the module's
+  check(config) checks it)."""
+  for name, value in _schema().module_defaults(module).items():
+    section[name] = untyped(copy.deepcopy(value))
 
 
 def _schema():

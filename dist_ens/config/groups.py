@@ -1,6 +1,6 @@
-"""config.ensemble.groups read into group specs: each group's count, its model and optim
-overrides, its members' ids, its own config; and the one-line refusals of what groups do
-not support yet (docs/groups.md).
+"""config.ensemble.groups, declared here (FIELDS) and read into group specs: each group's
+count, its model and optim overrides, its members' ids, its own config; and the one-line
+refusals of what groups do not support yet (docs/groups.md).
 
   config.num_members = 12
   config.ensemble.groups = (
@@ -27,6 +27,18 @@ from dist_ens.ensembles import methods
 from dist_ens.errors import ConfigError
 
 FIELD = 'config.ensemble.groups'
+# This feature's field, with the code that reads it: defaults.py places it in
+# config.ensemble (`_declared_in`), its meaning the comment above it (config/schema.py reads
+# it, docs/config.md shows it), checked by check(config) below (config.checks.validate runs).
+FIELDS = dict(
+    # Members of different architectures in one program (docs/groups.md): a list of
+    # groups, each a dict {'count': n, 'model': {...}, 'optim': {...}, 'ensemble': {...}[,
+    # 'name': str]} of config.model / config.optim / config.ensemble overrides (a group's
+    # own method: 'method', 'own', ...); the counts sum to num_members, member ids run
+    # across groups in order. In a config file, or on the command line as one Python
+    # literal. () = one group of config.model.
+    groups=(),
+)
 # What a group may set, besides its count (and a name for the tables).
 OVERRIDABLE = ('model', 'optim', 'ensemble')
 _EXAMPLE = "({'count': 4, 'model': {'widths': (32,)}}, {'count': 4, 'model': {'name': 'cnn'}})"
@@ -208,8 +220,9 @@ def _check_method(one: ml_collections.ConfigDict, spec: GroupSpec) -> None:
                       "'batchensemble', 'prior' or ensemble.own, or train without groups.")
 
 
-def group_configs(config: ml_collections.ConfigDict) -> list[ml_collections.ConfigDict]:
-  """Each group's config (group_config) in group order; [config] without groups."""
+def stack_configs(config: ml_collections.ConfigDict) -> list[ml_collections.ConfigDict]:
+  """The configs the run's stacks are built from: each group's (group_config) in group
+  order; [config] without groups (config.checks asks this module, as it runs check)."""
   specs_ = group_specs(config)
   return [group_config(config, s) for s in specs_] if specs_ else [config]
 
