@@ -96,13 +96,29 @@ class TrainLog(PeriodicAction):
           f'members {sorted(self._reported)} went non-finite before step {call.step} and '
           "config.train.on_nonfinite='stop'; set on_nonfinite='freeze' to train the others on.")
     self._pipeline_mark = session.batches.stats
+    self._due: Call | None = None  # A log step whose record waits for the next call.
 
   def on_step(self, call: Call) -> None:
+    # A log step's record waits for the call after it to be queued (self._due): reading
+    # a call's metrics waits for that call, and the device would sit idle while the host
+    # writes. Not at the last step, nor where a checkpoint or a stop must follow the
+    # record within its own call.
+    self._record_due()
     self._interval.append(call.metrics)
+    _copy_to_host_async(call.metrics)
     self._steps_here += call.session.steps_per_call
     self._progress.update(call.step)
     if self.due(call.step) or call.step == call.session.total_steps:
-      self._flush(call)
+      if (call.step == call.session.total_steps or self._checkpoint.due(call.step)
+          or call.session.spec.train.on_nonfinite == 'stop'):
+        self._flush(call)
+      else:
+        self._due = call
+
+  def _record_due(self) -> None:
+    if self._due is not None:
+      due, self._due = self._due, None
+      self._flush(due)
 
   def on_end(self, call: Call) -> None:
     pass
@@ -154,6 +170,7 @@ class TrainLog(PeriodicAction):
   def _interval_meta(self) -> dict[str, Any] | None:
     """What a checkpoint saves of the interval so far (None at a log step): the exact
     float32 values, which JSON's doubles hold without rounding."""
+    self._record_due()  # A save (a stop, preemption) comes after the log step's record.
     if not self._interval and self._fetched is None:
       return None
     fetched = self._drain()
@@ -175,6 +192,14 @@ class TrainLog(PeriodicAction):
 
   def close(self) -> None:
     self._progress.close()
+
+
+def _copy_to_host_async(tree: Any) -> None:
+  """Starts each array's copy to host memory, so a log step's read finds it there (one
+  process; across processes the read gathers them first)."""
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.Array) and leaf.is_fully_addressable:
+      leaf.copy_to_host_async()
 
 
 def _interval_from_meta(saved: dict[str, Any] | None) -> StepMetrics | None:
