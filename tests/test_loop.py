@@ -19,6 +19,7 @@ from dist_ens.run import mesh_layout
 from dist_ens.run import assemble
 from dist_ens.parallel.layout import Layout
 from dist_ens.errors import ConfigError
+from dist_ens.training import loop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -213,3 +214,19 @@ def test_train_from_python_shows_progress_without_absl_settings(tmp_path):
   assert result.returncode == 0, result.stderr
   assert 'step 10/20' in result.stderr and 'step 20/20' in result.stderr
   assert 'final test metrics' in result.stderr
+
+
+def test_a_log_steps_read_waits_for_its_call_not_for_the_call_queued_after_it():
+  """In one process Session.fetch reads the arrays as they are: a program gathering them
+  would run after the next call, already queued, and the read would wait for that call
+  too, the device idle while the host writes the log step's record
+  (benchmarks/metrics_read.py)."""
+  call = jax.jit(lambda x: (x @ x) @ x / x.size)
+  x = jax.numpy.ones((1200, 1200))
+  jax.block_until_ready(call(x))
+  state = call(x)
+  metrics = {'loss': state[0, :4]}
+  queued = call(call(state))  # the next calls, queued behind this one
+  fetched = loop.Session.fetch(None, metrics)  # one process: `self` is not read
+  assert not queued.is_ready()
+  np.testing.assert_array_equal(fetched['loss'], np.asarray(state[0, :4]))
