@@ -46,7 +46,9 @@ def _mesh(kind):
 def _both(source, order, mesh, count, **kwargs):
   """(host items, resident items, their states, the resident pipeline's arrays' shardings)."""
   host = data.Batches(source, order, mesh, MEMBERS, **kwargs)
-  device = data.Batches(resident.ResidentSource(source), order, mesh, MEMBERS, **kwargs)
+  # The devices derive per-member orders (on CPU devices 'auto' has the host send them).
+  device = data.Batches(resident.ResidentSource(source, derive_orders=True), order, mesh,
+                        MEMBERS, **kwargs)
   try:
     first = next(device)
     want_shardings = [a.sharding for a in next(host)]
@@ -97,7 +99,7 @@ def test_member_scale_copies_are_the_host_arithmetic_bit_for_bit(train):
                                              ('shuffled', '')])
 def test_resume_mid_epoch_is_exact(train, kind, split_spec):
   order = _order(kind, train.num_examples, split_spec)
-  mesh, source = _mesh(kind), resident.ResidentSource(train)
+  mesh, source = _mesh(kind), resident.ResidentSource(train, derive_orders=True)
   whole = data.Batches(source, order, mesh, MEMBERS, prefetch=2, steps_per_call=2)
   first, saved = support.take_batches(whole, 2)  # 4 batches in: mid-epoch
   after, end = support.take_batches(whole, 5)  # crosses into the next epoch (12, or 6 a pool of 100)
@@ -117,22 +119,25 @@ def test_resume_mid_epoch_is_exact(train, kind, split_spec):
 
 @pytest.mark.parametrize('kind', ['shuffled', 'bootstrap'])
 def test_per_member_orders_are_derived_on_the_devices(train, kind, monkeypatch):
-  """The host draws no per-member order for a resident split (the devices derive them,
-  data/orders.py), however many epochs a call's K steps span: the host pipeline's batches."""
+  """The host draws no per-member order for a resident split whose devices derive them
+  (data/orders.py), however many epochs a call's K steps span; with 'auto' on CPU devices
+  it draws them and sends indices. Both are the host pipeline's batches."""
   drawn, draw = [], orders.host_block
   monkeypatch.setattr(orders, 'host_block', lambda *args: drawn.append(args) or draw(*args))
   short = data.Split(train.x[:40], train.y[:40])  # 2 batches an epoch
   for split, k in [(train, 3), (short, 5)]:  # K = 5: 3 or 4 epochs a call
-    device = data.Batches(resident.ResidentSource(split), _order(kind, split.num_examples),
-                          _mesh(kind), MEMBERS, prefetch=0, steps_per_call=k)
-    got, got_state = support.take_batches(device, 5)
-    assert not drawn
     host = data.Batches(split, _order(kind, split.num_examples), _mesh(kind), MEMBERS,
                         prefetch=0, steps_per_call=k)
     want, want_state = support.take_batches(host, 5)
-    support.assert_same_batches(want, got)
-    assert got_state == want_state
-    drawn.clear()
+    for derive in (True, 'auto'):
+      drawn.clear()
+      source = resident.ResidentSource(split, derive_orders=derive)
+      device = data.Batches(source, _order(kind, split.num_examples), _mesh(kind), MEMBERS,
+                            prefetch=0, steps_per_call=k)
+      got, got_state = support.take_batches(device, 5)
+      assert bool(drawn) == (derive == 'auto')  # CPU devices: the host draws
+      support.assert_same_batches(want, got)
+      assert got_state == want_state
 
 
 def test_auto_picks_the_host_pipeline_over_the_budget_and_true_is_refused(train):
@@ -208,7 +213,8 @@ def _probe_batches(hosts_along):
   for kind, kwargs in (('shuffled', {'steps_per_call': 2, 'with_index': True}),
                        ('shared', {})):
     order = data.Order(kind, train.num_examples, BATCH, seed=3)
-    for name, source in (('host', train), ('resident', resident.ResidentSource(train))):
+    for name, source in (('host', train),
+                         ('resident', resident.ResidentSource(train, derive_orders=True))):
       batches = data.Batches(source, order, mesh, 4, prefetch=1, **kwargs)
       out[kind, name] = [next(batches) for _ in range(7)]
       batches.close()

@@ -61,8 +61,13 @@ class ResidentSource:
   decision's figures (bytes_per_device: what each device holds).
   """
 
-  def __init__(self, source: Source, copies: int = 1, bytes_per_device: int | None = None):
-    self.source, self.copies = source, copies
+  def __init__(self, source: Source, copies: int = 1, bytes_per_device: int | None = None,
+               derive_orders: bool | str = 'auto'):
+    """`derive_orders`: whether the devices derive per-member orders themselves (Gather);
+    'auto': on accelerators, not on CPU devices, where XLA's sort of an epoch's orders
+    takes 9-25x numpy's (65 against 3.9 ms at M = 64, n = 4,000; benchmarks/order_draws.py)
+    and the host sends indices as cheaply. The batches are the same either way."""
+    self.source, self.copies, self.derive_orders = source, copies, derive_orders
     self.bytes_per_device = (copies * split_bytes(source) if bytes_per_device is None
                              else bytes_per_device)
     self._placed: tuple[Any, tuple[jax.Array, ...]] | None = None
@@ -78,14 +83,18 @@ class ResidentSource:
                member_scale: Any = None, with_index: bool = False,
                order: Any = None) -> 'Gather':
     """What data.Batches calls with each host block of indices, or with positions where
-    `order` (a data.Order) is per member without pools (see Gather)."""
+    `order` (a data.Order) is per member without pools and the devices derive orders (see
+    Gather and derive_orders)."""
     copy_of, arrays = self._place(mesh, member_scale)
     copy = None
     if copy_of is not None:  # [M] int32, each member's copy, sharded like its members.
       member_sharding = NamedSharding(mesh, P(sharding.spec[-2]))
       copy = jax.make_array_from_callback(copy_of.shape, member_sharding,
                                           lambda index: copy_of[index])
-    return Gather(mesh, sharding, global_lead, arrays, copy, with_index, order)
+    derive = (self.derive_orders if isinstance(self.derive_orders, bool)
+              else mesh.devices.flat[0].platform != 'cpu')
+    return Gather(mesh, sharding, global_lead, arrays, copy, with_index,
+                  order if derive else None)
 
   def _place(self, mesh: Mesh, member_scale: Any) -> tuple[np.ndarray | None,
                                                            tuple[jax.Array, ...]]:
