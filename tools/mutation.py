@@ -1,6 +1,6 @@
-"""Mutation kill rates of three modules with pure logic (issue 64 item 5).
+"""Mutation kill rates of modules with pure logic (issue 64 item 5).
 
-  .venv/bin/python tools/mutation.py [--repo PATH] [--modules rng,pipeline,metrics]
+  .venv/bin/python tools/mutation.py [--repo PATH] [--modules rng,pipeline,orders,metrics]
                                      [--sample NAME=N,...] [--out FILE]
 
 Measures the share of mutants of each module in MODULES that its fast-tier tests kill,
@@ -66,6 +66,11 @@ MODULES = {
                  # test_member_split.py the orders over member pools (Order's pools);
                  # test_orders.py the orders' properties as pure functions (issue 64).
                  ('tests/test_data.py', 'tests/test_member_split.py', 'tests/test_orders.py')),
+    'orders': ('dist_ens/data/orders.py', ('*',),
+               # The per-member orders' arithmetic: test_orders.py checks them against
+               # their definition in Python integers, numpy's against XLA's, and their
+               # statistics.
+               ('tests/test_orders.py',)),
     'metrics': ('dist_ens/eval/metrics.py', ('*',),
                 # The files that call eval_batch / ensemble_log_probs / member_uncertainty
                 # / add_sums through `from dist_ens.eval import metrics`.
