@@ -2,8 +2,8 @@
 tests/combinations_table.py.
 
 Valid pairs run packed into a few cases (combinations_table.valid_cases: every valid pair
-is in some case, no case holds a refused pair; `pytest` runs the cases that hold every option
-once, `pytest -m slow` the rest); each case trains on 8 fake devices, is
+is in some case, no case holds a refused pair; `pytest` runs the cheapest cases found that
+hold every option once, _FAST_IDS, `pytest -m slow` the rest); each case trains on 8 fake devices, is
 preempted (SIGTERM) after step 1 and resumes from that checkpoint to step 2 (a few cases
 instead train uninterrupted and resume from a copy killed after step 1, ending bit for bit
 where the uninterrupted run ended), tracing its train step once in that session, then loads with Ensemble.load, predicts finite outputs that give the run's
@@ -125,28 +125,84 @@ _CASES = table.valid_cases()
 # axis as 'mimo'; tests/test_epinet.py covers its resume and predictions; own=epinet, a
 # shared base as own=head: tests/test_epinet_frozen_base.py).
 _SLOW_ONLY = frozenset({'epinet', 'own=epinet'})
-# Resumed and uninterrupted runs compared bit for bit (where state crosses the resume: a
-# PBT round at step 1, SWAG's and FGE's collected weights), the resume from a copy of the
-# uninterrupted run killed after step 1: two runs, as the others. The preemption that
-# saves step 1 is the trainer's, the same for every case; the other cases run it.
-_COMPARED = [next(c for c in _CASES if table.OPTIONS[key] in c
-                  and not _SLOW_ONLY & {o.key for o in c})
-             for key in ('pbt', 'multiswag', 'fge')]
+_REGRESSION = ('regression', 'regression [N, D]', 'regression_homoscedastic')
+# Option combinations that other tests name as their fast cover in this matrix: some fast
+# case holds one key of each slot.
+_NAMED_COVERS = {
+    # tests/test_groups.py's split-groups test leaves MC dropout and the Laplace to it.
+    'MC dropout and Laplace on a model axis': (('mc_dropout',), ('model=2',), ('laplace',)),
+    # docs/testing.md: the fast cover of test_groups' slow batchensemble-group test.
+    'batchensemble in member groups': (('batchensemble',), ('groups',)),
+    # tests/test_batchensemble.py and tests/test_packed.py check a classifier's run.
+    'batchensemble on a regression task': (('batchensemble',), _REGRESSION),
+    'packed on a regression task': (('packed',), _REGRESSION),
+}
+# The fast tier's cases: every option but _SLOW_ONLY in one, each named cover, and for
+# each of pbt, multiswag and fge a case that is compared bit for bit with an uninterrupted
+# run (where state crosses the resume: a PBT round at step 1, SWAG's and FGE's collected
+# weights), at the least cost found: each case's CPU seconds measured alone, then a
+# minimum-cost cover of the options (issue 64: 15 cases, ~90 CPU s estimated against ~127
+# for the earlier pick of the cases holding the most missing options, whose layouts, groups
+# and token runs multiplied every program of a case). What a case costs is its programs:
+# a task, method, model axis or member groups changes them all, post-hoc options add a few
+# (docs/testing.md).
+_FAST_IDS = (
+    'regression+batchensemble+model=2+member_split+top_k+greedy+shift+conformal+groups',
+    'mc_dropout+model=2+member_split+temperature+laplace+reproducible+bf16+distill',
+    'multiswag+bf16',
+    'fge+greedy+temperature+shift+conformal',
+    'sngp+pbt+greedy distinct',
+    'token_classification+own=head+greedy distinct',
+    'regression_homoscedastic+own=lora',
+    'regression_homoscedastic+packed',
+    'regression [N, D]+masksembles',
+    'mimo+greedy distinct+temperature',
+    'member_split+distill=path',
+    'prior+bf16',
+    'rank1+temperature',
+    'sgmcmc+bf16',
+    'snapshot+bf16',
+)
 
 
-def _every_option_once() -> list[tuple[table.Option, ...]]:
-  """The compared cases, then (greedily) cases until every option is in one: the fast
-  tier's 15 cases; the slow tier (pytest -m slow) runs the others, for every pair."""
+def _keys(case) -> set[str]:
+  return {o.key for o in case}
+
+
+def _holds(case, slots) -> bool:
+  return all(_keys(case) & set(slot) for slot in slots)
+
+
+def _fast_cases() -> tuple[list[tuple[table.Option, ...]], list[str]]:
+  """The cases of _FAST_IDS; where a change to the table left some out (its cases are
+  packed anew), cases holding what is then missing, the most missing options first, so
+  that the fast tier still holds every option and named cover. Returns the cases and the
+  ids so added (test_the_fast_cases_are_current names them)."""
+  chosen = [c for c in _CASES if table.case_id(c) in _FAST_IDS]
+  fast_able = [c for c in _CASES if not _SLOW_ONLY & _keys(c)]
   wanted = {o.key for options in table.AXES.values() for o in options
             if o.fields} - _SLOW_ONLY
-  chosen = list(_COMPARED)
-  while missing := wanted - {o.key for c in chosen for o in c}:
-    chosen.append(max((c for c in _CASES if not _SLOW_ONLY & {o.key for o in c}),
-                      key=lambda c: len({o.key for o in c} & missing)))
-  return chosen
+  added = []
+  while True:
+    missing = wanted - set().union(*map(_keys, chosen))
+    unheld = [slots for slots in _NAMED_COVERS.values()
+              if not any(_holds(c, slots) for c in chosen)]
+    if unheld:
+      pick = next(c for c in fast_able if _holds(c, unheld[0]))
+    elif missing:
+      pick = max(fast_able, key=lambda c: len(_keys(c) & missing))
+    else:
+      return chosen, added
+    chosen.append(pick)
+    added.append(table.case_id(pick))
 
 
-_FAST = _every_option_once()
+_FAST, _FAST_ADDED = _fast_cases()
+# The fast case compared bit for bit for each of these options (the first holding it): the
+# resume from a copy of the uninterrupted run killed after step 1, two runs as the others.
+# The preemption that saves step 1 is the trainer's, the same for every case; the other
+# cases run it.
+_COMPARED = [next(c for c in _FAST if key in _keys(c)) for key in ('pbt', 'multiswag', 'fge')]
 
 
 @pytest.mark.parametrize('case', [
@@ -194,6 +250,22 @@ def test_the_cases_hold_every_valid_pair_and_no_other():
     assert (pair in covered) == (outcome == 'valid'), (pair, outcome)
   for pair in (*table.REFUSED, *table.KNOWN_FAILURES):
     assert len({table.AXIS_OF[k] for k in pair}) == 2, pair  # known options, two axes
+
+
+def test_the_fast_cases_are_current_and_hold_every_option_and_named_cover():
+  ids = {table.case_id(c) for c in _CASES}
+  gone = [i for i in _FAST_IDS if i not in ids]
+  assert not gone, (f'_FAST_IDS names cases the table no longer packs: {gone}; replace them '
+                    f'with cheap cases that hold their options (these were added: '
+                    f'{_FAST_ADDED})')
+  assert len(_FAST) == len(set(map(table.case_id, _FAST))) == len(_FAST_IDS)
+  held = set().union(*map(_keys, _FAST))
+  for option in table.OPTIONS.values():
+    if option.fields and option.key not in _SLOW_ONLY:
+      assert option.key in held, option.key
+  for name, slots in _NAMED_COVERS.items():
+    assert any(_holds(c, slots) for c in _FAST), name
+  assert all(key in _keys(c) for key, c in zip(('pbt', 'multiswag', 'fge'), _COMPARED))
 
 
 # Every closed set of values an option of the matrix takes (and the member orders), read
