@@ -87,8 +87,9 @@ class Order:
     or more]: the epoch's example indices in order."""
     key = (epoch, None if members is None else (members.start, members.stop))
     if key not in self._cache:
-      if len(self._cache) > 64:  # Old epochs are never read again.
-        self._cache = {k: v for k, v in self._cache.items() if k[0] >= epoch}
+      # Batches are read in order, so earlier epochs are not read again (a resume that
+      # goes back draws them again): at most the epochs one item spans stay, M x n each.
+      self._cache = {k: v for k, v in self._cache.items() if k[0] >= epoch}
       self._cache[key] = self._draw(epoch, members)
     return self._cache[key]
 
