@@ -40,7 +40,8 @@
 #               the :cpuinit fallback where it was cut) beside torch.compile's again, then
 #               ResNet-18 at M = 16 and 64 (where 64 vmapped members do not fit: 'map' over
 #               two chunks of 32); mfu_gpu3.json, merged as BENCHMARKS.md says
-#   overhead    benchmarks/overhead.py on the GPU (issue 65's whole run >= 0.95x its bare
+#   overhead    benchmarks/order_draws.py and metrics_read.py, then benchmarks/overhead.py
+#               on the GPU (issue 65's whole run >= 0.95x its bare
 #               step with every member order): M = 256, 64, 8, one round each, 5,000
 #               steps (1,000 untimed), the bare step at the runs' automatic K (50, and 10
 #               for M = 256's per-member orders), a JSONL-only variant beside the default
@@ -149,7 +150,13 @@ print("torch", torch.__version__, torch.cuda.is_available())' 2>&1 | tee "$out/c
     # run (resident data: 'auto' puts MNIST-1D on the GPU) at M = 256, 64, 8, one process
     # per M, each its own results file (a cut keeps the Ms that ran); the bare step at the
     # runs' automatic K (50, and 10 for M = 256's per-member orders); the default run with
-    # JSONL events only beside it (what TensorBoard's writing costs the loop).
+    # JSONL events only beside it (what TensorBoard's writing costs the loop). First what
+    # an epoch's orders cost on the GPU against numpy, and the metrics' read with the next
+    # call queued (both seconds).
+    timeout -k 5 60 python3 -m benchmarks.order_draws --out "$out/order_draws_gpu.json" \
+      2>&1 | tee -a "$out/overhead.log" || true
+    timeout -k 5 60 python3 -m benchmarks.metrics_read --size 8000 \
+      --out "$out/metrics_read_gpu.json" 2>&1 | tee -a "$out/overhead.log" || true
     for m in 256 64 8; do
       timeout -k 10 170 python3 -m benchmarks.overhead --members $m --steps 5000 --warmup 1000 \
         --rounds 1 --bare_k 10,50 \
