@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+import runs
 import support
 
 import dist_ens
@@ -36,6 +37,13 @@ GROUPS = ({'count': 2, 'model': {'widths': (16,)}},
 POSTHOC = {'model__dropout': 0.1, 'eval__mc_samples': 2, 'eval__laplace': 'last_layer_kron',
            'eval__laplace_samples': 3}
 
+# The shared grouped run also distils every group's members into the user's own student
+# after its last step (test_the_grouped_run_distils_all_groups_into_the_users_own_student):
+# in the run itself, not in a rerun of its finished copy, which would build and evaluate
+# the whole run again (MC dropout, Laplace) for one property. A rerun that distils a
+# finished run is tests/test_distill.py's (the same for every method and for groups).
+DISTILL = {'distill__student': 'support:linear_student', 'distill__steps': 20}
+
 
 def _config(groups=GROUPS, **fields):
   config = support.config(**{'reproducible': True, **fields})
@@ -59,14 +67,15 @@ def _stored(workdir):
 
 @pytest.fixture(scope='module')
 def grouped(tmp_path_factory):
-  """The shared grouped run (_config(**POSTHOC)), preempted after step 2 and resumed to the
-  end: (workdir, the resumed session's results). test_a_groups_members_equal_... compares
+  """The shared grouped run (_config(**POSTHOC, **DISTILL)), preempted after step 2 and
+  resumed to the end: (workdir, the resumed session's results). test_a_groups_members_equal_... compares
   it bit for bit with runs without groups that were never interrupted (`singles`), so it
   proves too that an interrupted grouped run resumes to the uninterrupted state."""
   workdir = tmp_path_factory.mktemp('grouped')
-  stopped = dist_ens.train(_config(**POSTHOC), str(workdir), actions=[support.PreemptAt(2)])
-  assert stopped['preempted'] and stopped['step'] == 2
-  return workdir, dist_ens.train(_config(**POSTHOC), str(workdir))
+  stopped = dist_ens.train(_config(**POSTHOC, **DISTILL), str(workdir),
+                           actions=[support.PreemptAt(2)])
+  assert stopped['preempted'] and stopped['step'] == 2 and 'distill' not in stopped
+  return workdir, dist_ens.train(_config(**POSTHOC, **DISTILL), str(workdir))
 
 
 @pytest.fixture(scope='module')
@@ -199,9 +208,11 @@ def test_selection_and_post_hoc_steps_range_over_every_groups_members(vit_run, p
 
 def _pbt_config():
   """A grouped PBT run of 6 steps, rounds at 2 and 4, ending in a greedy selection of one
-  member (test_selection_and_post_hoc_steps_range_over_every_groups_members reads it)."""
+  member (test_selection_and_post_hoc_steps_range_over_every_groups_members reads it). Its
+  three checkpoints are kept: the resume test starts from a copy holding step 2's."""
   return _config(pbt__enabled=True, pbt__interval=2, pbt__resample_probability=0.0,
                  data__validation_size=200, train__steps=6, checkpoint__every=2,
+                 checkpoint__keep=3,
                  optim__learning_rate='loguniform(1e-4,3e-2)', select__method='greedy',
                  select__greedy_size=1)
 
@@ -220,10 +231,10 @@ def test_pbt_copies_within_each_group_bit_for_bit_and_resumes_exactly(pbt_run, t
   """Each group is its own population: a round's decisions are pbt.decide's on the group's
   logged validation values (drawn by member id), a copy takes a member of its own group
   bit for bit, and a run killed between rounds resumes to the same rounds and members.
-  (Killed by a fault, not copied from the straight run with runs.killed_after: a straight
-  run's step-2 checkpoint may hold step 4's round in its meta, written after it; see
-  dist_ens/evaluators/pbt.py's _record.)"""
-  from test_methods import _Stop  # pylint: disable=g-import-not-at-top
+  (The kill is runs.killed_after's copy of the straight run after step 2's checkpoint: one
+  training, not a faulted run and its resume. It checks too that the step-2 checkpoint's
+  meta holds PBT's rounds as they were at step 2, not step 4's round added after it, which
+  a resume would list twice: Checkpointer.save copies its meta.)"""
   workdir, straight, (state, _, _) = pbt_run
   spec = specs.pbt_spec(_pbt_config())
   hp = hparams_lib.resolve(specs.hparams_spec(_pbt_config()))
@@ -245,11 +256,10 @@ def test_pbt_copies_within_each_group_bit_for_bit_and_resumes_exactly(pbt_run, t
     g, first = (0, 0) if dst < 2 else (1, 2)
     for leaf in jax.tree.leaves((state.params[g], state.opt_state[g], state.model_state[g])):
       np.testing.assert_array_equal(np.asarray(leaf)[dst - first], np.asarray(leaf)[src - first])
-  with pytest.raises(RuntimeError, match='injected fault'):  # After step 2's checkpoint.
-    dist_ens.train(_pbt_config(), str(tmp_path), actions=[_Stop(2)])
-  resumed = dist_ens.train(_pbt_config(), str(tmp_path))
+  killed = runs.killed_after(pbt_run, 2, tmp_path / 'killed')  # Between the two rounds.
+  resumed = dist_ens.train(_pbt_config(), str(killed))
   assert resumed['pbt'] == straight['pbt'] and resumed['members'] == straight['members']
-  support.assert_trees_equal(_stored(tmp_path), _stored(workdir))
+  support.assert_trees_equal(_stored(killed), _stored(workdir))
 
 
 def test_member_splits_cross_groups_and_each_member_keeps_its_splits_statistics(tmp_path):
@@ -495,15 +505,12 @@ def test_plan_prices_each_group_and_measures_the_joint_step():
   assert 'fits 1.00 GB per device' in text
 
 
-def test_a_finished_grouped_run_distils_all_groups_into_the_users_own_student(grouped,
-                                                                              tmp_path):
-  """distill.student as an import path: the teacher is every group's members, the cost
-  counts each group at its architecture's parameters, and the saved student loads and
-  predicts the reported NLL."""
-  workdir = tmp_path / 'copy'
-  shutil.copytree(grouped[0], workdir)
-  out = dist_ens.train(_config(**POSTHOC, distill__student='support:linear_student',
-                               distill__steps=20), str(workdir))['distill']
+def test_the_grouped_run_distils_all_groups_into_the_users_own_student(grouped):
+  """distill.student as an import path (DISTILL, in the shared run): the teacher is every
+  group's members, the cost counts each group at its architecture's parameters, and the
+  saved student loads and predicts the reported NLL."""
+  workdir, results = grouped
+  out = results['distill']
   assert out['members_distilled'] == 4 and out['loss_last'] < out['loss_first']
   # MNIST-1D: 40 inputs, 10 classes. Widths (16,): 40*16+16 + 16*10+10; (8, 8): 40*8+8 +
   # 8*8+8 + 8*10+10; two members each. The student: 40*10+10.
