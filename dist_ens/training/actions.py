@@ -99,10 +99,11 @@ class TrainLog(PeriodicAction):
     self._due: Call | None = None  # A log step whose record waits for the next call.
 
   def on_step(self, call: Call) -> None:
-    # A log step's record waits for the call after it to be queued (self._due): reading
-    # a call's metrics waits for that call, and the device would sit idle while the host
-    # writes. Not at the last step, nor where a checkpoint or a stop must follow the
-    # record within its own call.
+    # In one process a log step's record waits for the call after it to be queued
+    # (self._due): reading a call's metrics waits for that call, and the device would sit
+    # idle while the host writes. Not at the last step, nor where a checkpoint or a stop
+    # must follow the record within its own call, nor across processes, where the read is
+    # a program of collectives that XLA:CPU may run interleaved with the queued call's.
     self._record_due()
     self._interval.append(call.metrics)
     _copy_to_host_async(call.metrics)
@@ -110,7 +111,7 @@ class TrainLog(PeriodicAction):
     self._progress.update(call.step)
     if self.due(call.step) or call.step == call.session.total_steps:
       if (call.step == call.session.total_steps or self._checkpoint.due(call.step)
-          or call.session.spec.train.on_nonfinite == 'stop'):
+          or call.session.spec.train.on_nonfinite == 'stop' or jax.process_count() > 1):
         self._flush(call)
       else:
         self._due = call
