@@ -228,8 +228,9 @@ _SLOW_TIER = (
     "test_step.py::test_matches_python_loop_over_members[8-1-adam]",
     "test_step.py::test_matches_python_loop_over_members[1-8-adam]",
     "test_step.py::test_init_compiled_faster_on_a_cpu_gives_xlas_default_bits[cnn]",
-    # Post-hoc steps per token; fast: the matrix's token_classification rows (MC dropout,
-    # greedy, temperature) and its refusal of token_classification with mimo.
+    # Post-hoc steps per token; fast: the matrix's token_classification case (greedy
+    # selection per token) and its refusal of token_classification with mimo; MC dropout
+    # and temperature per token only here and in the matrix's slow token rows.
     "test_token_task.py::test_post_hoc_steps_run_per_token_and_mimo_is_refused",
     # Calibrating a real step; fast: calibration's tests on a timed stand-in.
     "test_calibration.py::test_calibrating_a_real_step_times_every_candidate",
@@ -263,8 +264,8 @@ _SLOW_TIER = (
     # [lora] cases (the same path) and test_own's regex test.
     "test_own_shared.py::test_one_step_moves_a_shared_leaf_by_the_sum_of_the_members_gradients[^1/",
     # Issue 47's whole path in one run (a Llama from hf:, own='lora', model=2, resume,
-    # predict, PEFT export); fast, each part: the matrix's own=lora+model=2 case (resume,
-    # load, predict), test_peft_export's PEFT parity of exported adapters, test_model_axis's
+    # predict, PEFT export); fast, each part: the matrix's own=lora case (resume, load,
+    # predict), test_peft_export's PEFT parity of exported adapters, test_model_axis's
     # split load/predict/export and test_hf's init from hf:.
     "test_peft_export.py::test_a_decoders_lora_ensemble_split_over_model_resumes_predicts_and_exports",
 )
