@@ -12,7 +12,7 @@ Member orders (config.data.member_order):
   'bootstrap'  member i trains on its own resample with replacement of the train
                split, drawn once from (seed, i), visited in a fresh order per epoch.
 The last two give [M, B, ...] batches sharded over ('member', 'data'); their indices are
-integer hashes sorted (data/orders.py), which resident data derives on the devices.
+integer hashes sorted (data/orders.py), which resident data derives on an accelerator.
 
 With member pools (config.data.member_split, data/member_split.py) member i draws only
 from its own pool of indices: 'shared' gives the members of one pool the same batches
