@@ -5,14 +5,13 @@ and train.epochs resolved into steps once the training split's size is known.
 """
 
 import copy
-import importlib
-from types import ModuleType
 from typing import Any
 
 import ml_collections
 from absl import logging
 
 from dist_ens import importing, models, tasks
+from dist_ens.config import groups as member_groups
 from dist_ens.config import schema, specs
 from dist_ens.config.loading import DEFAULT_CONFIG
 from dist_ens.core import hparams, model as model_lib, optim
@@ -76,32 +75,15 @@ def validate(config: ml_collections.ConfigDict) -> None:
   eps = config.optim.eps
   _require(hparams.float32_normal(eps), 'optim.eps', eps,
            'must be a number > 0 of float32 size, e.g. 1e-8')
-  # The fields a feature declares beside its code first (member groups'): a pairing the
-  # feature refuses is named as its refusal, not as the other field's.
-  for module in _placed_modules():
-    module.check(config)
+  # Groups first (their field is declared beside their code): a pairing they refuse is
+  # named as theirs, not as the other field's.
+  member_groups.check(config)  # Each group's own fields, overrides and per-member values.
   _validate_select(config)
   _validate_eval(config)
   # Per-member fields: numbers, lists of M numbers or specs.
   resolved = specs.resolve_hparams(config)
   _validate_pbt(config, by_epochs)
   _warn_shared_optimizer(config, resolved)
-
-
-def _placed_modules() -> list[ModuleType]:
-  """The config modules that declare fields of their own (the defaults' `_declared_in`):
-  each checks them in check(config); one that splits the run into stacks (member groups)
-  gives the configs they are built from, stack_configs(config)."""
-  return [importlib.import_module(f'dist_ens.config.{name}')
-          for name in schema.placed_modules(DEFAULT_CONFIG)]
-
-
-def _stack_configs(config: ml_collections.ConfigDict) -> list[ml_collections.ConfigDict]:
-  """The configs the run's stacks are built from: [config] unless a module splits it."""
-  for module in _placed_modules():
-    if hasattr(module, 'stack_configs'):
-      return module.stack_configs(config)
-  return [config]
 
 
 def _validate_names(config: ml_collections.ConfigDict) -> None:
@@ -146,7 +128,7 @@ def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
     return
   _require(config.data.validation_size > 0, 'pbt.enabled', enabled,
            'ranks members on a validation split; set data.validation_size > 0 (e.g. 500)')
-  for one in _stack_configs(config):  # A member group may have its own `own`.
+  for one in member_groups.stack_configs(config):  # A group may have its own `own`.
     _require(one.ensemble.own == 'all', 'pbt.enabled', enabled,
              f'copies whole members, so it needs ensemble.own=\'all\' (not '
              f'{one.ensemble.own!r}, whose shared leaves are no member\'s to copy)')
