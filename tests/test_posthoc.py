@@ -35,7 +35,7 @@ C = 5
 
 
 def _run_spec(config):
-  return specs.run_spec(config, (), member_groups.describe(config))
+  return specs.run_spec(config, member_groups.describe(config))
 
 
 def _logits(seed, n=400, members=None, sharpness=3.0):

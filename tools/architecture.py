@@ -58,8 +58,11 @@ CONFIG_EDGE = ('dist_ens.config', 'dist_ens.run', 'dist_ens.main', 'dist_ens.com
                'dist_ens.inference.saved_run', 'dist_ens.inference.ensemble',
                'dist_ens.report')  # a finished run's config.json
 _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|data)'")
+# The field, a spec's .groups, or one of the groups' own modules under any name (an alias
+# does not hide an import): config/groups.py, evaluators/groups.py, plan/groups_plan.py.
 _GROUPS = re.compile(r"\bmember_groups\b|ensemble\.groups\b|\.groups\b(?!\()|\bgroups_lib\b|"
-                     r"dist_ens\.core\.groups\b|from dist_ens\.core import [^\n]*\bgroups\b")
+                     r"\bgroups_plan\b|dist_ens\.\w+\.groups\b|"
+                     r"from dist_ens\.\w+ import [^\n]*\bgroups\b")
 
 
 def _layer(module: str) -> int:

@@ -8,7 +8,6 @@ set is optional in its spec, with its default there.
 """
 
 import functools
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import ml_collections
@@ -206,17 +205,13 @@ class RunSpec(NamedTuple):
   pbt: pbt.PbtSpec | None  # None: population-based training is off
   distill: distill.DistillSpec | None  # None: no student
   writers: tuple[str, ...]
-  # config.ensemble.groups (config.groups.GroupSpec each: that module reads this one's
-  # specs, so build_run passes them in); () without.
-  groups: tuple[Any, ...]
-  members_text: str  # '8 x mlp', or each group's count and model (config.groups.describe)
+  members_text: str  # '8 x mlp', or each stack's count and model
 
 
-def run_spec(config: ml_collections.ConfigDict, groups: Sequence[Any],
-             members_text: str) -> RunSpec:
+def run_spec(config: ml_collections.ConfigDict, members_text: str) -> RunSpec:
   """The run-wide spec of a checked config (train.steps already resolved from epochs),
-  with its member groups' specs (config.groups.group_specs) and their description
-  (config.groups.describe): that module reads this one's specs, so build_run passes them."""
+  with the description of its members build_run gives (each stack's, where there are
+  several)."""
   return RunSpec(
       num_members=config.num_members, seed=config.seed, precision=config.precision,
       reproducible=config.reproducible, task=config.task,
@@ -225,7 +220,6 @@ def run_spec(config: ml_collections.ConfigDict, groups: Sequence[Any],
       select=_section(config.select, SelectSpec), checkpoint_every=config.checkpoint.every,
       checkpoint_keep=config.checkpoint.keep, pbt=pbt_spec(config),
       distill=distill_spec(config), writers=tuple(config.writers),
-      groups=tuple(groups),
       members_text=members_text)
 
 
@@ -274,6 +268,9 @@ class StackSpec(NamedTuple):
   # Logged when the run starts fresh: shared leaves nothing trains (own.random_frozen_base).
   warning: str | None
   name: str = ''  # what tables call the stack: a member group's name ('' for the run's one)
+  # The model and optim fields this stack's config overrides of the run's, as given
+  # ({'model': {...}, 'optim': {...}}: a member group's); None for the run's one stack.
+  overrides: dict[str, dict[str, Any]] | None = None
 
 
 def stack_spec(config: ml_collections.ConfigDict) -> StackSpec:

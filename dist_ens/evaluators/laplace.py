@@ -35,7 +35,7 @@ from dist_ens.eval import evaluate, joint, laplace, laplace_predictive
 from dist_ens.evaluators import laplace_file
 from dist_ens.models.heads import head_paths
 from dist_ens.parallel.sharding_rules import path_str
-from dist_ens.evaluators import groups as group_ensembles, posthoc
+from dist_ens.evaluators import posthoc
 from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.evaluators.evaluator import EvalRun
 
@@ -165,8 +165,8 @@ class Laplace(PeriodicAction):
     session.results['laplace'] = {'kind': self.kind, 'predictive': predictive,
                                   'prior_precision': [float(d) for d in deltas],
                                   'prior_precision_by': by, 'train_examples': count, **after}
-    if groups := group_ensembles.ensembles(call, laplaced):  # each group's, as 'groups' has
-      session.results['laplace']['groups'] = groups
+    if stacks := posthoc.stack_ensembles(call, laplaced):  # each stack's, as 'groups' has
+      session.results['laplace']['groups'] = stacks
     if session.writes_final_events:
       session.write({'step': call.step, 'split': 'test_laplace', **after})
     logging.info('Laplace (%s, %s predictive; prior precision by %s: %s) test metrics:\n%s',

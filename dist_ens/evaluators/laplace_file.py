@@ -20,10 +20,11 @@ classes, P = F1 C):
   q_g, lam_g        kron: [M, C, C], [M, C] that of G, the mean softmax Hessian
 The posterior precision is (the GGN + delta I); dist_ens/eval/laplace.py has the math.
 
-With config.ensemble.groups each group has its own fit (its head has its own width):
-`groups` holds their number G, format/kind/samples/step are shared, and the per-member
-keys (kernel, prior_precision, the posterior's) are given per group as `group{g}/kernel`
-..., [count] of group g's members, with `group{g}/first_member`, its first member's id.
+Where the members are several stacks of their own architectures (docs/groups.md), each
+stack has its own fit (its head has its own width): `groups` holds their number G,
+format/kind/samples/step are shared, and the per-member keys (kernel, prior_precision, the
+posterior's) are given per stack as `group{g}/kernel` ..., [count] of stack g's members,
+with `group{g}/first_member`, its first member's id.
 """
 
 import os
@@ -42,7 +43,7 @@ _FORMAT = ('dist_ens last-layer Laplace: per member, precision = GGN (eigenbasis
 
 
 def write(workdir: str | os.PathLike, fits: Sequence[LaplaceFit]) -> None:
-  """Writes a run's fits (one; with member groups one per group, in group order) to
+  """Writes a run's fits (one per stack, in id order) to
   workdir/laplace.npz (process 0 only; numpy arrays on every host)."""
   shared = {'format': np.asarray(_FORMAT), 'kind': np.asarray(fits[0].kind),
             'samples': np.asarray(fits[0].samples, np.int64),
@@ -65,7 +66,7 @@ def _stack_arrays(fit: LaplaceFit) -> dict[str, np.ndarray]:
 
 
 def read(workdir: str | os.PathLike) -> tuple[LaplaceFit, ...] | None:
-  """workdir/laplace.npz as the run's fits (one per group with member groups, else one),
+  """workdir/laplace.npz as the run's fits (one per stack),
   or None where the run wrote none."""
   path = Path(workdir) / FILE
   if not path.is_file():

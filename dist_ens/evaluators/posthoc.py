@@ -89,6 +89,23 @@ def included(call: Call) -> np.ndarray:
   return ~np.asarray(member_flags(call.session.fetch(call.state.frozen)), bool)
 
 
+def stack_ensembles(call: Call, outputs: np.ndarray) -> dict[str, Any]:
+  """Where the run joins several stacks (core/stacks.py), each stack's name -> its member
+  ids and the test metrics of the ensemble of its non-frozen members' `outputs` ([M, N,
+  ...] in id order; None where every one is frozen); {} for one stack."""
+  session = call.session
+  if not session.parts.places.joined:
+    return {}
+  members, test_y = included(call), session.run_data.dataset.test.y
+  out = {}
+  for stack, place in zip(session.parts.stacks, session.parts.places):
+    ids = place.ids
+    out[stack.stack.name] = {'members': list(range(ids.start, ids.stop)), 'ensemble': (
+        session.evaluator.scorer.metrics(outputs[ids], test_y, members[ids])['ensemble']
+        if members[ids].any() else None)}
+  return out
+
+
 class Posthoc(PeriodicAction):
   """An action that runs once after the last step on shared split log-probabilities."""
   needs_validation = True

@@ -246,15 +246,15 @@ class Ensemble:
     Returns:
       The member files' paths, in member order.
     """
-    groups = []  # Each stack's, where there are several: which model each member file is.
+    stacks = []  # Each stack's, where there are several: which model each member file is.
     for name, place in zip(self._stack_names, self._places):
       one = self.member_config(place.first)
-      groups.append({'name': name, 'members': list(range(place.first, place.first + place.count)),
+      stacks.append({'name': name, 'members': list(range(place.first, place.first + place.count)),
                      'model': one.model.to_dict(), 'method': one.ensemble.method,
                      'own': one.ensemble.own})
     about = {'data': self.config.data.name, 'model': self.config.model.to_dict(),
              'task': self.config.task}
-    return member_files.export_members(self, Path(directory), about, groups)
+    return member_files.export_members(self, Path(directory), about, stacks)
 
   def export_adapters(self, directory: str | os.PathLike) -> list[Path]:
     """A LoRA ensemble on a Hugging Face model (init_from='hf:PATH', own='lora') as PEFT

@@ -80,7 +80,7 @@ def standardizer_dict(scale: Any) -> dict[str, list[float]]:
 
 
 def export_members(ensemble: Any, directory: Path, about: dict[str, Any],
-                   groups: Sequence[dict[str, Any]] = ()) -> list[Path]:
+                   stacks: Sequence[dict[str, Any]] = ()) -> list[Path]:
   """Writes `ensemble` (an inference.Ensemble) member by member under `directory`
   (created if missing; existing member files are replaced); only process 0 writes.
 
@@ -88,9 +88,10 @@ def export_members(ensemble: Any, directory: Path, about: dict[str, Any],
   (e.g. '0/w', 'convs/1/b', 'head/w'; integer parts are list indices);
   `member_{i}_state.npz`, the same for its model state (BatchNorm statistics, a
   randomized prior's network) where the model has one; and `ensemble.json` with the
-  model config, input shape, class count, step and the frozen members, and `groups`
-  (config.ensemble.groups: each group's name, member ids and whole model config, the
-  architecture of those members' files) where given. Read one back
+  model config, input shape, class count, step and the frozen members, and, where the
+  members are several stacks of their own architectures (docs/groups.md), `groups`: each
+  stack's name, member ids and whole model config, the architecture of those members'
+  files. Read one back
   with numpy alone (`np.load(path)`) or as the original pytree with `load_member(path)`.
   Returns the member files' paths, in member order.
   """
@@ -110,8 +111,8 @@ def export_members(ensemble: Any, directory: Path, about: dict[str, Any],
           'input_shape': list(ensemble.input_shape), 'num_classes': ensemble.num_classes,
           **about,  # the run's data set, model config and task
           'model_state_files': len(files) > len(paths)}  # member_{i}_state.npz
-  if groups:  # Members of different architectures: which model each member's file is.
-    meta['groups'] = list(groups)
+  if stacks:  # Members of different architectures: which model each member's file is.
+    meta['groups'] = list(stacks)
   if ensemble.scale is not None:  # A standardising task's members predict standardised units.
     meta['standardizer'] = standardizer_dict(ensemble.scale)
   if ensemble.split_scales is not None:  # Member splits: member i uses split i // per_split's.

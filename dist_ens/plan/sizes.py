@@ -1,6 +1,6 @@
 """What the plan counts per member and per device, for a run's parts: parameters and state
 bytes per member, the state's bytes per device by its layout, and the compiled step's train
-FLOPs per member-example (the planner's and, per group, groups_plan's)."""
+FLOPs per member-example (the planner's, for each stack of members)."""
 
 from collections.abc import Callable
 from typing import Any

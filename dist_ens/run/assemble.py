@@ -208,8 +208,7 @@ def build_run(config: ml_collections.ConfigDict, *,
   if metrics and run_data is not None:
     user_metrics.check_metrics(metrics, shapes[1], np.asarray(dataset.test.y))
   # Each stack picks its own form (build_step); the first's stands for the run.
-  return Run(config, run_spec(config, member_groups.group_specs(config),
-                              member_groups.describe(config)), parts, run_data,
+  return Run(config, run_spec(config, member_groups.describe(config)), parts, run_data,
              member_form(parts.stacks[0], config.data.batch_size))
 
 
@@ -306,7 +305,8 @@ def _group_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Seq
     with member_groups.in_group(s):
       one = build_parts(member_groups.group_config(config, s), mesh, input_shape,
                         num_outputs, s.group.count, optimizer, input_dtype, s.group.first)
-    built.append(one._replace(stack=one.stack._replace(name=s.name)))
+    built.append(one._replace(stack=one.stack._replace(
+        name=s.name, overrides={'model': s.model, 'optim': s.optim})))
   stacks = tuple(built)
   places = stacks_lib.Places(tuple(s.group for s in specs), joined=True)
   abstract = stacks_lib.join_states([g.abstract_state for g in stacks])
