@@ -35,6 +35,21 @@ def test_it_counts_root_modules_cycles_raw_configs_and_group_mentions(tmp_path):
   assert found['back_arrows'] == ['dist_ens.core.step -> dist_ens.b']
 
 
+def test_an_import_of_a_groups_module_counts_under_any_name(tmp_path):
+  # An alias must not hide that a module uses the groups' own code.
+  files = {
+      '__init__.py': '',
+      'evaluators/laplace.py': 'from dist_ens.evaluators import groups as stacks, posthoc\n',
+      'evaluators/registry.py': 'from dist_ens.evaluators import (greedy,\n    groups)\n',
+      'plan/planner.py': 'from dist_ens.plan import dry_run, groups_plan\n',
+      'run/assemble.py': 'import dist_ens.config.groups as g\n',
+      'evaluators/posthoc.py': 'def stack_ensembles(places):\n  return [p.ids for p in places]\n',
+  }
+  found = _tool().measure(_package(tmp_path, files))['member_groups']
+  assert found == ['dist_ens.evaluators.laplace', 'dist_ens.evaluators.registry',
+                   'dist_ens.plan.planner', 'dist_ens.run.assemble']
+
+
 def test_a_circle_through_a_packages_init_counts_and_type_checking_imports_do_not(tmp_path):
   # evaluators/posthoc imported training.loop; training/__init__ imported trainer, which
   # imported posthoc back: `import dist_ens.evaluators.posthoc` alone failed.

@@ -62,7 +62,7 @@ _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|dat
 # does not hide an import): config/groups.py, evaluators/groups.py, plan/groups_plan.py.
 _GROUPS = re.compile(r"\bmember_groups\b|ensemble\.groups\b|\.groups\b(?!\()|\bgroups_lib\b|"
                      r"\bgroups_plan\b|dist_ens\.\w+\.groups\b|"
-                     r"from dist_ens\.\w+ import [^\n]*\bgroups\b")
+                     r"from dist_ens\.\w+ import (\([^)]*|[^\n]*)\bgroups\b")
 
 
 def _layer(module: str) -> int:
