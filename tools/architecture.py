@@ -23,8 +23,9 @@ Prints, for the package's modules:
   num_classes     modules naming `num_classes`;
   mesh_axes       modules naming the mesh's axes (MEMBER / DATA, or 'member' / 'data'
                   as a PartitionSpec or axis name);
-  member_groups   modules that name member groups (config.ensemble.groups, the
-                  member_groups module, a Parts' .groups or core/groups.py).
+  member_groups   modules that name member groups (config.ensemble.groups, a spec's
+                  .groups, or an import of the groups' own modules under any name:
+                  config/groups.py, evaluators/groups.py, plan/groups_plan.py).
 
   python tools/architecture.py --step [CONFIG]   # default: configs/default.py
 
