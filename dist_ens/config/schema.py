@@ -4,7 +4,7 @@ declares its own fields in its file (dist_ens/ensembles/<name>.py, registered in
 ensembles/methods.py's METHODS) as a module-level `FIELDS = dict(...)`, commented the same
 way: they are config.ensemble.<name>.* (`method_fields`, `method_defaults`). A config
 module's feature declares its own fields so too (config/groups.py), placed by get_config's
-`_declared_in(config.<section>, '<module>')` (`module_defaults`, `placed_modules`).
+`_declared_in(config.<section>, '<module>')` (`module_defaults`).
 
 A field's comment (the comment lines right above its assignment, then the one beside
 it) is its meaning; a check in brackets at the comment's end is what its value must be:
@@ -149,12 +149,15 @@ def _split_check(comment: str) -> tuple[str, Check | None]:
 CONFIG_DIR = Path(__file__).resolve().parent
 
 
-def _walk(source: str) -> tuple[list[tuple[str, ast.Assign | ast.keyword, str]], list[str]]:
-  """(assignments, the modules get_config() places fields of with `_declared_in`)."""
+def assignments(source: str) -> list[tuple[str, ast.Assign | ast.keyword, str]]:
+  """(dotted path, statement, comment) of every `config.x = ...` that get_config() makes,
+  in order: its own, those of the file's functions it calls as `_group(config)` (one
+  per group of fields), and where it calls `_declared_in(config.<section>, '<module>')`
+  the fields config/<module>.py's FIELDS declares (each keyword as the statement)."""
   tree = ast.parse(source)
   comments = _comments(source)
   functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
-  out, modules = [], []
+  out = []
 
   def walk(function: ast.FunctionDef) -> None:
     for stmt in function.body:
@@ -166,7 +169,6 @@ def _walk(source: str) -> tuple[list[tuple[str, ast.Assign | ast.keyword, str]],
           out.append((path, stmt, _comment_for(stmt, comments)))
       elif name == '_declared_in':  # _declared_in(config.<section>, '<module>')
         section, module = _dotted(call.args[0]), call.args[1].value
-        modules.append(module)
         module_source = (CONFIG_DIR / f'{module}.py').read_text()
         out.extend((f'{section}.{k.arg}', k, _comment_for(k, _comments(module_source)))
                    for k in _fields_dict(module_source).keywords)
@@ -174,15 +176,7 @@ def _walk(source: str) -> tuple[list[tuple[str, ast.Assign | ast.keyword, str]],
         walk(functions[name])
 
   walk(functions['get_config'])
-  return out, modules
-
-
-def assignments(source: str) -> list[tuple[str, ast.Assign | ast.keyword, str]]:
-  """(dotted path, statement, comment) of every `config.x = ...` that get_config() makes,
-  in order: its own, those of the file's functions it calls as `_group(config)` (one
-  per group of fields), and where it calls `_declared_in(config.<section>, '<module>')`
-  the fields config/<module>.py's FIELDS declares (each keyword as the statement)."""
-  return _walk(source)[0]
+  return out
 
 
 def fields(source: str) -> dict[str, Field]:
@@ -254,13 +248,6 @@ def method_defaults() -> dict[str, dict[str, Any]]:
   """group -> {field: default} of every method file that declares FIELDS (literals only)."""
   return {group: {k.arg: ast.literal_eval(k.value) for k in _fields_dict(source).keywords}
           for group, source in _method_sources().items()}
-
-
-@functools.cache
-def placed_modules(path: Path) -> tuple[str, ...]:
-  """The config modules whose fields the config file at `path` places (`_declared_in`):
-  each module's check(config) is theirs (config.checks.validate runs it)."""
-  return tuple(_walk(Path(path).read_text())[1])
 
 
 @functools.cache

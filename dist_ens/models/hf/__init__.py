@@ -21,7 +21,7 @@ import numpy as np
 from dist_ens.core.model import Model
 from dist_ens.errors import ConfigError
 from dist_ens.models.hf import bert, gpt2, llama, vit
-from dist_ens.models.hf.checkpoint import PREFIX, Tensors, is_hf, locate, read_config
+from dist_ens.models.hf.checkpoint import Tensors, is_hf, locate, read_config
 from dist_ens.models.hf.weights import Family, Lazy, load, make_model, nest
 
 ARCHITECTURES: dict[str, Family] = {
@@ -102,11 +102,6 @@ def from_hf(path: str) -> tuple[Model, Any]:
   where = f'from_hf({str(path)!r})'
   model = build(path, where=where)
   return model, nest({name: np.asarray(leaf) for name, leaf in load_leaves(path, where).items()})
-
-
-def hf_source(path: str) -> str:
-  """'hf:PATH' for a path (as config.model.init_from takes it)."""
-  return path if is_hf(path) else PREFIX + str(path)
 
 
 __all__ = ['ARCHITECTURES', 'build', 'from_hf', 'is_hf', 'load_leaves']
