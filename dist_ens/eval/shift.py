@@ -126,7 +126,7 @@ class PredictionEvaluator:
     variables = (members.params, members.model_state)
     member_mask = member_mask_from_frozen(members.frozen)
     sharding, size, n = batch_sharding(self.mesh), self.batch_size, len(split.y)
-    ids = (jnp.int32(corruption), jnp.int32(severity))
+    ids = (np.int32(corruption), np.int32(severity))  # host scalars: no eager program
     total, parts = None, []
     for start, valid in padded_chunks(n, size):
       x, y = (pad_rows(a[start:start + valid], size) for a in (split.x, split.y))

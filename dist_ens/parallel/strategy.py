@@ -72,9 +72,9 @@ def _abstract_forward(model, input_shape: Sequence[int], batch: int, dtype: Any 
   """One member's training-mode forward pass on `batch` examples (inputs of `dtype`:
   float32, or int32 token ids), and abstract arguments."""
   x = jax.ShapeDtypeStruct((batch, *input_shape), dtype)
-  params, state = jax.eval_shape(model.init, jax.random.key(0), x)
-  return (lambda p, s, x, k: model.apply(p, s, x, train=True, rng=k),
-          (params, state, x, jax.random.key(0)))
+  key = jax.eval_shape(lambda: jax.random.key(0))  # abstract: no program compiled or run
+  params, state = jax.eval_shape(model.init, key, x)
+  return lambda p, s, x, k: model.apply(p, s, x, train=True, rng=k), (params, state, x, key)
 
 
 def _nbytes(avals) -> int:

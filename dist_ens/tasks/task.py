@@ -148,13 +148,12 @@ def check_outputs(model: Any, input_shape: tuple[int, ...], num_outputs: int,
   evaluation mode a batch of 2 must give [2, *example_outputs] (default [2, num_outputs];
   a MIMO member gives its heads' mean there). `model` is a dist_ens.core.model.Model;
   `what` names its config field; `example_outputs` is Task.example_outputs."""
-  x = jnp.zeros((2, *input_shape), input_dtype)
-
-  def forward(key):
-    params, state = model.init(key, x)
+  def forward(x):  # Traced abstractly: nothing is compiled or run.
+    params, state = model.init(jax.random.key(0), x)
     return model.apply(params, state, x, train=False)[0]
 
-  got = tuple(jax.eval_shape(forward, jax.random.key(0)).shape)
+  got = tuple(jax.eval_shape(forward, jax.ShapeDtypeStruct((2, *input_shape),
+                                                           input_dtype)).shape)
   want = (2, *(example_outputs or (num_outputs,)))
   if got != want:
     raise ConfigError(f'{what} gives outputs of shape {got} for a batch of 2 inputs '
