@@ -219,17 +219,22 @@ reads = grain_loader.Reads(pipeline.HostReader(train, order, (slice(0, 16),)),
                            data.IteratorState(), workers=1)
 next(reads)
 print(*[p.pid for p in multiprocessing.active_children()], flush=True)
+print(*sorted(m for m in sys.modules if m.startswith('dist_ens.models')), flush=True)
 time.sleep(120)
 """
 
 
 def test_workers_exit_when_their_parent_is_killed(data_dir):
-  """kill -9 closes nothing: the workers notice their parent is gone and exit."""
+  """kill -9 closes nothing: the workers notice their parent is gone and exit. That
+  parent imported what a worker unpickles (the data package, a HostReader, a TFDS source)
+  and grain: not dist_ens.models (every model; data/text.py imports its HF checkpoint
+  reader only for a text set that names one), which a worker would import for nothing."""
   parent = subprocess.Popen([sys.executable, '-c', _KILLED_PARENT, data_dir], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True)
   try:
     workers = [int(p) for p in parent.stdout.readline().split()]
     assert workers
+    assert parent.stdout.readline().split() == []
   finally:
     parent.kill()
     parent.wait()

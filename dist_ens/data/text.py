@@ -32,13 +32,20 @@ import numpy as np
 from dist_ens.data.sources import Dataset, Split
 from dist_ens.data.spec import DataSpec
 from dist_ens.errors import ConfigError
-from dist_ens.models.hf.checkpoint import locate, read_config
 
 PREFIX = 'text:'
 TARGETS = ('label', 'next_token')
 FORMATS = ('.jsonl', '.npz')
 TOKENIZER = 'tokenizer.json'
 NEXT_TOKEN_PAD = -1  # tasks/token_classification.PAD_ID: targets never scored
+
+
+def _hf() -> Any:
+  """dist_ens.models.hf.checkpoint, imported when a text set names a checkpoint: importing
+  it runs dist_ens.models' __init__ (every model), which a process that only reads data,
+  a grain worker unpickling this package's HostReader, has no use for."""
+  from dist_ens.models.hf import checkpoint  # pylint: disable=g-import-not-at-top
+  return checkpoint
 
 
 class Sequences(NamedTuple):
@@ -155,7 +162,8 @@ class _Sources:
     """config.json of config.model.init_from='hf:PATH' ({} without one)."""
     if self._checkpoint is None:
       where = f'config.model.init_from={self.spec.checkpoint!r}'
-      self._checkpoint = (read_config(locate(self.spec.checkpoint, where), where)
+      hf = _hf()
+      self._checkpoint = (hf.read_config(hf.locate(self.spec.checkpoint, where), where)
                           if self.spec.checkpoint else {})
     return self._checkpoint
 
@@ -163,8 +171,9 @@ class _Sources:
     if self.spec.tokenizer:
       given = Path(self.spec.tokenizer).expanduser()
       return [given / TOKENIZER if given.is_dir() else given]
-    beside = ([locate(self.spec.checkpoint, f'config.model.init_from={self.spec.checkpoint!r}')
-               / TOKENIZER] if self.spec.checkpoint else [])
+    where = f'config.model.init_from={self.spec.checkpoint!r}'
+    beside = ([_hf().locate(self.spec.checkpoint, where) / TOKENIZER]
+              if self.spec.checkpoint else [])
     return beside + [self.folder / TOKENIZER]
 
   def tokenizer(self, asking: Path):
