@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import support
+
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from dist_ens.io import checkpoint
@@ -41,12 +43,16 @@ def _leaves():
   }
 
 
-def test_host_sums_are_the_device_programs_for_every_dtype():
+def test_host_sums_are_the_device_programs_for_every_dtype(monkeypatch):
+  """At the tests' -O0 and at the -O1 a run compiles the program at (once.py; on a CPU
+  checksums() no longer runs it, tests/test_once.py's check included)."""
   leaves = _leaves()
   host = dict(zip(leaves, checkpoint.checksums(list(leaves.values())), strict=True))
   assert all(checkpoint._on_host(leaf) for leaf in leaves.values())
-  device = {name: _device_checksum(leaf) for name, leaf in leaves.items()}
-  assert host == device
+  assert host == {name: _device_checksum(leaf) for name, leaf in leaves.items()}
+  monkeypatch.setenv('XLA_FLAGS', support.xla_flags(8).replace(support.LLVM_O0, ''))
+  assert once.options_for('cpu') == once.ONCE_COMPILER_OPTIONS
+  assert host == {name: _device_checksum(leaf) for name, leaf in leaves.items()}
   assert len({v for k, v in host.items() if k != 'empty'}) == len(leaves) - 1
 
 
