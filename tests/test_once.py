@@ -1,7 +1,8 @@
 """Programs run once per run compile at LLVM -O1 on a CPU (dist_ens/parallel/once.py) to
 the bits XLA's default optimisation gives (compiled with support.XLA_DEFAULT: the
 tests themselves compile at -O0, a level set in XLA_FLAGS, which once-run programs then
-keep): the checkpoint checksums (the init program: tests/test_step.py)."""
+keep): the checkpoint checksums' device program, which accelerators and leaves spread over
+processes run (the init program: tests/test_step.py)."""
 
 import jax
 import jax.numpy as jnp
@@ -30,13 +31,21 @@ def _numpy_checksum(leaf) -> int:
   return int(np.sum(words * factors % 2**32) % 2**32)
 
 
+def _device_checksums(leaves) -> list[int]:
+  """The device program's sums (an accelerator's, or a leaf spread over processes), at the
+  level once.options_for picks now."""
+  program = checkpoint._checksum_program(checkpoint._hashable(once.options_for('cpu')))
+  return [int(program(leaf)) for leaf in leaves]
+
+
 def test_checksums_are_the_saved_formats_sums_at_every_optimisation_level(monkeypatch):
   leaves = _leaves()
   expected = [_numpy_checksum(leaf) for leaf in leaves]
   assert len(set(expected)) == len(expected)
-  assert checkpoint.checksums(leaves) == expected  # The tests' -O0, from XLA_FLAGS.
+  assert checkpoint.checksums(leaves) == expected  # On a CPU numpy's (test_checksums).
+  assert _device_checksums(leaves) == expected  # The tests' -O0, from XLA_FLAGS.
   monkeypatch.setenv('XLA_FLAGS', support.xla_flags(8).replace(support.LLVM_O0, ''))
-  assert checkpoint.checksums(leaves) == expected  # -O1, once.ONCE_COMPILER_OPTIONS.
+  assert _device_checksums(leaves) == expected  # -O1, once.ONCE_COMPILER_OPTIONS.
   default = [int(jax.jit(checkpoint._checksum).lower(leaf).compile(
       compiler_options=support.XLA_DEFAULT)(leaf)) for leaf in leaves]
   assert default == expected
