@@ -74,6 +74,12 @@ class Model(NamedTuple):
   members_map: Callable[..., jax.Array] | None = None
 
 
+def init_shapes(model: Model, x: Any) -> tuple[Params, State]:
+  """model.init's (params, state) as ShapeDtypeStructs for inputs shaped like `x` (a
+  ShapeDtypeStruct): traced with its key made inside, so nothing is compiled or run."""
+  return jax.eval_shape(lambda x: model.init(jax.random.key(0), x), x)
+
+
 def stacked_axes(model: Model, params: Params) -> Any:
   """The vmap in_axes of `params` stacked over members: model.member_axes's, or 0."""
   return 0 if model.member_axes is None else model.member_axes(params)

@@ -56,7 +56,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from dist_ens.core.model import Model
+from dist_ens.core.model import Model, init_shapes
 from dist_ens.ensembles.method import Method, MethodSpec, int_field
 from dist_ens.errors import ConfigError
 from dist_ens.models import resnet
@@ -171,8 +171,8 @@ def _replaced(tree: PyTree, changes: dict[tuple, jax.Array]) -> PyTree:
 def base_widths(model_name: str, model: Model) -> tuple[int, ...]:
   """The base model's hidden widths (the MLP's units, the CNN's channels), read from the
   shapes of its params (the input's size does not change them)."""
-  sample = jnp.zeros((1, 8, 1), jnp.float32)  # [B, L, C]: the MLP flattens it.
-  params = jax.eval_shape(model.init, jax.random.key(0), sample)[0]
+  sample = jax.ShapeDtypeStruct((1, 8, 1), jnp.float32)  # [B, L, C]: the MLP flattens it.
+  params = init_shapes(model, sample)[0]
   if model_name == 'mlp':
     return tuple(int(layer['b'].shape[-1]) for layer in params[:-1])
   return tuple(int(conv['b'].shape[-1]) for conv in params['convs'])
@@ -207,7 +207,7 @@ def _member_model(spec: MethodSpec, model: Model, alpha: float, gamma: int) -> M
   if spec.model in RESNETS:
     if spec.model_spec is None:
       raise ValueError('packed needs MethodSpec.model_spec (specs.method_spec).')
-    head = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 8, 1)))[0]['head']
+    head = init_shapes(model, jax.ShapeDtypeStruct((1, 8, 1), jnp.float32))[0]['head']
     base = resnet.default_widths(spec.model_spec)
     names = ['stem'] + [f'stage {i + 1}' for i in range(len(base) - 1)]
     widths = tuple(member_width(w, members, alpha, gamma,

@@ -21,6 +21,7 @@ import numpy as np
 from absl import logging
 
 from dist_ens import data
+from dist_ens.core.model import init_shapes
 from dist_ens.ensembles import distill, students
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate
@@ -159,13 +160,13 @@ def _cost(call: Call, net: students.StudentNet, params: Any, included: np.ndarra
   count = lambda tree: int(sum(np.prod(leaf.shape) for leaf in jax.tree.leaves(tree)))
   flops = lambda model: strategy.forward_flops(model, parts.input_shape, _COST_BATCH,
                                                parts.input_dtype)
-  sample = jnp.zeros((1, *parts.input_shape), parts.input_dtype)
+  sample = jax.ShapeDtypeStruct((1, *parts.input_shape), parts.input_dtype)
   ensemble_params, ensemble_flops = 0, 0
   for stack in parts.stacks:
     members = int(included[stack.first_member:stack.first_member + stack.num_members].sum())
     if members:
       ensemble_params += members * count(
-          jax.eval_shape(stack.model.init, jax.random.key(0), sample)[0])
+          init_shapes(stack.model, sample)[0])
       member_flops = flops(stack.model)
       ensemble_flops = (None if ensemble_flops is None or member_flops is None
                         else ensemble_flops + members * member_flops)

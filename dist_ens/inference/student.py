@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dist_ens.core.model import Model
+from dist_ens.core.model import Model, init_shapes
 from dist_ens.ensembles import students
 from dist_ens.eval.evaluate import pad_rows, padded_chunks
 from dist_ens.io import student_file
@@ -90,6 +90,6 @@ def load_student(workdir: str | Path, member_model: Model,
   net = students.make_student(meta['kind'], member_model, meta['num_outputs'],
                               meta['num_heads'])
   sample = jax.ShapeDtypeStruct((1, *meta['input_shape']), np.dtype(meta['input_dtype']))
-  shapes = jax.eval_shape(net.init, jax.random.key(0), sample)
+  shapes = init_shapes(net, sample)
   params, state = student_file.read_variables(Path(workdir), *shapes)
   return Student(net, params, state, meta, preprocess, batch_size)

@@ -34,7 +34,7 @@ from dist_ens.config import groups as member_groups
 from dist_ens.config import checks
 from dist_ens.io.checkpoint import Checkpointer
 from dist_ens.core import hparams as hparams_lib, stacks as stacks_lib
-from dist_ens.core.model import Model
+from dist_ens.core.model import Model, init_shapes
 from dist_ens.core.optim import Optimizer, SpecError, make_optimizer
 from dist_ens.core.state import TrainState, init_state
 from dist_ens.ensembles import methods, stored
@@ -252,8 +252,7 @@ def build_parts(config: ml_collections.ConfigDict, mesh: Mesh, input_shape: Sequ
     model = method.wrap_model(model, task)
   input_shape = tuple(int(d) for d in input_shape)
   sample_x = jax.ShapeDtypeStruct((1, *input_shape), input_dtype)
-  one_member = lambda: jax.eval_shape(model.init, jax.random.key(0),
-                                      jnp.zeros(sample_x.shape, input_dtype))[0]
+  one_member = lambda: init_shapes(model, sample_x)[0]
   if method.own != 'all':  # config.ensemble.own: the leaves members own, the rest shared.
     method = methods.with_owned(method, one_member(), num_outputs * method.outputs_per_output)
   optimizer = _optimizer(config, method, optimizer)
