@@ -114,15 +114,28 @@ def _initial_priors(config):
   return jax.tree.map(np.asarray, state.model_state.prior_params)
 
 
-def test_priors_are_drawn_per_member_and_never_change_on_any_mesh(loaded, micro_batched):
+@pytest.fixture(scope='module')
+def initial():
+  """The priors of _config()'s initial state (mesh 8x1), for both tests of them."""
+  return _initial_priors(_config())
+
+
+# The property "drawn per member, never changed on any mesh" is checked by the next two
+# tests: the run and its resume (mesh 8x1), then meshes 4x2 and 2x4 (micro-batched). Two
+# tests, not one, so each holds one half of the module's fixtures (the runs, then the
+# micro-batched steps): one test held both, 15 s of CI's fast tier.
+def test_priors_are_drawn_per_member_and_never_change_through_a_run_or_its_resume(
+    loaded, initial):
   drawn = _drawn_priors(_config())
   assert not np.allclose(drawn[0][0]['w'], drawn[1][0]['w'])  # each member its own
-  initial = _initial_priors(_config())
   for m in range(M):  # The init program's draw is (seed, m)'s (its erf_inv rounds apart).
     for got, want in zip(jax.tree.leaves(initial), jax.tree.leaves(drawn[m])):
       np.testing.assert_allclose(got[m], want, rtol=1e-6, atol=1e-7)
   for name in ('straight', 'resumed'):  # 4 steps on mesh 8x1, bootstrap member orders
     support.assert_trees_equal(loaded[name].model_state.prior_params, initial)
+
+
+def test_priors_never_change_on_other_meshes_or_through_micro_batches(initial, micro_batched):
   start, end = _stepped(_config(4, 2))  # mesh 4x2: the same draw, kept
   support.assert_trees_equal(start.model_state.prior_params, initial)
   support.assert_trees_equal(end.model_state.prior_params, initial)
