@@ -102,20 +102,32 @@ def test_no_weight_draws_is_an_empty_stack_for_every_form(kind):
   assert noise.shape == (0, f1, c)
 
 
+def _trained(tmp_path_factory, name, config):
+  workdir = tmp_path_factory.mktemp('laplace_predict') / name
+  return workdir, dist_ens.train(config, str(workdir), dataset=DATASET)
+
+
+# (workdir, final metrics) of each fit: probit with a validation split (kron), draws
+# without (diag, full). One fixture each, not one for all three: the first test to read a
+# run pays for that run alone (one fixture held all three, 17 s of one test's setup).
 @pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-  """{kind: (workdir, final metrics)}: probit with a validation split, draws without."""
-  root, out = tmp_path_factory.mktemp('laplace_predict'), {}
-  for name, config in (('kron', _config('last_layer_kron')),
-                       ('diag', _config('last_layer_diag', samples=8, validation=0)),
-                       ('full', _config('last_layer_full', samples=4))):
-    out[name] = (root / name, dist_ens.train(config, str(root / name), dataset=DATASET))
-  return out
+def kron_run(tmp_path_factory):
+  return _trained(tmp_path_factory, 'kron', _config('last_layer_kron'))
+
+
+@pytest.fixture(scope='module')
+def diag_run(tmp_path_factory):
+  return _trained(tmp_path_factory, 'diag', _config('last_layer_diag', samples=8, validation=0))
+
+
+@pytest.fixture(scope='module')
+def full_run(tmp_path_factory):
+  return _trained(tmp_path_factory, 'full', _config('last_layer_full', samples=4))
 
 
 @pytest.mark.parametrize('name', ['kron', 'diag', 'full'])
-def test_predict_with_laplace_gives_the_reported_test_metrics(runs, name):
-  workdir, final = runs[name]
+def test_predict_with_laplace_gives_the_reported_test_metrics(request, name):
+  workdir, final = request.getfixturevalue(f'{name}_run')
   assert (workdir / laplace_file.FILE).is_file()
   ens = dist_ens.Ensemble.load(workdir)
   assert ens.mesh.shape['member'] == 4 and ens.mesh.shape['data'] == 2
@@ -127,15 +139,15 @@ def test_predict_with_laplace_gives_the_reported_test_metrics(runs, name):
   assert not np.allclose(plain.member_probs, out.member_probs, atol=1e-4)
 
 
-def test_another_mesh_and_batch_size_predict_the_same(runs):
-  workdir, final = runs['diag']
+def test_another_mesh_and_batch_size_predict_the_same(diag_run):
+  workdir, final = diag_run
   ens = dist_ens.Ensemble.load(workdir, mesh={'member': 2, 'data': 4})
   out = ens.predict(DATASET.test.x, batch_size=24, preprocessed=True, laplace=True)
   _assert_reported(final['laplace'], out.member_probs, out.probs, DATASET.test.y)
 
 
-def test_the_weight_draws_give_the_reported_joint_log_loss(runs):
-  workdir, final = runs['diag']
+def test_the_weight_draws_give_the_reported_joint_log_loss(diag_run):
+  workdir, final = diag_run
   ens = dist_ens.Ensemble.load(workdir)
   draws = np.asarray(ens.laplace_samples(DATASET.test.x, preprocessed=True), np.float64)
   m, s, n, _ = draws.shape
@@ -154,8 +166,8 @@ def test_the_weight_draws_give_the_reported_joint_log_loss(runs):
                              rtol=1e-5)
 
 
-def test_the_file_holds_one_posterior_per_member(runs):
-  workdir, final = runs['kron']
+def test_the_file_holds_one_posterior_per_member(kron_run):
+  workdir, final = kron_run
   saved = np.load(workdir / laplace_file.FILE)
   assert str(saved['kind']) == 'last_layer_kron' and int(saved['samples']) == 0
   np.testing.assert_allclose(saved['prior_precision'], final['laplace']['prior_precision'],
@@ -181,8 +193,8 @@ def test_a_run_without_laplace_is_refused_in_one_line(tiny_run):
   assert ens.predict(test_x[:3], preprocessed=True).probs.shape == (3, 10)
 
 
-def test_draws_of_a_probit_fit_are_refused_in_one_line(runs):
-  ens = dist_ens.Ensemble.load(runs['kron'][0])
+def test_draws_of_a_probit_fit_are_refused_in_one_line(kron_run):
+  ens = dist_ens.Ensemble.load(kron_run[0])
   _refused(ens, r'eval\.laplace_samples=k > 0',
            lambda e: e.laplace_samples(DATASET.test.x, preprocessed=True))
 
