@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import support
+
 from dist_ens.data import corruptions as cor
 from dist_ens.errors import ConfigError
 
@@ -89,40 +91,81 @@ def test_keys_depend_on_seed_corruption_severity_and_index_only():
   np.testing.assert_array_equal(data(0, 1, 2, jnp.asarray(3)), base)
 
 
-# Bits of two differently built programs: XLA's default level keeps them, -O0 not. One
-# test for both such properties: each runs in a child process compiled at that level
-# (tests/conftest.py), whose start (~2.5 CPU s) and all-families program (6-7 CPU s to
-# compile at XLA's default level) they share.
-@pytest.mark.xla_default
-def test_examples_ignore_sharding_order_and_members_and_named_families_keep_their_bits():
-  """Bitwise: the same examples under any sharding, order, batch or member count; and a
-  program of the named families gives each family's bits (_check_named_families)."""
+# Bits of two differently built programs: XLA's default level, at which runs compile, keeps
+# them, the suite's -O0 does not (zoom_blur's and elastic_transform's on a mesh). These
+# programs compile at that level in this process (support.XLA_DEFAULT), not in a child
+# process at it (~5 s of start, imports and collection). Every family's program there is
+# most of the time (6-11 CPU s: shot_noise's Poisson draw alone is half): the three tests
+# below share it, and the first, the cheapest otherwise, compiles it.
+_every_family_at_default = jax.jit(cor.corrupt_batch, compiler_options=support.XLA_DEFAULT)
+
+
+def _all_at_default(x, index, corruptions, severities, seed=0):
+  """_all's {(name, severity): corrupted batch} from the program of every family compiled at
+  XLA's default level (traced as _corrupt traces it)."""
+  return {(n, s): np.asarray(_every_family_at_default(
+      x, index, jnp.int32(cor.corruption_id(n)), jnp.int32(s), seed, (0.0, 1.0)))
+          for n in corruptions for s in severities}
+
+
+def _reference():
+  """(images, their example indices, every family's output at severity 3): the examples the
+  tests of bits below corrupt, from the program of every family at XLA's default level."""
   x, index = _images(), jnp.arange(100, 100 + B)
-  names = cor.CORRUPTIONS
-  ref = _all(x, index, names, [3])
+  return x, index, _all_at_default(x, index, cor.CORRUPTIONS, [3])
+
+
+def test_examples_ignore_order_and_batch_at_xla_default():
+  """Bitwise: an example's corruption is the same in any order and among any other
+  examples of a batch."""
+  x, index, ref = _reference()
+  x, index, names = np.asarray(x), np.asarray(index), cor.CORRUPTIONS  # no eager programs
   perm = np.random.default_rng(0).permutation(B)
-  shuffled = _all(x[perm], index[perm], names, [3])
+  shuffled = _all_at_default(x[perm], index[perm], names, [3])
   # Example 5 at the front of a batch of other examples.
-  others = _images(seed=7).at[0].set(x[5])
-  elsewhere = _all(others, jnp.arange(200, 200 + B).at[0].set(index[5]), names, [3])
+  others, others_index = np.array(_images(seed=7)), np.arange(200, 200 + B, dtype=np.int32)
+  others[0], others_index[0] = x[5], index[5]
+  elsewhere = _all_at_default(others, others_index, names, [3])
   for key in ref:
     np.testing.assert_array_equal(shuffled[key], ref[key][perm], err_msg=f'permuted {key}')
     np.testing.assert_array_equal(elsewhere[key][0], ref[key][5], err_msg=f'other batch {key}')
-  # On a run's mesh, as its shift evaluation corrupts (eval/shift.py's predict step, before
-  # the members' forward): the batch split over 4 devices of 'data' and copied to both
-  # shards of 'member'. Every device's copy holds the reference's bits (M = 1, no mesh).
-  # (A second all-families program at XLA's default level is most of this test's time;
-  # the product's layout costs ~60% of a program vmapped over members, which no run uses.)
+
+
+def test_named_families_keep_their_bits_at_xla_default():
+  """A run compiles only the families eval.shift names (corrupt_batch's families): each
+  gives the bits it gives in the program of every family, for every severity."""
+  x, index = _images(), jnp.arange(B)
+  named = ('gaussian_noise', 'contrast', 'zoom_blur')
+  ids = tuple(cor.corruption_id(n) for n in named)
+  alone = jax.jit(lambda x, c, s: cor.corrupt_batch(x, index, c, s, 0, families=ids),
+                  compiler_options=support.XLA_DEFAULT)
+  every = _all_at_default(x, index, named, SEVERITIES)
+  for name in named:
+    for s in SEVERITIES:
+      np.testing.assert_array_equal(alone(x, jnp.int32(cor.corruption_id(name)), jnp.int32(s)),
+                                    every[name, s], err_msg=f'{name}:{s}')
+  # A concrete id compiles its own family alone, to the same bits.
+  np.testing.assert_array_equal(
+      jax.jit(lambda x: cor.corrupt_batch(x, index, ids[1], 2, 0),
+              compiler_options=support.XLA_DEFAULT)(x), every[named[1], 2])
+
+
+def test_examples_ignore_sharding_and_member_count_at_xla_default():
+  """Bitwise: on a run's mesh, as its shift evaluation corrupts (eval/shift.py's predict
+  step, before the members' forward), the batch split over 4 devices of 'data' and copied
+  to both shards of 'member': every device's copy holds the bits of the program of every
+  family without a mesh (M = 1)."""
+  x, index, ref = _reference()
+  # (The product's layout costs ~60% of a program vmapped over members, which no run uses.)
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ('member', 'data'))
-  on_mesh = jax.jit(cor.corrupt_batch)  # not _corrupt: a new sharding is a new trace
+  on_mesh = jax.jit(cor.corrupt_batch, compiler_options=support.XLA_DEFAULT)
   xs, ids = (jax.device_put(a, NamedSharding(mesh, P('data'))) for a in (x, index))
-  for name in names:
+  for name in cor.CORRUPTIONS:
     got = on_mesh(xs, ids, cor.corruption_id(name), 3, 0)
     assert len(got.addressable_shards) == 8
     for shard in got.addressable_shards:
       np.testing.assert_array_equal(np.asarray(shard.data), ref[name, 3][shard.index],
                                     err_msg=f'{name} on {shard.device}')
-  _check_named_families()
 
 
 def test_one_trace_serves_every_corruption_and_severity():
@@ -201,24 +244,6 @@ def test_families_against_numpy_formulas():
   # impulse: about `amount` of the values become 0 or 1, the rest unchanged.
   out = _family('impulse_noise', rng.uniform(0.1, 0.9, (64, 64, 3)).astype(np.float32), 0.05)
   assert abs(np.isin(out, (0.0, 1.0)).mean() - 0.05) < 0.01
-
-
-def _check_named_families():
-  """A run compiles only the families eval.shift names (corrupt_batch's families): each
-  gives the bits it gives in the program of every family, for every severity."""
-  x, index = _images(), jnp.arange(B)
-  named = ('gaussian_noise', 'contrast', 'zoom_blur')
-  ids = tuple(cor.corruption_id(n) for n in named)
-  alone = jax.jit(lambda x, c, s: cor.corrupt_batch(x, index, c, s, 0, families=ids))
-  for name in named:
-    for s in SEVERITIES:
-      want = _corrupt(x, index, cor.corruption_id(name), s, 0)  # every family's program
-      np.testing.assert_array_equal(alone(x, jnp.int32(cor.corruption_id(name)), jnp.int32(s)),
-                                    want, err_msg=f'{name}:{s}')
-  # A concrete id compiles its own family alone, to the same bits.
-  np.testing.assert_array_equal(
-      jax.jit(lambda x: cor.corrupt_batch(x, index, ids[1], 2, 0))(x),
-      _corrupt(x, index, ids[1], 2, 0))
 
 
 def test_a_traced_id_outside_the_named_families_gives_nan_not_another_family():
