@@ -197,27 +197,44 @@ def test_equinox_batchnorm_trains_end_to_end(tmp_path, mnist1d):
   _check_trained(results, tmp_path, mnist1d)
 
 
+@pytest.fixture(scope='module')
+def linen_run(tmp_path_factory):
+  """(workdir, results) of the small linen ResNet (BatchNorm, dropout) trained 60 steps,
+  saved at 30 and 60: read by the two tests below, the first paying for it."""
+  workdir = tmp_path_factory.mktemp('linen') / 'straight'
+  config = _train_config('flax_linen_resnet', **SMALL['flax_linen_resnet'])
+  return workdir, dist_ens.train(config, str(workdir))
+
+
 @_needs('flax_linen_resnet')
-def test_linen_batchnorm_dropout_members_predict_and_resume(tmp_path, mnist1d):
-  """Trains; BN statistics per member; predict = softmax(eval logits); resumed from what a
-  kill after its step-30 checkpoint leaves, the run ends at step 60 bit for bit."""
-  straight = tmp_path / 'straight'
-  small = SMALL['flax_linen_resnet']
-  results = dist_ens.train(_train_config('flax_linen_resnet', **small), str(straight))
+def test_linen_batchnorm_dropout_members_train(linen_run, mnist1d):
+  """Trains (through the adapter: learned, one trace, loads, predicts what it reported,
+  exports); BN statistics per member."""
+  straight, results = linen_run
   ens = _check_trained(results, straight, mnist1d)
+  channels = SMALL['flax_linen_resnet']['channels']
+  means = np.asarray(ens.model_state['batch_stats']['BatchNorm_0']['mean'])
+  assert means.shape == (4, channels) and all(_differs(means[i], means[i + 1]) for i in range(3))
+
+
+@_needs('flax_linen_resnet')
+def test_linen_batchnorm_dropout_members_predict_and_resume(linen_run, mnist1d, tmp_path):
+  """The linen run (test_linen_batchnorm_dropout_members_train's): predict =
+  softmax(eval logits); resumed from what a kill after its step-30 checkpoint leaves, it
+  ends at step 60 bit for bit (BatchNorm statistics included). Two tests, not one, so
+  neither holds the run's training, its checks and its resume all at once."""
+  straight, _ = linen_run
+  ens = dist_ens.Ensemble.load(straight)
+  x = mnist1d.test.x[:100]
+  params, state = jax.device_get((ens.params, ens.model_state))
+  logits = jax.jit(jax.vmap(lambda p, s: ens.model.apply(p, s, x, train=False)[0]))(params, state)
+  np.testing.assert_allclose(ens.predict(x).member_probs, jax.nn.softmax(logits, -1),
+                             rtol=1e-4, atol=1e-6)
   resumed = runs.killed_after(straight, 30, tmp_path / 'resumed')
-  dist_ens.train(_train_config('flax_linen_resnet', **small), str(resumed))
+  dist_ens.train(_train_config('flax_linen_resnet', **SMALL['flax_linen_resnet']), str(resumed))
   ens_resumed = dist_ens.Ensemble.load(resumed)
   assert ens.step == ens_resumed.step == 60
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(ens.params),
                jax.device_get(ens_resumed.params))
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(ens.model_state),
                jax.device_get(ens_resumed.model_state))
-
-  means = np.asarray(ens.model_state['batch_stats']['BatchNorm_0']['mean'])
-  assert means.shape == (4, small['channels']) and all(_differs(means[i], means[i + 1]) for i in range(3))
-  x = mnist1d.test.x[:100]
-  params, state = jax.device_get((ens.params, ens.model_state))
-  logits = jax.jit(jax.vmap(lambda p, s: ens.model.apply(p, s, x, train=False)[0]))(params, state)
-  np.testing.assert_allclose(ens.predict(x).member_probs, jax.nn.softmax(logits, -1),
-                             rtol=1e-4, atol=1e-6)
