@@ -61,6 +61,20 @@ def test_topology_does_not_change_results(tmp_path, reference, member, data):
   _assert_results_as_the_references(result, reference, member, data)
 
 
+def test_member_does_not_depend_on_ensemble_size(tmp_path, reference):
+  three = _run(tmp_path, 'three', devices=jax.devices()[:1], num_members=3)
+  for metric in ('nll', 'accuracy', 'ece'):
+    np.testing.assert_allclose(three['members'][metric], reference['members'][metric][:3],
+                               atol=1e-6)
+
+
+def test_seed_changes_members(tmp_path, reference):
+  other = _run(tmp_path, 'seed', devices=jax.devices()[:1], seed=1)
+  assert not np.allclose(other['members']['nll'], reference['members']['nll'])
+
+
+# After the two tests above, not before: the first test to read `reference` pays for its
+# training, and this one trains two runs of its own.
 def test_steps_per_call_and_resume_across_it_keep_results(tmp_path, reference):
   """5 steps per call on a 2x4 mesh: the first 10 steps, then resumed with 2 per call; the
   results are the 1-device reference's as test_topology_does_not_change_results checks
@@ -76,18 +90,6 @@ def test_steps_per_call_and_resume_across_it_keep_results(tmp_path, reference):
   with pytest.raises(ConfigError, match='steps_per_call=3 does not divide'):
     _run(tmp_path, 'w', train__steps=30, train__log_every=30, checkpoint__every=30,
          train__steps_per_call=3)
-
-
-def test_member_does_not_depend_on_ensemble_size(tmp_path, reference):
-  three = _run(tmp_path, 'three', devices=jax.devices()[:1], num_members=3)
-  for metric in ('nll', 'accuracy', 'ece'):
-    np.testing.assert_allclose(three['members'][metric], reference['members'][metric][:3],
-                               atol=1e-6)
-
-
-def test_seed_changes_members(tmp_path, reference):
-  other = _run(tmp_path, 'seed', devices=jax.devices()[:1], seed=1)
-  assert not np.allclose(other['members']['nll'], reference['members']['nll'])
 
 
 def test_workdir_files(tiny_run):
