@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 
-from runs import killed_after
+from runs import copy, killed_after
 import support
 
 import dist_ens
@@ -262,41 +262,33 @@ def _stored(ens):
   return jax.device_get(ens._stored)  # pylint: disable=protected-access
 
 
-@pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-  """A straight 8-step Cauchy run (with shift), and the same run resumed from what a kill
-  after its step-4 checkpoint leaves: the resume test and the load/predict test read them
-  (2 runs)."""
-  root = tmp_path_factory.mktemp('rank1')
-  config = lambda: _config(**{'ensemble.rank1.prior': 'cauchy', 'eval.shift': 'gaussian_noise:1'})
-  straight = _train(config(), root / 'a')
-  resumed = _train(config(), killed_after(root / 'a', 4, root / 'b'))
-  return root, straight, resumed
+# The runs' one hidden layer of 16 (not _config's two): one shared W per kernel holds on
+# two kernels as on three, and the init and predict programs compile faster.
+def _run_config():
+  return _config(**{'ensemble.rank1.prior': 'cauchy', 'eval.shift': 'gaussian_noise:1',
+                    'model.widths': (16,)})
+
+
+_LAYERS = ((40, 16), (16, 10))
 
 
 @pytest.fixture(scope='module')
-def trained(runs):
+def straight_run(tmp_path_factory):
+  """(workdir, final metrics) of a straight 8-step Cauchy run with shift: the load/predict
+  test reads it; the resume test resumes a copy of it killed after its step-4 checkpoint."""
+  workdir = tmp_path_factory.mktemp('rank1') / 'a'
+  return workdir, _train(_run_config(), workdir)
+
+
+@pytest.fixture(scope='module')
+def trained(straight_run):
   """The straight run loaded on one device, once for both tests that read it."""
-  return Ensemble.load(runs[0] / 'a', devices=jax.devices()[:1])
+  return Ensemble.load(straight_run[0], devices=jax.devices()[:1])
 
 
-def test_one_shared_w_per_kernel_factors_per_member_and_resume_is_exact(runs, trained):
-  root, straight, resumed = runs
-  assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
-  support.assert_trees_equal(_stored(trained),
-                             _stored(Ensemble.load(root / 'b', devices=jax.devices()[:1])))
-  p = _stored(trained)
-  for layer, (n_in, n_out) in zip(p.base, ((40, 32), (32, 16), (16, 10))):
-    assert set(layer['w']) == {'shared'} and layer['w']['shared'].shape == (n_in, n_out)
-    assert layer['b']['own'].shape == (2, n_out)
-  for f, (n_in, n_out) in zip(p.factors, ((40, 32), (32, 16), (16, 10))):
-    assert f['s_loc']['own'].shape == (2, n_in) and f['r_rho']['own'].shape == (2, n_out)
-    assert not np.array_equal(f['s_loc']['own'][0], f['s_loc']['own'][1])
-
-
-def test_ensemble_load_predicts_the_mixture_of_the_members_fixed_draws_and_exports(runs,
-                                                                                  trained):
-  root, result = runs[0] / 'a', runs[1]
+def test_ensemble_load_predicts_the_mixture_of_the_members_fixed_draws_and_exports(
+    straight_run, trained, tmp_path):
+  result = straight_run[1]
   assert result['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
   assert result['joint']['ensemble'] > 0
   ens = trained
@@ -311,11 +303,27 @@ def test_ensemble_load_predicts_the_mixture_of_the_members_fixed_draws_and_expor
       values = [_draw(f, {k: n[k][e] for k in n}) for f, n in zip(params.factors, state.noise)]
       probs.append(np.exp(_log_softmax(_numpy_forward(params.base, values, test.x))))
   np.testing.assert_allclose(prediction.probs, np.mean(probs, 0), atol=2e-5)
-  paths = ens.export(root / 'members')
+  paths = ens.export(tmp_path / 'members')
   for m in range(2):  # Each member's draws (its posterior, W, factors and biases: the matrix).
     jax.tree.map(np.testing.assert_array_equal,
                  dist_ens.load_member(paths[m].with_name(f'member_{m}_state.npz')),
                  {'noise': ens.member_state(m).noise})
+
+
+def test_one_shared_w_per_kernel_factors_per_member_and_resume_is_exact(straight_run, trained,
+                                                                        tmp_path):
+  resumed = _train(_run_config(), killed_after(straight_run, 4, tmp_path / 'b'))
+  assert resumed['step'] == STEPS and resumed['ensemble'] == straight_run[1]['ensemble']
+  support.assert_trees_equal(_stored(trained),
+                             _stored(Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])))
+  p = _stored(trained)
+  assert len(p.base) == len(p.factors) == len(_LAYERS)
+  for layer, (n_in, n_out) in zip(p.base, _LAYERS):
+    assert set(layer['w']) == {'shared'} and layer['w']['shared'].shape == (n_in, n_out)
+    assert layer['b']['own'].shape == (2, n_out)
+  for f, (n_in, n_out) in zip(p.factors, _LAYERS):
+    assert f['s_loc']['own'].shape == (2, n_in) and f['r_rho']['own'].shape == (2, n_out)
+    assert not np.array_equal(f['s_loc']['own'][0], f['s_loc']['own'][1])
 
 
 # The report's drawing (matplotlib, 2-3 CPU s) is the same for every method; what is
@@ -324,8 +332,8 @@ def test_ensemble_load_predicts_the_mixture_of_the_members_fixed_draws_and_expor
 # test_masksembles' load/predict/export/report check (support.check_load_predict_export)
 # and test_report.
 @pytest.mark.slow
-def test_the_report_of_a_rank1_run_names_it(runs):
-  root = runs[0] / 'a'
+def test_the_report_of_a_rank1_run_names_it(straight_run, tmp_path):
+  root = copy(straight_run, tmp_path / 'a')  # a report writes into its run
   assert report.make_report(root) == root / 'report'
   assert '2 x mlp on mnist1d' in (root / 'report' / 'report.md').read_text()
 
