@@ -207,29 +207,29 @@ def linen_run(tmp_path_factory):
 
 
 @_needs('flax_linen_resnet')
-def test_linen_batchnorm_dropout_members_train(linen_run, mnist1d):
-  """Trains (through the adapter: learned, one trace, loads, predicts what it reported,
-  exports); BN statistics per member."""
-  straight, results = linen_run
-  ens = _check_trained(results, straight, mnist1d)
+def test_linen_batchnorm_dropout_members_train_and_predict(linen_run, mnist1d):
+  """BN statistics per member; predict = softmax(eval logits)."""
+  straight, _ = linen_run
+  ens = dist_ens.Ensemble.load(straight)
   channels = SMALL['flax_linen_resnet']['channels']
   means = np.asarray(ens.model_state['batch_stats']['BatchNorm_0']['mean'])
   assert means.shape == (4, channels) and all(_differs(means[i], means[i + 1]) for i in range(3))
-
-
-@_needs('flax_linen_resnet')
-def test_linen_batchnorm_dropout_members_predict_and_resume(linen_run, mnist1d, tmp_path):
-  """The linen run (test_linen_batchnorm_dropout_members_train's): predict =
-  softmax(eval logits); resumed from what a kill after its step-30 checkpoint leaves, it
-  ends at step 60 bit for bit (BatchNorm statistics included). Two tests, not one, so
-  neither holds the run's training, its checks and its resume all at once."""
-  straight, _ = linen_run
-  ens = dist_ens.Ensemble.load(straight)
   x = mnist1d.test.x[:100]
   params, state = jax.device_get((ens.params, ens.model_state))
   logits = jax.jit(jax.vmap(lambda p, s: ens.model.apply(p, s, x, train=False)[0]))(params, state)
   np.testing.assert_allclose(ens.predict(x).member_probs, jax.nn.softmax(logits, -1),
                              rtol=1e-4, atol=1e-6)
+
+
+@_needs('flax_linen_resnet')
+def test_linen_batchnorm_dropout_members_predict_and_resume(linen_run, mnist1d, tmp_path):
+  """The linen run trained (learned, one trace) and, through the adapter, loads, predicts
+  what it reported and exports (_check_trained); resumed from what a kill after its step-30
+  checkpoint leaves, it ends at step 60 bit for bit (BatchNorm statistics included). Two
+  tests, not one, share the run, so neither holds its training, its checks and its resume
+  all at once (one test did: 11 s of CI's fast tier)."""
+  straight, results = linen_run
+  ens = _check_trained(results, straight, mnist1d)
   resumed = runs.killed_after(straight, 30, tmp_path / 'resumed')
   dist_ens.train(_train_config('flax_linen_resnet', **SMALL['flax_linen_resnet']), str(resumed))
   ens_resumed = dist_ens.Ensemble.load(resumed)
