@@ -372,7 +372,7 @@ def _named(tree):
 
 
 def _member(ens, m):
-  return jax.tree.map(lambda a: np.asarray(a[m]), (ens.params, ens.model_state))
+  return jax.tree.map(lambda a: np.asarray(a)[m], (ens.params, ens.model_state))  # no eager slices
 
 
 def _numpy_probs(ens, m, x, options):
