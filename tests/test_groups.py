@@ -53,7 +53,11 @@ def _config(groups=GROUPS, **fields):
 
 def _single(group, **fields):
   """The run without groups whose model and optimizer are `group`'s: its members of the
-  group's ids are the group's members."""
+  group's ids are the group's members. Its num_members (support.config's 4 unless `fields`
+  set it) need only reach the group's last id: the first group's members (ids 0-1) are
+  those of a 2-member run too, which runs on the grouped run's member axis (2) and reads
+  most of its programs from the persistent cache where the grouped run compiled them (half
+  the time of a 4-member run, bit for bit the same members)."""
   config = support.config(**{'reproducible': True, **fields})
   for key in ('model', 'optim'):
     for field, value in group.get(key, {}).items():
@@ -66,53 +70,54 @@ def _stored(workdir):
 
 
 @pytest.fixture(scope='module')
-def grouped(tmp_path_factory):
-  """The shared grouped run (_config(**POSTHOC, **DISTILL)), preempted after step 2 and
-  resumed to the end: (workdir, the resumed session's results). test_a_groups_members_equal_... compares
-  it bit for bit with runs without groups that were never interrupted (`singles`), so it
-  proves too that an interrupted grouped run resumes to the uninterrupted state."""
+def preempted(tmp_path_factory):
+  """The shared grouped run (_config(**POSTHOC, **DISTILL)) preempted after step 2:
+  (workdir, the session's results). `grouped` resumes it."""
   workdir = tmp_path_factory.mktemp('grouped')
-  stopped = dist_ens.train(_config(**POSTHOC, **DISTILL), str(workdir),
-                           actions=[support.PreemptAt(2)])
-  assert stopped['preempted'] and stopped['step'] == 2 and 'distill' not in stopped
+  return workdir, dist_ens.train(_config(**POSTHOC, **DISTILL), str(workdir),
+                                 actions=[support.PreemptAt(2)])
+
+
+@pytest.fixture(scope='module')
+def grouped(preempted):
+  """The shared grouped run, `preempted` resumed to the end: (workdir, the resumed
+  session's results). test_a_groups_members_equal_... compares it bit for bit with runs
+  without groups that were never interrupted (`singles`), so it proves too that an
+  interrupted grouped run resumes to the uninterrupted state."""
+  workdir, _ = preempted
   return workdir, dist_ens.train(_config(**POSTHOC, **DISTILL), str(workdir))
+
+
+# The first test to read `preempted` (it trains the preempted session); the next, the first
+# to read `grouped`, pays for the resume.
+def test_a_preempted_grouped_run_stops_at_its_step_before_any_post_hoc_step(preempted):
+  _, stopped = preempted
+  assert stopped['preempted'] and stopped['step'] == 2 and 'distill' not in stopped
 
 
 @pytest.fixture(scope='module')
 def singles(tmp_path_factory):
   """For each of GROUPS, the shared run's config without groups whose model and optimizer
-  are the group's (_single): [(workdir, results)]. Also the pretrained sources of
+  are the group's (_single): singles(g) is group g's (workdir, results), trained the first
+  time a test asks for it, so that each case of test_a_groups_members_equal_... pays for
+  its own group's run. Also the pretrained sources of
   test_each_group_adapts_its_own_pretrained_backbone (a (16,) and an (8, 8) run)."""
-  workdirs = [tmp_path_factory.mktemp(f'single{g}') for g in range(len(GROUPS))]
-  return [(workdir, dist_ens.train(_single(group, **POSTHOC), str(workdir)))
-          for workdir, group in zip(workdirs, GROUPS)]
+  built = {}
+
+  def single(g):
+    if g not in built:
+      workdir = tmp_path_factory.mktemp(f'single{g}')
+      # Members 0 to the group's last: 2 members for the first group, 4 for the second.
+      last = sum(group['count'] for group in GROUPS[:g + 1])
+      built[g] = workdir, dist_ens.train(_single(GROUPS[g], num_members=last, **POSTHOC),
+                                         str(workdir))
+    return built[g]
+
+  return single
 
 
-def test_a_groups_members_equal_the_same_members_without_groups(grouped, singles):
-  workdir, results = grouped
-  stored = _stored(workdir)
-  assert isinstance(stored, tuple) and len(stored) == 2
-  first = 0
-  for g, group in enumerate(GROUPS):
-    single_dir, single = singles[g]
-    ids = slice(first, first + group['count'])
-    # Bit for bit: parameters, and the test metrics computed from them.
-    support.assert_trees_equal(stored[g], jax.tree.map(lambda a, i=ids: a[i],
-                                                       _stored(single_dir)))
-    for metric in ('nll', 'accuracy'):
-      assert results['members'][metric][ids] == single['members'][metric][ids]
-      # MC dropout: each group's model samples its members' dropout, keyed by their ids.
-      assert (results['mc_dropout']['members'][metric][ids]
-              == single['mc_dropout']['members'][metric][ids])
-      assert results['mc_dropout']['members'][metric][ids] != results['members'][metric][ids]
-      # Laplace: each group's fit is that of the same members without groups.
-      assert (results['laplace']['members'][metric][ids]
-              == single['laplace']['members'][metric][ids])
-    assert (results['laplace']['prior_precision'][ids]
-            == single['laplace']['prior_precision'][ids])
-    first += group['count']
-
-
+# The first test to read `grouped` (it resumes the preempted run): before the comparison
+# with `singles`, whose cases train a run each.
 def test_results_hold_every_member_the_ensemble_and_each_groups_ensemble(grouped):
   workdir, results = grouped
   assert results['num_members'] == 4 and len(results['members']['nll']) == 4
@@ -127,6 +132,32 @@ def test_results_hold_every_member_the_ensemble_and_each_groups_ensemble(grouped
   saved = json.loads((workdir / 'final_metrics.json').read_text())
   assert saved['groups']['deep']['ensemble'] == pytest.approx(
       results['groups']['deep']['ensemble'])
+
+
+@pytest.mark.parametrize('g', range(len(GROUPS)), ids=['group0', 'deep'])
+def test_a_groups_members_equal_the_same_members_without_groups(grouped, singles, g):
+  """Group g's members are those of the same ids in `singles`(g), a run without groups of
+  the group's model and optimizer that was never interrupted: on the grouped run's member
+  axis (group0's 2 members) and on another (deep's: 4 members on 4 member devices)."""
+  workdir, results = grouped
+  stored = _stored(workdir)
+  assert isinstance(stored, tuple) and len(stored) == 2
+  first = sum(group['count'] for group in GROUPS[:g])
+  ids = slice(first, first + GROUPS[g]['count'])
+  single_dir, single = singles(g)
+  # Bit for bit: parameters, and the test metrics computed from them.
+  support.assert_trees_equal(stored[g], jax.tree.map(lambda a: a[ids], _stored(single_dir)))
+  for metric in ('nll', 'accuracy'):
+    assert results['members'][metric][ids] == single['members'][metric][ids]
+    # MC dropout: each group's model samples its members' dropout, keyed by their ids.
+    assert (results['mc_dropout']['members'][metric][ids]
+            == single['mc_dropout']['members'][metric][ids])
+    assert results['mc_dropout']['members'][metric][ids] != results['members'][metric][ids]
+    # Laplace: each group's fit is that of the same members without groups.
+    assert (results['laplace']['members'][metric][ids]
+            == single['laplace']['members'][metric][ids])
+  assert (results['laplace']['prior_precision'][ids]
+          == single['laplace']['prior_precision'][ids])
 
 
 def test_load_and_predict_combine_every_group(grouped):
@@ -182,12 +213,11 @@ def test_laplace_fits_each_group_and_a_loaded_run_predicts_what_it_reported(grou
   np.testing.assert_allclose(draws.mean(1), probs[:, :16], rtol=1e-5, atol=1e-7)
 
 
-def test_selection_and_post_hoc_steps_range_over_every_groups_members(vit_run, pbt_run):
-  """Top-k and greedy selection choose among all members (across architectures: the
+def test_selection_and_post_hoc_steps_range_over_every_groups_members(vit_run):
+  """Top-k selection chooses among all members (across architectures: the
   neural-ensemble-search baseline), temperature scaling fits a temperature per member of
-  every group, and shift evaluation scores the combined ensemble. (Top-k, temperature
-  scaling and shift are the MLP and ViT groups' run's, `vit_run`; greedy selection the
-  grouped PBT run's, `pbt_run`: selection ranks the members a run ends with.)"""
+  every group, and shift evaluation scores the combined ensemble (the MLP and ViT groups'
+  run, `vit_run`; greedy selection: the next test)."""
   _, final, _ = vit_run
   val_nll = np.array(final['validation']['members']['nll'])
   assert len(val_nll) == 4
@@ -198,6 +228,12 @@ def test_selection_and_post_hoc_steps_range_over_every_groups_members(vit_run, p
   shifted = final['shift']['corruptions']['gaussian_noise']['1']
   assert final['shift']['pairs'] == 1 and len(shifted['members']['nll']) == 4
   assert np.isfinite(shifted['ensemble']['nll'])
+
+
+def test_greedy_selection_picks_among_every_groups_members(pbt_run):
+  """Greedy selection chooses among all members (the grouped PBT run's, `pbt_run`:
+  selection ranks the members a run ends with). Its own test, not the one above's: each
+  of the two pays for its own module run."""
   _, final, _ = pbt_run
   [member] = final['greedy']['picks']
   # One pick from either group: the greedy ensemble is that member.
@@ -208,7 +244,7 @@ def test_selection_and_post_hoc_steps_range_over_every_groups_members(vit_run, p
 
 def _pbt_config():
   """A grouped PBT run of 6 steps, rounds at 2 and 4, ending in a greedy selection of one
-  member (test_selection_and_post_hoc_steps_range_over_every_groups_members reads it). Its
+  member (test_greedy_selection_picks_among_every_groups_members reads it). Its
   three checkpoints are kept: the resume test starts from a copy holding step 2's."""
   return _config(pbt__enabled=True, pbt__interval=2, pbt__resample_probability=0.0,
                  data__validation_size=200, train__steps=6, checkpoint__every=2,
@@ -262,25 +298,51 @@ def test_pbt_copies_within_each_group_bit_for_bit_and_resumes_exactly(pbt_run, t
   support.assert_trees_equal(_stored(killed), _stored(workdir))
 
 
-def test_member_splits_cross_groups_and_each_member_keeps_its_splits_statistics(tmp_path):
-  """data.member_split with groups: member i trains on split i // per_split whatever its
-  group (here each group spans two of four splits), standardised with that split's own
-  statistics (regression), and is the member of the same id in a run without groups, bit
-  for bit, its held-out metrics too (to evaluation's rounding)."""
+# data.member_split with groups, on a regression curve (per-split target statistics):
+# kfold:4 over 96 examples, batch 16.
+MEMBER_SPLIT = {'task': 'regression', 'data__member_split': 'kfold:4', 'data__batch_size': 16,
+                'eval__joint_tau': 0}  # No joint log-loss: nothing here reads it.
+
+
+@pytest.fixture(scope='module')
+def member_split_run(tmp_path_factory):
+  """The grouped run of MEMBER_SPLIT: (workdir, results, its dataset, the inputs x)."""
   rng = np.random.default_rng(0)
   x = rng.uniform(-1, 1, (96, 1)).astype(np.float32)
   y = (3 * np.sin(3 * x[:, 0]) + 5 + 0.3 * rng.standard_normal(96)).astype(np.float32)
   dataset = data.from_arrays(x, y, x[:8], y[:8], name='curve')
-  fields = {'task': 'regression', 'data__member_split': 'kfold:4', 'data__batch_size': 16,
-            'eval__joint_tau': 0}  # No joint log-loss: nothing here reads it.
-  grouped = dist_ens.train(_config(**fields), str(tmp_path / 'grouped'), dataset=dataset)
-  assert grouped['member_split']['members_per_split'] == 1
+  workdir = tmp_path_factory.mktemp('member_split')
+  results = dist_ens.train(_config(**MEMBER_SPLIT), str(workdir), dataset=dataset)
+  return workdir, results, dataset, x
+
+
+def test_a_grouped_member_split_run_predicts_each_member_in_its_splits_units(
+    member_split_run):
+  """data.member_split with groups: one member per split, and predictions in target units,
+  each member converted back with its own split's statistics. (The first test to read
+  `member_split_run`, which trains it; the next compares it with a run without groups.)"""
+  workdir, results, _, x = member_split_run
+  assert results['member_split']['members_per_split'] == 1
+  ensemble = dist_ens.Ensemble.load(workdir)
+  assert len(ensemble.split_scales) == 4
+  out = ensemble.predict(x[:8])
+  assert np.all(np.isfinite(out.member_mean)) and abs(float(out.mean.mean()) - 5) < 3
+
+
+def test_member_splits_cross_groups_and_each_member_keeps_its_splits_statistics(
+    member_split_run, tmp_path):
+  """data.member_split with groups: member i trains on split i // per_split whatever its
+  group (here each group spans two of four splits), standardised with that split's own
+  statistics (regression), and is the member of the same id in a run without groups, bit
+  for bit, its held-out metrics too (to evaluation's rounding)."""
+  workdir, grouped, dataset, _ = member_split_run
   # The second group (ids 2-3, splits 2-3): a group whose first member is not member 0,
   # where a split keyed by the index within the group would go wrong. (The first group's
   # ids start at 0 as without groups; test_a_groups_members_equal_... checks that case.)
   group, ids = GROUPS[1], slice(2, 4)
-  single = dist_ens.train(_single(group, **fields), str(tmp_path / 'single'), dataset=dataset)
-  support.assert_trees_equal(_stored(tmp_path / 'grouped')[1], jax.tree.map(
+  single = dist_ens.train(_single(group, **MEMBER_SPLIT), str(tmp_path / 'single'),
+                          dataset=dataset)
+  support.assert_trees_equal(_stored(workdir)[1], jax.tree.map(
       lambda a: a[ids], _stored(tmp_path / 'single')))
   # The held-out metrics of the same parameters: evaluation runs on this run's mesh
   # (member=2 for the groups' counts, 4 without), where rounding may differ by ~1e-7
@@ -288,11 +350,6 @@ def test_member_splits_cross_groups_and_each_member_keeps_its_splits_statistics(
   for metric in ('rmse', 'nll'):
     np.testing.assert_allclose(grouped['member_split']['members'][metric][ids],
                                single['member_split']['members'][metric][ids], rtol=1e-6)
-  # Predictions in target units: each member converted back with its own split's statistics.
-  ensemble = dist_ens.Ensemble.load(tmp_path / 'grouped')
-  assert len(ensemble.split_scales) == 4
-  out = ensemble.predict(x[:8])
-  assert np.all(np.isfinite(out.member_mean)) and abs(float(out.mean.mean()) - 5) < 3
 
 
 # Group-level methods: a group sharing its hidden layer (own='head'; the shared leaves are
@@ -310,38 +367,53 @@ def _rows(tree, ids):
                       stored_lib.stored_axes(tree))
 
 
-def test_a_group_with_its_own_method_equals_that_method_without_groups(tmp_path):
+def _test_inputs():
+  """20 MNIST-1D test inputs."""
+  return load_dataset('mnist1d').test.x[:20]
+
+
+@pytest.fixture(scope='module')
+def method_run(tmp_path_factory):
+  """The grouped run of METHOD_GROUPS: (workdir, results, the loaded run, its member
+  probabilities on 20 test inputs). Each case of the next test reads it beside its own
+  group's run without groups."""
+  workdir = tmp_path_factory.mktemp('method_groups')
+  results = dist_ens.train(_config(METHOD_GROUPS), str(workdir))
+  grouped = dist_ens.Ensemble.load(workdir)
+  return workdir, results, grouped, grouped.predict(_test_inputs()).member_probs
+
+
+@pytest.mark.parametrize('g', range(len(METHOD_GROUPS)), ids=['own=head', 'prior'])
+def test_a_group_with_its_own_method_equals_that_method_without_groups(method_run, g,
+                                                                       tmp_path):
   """Each group's members (params, the prior's frozen network, test metrics, loaded
   predictions, member(i) with shared leaves formed) equal the members of the same ids in
-  a run without groups whose model and method are the group's."""
-  results = dist_ens.train(_config(METHOD_GROUPS), str(tmp_path / 'grouped'))
-  assert results['groups']['shared']['own'] == 'head'
-  assert results['groups']['group1']['method'] == 'prior'
-  grouped = dist_ens.Ensemble.load(tmp_path / 'grouped')
-  x = load_dataset('mnist1d').test.x[:20]
-  out = grouped.predict(x)
-  first = 0
-  for g, group in enumerate(METHOD_GROUPS):
-    single_config = _single(group)
-    for field, value in group['ensemble'].items():
-      if isinstance(value, dict):
-        single_config.ensemble[field].update(value)
-      else:
-        single_config.ensemble[field] = value
-    single = dist_ens.train(single_config, str(tmp_path / f'single{g}'))
-    ids = slice(first, first + group['count'])
-    loaded = dist_ens.Ensemble.load(tmp_path / f'single{g}')
-    # pylint: disable=protected-access
-    support.assert_trees_equal(jax.device_get(grouped._stored[g]),
-                               _rows(jax.device_get(loaded._stored), ids))
-    support.assert_trees_equal(jax.device_get(grouped.model_state[g]),
-                               jax.tree.map(lambda a, i=ids: a[i], loaded.model_state))
-    assert results['members']['nll'][ids] == single['members']['nll'][ids]
-    np.testing.assert_allclose(out.member_probs[ids], loaded.predict(x).member_probs[ids],
-                               rtol=1e-6, atol=1e-7)
-    for i in range(ids.start, ids.stop):
-      support.assert_trees_equal(grouped.member(i), loaded.member(i))
-    first += group['count']
+  a run without groups whose model and method are the group's (members 0 to the group's
+  last: 2 for the first group, 4 for the second)."""
+  _, results, grouped, member_probs = method_run
+  group = METHOD_GROUPS[g]
+  first = sum(other['count'] for other in METHOD_GROUPS[:g])
+  ids = slice(first, first + group['count'])
+  summary = results['groups'][group.get('name', f'group{g}')]
+  single_config = _single(group, num_members=ids.stop)
+  for field, value in group['ensemble'].items():
+    if isinstance(value, dict):
+      single_config.ensemble[field].update(value)
+    else:  # own='head' of the first group, method='prior' of the second
+      assert summary[field] == value
+      single_config.ensemble[field] = value
+  single = dist_ens.train(single_config, str(tmp_path / 'single'))
+  loaded = dist_ens.Ensemble.load(tmp_path / 'single')
+  # pylint: disable=protected-access
+  support.assert_trees_equal(jax.device_get(grouped._stored[g]),
+                             _rows(jax.device_get(loaded._stored), ids))
+  support.assert_trees_equal(jax.device_get(grouped.model_state[g]),
+                             jax.tree.map(lambda a: a[ids], loaded.model_state))
+  assert results['members']['nll'][ids] == single['members']['nll'][ids]
+  np.testing.assert_allclose(member_probs[ids], loaded.predict(_test_inputs()).member_probs[ids],
+                             rtol=1e-6, atol=1e-7)
+  for i in range(ids.start, ids.stop):
+    support.assert_trees_equal(grouped.member(i), loaded.member(i))
   assert len(grouped.export(tmp_path / 'members')) == 4
 
 
@@ -356,32 +428,54 @@ def test_what_groups_do_not_support_yet_is_refused_in_one_line(field, value, tmp
   assert not any(tmp_path.iterdir())  # refused before anything is written
 
 
-def test_each_group_adapts_its_own_pretrained_backbone(singles, tmp_path):
-  """model.init_from per group: group 0 LoRA factors over member 0 of a (16,) run, group
-  1 its own heads over member 1 of an (8, 8) run (the finished runs without groups of
-  `singles`). Group 1's backbone is its source's bit for bit after training, and group 0's
-  members are the members 0-1 of the same LoRA run without groups (reproducible mode)."""
-  (a, _), (b, _) = singles
+def _adapting_groups(singles):
+  """model.init_from per group: group 0 LoRA factors over member 0 of a (16,) run, group 1
+  its own heads over member 1 of an (8, 8) run (the finished runs without groups of
+  `singles`)."""
+  (a, _), (b, _) = singles(0), singles(1)
   lora = {'count': 2, 'model': {'widths': (16,), 'init_from': f'{a}#0'},
           'ensemble': {'own': 'lora', 'lora_rank': 2}}
   heads = {'count': 2, 'model': {'widths': (8, 8), 'init_from': f'{b}#1'},
            'ensemble': {'own': 'head'}}
-  dist_ens.train(_config((lora, heads)), str(tmp_path / 'grouped'))
-  grouped = dist_ens.Ensemble.load(tmp_path / 'grouped')
-  base = jax.tree.leaves(dist_ens.Ensemble.load(b).member(1))
+  return lora, heads
+
+
+@pytest.fixture(scope='module')
+def adapted(singles, tmp_path_factory):
+  """The grouped run of _adapting_groups: its workdir. Its first reader trains it, the
+  next test its LoRA group's run without groups."""
+  workdir = tmp_path_factory.mktemp('adapted')
+  dist_ens.train(_config(_adapting_groups(singles)), str(workdir))
+  return workdir
+
+
+def test_each_group_adapts_its_own_pretrained_backbone(adapted, singles):
+  """model.init_from per group (_adapting_groups): group 1's backbone is its source's bit
+  for bit after training, its heads its own (and group 0's members are the same LoRA run's
+  without groups: the next test)."""
+  grouped = dist_ens.Ensemble.load(adapted)
+  base = jax.tree.leaves(dist_ens.Ensemble.load(singles(1)[0]).member(1))
   for i in (2, 3):  # own='head': every leaf but the head's (b, w) is the source's
     leaves = jax.tree.leaves(grouped.member(i))
     for mine, theirs in zip(leaves[:-2], base[:-2]):
       np.testing.assert_array_equal(mine, theirs)
     assert not np.array_equal(leaves[-1], base[-1])  # its own head, trained
-  single = _single(lora, ensemble__own='lora', ensemble__lora_rank=2)
+
+
+def test_a_lora_group_over_a_pretrained_backbone_equals_that_lora_run_without_groups(
+    adapted, singles, tmp_path):
+  """Group 0 of _adapting_groups (LoRA factors over member 0 of a (16,) run): members 0-1
+  of the same LoRA run without groups, and their predictions, bit for bit (reproducible
+  mode)."""
+  lora, _ = _adapting_groups(singles)
+  single = _single(lora, num_members=2, ensemble__own='lora', ensemble__lora_rank=2)
   dist_ens.train(single, str(tmp_path / 'single'))
-  alone = dist_ens.Ensemble.load(tmp_path / 'single')
+  grouped, alone = (dist_ens.Ensemble.load(w) for w in (adapted, tmp_path / 'single'))
   for i in (0, 1):
     support.assert_trees_equal(grouped.member(i), alone.member(i))
-  x = load_dataset('mnist1d').test.x[:20]
+  x = _test_inputs()
   np.testing.assert_array_equal(grouped.predict(x).member_probs[:2],
-                                alone.predict(x).member_probs[:2])
+                                alone.predict(x).member_probs)
 
 
 @pytest.mark.parametrize('layout, parts', [
