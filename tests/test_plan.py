@@ -226,13 +226,23 @@ def test_no_dry_run_where_it_would_not_fit_the_host(one_device, monkeypatch):
 
 
 def test_resident_memory_readings_see_memory_written_and_its_peak():
+  # The readings are the whole process's, and in a test worker other threads (a previous
+  # run's checkpointer or prefetcher finishing) may free or take memory between two of
+  # them: a CI run once read 18.6 MB for the 50 written. So up to three tries; a reading
+  # in the wrong field or unit misses in all of them.
   status = plan_lib.dry_run.host_memory.status_bytes
   assert plan_lib.dry_run.host_memory.reset_peak()
-  before = status()
-  kept = np.ones(50_000_000 // 8)
-  assert 45e6 <= status() - before <= 60e6
-  del kept
-  assert status('VmHWM') - before >= 45e6  # The peak stays after the memory is freed.
+  deltas = []
+  for _ in range(3):
+    before = status()
+    kept = np.ones(50_000_000 // 8)
+    deltas.append(status() - before)
+    del kept
+    if 45e6 <= deltas[-1] <= 60e6:
+      break
+  assert 45e6 <= deltas[-1] <= 60e6, deltas
+  # The peak stays after the memory is freed: at least the try's start and its 50 MB.
+  assert status('VmHWM') - before >= 45e6
 
 
 def _split(devices, plans):
