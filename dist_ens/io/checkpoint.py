@@ -159,9 +159,10 @@ def _on_host(leaf: Any) -> bool:
   the device program reads the same memory numpy does, at about numpy's speed (a 64 MB
   float32 leaf: 0.040 s, numpy 0.036; split 4 x 2 over devices: 0.043, numpy 0.031;
   benchmarks/checksums.py), and each new shape, dtype and sharding costs a compile that
-  numpy does not (its first call 0.17-0.21 s for that leaf; 7 compiles, 0.5 s, for the tests' 4-member
-  MLP), in every process that saves or restores. Not on an accelerator: there the program reads the leaf where
-  it lies at the device's bandwidth and sends back 4 bytes, where numpy would wait for a
+  numpy does not (its first call 0.17-0.21 s for that leaf; 7 compiles, 0.5 s, for the
+  tests' 4-member MLP), in every process that saves or restores. Not on an accelerator:
+  there the program reads the leaf where it lies at the device's bandwidth and sends back
+  4 bytes, where numpy would wait for a
   copy of the whole state to the host (on restore, a copy made for nothing else), then
   sum it at a CPU core's speed. Not a leaf held in part by other processes: only a
   program over all of them can sum it. Not a 1-byte float (float8): its widening to a
