@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchmarks import harness
-from dist_ens.io import checkpoint
+from dist_ens.io import checksums
 from dist_ens.parallel import once
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,16 +40,16 @@ def main() -> None:
   mesh = jax.make_mesh((4, 2), ('member', 'data'))
   leaves = {'one device': jax.device_put(values, jax.devices()[0]),
             'split 4 x 2': jax.device_put(values, NamedSharding(mesh, P('member', 'data')))}
-  options = checkpoint._hashable(once.options_for('cpu'))
+  options = checksums._hashable(once.options_for('cpu'))
   out = {}
   for name, leaf in leaves.items():
     start = time.perf_counter()
-    program = checkpoint._checksum_program.__wrapped__(options)  # a fresh jit: compiles
+    program = checksums._checksum_program.__wrapped__(options)  # a fresh jit: compiles
     device_sum = int(program(leaf))
     compile_s = time.perf_counter() - start
-    host_sum = checkpoint._host_checksum(leaf)
+    host_sum = checksums._host_checksum(leaf)
     assert host_sum == device_sum, (name, host_sum, device_sum)
-    ways = {'host (numpy)': lambda leaf=leaf: checkpoint._host_checksum(leaf),
+    ways = {'host (numpy)': lambda leaf=leaf: checksums._host_checksum(leaf),
             'device program': lambda leaf=leaf, program=program: int(program(leaf))}
     times = {way: [] for way in ways}
     for _, way in harness.rotating_rounds(list(ways), args.rounds):

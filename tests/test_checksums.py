@@ -1,4 +1,4 @@
-"""The checkpoint checksums (dist_ens/io/checkpoint.py): on a CPU numpy computes them for
+"""The checkpoint checksums (dist_ens/io/checksums.py): on a CPU numpy computes them for
 the leaves this process holds whole, with no compile, to the device program's values bit
 for bit (every dtype a checkpoint holds, sharded, 0-d, empty, several chunks), so
 checkpoints written by either restore with the other; a changed or moved word still
@@ -13,13 +13,13 @@ import support
 
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dist_ens.io import checkpoint
+from dist_ens.io import checksums
 from dist_ens.parallel import once
 
 
 def _device_checksum(leaf) -> int:
   """The checksum as the device program computes it (and computed before the host path)."""
-  program = checkpoint._checksum_program(checkpoint._hashable(once.options_for('cpu')))
+  program = checksums._checksum_program(checksums._hashable(once.options_for('cpu')))
   return int(program(leaf))
 
 
@@ -47,8 +47,8 @@ def test_host_sums_are_the_device_programs_for_every_dtype(monkeypatch):
   """At the tests' -O0 and at the -O1 a run compiles the program at (once.py; on a CPU
   checksums() no longer runs it, tests/test_once.py's check included)."""
   leaves = _leaves()
-  host = dict(zip(leaves, checkpoint.checksums(list(leaves.values())), strict=True))
-  assert all(checkpoint._on_host(leaf) for leaf in leaves.values())
+  host = dict(zip(leaves, checksums.checksums(list(leaves.values())), strict=True))
+  assert all(checksums._on_host(leaf) for leaf in leaves.values())
   assert host == {name: _device_checksum(leaf) for name, leaf in leaves.items()}
   monkeypatch.setenv('XLA_FLAGS', support.xla_flags(8).replace(support.LLVM_O0, ''))
   assert once.options_for('cpu') == once.ONCE_COMPILER_OPTIONS
@@ -62,17 +62,17 @@ def test_eight_byte_leaves_sum_as_the_device_program_does():
     leaves = [jnp.linspace(-3.0, 1e300, 11, dtype=jnp.float64),
               jnp.arange(-5, 6, dtype=jnp.int64) * (2**40 + 3),
               jnp.arange(7, dtype=jnp.uint64) * jnp.uint64(2**63 + 5)]
-    assert all(leaf.dtype.itemsize == 8 and checkpoint._on_host(leaf) for leaf in leaves)
-    assert checkpoint.checksums(leaves) == [_device_checksum(leaf) for leaf in leaves]
+    assert all(leaf.dtype.itemsize == 8 and checksums._on_host(leaf) for leaf in leaves)
+    assert checksums.checksums(leaves) == [_device_checksum(leaf) for leaf in leaves]
 
 
 def test_a_leaf_of_several_chunks_sums_as_one(monkeypatch):
   """The host sums a large leaf a chunk at a time, each chunk's factors from its offset:
   chunks of 7 words (not dividing the leaf) give the program's sum."""
   leaf = jax.random.normal(jax.random.key(4), (9, 5)).astype(jnp.bfloat16)
-  whole = checkpoint.checksums([leaf])
-  monkeypatch.setattr(checkpoint, '_HOST_CHUNK_WORDS', 7)
-  assert checkpoint.checksums([leaf]) == whole == [_device_checksum(leaf)]
+  whole = checksums.checksums([leaf])
+  monkeypatch.setattr(checksums, '_HOST_CHUNK_WORDS', 7)
+  assert checksums.checksums([leaf]) == whole == [_device_checksum(leaf)]
 
 
 def test_a_sharded_leaf_sums_to_its_values_sum(devices):
@@ -80,8 +80,8 @@ def test_a_sharded_leaf_sums_to_its_values_sum(devices):
   leaf = jax.random.normal(jax.random.key(2), (8, 6))
   for spec in (P('member', 'data'), P(None, 'data'), P()):  # split, split once, replicated
     sharded = jax.device_put(leaf, NamedSharding(mesh, spec))
-    assert checkpoint._on_host(sharded)
-    assert checkpoint.checksums([sharded]) == [_device_checksum(leaf)] == [
+    assert checksums._on_host(sharded)
+    assert checksums.checksums([sharded]) == [_device_checksum(leaf)] == [
         _device_checksum(sharded)]
 
 
@@ -97,10 +97,10 @@ def test_a_changed_or_moved_element_changes_the_host_sum(name):
   moved = values.reshape(-1).copy()
   assert moved[0] != moved[1]
   moved[[0, 1]] = moved[[1, 0]]
-  [original] = checkpoint.checksums([leaf])
-  assert checkpoint.checksums([as_leaf(values.reshape(-1))]) == [original]
-  assert checkpoint.checksums([as_leaf(changed)]) != [original]
-  assert checkpoint.checksums([as_leaf(moved)]) != [original]
+  [original] = checksums.checksums([leaf])
+  assert checksums.checksums([as_leaf(values.reshape(-1))]) == [original]
+  assert checksums.checksums([as_leaf(changed)]) != [original]
+  assert checksums.checksums([as_leaf(moved)]) != [original]
 
 
 def test_the_host_path_compiles_nothing():
@@ -119,7 +119,7 @@ def test_the_host_path_compiles_nothing():
   jax.block_until_ready(new_shapes)
   jax.monitoring.register_event_duration_secs_listener(listen)
   try:
-    checkpoint.checksums(new_shapes)
+    checksums.checksums(new_shapes)
   finally:
     jax.monitoring.unregister_event_duration_listener(listen)
   assert not compiles
@@ -130,6 +130,6 @@ def test_what_numpy_does_not_sum_the_program_does():
   XLA's), and a Python number is an int32 to jit but an int64 to numpy: the program sums
   both, as it did before the host path."""
   float8 = jnp.linspace(-2, 2, 9).astype(jnp.float8_e4m3fn)
-  assert not checkpoint._on_host(float8) and not checkpoint._on_host(7)
-  assert checkpoint.checksums([float8, 7]) == [_device_checksum(float8),
+  assert not checksums._on_host(float8) and not checksums._on_host(7)
+  assert checksums.checksums([float8, 7]) == [_device_checksum(float8),
                                                _device_checksum(jnp.int32(7))]

@@ -10,7 +10,7 @@ import numpy as np
 
 import support
 
-from dist_ens.io import checkpoint
+from dist_ens.io import checksums
 from dist_ens.parallel import once
 
 
@@ -34,7 +34,7 @@ def _numpy_checksum(leaf) -> int:
 def _device_checksums(leaves) -> list[int]:
   """The device program's sums (an accelerator's, or a leaf spread over processes), at the
   level once.options_for picks now."""
-  program = checkpoint._checksum_program(checkpoint._hashable(once.options_for('cpu')))
+  program = checksums._checksum_program(checksums._hashable(once.options_for('cpu')))
   return [int(program(leaf)) for leaf in leaves]
 
 
@@ -42,11 +42,11 @@ def test_checksums_are_the_saved_formats_sums_at_every_optimisation_level(monkey
   leaves = _leaves()
   expected = [_numpy_checksum(leaf) for leaf in leaves]
   assert len(set(expected)) == len(expected)
-  assert checkpoint.checksums(leaves) == expected  # On a CPU numpy's (test_checksums).
+  assert checksums.checksums(leaves) == expected  # On a CPU numpy's (test_checksums).
   assert _device_checksums(leaves) == expected  # The tests' -O0, from XLA_FLAGS.
   monkeypatch.setenv('XLA_FLAGS', support.xla_flags(8).replace(support.LLVM_O0, ''))
   assert _device_checksums(leaves) == expected  # -O1, once.ONCE_COMPILER_OPTIONS.
-  default = [int(jax.jit(checkpoint._checksum).lower(leaf).compile(
+  default = [int(jax.jit(checksums._checksum).lower(leaf).compile(
       compiler_options=support.XLA_DEFAULT)(leaf)) for leaf in leaves]
   assert default == expected
 
@@ -56,9 +56,9 @@ def test_checksums_of_a_sharded_leaf_are_those_of_its_values(devices):
   leaf = jax.random.normal(jax.random.key(2), (8, 6))
   sharded = jax.device_put(leaf, jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec('member', 'data')))
-  assert checkpoint.checksums({'a': sharded}) == [_numpy_checksum(leaf)]
+  assert checksums.checksums({'a': sharded}) == [_numpy_checksum(leaf)]
   moved = leaf.at[3, 1].set(leaf[1, 3])
-  assert checkpoint.checksums([moved]) != [_numpy_checksum(leaf)]
+  assert checksums.checksums([moved]) != [_numpy_checksum(leaf)]
 
 
 def test_a_level_set_in_xla_flags_wins_over_the_once_options(monkeypatch):
