@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dist_ens.core.model import init_shapes
 from dist_ens.core.step import MEMBER_PARALLELISM
 from dist_ens.errors import ConfigError
 
@@ -73,7 +74,7 @@ def _abstract_forward(model, input_shape: Sequence[int], batch: int, dtype: Any 
   float32, or int32 token ids), and abstract arguments."""
   x = jax.ShapeDtypeStruct((batch, *input_shape), dtype)
   key = jax.eval_shape(lambda: jax.random.key(0))  # abstract: no program compiled or run
-  params, state = jax.eval_shape(model.init, key, x)
+  params, state = init_shapes(model, x)
   return lambda p, s, x, k: model.apply(p, s, x, train=True, rng=k), (params, state, x, key)
 
 
