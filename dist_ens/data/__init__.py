@@ -63,11 +63,6 @@ def _check_fit(name, x_train, y_train, x_test, y_test) -> None:
                       '(same input shape, one label per example).')
 
 
-def check_labels(split: Split, num_classes: int, what: str) -> None:
-  """Raises ConfigError if a label of `split` is not an integer in [0, num_classes)."""
-  check_label_values(split.y, num_classes, what)
-
-
 def check_label_values(y: np.ndarray, num_classes: int, what: str) -> None:
   """Raises ConfigError if a label in `y` is not an integer in [0, num_classes)."""
   y = np.asarray(y)
@@ -152,6 +147,6 @@ def split_validation(source: Source, size: int) -> tuple[Source, Split]:
   return Subset(source, train), Split(*source.read(val))
 
 
-__all__ = ['is_token_ids', 'MemberSplits', 'make_member_splits', 'Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_finite_inputs', 'check_labels', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
+__all__ = ['is_token_ids', 'MemberSplits', 'make_member_splits', 'Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_finite_inputs', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
            'PipelineStats', 'SOURCES', 'TEXT_FIELDS', 'is_text', 'load_text', 'Source', 'Split', 'Subset', 'host_block', 'host_rows',
            'load_dataset', 'local_indices', 'prepare_command', 'preprocess', 'split_validation', 'to_global']
