@@ -63,8 +63,7 @@ import numpy as np
 
 from dist_ens.eval.ranks import NUM_ECE_BINS, ExampleStats, adaptive_ece
 from dist_ens.eval.ranks import aupr, auroc, ood_metrics  # noqa: F401  (the metrics API)
-from dist_ens.eval.registry import (  # noqa: F401  (the metrics API)
-    METRICS, METRICS_BY_NAME, Metric, finalize, higher_is_better)
+from dist_ens.eval.registry import METRICS, finalize  # noqa: F401  (the metrics API)
 
 
 

@@ -61,12 +61,6 @@ METRICS: tuple[Metric, ...] = (
            _summed('mutual_information')),
     Metric('pairwise_kl', 'pairwise KL', None, _ENSEMBLE, _summed('pairwise_kl')),
 )
-METRICS_BY_NAME = {metric.name: metric for metric in METRICS}
-
-
-def higher_is_better(name: str) -> bool:
-  """Whether a larger value of metric `name` is better (for ranking members)."""
-  return bool(METRICS_BY_NAME[name].higher_is_better)
 
 
 def finalize(sums: dict[str, Any], examples: ExampleStats | None = None
