@@ -66,10 +66,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dist_ens.data.corruption_families import (  # noqa: F401  (re-exported: the families)
-    CORRUPTION_TABLE, CORRUPTIONS, Corruption, Family, brightness, contrast, defocus_blur,
-    elastic_transform, gaussian_blur, gaussian_noise, impulse_noise, motion_blur, pixelate,
-    saturate, shot_noise, speckle_noise, zoom_blur)
+from dist_ens.data.corruption_families import CORRUPTION_TABLE, CORRUPTIONS
 from dist_ens.errors import ConfigError
 
 NUM_SEVERITIES = 5

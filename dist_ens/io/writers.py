@@ -23,7 +23,6 @@ from dist_ens.io.tensorboard_writer import TensorBoardWriter
 from dist_ens.io.wandb_writer import WANDB_MISSING, WandbWriter, wandb_installed
 # The trainer, progress and tests import these from here, as before the writers had
 # modules of their own.
-from dist_ens.io.file_sinks import flatten  # noqa: F401
 from dist_ens.io.run_files import is_writer, write_json, write_members_csv  # noqa: F401
 
 # Looked up at call time, so a test can make wandb look missing where it is installed.
