@@ -99,7 +99,7 @@ def test_plan_calibrate_times_and_caches_each_member_group(cache, monkeypatch):
   config.ensemble.groups = ({'count': 4, 'model': {'widths': (16,)}},
                             {'count': 4, 'model': {'widths': (8, 8)}, 'name': 'deep'})
   text = plan_lib.calibrate(config, jax.devices()[:1])
-  assert "group 'group0' (4 members)" in text and "group 'deep' (4 members)" in text
+  assert "stack 'group0' (4 members)" in text and "stack 'deep' (4 members)" in text
   assert text.count('<- cached for member_parallelism=auto') == 2
   groups = assemble.build_run(config, devices=jax.devices()[:1],
                               shapes=plan_lib.data_shape(config)).parts.stacks

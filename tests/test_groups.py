@@ -187,6 +187,10 @@ def test_load_and_predict_combine_every_group(grouped):
                                atol=1e-6)
   # Loaded onto one device it predicts the same: the matrix's groups cases
   # (support.check_loaded_run, tests/test_combinations.py) check that.
+  # PEFT adapters are one architecture's: a grouped run's are refused in one line.
+  message = support.one_line_refusal(lambda: ensemble.export_adapters(workdir / 'peft'))
+  assert 'export_adapters' in message and 'member groups' in message, message
+  assert not (workdir / 'peft').exists()
 
 
 def test_laplace_fits_each_group_and_a_loaded_run_predicts_what_it_reported(grouped):
@@ -581,21 +585,21 @@ def test_a_count_the_member_devices_do_not_divide_is_refused(tmp_path):
 def test_plan_prices_each_group_and_measures_the_joint_step():
   from dist_ens import plan  # pylint: disable=g-import-not-at-top
   result = plan.make_plan(_config(), memory_bytes=1e9)
-  assert [(g.name, g.first_member, g.count) for g in result.groups] == [('group0', 0, 2),
+  assert [(g.name, g.first_member, g.count) for g in result.stacks] == [('group0', 0, 2),
                                                                        ('deep', 2, 2)]
   # MNIST-1D: 40 inputs, 10 classes; (16,) and (8, 8) hidden layers.
-  assert result.groups[0].params_per_member == 40 * 16 + 16 + 16 * 10 + 10
-  assert result.groups[1].params_per_member == 40 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 10
-  for group in result.groups:  # Parameters and Adam's two moments, float32, and more.
+  assert result.stacks[0].params_per_member == 40 * 16 + 16 + 16 * 10 + 10
+  assert result.stacks[1].params_per_member == 40 * 8 + 8 + 8 * 8 + 8 + 8 * 10 + 10
+  for group in result.stacks:  # Parameters and Adam's two moments, float32, and more.
     assert group.state_bytes_per_member >= 3 * 4 * group.params_per_member
     assert group.flops_per_example > 6 * group.params_per_member * 0.5
   # Every group's state once, their shared step counter (4 bytes) once.
   assert result.state_bytes_per_device == sum(g.state_bytes_per_device
-                                              for g in result.groups) - 4
+                                              for g in result.stacks) - 4
   # The joint step holds every group's state (donated) at once.
   assert result.step.alias >= result.state_bytes_per_device and result.fits
-  text = plan.groups_plan.format_groups_plan(result, _config())
-  assert '4 members in 2 groups' in text and "widths=(8, 8)" in text
+  text = plan.format_plan(result, _config())
+  assert '4 members in 2 stacks' in text and "widths=(8, 8)" in text
   assert 'fits 1.00 GB per device' in text
 
 

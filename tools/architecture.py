@@ -25,7 +25,7 @@ Prints, for the package's modules:
                   as a PartitionSpec or axis name);
   member_groups   modules that name member groups (config.ensemble.groups, a spec's
                   .groups, or an import of the groups' own modules under any name:
-                  config/groups.py, evaluators/groups.py, plan/groups_plan.py).
+                  config/groups.py, evaluators/groups.py).
 
   python tools/architecture.py --step [CONFIG]   # default: configs/default.py
 
@@ -54,13 +54,14 @@ LAYERS = [
 # points that are given a config (or load a saved run's) and call build_run.
 CONFIG_EDGE = ('dist_ens.config', 'dist_ens.run', 'dist_ens.main', 'dist_ens.commands',
                'dist_ens.training.trainer',  # train(config, workdir)
-               'dist_ens.plan.planner', 'dist_ens.plan.groups_plan',  # plan(config)
+               'dist_ens.plan.planner',  # plan(config)
                # Ensemble.load(workdir): a saved run's config (Ensemble.config, public).
                'dist_ens.inference.saved_run', 'dist_ens.inference.ensemble',
                'dist_ens.report')  # a finished run's config.json
 _AXES = re.compile(r"\b(MEMBER|DATA)\b|P\('(member|data)'|axis_name='(member|data)'")
 # The field, a spec's .groups, or one of the groups' own modules under any name (an alias
-# does not hide an import): config/groups.py, evaluators/groups.py, plan/groups_plan.py.
+# does not hide an import): config/groups.py, evaluators/groups.py (and the plan's module
+# for groups, plan/groups_plan.py, until the plan priced every run's stacks alike).
 _GROUPS = re.compile(r"\bmember_groups\b|ensemble\.groups\b|\.groups\b(?!\()|\bgroups_lib\b|"
                      r"\bgroups_plan\b|dist_ens\.\w+\.groups\b|"
                      r"from dist_ens\.\w+ import (\([^)]*|[^\n]*)\bgroups\b")

@@ -5,13 +5,13 @@ and train.epochs resolved into steps once the training split's size is known.
 """
 
 import copy
+import importlib
 from typing import Any
 
 import ml_collections
 from absl import logging
 
 from dist_ens import importing, models, tasks
-from dist_ens.config import groups as member_groups
 from dist_ens.config import schema, specs
 from dist_ens.config.loading import DEFAULT_CONFIG
 from dist_ens.core import hparams, model as model_lib, optim
@@ -24,6 +24,11 @@ from dist_ens.eval import shift_spec as shift_lib
 
 # config.precision: what the model computes in (parameters stay float32 either way).
 PRECISIONS = tuple(model_lib.PRECISIONS)
+# The features that declare their fields beside their code (get_config's `_declared_in`),
+# each module with its check: stack_configs(config) checks the feature's fields and returns
+# the configs of the stacks it builds the run from ([] where it builds none).
+FEATURES = tuple(importlib.import_module(f'dist_ens.config.{name}')
+                 for name in schema.feature_modules(DEFAULT_CONFIG.read_text()))
 
 
 def _require(ok: bool, field: str, value: Any, what: str) -> None:
@@ -75,21 +80,21 @@ def validate(config: ml_collections.ConfigDict) -> None:
   eps = config.optim.eps
   _require(hparams.float32_normal(eps), 'optim.eps', eps,
            'must be a number > 0 of float32 size, e.g. 1e-8')
-  # Groups first (their field is declared beside their code): a pairing they refuse is
-  # named as theirs, not as the other field's.
-  member_groups.check(config)  # Each group's own fields, overrides and per-member values.
+  # The features first: a pairing one refuses is named as its own, not as the other
+  # field's. The configs a stack is built from: each feature's stacks', or the run's.
+  stacks = [one for feature in FEATURES for one in feature.stack_configs(config)] or [config]
   _validate_select(config)
   _validate_eval(config)
   # Per-member fields: numbers, lists of M numbers or specs.
   resolved = specs.resolve_hparams(config)
-  _validate_pbt(config, by_epochs)
+  _validate_pbt(config, by_epochs, stacks)
   _warn_shared_optimizer(config, resolved)
 
 
 def _validate_names(config: ml_collections.ConfigDict) -> None:
   """The method, model and optimizer names a run builds from, each checked by its
   registry before any data is read: a misspelt name should not wait for a data set to
-  load (with member groups, each group's are checked with the group)."""
+  load (a feature's stacks' own names are checked by the feature)."""
   methods.check_name(config.ensemble.method)
   models.check_name(specs.model_spec(config))
   try:
@@ -121,14 +126,16 @@ def _validate_select(config: ml_collections.ConfigDict) -> None:
            'selects members on a validation split; set data.validation_size > 0 (e.g. 500)')
 
 
-def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool) -> None:
-  """config.pbt: its own fields (specs.pbt_spec), and what it needs of the rest of the run."""
+def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool,
+                  stacks: list[ml_collections.ConfigDict]) -> None:
+  """config.pbt: its own fields (specs.pbt_spec), and what it needs of the rest of the run
+  (of each stack's config: `stacks`)."""
   enabled = config.pbt.enabled
   if not enabled:
     return
   _require(config.data.validation_size > 0, 'pbt.enabled', enabled,
            'ranks members on a validation split; set data.validation_size > 0 (e.g. 500)')
-  for one in member_groups.stack_configs(config):  # A group may have its own `own`.
+  for one in stacks:  # A stack may have its own `own`.
     _require(one.ensemble.own == 'all', 'pbt.enabled', enabled,
              f'copies whole members, so it needs ensemble.own=\'all\' (not '
              f'{one.ensemble.own!r}, whose shared leaves are no member\'s to copy)')

@@ -29,7 +29,8 @@ from dist_ens.errors import ConfigError
 FIELD = 'config.ensemble.groups'
 # This feature's field, with the code that reads it: defaults.py places it in
 # config.ensemble (`_declared_in`), its meaning the comment above it (config/schema.py reads
-# it, docs/config.md shows it), checked by check(config) below (config.checks.validate runs).
+# it, docs/config.md shows it), checked by stack_configs(config) below, the hook
+# config.checks.validate runs for every feature that declares its fields so.
 FIELDS = dict(
     # Members of different architectures in one program (docs/groups.md): a list of
     # groups, each a dict {'count': n, 'model': {...}, 'optim': {...}, 'ensemble': {...}[,
@@ -162,7 +163,7 @@ def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
 def check(config: ml_collections.ConfigDict) -> tuple[GroupSpec, ...]:
   """The config's groups, checked: counts that sum to num_members, overrides of real
   fields, none of the pairings groups do not support yet (one line naming both), and
-  each group's per-member fields (config.checks.validate runs this first)."""
+  each group's per-member fields (config.checks.validate runs this, by stack_configs)."""
   specs = group_specs(config)
   if not specs:
     return specs
@@ -221,19 +222,10 @@ def _check_method(one: ml_collections.ConfigDict, spec: GroupSpec) -> None:
 
 
 def stack_configs(config: ml_collections.ConfigDict) -> list[ml_collections.ConfigDict]:
-  """The configs the run's stacks are built from: each group's (group_config) in group
-  order; [config] without groups (config.checks asks this module, as it runs check)."""
-  specs_ = group_specs(config)
-  return [group_config(config, s) for s in specs_] if specs_ else [config]
-
-
-def member_config(config: ml_collections.ConfigDict, member: int) -> ml_collections.ConfigDict:
-  """The config member `member` was built from: its group's (group_config), or the
-  run's without groups."""
-  for spec in group_specs(config):
-    if spec.group.first <= member < spec.group.first + spec.group.count:
-      return group_config(config, spec)
-  return config
+  """The groups checked (check), and the configs the run's stacks are built from: each
+  group's (group_config) in group order; [] without groups. config.checks.validate calls
+  this, first, as it does every declared feature's."""
+  return [group_config(config, s) for s in check(config)]
 
 
 def check_divides(specs: Sequence[GroupSpec], member_devices: int) -> None:
@@ -266,11 +258,3 @@ def describe(config: ml_collections.ConfigDict) -> str:
 
 _PER_MEMBER = {'optim': ('learning_rate', 'weight_decay', 'b1', 'momentum'),
                'model': ('init_scale',)}
-
-
-def refuse(config: Any, what: str) -> None:
-  """One line refusing `what` (a command or an Ensemble method) for a run with groups."""
-  groups = config.ensemble.get('groups', ()) if 'ensemble' in config else ()
-  if groups:
-    raise ConfigError(f'{what} does not support {FIELD} yet (docs/groups.md): the run has '
-                      f'{len(groups)} member groups of different architectures.')

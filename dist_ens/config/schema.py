@@ -250,6 +250,14 @@ def method_defaults() -> dict[str, dict[str, Any]]:
           for group, source in _method_sources().items()}
 
 
+def feature_modules(source: str) -> list[str]:
+  """The config modules whose features declare their fields beside their code: the
+  `<module>` of each `_declared_in(config.<section>, '<module>')` in the defaults file's
+  `source` (config/groups.py's 'groups'), in order."""
+  return [node.args[1].value for node in ast.walk(ast.parse(source))
+          if isinstance(node, ast.Call) and getattr(node.func, 'id', None) == '_declared_in']
+
+
 @functools.cache
 def module_defaults(module: str) -> dict[str, Any]:
   """{field: default} that config/<module>.py's FIELDS declares (literals only)."""

@@ -4,15 +4,15 @@ first, the post-hoc steps after the evaluations they read, PBT before the checkp
 config.eval.evaluators' own run after them; the trainer puts the checkpoint last.
 """
 
-from dist_ens.evaluators import (decisions, distill, greedy, groups, held_out, joint, laplace,
-                                 mc_dropout, method_members, metrics, noise, pbt, temperature,
-                                 top_k)
+from dist_ens.evaluators import (decisions, distill, greedy, held_out, joint, laplace,
+                                 mc_dropout, method_members, metrics, noise, pbt, stacks,
+                                 temperature, top_k)
 from dist_ens.evaluators.evaluator import Evaluator
 
 EVALUATORS: dict[str, Evaluator] = {
     'noise': noise.evaluator,  # the homoscedastic noise, before the evaluations use it
     'test': metrics.evaluate,
-    'groups': groups.evaluator,
+    'stacks': stacks.evaluator,  # each stack's ensemble (member groups)
     'ood': metrics.score_ood,
     'validation': metrics.validate,
     'held_out': held_out.evaluator,

@@ -27,12 +27,13 @@ import numpy as np
 from absl import logging
 
 from dist_ens import data, tasks
-from dist_ens.config import groups as member_groups, specs
+from dist_ens.config import specs
 from dist_ens.data import uci
 from dist_ens.core import stacks as stacks_lib
 from dist_ens.core.state import member_flags
 from dist_ens.core.model import Model
 from dist_ens.ensembles import methods, stored
+from dist_ens.errors import ConfigError
 from dist_ens.eval import conformal as conformal_lib, decisions, laplace_predictive, metrics
 from dist_ens.eval.evaluate import member_logits, pad_rows, padded_chunks
 from dist_ens.io import member_files
@@ -65,9 +66,10 @@ class Ensemble:
     laplace: the members' last-layer Laplace posteriors the run fitted
       (config.eval.laplace; workdir/laplace.npz, dist_ens.evaluators.laplace_file): a tuple of
       LaplaceFit, one per stack, or None.
-    places, stack_models, stack_names: where each stack's members sit, its predicting
-      model and its name (a member group's), for an ensemble of several stacks
-      (core/stacks.py; default one stack of `model`).
+    places, stack_models, stack_names, stack_configs: where each stack's members sit, its
+      predicting model, its name (a member group's) and the config it was built from
+      (assemble.Run.stack_configs), for an ensemble of several stacks (core/stacks.py;
+      default one stack of `model`, built from `config`).
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model: Model, params: PyTree,
@@ -79,7 +81,8 @@ class Ensemble:
                split_scales: tuple[uci.Standardizer, ...] | None = None,
                laplace: tuple[laplace_predictive.LaplaceFit, ...] | None = None,
                places: stacks_lib.Places | None = None,
-               stack_models: tuple[Model, ...] = (), stack_names: tuple[str, ...] = ()):
+               stack_models: tuple[Model, ...] = (), stack_names: tuple[str, ...] = (),
+               stack_configs: tuple[ml_collections.ConfigDict, ...] = ()):
     # `predict_model` reads `params` as stored (stored.predicting_model); default `model`.
     self.config, self.model, self._stored = config, model, params
     self._predict_model = model = predict_model or model
@@ -87,6 +90,7 @@ class Ensemble:
     self.laplace = laplace  # what predict(laplace=True) uses (None: not fitted)
     self._stack_models = tuple(stack_models) or (self._predict_model,)
     self._stack_names = tuple(stack_names)
+    self._stack_configs = tuple(stack_configs) or (config,)
     self.task, self.scale = tasks.get_task(config.task), scale
     # config.data.member_split's per-split statistics: split s's members predict in their
     # own units, so predict standardises and converts back per split (None: one `scale`).
@@ -167,8 +171,8 @@ class Ensemble:
     """
     workdir = Path(workdir)
     devices = list(jax.devices() if devices is None else devices)
-    config, meta, parts, mesh, restored = saved_run.restore_newest(workdir, devices, mesh,
-                                                                   memory_gb)
+    config, meta, parts, mesh, restored, stack_configs = saved_run.restore_newest(
+        workdir, devices, mesh, memory_gb)
     # Snapshots or SWAG samples predict where the run used such a method.
     members = methods.predictive_members(parts.method, restored.state, config.seed, mesh)
     replicated = jax.jit(lambda f: f, out_shardings=mesh_lib.replicated(mesh))
@@ -183,7 +187,8 @@ class Ensemble:
                    laplace=saved_run.laplace_from(workdir, restored.step),
                    places=parts.places if parts.stacked else None,  # One stack: its K x M rows.
                    stack_models=tuple(s.predict_model for s in parts.stacks),
-                   stack_names=tuple(s.stack.name for s in parts.stacked))
+                   stack_names=tuple(s.stack.name for s in parts.stacked),
+                   stack_configs=stack_configs)
     ensemble.workdir = workdir  # what export_adapters reads the factors from
     return ensemble
 
@@ -224,15 +229,15 @@ class Ensemble:
     return jax.tree.map(np.asarray, self._take_state(stack, np.int32(row)))
 
   def member_config(self, i: int) -> ml_collections.ConfigDict:
-    """The config member i was built from: the run's, with its group's model and optim
-    overrides where config.ensemble.groups gives members different architectures.
+    """The config member i was built from: its stack's (the run's, with its member group's
+    model, optim and ensemble overrides where groups give members different architectures).
 
     Example:
       spec = dist_ens.config.specs.model_spec(ens.member_config(5))
       model = dist_ens.models.get_model(spec, ens.num_classes)   # member 5's architecture
     """
     self._check_member(i, 'member_config')
-    return member_groups.member_config(self.config, i)
+    return self._stack_configs[self._places.locate(i)[0]]
 
   def export(self, directory: str | os.PathLike) -> list[Path]:
     """Writes each member as its own .npz file (member_{i}.npz, member_{i}_state.npz where
@@ -262,7 +267,10 @@ class Ensemble:
     `peft.PeftModel.from_pretrained(transformers_model, directory / 'member_0')` gives
     member 0's outputs (dist_ens.io.peft_adapters; docs/pretrained.md). Only process 0
     writes."""
-    member_groups.refuse(self.config, 'Ensemble.export_adapters')
+    if self._places.joined:
+      raise ConfigError(f'Ensemble.export_adapters does not support a run of several stacks '
+                        f'yet (member groups, docs/groups.md): this one has {len(self._places)}, '
+                        'of different architectures; export one member group\'s run alone.')
     if getattr(self, 'workdir', None) is None:
       raise ValueError('export_adapters needs an Ensemble from Ensemble.load(workdir).')
     if jax.process_index() != 0:

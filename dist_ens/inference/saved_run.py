@@ -127,30 +127,30 @@ def saved_config(checkpointer: Checkpointer,
   return ml_collections.ConfigDict(loading.upgrade(config_dict)), meta
 
 
-def parts_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],
+def run_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],
                   devices: list[jax.Device], mesh: load_mesh.MeshArg,
                   memory_gb: float | None) -> tuple[Any, jax.sharding.Mesh]:
-  """The run's parts on the mesh Ensemble.load was asked for (None: the saved layout),
+  """The run wired on the mesh Ensemble.load was asked for (None: the saved layout),
   refused in one line where that mesh cannot hold the members (see Ensemble.load)."""
   shapes = data_shape(config, meta)
   fitted = assemble.fitted_members(config)  # what the 'member' axis must divide
-  parts_on = lambda m: assemble.build_run(config, mesh=m, shapes=shapes).parts
+  run_on = lambda m: assemble.build_run(config, mesh=m, shapes=shapes)
   if mesh is None:
     mesh = load_mesh.saved_layout(fitted, config.mesh.to_dict(), meta, devices)
-    parts = parts_on(mesh)
+    run = run_on(mesh)
   else:
     mesh = load_mesh.requested(mesh, fitted, devices)
     try:
-      parts = parts_on(mesh)
+      run = run_on(mesh)
     except ConfigError as e:  # The run's rules on this mesh, say.
       raise ConfigError(f'Ensemble.load: the mesh {load_mesh.describe(mesh)} cannot hold '
                         f'the members: {e}') from None
   budget = load_mesh.memory_budget(memory_gb, mesh)
   if budget is not None:
-    load_mesh.check_holds(mesh, load_mesh.held_bytes(parts.abstract_state), budget,
+    load_mesh.check_holds(mesh, load_mesh.held_bytes(run.parts.abstract_state), budget,
                           devices, config.num_members,
-                          lambda m: load_mesh.held_bytes(parts_on(m).abstract_state))
-  return parts, mesh
+                          lambda m: load_mesh.held_bytes(run_on(m).parts.abstract_state))
+  return run, mesh
 
 
 class Restored(NamedTuple):
@@ -160,6 +160,7 @@ class Restored(NamedTuple):
   parts: Any  # assemble.Parts on `mesh`
   mesh: jax.sharding.Mesh
   checkpoint: Any  # the checkpoint's Restored: .step, .state (no optimizer state)
+  stack_configs: tuple[ml_collections.ConfigDict, ...]  # assemble.Run.stack_configs
 
 
 def restore_newest(workdir: Path, devices: list[jax.Device], mesh: load_mesh.MeshArg,
@@ -169,8 +170,8 @@ def restore_newest(workdir: Path, devices: list[jax.Device], mesh: load_mesh.Mes
   checkpointer = open_checkpoints(workdir)
   try:
     config, meta = saved_config(checkpointer, workdir)
-    parts, mesh = parts_on_mesh(config, meta, devices, mesh, memory_gb)
-    restored = checkpointer.restore(parts.abstract_state, with_optimizer=False)
+    run, mesh = run_on_mesh(config, meta, devices, mesh, memory_gb)
+    restored = checkpointer.restore(run.parts.abstract_state, with_optimizer=False)
   finally:
     checkpointer.close()
   if restored is None:
@@ -178,4 +179,4 @@ def restore_newest(workdir: Path, devices: list[jax.Device], mesh: load_mesh.Mes
   if restored.step != config.train.steps:
     logging.warning('the newest checkpoint in %s is at step %d of %d: the run has not '
                     'finished.', workdir / 'checkpoints', restored.step, config.train.steps)
-  return Restored(config, meta, parts, mesh, restored)
+  return Restored(config, meta, run.parts, mesh, restored, run.stack_configs)

@@ -44,7 +44,7 @@ from dist_ens import data, tasks
 from dist_ens.run import assemble
 from dist_ens.config import checks, loading
 from dist_ens.parallel import mesh as mesh_lib, placement
-from dist_ens.plan import calibration, dry_run, groups_plan, sizes
+from dist_ens.plan import calibration, dry_run, sizes, stacks_plan
 from dist_ens.plan.dry_run import StepMemory, step_memory
 from dist_ens.errors import ConfigError
 from dist_ens.io.tables import counted
@@ -162,9 +162,9 @@ def device_memory_bytes(device: jax.Device) -> float | None:
 
 def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] | None = None,
               memory_bytes: float | None = None, measure_programs: bool = True
-              ) -> Plan | groups_plan.GroupsPlan:
-  """Compiles the config's train step abstractly and measures its memory (with member
-  groups: each group's sizes and the joint step's memory, a groups_plan.GroupsPlan).
+              ) -> Plan | stacks_plan.StacksPlan:
+  """Compiles the config's train step abstractly and measures its memory (a run of
+  several stacks: each stack's sizes and the joint step's memory, a StacksPlan).
 
   Args:
     config: a config like configs/default.py's.
@@ -187,18 +187,17 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
   if memory_bytes is None:
     memory_bytes = device_memory_bytes(mesh.devices.flat[0])
   batch = step_batch(config)
-  if parts.places.joined:  # Each group priced on its own, the joint step measured whole.
-    return groups_plan.make_groups_plan(config, run, memory_bytes, batch)
+  if parts.places.joined:  # Each stack priced on its own, the joint step measured whole.
+    return stacks_plan.make_stacks_plan(run, memory_bytes, batch, config.train.steps)
   shards = mesh.shape[mesh_lib.MEMBER]
   per_device = config.num_members // shards
-  # The same form at twice the members ('auto' held fixed, so that the two compiles
-  # differ only in M); the values of per-member hyperparameters do not change sizes.
-  rebuild = lambda m: assemble.build_parts(config, mesh, input_shape, num_outputs,
-                                           num_members=m)
   compiled, host = dry_run.compile_and_measure(parts, batch, form, measure_programs)
   step = step_memory(compiled, per_device)
-  step_doubled = step_memory(dry_run.compile_step(rebuild(2 * config.num_members), batch,
-                                                  form)[0], 2 * per_device)
+  # The same form at twice the members ('auto' held fixed, so that the two compiles
+  # differ only in M); the values of per-member hyperparameters do not change sizes.
+  doubled = assemble.build_parts(config, mesh, input_shape, num_outputs,
+                                 num_members=2 * config.num_members)
+  step_doubled = step_memory(dry_run.compile_step(doubled, batch, form)[0], 2 * per_device)
   bytes_per_member = (step_doubled.peak - step.peak) / per_device
   # Below zero where the peak more than doubles from M to 2M (XLA chose other fusions):
   # the line then overstates the growth, and no part of the peak is fixed.
@@ -213,15 +212,17 @@ def make_plan(config: ml_collections.ConfigDict, devices: Sequence[jax.Device] |
       state_bytes_per_member=state_bytes_per_member, step=step, step_doubled=step_doubled,
       bytes_per_member=bytes_per_member, fixed_bytes=fixed, memory_bytes=memory_bytes,
       max_members=max_members,
-      flops_per_example=sizes.flops_per_example(compiled, parts, batch, form, rebuild),
+      flops_per_example=sizes.flops_per_example(compiled, parts, batch, form),
       train_steps=config.train.steps, steps_per_epoch=per_epoch,
       program_bytes=host.programs if host else None,
       dry_run_peak_bytes=host.peak if host else None,
       peak_bytes=peak, **sizes.placement_of(parts))
 
 
-def format_plan(plan: Plan, config: ml_collections.ConfigDict) -> str:
+def format_plan(plan: Plan | stacks_plan.StacksPlan, config: ml_collections.ConfigDict) -> str:
   """The plan of `config` as the lines `dist-ens plan` prints."""
+  if isinstance(plan, stacks_plan.StacksPlan):
+    return stacks_plan.stacks_plan_lines(plan, config.data.name, config.data.batch_size)
   return plan_lines(plan, f'{plan.num_members} x {config.model.name} on {config.data.name}, '
                     f'batch {config.data.batch_size} per member, optimizer {config.optim.name}')
 
@@ -255,8 +256,8 @@ def calibrate(config: ml_collections.ConfigDict,
               devices: Sequence[jax.Device] | None = None) -> str:
   """Times every member form of the config's step on these devices, caches the fastest
   for 'auto' (dist_ens.plan.calibration) and returns the table it measured. With member
-  groups, each group's own step (its model, method and members per device) is timed and
-  cached on its own: a run's joined step runs each group in the form cached for it."""
+  several stacks, each stack's own step (its model, method and members per device) is timed
+  and cached on its own: a run's joined step runs each stack in the form cached for it."""
   loading.check_known_fields(config)
   checks.validate(config)
   config, _ = _resolve_steps(config)
@@ -269,7 +270,7 @@ def calibrate(config: ml_collections.ConfigDict,
     fastest = min(seconds.values())
     per_device = counted(calibration.members_per_device(stack), 'member')
     name = stack.stack.name
-    where = f'group {name!r} ({stack.num_members} members), ' if name else ''
+    where = f'stack {name!r} ({stack.num_members} members), ' if name else ''
     lines.append(f'{where}calibrated on {stack.mesh.devices.flat[0].device_kind}, '
                  f'{per_device} per device (seconds per step, median of 3 rounds of 5):')
     lines += [f'  {calibration.label(form):<24} {s:10.5f}  {s / fastest:5.2f}x'
@@ -313,8 +314,6 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ConfigError as e:
     print(f'dist-ens plan: error: {e}', file=sys.stderr)
     return 1
-  text = (groups_plan.format_groups_plan if isinstance(plan, groups_plan.GroupsPlan)
-          else format_plan)
-  print(json.dumps(plan.to_dict(), indent=2) if as_json.value else text(plan, config))
+  print(json.dumps(plan.to_dict(), indent=2) if as_json.value else format_plan(plan, config))
   return 0
 

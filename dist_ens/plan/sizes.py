@@ -2,7 +2,6 @@
 bytes per member, the state's bytes per device by its layout, and the compiled step's train
 FLOPs per member-example (the planner's, for each stack of members)."""
 
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,17 +28,14 @@ def placement_of(parts: assemble.Parts) -> dict:
           'param_leaves': placement.describe(specs.params, state.params, shape)}
 
 
-def flops_per_example(compiled, parts, batch: dry_run.StepBatch, form,
-                      rebuild: Callable[[int], Any]) -> float | None:
+def flops_per_example(compiled, parts, batch: dry_run.StepBatch, form) -> float | None:
   """FLOPs of the compiled (per-device) step / the member-examples one device runs. XLA's
   cost analysis counts a loop's body once, so a step whose members run in a loop ('map')
-  is counted on a vmapped step of one member per device instead (`rebuild(M)`: the run's
-  Parts with M members)."""
+  is counted on the same parts' vmapped step instead (compiled, never run)."""
   mesh = parts.mesh
-  members_per_device = parts.abstract_state.frozen.shape[0] // mesh.shape[mesh_lib.MEMBER]
+  members_per_device = parts.num_members // mesh.shape[mesh_lib.MEMBER]
   if form[0] != 'vmap' and members_per_device > 1:
-    one = rebuild(mesh.shape[mesh_lib.MEMBER])
-    compiled, members_per_device = dry_run.compile_step(one, batch, ('vmap', None))[0], 1
+    compiled = dry_run.compile_step(parts, batch, ('vmap', None))[0]
   try:
     cost = compiled.cost_analysis()
   except Exception:  # pylint: disable=broad-except  # Not implemented on some backends.

@@ -131,6 +131,9 @@ class Run(NamedTuple):
   parts: Parts
   data: RunData | None  # None where no dataset was loaded (shapes given)
   form: strategy.Form  # how each device runs its members
+  # The config each stack of parts.stacks was built from (a member group's: the run's with
+  # the group's overrides), in id order; (config,) for one stack.
+  stack_configs: tuple[ml_collections.ConfigDict, ...] = ()
 
   def step(self, steps_per_call: int = 1, loss: tasks.Loss | None = None) -> TrainStep:
     """The compiled train step (traced at its first call)."""
@@ -209,7 +212,8 @@ def build_run(config: ml_collections.ConfigDict, *,
     user_metrics.check_metrics(metrics, shapes[1], np.asarray(dataset.test.y))
   # Each stack picks its own form (build_step); the first's stands for the run.
   return Run(config, run_spec(config, member_groups.describe(config)), parts, run_data,
-             member_form(parts.stacks[0], config.data.batch_size))
+             member_form(parts.stacks[0], config.data.batch_size),
+             tuple(member_groups.stack_configs(config)) or (config,))
 
 
 def fitted_members(config: ml_collections.ConfigDict) -> int:

@@ -157,7 +157,7 @@ def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
            actions: Sequence[Action]) -> tuple[Call, Any, Checkpointer]:
   """Claims the workdir, restores or inits the state, and builds the step, the input
   pipeline and the writers: the loop's Session, and its first Call (the restored step)."""
-  config, spec, parts, run_data, form = run
+  config, spec, parts, run_data, form = run.config, run.spec, run.parts, run.data, run.form
   mesh, dataset = parts.mesh, run_data.dataset
   _prepare_workdir(workdir, config)
   logging.info('mesh %s over %d of %s, %s; %s on %s', dict(mesh.shape), mesh.size,

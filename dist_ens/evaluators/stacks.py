@@ -1,8 +1,9 @@
-"""After the last step, each member group's own ensemble (config.ensemble.groups): the
-test metrics of the ensemble of one group's non-frozen members, from the same pass over
-the test split as the whole ensemble's (SplitPredictions), written to final_metrics.json
-under 'groups' (posthoc.stack_ensembles, which gives the same of any outputs: the
-Laplace predictives')."""
+"""After the last step of a run of several stacks (member groups, docs/groups.md), each
+stack's own ensemble: the test metrics of the ensemble of one stack's non-frozen members,
+from the same pass over the test split as the whole ensemble's (SplitPredictions),
+written to final_metrics.json under 'groups', as users name them
+(posthoc.stack_ensembles, which gives the same of any outputs: the Laplace
+predictives')."""
 
 from absl import logging
 
@@ -12,9 +13,9 @@ from dist_ens.evaluators.evaluator import EvalRun
 from dist_ens.evaluators.predictions import SplitPredictions
 
 
-class GroupEnsembles(PeriodicAction):
-  """results['groups'][name]: the group's member ids, model and optim overrides, method
-and own (config.ensemble's, or the group's own), and ensemble metrics."""
+class StackEnsembles(PeriodicAction):
+  """results['groups'][name]: the stack's member ids, model and optim overrides, method
+and own (the run's, or the stack's own), and ensemble metrics."""
 
   def __init__(self, predictions: SplitPredictions):
     super().__init__(0, at_end=True)
@@ -39,5 +40,6 @@ and own (config.ensemble's, or the group's own), and ensemble metrics."""
 
 
 def evaluator(run: EvalRun) -> list[PeriodicAction]:
-  """[GroupEnsembles] with member groups: each group's ensemble, from the same test pass."""
-  return [GroupEnsembles(run.predictions)] if run.session.parts.places.joined else []
+  """[StackEnsembles] where the run joins several stacks: each one's ensemble, from the
+  same test pass."""
+  return [StackEnsembles(run.predictions)] if run.session.parts.places.joined else []
