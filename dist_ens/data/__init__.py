@@ -5,14 +5,13 @@ import dataclasses
 import numpy as np
 
 from dist_ens.data.pipeline import (MEMBER_ORDERS, Batches, BatchIterator, IteratorState, Order,
-                                    PipelineStats, host_block, host_rows, local_indices,
-                                    to_global)
+                                    host_block, host_rows, local_indices, to_global)
 from dist_ens.data.member_split import MemberSplits, make_member_splits
 from dist_ens.data.sources import SOURCES, Dataset, Source, Split, Subset
 from dist_ens.data.spec import TEXT_FIELDS, DataSpec
 from dist_ens.data import uci
 from dist_ens.data.text import is_text, load_text
-from dist_ens.data.tfds_source import is_token_ids, load_tfds, prepare_command, preprocess
+from dist_ens.data.tfds_source import is_token_ids, load_tfds, preprocess
 from dist_ens import importing
 from dist_ens.errors import ConfigError
 
@@ -148,5 +147,5 @@ def split_validation(source: Source, size: int) -> tuple[Source, Split]:
 
 
 __all__ = ['is_token_ids', 'MemberSplits', 'make_member_splits', 'Batches', 'BatchIterator', 'DataSpec', 'Dataset', 'check_finite_inputs', 'from_arrays', 'IteratorState', 'MEMBER_ORDERS', 'Order',
-           'PipelineStats', 'SOURCES', 'TEXT_FIELDS', 'is_text', 'load_text', 'Source', 'Split', 'Subset', 'host_block', 'host_rows',
-           'load_dataset', 'local_indices', 'prepare_command', 'preprocess', 'split_validation', 'to_global']
+           'SOURCES', 'TEXT_FIELDS', 'is_text', 'load_text', 'Source', 'Split', 'Subset', 'host_block', 'host_rows',
+           'load_dataset', 'local_indices', 'preprocess', 'split_validation', 'to_global']
