@@ -81,42 +81,90 @@ def _both(source, order, mesh, count, workers=WORKERS, **kwargs):
   return want, got
 
 
-# Two worker processes interleave items in one case (each is a spawned Python, over a
-# second of CPU); which worker reads an item does not depend on the order's kind.
-@pytest.mark.parametrize('kind,split_spec,k,with_index,workers', [
-    ('shared', '', 1, False, 1),
-    ('shuffled', '', 3, True, WORKERS),
-    ('bootstrap', 'kfold:2', 1, True, 1),
+# Per-channel statistics for which float32 and float64 arithmetic round some pixels apart.
+MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+
+
+@pytest.fixture(scope='module')
+def standardized(data_dir):
+  """The training split of grain_cifar with data.mean and data.std set."""
+  spec = data.DataSpec('grain_cifar', data_dir=data_dir, mean=MEAN, std=STD)
+  return data.load_dataset('grain_cifar', spec).train
+
+
+# One worker process a case here (each is a spawned Python, over a second of CPU): which
+# worker reads an item does not depend on the order's kind; two workers interleave items in
+# the shuffled case (shuffled_reads below). The bootstrap case standardises (data.mean and
+# std): the workers' pixels are scaled as the thread scales them.
+@pytest.mark.parametrize('kind,split_spec,k,with_index,scaled', [
+    ('shared', '', 1, False, False),
+    ('bootstrap', 'kfold:2', 1, True, True),
 ])
-def test_batches_equal_the_thread_pipelines_bit_for_bit(train, kind, split_spec, k, with_index,
-                                                        workers):
-  order = _order(kind, train.num_examples, split_spec)
+def test_batches_equal_the_thread_pipelines_bit_for_bit(train, standardized, kind, split_spec, k,
+                                                        with_index, scaled):
+  source = standardized if scaled else train
+  order = _order(kind, source.num_examples, split_spec)
   # 5 items after the first cross the epoch (12 batches; 6 for a kfold:2 pool of 100);
   # prefetching runs ahead of the state.
-  want, got = _both(train, order, _mesh(kind), 5, workers=workers, steps_per_call=k,
+  want, got = _both(source, order, _mesh(kind), 5, workers=1, steps_per_call=k,
                     with_index=with_index, prefetch=2)
   support.assert_same_batches(want, got)
   assert len(got[0]) == (3 if with_index else 2)
   assert got[0][0].dtype == np.float32 and got[0][0].shape[-3:] == (32, 32, 3)
 
 
-# Per-channel statistics for which float32 and float64 arithmetic round some pixels apart.
-MEAN, STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+# The shuffled case, K = 3 steps a call with the example indices (12 batches an epoch: 4
+# items), read by the threads and two grain workers once for the two tests below: a
+# checkpoint's state after 2 items (6 batches: mid-epoch) and 4 items more (across the epoch).
+SHUFFLED = dict(steps_per_call=3, with_index=True, prefetch=2)
+SAVED_AFTER, THEN = 2, 4
 
 
-def test_with_data_mean_and_std_the_batches_are_the_threads_bit_for_bit(data_dir):
-  """The workers standardise as the thread does (tfds_source.preprocess): with data.mean /
-  std set, grain's batches are the thread's bit for bit, and the comparison sees the
-  arithmetic (the same pixels standardised in float64 differ)."""
-  spec = data.DataSpec('grain_cifar', data_dir=data_dir, mean=MEAN, std=STD)
-  train = data.load_dataset('grain_cifar', spec).train
-  order = _order('shuffled', train.num_examples)
-  # One worker process (each is a spawned Python, about a second of CPU): what is checked
-  # is the arithmetic, which each worker does alike; the batches test above interleaves two.
-  want, got = _both(train, order, _mesh('shuffled'), 3, workers=1, prefetch=2)
+def _read_saving(batches):
+  """(items 2.. of `batches` (its first read already), its state after SAVED_AFTER
+  items, after SAVED_AFTER + THEN)."""
+  before, saved = support.take_batches(batches, SAVED_AFTER - 1)
+  after, end = support.take_batches(batches, THEN)
+  return before + after, saved, end
+
+
+@pytest.fixture(scope='module')
+def shuffled_reads(train):
+  """{'threads' / 'grain': (the items after the first, the state at SAVED_AFTER items, at
+  the end) as _read_saving gives them; 'shardings': each first item's shardings}."""
+  order, mesh = _order('shuffled', train.num_examples), _mesh('shuffled')
+  threads = data.Batches(train, order, mesh, MEMBERS, **SHUFFLED)
+  grained = data.Batches(train, order, mesh, MEMBERS, loader='grain', workers=WORKERS,
+                         **SHUFFLED)
+  try:
+    shardings = [[a.sharding for a in next(b)] for b in (threads, grained)]
+    return {'shardings': shardings, 'threads': _read_saving(threads),
+            'grain': _read_saving(grained)}
+  finally:
+    threads.close()
+    grained.close()
+
+
+def test_two_workers_batches_equal_the_thread_pipelines_bit_for_bit(shuffled_reads):
+  """Two grain workers interleave the items: the thread pipeline's bit for bit, with the
+  same shardings and data positions."""
+  want, want_saved, want_end = shuffled_reads['threads']
+  got, got_saved, got_end = shuffled_reads['grain']
+  assert shuffled_reads['shardings'][0] == shuffled_reads['shardings'][1]
   support.assert_same_batches(want, got)
+  assert (got_saved, got_end) == (want_saved, want_end)
+  assert len(got) == SAVED_AFTER - 1 + THEN and len(got[0]) == 3
+  assert got[0][0].dtype == np.float32 and got[0][0].shape[-3:] == (32, 32, 3)
+
+
+def test_with_data_mean_and_std_the_comparison_sees_the_arithmetic(data_dir, standardized):
+  """The workers standardise as the thread does (tfds_source.preprocess): the bootstrap
+  case of the batches test above compares grain's standardised batches with the thread's
+  bit for bit; here, that comparison sees the arithmetic (the same pixels standardised in
+  float64 differ)."""
+  order = _order('bootstrap', standardized.num_examples, 'kfold:2')  # the batches test's
   unscaled = data.load_dataset('grain_cifar', data.DataSpec('grain_cifar', data_dir=data_dir))
-  reader = pipeline.HostReader(train, order, (slice(0, MEMBERS), slice(0, BATCH)))
+  reader = pipeline.HostReader(standardized, order, (slice(0, MEMBERS), slice(0, BATCH)))
   start = data.IteratorState()
   x = reader(start)[0]
   pixels = np.rint(reader._replace(source=unscaled.train)(start)[0] * 255)  # exact: k / 255
@@ -154,8 +202,12 @@ def test_preprocess_standardizes_with_the_plain_float32_arithmetic(x, mean, std)
 
 @pytest.mark.parametrize('kind', ['shared', 'shuffled'])
 def test_each_simulated_process_reads_its_own_block(train, kind):
-  """Two processes, each holding half the mesh's devices: grain's workers read each
-  one's block as the thread pipeline's function does, and the blocks tile the batch."""
+  """Two processes, each holding half the mesh's devices: the thread pipeline's function
+  reads each one's block, the blocks tile the batch, and grain's workers read the second
+  process's block as that function does (a block lost or replaced by the first process's
+  on its way to the workers reads other rows; one spawned worker for each process costs
+  over a second of CPU. The slow tier's two-process test reads both processes' blocks
+  with grain)."""
   mesh, order = _mesh(kind), _order(kind, train.num_examples)
   spec, lead = ((P('data'), (BATCH,)) if kind == 'shared'
                 else (P('member', 'data'), (MEMBERS, BATCH)))
@@ -168,44 +220,44 @@ def test_each_simulated_process_reads_its_own_block(train, kind):
     mine = devices[process * 4:(process + 1) * 4]
     block = pipeline.host_block(sharding, lead, len(lead), devices=mine)
     reader = pipeline.HostReader(train, order, block, with_index=True)
-    reads = grain_loader.Reads(reader, start, workers=1)  # (test_batches_* runs 2)
-    try:
-      got = [next(reads) for _ in range(4)]
-    finally:
-      reads.close()
-    want = [reader(order.skip(start, t)) for t in range(4)]
-    support.assert_same_batches(want, got)
-    parts.append((block, got))
+    items = [reader(order.skip(start, t)) for t in range(4)]
+    if process == 1:
+      reads = grain_loader.Reads(reader, start, workers=1)  # (the batches tests run 2)
+      try:
+        got = [next(reads) for _ in range(4)]
+      finally:
+        reads.close()
+      support.assert_same_batches(items, got)
+      items = got
+    parts.append((block, items))
   axis = len(lead) - 1 if kind == 'shared' else 0  # rows over 'data'; members over 'member'
+  assert parts[0][0][axis].start == 0 < parts[1][0][axis].start  # the second is not the first
   assert parts[0][0][axis].stop == parts[1][0][axis].start  # two halves, in order
   for t in range(4):
     tiled = [np.concatenate([p[1][t][i] for p in parts], axis=axis) for i in range(2)]
     support.assert_same_batches([whole(order.skip(start, t))], [tuple(tiled)])
 
 
-def test_resume_mid_epoch_is_exact(train):
-  """A run stopped after 3 items (the state a checkpoint saves) and started again there
-  reads what an uninterrupted one reads next, across the epoch."""
+def test_resume_mid_epoch_is_exact(train, shuffled_reads):
+  """A grain run stopped after 2 items (the state a checkpoint saves) and started again
+  there reads what the uninterrupted one (shuffled_reads' two workers) reads next, across
+  the epoch."""
+  items, saved, end = shuffled_reads['grain']
+  after = items[SAVED_AFTER - 1:]
+  assert saved == data.IteratorState(0, 6) and end == data.IteratorState(1, 6)
   order, mesh = _order('shuffled', train.num_examples), _mesh('shuffled')
-  whole = data.Batches(train, order, mesh, MEMBERS, prefetch=2, steps_per_call=2,
-                       loader='grain', workers=WORKERS)
+  resumed_kwargs = dict(SHUFFLED, prefetch=0)
+  resumed = data.Batches(train, order, mesh, MEMBERS, state=saved, loader='grain', workers=1,
+                         **resumed_kwargs)
   try:
-    _, saved = support.take_batches(whole, 3)  # 6 batches in: mid-epoch
-    after, end = support.take_batches(whole, 4)  # into the next epoch
-  finally:
-    whole.close()
-  assert saved == data.IteratorState(0, 6) and end == data.IteratorState(1, 2)
-  resumed = data.Batches(train, order, mesh, MEMBERS, state=saved, prefetch=0,
-                         steps_per_call=2, loader='grain', workers=1)
-  try:
-    again, again_end = support.take_batches(resumed, 4)
+    again, again_end = support.take_batches(resumed, THEN)
   finally:
     resumed.close()
   support.assert_same_batches(after, again)
   assert again_end == end
-  threads = data.Batches(train, order, mesh, MEMBERS, state=saved, prefetch=0, steps_per_call=2)
-  support.assert_same_batches(after, support.take_batches(threads, 4)[0])
-  assert resumed.stats.examples == 4 * 2 * BATCH * MEMBERS
+  threads = data.Batches(train, order, mesh, MEMBERS, state=saved, **resumed_kwargs)
+  support.assert_same_batches(after, support.take_batches(threads, THEN)[0])
+  assert resumed.stats.examples == THEN * SHUFFLED['steps_per_call'] * BATCH * MEMBERS
 
 
 _KILLED_PARENT = """
@@ -372,14 +424,15 @@ if __name__ == '__main__' and sys.argv[1:2] == ['probe']:
 
 
 def _train(workdir, data_dir, loader, steps, **fields):
-  """A short run of 2 MLPs on the PNG set, saved every 4 steps (all kept); the members'
-  params as numpy. No joint log-loss and jsonl events only: what no test here reads. One
-  grain worker: the batches tests check two workers' interleaving."""
+  """A short run of 2 MLPs on the PNG set, saved at step 8 and at the end (both kept: the
+  resume needs one before the end); the members' params as numpy. No joint log-loss and
+  jsonl events only: what no test here reads. One grain worker: the batches tests check
+  two workers' interleaving."""
   config = _config(name='grain_cifar', data_dir=data_dir, loader=loader, grain_workers=1,
                    resident=False, batch_size=BATCH, member_order='shuffled')
   config.num_members, config.model.widths = MEMBERS, (16,)
-  config.train.steps, config.train.eval_every, config.checkpoint.every = steps, 0, 4
-  config.checkpoint.keep, config.eval.joint_tau, config.writers = 4, 0, ('jsonl',)
+  config.train.steps, config.train.eval_every, config.checkpoint.every = steps, 0, 8
+  config.checkpoint.keep, config.eval.joint_tau, config.writers = 2, 0, ('jsonl',)
   for field, value in fields.items():
     config.train[field] = value
   dist_ens.train(config, workdir)
@@ -404,12 +457,11 @@ def test_a_run_with_grain_trains_the_thread_runs_members_and_resumes_with_either
   assert started
   for a, b in zip(threads, grain, strict=True):
     np.testing.assert_array_equal(a, b)
-  # What a kill between the checkpoints of steps 8 and 12 leaves.
+  # What a kill between the checkpoints of steps 8 and 14 leaves.
   switch = shutil.copytree(tmp_path / 'grain', tmp_path / 'switch')
   saved = sorted(int(d.name) for d in (switch / 'checkpoints').iterdir() if d.name.isdigit())
-  assert saved == [4, 8, 12, 14], saved
-  for step in (12, 14):
-    shutil.rmtree(switch / 'checkpoints' / str(step))
+  assert saved == [8, 14], saved
+  shutil.rmtree(switch / 'checkpoints' / '14')
   (switch / 'final_metrics.json').unlink()
   started.clear()
   caplog.clear()
