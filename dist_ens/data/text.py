@@ -68,12 +68,13 @@ def split_file(folder: Path, split: str, where: str) -> Path:
   return found[0]
 
 
-def _int_list(value: Any, field: str, where: str) -> np.ndarray:
+def _input_ids(value: Any, where: str) -> np.ndarray:
   ids = np.asarray(value)
   if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
-    raise ConfigError(f"{where}: '{field}' must be a list of integer token ids, got {value!r:.60}.")
+    raise ConfigError(f"{where}: 'input_ids' must be a list of integer token ids, got "
+                      f"{value!r:.60}.")
   if (ids < 0).any():
-    raise ConfigError(f"{where}: '{field}' holds a negative token id ({int(ids.min())}).")
+    raise ConfigError(f"{where}: 'input_ids' holds a negative token id ({int(ids.min())}).")
   return ids.astype(np.int64)
 
 
@@ -92,7 +93,7 @@ def read_jsonl(path: Path, tokenizer) -> Sequences:
       raise ConfigError(f"{where}: not a JSON object; each line is one, e.g. "
                         '{"input_ids": [2, 14, 7], "label": 1}.')
     if 'input_ids' in row:
-      ids.append(_int_list(row['input_ids'], 'input_ids', where))
+      ids.append(_input_ids(row['input_ids'], where))
     elif isinstance(row.get('text'), str):
       texts[len(ids)] = row['text']
       ids.append(None)
@@ -128,7 +129,7 @@ def read_npz(path: Path) -> Sequences:
   if lengths.shape != (len(table),) or (lengths < 0).any() or (lengths > table.shape[1]).any():
     raise ConfigError(f"{path}: 'lengths' must be [N] ints in [0, {table.shape[1]}] (N = "
                       f"{len(table)}, one per row of 'input_ids'), got shape {lengths.shape}.")
-  ids = [_int_list(row[:k], 'input_ids', f'{path}, row {i}')
+  ids = [_input_ids(row[:k], f'{path}, row {i}')
          for i, (row, k) in enumerate(zip(table, lengths))]
   label = arrays.get('label')
   return Sequences(ids, None if label is None else _labels(label.tolist(), path))
