@@ -36,7 +36,9 @@ logits handed to the loss, the loss, the metrics and checkpoints stay float32; g
 arrive in float32 through the cast.
 """
 
-from collections.abc import Callable
+import functools
+import operator
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -109,6 +111,21 @@ def is_kernel(leaf: Any) -> bool:
   longer than one. Biases and normalisation scales are not, whatever their layout
   ([C], or Haiku's [1, C]). model.init_scale and weight decay act on kernels."""
   return sum(d > 1 for d in leaf.shape) >= 2
+
+
+def leaf_at(tree: PyTree, path: Sequence[Any]) -> Any:
+  """The leaf of `tree` (nested dicts and lists) at `path`, its keys and indices."""
+  return functools.reduce(operator.getitem, path, tree)
+
+
+def with_leaf(tree: PyTree, path: Sequence[Any], value: Any) -> PyTree:
+  """A copy of `tree` (nested dicts and lists) with the leaf at `path` replaced by `value`."""
+  if not path:
+    return value
+  key, rest = path[0], path[1:]
+  if isinstance(tree, list):
+    return [with_leaf(v, rest, value) if i == key else v for i, v in enumerate(tree)]
+  return {k: with_leaf(v, rest, value) if k == key else v for k, v in tree.items()}
 
 
 def compute_dtype(precision: str) -> jnp.dtype:

@@ -51,12 +51,13 @@ works as it does there: resume, Ensemble.load, predict, export, shift, joint, PB
 """
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from dist_ens.core.model import Model, init_shapes
+from dist_ens.core.model import Model, init_shapes, leaf_at, with_leaf
 from dist_ens.ensembles.method import Method, MethodSpec, int_field
 from dist_ens.errors import ConfigError
 from dist_ens.models import resnet
@@ -151,21 +152,12 @@ def _grouped_paths(model: str, params: PyTree) -> list[tuple]:
   return [('convs', i, 'w') for i in range(1, len(params['convs']))]
 
 
-def _get(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def _replaced(tree: PyTree, changes: dict[tuple, jax.Array]) -> PyTree:
-  """`tree` (lists and dicts) with the leaves at `changes`' paths replaced (a copy)."""
-  def walk(node, prefix):
-    if isinstance(node, dict):
-      return {k: walk(v, prefix + (k,)) for k, v in node.items()}
-    if isinstance(node, (list, tuple)):
-      return type(node)(walk(v, prefix + (i,)) for i, v in enumerate(node))
-    return changes.get(prefix, node)
-  return walk(tree, ())
+def _with_grouped(model_name: str, params: PyTree, fn: Callable[[jax.Array], jax.Array]
+                  ) -> PyTree:
+  """`params` with `fn` applied to each grouped kernel (a copy)."""
+  for path in _grouped_paths(model_name, params):
+    params = with_leaf(params, path, fn(leaf_at(params, path)))
+  return params
 
 
 def base_widths(model_name: str, model: Model) -> tuple[int, ...]:
@@ -183,13 +175,11 @@ def wrap(member_model: Model, model_name: str, gamma: int) -> Model:
   (stored grouped, applied as their block-diagonal kernels)."""
 
   def dense(params):
-    return _replaced(params, {p: block_diagonal(_get(params, p))
-                              for p in _grouped_paths(model_name, params)})
+    return _with_grouped(model_name, params, block_diagonal)
 
   def init(rng, sample_x):
     params, state = member_model.init(rng, sample_x)
-    return _replaced(params, {p: grouped(_get(params, p), gamma)
-                              for p in _grouped_paths(model_name, params)}), state
+    return _with_grouped(model_name, params, lambda kernel: grouped(kernel, gamma)), state
 
   def apply(params, state, x, *, train=False, rng=None):
     return member_model.apply(dense(params), state, x, train=train, rng=rng)

@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 from jax import custom_batching
 
-from dist_ens.core.model import Model
+from dist_ens.core.model import Model, leaf_at, with_leaf
 from dist_ens.ensembles.method import Method, MethodSpec, int_field
 from dist_ens.errors import ConfigError
 from dist_ens.models import resnet
@@ -269,22 +269,6 @@ def _without_head(model: str, params: Any) -> tuple[Any, int]:
   return {k: v for k, v in params.items() if k != 'head'}, params['head']['w'].shape[0]
 
 
-def _get(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
-def _set(tree, path, value):
-  """A copy of `tree` (lists and dicts) with the leaf at `path` replaced."""
-  if not path:
-    return value
-  key, rest = path[0], path[1:]
-  if isinstance(tree, list):
-    return [_set(v, rest, value) if i == key else v for i, v in enumerate(tree)]
-  return {k: _set(v, rest, value) if k == key else v for k, v in tree.items()}
-
-
 def wrap(model: Model, model_name: str, options: Options, total_steps: int) -> Model:
   """`model` (the built-in MLP, CNN or a ResNet) as an SNGP member (the module doc)."""
   if model.features is None:
@@ -301,7 +285,7 @@ def wrap(model: Model, model_name: str, options: Options, total_steps: int) -> M
     phase = jax.random.uniform(k_b, (d,), jnp.float32, 0.0, 2 * math.pi)
     paths = _kernels(model_name, body)
     keys = jax.random.split(jax.random.fold_in(rng, _VECTORS_STREAM), len(paths))
-    vectors = [_normalise(jax.random.normal(k, (_get(body, p).shape[-1],), jnp.float32))
+    vectors = [_normalise(jax.random.normal(k, (leaf_at(body, p).shape[-1],), jnp.float32))
                for k, p in zip(keys, paths)]
     output = jax.random.normal(k_out, (d, classes), jnp.float32) / math.sqrt(d)
     return SNGPParams(body, output), SNGPState(
@@ -311,8 +295,8 @@ def wrap(model: Model, model_name: str, options: Options, total_steps: int) -> M
   def apply(params, state, x, *, train, rng=None):
     body, vectors = params.body, []
     for path, u in zip(_kernels(model_name, body), state.vectors):
-      kernel, u = normalised(_get(body, path), u, options.norm_bound)
-      body, vectors = _set(body, path, kernel), vectors + [u]
+      kernel, u = normalised(leaf_at(body, path), u, options.norm_bound)
+      body, vectors = with_leaf(body, path, kernel), vectors + [u]
     full = _with_head(model_name, body, state.projection.shape[0])
     _, h, base = model.features(full, state.base, x, train=train, rng=rng)
     phi = random_features(gp_input(h, options), state.projection, state.phase,
