@@ -26,7 +26,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from dist_ens.errors import ConfigError
-from dist_ens.models import layers as base_layers
+from dist_ens.models import layers as base_layers, transformer
 from dist_ens.models.hf import layers
 from dist_ens.models.hf.weights import Family, Weight, linear, norm, num_labels, number
 from dist_ens.models.token_transformer import token_ids
@@ -132,16 +132,16 @@ def make_apply(a: Bert, rate: float):
     mask = (ids != a.pad)[:, None, :] if a.mask_padding else None  # [B, 1 query, keys]
     h = (jnp.take(params['tokens'], ids, axis=0) + jnp.take(params['pos'], positions, axis=0)
          + params['types'][0])
-    h = layers.layer_norm(params['embed_norm'], h, a.eps)
+    h = transformer.layer_norm(params['embed_norm'], h, a.eps)
     keys = layers.dropout_keys(rng, rate, 3 + 2 * a.depth)
     h = base_layers.dropout(keys[0], h, rate, train=train)
     for i, block in enumerate(params['blocks']):
       y = layers.attention(block['attn'], h, heads=a.heads, kv_heads=a.heads,
                            head_dim=head_dim, scale=head_dim ** -0.5, mask=mask)
-      h = layers.layer_norm(block['ln1'], h + base_layers.dropout(keys[1 + 2 * i], y, rate,
+      h = transformer.layer_norm(block['ln1'], h + base_layers.dropout(keys[1 + 2 * i], y, rate,
                                                                   train=train), a.eps)
       y = layers.dense(block['mlp']['fc2'], act(layers.dense(block['mlp']['fc1'], h)))
-      h = layers.layer_norm(block['ln2'], h + base_layers.dropout(keys[2 + 2 * i], y, rate,
+      h = transformer.layer_norm(block['ln2'], h + base_layers.dropout(keys[2 + 2 * i], y, rate,
                                                                   train=train), a.eps)
     first = _pooled(a, h, ids)
     if a.roberta:

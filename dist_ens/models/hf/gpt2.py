@@ -15,7 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 
 from dist_ens.errors import ConfigError
-from dist_ens.models import layers as base_layers
+from dist_ens.models import layers as base_layers, transformer
 from dist_ens.models.hf import layers
 from dist_ens.models.hf.weights import Family, Weight, conv1d, linear, norm, number
 from dist_ens.models.token_transformer import token_ids
@@ -100,14 +100,14 @@ def make_apply(a: Gpt2, rate: float):
     mask = layers.causal_mask(length)
     for i, block in enumerate(params['blocks']):
       scale = head_dim ** -0.5 / (i + 1 if a.scale_by_layer else 1)
-      y = layers.attention(block['attn'], layers.layer_norm(block['ln1'], h, a.eps),
+      y = layers.attention(block['attn'], transformer.layer_norm(block['ln1'], h, a.eps),
                            heads=a.heads, kv_heads=a.heads, head_dim=head_dim, scale=scale,
                            mask=mask)
       h = h + base_layers.dropout(keys[1 + 2 * i], y, rate, train=train)
-      y = layers.layer_norm(block['ln2'], h, a.eps)
+      y = transformer.layer_norm(block['ln2'], h, a.eps)
       y = layers.dense(block['mlp']['fc2'], act(layers.dense(block['mlp']['fc1'], y)))
       h = h + base_layers.dropout(keys[2 + 2 * i], y, rate, train=train)
-    h = layers.layer_norm(params['norm'], h, a.eps)
+    h = transformer.layer_norm(params['norm'], h, a.eps)
     logits = h @ params['tokens'].T if a.tied else layers.dense(params['lm_head'], h)
     return logits, state
 

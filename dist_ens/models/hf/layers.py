@@ -1,8 +1,8 @@
 """The pieces the Hugging Face architectures share, as pure functions over explicit
-params, written to give transformers' own outputs to float32 rounding: LayerNorm and
-RMSNorm with the checkpoint's epsilon, the activations config.json names, rotary
-positions (Llama's halves, not interleaved pairs) and attention with grouped key/value
-heads.
+params, written to give transformers' own outputs to float32 rounding: RMSNorm with the
+checkpoint's epsilon (LayerNorm is models.transformer's, with torch's biased variance),
+the activations config.json names, rotary positions (Llama's halves, not interleaved
+pairs) and attention with grouped key/value heads.
 
 Dense layers are {'w': [fan_in, fan_out], 'b': [fan_out]} as in dist_ens.models.layers
 (the file's torch Linear weights, [out, in], are transposed on loading), so the
@@ -43,15 +43,6 @@ def dense(params: Params, x: jax.Array) -> jax.Array:
   """x @ w (+ b where the layer has a bias)."""
   y = x @ params['w']
   return y + params['b'] if 'b' in params else y
-
-
-def layer_norm(params: Params, x: jax.Array, eps: float) -> jax.Array:
-  """torch.nn.LayerNorm: biased variance, statistics in float32."""
-  x32 = x.astype(jnp.float32)
-  mean = x32.mean(-1, keepdims=True)
-  var = jnp.square(x32 - mean).mean(-1, keepdims=True)
-  y = (x32 - mean) * jax.lax.rsqrt(var + eps)
-  return (y * params['scale'] + params['bias']).astype(x.dtype)
 
 
 def rms_norm(params: Params, x: jax.Array, eps: float) -> jax.Array:
