@@ -52,8 +52,11 @@ def _flags(config):
           for k, v in _leaves(config.to_dict()) if default[k] != v]
 
 
-def _final_state(workdir):
-  step_dir = max((Path(workdir) / 'checkpoints').iterdir(), key=lambda p: int(p.name))
+def _final_state(workdir, step=None):
+  """(step, the model's and optimizer's arrays) of the workdir's checkpoint at `step`
+  (default: its latest)."""
+  step_dir = (Path(workdir) / 'checkpoints' / str(step) if step is not None else
+              max((Path(workdir) / 'checkpoints').iterdir(), key=lambda p: int(p.name)))
   with warnings.catch_warnings():
     warnings.simplefilter('ignore')
     state = {item: ocp.PyTreeCheckpointer().restore(str(step_dir / item))
@@ -67,13 +70,17 @@ def _assert_same_state(a, b):
 
 @pytest.fixture(scope='module')
 def uninterrupted(tmp_path_factory):
+  """All 40 steps without a stop: what the kill -9 test (the slow tier) resumes to."""
   workdir = tmp_path_factory.mktemp('uninterrupted')
   final = dist_ens.train(_config(), str(workdir))
   return final, _final_state(workdir)[1]
 
 
 # The first 20 steps, keeping 3 checkpoints (10, 15, 20): the finished run that the tests
-# which resume, refuse, corrupt or restore a workdir start from (each on its own copy).
+# which resume, refuse, corrupt or restore a workdir start from (each on its own copy), and
+# the uninterrupted run the fast tier's resumes end where (a resume may lower train.steps:
+# the constant schedule and the data order do not depend on it), instead of a 40-step run
+# of its own (~2x this one's time, built only for them).
 TWENTY = {'train__steps': 20, 'checkpoint__keep': 3}
 
 
@@ -87,6 +94,16 @@ def _copy(run, to):
   """`to` holding a copy of the fixture `run`'s workdir; returns that run's final dict."""
   shutil.copytree(run[0], to, dirs_exist_ok=True)
   return run[1]
+
+
+def _killed_after_15(run, to):
+  """`to` holding what a kill right after `twenty`'s step-15 checkpoint leaves: its copy
+  without checkpoint 20 and the final metrics (tests/runs.py killed_after's cut); a
+  resume from it trains steps 16-20 again. Returns the final dict of `run`."""
+  final = _copy(run, to)
+  shutil.rmtree(Path(to) / 'checkpoints' / '20')
+  (Path(to) / 'final_metrics.json').unlink()
+  return final
 
 
 def _start(workdir):
@@ -141,30 +158,34 @@ def test_kill9_at_random_steps_then_resume_is_bit_exact(tmp_path, uninterrupted)
   assert train_steps == list(range(1, STEPS + 1))  # No duplicated or torn lines.
 
 
-def test_sigterm_saves_at_next_step_and_exits_143(tmp_path, uninterrupted, caplog):
+def test_sigterm_saves_at_next_step_and_exits_143(tmp_path, twenty, caplog):
   caplog.set_level(logging.INFO, logger='absl')
+  # The child runs the 40-step config and is stopped after step 8 (past the checkpoint at
+  # 5, 12 steps before 20: a signal handled late still saves below 20); its programs are
+  # in the compilation cache `twenty` filled.
   proc = _start(tmp_path)
-  assert _wait_for_step(tmp_path, 12, proc)
+  assert _wait_for_step(tmp_path, 8, proc)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=300)
   assert proc.returncode == 143, out[-3000:]  # 128 + SIGTERM: a stopped run is not a success
   assert 'preempted (SIGTERM): saved the checkpoint at step' in out
   saved_step = _final_state(tmp_path)[0]
-  assert 12 <= saved_step < STEPS
+  assert 8 <= saved_step < 20
   assert not (tmp_path / 'final_metrics.json').exists()
   # The rerun in this process, one process start and jax import fewer (the command line
-  # resumes in test_reliability's full-disk test and the kill -9 test).
-  final = dist_ens.train(_config(), str(tmp_path))
+  # resumes in test_reliability's full-disk test and the kill -9 test), to step 20: it
+  # ends where the uninterrupted 20-step run `twenty` ended, bit for bit.
+  final = dist_ens.train(_config(**TWENTY), str(tmp_path))
   assert f'resuming from the checkpoint at step {saved_step}' in caplog.text
-  assert final['members'] == uninterrupted[0]['members']
-  _assert_same_state(_final_state(tmp_path)[1], uninterrupted[1])
+  assert final['step'] == 20 and final['members'] == twenty[1]['members']
+  _assert_same_state(_final_state(tmp_path)[1], _final_state(twenty[0])[1])
 
 
-def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, twenty, uninterrupted,
-                                                          caplog):
+def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, twenty, caplog):
   caplog.set_level(logging.INFO, logger='absl')
   _copy(twenty, tmp_path)
   clean = _final_state(tmp_path)
+  clean_data = _restore(tmp_path, 4, 2).data_state  # Where the clean run's data stopped.
   latest = tmp_path / 'checkpoints' / '20' / 'model'
   for f in latest.rglob('*'):
     if f.is_file() and f.stat().st_size > 0:
@@ -175,8 +196,12 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(tmp_path, twenty, unin
   assert 'resuming from the checkpoint at step 15' in caplog.text
   assert _final_state(tmp_path)[0] == 20
   _assert_same_state(_final_state(tmp_path)[1], clean[1])
-  final = dist_ens.train(_config(checkpoint__keep=3), str(tmp_path))
-  assert final['members'] == uninterrupted[0]['members']
+  # The rewritten checkpoint 20 is the clean one: arrays (above) and the data position, so
+  # a run trained on from it is the uninterrupted run; the redone run's results are the
+  # clean run's.
+  assert _restore(tmp_path, 4, 2).data_state == clean_data
+  final = json.loads((tmp_path / 'final_metrics.json').read_text())
+  assert final['members'] == twenty[1]['members']
 
 
 def test_a_finished_run_with_one_checkpoint_too_many_is_pruned_to_keep(tmp_path, twenty):
@@ -204,18 +229,18 @@ def test_incompatible_config_is_refused_and_nothing_overwritten(tmp_path, twenty
 
 
 def test_allowed_changes_resume(tmp_path, twenty):
-  _copy(twenty, tmp_path / 'changed')
+  # Resumed after step 15 with a new learning rate and train.steps.
+  _killed_after_15(twenty, tmp_path)
   final = dist_ens.train(_config(train__steps=25, checkpoint__keep=3, optim__learning_rate=0.1,
                                  checkpoint__restore_incompatible='optim.learning_rate'),
-                         str(tmp_path / 'changed'))
+                         str(tmp_path))
   assert final['step'] == 25
-  saved = json.loads((tmp_path / 'changed' / 'config.json').read_text())
+  saved = json.loads((tmp_path / 'config.json').read_text())
   assert saved['optim']['learning_rate'] == 0.1
   # The new value is what the members train with after the resume, not the saved one:
-  # the same resume with the old value ends elsewhere.
-  _copy(twenty, tmp_path / 'same')
-  dist_ens.train(_config(train__steps=25, checkpoint__keep=3), str(tmp_path / 'same'))
-  changed, same = _final_state(tmp_path / 'changed')[1], _final_state(tmp_path / 'same')[1]
+  # at step 20 they are elsewhere than `twenty`'s, which trained steps 16-20 with the old
+  # value (one resume, not a second one with the old value to compare with).
+  changed, same = _final_state(tmp_path, 20)[1], _final_state(twenty[0], 20)[1]
   assert not np.allclose(jax.tree.leaves(changed['params'])[0], jax.tree.leaves(same['params'])[0])
 
 
@@ -230,22 +255,21 @@ def _restore(workdir, member, data_axis):
   return restored
 
 
-def test_restore_onto_another_mesh_gives_the_same_values(tmp_path, twenty, uninterrupted):
+def test_restore_onto_another_mesh_gives_the_same_values(tmp_path, twenty):
   from dist_ens import data  # pylint: disable=g-import-not-at-top
-  _copy(twenty, tmp_path)
+  clean = _killed_after_15(twenty, tmp_path)
   written = _restore(tmp_path, 4, 2)  # The mesh that wrote it.
-  assert written.step == 20 and written.data_state == data.IteratorState(epoch=0, index=20)
+  assert written.step == 15 and written.data_state == data.IteratorState(epoch=0, index=15)
   # support.config's own mesh (-1 fits 4 x 1: the batch whole), and all members on one device.
   for member, data_axis in ((-1, 1), (1, 8)):
     restored = _restore(tmp_path, member, data_axis)
-    assert restored.step == 20 and restored.data_state == written.data_state
+    assert restored.step == 15 and restored.data_state == written.data_state
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
                  restored.state, written.state)
-  # Training on from there on a new mesh: the same run to float tolerance.
-  final = dist_ens.train(_config(mesh__member=-1, mesh__data=1, checkpoint__keep=3),
-                         str(tmp_path))
-  np.testing.assert_allclose(final['members']['nll'], uninterrupted[0]['members']['nll'],
-                             atol=1e-4)
+  # Training on from there on a new mesh (steps 16-20): the same run to float tolerance.
+  final = dist_ens.train(_config(**TWENTY, mesh__member=-1, mesh__data=1), str(tmp_path))
+  assert final['step'] == 20
+  np.testing.assert_allclose(final['members']['nll'], clean['members']['nll'], atol=1e-4)
 
 
 def _poison_member(monkeypatch, member):
