@@ -10,6 +10,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -21,6 +22,15 @@ def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
   with tempfile.NamedTemporaryFile(dir=path.parent, suffix='.npz', delete=False) as tmp:
     np.savez(tmp, **arrays)
   os.replace(tmp.name, path)
+
+
+def newest_params(workdir: Path) -> tuple[int, dict[str, Any]]:
+  """(step, params) of the newest checkpoint in `workdir`, the params flat by path."""
+  root = workdir / 'checkpoints'
+  steps = sorted(int(d.name) for d in root.iterdir() if d.name.isdigit()) if root.is_dir() else []
+  if not steps:
+    raise FileNotFoundError(f'{root} holds no checkpoint: train the LoRA run first.')
+  return steps[-1], flatten(read_orbax(root / str(steps[-1]) / 'model')['params'])
 
 
 def export_adapters(workdir: str | os.PathLike, directory: str | os.PathLike) -> list[Path]:
@@ -43,11 +53,7 @@ def export_adapters(workdir: str | os.PathLike, directory: str | os.PathLike) ->
     FileNotFoundError: `workdir` has no checkpoint.
     ValueError: its run is not a LoRA ensemble (no factors in the checkpoint).
   """
-  root = Path(workdir) / 'checkpoints'
-  steps = sorted(int(d.name) for d in root.iterdir() if d.name.isdigit()) if root.is_dir() else []
-  if not steps:
-    raise FileNotFoundError(f'{root} holds no checkpoint: train the LoRA run first.')
-  params = flatten(read_orbax(root / str(steps[-1]) / 'model')['params'])
+  step, params = newest_params(Path(workdir))
   if not any(name.endswith('/' + lora.A) for name in params):
     raise ValueError(f"{workdir} holds no LoRA factors: export_adapters needs a run with "
                      "config.ensemble.own='lora' (Ensemble.export writes any run's members).")
@@ -70,5 +76,5 @@ def export_adapters(workdir: str | os.PathLike, directory: str | os.PathLike) ->
   (directory / 'adapters.json').write_text(json.dumps(
       {'format': 'member i kernel NAME = base[NAME] + NAME/lora_scale * NAME/lora_a @ '
                  'NAME/lora_b (adapter_i.npz); other leaves from base.npz or adapter_i.npz',
-       'step': steps[-1], 'num_members': count}, indent=2))
+       'step': step, 'num_members': count}, indent=2))
   return paths

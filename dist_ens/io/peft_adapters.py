@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from dist_ens.ensembles import lora
-from dist_ens.io.pretrained import flatten, read_orbax
+from dist_ens.io.adapters import newest_params
 from dist_ens.models import hf as hf_models
 from dist_ens.models.hf import weights as weights_lib
 
@@ -101,7 +101,7 @@ def export_peft(workdir: str | os.PathLike, directory: str | os.PathLike) -> lis
   source = _lora_source(workdir)
   folder, _, family, arch = hf_models.describe(source, 'config.model.init_from')
   table = {w.path: w for w in family.weights(arch)}
-  adapters = _adapters(workdir, table, _newest_params(workdir))
+  adapters = _adapters(workdir, table, newest_params(workdir)[1])
   out = []
   for m in range(adapters.num_members):
     member = Path(directory) / f'member_{m}'
@@ -126,14 +126,6 @@ def _lora_source(workdir: Path) -> str:
     raise ValueError(f'{workdir}: config.ensemble.train_shared=True changed the base weights; '
                      "PEFT adapters apply to the unchanged checkpoint.")
   return source
-
-
-def _newest_params(workdir: Path) -> dict[str, Any]:
-  root = workdir / 'checkpoints'
-  steps = sorted(int(d.name) for d in root.iterdir() if d.name.isdigit()) if root.is_dir() else []
-  if not steps:
-    raise FileNotFoundError(f'{root} holds no checkpoint: train the LoRA run first.')
-  return flatten(read_orbax(root / str(steps[-1]) / 'model')['params'])
 
 
 def _adapters(workdir: Path, table: dict[str, weights_lib.Weight],
