@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import runs
 import support
 
 import dist_ens
-from test_methods import _Stop  # An action that fails after a step's checkpoint: a kill.
 from dist_ens.config import specs
 from dist_ens.config.loading import load_config
 from dist_ens.core import hparams as hparams_lib
@@ -120,12 +120,14 @@ def test_exploit_copies_members_bit_for_bit_and_keeps_shardings():
 
 def _config(**overrides):
   config = load_config(ROOT / 'configs' / 'default.py')
-  config.train.steps = 24
+  # Two rounds (4 and 8, not the last step): what the lineage and resume tests need; 24
+  # steps with rounds at 8 and 16 checked the same at twice the steps of each run.
+  config.train.steps = 12
   config.train.log_every = 4
   config.train.eval_every = 0
-  # Saved at 12 (test_resume_after_a_kill_between_rounds_is_exact resumes there, between
-  # the rounds at 8 and 16) and at the end: every 4 saved 4 more (~0.6 CPU s a run).
-  config.checkpoint.every = 12
+  # Saved at 6 (test_resume_after_a_kill_between_rounds_is_exact resumes there, between
+  # the rounds at 4 and 8) and at the end.
+  config.checkpoint.every = 6
   # A (16,) MLP, as support.config's: the properties are the rounds' decisions and copies,
   # not the model's, and default.py's (256, 256) MLP has ~100x the parameters to compute.
   config.model.widths = (16,)
@@ -134,7 +136,7 @@ def _config(**overrides):
   config.writers = ('jsonl',)
   config.optim.learning_rate = 'loguniform(1e-4,3e-2)'
   config.pbt.enabled = True
-  config.pbt.interval = 8
+  config.pbt.interval = 4
   config.pbt.resample_probability = 0.0
   return support.override(config, **overrides)
 
@@ -168,7 +170,7 @@ def _run_config(**overrides):
 @pytest.fixture(scope='module')
 def pbt_run(tmp_path_factory):
   workdir = tmp_path_factory.mktemp('pbt') / 'run'
-  capture = _Capture(8)
+  capture = _Capture(4)
   result = dist_ens.train(_run_config(), str(workdir), actions=[capture])
   return workdir, result, capture.seen
 
@@ -217,13 +219,13 @@ def test_lineage_reproduces_the_decisions_from_the_logged_metrics(pbt_run):
   config = _config()
   spec = specs.pbt_spec(config)
   rounds = [e for e in _events(workdir) if e['split'] == 'pbt']
-  assert [e['step'] for e in rounds] == [8, 16]  # not at the last step, 24
+  assert [e['step'] for e in rounds] == [4, 8]  # not at the last step, 12
   hp = hparams_lib.resolve(specs.hparams_spec(config))
   lineage = [[] for _ in range(8)]
   for event in rounds:
     logged = event['pbt']
     values = [np.nan if v is None else v for v in logged['values']]
-    decision = pbt_lib.decide(spec, event['step'] // 8, values, hp)
+    decision = pbt_lib.decide(spec, event['step'] // 4, values, hp)
     assert decision.sources.tolist() == logged['sources']
     for field, column in logged['hparams'].items():
       np.testing.assert_array_equal(np.float32(column), decision.hparams[field], err_msg=field)
@@ -239,9 +241,9 @@ def test_lineage_reproduces_the_decisions_from_the_logged_metrics(pbt_run):
 
 def test_resume_after_a_kill_between_rounds_is_exact(pbt_run, tmp_path):
   workdir, result, _ = pbt_run
-  stopped = tmp_path / 'stopped'
-  with pytest.raises(RuntimeError, match='injected fault'):  # After step 12's checkpoint.
-    dist_ens.train(_run_config(), str(stopped), actions=[_Stop(12)])
+  # What a kill right after step 6's checkpoint leaves (runs.killed_after: a copy of the
+  # module's run cut there, one training fewer than a faulted run and its resume), resumed.
+  stopped = runs.killed_after(workdir, 6, tmp_path / 'stopped')
   resumed = dist_ens.train(_run_config(), str(stopped))
   assert resumed['train_step_traces'] == 1
   assert resumed['members'] == result['members']
@@ -275,12 +277,12 @@ def test_disabled_is_the_plain_sweep_and_untouched_members_match_it(pbt_run, tmp
     (dict(optim__learning_rate=1e-3), r'pbt.fields=\(\) finds nothing to explore'),
     (dict(pbt__fields=('optim.lr',)), r'pbt.fields=.*not per member'),
     (dict(pbt__quantile=0.75), r'pbt.quantile=0.75 must be a fraction in \(0, 0.5\]'),
-    (dict(pbt__interval=24), r'pbt.interval=24 is invalid: must be below train.steps=24'),
+    (dict(pbt__interval=12), r'pbt.interval=12 is invalid: must be below train.steps=12'),
     (dict(pbt__metric='loss'), r"pbt.metric='loss' .*use one of"),
     (dict(pbt__perturb_factors=(0.8, -1.0)), r'pbt.perturb_factors'),
     (dict(ensemble__method='batchensemble'), r"pbt.enabled=True .*ensemble.method='deep'"),
     (dict(train__steps_per_call=3, train__log_every=3, checkpoint__every=3),
-     r'pbt.interval=8 is invalid: must be a multiple of train.steps_per_call=3'),
+     r'pbt.interval=4 is invalid: must be a multiple of train.steps_per_call=3'),
 ])
 def test_bad_pbt_config_is_refused_naming_the_field(tmp_path, overrides, match):
   with pytest.raises(ConfigError, match=match):
@@ -293,17 +295,34 @@ def test_rounds_do_not_depend_on_the_mesh_in_reproducible_mode(pbt_run, tmp_path
   # ways: the same decisions, and members equal up to the evaluation's rounding.
   _, a, _ = pbt_run
   b = dist_ens.train(_run_config(mesh__member=2, mesh__data=4), str(tmp_path / 'b'))
-  assert a['pbt']['rounds'] == b['pbt']['rounds'] and a['pbt']['rounds'][0]['step'] == 8
+  assert a['pbt']['rounds'] == b['pbt']['rounds'] and a['pbt']['rounds'][0]['step'] == 4
   assert a['hyperparameters'] == b['hyperparameters']
   np.testing.assert_allclose(a['members']['nll'], b['members']['nll'], rtol=1e-6)
 
 
-def test_the_report_draws_each_members_schedule_and_copies(pbt_run):
+def test_the_report_draws_each_members_schedule_and_copies(pbt_run, tmp_path, monkeypatch):
   """report_pbt.schedules: starts at the sweep's values, marks exactly the members the
-  lineage names at each round, and a member's values change only where it copied."""
+  lineage names at each round, and a member's values change only where it copied; the
+  report of a PBT run renders its figure and names it."""
   pytest.importorskip('matplotlib')
-  from dist_ens.report import build as report, pbt as report_pbt  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  from dist_ens.report import build as report, pbt as report_pbt, plots, scatter
   workdir, result, _ = pbt_run
+  workdir = runs.copy(workdir, tmp_path / 'run')  # make_report writes into the workdir.
+  # Only the PBT figure rendered: matplotlib's savefig of the others took ~6 of this test's
+  # 8 s, and rendering them is the same for any run (tests/test_report.py renders every
+  # figure of its runs). Theirs are placeholder files, as test_groups' fast report test.
+  save = plots._save  # pylint: disable=protected-access
+
+  def only_pbt(fig, out, name):
+    if name == 'pbt':
+      save(fig, out, name)
+    else:
+      for suffix in ('.png', '.svg'):
+        (out / name).with_suffix(suffix).write_bytes(b'<svg/>')
+
+  monkeypatch.setattr(plots, '_save', only_pbt)
+  monkeypatch.setattr(scatter, '_save', only_pbt)
   s = report_pbt.schedules(_config(), _events(workdir))
   initial = hparams_lib.resolve(specs.hparams_spec(_config()))
   np.testing.assert_allclose(s['fields'][LR][:, 0], initial[LR], rtol=1e-6)
@@ -317,8 +336,8 @@ def test_the_report_draws_each_members_schedule_and_copies(pbt_run):
     changed = ~np.isclose(lr[1:], lr[:-1], rtol=1e-6)
     assert not np.any(changed & ~s['copied'][m])
   out = report.make_report(workdir)
-  assert (out / 'pbt.png').is_file() and 'Population-based training' in (
-      out / 'report.md').read_text()
+  assert (out / 'pbt.png').read_bytes().startswith(b'\x89PNG') and (out / 'pbt.svg').is_file()
+  assert 'Population-based training' in (out / 'report.md').read_text()
 
 
 def test_round_line_counts_copies_of_a_large_population():
