@@ -60,7 +60,7 @@ from dist_ens import models
 from dist_ens.run.run_data import build_data
 from dist_ens.config import specs
 from dist_ens.data import corruptions
-from dist_ens.eval import metrics, shift as shift_lib, shift_spec
+from dist_ens.eval import metrics, registry as metric_registry, shift as shift_lib, shift_spec
 from dist_ens.parallel import strategy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,7 +94,7 @@ def _scores(member_probs: np.ndarray, labels: np.ndarray, counts: np.ndarray) ->
   dist_ens.eval.metrics' ensemble metrics of their probabilities."""
   picks = np.repeat(np.arange(len(counts)), counts)
   out = metrics.eval_batch(_log_probs(member_probs[picks]), labels, np.ones(len(labels), bool))
-  return metrics.finalize(jax.device_get(out.sums))['ensemble']
+  return metric_registry.finalize(jax.device_get(out.sums))['ensemble']
 
 
 def _member_predictions(workdir: Path) -> dict:

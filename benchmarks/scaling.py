@@ -362,7 +362,7 @@ def _replay_events(workdir: Path, scratch: Path) -> dict[str, Any]:
 def _tables(workdir: Path, scratch: Path) -> dict[str, Any]:
   """The console's results table and members.csv, made again from final_metrics.json."""
   import numpy as np
-  from dist_ens.io import tables, writers
+  from dist_ens.io import run_files, tables
   from dist_ens.report.data import read_final_metrics
   final = read_final_metrics(workdir)
   start = time.perf_counter()
@@ -372,7 +372,7 @@ def _tables(workdir: Path, scratch: Path) -> dict[str, Any]:
   hparams = {f: np.asarray(v, np.float32) for f, v in final.get('hyperparameters', {}).items()}
   start = time.perf_counter()
   rows = tables.member_rows(final, hparams, final.get('validation'), 'nll', False)
-  writers.write_members_csv(scratch / 'members.csv', rows)
+  run_files.write_members_csv(scratch / 'members.csv', rows)
   out['members_csv_s'] = time.perf_counter() - start
   out['members_csv_bytes'] = (workdir / 'members.csv').stat().st_size
   return out

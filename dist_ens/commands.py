@@ -159,8 +159,8 @@ def _console_logging(verbose: bool) -> None:
 
 
 def _say_where_things_went(workdir: str) -> None:
-  from dist_ens.io import writers  # pylint: disable=g-import-not-at-top
-  if not writers.is_writer():
+  from dist_ens.io import run_files  # pylint: disable=g-import-not-at-top
+  if not run_files.is_writer():
     return
   names = ('final_metrics.json', 'members.csv', 'metrics.jsonl', 'csv', 'tensorboard',
            'checkpoints')

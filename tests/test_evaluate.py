@@ -7,7 +7,7 @@ import pytest
 
 from dist_ens import data, models, tasks
 from dist_ens.parallel import mesh as mesh_lib
-from dist_ens.eval import metrics
+from dist_ens.eval import metrics, registry as metric_registry
 from dist_ens.eval import ood
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate as evaluate_lib
@@ -56,7 +56,7 @@ def test_padded_sharded_batches_equal_one_whole_batch(setup):
 
   logits = _logits(model, params, split.x)
   whole = jax.jit(metrics.eval_batch)(logits, split.y, np.ones(N, bool), np.arange(M) != 5)
-  expected = metrics.finalize(whole.sums, jax.tree.map(np.asarray, whole.examples))
+  expected = metric_registry.finalize(whole.sums, jax.tree.map(np.asarray, whole.examples))
   assert got.keys() == expected.keys()
   for group in expected:
     assert got[group].keys() == expected[group].keys()

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dist_ens.eval import metrics
+from dist_ens.eval import metrics, ranks, registry as metric_registry
 
 M, B, C = 4, 37, 10
 
@@ -175,7 +175,7 @@ def _finalize_with_examples(logits, labels, mask, member_mask=None):
   out = _eval_batch(logits, labels, mask, member_mask)
   keep = np.asarray(mask, bool)
   examples = metrics.ExampleStats(*(np.asarray(a)[..., keep] for a in out.examples))
-  return metrics.finalize(out.sums, examples)
+  return metric_registry.finalize(out.sums, examples)
 
 
 def _without_adaptive(results):
@@ -229,7 +229,7 @@ def test_matches_numpy_reference(mask_kind, member_mask):
   sums = _eval_sums(logits, labels, mask, mm)
   expected = _reference(logits, labels, mask, mm)
 
-  _assert_results_close(metrics.finalize(sums), _without_adaptive(expected))
+  _assert_results_close(metric_registry.finalize(sums), _without_adaptive(expected))
   _assert_results_close(
       _finalize_with_examples(logits, labels, mask, mm), expected
   )
@@ -253,7 +253,7 @@ def test_sums_have_documented_shapes_and_dtype():
 
 def test_finalize_is_json_serialisable_plain_python():
   logits, labels = _random_inputs()
-  result = metrics.finalize(
+  result = metric_registry.finalize(
       _eval_sums(logits, labels, np.ones(B, bool))
   )
   json.dumps(result)
@@ -270,7 +270,7 @@ def test_perfect_confidence():
       100.0 * np.eye(C, dtype=np.float32)[labels], (M, B, C)
   )
   sums = _eval_sums(logits, labels, np.ones(B, bool))
-  result = metrics.finalize(sums)
+  result = metric_registry.finalize(sums)
   for group in (result["members"], {k: [v] for k, v in result["ensemble"].items()}):
     np.testing.assert_allclose(group["accuracy"], 1.0)
     np.testing.assert_allclose(group["nll"], 0.0, atol=1e-6)
@@ -295,7 +295,7 @@ def test_uniform_predictions():
   labels[:5] = 0  # make sure some labels hit the tie-broken prediction
   logits = np.zeros((M, B, C), np.float32)
   sums = _eval_sums(logits, labels, np.ones(B, bool))
-  result = metrics.finalize(sums)
+  result = metric_registry.finalize(sums)
 
   # argmax ties resolve to the first class.
   accuracy = float(np.mean(labels == 0))
@@ -336,7 +336,7 @@ def test_all_wrong_confident():
   logits = np.broadcast_to(
       50.0 * np.eye(C, dtype=np.float32)[wrong], (M, B, C)
   )
-  result = metrics.finalize(
+  result = metric_registry.finalize(
       _eval_sums(logits, labels, np.ones(B, bool))
   )
   for res in (
@@ -384,7 +384,7 @@ def test_padded_last_batch_and_add_sums_equal_whole():
   for value in combined.values():
     assert np.all(np.isfinite(np.asarray(value)))
   _assert_sums_close(combined, whole)
-  _assert_results_close(metrics.finalize(combined), metrics.finalize(whole))
+  _assert_results_close(metric_registry.finalize(combined), metric_registry.finalize(whole))
 
 
 def test_identical_members():
@@ -471,7 +471,7 @@ def test_finalize_zero_count_raises():
   sums = _eval_sums(logits, labels, np.zeros(B, bool))
   assert float(sums["count"]) == 0.0
   with pytest.raises(ValueError, match="count|examples"):
-    metrics.finalize(sums)
+    metric_registry.finalize(sums)
 
 
 def test_uncertainty_is_finite_when_an_excluded_member_is_nan():
@@ -479,8 +479,8 @@ def test_uncertainty_is_finite_when_an_excluded_member_is_nan():
   poisoned = logits.copy()
   poisoned[1] = np.nan
   member_mask = np.arange(M) != 1
-  got = metrics.finalize(_eval_sums(poisoned, labels, np.ones(B, bool), member_mask))
-  dropped = metrics.finalize(
+  got = metric_registry.finalize(_eval_sums(poisoned, labels, np.ones(B, bool), member_mask))
+  dropped = metric_registry.finalize(
       _eval_sums(np.delete(logits, 1, axis=0), labels, np.ones(B, bool))
   )
   _assert_results_close({"ensemble": got["ensemble"]}, {"ensemble": dropped["ensemble"]})
@@ -489,7 +489,7 @@ def test_uncertainty_is_finite_when_an_excluded_member_is_nan():
 
 def test_single_member_has_no_pairs():
   logits, labels = _random_inputs(seed=11, m=1)
-  result = metrics.finalize(jax.jit(lambda *a: metrics.eval_batch(*a).sums)(
+  result = metric_registry.finalize(jax.jit(lambda *a: metrics.eval_batch(*a).sums)(
       logits, labels, np.ones(B, bool)))
   assert result["ensemble"]["pairwise_kl"] == 0.0
   assert abs(result["ensemble"]["mutual_information"]) < 1e-6
@@ -516,7 +516,7 @@ def test_adaptive_ece_matches_definition(n):
   rng = np.random.default_rng(n)
   conf = rng.random((3, n))
   hit = (rng.random((3, n)) < conf).astype(float)
-  got = metrics.adaptive_ece(conf, hit)
+  got = ranks.adaptive_ece(conf, hit)
   for row in range(3):
     expected = _adaptive_ece64(list(conf[row]), list(hit[row]), metrics.NUM_ECE_BINS)
     np.testing.assert_allclose(got[row], expected, rtol=1e-12)
@@ -527,7 +527,7 @@ def test_adaptive_ece_differs_from_equal_width_ece():
   # equal-width ECE averages the errors away, adaptive ECE does not.
   conf = np.array([0.61, 0.62, 0.63, 0.64])
   hit = np.array([0.0, 0.0, 1.0, 1.0])
-  assert metrics.adaptive_ece(conf, hit, num_bins=2) == pytest.approx(
+  assert ranks.adaptive_ece(conf, hit, num_bins=2) == pytest.approx(
       (abs(0 - 1.23) + abs(2 - 1.27)) / 4)
 
 
@@ -541,21 +541,21 @@ def test_auroc_aupr_match_sklearn(ties):
     in_scores, out_scores = np.round(in_scores, 1), np.round(out_scores, 1)
   labels = np.r_[np.zeros(300), np.ones(200)]
   scores = np.r_[in_scores, out_scores]
-  assert 0.6 < metrics.auroc(in_scores, out_scores) < 0.9
-  np.testing.assert_allclose(metrics.auroc(in_scores, out_scores),
+  assert 0.6 < ranks.auroc(in_scores, out_scores) < 0.9
+  np.testing.assert_allclose(ranks.auroc(in_scores, out_scores),
                              sk.roc_auc_score(labels, scores), rtol=1e-12)
-  np.testing.assert_allclose(metrics.aupr(in_scores, out_scores),
+  np.testing.assert_allclose(ranks.aupr(in_scores, out_scores),
                              sk.average_precision_score(labels, scores), rtol=1e-12)
 
 
 def test_auroc_aupr_edge_cases():
-  assert metrics.auroc(np.array([0.0, 0.1]), np.array([0.5, 0.9])) == 1.0
-  assert metrics.auroc(np.array([0.5, 0.9]), np.array([0.0, 0.1])) == 0.0
-  assert metrics.aupr(np.array([0.0, 0.1]), np.array([0.5, 0.9])) == 1.0
+  assert ranks.auroc(np.array([0.0, 0.1]), np.array([0.5, 0.9])) == 1.0
+  assert ranks.auroc(np.array([0.5, 0.9]), np.array([0.0, 0.1])) == 0.0
+  assert ranks.aupr(np.array([0.0, 0.1]), np.array([0.5, 0.9])) == 1.0
   # Constant scores separate nothing: AUROC one half, AUPR the OOD fraction.
-  assert metrics.auroc(np.ones(3), np.ones(1)) == 0.5
-  assert metrics.aupr(np.ones(3), np.ones(1)) == 0.25
-  assert np.isnan(metrics.auroc(np.array([]), np.ones(2)))
+  assert ranks.auroc(np.ones(3), np.ones(1)) == 0.5
+  assert ranks.aupr(np.ones(3), np.ones(1)) == 0.25
+  assert np.isnan(ranks.auroc(np.array([]), np.ones(2)))
 
 
 def test_ood_metrics_uses_entropy_and_mutual_information():
@@ -570,7 +570,7 @@ def test_ood_metrics_uses_entropy_and_mutual_information():
         mutual_information=rng.random(n) + 2 * shift)
 
   inside, outside = stats(50, 0.0), stats(40, 0.3)
-  got = metrics.ood_metrics(inside, outside)
+  got = ranks.ood_metrics(inside, outside)
   labels = np.r_[np.zeros(50), np.ones(40)]
   for key, field in (("entropy", "entropy"), ("mi", "mutual_information")):
     scores = np.r_[getattr(inside, field), getattr(outside, field)]

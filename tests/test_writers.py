@@ -16,7 +16,7 @@ import pytest
 from absl import flags, logging
 
 from dist_ens.errors import ConfigError
-from dist_ens.io import progress as progress_lib, tables, writers
+from dist_ens.io import progress as progress_lib, run_files, tables, writers
 
 EVENTS = [
     {'step': 10, 'split': 'train', 'members': {'loss': [2.0, 2.5, 3.0], 'accuracy': [.1, .2, .3]},
@@ -138,7 +138,7 @@ def _strict_loads(text):
 def test_json_files_write_null_for_non_finite_floats(tmp_path):
   obj = {'nll': [1.5, float('nan'), np.float32('inf')], 'ece': np.float64('-inf'),
          'auroc': np.array([0.5, np.nan]), 'count': np.int64(3), 'ok': 0.25}
-  writers.write_json(tmp_path / 'final.json', obj)
+  run_files.write_json(tmp_path / 'final.json', obj)
   assert _strict_loads((tmp_path / 'final.json').read_text()) == {
       'nll': [1.5, None, None], 'ece': None, 'auroc': [0.5, None], 'count': 3, 'ok': 0.25}
   writer = writers.JsonlWriter(tmp_path / 'metrics.jsonl')
@@ -153,9 +153,9 @@ def test_atomically_written_files_follow_the_umask(tmp_path):
   script = textwrap.dedent(f"""
       import os, sys
       os.umask(int(sys.argv[1], 8))
-      from dist_ens.io import writers
-      writers.write_json({str(tmp_path)!r} + '/final.json', {{'a': 1}})
-      writers.write_members_csv({str(tmp_path)!r} + '/members.csv', [{{'member': 0}}])
+      from dist_ens.io import run_files, writers
+      run_files.write_json({str(tmp_path)!r} + '/final.json', {{'a': 1}})
+      run_files.write_members_csv({str(tmp_path)!r} + '/members.csv', [{{'member': 0}}])
       writers.JsonlWriter({str(tmp_path)!r} + '/metrics.jsonl').close()
       """)
   env = dict(os.environ, JAX_PLATFORMS='cpu')

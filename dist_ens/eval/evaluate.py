@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 from dist_ens.core import rng as rng_lib
 from dist_ens.core.model import over_stacks, stacked_axes
 from dist_ens.core.state import member_flags
-from dist_ens.eval import metrics
+from dist_ens.eval import metrics, ranks, registry as metric_registry
 from dist_ens.data import Split, to_global
 from dist_ens.parallel.mesh import DATA, batch_sharding, member_sharding, replicated
 from dist_ens.models import Model
@@ -147,7 +147,7 @@ def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size
 
   Example:
     out = evaluate_split(step, (state.params, state.model_state), dataset.test, 1000, mesh, mask)
-    metrics.finalize(out.sums, out.examples)['ensemble']['nll']
+    metric_registry.finalize(out.sums, out.examples)['ensemble']['nll']
 
   Args:
     eval_step: from make_eval_step.
@@ -191,8 +191,8 @@ def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size
 
 def evaluate(eval_step: EvalStep, variables: Any, split: Split, batch_size: int, mesh: Mesh,
              member_mask: jax.Array,
-             finalize: Callable[..., dict[str, Any]] = metrics.finalize) -> dict[str, Any]:
-  """Final metrics (see metrics.finalize) of every member and the ensemble on `split`.
+             finalize: Callable[..., dict[str, Any]] = metric_registry.finalize) -> dict[str, Any]:
+  """Final metrics (see metric_registry.finalize) of every member and the ensemble on `split`.
 
   Example:
     results = evaluate(step, (state.params, state.model_state), dataset.test, 1000, mesh, mask)
@@ -204,12 +204,12 @@ def evaluate(eval_step: EvalStep, variables: Any, split: Split, batch_size: int,
 
 def evaluate_ood(eval_step: EvalStep, variables: Any, in_split: Split, ood_split: Split,
                  batch_size: int, mesh: Mesh, member_mask: jax.Array,
-                 ood_metrics: Callable[..., dict[str, Any]] = metrics.ood_metrics
+                 ood_metrics: Callable[..., dict[str, Any]] = ranks.ood_metrics
                  ) -> dict[str, Any]:
   """How well the ensemble's uncertainty tells `ood_split` from `in_split`.
 
   OOD is the positive class and higher entropy / mutual information means "more
-  likely OOD"; see metrics.ood_metrics for the keys.
+  likely OOD"; see ranks.ood_metrics for the keys.
 
   Example:
     ood = evaluate_ood(step, (state.params, state.model_state), dataset.test, noise, 1000, mesh, mask)
@@ -371,7 +371,7 @@ class Evaluator:
 
   def __init__(self, eval_step: EvalStep, mesh: Mesh, batch_size: int,
                view: Callable[[Any], Any] = lambda state: state,
-               scorer: Scorer = Scorer(metrics.eval_batch, metrics.finalize, metrics.ood_metrics)):
+               scorer: Scorer = Scorer(metrics.eval_batch, metric_registry.finalize, ranks.ood_metrics)):
     """`view(state)` is the members as they predict (.params, .model_state, .frozen):
     the state itself by default (its params as stored: the eval step's model reads them).
     `scorer` is the task's (dist_ens.tasks.Task): its finalize and ood_metrics score the

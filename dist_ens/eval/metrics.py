@@ -59,11 +59,8 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from dist_ens.eval.ranks import NUM_ECE_BINS, ExampleStats, adaptive_ece
-from dist_ens.eval.ranks import aupr, auroc, ood_metrics  # noqa: F401  (the metrics API)
-from dist_ens.eval.registry import METRICS, finalize  # noqa: F401  (the metrics API)
+from dist_ens.eval.ranks import NUM_ECE_BINS, ExampleStats
 
 
 

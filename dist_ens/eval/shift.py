@@ -34,7 +34,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from dist_ens.data import Split, corruptions, to_global
-from dist_ens.eval import metrics
+from dist_ens.eval import metrics, registry as metric_registry
 from dist_ens.eval.evaluate import member_logits, member_mask_from_frozen, pad_rows, padded_chunks
 from dist_ens.models import Model
 from dist_ens.parallel.mesh import DATA, batch_sharding, member_sharding, replicated
@@ -110,7 +110,7 @@ class PredictionEvaluator:
 
   def __init__(self, step: PredictStep, mesh: Mesh, batch_size: int,
                view: Callable[[Any], Any],
-               finalize: Callable[..., dict[str, Any]] = metrics.finalize):
+               finalize: Callable[..., dict[str, Any]] = metric_registry.finalize):
     """view(state) is the members as they predict; finalize is the task's (with its
     units: see assemble.Run.evaluator)."""
     d = mesh.shape[DATA]

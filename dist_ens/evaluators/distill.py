@@ -25,7 +25,7 @@ from dist_ens.core.model import init_shapes
 from dist_ens.ensembles import distill, students
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate
-from dist_ens.io import student_file, writers
+from dist_ens.io import run_files, student_file
 from dist_ens.parallel import mesh as mesh_lib, strategy
 from dist_ens.evaluators import posthoc
 from dist_ens.training.loop import Call, PeriodicAction
@@ -57,7 +57,7 @@ class Distill(PeriodicAction):
       params, state, losses = distill.train_student(
           net, self.spec, students.student_key(seed), seed,
           lambda idx: np.asarray(train.read(idx)[0]), teacher)
-      if writers.is_writer():
+      if run_files.is_writer():
         student_file.write(session.workdir, params, state, self._meta(call, net))
       rows, ood_split = session.spec.eval.batch_size, session.run_data.ood
       log_probs = _log_probs(net, params, state, session.run_data.dataset.test.x, rows)

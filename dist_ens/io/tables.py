@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from dist_ens.eval.metrics import METRICS
+from dist_ens.eval.registry import METRICS
 
 
 def _member_metrics(results: dict[str, Any], ranking_only: bool = False) -> list[str]:
@@ -68,7 +68,7 @@ def counted(n: int, noun: str, plural: str = '') -> str:
 def results_table(final: dict[str, Any]) -> str:
   """Per-member and ensemble test metrics as a Markdown table.
 
-  One column per member metric `final` holds (dist_ens.eval.metrics.METRICS); the
+  One column per member metric `final` holds (dist_ens.eval.registry.METRICS); the
   ensemble's uncertainty decomposition and diversity follow the table.
 
   Example:

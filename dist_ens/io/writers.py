@@ -19,11 +19,9 @@ from typing import Any, Protocol
 
 from dist_ens.errors import ConfigError
 from dist_ens.io.file_sinks import CsvWriter, JsonlWriter
+from dist_ens.io.run_files import is_writer
 from dist_ens.io.tensorboard_writer import TensorBoardWriter
 from dist_ens.io.wandb_writer import WANDB_MISSING, WandbWriter, wandb_installed
-# The trainer, progress and tests import these from here, as before the writers had
-# modules of their own.
-from dist_ens.io.run_files import is_writer, write_json, write_members_csv  # noqa: F401
 
 # Looked up at call time, so a test can make wandb look missing where it is installed.
 _wandb_installed = wandb_installed

@@ -12,7 +12,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from dist_ens.eval.metrics import METRICS, NUM_ECE_BINS
+from dist_ens.eval.ranks import NUM_ECE_BINS
+from dist_ens.eval.registry import METRICS
 from dist_ens.io import tables
 from dist_ens.report.data import finite_mean, floats, method_rows
 from dist_ens.report.plots import learning_curves_members
@@ -23,7 +24,7 @@ from dist_ens.report.stats import SizeSpread
 _MAX_INLINE_SVG_BYTES = 1_500_000
 
 
-# (name, label) of every per-member metric, from the one registry (eval.metrics.METRICS):
+# (name, label) of every per-member metric, from the one registry (eval.registry.METRICS):
 # the rankable ones first (accuracy, NLL, Brier, ECE, ...), then the descriptions.
 _METRIC_COLUMNS = tuple((m.name, m.label) for m in sorted(
     (m for m in METRICS if 'members' in m.scopes), key=lambda m: m.higher_is_better is None))

@@ -10,7 +10,7 @@ import numpy as np
 import optax
 
 from dist_ens import data
-from dist_ens.eval import metrics
+from dist_ens.eval import metrics, ranks, registry as metric_registry
 from dist_ens.tasks import temperature
 from dist_ens.tasks.task import Task
 
@@ -65,10 +65,10 @@ def classification() -> Task:
       check_targets=lambda y, dataset, what: data.check_label_values(y, dataset.num_classes,
                                                                      what),
       eval_batch=metrics.eval_batch,
-      finalize=metrics.finalize,
-      ood_metrics=metrics.ood_metrics,
+      finalize=metric_registry.finalize,
+      ood_metrics=ranks.ood_metrics,
       combine=combine,
       log_likelihood=log_likelihood,
       calibrate=temperature.temperature_scaling,
-      select_metrics={m.name: bool(m.higher_is_better) for m in metrics.METRICS
+      select_metrics={m.name: bool(m.higher_is_better) for m in metric_registry.METRICS
                       if 'members' in m.scopes and m.higher_is_better is not None})

@@ -30,7 +30,7 @@ import numpy as np
 import optax
 
 from dist_ens.errors import ConfigError
-from dist_ens.eval import metrics
+from dist_ens.eval import metrics, ranks, registry as metric_registry
 from dist_ens.eval.ranks import ExampleStats
 from dist_ens.tasks.classification import classification, combine, log_likelihood as class_ll
 from dist_ens.tasks import temperature
@@ -111,11 +111,11 @@ def _eval_batch(pad_id: int, logits: jax.Array, targets: jax.Array, mask: jax.Ar
 
 
 def _finalize(sums: dict[str, Any], examples: TokenStats | None = None) -> dict[str, Any]:
-  return metrics.finalize(sums, None if examples is None else _tokens_stats(examples))
+  return metric_registry.finalize(sums, None if examples is None else _tokens_stats(examples))
 
 
 def _ood_metrics(inside: TokenStats, outside: TokenStats) -> dict[str, Any]:
-  return metrics.ood_metrics(_sequence_stats(inside), _sequence_stats(outside))
+  return ranks.ood_metrics(_sequence_stats(inside), _sequence_stats(outside))
 
 
 def _log_likelihood(pad_id: int, logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
@@ -138,7 +138,7 @@ def _scored_tokens(pad_id: int, outputs: np.ndarray, targets: np.ndarray
 def _calibrate(pad_id: int, scorer: Any, val: np.ndarray, val_y: np.ndarray, test: np.ndarray,
                test_y: np.ndarray, included: np.ndarray) -> dict[str, Any]:
   """Classification's temperature scaling over the scored tokens."""
-  per_token = type(scorer)(metrics.eval_batch, metrics.finalize, metrics.ood_metrics)
+  per_token = type(scorer)(metrics.eval_batch, metric_registry.finalize, ranks.ood_metrics)
   return temperature.temperature_scaling(per_token, *_scored_tokens(pad_id, val, val_y),
                                          *_scored_tokens(pad_id, test, test_y), included)
 

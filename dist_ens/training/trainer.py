@@ -25,7 +25,7 @@ from dist_ens.tasks import Loss
 from dist_ens.io.checkpoint import Checkpointer, Restored, check_compatible
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.ensembles import methods
-from dist_ens.io import console, tables, writers
+from dist_ens.io import console, run_files, tables, writers
 from dist_ens.parallel import xla_flags
 from dist_ens.evaluators import (distill, evaluator as evaluator_lib, laplace, posthoc,
                                  predictions as predictions_lib, registry)
@@ -75,9 +75,9 @@ def _prepare_workdir(workdir: Path, config: ml_collections.ConfigDict) -> None:
               or methods.from_spec(specs.method_spec(config)).scales_with_steps)
     check_compatible(differing, config.checkpoint.restore_incompatible,
                      steps_shape_schedule=shaped)
-  if writers.is_writer():
+  if run_files.is_writer():
     workdir.mkdir(parents=True, exist_ok=True)
-    writers.write_json(workdir / 'config.json', config_dict)
+    run_files.write_json(workdir / 'config.json', config_dict)
 
 
 def _restore_or_init(parts: assemble.Parts, checkpointer: Checkpointer) -> Restored:
@@ -169,7 +169,7 @@ def _start(run: assemble.Run, workdir: Path, loss: Loss | None,
   for stack in parts.stacks if not restored.meta else ():
     if stack.stack.warning is not None:
       logging.warning('%s', stack.stack.warning)
-  if restored.meta and 'jsonl' in spec.writers and writers.is_writer():
+  if restored.meta and 'jsonl' in spec.writers and run_files.is_writer():
     workdir_lib.warn_missing_events(workdir, restored.step, spec.train.log_every)
   if spec.reproducible:
     logging.debug('reproducible mode: each device runs its members one at a time')
@@ -339,8 +339,8 @@ def _finish(call: Call, traces: int, checkpoint_seconds: float) -> dict[str, Any
   metric = spec.select.metric
   rows = tables.member_rows(final, session.parts.hparams, final.get('validation'), metric,
                             session.parts.task.select_metrics[metric])
-  writers.write_json(session.workdir / 'final_metrics.json', final)
-  writers.write_members_csv(session.workdir / 'members.csv', rows)
+  run_files.write_json(session.workdir / 'final_metrics.json', final)
+  run_files.write_members_csv(session.workdir / 'members.csv', rows)
   logging.info('final test metrics:\n%s', tables.results_table(final), extra=console.RESULT)
   if varying or spec.select.top_k:
     logging.info('members, best first by %s %s:\n%s',
