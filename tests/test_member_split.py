@@ -279,6 +279,29 @@ def test_held_out_metrics_use_each_splits_own_statistics_in_target_units(holdout
   assert exported['members_per_split'] == 2 and len(exported['split_standardizers']) == 2
 
 
+def test_a_standardised_holdout_runs_test_metrics_are_what_predict_gives(holdout_run):
+  """The heteroscedastic case of the blocks test below, on the shared holdout run: its test
+  split is the pool's first 8 rows, the outlier (row 0) among them, and the pool's
+  statistics (the outlier's x and y ~1e4 in them) are far from either split's, so the run's
+  test RMSE and NLL equal a numpy recomputation from Ensemble.predict, the mixture of all
+  4 members in target units, only if evaluation scores each member in its own split's
+  units (run/split_frames.py)."""
+  workdir, final, x, y, splits, row = holdout_run
+  pool = uci.Standardizer.fit(x, y)
+  for rows in splits.train:
+    assert float(pool.y_std) > 100 * float(uci.Standardizer.fit(x[rows], y[rows]).y_std)
+  test_x, test_y = np.asarray(x[:8], np.float64), np.asarray(y[:8], np.float64)
+  assert row < 8 and np.array_equal(test_x[row], [1e4])
+  pred = dist_ens.Ensemble.load(str(workdir)).predict(x[:8])
+  rmse = float(np.sqrt(np.mean((np.asarray(pred.mean, np.float64) - test_y) ** 2)))
+  assert final['ensemble']['rmse'] == pytest.approx(rmse, rel=1e-4)
+  mu, var = (np.asarray(a, np.float64) for a in (pred.member_mean, pred.member_variance))
+  log_p = -0.5 * (test_y - mu) ** 2 / var - 0.5 * np.log(2 * np.pi * var)
+  top = log_p.max(0)  # log of the mixture's density, without underflow at the outlier
+  nll = -np.mean(top + np.log(np.mean(np.exp(log_p - top), 0)))
+  assert final['ensemble']['nll'] == pytest.approx(nll, rel=1e-4)
+
+
 def test_a_standardising_task_without_reframe_is_refused_with_member_splits(tmp_path):
   """Scoring each split's members needs Task.reframe; a user's standardising task without
   one is refused in one line naming both fields, before the workdir exists."""
@@ -292,18 +315,19 @@ def test_a_standardising_task_without_reframe_is_refused_with_member_splits(tmp_
   assert 'reframe' in message and not (tmp_path / 'w').exists()
 
 
-@pytest.mark.parametrize('task', ['regression', 'regression_homoscedastic'])
-def test_a_standardised_member_split_runs_test_metrics_are_what_predict_gives(tmp_path, task):
+def test_a_standardised_member_split_runs_test_metrics_are_what_predict_gives(tmp_path):
   """Two contiguous blocks of a pool sorted by x: their statistics differ, so the run's
   test RMSE and NLL equal a numpy recomputation from Ensemble.predict (each split's
   members standardised with their own statistics, the mixture in target units) only if
   evaluation scores each member in its own split's units too (run/split_frames.py; with
-  the pool's statistics for every member the RMSE was 2.50 against predict's 1.94)."""
+  the pool's statistics for every member the RMSE was 2.50 against predict's 1.94). The
+  homoscedastic task here; the heteroscedastic one on the shared holdout run (the test
+  above), which saves a run of its own programs."""
   x, y = _curve(128, 2)
   order = np.argsort(x[:, 0])
   x, y = x[order], y[order]
   config = _config('blocks:2', members=4)
-  config.task, config.data.batch_size = task, 16
+  config.task, config.data.batch_size = 'regression_homoscedastic', 16
   final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(x, y, x[::4], y[::4]))
   pred = dist_ens.Ensemble.load(str(tmp_path)).predict(x[::4])
   rmse = float(np.sqrt(np.mean((np.asarray(pred.mean, np.float64) - y[::4]) ** 2)))
