@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import scipy.special
 
 import support
 
@@ -40,7 +41,17 @@ def _dataset(dims=0):
   return data.from_arrays(*_curve(256, 0, dims), *_curve(128, 1, dims), name='curve')
 
 
-def test_regression_top_k_greedy_and_collected_members_use_regression_metrics(tmp_path):
+@pytest.fixture(scope='module')
+def greedy_run(tmp_path_factory):
+  """(workdir, final metrics) of ONE regression run with greedy selection of up to 6 picks
+  (with replacement): both greedy tests read it."""
+  workdir = tmp_path_factory.mktemp('greedy')
+  config = _config(**{'select.method': 'greedy', 'select.greedy_size': 6})
+  return workdir, dist_ens.train(config, str(workdir), dataset=_dataset())
+
+
+def test_regression_top_k_greedy_and_collected_members_use_regression_metrics(tmp_path,
+                                                                              greedy_run):
   config = _config(**{'select.top_k': 2, 'ensemble.method': 'snapshot',
                       'ensemble.snapshot.cycles': 2, 'optim.schedule': 'cosine'})
   final = dist_ens.train(config, str(tmp_path / 'topk'), dataset=_dataset())
@@ -50,22 +61,50 @@ def test_regression_top_k_greedy_and_collected_members_use_regression_metrics(tm
   assert REGRESSION_KEYS <= set(final['snapshot']['ensemble'])
   assert not {'accuracy', 'ece'} & set(final['snapshot']['ensemble'])
   assert final['snapshot']['predicting_members'] == 8
-  config = _config(**{'select.method': 'greedy', 'select.greedy_size': 6})
-  final = dist_ens.train(config, str(tmp_path / 'greedy'), dataset=_dataset())
-  greedy = final['greedy']
+  greedy = greedy_run[1]['greedy']
   assert set(greedy['ensemble']) == REGRESSION_KEYS  # Before: an IndexError.
   assert greedy['validation_nll'] == min(greedy['validation_nll_by_size'])
 
 
-def test_a_greedy_selection_of_one_member_scores_as_that_member(tmp_path):
-  """The greedy ensemble's test metrics are the chosen members' mixture: with one pick
-  it is that member, whose own test metrics the run reports too."""
-  config = _config(**{'select.method': 'greedy', 'select.greedy_size': 1})
-  final = dist_ens.train(config, str(tmp_path), dataset=_dataset())
-  [member] = final['greedy']['picks']
+def _np_mixture_metrics(mean, var, y):
+  """float64 numpy RMSE, NLL and CRPS of the uniform mixture of Gaussians mean, var [K, N]
+  against targets y [N] (CRPS in closed form: E|X - y| - E|X - X'| / 2, with E|Z| of a
+  normal Z ~ N(m, s2) = 2 sqrt(s2) phi(m / sqrt(s2)) + m (2 Phi(m / sqrt(s2)) - 1))."""
+  mean, var, y = (np.asarray(a, np.float64) for a in (mean, var, y))
+
+  def abs_mean(m, s2):
+    z = m / np.sqrt(s2)
+    return 2 * np.sqrt(s2) * np.exp(-0.5 * z ** 2) / np.sqrt(2 * np.pi) + m * (
+        2 * scipy.special.ndtr(z) - 1)
+
+  log_p = -0.5 * (y - mean) ** 2 / var - 0.5 * np.log(2 * np.pi * var)
+  spread = abs_mean(mean[:, None] - mean[None], var[:, None] + var[None])  # [K, K, N]
+  crps = abs_mean(y - mean, var).mean(0) - 0.5 * spread.mean((0, 1))
+  return {'rmse': np.sqrt(np.mean((mean.mean(0) - y) ** 2)),
+          'nll': -np.mean(np.logaddexp.reduce(log_p, axis=0) - np.log(len(mean))),
+          'crps': np.mean(crps)}
+
+
+def test_a_greedy_selection_scores_as_the_mixture_of_its_picks(greedy_run):
+  """The greedy ensemble's test metrics are its picks' mixture (a member picked twice
+  counts twice), recomputed with numpy from Ensemble.predict; and that reference with one
+  pick is the member's own test metrics the run reports (a greedy selection of one member
+  scores as that member)."""
+  workdir, final = greedy_run
+  test = _dataset().test
+  pred = dist_ens.Ensemble.load(str(workdir)).predict(test.x)
+  picks = final['greedy']['picks']
+  want = _np_mixture_metrics(pred.member_mean[picks], pred.member_variance[picks], test.y)
+  every = _np_mixture_metrics(pred.member_mean, pred.member_variance, test.y)
   for key in REGRESSION_KEYS:
-    assert final['greedy']['ensemble'][key] == pytest.approx(final['members'][key][member],
-                                                             rel=1e-4)
+    assert final['greedy']['ensemble'][key] == pytest.approx(want[key], rel=1e-4), key
+    # The reference with all 4 members is the run's ensemble (the closed forms checked).
+    assert final['ensemble'][key] == pytest.approx(every[key], rel=1e-4), key
+  for member in range(4):
+    alone = _np_mixture_metrics(pred.member_mean[member:member + 1],
+                                pred.member_variance[member:member + 1], test.y)
+    for key in REGRESSION_KEYS:
+      assert final['members'][key][member] == pytest.approx(alone[key], rel=1e-4), key
 
 
 @pytest.mark.parametrize('field, value', [('eval.temperature_scaling', True)])
@@ -77,7 +116,10 @@ def test_a_step_the_task_cannot_do_is_refused_before_anything_runs(tmp_path, fie
 
 def test_vector_targets_train_evaluate_and_predict(tmp_path):
   dataset = _dataset(dims=2)
-  final = dist_ens.train(_config(**{'train.steps': 200, 'checkpoint.every': 200}),
+  # No validation split: nothing here reads what it adds (the validation evaluation and
+  # the conformal intervals calibrated on it; test_regression_run checks those).
+  final = dist_ens.train(_config(**{'train.steps': 200, 'checkpoint.every': 200,
+                                    'data.validation_size': 0}),
                          str(tmp_path), dataset=dataset)
   assert final['ensemble']['rmse'] < 0.8  # the targets' own spread is ~1.6
   prediction = dist_ens.Ensemble.load(str(tmp_path)).predict(dataset.test.x)
