@@ -17,7 +17,7 @@ from support import one_line_refusal as _refusal
 import dist_ens
 from dist_ens.config import specs
 from dist_ens import data
-from dist_ens.run import assemble, initial_state
+from dist_ens.run import initial_state
 from dist_ens.config.loading import load_config
 from dist_ens.io.pretrained import flatten
 from dist_ens.models import from_hf, hf
@@ -54,18 +54,29 @@ def _heads(params):
 
 @pytest.fixture(scope='module')
 def straight(tmp_path_factory):
-  """A mean-pooled BERT classifier run to its end: (checkpoint, workdir, final metrics)."""
+  """A mean-pooled BERT classifier run to its end: (checkpoint, workdir, final metrics,
+  the members' parameters the run started from)."""
   root = tmp_path_factory.mktemp('seq')
   checkpoint = bert_with_tokenizer(root / 'bert')
-  return checkpoint, root / 'a', dist_ens.train(_text_config(checkpoint, pool='mean'),
-                                                str(root / 'a'), devices=DEVICES)
+  started = []
+  init_sharded = initial_state.init_sharded
+
+  def seen(parts):  # The run's own step-0 state, kept: no second build and init to read it.
+    state = init_sharded(parts)
+    started.append(flatten(jax.device_get(state.params)))
+    return state
+
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(initial_state, 'init_sharded', seen)
+    results = dist_ens.train(_text_config(checkpoint, pool='mean'), str(root / 'a'),
+                             devices=DEVICES)
+  (initial,) = started
+  return checkpoint, root / 'a', results, initial
 
 
 def test_members_start_from_the_file_train_and_predict(straight):
-  checkpoint, workdir, results = straight
+  checkpoint, workdir, results, initial = straight
   config = _text_config(checkpoint, pool='mean')
-  run = assemble.build_run(config, devices=DEVICES)
-  initial = flatten(jax.device_get(initial_state.init_sharded(run.parts)).params)
   for name, value in load_leaves(str(checkpoint)).items():
     if not name.startswith('head/'):  # the encoder starts from the file in every member
       for m in range(4):
@@ -88,7 +99,7 @@ def test_members_start_from_the_file_train_and_predict(straight):
 def test_members_resume_exactly(straight, tmp_path):
   """Resumed from what a kill after the straight run's step-2 checkpoint leaves, the run
   ends where the straight one ended, bit for bit."""
-  checkpoint, workdir, results = straight
+  checkpoint, workdir, results, _ = straight
   killed = runs.killed_after(workdir, 2, tmp_path / 'b')
   resumed = dist_ens.train(_text_config(checkpoint, pool='mean'), str(killed), devices=DEVICES)
   assert resumed['step'] == 4 and resumed['members'] == results['members']
@@ -97,12 +108,12 @@ def test_members_resume_exactly(straight, tmp_path):
     jax.tree.map(np.testing.assert_array_equal, b.member(m), a.member(m))
 
 
-def test_own_head_keeps_the_encoder_the_files_and_stored_once(tmp_path):
-  checkpoint = bert_with_tokenizer(tmp_path / 'bert')
+def test_own_head_keeps_the_encoder_the_files_and_stored_once(straight, tmp_path):
+  checkpoint = straight[0]  # The fixture's copy of the BERT file, read only.
   config = _text_config(checkpoint, steps=2, pool='cls')
   config.ensemble.own = 'head'
   dist_ens.train(config, str(tmp_path / 'run'), devices=DEVICES)
-  ens = dist_ens.Ensemble.load(tmp_path / 'run')
+  ens = dist_ens.Ensemble.load(tmp_path / 'run', devices=DEVICES)
   file = load_leaves(str(checkpoint))
   members = [flatten(ens.member(m)) for m in range(4)]
   for name, value in file.items():
