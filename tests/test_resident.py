@@ -3,7 +3,7 @@ pipeline's bit for bit, for every member order, member pool, steps per call, wit
 resumed, in two processes and in a whole run; 'auto' and True against the budget.
 
 This file is also the probe each process of the two-process test runs:
-`python tests/test_resident.py probe OUT PORT NUM_PROCESSES PROCESS_ID HOSTS_ALONG`.
+`python tests/test_resident.py probe OUT PORT NUM_PROCESSES PROCESS_ID HOSTS_ALONG[,...]`.
 """
 
 import functools
@@ -200,7 +200,9 @@ def test_a_whole_run_ends_the_same_resident_or_not(tmp_path, caplog, overrides):
 
 # ---------------------------------------------------------------------------------
 # Two processes (jax.distributed on CPU, 4 fake devices each): each builds its block of
-# every batch both ways; the gathered global batches equal one process's.
+# every batch both ways, on a mesh laid out across the processes along 'data' and along
+# 'member' (one pair of processes for both layouts: each process's start and
+# jax.distributed's are most of the cost); the gathered global batches equal one process's.
 
 
 def _probe_batches(hosts_along):
@@ -222,28 +224,40 @@ def _probe_batches(hosts_along):
 
 
 def _probe(out: str, port: str, num_processes: str, process_id: str, hosts_along: str) -> None:
+  """Writes {layout: process_batches_agree's result} for each layout of the comma-separated
+  `hosts_along`."""
   from dist_ens.parallel import distributed, launch  # pylint: disable=g-import-not-at-top
   distributed.initialize(launch.Launch(
       coordinator_address=f'localhost:{port}', num_processes=int(num_processes),
       process_id=int(process_id)))
-  items = _probe_batches(hosts_along)
-  result = support.process_batches_agree(items, 'host', 'resident')
+  result = {layout: support.process_batches_agree(_probe_batches(layout), 'host', 'resident')
+            for layout in hosts_along.split(',')}
   Path(out).write_text(json.dumps(result))
 
 
-@pytest.mark.parametrize('hosts_along', ['data', 'member'])
-def test_two_processes_gather_the_same_batches(tmp_path, hosts_along):
+LAYOUTS = ('data', 'member')
+
+
+@pytest.fixture(scope='module')
+def two_process_probes(tmp_path_factory):
+  """Each of the two processes' probe result (_probe's), for every layout in LAYOUTS."""
   # test_multihost's process helpers: environment (4 fake devices), start, deadline, kill.
   # pylint: disable=g-import-not-at-top,protected-access
   import test_multihost as mh
+  tmp_path = tmp_path_factory.mktemp('resident_probes')
   port = mh._free_port()
   outs = [tmp_path / f'probe_{i}.json' for i in range(2)]
   procs = [mh._start(['timeout', '-k', '10', '150', sys.executable, __file__, 'probe',
-                      str(outs[i]), str(port), '2', str(i), hosts_along], mh._env())
+                      str(outs[i]), str(port), '2', str(i), ','.join(LAYOUTS)], mh._env())
            for i in range(2)]
   for status, out in mh._wait(procs, 180):
     assert status == 0, out[-5000:]
-  probes = [json.loads(p.read_text()) for p in outs]
+  return [json.loads(p.read_text()) for p in outs]
+
+
+@pytest.mark.parametrize('hosts_along', LAYOUTS)
+def test_two_processes_gather_the_same_batches(two_process_probes, hosts_along):
+  probes = [probe[hosts_along] for probe in two_process_probes]
   assert probes[0] == probes[1]
   one = _probe_batches(hosts_along)  # this process: 8 devices, the same mesh shape
   for kind in ('shuffled', 'shared'):
