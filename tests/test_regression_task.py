@@ -18,6 +18,7 @@ from dist_ens.tasks import TASKS, get_task
 
 # The package exports the function `regression`, which shadows the submodule's attribute.
 rt = importlib.import_module('dist_ens.tasks.regression')
+rt_eval = importlib.import_module('dist_ens.tasks.regression_eval')
 
 FLOOR = rt.VARIANCE_FLOOR
 
@@ -298,22 +299,22 @@ def test_original_units_equal_metrics_of_rescaled_predictions():
   std, offset = np.array([3.0, 0.5], np.float32), np.array([10.0, -2.0], np.float32)
   # Jitted (one compile for the three calls, shared with the homoscedastic test's
   # reference): eager dispatch of the bisection loops is slow on a CPU.
-  gaussian_eval_batch = _jit(rt.gaussian_eval_batch)
+  gaussian_eval_batch = _jit(rt_eval.gaussian_eval_batch)
   standard = gaussian_eval_batch(means, variances, y, np.ones(16, bool))
   original = gaussian_eval_batch(means * std + offset, variances * std ** 2, y * std + offset,
                                  np.ones(16, bool))
-  want = rt.finalize(original.sums)
-  got = rt.finalize(rt.sums_to_original_units(jax.device_get(standard.sums), std))
+  want = rt_eval.finalize(original.sums)
+  got = rt_eval.finalize(rt_eval.sums_to_original_units(jax.device_get(standard.sums), std))
   _assert_results_close(got, want, 2e-4, 1e-5)
   # One common scale: the pooled results convert exactly too.
   common = np.array([2.5, 2.5], np.float32)
   rescaled = gaussian_eval_batch(means * common, variances * common ** 2, y * common,
                                  np.ones(16, bool))
-  want = rt.finalize(rescaled.sums)
-  got = rt.to_original_units(rt.finalize(standard.sums), [2.5, 2.5])
+  want = rt_eval.finalize(rescaled.sums)
+  got = rt_eval.to_original_units(rt_eval.finalize(standard.sums), [2.5, 2.5])
   _assert_results_close(got, want, 2e-4, 1e-5)
   with pytest.raises(ValueError, match='sums_to_original_units'):
-    rt.to_original_units(rt.finalize(standard.sums), std)
+    rt_eval.to_original_units(rt_eval.finalize(standard.sums), std)
 
 
 def test_finalize_is_json_and_has_the_documented_keys():
@@ -365,9 +366,9 @@ def test_homoscedastic_task_uses_its_noise_variance():
   means = outputs[..., :2]
   out, results = _evaluate(HOMOSCEDASTIC, means, y)
   # Jitted, as _evaluate is: eager dispatch of the bisection loops is slow on a CPU.
-  reference = _jit(rt.gaussian_eval_batch)(
+  reference = _jit(rt_eval.gaussian_eval_batch)(
       means, np.broadcast_to(np.float32([0.5, 2.0]), means.shape), y, np.ones(16, bool))
-  _assert_results_close(results, rt.finalize(jax.device_get(reference.sums)), 1e-5, 1e-6)
+  _assert_results_close(results, rt_eval.finalize(jax.device_get(reference.sums)), 1e-5, 1e-6)
   with pytest.raises(ConfigError):
     rt.regression_homoscedastic(noise_variance=0.0)
   np.testing.assert_allclose(rt.noise_variance_from_residuals(means[0], y),

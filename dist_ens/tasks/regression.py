@@ -54,9 +54,9 @@ import numpy as np
 
 from dist_ens.errors import ConfigError
 from dist_ens.eval import regression as reg
-from dist_ens.tasks.regression_eval import (  # noqa: F401  (the task's API)
-    RegressionEval, _as_matrix, finalize, gaussian_eval_batch, ood_metrics,
-    sums_to_original_units, to_original_units)
+from dist_ens.tasks.regression_eval import (RegressionEval, _as_matrix, finalize,
+                                             gaussian_eval_batch, ood_metrics,
+                                             sums_to_original_units)
 from dist_ens.tasks.task import Loss, Task
 
 # Added to softplus(raw): keeps log(variance) and 1/variance finite in float32 when the raw
