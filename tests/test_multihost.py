@@ -113,14 +113,14 @@ def _explicit(port: int, i: int) -> list[str]:
   return [f'--coordinator_address=localhost:{port}', '--num_processes=2', f'--process_id={i}']
 
 
-def _local_sh(workdir: Path, *args: str, timeout_s: int = 180, python: str = sys.executable,
+def _local_sh(workdir: Path, *args: str, timeout_s: int = 180,
               xla_flags: str = '') -> subprocess.Popen:
-  """launch/local.sh with 2 processes x 4 devices, run by `python` with `xla_flags` (XLA's
-  defaults without); it sets the devices itself."""
+  """launch/local.sh with 2 processes x 4 devices, with `xla_flags` (XLA's defaults
+  without); it sets the devices itself."""
   return _start(['bash', str(LOCAL_SH), '--processes', '2', '--devices-per-process', '4',
                  '--timeout', str(timeout_s), '--grace', '60', '--kill-after', '30', '--', CONFIG,
                  f'--workdir={workdir}', *args],
-                _env(devices=None, PYTHON=python, **({'XLA_FLAGS': xla_flags} if xla_flags else {})))
+                _env(devices=None, **({'XLA_FLAGS': xla_flags} if xla_flags else {})))
 
 
 # The flags of every test process (support.xla_flags: -O0, the collectives' patience) but
@@ -128,78 +128,6 @@ def _local_sh(workdir: Path, *args: str, timeout_s: int = 180, python: str = sys
 # probe's do, at the tests' cost and to the same persistent-cache entries.
 TEST_XLA_FLAGS = ' '.join(f for f in support.xla_flags(1).split()
                           if not f.startswith('--xla_force_host_platform_device_count='))
-
-
-# JAX writes what a child compiles to the persistent cache (tests/conftest.py) only from
-# process 0, and process 1's cache keys differ from process 0's (the CPU topology's
-# fingerprint names the process): process 1 compiled every program of every run here
-# afresh, while process 0 read them, and every step waited for process 1. Run in a child
-# before JAX is imported, this makes every process write its own entries, so the runs after
-# slurm_run (the probe's 'member' layout, the killed and SIGTERM runs) read SMALL's programs
-# on both processes. JAX skips the write to spare shared filesystems (GCS) concurrent
-# writers; the tests' cache is a local directory. Where JAX's internals are not as read
-# here, nothing is patched and the runs compile as before.
-_CACHE_FROM_EVERY_PROCESS = '''
-import importlib.abc, importlib.util, inspect, sys
-
-
-def _write_from_every_process(compiler):
-  from jax._src import compilation_cache, distributed
-  write = getattr(compiler, '_cache_write', None)
-  try:
-    signature = inspect.signature(write)
-  except (TypeError, ValueError):
-    return
-
-  def cache_write(*args, **kwargs):
-    if distributed.global_state.process_id == 0:
-      return write(*args, **kwargs)
-    try:
-      named = signature.bind(*args, **kwargs).arguments
-      if not named['host_callbacks']:  # As JAX: those are baked into the program.
-        compilation_cache.put_executable_and_time(
-            named['cache_key'], named['module_name'], named['executable'], named['backend'],
-            int(named['compile_time_secs']))
-    except Exception:  # pylint: disable=broad-except
-      pass  # Not written: the next run compiles it again.
-
-  compiler._cache_write = cache_write
-
-
-class _OnImport(importlib.abc.MetaPathFinder):
-  def find_spec(self, name, path, target=None):
-    if name != 'jax._src.compiler':
-      return None
-    sys.meta_path.remove(self)
-    spec = importlib.util.find_spec(name)
-    exec_module = spec.loader.exec_module
-
-    def exec_and_patch(module):
-      exec_module(module)
-      _write_from_every_process(module)
-    spec.loader.exec_module = exec_and_patch
-    return spec
-
-
-if 'jax._src.compiler' in sys.modules:
-  _write_from_every_process(sys.modules['jax._src.compiler'])
-else:  # Patched as JAX imports it, after dist_ens has set XLA_FLAGS.
-  sys.meta_path.insert(0, _OnImport())
-'''
-
-
-@pytest.fixture(scope='module')
-def caching_python(tmp_path_factory) -> str:
-  """A `python` for local.sh's and slurm.sbatch's $PYTHON: `-m dist_ens.main` runs
-  dist_ens.main with _CACHE_FROM_EVERY_PROCESS first, anything else the Python itself."""
-  python = tmp_path_factory.mktemp('caching_python') / 'python'
-  main = (_CACHE_FROM_EVERY_PROCESS
-          + '\nsys.argv[0] = "dist-ens"\nfrom dist_ens import main\nmain.entry()\n')
-  exe = shlex.quote(sys.executable)
-  python.write_text('#!/bin/sh\nif [ "$1" = -m ] && [ "$2" = dist_ens.main ]; then shift 2; '
-                    f'exec {exe} -c {shlex.quote(main)} "$@"; fi\nexec {exe} "$@"\n')
-  python.chmod(0o755)
-  return str(python)
 
 
 # ---------------------------------------------------------------------------------
@@ -317,7 +245,6 @@ def _replica_groups(hlo_text: str) -> list[list[int]]:
 
 def _probe(out: str, port: str, num_processes: str, process_id: str, workdir: str) -> None:
   """Runs in each process of test_mesh_rows_and_collectives_per_layout; writes JSON to `out`."""
-  exec(_CACHE_FROM_EVERY_PROCESS, {})  # pylint: disable=exec-used
   distributed.initialize(launch.Launch(
       coordinator_address=f'localhost:{port}', num_processes=int(num_processes),
       process_id=int(process_id)))
@@ -416,9 +343,9 @@ def _committed_steps(workdir):
           and (d / 'meta' / 'metadata').is_file()] if (workdir / 'checkpoints').is_dir() else []
 
 
-def test_killed_process_stops_the_other_with_one_line(tmp_path, caching_python):
-  launcher, lines, reader = _launch_and_wait_for_step_10(
-      tmp_path, caching_python, '--config.checkpoint.every=5', '--config.checkpoint.keep=3')
+def test_killed_process_stops_the_other_with_one_line(tmp_path):
+  launcher, lines, reader = _launch_and_wait_for_step_10(tmp_path, '--config.checkpoint.every=5',
+                                                         '--config.checkpoint.keep=3')
   # The kill must come after a checkpoint is committed (saves are asynchronous: under load
   # step 5's can still be in flight at step 10), for the line to have one to name.
   deadline = time.monotonic() + 60
@@ -446,8 +373,8 @@ def test_killed_process_stops_the_other_with_one_line(tmp_path, caching_python):
   assert named and int(named.group(1)) in steps, (said[0], steps)
 
 
-def test_a_killed_coordinator_stops_the_other_naming_it(tmp_path, caching_python):
-  launcher, lines, reader = _launch_and_wait_for_step_10(tmp_path, caching_python)
+def test_a_killed_coordinator_stops_the_other_naming_it(tmp_path):
+  launcher, lines, reader = _launch_and_wait_for_step_10(tmp_path)
   os.kill(_python_pid_of(launcher, 0), signal.SIGKILL)
   status, out = _wait_launcher(launcher, lines, reader, 90)
   assert status != 0 and 'local.sh: process 1 failed with status' in out, out[-3000:]
@@ -461,11 +388,10 @@ def test_a_killed_coordinator_stops_the_other_naming_it(tmp_path, caching_python
     assert re.fullmatch(r'\[1\] ' + _LOST_LINE.format(me=1, lost=0), said[0]), said
 
 
-def _launch_and_wait_for_step_10(tmp_path, python, *args):
-  """local.sh on a run far longer than any test, run by `python`; returns once process 1
-  is at step 10."""
+def _launch_and_wait_for_step_10(tmp_path, *args):
+  """local.sh on a run far longer than any test; returns once process 1 is at step 10."""
   launcher = _local_sh(tmp_path / 'w', *SMALL, '--config.train.steps=100000', *args,
-                       timeout_s=180, python=python, xla_flags=TEST_XLA_FLAGS)
+                       timeout_s=180, xla_flags=TEST_XLA_FLAGS)
   lines = []
   reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
   reader.start()
@@ -519,7 +445,7 @@ def test_local_sh_passes_each_line_on_as_it_is_said(tmp_path):
 _SIGTERM_AT = 20
 
 
-def test_sigterm_stops_every_process_at_the_same_step(tmp_path, caching_python):
+def test_sigterm_stops_every_process_at_the_same_step(tmp_path):
   """As a scheduler preempting the job: SIGTERM to the launcher, which passes it on to each
   process, with a checkpoint every 10 steps and the end near (2,000 steps, signalled once
   both have logged step _SIGTERM_AT): each process saves the same step once and exits 143
@@ -528,7 +454,7 @@ def test_sigterm_stops_every_process_at_the_same_step(tmp_path, caching_python):
   item 3), which a 100,000-step run hid; the processes' own statuses (local.sh exits 143
   on SIGTERM whatever they do) and the missing final metrics show it here."""
   launcher = _local_sh(tmp_path / 'w', *SMALL, '--config.train.steps=2000',
-                       '--config.checkpoint.every=10', timeout_s=180, python=caching_python,
+                       '--config.checkpoint.every=10', timeout_s=180,
                        xla_flags=TEST_XLA_FLAGS)
   lines = []
   reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
@@ -683,7 +609,7 @@ def _slurm_job_id() -> int:
 
 
 @pytest.fixture(scope='module')
-def slurm_started(tmp_path_factory, caching_python):
+def slurm_started(tmp_path_factory):
   """(process, workdir): SMALL with hosts along 'member' as a SLURM job step of 2 tasks,
   launch/slurm.sbatch through a fake srun on localhost, started; one_process trains while
   its processes import JAX and meet. Whatever a failure leaves of it is killed when the
@@ -692,7 +618,7 @@ def slurm_started(tmp_path_factory, caching_python):
   _fake_srun(tmp_path / 'bin')
   env = _env(SLURM_JOB_ID=str(_slurm_job_id()), SLURM_NTASKS='2', SLURM_JOB_NUM_NODES='1',
              SLURM_NNODES='1', SLURM_JOB_NODELIST='localhost', SLURM_NTASKS_PER_NODE='2',
-             PATH=f'{tmp_path / "bin"}{os.pathsep}{os.environ["PATH"]}', PYTHON=caching_python)
+             PATH=f'{tmp_path / "bin"}{os.pathsep}{os.environ["PATH"]}')
   proc = _start(['bash', str(ROOT / 'launch' / 'slurm.sbatch'), CONFIG,
                  f'--workdir={tmp_path / "w"}', *SMALL, '--config.mesh.hosts_along=member'], env)
   yield proc, tmp_path / 'w'
