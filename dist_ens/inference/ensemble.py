@@ -268,9 +268,9 @@ class Ensemble:
     member 0's outputs (dist_ens.io.peft_adapters; docs/pretrained.md). Only process 0
     writes."""
     if self._places.joined:
-      raise ConfigError(f'Ensemble.export_adapters does not support a run of several stacks '
-                        f'yet (member groups, docs/groups.md): this one has {len(self._places)}, '
-                        'of different architectures; export one member group\'s run alone.')
+      raise ConfigError(f'Ensemble.export_adapters does not support member groups yet '
+                        f'(docs/groups.md): this run joins {len(self._places)} stacks, one per '
+                        'group; export the adapters of a run without groups.')
     if getattr(self, 'workdir', None) is None:
       raise ValueError('export_adapters needs an Ensemble from Ensemble.load(workdir).')
     if jax.process_index() != 0:

@@ -128,8 +128,8 @@ def saved_config(checkpointer: Checkpointer,
 
 
 def run_on_mesh(config: ml_collections.ConfigDict, meta: dict[str, Any],
-                  devices: list[jax.Device], mesh: load_mesh.MeshArg,
-                  memory_gb: float | None) -> tuple[Any, jax.sharding.Mesh]:
+                devices: list[jax.Device], mesh: load_mesh.MeshArg,
+                memory_gb: float | None) -> tuple[assemble.Run, jax.sharding.Mesh]:
   """The run wired on the mesh Ensemble.load was asked for (None: the saved layout),
   refused in one line where that mesh cannot hold the members (see Ensemble.load)."""
   shapes = data_shape(config, meta)
