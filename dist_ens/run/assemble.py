@@ -213,7 +213,9 @@ def build_run(config: ml_collections.ConfigDict, *,
   # Each stack picks its own form (build_step); the first's stands for the run.
   return Run(config, run_spec(config, member_groups.describe(config)), parts, run_data,
              member_form(parts.stacks[0], config.data.batch_size),
-             tuple(member_groups.stack_configs(config)) or (config,))
+             # Each group's config (checked by checks.validate above: not checked again).
+             tuple(member_groups.group_config(config, s)
+                   for s in member_groups.group_specs(config)) or (config,))
 
 
 def fitted_members(config: ml_collections.ConfigDict) -> int:
