@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from orbax.checkpoint._src.metadata import array_metadata_store
 
 from dist_ens.data import IteratorState
 from dist_ens.errors import ConfigError
@@ -108,7 +110,8 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         directory.absolute(),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
-                                             create=True))
+                                             create=True),
+        handler_registry=_handlers())
     self._unreadable: set[int] = set()  # Steps restore() found corrupt: save() replaces them.
     self.blocking_seconds = 0.0  # Time the loop spent waiting on saves.
     self._prune(keep)
@@ -142,9 +145,9 @@ class Checkpointer:
     meta = {**copy.deepcopy(meta or {}), 'step': step, 'data': data_state._asdict(),
             'format': FORMAT,
             'checksums': {'model': checksums(model), 'optimizer': checksums(opt_state)}}
-    items = {'model': ocp.args.StandardSave(model), 'meta': ocp.args.JsonSave(meta)}
+    items = {'model': ocp.args.PyTreeSave(model), 'meta': ocp.args.JsonSave(meta)}
     if jax.tree.leaves(opt_state):  # Plain SGD keeps no state: nothing to write.
-      items['optimizer'] = ocp.args.StandardSave(opt_state)
+      items['optimizer'] = ocp.args.PyTreeSave(opt_state)
     self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     self.blocking_seconds += time.perf_counter() - start
     return True
@@ -164,10 +167,10 @@ class Checkpointer:
     for step in steps:
       self._check_format(step)
       model, opt_state = _split(abstract_state)
-      items = {'model': ocp.args.StandardRestore(model), 'meta': ocp.args.JsonRestore()}
+      items = {'model': _restore_args(model), 'meta': ocp.args.JsonRestore()}
       with_optimizer_item = with_optimizer and bool(jax.tree.leaves(opt_state))
       if with_optimizer_item:
-        items['optimizer'] = ocp.args.StandardRestore(opt_state)
+        items['optimizer'] = _restore_args(opt_state)
       try:
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         _verify(restored, with_optimizer_item)
@@ -219,6 +222,40 @@ class Checkpointer:
       self._manager.wait_until_finished()  # Raises what a background save ran into.
     finally:
       self._manager.close()
+
+
+# A replicated array smaller than this is written by one of its replicas. Orbax splits
+# every replicated array among its replicas to write in parallel by default, slicing
+# each on the device: one compiled program per leaf shape, dozens for a state that is
+# replicated over 'data', for writes of a few kilobytes each. Larger arrays keep the
+# parallel write.
+MIN_SLICE_BYTES = 1 << 20
+
+
+def _handlers() -> ocp.handlers.DefaultCheckpointHandlerRegistry:
+  """The manager's handlers: the state's items are pytrees of arrays whose replicated
+  leaves are split among their replicas only from MIN_SLICE_BYTES on; meta is JSON."""
+  arrays = ocp.type_handlers.ArrayHandler(
+      min_slice_bytes_for_replica_parallel=MIN_SLICE_BYTES,
+      array_metadata_store=array_metadata_store.Store())  # As orbax's default handler.
+  types = ocp.type_handlers.create_type_handler_registry(
+      (jax.Array, arrays), (np.ndarray, ocp.type_handlers.NumpyHandler()),
+      (np.number, ocp.type_handlers.ScalarHandler()), (int, ocp.type_handlers.ScalarHandler()),
+      (float, ocp.type_handlers.ScalarHandler()))
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  for item in ('model', 'optimizer'):
+    pytrees = ocp.PyTreeCheckpointHandler(type_handler_registry=types)
+    registry.add(item, ocp.args.PyTreeSave, pytrees)
+    registry.add(item, ocp.args.PyTreeRestore, pytrees)
+  registry.add('meta', ocp.args.JsonSave)
+  registry.add('meta', ocp.args.JsonRestore)
+  return registry
+
+
+def _restore_args(abstract: Any) -> ocp.args.PyTreeRestore:
+  """Restores a pytree into `abstract`'s structure, shapes, dtypes and shardings."""
+  return ocp.args.PyTreeRestore(
+      abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
 
 
 def _verify(restored: Any, with_optimizer: bool) -> None:
