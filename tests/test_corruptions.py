@@ -16,6 +16,15 @@ B, H, W, C = 16, 8, 8, 3
 SEVERITIES = range(cor.NUM_SEVERITIES + 1)
 IMAGE_ONLY = ('motion_blur', 'saturate')  # no 1-D form (saturate: no colour either)
 
+# The compiler options dist-ens's runs compile with: XLA's own defaults, -O3
+# (support.XLA_DEFAULT) and XLA:CPU's fusion emitters, which the suite's XLA_FLAGS turn off
+# (support.FAST_COMPILE) and which give other bits (every family's program, compiled with
+# and without them, differs in places). Bits that only XLA's default compilation keeps
+# (zoom_blur's and elastic_transform's on a mesh: the suite's -O0 does not) are checked in
+# programs compiled as runs compile them, in this process (no child pytest). With the
+# emitters such a program also compiles faster: 8 CPU s instead of 11 for every family.
+AS_RUNS_COMPILE = {**support.XLA_DEFAULT, 'xla_cpu_use_fusion_emitters': True}
+
 # The shapes corrupt_batch was traced with through _corrupt (inputs on the default device).
 _TRACES = []
 
@@ -25,12 +34,20 @@ def _counted(x, index, corruption, severity, seed, value_range):
   return cor.corrupt_batch(x, index, corruption, severity, seed, value_range)
 
 
-_jitted = jax.jit(_counted)
+# Every family's program is most of this file's time (8 CPU s as runs compile it; shot_noise's
+# Poisson draw is its largest family). The images' one, compiled as runs compile it, serves every
+# test of images: the bitwise tests below need it, and the others (identity, monotone damage,
+# value range, one trace) hold at any level. The 1-D signals' program (no test compares its
+# bits with another program's) compiles at the suite's -O0: 1.5 CPU s instead of 8.
+_images_as_runs_compile = jax.jit(_counted, compiler_options=AS_RUNS_COMPILE)
+_signals_at_o0 = jax.jit(_counted)
 
 
 def _corrupt(x, index, corruption, severity, seed, value_range=(0.0, 1.0)):
-  """One jit for every corruption x severity (traced) and value range: one compile a shape."""
-  return _jitted(x, index, jnp.int32(corruption), jnp.int32(severity), seed, value_range)
+  """One jit for every corruption x severity (traced) and value range: one compile a shape
+  (images [B, H, W, C] as runs compile them, signals [B, L] at the suite's -O0)."""
+  jitted = _images_as_runs_compile if x.ndim == 4 else _signals_at_o0
+  return jitted(x, index, jnp.int32(corruption), jnp.int32(severity), seed, value_range)
 
 
 def _images(n=B, seed=0):
@@ -91,26 +108,17 @@ def test_keys_depend_on_seed_corruption_severity_and_index_only():
   np.testing.assert_array_equal(data(0, 1, 2, jnp.asarray(3)), base)
 
 
-# Bits of two differently built programs: XLA's default level, at which runs compile, keeps
-# them, the suite's -O0 does not (zoom_blur's and elastic_transform's on a mesh). These
-# programs compile at that level in this process (support.XLA_DEFAULT), not in a child
-# process at it (~5 s of start, imports and collection). Every family's program there is
-# most of the time (6-11 CPU s: shot_noise's Poisson draw alone is half): the three tests
-# below share it, and the first, the cheapest otherwise, compiles it.
-_every_family_at_default = jax.jit(cor.corrupt_batch, compiler_options=support.XLA_DEFAULT)
-
-
 def _all_at_default(x, index, corruptions, severities, seed=0):
-  """_all's {(name, severity): corrupted batch} from the program of every family compiled at
-  XLA's default level (traced as _corrupt traces it)."""
-  return {(n, s): np.asarray(_every_family_at_default(
-      x, index, jnp.int32(cor.corruption_id(n)), jnp.int32(s), seed, (0.0, 1.0)))
-          for n in corruptions for s in severities}
+  """_all's {(name, severity): corrupted batch} of images: from the program of every family
+  compiled as runs compile it (_corrupt's for images)."""
+  assert np.ndim(x) == 4, 'images: the program compiled as runs compile it'
+  return _all(x, index, corruptions, severities, seed)
 
 
 def _reference():
   """(images, their example indices, every family's output at severity 3): the examples the
-  tests of bits below corrupt, from the program of every family at XLA's default level."""
+  tests of bits below corrupt, from the program of every family compiled as runs compile
+  it."""
   x, index = _images(), jnp.arange(100, 100 + B)
   return x, index, _all_at_default(x, index, cor.CORRUPTIONS, [3])
 
@@ -138,7 +146,7 @@ def test_named_families_keep_their_bits_at_xla_default():
   named = ('gaussian_noise', 'contrast', 'zoom_blur')
   ids = tuple(cor.corruption_id(n) for n in named)
   alone = jax.jit(lambda x, c, s: cor.corrupt_batch(x, index, c, s, 0, families=ids),
-                  compiler_options=support.XLA_DEFAULT)
+                  compiler_options=AS_RUNS_COMPILE)
   every = _all_at_default(x, index, named, SEVERITIES)
   for name in named:
     for s in SEVERITIES:
@@ -147,7 +155,7 @@ def test_named_families_keep_their_bits_at_xla_default():
   # A concrete id compiles its own family alone, to the same bits.
   np.testing.assert_array_equal(
       jax.jit(lambda x: cor.corrupt_batch(x, index, ids[1], 2, 0),
-              compiler_options=support.XLA_DEFAULT)(x), every[named[1], 2])
+              compiler_options=AS_RUNS_COMPILE)(x), every[named[1], 2])
 
 
 def test_examples_ignore_sharding_and_member_count_at_xla_default():
@@ -158,7 +166,7 @@ def test_examples_ignore_sharding_and_member_count_at_xla_default():
   x, index, ref = _reference()
   # (The product's layout costs ~60% of a program vmapped over members, which no run uses.)
   mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ('member', 'data'))
-  on_mesh = jax.jit(cor.corrupt_batch, compiler_options=support.XLA_DEFAULT)
+  on_mesh = jax.jit(cor.corrupt_batch, compiler_options=AS_RUNS_COMPILE)
   xs, ids = (jax.device_put(a, NamedSharding(mesh, P('data'))) for a in (x, index))
   for name in cor.CORRUPTIONS:
     got = on_mesh(xs, ids, cor.corruption_id(name), 3, 0)
