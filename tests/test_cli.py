@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -47,7 +48,16 @@ def _run(*args: str) -> subprocess.CompletedProcess:
                         timeout=_LIMIT_S + 30)
 
 
-def _one_error_line(result: subprocess.CompletedProcess) -> str:
+class Answer(NamedTuple):
+  """What a command line answered: its exit status, stdout and stderr, and whether its
+  process imported JAX."""
+  returncode: int
+  stdout: str
+  stderr: str
+  jax_imported: bool
+
+
+def _one_error_line(result: subprocess.CompletedProcess | Answer) -> str:
   assert result.returncode not in (0, 124), result.stderr
   assert 'Traceback' not in result.stderr, result.stderr
   lines = result.stderr.strip().splitlines()
@@ -55,73 +65,158 @@ def _one_error_line(result: subprocess.CompletedProcess) -> str:
   return lines[0]
 
 
-@pytest.mark.parametrize('command,override,suggestion', [
+# Command lines answered without training: refusals, --help, the config the flags give.
+MISSPELT = [
     ('train', '--config.optim.learnin_rate=0.1', 'did you mean config.optim.learning_rate?'),
     ('train', '--config.optimm.name=sgd', 'did you mean config.optim.name?'),
     ('plan', '--config.trian.steps=3', 'did you mean config.train.steps?'),
-])
-def test_misspelt_config_field_is_one_line_with_the_closest_name(tmp_path, command, override,
-                                                                 suggestion):
-  args = [command, *TINY, override] + ([f'--workdir={tmp_path}'] if command == 'train' else [])
-  line = _one_error_line(_run(*args))
-  assert line.startswith(f'dist-ens{"" if command == "train" else " " + command}: error: ')
-  assert suggestion in line
-  assert not any(tmp_path.iterdir())
-
-
-@pytest.mark.parametrize('args,expected', [
+]
+BAD_VALUES = [
     (['--config.train.steps=abc'], r'--config.train.steps=abc: invalid literal for int'),
     (["--config.model.widths=abc"], r'config.model.widths holds ints, e.g. \(256, 256\)'),
     (['--wrkdir=/tmp/x'], r"Unknown command line flag 'wrkdir'. Did you mean: workdir"),
     (['--config=configs/no_such.py'], r'--config=configs/no_such.py: .*No such file'),
-])
-def test_bad_value_or_flag_is_one_line(tmp_path, args, expected):
-  line = _one_error_line(_run('--config=configs/default.py', f'--workdir={tmp_path}', *args))
-  assert re.search(expected, line), line
-
-
-# The command line's entry in a fresh process, then whether JAX was imported.
-_ENTRY_THEN_JAX = """
-import sys
-from dist_ens import main
-try:
-  main.entry(['dist-ens', *sys.argv[1:]])
-except SystemExit as e:
-  print(e.code if isinstance(e.code, str) else f'exit {e.code}', file=sys.stderr)
-print('jax imported' if 'jax' in sys.modules else 'jax not imported', file=sys.stderr)
-"""
-
-
-@pytest.mark.parametrize('args,expected', [
+]
+REFUSED_AT_PARSING = [
     (['--config.num_memebrs=3'], 'did you mean config.num_members?'),
     (['--config.train.steps=abc'], 'invalid literal for int'),
     (['--num_processes=2', '--process_id=2'], '--process_id=2 must be below --num_processes=2'),
     (['--help'], 'exit 0'),
-])
-def test_refusals_at_parsing_and_help_answer_without_importing_jax(tmp_path, args, expected):
+]
+NO_RUN = [(lambda p: None, 'does not exist'), (lambda p: p.mkdir(), 'is not a dist_ens workdir')]
+# The plan command's main replaced by one that prints the config the flags gave it: what a
+# command reads, without JAX or a plan. (`dist-ens plan --json` itself: tests/test_plan.py's
+# fresh-process test.)
+FIELD_GIVEN_TWICE = ['plan', *TINY, '--config.model.widths=(16,)', '--config.num_members=3',
+                     '--config.num_members=5']
+
+
+# Each command line in a process of its own, as `python -m dist_ens.main ARGS` runs it, for
+# the price of one interpreter: this child imports what dist_ens.main imports (not JAX: the
+# refusals' tests check that none of them imports it) and forks a process per command line,
+# which runs dist_ens.main as __main__ (runpy, as -m does) and exits as Python exits (an
+# uncaught SystemExit: its message on stderr, its status). Forked from an interpreter without
+# threads, each is a fresh process but for these imports, whose output (none: the child's
+# own stderr is checked) a fresh one would print first. A fresh interpreter was 0.2 CPU s a
+# command line, a fork is half that (the config's own load); there are 15.
+_FORK_A_PROCESS_PER_COMMAND_LINE = r"""
+import atexit, json, os, runpy, signal, sys
+import ml_collections
+from absl import app, flags
+from ml_collections import config_flags
+from dist_ens import commands
+from dist_ens.config import command_line, loading
+
+def show_config(argv):
+  print(json.dumps(loading.to_dict(flags.FLAGS.config)))
+
+def record_jax(path):
+  with open(path, 'w') as f:
+    f.write('jax imported' if 'jax' in sys.modules else 'jax not imported')
+
+out, limit_s = sys.argv[1], int(sys.argv[2])
+with open(os.path.join(out, 'command_lines.json')) as f:
+  command_lines = json.load(f)
+statuses = []
+for i, (args, show) in enumerate(command_lines):
+  sys.stdout.flush()
+  sys.stderr.flush()
+  pid = os.fork()
+  if pid == 0:  # The command line's process: from here on as `python -m dist_ens.main`.
+    for fd, stream in ((1, 'stdout'), (2, 'stderr')):
+      os.dup2(os.open(os.path.join(out, f'{i}.{stream}'), os.O_WRONLY | os.O_CREAT), fd)
+    signal.alarm(limit_s)
+    atexit.register(record_jax, os.path.join(out, f'{i}.jax'))
+    if show:
+      commands.COMMANDS['plan'] = commands.COMMANDS['plan']._replace(main=show_config)
+    sys.argv = ['dist_ens/main.py', *args]  # runpy puts the module's path first, as -m does.
+    runpy.run_module('dist_ens.main', run_name='__main__', alter_sys=True)
+    sys.exit(0)
+  statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+with open(os.path.join(out, 'statuses.json'), 'w') as f:
+  json.dump(statuses, f)
+"""
+
+
+@pytest.fixture(scope='module')
+def answers(tmp_path_factory) -> dict[tuple[str, int], tuple[Answer, Path]]:
+  """{(table, index): (the answer, its workdir)} of each command line of the tables above
+  (each with a fresh, empty workdir, or none of NO_RUN's), from one child process."""
+  root = tmp_path_factory.mktemp('cli_answers')
+  command_lines = {}
+  for i, (command, override, _) in enumerate(MISSPELT):
+    workdir = root / f'misspelt{i}'
+    workdir.mkdir()
+    command_lines['misspelt', i] = ([command, *TINY, override] + (
+        [f'--workdir={workdir}'] if command == 'train' else []), workdir)
+  for i, (args, _) in enumerate(BAD_VALUES):
+    workdir = root / f'bad_value{i}'
+    workdir.mkdir()
+    command_lines['bad_value', i] = (['--config=configs/default.py', f'--workdir={workdir}',
+                                      *args], workdir)
+  for i, (args, _) in enumerate(REFUSED_AT_PARSING):
+    workdir = root / f'refused{i}'
+    workdir.mkdir()
+    command_lines['refused', i] = (['--config=configs/default.py', f'--workdir={workdir}',
+                                    *args], workdir)
+  for i, (make, _) in enumerate(NO_RUN):
+    workdir = root / f'no_run{i}' / 'none'
+    workdir.parent.mkdir()
+    make(workdir)
+    command_lines['no_run', i] = (['report', f'--workdir={workdir}'], workdir)
+  command_lines['help', 0] = (['--help'], None)
+  command_lines['field_given_twice', 0] = (FIELD_GIVEN_TWICE, None)
+  out = root / 'answers'
+  out.mkdir()
+  (out / 'command_lines.json').write_text(json.dumps(
+      [(args, key[0] == 'field_given_twice') for key, (args, _) in command_lines.items()]))
+  child = subprocess.run(
+      [sys.executable, '-c', _FORK_A_PROCESS_PER_COMMAND_LINE, str(out), str(_LIMIT_S)],
+      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=_LIMIT_S + 30)
+  # Nothing on its own stdout or stderr: the imports a fresh process makes print nothing.
+  assert child.returncode == 0 and not child.stdout and not child.stderr, child.stderr
+  statuses = json.loads((out / 'statuses.json').read_text())
+  return {key: (Answer(status, (out / f'{i}.stdout').read_text(),
+                       (out / f'{i}.stderr').read_text(),
+                       (out / f'{i}.jax').read_text() == 'jax imported'), workdir)
+          for i, (status, (key, (_, workdir))) in enumerate(zip(statuses, command_lines.items()))}
+
+
+@pytest.mark.parametrize('command,override,suggestion', MISSPELT)
+def test_misspelt_config_field_is_one_line_with_the_closest_name(answers, command, override,
+                                                                 suggestion):
+  answer, workdir = answers['misspelt', MISSPELT.index((command, override, suggestion))]
+  line = _one_error_line(answer)
+  assert line.startswith(f'dist-ens{"" if command == "train" else " " + command}: error: ')
+  assert suggestion in line
+  assert not any(workdir.iterdir())
+
+
+@pytest.mark.parametrize('args,expected', BAD_VALUES)
+def test_bad_value_or_flag_is_one_line(answers, args, expected):
+  line = _one_error_line(answers['bad_value', BAD_VALUES.index((args, expected))][0])
+  assert re.search(expected, line), line
+
+
+@pytest.mark.parametrize('args,expected', REFUSED_AT_PARSING)
+def test_refusals_at_parsing_and_help_answer_without_importing_jax(answers, args, expected):
   # A mistyped field, a bad value, contradictory launch flags or --help needs no JAX
   # (~1 s to import, 2-3 s with the rest of dist_ens): the answer comes at once.
-  result = subprocess.run(
-      [sys.executable, '-c', _ENTRY_THEN_JAX, '--config=configs/default.py',
-       f'--workdir={tmp_path}', *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-      timeout=_LIMIT_S)
-  lines = result.stderr.strip().splitlines()
-  assert lines[-1] == 'jax not imported', result.stderr
-  assert expected in lines[-2], result.stderr
-  assert not any(tmp_path.iterdir())
+  answer, workdir = answers['refused', REFUSED_AT_PARSING.index((args, expected))]
+  assert not answer.jax_imported, answer.stderr
+  if expected == 'exit 0':
+    assert answer.returncode == 0 and answer.stdout.startswith('usage: dist-ens'), answer
+  else:
+    assert expected in _one_error_line(answer)
+  assert not any(workdir.iterdir())
 
 
-@pytest.mark.parametrize('make, words', [(lambda p: None, 'does not exist'),
-                                         (lambda p: p.mkdir(), 'is not a dist_ens workdir')])
-def test_a_report_on_no_run_is_one_line_without_importing_jax(tmp_path, make, words):
-  workdir = tmp_path / 'none'
-  make(workdir)
-  result = subprocess.run([sys.executable, '-c', _ENTRY_THEN_JAX, 'report',
-                           f'--workdir={workdir}'], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=_LIMIT_S)
-  *_, line, imported = result.stderr.strip().splitlines()
-  assert imported == 'jax not imported', result.stderr
-  assert line.startswith('dist-ens report: error: ') and words in line, result.stderr
+@pytest.mark.parametrize('make, words', NO_RUN)
+def test_a_report_on_no_run_is_one_line_without_importing_jax(answers, make, words):
+  answer, _ = answers['no_run', NO_RUN.index((make, words))]
+  assert not answer.jax_imported, answer.stderr
+  line = _one_error_line(answer)
+  assert line.startswith('dist-ens report: error: ') and words in line, answer.stderr
 
 
 @pytest.mark.parametrize('command,flags', [
@@ -130,9 +225,9 @@ def test_a_report_on_no_run_is_one_line_without_importing_jax(tmp_path, make, wo
     (['plan'], ['--config', '--memory_gb', '--[no]json']),
     (['report'], ['--workdir']),
 ])
-def test_each_command_has_help_listing_its_flags(command, flags, capsys):
+def test_each_command_has_help_listing_its_flags(command, flags, capsys, answers):
   if not command:  # The command line itself, once: `python -m dist_ens.main --help`.
-    result = _run('--help')
+    result, _ = answers['help', 0]
     assert result.returncode == 0, result.stderr
     out = result.stdout
   else:  # Each command's help through the same entry point, in this process (no import).
@@ -185,7 +280,20 @@ TWO_MEMBERS = [*TINY, '--config.train.steps=20', '--config.train.log_every=10',
                '--config.train.steps_per_call=10', '--config.num_members=2']
 
 
-def test_the_console_shows_progress_results_and_where_they_went_details_at_verbose(tmp_path):
+@pytest.fixture(scope='module')
+def diverging_verbose_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+  """(the process, its workdir) of the console test's run with a learning rate that makes
+  every member diverge, at --verbose: the diverging test's run, and the console test's run
+  at --verbose (one run fewer: a child process is 3 CPU s)."""
+  workdir = tmp_path_factory.mktemp('diverging') / 'w'
+  # The console test's programs: the learning rate is an input of the step.
+  result = _run(*TWO_MEMBERS, f'--workdir={workdir}', '--config.optim.learning_rate=1e10',
+                '--config.checkpoint.every=20', '--verbose')
+  return result, workdir
+
+
+def test_the_console_shows_progress_results_and_where_they_went_details_at_verbose(
+    tmp_path, diverging_verbose_run):
   # Both writers: the last line names every file and folder a run writes.
   plain = _run(*TWO_MEMBERS, "--config.writers=('jsonl', 'tensorboard')",
                f'--workdir={tmp_path / "plain"}')
@@ -202,9 +310,10 @@ def test_the_console_shows_progress_results_and_where_they_went_details_at_verbo
                          'metrics.jsonl, tensorboard/, checkpoints/; `dist-ens report '
                          f'--workdir={tmp_path / "plain"}` draws the figures.'), results[-1]
   assert 'final test metrics' not in plain.stderr and 'results in' not in plain.stderr
-  # jsonl only (TINY's): what --verbose adds does not depend on the writers.
-  verbose = _run(*TWO_MEMBERS, f'--workdir={tmp_path / "verbose"}', '--verbose')
-  assert verbose.returncode == 0, verbose.stderr[-3000:]
+  # What --verbose adds, read from the diverging run (its programs are this run's, it runs
+  # every step and logs as a finished run does up to its one line): it does not depend on
+  # the writers (jsonl only, TINY's) nor on how the run ends.
+  verbose, _ = diverging_verbose_run
   assert all(d in verbose.stderr for d in _DETAILS), verbose.stderr
   assert re.search(r'^I\d{4} .*progress.py:\d+\] step 20/20', verbose.stderr, re.M)
   assert 'PERSISTENT COMPILATION CACHE' not in verbose.stderr  # No JAX debug lines.
@@ -489,41 +598,20 @@ def test_digits_without_scikit_learn_is_one_line_on_the_command_line(tmp_path):
   assert "needs scikit-learn" in line and "pip install 'dist_ens[digits]'" in line
 
 
-# The command line's entry in a fresh process, its plan command's main replaced by one that
-# prints the config the flags gave it: what a command reads, without JAX or a plan.
-# (`dist-ens plan --json` itself: tests/test_plan.py's fresh-process test.)
-_ENTRY_THEN_CONFIG = """
-import json, sys
-from dist_ens import commands, main
-from dist_ens.config import loading
-show = lambda argv: print(json.dumps(loading.to_dict(main.FLAGS.config)))
-commands.COMMANDS['plan'] = commands.COMMANDS['plan']._replace(main=show)
-try:
-  main.entry(['dist-ens', 'plan', *sys.argv[1:]])
-except SystemExit as e:
-  print(f'exit {e.code}', file=sys.stderr)
-print('jax imported' if 'jax' in sys.modules else 'jax not imported', file=sys.stderr)
-"""
-
-
-def test_a_field_given_twice_takes_the_last_value():
+def test_a_field_given_twice_takes_the_last_value(answers):
   # ml_collections joined a tuple field's values: (8,) then (16,) trained widths (8, 16).
-  result = subprocess.run(
-      [sys.executable, '-c', _ENTRY_THEN_CONFIG, *TINY, '--config.model.widths=(16,)',
-       '--config.num_members=3', '--config.num_members=5'], cwd=ROOT, env=_env(),
-      capture_output=True, text=True, timeout=_LIMIT_S)
-  assert result.stderr.strip().splitlines()[-2:] == ['exit None', 'jax not imported'], (
-      result.stderr)
-  config = json.loads(result.stdout)
+  answer, _ = answers['field_given_twice', 0]
+  assert answer.returncode == 0 and not answer.jax_imported, answer.stderr
+  config = json.loads(answer.stdout)
   assert config['model']['widths'] == [16] and config['num_members'] == 5, config['model']
   assert config['data']['batch_size'] == 16  # TINY's other fields are kept.
 
 
-def test_every_member_diverging_ends_non_zero_in_one_line(tmp_path):
-  # The console test's run (its programs: the learning rate is an input of the step).
-  result = _run(*TWO_MEMBERS, f'--workdir={tmp_path / "w"}', '--config.optim.learning_rate=1e10',
-                '--config.checkpoint.every=20')
+def test_every_member_diverging_ends_non_zero_in_one_line(diverging_verbose_run):
+  # At --verbose (diverging_verbose_run says why): the error's line is the same at any
+  # verbosity (commands._train_main's sys.exit), and still the last.
+  result, workdir = diverging_verbose_run
   assert result.returncode == 1 and 'Traceback' not in result.stderr, result.stderr[-2000:]
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith('dist-ens: error: all 2 members went non-finite'), last
-  assert (tmp_path / 'w' / 'final_metrics.json').exists()  # What was measured is kept.
+  assert (workdir / 'final_metrics.json').exists()  # What was measured is kept.
