@@ -65,8 +65,12 @@ def _single(group, **fields):
   return config
 
 
-def _stored(workdir):
-  return jax.device_get(dist_ens.Ensemble.load(workdir)._stored)  # pylint: disable=protected-access
+def _stored(workdir_or_ensemble):
+  """The stored params (on the host) of a workdir's run, or of a loaded Ensemble."""
+  ensemble = workdir_or_ensemble
+  if not isinstance(ensemble, dist_ens.Ensemble):
+    ensemble = dist_ens.Ensemble.load(workdir_or_ensemble)
+  return jax.device_get(ensemble._stored)  # pylint: disable=protected-access
 
 
 @pytest.fixture(scope='module')
@@ -86,6 +90,14 @@ def grouped(preempted):
   interrupted grouped run resumes to the uninterrupted state."""
   workdir, _ = preempted
   return workdir, dist_ens.train(_config(**POSTHOC, **DISTILL), str(workdir))
+
+
+@pytest.fixture(scope='module')
+def grouped_loaded(grouped):
+  """The shared grouped run loaded once (Ensemble.load) for every test that reads the
+  loaded run without changing it: a restore costs about as much as a short evaluation,
+  and seven tests read it."""
+  return dist_ens.Ensemble.load(grouped[0])
 
 
 # The first test to read `preempted` (it trains the preempted session); the next, the first
@@ -116,6 +128,20 @@ def singles(tmp_path_factory):
   return single
 
 
+@pytest.fixture(scope='module')
+def loaded_singles(singles):
+  """loaded_singles(g): singles(g)'s run loaded once (Ensemble.load), for the tests that
+  read it (the comparison with group g and, for g=1, the pretrained source's member)."""
+  built = {}
+
+  def loaded(g):
+    if g not in built:
+      built[g] = dist_ens.Ensemble.load(singles(g)[0])
+    return built[g]
+
+  return loaded
+
+
 # The first test to read `grouped` (it resumes the preempted run): before the comparison
 # with `singles`, whose cases train a run each.
 def test_results_hold_every_member_the_ensemble_and_each_groups_ensemble(grouped):
@@ -135,18 +161,20 @@ def test_results_hold_every_member_the_ensemble_and_each_groups_ensemble(grouped
 
 
 @pytest.mark.parametrize('g', range(len(GROUPS)), ids=['group0', 'deep'])
-def test_a_groups_members_equal_the_same_members_without_groups(grouped, singles, g):
+def test_a_groups_members_equal_the_same_members_without_groups(grouped, grouped_loaded,
+                                                               singles, loaded_singles, g):
   """Group g's members are those of the same ids in `singles`(g), a run without groups of
   the group's model and optimizer that was never interrupted: on the grouped run's member
   axis (group0's 2 members) and on another (deep's: 4 members on 4 member devices)."""
-  workdir, results = grouped
-  stored = _stored(workdir)
+  _, results = grouped
+  stored = _stored(grouped_loaded)
   assert isinstance(stored, tuple) and len(stored) == 2
   first = sum(group['count'] for group in GROUPS[:g])
   ids = slice(first, first + GROUPS[g]['count'])
-  single_dir, single = singles(g)
+  _, single = singles(g)
   # Bit for bit: parameters, and the test metrics computed from them.
-  support.assert_trees_equal(stored[g], jax.tree.map(lambda a: a[ids], _stored(single_dir)))
+  support.assert_trees_equal(stored[g], jax.tree.map(lambda a: a[ids],
+                                                     _stored(loaded_singles(g))))
   for metric in ('nll', 'accuracy'):
     assert results['members'][metric][ids] == single['members'][metric][ids]
     # MC dropout: each group's model samples its members' dropout, keyed by their ids.
@@ -160,9 +188,9 @@ def test_a_groups_members_equal_the_same_members_without_groups(grouped, singles
           == single['laplace']['prior_precision'][ids])
 
 
-def test_load_and_predict_combine_every_group(grouped):
-  workdir, results = grouped
-  ensemble = dist_ens.Ensemble.load(workdir)
+def test_load_and_predict_combine_every_group(grouped, grouped_loaded):
+  workdir, _ = grouped
+  ensemble = grouped_loaded
   test = load_dataset('mnist1d').test
   out = ensemble.predict(test.x[:50])
   assert out.probs.shape == (50, 10) and out.member_probs.shape == (4, 50, 10)
@@ -171,7 +199,7 @@ def test_load_and_predict_combine_every_group(grouped):
   assert accuracy.shape == (4,)
   # Each member on its own: its group's row, exported with its architecture, and that
   # architecture applied to its files gives predict's member probabilities.
-  stored = _stored(workdir)
+  stored = _stored(ensemble)
   paths = ensemble.export(workdir / 'members')
   meta = json.loads((workdir / 'members' / 'ensemble.json').read_text())
   assert [g['members'] for g in meta['groups']] == [[0, 1], [2, 3]]
@@ -193,7 +221,8 @@ def test_load_and_predict_combine_every_group(grouped):
   assert not (workdir / 'peft').exists()
 
 
-def test_laplace_fits_each_group_and_a_loaded_run_predicts_what_it_reported(grouped):
+def test_laplace_fits_each_group_and_a_loaded_run_predicts_what_it_reported(grouped,
+                                                                            grouped_loaded):
   """eval.laplace with groups: one fit per group in laplace.npz (its head's own feature
   width), each group's Laplace ensemble reported, and Ensemble.load(...).predict(x,
   laplace=True) reproducing the reported members' NLL from the file."""
@@ -207,7 +236,7 @@ def test_laplace_fits_each_group_and_a_loaded_run_predicts_what_it_reported(grou
   assert laplace['groups']['deep']['members'] == [2, 3]
   plain = results['groups']['deep']['ensemble']['nll']
   assert np.isfinite(plain) and laplace['groups']['deep']['ensemble']['nll'] != plain
-  ensemble = dist_ens.Ensemble.load(workdir)
+  ensemble = grouped_loaded
   test = load_dataset(ensemble.config.data.name, specs.data_spec(ensemble.config)).test
   probs = ensemble.predict(test.x, preprocessed=True, laplace=True).member_probs
   nll = -np.log(np.asarray(probs, np.float64)[:, np.arange(len(test.y)), test.y]).mean(1)
@@ -310,14 +339,15 @@ MEMBER_SPLIT = {'task': 'regression', 'data__member_split': 'kfold:4', 'data__ba
 
 @pytest.fixture(scope='module')
 def member_split_run(tmp_path_factory):
-  """The grouped run of MEMBER_SPLIT: (workdir, results, its dataset, the inputs x)."""
+  """The grouped run of MEMBER_SPLIT: (workdir, results, its dataset, the inputs x, the run
+  loaded)."""
   rng = np.random.default_rng(0)
   x = rng.uniform(-1, 1, (96, 1)).astype(np.float32)
   y = (3 * np.sin(3 * x[:, 0]) + 5 + 0.3 * rng.standard_normal(96)).astype(np.float32)
   dataset = data.from_arrays(x, y, x[:8], y[:8], name='curve')
   workdir = tmp_path_factory.mktemp('member_split')
   results = dist_ens.train(_config(**MEMBER_SPLIT), str(workdir), dataset=dataset)
-  return workdir, results, dataset, x
+  return workdir, results, dataset, x, dist_ens.Ensemble.load(workdir)
 
 
 def test_a_grouped_member_split_run_predicts_each_member_in_its_splits_units(
@@ -325,9 +355,8 @@ def test_a_grouped_member_split_run_predicts_each_member_in_its_splits_units(
   """data.member_split with groups: one member per split, and predictions in target units,
   each member converted back with its own split's statistics. (The first test to read
   `member_split_run`, which trains it; the next compares it with a run without groups.)"""
-  workdir, results, _, x = member_split_run
+  _, results, _, x, ensemble = member_split_run
   assert results['member_split']['members_per_split'] == 1
-  ensemble = dist_ens.Ensemble.load(workdir)
   assert len(ensemble.split_scales) == 4
   out = ensemble.predict(x[:8])
   assert np.all(np.isfinite(out.member_mean)) and abs(float(out.mean.mean()) - 5) < 3
@@ -339,14 +368,14 @@ def test_member_splits_cross_groups_and_each_member_keeps_its_splits_statistics(
   group (here each group spans two of four splits), standardised with that split's own
   statistics (regression), and is the member of the same id in a run without groups, bit
   for bit, its held-out metrics too (to evaluation's rounding)."""
-  workdir, grouped, dataset, _ = member_split_run
+  _, grouped, dataset, _, loaded = member_split_run
   # The second group (ids 2-3, splits 2-3): a group whose first member is not member 0,
   # where a split keyed by the index within the group would go wrong. (The first group's
   # ids start at 0 as without groups; test_a_groups_members_equal_... checks that case.)
   group, ids = GROUPS[1], slice(2, 4)
   single = dist_ens.train(_single(group, **MEMBER_SPLIT), str(tmp_path / 'single'),
                           dataset=dataset)
-  support.assert_trees_equal(_stored(workdir)[1], jax.tree.map(
+  support.assert_trees_equal(_stored(loaded)[1], jax.tree.map(
       lambda a: a[ids], _stored(tmp_path / 'single')))
   # The held-out metrics of the same parameters: evaluation runs on this run's mesh
   # (member=2 for the groups' counts, 4 without), where rounding may differ by ~1e-7
@@ -446,19 +475,19 @@ def _adapting_groups(singles):
 
 @pytest.fixture(scope='module')
 def adapted(singles, tmp_path_factory):
-  """The grouped run of _adapting_groups: its workdir. Its first reader trains it, the
-  next test its LoRA group's run without groups."""
+  """The grouped run of _adapting_groups, loaded (Ensemble.load). Its first reader trains
+  it, the next test its LoRA group's run without groups."""
   workdir = tmp_path_factory.mktemp('adapted')
   dist_ens.train(_config(_adapting_groups(singles)), str(workdir))
-  return workdir
+  return dist_ens.Ensemble.load(workdir)
 
 
-def test_each_group_adapts_its_own_pretrained_backbone(adapted, singles):
+def test_each_group_adapts_its_own_pretrained_backbone(adapted, loaded_singles):
   """model.init_from per group (_adapting_groups): group 1's backbone is its source's bit
   for bit after training, its heads its own (and group 0's members are the same LoRA run's
   without groups: the next test)."""
-  grouped = dist_ens.Ensemble.load(adapted)
-  base = jax.tree.leaves(dist_ens.Ensemble.load(singles(1)[0]).member(1))
+  grouped = adapted
+  base = jax.tree.leaves(loaded_singles(1).member(1))
   for i in (2, 3):  # own='head': every leaf but the head's (b, w) is the source's
     leaves = jax.tree.leaves(grouped.member(i))
     for mine, theirs in zip(leaves[:-2], base[:-2]):
@@ -474,7 +503,7 @@ def test_a_lora_group_over_a_pretrained_backbone_equals_that_lora_run_without_gr
   lora, _ = _adapting_groups(singles)
   single = _single(lora, num_members=2, ensemble__own='lora', ensemble__lora_rank=2)
   dist_ens.train(single, str(tmp_path / 'single'))
-  grouped, alone = (dist_ens.Ensemble.load(w) for w in (adapted, tmp_path / 'single'))
+  grouped, alone = adapted, dist_ens.Ensemble.load(tmp_path / 'single')
   for i in (0, 1):
     support.assert_trees_equal(grouped.member(i), alone.member(i))
   x = _test_inputs()
@@ -491,8 +520,8 @@ def test_a_lora_group_over_a_pretrained_backbone_equals_that_lora_run_without_gr
     pytest.param({'mesh__fsdp_over_data': True, 'reproducible': False}, 4,  # member 2 x data 4
                  marks=pytest.mark.slow),
 ])
-def test_groups_split_members_over_a_model_axis_or_the_data_axis(grouped, layout, parts,
-                                                                   tmp_path):
+def test_groups_split_members_over_a_model_axis_or_the_data_axis(grouped, grouped_loaded,
+                                                                   layout, parts, tmp_path):
   """mesh.model=2, or FSDP over the data axis: every group's kernels are split over that
   axis, in training and when loaded; the members are the shared run's (whole members) to
   float rounding (reproducible mode is bit-exact per layout), so are loaded predictions.
@@ -510,7 +539,7 @@ def test_groups_split_members_over_a_model_axis_or_the_data_axis(grouped, layout
   assert kernel.sharding.shard_shape(kernel.shape)[1] == 40 // parts
   x = load_dataset('mnist1d').test.x[:20]
   np.testing.assert_allclose(ensemble.predict(x).member_probs,
-                             dist_ens.Ensemble.load(grouped[0]).predict(x).member_probs,
+                             grouped_loaded.predict(x).member_probs,
                              rtol=1e-5, atol=1e-6)
 
 
@@ -603,18 +632,19 @@ def test_plan_prices_each_group_and_measures_the_joint_step():
   assert 'fits 1.00 GB per device' in text
 
 
-def test_the_grouped_run_distils_all_groups_into_the_users_own_student(grouped):
+def test_the_grouped_run_distils_all_groups_into_the_users_own_student(grouped,
+                                                                       grouped_loaded):
   """distill.student as an import path (DISTILL, in the shared run): the teacher is every
   group's members, the cost counts each group at its architecture's parameters, and the
   saved student loads and predicts the reported NLL."""
-  workdir, results = grouped
+  _, results = grouped
   out = results['distill']
   assert out['members_distilled'] == 4 and out['loss_last'] < out['loss_first']
   # MNIST-1D: 40 inputs, 10 classes. Widths (16,): 40*16+16 + 16*10+10; (8, 8): 40*8+8 +
   # 8*8+8 + 8*10+10; two members each. The student: 40*10+10.
   assert out['cost']['ensemble_params'] == 2 * 826 + 2 * 490
   assert out['cost']['student_params'] == 410
-  ensemble = dist_ens.Ensemble.load(workdir)
+  ensemble = grouped_loaded
   test = load_dataset(ensemble.config.data.name, specs.data_spec(ensemble.config)).test
   probs = np.asarray(ensemble.student().predict(test.x, preprocessed=True).probs, np.float64)
   nll = -np.mean(np.log(probs[np.arange(len(test.y)), test.y]))
