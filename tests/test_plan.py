@@ -75,10 +75,26 @@ def plans():
 
 
 def _small(one_device, plans):
-  """4 members on one device, no dry run: the tests that read it read the step's sizes,
-  XLA's memory analysis and FLOPs, not a dry run's figures (test_the_dry_run_frees_everything
-  and the tests beside it check the dry run)."""
-  return plans(one_device, measure=False, num_members=4)
+  """4 members on one device, dry-run (the one in-process dry run of a plan shared here:
+  test_the_dry_run_frees_everything reads it; the other tests that read this plan read the
+  step's sizes, XLA's memory analysis and FLOPs)."""
+  return plans(one_device, num_members=4)
+
+
+@pytest.fixture(scope='module')
+def fresh_plan():
+  """`dist-ens plan --json` of 16 members on one device in a fresh process (the command
+  line's plan command, whose JSON only this module's fixture reads; plan.main's is
+  test_command_line_prints_the_plan's): the parsed JSON, read by
+  test_in_a_fresh_process_the_dry_run_sees_the_state_beside_the_programs and, as the plan
+  at 16 members, by test_more_members_take_proportionally_more_memory."""
+  env = {**os.environ, 'XLA_FLAGS': support.xla_flags(1)}
+  result = subprocess.run(
+      [sys.executable, '-m', 'dist_ens.main', 'plan', f'--config={DEFAULT}',
+       '--config.num_members=16', '--config.mesh.member=1', '--config.mesh.data=1', '--json'],
+      env=env, capture_output=True, text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr
+  return json.loads(result.stdout)
 
 
 def _sizes_per_member(config, devices):
@@ -103,19 +119,23 @@ def test_parameter_and_state_counts_match_the_model_by_hand(one_device, plans):
     assert 0 < state_bytes - 12 * by_hand <= 64
 
 
-def test_more_members_take_proportionally_more_memory(one_device, plans):
-  small, big = _small(one_device, plans), plans(one_device, num_members=16)
-  assert small.params_per_member == big.params_per_member
-  assert small.state_bytes_per_member == big.state_bytes_per_member
+def test_more_members_take_proportionally_more_memory(one_device, plans, fresh_plan):
+  # The plan at 16 members is fresh_plan's (the same config planned in a fresh process:
+  # XLA's memory analysis of the same programs).
+  small, big = _small(one_device, plans), fresh_plan
+  assert big['num_members'] == 16 and big['mesh_shape'] == {'member': 1, 'data': 1}
+  assert small.params_per_member == big['params_per_member']
+  assert small.state_bytes_per_member == big['state_bytes_per_member']
   # The arguments are the state, the per-member hyperparameters the step reads (Adam's
   # learning rate, weight decay and b1, and label smoothing: 4 float32; jit drops the
   # unused ones) and one shared batch: 12 more members add exactly 12 members' worth.
-  assert big.step.argument - small.step.argument == 12 * (small.state_bytes_per_member + 16)
+  assert (big['step']['argument'] - small.step.argument
+          == 12 * (small.state_bytes_per_member + 16))
   # Each plan measures the slope on its own pair of compiles (M, 2M); they agree, and
   # the line through (4, 8) predicts the peak at 16 members.
-  assert big.bytes_per_member == pytest.approx(small.bytes_per_member, rel=0.05)
-  assert big.step.peak == pytest.approx(small.fixed_bytes + 16 * small.bytes_per_member,
-                                        rel=0.05)
+  assert big['bytes_per_member'] == pytest.approx(small.bytes_per_member, rel=0.05)
+  assert big['step']['peak'] == pytest.approx(small.fixed_bytes + 16 * small.bytes_per_member,
+                                              rel=0.05)
   # A member costs at least its state, and the batch is paid once.
   assert small.bytes_per_member >= small.state_bytes_per_member
   assert small.fixed_bytes > 0
@@ -191,23 +211,15 @@ def test_a_cpu_plan_predicts_the_dry_runs_peak_shared_by_the_processs_devices(
 
 
 def test_the_dry_run_frees_everything(one_device, plans):
-  # Counted around the make_plan of this plan (a real dry run; shared with
-  # test_more_members_take_proportionally_more_memory).
-  plan = plans(one_device, num_members=16)
-  assert plans.arrays_left(one_device, num_members=16) == 0
+  # Counted around the make_plan of _small's plan (a real dry run, in this process).
+  plan = _small(one_device, plans)
+  assert plans.arrays_left(one_device, num_members=4) == 0
   assert plan.dry_run_peak_bytes is not None and plan.peak_bytes == plan.dry_run_peak_bytes
 
 
-def test_in_a_fresh_process_the_dry_run_sees_the_state_beside_the_programs():
-  """`dist-ens plan --json` (the command line's plan command, whose JSON only this test
-  reads; plan.main's is test_command_line_prints_the_plan's) in a fresh process."""
-  env = {**os.environ, 'XLA_FLAGS': support.xla_flags(1)}
-  result = subprocess.run(
-      [sys.executable, '-m', 'dist_ens.main', 'plan', f'--config={DEFAULT}',
-       '--config.num_members=16', '--config.mesh.member=1', '--config.mesh.data=1', '--json'],
-      env=env, capture_output=True, text=True, timeout=300, check=False)
-  assert result.returncode == 0, result.stderr
-  plan = json.loads(result.stdout)
+def test_in_a_fresh_process_the_dry_run_sees_the_state_beside_the_programs(fresh_plan):
+  """`dist-ens plan --json` in a fresh process (fresh_plan)."""
+  plan = fresh_plan
   assert plan['num_members'] == 16 and plan['params_per_member'] == MLP_PARAMS
   assert plan['flops_per_example'] > 0 and 'XLA cost analysis' in plan['flops_measured']
   assert plan['train_steps'] == load_config(DEFAULT).train.steps
@@ -274,29 +286,39 @@ def test_flops_per_example_count_a_training_step_whatever_the_mesh(one_device, d
   assert split.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
 
 
+def _mapped(one_device, plans, chunk):
+  """8 members on one device, one chunk of `chunk` at a time ('map'; 0: one member), in a
+  step that augments (crop_flip), no dry run (it measures memory, which the tests that read
+  this plan do not read: test_the_dry_run_frees_everything and the tests beside it check
+  the dry run). Read by test_flops_per_example_count_every_member_of_a_mapped_step and
+  test_plans_a_step_that_augments."""
+  return plans(one_device, measure=False, num_members=8, ensemble__member_parallelism='map',
+               ensemble__map_batch_size=chunk, data__augment='crop_flip')
+
+
 # Chunks of 2 members are the slow tier's: plan.sizes.flops_per_example counts a mapped
 # step's FLOPs on a vmapped step of one member per device whatever the chunk (it reads the
 # form's kind, not its chunk), which the fast case of one member at a time checks.
 @pytest.mark.parametrize('chunk', [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_flops_per_example_count_every_member_of_a_mapped_step(one_device, plans, chunk):
   """Members one chunk at a time: XLA's cost analysis counts a loop's body once, and the
-  plan still counts every member. (No dry run: it measures memory, which this test does
-  not read; test_the_dry_run_frees_everything and the tests beside it check the dry run.)"""
+  plan still counts every member."""
   small = _small(one_device, plans)
-  mapped = plan_lib.make_plan(_config(num_members=8, ensemble__member_parallelism='map',
-                                      ensemble__map_batch_size=chunk), one_device,
-                              measure_programs=False)
+  mapped = _mapped(one_device, plans, chunk)
   assert mapped.parallelism == 'map' and mapped.map_batch_size == (chunk or None)
+  # The augmentation's own FLOPs (crops and flips: 0.07% here) are well inside the 5%.
   assert mapped.flops_per_example == pytest.approx(small.flops_per_example, rel=0.05)
 
 
-def test_plans_a_step_that_augments(one_device):
-  # Augmentation makes the step take the examples' indices too (their keys' source). No
-  # dry run (init compiled and steps run): it measures memory, which is not read here.
-  plan = plan_lib.make_plan(_config(num_members=2, data__augment='crop_flip'), one_device,
-                            measure_programs=False)
+def test_plans_a_step_that_augments(one_device, plans):
+  # Augmentation makes the step take the examples' indices too (their keys' source): the
+  # augmenting step of _mapped takes the arguments of the same 8 members' step without
+  # augmentation (_small's step at twice its members; a member form does not change the
+  # arguments) and one int32 index per example of the shared batch.
+  plan, small = _mapped(one_device, plans, 0), _small(one_device, plans)
   assert plan.params_per_member == MLP_PARAMS
-  assert plan.step.argument > 2 * plan.state_bytes_per_member
+  assert small.step_doubled.members_per_device == plan.num_members == 8
+  assert plan.step.argument == small.step_doubled.argument + 4 * _config().data.batch_size
 
 
 def test_command_line_prints_the_plan(devices, plans, capsys, monkeypatch):
