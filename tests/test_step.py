@@ -144,7 +144,9 @@ def test_members_keep_their_own_optimizer_state(mnist1d):
 
 
 def test_step_traces_once_and_state_stays_sharded(mnist1d):
-  state, _, train_step = _train_sharded(_setup(2, 4), _batches(mnist1d, 12))
+  # SGD with momentum (its trace: one leaf per parameter, per member): the parts, and the
+  # one step, of the 2 x 4 mesh that the tests beside it read.
+  state, _, train_step = _train_sharded(_setup(2, 4, 'sgd'), _batches(mnist1d, 12))
   assert train_step.traces == 1
   for leaf in jax.tree.leaves(state._replace(step=None)):
     assert leaf.sharding.spec[0] == 'member'
@@ -197,7 +199,7 @@ def test_one_member_per_device_updates_its_optimizer_state_where_it_lies():
 
 @pytest.mark.parametrize('parallelism,chunk', [('map', None), ('map', 4)])
 def test_lax_map_over_members_matches_vmap(mnist1d, parallelism, chunk):
-  parts = _setup(2, 4)
+  parts = _setup(2, 4, 'sgd')  # The member forms do not depend on the optimizer.
   batches = _batches(mnist1d, 5)
   results = []
   for how, size in (('vmap', None), (parallelism, chunk)):  # vmap: the module's _step(parts)
