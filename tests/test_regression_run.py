@@ -28,11 +28,12 @@ def _config():
   MLP at learning rate 1e-2 without weight decay, batch 64, 300 steps (logged every 100,
   saved at the end): what the tests check it learned (an RMSE under 0.25 on the curve,
   the homoscedastic noise level and coverage) needs them, and the curve's 1-D inputs and
-  the regression head make these programs this file's own at any size."""
+  the regression head make these programs this file's own at any size. No joint
+  log-loss: no test here reads it."""
   return support.config({
       'task': 'regression', 'model.widths': (32,), 'optim.learning_rate': 1e-2,
       'optim.weight_decay': 0.0, 'data.batch_size': 64, 'train.steps': 300,
-      'train.log_every': 100, 'checkpoint.every': 300})
+      'train.log_every': 100, 'checkpoint.every': 300, 'eval.joint_tau': 0})
 
 
 @pytest.fixture(scope='module')
@@ -47,6 +48,12 @@ def runs(tmp_path_factory):
   config = support.override(_config(), {'data.validation_size': 128})
   return {name: (root / name, dist_ens.train(config, str(root / name), dataset=dataset))
           for name, dataset in datasets.items()}
+
+
+@pytest.fixture(scope='module')
+def loaded(runs):
+  """Ensemble.load of each of `runs`, shared by the tests that only predict from them."""
+  return {name: dist_ens.Ensemble.load(str(workdir)) for name, (workdir, _) in runs.items()}
 
 
 def test_a_regression_ensemble_trains_and_reports_its_metrics(runs):
@@ -84,7 +91,7 @@ def test_targets_are_standardised_and_metrics_reported_in_their_units(runs):
     assert b['coverage_90'] == pytest.approx(a['coverage_90'], abs=0.01)
 
 
-def test_a_regression_run_reports_conformal_intervals_in_target_units(runs):
+def test_a_regression_run_reports_conformal_intervals_in_target_units(runs, loaded):
   """A run with a validation split calibrates normalised-residual intervals on it; the
   loaded ensemble's predict_sets gives them again in the targets' own units (no
   randomness: the same coverage and width as the run's), and on 1000 y + 5 they are 1000
@@ -92,11 +99,11 @@ def test_a_regression_run_reports_conformal_intervals_in_target_units(runs):
   classification (test_shift_eval's digits run reports them)."""
   xt, yt = _curve(256, 1)
   for name, scale in (('plain', 1.0), ('scaled', 1000.0)):
-    workdir, final = runs[name]
+    _, final = runs[name]
     fitted = final['conformal']
     assert fitted['method'] == 'normalized_residual' and fitted['calibration_size'] == 128
     assert 'aurc' not in final and 'shift' not in final
-    lower, upper = dist_ens.Ensemble.load(str(workdir)).predict_sets(xt)
+    lower, upper = loaded[name].predict_sets(xt)
     y = scale * yt + (5 if name == 'scaled' else 0)
     assert np.mean((lower <= y) & (y <= upper)) == pytest.approx(fitted['coverage'])
     assert np.mean(upper - lower) == pytest.approx(fitted['mean_width'], rel=1e-4)
@@ -116,10 +123,25 @@ def test_the_uci_config_trains_on_a_shipped_set(uci_run):
   assert final['ensemble']['rmse'] < np.std(test.y)
 
 
-def test_a_regression_ensemble_loads_and_predicts_in_target_units(runs):
+def _refused(call, match):
+  with pytest.raises(ValueError, match=match) as refused:
+    call()
+  assert '\n' not in str(refused.value)
+
+
+def test_a_regression_ensemble_loads_and_predicts_in_target_units(runs, loaded):
+  """Ensemble.load of the run on 1000 y + 5 predicts in the targets' units. It has no
+  Laplace predictive (eval.laplace fits a classifier's softmax layer): predict(laplace=True)
+  and laplace_samples() are refused in one line before any input is read (None is passed),
+  and the refused ensemble still predicts its own way (test_laplace_predict's refusals)."""
   xt, yt = _curve(256, 1)
-  workdir, final = runs['scaled']  # trained on 1000 y + 5
-  ensemble = dist_ens.Ensemble.load(str(workdir))
+  _, final = runs['scaled']  # trained on 1000 y + 5
+  ensemble = loaded['scaled']
+  assert ensemble.config.task == 'regression'
+  _refused(lambda: ensemble.predict(None, laplace=True),
+           r"predict\(laplace=True\): config\.task='regression'")
+  _refused(lambda: ensemble.laplace_samples(None),
+           r"laplace_samples\(\): config\.task='regression'")
   out = ensemble.predict(xt, batch_size=100)  # Raw inputs; three chunks, one padded.
   assert out.mean.shape == (256,) and out.member_mean.shape == (4, 256)
   # In the targets' units: the RMSE equals what training reported on the same test split.
@@ -130,11 +152,11 @@ def test_a_regression_ensemble_loads_and_predicts_in_target_units(runs):
   np.testing.assert_allclose(out.epistemic, out.member_mean.var(0), rtol=1e-3, atol=1e-3)
 
 
-def test_an_exported_regression_member_predicts_with_numpy_alone(runs, tmp_path):
+def test_an_exported_regression_member_predicts_with_numpy_alone(loaded, tmp_path):
   """ensemble.json carries the task and the standardiser, so a member's .npz predicts in
   target units without dist_ens: standardise x, run the MLP, unscale the mean."""
   xt, _ = _curve(256, 1)
-  ensemble = dist_ens.Ensemble.load(str(runs['scaled'][0]))  # trained on 1000 y + 5
+  ensemble = loaded['scaled']  # trained on 1000 y + 5
   paths = ensemble.export(tmp_path / 'members')
   meta = json.loads((tmp_path / 'members' / 'ensemble.json').read_text())
   assert meta['task'] == 'regression'
@@ -145,44 +167,70 @@ def test_an_exported_regression_member_predicts_with_numpy_alone(runs, tmp_path)
   np.testing.assert_allclose(mean, ensemble.predict(xt).member_mean[2], rtol=1e-4, atol=1e-3)
 
 
-def test_a_regression_sweep_with_k_fold_resumes_exactly(tmp_path, caplog):
-  """Resume, a per-member sweep and member_split together: resumed from what a kill after
-  step 4's checkpoint leaves (runs.killed_after: a copy of the uninterrupted run without
-  its later checkpoint), it ends where the uninterrupted run ends, held-out results too.
-  The resume redraws each member's pool order of the interrupted epoch from its seed (the
-  matrix preempts and resumes every case; this is the fast tier's resume of member pools)."""
-  caplog.set_level(logging.INFO, logger='absl')
-  dataset = data.from_arrays(*_curve(512, 0), *_curve(256, 1), name='curve')
-
-  def config():
-    c = _config()
-    c.optim.learning_rate = [3e-3, 1e-2, 3e-3, 1e-2]
-    c.data.member_split, c.data.member_order = 'kfold:2', 'shuffled'
-    # Few steps: resume is exact after any number, and each step is host time here.
-    c.train.steps, c.train.log_every, c.checkpoint.every = 8, 4, 4
-    return c
-
-  straight = dist_ens.train(config(), str(tmp_path / 'a'), dataset=dataset)
-  resumed = dist_ens.train(config(), str(killed_after(tmp_path / 'a', 4, tmp_path / 'b')),
-                           dataset=dataset)
-  assert 'resuming from the checkpoint at step 4' in caplog.text
-  for key in ('members', 'ensemble', 'member_split', 'hyperparameters'):
-    assert resumed[key] == straight[key], key
-  assert straight['hyperparameters']['optim.learning_rate'] == [3e-3, 1e-2, 3e-3, 1e-2]
-
-
-def test_homoscedastic_noise_is_fitted_on_validation_and_used_by_predict(tmp_path):
-  """The fitted level is each member's mean squared validation residual; with it the
-  test intervals cover near their nominal rate, and Ensemble.predict uses the same levels."""
+def _noisy_curve():
+  """1400 examples of 20 sin(3x) + 100 with Gaussian noise of std 6: (x, y)."""
   rng = np.random.default_rng(3)
   x = rng.uniform(-1, 1, (1400, 1)).astype(np.float32)
   y = (20 * np.sin(3 * x[:, 0]) + 100 + 6 * rng.standard_normal(1400)).astype(np.float32)
+  return x, y
+
+
+# The sweep's checkpoint before its last: at step 294, 6 steps before the end and inside an
+# epoch of each member's 350-row pool (53.76 epochs of 64-row batches; 58.8 of 5 whole
+# batches, were a pool's last partial batch dropped).
+_KILLED_AT = 294
+
+
+def _sweep_config():
+  """_config() as the homoscedastic task with a validation split of 300, a per-member
+  learning-rate sweep and member_split='kfold:2' with shuffled pools: 1000 training rows,
+  300 for validation, each member trains on one fold of the 700 left (350 rows) and is
+  scored on the other; saved at _KILLED_AT and at the end (checkpoint.keep=2 keeps both)."""
   config = _config()
   config.task, config.data.validation_size = 'regression_homoscedastic', 300
-  config.train.steps = 300
-  config.checkpoint.every = 300
-  final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(
-      x[:1000], y[:1000], x[1000:], y[1000:]))
+  config.optim.learning_rate = [1e-2, 2e-2, 1e-2, 2e-2]
+  config.data.member_split, config.data.member_order = 'kfold:2', 'shuffled'
+  config.checkpoint.every, config.checkpoint.keep = _KILLED_AT, 2
+  return config
+
+
+@pytest.fixture(scope='module')
+def sweep(tmp_path_factory):
+  """(workdir, final metrics, dataset) of _sweep_config() on _noisy_curve() (the first 1000
+  examples to train and validate on, the last 400 to test): a homoscedastic regression
+  sweep with k-fold member pools. The noise test only reads it; the resume test resumes a
+  copy."""
+  x, y = _noisy_curve()
+  dataset = data.from_arrays(x[:1000], y[:1000], x[1000:], y[1000:])
+  workdir = tmp_path_factory.mktemp('regression_sweep')
+  return workdir, dist_ens.train(_sweep_config(), str(workdir), dataset=dataset), dataset
+
+
+def test_a_regression_sweep_with_k_fold_resumes_exactly(sweep, tmp_path, caplog):
+  """Resume, a per-member sweep and member_split together: resumed from what a kill after
+  the step-294 checkpoint leaves (runs.killed_after: a copy of the uninterrupted run without
+  its later checkpoint), it ends where the uninterrupted run ends, held-out results,
+  validation metrics and the fitted noise levels too. The resume redraws each member's pool
+  order of the interrupted epoch from its seed (the matrix preempts and resumes every case;
+  this is the fast tier's resume of member pools)."""
+  caplog.set_level(logging.INFO, logger='absl')
+  workdir, straight, dataset = sweep
+  resumed = dist_ens.train(_sweep_config(),
+                           str(killed_after(workdir, _KILLED_AT, tmp_path / 'b')),
+                           dataset=dataset)
+  assert f'resuming from the checkpoint at step {_KILLED_AT}' in caplog.text
+  for key in ('members', 'ensemble', 'member_split', 'hyperparameters', 'validation',
+              'noise_variance'):
+    assert resumed[key] == straight[key], key
+  assert straight['member_split']['spec'] == 'kfold:2'
+  assert straight['hyperparameters']['optim.learning_rate'] == [1e-2, 2e-2, 1e-2, 2e-2]
+
+
+def test_homoscedastic_noise_is_fitted_on_validation_and_used_by_predict(sweep):
+  """The fitted level is each member's mean squared validation residual; with it the
+  test intervals cover near their nominal rate, and Ensemble.predict uses the same levels
+  (the sweep's members, each standardised with its own fold's statistics)."""
+  workdir, final, dataset = sweep
   fitted = final['noise_variance']
   assert fitted['fitted_on'] == 'validation'
   # The members' validation MSE (target units) is the fitted level.
@@ -190,6 +238,6 @@ def test_homoscedastic_noise_is_fitted_on_validation_and_used_by_predict(tmp_pat
                              np.square(final['validation']['members']['rmse']), rtol=1e-4)
   assert np.all(np.abs(np.sqrt(np.asarray(fitted['target_units'])) - 6) < 1.0)  # True noise: 6.
   assert abs(final['ensemble']['coverage_90'] - 0.9) < 0.06
-  out = dist_ens.Ensemble.load(str(tmp_path)).predict(x[1000:])
+  out = dist_ens.Ensemble.load(str(workdir)).predict(_noisy_curve()[0][1000:])  # Raw x.
   np.testing.assert_allclose(out.aleatoric, np.mean(np.asarray(fitted['target_units'])),
                              rtol=1e-4)
