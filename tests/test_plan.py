@@ -257,11 +257,15 @@ def test_resident_memory_readings_see_memory_written_and_its_peak():
   assert status('VmHWM') - before >= 45e6
 
 
+# 8 members over a 4 x 2 mesh of 8 devices (_split's, and the command line tests').
+SPLIT = {'num_members': 8, 'mesh__member': 4, 'mesh__data': 2}
+
+
 def _split(devices, plans):
-  """8 members over a 4 x 2 mesh of 8 devices, planned for 50 MB a device (no dry run: its
-  tests read the step's sizes, FLOPs and the largest M's rounding to whole shards; the
-  command line's first plan, test_command_line_prints_the_plan, dry-runs this mesh)."""
-  return plans(devices, 50e6, measure=False, num_members=8, mesh__member=4, mesh__data=2)
+  """SPLIT's plan for 0.5 GB a device, dry-run (on this mesh: the dry run of 8 devices):
+  the plan test_command_line_prints_the_plan prints, and whose step's sizes, FLOPs and
+  largest M's rounding to whole shards the tests beside it read."""
+  return plans(devices, 0.5e9, **SPLIT)
 
 
 def test_members_split_over_devices_are_counted_per_device(devices, plans):
@@ -322,8 +326,18 @@ def test_plans_a_step_that_augments(one_device, plans):
 
 
 def test_command_line_prints_the_plan(devices, plans, capsys, monkeypatch):
-  code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8',
-                        '--config.mesh.member=4', '--config.mesh.data=2', '--memory_gb=0.5'])
+  # main's make_plan answers _split's plan: main's config is checked to be the one that
+  # plan was made of (every field), with the same budget and dry run; not planned again.
+  made, expected = _split(devices, plans), _config(**SPLIT).to_dict()
+
+  def make_plan(config, memory_bytes, measure_programs):
+    assert (config.to_dict(), memory_bytes, measure_programs) == (expected, 0.5e9, True)
+    return made
+
+  monkeypatch.setattr(plan_lib.planner, 'make_plan', make_plan)
+  flags = [f'--config={DEFAULT}', '--config.num_members=8', '--config.mesh.member=4',
+           '--config.mesh.data=2', '--memory_gb=0.5']
+  code = plan_lib.main(flags)
   out = capsys.readouterr().out
   assert code == 0, out
   assert re.search(rf'parameters per member +{MLP_PARAMS:,}\n', out)
@@ -331,24 +345,18 @@ def test_command_line_prints_the_plan(devices, plans, capsys, monkeypatch):
   assert re.search(r'train steps +2,000  \(31 per epoch\)', out)  # 4000 // 128 an epoch.
   assert 'over 8 cpu devices: 2 members per device' in out
   assert 'largest M that fits 0.50 GB per device x 4 member shard(s):' in out
-  # --json: the plan as one JSON object; make_plan's answer is _split's plan (the same
-  # config at 50 MB), made once in this module, not planned again.
-  made = _split(devices, plans)
-  monkeypatch.setattr(plan_lib.planner, 'make_plan', lambda config, memory_bytes, **_: (
-      made if (config.num_members, memory_bytes) == (8, 0.05e9) else None))
-  code = plan_lib.main([f'--config={DEFAULT}', '--config.num_members=8',
-                        '--config.mesh.member=4', '--config.mesh.data=2', '--memory_gb=0.05',
-                        '--json'])
+  # --json: the plan as one JSON object.
+  code = plan_lib.main([*flags, '--json'])
   out, err = capsys.readouterr()
   assert code == 0, err
   plan = json.loads(out)
   assert plan['num_members'] == 8 and plan['params_per_member'] == MLP_PARAMS
-  assert plan['step']['members_per_device'] == 2 and plan['memory_bytes'] == 50e6
+  assert plan['step']['members_per_device'] == 2 and plan['memory_bytes'] == 0.5e9
   assert plan['max_members'] == made.max_members
 
 
 def test_command_line_on_a_cpu_without_memory_asks_for_it(capsys, monkeypatch):
-  # The mesh of test_command_line_prints_the_plan: its programs, from the cache. No dry run
+  # The mesh of _split: its programs, from the cache. No dry run
   # (it would measure memory, not read here: the budget comes from the device, which on a
   # CPU reports none).
   _dry_run_of(monkeypatch, None)
