@@ -294,6 +294,30 @@ def _plain_features(plain, body, base, x, train):
   return np.asarray(h, np.float64), state
 
 
+def _member_init(model, plain, x):
+  """(params, state) of model.init, `plain` wrapped by sngp.wrap, with its own draws made
+  here: the structure, shapes and dtypes of model.init's (jax.eval_shape: nothing
+  compiled), the body and BatchNorm state the plain model's own init (jitted), and the
+  SNGP parts drawn in numpy as sngp.wrap draws them (unit vectors, W_r ~ N(0, 1), b_r ~
+  U(0, 2 pi), beta ~ N(0, 1/D), no sums, no steps). The wrapped init jitted compiles each
+  of its twenty-odd random draws: a second of this test at -O0."""
+  want = jax.eval_shape(model.init, jax.random.key(0), x)
+  body, base = jax.jit(plain.init)(jax.random.key(0), x)
+  body = {k: v for k, v in body.items() if k != 'head'}
+  rng = np.random.default_rng(10)
+  draw = lambda size, scale=1.0: (scale * rng.normal(size=size)).astype(np.float32)
+  d = want[1].phase.shape[0]
+  params = sngp.SNGPParams(body, draw(want[0].output.shape, 1 / math.sqrt(d)))
+  state = sngp.SNGPState(
+      base, [(lambda v: v / np.linalg.norm(v))(draw(u.shape)) for u in want[1].vectors],
+      draw(want[1].projection.shape), rng.uniform(0, 2 * math.pi, d).astype(np.float32),
+      np.zeros(want[1].moment.shape, np.float32), np.zeros((), np.int32))
+  assert jax.tree.structure((params, state)) == jax.tree.structure(want)
+  assert [(a.shape, a.dtype) for a in jax.tree.leaves((params, state))] == [
+      (a.shape, a.dtype) for a in jax.tree.leaves(want)]
+  return params, state
+
+
 # The pre-activation WRN (its BatchNorms before the convolutions, no stem BatchNorm) in the
 # slow tier; the fast tier's [resnet] case checks the same wrap of models/resnet.py.
 @pytest.mark.parametrize('name', ['resnet', pytest.param('wide_resnet', marks=pytest.mark.slow)])
@@ -304,7 +328,7 @@ def test_a_resnet_member_is_the_plain_resnet_on_normalised_convs_under_a_gp(name
   plain = _resnet(name)
   model = sngp.wrap(plain, name, options, 40)
   x = jnp.asarray(np.random.default_rng(9).normal(size=(6, 8, 8, 2)), jnp.float32)
-  params, state = jax.jit(model.init)(jax.random.key(0), x)
+  params, state = _member_init(model, plain, x)
   # The stem, 3 blocks' 2 convs each, the projections of the 2 blocks that change width.
   assert len(state.vectors) == 9 and 'head' not in params.body
   train = jax.jit(lambda p, s: model.apply(p, s, x, train=True))
