@@ -193,15 +193,16 @@ def test_the_devices_own_memory_is_the_default_budget(one_device, monkeypatch):
 
 
 def test_a_cpu_plan_predicts_the_dry_runs_peak_shared_by_the_processs_devices(
-    one_device, devices, monkeypatch):
+    one_device, devices, plans, monkeypatch):
+  # Eight CPU devices of one process share its programs and its host memory: _split's
+  # plan, whose real dry run ran on the 4 x 2 mesh's 8 devices.
+  eight = _split(devices, plans)
+  assert eight.dry_run_peak_bytes > 0
+  assert eight.peak_bytes == pytest.approx(eight.dry_run_peak_bytes / 8)
   host = plan_lib.dry_run.HostMemory(programs=40_000_000, peak=64_000_000)
   _dry_run_of(monkeypatch, host)
   one = plan_lib.make_plan(_config(num_members=8), one_device)
   assert (one.program_bytes, one.dry_run_peak_bytes, one.peak_bytes) == (40e6, 64e6, 64e6)
-  # Eight CPU devices of one process share its programs and its host memory (the 4 x 2
-  # mesh of _split: its step's programs, from the cache).
-  eight = plan_lib.make_plan(_config(num_members=8, mesh__member=4, mesh__data=2), devices)
-  assert eight.peak_bytes == pytest.approx(64e6 / 8)
   text = plan_lib.format_plan(one, _config(num_members=8))
   assert re.search(r'compiled programs +40,000,000 ', text)
   assert re.search(r"predicted peak per device +64,000,000  \(a dry run's peak", text)
