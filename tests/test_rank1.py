@@ -75,7 +75,7 @@ def test_the_kl_term_and_its_gradient_are_added_to_the_loss_by_hand():
   rng = np.random.default_rng(0)
   factors = _factors(rng, [(5, 4), (4, 3)])
   params = rank1.Rank1Params(base=[], factors=factors)
-  zero = jax.tree.map(jnp.zeros_like, params)
+  zero = jax.tree.map(np.zeros_like, params)
   results = lambda *args: BatchResult(jnp.float32(2.0), {}, zero, {})
   step, total = 9, 40  # weight min(1, 10 / (0.5 * 40)) = 0.5, over N = 100
   # Jitted, here and below: eagerly, each op compiles a program of its own.
@@ -100,7 +100,7 @@ def test_the_kl_term_and_its_gradient_are_added_to_the_loss_by_hand():
   weights = [float(kl_weight(jnp.int32(k), OPTIONS, total)) for k in (0, 9, 19, 30)]
   assert weights == pytest.approx([1 / 20, 10 / 20, 1.0, 1.0])
   full = OPTIONS._replace(kl_annealing=0.0)
-  assert float(rank1.kl_weight(jnp.int32(0), full, total)) == 1.0
+  assert float(kl_weight(jnp.int32(0), full, total)) == 1.0
 
 
 def _relu(x):

@@ -68,8 +68,8 @@ def test_power_iteration_reaches_numpys_largest_singular_value_and_vector(shape)
   kernel = rng.normal(size=shape).astype(np.float32)
   matrix = kernel.reshape(-1, shape[-1]).astype(np.float64)
   _, singular, vt = np.linalg.svd(matrix)
-  u = jnp.asarray(rng.normal(size=shape[-1]), jnp.float32)
-  u /= jnp.linalg.norm(u)
+  u = rng.normal(size=shape[-1])
+  u = jnp.asarray(u / np.linalg.norm(u), jnp.float32)  # in numpy: eager ops compile
   # Jitted, here and in the tests below: eagerly, each op compiles a program of its own.
   power_step, normalise = jax.jit(sngp.power_step), jax.jit(sngp.normalised)
   for _ in range(300):
@@ -228,9 +228,11 @@ def test_the_mean_field_adjustment_approximates_the_probit_integral():
   # for these (its known worst error is about 0.02); numpy's Gauss-Hermite gives the integral.
   nodes, weights = np.polynomial.hermite_e.hermegauss(80)
   weights = weights / weights.sum()
+  # Jitted: eagerly, each op compiles a program of its own.
+  adjusted = jax.jit(lambda logits, var: sngp.adjusted(logits, var, math.pi / 8))
   for m, var in [(0.5, 0.3), (2.0, 1.0), (3.0, 10.0), (-1.5, 4.0), (4.0, 0.0)]:
-    logits = jnp.asarray([[m, 0.0]], jnp.float32)
-    out = np.asarray(sngp.adjusted(logits, jnp.asarray([var], jnp.float32), math.pi / 8))
+    logits = np.asarray([[m, 0.0]], np.float32)
+    out = np.asarray(adjusted(logits, np.asarray([var], np.float32)))
     np.testing.assert_allclose(out, [[m / math.sqrt(1 + math.pi / 8 * var), 0.0]], rtol=1e-6)
     sigmoid = 1 / (1 + np.exp(-(out[0, 0] - out[0, 1])))
     integral = np.sum(weights / (1 + np.exp(-(m + math.sqrt(var) * nodes))))
