@@ -94,9 +94,9 @@ def grouped(preempted):
 
 @pytest.fixture(scope='module')
 def grouped_loaded(grouped):
-  """The shared grouped run loaded once (Ensemble.load) for every test that reads the
-  loaded run without changing it: a restore costs about as much as a short evaluation,
-  and seven tests read it."""
+  """The shared grouped run loaded once (Ensemble.load) for the tests that read the loaded
+  run without changing it (six in the fast tier): a restore compiles and costs about as
+  much as a short evaluation, and the Ensemble keeps its compiled forwards for the next."""
   return dist_ens.Ensemble.load(grouped[0])
 
 
