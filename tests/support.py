@@ -25,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # keep XLA's defaults.
 LLVM_O0 = '--xla_backend_optimization_level=0'
 FAST_COMPILE = ('--xla_cpu_use_fusion_emitters=false', LLVM_O0)
-# Compiler options of XLA's own default optimisation, for a test's reference program.
-XLA_DEFAULT = {'xla_backend_optimization_level': 3}
+# Compiler options of XLA's own defaults, for a test's reference program compiled as runs
+# compile: LLVM at level 3 and XLA:CPU's fusion emitters (FAST_COMPILE's two flags undone;
+# the emitters give other bits than the older ones, not only another speed).
+XLA_DEFAULT = {'xla_backend_optimization_level': 3, 'xla_cpu_use_fusion_emitters': True}
 
 
 # Set in a test process that compiles at XLA's default level (run_at_xla_default).
@@ -42,18 +44,18 @@ COLLECTIVE_PATIENCE = '--xla_cpu_collective_call_terminate_timeout_seconds=600'
 
 
 def xla_flags(devices: int) -> str:
-  """XLA_FLAGS for a test process with `devices` fake CPU devices (at XLA's default
-  optimisation level where AT_XLA_DEFAULT is set)."""
-  flags = [f for f in FAST_COMPILE if not (f == LLVM_O0 and os.environ.get(AT_XLA_DEFAULT))]
+  """XLA_FLAGS for a test process with `devices` fake CPU devices (compiling as runs
+  compile, without FAST_COMPILE, where AT_XLA_DEFAULT is set)."""
+  flags = [] if os.environ.get(AT_XLA_DEFAULT) else list(FAST_COMPILE)
   return ' '.join((f'--xla_force_host_platform_device_count={devices}', *flags,
                    COLLECTIVE_PATIENCE))
 
 
 def run_at_xla_default(nodeid: str) -> None:
-  """Runs the test `nodeid` in a child pytest whose programs compile at XLA's default
-  level (the `xla_default` marker, tests/conftest.py): for tests of bits that the
-  product's own compilation keeps and -O0 does not (whether two differently built
-  programs agree to the last bit). Fails with the child's output."""
+  """Runs the test `nodeid` in a child pytest whose programs compile as runs compile
+  (XLA's defaults; the `xla_default` marker, tests/conftest.py): for tests of bits that
+  the product's own compilation keeps and FAST_COMPILE's does not (whether two
+  differently built programs agree to the last bit). Fails with the child's output."""
   env = {k: v for k, v in os.environ.items() if k not in ('PYTEST_ADDOPTS', 'XLA_FLAGS')}
   # The caller's own XLA flags (--xla_cpu_max_isa=AVX2, say) go on; the child's conftest
   # adds the test flags again, at XLA's default level this time.

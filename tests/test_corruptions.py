@@ -16,14 +16,13 @@ B, H, W, C = 16, 8, 8, 3
 SEVERITIES = range(cor.NUM_SEVERITIES + 1)
 IMAGE_ONLY = ('motion_blur', 'saturate')  # no 1-D form (saturate: no colour either)
 
-# The compiler options dist-ens's runs compile with: XLA's own defaults, -O3
-# (support.XLA_DEFAULT) and XLA:CPU's fusion emitters, which the suite's XLA_FLAGS turn off
-# (support.FAST_COMPILE) and which give other bits (every family's program, compiled with
-# and without them, differs in places). Bits that only XLA's default compilation keeps
-# (zoom_blur's and elastic_transform's on a mesh: the suite's -O0 does not) are checked in
-# programs compiled as runs compile them, in this process (no child pytest). With the
-# emitters such a program also compiles faster: 8 CPU s instead of 11 for every family.
-AS_RUNS_COMPILE = {**support.XLA_DEFAULT, 'xla_cpu_use_fusion_emitters': True}
+# Bits that only XLA's default compilation keeps (zoom_blur's and elastic_transform's on a
+# mesh: the suite's FAST_COMPILE does not) are checked in programs compiled as runs compile
+# them (support.XLA_DEFAULT: -O3 and XLA:CPU's fusion emitters, which give other bits than
+# the older emitters: every family's program, compiled with and without them, differs in
+# places), in this process (no child pytest). With the emitters such a program also
+# compiles faster: 8 CPU s instead of 11 for every family.
+AS_RUNS_COMPILE = support.XLA_DEFAULT
 
 # The shapes corrupt_batch was traced with through _corrupt (inputs on the default device).
 _TRACES = []
