@@ -148,15 +148,29 @@ def _dry_run_of(monkeypatch, host):
       dry_run.compile_step(parts, config, form)[0], host))
 
 
-def test_largest_m_is_the_last_that_fits(one_device, monkeypatch):
-  memory, peak = 80e6, 45_000_000
-  _dry_run_of(monkeypatch, plan_lib.dry_run.HostMemory(programs=30_000_000, peak=peak))
-  plan = plan_lib.make_plan(_config(num_members=4), one_device, memory_bytes=memory)
-  assert plan.peak_bytes == peak
+# What the stand-in dry run of stand_in_plan measured, and the memory its device reports.
+STAND_IN_HOST = plan_lib.dry_run.HostMemory(programs=40_000_000, peak=64_000_000)
+DEVICE_MEMORY = 80e6
+
+
+@pytest.fixture(scope='module')
+def stand_in_plan(one_device):
+  """make_plan of 4 members on one device whose dry run is a stand-in that measured
+  STAND_IN_HOST and whose device reports DEVICE_MEMORY (no budget given): one plan (its
+  steps' programs _small's, from the cache) read by the three tests below it."""
+  with pytest.MonkeyPatch.context() as monkeypatch:
+    _dry_run_of(monkeypatch, STAND_IN_HOST)
+    monkeypatch.setattr(plan_lib.planner, 'device_memory_bytes', lambda device: DEVICE_MEMORY)
+    return plan_lib.make_plan(_config(num_members=4), one_device)
+
+
+def test_largest_m_is_the_last_that_fits(stand_in_plan):
+  plan = stand_in_plan
+  assert plan.peak_bytes == STAND_IN_HOST.peak
   # The line through the dry run's peak at M=4 with the step's bytes per member.
-  at = lambda m: peak + (m - 4) * plan.bytes_per_member
+  at = lambda m: STAND_IN_HOST.peak + (m - 4) * plan.bytes_per_member
   assert plan.max_members > 4
-  assert at(plan.max_members) <= memory < at(plan.max_members + 1)
+  assert at(plan.max_members) <= DEVICE_MEMORY < at(plan.max_members + 1)
 
 
 def test_a_peak_that_more_than_doubles_prints_no_negative_fixed_part(one_device, monkeypatch):
@@ -171,44 +185,43 @@ def test_a_peak_that_more_than_doubles_prints_no_negative_fixed_part(one_device,
   text = plan_lib.format_plan(plan, _config(num_members=4))
   assert not re.search(r'-[0-9]', text), text
   assert 'the peak more than doubles at twice the members' in text
+  # No /proc (the dry run gave nothing): said so, and the peak is the step's.
+  assert plan.peak_bytes == plan.step.peak == 1_600
+  assert 'compiled programs              not measured' in text
 
 
-def test_the_devices_own_memory_is_the_default_budget(one_device, monkeypatch):
+def test_the_devices_own_memory_is_the_default_budget(one_device, stand_in_plan):
   class Accelerator:  # What an accelerator's memory_stats gives (bytes_limit).
     def memory_stats(self):
       return {'bytes_limit': 80_000_000, 'bytes_in_use': 0}
   assert plan_lib.planner.device_memory_bytes(Accelerator()) == 80e6
   assert plan_lib.planner.device_memory_bytes(one_device[0]) is None  # A CPU: unknown.
-  monkeypatch.setattr(plan_lib.planner, 'device_memory_bytes', lambda device: 80e6)
-  _dry_run_of(monkeypatch, None)
-  plan = plan_lib.make_plan(_config(num_members=4), one_device)
-  assert plan.memory_bytes == 80e6
+  # make_plan given no budget plans for what the device reports (stand_in_plan's device:
+  # DEVICE_MEMORY).
+  plan = stand_in_plan
+  assert plan.memory_bytes == DEVICE_MEMORY == 80e6
   at = lambda m: plan.peak_bytes + (m - 4) * plan.bytes_per_member
   assert at(plan.max_members) <= 80e6 < at(plan.max_members + 1)
   text = plan_lib.format_plan(plan, _config())
   assert 'largest M that fits 0.08 GB per device' in text
-  # No /proc (the dry run gave nothing): said so, and the peak is the step's.
-  assert plan.peak_bytes == plan.step.peak
-  assert 'compiled programs              not measured' in text
 
 
 def test_a_cpu_plan_predicts_the_dry_runs_peak_shared_by_the_processs_devices(
-    one_device, devices, plans, monkeypatch):
+    devices, plans, stand_in_plan):
   # Eight CPU devices of one process share its programs and its host memory: _split's
   # plan, whose real dry run ran on the 4 x 2 mesh's 8 devices.
   eight = _split(devices, plans)
   assert eight.dry_run_peak_bytes > 0
   assert eight.peak_bytes == pytest.approx(eight.dry_run_peak_bytes / 8)
-  host = plan_lib.dry_run.HostMemory(programs=40_000_000, peak=64_000_000)
-  _dry_run_of(monkeypatch, host)
-  one = plan_lib.make_plan(_config(num_members=8), one_device)
+  one = stand_in_plan  # One device: the dry run's figures as they are.
   assert (one.program_bytes, one.dry_run_peak_bytes, one.peak_bytes) == (40e6, 64e6, 64e6)
-  text = plan_lib.format_plan(one, _config(num_members=8))
+  text = plan_lib.format_plan(one, _config(num_members=4))
   assert re.search(r'compiled programs +40,000,000 ', text)
   assert re.search(r"predicted peak per device +64,000,000  \(a dry run's peak", text)
   # Too big for a dry run (the step's peak + the programs, and said so): the real path,
   # test_no_dry_run_where_it_would_not_fit_the_host. No /proc: that of
-  # test_the_devices_own_memory_is_the_default_budget (its dry run gives nothing).
+  # test_a_peak_that_more_than_doubles_prints_no_negative_fixed_part (its dry run gives
+  # nothing).
 
 
 def test_the_dry_run_frees_everything(one_device, plans):
