@@ -543,7 +543,7 @@ def test_groups_split_members_over_a_model_axis_or_the_data_axis(grouped, groupe
   kernel = ensemble._stored[1][0]['w']  # pylint: disable=protected-access
   assert kernel.shape == (2, 40, 8)
   assert kernel.sharding.shard_shape(kernel.shape)[1] == 40 // parts
-  x = load_dataset('mnist1d').test.x[:20]
+  x = load_dataset('mnist1d').test.x[:50]
   np.testing.assert_allclose(ensemble.predict(x).member_probs,
                              grouped_loaded.predict(x).member_probs,
                              rtol=1e-5, atol=1e-6)
