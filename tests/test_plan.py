@@ -48,8 +48,9 @@ def plans():
   2M and, where `measure`, dry-runs it (init compiled, state made, two steps run): only the
   tests that read a dry run's figures ask for one. The tests that only read a plan (nothing
   patched) share one, and plans.arrays_left(devices, ...) is how many more live arrays
-  there were after that make_plan than before it. The tests that patch plan's parts call
-  make_plan themselves."""
+  there were after that make_plan than before it. The plans made with plan's parts
+  patched are made by their own module fixtures (stand_in_plan, no_room_command_line) or
+  tests."""
   made, left = {}, {}
 
   def key(devices, memory_bytes, measure, overrides):
@@ -77,17 +78,17 @@ def plans():
 
 
 def _small(one_device, plans):
-  """4 members on one device, dry-run (the one in-process dry run of a plan shared here:
-  test_the_dry_run_frees_everything reads it; the other tests that read this plan read the
-  step's sizes, XLA's memory analysis and FLOPs)."""
+  """4 members on one device, dry-run (test_the_dry_run_frees_everything reads its dry
+  run; the other tests that read this plan read the step's sizes, XLA's memory analysis
+  and FLOPs)."""
   return plans(one_device, num_members=4)
 
 
 @pytest.fixture(scope='module')
 def fresh_plan():
-  """`dist-ens plan --json` of 16 members on one device in a fresh process (the command
-  line's plan command, whose JSON only this module's fixture reads; plan.main's is
-  test_command_line_prints_the_plan's): the parsed JSON, read by
+  """`dist-ens plan --json` of 16 members on one device in a fresh process (the dist-ens
+  command's plan; plan.main in this process is test_command_line_prints_the_plan's and
+  no_room_command_line's): the parsed JSON, read by
   test_in_a_fresh_process_the_dry_run_sees_the_state_beside_the_programs and, as the plan
   at 16 members, by test_more_members_take_proportionally_more_memory."""
   env = {**os.environ, 'XLA_FLAGS': support.xla_flags(1)}
