@@ -300,18 +300,12 @@ def test_bfloat16_computes_in_bf16_and_keeps_float32_state(mnist1d):
   assert not np.array_equal(bf16_losses, f32_losses)
 
 
-# The compiler options dist-ens's runs compile with outside the tests: XLA's own defaults,
-# -O3 (support.XLA_DEFAULT) and XLA:CPU's fusion emitters (support.FAST_COMPILE turns them
-# off in the tests; tests/test_corruptions.py compiles its reference programs so too).
-AS_RUNS_COMPILE = {**support.XLA_DEFAULT, 'xla_cpu_use_fusion_emitters': True}
-
-
 @pytest.mark.parametrize('model', ['mlp', 'cnn'])
 def test_init_compiled_faster_on_a_cpu_gives_xlas_default_bits(model, monkeypatch):
   """init_sharded compiles the init program with INIT_COMPILER_OPTIONS on a CPU; the state
   is the one XLA's default optimisation gives, bit for bit (on 8 devices: sharded). The
   tests' XLA_FLAGS set -O0, which once-run programs keep: not here. The reference is
-  compiled as runs compile it (AS_RUNS_COMPILE: -O3 and XLA:CPU's fusion emitters, which
+  compiled as runs compile it (support.XLA_DEFAULT: -O3 and XLA:CPU's fusion emitters, which
   the tests' XLA_FLAGS turn off): -O3 without the emitters compiled the init program of a
   (16,) MLP in 6.5 CPU s instead of 1.7, to the same bits."""
   monkeypatch.setenv('XLA_FLAGS', support.xla_flags(8).replace(support.LLVM_O0, ''))
@@ -324,7 +318,7 @@ def test_init_compiled_faster_on_a_cpu_gives_xlas_default_bits(model, monkeypatc
   parts = assemble.build_parts(config, mesh_layout.build_mesh(config), (40, 1), 10)
   fast = initial_state.init_sharded(parts)
   default = jax.jit(parts.init, out_shardings=parts.state_shardings).lower().compile(
-      compiler_options=AS_RUNS_COMPILE)()
+      compiler_options=support.XLA_DEFAULT)()
   leaves = jax.tree.leaves(fast)
   assert len(leaves) == len(jax.tree.leaves(default)) > 4
   for a, b in zip(leaves, jax.tree.leaves(default)):
