@@ -4,12 +4,16 @@
 from collections.abc import Callable
 from typing import NamedTuple
 
+import jax
 import numpy as np
 
 from dist_ens import data
 from dist_ens.eval import regression
 
 Preprocess = Callable[[np.ndarray], np.ndarray]
+
+# One program for the mixture's moments (run eagerly, each array operation compiled its own).
+_mixture_moments = jax.jit(regression.mixture_moments)
 
 
 class GaussianPrediction(NamedTuple):
@@ -26,7 +30,7 @@ class GaussianPrediction(NamedTuple):
   def mixture(cls, means: np.ndarray, variances: np.ndarray,
               included: np.ndarray) -> 'GaussianPrediction':
     """The mixture of the `included` members' Gaussians (means, variances [M, N, ...])."""
-    moments = regression.mixture_moments(means, variances, included)
+    moments = _mixture_moments(means, variances, included)
     return cls(mean=np.asarray(moments.mean), variance=np.asarray(moments.total),
                aleatoric=np.asarray(moments.aleatoric),
                epistemic=np.asarray(moments.epistemic), member_mean=means,
