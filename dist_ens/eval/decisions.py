@@ -17,14 +17,12 @@ Conformal prediction, calibrated on the validation split (dist_ens.eval.conforma
                   (Lei et al., 2018). Widths are in the targets' units.
 """
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
-from dist_ens.eval import conformal, selective
+from dist_ens.eval import conformal, evaluate, selective
 from dist_ens.eval.ranks import ExampleStats
 
 # Scores of selective prediction, each "higher = answer first", from a split's stats.
@@ -73,16 +71,9 @@ def ensemble_probs(outputs: np.ndarray, member_mask: np.ndarray) -> np.ndarray:
   return (probs / probs.sum(axis=-1, keepdims=True)).mean(axis=0)
 
 
-@functools.lru_cache(maxsize=16)
-def _compiled(predict: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
-  """The task's predict as one program: called eagerly, each of its array operations
-  compiled a program of its own (some fifteen for the regression mixture)."""
-  return jax.jit(predict)
-
-
 def _mean_std(predict: Callable[..., dict[str, Any]], outputs: np.ndarray,
               member_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  out = _compiled(predict)(np.asarray(outputs), np.asarray(member_mask, bool))
+  out = evaluate.compiled_once(predict)(np.asarray(outputs), np.asarray(member_mask, bool))
   return np.asarray(out['mean'], np.float64), np.sqrt(np.asarray(out['variance'], np.float64))
 
 

@@ -321,7 +321,7 @@ class Scorer(NamedTuple):
     padded[:num_members, :n] = outputs
     targets = pad_rows(np.asarray(targets), padded.shape[1])
     mask = np.pad(mask, (0, width - num_members))
-    step = _jitted(self.eval_batch)
+    step = compiled_once(self.eval_batch)
     total, examples = None, []
     for start, valid in padded_chunks(n, chunk):
       rows = np.arange(start, start + chunk) < n
@@ -357,8 +357,11 @@ _MEMBER_PAD = 8
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted(eval_batch: Callable[..., Any]) -> Callable[..., Any]:
-  return jax.jit(eval_batch)
+def compiled_once(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """jax.jit(fn), one per function: host code that calls a task's function on arrays
+  (an eval_batch, a predict) traces it once, and runs one program where, called eagerly,
+  each of its array operations would compile its own."""
+  return jax.jit(fn)
 
 
 class Evaluator:
