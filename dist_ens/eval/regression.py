@@ -23,10 +23,12 @@ data's original units follow from the inverted mean and variance (data.uci.Stand
 """
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.scipy.special import ndtr, ndtri
 
 INTERVAL_LEVELS = (0.5, 0.9, 0.95)
@@ -183,47 +185,59 @@ def mixture_cdf(means: jax.Array, variances: jax.Array, y: jax.Array,
   return jnp.sum(w * ndtr((_f32(y) - means) / jnp.sqrt(variances)), axis=0)
 
 
-def mixture_quantile(means: jax.Array, variances: jax.Array, q: float,
+def mixture_quantile(means: jax.Array, variances: jax.Array, q: float | Sequence[float],
                      member_mask: jax.Array | None = None) -> jax.Array:
-  """The mixture's q-quantile, F^-1(q) for q in (0, 1), by bisection, [B(, D)].
+  """The mixture's q-quantile, F^-1(q) for q in (0, 1), by bisection, [B(, D)]; for a
+  sequence of Q levels, [Q, B(, D)] from one bisection (one loop in the program, not Q).
 
   It lies between the smallest and largest of the included members' own q-quantiles
   (F(x) is a mean of member CDFs, each <= q below all of them and >= q above), which is the
   starting bracket; a fixed number of steps keeps it jittable.
   """
-  means, variances, included, _ = _members(means, variances, member_mask)
-  member_q = means + jnp.sqrt(variances) * ndtri(jnp.float32(q))
-  lo = jnp.min(jnp.where(included, member_q, jnp.inf), axis=0)
-  hi = jnp.max(jnp.where(included, member_q, -jnp.inf), axis=0)
+  means, variances, included, w = _members(means, variances, member_mask)
+  levels = jnp.asarray(q, jnp.float32).reshape((-1,) + (1,) * means.ndim)  # [Q, 1, 1(, 1)]
+  scale = jnp.sqrt(variances)
+  member_q = means + scale * ndtri(levels)  # [Q, M, B(, D)]
+  lo = jnp.min(jnp.where(included, member_q, jnp.inf), axis=1)
+  hi = jnp.max(jnp.where(included, member_q, -jnp.inf), axis=1)
+  levels = levels[:, 0]  # [Q, 1(, 1)] against the brackets [Q, B(, D)]
 
   def step(_, bracket):
     lo, hi = bracket
     mid = 0.5 * (lo + hi)
-    below = mixture_cdf(means, variances, mid, member_mask) < q
+    below = jnp.sum(w * ndtr((mid[:, None] - means) / scale), axis=1) < levels  # F(mid) < q
     return jnp.where(below, mid, lo), jnp.where(below, hi, mid)
 
   lo, hi = jax.lax.fori_loop(0, _BISECTION_STEPS, step, (lo, hi))
-  return 0.5 * (lo + hi)
+  out = 0.5 * (lo + hi)
+  return out if np.ndim(q) else out[0]
 
 
-def mixture_central_interval(means: jax.Array, variances: jax.Array, level: float,
+def mixture_central_interval(means: jax.Array, variances: jax.Array,
+                             level: float | Sequence[float],
                              member_mask: jax.Array | None = None
                              ) -> tuple[jax.Array, jax.Array]:
-  """The mixture's central interval [F^-1((1 - level) / 2), F^-1((1 + level) / 2)], [B(, D)].
+  """The mixture's central interval [F^-1((1 - level) / 2), F^-1((1 + level) / 2)], [B(, D)];
+  for a sequence of L levels, each bound [L, B(, D)] (all 2L quantiles in one bisection).
 
   Example:
     >>> lo, hi = mixture_central_interval(jnp.zeros((1, 1)), jnp.ones((1, 1)), 0.95)
     >>> round(float(hi[0]), 4)
     1.96
   """
-  return (mixture_quantile(means, variances, (1 - level) / 2, member_mask),
-          mixture_quantile(means, variances, (1 + level) / 2, member_mask))
+  levels = np.asarray(level, np.float64)
+  bounds = mixture_quantile(means, variances, np.concatenate(
+      [np.ravel((1 - levels) / 2), np.ravel((1 + levels) / 2)]), member_mask)
+  lo, hi = bounds[:levels.size], bounds[levels.size:]
+  return (lo, hi) if levels.ndim else (lo[0], hi[0])
 
 
-def gaussian_central_interval(mean: jax.Array, var: jax.Array,
-                              level: float) -> tuple[jax.Array, jax.Array]:
-  """A single Gaussian's central interval, mean -/+ s Phi^-1((1 + level) / 2) (per member)."""
-  half = jnp.sqrt(_f32(var)) * ndtri(jnp.float32((1 + level) / 2))
+def gaussian_central_interval(mean: jax.Array, var: jax.Array, level: float | Sequence[float]
+                              ) -> tuple[jax.Array, jax.Array]:
+  """A single Gaussian's central interval, mean -/+ s Phi^-1((1 + level) / 2) (per member);
+  for a sequence of L levels, each bound with a leading axis L."""
+  z = ndtri(jnp.asarray((1 + np.asarray(level, np.float64)) / 2, jnp.float32))
+  half = jnp.sqrt(_f32(var)) * z.reshape(z.shape + (1,) * jnp.ndim(var))
   return _f32(mean) - half, _f32(mean) + half
 
 
