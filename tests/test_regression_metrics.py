@@ -140,31 +140,41 @@ def _first_reaching(cdf, grid, p, stride=100):
   return start + int(np.argmax(cdf(grid[start:coarse * stride + 1]) >= p))
 
 
-@pytest.mark.parametrize('level', reg.INTERVAL_LEVELS)
-def test_mixture_interval_matches_a_grid_search(level):
+def test_mixture_intervals_match_a_grid_search():
+  """Every level's interval from the one bisection evaluation runs (a sequence of levels),
+  each against a grid search of the reference CDF; one level alone gives the same ends."""
   means, variances, _ = _inputs(m=3, b=5)
   m64, v64 = _f64(means, variances)
-  lo, hi = jax.jit(reg.mixture_central_interval, static_argnums=2)(means, variances, level)
+  interval = jax.jit(reg.mixture_central_interval, static_argnums=2)
+  every_lo, every_hi = interval(means, variances, reg.INTERVAL_LEVELS)
+  assert every_lo.shape == every_hi.shape == (len(reg.INTERVAL_LEVELS), 5)
   step = 1e-4
   grid = np.arange(-20, 20, step)
-  for i in range(5):
-    cdf = lambda x, i=i: _cdf(x[:, None], m64[None, :, i], v64[None, :, i]).mean(1)
-    # The first grid point whose CDF reaches the probability; the quantile lies within a step.
-    grid_lo = grid[_first_reaching(cdf, grid, (1 - level) / 2)]
-    grid_hi = grid[_first_reaching(cdf, grid, (1 + level) / 2)]
-    eps = 1e-5  # float32 rounding of ends near 3 (a few ulps; the compiled code's order)
-    assert grid_lo - step - eps <= lo[i] <= grid_lo + eps
-    assert grid_hi - step - eps <= hi[i] <= grid_hi + eps
-  # Sharper: the reference CDF at the returned ends is the wanted probability.
-  np.testing.assert_allclose(_cdf(np.asarray(lo, np.float64), m64, v64).mean(0),
-                             (1 - level) / 2, atol=1e-6)
-  np.testing.assert_allclose(_cdf(np.asarray(hi, np.float64), m64, v64).mean(0),
-                             (1 + level) / 2, atol=1e-6)
+  for level, lo, hi in zip(reg.INTERVAL_LEVELS, every_lo, every_hi):
+    for i in range(5):
+      cdf = lambda x, i=i: _cdf(x[:, None], m64[None, :, i], v64[None, :, i]).mean(1)
+      # The first grid point whose CDF reaches the probability; the quantile lies within a step.
+      grid_lo = grid[_first_reaching(cdf, grid, (1 - level) / 2)]
+      grid_hi = grid[_first_reaching(cdf, grid, (1 + level) / 2)]
+      eps = 1e-5  # float32 rounding of ends near 3 (a few ulps; the compiled code's order)
+      assert grid_lo - step - eps <= lo[i] <= grid_lo + eps, level
+      assert grid_hi - step - eps <= hi[i] <= grid_hi + eps, level
+    # Sharper: the reference CDF at the returned ends is the wanted probability.
+    np.testing.assert_allclose(_cdf(np.asarray(lo, np.float64), m64, v64).mean(0),
+                               (1 - level) / 2, atol=1e-6)
+    np.testing.assert_allclose(_cdf(np.asarray(hi, np.float64), m64, v64).mean(0),
+                               (1 + level) / 2, atol=1e-6)
+  lo, hi = reg.mixture_central_interval(means, variances, 0.9)
+  np.testing.assert_allclose(np.stack([lo, hi]), [every_lo[1], every_hi[1]], rtol=0, atol=1e-6)
 
 
 def test_gaussian_interval_and_coverage_width():
   lo, hi = reg.gaussian_central_interval(jnp.float32([1.0]), jnp.float32([4.0]), 0.95)
   np.testing.assert_allclose([lo[0], hi[0]], [1 - 2 * 1.959964, 1 + 2 * 1.959964], rtol=1e-6)
+  every_lo, every_hi = reg.gaussian_central_interval(jnp.float32([1.0]), jnp.float32([4.0]),
+                                                     (0.5, 0.95))
+  np.testing.assert_allclose(every_hi[:, 0], [1 + 2 * 0.6744898, 1 + 2 * 1.959964], rtol=1e-6)
+  np.testing.assert_array_equal([every_lo[1, 0], every_hi[1, 0]], [lo[0], hi[0]])
   covered, width = reg.interval_coverage_width(jnp.float32([0, 0, 0]), jnp.float32([1, 1, 2]),
                                                jnp.float32([0.5, 1.5, 2.0]))
   np.testing.assert_array_equal(covered, [1, 0, 1])  # ends count as inside
