@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import ml_collections
@@ -24,7 +25,6 @@ from dist_ens import data, importing
 from dist_ens.run import assemble
 from dist_ens.run.run_data import build_data
 from dist_ens.config import loading
-from dist_ens.data import pipeline
 from dist_ens.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,35 +35,121 @@ def _config():
   return support.config()
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-  env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'OMPI_', 'PMI_'))}
-  env.update(XLA_FLAGS=support.xla_flags(8), JAX_PLATFORMS='cpu')
-  return subprocess.run(['timeout', '-k', '5', str(_LIMIT_S), sys.executable, '-m',
-                         'dist_ens.main', *args], cwd=ROOT, env=env, capture_output=True,
-                        text=True, timeout=_LIMIT_S + 30)
+class Answer(NamedTuple):
+  """What a process answered: its exit status, stdout and stderr."""
+  returncode: int
+  stdout: str
+  stderr: str
 
 
-def _one_line(result: subprocess.CompletedProcess) -> str:
+def _one_line(result: Answer) -> str:
   assert result.returncode not in (0, 124), result.stderr[-3000:]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1, result.stderr[-3000:]
   return lines[0]
 
 
+# Each command line and the Python run in a process of its own, for the price of one
+# interpreter: this child imports what they import (JAX, dist_ens, the trainer, TFDS,
+# tensorboardX; no backend starts, so no JAX thread runs) and forks a process per job: a
+# command line runs dist_ens.main as __main__ (runpy, as `python -m dist_ens.main` does) and
+# exits as Python exits; the Python job trains support.config() as a script calling
+# dist_ens.train would. Each is a fresh process but for the imports, whose output (none: the
+# child's own stdout and stderr are checked) a fresh one would print first. A fresh
+# interpreter with these imports was 1.7-2.1 CPU s a command line.
+_FORK_A_PROCESS_PER_JOB = r"""
+import json, os, runpy, signal, sys
+out, limit_s, root = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+sys.path[:0] = [root, os.path.join(root, 'tests')]
+import jax, tensorboardX, tensorflow_datasets
+import support
+import dist_ens
+from dist_ens import commands
+from dist_ens.config import command_line
+from dist_ens.data import pipeline
+from dist_ens.training import trainer
+
+def train(workdir):
+  # The prefetch thread idle between two logs (it ran ahead while the step compiled, or a
+  # read is slower than the interval): no examples and no busy time in the interval.
+  pipeline.Batches.stats = property(lambda self: pipeline.PipelineStats(64, 0.5))
+  config = support.config()
+  config.writers = ('jsonl', 'tensorboard')
+  dist_ens.train(config, workdir)
+
+with open(os.path.join(out, 'jobs.json')) as f:
+  jobs = json.load(f)
+statuses = []
+for i, (kind, args) in enumerate(jobs):
+  sys.stdout.flush()
+  sys.stderr.flush()
+  pid = os.fork()
+  if pid == 0:  # The job's process.
+    for fd, stream in ((1, 'stdout'), (2, 'stderr')):
+      os.dup2(os.open(os.path.join(out, f'{i}.{stream}'), os.O_WRONLY | os.O_CREAT), fd)
+    signal.alarm(limit_s)
+    if kind == 'train':
+      train(*args)
+    else:
+      sys.argv = ['dist_ens/main.py', *args]  # runpy puts the module's path first, as -m does.
+      runpy.run_module('dist_ens.main', run_name='__main__', alter_sys=True)
+    sys.exit(0)
+  statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+with open(os.path.join(out, 'statuses.json'), 'w') as f:
+  json.dump(statuses, f)
+"""
+
+
+@pytest.fixture(scope='module')
+def answers(tmp_path_factory) -> dict[str, tuple[Answer, Path]]:
+  """{job: (its answer, its folder)}: the command lines below and a Python run of
+  support.config() (writers jsonl and tensorboard, the pipeline's stats idle), each in a
+  process of its own, from one child process."""
+  root = tmp_path_factory.mktemp('edges_answers')
+  folders = {name: root / name for name in ('typo', 'dataset', 'foreign', 'long', 'train')}
+  for folder in folders.values():
+    folder.mkdir()
+  (folders['typo'] / 'typo.py').write_text(
+      f'from dist_ens import load_config\n'
+      f'def get_config():\n'
+      f'  c = load_config({str(ROOT / "configs" / "default.py")!r})\n'
+      f'  c.optim.learing_rate = 0.5\n'
+      f'  return c\n')
+  jobs = {
+      'typo': ('main', [f'--config={folders["typo"] / "typo.py"}',
+                        f'--workdir={folders["typo"] / "run"}']),
+      'dataset': ('main', ['--config=configs/default.py', f'--workdir={folders["dataset"]}',
+                           '--config.data.name=mnist1']),
+      'foreign': ('main', ['report', f'--workdir={folders["foreign"]}']),
+      'long': ('main', ['--config=configs/default.py',
+                        f'--workdir={folders["long"] / ("a" * 300) / "run"}']),
+      'train': ('train', [str(folders['train'])]),
+  }
+  out = root / 'answers'
+  out.mkdir()
+  (out / 'jobs.json').write_text(json.dumps(list(jobs.values())))
+  env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'OMPI_', 'PMI_'))}
+  env.update(XLA_FLAGS=support.xla_flags(8), JAX_PLATFORMS='cpu')
+  child = subprocess.run(
+      [sys.executable, '-c', _FORK_A_PROCESS_PER_JOB, str(out), str(_LIMIT_S), str(ROOT)],
+      cwd=ROOT, env=env, capture_output=True, text=True, timeout=_LIMIT_S + 30)
+  # Nothing on its own stdout or stderr: the imports a fresh process makes print nothing.
+  assert child.returncode == 0 and not child.stdout and not child.stderr, child.stderr
+  statuses = json.loads((out / 'statuses.json').read_text())
+  return {name: (Answer(status, (out / f'{i}.stdout').read_text(),
+                        (out / f'{i}.stderr').read_text()), folders[name])
+          for i, (status, name) in enumerate(zip(statuses, jobs))}
+
+
 # Item 5: unknown fields from config files and from Python.
 
-def test_a_config_files_misspelt_field_is_refused_in_one_line(tmp_path):
-  path = tmp_path / 'typo.py'
-  path.write_text(f'from dist_ens import load_config\n'
-                  f'def get_config():\n'
-                  f'  c = load_config({str(ROOT / "configs" / "default.py")!r})\n'
-                  f'  c.optim.learing_rate = 0.5\n'
-                  f'  return c\n')
-  line = _one_line(_cli(f'--config={path}', f'--workdir={tmp_path / "run"}'))
+def test_a_config_files_misspelt_field_is_refused_in_one_line(answers):
+  answer, folder = answers['typo']  # --config=typo.py, a file that sets c.optim.learing_rate
+  line = _one_line(answer)
   assert line == ('dist-ens: error: config.optim.learing_rate is not a config field '
                   '(dist_ens/config/defaults.py), so nothing would read it; did you mean '
                   'config.optim.learning_rate?')
-  assert not (tmp_path / 'run').exists()
+  assert not (folder / 'run').exists()
 
 
 def test_an_unknown_group_from_python_is_refused_before_anything_is_written(tmp_path):
@@ -87,18 +173,15 @@ def test_fields_only_some_models_data_sets_or_factories_read_are_known():
 
 # Item 7: no noise in a normal run.
 
-def test_a_normal_run_writes_no_infinite_pipeline_capacity(tmp_path, capfd, caplog,
-                                                          monkeypatch):
-  # The prefetch thread idle between two logs (it ran ahead while the step compiled, or a
-  # read is slower than the interval): no examples and no busy time in the interval.
-  monkeypatch.setattr(pipeline.Batches, 'stats', property(lambda self: pipeline.PipelineStats(
-      64, 0.5)))
-  config = _config()
-  config.writers = ('jsonl', 'tensorboard')
-  dist_ens.train(config, str(tmp_path))
-  err = capfd.readouterr().err
-  assert 'NaN or Inf' not in err + caplog.text, err + caplog.text
-  events = [json.loads(line) for line in (tmp_path / 'metrics.jsonl').read_text().splitlines()]
+def test_a_normal_run_writes_no_infinite_pipeline_capacity(answers):
+  # The Python run's pipeline stats are idle between two logs (_FORK_A_PROCESS_PER_JOB's
+  # train): no examples and no busy time in the interval. Its stderr holds every log line
+  # (INFO and up) and anything else the run printed.
+  answer, workdir = answers['train']
+  assert answer.returncode == 0, answer.stderr[-3000:]
+  assert 'step 4/4' in answer.stderr and 'NaN or Inf' not in answer.stderr, answer.stderr
+  assert list((workdir / 'tensorboard').iterdir()), 'no tensorboard events'
+  events = [json.loads(line) for line in (workdir / 'metrics.jsonl').read_text().splitlines()]
   train = [e for e in events if e['split'] == 'train']
   assert train
   for event in train:  # A finite figure, or none when the pipeline was idle.
@@ -138,9 +221,8 @@ def test_class_ids_as_regression_targets_get_one_warning(caplog):
 
 # Item 11, the small ones.
 
-def test_a_misspelt_embedded_dataset_gets_did_you_mean_in_one_line(tmp_path, monkeypatch):
-  line = _one_line(_cli('--config=configs/default.py', f'--workdir={tmp_path}',
-                        '--config.data.name=mnist1'))  # No leaked TFDS log line either.
+def test_a_misspelt_embedded_dataset_gets_did_you_mean_in_one_line(answers, monkeypatch):
+  line = _one_line(answers['dataset'][0])  # --config.data.name=mnist1; no leaked TFDS line.
   assert line == ("dist-ens: error: config.data.name='mnist1' is neither an embedded dataset "
                   'nor a TFDS one prepared in data_dir ~/tensorflow_datasets (TFDS_DATA_DIR); '
                   "did you mean 'mnist1d'?")
@@ -202,26 +284,21 @@ def test_idle_devices_that_only_the_fixed_axis_leaves_idle_say_what_to_set(caplo
                     'device.'], warned
 
 
-def test_log_lines_from_python_carry_no_absl_prefix(tmp_path):
-  script = ('import sys\nsys.path[:0] = [sys.argv[2], sys.argv[2] + "/tests"]\nimport dist_ens\n'
-            'from tests.test_edges import _config\n'
-            'dist_ens.train(_config(), sys.argv[1])\n')
-  env = {**os.environ, 'XLA_FLAGS': support.xla_flags(8),
-         'JAX_PLATFORMS': 'cpu'}
-  result = subprocess.run([sys.executable, '-c', script, str(tmp_path), str(ROOT)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=_LIMIT_S)
+def test_log_lines_from_python_carry_no_absl_prefix(answers):
+  result, _ = answers['train']  # dist_ens.train(support.config(), ...) from a Python script
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stderr.splitlines()
   assert 'step 4/4' in result.stderr and lines[0].startswith('warning: 4 of 8 devices'), lines
   assert not [line for line in lines if ':absl:' in line], result.stderr
 
 
-def test_report_on_a_missing_or_foreign_workdir_says_so(tmp_path):
+def test_report_on_a_missing_or_foreign_workdir_says_so(answers, tmp_path):
   # The command line once, on a foreign workdir (test_cli's test_missing_report_workdir_is_one_line
   # runs it on a missing one); the messages it prefixes, from report.make_report itself.
   from dist_ens.report import build as report  # pylint: disable=import-outside-toplevel
-  line = _one_line(_cli('report', f'--workdir={tmp_path}'))
-  assert line == (f'dist-ens report: error: {tmp_path} is not a dist_ens workdir (it has no '
+  answer, foreign = answers['foreign']  # report --workdir=an empty folder
+  line = _one_line(answer)
+  assert line == (f'dist-ens report: error: {foreign} is not a dist_ens workdir (it has no '
                   'config.json, checkpoints/ or final_metrics.json); name the workdir of a '
                   'finished run.')
   with pytest.raises(FileNotFoundError) as missing:
@@ -235,9 +312,10 @@ def test_report_on_a_missing_or_foreign_workdir_says_so(tmp_path):
 
 # Item 8: faults that still showed a traceback.
 
-def test_a_workdir_component_over_255_bytes_is_one_line(tmp_path):
-  workdir = tmp_path / ('a' * 300) / 'run'
-  line = _one_line(_cli('--config=configs/default.py', f'--workdir={workdir}'))
+def test_a_workdir_component_over_255_bytes_is_one_line(answers):
+  answer, folder = answers['long']
+  workdir = folder / ('a' * 300) / 'run'
+  line = _one_line(answer)
   assert line == (f'dist-ens: error: --workdir={workdir}: its component {"a" * 40}... is 300 '
                   'bytes, over the 255 a file name may have; use a shorter name.')
 
