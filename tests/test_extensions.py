@@ -26,9 +26,31 @@ def _config(**overrides):
 
 @pytest.fixture(scope='module')
 def plain(tmp_path_factory):
-  """(workdir, final results) of _config() as it is: the run three tests read."""
+  """(workdir, final results) of _config() with ext_fixtures' evaluator added: the run four
+  tests read. The evaluator runs after the built-in ones and only adds its own share and
+  event, so the run is _config()'s otherwise (the test of the task checks it adds no
+  'error')."""
   workdir = tmp_path_factory.mktemp('plain')
-  return workdir, dist_ens.train(_config(), str(workdir))
+  return workdir, dist_ens.train(_config(eval__evaluators=('ext_fixtures:confident_share',)),
+                                 str(workdir))
+
+
+@pytest.fixture(scope='module')
+def sgd_by_path(tmp_path_factory):
+  """Final results of _config() with ext_fixtures' plain SGD by import path at learning
+  rate 0.1 (it reads its rate from the member's values: traced)."""
+  return dist_ens.train(_config(optim__name='ext_fixtures:plain_sgd', optim__learning_rate=0.1),
+                        str(tmp_path_factory.mktemp('sgd_by_path')))
+
+
+@pytest.fixture(scope='module')
+def from_python(tmp_path_factory):
+  """Final results of a run given both its data set and its optimizer as Python objects:
+  _config()'s blobs through data.from_arrays and optax.sgd(0.1), sgd_by_path's run with
+  neither by import path."""
+  arrays = data.from_arrays(*ext_fixtures.blobs())
+  return dist_ens.train(_config(data__name='blobs'), str(tmp_path_factory.mktemp('python')),
+                        dataset=arrays, optimizer=optax.sgd(0.1))
 
 
 def test_data_by_import_path_trains_and_loads(plain):
@@ -38,10 +60,8 @@ def test_data_by_import_path_trains_and_loads(plain):
   assert ensemble.input_shape == (6,) and ensemble.num_classes == 2
 
 
-def test_dataset_from_python_and_labels_checked(tmp_path):
-  arrays = data.from_arrays(*__import__('ext_fixtures').blobs())
-  final = dist_ens.train(_config(data__name='blobs'), str(tmp_path / 'a'), dataset=arrays)
-  assert final['ensemble']['accuracy'] > 0.8
+def test_dataset_from_python_and_labels_checked(tmp_path, from_python):
+  assert from_python['ensemble']['accuracy'] > 0.8
   with pytest.raises(ConfigError, match=r'labels lie outside \[0, 2\)'):
     dist_ens.train(_config(data__name='ext_fixtures:bad_labels'), str(tmp_path / 'b'))
   assert not (tmp_path / 'b').exists()
@@ -49,22 +69,21 @@ def test_dataset_from_python_and_labels_checked(tmp_path):
     dist_ens.train(_config(data__name='ext_fixtures:nothing'), str(tmp_path / 'c'))
 
 
-def test_optimizer_by_import_path_equals_the_python_one(tmp_path, plain):
-  by_path = dist_ens.train(_config(optim__name='ext_fixtures:plain_sgd', optim__learning_rate=0.1),
-                           str(tmp_path / 'a'))
-  by_object = dist_ens.train(_config(), str(tmp_path / 'b'), optimizer=optax.sgd(0.1))
-  # The same optimizer; the learning rate arrives traced in one, as a constant in the other.
-  np.testing.assert_allclose(by_path['members']['nll'], by_object['members']['nll'], rtol=1e-5)
+def test_optimizer_by_import_path_equals_the_python_one(plain, sgd_by_path, from_python):
+  # The same optimizer on the same blobs (here also the same data set given from Python);
+  # the learning rate arrives traced in one, as a constant in the other.
+  np.testing.assert_allclose(sgd_by_path['members']['nll'], from_python['members']['nll'],
+                             rtol=1e-5)
   _, adam = plain  # _config()'s own optimizer, Adam.
-  assert not np.allclose(adam['members']['nll'], by_path['members']['nll'], rtol=1e-3)
+  assert not np.allclose(adam['members']['nll'], sgd_by_path['members']['nll'], rtol=1e-3)
 
 
-def test_loss_doubling_equals_learning_rate_doubling_for_plain_sgd(tmp_path):
-  sgd = dict(optim__name='sgd', optim__momentum=0.0, optim__weight_decay=0.0)
+def test_loss_doubling_equals_learning_rate_doubling_for_plain_sgd(tmp_path, sgd_by_path):
+  # Plain SGD (ext_fixtures' by import path) at half sgd_by_path's rate on twice the loss.
   doubled = dist_ens.train(_config(train__loss='ext_fixtures:doubled_cross_entropy',
-                                   optim__learning_rate=0.05, **sgd), str(tmp_path / 'a'))
-  faster = dist_ens.train(_config(optim__learning_rate=0.1, **sgd), str(tmp_path / 'b'))
-  assert doubled['members'] == faster['members']  # x2 is exact in floating point.
+                                   optim__name='ext_fixtures:plain_sgd',
+                                   optim__learning_rate=0.05), str(tmp_path / 'a'))
+  assert doubled['members'] == sgd_by_path['members']  # x2 is exact in floating point.
   with pytest.raises(ConfigError, match="config.train.loss='hinge'"):
     dist_ens.train(_config(train__loss='hinge'), str(tmp_path / 'c'))
 
@@ -89,10 +108,8 @@ def test_a_task_by_import_path_sets_outputs_metrics_and_results(tmp_path, plain)
     dist_ens.train(_config(task='ranking'), str(tmp_path / 'd'))
 
 
-def test_an_evaluator_by_import_path_runs_after_the_built_in_ones(tmp_path):
-  workdir = tmp_path / 'e'
-  got = dist_ens.train(_config(eval__evaluators=('ext_fixtures:confident_share',)),
-                       str(workdir))
+def test_an_evaluator_by_import_path_runs_after_the_built_in_ones(tmp_path, plain):
+  workdir, got = plain
   # Its share is the loaded ensemble's, computed here from its predictions.
   x, _ = ext_fixtures.blobs()[2:]
   probs = dist_ens.Ensemble.load(str(workdir)).predict(x).probs
