@@ -47,6 +47,13 @@ def _logits(seed, n=400, members=None, sharpness=3.0):
   return labels, logits.astype(np.float32)
 
 
+def _log_softmax(logits):
+  """log_softmax over the last axis, in float64 (numpy: no program per shape), as float32."""
+  z = logits.astype(np.float64)
+  z = z - z.max(-1, keepdims=True)
+  return (z - np.log(np.exp(z).sum(-1, keepdims=True))).astype(np.float32)
+
+
 def _nll64(logits, labels, temperature):
   """NLL at each of the temperatures in float64."""
   t = np.asarray(temperature, np.float64)[..., None, None]
@@ -71,18 +78,19 @@ def test_fitted_temperature_minimises_nll(sharpness):
   np.testing.assert_allclose(t, fine[np.argmin(nlls)], rtol=1e-4)
   np.testing.assert_allclose(_nll64(logits, labels, t), nlls.min(), atol=1e-7)
   # Logits or their log-softmax: the same temperature; and the same again, bit for bit.
-  log_probs = np.asarray(jax.nn.log_softmax(logits))
+  log_probs = _log_softmax(logits)
   np.testing.assert_allclose(float(calibration.fit_temperature(log_probs, labels)), t, rtol=1e-5)
   assert float(calibration.fit_temperature(logits, labels)) == t
 
 
 def test_member_and_ensemble_temperatures():
   labels, logits = _logits(1, members=4)
+  # jax's log_softmax (one program): the run normalises them again the same way, to the bit.
   log_probs = np.array(jax.nn.log_softmax(logits * np.array([0.2, 1, 2, 4])[:, None, None]))
   log_probs[2] = np.nan  # a frozen member
   included = np.array([True, True, False, True])
   test_y, test = _logits(2, members=4)
-  test = np.asarray(jax.nn.log_softmax(test))
+  test = _log_softmax(test)
   scorer = evaluate.Scorer.of(classification_lib.classification())
   out = temperature.temperature_scaling(scorer, log_probs, labels, test, test_y, included)
   temps = out['member_temperatures']
@@ -107,7 +115,7 @@ def test_member_temperatures_are_fitted_in_chunks_of_flat_memory():
   benchmarks/scaling.py), and each member's temperature is still its own fit, also in a
   last, partial chunk."""
   labels, logits = _logits(3, members=19)
-  log_probs = np.asarray(jax.nn.log_softmax(logits * np.linspace(0.2, 4, 19)[:, None, None]))
+  log_probs = _log_softmax(logits * np.linspace(0.2, 4, 19, dtype=np.float32)[:, None, None])
   temps = np.asarray(calibration.fit_member_temperatures(log_probs, labels))
   for m in (0, 15, 16, 18):
     assert temps[m] == pytest.approx(float(calibration.fit_temperature(log_probs[m], labels)),
@@ -231,10 +239,12 @@ M, SHAPE = 8, (6,)
 
 
 def _variables(model, mesh):
-  keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(M))
-  # Jitted: one compile instead of one per operation.
-  params, state = jax.jit(jax.vmap(lambda k: model.init(k, jnp.zeros((1, *SHAPE)))))(keys)
-  return jax.device_put((params, state), mesh_lib.member_sharding(mesh))
+  # One jitted program, keys included, that puts each member's variables on its devices
+  # (eager keys and a device_put were a program per operation and per leaf).
+  def init():
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(3), i))(jnp.arange(M))
+    return jax.vmap(lambda k: model.init(k, jnp.zeros((1, *SHAPE))))(keys)
+  return jax.jit(init, out_shardings=mesh_lib.member_sharding(mesh))()
 
 
 def _mesh(devices, member, data_axis):
@@ -250,7 +260,7 @@ def _split(n=23):
 
 def test_mc_dropout_with_rate_zero_is_plain_evaluation():
   model, split = dropout_model(C, rate=0.0), _split()
-  params, state = jax.jit(model.init)(jax.random.key(0), split.x[:1])
+  params, state = jax.jit(lambda x: model.init(jax.random.key(0), x))(split.x[:1])
   plain = jax.jit(lambda p, s, x: model.apply(p, s, x, train=False)[0])(params, state, split.x)
   samples = jax.jit(lambda p, s, x: evaluate.mc_sample_logits(
       model, p, s, x, evaluate.mc_key(0, 0), 0, 2))(params, state, split.x)
@@ -274,7 +284,9 @@ def test_mc_dropout_samples_differ_reproducibly_on_any_mesh(devices):
   assert samples.shape == (4, len(split.y), C)
   assert all(not np.allclose(samples[i], samples[j]) for i in range(4) for j in range(i))
   # Member 2's MC prediction is the mean of exactly these samples, on any mesh and batch.
-  mean = jax.nn.logsumexp(jax.nn.log_softmax(samples), axis=0) - np.log(4)
+  log_probs = _log_softmax(samples).astype(np.float64)
+  top = log_probs.max(0)
+  mean = top + np.log(np.exp(log_probs - top).mean(0))
   np.testing.assert_allclose(sharded[2], mean, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(np.asarray(sample(7)), samples)
   assert not np.allclose(np.asarray(sample(8)), samples)
