@@ -75,6 +75,7 @@ def train(workdir):
   pipeline.Batches.stats = property(lambda self: pipeline.PipelineStats(64, 0.5))
   config = support.config()
   config.writers = ('jsonl', 'tensorboard')
+  os.chdir(workdir)  # Run from outside the repository, as a user's script would be.
   dist_ens.train(config, workdir)
 
 with open(os.path.join(out, 'jobs.json')) as f:
