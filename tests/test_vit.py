@@ -31,22 +31,29 @@ def _model(num_classes=10, **overrides):
   return get_model(model_spec(**{**TINY, **overrides}), num_classes)
 
 
-# Jitted, here and in the tests below (init, apply, the draws): eagerly, each op of a ViT
-# compiles a program of its own.
-_normal = jax.jit(jax.random.normal, static_argnums=1)
-
-
+# Inputs are drawn in numpy, shapes are traced (jax.eval_shape), and what runs is jitted
+# (init, apply, the loss): eagerly, each op of a ViT compiles a program of its own.
 def _x(batch=4, shape=(8, 8, 1), seed=0):
-  return _normal(jax.random.key(seed), (batch, *shape))
+  return np.random.default_rng(seed).standard_normal((batch, *shape)).astype(np.float32)
 
 
 def _apply(model):
   return jax.jit(model.apply, static_argnames=('train',))
 
 
+@pytest.fixture(scope='module')
+def tiny():
+  """(model, its jitted init, its jitted apply, params and state from key 0): the TINY
+  ViT that the tests below share, each program compiled once."""
+  model = _model()
+  init = jax.jit(model.init)
+  params, state = jax.device_get(init(jax.random.key(0), _x(1)))
+  return model, init, _apply(model), params, state
+
+
 def test_shapes_and_param_tree():
   model = _model()
-  params, state = jax.jit(model.init)(jax.random.key(0), _x(1))
+  params, state = jax.eval_shape(model.init, jax.random.key(0), _x(1))
   assert state == {}
   assert params['embed']['w'].shape == (2 * 2 * 1, 32)
   assert params['pos'].shape == (16, 32)  # 8x8 in patches of 2, mean pooling
@@ -54,25 +61,26 @@ def test_shapes_and_param_tree():
   assert params['blocks'][0]['attn']['q']['w'].shape == (32, 32)
   assert params['blocks'][0]['mlp']['fc1']['w'].shape == (32, 64)
   assert params['head']['w'].shape == (32, 10)
-  logits, _ = _apply(model)(params, state, _x(5), train=False)
+  logits, _ = jax.eval_shape(lambda p, s, x: model.apply(p, s, x, train=False), params, state,
+                             _x(5))
   assert logits.shape == (5, 10) and logits.dtype == jnp.float32
-  cls_params, _ = jax.jit(_model(pool='cls').init)(jax.random.key(0), _x(1))
+  cls_params, _ = jax.eval_shape(_model(pool='cls').init, jax.random.key(0), _x(1))
   assert cls_params['pos'].shape == (17, 32) and cls_params['cls'].shape == (1, 32)
-  one_d, _ = jax.jit(_model(patch_size=4).init)(jax.random.key(0), _x(1, (40, 1)))
+  one_d, _ = jax.eval_shape(_model(patch_size=4).init, jax.random.key(0), _x(1, (40, 1)))
   assert one_d['pos'].shape == (10, 32)  # a 1-D signal of 40 in patches of 4
 
 
 def test_patchify_keeps_each_patch_together_in_row_major_order():
-  x = jnp.arange(16.0).reshape(1, 4, 4, 1)
-  patches = patchify(x, 2)
+  x = np.arange(16.0, dtype=np.float32).reshape(1, 4, 4, 1)
+  patches = np.asarray(jax.jit(patchify, static_argnums=1)(x, 2))
   assert patches.shape == (1, 4, 4)
   np.testing.assert_array_equal(patches[0, 0], [0, 1, 4, 5])
   np.testing.assert_array_equal(patches[0, 1], [2, 3, 6, 7])
   np.testing.assert_array_equal(patches[0, 3], [10, 11, 14, 15])
 
 
-def test_init_is_deterministic_per_key():
-  init = jax.jit(_model().init)
+def test_init_is_deterministic_per_key(tiny):
+  _, init, _, _, _ = tiny
   a, _ = init(jax.random.key(1), _x(1))
   b, _ = init(jax.random.key(1), _x(1))
   c, _ = init(jax.random.key(2), _x(1))
@@ -86,29 +94,30 @@ def test_init_is_deterministic_per_key():
 def test_sgd_steps_reduce_the_loss_on_a_tiny_task():
   model = _model(num_classes=2)
   x = _x(32, seed=3)
-  y = (x[:, :4].mean(axis=(1, 2, 3)) > 0).astype(jnp.int32)  # readable from the top rows
-  params, state = jax.jit(model.init)(jax.random.key(0), x[:1])
+  y = (x[:, :4].mean(axis=(1, 2, 3)) > 0).astype(np.int32)  # readable from the top rows
 
-  @jax.jit
-  def loss(p):
-    logits, _ = model.apply(p, state, x, train=True)
+  def loss(params):
+    logits, _ = model.apply(params, {}, x, train=True)
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
 
-  @jax.jit
-  def step(p):
-    value, grads = jax.value_and_grad(loss)(p)
-    return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), value
+  def step(params, _):  # (the new parameters, the loss of `params`)
+    value, grads = jax.value_and_grad(loss)(params)
+    return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), value
 
-  first = None
-  for _ in range(15):
-    params, value = step(params)
-    first = value if first is None else first
-  assert float(loss(params)) < 0.7 * float(first)
+  @jax.jit  # init and the steps in one program
+  def train(key):
+    params, state = model.init(key, x[:1])
+    assert state == {}
+    # The 16th step's loss is that of the parameters after 15 steps.
+    return jax.lax.scan(step, params, length=16)[1]
+
+  losses = np.asarray(train(jax.random.key(0)))
+  assert losses[-1] < 0.7 * losses[0], losses
 
 
-def test_dropout_only_in_train_mode():
+def test_dropout_only_in_train_mode(tiny):
   model = _model(dropout=0.3)
-  params, state = jax.jit(model.init)(jax.random.key(0), _x(1))
+  _, _, no_dropout_apply, params, state = tiny  # Dropout adds no parameters.
   x = _x(4)
   apply = _apply(model)
   eval_a, _ = apply(params, state, x, train=False)
@@ -120,20 +129,22 @@ def test_dropout_only_in_train_mode():
   assert not np.allclose(train_a, eval_a)
   with pytest.raises(ValueError, match='needs a PRNG key'):
     model.apply(params, state, x, train=True)
-  no_dropout = _model()
   np.testing.assert_array_equal(
-      _apply(no_dropout)(params, state, x, train=True, rng=jax.random.key(1))[0], eval_a)
+      no_dropout_apply(params, state, x, train=True, rng=jax.random.key(1))[0], eval_a)
 
 
-def test_vmap_over_stacked_members_matches_each_member_alone():
-  model = _model()
-  keys = jax.random.split(jax.random.key(0), 3)
-  params, state = jax.jit(jax.vmap(model.init, in_axes=(0, None)))(keys, _x(1))
-  assert params['blocks'][0]['attn']['q']['w'].shape == (3, 32, 32)
+def test_vmap_over_stacked_members_matches_each_member_alone(tiny):
+  model, _, apply, _, _ = tiny
   x = _x(4)
-  logits, _ = jax.jit(jax.vmap(lambda p, s: model.apply(p, s, x, train=False)))(params, state)
+
+  @jax.jit
+  def members(key):
+    params, state = jax.vmap(model.init, in_axes=(0, None))(jax.random.split(key, 3), x[:1])
+    return params, jax.vmap(lambda p, s: model.apply(p, s, x, train=False))(params, state)[0]
+
+  stacked, logits = jax.device_get(members(jax.random.key(0)))
+  assert stacked['blocks'][0]['attn']['q']['w'].shape == (3, 32, 32)
   assert logits.shape == (3, 4, 10)
-  apply, stacked = _apply(model), jax.device_get(params)
   for m in range(3):
     alone, _ = apply(jax.tree.map(lambda a, m=m: a[m], stacked), {}, x, train=False)
     np.testing.assert_allclose(logits[m], alone, rtol=1e-5, atol=1e-5)
@@ -154,10 +165,10 @@ def test_patch_size_must_divide_the_input():
     _model(patch_size=3).init(jax.random.key(0), _x(1))
 
 
-def test_vit_rules_shard_blocks_tensor_parallel_and_the_rest_by_fsdp():
+def test_vit_rules_shard_blocks_tensor_parallel_and_the_rest_by_fsdp(tiny):
   model = make_vit(model_spec(**TINY), 10)
-  keys = jax.random.split(jax.random.key(0), 2)
   init = jax.vmap(lambda k: model.init(k, _x(1))[0])
+  keys = jax.eval_shape(lambda: jax.random.split(jax.random.key(0), 2))
   abstract = {'params': jax.eval_shape(init, keys)}
   sizes = {MEMBER: 2, DATA: 1, MODEL: 4}
   rule = sr.by_regex(VIT_RULES, default=sr.fsdp(axis_size=4, min_size=256), axis_sizes=sizes)
@@ -173,13 +184,20 @@ def test_vit_rules_shard_blocks_tensor_parallel_and_the_rest_by_fsdp():
   assert specs['pos'] == P(MEMBER, None, MODEL)  # [16, 32]: the fsdp default
   mesh = jax.make_mesh((2, 1, 4), (MEMBER, DATA, MODEL),
                        axis_types=(jax.sharding.AxisType.Auto,) * 3)
-  params = jax.jit(init, out_shardings=layout.state_shardings(abstract, mesh)['params'])(keys)
+  params = jax.jit(lambda key: init(jax.random.split(key, 2)),
+                   out_shardings=layout.state_shardings(abstract, mesh)['params'])(
+                       jax.random.key(0))
   fc2 = params['blocks'][0]['mlp']['fc2']['w']
   assert fc2.sharding.shard_shape(fc2.shape) == (1, 16, 32)
   x = _x(4)
   forward = jax.jit(jax.vmap(lambda p: model.apply(p, {}, x, train=False)[0]))
-  np.testing.assert_allclose(forward(params), forward(jax.device_get(params)),
-                             rtol=1e-5, atol=1e-5)
+  # The members split over 'model' compute what each computes whole on one device (the
+  # shared program of the TINY ViT).
+  split, whole = np.asarray(forward(params)), jax.device_get(params)
+  apply = tiny[2]
+  for m in range(2):
+    alone, _ = apply(jax.tree.map(lambda a, m=m: a[m], whole), {}, x, train=False)
+    np.testing.assert_allclose(split[m], alone, rtol=1e-5, atol=1e-5)
 
 
 CONFIGS = Path(__file__).resolve().parents[1] / 'configs'
@@ -193,7 +211,8 @@ def test_configs_load_validate_and_build_at_full_size(name, sample, params):
   config = loading.load_config(CONFIGS / name)
   checks.validate(config)
   model = get_model(specs.model_spec(config), 10)
-  abstract, _ = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros(sample))
+  abstract, _ = jax.eval_shape(model.init, jax.random.key(0),
+                               jax.ShapeDtypeStruct(sample, jnp.float32))
   assert sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(abstract)) == params
 
 
