@@ -2,13 +2,15 @@
 pipeline's bit for bit, for every member order, member pool, steps per call, with indices,
 resumed, in two processes and in a whole run; 'auto' and True against the budget.
 
-This file is also the probe each process of the two-process test runs:
-`python tests/test_resident.py probe OUT PORT NUM_PROCESSES PROCESS_ID HOSTS_ALONG[,...]`.
+This file also starts the two processes of the two-process test:
+`python tests/test_resident.py probes OUT_DIR PORT HOSTS_ALONG[,...]` forks them, each
+writing OUT_DIR/probe_{process id}.json.
 """
 
 import functools
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -235,6 +237,25 @@ def _probe(out: str, port: str, num_processes: str, process_id: str, hosts_along
   Path(out).write_text(json.dumps(result))
 
 
+def _fork_probes(out_dir: str, port: str, hosts_along: str) -> None:
+  """Forks the two processes, each running _probe as its process id, and waits for them;
+  exits with the first failure's status. This interpreter imported what they import (JAX,
+  dist_ens, pytest; no backend starts, so no JAX thread runs): each is a fresh process but
+  for those imports, which a process of its own paid (~1 CPU s) again."""
+  pids = []
+  for process_id in range(2):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # The process: it ends as a script ends (atexit: jax.distributed's shutdown).
+      _probe(str(Path(out_dir) / f'probe_{process_id}.json'), port, '2', str(process_id),
+             hosts_along)
+      sys.exit(0)
+    pids.append(pid)
+  statuses = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+  sys.exit(next((s for s in statuses if s), 0))
+
+
 LAYOUTS = ('data', 'member')
 
 
@@ -246,13 +267,11 @@ def two_process_probes(tmp_path_factory):
   import test_multihost as mh
   tmp_path = tmp_path_factory.mktemp('resident_probes')
   port = mh._free_port()
-  outs = [tmp_path / f'probe_{i}.json' for i in range(2)]
-  procs = [mh._start(['timeout', '-k', '10', '150', sys.executable, __file__, 'probe',
-                      str(outs[i]), str(port), '2', str(i), ','.join(LAYOUTS)], mh._env())
-           for i in range(2)]
-  for status, out in mh._wait(procs, 180):
-    assert status == 0, out[-5000:]
-  return [json.loads(p.read_text()) for p in outs]
+  procs = [mh._start(['timeout', '-k', '10', '150', sys.executable, __file__, 'probes',
+                      str(tmp_path), str(port), ','.join(LAYOUTS)], mh._env())]
+  [(status, out)] = mh._wait(procs, 180)
+  assert status == 0, out[-5000:]
+  return [json.loads((tmp_path / f'probe_{i}.json').read_text()) for i in range(2)]
 
 
 @pytest.mark.parametrize('hosts_along', LAYOUTS)
@@ -265,5 +284,5 @@ def test_two_processes_gather_the_same_batches(two_process_probes, hosts_along):
     assert probes[0][kind] == want, kind
 
 
-if __name__ == '__main__' and sys.argv[1:2] == ['probe']:
-  _probe(*sys.argv[2:7])
+if __name__ == '__main__' and sys.argv[1:2] == ['probes']:
+  _fork_probes(*sys.argv[2:5])
