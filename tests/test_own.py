@@ -19,7 +19,8 @@ from dist_ens.config import checks, loading
 from dist_ens.errors import ConfigError
 from dist_ens.io.pretrained import load_pretrained, read_orbax
 from dist_ens.parallel import mesh as mesh_lib, placement, sharding_rules
-from test_methods import _Stop, _config
+import runs
+from test_methods import _config
 
 BATCH = 32
 
@@ -49,18 +50,25 @@ def _parts(config):
 def _steps(config, steps, form=('vmap', None)):
   """(params before, params after, first step's losses [M], parts, final state)."""
   parts = _parts(config)
+  (before, _), after, first_loss, state = _train(parts, steps, form)
+  return before, after, first_loss, parts, state
+
+
+def _train(parts, steps, form=('vmap', None)):
+  """((params, model state) before, params after, first step's losses [M], final state)
+  of `steps` steps on MNIST-1D's first batches."""
   step = assemble.build_step(parts, per_member_batches=False, form=form)
   state, sharding = initial_state.init_sharded(parts), mesh_lib.batch_sharding(parts.mesh)
   fetch = lambda tree: jax.tree.map(np.asarray, jax.jit(
       lambda t: t, out_shardings=mesh_lib.replicated(parts.mesh))(tree))
-  before, losses = fetch(state.params), []
+  before, losses = fetch((state.params, state.model_state)), []
   batches = data.BatchIterator(data.load_dataset('mnist1d').train, BATCH, seed=0)
   for _ in range(steps):
     x, y = next(batches)
     state, metrics = step(state, parts.device_hparams(), data.to_global(x, sharding),
                           data.to_global(y, sharding))
     losses.append(np.asarray(metrics.loss))
-  return before, fetch(state.params), losses[0], parts, state
+  return before, fetch(state.params), losses[0], state
 
 
 def _numpy_loss(w0, b0, w1, b1, x, y):
@@ -72,9 +80,16 @@ def _numpy_loss(w0, b0, w1, b1, x, y):
   return -np.mean(log_probs[np.arange(len(y)), y])
 
 
-def test_heads_train_and_the_backbone_is_the_file_bit_for_bit(tmp_path):
-  source, body = _backbone_file(tmp_path)
-  before, after, first_loss, parts, state = _steps(_own_config(source), 5)
+@pytest.fixture(scope='module')
+def head_steps(tmp_path_factory):
+  """(the backbone file's arrays, _steps of own='head' from it: 3 steps of the vmapped
+  step), read by the heads test and the member loop's."""
+  source, body = _backbone_file(tmp_path_factory.mktemp('own_head'))
+  return body, _steps(_own_config(source), 3)
+
+
+def test_heads_train_and_the_backbone_is_the_file_bit_for_bit(head_steps):
+  body, (before, after, first_loss, _, state) = head_steps
   (layer0, head) = after
   for name in ('w', 'b'):
     assert set(layer0[name]) == {'shared'} and layer0[name]['shared'].shape == body[
@@ -95,10 +110,9 @@ def test_heads_train_and_the_backbone_is_the_file_bit_for_bit(tmp_path):
     np.testing.assert_allclose(first_loss[m], expected, rtol=2e-5)
 
 
-def test_the_member_loop_steps_as_the_vmap(tmp_path):
-  source, _ = _backbone_file(tmp_path)
-  _, vmapped, _, _, _ = _steps(_own_config(source), 3)
-  _, looped, _, _, _ = _steps(_own_config(source), 3, form=('map', None))
+def test_the_member_loop_steps_as_the_vmap(head_steps):
+  _, (_, vmapped, _, parts, _) = head_steps
+  _, looped, _, _ = _train(parts, 3, form=('map', None))  # The same parts, looped.
   for a, b in zip(jax.tree.leaves(vmapped), jax.tree.leaves(looped)):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
@@ -132,18 +146,18 @@ def test_the_backbone_is_stored_once_whatever_m(tmp_path):
 
 
 def straight_and_resumed(tmp_path, config):
-  """(results of a run in tmp_path/a, of the same run in tmp_path/b killed after step 16's
-  checkpoint and resumed); `config()` gives a fresh config, checkpoints every 8 steps."""
-  def run(workdir, actions=()):
+  """(results of a 24-step run in tmp_path/a, of the same run resumed in tmp_path/b from
+  what a kill right after its step-16 checkpoint leaves: runs.killed_after's copy of a,
+  one training fewer than killing a second run); `config()` gives a fresh config,
+  checkpoints every 8 steps."""
+  def run(workdir):
     c = config()
     c.train.log_every, c.train.eval_every, c.checkpoint.every = 8, 0, 8
     c.mesh.data = 1
-    return dist_ens.train(c, str(workdir), devices=jax.devices()[:2], actions=actions)
+    return dist_ens.train(c, str(workdir), devices=jax.devices()[:2])
 
   straight = run(tmp_path / 'a')
-  with pytest.raises(RuntimeError, match='injected fault'):
-    run(tmp_path / 'b', actions=[_Stop(16)])
-  return straight, run(tmp_path / 'b')
+  return straight, run(runs.killed_after(tmp_path / 'a', 16, tmp_path / 'b'))
 
 
 def test_resume_is_exact_and_ensemble_load_predicts(tmp_path):
@@ -221,7 +235,9 @@ def test_path_rules_split_shared_and_own_leaves_over_model(tmp_path):
 
 
 def _step_flops(own, members):
-  """XLA's FLOPs of one device's compiled step (2 devices on 'member', shared batches)."""
+  """XLA's FLOPs of one device's step as lowered (2 devices on 'member', shared batches):
+  before XLA's optimisations, so a forward pass repeated or a backward pass computed and
+  then dropped counts too, and nothing is compiled."""
   config = _own_config('', own=own, members=members)
   config.mesh.data, config.model.widths = 1, (256, 256)
   parts = _parts(config)
@@ -232,7 +248,7 @@ def _step_flops(own, members):
   members = mesh_lib.member_sharding(parts.mesh)
   hp = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=members),
                     parts.device_hparams())
-  return step.fn.lower(parts.abstract_state, hp, x, y).compile().cost_analysis()['flops']
+  return step.fn.lower(parts.abstract_state, hp, x, y).cost_analysis()['flops']
 
 
 def test_the_backbone_runs_forward_once_per_device_and_never_backward():
@@ -253,20 +269,23 @@ def test_batchnorm_statistics_stay_each_members_and_follow_its_batches(tmp_path)
   from flax import serialization
   from examples.flax_linen_resnet import make_model
 
-  # Jitted: one compile instead of one per operation.
-  variables = jax.jit(make_model(channels=8).init)(jax.random.key(7), np.zeros((1, 40, 1)))
+  # The model's variables drawn in numpy on its init's structure (traced, not compiled).
+  shapes = jax.eval_shape(make_model(channels=8).init, jax.random.key(7), np.zeros((1, 40, 1)))
+  r = np.random.default_rng(7)
+  variables = jax.tree.map(lambda s: r.normal(size=s.shape).astype(s.dtype) * 0.3, shapes)
+  variables['batch_stats'] = jax.tree.map(np.abs, variables['batch_stats'])  # var > 0
   (tmp_path / 'v.msgpack').write_bytes(serialization.to_bytes(variables))
   config = _own_config(str(tmp_path / 'v.msgpack'))
   config.model.factory, config.model.kwargs.channels = 'examples.flax_linen_resnet:make_model', 8
   parts = _parts(config)
   assert parts.method.owned == frozenset({'Dense_0/kernel', 'Dense_0/bias'})
-  before = jax.device_get(initial_state.init_sharded(parts))
-  _, after, _, _, state = _steps(config, 2)
+  (params, model_state), after, _, state = _train(parts, 2)
   np.testing.assert_array_equal(after['Conv_0']['kernel']['shared'],
                                 variables['params']['Conv_0']['kernel'])
   np.testing.assert_array_equal(after['BatchNorm_0']['scale']['shared'],
                                 variables['params']['BatchNorm_0']['scale'])
-  mean = lambda s: np.asarray(s.model_state['batch_stats']['BatchNorm_0']['mean'])
-  assert mean(before).shape[0] == 4 and not np.allclose(mean(before), mean(jax.device_get(state)))
-  head = before.params['Dense_0']['kernel']['own']
+  mean = lambda s: np.asarray(s['batch_stats']['BatchNorm_0']['mean'])
+  assert mean(model_state).shape[0] == 4
+  assert not np.allclose(mean(model_state), mean(jax.device_get(state.model_state)))
+  head = params['Dense_0']['kernel']['own']
   assert not np.allclose(after['Dense_0']['kernel']['own'], head)
