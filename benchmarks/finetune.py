@@ -121,12 +121,13 @@ def _config(overrides: dict):
 
 
 def _shifted_test(shift: str, seed: int) -> np.ndarray:
-  """The test split's inputs under `shift`, as eval.shift corrupts them (same keys, jitted)."""
+  """The test split's inputs under `shift`, as a run with eval.shift=`shift` corrupts them
+  (same keys, jitted, its program holding that family's branch alone)."""
   name, severity = corruptions.resolve(shift)[0]
   x = jnp.asarray(data.load_dataset('digits').test.x)
-  corrupt = jax.jit(corruptions.corrupt_batch)
-  return np.asarray(corrupt(x, jnp.arange(len(x)), corruptions.corruption_id(name), severity,
-                            seed))
+  family = corruptions.corruption_id(name)
+  corrupt = jax.jit(functools.partial(corruptions.corrupt_batch, families=(family,)))
+  return np.asarray(corrupt(x, jnp.arange(len(x)), family, severity, seed))
 
 
 def _ood_auroc(workdir: str, shifted_x: np.ndarray) -> float:

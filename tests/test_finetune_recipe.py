@@ -18,9 +18,8 @@ from benchmarks import finetune  # noqa: E402  pylint: disable=g-import-not-at-t
 def test_the_contrast_augmentation_is_the_shifted_test_transform_bit_for_bit():
   assert finetune.check_shift_matches('contrast:3')
   # A noise family is not claimed to match: Gaussian noise draws other keys in training
-  # than eval.shift does on the test split. Checked in this child process, whose
-  # eval.shift program (every family's, ~5 s to compile) the contrast check compiled: a
-  # test of its own in the parent compiled that program a second time.
+  # than eval.shift does on the test split. Checked in this child process, which pays
+  # XLA's default level once for both (a test of its own would start a second child).
   assert not finetune.check_shift_matches('gaussian_noise:3')
 
 
