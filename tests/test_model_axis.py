@@ -95,21 +95,23 @@ def test_with_model_4_each_large_leaf_is_a_quarter_per_device():
   assert large == 3 * 2  # The two big kernels, their params and Adam's mu and nu.
 
 
-def test_the_compiled_step_holds_a_quarter_of_the_state_per_device():
-  def argument_bytes(model):
-    config = _config(2, 1, model, num_members=2, widths=(512, 512))
-    config.data.batch_size = 8
-    parts = assemble.build_parts(config, mesh_layout.build_mesh(config, jax.devices()[:2 * model]),
-                                 (40, 1), 10)
-    step = assemble.build_step(parts, per_member_batches=False, form=('vmap', None))
-    x = jax.ShapeDtypeStruct((8, 40, 1), np.float32, sharding=mesh_lib.batch_sharding(parts.mesh))
-    y = jax.ShapeDtypeStruct((8,), np.int32, sharding=mesh_lib.batch_sharding(parts.mesh))
-    hp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                      parts.device_hparams())
-    compiled = step.fn.lower(parts.abstract_state, hp, x, y).compile()
-    return compiled.memory_analysis().argument_size_in_bytes
+@pytest.fixture(scope='module')
+def plan_model_4():
+  """(config, its plan): 4 members of a (512, 512) MLP, batch 8, on member=2 x data=1 x
+  model=4; the plan compiles the run's step (and one of twice the members), runs nothing."""
+  from dist_ens import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  config = _config(2, 1, 4, num_members=4, widths=(512, 512))
+  config.data.batch_size = 8
+  return config, plan_lib.make_plan(config, jax.devices(), measure_programs=False)
 
-  whole, quarter = argument_bytes(1), argument_bytes(4)
+
+def test_the_compiled_step_holds_a_quarter_of_the_state_per_device(plan_model_4):
+  config, plan = plan_model_4
+  # What a device holds with its member group's members whole (model=1): their share of
+  # every leaf of the state, counted from its shapes.
+  state = _parts(config).abstract_state
+  whole = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state)) // 2
+  quarter = plan.step.argument  # XLA's: the compiled step's arguments on one device.
   assert 0.25 * 0.9 <= quarter / whole <= 0.25 * 1.1, (quarter, whole)
 
 
@@ -155,15 +157,14 @@ def test_a_model_axis_that_does_not_divide_the_devices_is_refused():
     _parts(_config(-1, 1, 3))
 
 
-def test_plan_prints_each_leafs_spec_and_the_state_bytes_per_device():
-  from dist_ens import plan as plan_lib
-  config = _config(2, 1, 4, num_members=4)
-  plan = plan_lib.make_plan(config, jax.devices(), measure_programs=False)
+def test_plan_prints_each_leafs_spec_and_the_state_bytes_per_device(plan_model_4):
+  from dist_ens import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  config, plan = plan_model_4
   # The layout's bytes per device equal what XLA aliases of the donated state.
   assert plan.state_bytes_per_device == plan.step.alias
   kernel = next(p for p in plan.param_leaves if p.path.endswith('1/w'))
-  assert kernel.spec == P('member', None, 'model') and kernel.shape == (4, 64, 64)
-  assert kernel.bytes_per_device == 2 * 64 * 16 * 4  # 2 members, a quarter of 64 columns
+  assert kernel.spec == P('member', None, 'model') and kernel.shape == (4, 512, 512)
+  assert kernel.bytes_per_device == 2 * 512 * 128 * 4  # 2 members, a quarter of 512 columns
   assert plan.to_dict()['state_bytes_per_device'] == plan.state_bytes_per_device
   assert "P('member', None, 'model')" in plan_lib.format_plan(plan, config)
 
