@@ -1,18 +1,22 @@
 """README.md's Python snippets run as written, and the README and docs/ hold together.
 
 Every ```python block of README.md runs ALONE (a reader pastes one, not the page: issue 62
-item 8), each in a fresh interpreter, from the repository root (the snippets use relative
-paths such as configs/default.py and examples.plain_jax), as a script file outside the
-repository: `python /elsewhere/snippet.py` puts the script's folder on sys.path, not the cwd,
-the harder case for 'examples.plain_jax:...' import paths. A snippet runs on one CPU device
-unless it states the XLA_FLAGS it needs (`XLA_FLAGS=...` in a comment), and compiles as the
-other tests do (support.FAST_COMPILE). '/tmp/' workdirs are redirected into pytest's
-tmp_path so reruns start fresh. A block preceded by the comment `<!-- not-run -->` is left
-out: that is only for blocks that need hardware or downloads we do not have here (a GPU
-cluster, a TPU pod, a TFDS dataset). Shell blocks are never run; the CLI has its own tests
-(tests/test_cli.py, tests/test_train.py runs the install command's training).
+item 8), each in a process of its own with fresh globals (forked from one interpreter that
+has imported what the snippets' training imports: _FORK_A_PROCESS_PER_SNIPPET), from the
+repository root (the snippets use relative paths such as configs/default.py and
+examples.plain_jax), as a script file outside the repository: `python /elsewhere/snippet.py`
+puts the script's folder on sys.path, not the cwd, the harder case for
+'examples.plain_jax:...' import paths. A snippet runs on one CPU device unless it states the
+XLA_FLAGS it needs (`XLA_FLAGS=...` in a comment), and compiles as the other tests do
+(support.FAST_COMPILE). '/tmp/' workdirs are redirected into pytest's tmp_path so reruns
+start fresh. A block preceded by the comment `<!-- not-run -->` is left out: that is only
+for blocks that need hardware or downloads we do not have here (a GPU cluster, a TPU pod, a
+TFDS dataset). Shell blocks are never run; the CLI has its own tests (tests/test_cli.py,
+tests/test_train.py runs the install command's training).
 """
 
+import ast
+import json
 import os
 import re
 import shlex
@@ -67,22 +71,158 @@ def test_readme_has_python_blocks_that_state_their_flags():
       '--xla_force_host_platform_device_count=8']
 
 
-@pytest.mark.parametrize('index', range(len(python_blocks())))
-def test_readme_python_block_runs_alone(index, tmp_path):
-  code = python_blocks()[index].replace("'/tmp/", f"'{tmp_path}/")
-  script = tmp_path / 'elsewhere' / f'readme_snippet_{index}.py'
-  script.parent.mkdir()
-  script.write_text(code)
+# Each snippet in a process of its own, as `python /elsewhere/readme_snippet_<i>.py` runs it,
+# for the price of one interpreter's imports (1.6 of a snippet's 2.6-4.5 CPU s; the file took
+# 29-36 CPU s with a fresh interpreter per snippet, 6-7 more than this). One child imports the
+# modules the snippets import, records what is loaded then (what a fresh process has after
+# their imports), imports what their dist_ens.train loads (JAX, optax, orbax, dist_ens's
+# modules) without starting a JAX backend, and forks a process per snippet: XLA reads
+# XLA_FLAGS when the first backend starts, so each fork runs with the flags its snippet
+# states. The fork runs the snippet as __main__ with fresh globals (a name it does not import
+# or define fails, as pasted alone), its script's folder first on sys.path and nothing of the
+# repository there (-P; the sys.path of `python script`), and exits as Python exits (an
+# uncaught exception: its traceback on stderr, status 1). What a fork does not reproduce is
+# the modules loaded before the snippet's first line: a snippet that reached a submodule by
+# attribute without importing it (`import jax`, then `jax.experimental.multihost_utils`)
+# could run here and fail pasted alone; reached_unloaded_submodules finds those.
+_FORK_A_PROCESS_PER_SNIPPET = r"""
+import importlib, json, os, runpy, signal, sys
+out, limit_s = sys.argv[1], int(sys.argv[2])
+with open(os.path.join(out, 'snippets.json')) as f:
+  snippets, imports = json.load(f)
+for name in imports:  # What the snippets import themselves; then what a fresh process has.
+  importlib.import_module(name)
+fresh = sorted(sys.modules)
+import dist_ens
+dist_ens.train, dist_ens.Ensemble, dist_ens.data.from_arrays  # Their modules (PEP 562).
+from jax._src import xla_bridge
+assert not xla_bridge._backends, 'a backend started before the fork: XLA_FLAGS would be read'
+with open(os.path.join(out, 'modules.json'), 'w') as f:
+  json.dump({'fresh': fresh, 'forked': sorted(sys.modules)}, f)
+statuses = []
+for i, (script, xla_flags) in enumerate(snippets):
+  sys.stdout.flush()
+  sys.stderr.flush()
+  pid = os.fork()
+  if pid == 0:  # The snippet's process: from here on as `python script` runs it.
+    for fd, stream in ((1, 'stdout'), (2, 'stderr')):
+      os.dup2(os.open(os.path.join(out, f'{i}.{stream}'), os.O_WRONLY | os.O_CREAT), fd)
+    signal.alarm(limit_s)
+    os.environ['XLA_FLAGS'] = xla_flags
+    sys.path.insert(0, os.path.dirname(script))
+    sys.argv = [script]
+    runpy.run_path(script, run_name='__main__')
+    sys.exit(0)
+  statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+with open(os.path.join(out, 'statuses.json'), 'w') as f:
+  json.dump(statuses, f)
+"""
+_SNIPPET_LIMIT_S = 240
+
+
+@pytest.fixture(scope='module')
+def snippet_runs(tmp_path_factory) -> tuple[list[tuple[str, int, str, str]], dict[str, set]]:
+  """(script, exit status, stdout, stderr) of each python block run alone, in order, and
+  the modules {'fresh': a fresh process's after the snippets' imports, 'forked': those the
+  forks start with}. Each block is written to a script outside the repository (its '/tmp/'
+  workdirs moved under pytest's tmp path) and run from the repository root on one CPU
+  device unless it states the XLA_FLAGS it needs, compiling as the other tests do
+  (support.FAST_COMPILE)."""
+  root = tmp_path_factory.mktemp('readme_snippets')
+  snippets = []
+  for index, code in enumerate(python_blocks()):
+    code = code.replace("'/tmp/", f"'{root}/")
+    script = root / 'elsewhere' / f'readme_snippet_{index}.py'
+    script.parent.mkdir(exist_ok=True)
+    script.write_text(code)
+    snippets.append((str(script), ' '.join((*support.FAST_COMPILE, *stated_xla_flags(code)))))
+  out = root / 'runs'
+  out.mkdir()
+  (out / 'snippets.json').write_text(json.dumps([snippets, sorted(set().union(
+      *(imported_modules(code) for code in python_blocks())))]))
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'PYTHONPATH')}
-  env.update(JAX_PLATFORMS='cpu', MPLBACKEND='Agg',
-             XLA_FLAGS=' '.join((*support.FAST_COMPILE, *stated_xla_flags(code))))
-  # `timeout` ends a hung snippet (and its children) before subprocess's own limit, so the
-  # failure names the snippet instead of hanging the worker.
-  proc = subprocess.run(['timeout', '-k', '5', '240', sys.executable, str(script)], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=270)
-  assert proc.returncode == 0, (
-      f'README.md python block {index} failed alone (script: {script}):\n{code}\n'
-      f'{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}')
+  env.update(JAX_PLATFORMS='cpu', MPLBACKEND='Agg')
+  # A hung snippet ends by its alarm, the others still run; `timeout` ends the whole child
+  # before subprocess's own limit, so the failure says where it hung.
+  limit_s = _SNIPPET_LIMIT_S * len(snippets) + 60
+  child = subprocess.run(['timeout', '-k', '5', str(limit_s), sys.executable, '-P', '-c',
+                          _FORK_A_PROCESS_PER_SNIPPET, str(out), str(_SNIPPET_LIMIT_S)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s + 30)
+  # Nothing on its own stdout or stderr: the imports a fresh process makes print nothing.
+  assert child.returncode == 0 and not child.stdout and not child.stderr, (
+      child.returncode, child.stdout[-3000:], child.stderr[-5000:])
+  statuses = json.loads((out / 'statuses.json').read_text())
+  modules = {k: set(v) for k, v in json.loads((out / 'modules.json').read_text()).items()}
+  return [(script, status, (out / f'{i}.stdout').read_text(), (out / f'{i}.stderr').read_text())
+          for i, ((script, _), status) in enumerate(zip(snippets, statuses))], modules
+
+
+def imported_modules(code: str) -> set[str]:
+  """The modules `code`'s import statements import (absolute ones)."""
+  return {alias.name for node in ast.walk(ast.parse(code)) if isinstance(node, ast.Import)
+          for alias in node.names} | {node.module for node in ast.walk(ast.parse(code))
+                                      if isinstance(node, ast.ImportFrom) and node.level == 0}
+
+
+def reached_unloaded_submodules(code: str, modules: dict[str, set]) -> set[str]:
+  """The submodules `code` reaches by attribute from a module it imports (`jax.experimental.
+  multihost_utils` after `import jax`) without importing them, that a fresh process has not
+  loaded after the snippets' imports and the fork server has: where a fork would hide a
+  missing import. (One that works pasted alone only because a call before it loaded the
+  submodule is reported too: the snippet should import what it reaches.) Not dist_ens's:
+  its subpackages load on first use (PEP 562)."""
+  tree, imported, bound = ast.parse(code), imported_modules(code), {}  # bound: name -> module
+  for node in ast.walk(tree):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        bound[alias.asname or alias.name.split('.')[0]] = (
+            alias.name if alias.asname else alias.name.split('.')[0])
+    elif isinstance(node, ast.ImportFrom) and node.level == 0:
+      for alias in node.names:
+        if f'{node.module}.{alias.name}' in modules['forked']:
+          bound[alias.asname or alias.name] = f'{node.module}.{alias.name}'
+  hidden = modules['forked'] - modules['fresh']
+  reached = set()
+  for node in ast.walk(tree):
+    chain = []
+    while isinstance(node, ast.Attribute):
+      chain.insert(0, node.attr)
+      node = node.value
+    if not (chain and isinstance(node, ast.Name) and node.id in bound):
+      continue
+    dotted = bound[node.id]
+    for attr in chain:
+      dotted += '.' + attr
+      if (dotted in hidden and not dotted.startswith('dist_ens.')
+          and not any(m == dotted or m.startswith(dotted + '.') for m in imported)):
+        reached.add(dotted)
+  return reached
+
+
+@pytest.mark.parametrize('index', range(len(python_blocks())))
+def test_readme_python_block_runs_alone(index, snippet_runs):
+  runs, modules = snippet_runs
+  script, status, stdout, stderr = runs[index]
+  code = python_blocks()[index]
+  assert status == 0, (
+      f'README.md python block {index} failed alone (script: {script}):\n'
+      f'{code}\n{stdout[-3000:]}\n{stderr[-5000:]}')
+  assert not reached_unloaded_submodules(code, modules), (
+      f'README.md python block {index} reaches modules it does not import:\n{code}')
+
+
+def test_the_check_of_unimported_submodules_finds_them(snippet_runs):
+  _, modules = snippet_runs
+  reach = lambda code: reached_unloaded_submodules(code, modules)
+  use = 'jax.experimental.multihost_utils.sync_global_devices("x")'
+  assert reach(f'import jax\n{use}') == {'jax.experimental.multihost_utils'}
+  assert reach(f'from jax import experimental as ex\n{use.replace("jax.experimental", "ex")}'
+               ) == {'jax.experimental.multihost_utils'}
+  assert not reach(f'import jax\nimport jax.experimental.multihost_utils\n{use}')
+  assert not reach('import jax.experimental.multihost_utils as m\nm.sync_global_devices("x")')
+  # Loaded by the snippets' own imports in a fresh process too; dist_ens's load on use.
+  assert not reach('import numpy as np, jax\nnp.random.default_rng(0); jax.nn.relu(1.0)')
+  assert not reach('import dist_ens\ndist_ens.data.from_arrays')
 
 
 def test_readme_keeps_the_two_commands_and_stays_short():
