@@ -38,12 +38,12 @@ def _run_spec(config):
   return specs.run_spec(config, member_groups.describe(config))
 
 
-def _logits(seed, n=400, members=None, sharpness=3.0):
-  """Random labels and logits that favour them: [n] labels, [(members,) n, C] logits."""
+def _logits(seed, n=400, members=None, sharpness=3.0, classes=C):
+  """Random labels and logits that favour them: [n] labels, [(members,) n, classes] logits."""
   rng = np.random.default_rng(seed)
-  labels = rng.integers(0, C, n)
-  shape = (n, C) if members is None else (members, n, C)
-  logits = sharpness * (rng.standard_normal(shape) + 1.2 * np.eye(C)[labels])
+  labels = rng.integers(0, classes, n)
+  shape = (n, classes) if members is None else (members, n, classes)
+  logits = sharpness * (rng.standard_normal(shape) + 1.2 * np.eye(classes)[labels])
   return labels, logits.astype(np.float32)
 
 
@@ -84,12 +84,14 @@ def test_fitted_temperature_minimises_nll(sharpness):
 
 
 def test_member_and_ensemble_temperatures():
-  labels, logits = _logits(1, members=4)
+  # The shapes of test_posthoc_steps_in_a_training_run's validation (300) and test (1,000)
+  # splits of MNIST-1D's 10 classes, whose temperature scaling then reuses these programs.
+  labels, logits = _logits(1, n=300, members=4, classes=10)
   # jax's log_softmax (one program): the run normalises them again the same way, to the bit.
   log_probs = np.array(jax.nn.log_softmax(logits * np.array([0.2, 1, 2, 4])[:, None, None]))
   log_probs[2] = np.nan  # a frozen member
   included = np.array([True, True, False, True])
-  test_y, test = _logits(2, members=4)
+  test_y, test = _logits(2, n=1000, members=4, classes=10)
   test = _log_softmax(test)
   scorer = evaluate.Scorer.of(classification_lib.classification())
   out = temperature.temperature_scaling(scorer, log_probs, labels, test, test_y, included)
