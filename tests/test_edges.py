@@ -50,33 +50,33 @@ def _one_line(result: Answer) -> str:
 
 
 # Each command line and the Python run in a process of its own, for the price of one
-# interpreter: this child imports what they import (JAX, dist_ens, the trainer, TFDS,
-# tensorboardX; no backend starts, so no JAX thread runs) and forks a process per job: a
-# command line runs dist_ens.main as __main__ (runpy, as `python -m dist_ens.main` does) and
-# exits as Python exits; the Python job trains support.config() as a script calling
-# dist_ens.train would. Each is a fresh process but for the imports, whose output (none: the
-# child's own stdout and stderr are checked) a fresh one would print first. A fresh
-# interpreter with these imports was 1.7-2.1 CPU s a command line.
+# interpreter's imports (1.7-2.1 CPU s a command line in a fresh one): this child imports
+# what dist_ens.main imports and this file (JAX, dist_ens's modules it names; no backend
+# starts, so no JAX thread runs), as the Python script it replaces did before it trained,
+# and forks a process per job. A command line runs dist_ens.main as __main__ (runpy, as
+# `python -m dist_ens.main` does) and exits as Python exits; the Python job trains
+# support.config() from its workdir. Each is a fresh process but for those imports, whose
+# output (none: the child's own stdout and stderr are checked) a fresh one would print
+# first. What a fork does not reproduce is a product module that reaches a submodule it
+# does not import, loaded here by another: test_cli's trainings and test_multihost's runs
+# start fresh interpreters, where it would fail.
 _FORK_A_PROCESS_PER_JOB = r"""
 import json, os, runpy, signal, sys
 out, limit_s, root = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 sys.path[:0] = [root, os.path.join(root, 'tests')]
-import jax, tensorboardX, tensorflow_datasets
-import support
-import dist_ens
 from dist_ens import commands
 from dist_ens.config import command_line
-from dist_ens.data import pipeline
-from dist_ens.training import trainer
+import test_edges
 
 def train(workdir):
+  from dist_ens.data import pipeline
   # The prefetch thread idle between two logs (it ran ahead while the step compiled, or a
   # read is slower than the interval): no examples and no busy time in the interval.
   pipeline.Batches.stats = property(lambda self: pipeline.PipelineStats(64, 0.5))
-  config = support.config()
+  config = test_edges._config()
   config.writers = ('jsonl', 'tensorboard')
   os.chdir(workdir)  # Run from outside the repository, as a user's script would be.
-  dist_ens.train(config, workdir)
+  test_edges.dist_ens.train(config, workdir)
 
 with open(os.path.join(out, 'jobs.json')) as f:
   jobs = json.load(f)
