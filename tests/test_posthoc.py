@@ -195,8 +195,8 @@ def test_the_config_builds_the_greedy_step_it_asks_for():
   outputs (test_posthoc_steps_in_a_training_run runs a selection without replacement)."""
   from dist_ens.evaluators import evaluator as evaluator_lib  # pylint: disable=g-import-not-at-top
   outputs = posthoc.SplitOutputs()
+  config = load_config(ROOT / 'configs' / 'default.py')
   for replacement in (True, False):
-    config = load_config(ROOT / 'configs' / 'default.py')
     config.data.validation_size = 64
     config.select.method, config.select.greedy_size = 'greedy', 4
     config.select.greedy_replacement = replacement
