@@ -109,10 +109,16 @@ def fit_member_temperatures(log_probs: jax.Array, labels: jax.Array) -> jax.Arra
                      batch_size=_MEMBERS_AT_ONCE)
 
 
+# Host arrays in, host arrays out, one compiled program each (called eagerly, every array
+# operation of log_softmax or logsumexp would compile a program of its own).
+_scaled = jax.jit(lambda log_probs, t: jax.nn.log_softmax(log_probs / t, axis=-1))
+_pooled = jax.jit(lambda log_probs, log_count: jax.nn.logsumexp(log_probs, axis=0) - log_count)
+
+
 def scale(log_probs: np.ndarray, temperature: np.ndarray | float) -> np.ndarray:
   """log_softmax(log_probs / T): [..., N, C] with T a scalar or one per leading index."""
   t = np.asarray(temperature, np.float32).reshape(np.shape(temperature) + (1, 1))
-  return np.asarray(jax.nn.log_softmax(jnp.asarray(log_probs, jnp.float32) / t, axis=-1))
+  return np.asarray(_scaled(np.asarray(log_probs, np.float32), t))
 
 
 def normalised(logits: np.ndarray) -> np.ndarray:
@@ -123,5 +129,4 @@ def normalised(logits: np.ndarray) -> np.ndarray:
 def pooled_log_probs(log_probs: np.ndarray, member_mask: np.ndarray | None = None) -> np.ndarray:
   """[N, C] log of the mean of the included members' probabilities, from [M, N, C]."""
   mask = np.ones(log_probs.shape[0], bool) if member_mask is None else np.asarray(member_mask)
-  return np.asarray(jax.nn.logsumexp(jnp.asarray(log_probs[mask], jnp.float32), axis=0)
-                    - np.log(np.float32(mask.sum())))
+  return np.asarray(_pooled(np.asarray(log_probs[mask], np.float32), np.log(np.float32(mask.sum()))))
