@@ -138,22 +138,25 @@ def test_the_base_network_learns_from_its_logits_only_and_the_loss_averages_the_
                                prior_scale=2.0)
   base = models.get_model(spec, 3)
   model = epinet_lib.wrap(base, options, lambda o, mask: o.mean(0))
-  x = jax.random.normal(jax.random.key(1), (5, 6))
-  # Jitted: one compile each instead of one per operation (eager dispatch).
-  params, state = jax.jit(model.init)(jax.random.key(0), x)
-  key = jax.random.key(2)
-  outputs, _ = jax.jit(lambda p: model.apply(p, state, x, train=True, rng=key))(params)
+  x = np.random.default_rng(1).normal(size=(5, 6)).astype(np.float32)
+  squared = lambda o, y, hp: jnp.mean((o - y[:, None]) ** 2)
+
+  @jax.jit  # One program: eagerly, each operation (and the loss's) compiled one of its own.
+  def run(init_key, key):
+    params, state = model.init(init_key, x)
+    apply = lambda p: model.apply(p, state, x, train=True, rng=key)[0]
+    outputs = apply(params)
+    grad = jax.grad(lambda p: apply(p).sum())(params)
+    want = jax.grad(lambda b: 4 * base.apply(b, {}, x)[0].sum())(params.base)
+    return outputs, grad, want, epinet_lib.index_mean_loss(squared)(
+        outputs, jnp.arange(5.0), {})
+
+  outputs, grad, want, loss = run(jax.random.key(0), jax.random.key(2))
   assert outputs.shape == (5, 4, 3)
   # d/d(base) of the sum over the 4 samples = 4 x that of the base logits: no gradient
   # reaches the base network through the features the epinet reads.
-  grad = jax.jit(jax.grad(lambda p: model.apply(p, state, x, train=True, rng=key)[0].sum()))(
-      params)
-  want = jax.jit(jax.grad(lambda b: 4 * base.apply(b, {}, x)[0].sum()))(params.base)
   for g, w in zip(jax.tree.leaves(grad.base), jax.tree.leaves(want)):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
-  squared = lambda o, y, hp: jnp.mean((o - y[:, None]) ** 2)
-  labels = jnp.arange(5.0)
-  loss = epinet_lib.index_mean_loss(squared)(outputs, labels, {})
   np.testing.assert_allclose(loss, np.mean((np.asarray(outputs) - np.arange(5.0)[:, None, None])
                                            ** 2), rtol=1e-6)
 
@@ -186,13 +189,22 @@ def test_bad_fields_are_refused_in_one_line_naming_them(field, value, match, tmp
 ])
 def test_built_in_models_expose_the_features_their_logits_are_linear_in(fields, x_shape):
   model = models.get_model(specs.model_spec(support.config(fields)), 4)
-  x = jax.random.normal(jax.random.key(1), x_shape)
-  params, state = jax.jit(model.init)(jax.random.key(0), x)  # one compile, not one an op
-  # features and apply in one program (eagerly each op compiled one of its own: a ResNet's
-  # forward was 8 s of compiles); apply's logits bit for bit.
-  (logits, features, _), applied = jax.jit(lambda p, s: (
-      model.features(p, s, x, train=False), model.apply(p, s, x, train=False)[0]))(params, state)
+  x = np.random.default_rng(1).normal(size=x_shape).astype(np.float32)
+
+  # init, features and apply in one program (eagerly each op compiled one of its own: a
+  # ResNet's forward was 8 s of compiles; init and the forward apart, two programs each);
+  # apply's logits bit for bit.
+  @jax.jit
+  def run(key):
+    params, state = model.init(key, x)
+    logits, features, _ = model.features(params, state, x, train=False)
+    return params, logits, features, model.apply(params, state, x, train=False)[0]
+
+  params, logits, features, applied = run(jax.random.key(0))
   head = params[-1] if isinstance(params, list) else params['head']
   assert features.shape == (x_shape[0], head['w'].shape[0])
-  np.testing.assert_allclose(logits, features @ head['w'] + head['b'], rtol=1e-5, atol=1e-6)
+  # The head in float64 numpy (eager jax: one matmul and add program per model).
+  linear = (np.asarray(features, np.float64) @ np.asarray(head['w'], np.float64)
+            + np.asarray(head['b'], np.float64))
+  np.testing.assert_allclose(logits, linear, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(logits, applied)
