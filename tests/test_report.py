@@ -11,12 +11,12 @@ from xml.etree import ElementTree
 import numpy as np
 import pytest
 
-import runs
 import support
 
 from dist_ens import data
-from dist_ens.report import (build as report, data as report_data, plots as report_plots,
-                             scatter as report_scatter, stats as report_stats)
+from dist_ens.report import (build as report, data as report_data, pages as report_pages,
+                             plots as report_plots, scatter as report_scatter,
+                             stats as report_stats)
 from dist_ens.training import train
 from dist_ens import Ensemble
 
@@ -27,28 +27,26 @@ def _config(**overrides):
   """The sweep's run: support.config's tiny run (4 members of a (16,) MLP, batch 32, on its
   own mesh): 20 steps logged and evaluated every 10 (the report's curves have two points),
   saved at the end. No joint evaluation: the report does not read it."""
-  return support.config({'train.steps': 20, 'train.log_every': 10, 'train.eval_every': 10,
-                         'checkpoint.every': 20, 'eval.joint_tau': 0}, **overrides)
+  return support.config({'train.steps': SWEEP_STEPS, 'train.log_every': 10,
+                         'train.eval_every': 10, 'checkpoint.every': SWEEP_STEPS,
+                         'eval.joint_tau': 0}, **overrides)
 
 
-@pytest.fixture(scope='module')
-def workdir(tmp_path_factory, tiny_run):
-  """A copy of the session's shared finished run (tests/runs.py: support.config's tiny run,
-  8 steps logged and evaluated every 4, so the report's curves have two points), reported."""
-  path = runs.copy(tiny_run, tmp_path_factory.mktemp('report'))
-  assert report.main(['--workdir', str(path)]) == 0
-  return path
+SWEEP_STEPS = 20
 
 
 @pytest.fixture(scope='module')
 def sweep(tmp_path_factory):
   """A learning-rate sweep (over 10x among the finite members) with top-k selection, an OOD
-  set, and member 3 diverging at once (init x 1e30): frozen, with NaN metrics."""
+  set, and member 3 diverging at once (init x 1e30): frozen, with NaN metrics; reported
+  through the command line. Every report test reads this one report (each report draws
+  every figure twice, PNG and SVG: most of this file's time): it holds every figure a
+  plain run's report has and the sweep's, methods' and frozen member's parts besides."""
   path = tmp_path_factory.mktemp('sweep')
   train(_config(optim__learning_rate=[1e-3, 4e-3, 2e-2, 3e-2],
                     model__init_scale=[1.0, 1.0, 1.0, 1e30], data__validation_size=200,
                     select__top_k=2, eval__ood_dataset='mnist1d_noise'), str(path))
-  assert report.make_report(path) == path / 'report'
+  assert report.main(['--workdir', str(path)]) == 0
   return path
 
 
@@ -100,11 +98,11 @@ def _parse_html(path: Path) -> _Tables:
   return parser
 
 
-def test_every_figure_is_a_150_dpi_png_and_an_svg(workdir):
+def test_every_figure_is_a_150_dpi_png_and_an_svg(sweep):
   image = pytest.importorskip('matplotlib.image')
   sizes = {}
   for name in report.FIGURES:
-    path = workdir / 'report' / name
+    path = sweep / 'report' / name
     assert _png_dpi(path) >= 150, name
     pixels = image.imread(path)
     sizes[name] = pixels.shape[:2]
@@ -119,31 +117,31 @@ def test_every_figure_is_a_150_dpi_png_and_an_svg(workdir):
   assert width >= 2 * height
 
 
-def test_report_md_embeds_the_figures_and_the_final_table(workdir):
-  text = (workdir / 'report' / 'report.md').read_text()
-  final = json.loads((workdir / 'final_metrics.json').read_text())
+def test_report_md_embeds_the_figures_and_the_final_table(sweep):
+  text = (sweep / 'report' / 'report.md').read_text()
+  final = json.loads((sweep / 'final_metrics.json').read_text())
   for name in report.FIGURES:
     assert f']({name})' in text and f'({name[:-4]}.svg)' in text
   assert f'**{final["ensemble"]["accuracy"]:.4f}**' in text
-  assert '| 3 |' in text and 'adaptive ECE' in text and 'mutual information' in text
-  steps = runs.TINY['train.steps']
-  assert f'step {steps} of {steps}' in text  # Which checkpoint the figures describe.
+  assert all(f'| {member} |' in text for member in ('0', '1', '2', '3 (frozen)'))
+  assert 'adaptive ECE' in text and 'mutual information' in text
+  assert f'step {SWEEP_STEPS} of {SWEEP_STEPS}' in text  # Which checkpoint the figures describe.
   assert '(report.html)' in text
 
 
-def test_report_html_is_self_contained_with_every_member_and_figure(workdir):
-  path = workdir / 'report' / 'report.html'
+def test_report_html_is_self_contained_with_every_member_and_figure(sweep):
+  path = sweep / 'report' / 'report.html'
   text = path.read_text(encoding='utf-8')
   # Opens from disk: nothing fetched from a server (no remote src/href, stylesheet, script).
   assert not re.search(r'''(src|href)\s*=\s*["']?\s*(https?:)?//''', text, re.I)
   assert '<link' not in text and '<script' not in text and '@import' not in text
   parsed = _parse_html(path)
-  assert len(parsed.images) == len(report.FIGURES)
+  assert len(parsed.images) == len(report.FIGURES) + 2  # + sweep_scatter and methods
   assert all(src.startswith('data:image/') for src in parsed.images)
-  metrics = parsed.tables[0]
+  metrics = next(table for table in parsed.tables if table[0][:2] == ['member', 'accuracy'])
   first_cells = [row[0] for row in metrics]
-  assert first_cells[:5] == ['member', '0', '1', '2', '3'] and 'ensemble' in first_cells
-  final = json.loads((workdir / 'final_metrics.json').read_text())
+  assert first_cells[:5] == ['member', '0', '1', '2', '3 (frozen)'] and 'ensemble' in first_cells
+  final = json.loads((sweep / 'final_metrics.json').read_text())
   ensemble_row = metrics[first_cells.index('ensemble')]
   assert ensemble_row[1] == f'{final["ensemble"]["accuracy"]:.4f}'
   assert metrics[2][2] == f'{final["members"]["nll"][1]:.4f}'  # Member 1's NLL.
@@ -250,7 +248,11 @@ def test_size_spread_draws_distinct_random_subsets_reproducibly():
   assert sizes[0] == 1 and sizes[-1] == 256 and len(sizes) <= 24
 
 
-def test_ensemble_size_curve_ends_at_the_ensemble_and_starts_at_member_0(workdir):
+def test_ensemble_size_curve_ends_at_the_ensemble_and_starts_at_member_0(tiny_run):
+  """On the session's shared plain run (no sweep, selection or frozen member; read only):
+  the curve and spread a report draws agree with the final metrics, and its report lists
+  the plain figures only (the sweep's report draws and embeds every one of them)."""
+  workdir = tiny_run[0]
   final = json.loads((workdir / 'final_metrics.json').read_text())
   test = data.load_dataset('mnist1d').test
   out = Ensemble.load(workdir).predict(test.x)
@@ -270,6 +272,9 @@ def test_ensemble_size_curve_ends_at_the_ensemble_and_starts_at_member_0(workdir
   rel = report_stats.reliability(out.probs, test.y)
   np.testing.assert_allclose(rel.ece, final['ensemble']['ece'], atol=1e-5)
   assert rel.count.sum() == len(test.y)
+  # A plain run's report.md and report.html show FIGURES and no sweep or methods figure.
+  listed = report_pages.report_figures(final, spread, [0, 1, 2, 3])
+  assert [f'{figure.name}.png' for figure in listed] == list(report.FIGURES)
 
 
 def test_non_finite_predictions_do_not_break_the_numbers():
