@@ -103,11 +103,14 @@ def _drawn_priors(config):
   config = _config()
   config.model.widths = widths
   net = models.get_model(specs.model_spec(config), 3)
-  keys = rng.member_keys(config.seed, np.arange(M))
   sample = np.zeros((1, 8, 1), np.float32)
-  init = jax.jit(net.init)  # one compile for the M draws, not one an operation
-  return [init(jax.random.fold_in(keys[m], prior_lib._PRIOR_STREAM), sample)[0]  # pylint: disable=protected-access
-          for m in range(M)]
+
+  @jax.jit  # one compile for the M draws, keys included, not one an operation
+  def draw(member):
+    key = rng.member_keys(config.seed, member[None])[0]
+    return net.init(jax.random.fold_in(key, prior_lib._PRIOR_STREAM), sample)[0]  # pylint: disable=protected-access
+
+  return [draw(np.uint32(m)) for m in range(M)]
 
 
 def _initial_priors(config):
