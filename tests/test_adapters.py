@@ -75,10 +75,10 @@ def test_contract(kind, mnist1d):
   """
   model = models.get_model(_model_config(kind, **SMALL.get(kind, {})), 10)
   x, y = mnist1d.test.x, mnist1d.test.y
-  keys = rng_lib.member_keys(0, jnp.arange(4))  # Training's init keys (seed 0, 4 members).
 
-  @jax.jit
-  def run(keys, x):
+  @jax.jit  # One program, the keys' draw included (eagerly: one program an operation).
+  def run(x):
+    keys = rng_lib.member_keys(0, jnp.arange(4))  # Training's init keys (seed 0, 4 members).
     params, state = jax.vmap(model.init, in_axes=(0, None))(keys, x[:1])
     p0, s0 = jax.tree.map(lambda a: a[0], (params, state))
     train = [model.apply(p0, s0, x[:64], train=True, rng=jax.random.key(k)) for k in (7, 8, 7)]
@@ -87,7 +87,7 @@ def test_contract(kind, mnist1d):
     return params, s0, train, model.apply(p0, s0, x[:64], train=False), untrained
 
   # On the host: each eager index of a device array (a[0]) compiled a slice program per shape.
-  params, s0, train, (eval_logits, eval_state), untrained = jax.device_get(run(keys, x))
+  params, s0, train, (eval_logits, eval_state), untrained = jax.device_get(run(x))
   assert untrained < 0.15, untrained
   for leaf in jax.tree.leaves(params):
     if np.ptp(leaf[0]) > 0:  # Randomly initialised: every member its own draw.
@@ -122,8 +122,12 @@ def test_to_model_built_objects():
 
 def test_to_model_refuses_built_nnx_module():
   from flax import nnx  # pylint: disable=import-outside-toplevel
+  # Built abstractly (shapes only): a built module's class, without the eager init's
+  # programs (one an operation).
+  built = nnx.eval_shape(lambda: nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+  assert isinstance(built, nnx.Linear)
   with pytest.raises(TypeError, match='pass its factory'):
-    adapters.to_model(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    adapters.to_model(built)
 
 
 def test_num_classes_only_where_the_factory_takes_it():
@@ -220,9 +224,11 @@ def test_linen_batchnorm_dropout_members_train_and_predict(linen_run, mnist1d):
   assert means.shape == (4, channels) and all(_differs(means[i], means[i + 1]) for i in range(3))
   x = mnist1d.test.x[:100]
   params, state = jax.device_get((ens.params, ens.model_state))
-  logits = jax.jit(jax.vmap(lambda p, s: ens.model.apply(p, s, x, train=False)[0]))(params, state)
-  np.testing.assert_allclose(ens.predict(x).member_probs, jax.nn.softmax(logits, -1),
-                             rtol=1e-4, atol=1e-6)
+  logits = np.asarray(jax.jit(jax.vmap(lambda p, s: ens.model.apply(p, s, x, train=False)[0]))(
+      params, state), np.float64)
+  softmax = np.exp(logits - logits.max(-1, keepdims=True))  # numpy: no program an operation
+  np.testing.assert_allclose(ens.predict(x).member_probs,
+                             softmax / softmax.sum(-1, keepdims=True), rtol=1e-4, atol=1e-6)
 
 
 @_needs('flax_linen_resnet')
