@@ -10,6 +10,8 @@ import jax
 import numpy as np
 import pytest
 
+import support
+
 import dist_ens
 from dist_ens import data
 from dist_ens.run import assemble
@@ -142,6 +144,7 @@ def holdout_run(tmp_path_factory):
   config.model.widths = (16,)
   config.optim.learning_rate, config.optim.weight_decay = 1e-2, 0.0
   config.train.steps = config.checkpoint.every = 200
+  config.eval.joint_tau = 0  # nothing here reads the joint log-loss (its own programs)
   assert config.seed == 0  # the seed _outlier_pool's splits are drawn with
   final = dist_ens.train(config, str(workdir), dataset=data.from_arrays(x, y, x[:8], y[:8]))
   return workdir, final, x, y, splits, row
@@ -169,13 +172,20 @@ def test_regression_holdout_run_reports_each_splits_ensemble_on_its_held_out_par
   assert out['ensemble']['nll']['mean'] < out['member_mean']['nll']['mean']
 
 
+# MNIST-1D's training split less one example: 3,999 rows, so kfold:2's folds differ in size.
+MNIST1D = data.load_dataset('mnist1d')
+ODD_POOL = data.from_arrays(MNIST1D.train.x[:-1], MNIST1D.train.y[:-1], MNIST1D.test.x,
+                            MNIST1D.test.y)
+
+
 @pytest.fixture(scope='module')
-def kfold3(tmp_path_factory):
+def kfold2(tmp_path_factory):
   """(workdir, final metrics, the evaluation program's cache size after each evaluated
-  split) of ONE kfold:3 run of 6 members (2 per fold) with an evaluation batch of 2,000:
-  the two kfold tests read it."""
+  split) of ONE kfold:2 run of support.config's 4 members (2 per fold) on ODD_POOL with an
+  evaluation batch of 2,000 (its init and test programs are the shared tiny run's, from
+  the persistent cache in the suite): the two kfold tests read it."""
   from dist_ens.eval import evaluate  # pylint: disable=import-outside-toplevel
-  workdir, traces = tmp_path_factory.mktemp('kfold3'), []
+  workdir, traces = tmp_path_factory.mktemp('kfold2'), []
   original = evaluate.evaluate_split
 
   def counting(eval_step, *args, **kwargs):
@@ -185,23 +195,25 @@ def kfold3(tmp_path_factory):
 
   evaluate.evaluate_split = counting
   try:
-    config = _config('kfold:3', members=6)
-    config.train.steps, config.checkpoint.every, config.eval.batch_size = 20, 20, 2000
-    final = dist_ens.train(config, str(workdir))
+    config = support.config({'data.member_split': 'kfold:2', 'eval.batch_size': 2000})
+    final = dist_ens.train(config, str(workdir), dataset=ODD_POOL)
   finally:
     evaluate.evaluate_split = original
   return workdir, final, traces
 
 
-def test_kfold_classification_run_evaluates_each_fold(kfold3):
-  workdir, final, _ = kfold3
+def test_kfold_classification_run_evaluates_each_fold(kfold2):
+  workdir, final, _ = kfold2
   out = final['member_split']
-  assert out['splits'] == 3 and len(out['members']['accuracy']) == 6
-  assert len(final['members']['accuracy']) == 6  # The test split is still evaluated.
+  assert out['splits'] == 2 and len(out['members']['accuracy']) == 4
+  assert len(final['members']['accuracy']) == 4  # The test split is still evaluated.
   # Independently: fold k's ensemble (members 2k, 2k+1) on fold k's examples.
-  train = data.load_dataset('mnist1d').train
-  probs = dist_ens.Ensemble.load(str(workdir)).predict(train.x, preprocessed=True).member_probs
-  splits = member_split.make_member_splits('kfold:3', len(train.y), 6, seed=0)
+  train = ODD_POOL.train
+  # All 4,000 rows predicted, the pool's 3,999 read: one program (batches of 1,000), not a
+  # second one for a short last batch.
+  probs = dist_ens.Ensemble.load(str(workdir)).predict(
+      MNIST1D.train.x, preprocessed=True).member_probs[:, :len(train.y)]
+  splits = member_split.make_member_splits('kfold:2', len(train.y), 4, seed=0)
   for k, held in enumerate(splits.held_out):
     ensemble = probs[2 * k:2 * k + 2, held].mean(axis=0)
     accuracy = np.mean(ensemble.argmax(-1) == train.y[held])
@@ -219,12 +231,12 @@ def test_population_based_training_is_refused_with_a_member_split(tmp_path):
     dist_ens.train(config, str(tmp_path))
 
 
-def test_held_out_parts_of_different_sizes_share_one_evaluation_program(kfold3):
-  """kfold:3 of MNIST-1D's 4,000 training examples gives parts of 1,334, 1,333 and 1,333,
-  below the evaluation batch: one compiled evaluation program for all three."""
-  _, final, traces = kfold3
-  assert [p['held_out'] for p in final['member_split']['per_split']] == [1334, 1333, 1333]
-  assert len(set(traces[-3:])) == 1  # The held-out parts compiled nothing new.
+def test_held_out_parts_of_different_sizes_share_one_evaluation_program(kfold2):
+  """kfold:2 of ODD_POOL's 3,999 training examples gives parts of 2,000 and 1,999, not
+  above the evaluation batch: one compiled evaluation program for both."""
+  _, final, traces = kfold2
+  assert [p['held_out'] for p in final['member_split']['per_split']] == [2000, 1999]
+  assert len(set(traces[-2:])) == 1  # The held-out parts compiled nothing new.
 
 
 def test_each_splits_statistics_come_from_its_training_rows_only():
@@ -328,6 +340,7 @@ def test_a_standardised_member_split_runs_test_metrics_are_what_predict_gives(tm
   x, y = x[order], y[order]
   config = _config('blocks:2', members=4)
   config.task, config.data.batch_size = 'regression_homoscedastic', 16
+  config.eval.joint_tau = 0  # nothing here reads the joint log-loss (its own programs)
   final = dist_ens.train(config, str(tmp_path), dataset=data.from_arrays(x, y, x[::4], y[::4]))
   pred = dist_ens.Ensemble.load(str(tmp_path)).predict(x[::4])
   rmse = float(np.sqrt(np.mean((np.asarray(pred.mean, np.float64) - y[::4]) ** 2)))
