@@ -307,10 +307,12 @@ def test_on_nonfinite_stop_saves_and_raises(tmp_path, monkeypatch):
 
 
 def _small_state(value):
+  """A 4-member TrainState of jax arrays whose values depend on `value`: computed in numpy
+  and put on the device (eager jax ops would compile a program each)."""
   from dist_ens.core.state import TrainState  # pylint: disable=import-outside-toplevel
-  w = jax.numpy.arange(4096, dtype=jax.numpy.float32).reshape(4, 1024) * value
-  return TrainState(params={'w': w}, model_state={}, opt_state={'mu': w + 1.0},
-                    frozen=jax.numpy.zeros(4, bool), step=jax.numpy.int32(value))
+  w = np.arange(4096, dtype=np.float32).reshape(4, 1024) * np.float32(value)
+  return jax.device_put(TrainState(params={'w': w}, model_state={}, opt_state={'mu': w + 1},
+                                   frozen=np.zeros(4, bool), step=np.int32(value)))
 
 
 @pytest.mark.parametrize('offset', [0.25, 0.5, 0.75])
