@@ -48,10 +48,6 @@ def _text_config(checkpoint, steps=4, **model):
   return config
 
 
-def _heads(params):
-  return {name: leaf for name, leaf in flatten(params).items() if name.startswith('head/')}
-
-
 @pytest.fixture(scope='module')
 def straight(tmp_path_factory):
   """A mean-pooled BERT classifier run to its end: (checkpoint, workdir, final metrics,
@@ -86,9 +82,12 @@ def test_members_start_from_the_file_train_and_predict(straight):
   assert all(not np.allclose(head[i], head[j]) for i in range(4) for j in range(i))
 
   assert results['step'] == 4 and np.isfinite(results['members']['nll']).all()
+  # The trained heads as saved, read in numpy (Ensemble.member compiles a program; the
+  # own-head test reads its members through it).
+  trained = flatten(read_orbax(workdir / 'checkpoints' / '4' / 'model')['params'])['head/w']
+  assert trained.shape == head.shape and not np.allclose(trained[0], trained[1])
+  assert all(not np.allclose(trained[m], head[m]) for m in range(4))  # every head moved
   a = dist_ens.Ensemble.load(workdir, devices=DEVICES)
-  trained = [_heads(a.member(m))['head/w'] for m in range(4)]
-  assert not np.allclose(trained[0], trained[1])
   test = data.load_dataset(f'text:{CORPUS}', specs.data_spec(config)).test
   out = a.predict(test.x)
   assert out.member_probs.shape == (4, len(test.x), CLASSES)
@@ -118,6 +117,16 @@ def test_own_head_keeps_the_encoder_the_files_and_stored_once(straight, tmp_path
   dist_ens.train(config, str(tmp_path / 'run'), devices=DEVICES)
   ens = dist_ens.Ensemble.load(tmp_path / 'run', devices=DEVICES)
   file = load_leaves(str(checkpoint))
+  # Stored once: the checkpoint holds each encoder leaf as 'shared' at the file's shape
+  # (no member axis), the head's as 'own' with one row per member.
+  saved = flatten(read_orbax(tmp_path / 'run' / 'checkpoints' / '2' / 'model')['params'])
+  stored = {name.rsplit('/', 1)[0]: (name.rsplit('/', 1)[1], value.shape)
+            for name, value in saved.items()}
+  assert stored.keys() == file.keys()
+  for name, (kind, shape) in stored.items():
+    want = ('own', (4, *file[name].shape[:-1], CLASSES)) if name.startswith('head/') else (
+        'shared', file[name].shape)
+    assert (kind, shape) == want, name
   members = [flatten(ens.member(m)) for m in range(4)]
   for name, value in file.items():
     if not name.startswith('head/'):
@@ -137,16 +146,17 @@ def test_padding_changes_no_output_of_the_training_encoder(pool):
   ids = reference['inputs'].copy()
   ids[1, 4:] = PAD  # the second sequence is 4 tokens long
   model = hf.build(str(BERT), dropout=0.0, training=True, pool=pool)
-  params = from_hf(str(BERT))[1]
+  plain, params = from_hf(str(BERT))
   apply = jax.jit(lambda x: model.apply(params, {}, x, train=False)[0])
-  short, long = apply(ids), apply(_padded(ids, 20))
+  short, long = np.asarray(apply(ids)), np.asarray(apply(_padded(ids, 20)))
   np.testing.assert_allclose(long, short, atol=1e-5)
   if pool == 'cls':
     # Without the mask (from_hf: transformers' call without attention_mask) padding counts
-    # (the pool does not enter: checked once). Jitted: eager op-by-op is slower on a CPU.
-    plain, _ = from_hf(str(BERT))
+    # (the pool does not enter: checked once). Jitted, and the difference in numpy: eager
+    # op-by-op compiles a program per operation.
     unmasked = jax.jit(lambda x: plain.apply(params, {}, x, train=False)[0])
-    assert np.abs(unmasked(_padded(ids, 20))[1] - unmasked(ids)[1]).max() > 1e-3
+    padded, unpadded = (np.asarray(unmasked(x)) for x in (_padded(ids, 20), ids))
+    assert np.abs(padded[1] - unpadded[1]).max() > 1e-3
     # No padding: the training encoder is transformers' class exactly.
     np.testing.assert_allclose(apply(reference['inputs']), reference['logits'], atol=1e-5)
 
