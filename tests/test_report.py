@@ -1,5 +1,7 @@
 """`dist-ens report`: the figures (PNG and SVG), report.md and report.html of short runs."""
 
+import contextlib
+import io
 import itertools
 import json
 import re
@@ -46,7 +48,11 @@ def sweep(tmp_path_factory):
   train(_config(optim__learning_rate=[1e-3, 4e-3, 2e-2, 3e-2],
                     model__init_scale=[1.0, 1.0, 1.0, 1e30], data__validation_size=200,
                     select__top_k=2, eval__ood_dataset='mnist1d_noise'), str(path))
-  assert report.main(['--workdir', str(path)]) == 0
+  printed = io.StringIO()
+  with contextlib.redirect_stdout(printed):
+    assert report.main(['--workdir', str(path)]) == 0
+  # What it wrote: make_report's folder, returned to main.
+  assert printed.getvalue().startswith(f"wrote {path / 'report' / 'report.md'} and ")
   return path
 
 
