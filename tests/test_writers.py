@@ -358,6 +358,8 @@ def test_results_table_shows_new_metrics_and_still_reads_old_results():
          'frozen_members': [1]}
   table = tables.results_table(new)
   assert 'adaptive ECE' in table and '| 1 (frozen) |' in table
+  # The mean is the non-frozen members' (member 0's here), as report.html's row.
+  assert '| member mean (non-frozen) | 0.5000 | 1.0000 | 0.6000 | 0.1000 | 0.1200 |' in table
   assert '**0.0500** | **1.3000** |' in table
   assert 'mutual information (epistemic) 0.3000' in table
   np.testing.assert_equal(len(table.splitlines()[0].split('|')), 9)

@@ -84,12 +84,17 @@ def results_table(final: dict[str, Any]) -> str:
     for i in range(num_members):
       name = f'{i} (frozen)' if i in frozen else str(i)
       lines.append(f'| {name} | ' + ' | '.join(f'{members[k][i]:.4f}' for k, _ in columns) + ' |')
-  else:  # A summary of the members' spread: members.csv has every one.
+  # The summary rows describe the members the ensemble averages, as report.html's do: a
+  # frozen member (a PBT loser, a diverged one) would pull a mean to NaN.
+  active = [i for i in range(num_members) if i not in frozen] or list(range(num_members))
+  of_active = lambda k: np.asarray(members[k], np.float64)[active]
+  scope = ' (non-frozen)' if len(active) < num_members else ''
+  if num_members > MAX_ROWS:  # A summary of the members' spread: members.csv has every one.
     for label, q in _QUANTILES:
-      lines.append(f'| member {label} | ' + ' | '.join(
-          f'{float(np.nanquantile(members[k], q)):.4f}' for k, _ in columns) + ' |')
-  lines.append('| member mean | ' + ' | '.join(f'{float(np.mean(members[k])):.4f}'
-                                               for k, _ in columns) + ' |')
+      lines.append(f'| member {label}{scope} | ' + ' | '.join(
+          f'{float(np.nanquantile(of_active(k), q)):.4f}' for k, _ in columns) + ' |')
+  lines.append(f'| member mean{scope} | ' + ' | '.join(f'{float(np.mean(of_active(k))):.4f}'
+                                                       for k, _ in columns) + ' |')
   # Each ensemble row says which members it averages: a sweep's whole ensemble (every
   # member, most of them badly tuned) is not its top-k, which the row after it holds.
   for label, averaged in _ensembles(final, num_members, frozen):
