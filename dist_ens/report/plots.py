@@ -56,6 +56,8 @@ def _save(fig: Any, out: Path, name: str) -> None:
   """NAME.png at DPI and NAME.svg (vector, text as paths: no fonts needed to view it)."""
   path = out / name
   fig.savefig(path.with_suffix('.png'), dpi=DPI)
+  # The SVG keeps the layout the PNG's save computed (within half a point): laid out once.
+  fig.set_layout_engine('none')
   fig.savefig(path.with_suffix('.svg'), metadata={'Date': None})
 
 
