@@ -20,27 +20,38 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _config(**overrides):
-  """support.config's tiny run (4 members of a (16,) MLP, batch 32): what these tests
-  compare (meshes, M, seeds, resume) does not depend on the sizes. 20 steps logged every
-  10, for steps_per_call to divide or not (the refusals below name them); saved at the end
-  only."""
+  """support.config's tiny run (4 members of a (16,) MLP, batch 32) for the refusals: 20
+  steps logged every 10, for steps_per_call to divide or not (the refusals below name
+  them); saved at the end only."""
   return support.config({'train.steps': 20, 'train.log_every': 10, 'checkpoint.every': 20},
                         **overrides)
 
 
 def _run(tmp_path, name, devices=None, **overrides):
-  return dist_ens.train(_config(**overrides), str(tmp_path / name), devices=devices)
+  """The session's shared run (tests/runs.py: support.config's run for 8 steps, logged,
+  evaluated and saved at 4 and 8) with `overrides`, trained into tmp_path / name: what
+  these tests compare (meshes, M, seeds, resume) does not depend on the sizes, and where
+  they change none of those its programs are the shared run's."""
+  return dist_ens.train(runs.tiny_config(**overrides), str(tmp_path / name), devices=devices)
 
 
-@pytest.fixture(scope='module')
-def reference(tmp_path_factory):
-  """4 members on a 1-device run."""
-  return _run(tmp_path_factory.mktemp('ref'), 'r', devices=jax.devices()[:1])
+# A run compared by its final results only: evaluated and saved at its end, not at step 4
+# too (an evaluation program and a save fewer), 2 steps a call (as the shared run).
+AT_THE_END = {'train__eval_every': 0, 'checkpoint__every': 8, 'train__steps_per_call': 2}
+
+
+@pytest.fixture
+def reference(tiny_run):
+  """The results the runs here are compared with: the session's shared run (4 members on
+  support.config's mesh, member=-1 fitted to 4 x 1: one member on each of 4 devices), not
+  a run of this file's own (a training and its programs fewer)."""
+  return tiny_run[1]
 
 
 def _assert_results_as_the_references(result, reference, member, data):
   # Splitting members is (near) bit-exact; splitting the batch reorders the gradient
-  # sum, a rounding difference (measured <= 2.4e-7 in NLL after 20 steps).
+  # sum, a rounding difference (measured: 2.4e-7 in NLL on 2 x 4 after the 8 steps, as
+  # after 20).
   tol = 1e-6 if data == 1 else 2e-6
   for metric in ('nll', 'accuracy', 'brier'):
     np.testing.assert_allclose(result['members'][metric], reference['members'][metric],
@@ -49,11 +60,14 @@ def _assert_results_as_the_references(result, reference, member, data):
   assert result['train_step_traces'] == 1
 
 
-# 4 x 1 runs on 4 of the devices (an explicit mesh uses them all, and M = 4 allows no
-# 8 x 1); it and [1-8] are in the slow tier (tests/conftest.py), and so is [2-4]: its fast
-# cover is test_steps_per_call_and_resume_across_it_keep_results, the same checks on the
-# same 2 x 4 mesh against the same reference, of a run resumed across steps_per_call.
-@pytest.mark.parametrize('member,data', [(4, 1), pytest.param(2, 4, marks=pytest.mark.slow),
+# Against the reference's 4 x 1 (one member a device): 1 x 1 (all 4 members on one device),
+# 2 x 4 and 1 x 8 (an explicit mesh uses all of the devices it is given). All three are in
+# the slow tier ([1-8] by tests/conftest.py, the others here); the fast cover of [2-4] is
+# test_steps_per_call_and_resume_across_it_keep_results, the same checks on the same 2 x 4
+# mesh against the same reference, of a run resumed across steps_per_call, whose 2 x 4 mesh
+# also holds two members on each device, as [1-1] holds four.
+@pytest.mark.parametrize('member,data', [pytest.param(1, 1, marks=pytest.mark.slow),
+                                         pytest.param(2, 4, marks=pytest.mark.slow),
                                          (1, 8)])
 def test_topology_does_not_change_results(tmp_path, reference, member, data):
   result = _run(tmp_path, 'w', devices=jax.devices()[:member * data], mesh__member=member,
@@ -61,35 +75,45 @@ def test_topology_does_not_change_results(tmp_path, reference, member, data):
   _assert_results_as_the_references(result, reference, member, data)
 
 
-def test_member_does_not_depend_on_ensemble_size(tmp_path, reference):
-  three = _run(tmp_path, 'three', devices=jax.devices()[:1], num_members=3)
+@pytest.fixture(scope='module')
+def three(tmp_path_factory):
+  """3 members on one device: the reference's first three (seed 0) in a smaller ensemble
+  laid out otherwise (one device holds them all; the reference has one member a device,
+  as the slow [1-1] topology case compares). A run on one device costs about half the CPU
+  of one on the shared run's four (measured here, a seed run from cached programs: 0.75
+  against 1.47 CPU s)."""
+  return _run(tmp_path_factory.mktemp('three'), 'w', devices=jax.devices()[:1],
+              num_members=3, **AT_THE_END)
+
+
+def test_member_does_not_depend_on_ensemble_size(three, reference):
   for metric in ('nll', 'accuracy', 'ece'):
     np.testing.assert_allclose(three['members'][metric], reference['members'][metric][:3],
                                atol=1e-6)
 
 
-def test_seed_changes_members(tmp_path, reference):
-  other = _run(tmp_path, 'seed', devices=jax.devices()[:1], seed=1)
-  assert not np.allclose(other['members']['nll'], reference['members']['nll'])
+def test_seed_changes_members(tmp_path, three):
+  other = _run(tmp_path, 'seed', devices=jax.devices()[:1], num_members=3, seed=1,
+               **AT_THE_END)  # `three`'s programs.
+  assert not np.allclose(other['members']['nll'], three['members']['nll'])
 
 
-# After the two tests above, not before: the first test to read `reference` pays for its
-# training, and this one trains two runs of its own.
 def test_steps_per_call_and_resume_across_it_keep_results(tmp_path, reference):
-  """5 steps per call on a 2x4 mesh: the first 10 steps, then resumed with 2 per call; the
-  results are the 1-device reference's as test_topology_does_not_change_results checks
-  them (this is the fast tier's 2 x 4 topology check)."""
-  first = _run(tmp_path, 'w', mesh__member=2, mesh__data=4, train__steps=10,
-               train__steps_per_call=5)
-  assert first['step'] == 10 and first['train_step_traces'] == 1
+  """4 steps per call on a 2x4 mesh: the first 4 steps, then resumed with 2 per call; the
+  results are the reference's as test_topology_does_not_change_results checks them (this
+  is the fast tier's 2 x 4 topology check)."""
+  first = _run(tmp_path, 'w', mesh__member=2, mesh__data=4, train__steps=4,
+               train__steps_per_call=4)
+  assert first['step'] == 4 and first['train_step_traces'] == 1
   result = _run(tmp_path, 'w', mesh__member=2, mesh__data=4, train__steps_per_call=2)
   _assert_results_as_the_references(result, reference, 2, 4)
   events = [json.loads(line) for line in (tmp_path / 'w' / 'metrics.jsonl').read_text().splitlines()]
-  assert [e['step'] for e in events if e['split'] == 'train'] == [10, 20]
-  # A checkpoint at step 20 cannot be resumed with calls of 3 steps: the error says so.
+  assert [e['step'] for e in events if e['split'] == 'train'] == [4, 8]
+  # A checkpoint at step 8 cannot be resumed with calls of 3 steps (which divide every
+  # cadence of the config): the error says so.
   with pytest.raises(ConfigError, match='steps_per_call=3 does not divide'):
-    _run(tmp_path, 'w', train__steps=30, train__log_every=30, checkpoint__every=30,
-         train__steps_per_call=3)
+    _run(tmp_path, 'w', train__steps=12, train__log_every=12, train__eval_every=12,
+         checkpoint__every=12, train__steps_per_call=3)
 
 
 def test_workdir_files(tiny_run):
