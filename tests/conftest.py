@@ -242,7 +242,6 @@ _SLOW_TIER = (
     "test_token_task.py::test_next_token_prediction_resumes_exactly",
     # More meshes of one property; fast: the other parametrizations.
     "test_model_axis.py::test_members_follow_the_same_trajectory_on_every_mesh[shape1]",
-    "test_train.py::test_topology_does_not_change_results[4-1]",
     # own='batchensemble' formed for prediction; fast: the [head] case (the same forming
     # path) and test_pretrained's BatchEnsemble member formed from w and its factors.
     "test_shared_eval.py::test_ensemble_load_predicts_as_its_formed_members[batchensemble]",
