@@ -18,10 +18,12 @@ tests/test_train.py runs the install command's training).
 import ast
 import json
 import os
+import queue
 import re
 import shlex
 import subprocess
 import sys
+import threading
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -73,18 +75,20 @@ def test_readme_has_python_blocks_that_state_their_flags():
 
 # Each snippet in a process of its own, as `python /elsewhere/readme_snippet_<i>.py` runs it,
 # for the price of one interpreter's imports (1.6 of a snippet's 2.6-4.5 CPU s; the file took
-# 29-36 CPU s with a fresh interpreter per snippet, 6-7 more than this). One child imports the
-# modules the snippets import, records what is loaded then (what a fresh process has after
-# their imports), imports what their dist_ens.train loads (JAX, optax, orbax, dist_ens's
-# modules) without starting a JAX backend, and forks a process per snippet: XLA reads
-# XLA_FLAGS when the first backend starts, so each fork runs with the flags its snippet
-# states. The fork runs the snippet as __main__ with fresh globals (a name it does not import
-# or define fails, as pasted alone), its script's folder first on sys.path and nothing of the
-# repository there (-P; the sys.path of `python script`), and exits as Python exits (an
-# uncaught exception: its traceback on stderr, status 1). What a fork does not reproduce is
-# the modules loaded before the snippet's first line: a snippet that reached a submodule by
-# attribute without importing it (`import jax`, then `jax.experimental.multihost_utils`)
-# could run here and fail pasted alone; reached_unloaded_submodules finds those.
+# 29-36 CPU s with a fresh interpreter per snippet, 6-7 more than this). One child (the
+# server) imports the modules the snippets import, records what is loaded then (what a fresh
+# process has after their imports), imports what their dist_ens.train loads (JAX, optax,
+# orbax, dist_ens's modules) without starting a JAX backend, and then forks a process for each
+# snippet index a test writes to its stdin, answering with the index and its exit status:
+# each test runs its own snippet (and pays its own time). XLA reads XLA_FLAGS when the first
+# backend starts, so each fork runs with the flags its snippet states. The fork runs the
+# snippet as __main__ with fresh globals (a name it does not import or define fails, as
+# pasted alone), its script's folder first on sys.path and nothing of the repository there
+# (-P; the sys.path of `python script`), and exits as Python exits (an uncaught exception:
+# its traceback on stderr, status 1). What a fork does not reproduce is the modules loaded
+# before the snippet's first line: a snippet that reached a submodule by attribute without
+# importing it (`import jax`, then `jax.experimental.multihost_utils`) could run here and
+# fail pasted alone; reached_unloaded_submodules finds those.
 _FORK_A_PROCESS_PER_SNIPPET = r"""
 import importlib, json, os, runpy, signal, sys
 out, limit_s = sys.argv[1], int(sys.argv[2])
@@ -99,12 +103,16 @@ from jax._src import xla_bridge
 assert not xla_bridge._backends, 'a backend started before the fork: XLA_FLAGS would be read'
 with open(os.path.join(out, 'modules.json'), 'w') as f:
   json.dump({'fresh': fresh, 'forked': sorted(sys.modules)}, f)
-statuses = []
-for i, (script, xla_flags) in enumerate(snippets):
+answers = os.fdopen(os.dup(1), 'w')  # The requests' answers; the forks get files as 0, 1, 2.
+print('ready', file=answers, flush=True)
+for line in sys.stdin:
+  i = int(line)
+  script, xla_flags = snippets[i]
   sys.stdout.flush()
   sys.stderr.flush()
   pid = os.fork()
   if pid == 0:  # The snippet's process: from here on as `python script` runs it.
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
     for fd, stream in ((1, 'stdout'), (2, 'stderr')):
       os.dup2(os.open(os.path.join(out, f'{i}.{stream}'), os.O_WRONLY | os.O_CREAT), fd)
     signal.alarm(limit_s)
@@ -113,48 +121,87 @@ for i, (script, xla_flags) in enumerate(snippets):
     sys.argv = [script]
     runpy.run_path(script, run_name='__main__')
     sys.exit(0)
-  statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-with open(os.path.join(out, 'statuses.json'), 'w') as f:
-  json.dump(statuses, f)
+  status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+  print(json.dumps([i, status]), file=answers, flush=True)
 """
 _SNIPPET_LIMIT_S = 240
 
 
+class _SnippetServer:
+  """The fork server above, started once for the module; run(i) runs snippet i in a fork."""
+
+  def __init__(self, root: Path):
+    self.snippets = []
+    for index, code in enumerate(python_blocks()):
+      code = code.replace("'/tmp/", f"'{root}/")
+      script = root / 'elsewhere' / f'readme_snippet_{index}.py'
+      script.parent.mkdir(exist_ok=True)
+      script.write_text(code)
+      self.snippets.append(
+          (str(script), ' '.join((*support.FAST_COMPILE, *stated_xla_flags(code)))))
+    self.out = root / 'runs'
+    self.out.mkdir()
+    (self.out / 'snippets.json').write_text(json.dumps([self.snippets, sorted(set().union(
+        *(imported_modules(code) for code in python_blocks())))]))
+    env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'PYTHONPATH')}
+    env.update(JAX_PLATFORMS='cpu', MPLBACKEND='Agg')
+    self.stderr = root / 'server.stderr'
+    # `timeout` bounds the whole server; each snippet is bounded by its own alarm.
+    limit_s = _SNIPPET_LIMIT_S * len(self.snippets) + 60
+    self.process = subprocess.Popen(
+        ['timeout', '-k', '5', str(limit_s), sys.executable, '-P', '-c',
+         _FORK_A_PROCESS_PER_SNIPPET, str(self.out), str(_SNIPPET_LIMIT_S)],
+        cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=self.stderr.open('w'), text=True)
+    self.answers = queue.Queue()
+    threading.Thread(target=lambda: [self.answers.put(line) for line in self.process.stdout],
+                     daemon=True).start()
+    assert self._answer(120) == 'ready', self._server_said()
+    self.modules = {k: set(v) for k, v in
+                    json.loads((self.out / 'modules.json').read_text()).items()}
+
+  def _answer(self, timeout_s: float) -> str:
+    try:
+      return self.answers.get(timeout=timeout_s).strip()
+    except queue.Empty:
+      return f'no answer within {timeout_s} s'
+
+  def _server_said(self) -> str:
+    return (f'the fork server: status {self.process.poll()}, stderr:\n'
+            + self.stderr.read_text()[-5000:])
+
+  def run(self, index: int) -> tuple[str, int, str, str]:
+    """(script, exit status, stdout, stderr) of snippet `index` run alone."""
+    self.process.stdin.write(f'{index}\n')
+    self.process.stdin.flush()
+    answer = self._answer(_SNIPPET_LIMIT_S + 30)
+    assert answer.startswith('['), (answer, self._server_said())
+    got, status = json.loads(answer)
+    assert got == index, (got, index)
+    # Nothing on the server's own stderr: the imports a fresh process makes print nothing.
+    assert not self.stderr.read_text(), self._server_said()
+    return (self.snippets[index][0], status, (self.out / f'{index}.stdout').read_text(),
+            (self.out / f'{index}.stderr').read_text())
+
+  def close(self) -> None:
+    self.process.stdin.close()
+    try:
+      self.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:  # `timeout` passes SIGTERM on, then kills.
+      self.process.terminate()
+      self.process.wait()
+
+
 @pytest.fixture(scope='module')
-def snippet_runs(tmp_path_factory) -> tuple[list[tuple[str, int, str, str]], dict[str, set]]:
-  """(script, exit status, stdout, stderr) of each python block run alone, in order, and
-  the modules {'fresh': a fresh process's after the snippets' imports, 'forked': those the
-  forks start with}. Each block is written to a script outside the repository (its '/tmp/'
-  workdirs moved under pytest's tmp path) and run from the repository root on one CPU
-  device unless it states the XLA_FLAGS it needs, compiling as the other tests do
-  (support.FAST_COMPILE)."""
-  root = tmp_path_factory.mktemp('readme_snippets')
-  snippets = []
-  for index, code in enumerate(python_blocks()):
-    code = code.replace("'/tmp/", f"'{root}/")
-    script = root / 'elsewhere' / f'readme_snippet_{index}.py'
-    script.parent.mkdir(exist_ok=True)
-    script.write_text(code)
-    snippets.append((str(script), ' '.join((*support.FAST_COMPILE, *stated_xla_flags(code)))))
-  out = root / 'runs'
-  out.mkdir()
-  (out / 'snippets.json').write_text(json.dumps([snippets, sorted(set().union(
-      *(imported_modules(code) for code in python_blocks())))]))
-  env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'PYTHONPATH')}
-  env.update(JAX_PLATFORMS='cpu', MPLBACKEND='Agg')
-  # A hung snippet ends by its alarm, the others still run; `timeout` ends the whole child
-  # before subprocess's own limit, so the failure says where it hung.
-  limit_s = _SNIPPET_LIMIT_S * len(snippets) + 60
-  child = subprocess.run(['timeout', '-k', '5', str(limit_s), sys.executable, '-P', '-c',
-                          _FORK_A_PROCESS_PER_SNIPPET, str(out), str(_SNIPPET_LIMIT_S)],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s + 30)
-  # Nothing on its own stdout or stderr: the imports a fresh process makes print nothing.
-  assert child.returncode == 0 and not child.stdout and not child.stderr, (
-      child.returncode, child.stdout[-3000:], child.stderr[-5000:])
-  statuses = json.loads((out / 'statuses.json').read_text())
-  modules = {k: set(v) for k, v in json.loads((out / 'modules.json').read_text()).items()}
-  return [(script, status, (out / f'{i}.stdout').read_text(), (out / f'{i}.stderr').read_text())
-          for i, ((script, _), status) in enumerate(zip(snippets, statuses))], modules
+def snippet_server(tmp_path_factory):
+  """The fork server of the README's python blocks. Each block is written to a script outside
+  the repository (its '/tmp/' workdirs moved under pytest's tmp path) and runs from the
+  repository root on one CPU device unless it states the XLA_FLAGS it needs, compiling as
+  the other tests do (support.FAST_COMPILE). `.modules`: {'fresh': a fresh process's after
+  the snippets' imports, 'forked': those the forks start with}."""
+  server = _SnippetServer(tmp_path_factory.mktemp('readme_snippets'))
+  yield server
+  server.close()
 
 
 def imported_modules(code: str) -> set[str]:
@@ -200,20 +247,18 @@ def reached_unloaded_submodules(code: str, modules: dict[str, set]) -> set[str]:
 
 
 @pytest.mark.parametrize('index', range(len(python_blocks())))
-def test_readme_python_block_runs_alone(index, snippet_runs):
-  runs, modules = snippet_runs
-  script, status, stdout, stderr = runs[index]
+def test_readme_python_block_runs_alone(index, snippet_server):
+  script, status, stdout, stderr = snippet_server.run(index)
   code = python_blocks()[index]
   assert status == 0, (
       f'README.md python block {index} failed alone (script: {script}):\n'
       f'{code}\n{stdout[-3000:]}\n{stderr[-5000:]}')
-  assert not reached_unloaded_submodules(code, modules), (
+  assert not reached_unloaded_submodules(code, snippet_server.modules), (
       f'README.md python block {index} reaches modules it does not import:\n{code}')
 
 
-def test_the_check_of_unimported_submodules_finds_them(snippet_runs):
-  _, modules = snippet_runs
-  reach = lambda code: reached_unloaded_submodules(code, modules)
+def test_the_check_of_unimported_submodules_finds_them(snippet_server):
+  reach = lambda code: reached_unloaded_submodules(code, snippet_server.modules)
   use = 'jax.experimental.multihost_utils.sync_global_devices("x")'
   assert reach(f'import jax\n{use}') == {'jax.experimental.multihost_utils'}
   assert reach(f'from jax import experimental as ex\n{use.replace("jax.experimental", "ex")}'
