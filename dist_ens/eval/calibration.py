@@ -129,4 +129,5 @@ def normalised(logits: np.ndarray) -> np.ndarray:
 def pooled_log_probs(log_probs: np.ndarray, member_mask: np.ndarray | None = None) -> np.ndarray:
   """[N, C] log of the mean of the included members' probabilities, from [M, N, C]."""
   mask = np.ones(log_probs.shape[0], bool) if member_mask is None else np.asarray(member_mask)
-  return np.asarray(_pooled(np.asarray(log_probs[mask], np.float32), np.log(np.float32(mask.sum()))))
+  log_count = np.log(np.float32(mask.sum()))
+  return np.asarray(_pooled(np.asarray(log_probs[mask], np.float32), log_count))
