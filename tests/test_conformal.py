@@ -99,20 +99,15 @@ def _regression(seed=0, n=N_CAL + N_TEST):
   return y, np.sin(x) + 0.1, 0.7 * noise_std
 
 
-@pytest.mark.parametrize('method', ['residual', 'normalised', 'cqr'])
+@pytest.mark.parametrize('method', ['residual', 'normalised'])
 def test_interval_coverage_is_one_minus_alpha_over_repeated_splits(method):
   alpha = 0.1
   y, mean, std = _regression()
   coverages, widths = [], []
   for cal, test in _splits(len(y), seed=2):
-    if method == 'cqr':
-      # A band from wrong quantiles (+-1 predicted std): CQR widens it as needed.
-      q = conformal.cqr_threshold(mean[cal] - std[cal], mean[cal] + std[cal], y[cal], alpha)
-      lower, upper = conformal.cqr_bounds(mean[test] - std[test], mean[test] + std[test], q)
-    else:
-      scale = (lambda idx: std[idx]) if method == 'normalised' else (lambda idx: None)
-      q = conformal.residual_interval(mean[cal], y[cal], alpha, scale(cal))
-      lower, upper = conformal.residual_bounds(mean[test], q, scale(test))
+    scale = (lambda idx: std[idx]) if method == 'normalised' else (lambda idx: None)
+    q = conformal.residual_interval(mean[cal], y[cal], alpha, scale(cal))
+    lower, upper = conformal.residual_bounds(mean[test], q, scale(test))
     coverage, width = conformal.interval_coverage_and_width(lower, upper, y[test])
     coverages.append(coverage)
     widths.append(width)

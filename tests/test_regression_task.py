@@ -14,6 +14,7 @@ import scipy.special
 
 from dist_ens.data.sources import Dataset, Split
 from dist_ens.errors import ConfigError
+from dist_ens.eval.regression import CALIBRATION_LEVELS
 from dist_ens.tasks import TASKS, get_task
 
 # The package exports the function `regression`, which shadows the submodule's attribute.
@@ -179,6 +180,27 @@ def test_coverage_is_nominal_for_a_well_specified_model(identical, dims):
     for pct in (50, 90, 95):
       assert abs(scope[f'coverage_{pct}'] - pct / 100) <= 0.01, (pct, scope)
     assert scope['calibration_error'] < 1e-4
+
+
+def test_calibration_error_is_the_squared_gap_to_the_levels_and_grows_when_miscalibrated():
+  """The ensemble's calibration error against Kuleshov et al.'s formula on numpy's PIT
+  values, for the well-specified model and for one that is overconfident (variances / 9) or
+  biased (means + 1): the metric sees both."""
+  outputs, y = _mixture_targets(3, 512, 4, 1, False)  # The shapes the coverage test compiles.
+  mean, var = _np_gaussians(outputs)
+  levels = np.asarray(CALIBRATION_LEVELS, np.float64)
+  errors = {}
+  for name, shift, factor in [('well specified', 0.0, 1.0), ('overconfident', 0.0, 1 / 9),
+                              ('biased', 1.0, 1.0)]:
+    changed = np.concatenate([mean + shift, _raw_for(var * factor)], axis=-1).astype(np.float32)
+    got = _evaluate_in_batches(REGRESSION, changed, y[:, 0])['ensemble']['calibration_error']
+    changed_mean, changed_var = _np_gaussians(changed)
+    pit = scipy.special.ndtr((y - changed_mean) / np.sqrt(changed_var)).mean(axis=0)  # [N, 1]
+    expected = np.mean((levels - np.mean(pit <= levels, axis=0)) ** 2)
+    assert got == pytest.approx(expected, abs=1e-6), name
+    errors[name] = got
+  assert errors['well specified'] < 1e-4
+  assert errors['overconfident'] > 1e-3 and errors['biased'] > 1e-2, errors
 
 
 def test_rmse_equals_numpy():

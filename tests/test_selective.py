@@ -90,19 +90,6 @@ def test_scores_from_member_probabilities():
   np.testing.assert_allclose(same['neg_mutual_information'], 0.0, atol=1e-12)
 
 
-def test_selective_metrics_names_and_values():
-  rng = np.random.default_rng(3)
-  probs = rng.dirichlet(np.ones(5), size=(2, 300))
-  labels = rng.integers(0, 5, 300)
-  results = selective.selective_metrics(probs, labels)
-  correct = probs.mean(0).argmax(-1) == labels
-  score = selective.selective_scores(probs)['neg_entropy']
-  assert results['aurc_neg_entropy'] == selective.aurc(score, correct)
-  assert results['accuracy_at_95_confidence'] == selective.accuracy_at_coverage(
-      selective.selective_scores(probs)['confidence'], correct, 0.95)
-  assert len(results) == 3 * (2 + 3)
-
-
 def test_rejects_bad_inputs():
   with pytest.raises(ValueError, match='finite'):
     selective.aurc(np.array([0.1, np.nan]), np.array([1, 0]))

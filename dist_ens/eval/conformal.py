@@ -26,9 +26,7 @@ ties to the lower class index.
 Regression: conformalised absolute residuals |y - mean(x)|, by default plain
 (intervals mean +- q, one width for all); pass the ensemble's predicted std to
 normalise them, |y - mean| / std, for intervals mean +- q * std that are wider where
-the ensemble is unsure (Lei et al., 2018, section 5.2). CQR (Romano, Patterson and
-Candes, 2019) conformalises predicted quantiles [lo, hi] with scores
-max(lo - y, y - hi) and intervals [lo - q, hi + q].
+the ensemble is unsure (Lei et al., 2018, section 5.2).
 
 Example:
   >>> q = aps_threshold(probs_val, labels_val, alpha=0.1, seed=0)
@@ -147,23 +145,6 @@ def residual_bounds(mean: np.ndarray, q: float, std: np.ndarray | None = None
   half = q if std is None else q * np.asarray(std, np.float64)
   mean = np.asarray(mean, np.float64)
   return mean - half, mean + half
-
-
-def cqr_threshold(lo_cal: np.ndarray, hi_cal: np.ndarray, y_cal: np.ndarray,
-                  alpha: float) -> float:
-  """CQR's q: quantile of max(lo - y, y - hi) over the calibration split.
-
-  lo and hi are predicted alpha/2 and 1 - alpha/2 quantiles (any band works; the
-  guarantee does not need them to be right). Intervals are [lo - q, hi + q] (q < 0
-  shrinks a band that is too wide); see `cqr_bounds`.
-  """
-  y = np.asarray(y_cal, np.float64)
-  return conformal_quantile(np.maximum(np.asarray(lo_cal) - y, y - np.asarray(hi_cal)), alpha)
-
-
-def cqr_bounds(lo: np.ndarray, hi: np.ndarray, q: float) -> tuple[np.ndarray, np.ndarray]:
-  """(lo - q, hi + q): the conformalised quantile band."""
-  return np.asarray(lo, np.float64) - q, np.asarray(hi, np.float64) + q
 
 
 def interval_coverage_and_width(lower: np.ndarray, upper: np.ndarray,

@@ -9,15 +9,13 @@ the results are NaN.
 Shapes: members' means and variances are [M, B] or [M, B, D], targets [B] or [B, D]. The
 metric functions return one value per example, [B], so that a sharded evaluator can sum them
 under its padding mask and divide by the count, like the classification metrics:
-  nll, crps, squared_error   summed over the D target dimensions (the joint NLL of a diagonal
+  nll, crps                  summed over the D target dimensions (the joint NLL of a diagonal
                              Gaussian; the sum of the marginal CRPS).
-  covered, width             averaged over D (the share of target dimensions inside the
-                             interval, its mean width).
   pit_below                  [B, L]: the share of target dimensions whose PIT is <= level l.
 `mixture_cdf`, the intervals and the moments are predictions, not metrics: they keep [B(, D)].
 
-Reported values (means over n examples): RMSE = sqrt(sum squared_error / n); NLL; CRPS;
-coverage and width at levels 50/90/95%; quantile calibration error from the summed pit_below.
+Reported values (tasks/regression_eval.py: means over n examples): RMSE; NLL; CRPS; coverage
+and width at levels 50/90/95%; quantile calibration error from the summed pit_below.
 Per member, apply the gaussian_* functions under jax.vmap over the member axis. Metrics in the
 data's original units follow from the inverted mean and variance (data.uci.Standardizer).
 """
@@ -57,10 +55,6 @@ def _per_example_sum(a: jax.Array) -> jax.Array:
   return a if a.ndim <= 1 else a.reshape(a.shape[0], -1).sum(axis=1)
 
 
-def _per_example_mean(a: jax.Array) -> jax.Array:
-  return a if a.ndim <= 1 else a.reshape(a.shape[0], -1).mean(axis=1)
-
-
 def _included(means: jax.Array, member_mask: jax.Array | None) -> jax.Array:
   """[M, 1, ...] bool, broadcastable against the members' [M, B(, D)] outputs."""
   mask = jnp.ones(means.shape[:1], bool) if member_mask is None else jnp.asarray(member_mask, bool)
@@ -77,11 +71,6 @@ def _members(means, variances, member_mask):
   weights = included / jnp.sum(included.astype(jnp.float32))
   return (jnp.where(included, means, 0.0), jnp.where(included, variances, 1.0), included,
           weights)
-
-
-def squared_error(mean: jax.Array, y: jax.Array) -> jax.Array:
-  """(y - mean)^2 per example [B], summed over target dims; RMSE = sqrt(sum / n)."""
-  return _per_example_sum(jnp.square(_f32(y) - _f32(mean)))
 
 
 def gaussian_nll(mean: jax.Array, var: jax.Array, y: jax.Array) -> jax.Array:
@@ -113,15 +102,6 @@ def mixture_moments(means: jax.Array, variances: jax.Array,
   aleatoric = jnp.sum(w * variances, axis=0)
   epistemic = jnp.sum(w * jnp.square(means - mean), axis=0)  # two-pass: no E[mu^2] - mean^2
   return MixtureMoments(mean, aleatoric, epistemic, aleatoric + epistemic)
-
-
-def epistemic_score(means: jax.Array, variances: jax.Array,
-                    member_mask: jax.Array | None = None) -> jax.Array:
-  """An OOD score per example [B]: the epistemic variance, summed over target dims.
-
-  Higher means the members disagree more; rank it with eval.ranks' auroc / aupr.
-  """
-  return _per_example_sum(mixture_moments(means, variances, member_mask).epistemic)
 
 
 def mixture_nll(means: jax.Array, variances: jax.Array, y: jax.Array,
@@ -241,45 +221,13 @@ def gaussian_central_interval(mean: jax.Array, var: jax.Array, level: float | Se
   return _f32(mean) - half, _f32(mean) + half
 
 
-def interval_coverage_width(lo: jax.Array, hi: jax.Array,
-                            y: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(covered, width) per example [B]: 1.0 if lo <= y <= hi else 0.0, and hi - lo.
-
-  Both are averaged over target dims; coverage is the mean of `covered` over examples, to be
-  compared with the interval's level.
-  """
-  lo, hi, y = _f32(lo), _f32(hi), _f32(y)
-  covered = ((lo <= y) & (y <= hi)).astype(jnp.float32)
-  return _per_example_mean(covered), _per_example_mean(hi - lo)
-
-
 def pit_below(pit: jax.Array, levels=CALIBRATION_LEVELS) -> jax.Array:
   """[B, L]: the share of an example's PIT values (over target dims) that are <= each level.
 
   Additive over examples: the summed rows over n examples divided by n are the observed
-  frequencies that `calibration_error` compares with the levels.
+  frequencies that the calibration error compares with the levels (tasks/regression_eval.py).
   """
   pit = _f32(pit)
   pit = pit.reshape(pit.shape[0], -1) if pit.ndim > 1 else pit[:, None]
   below = pit[:, :, None] <= _f32(levels)  # [B, D, L]
   return below.astype(jnp.float32).mean(axis=1)
-
-
-def calibration_error(observed: jax.Array, levels=CALIBRATION_LEVELS) -> jax.Array:
-  """Mean over levels p of (p - observed_p)^2: Kuleshov et al. (2018)'s quantile
-  calibration error with equal weights, divided by the number of levels (the squared variant).
-  """
-  return jnp.mean(jnp.square(_f32(levels) - _f32(observed)))
-
-
-def quantile_calibration_error(pit: jax.Array, levels=CALIBRATION_LEVELS) -> jax.Array:
-  """Quantile calibration error of PIT values [N(, D)] (see calibration_error).
-
-  0 for PIT values spread exactly like a uniform distribution's quantiles.
-
-  Example:
-    >>> pit = (jnp.arange(1000) + 0.5) / 1000  # perfectly uniform
-    >>> float(quantile_calibration_error(pit)) < 1e-6
-    True
-  """
-  return calibration_error(jnp.mean(pit_below(pit, levels), axis=0), levels)

@@ -137,27 +137,3 @@ def selective_scores(member_probs: np.ndarray) -> dict[str, np.ndarray]:
 def _entropy(probs: np.ndarray) -> np.ndarray:
   logs = np.log(np.where(probs > 0, probs, 1.0))  # 0 log 0 = 0, without a warning
   return -np.sum(probs * logs, axis=-1)
-
-
-def selective_metrics(member_probs: np.ndarray, labels: np.ndarray,
-                      coverages: Sequence[float] = DEFAULT_COVERAGES) -> dict[str, float]:
-  """AURC and accuracy at each coverage, for each score of `selective_scores`.
-
-  Args:
-    member_probs: [M, N, C] each member's predicted probabilities.
-    labels: [N] integer labels; the ensemble predicts argmax of the members' mean
-      (ties to the lowest class).
-    coverages: fractions in (0, 1].
-
-  Returns:
-    'aurc_<score>', 'excess_aurc_<score>' and 'accuracy_at_<pct>_<score>' (pct the
-    coverage in percent, e.g. accuracy_at_95_confidence), floats.
-  """
-  correct = np.asarray(member_probs).mean(axis=0).argmax(axis=-1) == np.asarray(labels)
-  results = {}
-  for name, score in selective_scores(member_probs).items():
-    results[f'aurc_{name}'] = aurc(score, correct)
-    results[f'excess_aurc_{name}'] = excess_aurc(score, correct)
-    for fraction, accuracy in zip(coverages, accuracy_at_coverage(score, correct, list(coverages))):
-      results[f'accuracy_at_{100 * fraction:g}_{name}'] = float(accuracy)
-  return results

@@ -143,7 +143,8 @@ def gaussian_eval_batch(means: jax.Array, variances: jax.Array, targets: jax.Arr
 
 
 def _calibration_error(pit_below: np.ndarray, count: float) -> np.ndarray:
-  """eval.regression.calibration_error along the last (level) axis, in numpy."""
+  """Mean over levels p of (p - observed_p)^2, along the last (level) axis: Kuleshov et al.
+  (2018)'s quantile calibration error with equal weights (the squared variant), in numpy."""
   levels = np.asarray(reg.CALIBRATION_LEVELS, np.float64)
   return np.mean(np.square(levels - pit_below / count), axis=-1)
 
