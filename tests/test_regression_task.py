@@ -393,5 +393,3 @@ def test_homoscedastic_task_uses_its_noise_variance():
   _assert_results_close(results, rt_eval.finalize(jax.device_get(reference.sums)), 1e-5, 1e-6)
   with pytest.raises(ConfigError):
     rt.regression_homoscedastic(noise_variance=0.0)
-  np.testing.assert_allclose(rt.noise_variance_from_residuals(means[0], y),
-                             np.mean((means[0].astype(np.float64) - y) ** 2, axis=0), rtol=1e-6)

@@ -13,7 +13,7 @@ the user's, and a learned noise scalar would have to be one of its params (or an
 the network could make input-dependent, which would no longer be homoscedastic). With the
 variance fixed, the Gaussian NLL's gradient in the means is the MSE's up to a positive factor,
 so MSE training is maximum likelihood for the means, and the maximum-likelihood noise given
-those means is the mean squared training residual (`noise_variance_from_residuals`). The
+those means is the mean squared training residual. The
 residuals are not available inside eval_batch, so the task takes the variance as an argument:
 the default, 1.0, is in STANDARDISED target units, where it is the variance of predicting the
 training mean (a deliberately conservative level, never overconfident). Training fits it
@@ -138,19 +138,6 @@ def _batch_mse(noise_variance: Any):
     return {'mse': jnp.mean(jnp.square(mean - y))}
 
   return batch_metrics
-
-
-def noise_variance_from_residuals(mean: np.ndarray, y: np.ndarray) -> np.ndarray:
-  """The maximum-likelihood homoscedastic noise variance given the predicted means: the mean
-  squared residual per target dim, [D] float64 (see the module doc).
-
-  Example:
-    >>> noise_variance_from_residuals(np.zeros(4), np.array([1., -1., 2., 0.])).tolist()
-    [1.5]
-  """
-  mean, y = np.asarray(mean, np.float64), np.asarray(y, np.float64)
-  mean, y = (a.reshape(len(a), -1) for a in (mean, y))
-  return np.mean(np.square(y - mean), axis=0)
 
 
 def dataset_target_dim(dataset: Any) -> int:
