@@ -13,7 +13,8 @@ Typical use:
   scale = Standardizer.fit(train.x, train.y)
   x_train, y_train = scale.apply(train.x, train.y)   # what the model trains on
   ...
-  mean, var = scale.invert_mean(pred_mean), scale.invert_variance(pred_var)  # target units
+  mean = pred_mean * scale.y_std + scale.y_mean                 # in target units
+  var = pred_var * scale.y_std ** 2
 """
 
 import math
@@ -159,21 +160,6 @@ class Standardizer(NamedTuple):
   def apply_inputs(self, x: np.ndarray) -> np.ndarray:
     """Inputs in standardised units, float32 (for prediction, where there is no target)."""
     return ((np.asarray(x) - self.x_mean) / self.x_std).astype(np.float32)
-
-  def invert_mean(self, mean):
-    """A predicted mean (or any target value, e.g. an interval end) in target units.
-
-    Works on numpy and jax arrays alike: mean * y_std + y_mean.
-    """
-    return mean * self.y_std + self.y_mean
-
-  def invert_variance(self, var):
-    """A predicted variance in target units: var * y_std^2.
-
-    A Gaussian log density in target units is the standardised one minus log(y_std) per
-    target dimension, which is what evaluating on the inverted mean and variance gives.
-    """
-    return var * np.square(self.y_std)
 
 
 def resolve_uci_name(name: str) -> Path:
