@@ -74,10 +74,6 @@ class Progress:
       self._handler, self._handler_stream = handler, stream
       handler.stream = _BarSafeStream(stream)
 
-  @property
-  def has_bar(self) -> bool:
-    return self._bar is not None
-
   def update(self, step: int, line: str | None = None, postfix: str | None = None) -> None:
     """Moves the bar to `step`; logs `line`; shows `postfix` (e.g. the last loss, accuracy
     and member-examples/s) at the bar's end."""
