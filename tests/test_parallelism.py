@@ -173,34 +173,28 @@ def test_one_member_per_device_is_vmapped_from_its_parameter_bytes():
   assert form(budget - 1) == ('map', None)
 
 
-def test_member_size_counts_the_parameters_once_and_the_step_four_times():
+def test_member_size_counts_the_parameters_once():
   from dist_ens import models
   mlp = models.get_model(model_spec(name='mlp', widths=(16,)), 10)
   params = 4 * ((8 * 16 + 16) + (16 * 10 + 10))
   size = parallelism.member_size(mlp, (8,), 32)
   assert size.params == params
-  assert size.step == parallelism.member_bytes(mlp, (8,), 32) == (
-      parallelism.activation_bytes(mlp, (8,), 32) + 4 * params)
+  assert size.step == parallelism.member_bytes(mlp, (8,), 32)
 
 
-def test_member_bytes_count_activations_and_four_copies_of_the_parameters():
-  from dist_ens import models
-  mlp = models.get_model(model_spec(name='mlp', widths=(16,)), 10)
-  params = (8 * 16 + 16) + (16 * 10 + 10)  # Two dense layers' kernels and biases.
-  assert parallelism.member_bytes(mlp, (8,), 32) == (
-      parallelism.activation_bytes(mlp, (8,), 32) + 4 * 4 * params)
-
-
-def test_activation_bytes_count_the_forward_pass():
+def test_member_bytes_count_the_forward_pass_and_four_copies_of_the_parameters():
   from dist_ens import models
   cnn = models.get_model(model_spec(
       name='cnn', channels=(4,), kernel_sizes=(3,), strides=(1,), conv_impl='xla'), 10)
+  params = 4 * ((3 * 1 * 4 + 4) + (40 * 10 + 10))  # The conv's kernel and bias, the head's.
   # One conv layer on [B, 10, 1] with lax.conv, float32: conv out [B,10,4], the bias
   # broadcast [1,1,4], + bias, relu, flatten [B,40], head dot [B,10], its bias
   # broadcast [1,10], + bias.
   for batch in (8, 16):
     floats = batch * 40 + 4 + batch * 40 + batch * 40 + batch * 40 + batch * 10 + 10 + batch * 10
-    assert parallelism.activation_bytes(cnn, (10, 1), batch) == 4 * floats
+    size = parallelism.member_size(cnn, (10, 1), batch)
+    assert size.params == params
+    assert size.step == parallelism.member_bytes(cnn, (10, 1), batch) == 4 * floats + 4 * params
 
 
 def test_forward_flops_count_the_matmuls():

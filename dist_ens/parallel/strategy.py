@@ -87,18 +87,11 @@ def _forward_activation_bytes(fn, args) -> int:
   return _nbytes(v.aval for eqn in jaxpr.jaxpr.eqns for v in eqn.outvars)
 
 
-def activation_bytes(model, input_shape: Sequence[int], batch: int) -> int:
-  """Bytes of every intermediate of one member's forward pass on `batch` examples.
-
-  Counted from the traced program (no compile, nothing run).
-  """
-  return _forward_activation_bytes(*_abstract_forward(model, input_shape, batch))
-
-
 def member_bytes(model, input_shape: Sequence[int], batch: int) -> int:
   """What one member's training step touches, as 'auto' sizes it: its forward activations
-  on `batch` examples (activation_bytes) and 4x its parameters' bytes (the parameters,
-  their gradients and an optimizer's two moments, as Adam keeps)."""
+  on `batch` examples (every intermediate of the traced program: no compile, nothing run)
+  and 4x its parameters' bytes (the parameters, their gradients and an optimizer's two
+  moments, as Adam keeps)."""
   return member_size(model, input_shape, batch).step
 
 
