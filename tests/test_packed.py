@@ -121,6 +121,20 @@ def _init_params(config, devices=1):
   return jax.tree.map(np.asarray, initial_state.init_sharded(parts).params)
 
 
+def _papers_layer_params(c_in: int, c_out: int, members: int, alpha: float, gamma: int,
+                          first: bool = False, last: bool = False, window: int = 1,
+                          bias: bool = True) -> int:
+  """The paper's parameter count of one packed layer (all M members; torch-uncertainty's
+  PackedLinear/PackedConv with first/last): int(alpha C_in) * int(alpha C_out) * window /
+  (M gamma) weights plus int(alpha C_out) biases (none where `bias` is False: a ResNet's
+  convs); the first layer reads C_in ungrouped, the output layer writes C_out per member
+  (here: each member's ungrouped head)."""
+  ext_in = c_in if first else int(alpha * c_in)
+  ext_out = c_out * members if last else int(alpha * c_out)
+  groups = 1 if first else members * (1 if last else gamma)
+  return ext_in * ext_out * window // groups + (ext_out if bias else 0)
+
+
 def test_the_parameter_count_is_the_papers_formula():
   # MNIST-1D's 40 inputs, widths (64, 32), 10 classes, M=2, alpha=2, gamma=2. By hand, the
   # packed network (all members): first layer 40 x int(2*64)=128 ungrouped + 128 biases =
@@ -130,9 +144,9 @@ def test_the_parameter_count_is_the_papers_formula():
   config = _config(**{'mesh.member': 1})
   params = _init_params(config)
   count = sum(leaf.size for leaf in jax.tree.leaves(params))
-  formula = (packed.grouped_layer_params(40, 64, 2, 2.0, 2, first=True)
-             + packed.grouped_layer_params(64, 32, 2, 2.0, 2)
-             + packed.grouped_layer_params(32, 10, 2, 2.0, 2, last=True))
+  formula = (_papers_layer_params(40, 64, 2, 2.0, 2, first=True)
+             + _papers_layer_params(64, 32, 2, 2.0, 2)
+             + _papers_layer_params(32, 10, 2, 2.0, 2, last=True))
   assert count == formula == 5248 + 2112 + 660
   # Each member: [40, 64], grouped [2, 32, 16], head [32, 10].
   assert params[0]['w'].shape == (2, 40, 64)
@@ -355,7 +369,7 @@ def test_a_packed_resnets_parameter_count_is_the_papers_formula():
   # count without bias (torch-uncertainty's bias=False); each BatchNorm 2 x int(alpha C).
   config = _config(**{'model.name': 'resnet', 'model.depth': 8, 'mesh.member': 1})
   params = _init_params(config)
-  count = lambda c_in, c_out, window=3, gamma=2, **kw: packed.grouped_layer_params(
+  count = lambda c_in, c_out, window=3, gamma=2, **kw: _papers_layer_params(
       c_in, c_out, 2, 2.0, gamma, window=window, bias=False, **kw)
   bn = lambda c: 2 * int(2.0 * c)
   formula = count(1, 16, first=True) + bn(16)  # The stem.
@@ -363,7 +377,7 @@ def test_a_packed_resnets_parameter_count_is_the_papers_formula():
     formula += count(c_in, c_out, gamma=1) + count(c_out, c_out) + 2 * bn(c_out)
     if c_in != c_out:
       formula += count(c_in, c_out, window=1) + bn(c_out)
-  formula += packed.grouped_layer_params(64, 10, 2, 2.0, 2, last=True)
+  formula += _papers_layer_params(64, 10, 2, 2.0, 2, last=True)
   assert sum(leaf.size for leaf in jax.tree.leaves(params)) == formula
   block = params['blocks'][2]
   assert block['conv1'].shape == (2, 3, 32, 64)  # [M, k, in, out]: ungrouped per member.

@@ -108,20 +108,6 @@ def member_width(width: int, members: int, alpha: float, gamma: int, where: str 
   return total // members
 
 
-def grouped_layer_params(c_in: int, c_out: int, members: int, alpha: float, gamma: int,
-                         first: bool = False, last: bool = False, window: int = 1,
-                         bias: bool = True) -> int:
-  """The paper's parameter count of one packed layer (all M members; torch-uncertainty's
-  PackedLinear/PackedConv with first/last): int(alpha C_in) * int(alpha C_out) * window /
-  (M gamma) weights plus int(alpha C_out) biases (none where `bias` is False: a ResNet's
-  convs); the first layer reads C_in ungrouped, the output layer writes C_out per member
-  (here: each member's ungrouped head)."""
-  ext_in = c_in if first else int(alpha * c_in)
-  ext_out = c_out * members if last else int(alpha * c_out)
-  groups = 1 if first else members * (1 if last else gamma)
-  return ext_in * ext_out * window // groups + (ext_out if bias else 0)
-
-
 def grouped(kernel: jax.Array, gamma: int) -> jax.Array:
   """The diagonal blocks of a kernel [..., in, out] as a grouped kernel [gamma, ..., in /
   gamma, out / gamma], rescaled to He-normal at the group's fan-in (times sqrt(gamma))."""
@@ -231,4 +217,4 @@ def make(spec: MethodSpec) -> Method:
   return Method('packed', wrap_model=wrap_model, copyable=True)
 
 
-__all__ = ['block_diagonal', 'grouped', 'grouped_layer_params', 'make', 'member_width']
+__all__ = ['block_diagonal', 'grouped', 'make', 'member_width']
