@@ -23,6 +23,10 @@ from dist_ens.training import train
 from dist_ens import Ensemble
 
 PNG_SIGNATURE = b'\x89PNG\r\n\x1a\n'
+# What a classification run's report draws, each as PNG and SVG (a sweep adds
+# 'sweep_scatter.png', a run of several methods its comparison).
+FIGURES = ('reliability.png', 'members_vs_ensemble.png', 'learning_curves.png',
+           'ensemble_size.png')
 
 
 def _config(**overrides):
@@ -107,7 +111,7 @@ def _parse_html(path: Path) -> _Tables:
 def test_every_figure_is_a_150_dpi_png_and_an_svg(sweep):
   image = pytest.importorskip('matplotlib.image')
   sizes = {}
-  for name in report.FIGURES:
+  for name in FIGURES:
     path = sweep / 'report' / name
     assert _png_dpi(path) >= 150, name
     pixels = image.imread(path)
@@ -126,7 +130,7 @@ def test_every_figure_is_a_150_dpi_png_and_an_svg(sweep):
 def test_report_md_embeds_the_figures_and_the_final_table(sweep):
   text = (sweep / 'report' / 'report.md').read_text()
   final = json.loads((sweep / 'final_metrics.json').read_text())
-  for name in report.FIGURES:
+  for name in FIGURES:
     assert f']({name})' in text and f'({name[:-4]}.svg)' in text
   assert f'**{final["ensemble"]["accuracy"]:.4f}**' in text
   assert all(f'| {member} |' in text for member in ('0', '1', '2', '3 (frozen)'))
@@ -142,7 +146,7 @@ def test_report_html_is_self_contained_with_every_member_and_figure(sweep):
   assert not re.search(r'''(src|href)\s*=\s*["']?\s*(https?:)?//''', text, re.I)
   assert '<link' not in text and '<script' not in text and '@import' not in text
   parsed = _parse_html(path)
-  assert len(parsed.images) == len(report.FIGURES) + 2  # + sweep_scatter and methods
+  assert len(parsed.images) == len(FIGURES) + 2  # + sweep_scatter and methods
   assert all(src.startswith('data:image/') for src in parsed.images)
   metrics = next(table for table in parsed.tables if table[0][:2] == ['member', 'accuracy'])
   first_cells = [row[0] for row in metrics]
@@ -158,14 +162,14 @@ def test_sweep_report_draws_the_scatter_and_survives_a_frozen_member(sweep):
   final = json.loads((sweep / 'final_metrics.json').read_text())
   nll = final['members']['nll'][3]
   assert final['frozen_members'] == [3] and (nll is None or np.isnan(nll))  # null: strict JSON
-  assert _png_dpi(out / report.SWEEP_FIGURE) >= 150
+  assert _png_dpi(out / 'sweep_scatter.png') >= 150
   svg = (out / 'sweep_scatter.svg').read_text()
   ElementTree.fromstring(svg)
   # The finite members' learning rates span 20x: a log colour scale (matplotlib keeps
   # each text as a comment beside its glyph paths).
   assert '<!-- optim.learning_rate (log scale) -->' in svg
   parsed = _parse_html(out / 'report.html')
-  assert len(parsed.images) == len(report.FIGURES) + 2  # + sweep_scatter and methods
+  assert len(parsed.images) == len(FIGURES) + 2  # + sweep_scatter and methods
   tables = {tuple(table[0][:2]): table for table in parsed.tables}
   hparams = tables['member', 'optim.learning_rate']
   assert hparams[0][2] == 'model.init_scale'
@@ -254,22 +258,20 @@ def test_size_spread_draws_distinct_random_subsets_reproducibly():
   assert sizes[0] == 1 and sizes[-1] == 256 and len(sizes) <= 24
 
 
-def test_ensemble_size_curve_ends_at_the_ensemble_and_starts_at_member_0(tiny_run):
+def test_ensemble_size_spread_starts_at_each_member_and_ends_at_the_ensemble(tiny_run):
   """On the session's shared plain run (no sweep, selection or frozen member; read only):
-  the curve and spread a report draws agree with the final metrics, and its report lists
-  the plain figures only (the sweep's report draws and embeds every one of them)."""
+  the spread a report draws agrees with the final metrics, and its report lists the plain
+  figures only (the sweep's report draws and embeds every one of them)."""
   workdir = tiny_run[0]
   final = json.loads((workdir / 'final_metrics.json').read_text())
   test = data.load_dataset('mnist1d').test
   out = Ensemble.load(workdir).predict(test.x)
-  curve = report_stats.ensemble_size_curve(out.member_probs, test.y, range(4))
-  np.testing.assert_array_equal(curve['size'], [1, 2, 3, 4])
-  np.testing.assert_allclose(curve['accuracy'][0], final['members']['accuracy'][0])
-  np.testing.assert_allclose(curve['nll'][0], final['members']['nll'][0], rtol=1e-5)
-  np.testing.assert_allclose(curve['accuracy'][-1], final['ensemble']['accuracy'])
-  np.testing.assert_allclose(curve['nll'][-1], final['ensemble']['nll'], rtol=1e-5)
-  # The spread over subsets agrees at both ends.
   spread = report.ensemble_size_spread(out.member_probs, test.y, range(4))
+  np.testing.assert_array_equal(spread.size, [1, 2, 3, 4])
+  # Size 1: every member alone, in member order; size 4: the ensemble.
+  np.testing.assert_allclose(spread.accuracy[0, :4], final['members']['accuracy'])
+  np.testing.assert_allclose(spread.nll[0, :4], final['members']['nll'], rtol=1e-5)
+  np.testing.assert_allclose(spread.accuracy[-1, 0], final['ensemble']['accuracy'])
   np.testing.assert_allclose(spread.stat('accuracy', 'max')[0],
                              max(final['members']['accuracy']))
   np.testing.assert_allclose(spread.stat('nll', 'mean')[-1], final['ensemble']['nll'],
@@ -280,7 +282,7 @@ def test_ensemble_size_curve_ends_at_the_ensemble_and_starts_at_member_0(tiny_ru
   assert rel.count.sum() == len(test.y)
   # A plain run's report.md and report.html show FIGURES and no sweep or methods figure.
   listed = report_pages.report_figures(final, spread, [0, 1, 2, 3])
-  assert [f'{figure.name}.png' for figure in listed] == list(report.FIGURES)
+  assert [f'{figure.name}.png' for figure in listed] == list(FIGURES)
 
 
 def test_non_finite_predictions_do_not_break_the_numbers():

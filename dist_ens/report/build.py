@@ -33,6 +33,7 @@ and scatter.py draw the figures, pages.py writes report.md and report.html.
 """
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Sequence
@@ -52,12 +53,9 @@ from dist_ens.report.data import finite_mean, method_rows, read_events, read_fin
 from dist_ens.report.pages import Figure, Run, html_page, markdown, report_figures
 from dist_ens.report.stats import SizeSpread, ensemble_size_spread
 
-FIGURES = ('reliability.png', 'members_vs_ensemble.png', 'learning_curves.png',
-           'ensemble_size.png')
 PBT_CAPTION = ('Every member\'s explored hyperparameters over the run (a step line each) and '
                'the validation metric PBT ranked them by at each round; a dot marks a member '
                'that copied a better one\'s state there and took perturbed values.')
-SWEEP_FIGURE = 'sweep_scatter.png'  # Written only when final_metrics.json has 'hyperparameters'.
 
 
 def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None) -> Path:
@@ -82,7 +80,7 @@ def make_report(workdir: str | Path, devices: Sequence[jax.Device] | None = None
     raise ConfigError(f'{workdir / "final_metrics.json"} is damaged ({e}); run the training '
                       'command again on this workdir to rewrite it.') from None
   try:
-    import matplotlib  # pylint: disable=g-import-not-at-top,unused-import
+    importlib.import_module('matplotlib')  # Only whether it imports, before any work.
   except ImportError:
     raise ImportError("dist-ens report draws with matplotlib: pip install 'dist_ens[report]'"
                       ) from None

@@ -63,36 +63,6 @@ def _accuracy_nll(probs: np.ndarray, labels: np.ndarray) -> tuple[float, float]:
           float(-np.mean(np.log(np.maximum(picked, 1e-300)))))
 
 
-def ensemble_size_curve(member_probs: np.ndarray, labels: np.ndarray,
-                        members: Sequence[int]) -> dict[str, np.ndarray]:
-  """Accuracy and NLL of the ensembles of the first k of `members`, k = 1..len(members).
-
-  ensemble_size_spread gives the same over many subsets of each size.
-
-  Example:
-    >>> p = np.array([[[0.9, 0.1]], [[0.3, 0.7]]])  # 2 members, 1 example
-    >>> ensemble_size_curve(p, np.array([0]), [0, 1])['accuracy'].tolist()
-    [1.0, 1.0]
-
-  Args:
-    member_probs: [M, N, C] every member's probabilities.
-    labels: [N] integer labels.
-    members: the member indices, in the order they join the ensemble.
-
-  Returns:
-    {'size': [K], 'accuracy': [K], 'nll': [K]} with K = len(members).
-  """
-  running = np.zeros(member_probs.shape[1:], np.float64)
-  accuracy, nll = [], []
-  for k, m in enumerate(members, start=1):
-    running += member_probs[m]
-    acc, loss = _accuracy_nll(running / k, labels)
-    accuracy.append(acc)
-    nll.append(loss)
-  return {'size': np.arange(1, len(members) + 1), 'accuracy': np.array(accuracy),
-          'nll': np.array(nll)}
-
-
 class SizeSpread(NamedTuple):
   """Accuracy and NLL of ensembles of k members, over several member subsets per size.
 
