@@ -73,23 +73,6 @@ def test_excess_aurc_is_zero_for_a_perfect_ranking():
   assert abs(selective.aurc(perfect, correct) - (1 / 4 + 2 / 5 + 3 / 6) / 6) < 1e-12
 
 
-def test_scores_from_member_probabilities():
-  rng = np.random.default_rng(2)
-  logits = rng.normal(size=(3, 50, 4))
-  probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
-  probs[0, 0] = [1.0, 0.0, 0.0, 0.0]  # a zero probability: 0 log 0 = 0, not NaN
-  scores = selective.selective_scores(probs)
-  for n in range(50):
-    p_bar = [sum(probs[m, n, c] for m in range(3)) / 3 for c in range(4)]
-    h = lambda p: -sum(q * np.log(q) for q in p if q > 0)
-    mi = h(p_bar) - sum(h(probs[m, n]) for m in range(3)) / 3
-    assert abs(scores['confidence'][n] - max(p_bar)) < 1e-12
-    assert abs(scores['neg_entropy'][n] + h(p_bar)) < 1e-12
-    assert abs(scores['neg_mutual_information'][n] + mi) < 1e-12
-  same = selective.selective_scores(np.repeat(probs[:1], 4, axis=0))
-  np.testing.assert_allclose(same['neg_mutual_information'], 0.0, atol=1e-12)
-
-
 def test_rejects_bad_inputs():
   with pytest.raises(ValueError, match='finite'):
     selective.aurc(np.array([0.1, np.nan]), np.array([1, 0]))

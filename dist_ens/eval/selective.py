@@ -6,7 +6,7 @@ sorted by score, most confident first, the curve has one point per k = 1..N:
 and AURC = (1 / N) sum_k risk_k (Geifman et al., 2019: the area under the curve
 with a point at each coverage k / N). Lower is better. Scores are "higher = more
 confident": pass -entropy or -mutual information, not the uncertainties themselves
-(`selective_scores` builds the three scores from member probabilities).
+(eval/decisions.py ranks by the three scores of a split's ExampleStats).
 
 Ties. Examples with equal scores cannot be ordered by the score, and any order we
 picked (input order, a stable sort) would change the curve. So a group of tied
@@ -17,9 +17,9 @@ order of the ties, it does not depend on the input order, and without ties it is
 the plain curve. accuracy_at_coverage and AURC follow from it.
 
 Example:
-  >>> scores = selective_scores(member_probs)             # [M, N, C] -> dict of [N]
+  >>> confidence = member_probs.mean(0).max(-1)            # [M, N, C] -> [N]
   >>> correct = member_probs.mean(0).argmax(-1) == labels
-  >>> aurc(scores['confidence'], correct)
+  >>> aurc(confidence, correct)
 """
 
 import math
@@ -111,29 +111,3 @@ def accuracy_at_coverage(scores: np.ndarray, correct: np.ndarray,
   counts = [min(n, max(1, math.ceil(f * n - 1e-9))) for f in fractions]
   accuracy = 1.0 - curve.risk[np.asarray(counts) - 1]
   return float(accuracy[0]) if np.ndim(coverage) == 0 else accuracy
-
-
-def selective_scores(member_probs: np.ndarray) -> dict[str, np.ndarray]:
-  """The three confidence scores of an ensemble's predictions, higher = more confident.
-
-  Args:
-    member_probs: [M, N, C] each member's predicted probabilities.
-
-  Returns:
-    [N] arrays: 'confidence' max_c p_bar (p_bar the members' mean),
-    'neg_entropy' -H[p_bar], 'neg_mutual_information' -(H[p_bar] - mean_m H[p_m])
-    (nats, 0 log 0 = 0).
-  """
-  probs = np.asarray(member_probs, np.float64)
-  if probs.ndim != 3:
-    raise ValueError(f'member_probs must be [M, N, C]; got shape {probs.shape}.')
-  mean = probs.mean(axis=0)
-  entropy = _entropy(mean)
-  mutual_information = entropy - _entropy(probs).mean(axis=0)
-  return {'confidence': mean.max(axis=-1), 'neg_entropy': -entropy,
-          'neg_mutual_information': -mutual_information}
-
-
-def _entropy(probs: np.ndarray) -> np.ndarray:
-  logs = np.log(np.where(probs > 0, probs, 1.0))  # 0 log 0 = 0, without a warning
-  return -np.sum(probs * logs, axis=-1)
