@@ -2,8 +2,9 @@
 
 dist_ens/main.py parses the command line and dispatches to COMMANDS; each main gets
 absl's leftover argv after the flags (absl.flags.FLAGS) are parsed. Each main imports what
-it runs (JAX, through training, plan or report) when it runs: --help, and a flag or config
-field refused while parsing, answer without starting JAX.
+it runs (JAX, through training, plan or report) when it runs: --help, a flag or config
+field refused while parsing, and a config whose fields' declarations refuse it
+(config.loading.check_fields), answer without starting JAX.
 """
 
 import contextlib
@@ -91,9 +92,12 @@ def _train_main(argv: list[str]) -> None:
       enabled=FLAGS.distributed, coordinator_address=FLAGS.coordinator_address,
       num_processes=FLAGS.num_processes, process_id=FLAGS.process_id,
       init_timeout_s=FLAGS.init_timeout_s, heartbeat_timeout_s=FLAGS.heartbeat_timeout_s)
+  # Before JAX is imported, so that these answer at once: contradictory flags, a field the
+  # config may not have, a value its field's declaration refuses (training checks the rest).
   try:
     launch.check(flagged)
-  except ConfigError as e:  # Before JAX is imported: contradictory flags answer at once.
+    loading.check_fields(FLAGS.config)
+  except ConfigError as e:
     sys.exit(f'dist-ens: error: {e}')
   from dist_ens.parallel import distributed  # pylint: disable=g-import-not-at-top
   from dist_ens.training import workdir as workdir_lib  # pylint: disable=g-import-not-at-top
@@ -217,8 +221,9 @@ def _plan_main(argv: list[str]) -> None:
   memory_gb = FLAGS.memory_gb
   if memory_gb is not None and not memory_gb > 0:
     sys.exit(f'dist-ens plan: error: --memory_gb={memory_gb} must be > 0.')
-  from dist_ens import plan  # pylint: disable=g-import-not-at-top
   try:
+    loading.check_fields(FLAGS.config)  # Before JAX is imported: a refused field answers at once.
+    from dist_ens import plan  # pylint: disable=g-import-not-at-top
     if FLAGS.calibrate:
       print(plan.calibrate(FLAGS.config))
     p = plan.make_plan(FLAGS.config, memory_bytes=memory_gb * GB if memory_gb else None)

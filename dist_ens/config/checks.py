@@ -13,7 +13,7 @@ from absl import logging
 
 from dist_ens import importing, models, tasks
 from dist_ens.config import schema, specs
-from dist_ens.config.loading import DEFAULT_CONFIG
+from dist_ens.config.loading import DEFAULT_CONFIG, check_declared, field_value, require
 from dist_ens.core import hparams, model as model_lib, optim
 from dist_ens.data.augment import AUGMENTATIONS
 from dist_ens.data import grain_loader, resident
@@ -31,20 +31,6 @@ FEATURES = tuple(importlib.import_module(f'dist_ens.config.{name}')
                  for name in schema.feature_modules(DEFAULT_CONFIG.read_text()))
 
 
-def _require(ok: bool, field: str, value: Any, what: str) -> None:
-  if not ok:
-    raise ConfigError(f'config.{field}={value!r} is invalid: {what}.')
-
-
-def check_declared(config: ml_collections.ConfigDict) -> None:
-  """Every check the package's defaults declare beside a field ('[int >= 1]', see
-  dist_ens.config.schema), on this config's value of that field."""
-  for path, field in schema.declared(DEFAULT_CONFIG).items():
-    if field.check is not None:
-      value = _get(config, path)
-      _require(field.check.holds(value), path, value, field.check.requirement)
-
-
 def validate(config: ml_collections.ConfigDict) -> None:
   """Checks the fields every run reads; raises ConfigError naming the first bad one.
 
@@ -60,26 +46,29 @@ def validate(config: ml_collections.ConfigDict) -> None:
   by_epochs = _validate_run_fields(config)
   for field in ('train.log_every', 'train.eval_every', 'checkpoint.every',
                 *(() if by_epochs else ('train.steps',))):
-    _require(calls == 0 or _get(config, field) % calls == 0, field, _get(config, field),
-             f'must be a multiple of train.steps_per_call={calls} (a call runs that many '
-             'steps; logs, evaluations and checkpoints happen between calls)')
-  _require(_get(config, 'data.member_order') in MEMBER_ORDERS, 'data.member_order',
-           config.data.member_order, f'use one of {list(MEMBER_ORDERS)}')
-  _require(resident.is_setting(_get(config, 'data.resident')), 'data.resident',
-           config.data.resident, "use 'auto', True or False")
-  grain_loader.check_config(_get(config, 'data.loader'), config.data.name, config.data.resident)
+    value = field_value(config, field)
+    require(calls == 0 or value % calls == 0, field, value,
+            f'must be a multiple of train.steps_per_call={calls} (a call runs that many '
+            'steps; logs, evaluations and checkpoints happen between calls)')
+  require(field_value(config, 'data.member_order') in MEMBER_ORDERS, 'data.member_order',
+          config.data.member_order, f'use one of {list(MEMBER_ORDERS)}')
+  require(resident.is_setting(field_value(config, 'data.resident')), 'data.resident',
+          config.data.resident, "use 'auto', True or False")
+  grain_loader.check_config(field_value(config, 'data.loader'), config.data.name,
+                            config.data.resident)
   for field in ('data.mean', 'data.std'):
-    value = _get(config, field)
-    _require(isinstance(value, (tuple, list)) and all(
+    value = field_value(config, field)
+    require(isinstance(value, (tuple, list)) and all(
         isinstance(v, (int, float)) and not isinstance(v, bool) for v in value), field, value,
-             'must be a tuple of numbers, one per input channel (or empty)')
-  _require(all(v > 0 for v in config.data.std), 'data.std', config.data.std, 'must be > 0')
+            'must be a tuple of numbers, one per input channel (or empty)')
+  require(all(v > 0 for v in config.data.std), 'data.std', config.data.std, 'must be > 0')
   for field in ('data.mean', 'data.std'):
-    _require(hparams.float32_normal(_get(config, field)), field, _get(config, field),
-             'must be 0 or of float32 size (between 1.2e-38 and 3.4e38), as inputs are float32')
+    value = field_value(config, field)
+    require(hparams.float32_normal(value), field, value,
+            'must be 0 or of float32 size (between 1.2e-38 and 3.4e38), as inputs are float32')
   eps = config.optim.eps
-  _require(hparams.float32_normal(eps), 'optim.eps', eps,
-           'must be a number > 0 of float32 size, e.g. 1e-8')
+  require(hparams.float32_normal(eps), 'optim.eps', eps,
+          'must be a number > 0 of float32 size, e.g. 1e-8')
   # The features first: a pairing one refuses is named as its own, not as the other
   # field's. The configs a stack is built from: each feature's stacks', or the run's.
   stacks = [one for feature in FEATURES for one in feature.stack_configs(config)] or [config]
@@ -107,7 +96,7 @@ def _warn_shared_optimizer(config: ml_collections.ConfigDict, resolved: dict[str
   """ensemble.train_shared: the shared leaves take one optimizer, with member 0's
   hyperparameters; a sweep of optim.* over members is said to reach only the owned ones."""
   varying = [k for k in hparams.varying(resolved) if k.startswith('optim.')]
-  if _get(config, 'ensemble.train_shared') is True and varying:
+  if field_value(config, 'ensemble.train_shared') is True and varying:
     logging.warning('config.ensemble.train_shared=True: the shared leaves train with member '
                     "0's %s; config.hparams' sweep of them over members applies to each "
                     "member's own leaves only.", ', '.join(varying))
@@ -115,15 +104,15 @@ def _warn_shared_optimizer(config: ml_collections.ConfigDict, resolved: dict[str
 
 def _validate_select(config: ml_collections.ConfigDict) -> None:
   """select.metric is one config.task ranks by; top_k needs a validation split."""
-  task = tasks.get_task(_get(config, 'task'))
-  _require(_get(config, 'select.metric') in task.select_metrics, 'select.metric',
-           config.select.metric, f'use one of {list(task.select_metrics)} (config.task='
-           f'{task.name!r})')
+  task = tasks.get_task(field_value(config, 'task'))
+  require(field_value(config, 'select.metric') in task.select_metrics, 'select.metric',
+          config.select.metric, f'use one of {list(task.select_metrics)} (config.task='
+          f'{task.name!r})')
   value = config.select.top_k
-  _require(value <= config.num_members, 'select.top_k', value,
-           f'must be an int in [0, num_members={config.num_members}]')
-  _require(value == 0 or config.data.validation_size > 0, 'select.top_k', value,
-           'selects members on a validation split; set data.validation_size > 0 (e.g. 500)')
+  require(value <= config.num_members, 'select.top_k', value,
+          f'must be an int in [0, num_members={config.num_members}]')
+  require(value == 0 or config.data.validation_size > 0, 'select.top_k', value,
+          'selects members on a validation split; set data.validation_size > 0 (e.g. 500)')
 
 
 def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool,
@@ -133,46 +122,47 @@ def _validate_pbt(config: ml_collections.ConfigDict, by_epochs: bool,
   enabled = config.pbt.enabled
   if not enabled:
     return
-  _require(config.data.validation_size > 0, 'pbt.enabled', enabled,
-           'ranks members on a validation split; set data.validation_size > 0 (e.g. 500)')
+  require(config.data.validation_size > 0, 'pbt.enabled', enabled,
+          'ranks members on a validation split; set data.validation_size > 0 (e.g. 500)')
   for one in stacks:  # A stack may have its own `own`.
-    _require(one.ensemble.own == 'all', 'pbt.enabled', enabled,
-             f'copies whole members, so it needs ensemble.own=\'all\' (not '
-             f'{one.ensemble.own!r}, whose shared leaves are no member\'s to copy)')
-  _require(not config.data.member_split, 'pbt.enabled', enabled,
-           f'copies members between data.member_split={config.data.member_split!r}\'s splits, '
-           'whose members train on different data; use one or the other')
+    require(one.ensemble.own == 'all', 'pbt.enabled', enabled,
+            f'copies whole members, so it needs ensemble.own=\'all\' (not '
+            f'{one.ensemble.own!r}, whose shared leaves are no member\'s to copy)')
+  require(not config.data.member_split, 'pbt.enabled', enabled,
+          f'copies members between data.member_split={config.data.member_split!r}\'s splits, '
+          'whose members train on different data; use one or the other')
   spec = specs.pbt_spec(config)
-  _require(by_epochs or spec.interval < config.train.steps, 'pbt.interval', spec.interval,
-           f'must be below train.steps={config.train.steps} (no round at the last step)')
+  require(by_epochs or spec.interval < config.train.steps, 'pbt.interval', spec.interval,
+          f'must be below train.steps={config.train.steps} (no round at the last step)')
   calls = config.train.steps_per_call
-  _require(calls == 0 or spec.interval % calls == 0, 'pbt.interval', spec.interval,
-           f'must be a multiple of train.steps_per_call={calls} (rounds happen between calls)')
+  require(calls == 0 or spec.interval % calls == 0, 'pbt.interval', spec.interval,
+          f'must be a multiple of train.steps_per_call={calls} (rounds happen between calls)')
 
 
 def _validate_eval(config: ml_collections.ConfigDict) -> None:
   """eval.shift names known corruptions and severities (or 'tfds:NAME'), with
   eval.shift_baseline a string."""
-  shift_lib.check_fields(_get(config, 'eval.shift'), _get(config, 'eval.shift_baseline'))
+  shift_lib.check_fields(field_value(config, 'eval.shift'),
+                         field_value(config, 'eval.shift_baseline'))
 
 
 def _validate_run_fields(config: ml_collections.ConfigDict) -> bool:
   """Checks precision, data.augment, train.micro_batches against the batch and the two
   ways of giving the warm-up; returns whether the run's length is given in epochs."""
-  value = _get(config, 'precision')
-  _require(value in PRECISIONS, 'precision', value, f'use one of {list(PRECISIONS)}')
-  value = _get(config, 'data.augment')
-  _require(value in AUGMENTATIONS or importing.is_import_path(value), 'data.augment', value,
-           f"use one of {sorted(AUGMENTATIONS)}, or your own fn(key, x_example) -> x_example "
-           "by import path, 'my_pkg.aug:fn'")
+  value = field_value(config, 'precision')
+  require(value in PRECISIONS, 'precision', value, f'use one of {list(PRECISIONS)}')
+  value = field_value(config, 'data.augment')
+  require(value in AUGMENTATIONS or importing.is_import_path(value), 'data.augment', value,
+          f"use one of {sorted(AUGMENTATIONS)}, or your own fn(key, x_example) -> x_example "
+          "by import path, 'my_pkg.aug:fn'")
   value, batch = config.train.micro_batches, config.data.batch_size
-  _require(batch % value == 0, 'train.micro_batches', value,
-           f'must divide data.batch_size={batch}, e.g. '
-           f'{max(d for d in range(1, min(value, batch) + 1) if batch % d == 0)}')
+  require(batch % value == 0, 'train.micro_batches', value,
+          f'must divide data.batch_size={batch}, e.g. '
+          f'{max(d for d in range(1, min(value, batch) + 1) if batch % d == 0)}')
   warmup_epochs = config.optim.warmup_epochs
-  _require(not (warmup_epochs and config.optim.warmup_steps), 'optim.warmup_epochs',
-           warmup_epochs, f'and optim.warmup_steps={config.optim.warmup_steps} are both set; '
-           'give the warm-up in one of them and set the other to 0')
+  require(not (warmup_epochs and config.optim.warmup_steps), 'optim.warmup_epochs',
+          warmup_epochs, f'and optim.warmup_steps={config.optim.warmup_steps} are both set; '
+          'give the warm-up in one of them and set the other to 0')
   return config.train.epochs > 0
 
 
@@ -205,8 +195,8 @@ def resolve_epochs(config: ml_collections.ConfigDict,
   if not epochs and not warmup_epochs:
     return config
   per_epoch = steps_per_epoch(config, num_train_examples)
-  _require(per_epoch >= 1, 'data.batch_size', config.data.batch_size,
-           f'exceeds the {num_train_examples} training examples')
+  require(per_epoch >= 1, 'data.batch_size', config.data.batch_size,
+          f'exceeds the {num_train_examples} training examples')
   resolved = copy.deepcopy(config)  # Keeps the lock and the per-member fields' types.
   if warmup_epochs:
     resolved.optim.warmup_steps = round(warmup_epochs * per_epoch)
@@ -214,17 +204,7 @@ def resolve_epochs(config: ml_collections.ConfigDict,
     return resolved
   resolved.train.steps = epochs * per_epoch
   calls = resolved.train.steps_per_call
-  _require(calls == 0 or resolved.train.steps % calls == 0, 'train.epochs', epochs,
-           f'gives train.steps={resolved.train.steps} ({per_epoch} steps an epoch), not a '
-           f'multiple of train.steps_per_call={calls}; use train.steps_per_call=0 (automatic)')
+  require(calls == 0 or resolved.train.steps % calls == 0, 'train.epochs', epochs,
+          f'gives train.steps={resolved.train.steps} ({per_epoch} steps an epoch), not a '
+          f'multiple of train.steps_per_call={calls}; use train.steps_per_call=0 (automatic)')
   return resolved
-
-
-def _get(config: ml_collections.ConfigDict, dotted: str) -> Any:
-  node = config
-  for part in dotted.split('.'):
-    if part not in node:
-      raise ConfigError(f'config.{dotted} is missing; start from dist_ens.config.defaults.'
-                        'get_config() (or configs/default.py), which has every field.')
-    node = node[part]
-  return node

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import ml_collections
 
 from dist_ens import tasks
-from dist_ens.config import specs as specs_lib
+from dist_ens.config import loading, specs as specs_lib
 from dist_ens.core.stacks import Place
 from dist_ens.ensembles import methods
 from dist_ens.errors import ConfigError
@@ -117,7 +117,7 @@ def group_config(config: ml_collections.ConfigDict,
       for field, value in overrides.items():
         # A field only some models read (model.depth, model.patch_size, ...) may be absent
         # from the ensemble's config, as it may from any config: the group adds it.
-        if ((field not in out[key] and f'{key}.{field}' not in specs_lib.OPTIONAL_FIELDS)
+        if ((field not in out[key] and f'{key}.{field}' not in loading.OPTIONAL_FIELDS)
             or (key, field) == ('ensemble', 'groups')):
           known = sorted({*out[key], *_optional(key)} - {'groups'})
           raise ConfigError(f'{FIELD} group {spec.name!r} sets {key}.{field}, which is no '
@@ -139,8 +139,8 @@ def group_config(config: ml_collections.ConfigDict,
 
 
 def _optional(key: str) -> tuple[str, ...]:
-  """The fields of config.<key> a config may leave out (specs.OPTIONAL_FIELDS)."""
-  return tuple(f.split('.', 1)[1] for f in specs_lib.OPTIONAL_FIELDS if f.startswith(f'{key}.'))
+  """The fields of config.<key> a config may leave out (loading.OPTIONAL_FIELDS)."""
+  return tuple(f.split('.', 1)[1] for f in loading.OPTIONAL_FIELDS if f.startswith(f'{key}.'))
 
 
 # (field, test of its value, what it is): pairings groups do not support yet, each refused

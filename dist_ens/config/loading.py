@@ -1,6 +1,8 @@
-"""Config files read into ConfigDicts: load_config, the check that every field is one the
-package's defaults have (a misspelt one would be ignored), and a workdir's saved config
-compared with a new one and upgraded to this version's fields.
+"""Config files read into ConfigDicts: load_config, the checks that every field is one the
+package's defaults have (a misspelt one would be ignored) and holds what its declaration
+allows (check_fields: neither imports JAX, so the command line refuses such a config at
+once), and a workdir's saved config compared with a new one and upgraded to this
+version's fields.
 
 Configs are Python files whose get_config() returns an ml_collections.ConfigDict (the
 package's defaults: dist_ens/config/defaults.py; presets: configs/).
@@ -8,11 +10,13 @@ package's defaults: dist_ens/config/defaults.py; presets: configs/).
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import ml_collections
 
+from dist_ens.config import schema
 from dist_ens.config.command_line import config_fields, field_hint
 from dist_ens.errors import ConfigError
 
@@ -37,6 +41,29 @@ def load_config(path: str | Path, arg: str | None = None) -> ml_collections.Conf
 DEFAULT_CONFIG = Path(__file__).resolve().with_name('defaults.py')
 
 
+def _model_spec_module() -> Any:
+  """dist_ens/models/spec.py (the standard library only), loaded by its path: importing it
+  as dist_ens.models.spec runs dist_ens.models first, which imports every model and JAX."""
+  name = '_dist_ens_models_spec'
+  if name not in sys.modules:
+    path = Path(__file__).resolve().parents[1] / 'models' / 'spec.py'
+    spec = importlib.util.spec_from_file_location(name, path)
+    sys.modules[name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules[name])
+  return sys.modules[name]
+
+
+# config.data's TFDS-only fields: a config may set them; configs/default.py does not.
+DATA_OPTIONAL_FIELDS = ('train_split', 'test_split', 'add_channel')
+# Dotted fields a config may have beyond configs/default.py's: those only some models or
+# data sets read (their defaults live in their specs: dist_ens.models.spec.ModelSpec's
+# Optional fields, config.specs.data_spec), and under model.kwargs and ensemble.options
+# anything (a user's model factory's keywords, a user's method's fields).
+OPTIONAL_FIELDS = (*(f'model.{name}' for name in _model_spec_module().OPTIONAL_FIELDS),
+                   *(f'data.{name}' for name in DATA_OPTIONAL_FIELDS))
+FREE_FORM_FIELDS = ('model.kwargs', 'ensemble.options')
+
+
 def check_known_fields(config: ml_collections.ConfigDict) -> None:
   """Refuses a field the package's defaults do not have (a misspelt one would be ignored).
 
@@ -47,16 +74,53 @@ def check_known_fields(config: ml_collections.ConfigDict) -> None:
   Raises:
     ConfigError: naming the first unknown field (or group) and the closest known ones.
   """
-  # The optional fields are the specs' (models' and data's): imported here, so that loading
-  # a config (the command line's flags) does not import JAX.
-  from dist_ens.config import specs  # pylint: disable=g-import-not-at-top
   known = config_fields(load_config(DEFAULT_CONFIG))
-  allowed = {*known, *specs.OPTIONAL_FIELDS}
+  allowed = {*known, *OPTIONAL_FIELDS}
   for path in config_fields(config):  # A group comes before its fields.
-    if path in allowed or any(path.startswith(f'{free}.') for free in specs.FREE_FORM_FIELDS):
+    if path in allowed or any(path.startswith(f'{free}.') for free in FREE_FORM_FIELDS):
       continue
     raise ConfigError(f'config.{path} is not a config field (dist_ens/config/defaults.py), so '
                       f'nothing would read it; {field_hint(path, known)}')
+
+
+def require(ok: bool, field: str, value: Any, what: str) -> None:
+  """Refuses config.`field`'s `value` unless `ok`, saying `what` it must be."""
+  if not ok:
+    raise ConfigError(f'config.{field}={value!r} is invalid: {what}.')
+
+
+def field_value(config: ml_collections.ConfigDict, dotted: str) -> Any:
+  """config's value of the `dotted` field ('train.steps'); a field it lacks is refused."""
+  node = config
+  for part in dotted.split('.'):
+    if part not in node:
+      raise ConfigError(f'config.{dotted} is missing; start from dist_ens.config.defaults.'
+                        'get_config() (or configs/default.py), which has every field.')
+    node = node[part]
+  return node
+
+
+def check_declared(config: ml_collections.ConfigDict) -> None:
+  """Every check the package's defaults declare beside a field ('[int >= 1]', see
+  dist_ens.config.schema), on this config's value of that field."""
+  for path, field in schema.declared(DEFAULT_CONFIG).items():
+    if field.check is not None:
+      value = field_value(config, path)
+      require(field.check.holds(value), path, value, field.check.requirement)
+
+
+def check_fields(config: ml_collections.ConfigDict) -> None:
+  """check_known_fields, then check_declared: what a config is refused for without
+  importing JAX. The command line runs it before it imports JAX, so that a misspelt field
+  or a value out of its declared range answers at once; train and plan run both as well
+  (checks.validate runs check_declared).
+
+  Raises:
+    ConfigError: naming the first unknown field, or the first field whose value its
+      declaration refuses.
+  """
+  check_known_fields(config)
+  check_declared(config)
 
 
 def to_dict(config: ml_collections.ConfigDict) -> dict[str, Any]:

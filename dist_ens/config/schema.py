@@ -15,10 +15,12 @@ it) is its meaning; a check in brackets at the comment's end is what its value m
 
 Checks: `int`, `number` (finite, not a bool) or `bool`, an int or number optionally
 bounded (`>= 1`, `> 0`, or an interval `in [0, 1)` / `in (0, 1)`), or `one of 'a', 'b'`
-(names no registry holds; a registry's names are checked where it is). config.checks.validate
-applies every declared check (the refusal names the field and reads "must be an int >=
-1"), tools/gen_config_doc.py shows them in docs/config.md. What depends on other fields
-(a multiple of train.steps_per_call, top_k at most num_members) stays in validate.
+(names no registry holds; a registry's names are checked where it is).
+config.loading.check_declared applies every declared check (the refusal names the field
+and reads "must be an int >= 1"): config.checks.validate runs it, and the command line
+before it imports JAX; tools/gen_config_doc.py shows them in docs/config.md. What depends
+on other fields (a multiple of train.steps_per_call, top_k at most num_members) stays in
+config.checks.validate.
 
 Only the standard library is used: tools read the file without importing jax.
 """

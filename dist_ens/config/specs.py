@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 import ml_collections
 
 from dist_ens import data, models, tasks
+from dist_ens.config.loading import DATA_OPTIONAL_FIELDS
 from dist_ens.core import hparams as hparams_lib
 from dist_ens.core.optim import OptimSpec
 from dist_ens.core.step import StepOptions
@@ -24,16 +25,6 @@ from dist_ens.io import init_from as init_from_lib
 from dist_ens.io.init_from import InitFrom
 from dist_ens.models import hf as hf_models
 from dist_ens.parallel import mesh as mesh_lib
-
-
-# config.data's TFDS-only fields: a config may set them; configs/default.py does not.
-DATA_OPTIONAL_FIELDS = ('train_split', 'test_split', 'add_channel')
-# Dotted fields a config may have beyond configs/default.py's: those only some models or
-# data sets read (their defaults live in their specs), and under model.kwargs and
-# ensemble.options anything (a user's model factory's keywords, a user's method's fields).
-OPTIONAL_FIELDS = (*(f'model.{name}' for name in models.OPTIONAL_FIELDS),
-                   *(f'data.{name}' for name in DATA_OPTIONAL_FIELDS))
-FREE_FORM_FIELDS = ('model.kwargs', 'ensemble.options')
 
 
 def mesh_spec(config: ml_collections.ConfigDict) -> mesh_lib.MeshSpec:
