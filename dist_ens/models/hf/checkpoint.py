@@ -132,10 +132,6 @@ class Tensors:
   def shape(self, name: str) -> tuple[int, ...]:
     return self._entries[name].shape
 
-  def nbytes(self) -> int:
-    """The bytes of every tensor (the size of the weights on disk)."""
-    return sum(e.end - e.begin for e in self._entries.values())
-
   def view(self, name: str) -> np.ndarray:
     """The tensor as a read-only view of the mapped file (nothing read yet)."""
     entry = self._entries[name]
