@@ -32,7 +32,7 @@ Metrics (finalize; per member and for the ensemble; n examples, D target dims):
   coverage_{50,90,95}, width_{50,90,95}
                     the share of targets inside the central interval at that level (averaged
                     over dims) and its mean width; the ensemble's interval is the mixture's.
-  calibration_error quantile calibration error of the PIT values (eval.regression).
+  calibration_error quantile calibration error of the PIT values (regression_eval.py).
   aleatoric, epistemic (ensemble only) mean over examples of the mixture's variance parts,
                     summed over target dims.
 All are in the units the model predicts. A trainer that standardises targets converts them
