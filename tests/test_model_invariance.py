@@ -2,6 +2,10 @@
 
 BatchNorm's batch statistics are over a member's whole batch (all 'data' shards) and
 dropout keys come from (seed, member, step), so only rounding separates the runs.
+
+The three tests read one module-scoped reference run (4 members on one device) and each
+trains at most one run of its own, so each pays for about one training: the first the
+reference, the second the 6-member 2 x 2 run, the third the dropout-off run.
 """
 
 import json
@@ -22,7 +26,7 @@ if str(ROOT) not in sys.path:  # examples/ is importable from the repository roo
 TOL = 2e-4  # Rounding from other vmap widths and data splits, after 12 steps.
 
 
-def _run(tmp_path, name, members, member, data, dropout=0.1, load=True, steps=12):
+def _run(workdir, members, member, data, dropout=0.1, load=True, steps=12):
   config = dist_ens.load_config(ROOT / 'configs' / 'default.py')
   config.model.factory = 'examples.flax_linen_resnet:make_model'
   config.model.kwargs = ml_collections.ConfigDict(dict(channels=4, num_blocks=1,
@@ -34,11 +38,20 @@ def _run(tmp_path, name, members, member, data, dropout=0.1, load=True, steps=12
   # No joint evaluation (its own programs) and jsonl events only: nothing here reads them.
   config.eval.joint_tau, config.writers = 0, ('jsonl',)
   config.mesh.member, config.mesh.data = member, data
-  final = dist_ens.train(config, str(tmp_path / name), devices=jax.devices()[:member * data])
+  final = dist_ens.train(config, str(workdir), devices=jax.devices()[:member * data])
   if not load:
     return final, None
-  ensemble = dist_ens.Ensemble.load(tmp_path / name, devices=jax.devices()[:1])
+  ensemble = dist_ens.Ensemble.load(workdir, devices=jax.devices()[:1])
   return final, jax.tree.map(np.asarray, ensemble.model_state)
+
+
+@pytest.fixture(scope='module')
+def reference(tmp_path_factory):
+  """(final metrics, model state as numpy, workdir) of 4 members on one device, 12 steps
+  with dropout."""
+  workdir = tmp_path_factory.mktemp('invariance') / 'ref'
+  final, state = _run(workdir, 4, 1, 1)
+  return final, state, workdir
 
 
 def _assert_members_match(a, b, members):
@@ -48,17 +61,23 @@ def _assert_members_match(a, b, members):
                a[1], b[1])
 
 
-def test_batchnorm_and_dropout_members_do_not_depend_on_m_or_the_mesh(tmp_path):
-  reference = _run(tmp_path, 'ref', 4, 1, 1)
+def test_batchnorm_running_statistics_are_per_member(reference):
   stats = jax.tree.leaves(reference[1])
   assert stats and not np.allclose(stats[0][0], stats[0][1])  # Per-member running stats.
+
+
+def test_batchnorm_and_dropout_members_do_not_depend_on_m_or_the_mesh(tmp_path, reference):
   # One run for both: M = 6 (3 members a device, not 4) on a 2 x 2 mesh (each member's
   # batch split over 'data'); its members 0-3 are the reference's.
-  _assert_members_match(_run(tmp_path, 'six', 6, 2, 2), reference, slice(0, 4))
-  # Dropout is on in training: without it the members' training losses differ, over the
-  # first 6 steps (the reference's first logged losses; 6 steps, not 12, of this run).
-  _run(tmp_path, 'nodrop', 4, 1, 1, dropout=0.0, load=False, steps=6)
-  plain, dropped = (_first_losses(tmp_path / name) for name in ('nodrop', 'ref'))
+  _assert_members_match(_run(tmp_path / 'six', 6, 2, 2), reference, slice(0, 4))
+
+
+def test_dropout_is_on_in_training(tmp_path, reference):
+  # Without dropout the members' training losses differ, over the first 6 steps (the
+  # reference's first logged losses; 6 steps, not 12, of this run): the configs differ in
+  # the dropout rate alone, so equal losses would mean dropout was off.
+  _run(tmp_path / 'nodrop', 4, 1, 1, dropout=0.0, load=False, steps=6)
+  plain, dropped = (_first_losses(workdir) for workdir in (tmp_path / 'nodrop', reference[2]))
   assert not np.allclose(plain, dropped, atol=1e-3), (plain, dropped)
 
 
