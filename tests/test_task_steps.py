@@ -43,27 +43,38 @@ def _dataset(dims=0):
 
 @pytest.fixture(scope='module')
 def greedy_run(tmp_path_factory):
-  """(workdir, final metrics) of ONE regression run with greedy selection of up to 6 picks
-  (with replacement): both greedy tests read it."""
+  """(workdir, final metrics) of a regression run with greedy selection of up to 6 picks
+  (with replacement)."""
   workdir = tmp_path_factory.mktemp('greedy')
   config = _config(**{'select.method': 'greedy', 'select.greedy_size': 6})
   return workdir, dist_ens.train(config, str(workdir), dataset=_dataset())
 
 
-def test_regression_top_k_greedy_and_collected_members_use_regression_metrics(tmp_path,
-                                                                              greedy_run):
-  config = _config(**{'select.top_k': 2, 'ensemble.method': 'snapshot',
-                      'ensemble.snapshot.cycles': 2, 'optim.schedule': 'cosine'})
-  final = dist_ens.train(config, str(tmp_path / 'topk'), dataset=_dataset())
-  # Before: KeyError 'accuracy' after training; the snapshot section was accuracy and
-  # ECE from a softmax of the members' (mean, variance).
+@pytest.mark.parametrize('field, value', [('eval.temperature_scaling', True)])
+def test_a_step_the_task_cannot_do_is_refused_before_anything_runs(tmp_path, field, value):
+  with pytest.raises(ConfigError, match=rf"config\.{field} .*config\.task='regression'"):
+    dist_ens.train(_config(**{field: value}), str(tmp_path / 'w'), dataset=_dataset())
+  assert not (tmp_path / 'w').exists()
+
+
+def test_regression_top_k_uses_regression_metrics(tmp_path):
+  final = dist_ens.train(_config(**{'select.top_k': 2}), str(tmp_path), dataset=_dataset())
+  # Before: KeyError 'accuracy' after training.
   assert REGRESSION_KEYS <= set(final['selected']['ensemble'])
+  assert not {'accuracy', 'ece'} & set(final['selected']['ensemble'])
+
+
+def test_regression_snapshot_members_use_regression_metrics(tmp_path):
+  # The top-k run's config but for the method, so the programs they share (init, the test
+  # and validation evaluations) are read from the compilation cache.
+  config = _config(**{'ensemble.method': 'snapshot', 'ensemble.snapshot.cycles': 2,
+                      'optim.schedule': 'cosine'})
+  final = dist_ens.train(config, str(tmp_path), dataset=_dataset())
+  # Before: the snapshot section was accuracy and ECE from a softmax of the members'
+  # (mean, variance).
   assert REGRESSION_KEYS <= set(final['snapshot']['ensemble'])
   assert not {'accuracy', 'ece'} & set(final['snapshot']['ensemble'])
   assert final['snapshot']['predicting_members'] == 8
-  greedy = greedy_run[1]['greedy']
-  assert set(greedy['ensemble']) == REGRESSION_KEYS  # Before: an IndexError.
-  assert greedy['validation_nll'] == min(greedy['validation_nll_by_size'])
 
 
 def _np_mixture_metrics(mean, var, y):
@@ -86,11 +97,14 @@ def _np_mixture_metrics(mean, var, y):
 
 
 def test_a_greedy_selection_scores_as_the_mixture_of_its_picks(greedy_run):
-  """The greedy ensemble's test metrics are its picks' mixture (a member picked twice
-  counts twice), recomputed with numpy from Ensemble.predict; and that reference with one
-  pick is the member's own test metrics the run reports (a greedy selection of one member
-  scores as that member)."""
+  """A regression run's greedy selection is scored with regression's metrics, and they are
+  its picks' mixture (a member picked twice counts twice), recomputed with numpy from
+  Ensemble.predict; and that reference with one pick is the member's own test metrics the
+  run reports (a greedy selection of one member scores as that member)."""
   workdir, final = greedy_run
+  greedy = final['greedy']
+  assert set(greedy['ensemble']) == REGRESSION_KEYS  # Before: an IndexError.
+  assert greedy['validation_nll'] == min(greedy['validation_nll_by_size'])
   test = _dataset().test
   pred = dist_ens.Ensemble.load(str(workdir)).predict(test.x)
   picks = final['greedy']['picks']
@@ -105,13 +119,6 @@ def test_a_greedy_selection_scores_as_the_mixture_of_its_picks(greedy_run):
                                 pred.member_variance[member:member + 1], test.y)
     for key in REGRESSION_KEYS:
       assert final['members'][key][member] == pytest.approx(alone[key], rel=1e-4), key
-
-
-@pytest.mark.parametrize('field, value', [('eval.temperature_scaling', True)])
-def test_a_step_the_task_cannot_do_is_refused_before_anything_runs(tmp_path, field, value):
-  with pytest.raises(ConfigError, match=rf"config\.{field} .*config\.task='regression'"):
-    dist_ens.train(_config(**{field: value}), str(tmp_path / 'w'), dataset=_dataset())
-  assert not (tmp_path / 'w').exists()
 
 
 def test_vector_targets_train_evaluate_and_predict(tmp_path):
