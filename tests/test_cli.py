@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import pytest
 
+import forks
 import support
 
 from dist_ens.data import sources
@@ -113,20 +114,18 @@ FIELD_GIVEN_TWICE = ['plan', *TINY, '--config.model.widths=(16,)', '--config.num
 
 
 # Each command line in a process of its own, as `python -m dist_ens.main ARGS` runs it, for
-# the price of one interpreter: this child imports what dist_ens.main imports (not JAX: the
-# refusals' tests check that none of them imports it) and forks a process per command line,
-# which runs dist_ens.main as __main__ (runpy, as -m does) and exits as Python exits (an
-# uncaught SystemExit: its message on stderr, its status). Forked from an interpreter without
-# threads, each is a fresh process but for these imports, whose output (none: the child's
-# own stderr is checked) a fresh one would print first. A fresh interpreter was 0.2 CPU s a
-# command line, a fork is half that (the config's own load); there are 18.
+# the price of one interpreter (tests/forks.py): this child imports what dist_ens.main
+# imports (not JAX: the refusals' tests check that none of them imports it) and forks a
+# process per command line. A fresh interpreter was 0.2 CPU s a command line, a fork is
+# half that (the config's own load); there are 18.
 _FORK_A_PROCESS_PER_COMMAND_LINE = r"""
-import atexit, json, os, runpy, signal, sys
+import atexit, json
 import ml_collections
 from absl import app, flags
 from ml_collections import config_flags
 from dist_ens import commands
 from dist_ens.config import command_line, loading
+import forks
 
 def show_config(argv):
   print(json.dumps(loading.to_dict(flags.FLAGS.config)))
@@ -135,27 +134,14 @@ def record_jax(path):
   with open(path, 'w') as f:
     f.write('jax imported' if 'jax' in sys.modules else 'jax not imported')
 
-out, limit_s = sys.argv[1], int(sys.argv[2])
-with open(os.path.join(out, 'command_lines.json')) as f:
-  command_lines = json.load(f)
-statuses = []
-for i, (args, show) in enumerate(command_lines):
-  sys.stdout.flush()
-  sys.stderr.flush()
-  pid = os.fork()
-  if pid == 0:  # The command line's process: from here on as `python -m dist_ens.main`.
-    for fd, stream in ((1, 'stdout'), (2, 'stderr')):
-      os.dup2(os.open(os.path.join(out, f'{i}.{stream}'), os.O_WRONLY | os.O_CREAT), fd)
-    signal.alarm(limit_s)
-    atexit.register(record_jax, os.path.join(out, f'{i}.jax'))
-    if show:
-      commands.COMMANDS['plan'] = commands.COMMANDS['plan']._replace(main=show_config)
-    sys.argv = ['dist_ens/main.py', *args]  # runpy puts the module's path first, as -m does.
-    runpy.run_module('dist_ens.main', run_name='__main__', alter_sys=True)
-    sys.exit(0)
-  statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-with open(os.path.join(out, 'statuses.json'), 'w') as f:
-  json.dump(statuses, f)
+def run(job, prefix):
+  args, show = job
+  atexit.register(record_jax, prefix + '.jax')
+  if show:
+    commands.COMMANDS['plan'] = commands.COMMANDS['plan']._replace(main=show_config)
+  forks.dist_ens_main(args)
+
+forks.fork_each(run)
 """
 
 
@@ -195,20 +181,11 @@ def answers(tmp_path_factory) -> dict[tuple[str, int], tuple[Answer, Path]]:
     command_lines['no_run', i] = (['report', f'--workdir={workdir}'], workdir)
   command_lines['help', 0] = (['--help'], None)
   command_lines['field_given_twice', 0] = (FIELD_GIVEN_TWICE, None)
-  out = root / 'answers'
-  out.mkdir()
-  (out / 'command_lines.json').write_text(json.dumps(
-      [(args, key[0] == 'field_given_twice') for key, (args, _) in command_lines.items()]))
-  child = subprocess.run(
-      [sys.executable, '-c', _FORK_A_PROCESS_PER_COMMAND_LINE, str(out), str(_LIMIT_S)],
-      cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=_LIMIT_S + 30)
-  # Nothing on its own stdout or stderr: the imports a fresh process makes print nothing.
-  assert child.returncode == 0 and not child.stdout and not child.stderr, child.stderr
-  statuses = json.loads((out / 'statuses.json').read_text())
-  return {key: (Answer(status, (out / f'{i}.stdout').read_text(),
-                       (out / f'{i}.stderr').read_text(),
-                       (out / f'{i}.jax').read_text() == 'jax imported'), workdir)
-          for i, (status, (key, (_, workdir))) in enumerate(zip(statuses, command_lines.items()))}
+  jobs = [(args, key[0] == 'field_given_twice') for key, (args, _) in command_lines.items()]
+  got = forks.answers(_FORK_A_PROCESS_PER_COMMAND_LINE, jobs, root / 'answers', _env(),
+                      _LIMIT_S)
+  return {key: (Answer(*answer, Path(f'{prefix}.jax').read_text() == 'jax imported'), workdir)
+          for (answer, prefix), (key, (_, workdir)) in zip(got, command_lines.items())}
 
 
 @pytest.mark.parametrize('command,override,suggestion', MISSPELT)

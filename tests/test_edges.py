@@ -7,17 +7,17 @@ import logging
 import math
 import re
 import os
-import subprocess
 import sys
 from pathlib import Path
-from typing import NamedTuple
 
 import jax
 import ml_collections
 import numpy as np
 import pytest
 
+import forks
 import support
+from forks import Answer
 
 import dist_ens
 from dist_ens.run import mesh_layout
@@ -35,13 +35,6 @@ def _config():
   return support.config()
 
 
-class Answer(NamedTuple):
-  """What a process answered: its exit status, stdout and stderr."""
-  returncode: int
-  stdout: str
-  stderr: str
-
-
 def _one_line(result: Answer) -> str:
   assert result.returncode not in (0, 124), result.stderr[-3000:]
   lines = result.stderr.strip().splitlines()
@@ -50,22 +43,16 @@ def _one_line(result: Answer) -> str:
 
 
 # Each command line and the Python run in a process of its own, for the price of one
-# interpreter's imports (1.7-2.1 CPU s a command line in a fresh one): this child imports
-# what dist_ens.main imports and this file (JAX, dist_ens's modules it names; no backend
-# starts, so no JAX thread runs), as the Python script it replaces did before it trained,
-# and forks a process per job. A command line runs dist_ens.main as __main__ (runpy, as
-# `python -m dist_ens.main` does) and exits as Python exits; the Python job trains
-# support.config() from its workdir. Each is a fresh process but for those imports, whose
-# output (none: the child's own stdout and stderr are checked) a fresh one would print
-# first. What a fork does not reproduce is a product module that reaches a submodule it
-# does not import, loaded here by another: test_cli's trainings and test_multihost's runs
-# start fresh interpreters, where it would fail.
+# interpreter's imports (1.7-2.1 CPU s a command line in a fresh one; tests/forks.py): this
+# child imports what dist_ens.main imports and this file (JAX, dist_ens's modules it names;
+# no backend starts, so no JAX thread runs), as the Python script it replaces did before it
+# trained, and forks a process per job. A command line runs dist_ens.main as __main__; the
+# Python job trains support.config() from its workdir.
 _FORK_A_PROCESS_PER_JOB = r"""
-import json, os, runpy, signal, sys
-out, limit_s, root = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-sys.path[:0] = [root, os.path.join(root, 'tests')]
+import os
 from dist_ens import commands
 from dist_ens.config import command_line
+import forks
 import test_edges
 
 def train(workdir):
@@ -78,26 +65,14 @@ def train(workdir):
   os.chdir(workdir)  # Run from outside the repository, as a user's script would be.
   test_edges.dist_ens.train(config, workdir)
 
-with open(os.path.join(out, 'jobs.json')) as f:
-  jobs = json.load(f)
-statuses = []
-for i, (kind, args) in enumerate(jobs):
-  sys.stdout.flush()
-  sys.stderr.flush()
-  pid = os.fork()
-  if pid == 0:  # The job's process.
-    for fd, stream in ((1, 'stdout'), (2, 'stderr')):
-      os.dup2(os.open(os.path.join(out, f'{i}.{stream}'), os.O_WRONLY | os.O_CREAT), fd)
-    signal.alarm(limit_s)
-    if kind == 'train':
-      train(*args)
-    else:
-      sys.argv = ['dist_ens/main.py', *args]  # runpy puts the module's path first, as -m does.
-      runpy.run_module('dist_ens.main', run_name='__main__', alter_sys=True)
-    sys.exit(0)
-  statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-with open(os.path.join(out, 'statuses.json'), 'w') as f:
-  json.dump(statuses, f)
+def run(job, prefix):
+  kind, args = job
+  if kind == 'train':
+    train(*args)
+  else:
+    forks.dist_ens_main(args)
+
+forks.fork_each(run)
 """
 
 
@@ -126,20 +101,11 @@ def answers(tmp_path_factory) -> dict[str, tuple[Answer, Path]]:
                         f'--workdir={folders["long"] / ("a" * 300) / "run"}']),
       'train': ('train', [str(folders['train'])]),
   }
-  out = root / 'answers'
-  out.mkdir()
-  (out / 'jobs.json').write_text(json.dumps(list(jobs.values())))
   env = {k: v for k, v in os.environ.items() if not k.startswith(('SLURM_', 'OMPI_', 'PMI_'))}
   env.update(XLA_FLAGS=support.xla_flags(8), JAX_PLATFORMS='cpu')
-  child = subprocess.run(
-      [sys.executable, '-c', _FORK_A_PROCESS_PER_JOB, str(out), str(_LIMIT_S), str(ROOT)],
-      cwd=ROOT, env=env, capture_output=True, text=True, timeout=_LIMIT_S + 30)
-  # Nothing on its own stdout or stderr: the imports a fresh process makes print nothing.
-  assert child.returncode == 0 and not child.stdout and not child.stderr, child.stderr
-  statuses = json.loads((out / 'statuses.json').read_text())
-  return {name: (Answer(status, (out / f'{i}.stdout').read_text(),
-                        (out / f'{i}.stderr').read_text()), folders[name])
-          for i, (status, name) in enumerate(zip(statuses, jobs))}
+  got = forks.answers(_FORK_A_PROCESS_PER_JOB, list(jobs.values()), root / 'answers', env,
+                      _LIMIT_S)
+  return {name: (answer, folders[name]) for (answer, _), name in zip(got, jobs)}
 
 
 # Item 5: unknown fields from config files and from Python.
