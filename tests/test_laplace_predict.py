@@ -219,9 +219,12 @@ def test_draws_of_a_probit_fit_are_refused_in_one_line(kron_run):
 @pytest.mark.slow
 def test_a_two_process_run_writes_the_fit_once_and_it_loads_in_one(tmp_path):
   """Two processes of 4 devices (launch/local.sh) fit on one 4 x 2 mesh; process 0 writes
-  laplace.npz; this process (8 devices) loads it and predicts the reported metrics."""
+  laplace.npz; this process (8 devices) loads it and predicts the reported metrics. The
+  processes compile as the tests do (support.FAST_COMPILE, as test_many_processes' do; at
+  XLA's default level their programs took most of the test's CPU time), local.sh adding
+  their device count."""
   env = {k: v for k, v in os.environ.items() if k not in ('XLA_FLAGS', 'JAX_PLATFORMS')}
-  env.update(PYTHONPATH=str(ROOT), PYTHON=sys.executable)
+  env.update(PYTHONPATH=str(ROOT), PYTHON=sys.executable, XLA_FLAGS=' '.join(support.FAST_COMPILE))
   flags = ['--config.train.steps=20', '--config.train.eval_every=0', '--config.num_members=4',
            '--config.data.batch_size=64', '--config.mesh.member=4', '--config.mesh.data=2',
            '--config.eval.laplace=last_layer_kron', '--config.eval.laplace_samples=4']
