@@ -100,6 +100,19 @@ def grouped_loaded(grouped):
   return dist_ens.Ensemble.load(grouped[0])
 
 
+@pytest.fixture(scope='module')
+def plain_grouped(tmp_path_factory):
+  """The shared run's training alone: _config with POSTHOC's dropout, uninterrupted, with
+  no post-hoc step (its members are `grouped`'s, whose resume test_a_groups_members_equal_...
+  proves to equal runs never interrupted). The slow tier's readers of a finished grouped
+  run (the FSDP layout's reference, the rendered report) read it: `grouped` (a preempted
+  session, its resume, MC dropout, Laplace and distillation) would be built in that tier
+  for them alone. (workdir, results)."""
+  workdir = tmp_path_factory.mktemp('plain_grouped')
+  return workdir, dist_ens.train(_config(model__dropout=POSTHOC['model__dropout']),
+                                 str(workdir))
+
+
 # The first test to read `preempted` (it trains the preempted session); the next, the first
 # to read `grouped`, pays for the resume.
 def test_a_preempted_grouped_run_stops_at_its_step_before_any_post_hoc_step(preempted):
@@ -517,27 +530,31 @@ def test_a_lora_group_over_a_pretrained_backbone_equals_that_lora_run_without_gr
                                 alone.predict(x).member_probs)
 
 
-@pytest.mark.parametrize('layout, parts', [
-    ({'mesh__model': 2}, 2),
-    # FSDP over the data axis, a second layout of this property: the slow tier. The fast
-    # tier checks groups' kernels split and their members kept on a model axis (the case
-    # above) and FSDP over data without groups
+@pytest.mark.parametrize('layout, parts, whole', [
+    ({'mesh__model': 2}, 2, 'grouped'),
+    # FSDP over the data axis, a second layout of this property: the slow tier, against
+    # `plain_grouped` (the shared run's members, without the post-hoc steps that tier would
+    # build `grouped` for). The fast tier checks groups' kernels split and their members
+    # kept on a model axis (the case above) and FSDP over data without groups
     # (test_model_axis.py::test_fsdp_over_data_splits_leaves_over_data_too_and_trains_the_same).
     pytest.param({'mesh__fsdp_over_data': True, 'reproducible': False}, 4,  # member 2 x data 4
-                 marks=pytest.mark.slow),
+                 'plain_grouped', marks=pytest.mark.slow),
 ])
-def test_groups_split_members_over_a_model_axis_or_the_data_axis(grouped, grouped_loaded,
-                                                                   layout, parts, tmp_path):
+def test_groups_split_members_over_a_model_axis_or_the_data_axis(layout, parts, whole,
+                                                                   request, tmp_path):
   """mesh.model=2, or FSDP over the data axis: every group's kernels are split over that
-  axis, in training and when loaded; the members are the shared run's (whole members) to
-  float rounding (reproducible mode is bit-exact per layout), so are loaded predictions.
-  The split run trains as the shared run (its dropout) but skips its MC dropout and
-  Laplace evaluations, which nothing here reads: the fast tier runs them with groups on the
-  shared run and on a model axis in the matrix's fast case of MC dropout, model=2 and a
-  last-layer Laplace (tests/test_combinations.py)."""
+  axis, in training and when loaded; the members are the shared run's (whole members,
+  `whole`: the module run read) to float rounding (reproducible mode is bit-exact per
+  layout), so are loaded predictions. The split run trains as the shared run (its dropout)
+  but skips its MC dropout and Laplace evaluations, which nothing here reads: the fast tier
+  runs them with groups on the shared run and on a model axis in the matrix's fast case of
+  MC dropout, model=2 and a last-layer Laplace (tests/test_combinations.py)."""
+  workdir, reference = request.getfixturevalue(whole)
+  reference_loaded = (request.getfixturevalue('grouped_loaded') if whole == 'grouped'
+                      else dist_ens.Ensemble.load(workdir))
   split = _config(model__dropout=POSTHOC['model__dropout'], **layout, mesh__fsdp_min_size=16)
   results = dist_ens.train(split, str(tmp_path))
-  np.testing.assert_allclose(results['members']['nll'], grouped[1]['members']['nll'],
+  np.testing.assert_allclose(results['members']['nll'], reference['members']['nll'],
                              rtol=1e-5)
   ensemble = dist_ens.Ensemble.load(tmp_path)
   kernel = ensemble._stored[1][0]['w']  # pylint: disable=protected-access
@@ -545,7 +562,7 @@ def test_groups_split_members_over_a_model_axis_or_the_data_axis(grouped, groupe
   assert kernel.sharding.shard_shape(kernel.shape)[1] == 40 // parts
   x = load_dataset('mnist1d').test.x[:50]
   np.testing.assert_allclose(ensemble.predict(x).member_probs,
-                             grouped_loaded.predict(x).member_probs,
+                             reference_loaded.predict(x).member_probs,
                              rtol=1e-5, atol=1e-6)
 
 
@@ -662,17 +679,20 @@ def test_the_grouped_run_distils_all_groups_into_the_users_own_student(grouped,
 # Rendered (the slow tier) or drawn without rendering (the fast tier): matplotlib's savefig
 # took 8 of this test's 11 s, and rendering a figure is the same for any run
 # (tests/test_report.py renders every figure of its runs); what groups change is the
-# report's content, which the fast case reads from the figures themselves.
-@pytest.mark.parametrize('rendered', [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_the_report_shows_every_groups_ensemble_beside_the_whole(grouped, rendered,
+# report's content, which the fast case reads from the figures themselves. The rendered
+# case reads `plain_grouped` (the shared run without its post-hoc steps), as the slow
+# tier's other reader of a finished grouped run does, so that tier builds no `grouped`.
+@pytest.mark.parametrize('rendered, run', [
+    (False, 'grouped'), pytest.param(True, 'plain_grouped', marks=pytest.mark.slow)])
+def test_the_report_shows_every_groups_ensemble_beside_the_whole(rendered, run, request,
                                                                  monkeypatch):
-  """make_report on the grouped run: its summary names every group's architecture, and the
-  methods table and figure show each group's ensemble beside the whole one's."""
+  """make_report on a grouped run (`run`): its summary names every group's architecture,
+  and the methods table and figure show each group's ensemble beside the whole one's."""
   pytest.importorskip('matplotlib')
   # pylint: disable=g-import-not-at-top
   from dist_ens.report import build as report, plots, scatter
   from dist_ens.report.data import method_rows
-  workdir, results = grouped
+  workdir, results = request.getfixturevalue(run)
   drawn = {}
   if not rendered:  # Each figure kept as drawn; its files are placeholders.
     def keep(fig, out, name):
@@ -707,18 +727,23 @@ def test_the_report_shows_every_groups_ensemble_beside_the_whole(grouped, render
     # The grouped and the single run build their augmentation differently: XLA may vectorise
     # their sums differently (1 ulp in 5 of 32 elements at -O0; 17 of 640 elements 3e-8
     # apart at its default level on an AVX-512 EPYC), so this case compares within
-    # support.float_tolerance instead of bit for bit.
-    pytest.param({'mesh__member': 2, 'mesh__data': 4, 'train__micro_batches': 4,
-                  'data__augment': 'crop_flip'}, marks=pytest.mark.xla_default),
+    # support.float_tolerance instead of bit for bit; at the tests' own level, as no bit
+    # that only XLA's default level keeps is compared (the xla_default marker's child
+    # process, compiling three runs at that level, took 34-41 CPU s; in process, 15).
+    {'mesh__member': 2, 'mesh__data': 4, 'train__micro_batches': 4,
+     'data__augment': 'crop_flip'},
 ], ids=['shuffled', 'bootstrap-2-per-call', 'data-axis-augment'])
 def test_groups_equal_single_runs_with_per_member_data_and_other_meshes(fields, tmp_path):
   """Per-member data orders (each group takes its ids' batches), K steps per call and a
-  data axis: still the same members as without groups, bit for bit."""
+  data axis: still the same members as without groups, bit for bit (with augmentation, to
+  float rounding: the comment above). Each group's run
+  without groups holds members 0 to the group's last (2 for the first group, as the
+  fast tier's `singles`; 4 for the second), on the same mesh."""
   grouped = dist_ens.train(_config(**fields), str(tmp_path / 'grouped'))
   stored, first = _stored(tmp_path / 'grouped'), 0
   for g, group in enumerate(GROUPS):
-    dist_ens.train(_single(group, **fields), str(tmp_path / f'single{g}'))
     ids = slice(first, first + group['count'])
+    dist_ens.train(_single(group, num_members=ids.stop, **fields), str(tmp_path / f'single{g}'))
     single = jax.tree.map(lambda a, i=ids: a[i], _stored(tmp_path / f'single{g}'))
     if fields.get('data__augment'):
       # The gradient's largest sum: over the global batch's examples.
