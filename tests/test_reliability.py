@@ -129,9 +129,10 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path):
   # A run that took the lock and was killed -9: the kernel drops its flock, the file stays.
   # The run is a fork of this process (a new interpreter would import jax for 1.5 CPU s):
   # it only takes the lock, file operations in Python, and is killed before it touches
-  # anything JAX's threads hold, so JAX's warning about forking them does not apply.
+  # anything JAX's threads hold, so the warnings about forking a threaded process (JAX's,
+  # and Python's own from 3.12) do not apply.
   with warnings.catch_warnings():
-    warnings.filterwarnings('ignore', 'os.fork', RuntimeWarning)
+    warnings.filterwarnings('ignore', r'.*fork\(\)')
     holder = os.fork()
   if holder == 0:  # The child: however acquire ends, it dies here, by a kill -9.
     try:
