@@ -9,8 +9,9 @@ processes stops them all at one step, saved. test_multihost.py does the same for
 Every run is bounded: local.sh's --timeout per process, and test_multihost's _wait,
 which SIGKILLs every process of a run at its deadline, failing the test.
 
-The read-counting runs' processes start as tests/many_processes_reads.py, which counts
-what each reads (the one-process reference counts through it in this process).
+The read-counting runs' processes run tests/many_processes_reads.py, which counts what
+each reads (the one-process reference counts through it in this process), as forks of one
+interpreter that imported what it imports (_ForkServer, below).
 """
 
 import json
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import jax
@@ -54,30 +56,167 @@ LAYOUTS = {
 }
 
 
+# The read-counting runs' processes, as `python tests/many_processes_reads.py -m
+# dist_ens.main FLAGS` runs each, for the price of one interpreter's imports. local.sh
+# starts each process as it starts any (its env, flags, timeout, output prefix and exit
+# status), but the Python it runs ($PYTHON) is _FORK_CLIENT, which hands its argv, env,
+# working directory and stdin/stdout/stderr to _FORK_SERVER and waits. The server has
+# imported what the script and its training import (JAX, dist_ens's modules) without
+# starting a JAX backend, and forks a process for each request that runs the script as
+# __main__ in that env (XLA reads XLA_FLAGS, and with it the process's device count, when
+# the fork's backend starts). The client passes SIGTERM and SIGINT on to its fork and exits
+# with its status; the server kills a fork whose client went away (local.sh's --timeout)
+# and every fork when its own stdin closes. Each process took 5.0-5.2 CPU s fresh and
+# 3.5-3.9 forked (the server's imports: 1.8-2.1 once). gc.freeze(): without it each fork's
+# collections touch, and so copy, every page of the imported objects, and it took as long
+# as a fresh process. A fresh interpreter starting dist_ens.main through local.sh:
+# test_multihost's runs and this file's slow tests.
+_FORK_SERVER = r"""
+import gc, json, os, runpy, select, signal, socket, sys, threading
+address, script = '\0' + sys.argv[1], sys.argv[2]  # Linux's abstract namespace.
+sys.path[0] = os.path.dirname(script)  # As `python script` has it.
+import jax
+import dist_ens
+from dist_ens import main
+import many_processes_reads
+dist_ens.train, dist_ens.Ensemble, main.entry  # Their modules (PEP 562).
+from jax._src import xla_bridge
+assert not xla_bridge._backends, 'a backend started before the fork: XLA_FLAGS would be read'
+assert threading.active_count() == 1, threading.enumerate()  # Nothing held across a fork.
+gc.freeze()
+server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+server.bind(address)
+server.listen(16)
+forks = {}  # The client's connection: its fork's pid.
+while True:
+  for client, pid in list(forks.items()):  # Each ended fork's status to its client.
+    ended, status = os.waitpid(pid, os.WNOHANG)
+    if ended:
+      try:
+        client.send(str(os.waitstatus_to_exitcode(status)).encode())
+      except OSError:  # The client went away (and so the fork was killed).
+        pass
+      client.close()
+      del forks[client]
+  ready, _, _ = select.select([server, sys.stdin, *forks], [], [], 0.05)
+  if sys.stdin in ready and not sys.stdin.readline():
+    break
+  for client in ready:
+    if client in forks:  # Its client went away before it ended: so does the fork.
+      os.kill(forks[client], signal.SIGKILL)
+  if server in ready:
+    client, _ = server.accept()
+    request, fds, _, _ = socket.recv_fds(client, 1 << 20, 3)
+    request = json.loads(request)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # From here on as `python script ARGV` runs it, in the client's env.
+      for sock in (server, client, *forks):
+        sock.close()
+      for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+      os.environ.clear()
+      os.environ.update(request['env'])
+      os.chdir(request['cwd'])
+      sys.argv = [script, *request['argv']]
+      runpy.run_path(script, run_name='__main__')
+      sys.exit(0)
+    for fd in fds:
+      os.close(fd)
+    client.send(str(pid).encode())
+    forks[client] = pid
+for pid in forks.values():
+  os.kill(pid, signal.SIGKILL)
+"""
+# The Python local.sh runs for each process: `python -S` (stdlib only, a fresh interpreter
+# in hundredths of a second) with the server's socket name and the process's argv.
+_FORK_CLIENT = r"""
+import json, os, signal, socket, sys, time
+address, argv = '\0' + sys.argv[1], sys.argv[2:]
+server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+deadline = time.monotonic() + 120  # The server's imports, on a loaded machine.
+while True:
+  try:
+    server.connect(address)
+    break
+  except ConnectionRefusedError:  # Not bound yet.
+    if time.monotonic() > deadline:
+      sys.exit(f'no fork server at {address!r} after 120 s')
+    time.sleep(0.02)
+request = {'argv': argv, 'env': dict(os.environ), 'cwd': os.getcwd()}
+socket.send_fds(server, [json.dumps(request).encode()], [0, 1, 2])
+pid = int(server.recv(64) or sys.exit('the fork server went away'))
+for number in (signal.SIGTERM, signal.SIGINT):
+  signal.signal(number, lambda number, frame: os.kill(pid, number))
+status = int(server.recv(64) or sys.exit('the fork server went away'))
+if status < 0:  # The fork ended by a signal: so does its stand-in.
+  if -status in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(-status, signal.SIG_DFL)
+  os.kill(os.getpid(), -status)
+sys.exit(status)
+"""
+
+
+class _ForkServer:
+  """_FORK_SERVER in a session of its own, with `env` (local.sh's, less what it adds per
+  process); .python: the executable to give local.sh as $PYTHON."""
+
+  def __init__(self, folder: Path, env: dict[str, str]):
+    folder.mkdir(parents=True, exist_ok=True)
+    self.log = folder / 'fork_server.log'
+    # A socket in Linux's abstract namespace: no file, and no limit of 108 bytes on the
+    # path of pytest's tmp folders.
+    name = f'dist_ens_test_forks_{uuid.uuid4().hex}'
+    client = folder / 'fork_client.py'
+    client.write_text(_FORK_CLIENT)
+    self.python = folder / 'python'
+    # local.sh's other use of $PYTHON (-c: its free port) goes to Python itself.
+    exe = shlex.quote(sys.executable)
+    self.python.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {exe} "$@"; fi\n'
+                           f'exec {exe} -S {shlex.quote(str(client))} {name} "$@"\n')
+    self.python.chmod(0o755)
+    with self.log.open('w') as log:
+      self.process = subprocess.Popen(
+          [sys.executable, '-c', _FORK_SERVER, name, many_processes_reads.__file__],
+          env={**env, 'JAX_PLATFORMS': 'cpu'}, cwd=mh.ROOT, stdin=subprocess.PIPE, stdout=log,
+          stderr=subprocess.STDOUT, start_new_session=True)
+
+  def close(self) -> str:
+    """Ends the server (its stdin closed; killed with any fork left after 30 s) and returns
+    what it said."""
+    self.process.stdin.close()
+    try:
+      self.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      pass
+    mh._kill_session(self.process)
+    self.process.wait()
+    return self.log.read_text()
+
+
+def _env(reads_dir: Path | None = None) -> dict[str, str]:
+  """The env of local.sh on TINY's runs: they compile as the tests do (support.FAST_COMPILE);
+  with `reads_dir`, each process counts what its input pipeline reads there."""
+  extra = {'XLA_FLAGS': ' '.join(support.FAST_COMPILE)}
+  if reads_dir is not None:
+    reads_dir.mkdir(parents=True, exist_ok=True)
+    extra[many_processes_reads.READS_DIR] = str(reads_dir)
+  return mh._env(devices=None, **extra)
+
+
 def _flags(fields: dict) -> list[str]:
   return [f'--config.{k}={v if isinstance(v, str) else repr(v)}' for k, v in fields.items()]
 
 
 def _local_sh(workdir: Path, processes: int, devices: int, fields: dict,
-              reads_dir: Path | None = None, timeout_s: int = 240) -> subprocess.Popen:
-  """launch/local.sh on TINY | fields, compiling as the tests do (support.FAST_COMPILE); with
-  `reads_dir`, each process counts what its input pipeline reads (many_processes_reads)."""
-  extra = {'XLA_FLAGS': ' '.join(support.FAST_COMPILE)}
-  if reads_dir is not None:
-    reads_dir.mkdir(parents=True, exist_ok=True)
-    python = reads_dir / 'python'
-    # local.sh's other use of $PYTHON (-c: its free port) goes to Python itself, not
-    # through the counting module, whose imports (jax, dist_ens) would cost it seconds.
-    exe = shlex.quote(sys.executable)
-    python.write_text(f'#!/bin/sh\nif [ "$1" = -c ]; then exec {exe} "$@"; fi\n'
-                      f'exec {exe} {shlex.quote(str(many_processes_reads.__file__))} "$@"\n')
-    python.chmod(0o755)
-    extra.update(PYTHON=str(python), **{many_processes_reads.READS_DIR: str(reads_dir)})
+              env: dict[str, str], timeout_s: int = 240) -> subprocess.Popen:
+  """launch/local.sh on TINY | fields, with `env` (_env's)."""
   return mh._start(['bash', str(mh.LOCAL_SH), '--processes', str(processes),
                     '--devices-per-process', str(devices), '--timeout', str(timeout_s),
                     '--grace', '60', '--kill-after', '15', '--', mh.CONFIG,
-                    f'--workdir={workdir}', *_flags({**TINY, **fields})],
-                   mh._env(devices=None, **extra))
+                    f'--workdir={workdir}', *_flags({**TINY, **fields})], env)
 
 
 def _reads(out_dir: Path) -> list[dict]:
@@ -98,18 +237,23 @@ def _assert_same_metrics(got: dict, want: dict) -> None:
 def test_four_processes_match_one_and_each_reads_only_its_block(tmp_path, monkeypatch,
                                                                  hosts_along):
   fields, block_of = LAYOUTS[hosts_along]
-  # The four processes start first: the reference trains here while they import JAX and
-  # meet, instead of before they start. Both are bounded: _wait kills the four at 240 s.
-  launcher = _local_sh(tmp_path / 'w', 4, 2, fields, tmp_path / 'reads')
+  env = _env(tmp_path / 'reads')
+  forks = _ForkServer(tmp_path / 'forks', env)
+  # The four processes start first: the reference trains here while the server imports
+  # and they meet, instead of before they start. Both are bounded: _wait kills the four at
+  # 240 s.
+  launcher = _local_sh(tmp_path / 'w', 4, 2, fields, {**env, 'PYTHON': str(forks.python)})
   try:
     many_processes_reads.count_reads(tmp_path / 'one', monkeypatch.setattr)
     (tmp_path / 'one').mkdir()
     one = dist_ens.train(support.config({**TINY, **fields}), str(tmp_path / 'one' / 'w'))
-  except BaseException:
-    mh._kill_session(launcher)
-    raise
-  [(status, out)] = mh._wait([launcher], 240)
-  assert status == 0, out[-5000:]
+    [(status, out)] = mh._wait([launcher], 240)
+  finally:
+    if launcher.poll() is None:
+      mh._kill_session(launcher)
+    said = forks.close()
+  assert status == 0, out[-5000:] + said
+  assert forks.process.returncode == 0 and not said, said
   assert re.search(r'^\[3\] .*\[process 3\] step 4/4', out, re.M), out[-3000:]
   _assert_same_metrics(json.loads((tmp_path / 'w' / 'final_metrics.json').read_text()), one)
 
@@ -137,7 +281,7 @@ def test_eight_processes_checkpoint_and_four_resume_exactly(tmp_path):
   layout = {'mesh.member': 8, 'mesh.data': 1}  # Hosts along 'member': 1, then 2 members each.
   for processes, devices, steps in ((8, 1, 4), (4, 2, 8)):
     [(status, out)] = mh._wait([_local_sh(tmp_path / 'w', processes, devices,
-                                          {**layout, 'train.steps': steps})], 300)
+                                          {**layout, 'train.steps': steps}, _env())], 300)
     assert status == 0, out[-5000:]
     last = processes - 1
     assert re.search(rf'^\[{last}\] .*\[process {last}\] step {steps}/{steps}', out,
@@ -167,7 +311,7 @@ def test_sigterm_to_each_of_eight_processes_saves_at_one_step(tmp_path):
   """As a scheduler preempting a slice: SIGTERM to every process, not to the launcher."""
   launcher = _local_sh(tmp_path / 'w', 8, 1, {'mesh.member': 8, 'mesh.data': 1,
                                               'train.steps': 100000, 'checkpoint.every': 50},
-                       timeout_s=240)
+                       _env(), timeout_s=240)
   lines = []
   reader = threading.Thread(target=lambda: lines.extend(launcher.stdout), daemon=True)
   reader.start()
