@@ -253,8 +253,11 @@ def test_four_processes_match_one_and_each_reads_only_its_block(tmp_path, monkey
       mh._kill_session(launcher)
     said = forks.close()
   assert status == 0, out[-5000:] + said
-  assert forks.process.returncode == 0 and not said, said
+  assert forks.process.returncode == 0, said  # It ended when asked, not killed.
   assert re.search(r'^\[3\] .*\[process 3\] step 4/4', out, re.M), out[-3000:]
+  for p in range(4):  # Each fork started its own backend, on the devices local.sh gave it.
+    assert re.search(rf'^\[{p}\] .*started: process {p} of 4, 2 local / 8 global devices', out,
+                     re.M), out[-3000:]
   _assert_same_metrics(json.loads((tmp_path / 'w' / 'final_metrics.json').read_text()), one)
 
   [whole] = _reads(tmp_path / 'one')
