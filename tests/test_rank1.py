@@ -15,6 +15,7 @@ case); a 2-member rank-1 ResNet-8 that loads as its members' formed networks, it
 and its report are in the slow tier.
 """
 
+import logging
 import math
 import re
 
@@ -317,12 +318,15 @@ def test_ensemble_load_predicts_the_mixture_of_the_members_fixed_draws_and_expor
 
 
 def test_one_shared_w_per_kernel_factors_per_member_and_resume_is_exact(straight_run, trained,
-                                                                        tmp_path):
+                                                                        tmp_path, caplog):
+  caplog.set_level(logging.INFO, logger='absl')
   # Evaluated on the clean test split only: eval.* may change on resume
   # (io/checkpoint.ALWAYS_COMPATIBLE), and the straight run's shift and joint metrics are
   # the ones checked, so the resume does not evaluate them again.
   resumed = _train(support.override(_run_config(), {'eval.shift': '', 'eval.joint_tau': 0}),
                    killed_after(straight_run, 4, tmp_path / 'b'))
+  # From the step-4 checkpoint, not trained again from the start (which ends alike).
+  assert 'resuming from the checkpoint at step 4' in caplog.text
   assert resumed['step'] == STEPS and resumed['ensemble'] == straight_run[1]['ensemble']
   support.assert_trees_equal(_stored(trained),
                              _stored(Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])))
@@ -413,10 +417,13 @@ def test_a_rank1_resnet_trains_and_loads_as_its_members_formed_networks(resnet_r
 # factors) and a ResNet's BatchNorm statistics resumed bit for bit in test_adapters'
 # test_linen_batchnorm_dropout_members_predict_and_resume.
 @pytest.mark.slow
-def test_a_rank1_resnet_resumes_exactly(resnet_run, tmp_path):
+def test_a_rank1_resnet_resumes_exactly(resnet_run, tmp_path, caplog):
+  caplog.set_level(logging.INFO, logger='absl')
   root, straight = resnet_run
   resumed = _train(_config(**RESNET), killed_after(root / 'a', 2, tmp_path / 'b'),
                    dataset=_mnist1d_part())
+  # From the step-2 checkpoint, not trained again from the start (which ends alike).
+  assert 'resuming from the checkpoint at step 2' in caplog.text
   assert resumed['step'] == 4 and resumed['ensemble'] == straight['ensemble']
   support.assert_trees_equal(
       _stored(Ensemble.load(root / 'a', devices=jax.devices()[:1])),
