@@ -2,6 +2,7 @@
 
 import functools
 import os
+import sys
 import tempfile
 
 import support
@@ -18,13 +19,21 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
         "PYTEST_XDIST_TESTRUNUID", str(os.getpid()))))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Where the environment says PYTHONDONTWRITEBYTECODE, every child process would compile
+# dist_ens's modules from source again (0.4-0.6 CPU s each; site-packages have their
+# bytecode from pip): the run's processes write it to the run's cache folder instead,
+# which goes with the run, so the tree stays as clean as the setting asks.
+if os.environ.pop("PYTHONDONTWRITEBYTECODE", None):
+  os.environ.setdefault("PYTHONPYCACHEPREFIX", os.path.join(
+      os.environ["JAX_COMPILATION_CACHE_DIR"], "pycache"))
+  sys.pycache_prefix = os.environ["PYTHONPYCACHEPREFIX"]
+  sys.dont_write_bytecode = False
 # A developer's `dist-ens plan --calibrate` cache must not change the forms tests run.
 os.environ["DIST_ENS_CALIBRATION"] = os.path.join(
     os.environ["JAX_COMPILATION_CACHE_DIR"], "no_calibration.json")
 
 import shutil  # noqa: E402
 import signal  # noqa: E402
-import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
