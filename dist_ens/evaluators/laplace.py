@@ -41,6 +41,8 @@ from dist_ens.evaluators.evaluator import EvalRun
 
 # Rows per feature batch: the full form's Jacobians are [rows, P, C] per member.
 _ROWS = 128
+# The curvature's sums, added batch by batch: one program, not an eager add per leaf.
+_add_trees = jax.jit(functools.partial(jax.tree.map, jnp.add))
 # The output layer must be linear in its kernel to this relative tolerance, by the
 # precision the model computes in (config.precision).
 _LINEAR_TOLERANCE = {'float32': 1e-3, 'bfloat16': 3e-2}
@@ -200,7 +202,7 @@ class Laplace(PeriodicAction):
       rows = pools[:, start:start + len(mask)]
       rows = np.pad(rows, ((0, 0), (0, len(mask) - rows.shape[1]))) * mask
       batch, error = step(variables, x, rows.astype(np.float32))
-      total = batch if total is None else jax.tree.map(jnp.add, total, batch)
+      total = batch if total is None else _add_trees(total, batch)
       # fetch: one batch in flight
       worst, start = max(worst, float(call.session.fetch(error))), start + valid
     return total, worst, int(pools.sum(1).min())
