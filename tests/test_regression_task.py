@@ -393,3 +393,16 @@ def test_homoscedastic_task_uses_its_noise_variance():
   _assert_results_close(results, rt_eval.finalize(jax.device_get(reference.sums)), 1e-5, 1e-6)
   with pytest.raises(ConfigError):
     rt.regression_homoscedastic(noise_variance=0.0)
+
+
+def test_a_members_interval_holds_its_end_points():
+  """Coverage counts a target on an interval's end as inside: two targets, one on each end
+  of the 50% interval, both covered (a strict comparison would count neither)."""
+  reg = importlib.import_module('dist_ens.eval.regression')
+  means, variances = jnp.zeros((1, 2, 1)), jnp.full((1, 2, 1), 4.0)
+  lo, hi = reg.gaussian_central_interval(means, variances, reg.INTERVAL_LEVELS)
+  level = reg.INTERVAL_LEVELS.index(0.5)
+  y = jnp.stack([lo[level, 0, 0], hi[level, 0, 1]])  # [B=2, D=1]
+  assert float(y[0, 0]) < 0 < float(y[1, 0])
+  sums = rt_eval._member_sums(means, variances, y, jnp.ones(2, bool))
+  assert float(sums['member_cover_50'][0]) == 2.0
