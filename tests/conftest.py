@@ -181,16 +181,16 @@ def pytest_sessionfinish(session):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-# Test files by their measured time on 2 cores (CI's JUnit of 2026-11-26), the longest first.
+# Test files by their measured time on 2 cores (CI's JUnit of 2026-11-29), the longest first.
 # `--dist loadfile` hands files to the workers in collection order, so the long ones start
 # early instead of leaving one worker busy at the end. Unlisted files keep their order.
 _LONGEST_FIRST = (
-    "test_combinations.py", "test_plan.py", "test_multihost.py", "test_cli.py",
-    "test_checkpoint.py", "test_adapters.py", "test_train.py", "test_shift_eval.py",
-    "test_model_axis.py", "test_groups.py", "test_corruptions.py", "test_seq_classification.py",
-    "test_pbt.py", "test_reliability.py", "test_laplace_predict.py", "test_regression_run.py",
-    "test_step.py", "test_architectures.py", "test_hf.py", "test_token_task.py",
-    "test_models.py", "test_augment.py", "test_readme.py", "test_many_processes.py",
+    "test_combinations.py", "test_groups.py", "test_multihost.py", "test_plan.py",
+    "test_rank1.py", "test_corruptions.py", "test_reliability.py", "test_adapters.py",
+    "test_readme.py", "test_grain.py", "test_step.py", "test_masksembles.py", "test_sngp.py",
+    "test_train.py", "test_regression_run.py", "test_checkpoint.py", "test_cli.py",
+    "test_many_processes.py", "test_seq_classification.py", "test_model_axis.py",
+    "test_task_steps.py", "test_architectures.py", "test_resident.py", "test_own_shared.py",
 )
 
 
