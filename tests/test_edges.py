@@ -343,3 +343,19 @@ def test_a_pbt_copy_perturbed_past_the_bound_is_no_clone_of_its_source():
       source = decision.sources[member]
       assert decision.hparams[lr][member] != hp[lr][source], (round_index, member)
       assert 1e-4 <= decision.hparams[lr][member] <= 1e-2
+
+
+def test_orbax_errors_show_as_one_line_but_a_thread_outliving_the_close_not_at_all():
+  from dist_ens.io import checkpoint  # pylint: disable=import-outside-toplevel
+  [quiet] = [f for f in logging.getLogger('absl').filters if type(f).__name__ == '_QuietOrbax']
+
+  def record(message):
+    return logging.LogRecord('absl', logging.ERROR, '/site-packages/orbax/checkpoint/x.py', 1,
+                             message, (), None)
+
+  late = record('[thread=write_metadata_after_commits] _SignalingThread.run() raised an '
+                'exception: cannot schedule new futures after shutdown')
+  assert not quiet.filter(late)
+  assert not quiet.filter(record(f'write failed: {checkpoint.FULL_DISK_TEXTS[0]}'))
+  other = record('a save failed: permission denied\nTraceback ...')
+  assert quiet.filter(other) and other.getMessage() == 'a save failed: permission denied'

@@ -273,6 +273,10 @@ def _verify(restored: Any, with_optimizer: bool) -> None:
 
 # How a full disk reads in errors that are not OSErrors (tensorstore's, under orbax).
 FULL_DISK_TEXTS = ('No space left on device', 'Disk quota exceeded', 'File too large')
+# An orbax thread that outlived its manager's close (a failed save ends the run, and the
+# close shuts the executors down while a commit's metadata thread still schedules): the
+# error that stopped the run is reported; this one only says the close came first.
+_AFTER_CLOSE = 'cannot schedule new futures after shutdown'
 
 
 class _QuietOrbax(logging_std.Filter):
@@ -281,7 +285,7 @@ class _QuietOrbax(logging_std.Filter):
   Its errors come from background save threads, and the same error reaches the loop
   (the next save or wait raises it), which reports it: they show as one line without
   the traceback, and not at all for a full disk, which the run reports in one line
-  (it gave 45 tracebacks before).
+  (it gave 45 tracebacks before), or for a thread that outlived the manager's close.
   """
 
   def filter(self, record: logging_std.LogRecord) -> bool:
@@ -289,7 +293,7 @@ class _QuietOrbax(logging_std.Filter):
       return True
     if record.levelno >= logging_std.ERROR:
       message = record.getMessage()
-      if any(text in message for text in FULL_DISK_TEXTS):
+      if any(text in message for text in (*FULL_DISK_TEXTS, _AFTER_CLOSE)):
         return False
       record.msg, record.args = message.splitlines()[0][:400], ()
       record.exc_info = record.exc_text = None
