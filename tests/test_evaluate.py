@@ -1,5 +1,7 @@
 """The sharded eval step over a whole split, OOD evaluation and OOD sources."""
 
+import re
+
 import jax
 import ml_collections
 import numpy as np
@@ -8,7 +10,7 @@ import pytest
 from dist_ens import data, models, tasks
 from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.eval import metrics, registry as metric_registry
-from dist_ens.eval import ood
+from dist_ens.eval import ood, shift
 from dist_ens.errors import ConfigError
 from dist_ens.eval import evaluate as evaluate_lib
 from dist_ens.eval.evaluate import evaluate, evaluate_ood, evaluate_split, make_eval_step
@@ -170,3 +172,53 @@ def test_host_scored_outputs_equal_evaluate(setup):
   probs = np.exp(log_probs[0]) / 3 + 2 * np.exp(log_probs[1]) / 3
   np.testing.assert_allclose(twice['ensemble']['nll'],
                              -np.log(probs[np.arange(N), split.y]).mean(), rtol=1e-5)
+
+
+_COLLECTIVES = ('all-reduce', 'all-gather', 'all-to-all', 'collective-permute',
+                'reduce-scatter')
+
+
+def _loop_collectives(hlo: str) -> list[str]:
+  """The collective ops inside any while loop's body of compiled HLO text (callees too)."""
+  computations, name = {}, None
+  for line in hlo.splitlines():
+    head = re.match(r'(?:ENTRY )?%?([\w.\-]+) .*\{$', line)
+    if head and not line.startswith(' '):
+      name = head.group(1)
+      computations[name] = []
+    elif name is not None:
+      computations[name].append(line)
+  pending = re.findall(r'body=%?([\w.\-]+)', hlo)
+  assert pending, 'expected a while loop in the program'
+  seen, found = set(), []
+  while pending:
+    body = pending.pop()
+    if body in seen or body not in computations:
+      continue
+    seen.add(body)
+    for line in computations[body]:
+      found += [op for op in _COLLECTIVES if f' {op}(' in line or f' {op}-start(' in line]
+      pending += re.findall(r'(?:body|condition|calls|to_apply)=%?([\w.\-]+)', line)
+  return found
+
+
+def test_the_regression_mixtures_loop_holds_no_collective(setup):
+  # The eval and predict programs gather every member's outputs before the task's metrics,
+  # so the mixture's bisection sums its members on each device. An all-reduce over
+  # 'member' inside that loop hung XLA:CPU's collectives at random (one device left the
+  # loop while the others waited in it: a slow-tier matrix case, until the 600 s timeout).
+  model, mesh, params = setup
+  task = tasks.get_task('regression')
+  rows = 16
+  data_sharding = mesh_lib.batch_sharding(mesh)
+  x, y, mask = (jax.device_put(a, data_sharding) for a in (
+      _split(0).x[:rows], np.linspace(-1, 1, rows * C // 2, dtype=np.float32).reshape(rows, -1),
+      np.ones(rows, bool)))  # The model's C outputs are C / 2 targets' (mean, variance).
+  member_mask = jax.device_put(np.ones(M, bool), mesh_lib.member_sharding(mesh))
+  eval_step = make_eval_step(model, mesh, task.eval_batch)
+  assert _loop_collectives(eval_step.lower(params, x, y, mask, member_mask)
+                           .compile().as_text()) == []
+  predict_step = shift.make_predict_step(model, mesh, task.eval_batch)
+  index, zero = jax.device_put(np.arange(rows, dtype=np.int32), data_sharding), np.int32(0)
+  assert _loop_collectives(predict_step.lower(params, x, y, mask, member_mask, index, zero,
+                                              zero).compile().as_text()) == []

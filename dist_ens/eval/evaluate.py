@@ -36,7 +36,8 @@ from dist_ens.core.model import over_stacks, stacked_axes
 from dist_ens.core.state import member_flags
 from dist_ens.eval import metrics, ranks, registry as metric_registry
 from dist_ens.data import Split, to_global
-from dist_ens.parallel.mesh import DATA, batch_sharding, member_sharding, replicated
+from dist_ens.parallel.mesh import (DATA, batch_sharding, member_sharding, outputs_sharding,
+                                    replicated)
 from dist_ens.models import Model
 
 EvalStep = Callable[..., metrics.BatchEval]
@@ -132,8 +133,12 @@ def make_eval_step(model: Model, mesh: Mesh,
     out.sums['ensemble_correct'], out.examples.entropy.shape
   """
 
+  gathered = outputs_sharding(mesh)  # with the member mask
+
   def eval_step(variables, x, y, mask, member_mask):
-    return eval_batch(member_logits(model, variables, x), y, mask, member_mask)
+    outputs, member_mask = jax.lax.with_sharding_constraint(
+        (member_logits(model, variables, x), member_mask), gathered)
+    return eval_batch(outputs, y, mask, member_mask)
 
   data, members = batch_sharding(mesh), member_sharding(mesh)
   # The variables as they lie (None): split over 'model' too when the layout splits them.

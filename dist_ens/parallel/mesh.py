@@ -271,5 +271,17 @@ def batch_sharding(mesh: Mesh, per_member: bool = False) -> NamedSharding:
   return NamedSharding(mesh, P(MEMBER, DATA) if per_member else P(DATA))
 
 
+def outputs_sharding(mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
+  """For every member's outputs of one batch ([M, B, ...]) and the [M] member mask as
+  evaluation reads them: every member on every device, the batch over 'data'.
+
+  Metrics sum over members; with the members gathered first, each device sums them in one
+  order, as one device does, and no collective sits inside a metric's loop (the regression
+  mixture's bisection). An all-reduce over 'member' inside such a loop hung XLA:CPU's
+  collectives at random: one device left the loop while the others waited in it.
+  """
+  return NamedSharding(mesh, P(None, DATA)), NamedSharding(mesh, P())
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P())
