@@ -425,10 +425,11 @@ def _numpy_gp_probs(params, state, phi, options, steps):
 
 
 def _resume_config():
-  # Calls of 2 steps and a checkpoint after each: step 6's, inside the precision's window
-  # (steps 4-7), is kept (checkpoint.keep 2) and is where the resume test starts.
+  # Calls of 2 steps, checkpoints after steps 6 and 8: step 6's, inside the precision's
+  # window (steps 4-7), is where the resume test starts (no earlier checkpoint: each save
+  # costs a tenth of a second and none is read).
   return _config(**{'eval.shift': 'gaussian_noise:1', 'mesh.data': 2,
-                    'train.log_every': 2, 'checkpoint.every': 2})
+                    'train.log_every': 2, 'checkpoint.every': 6})
 
 
 @pytest.fixture(scope='module')
@@ -439,25 +440,26 @@ def straight_run(tmp_path_factory):
   return workdir, _train(_resume_config(), workdir, devices=4)
 
 
-def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path, straight_run):
-  """Resumed from the step-6 checkpoint (inside the precision's window: its sums cross the
-  checkpoint) the run ends as the straight one, params and model state bit for bit; the
-  loaded state is each member's own; Ensemble.load predicts the mean of the members'
-  numpy GPs (random features of the normalised network's features, the precision from the
-  stored window, the mean-field adjustment) and exports each member's state by name."""
-  straight_dir, straight = straight_run
-  # Evaluated on the clean test split only: eval.* may change on resume
-  # (io/checkpoint.ALWAYS_COMPATIBLE), and the straight run's shift and joint metrics are
-  # the ones checked, so the resume does not evaluate them again.
-  resumed = _train(support.override(_resume_config(), {'eval.shift': '', 'eval.joint_tau': 0}),
-                   killed_after(straight_run, 6, tmp_path / 'b'), devices=4)
-  assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
+@pytest.fixture(scope='module')
+def straight_ensemble(straight_run):
+  """Ensemble.load of the straight run on one device: loaded once for the load and resume
+  tests."""
+  return Ensemble.load(straight_run[0], devices=jax.devices()[:1])
+
+
+# The straight run's checks (a test of their own, so that neither test both trains the
+# straight run and resumes it: the first test of the two pays for the module's run).
+def test_load_predicts_the_members_adjusted_gps_and_exports_their_state(
+    tmp_path, straight_run, straight_ensemble):
+  """The loaded state is each member's own; Ensemble.load predicts the mean of the
+  members' numpy GPs (random features of the normalised network's features, the
+  precision from the stored window, the mean-field adjustment) and exports each member's
+  state by name; the run's shift and joint metrics were evaluated."""
+  _, straight = straight_run
+  ens = straight_ensemble
+  assert straight['step'] == STEPS
   assert straight['shift']['corruptions']['gaussian_noise']['1']['ensemble']['nll'] > 0
   assert straight['joint']['ensemble'] > 0
-  ens = Ensemble.load(straight_dir, devices=jax.devices()[:1])
-  resumed_ens = Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])  # loaded once
-  support.assert_trees_equal((ens.params, ens.model_state),
-                             (resumed_ens.params, resumed_ens.model_state))
   state = jax.tree.map(np.asarray, ens.model_state)
   assert state.steps.tolist() == [STEPS, STEPS] and state.moment.shape == (2, 64, 64)
   assert not np.array_equal(state.moment[0], state.moment[1])  # Each member its own.
@@ -477,6 +479,22 @@ def test_resume_is_exact_and_load_predicts_the_members_adjusted_gps(tmp_path, st
     assert sorted(got) == sorted(want) and 'moment' in want
     for name, leaf in want.items():
       np.testing.assert_array_equal(got[name], leaf)
+
+
+def test_resume_is_exact(tmp_path, straight_run, straight_ensemble):
+  """Resumed from the step-6 checkpoint (inside the precision's window: its sums cross the
+  checkpoint) the run ends as the straight one, its test metrics equal and its params and
+  model state (every kind of SNGP state) bit for bit."""
+  _, straight = straight_run
+  # Evaluated on the clean test split only: eval.* may change on resume
+  # (io/checkpoint.ALWAYS_COMPATIBLE), and the straight run's shift and joint metrics are
+  # the ones checked, so the resume does not evaluate them again.
+  resumed = _train(support.override(_resume_config(), {'eval.shift': '', 'eval.joint_tau': 0}),
+                   killed_after(straight_run, 6, tmp_path / 'b'), devices=4)
+  assert resumed['step'] == STEPS and resumed['ensemble'] == straight['ensemble']
+  resumed_ens = Ensemble.load(tmp_path / 'b', devices=jax.devices()[:1])
+  support.assert_trees_equal((straight_ensemble.params, straight_ensemble.model_state),
+                             (resumed_ens.params, resumed_ens.model_state))
 
 
 # The report's drawing (matplotlib, 2-3 CPU s) is the same for every method; what is
@@ -521,7 +539,7 @@ def resnet_run(tmp_path_factory):
 # (test_a_resnet_member_is_the_plain_resnet_on_normalised_convs_under_a_gp[resnet]); a ResNet's
 # options (test_a_resnets_options_default_to_...); an SNGP run's Ensemble.load predicting
 # its members' numpy GPs from the stored state and exporting it (the MLP's
-# test_resume_is_exact_and_load_predicts_the_members_adjusted_gps); a method's ResNet
+# test_load_predicts_the_members_adjusted_gps_and_exports_their_state); a method's ResNet
 # BatchNorm state through a run, load and predict (test_masksembles'
 # test_a_masked_resnet_predicts_its_masked_members_and_exports); predict as reported,
 # on one device and export per member (test_combinations' sngp case).
@@ -555,7 +573,7 @@ def test_a_resnet_run_loads_as_its_plain_resnets_under_gps(tmp_path, resnet_run)
     np.testing.assert_array_equal(got[name], leaf)
 
 
-# Fast cover: test_resume_is_exact_and_load_predicts_the_members_adjusted_gps (the MLP's
+# Fast cover: test_resume_is_exact (the MLP's
 # state holds every kind of SNGP state this run's does: a power-iteration vector per
 # normalised kernel, the random features, the precision's sums stopped inside its window,
 # the steps); a ResNet's BatchNorm statistics resume bit for bit in test_adapters'
