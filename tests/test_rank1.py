@@ -137,32 +137,39 @@ def test_a_member_predicts_the_factorised_forward_under_its_draws_each_example_i
       outputs.shape[0])
   wrapped = rank1.wrap(model, OPTIONS, combine)
   x = np.random.default_rng(1).normal(size=(5, 7)).astype(np.float32)
-  # Jitted (init and the draws below): eagerly, each op compiles a program of its own.
-  params, state = jax.tree.map(np.asarray, jax.jit(wrapped.init)(jax.random.key(3), x))
-  apply = jax.jit(wrapped.apply, static_argnames=('train',))
+  key = jax.random.key(7)
+
+  def init_and_apply(x):
+    """Init, evaluation, training under `key` and the draws training reads from it (one
+    program: eagerly each op compiles one; separately jitted, four programs compiled)."""
+    params, state = wrapped.init(jax.random.key(3), x)
+    noise = rank1._draws(  # pylint: disable=protected-access
+        jax.random.fold_in(key, rank1._DRAW_STREAM), params.factors,  # pylint: disable=protected-access
+        (len(x) * OPTIONS.train_samples,), 'gaussian')
+    return (params, state, wrapped.apply(params, state, x, train=False)[0],
+            wrapped.apply(params, state, x, train=True, rng=key)[0], noise)
+
+  init_and_apply = jax.jit(init_and_apply)
+  params, state, got, out, noise = jax.tree.map(np.asarray, init_and_apply(x))
   assert [f['s_loc'].shape + f['r_loc'].shape for f in params.factors] == [(7, 8), (8, 4)]
   assert set(np.unique(np.concatenate([f['s_loc'] for f in params.factors]))) == {-1.0, 1.0}
   assert state.noise[0]['s'].shape == (3, 7)  # eval_samples fixed draws per factor
   # Evaluation: the log of the mean softmax over the member's 3 fixed draws.
-  got = np.asarray(apply(params, state, x, train=False)[0])
   probs = [np.exp(_log_softmax(_numpy_forward(
       params.base, [_draw(f, {k: n[k][e] for k in n}) for f, n in zip(params.factors, state.noise)],
       x))) for e in range(3)]
   np.testing.assert_allclose(np.exp(got), np.mean(probs, 0), rtol=1e-4, atol=1e-6)
   # Training: [B, train_samples, C], example b's sample j under its own draws.
-  key = jax.random.key(7)
-  out = np.asarray(apply(params, state, x, train=True, rng=key)[0])
   assert out.shape == (5, 2, 4)
-  draws = jax.jit(lambda k, f: rank1._draws(  # pylint: disable=protected-access
-      jax.random.fold_in(k, rank1._DRAW_STREAM), f, (10,), 'gaussian'))  # pylint: disable=protected-access
-  noise = jax.tree.map(np.asarray, draws(key, params.factors))
   for b in range(5):
     for j in range(2):  # Example b's sample j: row b * 2 + j of the draws.
       values = [_draw(f, {k: n[k][b * 2 + j] for k in n}) for f, n in zip(params.factors, noise)]
       np.testing.assert_allclose(out[b, j], _numpy_forward(params.base, values, x[b:b + 1])[0],
                                  rtol=1e-4, atol=1e-5)
   same = np.repeat(x[:1], 5, 0)  # The same example 5 times: 5 different draws.
-  outs = np.asarray(apply(params, state, same, train=True, rng=key)[0])[:, 0]
+  same_params, _, _, outs, _ = init_and_apply(same)  # The same program: same shapes.
+  support.assert_trees_equal(same_params, params)  # Init reads x's shape alone.
+  outs = np.asarray(outs)[:, 0]
   assert len({row.tobytes() for row in outs}) == 5
 
 
