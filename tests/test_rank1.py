@@ -229,11 +229,12 @@ def test_the_factorised_forward_is_the_models_own_on_the_formed_kernels(fields, 
   base, state = _drawn_like_init(model, x, np.random.default_rng(4))
   values = _kernel_values(base, np.random.default_rng(5))
   key = jax.random.key(9)
-  apply = jax.jit(lambda p: model.apply(p, state, x, train=True, rng=key))
-  formed_of = jax.jit(rank1.formed)
-  formed = formed_of(base, values)
+  train = lambda p: model.apply(p, state, x, train=True, rng=key)
   rows = [{k: np.repeat(v[k][None], 3, 0) for k in v} for v in values]
-  got, want = apply(rank1.factored(base, rows)), apply(formed)
+  # One program for both applies and the formed kernels (jitted apart: three).
+  got, want, formed = jax.jit(lambda base, values, rows: (
+      train(rank1.factored(base, rows)), train(rank1.formed(base, values)),
+      rank1.formed(base, values)))(base, values, rows)
   np.testing.assert_allclose(got[0], want[0], rtol=2e-5, atol=2e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6), got[1],
                want[1])
@@ -248,10 +249,10 @@ def test_the_factorised_forward_is_the_models_own_on_the_formed_kernels(fields, 
       np.testing.assert_array_equal(got_leaf, w)
   assert next(kernels, None) is None
   if fields['name'] in ('resnet', 'wide_resnet') and 'dropout' in fields:
-    _check_each_example_reads_its_own_kernels(model, base, state, formed_of, input_shape)
+    _check_each_example_reads_its_own_kernels(model, base, state, input_shape)
 
 
-def _check_each_example_reads_its_own_kernels(model, base, state, formed_of, input_shape):
+def _check_each_example_reads_its_own_kernels(model, base, state, input_shape):
   """Different draws per example (BatchNorm on its running statistics, so examples do not
   mix): row b of the apply on factored kernels is the apply on example b alone with its
   own formed kernels W o (s_b r_b^T)."""
@@ -259,6 +260,7 @@ def _check_each_example_reads_its_own_kernels(model, base, state, formed_of, inp
   # The drawn running statistics are not (0, 1): evaluation's BatchNorm is not the identity.
   rows = _kernel_values(base, np.random.default_rng(6), rows=4)
   apply = jax.jit(lambda p, x: model.apply(p, state, x, train=False)[0])
+  formed_of = jax.jit(rank1.formed)
   got = np.asarray(apply(rank1.factored(base, rows), x))
   for b in range(4):
     formed = formed_of(base, [{k: v[k][b] for k in v} for v in rows])
