@@ -84,10 +84,37 @@ def test_power_iteration_reaches_numpys_largest_singular_value_and_vector(shape)
     assert got == pytest.approx(min(bound, singular[0]), rel=1e-4)
 
 
+def _drawn_init(model, x, body=None, base=None):
+  """(params, state) of model.init (sngp.wrap's), with its draws made here: the structure,
+  shapes and dtypes of model.init's (jax.eval_shape: nothing compiled), `body` and `base`
+  the plain model's params and state (None: each kernel He-normal and each bias N(0, 0.1^2)
+  in numpy, and the plain model's state, if any, zeros), and the SNGP parts drawn in numpy
+  as sngp.wrap draws them (unit vectors, W_r ~ N(0, 1), b_r ~ U(0, 2 pi), beta ~ N(0, 1/D),
+  no sums, no steps). The wrapped init jitted compiles each of its random draws (a second
+  of a test at -O0); the random-features test checks init's own draws."""
+  want = jax.eval_shape(model.init, jax.random.key(0), x)
+  rng = np.random.default_rng(10)
+  draw = lambda size, scale=1.0: (scale * rng.normal(size=size)).astype(np.float32)
+  if body is None:
+    body = jax.tree.map(lambda a: draw(a.shape, math.sqrt(2 / math.prod(a.shape[:-1]))
+                                       if len(a.shape) > 1 else 0.1), want[0].body)
+    base = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), want[1].base)
+  d = want[1].phase.shape[0]
+  params = sngp.SNGPParams(body, draw(want[0].output.shape, 1 / math.sqrt(d)))
+  state = sngp.SNGPState(
+      base, [(lambda v: v / np.linalg.norm(v))(draw(u.shape)) for u in want[1].vectors],
+      draw(want[1].projection.shape), rng.uniform(0, 2 * math.pi, d).astype(np.float32),
+      np.zeros(want[1].moment.shape, np.float32), np.zeros((), np.int32))
+  assert jax.tree.structure((params, state)) == jax.tree.structure(want)
+  assert [(a.shape, a.dtype) for a in jax.tree.leaves((params, state))] == [
+      (a.shape, a.dtype) for a in jax.tree.leaves(want)]
+  return params, state
+
+
 def test_each_training_apply_is_one_power_step_on_each_hidden_kernel():
   model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', _options(), 8)
   x = jnp.asarray(np.random.default_rng(1).normal(size=(4, 7, 1)), jnp.float32)
-  params, state = jax.jit(model.init)(jax.random.key(0), x)
+  params, state = _drawn_init(model, x)
   kernels = [np.asarray(layer['w'], np.float64) for layer in params.body]
   vectors = [np.asarray(u, np.float64) for u in state.vectors]
   train = jax.jit(lambda p, s: model.apply(p, s, x, train=True, rng=jax.random.key(2)))
@@ -110,6 +137,11 @@ def test_the_random_features_approximate_the_rbf_kernel():
   model = sngp.wrap(make_mlp(dataclasses.replace(_SPEC, widths=(5,)), 3), 'mlp',
                     _options(features=d), 8)
   _, state = jax.jit(model.init)(jax.random.key(3), jnp.zeros((1, 7, 1)))
+  # Init's own draws (the other tests of the math draw them in numpy): no sums, no steps,
+  # a unit vector per hidden kernel, and the random features' distributions.
+  assert not np.asarray(state.moment).any() and int(state.steps) == 0
+  for u in state.vectors:
+    assert np.linalg.norm(np.asarray(u, np.float64)) == pytest.approx(1, rel=1e-5)
   projection, phase = np.asarray(state.projection), np.asarray(state.phase)
   assert projection.shape == (5, d)
   assert np.mean(projection) == pytest.approx(0, abs=0.02)
@@ -157,7 +189,7 @@ def test_the_precision_is_the_bayesian_linear_models_closed_form():
   model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', options, 5)
   rng = np.random.default_rng(5)
   batches = [rng.normal(size=(4, 7, 1)).astype(np.float32) for _ in range(5)]
-  params, state = jax.jit(model.init)(jax.random.key(6), jnp.asarray(batches[0]))
+  params, state = _drawn_init(model, jnp.asarray(batches[0]))
   train = jax.jit(lambda p, s, x, k: model.apply(p, s, x, train=True, rng=k))
   phis = []
   numpy_state = state
@@ -197,8 +229,8 @@ def test_the_precision_is_the_bayesian_linear_models_closed_form():
 def test_before_the_window_the_precision_is_the_ridge_alone():
   options = _options(ridge=2.0)
   model = sngp.wrap(make_mlp(_SPEC, 3), 'mlp', options, 10)
-  x = jnp.ones((4, 7, 1))
-  params, state = jax.jit(model.init)(jax.random.key(0), x)
+  x = np.ones((4, 7, 1), np.float32)
+  params, state = _drawn_init(model, x)
   train = jax.jit(lambda p, s: model.apply(p, s, x, train=True, rng=jax.random.key(1)))
   for _ in range(7):  # Steps 0..6; the window is 7..9.
     _, state = train(params, state)
@@ -243,10 +275,10 @@ def test_the_ridge_adds_ridge_over_n_times_beta_to_betas_gradient():
   x = jnp.asarray(np.random.default_rng(7).normal(size=(4, 7, 1)), jnp.float32)
   y = np.asarray([0, 1, 2, 1])
   # (ridge, N); the last: the ridge's share vanishes, the loss's gradient alone. The
-  # options differ only in what the training apply reads (init draws the same params).
+  # options differ only in what the training apply reads (init's params serve all three).
   models_ = [sngp.wrap(make_mlp(_SPEC, 3), 'mlp', _options(ridge=ridge, data_size=n), 8)
              for ridge, n in ((1.0, 10), (3.0, 10), (3.0, 10**9))]
-  params, state = jax.jit(models_[0].init)(jax.random.key(0), x)
+  params, state = _drawn_init(models_[0], x)
 
   def loss(model, p):
     logits, _ = model.apply(p, state, x, train=True, rng=jax.random.key(1))
@@ -297,27 +329,10 @@ def _plain_features(plain, body, base, x, train):
 
 
 def _member_init(model, plain, x):
-  """(params, state) of model.init, `plain` wrapped by sngp.wrap, with its own draws made
-  here: the structure, shapes and dtypes of model.init's (jax.eval_shape: nothing
-  compiled), the body and BatchNorm state the plain model's own init (jitted), and the
-  SNGP parts drawn in numpy as sngp.wrap draws them (unit vectors, W_r ~ N(0, 1), b_r ~
-  U(0, 2 pi), beta ~ N(0, 1/D), no sums, no steps). The wrapped init jitted compiles each
-  of its twenty-odd random draws: a second of this test at -O0."""
-  want = jax.eval_shape(model.init, jax.random.key(0), x)
+  """_drawn_init's (params, state) of model.init, `plain` wrapped by sngp.wrap, its body
+  and BatchNorm state the plain model's own init (jitted)."""
   body, base = jax.jit(plain.init)(jax.random.key(0), x)
-  body = {k: v for k, v in body.items() if k != 'head'}
-  rng = np.random.default_rng(10)
-  draw = lambda size, scale=1.0: (scale * rng.normal(size=size)).astype(np.float32)
-  d = want[1].phase.shape[0]
-  params = sngp.SNGPParams(body, draw(want[0].output.shape, 1 / math.sqrt(d)))
-  state = sngp.SNGPState(
-      base, [(lambda v: v / np.linalg.norm(v))(draw(u.shape)) for u in want[1].vectors],
-      draw(want[1].projection.shape), rng.uniform(0, 2 * math.pi, d).astype(np.float32),
-      np.zeros(want[1].moment.shape, np.float32), np.zeros((), np.int32))
-  assert jax.tree.structure((params, state)) == jax.tree.structure(want)
-  assert [(a.shape, a.dtype) for a in jax.tree.leaves((params, state))] == [
-      (a.shape, a.dtype) for a in jax.tree.leaves(want)]
-  return params, state
+  return _drawn_init(model, x, {k: v for k, v in body.items() if k != 'head'}, base)
 
 
 # The pre-activation WRN (its BatchNorms before the convolutions, no stem BatchNorm) in the
