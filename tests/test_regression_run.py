@@ -36,18 +36,35 @@ def _config():
       'train.log_every': 100, 'checkpoint.every': 300, 'eval.joint_tau': 0})
 
 
-@pytest.fixture(scope='module')
-def runs(tmp_path_factory):
-  """The curve's ensemble trained twice with _config() and a validation split of 128 (the
-  conformal intervals' calibration): on its targets ('plain') and on 1000 y + 5
-  ('scaled'); each (workdir, final metrics). The tests below only read them."""
+def _curve_run(tmp_path_factory, run, targets, **dataset_fields):
+  """(workdir, final metrics) of the curve's ensemble trained with _config() and a
+  validation split of 128 (the conformal intervals' calibration) on targets(y)."""
   (x, y), (xt, yt) = _curve(512, 0), _curve(256, 1)
-  root = tmp_path_factory.mktemp('regression')
-  datasets = {'plain': data.from_arrays(x, y, xt, yt, name='curve'),
-              'scaled': data.from_arrays(x, 1000 * y + 5, xt, 1000 * yt + 5)}
+  dataset = data.from_arrays(x, targets(y), xt, targets(yt), **dataset_fields)
+  workdir = tmp_path_factory.mktemp('regression') / run
   config = support.override(_config(), {'data.validation_size': 128})
-  return {name: (root / name, dist_ens.train(config, str(root / name), dataset=dataset))
-          for name, dataset in datasets.items()}
+  return workdir, dist_ens.train(config, str(workdir), dataset=dataset)
+
+
+# One module fixture a run, so that no test waits for both trainings: the first test that
+# reads a run trains it (the scaled run's programs are the plain run's, read from the
+# compilation cache).
+@pytest.fixture(scope='module')
+def plain_run(tmp_path_factory):
+  """_curve_run on the curve's own targets."""
+  return _curve_run(tmp_path_factory, 'plain', lambda y: y, name='curve')
+
+
+@pytest.fixture(scope='module')
+def scaled_run(tmp_path_factory):
+  """_curve_run on 1000 y + 5."""
+  return _curve_run(tmp_path_factory, 'scaled', lambda y: 1000 * y + 5)
+
+
+@pytest.fixture(scope='module')
+def runs(plain_run, scaled_run):
+  """Both curve runs by name ('plain', 'scaled'); the tests below only read them."""
+  return {'plain': plain_run, 'scaled': scaled_run}
 
 
 @pytest.fixture(scope='module')
@@ -56,11 +73,11 @@ def loaded(runs):
   return {name: dist_ens.Ensemble.load(str(workdir)) for name, (workdir, _) in runs.items()}
 
 
-def test_a_regression_ensemble_trains_and_reports_its_metrics(runs):
+def test_a_regression_ensemble_trains_and_reports_its_metrics(plain_run):
   dataset = data.from_arrays(*_curve(512, 0), *_curve(256, 1), name='curve')
   assert dataset.train.y.dtype == np.float32 and dataset.num_classes == 0
   assert np.array_equal(dataset.train.y, _curve(512, 0)[1])  # Never cast to integers.
-  workdir, final = runs['plain']
+  workdir, final = plain_run
   members, ensemble = final['members'], final['ensemble']
   for key in ('rmse', 'nll', 'crps', 'coverage_50', 'coverage_90', 'coverage_95'):
     assert len(members[key]) == 4 and key in ensemble
@@ -198,12 +215,30 @@ def _sweep_config():
 def sweep(tmp_path_factory):
   """(workdir, final metrics, dataset) of _sweep_config() on _noisy_curve() (the first 1000
   examples to train and validate on, the last 400 to test): a homoscedastic regression
-  sweep with k-fold member pools. The noise test only reads it; the resume test resumes a
-  copy."""
+  sweep with k-fold member pools. The noise test only reads it (first in the file, it
+  waits for this run, and the resume test for its resume alone); the resume test resumes
+  a copy."""
   x, y = _noisy_curve()
   dataset = data.from_arrays(x[:1000], y[:1000], x[1000:], y[1000:])
   workdir = tmp_path_factory.mktemp('regression_sweep')
   return workdir, dist_ens.train(_sweep_config(), str(workdir), dataset=dataset), dataset
+
+
+def test_homoscedastic_noise_is_fitted_on_validation_and_used_by_predict(sweep):
+  """The fitted level is each member's mean squared validation residual; with it the
+  test intervals cover near their nominal rate, and Ensemble.predict uses the same levels
+  (the sweep's members, each standardised with its own fold's statistics)."""
+  workdir, final, dataset = sweep
+  fitted = final['noise_variance']
+  assert fitted['fitted_on'] == 'validation'
+  # The members' validation MSE (target units) is the fitted level.
+  np.testing.assert_allclose(np.asarray(fitted['target_units'])[:, 0],
+                             np.square(final['validation']['members']['rmse']), rtol=1e-4)
+  assert np.all(np.abs(np.sqrt(np.asarray(fitted['target_units'])) - 6) < 1.0)  # True noise: 6.
+  assert abs(final['ensemble']['coverage_90'] - 0.9) < 0.06
+  out = dist_ens.Ensemble.load(str(workdir)).predict(_noisy_curve()[0][1000:])  # Raw x.
+  np.testing.assert_allclose(out.aleatoric, np.mean(np.asarray(fitted['target_units'])),
+                             rtol=1e-4)
 
 
 def test_a_regression_sweep_with_k_fold_resumes_exactly(sweep, tmp_path, caplog):
@@ -224,20 +259,3 @@ def test_a_regression_sweep_with_k_fold_resumes_exactly(sweep, tmp_path, caplog)
     assert resumed[key] == straight[key], key
   assert straight['member_split']['spec'] == 'kfold:2'
   assert straight['hyperparameters']['optim.learning_rate'] == [1e-2, 2e-2, 1e-2, 2e-2]
-
-
-def test_homoscedastic_noise_is_fitted_on_validation_and_used_by_predict(sweep):
-  """The fitted level is each member's mean squared validation residual; with it the
-  test intervals cover near their nominal rate, and Ensemble.predict uses the same levels
-  (the sweep's members, each standardised with its own fold's statistics)."""
-  workdir, final, dataset = sweep
-  fitted = final['noise_variance']
-  assert fitted['fitted_on'] == 'validation'
-  # The members' validation MSE (target units) is the fitted level.
-  np.testing.assert_allclose(np.asarray(fitted['target_units'])[:, 0],
-                             np.square(final['validation']['members']['rmse']), rtol=1e-4)
-  assert np.all(np.abs(np.sqrt(np.asarray(fitted['target_units'])) - 6) < 1.0)  # True noise: 6.
-  assert abs(final['ensemble']['coverage_90'] - 0.9) < 0.06
-  out = dist_ens.Ensemble.load(str(workdir)).predict(_noisy_curve()[0][1000:])  # Raw x.
-  np.testing.assert_allclose(out.aleatoric, np.mean(np.asarray(fitted['target_units'])),
-                             rtol=1e-4)
