@@ -180,25 +180,25 @@ ODD_POOL = data.from_arrays(MNIST1D.train.x[:-1], MNIST1D.train.y[:-1], MNIST1D.
 
 @pytest.fixture(scope='module')
 def kfold2(tmp_path_factory):
-  """(workdir, final metrics, the evaluation program's cache size after each evaluated
-  split) of ONE kfold:2 run of support.config's 4 members (2 per fold) on ODD_POOL with an
-  evaluation batch of 2,000 (its init and test programs are the shared tiny run's, from
-  the persistent cache in the suite): the two kfold tests read it."""
-  from dist_ens.eval import evaluate  # pylint: disable=import-outside-toplevel
+  """(workdir, final metrics, (examples, the prediction program's cache size) after each
+  predicted split) of ONE kfold:2 run of support.config's 4 members (2 per fold) on
+  ODD_POOL with an evaluation batch of 2,000 (its init and test programs are the shared
+  tiny run's, from the persistent cache in the suite): the two kfold tests read it."""
+  from dist_ens.eval import shift  # pylint: disable=import-outside-toplevel
   workdir, traces = tmp_path_factory.mktemp('kfold2'), []
-  original = evaluate.evaluate_split
+  original = shift.PredictionEvaluator.predict
 
-  def counting(eval_step, *args, **kwargs):
-    out = original(eval_step, *args, **kwargs)
-    traces.append(eval_step._cache_size())  # pylint: disable=protected-access
+  def counting(self, state, split, *args, **kwargs):
+    out = original(self, state, split, *args, **kwargs)
+    traces.append((len(split.y), self.step._cache_size()))  # pylint: disable=protected-access
     return out
 
-  evaluate.evaluate_split = counting
+  shift.PredictionEvaluator.predict = counting
   try:
     config = support.config({'data.member_split': 'kfold:2', 'eval.batch_size': 2000})
     final = dist_ens.train(config, str(workdir), dataset=ODD_POOL)
   finally:
-    evaluate.evaluate_split = original
+    shift.PredictionEvaluator.predict = original
   return workdir, final, traces
 
 
@@ -232,11 +232,13 @@ def test_population_based_training_is_refused_with_a_member_split(tmp_path):
 
 
 def test_held_out_parts_of_different_sizes_share_one_evaluation_program(kfold2):
-  """kfold:2 of ODD_POOL's 3,999 training examples gives parts of 2,000 and 1,999, not
-  above the evaluation batch: one compiled evaluation program for both."""
+  """kfold:2 of ODD_POOL's 3,999 training examples gives parts of 2,000 and 1,999: the
+  test split and both parts run one compiled program, the one that predicts the test split."""
   _, final, traces = kfold2
   assert [p['held_out'] for p in final['member_split']['per_split']] == [2000, 1999]
-  assert len(set(traces[-2:])) == 1  # The held-out parts compiled nothing new.
+  assert [n for n, _ in traces[-2:]] == [2000, 1999]  # The held-out parts came last,
+  assert {size for _, size in traces} == {1}  # and compiled nothing new.
+  assert len(ODD_POOL.test.y) in [n for n, _ in traces[:-2]]
 
 
 def test_each_splits_statistics_come_from_its_training_rows_only():

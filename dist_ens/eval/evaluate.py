@@ -146,6 +146,14 @@ def make_eval_step(model: Model, mesh: Mesh,
                  out_shardings=replicated(mesh))
 
 
+def waits_each_batch(mesh: Mesh) -> bool:
+  """Whether a loop over a split's batches waits for each before queuing the next: on a
+  multi-device CPU mesh, where XLA:CPU's collectives deadlock when many programs over
+  several devices are queued (training syncs every few calls for this:
+  training/cadence.py)."""
+  return mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
+
+
 def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size: int,
                    mesh: Mesh, member_mask: jax.Array) -> SplitEval:
   """Runs `eval_step` over `split` in batches; the last one is padded and masked.
@@ -171,10 +179,7 @@ def evaluate_split(eval_step: EvalStep, variables: Any, split: Split, batch_size
   d = mesh.shape[DATA]
   batch_size = -(-batch_size // d) * d  # Round up so every data shard gets equal rows.
   sharding = batch_sharding(mesh)
-  # XLA:CPU's collectives deadlock when many programs over several devices are queued
-  # (training syncs every few calls for this: training/cadence.py); on a multi-device
-  # CPU mesh each batch's evaluation is waited for before the next is queued.
-  wait = mesh.devices.flat[0].platform == 'cpu' and mesh.size > 1
+  wait = waits_each_batch(mesh)
   total, examples = None, []
   for start, valid in padded_chunks(len(split.y), batch_size):
     # The last batch is padded; its masked rows count for nothing.

@@ -35,7 +35,8 @@ from jax.sharding import Mesh
 
 from dist_ens.data import Split, corruptions, to_global
 from dist_ens.eval import metrics, registry as metric_registry
-from dist_ens.eval.evaluate import member_logits, member_mask_from_frozen, pad_rows, padded_chunks
+from dist_ens.eval.evaluate import (member_logits, member_mask_from_frozen, pad_rows,
+                                    padded_chunks, waits_each_batch)
 from dist_ens.models import Model
 from dist_ens.parallel.mesh import (DATA, batch_sharding, member_sharding, outputs_sharding,
                                     replicated)
@@ -121,15 +122,18 @@ class PredictionEvaluator:
     self.step, self.mesh, self.view, self.finalize = step, mesh, view, finalize
     self.batch_size = -(-batch_size // d) * d
 
-  def predict(self, state: Any, split: Split, corruption: int = 0,
-              severity: int = 0) -> SplitPrediction:
-    """The split (corrupted by `corruption` at `severity`; 0 = clean) through every member."""
+  def predict(self, state: Any, split: Split, corruption: int = 0, severity: int = 0,
+              member_mask: np.ndarray | None = None) -> SplitPrediction:
+    """The split (corrupted by `corruption` at `severity`; 0 = clean) through every member;
+    the ensemble of the non-frozen members, or of `member_mask`'s ([M] bool) where given."""
     if not len(split.y):
       raise ValueError('predict() got an empty split; it needs at least one example.')
     members = self.view(state)
     variables = (members.params, members.model_state)
-    member_mask = member_mask_from_frozen(members.frozen)
+    member_mask = (member_mask_from_frozen(members.frozen) if member_mask is None else
+                   jax.device_put(np.asarray(member_mask, bool), member_sharding(self.mesh)))
     sharding, size, n = batch_sharding(self.mesh), self.batch_size, len(split.y)
+    wait = waits_each_batch(self.mesh)
     ids = (np.int32(corruption), np.int32(severity))  # host scalars: no eager program
     total, parts = None, []
     for start, valid in padded_chunks(n, size):
@@ -140,6 +144,8 @@ class PredictionEvaluator:
       out, outputs = self.step(variables, *batch[:3], member_mask, batch[3], *ids)
       total = out.sums if total is None else metrics.add_sums(total, out.sums)
       parts.append((out.examples, outputs, valid))
+      if wait:
+        jax.block_until_ready((total, out.examples, outputs))
     # Copied to the host after the loop, so the device never waits on a copy.
     host = [[np.asarray(a)[..., :valid] for a in e] for e, _, valid in parts]
     examples = type(parts[0][0])(*(np.concatenate(field, axis=-1) for field in zip(*host)))

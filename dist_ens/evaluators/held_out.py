@@ -8,8 +8,8 @@ split s's statistics (fitted on its training rows alone: RunData.split_scales) a
 its held-out rows in them, as separate per-split jobs would: the evaluation scores every
 member in one frame's units (run/split_frames.py), the metrics come back in the targets'
 units. Every split
-runs the run's one compiled evaluation program (the held-out parts are padded to one
-batch size). The results go to final_metrics.json under 'member_split':
+runs the program that predicts the run's test and validation splits
+(evaluators/predictions.py), with its own member mask: no evaluation program of its own. The results go to final_metrics.json under 'member_split':
 
   {'spec': 'holdout:20', 'splits': 20, 'members_per_split': 5,
    'ensemble':    {metric: {'mean': ..., 'se': ...}},   # over the splits' ensembles
@@ -23,16 +23,14 @@ S times the members' work of the smallest program, and one program, not S.
 
 from typing import Any
 
-import jax
 import numpy as np
 from absl import logging
 
 from dist_ens import data
 from dist_ens.data.member_split import aggregate
-from dist_ens.eval import evaluate
-from dist_ens.parallel.mesh import member_sharding
 from dist_ens.training.loop import Call, PeriodicAction
 from dist_ens.evaluators.evaluator import EvalRun
+from dist_ens.evaluators.predictions import SplitPredictions
 from dist_ens.core.state import member_flags
 
 
@@ -40,17 +38,14 @@ def _scalars(metrics: dict[str, Any]) -> dict[str, float]:
   return {k: float(v) for k, v in metrics.items() if np.ndim(v) == 0}
 
 
-def evaluate_held_out(call: Call) -> dict[str, Any]:
-  """The 'member_split' results of the run in `call` (see the module doc)."""
+def evaluate_held_out(call: Call, predictions: SplitPredictions) -> dict[str, Any]:
+  """The 'member_split' results of the run in `call` (see the module doc), predicted by
+  the run's shared prediction program."""
   session = call.session
   splits: data.MemberSplits = session.run_data.member_splits
   m, e = session.spec.num_members, splits.members_per_split
   frozen = np.asarray(member_flags(session.fetch(call.state.frozen)), bool)
-  train, ev = session.run_data.dataset.train, session.evaluator
-  # One batch size for every part (smaller ones padded): one compiled program.
-  batch = min(session.spec.eval.batch_size, max(map(len, splits.held_out)))
-  members_view = ev.view(call.state)
-  variables = (members_view.params, members_view.model_state)
+  train, predictor = session.run_data.dataset.train, predictions.evaluator(call)
   members: dict[str, list[float]] = {}
   per_split = []
   for s, held in enumerate(splits.held_out):
@@ -60,9 +55,7 @@ def evaluate_held_out(call: Call) -> dict[str, Any]:
     split = data.Split(*train.read(held))
     if session.run_data.split_scales is not None:  # The pool is in its units: as test is.
       split = data.Split(*session.run_data.scale.apply(split.x, split.y))
-    results = evaluate.evaluate(ev.eval_step, variables, split, batch, ev.mesh,
-                                jax.device_put(mask, member_sharding(session.parts.mesh)),
-                                ev.finalize)
+    results = predictor.predict(call.state, split, member_mask=mask).metrics
     for name, values in results['members'].items():
       if np.ndim(values) == 1 and len(values) == m:
         members.setdefault(name, []).extend(np.asarray(values, float)[s * e:(s + 1) * e])
@@ -81,13 +74,14 @@ class EvaluateHeldOut(PeriodicAction):
   """After the last step: evaluate_held_out into session.results['member_split'] and a
   log line."""
 
-  def __init__(self):
+  def __init__(self, predictions: SplitPredictions):
     super().__init__(0, at_end=True)
+    self._predictions = predictions
 
   def run(self, call: Call) -> None:
     session = call.session
     with session.off_clock():
-      results = evaluate_held_out(call)
+      results = evaluate_held_out(call, self._predictions)
     session.results['member_split'] = results
     if session.writes_final_events:
       session.write({'step': call.step, 'split': 'held_out', 'member_split': results})
@@ -100,4 +94,4 @@ class EvaluateHeldOut(PeriodicAction):
 def evaluator(run: EvalRun) -> list[PeriodicAction]:
   """[EvaluateHeldOut] where member splits hold rows out ('blocks:S' holds none)."""
   splits = run.session.run_data.member_splits
-  return [EvaluateHeldOut()] if splits is not None and any(map(len, splits.held_out)) else []
+  return [EvaluateHeldOut(run.predictions)] if splits is not None and any(map(len, splits.held_out)) else []
