@@ -1,14 +1,14 @@
 """The ensemble of the k best members by a validation metric (config.select.top_k with
-select.method='top_k'), scored on the test split after the last step."""
+select.method='top_k'), scored on the test split after the last step by the program that
+predicts the test split (evaluators/predictions.py), with the chosen members' mask."""
 
-import jax
 import numpy as np
 from absl import logging
 
 from dist_ens.core.state import member_flags
 from dist_ens.evaluators.evaluator import EvalRun
+from dist_ens.evaluators.predictions import SplitPredictions
 from dist_ens.io import tables
-from dist_ens.parallel import mesh as mesh_lib
 from dist_ens.training.loop import Call, PeriodicAction
 
 
@@ -16,8 +16,9 @@ class SelectTopK(PeriodicAction):
   """After the last step: the test metrics of the ensemble of the k best members, ranked
   by config.select.metric on validation (needs Validate to run first)."""
 
-  def __init__(self):
+  def __init__(self, predictions: SplitPredictions):
     super().__init__(0, at_end=True)
+    self._predictions = predictions
 
   def run(self, call: Call) -> None:
     session = call.session
@@ -30,9 +31,8 @@ class SelectTopK(PeriodicAction):
     chosen = sorted(r['member'] for r in rows[:k] if not r['frozen'])
     mask = np.zeros(session.spec.num_members, bool)
     mask[chosen] = True
-    selected = session.evaluator.evaluate(
-        call.state, session.run_data.dataset.test,
-        member_mask=jax.device_put(mask, mesh_lib.member_sharding(session.parts.mesh)))
+    selected = self._predictions.evaluator(call).predict(
+        call.state, session.run_data.dataset.test, member_mask=mask).metrics
     session.results['selected'] = {'top_k': k, 'by': f'validation {metric}', 'members': chosen,
                                    'ensemble': selected['ensemble']}
     ens = selected['ensemble']
@@ -45,4 +45,4 @@ class SelectTopK(PeriodicAction):
 def select_top_k(run: EvalRun) -> list[PeriodicAction]:
   """[SelectTopK] with select.top_k > 0 and select.method='top_k'."""
   select = run.spec.select
-  return [SelectTopK()] if select.top_k and select.method == 'top_k' else []
+  return [SelectTopK(run.predictions)] if select.top_k and select.method == 'top_k' else []
