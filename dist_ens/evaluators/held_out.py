@@ -7,9 +7,9 @@ metrics are the task's. Where the task standardises, split s's members trained w
 split s's statistics (fitted on its training rows alone: RunData.split_scales) and see
 its held-out rows in them, as separate per-split jobs would: the evaluation scores every
 member in one frame's units (run/split_frames.py), the metrics come back in the targets'
-units. Every split
-runs the program that predicts the run's test and validation splits
-(evaluators/predictions.py), with its own member mask: no evaluation program of its own. The results go to final_metrics.json under 'member_split':
+units. Every split runs the program that predicts the run's test and validation splits
+(evaluators/predictions.py), in its batches, with the split's member mask: no evaluation
+program of its own. The results go to final_metrics.json under 'member_split':
 
   {'spec': 'holdout:20', 'splits': 20, 'members_per_split': 5,
    'ensemble':    {metric: {'mean': ..., 'se': ...}},   # over the splits' ensembles
@@ -94,4 +94,5 @@ class EvaluateHeldOut(PeriodicAction):
 def evaluator(run: EvalRun) -> list[PeriodicAction]:
   """[EvaluateHeldOut] where member splits hold rows out ('blocks:S' holds none)."""
   splits = run.session.run_data.member_splits
-  return [EvaluateHeldOut(run.predictions)] if splits is not None and any(map(len, splits.held_out)) else []
+  holds_rows_out = splits is not None and any(map(len, splits.held_out))
+  return [EvaluateHeldOut(run.predictions)] if holds_rows_out else []
