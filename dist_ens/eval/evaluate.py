@@ -36,7 +36,7 @@ from dist_ens.core.model import over_stacks, stacked_axes
 from dist_ens.core.state import member_flags
 from dist_ens.eval import metrics, ranks, registry as metric_registry
 from dist_ens.data import Split, to_global
-from dist_ens.parallel.mesh import (DATA, batch_sharding, member_sharding, outputs_sharding,
+from dist_ens.parallel.mesh import (DATA, batch_sharding, gather_members, member_sharding,
                                     replicated)
 from dist_ens.models import Model
 
@@ -133,11 +133,9 @@ def make_eval_step(model: Model, mesh: Mesh,
     out.sums['ensemble_correct'], out.examples.entropy.shape
   """
 
-  gathered = outputs_sharding(mesh)  # with the member mask
-
   def eval_step(variables, x, y, mask, member_mask):
-    outputs, member_mask = jax.lax.with_sharding_constraint(
-        (member_logits(model, variables, x), member_mask), gathered)
+    outputs, member_mask = gather_members(member_logits(model, variables, x), member_mask,
+                                          mesh)
     return eval_batch(outputs, y, mask, member_mask)
 
   data, members = batch_sharding(mesh), member_sharding(mesh)

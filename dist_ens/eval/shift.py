@@ -38,7 +38,7 @@ from dist_ens.eval import metrics, registry as metric_registry
 from dist_ens.eval.evaluate import (member_logits, member_mask_from_frozen, pad_rows,
                                     padded_chunks, waits_each_batch)
 from dist_ens.models import Model
-from dist_ens.parallel.mesh import (DATA, batch_sharding, member_sharding, outputs_sharding,
+from dist_ens.parallel.mesh import (DATA, batch_sharding, gather_members, member_sharding,
                                     replicated)
 
 PredictStep = Callable[..., tuple[Any, jax.Array]]
@@ -92,13 +92,11 @@ def make_predict_step(model: Model, mesh: Mesh,
   frame=None: no corruption at all (a run without eval.shift compiles no switch).
   """
 
-  gathered = outputs_sharding(mesh)  # with the member mask
-
   def step(variables, x, y, mask, member_mask, index, corruption, severity):
     if frame is not None:
       x = frame.corrupt(x, index, corruption, severity, seed)
-    outputs, member_mask = jax.lax.with_sharding_constraint(
-        (member_logits(model, variables, x), member_mask), gathered)
+    outputs, member_mask = gather_members(member_logits(model, variables, x), member_mask,
+                                          mesh)
     return eval_batch(outputs, y, mask, member_mask), outputs.astype(jnp.float32)
 
   data, members, every = batch_sharding(mesh), member_sharding(mesh), replicated(mesh)

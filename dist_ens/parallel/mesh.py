@@ -271,16 +271,19 @@ def batch_sharding(mesh: Mesh, per_member: bool = False) -> NamedSharding:
   return NamedSharding(mesh, P(MEMBER, DATA) if per_member else P(DATA))
 
 
-def outputs_sharding(mesh: Mesh) -> tuple[NamedSharding, NamedSharding]:
-  """For every member's outputs of one batch ([M, B, ...]) and the [M] member mask as
-  evaluation reads them: every member on every device, the batch over 'data'.
+def gather_members(outputs: jax.Array, member_mask: jax.Array, mesh: Mesh
+                   ) -> tuple[jax.Array, jax.Array]:
+  """Every member's outputs of one batch ([M, B, ...]) and the [M] member mask, inside a
+  jitted evaluation, constrained to lie whole on every device (the batch over 'data').
 
   Metrics sum over members; with the members gathered first, each device sums them in one
   order, as one device does, and no collective sits inside a metric's loop (the regression
   mixture's bisection). An all-reduce over 'member' inside such a loop hung XLA:CPU's
-  collectives at random: one device left the loop while the others waited in it.
+  collectives at random: one device left the loop while the others waited in it. The mask
+  is gathered too: split over 'member', it pulled the sums back to an all-reduce.
   """
-  return NamedSharding(mesh, P(None, DATA)), NamedSharding(mesh, P())
+  return jax.lax.with_sharding_constraint(
+      (outputs, member_mask), (NamedSharding(mesh, P(None, DATA)), NamedSharding(mesh, P())))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
